@@ -1,0 +1,3 @@
+//! ringzero-collectives: the communicator.
+#![deny(missing_docs)]
+pub mod ring;

@@ -1,0 +1,7 @@
+//! The ring: the schedule as pure data ([`schedule`]) and the engine that drives a transport
+//! through it ([`engine`]).
+
+pub mod engine;
+pub mod schedule;
+
+pub use schedule::{chunk, plan, split, Buf, Collective, Loc, Op, Plan, PlanArgs};

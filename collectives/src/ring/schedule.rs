@@ -1,0 +1,344 @@
+//! The ring schedule as pure data: no IO, no clock, no buffers.
+//!
+//! # Words
+//! - **chunk**: the `count` elements of a collective are split into `n` chunks, one per rank,
+//!   balanced so sizes differ by at most one element ([`chunk`]). Rank `r` owns chunk `r`: it ends
+//!   a reduce-scatter holding chunk `r` fully reduced, and contributes chunk `r` to an all-gather.
+//!   Counts not divisible by `n` therefore need no padding: the first `count % n` chunks are one
+//!   element longer.
+//! - **slice**: the unit of one frame on a link. Every chunk is split into the same number `J` of
+//!   slices (`J = ceil(largest chunk / slice_elems)`, at least 1), so every rank runs the same
+//!   program shape and an empty chunk still sends (empty) frames: a collective with `n > 1` always
+//!   exchanges at least one frame per step, which is what lets every rank check the fingerprint of
+//!   what its neighbour called, and what makes a zero-count all-gather a barrier.
+//! - **step**: one hop of the ring. Reduce-scatter and all-gather take `n − 1` steps, all-reduce
+//!   `2(n − 1)`; broadcast and reduce pass slices down a chain of `n − 1` hops from/to the root.
+//! - **op**: what one rank does for one slice at one step, NCCL-style fused: optionally receive a
+//!   frame from the previous rank, optionally combine it with a local region, optionally store the
+//!   result, optionally send it to the next rank. Ops run strictly in order (slice-major:
+//!   all steps of slice 0, then slice 1, ...), which keeps every link's frames in one agreed order
+//!   and, with at least two slots per link, can never deadlock (tested by simulation).
+//!
+//! Reduction order depends only on `(n, rank order, chunking)`: chunk `c` is reduced starting at
+//! rank `c + 1` and ending at rank `c`, which then distributes the result, so every rank ends with
+//! bit-identical data.
+
+use std::fmt;
+use std::ops::Range;
+
+/// Which collective, with its root where it has one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Collective {
+    /// Every rank ends with the reduction of every rank's input.
+    AllReduce,
+    /// Rank `r` ends with chunk `r` of the reduction.
+    ReduceScatter,
+    /// Every rank ends with every rank's chunk.
+    AllGather,
+    /// Every rank ends with the root's input.
+    Broadcast {
+        /// Source rank.
+        root: usize,
+    },
+    /// The root ends with the reduction of every rank's input.
+    Reduce {
+        /// Destination rank.
+        root: usize,
+    },
+    /// No rank leaves before every rank has entered.
+    Barrier,
+}
+
+impl Collective {
+    /// Wire code.
+    pub fn code(self) -> u8 {
+        match self {
+            Collective::AllReduce => 1,
+            Collective::ReduceScatter => 2,
+            Collective::AllGather => 3,
+            Collective::Broadcast { .. } => 4,
+            Collective::Reduce { .. } => 5,
+            Collective::Barrier => 6,
+        }
+    }
+
+    /// The root, if this collective has one.
+    pub fn root(self) -> Option<usize> {
+        match self {
+            Collective::Broadcast { root } | Collective::Reduce { root } => Some(root),
+            _ => None,
+        }
+    }
+
+    /// The name used in messages and on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Collective::AllReduce => "all_reduce",
+            Collective::ReduceScatter => "reduce_scatter",
+            Collective::AllGather => "all_gather",
+            Collective::Broadcast { .. } => "broadcast",
+            Collective::Reduce { .. } => "reduce",
+            Collective::Barrier => "barrier",
+        }
+    }
+
+    /// Whether this collective combines values (and so takes a reduce op).
+    pub fn reduces(self) -> bool {
+        matches!(self, Collective::AllReduce | Collective::ReduceScatter | Collective::Reduce { .. })
+    }
+
+    /// Rebuild from a wire code and root.
+    pub fn from_code(code: u8, root: usize) -> Option<Collective> {
+        Some(match code {
+            1 => Collective::AllReduce,
+            2 => Collective::ReduceScatter,
+            3 => Collective::AllGather,
+            4 => Collective::Broadcast { root },
+            5 => Collective::Reduce { root },
+            6 => Collective::Barrier,
+            _ => return None,
+        })
+    }
+}
+
+impl fmt::Display for Collective {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.root() {
+            Some(root) => write!(f, "{}(root={root})", self.name()),
+            None => f.write_str(self.name()),
+        }
+    }
+}
+
+/// The elements of chunk `i` of `count` elements split over `n` ranks (balanced; the first
+/// `count % n` chunks hold one extra element).
+pub fn chunk(count: usize, n: usize, i: usize) -> Range<usize> {
+    split(0..count, n, i)
+}
+
+/// Part `i` of `parts` balanced parts of `range`.
+pub fn split(range: Range<usize>, parts: usize, i: usize) -> Range<usize> {
+    assert!(parts > 0 && i < parts, "split: part {i} of {parts}");
+    let len = range.len();
+    let (base, rem) = (len / parts, len % parts);
+    let start = range.start + i * base + i.min(rem);
+    start..start + base + usize::from(i < rem)
+}
+
+/// One of the two user buffers an op reads or writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Buf {
+    /// The send buffer (in place: the one buffer).
+    Input,
+    /// The receive buffer (in place: the one buffer).
+    Output,
+}
+
+/// A region of a user buffer, in the collective's global element coordinates (see
+/// [`Plan::input_base`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Loc {
+    /// Which buffer.
+    pub buf: Buf,
+    /// Elements, in global coordinates.
+    pub range: Range<usize>,
+}
+
+/// What one rank does for one slice at one step. Semantics, in order:
+/// `value = recv ⊕ local` (or whichever of the two is present); `finalize` divides by `n` for
+/// `Avg`; `value` is written to `store`, then sent to the next rank if `send`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Op {
+    /// The step of the frame this op sends; a receiving op expects a frame of step `step − 1`.
+    pub step: u32,
+    /// Slice index (the same on sender and receiver of a frame).
+    pub slice: u32,
+    /// Elements in this op's frame or copy.
+    pub elems: usize,
+    /// Receive a frame of `elems` elements from the previous rank.
+    pub recv: bool,
+    /// Local operand: reduced with the received frame, or the value itself when nothing is received.
+    pub local: Option<Loc>,
+    /// Where the value is written (None: not kept locally).
+    pub store: Option<Loc>,
+    /// Apply the `Avg` division here (the value is complete).
+    pub finalize: bool,
+    /// Send the value to the next rank.
+    pub send: bool,
+}
+
+/// The whole program of one rank for one collective.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Plan {
+    /// Ops, run strictly in order.
+    pub ops: Vec<Op>,
+    /// Global coordinate of element 0 of the input buffer.
+    pub input_base: usize,
+    /// Global coordinate of element 0 of the output buffer.
+    pub output_base: usize,
+    /// Elements the input buffer must hold.
+    pub input_len: usize,
+    /// Elements the output buffer must hold.
+    pub output_len: usize,
+    /// Whether input and output are one buffer.
+    pub in_place: bool,
+}
+
+/// Parameters of one rank's plan.
+#[derive(Clone, Copy, Debug)]
+pub struct PlanArgs {
+    /// The collective.
+    pub coll: Collective,
+    /// World size.
+    pub n: usize,
+    /// This rank.
+    pub rank: usize,
+    /// Total elements (all-gather: of the output; reduce-scatter: of the input).
+    pub count: usize,
+    /// Largest slice in elements (≥ 1).
+    pub slice_elems: usize,
+    /// One buffer for input and output.
+    pub in_place: bool,
+}
+
+/// Build the plan of one rank. Pure: the same arguments always give the same plan.
+pub fn plan(a: PlanArgs) -> Plan {
+    let PlanArgs { coll, n, rank: r, count, in_place, .. } = a;
+    assert!(n > 0 && r < n, "plan: rank {r} of {n}");
+    let se = a.slice_elems.max(1);
+    let own = chunk(count, n, r);
+    let (input_base, input_len, output_base, output_len) = match coll {
+        Collective::ReduceScatter if !in_place => (0, count, own.start, own.len()),
+        Collective::AllGather if !in_place => (own.start, own.len(), 0, count),
+        Collective::Barrier => (0, 0, 0, 0),
+        _ => (0, count, 0, count),
+    };
+    let mut p = Plan { ops: Vec::new(), input_base, output_base, input_len, output_len, in_place };
+    let input = |range: Range<usize>| Some(Loc { buf: Buf::Input, range });
+    // In place, copying a region onto itself is a no-op (`read_from_same`: the value is the local
+    // operand unchanged).
+    let output = |range: Range<usize>, read_from_same: bool| {
+        if in_place && read_from_same {
+            None
+        } else {
+            Some(Loc { buf: Buf::Output, range })
+        }
+    };
+    let op = |step: usize, slice: usize, range: &Range<usize>| Op {
+        step: step as u32,
+        slice: slice as u32,
+        elems: range.len(),
+        recv: false,
+        local: None,
+        store: None,
+        finalize: false,
+        send: false,
+    };
+
+    if n == 1 {
+        let all = match coll {
+            Collective::Barrier => 0..0,
+            _ => own.clone(),
+        };
+        let mut o = op(0, 0, &all);
+        o.local = input(all.clone());
+        o.store = output(all, true);
+        if o.store.is_some() {
+            p.ops.push(o);
+        }
+        return p;
+    }
+
+    let ring = |x: isize| x.rem_euclid(n as isize) as usize;
+    let ri = r as isize;
+    match coll {
+        Collective::ReduceScatter | Collective::AllGather | Collective::AllReduce | Collective::Barrier => {
+            let largest = chunk(count, n, 0).len();
+            let slices = largest.div_ceil(se).max(1);
+            let slice_of = |c: usize, j: usize| split(chunk(count, n, c), slices, j);
+            for j in 0..slices {
+                let mut step = 0;
+                if matches!(coll, Collective::ReduceScatter | Collective::AllReduce) {
+                    // op k: receive chunk r−k−1 (k ≥ 1), add own input, send it on (k < n−1).
+                    for k in 0..n {
+                        let c = ring(ri - k as isize - 1);
+                        let s = slice_of(c, j);
+                        let mut o = op(step, j, &s);
+                        o.recv = k > 0;
+                        o.local = input(s.clone());
+                        o.send = k < n - 1;
+                        if k == n - 1 {
+                            o.finalize = true;
+                            o.store = output(s, false);
+                            o.send = coll == Collective::AllReduce;
+                        }
+                        p.ops.push(o);
+                        step += 1;
+                    }
+                    // The all-gather's first send was the reduce-scatter's last op (step n − 1).
+                }
+                if matches!(coll, Collective::AllGather | Collective::AllReduce | Collective::Barrier) {
+                    // op k: receive chunk r−k (k ≥ 1), keep it, send it on (k < n−1).
+                    let first = if coll == Collective::AllReduce { 1 } else { 0 };
+                    for k in first..n {
+                        let c = ring(ri - k as isize);
+                        let s = slice_of(c, j);
+                        let mut o = op(step, j, &s);
+                        if k == 0 {
+                            o.local = input(s.clone());
+                            o.store = output(s, true);
+                        } else {
+                            o.recv = true;
+                            o.store = output(s, false);
+                        }
+                        o.send = k < n - 1;
+                        p.ops.push(o);
+                        step += 1;
+                    }
+                }
+            }
+        }
+        Collective::Broadcast { root } | Collective::Reduce { root } => {
+            let reduce = matches!(coll, Collective::Reduce { .. });
+            // Position along the chain: broadcast starts at the root, reduce ends at it.
+            let pos = if reduce { ring(ri - root as isize - 1) } else { ring(ri - root as isize) };
+            let slices = count.div_ceil(se).max(1);
+            for j in 0..slices {
+                let s = split(0..count, slices, j);
+                let mut o = op(pos, j, &s);
+                o.recv = pos > 0;
+                o.send = pos < n - 1;
+                if reduce {
+                    o.local = input(s.clone());
+                    if pos == n - 1 {
+                        o.finalize = true;
+                        o.store = output(s, false);
+                    }
+                } else if pos == 0 {
+                    o.local = input(s.clone());
+                    o.store = output(s, true);
+                } else {
+                    o.store = output(s, false);
+                }
+                p.ops.push(o);
+            }
+        }
+    }
+    p
+}
+
+impl Plan {
+    /// Bytes this rank sends under this plan, for elements of `elem_size` bytes (payload only).
+    pub fn bytes_sent(&self, elem_size: usize) -> usize {
+        self.ops.iter().filter(|o| o.send).map(|o| o.elems * elem_size).sum()
+    }
+
+    /// Frames this rank sends.
+    pub fn frames_sent(&self) -> usize {
+        self.ops.iter().filter(|o| o.send).count()
+    }
+}
+
+#[cfg(test)]
+#[path = "schedule_tests.rs"]
+mod tests;

@@ -1,0 +1,277 @@
+//! The schedule checked by simulation, with no IO: every rank runs its plan against bounded FIFO
+//! links in an arbitrary interleaving; we check it never deadlocks, that every element is reduced
+//! exactly once per rank (and finalized once), that every rank ends with the right data, and that
+//! bytes per link match the ring's theory.
+
+use super::*;
+use proptest::prelude::*;
+use std::collections::VecDeque;
+
+/// A symbolic value: how many times each rank's input went into it, and whether it was finalized.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Val {
+    from: [u8; 8],
+    finals: u8,
+}
+
+const GARBAGE: Val = Val { from: [99; 8], finals: 0 };
+
+fn unit(r: usize) -> Val {
+    let mut from = [0; 8];
+    from[r] = 1;
+    Val { from, finals: 0 }
+}
+
+fn combine(a: Val, b: Val) -> Val {
+    let mut from = [0; 8];
+    for i in 0..8 {
+        from[i] = a.from[i] + b.from[i];
+    }
+    Val { from, finals: a.finals + b.finals }
+}
+
+struct Frame {
+    step: u32,
+    slice: u32,
+    vals: Vec<Val>,
+}
+
+struct Sim {
+    out: Vec<Vec<Val>>,
+    input: Vec<Vec<Val>>,
+    sent_elems: Vec<usize>,
+}
+
+/// Run all ranks' plans with `depth` slots per link, choosing which rank moves next from `order`.
+fn simulate(coll: Collective, n: usize, count: usize, se: usize, in_place: bool, depth: usize, order: &[usize]) -> Sim {
+    let plans: Vec<Plan> = (0..n)
+        .map(|rank| plan(PlanArgs { coll, n, rank, count, slice_elems: se, in_place }))
+        .collect();
+    let mut input: Vec<Vec<Val>> = Vec::new();
+    let mut out: Vec<Vec<Val>> = Vec::new();
+    for (r, p) in plans.iter().enumerate() {
+        let inp = vec![unit(r); p.input_len];
+        if in_place {
+            // The one buffer: the input region holds this rank's data, the rest is garbage.
+            let mut buf = vec![GARBAGE; p.output_len];
+            for i in 0..p.input_len {
+                let g = p.input_base + i;
+                if coll == Collective::AllGather && !chunk(count, n, r).contains(&g) {
+                    continue;
+                }
+                buf[g - p.output_base] = unit(r);
+            }
+            out.push(buf);
+        } else {
+            out.push(vec![GARBAGE; p.output_len]);
+        }
+        input.push(inp);
+    }
+    let mut links: Vec<VecDeque<Frame>> = (0..n).map(|_| VecDeque::new()).collect(); // link r: r → r+1
+    let mut pc = vec![0usize; n];
+    let mut sent = vec![0usize; n];
+    let mut t = 0;
+    while (0..n).any(|r| pc[r] < plans[r].ops.len()) {
+        // `order` picks who tries first; the others are tried in turn, so a real deadlock is the
+        // only way for no rank to move.
+        let first = order[t % order.len()];
+        t += 1;
+        let moved = (0..n).map(|i| (first + i) % n).any(|r| {
+            step_rank(r, n, &plans[r], &mut pc[r], &mut links, depth, &mut input, &mut out, &mut sent, in_place)
+        });
+        assert!(moved, "deadlock: pcs {pc:?} of {:?}", plans.iter().map(|p| p.ops.len()).collect::<Vec<_>>());
+    }
+    assert!(links.iter().all(|l| l.is_empty()), "frames left on links");
+    Sim { out, input, sent_elems: sent }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn step_rank(
+    r: usize,
+    n: usize,
+    p: &Plan,
+    pc: &mut usize,
+    links: &mut [VecDeque<Frame>],
+    depth: usize,
+    input: &mut [Vec<Val>],
+    out: &mut [Vec<Val>],
+    sent: &mut [usize],
+    in_place: bool,
+) -> bool {
+    let Some(op) = p.ops.get(*pc) else { return false };
+    let prev = (r + n - 1) % n;
+    if op.recv && links[prev].is_empty() {
+        return false;
+    }
+    if op.send && links[r].len() >= depth {
+        return false;
+    }
+    let read = |loc: &Loc, input: &[Vec<Val>], out: &[Vec<Val>]| -> Vec<Val> {
+        let (buf, base) = match (loc.buf, in_place) {
+            (Buf::Input, false) => (&input[r], p.input_base),
+            _ => (&out[r], p.output_base),
+        };
+        loc.range.clone().map(|g| buf[g - base]).collect()
+    };
+    let incoming = if op.recv {
+        let f = links[prev].pop_front().unwrap();
+        assert_eq!((f.step + 1, f.slice, f.vals.len()), (op.step, op.slice, op.elems), "rank {r} frame order");
+        Some(f.vals)
+    } else {
+        None
+    };
+    let local = op.local.as_ref().map(|l| read(l, input, out));
+    let mut value = match (incoming, local) {
+        (Some(a), Some(b)) => a.into_iter().zip(b).map(|(x, y)| combine(x, y)).collect(),
+        (Some(a), None) | (None, Some(a)) => a,
+        (None, None) => panic!("op with no source"),
+    };
+    assert_eq!(value.len(), op.elems);
+    if op.finalize {
+        value.iter_mut().for_each(|v| v.finals += 1);
+    }
+    if let Some(st) = &op.store {
+        let (buf, base) = match (st.buf, in_place) {
+            (Buf::Input, false) => panic!("stores go to the output"),
+            _ => (&mut out[r], p.output_base),
+        };
+        for (g, v) in st.range.clone().zip(&value) {
+            buf[g - base] = *v;
+        }
+    }
+    if op.send {
+        sent[r] += value.len();
+        links[r].push_back(Frame { step: op.step, slice: op.slice, vals: value });
+    }
+    *pc += 1;
+    true
+}
+
+fn all_ones(n: usize) -> Val {
+    let mut from = [0; 8];
+    from[..n].iter_mut().for_each(|x| *x = 1);
+    // A one-rank world has nothing to divide by.
+    Val { from, finals: u8::from(n > 1) }
+}
+
+fn check(coll: Collective, n: usize, count: usize, se: usize, in_place: bool, order: &[usize]) {
+    let sim = simulate(coll, n, count, se, in_place, 2, order);
+    let len = |c: usize| chunk(count, n, c).len();
+    for r in 0..n {
+        let own = chunk(count, n, r);
+        let out = &sim.out[r];
+        match coll {
+            Collective::AllReduce => assert!(out.iter().all(|v| *v == all_ones(n)), "rank {r}: {out:?}"),
+            Collective::ReduceScatter => {
+                let region: Vec<Val> = if in_place { out[own.clone()].to_vec() } else { out.clone() };
+                assert_eq!(region.len(), own.len());
+                assert!(region.iter().all(|v| *v == all_ones(n)), "rank {r}: {region:?}");
+            }
+            Collective::AllGather => {
+                for c in 0..n {
+                    let want = unit(c);
+                    assert!(out[chunk(count, n, c)].iter().all(|v| *v == want), "rank {r} chunk {c}: {out:?}");
+                }
+            }
+            Collective::Broadcast { root } => assert!(out.iter().all(|v| *v == unit(root)), "rank {r}: {out:?}"),
+            Collective::Reduce { root } => {
+                if r == root {
+                    assert!(out.iter().all(|v| *v == all_ones(n)), "root {r}: {out:?}");
+                }
+            }
+            Collective::Barrier => assert!(out.is_empty()),
+        }
+        if !in_place {
+            assert!(sim.input[r].iter().all(|v| *v == unit(r)), "rank {r} input modified");
+        }
+        // Bytes per link: the ring's theory.
+        let want = match coll {
+            Collective::ReduceScatter => count - len(r),
+            Collective::AllGather => count - len((r + 1) % n),
+            Collective::AllReduce => 2 * count - len(r) - len((r + 1) % n),
+            Collective::Broadcast { root } => if (r + 1) % n == root { 0 } else { count },
+            Collective::Reduce { root } => if r == root { 0 } else { count },
+            Collective::Barrier => 0,
+        };
+        assert_eq!(sim.sent_elems[r], if n == 1 { 0 } else { want }, "rank {r} elements sent");
+    }
+    if n > 1 && count % n == 0 {
+        let total: usize = sim.sent_elems.iter().sum();
+        let per = match coll {
+            Collective::ReduceScatter | Collective::AllGather => (n - 1) * count / n,
+            Collective::AllReduce => 2 * (n - 1) * count / n,
+            _ => total / n,
+        };
+        assert!(sim.sent_elems.iter().all(|&s| s == per) || coll.root().is_some(), "{:?} vs (n−1)/n·S", sim.sent_elems);
+    }
+}
+
+fn collectives(n: usize, root: usize) -> Vec<Collective> {
+    let root = root % n;
+    vec![
+        Collective::AllReduce,
+        Collective::ReduceScatter,
+        Collective::AllGather,
+        Collective::Broadcast { root },
+        Collective::Reduce { root },
+        Collective::Barrier,
+    ]
+}
+
+#[test]
+fn every_collective_small_cases_round_robin() {
+    for n in 1..=8 {
+        for count in [0, 1, 2, 3, 7, 8, 13, 64, 97] {
+            for se in [1, 3, 1000] {
+                for in_place in [false, true] {
+                    for coll in collectives(n, n / 2) {
+                        let count = if coll == Collective::Barrier { 0 } else { count };
+                        check(coll, n, count, se, in_place, &(0..n).collect::<Vec<_>>());
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn one_slot_per_link_can_deadlock_two_cannot() {
+    // Documents why the transports insist on at least two slots per link.
+    let r = std::panic::catch_unwind(|| simulate(Collective::AllReduce, 3, 30, 10, false, 1, &[0, 1, 2]));
+    assert!(r.is_err(), "depth 1 should deadlock a 3-rank all-reduce");
+    simulate(Collective::AllReduce, 3, 30, 10, false, 2, &[0, 1, 2]);
+}
+
+#[test]
+fn split_is_balanced_and_covers() {
+    for len in 0..40 {
+        for parts in 1..9 {
+            let mut next = 5;
+            for i in 0..parts {
+                let s = split(5..5 + len, parts, i);
+                assert_eq!(s.start, next);
+                assert!(s.len() == len / parts || s.len() == len / parts + 1);
+                next = s.end;
+            }
+            assert_eq!(next, 5 + len);
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+    #[test]
+    fn any_interleaving_completes_correctly(
+        n in 1usize..=8,
+        count in prop_oneof![0usize..20, 20usize..400],
+        se in 1usize..50,
+        in_place: bool,
+        root in 0usize..8,
+        which in 0usize..6,
+        order in proptest::collection::vec(0usize..8, 1..40),
+    ) {
+        let coll = collectives(n, root)[which];
+        let count = if coll == Collective::Barrier { 0 } else { count };
+        check(coll, n, count, se, in_place, &order);
+    }
+}
