@@ -1,3 +1,52 @@
 //! ringzero-collectives: the communicator.
+//!
+//! Ring reduce-scatter, all-gather, all-reduce, broadcast, reduce and barrier between processes
+//! (or threads), over shared memory inside a node and TCP between nodes, written from scratch.
+//!
+//! Map of the crate:
+//! - [`config`]: who this rank is (launcher environment) and the knobs;
+//! - [`bootstrap`]: rank 0's key-value store and the authenticated handshake;
+//! - [`topology`]: which transport each ring edge uses, and why;
+//! - [`transport`]: one link to one peer, one contract, one file per backend (`shm`, `tcp`);
+//! - [`ring`]: the schedule as pure data, and the engine that drives a transport through it;
+//! - [`wire`]: frame headers, fingerprints, bounds checks;
+//! - [`Communicator`]: the public API.
+//!
+//! Two ranks as threads, the way tests run them:
+//! ```
+//! use ringzero_collectives::{Communicator, Config, ReduceOp};
+//! let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+//! let ranks: Vec<_> = (0..2)
+//!     .map(|rank| {
+//!         std::thread::spawn(move || {
+//!             let comm = Communicator::init(Config::new(rank, 2, "127.0.0.1", port))?;
+//!             let send = vec![rank as f32 + 1.0; 5];
+//!             let mut recv = vec![0.0f32; 5];
+//!             comm.all_reduce(&send, &mut recv, ReduceOp::Sum)?;
+//!             Ok::<_, ringzero_collectives::Error>(recv)
+//!         })
+//!     })
+//!     .collect();
+//! for r in ranks {
+//!     assert_eq!(r.join().unwrap().unwrap(), vec![3.0; 5]);
+//! }
+//! ```
 #![deny(missing_docs)]
+
+pub mod bootstrap;
+mod comm;
+pub mod config;
+pub mod error;
 pub mod ring;
+pub mod topology;
+pub mod transport;
+pub mod wire;
+
+pub use comm::{Communicator, Work};
+pub use config::{Config, TransportPref};
+pub use error::{Error, Result};
+pub use ring::engine::Counters;
+pub use ring::Collective;
+pub use ringzero_kernels::{DType, Element, ReduceOp};
+pub use topology::Edge;
+pub use transport::TransportKind;

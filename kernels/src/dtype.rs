@@ -92,7 +92,9 @@ impl FromStr for DType {
         DType::ALL
             .into_iter()
             .find(|d| d.name() == alias)
-            .ok_or_else(|| format!("unknown dtype `{s}` (expected one of f32, f64, f16, bf16, i32, i64, u8)"))
+            .ok_or_else(|| {
+                format!("unknown dtype `{s}` (expected one of f32, f64, f16, bf16, i32, i64, u8)")
+            })
     }
 }
 
@@ -160,7 +162,9 @@ impl FromStr for ReduceOp {
         ReduceOp::ALL
             .into_iter()
             .find(|o| o.name() == l)
-            .ok_or_else(|| format!("unknown reduce op `{s}` (expected one of sum, prod, min, max, avg)"))
+            .ok_or_else(|| {
+                format!("unknown reduce op `{s}` (expected one of sum, prod, min, max, avg)")
+            })
     }
 }
 

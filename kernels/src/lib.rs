@@ -24,7 +24,7 @@ pub use device::Device;
 pub use dtype::{DType, Element, ReduceOp};
 
 /// Errors raised by kernels: always about the inputs, never about peers.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
 pub enum KernelError {
     /// Two operands of an element-wise kernel differ in length.
     #[error("{kernel}: operand lengths differ ({left} vs {right} bytes)")]
@@ -37,7 +37,9 @@ pub enum KernelError {
         right: usize,
     },
     /// A byte slice is not a whole number of elements or not aligned for the dtype.
-    #[error("{kernel}: {bytes} bytes at {addr:#x} are not an aligned whole number of {dtype} elements")]
+    #[error(
+        "{kernel}: {bytes} bytes at {addr:#x} are not an aligned whole number of {dtype} elements"
+    )]
     BadLayout {
         /// Kernel name.
         kernel: &'static str,

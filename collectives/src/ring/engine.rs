@@ -1,1 +1,418 @@
-//! placeholder
+//! The engine: drives one rank's [`Plan`] over its two links.
+//!
+//! Words as in [`super::schedule`]: the engine runs the plan's ops strictly in order. For each op it
+//! waits until the incoming frame has arrived (if the op receives) and a slot at the next rank is
+//! free (if it sends), then does the op's arithmetic straight between the user's buffers, the
+//! incoming slot and the outgoing slot — a reduce writes into the peer's slot directly, so a
+//! forwarded slice is copied once — posts the outgoing frame and releases the incoming slot.
+//! Consecutive slices pipeline across the ring: while this rank reduces slice `j`, its neighbour
+//! is already forwarding slice `j − 1`.
+//!
+//! Every wait has a deadline: if nothing moves for `timeout`, the op fails with an error that names
+//! the collective, its sequence number, the peer and what was awaited. Peer health (abort flags,
+//! dead processes, socket errors) is checked while idle.
+
+use std::ops::Range;
+use std::time::{Duration, Instant};
+
+use ringzero_kernels::{cpu, DType, ReduceOp};
+
+use super::schedule::{Buf, Loc, Op, Plan};
+use crate::error::{Error, Result};
+use crate::transport::wait::Waiter;
+use crate::transport::{LinkError, RecvLink, SendLink};
+use crate::wire::{Expect, Fingerprint, FrameHeader};
+
+const HEALTH_EVERY: Duration = Duration::from_millis(20);
+
+/// Byte counters of one rank's links.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// Payload bytes sent to the next rank.
+    pub bytes_sent: u64,
+    /// Payload bytes received from the previous rank.
+    pub bytes_received: u64,
+    /// Frames sent.
+    pub frames_sent: u64,
+}
+
+/// A rank's two ring links and how it waits on them.
+pub struct Links {
+    /// To the next rank.
+    pub tx: Box<dyn SendLink>,
+    /// From the previous rank.
+    pub rx: Box<dyn RecvLink>,
+    /// Next rank.
+    pub next: usize,
+    /// Previous rank.
+    pub prev: usize,
+    /// Byte counters.
+    pub counters: Counters,
+    waiter: Waiter,
+}
+
+impl Links {
+    /// Bundle two links.
+    pub fn new(
+        mut tx: Box<dyn SendLink>,
+        mut rx: Box<dyn RecvLink>,
+        next: usize,
+        prev: usize,
+    ) -> Result<Links> {
+        let waiter = Waiter::new(tx.as_mut(), rx.as_mut())
+            .map_err(|e| Error::io("setting up the poller", e))?;
+        Ok(Links {
+            tx,
+            rx,
+            next,
+            prev,
+            counters: Counters::default(),
+            waiter,
+        })
+    }
+
+    /// Send everything posted so far, within `timeout` of no progress.
+    pub fn flush(&mut self, what: &str, seq: u64, timeout: Duration) -> Result<()> {
+        let mut last = Instant::now();
+        while !self.tx.flushed() {
+            if self
+                .tx
+                .progress()
+                .map_err(|e| link_err(e, what, seq, self.next, 0, None))?
+            {
+                last = Instant::now();
+                self.waiter.progressed();
+                continue;
+            }
+            if last.elapsed() >= timeout {
+                return Err(Error::Timeout {
+                    op: what.into(),
+                    seq,
+                    peer: self.next,
+                    waiting: format!("rank {} to read the frames already sent to it", self.next),
+                    after: timeout,
+                });
+            }
+            self.tx
+                .health()
+                .map_err(|e| link_err(e, what, seq, self.next, 0, None))?;
+            self.waiter.idle(timeout);
+        }
+        Ok(())
+    }
+
+    /// Tell both neighbours this rank aborts.
+    pub fn abort(&mut self, reason: &str) {
+        self.tx.abort(reason);
+        self.rx.abort(reason);
+    }
+}
+
+/// The user's buffers, as bytes.
+pub enum Bufs<'a> {
+    /// Out of place.
+    Split {
+        /// Send buffer.
+        input: &'a [u8],
+        /// Receive buffer.
+        output: &'a mut [u8],
+    },
+    /// In place: one buffer.
+    One(&'a mut [u8]),
+}
+
+/// One collective call on this rank.
+pub struct Call<'a> {
+    /// The plan.
+    pub plan: &'a Plan,
+    /// The call's fingerprint.
+    pub fp: Fingerprint,
+    /// Its sequence number.
+    pub seq: u64,
+    /// Element type.
+    pub dtype: DType,
+    /// Reduce operator (ignored by collectives that do not reduce).
+    pub op: ReduceOp,
+    /// World size.
+    pub n: usize,
+    /// This rank.
+    pub rank: usize,
+    /// Deadline for any wait without progress.
+    pub timeout: Duration,
+}
+
+fn link_err(
+    e: LinkError,
+    what: &str,
+    seq: u64,
+    peer: usize,
+    rank: usize,
+    fp: Option<&Fingerprint>,
+) -> Error {
+    match e {
+        LinkError::Lost(detail) => Error::PeerLost {
+            op: what.into(),
+            seq,
+            peer,
+            detail,
+        },
+        LinkError::PeerAborted(reason) => Error::Aborted {
+            op: what.into(),
+            seq,
+            reason: format!("rank {peer} aborted: {reason}"),
+        },
+        LinkError::Mismatch { theirs } => Error::Mismatch {
+            seq,
+            rank,
+            ours: fp.map_or_else(|| what.to_string(), |f| f.to_string()),
+            peer,
+            theirs,
+        },
+        LinkError::Protocol(detail) => Error::Protocol {
+            peer: format!("rank {peer}"),
+            detail: format!("{what} seq {seq}: {detail}"),
+        },
+        LinkError::Io(detail) => Error::Io {
+            context: format!("{what} seq {seq}"),
+            detail,
+        },
+    }
+}
+
+/// Run one call to completion (including flushing what it sent).
+pub fn run(links: &mut Links, call: &Call, mut bufs: Bufs) -> Result<()> {
+    let what = call.fp.to_string();
+    let es = call.dtype.size();
+    check_sizes(call, &bufs, &what)?;
+    for op in &call.plan.ops {
+        run_op(links, call, op, &mut bufs, &what, es)?;
+    }
+    links.flush(&what, call.seq, call.timeout)
+}
+
+/// Run a call that needs no link (a one-rank world): only local copies.
+pub fn run_local(call: &Call, mut bufs: Bufs) -> Result<()> {
+    let what = call.fp.to_string();
+    check_sizes(call, &bufs, &what)?;
+    let es = call.dtype.size();
+    for op in &call.plan.ops {
+        debug_assert!(!op.send && !op.recv, "a one-rank plan has no frames");
+        let at = |loc: &Loc| {
+            (loc.range.start - base(call.plan, loc.buf)) * es
+                ..(loc.range.end - base(call.plan, loc.buf)) * es
+        };
+        if let (Bufs::Split { input, output }, Some(l), Some(s)) = (&mut bufs, &op.local, &op.store)
+        {
+            output[at(s)].copy_from_slice(&input[at(l)]);
+        }
+    }
+    Ok(())
+}
+
+fn base(plan: &Plan, buf: Buf) -> usize {
+    match buf {
+        Buf::Input => plan.input_base,
+        Buf::Output => plan.output_base,
+    }
+}
+
+fn check_sizes(call: &Call, bufs: &Bufs, what: &str) -> Result<()> {
+    let es = call.dtype.size();
+    let p = call.plan;
+    let bad = |msg: String| {
+        Err(Error::InvalidArgument {
+            op: what.to_string(),
+            msg,
+        })
+    };
+    match bufs {
+        Bufs::Split { input, output } => {
+            if input.len() < p.input_len * es || output.len() < p.output_len * es {
+                return bad(format!(
+                    "buffers of {} and {} bytes, the plan needs {} and {}",
+                    input.len(),
+                    output.len(),
+                    p.input_len * es,
+                    p.output_len * es
+                ));
+            }
+        }
+        Bufs::One(b) => {
+            if b.len() < p.output_len.max(p.input_len) * es {
+                return bad(format!(
+                    "buffer of {} bytes, the plan needs {}",
+                    b.len(),
+                    p.output_len * es
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn run_op(
+    links: &mut Links,
+    call: &Call,
+    op: &Op,
+    bufs: &mut Bufs,
+    what: &str,
+    es: usize,
+) -> Result<()> {
+    let bytes = op.elems * es;
+    let expect = Expect {
+        seq: call.seq,
+        step: op.step.wrapping_sub(1),
+        slice: op.slice,
+        fp: call.fp,
+        len: bytes,
+    };
+    let (prev, next, seq, rank) = (links.prev, links.next, call.seq, call.rank);
+    let rx_err = |e| link_err(e, what, seq, prev, rank, Some(&call.fp));
+    let tx_err = |e| link_err(e, what, seq, next, rank, Some(&call.fp));
+
+    // Wait until both the incoming frame and an outgoing slot are there.
+    let mut last = Instant::now();
+    let mut last_health = Instant::now();
+    loop {
+        let moved = links.tx.progress().map_err(tx_err)?;
+        let have_in = !op.recv || links.rx.peek(&expect).map_err(rx_err)?.is_some();
+        let have_out = !op.send || (have_in && links.tx.reserve(bytes).map_err(tx_err)?.is_some());
+        if have_in && have_out {
+            break;
+        }
+        let now = Instant::now();
+        if moved {
+            last = now;
+            links.waiter.progressed();
+            continue;
+        }
+        if now.duration_since(last) >= call.timeout {
+            let (peer, waiting) = if !have_in {
+                (
+                    prev,
+                    format!(
+                        "frame (step {}, slice {}) from rank {prev}",
+                        expect.step, op.slice
+                    ),
+                )
+            } else {
+                (
+                    next,
+                    format!("a free slot at rank {next} (it has not consumed earlier frames)"),
+                )
+            };
+            return Err(Error::Timeout {
+                op: what.into(),
+                seq,
+                peer,
+                waiting,
+                after: call.timeout,
+            });
+        }
+        if now.duration_since(last_health) >= HEALTH_EVERY {
+            last_health = now;
+            links.rx.health().map_err(rx_err)?;
+            links.tx.health().map_err(tx_err)?;
+        }
+        links.waiter.idle(call.timeout);
+    }
+    links.waiter.progressed();
+
+    let incoming: Option<&[u8]> = if op.recv {
+        links.rx.peek(&expect).map_err(rx_err)?
+    } else {
+        None
+    };
+    let slot: Option<&mut [u8]> = if op.send {
+        links.tx.reserve(bytes).map_err(tx_err)?
+    } else {
+        None
+    };
+    let finalize = op.finalize && call.op == ReduceOp::Avg && call.n > 1;
+    let plan = call.plan;
+    let at = |loc: &Loc| -> Range<usize> {
+        let b = base(plan, loc.buf);
+        (loc.range.start - b) * es..(loc.range.end - b) * es
+    };
+    match bufs {
+        Bufs::Split { input, output } => {
+            let local = op.local.as_ref().map(|l| &input[at(l)]);
+            let store = op.store.as_ref().map(|l| &mut output[at(l)]);
+            apply(call, incoming, local, store, slot, finalize)?;
+        }
+        Bufs::One(buf) => match (&op.local, &op.store) {
+            (Some(l), Some(s)) => {
+                // In place, an op that reads and stores does so on the same region.
+                debug_assert_eq!(l.range, s.range);
+                let dst = &mut buf[at(s)];
+                if let Some(inb) = incoming {
+                    cpu::reduce_into(call.dtype, call.op.pairwise(), dst, inb)?;
+                    if finalize {
+                        cpu::divide(call.dtype, dst, call.n)?;
+                    }
+                }
+                if let Some(slot) = slot {
+                    slot.copy_from_slice(dst);
+                }
+            }
+            (local, None) => {
+                let local = local.as_ref().map(|l| &buf[at(l)]);
+                apply(call, incoming, local, None, slot, finalize)?;
+            }
+            (None, Some(s)) => {
+                let store = Some(&mut buf[at(s)]);
+                apply(call, incoming, None, store, slot, finalize)?;
+            }
+        },
+    }
+
+    if op.send {
+        let h = FrameHeader::data(seq, op.step, op.slice, call.fp, bytes);
+        links.tx.post(&h).map_err(tx_err)?;
+        links.counters.bytes_sent += bytes as u64;
+        links.counters.frames_sent += 1;
+        links.tx.progress().map_err(tx_err)?;
+    }
+    if op.recv {
+        links.rx.release().map_err(rx_err)?;
+        links.counters.bytes_received += bytes as u64;
+    }
+    Ok(())
+}
+
+/// `value = incoming ⊕ local` (or whichever exists), finalized, written to `store` and `slot`.
+fn apply(
+    call: &Call,
+    incoming: Option<&[u8]>,
+    local: Option<&[u8]>,
+    store: Option<&mut [u8]>,
+    slot: Option<&mut [u8]>,
+    finalize: bool,
+) -> Result<()> {
+    match (incoming, local) {
+        (Some(a), Some(b)) => {
+            let (dst, copy_to) = match (store, slot) {
+                (Some(st), sl) => (st, sl),
+                (None, Some(sl)) => (sl, None),
+                (None, None) => return Ok(()),
+            };
+            cpu::reduce_to(call.dtype, call.op.pairwise(), dst, b, a)?;
+            if finalize {
+                cpu::divide(call.dtype, dst, call.n)?;
+            }
+            if let Some(c) = copy_to {
+                c.copy_from_slice(dst);
+            }
+        }
+        (Some(v), None) | (None, Some(v)) => {
+            if let Some(st) = store {
+                st.copy_from_slice(v);
+            }
+            if let Some(sl) = slot {
+                sl.copy_from_slice(v);
+            }
+        }
+        (None, None) => {}
+    }
+    Ok(())
+}

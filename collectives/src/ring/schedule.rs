@@ -84,7 +84,10 @@ impl Collective {
 
     /// Whether this collective combines values (and so takes a reduce op).
     pub fn reduces(self) -> bool {
-        matches!(self, Collective::AllReduce | Collective::ReduceScatter | Collective::Reduce { .. })
+        matches!(
+            self,
+            Collective::AllReduce | Collective::ReduceScatter | Collective::Reduce { .. }
+        )
     }
 
     /// Rebuild from a wire code and root.
@@ -203,7 +206,14 @@ pub struct PlanArgs {
 
 /// Build the plan of one rank. Pure: the same arguments always give the same plan.
 pub fn plan(a: PlanArgs) -> Plan {
-    let PlanArgs { coll, n, rank: r, count, in_place, .. } = a;
+    let PlanArgs {
+        coll,
+        n,
+        rank: r,
+        count,
+        in_place,
+        ..
+    } = a;
     assert!(n > 0 && r < n, "plan: rank {r} of {n}");
     let se = a.slice_elems.max(1);
     let own = chunk(count, n, r);
@@ -211,17 +221,35 @@ pub fn plan(a: PlanArgs) -> Plan {
         Collective::ReduceScatter if !in_place => (0, count, own.start, own.len()),
         Collective::AllGather if !in_place => (own.start, own.len(), 0, count),
         Collective::Barrier => (0, 0, 0, 0),
+        // Out of place, a non-root's unused buffer may be empty.
+        Collective::Reduce { root } if !in_place && r != root => (0, count, 0, 0),
+        Collective::Broadcast { root } if !in_place && r != root => (0, 0, 0, count),
         _ => (0, count, 0, count),
     };
-    let mut p = Plan { ops: Vec::new(), input_base, output_base, input_len, output_len, in_place };
-    let input = |range: Range<usize>| Some(Loc { buf: Buf::Input, range });
+    let mut p = Plan {
+        ops: Vec::new(),
+        input_base,
+        output_base,
+        input_len,
+        output_len,
+        in_place,
+    };
+    let input = |range: Range<usize>| {
+        Some(Loc {
+            buf: Buf::Input,
+            range,
+        })
+    };
     // In place, copying a region onto itself is a no-op (`read_from_same`: the value is the local
     // operand unchanged).
     let output = |range: Range<usize>, read_from_same: bool| {
         if in_place && read_from_same {
             None
         } else {
-            Some(Loc { buf: Buf::Output, range })
+            Some(Loc {
+                buf: Buf::Output,
+                range,
+            })
         }
     };
     let op = |step: usize, slice: usize, range: &Range<usize>| Op {
@@ -252,7 +280,10 @@ pub fn plan(a: PlanArgs) -> Plan {
     let ring = |x: isize| x.rem_euclid(n as isize) as usize;
     let ri = r as isize;
     match coll {
-        Collective::ReduceScatter | Collective::AllGather | Collective::AllReduce | Collective::Barrier => {
+        Collective::ReduceScatter
+        | Collective::AllGather
+        | Collective::AllReduce
+        | Collective::Barrier => {
             let largest = chunk(count, n, 0).len();
             let slices = largest.div_ceil(se).max(1);
             let slice_of = |c: usize, j: usize| split(chunk(count, n, c), slices, j);
@@ -277,7 +308,10 @@ pub fn plan(a: PlanArgs) -> Plan {
                     }
                     // The all-gather's first send was the reduce-scatter's last op (step n − 1).
                 }
-                if matches!(coll, Collective::AllGather | Collective::AllReduce | Collective::Barrier) {
+                if matches!(
+                    coll,
+                    Collective::AllGather | Collective::AllReduce | Collective::Barrier
+                ) {
                     // op k: receive chunk r−k (k ≥ 1), keep it, send it on (k < n−1).
                     let first = if coll == Collective::AllReduce { 1 } else { 0 };
                     for k in first..n {
@@ -301,7 +335,11 @@ pub fn plan(a: PlanArgs) -> Plan {
         Collective::Broadcast { root } | Collective::Reduce { root } => {
             let reduce = matches!(coll, Collective::Reduce { .. });
             // Position along the chain: broadcast starts at the root, reduce ends at it.
-            let pos = if reduce { ring(ri - root as isize - 1) } else { ring(ri - root as isize) };
+            let pos = if reduce {
+                ring(ri - root as isize - 1)
+            } else {
+                ring(ri - root as isize)
+            };
             let slices = count.div_ceil(se).max(1);
             for j in 0..slices {
                 let s = split(0..count, slices, j);
@@ -330,7 +368,11 @@ pub fn plan(a: PlanArgs) -> Plan {
 impl Plan {
     /// Bytes this rank sends under this plan, for elements of `elem_size` bytes (payload only).
     pub fn bytes_sent(&self, elem_size: usize) -> usize {
-        self.ops.iter().filter(|o| o.send).map(|o| o.elems * elem_size).sum()
+        self.ops
+            .iter()
+            .filter(|o| o.send)
+            .map(|o| o.elems * elem_size)
+            .sum()
     }
 
     /// Frames this rank sends.

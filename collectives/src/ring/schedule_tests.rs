@@ -14,7 +14,10 @@ struct Val {
     finals: u8,
 }
 
-const GARBAGE: Val = Val { from: [99; 8], finals: 0 };
+const GARBAGE: Val = Val {
+    from: [99; 8],
+    finals: 0,
+};
 
 fn unit(r: usize) -> Val {
     let mut from = [0; 8];
@@ -27,7 +30,10 @@ fn combine(a: Val, b: Val) -> Val {
     for i in 0..8 {
         from[i] = a.from[i] + b.from[i];
     }
-    Val { from, finals: a.finals + b.finals }
+    Val {
+        from,
+        finals: a.finals + b.finals,
+    }
 }
 
 struct Frame {
@@ -43,9 +49,26 @@ struct Sim {
 }
 
 /// Run all ranks' plans with `depth` slots per link, choosing which rank moves next from `order`.
-fn simulate(coll: Collective, n: usize, count: usize, se: usize, in_place: bool, depth: usize, order: &[usize]) -> Sim {
+fn simulate(
+    coll: Collective,
+    n: usize,
+    count: usize,
+    se: usize,
+    in_place: bool,
+    depth: usize,
+    order: &[usize],
+) -> Sim {
     let plans: Vec<Plan> = (0..n)
-        .map(|rank| plan(PlanArgs { coll, n, rank, count, slice_elems: se, in_place }))
+        .map(|rank| {
+            plan(PlanArgs {
+                coll,
+                n,
+                rank,
+                count,
+                slice_elems: se,
+                in_place,
+            })
+        })
         .collect();
     let mut input: Vec<Vec<Val>> = Vec::new();
     let mut out: Vec<Vec<Val>> = Vec::new();
@@ -77,12 +100,23 @@ fn simulate(coll: Collective, n: usize, count: usize, se: usize, in_place: bool,
         let first = order[t % order.len()];
         t += 1;
         let moved = (0..n).map(|i| (first + i) % n).any(|r| {
-            step_rank(r, n, &plans[r], &mut pc[r], &mut links, depth, &mut input, &mut out, &mut sent, in_place)
+            step_rank(
+                r, n, &plans[r], &mut pc[r], &mut links, depth, &mut input, &mut out, &mut sent,
+                in_place,
+            )
         });
-        assert!(moved, "deadlock: pcs {pc:?} of {:?}", plans.iter().map(|p| p.ops.len()).collect::<Vec<_>>());
+        assert!(
+            moved,
+            "deadlock: pcs {pc:?} of {:?}",
+            plans.iter().map(|p| p.ops.len()).collect::<Vec<_>>()
+        );
     }
     assert!(links.iter().all(|l| l.is_empty()), "frames left on links");
-    Sim { out, input, sent_elems: sent }
+    Sim {
+        out,
+        input,
+        sent_elems: sent,
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -98,7 +132,9 @@ fn step_rank(
     sent: &mut [usize],
     in_place: bool,
 ) -> bool {
-    let Some(op) = p.ops.get(*pc) else { return false };
+    let Some(op) = p.ops.get(*pc) else {
+        return false;
+    };
     let prev = (r + n - 1) % n;
     if op.recv && links[prev].is_empty() {
         return false;
@@ -115,7 +151,11 @@ fn step_rank(
     };
     let incoming = if op.recv {
         let f = links[prev].pop_front().unwrap();
-        assert_eq!((f.step + 1, f.slice, f.vals.len()), (op.step, op.slice, op.elems), "rank {r} frame order");
+        assert_eq!(
+            (f.step + 1, f.slice, f.vals.len()),
+            (op.step, op.slice, op.elems),
+            "rank {r} frame order"
+        );
         Some(f.vals)
     } else {
         None
@@ -141,7 +181,11 @@ fn step_rank(
     }
     if op.send {
         sent[r] += value.len();
-        links[r].push_back(Frame { step: op.step, slice: op.slice, vals: value });
+        links[r].push_back(Frame {
+            step: op.step,
+            slice: op.slice,
+            vals: value,
+        });
     }
     *pc += 1;
     true
@@ -151,7 +195,10 @@ fn all_ones(n: usize) -> Val {
     let mut from = [0; 8];
     from[..n].iter_mut().for_each(|x| *x = 1);
     // A one-rank world has nothing to divide by.
-    Val { from, finals: u8::from(n > 1) }
+    Val {
+        from,
+        finals: u8::from(n > 1),
+    }
 }
 
 fn check(coll: Collective, n: usize, count: usize, se: usize, in_place: bool, order: &[usize]) {
@@ -161,19 +208,33 @@ fn check(coll: Collective, n: usize, count: usize, se: usize, in_place: bool, or
         let own = chunk(count, n, r);
         let out = &sim.out[r];
         match coll {
-            Collective::AllReduce => assert!(out.iter().all(|v| *v == all_ones(n)), "rank {r}: {out:?}"),
+            Collective::AllReduce => {
+                assert!(out.iter().all(|v| *v == all_ones(n)), "rank {r}: {out:?}")
+            }
             Collective::ReduceScatter => {
-                let region: Vec<Val> = if in_place { out[own.clone()].to_vec() } else { out.clone() };
+                let region: Vec<Val> = if in_place {
+                    out[own.clone()].to_vec()
+                } else {
+                    out.clone()
+                };
                 assert_eq!(region.len(), own.len());
-                assert!(region.iter().all(|v| *v == all_ones(n)), "rank {r}: {region:?}");
+                assert!(
+                    region.iter().all(|v| *v == all_ones(n)),
+                    "rank {r}: {region:?}"
+                );
             }
             Collective::AllGather => {
                 for c in 0..n {
                     let want = unit(c);
-                    assert!(out[chunk(count, n, c)].iter().all(|v| *v == want), "rank {r} chunk {c}: {out:?}");
+                    assert!(
+                        out[chunk(count, n, c)].iter().all(|v| *v == want),
+                        "rank {r} chunk {c}: {out:?}"
+                    );
                 }
             }
-            Collective::Broadcast { root } => assert!(out.iter().all(|v| *v == unit(root)), "rank {r}: {out:?}"),
+            Collective::Broadcast { root } => {
+                assert!(out.iter().all(|v| *v == unit(root)), "rank {r}: {out:?}")
+            }
             Collective::Reduce { root } => {
                 if r == root {
                     assert!(out.iter().all(|v| *v == all_ones(n)), "root {r}: {out:?}");
@@ -182,18 +243,37 @@ fn check(coll: Collective, n: usize, count: usize, se: usize, in_place: bool, or
             Collective::Barrier => assert!(out.is_empty()),
         }
         if !in_place {
-            assert!(sim.input[r].iter().all(|v| *v == unit(r)), "rank {r} input modified");
+            assert!(
+                sim.input[r].iter().all(|v| *v == unit(r)),
+                "rank {r} input modified"
+            );
         }
         // Bytes per link: the ring's theory.
         let want = match coll {
             Collective::ReduceScatter => count - len(r),
             Collective::AllGather => count - len((r + 1) % n),
             Collective::AllReduce => 2 * count - len(r) - len((r + 1) % n),
-            Collective::Broadcast { root } => if (r + 1) % n == root { 0 } else { count },
-            Collective::Reduce { root } => if r == root { 0 } else { count },
+            Collective::Broadcast { root } => {
+                if (r + 1) % n == root {
+                    0
+                } else {
+                    count
+                }
+            }
+            Collective::Reduce { root } => {
+                if r == root {
+                    0
+                } else {
+                    count
+                }
+            }
             Collective::Barrier => 0,
         };
-        assert_eq!(sim.sent_elems[r], if n == 1 { 0 } else { want }, "rank {r} elements sent");
+        assert_eq!(
+            sim.sent_elems[r],
+            if n == 1 { 0 } else { want },
+            "rank {r} elements sent"
+        );
     }
     if n > 1 && count % n == 0 {
         let total: usize = sim.sent_elems.iter().sum();
@@ -202,7 +282,11 @@ fn check(coll: Collective, n: usize, count: usize, se: usize, in_place: bool, or
             Collective::AllReduce => 2 * (n - 1) * count / n,
             _ => total / n,
         };
-        assert!(sim.sent_elems.iter().all(|&s| s == per) || coll.root().is_some(), "{:?} vs (n−1)/n·S", sim.sent_elems);
+        assert!(
+            sim.sent_elems.iter().all(|&s| s == per) || coll.root().is_some(),
+            "{:?} vs (n−1)/n·S",
+            sim.sent_elems
+        );
     }
 }
 
@@ -225,7 +309,11 @@ fn every_collective_small_cases_round_robin() {
             for se in [1, 3, 1000] {
                 for in_place in [false, true] {
                     for coll in collectives(n, n / 2) {
-                        let count = if coll == Collective::Barrier { 0 } else { count };
+                        let count = if coll == Collective::Barrier {
+                            0
+                        } else {
+                            count
+                        };
                         check(coll, n, count, se, in_place, &(0..n).collect::<Vec<_>>());
                     }
                 }
@@ -237,7 +325,9 @@ fn every_collective_small_cases_round_robin() {
 #[test]
 fn one_slot_per_link_can_deadlock_two_cannot() {
     // Documents why the transports insist on at least two slots per link.
-    let r = std::panic::catch_unwind(|| simulate(Collective::AllReduce, 3, 30, 10, false, 1, &[0, 1, 2]));
+    let r = std::panic::catch_unwind(|| {
+        simulate(Collective::AllReduce, 3, 30, 10, false, 1, &[0, 1, 2])
+    });
     assert!(r.is_err(), "depth 1 should deadlock a 3-rank all-reduce");
     simulate(Collective::AllReduce, 3, 30, 10, false, 2, &[0, 1, 2]);
 }

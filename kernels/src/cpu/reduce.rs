@@ -7,7 +7,12 @@ use crate::{DType, Element, KernelError, ReduceOp};
 pub const HALF_BLOCK: usize = 256;
 
 /// `dst[i] = dst[i] ⊕ src[i]` on byte slices tagged with `dtype`. `Avg` combines as `Sum`.
-pub fn reduce_into(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]) -> Result<(), KernelError> {
+pub fn reduce_into(
+    dtype: DType,
+    op: ReduceOp,
+    dst: &mut [u8],
+    src: &[u8],
+) -> Result<(), KernelError> {
     same_len("reduce_into", dst.len(), src.len())?;
     macro_rules! go {
         ($t:ty) => {{
@@ -21,7 +26,13 @@ pub fn reduce_into(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]) -> Re
 }
 
 /// `out[i] = a[i] ⊕ b[i]` on byte slices tagged with `dtype`. `Avg` combines as `Sum`.
-pub fn reduce_to(dtype: DType, op: ReduceOp, out: &mut [u8], a: &[u8], b: &[u8]) -> Result<(), KernelError> {
+pub fn reduce_to(
+    dtype: DType,
+    op: ReduceOp,
+    out: &mut [u8],
+    a: &[u8],
+    b: &[u8],
+) -> Result<(), KernelError> {
     same_len("reduce_to", out.len(), a.len())?;
     same_len("reduce_to", out.len(), b.len())?;
     macro_rules! go {
@@ -49,12 +60,26 @@ pub fn divide(dtype: DType, buf: &mut [u8], n: usize) -> Result<(), KernelError>
 }
 
 /// Typed form of [`reduce_into`].
-pub fn reduce_into_typed<T: Element>(op: ReduceOp, dst: &mut [T], src: &[T]) -> Result<(), KernelError> {
-    reduce_into(T::DTYPE, op, bytemuck::cast_slice_mut(dst), bytemuck::cast_slice(src))
+pub fn reduce_into_typed<T: Element>(
+    op: ReduceOp,
+    dst: &mut [T],
+    src: &[T],
+) -> Result<(), KernelError> {
+    reduce_into(
+        T::DTYPE,
+        op,
+        bytemuck::cast_slice_mut(dst),
+        bytemuck::cast_slice(src),
+    )
 }
 
 /// Typed form of [`reduce_to`].
-pub fn reduce_to_typed<T: Element>(op: ReduceOp, out: &mut [T], a: &[T], b: &[T]) -> Result<(), KernelError> {
+pub fn reduce_to_typed<T: Element>(
+    op: ReduceOp,
+    out: &mut [T],
+    a: &[T],
+    b: &[T],
+) -> Result<(), KernelError> {
     reduce_to(
         T::DTYPE,
         op,
@@ -83,15 +108,28 @@ fn same_len(kernel: &'static str, left: usize, right: usize) -> Result<(), Kerne
     if left == right {
         Ok(())
     } else {
-        Err(KernelError::LengthMismatch { kernel, left, right })
+        Err(KernelError::LengthMismatch {
+            kernel,
+            left,
+            right,
+        })
     }
 }
 
 fn layout_err(kernel: &'static str, dtype: DType, b: &[u8]) -> KernelError {
-    KernelError::BadLayout { kernel, dtype, bytes: b.len(), addr: b.as_ptr() as usize }
+    KernelError::BadLayout {
+        kernel,
+        dtype,
+        bytes: b.len(),
+        addr: b.as_ptr() as usize,
+    }
 }
 
-fn cast<'a, T: bytemuck::Pod>(kernel: &'static str, dtype: DType, b: &'a [u8]) -> Result<&'a [T], KernelError> {
+fn cast<'a, T: bytemuck::Pod>(
+    kernel: &'static str,
+    dtype: DType,
+    b: &'a [u8],
+) -> Result<&'a [T], KernelError> {
     bytemuck::try_cast_slice(b).map_err(|_| layout_err(kernel, dtype, b))
 }
 
@@ -209,7 +247,10 @@ macro_rules! half_kernel {
             fn reduce_to(op: ReduceOp, out: &mut [$t], a: &[$t], b: &[$t]) {
                 let mut x = [0f32; HALF_BLOCK];
                 let mut y = [0f32; HALF_BLOCK];
-                let blocks = out.chunks_mut(HALF_BLOCK).zip(a.chunks(HALF_BLOCK)).zip(b.chunks(HALF_BLOCK));
+                let blocks = out
+                    .chunks_mut(HALF_BLOCK)
+                    .zip(a.chunks(HALF_BLOCK))
+                    .zip(b.chunks(HALF_BLOCK));
                 for ((o, a), b) in blocks {
                     let (x, y) = (&mut x[..o.len()], &mut y[..o.len()]);
                     a.convert_to_f32_slice(x);
@@ -276,7 +317,10 @@ mod tests {
         assert_eq!(decode(DType::I32, &v), vec![3.0, -3.0, 4.0]);
         let mut h = encode(DType::F16, &[3.0, 1.0]);
         divide(DType::F16, &mut h, 3).unwrap();
-        assert_eq!(decode(DType::F16, &h), vec![1.0, f16::from_f32(1.0 / 3.0).to_f64()]);
+        assert_eq!(
+            decode(DType::F16, &h),
+            vec![1.0, f16::from_f32(1.0 / 3.0).to_f64()]
+        );
     }
 
     #[test]
@@ -286,7 +330,17 @@ mod tests {
         assert!(e.to_string().contains("8 vs 4"), "{e}");
         let mut odd = vec![0u8; 6];
         let e = reduce_into(DType::F32, ReduceOp::Sum, &mut odd, &[0u8; 6]).unwrap_err();
-        assert!(matches!(e, KernelError::BadLayout { dtype: DType::F32, bytes: 6, .. }), "{e}");
+        assert!(
+            matches!(
+                e,
+                KernelError::BadLayout {
+                    dtype: DType::F32,
+                    bytes: 6,
+                    ..
+                }
+            ),
+            "{e}"
+        );
     }
 
     pub(crate) fn encode(dtype: DType, v: &[f64]) -> Vec<u8> {

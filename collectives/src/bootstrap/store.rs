@@ -1,0 +1,344 @@
+//! The rendezvous store: a key-value map served by rank 0 over TCP.
+//!
+//! Requests (after the handshake), little-endian:
+//! `SET`: `1, key_len u32, key, value_len u32, value` → `0`;
+//! `GET`: `2, key_len u32, key, wait_ms u64` → `0, value_len u32, value` or `1` (not set in time).
+//! Keys are at most [`MAX_KEY`] bytes and values [`MAX_VALUE`]; anything else drops the
+//! connection. A GET waits on the server until the key is set or its deadline passes, so
+//! clients never poll.
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::handshake::{self, Identity, Role};
+use crate::error::{Error, Result};
+
+/// Longest key.
+pub const MAX_KEY: usize = 1024;
+/// Longest value.
+pub const MAX_VALUE: usize = 1 << 20;
+
+const SET: u8 = 1;
+const GET: u8 = 2;
+
+#[derive(Default)]
+struct Map {
+    kv: Mutex<HashMap<String, Vec<u8>>>,
+    changed: Condvar,
+}
+
+/// The server side, run by rank 0. Stops (and joins its accept thread) on drop.
+pub struct StoreServer {
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    accept: Option<JoinHandle<()>>,
+}
+
+impl StoreServer {
+    /// Bind `addr` and serve until dropped.
+    pub fn start(
+        addr: SocketAddr,
+        secret: Vec<u8>,
+        job_id: String,
+        timeout: Duration,
+    ) -> Result<StoreServer> {
+        let listener = TcpListener::bind(addr)
+            .map_err(|e| Error::io(format!("binding the store on {addr}"), e))?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| Error::io("store address", e))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| Error::io("store listener", e))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let map = Arc::new(Map::default());
+        let stop2 = stop.clone();
+        let accept = std::thread::Builder::new()
+            .name("ringzero-store".into())
+            .spawn(move || accept_loop(listener, map, stop2, secret, job_id, timeout))
+            .map_err(|e| Error::io("spawning the store thread", e))?;
+        Ok(StoreServer {
+            addr,
+            stop,
+            accept: Some(accept),
+        })
+    }
+
+    /// The bound address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for StoreServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.accept.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn accept_loop(
+    l: TcpListener,
+    map: Arc<Map>,
+    stop: Arc<AtomicBool>,
+    secret: Vec<u8>,
+    job: String,
+    timeout: Duration,
+) {
+    let secret: Arc<[u8]> = secret.into();
+    let job: Arc<str> = job.into();
+    while !stop.load(Ordering::Acquire) {
+        match l.accept() {
+            Ok((s, _)) => {
+                let (map, stop, secret, job) =
+                    (map.clone(), stop.clone(), secret.clone(), job.clone());
+                let _ = std::thread::Builder::new().name("ringzero-store-conn".into()).spawn(move || {
+                    if let Err(e) = serve(s, &map, &stop, &secret, &job, timeout) {
+                        tracing::warn!(target: "ringzero::bootstrap", "store connection dropped: {e}");
+                    }
+                });
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(5))
+            }
+            Err(e) => {
+                tracing::warn!(target: "ringzero::bootstrap", "store accept failed: {e}");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
+}
+
+fn serve(
+    mut s: TcpStream,
+    map: &Map,
+    stop: &AtomicBool,
+    secret: &[u8],
+    job: &str,
+    timeout: Duration,
+) -> Result<()> {
+    s.set_nonblocking(false)
+        .map_err(|e| Error::io("store connection", e))?;
+    let me = Identity {
+        secret,
+        job_id: job,
+        rank: 0,
+    };
+    let hello = handshake::server(&mut s, &me, timeout)?;
+    let peer = format!("rank {} (store client)", hello.rank);
+    if hello.role != Role::Store {
+        return Err(Error::Protocol {
+            peer,
+            detail: "data connection sent to the store port".into(),
+        });
+    }
+    // Short read timeouts let the thread notice `stop` while a client idles.
+    s.set_read_timeout(Some(Duration::from_millis(200)))
+        .map_err(|e| Error::io("store connection", e))?;
+    let proto = |detail: String| Error::Protocol {
+        peer: peer.clone(),
+        detail,
+    };
+    loop {
+        let mut op = [0u8; 1];
+        match s.read(&mut op) {
+            Ok(0) => return Ok(()),
+            Ok(_) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                if stop.load(Ordering::Acquire) {
+                    return Ok(());
+                }
+                continue;
+            }
+            Err(e) => return Err(Error::io(format!("reading from {peer}"), e)),
+        }
+        s.set_read_timeout(Some(timeout))
+            .map_err(|e| Error::io("store connection", e))?;
+        let key = read_blob(&mut s, MAX_KEY).map_err(|e| proto(format!("bad key: {e}")))?;
+        let key = String::from_utf8(key).map_err(|_| proto("key is not UTF-8".into()))?;
+        match op[0] {
+            SET => {
+                let v =
+                    read_blob(&mut s, MAX_VALUE).map_err(|e| proto(format!("bad value: {e}")))?;
+                map.kv.lock().unwrap().insert(key, v);
+                map.changed.notify_all();
+                s.write_all(&[0])
+                    .map_err(|e| Error::io(format!("answering {peer}"), e))?;
+            }
+            GET => {
+                let mut w = [0u8; 8];
+                s.read_exact(&mut w)
+                    .map_err(|e| proto(format!("bad wait: {e}")))?;
+                let deadline =
+                    Instant::now() + Duration::from_millis(u64::from_le_bytes(w).min(86_400_000));
+                let mut kv = map.kv.lock().unwrap();
+                let value = loop {
+                    if let Some(v) = kv.get(&key) {
+                        break Some(v.clone());
+                    }
+                    let now = Instant::now();
+                    if now >= deadline || stop.load(Ordering::Acquire) {
+                        break None;
+                    }
+                    let wait = (deadline - now).min(Duration::from_millis(100));
+                    kv = map.changed.wait_timeout(kv, wait).unwrap().0;
+                };
+                drop(kv);
+                let mut out = Vec::new();
+                match value {
+                    Some(v) => {
+                        out.push(0);
+                        out.extend_from_slice(&(v.len() as u32).to_le_bytes());
+                        out.extend_from_slice(&v);
+                    }
+                    None => out.push(1),
+                }
+                s.write_all(&out)
+                    .map_err(|e| Error::io(format!("answering {peer}"), e))?;
+            }
+            other => return Err(proto(format!("unknown store request {other}"))),
+        }
+        s.set_read_timeout(Some(Duration::from_millis(200)))
+            .map_err(|e| Error::io("store connection", e))?;
+    }
+}
+
+fn read_blob(s: &mut TcpStream, max: usize) -> std::io::Result<Vec<u8>> {
+    let mut l = [0u8; 4];
+    s.read_exact(&mut l)?;
+    let len = u32::from_le_bytes(l) as usize;
+    if len > max {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("{len} bytes, limit {max}"),
+        ));
+    }
+    let mut v = vec![0u8; len];
+    s.read_exact(&mut v)?;
+    Ok(v)
+}
+
+/// A rank's connection to the store.
+pub struct StoreClient {
+    s: TcpStream,
+    server: String,
+    timeout: Duration,
+}
+
+impl StoreClient {
+    /// Connect to the store at `host:port`, retrying while rank 0 starts, until `timeout`.
+    pub fn connect(host: &str, port: u16, me: &Identity, timeout: Duration) -> Result<StoreClient> {
+        let server = format!("store at {host}:{port}");
+        let deadline = Instant::now() + timeout;
+        let mut last = String::from("no attempt");
+        loop {
+            let addrs: Vec<SocketAddr> = (host, port)
+                .to_socket_addrs()
+                .map_err(|e| {
+                    Error::config(
+                        "RINGZERO_MASTER_ADDR",
+                        format!("cannot resolve `{host}`: {e}"),
+                    )
+                })?
+                .collect();
+            for a in &addrs {
+                let left = deadline
+                    .saturating_duration_since(Instant::now())
+                    .max(Duration::from_millis(10));
+                match TcpStream::connect_timeout(a, left) {
+                    Ok(mut s) => {
+                        let _ = s.set_nodelay(true);
+                        handshake::client(&mut s, me, Role::Store, &server, timeout)?;
+                        return Ok(StoreClient { s, server, timeout });
+                    }
+                    Err(e) => last = e.to_string(),
+                }
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::Timeout {
+                    op: "bootstrap".into(),
+                    seq: 0,
+                    peer: 0,
+                    waiting: format!("the {server} to accept a connection (last error: {last}; is rank 0 running?)"),
+                    after: timeout,
+                });
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
+    }
+
+    /// This end's local address (the interface that reaches rank 0).
+    pub fn local_addr(&self) -> Result<SocketAddr> {
+        self.s
+            .local_addr()
+            .map_err(|e| Error::io("store client address", e))
+    }
+
+    /// Set `key` to `value`.
+    pub fn set(&mut self, key: &str, value: &[u8]) -> Result<()> {
+        if key.len() > MAX_KEY || value.len() > MAX_VALUE {
+            return Err(Error::InvalidArgument {
+                op: "store set".into(),
+                msg: format!("key `{key}` or its value is too long"),
+            });
+        }
+        let mut req = vec![SET];
+        req.extend_from_slice(&(key.len() as u32).to_le_bytes());
+        req.extend_from_slice(key.as_bytes());
+        req.extend_from_slice(&(value.len() as u32).to_le_bytes());
+        req.extend_from_slice(value);
+        self.s
+            .write_all(&req)
+            .map_err(|e| Error::io(format!("writing to the {}", self.server), e))?;
+        let mut ack = [0u8; 1];
+        self.s
+            .read_exact(&mut ack)
+            .map_err(|e| Error::io(format!("reading from the {}", self.server), e))?;
+        Ok(())
+    }
+
+    /// Get `key`, waiting up to the store timeout for some rank to set it; `who` names the rank
+    /// expected to set it, for the error message.
+    pub fn get(&mut self, key: &str, who: usize) -> Result<Vec<u8>> {
+        let mut req = vec![GET];
+        req.extend_from_slice(&(key.len() as u32).to_le_bytes());
+        req.extend_from_slice(key.as_bytes());
+        req.extend_from_slice(&(self.timeout.as_millis() as u64).to_le_bytes());
+        self.s
+            .write_all(&req)
+            .map_err(|e| Error::io(format!("writing to the {}", self.server), e))?;
+        // The server answers by its own deadline; allow it some slack before giving up on it.
+        self.s
+            .set_read_timeout(Some(self.timeout + Duration::from_secs(5)))
+            .map_err(|e| Error::io("store client", e))?;
+        let mut status = [0u8; 1];
+        self.s
+            .read_exact(&mut status)
+            .map_err(|e| Error::io(format!("reading from the {}", self.server), e))?;
+        if status[0] != 0 {
+            return Err(Error::Timeout {
+                op: "bootstrap".into(),
+                seq: 0,
+                peer: who,
+                waiting: format!(
+                    "store key `{key}` (is rank {who} running, with the same job id and secret?)"
+                ),
+                after: self.timeout,
+            });
+        }
+        read_blob(&mut self.s, MAX_VALUE)
+            .map_err(|e| Error::io(format!("reading from the {}", self.server), e))
+    }
+}

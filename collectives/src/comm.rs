@@ -1,0 +1,737 @@
+//! The communicator: the public face of the library.
+
+use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
+use std::ops::Range;
+use std::sync::mpsc;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+
+use ringzero_kernels::{DType, Element, ReduceOp};
+
+use crate::bootstrap::{Identity, StoreClient, StoreServer};
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::ring::engine::{self, Bufs, Call, Counters, Links};
+use crate::ring::{chunk, plan, Collective, PlanArgs};
+use crate::topology::{self, Edge};
+use crate::transport::shm::{ShmRecv, ShmSend};
+use crate::transport::{tcp, RecvLink, SendLink, TransportKind};
+use crate::wire::Fingerprint;
+
+/// A group of ranks that run collectives together.
+///
+/// Create one per process (or per thread, for tests) with [`Communicator::from_env`] under a
+/// launcher, or [`Communicator::init`] with an explicit [`Config`]. Every rank must call the same
+/// collectives in the same order with matching arguments; a rank that does not gets an
+/// [`Error::Mismatch`] naming both calls instead of a hang.
+///
+/// Collectives come in three forms: out of place (`all_reduce(&send, &mut recv, op)`), in place
+/// (`all_reduce_in_place(&mut buf, op)`), and asynchronous on owned buffers
+/// (`all_reduce_async(vec, op)` returns a [`Work`] to wait on; blocking calls made later wait for
+/// earlier asynchronous ones, so the order across ranks stays the program order).
+///
+/// Any error aborts the communicator: both neighbours are told, every surviving rank fails within
+/// the deadline, and every later call returns an [`Error::Aborted`] naming the first cause.
+///
+/// ```
+/// use ringzero_collectives::{Communicator, ReduceOp};
+/// # fn main() -> Result<(), ringzero_collectives::Error> {
+/// # std::env::set_var("RINGZERO_RANK", "0");
+/// # std::env::set_var("RINGZERO_WORLD_SIZE", "1");
+/// // Under `ringzero launch -n 4 -- ./trainer`, torchrun, srun or mpirun:
+/// let comm = Communicator::from_env()?;
+/// let mut grads = vec![1.0f32; 1000];
+/// comm.all_reduce_in_place(&mut grads, ReduceOp::Avg)?;
+/// let mut mine = vec![0.0f32; comm.chunk_range(1000).len()];
+/// comm.reduce_scatter(&grads, &mut mine, ReduceOp::Sum)?;
+/// # Ok(()) }
+/// ```
+pub struct Communicator {
+    inner: Arc<Inner>,
+    worker: Mutex<Option<mpsc::Sender<Job>>>,
+}
+
+type Job = Box<dyn FnOnce() + Send>;
+
+struct Inner {
+    cfg: Config,
+    rank: usize,
+    size: usize,
+    edges: Vec<Edge>,
+    state: Mutex<State>,
+    pending: (Mutex<usize>, Condvar),
+    // Rank 0 serves the store for as long as the communicator lives.
+    _store: Option<StoreServer>,
+}
+
+struct State {
+    links: Option<Links>,
+    seq: u64,
+    failed: Option<Error>,
+}
+
+/// A pending asynchronous collective; [`Work::wait`] returns its buffer.
+#[must_use = "a Work must be waited on to get its buffer (and its error)"]
+pub struct Work<T> {
+    slot: Arc<(Mutex<Option<Result<T>>>, Condvar)>,
+}
+
+impl<T> Work<T> {
+    fn new() -> Work<T> {
+        Work {
+            slot: Arc::new((Mutex::new(None), Condvar::new())),
+        }
+    }
+
+    fn failed(e: Error) -> Work<T> {
+        let w = Work::new();
+        *w.slot.0.lock().unwrap() = Some(Err(e));
+        w
+    }
+
+    /// Block until the collective finishes; returns the buffer or the error. The engine's
+    /// deadlines bound this wait.
+    pub fn wait(self) -> Result<T> {
+        let (m, cv) = &*self.slot;
+        let mut g = m.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if let Some(r) = g.take() {
+                return r;
+            }
+            g = cv.wait(g).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    /// Whether the collective has finished (then [`Work::wait`] returns at once).
+    pub fn is_done(&self) -> bool {
+        self.slot.0.lock().map(|g| g.is_some()).unwrap_or(true)
+    }
+}
+
+impl Communicator {
+    /// Join the job described by the launcher's environment (see [`Config::from_env`]).
+    pub fn from_env() -> Result<Communicator> {
+        Communicator::init(Config::from_env()?)
+    }
+
+    /// Join the job described by `cfg`: rendezvous through rank 0's store, choose and connect the
+    /// transport of both ring edges, and run a barrier over the ring to prove it works.
+    pub fn init(cfg: Config) -> Result<Communicator> {
+        cfg.validate()?;
+        let (rank, size) = (cfg.launch.rank, cfg.launch.world_size);
+        let (links, edges, store) = if size == 1 {
+            (None, Vec::new(), None)
+        } else {
+            connect_ring(&cfg)?
+        };
+        let inner = Arc::new(Inner {
+            cfg,
+            rank,
+            size,
+            edges,
+            state: Mutex::new(State {
+                links,
+                seq: 0,
+                failed: None,
+            }),
+            pending: (Mutex::new(0), Condvar::new()),
+            _store: store,
+        });
+        let comm = Communicator {
+            inner,
+            worker: Mutex::new(None),
+        };
+        if size > 1 {
+            comm.barrier()?;
+        }
+        Ok(comm)
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.inner.rank
+    }
+
+    /// Number of ranks.
+    pub fn size(&self) -> usize {
+        self.inner.size
+    }
+
+    /// The configuration this communicator runs with.
+    pub fn config(&self) -> &Config {
+        &self.inner.cfg
+    }
+
+    /// This rank's two ring edges (receive edge first, then send edge) with the transport each
+    /// uses and why. Empty for a one-rank world.
+    pub fn edges(&self) -> &[Edge] {
+        &self.inner.edges
+    }
+
+    /// Byte counters of this rank's links since creation (including the setup barrier's frames).
+    pub fn counters(&self) -> Counters {
+        self.inner
+            .lock()
+            .links
+            .as_ref()
+            .map(|l| l.counters)
+            .unwrap_or_default()
+    }
+
+    /// Elements of a `count`-element buffer that this rank owns in a reduce-scatter or contributes
+    /// to an all-gather: chunks are balanced, the first `count % size` ranks hold one more element.
+    pub fn chunk_range(&self, count: usize) -> Range<usize> {
+        chunk(count, self.size(), self.rank())
+    }
+
+    /// Sum (or other `op`) of every rank's `send` into every rank's `recv`.
+    pub fn all_reduce<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
+        let c = Collective::AllReduce;
+        same_len(c, send.len(), recv.len(), "send", "recv")?;
+        self.run_split(c, Some(op), send.len(), send, recv)
+    }
+
+    /// In-place [`Communicator::all_reduce`].
+    pub fn all_reduce_in_place<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        self.run_one(Collective::AllReduce, Some(op), buf.len(), buf)
+    }
+
+    /// Reduce every rank's `send` and leave chunk [`chunk_range`](Self::chunk_range)`(send.len())`
+    /// of the result in `recv`, which must have exactly that length.
+    pub fn reduce_scatter<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let c = Collective::ReduceScatter;
+        let want = self.chunk_range(send.len()).len();
+        same_len(c, want, recv.len(), "this rank's chunk of send", "recv")?;
+        self.run_split(c, Some(op), send.len(), send, recv)
+    }
+
+    /// In-place reduce-scatter: the reduced chunk [`chunk_range`](Self::chunk_range)`(buf.len())`
+    /// is written over that part of `buf`; the rest of `buf` is left as it was.
+    pub fn reduce_scatter_in_place<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        self.run_one(Collective::ReduceScatter, Some(op), buf.len(), buf)
+    }
+
+    /// Gather every rank's `send` (chunk [`chunk_range`](Self::chunk_range)`(recv.len())` of the
+    /// result, so its length must match) into every rank's `recv`.
+    pub fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        let c = Collective::AllGather;
+        let want = self.chunk_range(recv.len()).len();
+        same_len(c, send.len(), want, "send", "this rank's chunk of recv")?;
+        self.run_split(c, None, recv.len(), send, recv)
+    }
+
+    /// In-place all-gather: this rank's chunk of `buf` is sent, every other chunk is overwritten.
+    pub fn all_gather_in_place<T: Element>(&self, buf: &mut [T]) -> Result<()> {
+        self.run_one(Collective::AllGather, None, buf.len(), buf)
+    }
+
+    /// Copy the root's `send` into every rank's `recv`. On other ranks `send` is not read (and may
+    /// be empty); on the root it must be as long as `recv`.
+    pub fn broadcast<T: Element>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
+        let c = self.rooted(Collective::Broadcast { root }, root)?;
+        if root == self.rank() {
+            same_len(c, send.len(), recv.len(), "send", "recv")?;
+        }
+        self.run_split(c, None, recv.len(), send, recv)
+    }
+
+    /// In-place broadcast of the root's `buf`.
+    pub fn broadcast_in_place<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
+        let c = self.rooted(Collective::Broadcast { root }, root)?;
+        self.run_one(c, None, buf.len(), buf)
+    }
+
+    /// Reduce every rank's `send` into the root's `recv` (as long as `send`). On other ranks
+    /// `recv` is not written (and may be empty).
+    pub fn reduce<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<()> {
+        let c = self.rooted(Collective::Reduce { root }, root)?;
+        if root == self.rank() {
+            same_len(c, send.len(), recv.len(), "send", "recv")?;
+        }
+        self.run_split(c, Some(op), send.len(), send, recv)
+    }
+
+    /// In-place reduce: the root's `buf` receives the result; other ranks' buffers are unchanged.
+    pub fn reduce_in_place<T: Element>(
+        &self,
+        buf: &mut [T],
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<()> {
+        let c = self.rooted(Collective::Reduce { root }, root)?;
+        self.run_one(c, Some(op), buf.len(), buf)
+    }
+
+    /// Return only once every rank has entered the barrier.
+    pub fn barrier(&self) -> Result<()> {
+        self.wait_async_idle();
+        self.inner.execute(
+            Collective::Barrier,
+            None,
+            ReduceOp::Sum,
+            0,
+            false,
+            Bufs::One(&mut []),
+        )
+    }
+
+    /// Asynchronous in-place all-reduce of an owned buffer.
+    pub fn all_reduce_async<T: Element>(&self, mut buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
+        self.submit(move |inner| {
+            let n = buf.len();
+            inner.execute(
+                Collective::AllReduce,
+                Some(T::DTYPE),
+                op,
+                n,
+                true,
+                Bufs::One(bytemuck::cast_slice_mut(&mut buf)),
+            )?;
+            Ok(buf)
+        })
+    }
+
+    /// Asynchronous reduce-scatter: returns this rank's reduced chunk of `send`.
+    pub fn reduce_scatter_async<T: Element>(&self, send: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
+        let own = self.chunk_range(send.len());
+        self.submit(move |inner| {
+            let mut out = vec![T::zeroed(); own.len()];
+            let n = send.len();
+            let bufs = Bufs::Split {
+                input: bytemuck::cast_slice(&send),
+                output: bytemuck::cast_slice_mut(&mut out),
+            };
+            inner.execute(
+                Collective::ReduceScatter,
+                Some(T::DTYPE),
+                op,
+                n,
+                false,
+                bufs,
+            )?;
+            Ok(out)
+        })
+    }
+
+    /// Asynchronous all-gather of every rank's `send` into a new buffer of `count` elements
+    /// (`send` must hold this rank's chunk of `count`).
+    pub fn all_gather_async<T: Element>(&self, send: Vec<T>, count: usize) -> Work<Vec<T>> {
+        let want = self.chunk_range(count).len();
+        if let Err(e) = same_len(
+            Collective::AllGather,
+            send.len(),
+            want,
+            "send",
+            "this rank's chunk of count",
+        ) {
+            return Work::failed(e);
+        }
+        self.submit(move |inner| {
+            let mut out = vec![T::zeroed(); count];
+            let bufs = Bufs::Split {
+                input: bytemuck::cast_slice(&send),
+                output: bytemuck::cast_slice_mut(&mut out),
+            };
+            inner.execute(
+                Collective::AllGather,
+                Some(T::DTYPE),
+                ReduceOp::Sum,
+                count,
+                false,
+                bufs,
+            )?;
+            Ok(out)
+        })
+    }
+
+    /// Asynchronous in-place broadcast of the root's buffer.
+    pub fn broadcast_async<T: Element>(&self, mut buf: Vec<T>, root: usize) -> Work<Vec<T>> {
+        let c = match self.rooted(Collective::Broadcast { root }, root) {
+            Ok(c) => c,
+            Err(e) => return Work::failed(e),
+        };
+        self.submit(move |inner| {
+            let n = buf.len();
+            inner.execute(
+                c,
+                Some(T::DTYPE),
+                ReduceOp::Sum,
+                n,
+                true,
+                Bufs::One(bytemuck::cast_slice_mut(&mut buf)),
+            )?;
+            Ok(buf)
+        })
+    }
+
+    /// Abort the communicator: tell both neighbours (they and, in turn, every rank fail their
+    /// current and later calls) and fail every later call here.
+    pub fn abort(&self, reason: &str) {
+        let mut st = self.inner.lock();
+        let e = Error::Aborted {
+            op: "abort".into(),
+            seq: st.seq,
+            reason: format!("rank {}: {reason}", self.rank()),
+        };
+        if let Some(l) = st.links.as_mut() {
+            l.abort(&e.to_string());
+        }
+        st.failed.get_or_insert(e);
+    }
+
+    fn rooted(&self, c: Collective, root: usize) -> Result<Collective> {
+        if root >= self.size() {
+            return Err(Error::InvalidArgument {
+                op: c.name().into(),
+                msg: format!(
+                    "root {root} is not a rank of this {}-rank communicator",
+                    self.size()
+                ),
+            });
+        }
+        Ok(c)
+    }
+
+    fn run_split<T: Element>(
+        &self,
+        c: Collective,
+        op: Option<ReduceOp>,
+        count: usize,
+        send: &[T],
+        recv: &mut [T],
+    ) -> Result<()> {
+        self.wait_async_idle();
+        let bufs = Bufs::Split {
+            input: bytemuck::cast_slice(send),
+            output: bytemuck::cast_slice_mut(recv),
+        };
+        self.inner.execute(
+            c,
+            Some(T::DTYPE),
+            op.unwrap_or(ReduceOp::Sum),
+            count,
+            false,
+            bufs,
+        )
+    }
+
+    fn run_one<T: Element>(
+        &self,
+        c: Collective,
+        op: Option<ReduceOp>,
+        count: usize,
+        buf: &mut [T],
+    ) -> Result<()> {
+        self.wait_async_idle();
+        self.inner.execute(
+            c,
+            Some(T::DTYPE),
+            op.unwrap_or(ReduceOp::Sum),
+            count,
+            true,
+            Bufs::One(bytemuck::cast_slice_mut(buf)),
+        )
+    }
+
+    fn submit<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Inner) -> Result<R> + Send + 'static,
+    ) -> Work<R> {
+        let work = Work::new();
+        let slot = work.slot.clone();
+        let inner = self.inner.clone();
+        *self.inner.pending.0.lock().unwrap() += 1;
+        let job: Job = Box::new(move || {
+            let r = f(&inner);
+            *slot.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
+            slot.1.notify_all();
+            let (count, cv) = &inner.pending;
+            *count.lock().unwrap() -= 1;
+            cv.notify_all();
+        });
+        let mut w = self.worker.lock().unwrap();
+        let sender = w.get_or_insert_with(|| {
+            let (jtx, jrx) = mpsc::channel::<Job>();
+            std::thread::Builder::new()
+                .name(format!("ringzero-worker-{}", self.rank()))
+                .spawn(move || jrx.into_iter().for_each(|job| job()))
+                .expect("spawning the ringzero worker thread");
+            jtx
+        });
+        if let Err(mpsc::SendError(job)) = sender.send(job) {
+            job(); // the worker is gone (cannot happen while we hold the sender); run inline
+        }
+        work
+    }
+
+    /// Wait until every asynchronous collective submitted so far has finished.
+    fn wait_async_idle(&self) {
+        let (count, cv) = &self.inner.pending;
+        let mut c = count.lock().unwrap();
+        while *c > 0 {
+            c = cv.wait(c).unwrap();
+        }
+    }
+}
+
+impl Drop for Communicator {
+    fn drop(&mut self) {
+        // Stop the worker after the jobs already queued, then flush what the last call sent.
+        self.worker.lock().unwrap().take();
+        self.wait_async_idle();
+        let mut st = self.inner.lock();
+        let seq = st.seq;
+        let timeout = self.inner.cfg.timeout;
+        if st.failed.is_none() {
+            if let Some(l) = st.links.as_mut() {
+                let _ = l.flush("shutdown", seq, timeout);
+            }
+        }
+    }
+}
+
+fn same_len(c: Collective, a: usize, b: usize, a_name: &str, b_name: &str) -> Result<()> {
+    if a == b {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument {
+            op: c.name().into(),
+            msg: format!("{a_name} has {a} elements but {b_name} has {b}; they must be equal"),
+        })
+    }
+}
+
+impl Inner {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn execute(
+        &self,
+        coll: Collective,
+        dtype: Option<DType>,
+        op: ReduceOp,
+        count: usize,
+        in_place: bool,
+        bufs: Bufs,
+    ) -> Result<()> {
+        let mut st = self.lock();
+        let dt = dtype.unwrap_or(DType::U8);
+        let fp = Fingerprint::new(coll, dtype, Some(op), count);
+        let seq = st.seq;
+        if let Some(e) = &st.failed {
+            return Err(Error::Aborted {
+                op: fp.to_string(),
+                seq,
+                reason: format!("an earlier error: {e}"),
+            });
+        }
+        st.seq += 1;
+        let slot_bytes = st.links.as_ref().map_or(self.cfg.slice_bytes, |l| {
+            l.tx.slot_bytes().min(self.cfg.slice_bytes)
+        });
+        let p = plan(PlanArgs {
+            coll,
+            n: self.size,
+            rank: self.rank,
+            count,
+            slice_elems: (slot_bytes / dt.size()).max(1),
+            in_place,
+        });
+        let call = Call {
+            plan: &p,
+            fp,
+            seq,
+            dtype: dt,
+            op,
+            n: self.size,
+            rank: self.rank,
+            timeout: self.cfg.timeout,
+        };
+        let r = match st.links.as_mut() {
+            Some(links) => engine::run(links, &call, bufs),
+            None => engine::run_local(&call, bufs),
+        };
+        if let Err(e) = &r {
+            if !matches!(e, Error::InvalidArgument { .. }) {
+                tracing::error!(target: "ringzero::comm", rank = self.rank, "{e}");
+                if let Some(l) = st.links.as_mut() {
+                    l.abort(&format!("rank {}: {e}", self.rank));
+                }
+                st.failed = Some(e.clone());
+            }
+        }
+        r
+    }
+}
+
+/// Rendezvous, choose transports, connect both ring edges.
+fn connect_ring(cfg: &Config) -> Result<(Option<Links>, Vec<Edge>, Option<StoreServer>)> {
+    let (rank, size) = (cfg.launch.rank, cfg.launch.world_size);
+    let (prev, next) = ((rank + size - 1) % size, (rank + 1) % size);
+    let me = Identity {
+        secret: &cfg.secret,
+        job_id: &cfg.job_id,
+        rank: rank as u32,
+    };
+    let (host, port) = (cfg.launch.master_addr.as_str(), cfg.launch.master_port);
+    let server = if rank == 0 {
+        Some(StoreServer::start(
+            store_bind_addr(host, port)?,
+            cfg.secret.clone(),
+            cfg.job_id.clone(),
+            cfg.timeout,
+        )?)
+    } else {
+        None
+    };
+    let mut store = StoreClient::connect(host, port, &me, cfg.timeout)?;
+    let ip = store.local_addr()?.ip();
+    let listener = TcpListener::bind((ip, 0))
+        .map_err(|e| Error::io(format!("binding a data listener on {ip}"), e))?;
+    let listen = listener
+        .local_addr()
+        .map_err(|e| Error::io("data listener address", e))?;
+    store.set(
+        &format!("rank/{rank}"),
+        format!("{}\n{listen}", cfg.node_id).as_bytes(),
+    )?;
+
+    let info = |store: &mut StoreClient, r: usize| -> Result<(String, SocketAddr)> {
+        let v = String::from_utf8(store.get(&format!("rank/{r}"), r)?).map_err(|_| {
+            Error::Protocol {
+                peer: format!("rank {r}"),
+                detail: "rank info is not UTF-8".into(),
+            }
+        })?;
+        let (node, addr) = v.rsplit_once('\n').ok_or_else(|| Error::Protocol {
+            peer: format!("rank {r}"),
+            detail: format!("bad rank info `{v}`"),
+        })?;
+        let addr = addr.parse().map_err(|_| Error::Protocol {
+            peer: format!("rank {r}"),
+            detail: format!("bad address `{addr}`"),
+        })?;
+        Ok((node.to_string(), addr))
+    };
+    let (prev_node, _) = info(&mut store, prev)?;
+    let (_, next_addr) = info(&mut store, next)?;
+
+    // This rank decides the edge it receives on, creates its FIFO, and publishes the choice.
+    let recv_edge = topology::choose(cfg, prev, &prev_node, rank)?;
+    let slot_bytes = cfg.slice_bytes;
+    let shm_rx = match recv_edge.kind {
+        TransportKind::Shm => {
+            let name = format!(
+                "ringzero-{}-{prev}to{rank}-{}-{:08x}",
+                std::process::id(),
+                job_tag(&cfg.job_id),
+                rand::random::<u32>()
+            );
+            Some(ShmRecv::create(
+                &cfg.shm_dir,
+                &name,
+                cfg.slots,
+                slot_bytes,
+                prev,
+            )?)
+        }
+        TransportKind::Tcp => None,
+    };
+    let published = match &shm_rx {
+        Some(rx) => format!("shm\n{}\n{}", recv_edge.reason, rx.path().display()),
+        None => format!("tcp\n{}\n", recv_edge.reason),
+    };
+    store.set(&format!("edge/{rank}"), published.as_bytes())?;
+    let theirs = String::from_utf8(store.get(&format!("edge/{next}"), next)?).unwrap_or_default();
+    let mut parts = theirs.splitn(3, '\n');
+    let (kind, reason, path) = (
+        parts.next().unwrap_or(""),
+        parts.next().unwrap_or(""),
+        parts.next().unwrap_or(""),
+    );
+    let send_kind = match kind {
+        "shm" => TransportKind::Shm,
+        "tcp" => TransportKind::Tcp,
+        _ => {
+            return Err(Error::Protocol {
+                peer: format!("rank {next}"),
+                detail: format!("bad edge info `{theirs}`"),
+            })
+        }
+    };
+    let send_edge = Edge {
+        from: rank,
+        to: next,
+        kind: send_kind,
+        reason: reason.to_string(),
+    };
+
+    let (tx, rx): (Box<dyn SendLink>, Box<dyn RecvLink>) = std::thread::scope(|s| -> Result<_> {
+        let accept = match shm_rx {
+            Some(rx) => {
+                let b: Box<dyn RecvLink> = Box::new(rx);
+                Ok(b)
+            }
+            None => Err(s.spawn(|| -> Result<Box<dyn RecvLink>> {
+                let stream = tcp::accept_from(&listener, &me, prev, cfg.timeout)?;
+                Ok(Box::new(tcp::TcpRecv::new(stream, prev, slot_bytes)?))
+            })),
+        };
+        let tx: Result<Box<dyn SendLink>> = match send_kind {
+            TransportKind::Shm => ShmSend::attach(path.as_ref(), cfg.slots, slot_bytes, next)
+                .map(|t| Box::new(t) as _),
+            TransportKind::Tcp => tcp::connect(next_addr, &me, next, cfg.timeout)
+                .and_then(|st| tcp::TcpSend::new(st, next, cfg.slots, slot_bytes))
+                .map(|t| Box::new(t) as _),
+        };
+        let rx = match accept {
+            Ok(rx) => rx,
+            Err(handle) => handle.join().map_err(|_| Error::Io {
+                context: "accepting".into(),
+                detail: "accept thread panicked".into(),
+            })??,
+        };
+        Ok((tx?, rx))
+    })?;
+    for e in [&recv_edge, &send_edge] {
+        tracing::info!(target: "ringzero::topology", rank, "{e}");
+    }
+    let links = Links::new(tx, rx, next, prev)?;
+    Ok((Some(links), vec![recv_edge, send_edge], server))
+}
+
+fn job_tag(job: &str) -> String {
+    use sha2::Digest;
+    let h = sha2::Sha256::digest(job.as_bytes());
+    h[..4].iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The store binds the master address when it is one of ours, else every interface.
+fn store_bind_addr(host: &str, port: u16) -> Result<SocketAddr> {
+    let addrs: Vec<SocketAddr> = (host, port)
+        .to_socket_addrs()
+        .map_err(|e| {
+            Error::config(
+                "RINGZERO_MASTER_ADDR",
+                format!("cannot resolve `{host}`: {e}"),
+            )
+        })?
+        .collect();
+    for a in &addrs {
+        if TcpListener::bind(SocketAddr::new(a.ip(), 0)).is_ok() {
+            return Ok(*a);
+        }
+    }
+    Ok(SocketAddr::from(([0, 0, 0, 0], port)))
+}

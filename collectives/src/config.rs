@@ -1,0 +1,517 @@
+//! Configuration: who this rank is (from the launcher's environment) and the knobs.
+//!
+//! Launch conventions are read in this order, the first that is present wins:
+//! 1. `RINGZERO_RANK`, `RINGZERO_WORLD_SIZE`, `RINGZERO_LOCAL_RANK`, `RINGZERO_LOCAL_WORLD_SIZE`,
+//!    `RINGZERO_MASTER_ADDR`, `RINGZERO_MASTER_PORT` (set by `ringzero launch`);
+//! 2. torchrun: `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`;
+//! 3. Slurm: `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, `SLURM_NTASKS_PER_NODE`
+//!    (master address from `RINGZERO_MASTER_ADDR` or `MASTER_ADDR`);
+//! 4. Open MPI: `OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_RANK`,
+//!    `OMPI_COMM_WORLD_LOCAL_SIZE` (master address as for Slurm).
+//!
+//! Knobs, all optional: see [`Config::from_env`].
+
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+
+/// Default deadline for any single wait.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+/// Default largest frame payload.
+pub const DEFAULT_SLICE_BYTES: usize = 512 * 1024;
+/// Default slots per link (at least 2: see the ring schedule's deadlock test).
+pub const DEFAULT_SLOTS: usize = 4;
+/// Default master port when a launcher gives none.
+pub const DEFAULT_PORT: u16 = 29500;
+
+/// Which transport to use on ring edges.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum TransportPref {
+    /// Shared memory between ranks of one node, TCP between nodes.
+    #[default]
+    Auto,
+    /// TCP on every edge.
+    Tcp,
+    /// Shared memory on every edge (an error if two neighbours are on different nodes).
+    Shm,
+}
+
+/// Where rank, world size and master came from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LaunchInfo {
+    /// Global rank.
+    pub rank: usize,
+    /// Number of ranks.
+    pub world_size: usize,
+    /// Rank within its node.
+    pub local_rank: usize,
+    /// Ranks on this node.
+    pub local_world_size: usize,
+    /// Host of the rendezvous store (rank 0).
+    pub master_addr: String,
+    /// Port of the rendezvous store.
+    pub master_port: u16,
+    /// Which convention supplied these: `ringzero`, `torchrun`, `slurm` or `openmpi`.
+    pub source: &'static str,
+}
+
+/// Everything a communicator needs to start.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// Who this rank is and where the store is.
+    pub launch: LaunchInfo,
+    /// Shared job secret for the HMAC handshake (`RINGZERO_SECRET`).
+    pub secret: Vec<u8>,
+    /// Job id: connections from another job are refused (`RINGZERO_JOB_ID`).
+    pub job_id: String,
+    /// Identity of this node: ranks with equal ids share memory (`RINGZERO_NODE_ID`).
+    pub node_id: String,
+    /// Deadline for any wait without progress (`RINGZERO_TIMEOUT`, seconds).
+    pub timeout: Duration,
+    /// Transport choice (`RINGZERO_TRANSPORT`).
+    pub transport: TransportPref,
+    /// Never use shared memory (`RINGZERO_SHM_DISABLE=1`).
+    pub shm_disable: bool,
+    /// Largest frame payload in bytes (`RINGZERO_SLICE_BYTES`).
+    pub slice_bytes: usize,
+    /// Slots per link (`RINGZERO_SLOTS`, at least 2).
+    pub slots: usize,
+    /// Directory for shared-memory segments (`RINGZERO_SHM_DIR`, default `/dev/shm`).
+    pub shm_dir: std::path::PathBuf,
+}
+
+impl Config {
+    /// A configuration for `rank` of `world_size` with the store at `master_addr:master_port`, all
+    /// ranks on one node, and every knob at its default. Used by tests and by embedders that do
+    /// their own rendezvous.
+    pub fn new(rank: usize, world_size: usize, master_addr: &str, master_port: u16) -> Config {
+        Config {
+            launch: LaunchInfo {
+                rank,
+                world_size,
+                local_rank: rank,
+                local_world_size: world_size,
+                master_addr: master_addr.to_string(),
+                master_port,
+                source: "explicit",
+            },
+            secret: Vec::new(),
+            job_id: format!("{master_addr}:{master_port}"),
+            node_id: default_node_id(),
+            timeout: DEFAULT_TIMEOUT,
+            transport: TransportPref::Auto,
+            shm_disable: false,
+            slice_bytes: DEFAULT_SLICE_BYTES,
+            slots: DEFAULT_SLOTS,
+            shm_dir: "/dev/shm".into(),
+        }
+    }
+
+    /// Read the launcher's variables and every `RINGZERO_*` knob from the process environment.
+    pub fn from_env() -> Result<Config> {
+        Config::from_lookup(&|k| std::env::var(k).ok())
+    }
+
+    /// As [`Config::from_env`], from any lookup function (tests pass a map).
+    pub fn from_lookup(env: &dyn Fn(&str) -> Option<String>) -> Result<Config> {
+        let launch = launch_info(env)?;
+        let mut c = Config::new(
+            launch.rank,
+            launch.world_size,
+            &launch.master_addr,
+            launch.master_port,
+        );
+        c.launch = launch;
+        if let Some(s) = env("RINGZERO_SECRET") {
+            c.secret = s.into_bytes();
+        }
+        if let Some(j) = env("RINGZERO_JOB_ID") {
+            c.job_id = j;
+        }
+        if let Some(n) = env("RINGZERO_NODE_ID") {
+            if n.is_empty() {
+                return Err(Error::config("RINGZERO_NODE_ID", "is empty"));
+            }
+            c.node_id = n;
+        }
+        if let Some(t) = env("RINGZERO_TIMEOUT") {
+            let secs: f64 = t
+                .parse()
+                .ok()
+                .filter(|s: &f64| s.is_finite() && *s > 0.0)
+                .ok_or_else(|| {
+                    Error::config(
+                        "RINGZERO_TIMEOUT",
+                        format!("`{t}` is not a positive number of seconds"),
+                    )
+                })?;
+            c.timeout = Duration::from_secs_f64(secs);
+        }
+        if let Some(t) = env("RINGZERO_TRANSPORT") {
+            c.transport = match t.to_ascii_lowercase().as_str() {
+                "auto" | "" => TransportPref::Auto,
+                "tcp" => TransportPref::Tcp,
+                "shm" => TransportPref::Shm,
+                "cuda_ipc" => {
+                    return Err(Error::config(
+                        "RINGZERO_TRANSPORT",
+                        "cuda_ipc is for device buffers, which this build does not support yet",
+                    ))
+                }
+                _ => {
+                    return Err(Error::config(
+                        "RINGZERO_TRANSPORT",
+                        format!("`{t}` is not one of tcp, shm, auto"),
+                    ))
+                }
+            };
+        }
+        c.shm_disable = flag(env, "RINGZERO_SHM_DISABLE")?;
+        if let Some(v) = env("RINGZERO_SLICE_BYTES") {
+            c.slice_bytes = parse_bytes(&v)
+                .filter(|b| (1..=1 << 30).contains(b))
+                .ok_or_else(|| {
+                    Error::config(
+                        "RINGZERO_SLICE_BYTES",
+                        format!("`{v}` is not a size between 1 and 1G"),
+                    )
+                })?;
+        }
+        if let Some(v) = env("RINGZERO_SLOTS") {
+            c.slots = v
+                .parse()
+                .ok()
+                .filter(|s| (2..=64).contains(s))
+                .ok_or_else(|| {
+                    Error::config(
+                        "RINGZERO_SLOTS",
+                        format!("`{v}` is not a number between 2 and 64"),
+                    )
+                })?;
+        }
+        if let Some(d) = env("RINGZERO_SHM_DIR") {
+            c.shm_dir = d.into();
+        }
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// Check the values against each other.
+    pub fn validate(&self) -> Result<()> {
+        let l = &self.launch;
+        if l.world_size == 0 {
+            return Err(Error::config("world size", "must be at least 1"));
+        }
+        if l.rank >= l.world_size {
+            return Err(Error::config(
+                "rank",
+                format!("rank {} is not below world size {}", l.rank, l.world_size),
+            ));
+        }
+        if l.local_world_size == 0 || l.local_rank >= l.local_world_size {
+            return Err(Error::config(
+                "local rank",
+                format!(
+                    "local rank {} is not below local world size {}",
+                    l.local_rank, l.local_world_size
+                ),
+            ));
+        }
+        if self.slots < 2 {
+            return Err(Error::config(
+                "slots",
+                "need at least 2 slots per link (one can deadlock the ring)",
+            ));
+        }
+        if self.slice_bytes == 0 {
+            return Err(Error::config("slice_bytes", "must be at least 1"));
+        }
+        if self.transport == TransportPref::Shm && self.shm_disable {
+            return Err(Error::config(
+                "RINGZERO_TRANSPORT",
+                "shm was asked for but RINGZERO_SHM_DISABLE=1 forbids it",
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn flag(env: &dyn Fn(&str) -> Option<String>, var: &str) -> Result<bool> {
+    match env(var).as_deref().map(str::trim) {
+        None | Some("") | Some("0") | Some("false") | Some("no") => Ok(false),
+        Some("1") | Some("true") | Some("yes") => Ok(true),
+        Some(v) => Err(Error::config(var, format!("`{v}` is not 0 or 1"))),
+    }
+}
+
+/// Parse `4096`, `64K`, `4M`, `1G` (powers of 1024).
+pub fn parse_bytes(s: &str) -> Option<usize> {
+    let s = s.trim();
+    let (num, mult) = match s.char_indices().last()? {
+        (i, 'k' | 'K') => (&s[..i], 1 << 10),
+        (i, 'm' | 'M') => (&s[..i], 1 << 20),
+        (i, 'g' | 'G') => (&s[..i], 1 << 30),
+        _ => (s, 1),
+    };
+    num.parse::<usize>().ok()?.checked_mul(mult)
+}
+
+fn launch_info(env: &dyn Fn(&str) -> Option<String>) -> Result<LaunchInfo> {
+    let num =
+        |var: &str| -> Result<Option<usize>> {
+            match env(var) {
+                None => Ok(None),
+                Some(v) => v.trim().parse().map(Some).map_err(|_| {
+                    Error::config(var, format!("`{v}` is not a non-negative integer"))
+                }),
+            }
+        };
+    let port = |vars: &[&str]| -> Result<u16> {
+        for v in vars {
+            if let Some(p) = env(v) {
+                return p
+                    .trim()
+                    .parse()
+                    .map_err(|_| Error::config(*v, format!("`{p}` is not a port number")));
+            }
+        }
+        Ok(DEFAULT_PORT)
+    };
+    let addr = |vars: &[&str]| -> Option<String> { vars.iter().find_map(|v| env(v)) };
+    let need = |v: Option<usize>, var: &str, source: &str| -> Result<usize> {
+        v.ok_or_else(|| Error::config(var, format!("missing (other {source} variables are set)")))
+    };
+    let conventions: [(&'static str, [&str; 4], &[&str], &[&str]); 4] = [
+        (
+            "ringzero",
+            [
+                "RINGZERO_RANK",
+                "RINGZERO_WORLD_SIZE",
+                "RINGZERO_LOCAL_RANK",
+                "RINGZERO_LOCAL_WORLD_SIZE",
+            ],
+            &["RINGZERO_MASTER_ADDR"],
+            &["RINGZERO_MASTER_PORT"],
+        ),
+        (
+            "torchrun",
+            ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"],
+            &["MASTER_ADDR"],
+            &["MASTER_PORT"],
+        ),
+        (
+            "slurm",
+            [
+                "SLURM_PROCID",
+                "SLURM_NTASKS",
+                "SLURM_LOCALID",
+                "SLURM_NTASKS_PER_NODE",
+            ],
+            &[
+                "RINGZERO_MASTER_ADDR",
+                "MASTER_ADDR",
+                "SLURM_LAUNCH_NODE_IPADDR",
+            ],
+            &["RINGZERO_MASTER_PORT", "MASTER_PORT"],
+        ),
+        (
+            "openmpi",
+            [
+                "OMPI_COMM_WORLD_RANK",
+                "OMPI_COMM_WORLD_SIZE",
+                "OMPI_COMM_WORLD_LOCAL_RANK",
+                "OMPI_COMM_WORLD_LOCAL_SIZE",
+            ],
+            &["RINGZERO_MASTER_ADDR", "MASTER_ADDR"],
+            &["RINGZERO_MASTER_PORT", "MASTER_PORT"],
+        ),
+    ];
+    for (source, [rank_v, world_v, local_v, local_world_v], addr_vars, port_vars) in conventions {
+        let Some(rank) = num(rank_v)? else { continue };
+        let world_size = need(num(world_v)?, world_v, source)?;
+        let local_rank = num(local_v)?.unwrap_or(rank);
+        // SLURM_NTASKS_PER_NODE may read "4(x2)": the leading number is what we need.
+        let local_world_size = match env(local_world_v) {
+            None => world_size,
+            Some(v) => {
+                let digits: String = v
+                    .trim()
+                    .chars()
+                    .take_while(|c| c.is_ascii_digit())
+                    .collect();
+                digits.parse().map_err(|_| {
+                    Error::config(local_world_v, format!("`{v}` is not a number of ranks"))
+                })?
+            }
+        };
+        let master_addr = match addr(addr_vars) {
+            Some(a) => a,
+            None if world_size == 1 => "127.0.0.1".to_string(),
+            None => {
+                return Err(Error::config(
+                    addr_vars[0],
+                    format!("missing: {source} gave a rank but no master address"),
+                ))
+            }
+        };
+        return Ok(LaunchInfo {
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+            master_addr,
+            master_port: port(port_vars)?,
+            source,
+        });
+    }
+    Err(Error::config(
+        "RINGZERO_RANK",
+        "no launcher found: set RINGZERO_RANK/RINGZERO_WORLD_SIZE/RINGZERO_MASTER_ADDR (or run under \
+         `ringzero launch`, torchrun, srun or mpirun)",
+    ))
+}
+
+/// This host's identity: hostname plus boot id, so two containers with one hostname on different
+/// machines differ, and two processes on one machine agree.
+pub fn default_node_id() -> String {
+    let host = rustix::system::uname()
+        .nodename()
+        .to_string_lossy()
+        .into_owned();
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    format!("{host}/{}", boot.trim())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn cfg(vars: &[(&str, &str)]) -> Result<Config> {
+        let m: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        Config::from_lookup(&|k| m.get(k).cloned())
+    }
+
+    #[test]
+    fn conventions_in_order() {
+        let c = cfg(&[
+            ("RINGZERO_RANK", "1"),
+            ("RINGZERO_WORLD_SIZE", "4"),
+            ("RINGZERO_MASTER_ADDR", "10.0.0.1"),
+            ("RANK", "3"),
+            ("WORLD_SIZE", "8"),
+        ])
+        .unwrap();
+        assert_eq!(
+            (c.launch.rank, c.launch.world_size, c.launch.source),
+            (1, 4, "ringzero")
+        );
+        let c = cfg(&[
+            ("RANK", "3"),
+            ("WORLD_SIZE", "8"),
+            ("LOCAL_RANK", "1"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "h"),
+            ("MASTER_PORT", "1234"),
+        ])
+        .unwrap();
+        assert_eq!(
+            (
+                c.launch.rank,
+                c.launch.local_rank,
+                c.launch.local_world_size,
+                c.launch.master_port
+            ),
+            (3, 1, 2, 1234)
+        );
+        let c = cfg(&[
+            ("SLURM_PROCID", "5"),
+            ("SLURM_NTASKS", "8"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_NTASKS_PER_NODE", "4(x2)"),
+            ("MASTER_ADDR", "n1"),
+        ])
+        .unwrap();
+        assert_eq!(
+            (
+                c.launch.rank,
+                c.launch.local_world_size,
+                c.launch.source,
+                c.launch.master_port
+            ),
+            (5, 4, "slurm", DEFAULT_PORT)
+        );
+        let c = cfg(&[
+            ("OMPI_COMM_WORLD_RANK", "2"),
+            ("OMPI_COMM_WORLD_SIZE", "3"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "0"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "1"),
+            ("RINGZERO_MASTER_ADDR", "m"),
+        ])
+        .unwrap();
+        assert_eq!(
+            (
+                c.launch.rank,
+                c.launch.source,
+                c.launch.master_addr.as_str()
+            ),
+            (2, "openmpi", "m")
+        );
+    }
+
+    #[test]
+    fn bad_values_name_the_variable() {
+        let base = [
+            ("RINGZERO_RANK", "0"),
+            ("RINGZERO_WORLD_SIZE", "2"),
+            ("RINGZERO_MASTER_ADDR", "127.0.0.1"),
+        ];
+        let with = |k: &'static str, v: &'static str| {
+            let mut v2 = base.to_vec();
+            v2.push((k, v));
+            cfg(&v2).unwrap_err().to_string()
+        };
+        assert!(with("RINGZERO_TIMEOUT", "-3").contains("RINGZERO_TIMEOUT"));
+        assert!(with("RINGZERO_TRANSPORT", "udp").contains("`udp` is not one of"));
+        assert!(with("RINGZERO_SLOTS", "1").contains("RINGZERO_SLOTS"));
+        assert!(with("RINGZERO_SHM_DISABLE", "maybe").contains("RINGZERO_SHM_DISABLE"));
+        assert!(with("RINGZERO_MASTER_PORT", "99999").contains("RINGZERO_MASTER_PORT"));
+        let e = cfg(&[
+            ("RINGZERO_RANK", "2"),
+            ("RINGZERO_WORLD_SIZE", "2"),
+            ("RINGZERO_MASTER_ADDR", "x"),
+        ])
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("rank 2 is not below world size 2"),
+            "{e}"
+        );
+        let e = cfg(&[("RANK", "0"), ("WORLD_SIZE", "2")]).unwrap_err();
+        assert!(e.to_string().contains("MASTER_ADDR"), "{e}");
+        assert!(cfg(&[])
+            .unwrap_err()
+            .to_string()
+            .contains("no launcher found"));
+    }
+
+    #[test]
+    fn knobs() {
+        let c = cfg(&[
+            ("RINGZERO_RANK", "0"),
+            ("RINGZERO_WORLD_SIZE", "1"),
+            ("RINGZERO_TIMEOUT", "2.5"),
+            ("RINGZERO_SLICE_BYTES", "64K"),
+            ("RINGZERO_TRANSPORT", "TCP"),
+            ("RINGZERO_NODE_ID", "fake-1"),
+        ])
+        .unwrap();
+        assert_eq!(c.timeout, Duration::from_millis(2500));
+        assert_eq!(c.slice_bytes, 65536);
+        assert_eq!(c.transport, TransportPref::Tcp);
+        assert_eq!(c.node_id, "fake-1");
+        assert_eq!(c.launch.master_addr, "127.0.0.1");
+    }
+}

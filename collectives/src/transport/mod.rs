@@ -1,0 +1,127 @@
+//! One link to one peer, behind one small contract. A ring edge is a [`SendLink`] on the rank that
+//! sends and a [`RecvLink`] on the rank that receives; each backend (`shm`, `tcp`) implements both
+//! halves in one file, so "how shm sends a slice" sits next to "how tcp sends a slice".
+//!
+//! The contract (NCCL's and gloo's, cut to what the ring needs):
+//! - the receiver owns a FIFO of `slots` slots of `slot_bytes` each; the sender may have at most
+//!   `slots` frames outstanding (the credits);
+//! - send: [`SendLink::reserve`] a slot, fill it (the engine reduces straight into it), then
+//!   [`SendLink::post`] it with its header;
+//! - receive: [`RecvLink::peek`] the next frame (its header is checked against what this rank
+//!   expects before the payload is touched), consume it, then [`RecvLink::release`] the slot,
+//!   which returns the credit;
+//! - every call is non-blocking; the engine waits between calls (see [`wait`]).
+//!
+//! Choosing a transport per edge is [`crate::topology`]'s job, not the transports'.
+
+pub mod shm;
+pub mod tcp;
+pub mod wait;
+
+use std::fmt;
+
+use crate::wire::{Expect, FrameHeader};
+
+/// Which backend carries an edge.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TransportKind {
+    /// Slots in a shared-memory file (same node).
+    Shm,
+    /// A TCP connection.
+    Tcp,
+}
+
+impl fmt::Display for TransportKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            TransportKind::Shm => "shm",
+            TransportKind::Tcp => "tcp",
+        })
+    }
+}
+
+/// What went wrong on a link, without the collective's context (the engine adds it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LinkError {
+    /// The peer is gone (connection closed, process dead).
+    Lost(String),
+    /// The peer announced it is aborting, with its reason.
+    PeerAborted(String),
+    /// The peer sent a valid frame of a different collective.
+    Mismatch {
+        /// The peer's call.
+        theirs: String,
+    },
+    /// The peer sent something that is not the protocol.
+    Protocol(String),
+    /// A local OS error.
+    Io(String),
+}
+
+impl fmt::Display for LinkError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            LinkError::Lost(d) => write!(f, "peer lost: {d}"),
+            LinkError::PeerAborted(r) => write!(f, "peer aborted: {r}"),
+            LinkError::Mismatch { theirs } => write!(f, "peer called {theirs}"),
+            LinkError::Protocol(d) => write!(f, "protocol error: {d}"),
+            LinkError::Io(d) => write!(f, "{d}"),
+        }
+    }
+}
+
+impl From<crate::wire::WireError> for LinkError {
+    fn from(e: crate::wire::WireError) -> LinkError {
+        match e {
+            crate::wire::WireError::Garbage(d) => LinkError::Protocol(d),
+            crate::wire::WireError::Mismatch { theirs } => LinkError::Mismatch { theirs },
+        }
+    }
+}
+
+/// Result of a link call.
+pub type LinkResult<T> = Result<T, LinkError>;
+
+/// The sending half of a ring edge.
+pub trait SendLink: Send {
+    /// The backend.
+    fn kind(&self) -> TransportKind;
+    /// Largest payload one frame can carry.
+    fn slot_bytes(&self) -> usize;
+    /// Room for the next frame's payload of `len` bytes, or `None` while no credit is free.
+    fn reserve(&mut self, len: usize) -> LinkResult<Option<&mut [u8]>>;
+    /// Publish the frame reserved last, with its header.
+    fn post(&mut self, header: &FrameHeader) -> LinkResult<()>;
+    /// Move bytes along (tcp: write staged frames). Returns whether anything moved.
+    fn progress(&mut self) -> LinkResult<bool>;
+    /// Whether every posted frame has left this process.
+    fn flushed(&self) -> bool;
+    /// Whether the peer is still there (shm: abort flag and process liveness). Cheap; called
+    /// while idle.
+    fn health(&mut self) -> LinkResult<()>;
+    /// Tell the peer this rank aborts, best effort, without blocking.
+    fn abort(&mut self, reason: &str);
+    /// A socket the engine can sleep on (tcp), if any.
+    fn pollable(&mut self) -> Option<&mut mio::net::TcpStream> {
+        None
+    }
+}
+
+/// The receiving half of a ring edge.
+pub trait RecvLink: Send {
+    /// The backend.
+    fn kind(&self) -> TransportKind;
+    /// The next frame's payload if it has fully arrived and its header matches `expect`; the
+    /// same frame is returned until [`RecvLink::release`].
+    fn peek(&mut self, expect: &Expect) -> LinkResult<Option<&[u8]>>;
+    /// Give the slot of the frame last peeked back to the sender.
+    fn release(&mut self) -> LinkResult<()>;
+    /// Whether the peer is still there.
+    fn health(&mut self) -> LinkResult<()>;
+    /// Tell the peer this rank aborts, best effort.
+    fn abort(&mut self, reason: &str);
+    /// A socket the engine can sleep on (tcp), if any.
+    fn pollable(&mut self) -> Option<&mut mio::net::TcpStream> {
+        None
+    }
+}

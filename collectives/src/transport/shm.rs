@@ -1,0 +1,565 @@
+//! Shared-memory transport: the receiver's FIFO of slots lives in a file under `/dev/shm`.
+//!
+//! Layout of the file (offsets in bytes):
+//! ```text
+//! 0     control block: magic, version, slots, slot_bytes, receiver pid, sender pid,
+//!       abort flag + reason (512 bytes)
+//! 1024  head: frames the sender has published          (own cache line; written by the sender)
+//! 1088  tail: frames the receiver has released          (own cache line; written by the receiver)
+//! 4096  slot headers, 64 bytes each (a FrameHeader)
+//! data  slots × slot_bytes, page-aligned
+//! ```
+//! Frame `k` lives in slot `k % slots`. The sender may write frame `head` once
+//! `head − tail < slots`, then publishes it with a release store of `head + 1`; the receiver reads
+//! it after an acquire load sees `head > k`, and gives the slot back with a release store of
+//! `tail = k + 1`. Space is reserved up front with `fallocate`, so a too-small `/dev/shm` fails at
+//! setup with a clear error instead of a SIGBUS mid-collective. The receiver creates the file; the
+//! sender unlinks it as soon as it has mapped it (both ends attached); the receiver unlinks it on
+//! drop in case the sender never came.
+//!
+//! A dead peer is noticed by [`SendLink::health`]/[`RecvLink::health`]: the abort flag, and the
+//! peer's pid checked with `kill(pid, 0)` plus its `/proc` state (a zombie is dead).
+
+use std::fs::OpenOptions;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use memmap2::MmapMut;
+
+use super::{LinkError, LinkResult, RecvLink, SendLink, TransportKind};
+use crate::error::{Error, Result};
+use crate::wire::{Expect, FrameHeader, HEADER_LEN, MAX_ABORT_REASON};
+
+const MAGIC: u64 = u64::from_le_bytes(*b"RZSHM001");
+const VERSION: u32 = 1;
+const OFF_MAGIC: usize = 0;
+const OFF_VERSION: usize = 8;
+const OFF_SLOTS: usize = 12;
+const OFF_SLOT_BYTES: usize = 16;
+const OFF_RECV_PID: usize = 24;
+const OFF_SEND_PID: usize = 28;
+const OFF_ABORT: usize = 32;
+const OFF_REASON_LEN: usize = 36;
+const OFF_REASON: usize = 64;
+const REASON_CAP: usize = 512;
+const OFF_HEAD: usize = 1024;
+const OFF_TAIL: usize = 1088;
+const OFF_SLOT_HEADERS: usize = 4096;
+const SLOT_HEADER_STRIDE: usize = 64;
+const PAGE: usize = 4096;
+const HEALTH_EVERY: Duration = Duration::from_millis(50);
+
+/// Geometry of one segment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Geometry {
+    slots: usize,
+    slot_bytes: usize,
+}
+
+impl Geometry {
+    fn data_offset(&self) -> usize {
+        OFF_SLOT_HEADERS + (self.slots * SLOT_HEADER_STRIDE).next_multiple_of(PAGE)
+    }
+    fn total(&self) -> usize {
+        self.data_offset() + self.slots * self.slot_bytes
+    }
+}
+
+/// A mapped segment and typed access to its control block.
+struct Segment {
+    map: MmapMut,
+    geo: Geometry,
+    path: PathBuf,
+}
+
+impl Segment {
+    fn atomic_u64(&self, off: usize) -> &AtomicU64 {
+        debug_assert!(off % 8 == 0 && off + 8 <= OFF_SLOT_HEADERS);
+        // SAFETY: the mapping is page-aligned and at least OFF_SLOT_HEADERS long, `off` is a fixed
+        // 8-aligned offset inside the control block, and both processes only ever touch these 8
+        // bytes through atomics. The reference cannot outlive `self.map`.
+        unsafe { &*(self.map.as_ptr().add(off) as *const AtomicU64) }
+    }
+
+    fn atomic_u32(&self, off: usize) -> &AtomicU32 {
+        debug_assert!(off % 4 == 0 && off + 4 <= OFF_SLOT_HEADERS);
+        // SAFETY: as for `atomic_u64`, with 4-byte alignment.
+        unsafe { &*(self.map.as_ptr().add(off) as *const AtomicU32) }
+    }
+
+    fn slot_header_ptr(&self, slot: usize) -> *mut u8 {
+        debug_assert!(slot < self.geo.slots);
+        // SAFETY (of the pointer arithmetic): slot < slots, so the header lies inside the mapping.
+        unsafe {
+            self.map
+                .as_ptr()
+                .add(OFF_SLOT_HEADERS + slot * SLOT_HEADER_STRIDE) as *mut u8
+        }
+    }
+
+    fn slot_ptr(&self, slot: usize) -> *mut u8 {
+        debug_assert!(slot < self.geo.slots);
+        // SAFETY (of the pointer arithmetic): slot < slots, so the slot lies inside the mapping.
+        unsafe {
+            self.map
+                .as_ptr()
+                .add(self.geo.data_offset() + slot * self.geo.slot_bytes) as *mut u8
+        }
+    }
+
+    /// Set the abort flag (first writer wins) with `reason`; `who` is 1 for the sender, 2 for the
+    /// receiver.
+    fn abort(&self, who: u32, reason: &str) {
+        if self.atomic_u32(OFF_ABORT).load(Ordering::Acquire) != 0 {
+            return;
+        }
+        let r = &reason.as_bytes()[..reason.len().min(REASON_CAP)];
+        // SAFETY: the reason area is a fixed region of the control block, written only here, before
+        // the release store that publishes it; readers read it only after seeing the flag.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                r.as_ptr(),
+                self.map.as_ptr().add(OFF_REASON) as *mut u8,
+                r.len(),
+            )
+        };
+        self.atomic_u32(OFF_REASON_LEN)
+            .store(r.len() as u32, Ordering::Relaxed);
+        let _ = self.atomic_u32(OFF_ABORT).compare_exchange(
+            0,
+            who,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+    }
+
+    fn aborted_by_peer(&self, me: u32) -> Option<String> {
+        let flag = self.atomic_u32(OFF_ABORT).load(Ordering::Acquire);
+        if flag == 0 || flag == me {
+            return None;
+        }
+        let len =
+            (self.atomic_u32(OFF_REASON_LEN).load(Ordering::Relaxed) as usize).min(REASON_CAP);
+        let reason = String::from_utf8_lossy(&self.map[OFF_REASON..OFF_REASON + len]).into_owned();
+        Some(reason)
+    }
+}
+
+/// Whether process `pid` is alive (not gone, not a zombie).
+fn pid_alive(pid: u32) -> bool {
+    if pid == 0 || pid == std::process::id() {
+        return true;
+    }
+    let Some(p) = rustix::process::Pid::from_raw(pid as i32) else {
+        return true;
+    };
+    match rustix::process::test_kill_process(p) {
+        Err(rustix::io::Errno::SRCH) => false,
+        _ => match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+            // The state follows the parenthesised command name.
+            Ok(stat) => {
+                !matches!(stat.rsplit(')').next().map(str::trim_start), Some(s) if s.starts_with('Z') || s.starts_with('X'))
+            }
+            Err(_) => true,
+        },
+    }
+}
+
+/// The receiving end: owns (creates) the segment.
+pub struct ShmRecv {
+    seg: Segment,
+    next: u64,
+    peer: usize,
+    last_health: Instant,
+}
+
+/// The sending end: attaches to the receiver's segment.
+pub struct ShmSend {
+    seg: Segment,
+    head: u64,
+    reserved: Option<usize>,
+    peer: usize,
+    last_health: Instant,
+}
+
+impl ShmRecv {
+    /// Create and map a segment for frames from rank `peer` in `dir`, reserving all its space.
+    pub fn create(
+        dir: &Path,
+        name: &str,
+        slots: usize,
+        slot_bytes: usize,
+        peer: usize,
+    ) -> Result<ShmRecv> {
+        let geo = Geometry {
+            slots,
+            slot_bytes: slot_bytes.next_multiple_of(64),
+        };
+        let path = dir.join(name);
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&path)
+            .map_err(|e| Error::io(format!("creating shm segment {}", path.display()), e))?;
+        let total = geo.total();
+        match rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, total as u64) {
+            Ok(()) => {}
+            Err(rustix::io::Errno::OPNOTSUPP) => {
+                file.set_len(total as u64)
+                    .map_err(|e| Error::io("sizing shm segment", e))?;
+            }
+            Err(e) => {
+                let _ = std::fs::remove_file(&path);
+                let free = rustix::fs::statvfs(dir)
+                    .map(|s| s.f_bavail * s.f_frsize)
+                    .unwrap_or(0);
+                return Err(Error::Io {
+                    context: format!("reserving {total} bytes for shm segment {}", path.display()),
+                    detail: format!(
+                        "{e} ({} has {free} bytes free; a container's default /dev/shm is often 64 MB: raise it \
+                         (docker --shm-size), lower RINGZERO_SLICE_BYTES/RINGZERO_SLOTS, or set RINGZERO_SHM_DISABLE=1)",
+                        dir.display()
+                    ),
+                });
+            }
+        }
+        // SAFETY: the file was just created by us with O_EXCL and sized; it is shared only with
+        // the peer process through the protocol described in the module docs, and every access
+        // to memory the peer may write goes through atomics or happens after an acquire load
+        // that orders it.
+        let map =
+            unsafe { MmapMut::map_mut(&file) }.map_err(|e| Error::io("mapping shm segment", e))?;
+        let seg = Segment { map, geo, path };
+        seg.atomic_u64(OFF_MAGIC).store(MAGIC, Ordering::Relaxed);
+        seg.atomic_u32(OFF_VERSION)
+            .store(VERSION, Ordering::Relaxed);
+        seg.atomic_u32(OFF_SLOTS)
+            .store(slots as u32, Ordering::Relaxed);
+        seg.atomic_u64(OFF_SLOT_BYTES)
+            .store(geo.slot_bytes as u64, Ordering::Relaxed);
+        seg.atomic_u32(OFF_RECV_PID)
+            .store(std::process::id(), Ordering::Release);
+        Ok(ShmRecv {
+            seg,
+            next: 0,
+            peer,
+            last_health: Instant::now(),
+        })
+    }
+
+    /// The segment's path, the connect info the sender needs.
+    pub fn path(&self) -> &Path {
+        &self.seg.path
+    }
+}
+
+impl Drop for ShmRecv {
+    fn drop(&mut self) {
+        // Normally the sender unlinked it already.
+        let _ = std::fs::remove_file(&self.seg.path);
+    }
+}
+
+impl ShmSend {
+    /// Map the segment rank `peer` created at `path`, check it, and unlink it.
+    pub fn attach(path: &Path, slots: usize, slot_bytes: usize, peer: usize) -> Result<ShmSend> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|e| Error::Io {
+                context: format!("opening rank {peer}'s shm segment {}", path.display()),
+                detail: format!(
+                "{e} — ranks that share a node id must share /dev/shm (different containers?); \
+                 set RINGZERO_SHM_DISABLE=1 or distinct RINGZERO_NODE_ID values"
+            ),
+            })?;
+        let geo = Geometry {
+            slots,
+            slot_bytes: slot_bytes.next_multiple_of(64),
+        };
+        let len = file
+            .metadata()
+            .map_err(|e| Error::io("shm segment size", e))?
+            .len() as usize;
+        if len < geo.total() {
+            return Err(Error::Protocol {
+                peer: format!("rank {peer}"),
+                detail: format!(
+                    "shm segment {} is {len} bytes, expected {}",
+                    path.display(),
+                    geo.total()
+                ),
+            });
+        }
+        // SAFETY: see `ShmRecv::create`; the size was checked above.
+        let map =
+            unsafe { MmapMut::map_mut(&file) }.map_err(|e| Error::io("mapping shm segment", e))?;
+        let seg = Segment {
+            map,
+            geo,
+            path: path.to_path_buf(),
+        };
+        let ok = seg.atomic_u64(OFF_MAGIC).load(Ordering::Acquire) == MAGIC
+            && seg.atomic_u32(OFF_VERSION).load(Ordering::Relaxed) == VERSION
+            && seg.atomic_u32(OFF_SLOTS).load(Ordering::Relaxed) as usize == slots
+            && seg.atomic_u64(OFF_SLOT_BYTES).load(Ordering::Relaxed) as usize == geo.slot_bytes;
+        if !ok {
+            return Err(Error::Protocol {
+                peer: format!("rank {peer}"),
+                detail: format!(
+                    "shm segment {} has another layout (do the ranks use the same RINGZERO_SLOTS and \
+                     RINGZERO_SLICE_BYTES?)",
+                    path.display()
+                ),
+            });
+        }
+        seg.atomic_u32(OFF_SEND_PID)
+            .store(std::process::id(), Ordering::Release);
+        let _ = std::fs::remove_file(path);
+        Ok(ShmSend {
+            seg,
+            head: 0,
+            reserved: None,
+            peer,
+            last_health: Instant::now(),
+        })
+    }
+}
+
+fn check_health(
+    seg: &Segment,
+    me: u32,
+    pid_off: usize,
+    peer: usize,
+    last: &mut Instant,
+) -> LinkResult<()> {
+    if let Some(reason) = seg.aborted_by_peer(me) {
+        return Err(LinkError::PeerAborted(reason));
+    }
+    if last.elapsed() >= HEALTH_EVERY {
+        *last = Instant::now();
+        let pid = seg.atomic_u32(pid_off).load(Ordering::Acquire);
+        if !pid_alive(pid) {
+            return Err(LinkError::Lost(format!(
+                "rank {peer}'s process (pid {pid}) has exited"
+            )));
+        }
+    }
+    Ok(())
+}
+
+impl SendLink for ShmSend {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Shm
+    }
+
+    fn slot_bytes(&self) -> usize {
+        self.seg.geo.slot_bytes
+    }
+
+    fn reserve(&mut self, len: usize) -> LinkResult<Option<&mut [u8]>> {
+        if len > self.seg.geo.slot_bytes {
+            return Err(LinkError::Io(format!(
+                "frame of {len} bytes exceeds the {}-byte slot",
+                self.seg.geo.slot_bytes
+            )));
+        }
+        let tail = self.seg.atomic_u64(OFF_TAIL).load(Ordering::Acquire);
+        if self.head - tail >= self.seg.geo.slots as u64 {
+            if let Some(reason) = self.seg.aborted_by_peer(1) {
+                return Err(LinkError::PeerAborted(reason));
+            }
+            return Ok(None);
+        }
+        self.reserved = Some(len);
+        let slot = (self.head % self.seg.geo.slots as u64) as usize;
+        // SAFETY: slot `head % slots` is free (head − tail < slots: the receiver released it and
+        // will not read it again until we publish head + 1), lies inside the mapping, and only this
+        // sender writes it. The borrow of `self` keeps the mapping alive for the slice's lifetime.
+        Ok(Some(unsafe {
+            std::slice::from_raw_parts_mut(self.seg.slot_ptr(slot), len)
+        }))
+    }
+
+    fn post(&mut self, header: &FrameHeader) -> LinkResult<()> {
+        let len = self
+            .reserved
+            .take()
+            .ok_or_else(|| LinkError::Io("post without reserve".into()))?;
+        debug_assert_eq!(header.len as usize, len);
+        let slot = (self.head % self.seg.geo.slots as u64) as usize;
+        let bytes: [u8; HEADER_LEN] = bytemuck::cast(*header);
+        // SAFETY: the slot header belongs to the free slot reserved above (same reasoning).
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                bytes.as_ptr(),
+                self.seg.slot_header_ptr(slot),
+                HEADER_LEN,
+            )
+        };
+        self.head += 1;
+        self.seg
+            .atomic_u64(OFF_HEAD)
+            .store(self.head, Ordering::Release);
+        Ok(())
+    }
+
+    fn progress(&mut self) -> LinkResult<bool> {
+        Ok(false)
+    }
+
+    fn flushed(&self) -> bool {
+        true
+    }
+
+    fn health(&mut self) -> LinkResult<()> {
+        check_health(&self.seg, 1, OFF_RECV_PID, self.peer, &mut self.last_health)
+    }
+
+    fn abort(&mut self, reason: &str) {
+        self.seg.abort(1, reason);
+    }
+}
+
+impl RecvLink for ShmRecv {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Shm
+    }
+
+    fn peek(&mut self, expect: &Expect) -> LinkResult<Option<&[u8]>> {
+        let head = self.seg.atomic_u64(OFF_HEAD).load(Ordering::Acquire);
+        if head <= self.next {
+            if let Some(reason) = self.seg.aborted_by_peer(2) {
+                return Err(LinkError::PeerAborted(reason));
+            }
+            return Ok(None);
+        }
+        let slot = (self.next % self.seg.geo.slots as u64) as usize;
+        let mut bytes = [0u8; HEADER_LEN];
+        // SAFETY: the acquire load of head > next orders the sender's writes of this slot's header
+        // and payload before our reads; the sender will not touch the slot until we release it.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.seg.slot_header_ptr(slot),
+                bytes.as_mut_ptr(),
+                HEADER_LEN,
+            )
+        };
+        let h = FrameHeader::decode(&bytes)?;
+        if h.is_abort() {
+            return Err(LinkError::PeerAborted("abort frame".into()));
+        }
+        h.check(expect)?;
+        if expect.len > self.seg.geo.slot_bytes {
+            return Err(LinkError::Protocol(format!(
+                "frame of {} bytes exceeds the slot",
+                expect.len
+            )));
+        }
+        // SAFETY: as above; the length was checked against the slot size.
+        Ok(Some(unsafe {
+            std::slice::from_raw_parts(self.seg.slot_ptr(slot), expect.len)
+        }))
+    }
+
+    fn release(&mut self) -> LinkResult<()> {
+        self.next += 1;
+        self.seg
+            .atomic_u64(OFF_TAIL)
+            .store(self.next, Ordering::Release);
+        Ok(())
+    }
+
+    fn health(&mut self) -> LinkResult<()> {
+        check_health(&self.seg, 2, OFF_SEND_PID, self.peer, &mut self.last_health)
+    }
+
+    fn abort(&mut self, reason: &str) {
+        self.seg.abort(2, reason);
+    }
+}
+
+const _: () = assert!(MAX_ABORT_REASON >= REASON_CAP);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ring::Collective;
+    use crate::wire::Fingerprint;
+
+    fn fp() -> Fingerprint {
+        Fingerprint::new(
+            Collective::AllGather,
+            Some(ringzero_kernels::DType::U8),
+            None,
+            10,
+        )
+    }
+
+    #[test]
+    fn frames_flow_with_credits_and_the_file_is_unlinked() {
+        let dir = std::env::temp_dir();
+        let name = format!(
+            "ringzero-test-{}-{}",
+            std::process::id(),
+            rand::random::<u32>()
+        );
+        let mut rx = ShmRecv::create(&dir, &name, 2, 100, 0).unwrap();
+        let mut tx = ShmSend::attach(rx.path(), 2, 100, 1).unwrap();
+        assert!(!dir.join(&name).exists(), "sender unlinks once attached");
+        for k in 0..2u32 {
+            let s = tx.reserve(10).unwrap().unwrap();
+            s.fill(k as u8 + 1);
+            tx.post(&FrameHeader::data(0, k, 0, fp(), 10)).unwrap();
+        }
+        assert!(
+            tx.reserve(10).unwrap().is_none(),
+            "no credit left with 2 slots"
+        );
+        let e = |step| Expect {
+            seq: 0,
+            step,
+            slice: 0,
+            fp: fp(),
+            len: 10,
+        };
+        assert_eq!(rx.peek(&e(0)).unwrap().unwrap(), &[1u8; 10]);
+        rx.release().unwrap();
+        assert!(tx.reserve(10).unwrap().is_some(), "credit returned");
+        // A frame of another call is a mismatch naming it.
+        let err = rx
+            .peek(&Expect {
+                fp: Fingerprint::new(Collective::AllReduce, None, None, 10),
+                ..e(1)
+            })
+            .unwrap_err();
+        assert!(
+            matches!(err, LinkError::Mismatch { ref theirs } if theirs.starts_with("all_gather")),
+            "{err:?}"
+        );
+        tx.abort("boom");
+        assert_eq!(
+            rx.health().unwrap_err(),
+            LinkError::PeerAborted("boom".into())
+        );
+    }
+
+    #[test]
+    fn zombie_and_missing_pids_are_dead() {
+        assert!(pid_alive(std::process::id()));
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        std::thread::sleep(Duration::from_millis(200));
+        assert!(
+            !pid_alive(pid),
+            "an exited, unreaped child is a zombie: dead"
+        );
+        child.wait().unwrap();
+        assert!(!pid_alive(pid));
+    }
+}

@@ -1,0 +1,418 @@
+//! TCP transport: one connection per ring edge, non-blocking, driven by the engine's loop.
+//!
+//! The sender's "slots" are local staging buffers: the engine reduces straight into one, posts it,
+//! and [`SendLink::progress`] writes header and payload with one vectored write per call until the
+//! socket would block. The receiver reads the 48-byte header first, checks it against what it
+//! expects (before reading or buffering a single payload byte), then reads the payload into its
+//! slot. Connection setup uses socket2 (NODELAY, large buffers) and the authenticated handshake;
+//! the established streams are `mio` streams so the engine can sleep on both directions at once.
+
+use std::collections::VecDeque;
+use std::io::{ErrorKind, IoSlice, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+use socket2::{Domain, Protocol, SockRef, Socket, Type};
+
+use super::{LinkError, LinkResult, RecvLink, SendLink, TransportKind};
+use crate::bootstrap::handshake::{self, Identity, Role};
+use crate::error::{Error, Result};
+use crate::wire::{Expect, FrameHeader, HEADER_LEN, MAX_ABORT_REASON};
+
+const SOCKET_BUFFER: usize = 4 << 20;
+
+/// 8-byte aligned byte storage, so every dtype can be viewed in place.
+struct Aligned {
+    words: Vec<u64>,
+    len: usize,
+}
+
+impl Aligned {
+    fn new(len: usize) -> Aligned {
+        Aligned {
+            words: vec![0u64; len.div_ceil(8)],
+            len,
+        }
+    }
+    fn bytes(&self) -> &[u8] {
+        &bytemuck::cast_slice(&self.words)[..self.len]
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut bytemuck::cast_slice_mut(&mut self.words)[..self.len]
+    }
+}
+
+fn tune(s: &TcpStream) {
+    let r = SockRef::from(s);
+    let _ = r.set_nodelay(true);
+    let _ = r.set_send_buffer_size(SOCKET_BUFFER);
+    let _ = r.set_recv_buffer_size(SOCKET_BUFFER);
+}
+
+/// Connect to rank `peer` listening at `addr` and authenticate, retrying refused connections
+/// until `timeout`.
+pub fn connect(
+    addr: SocketAddr,
+    me: &Identity,
+    peer: usize,
+    timeout: Duration,
+) -> Result<TcpStream> {
+    let deadline = Instant::now() + timeout;
+    let who = format!("rank {peer} at {addr}");
+    loop {
+        let sock = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))
+            .map_err(|e| Error::io("creating a socket", e))?;
+        let left = deadline
+            .saturating_duration_since(Instant::now())
+            .max(Duration::from_millis(10));
+        match sock.connect_timeout(&addr.into(), left) {
+            Ok(()) => {
+                let mut s: TcpStream = sock.into();
+                tune(&s);
+                let theirs = handshake::client(&mut s, me, Role::Data, &who, timeout)?;
+                if theirs as usize != peer {
+                    return Err(Error::Handshake {
+                        peer: who,
+                        reason: format!("expected rank {peer}, found rank {theirs}"),
+                    });
+                }
+                return Ok(s);
+            }
+            Err(e) if Instant::now() < deadline && e.kind() == ErrorKind::ConnectionRefused => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => return Err(Error::io(format!("connecting to {who}"), e)),
+        }
+    }
+}
+
+/// Accept the data connection of rank `peer` on `l`, authenticating every caller; callers that
+/// fail the handshake (random bytes, another job, a wrong secret) are dropped and logged and the
+/// wait goes on, until `timeout`.
+pub fn accept_from(
+    l: &TcpListener,
+    me: &Identity,
+    peer: usize,
+    timeout: Duration,
+) -> Result<TcpStream> {
+    let deadline = Instant::now() + timeout;
+    l.set_nonblocking(true)
+        .map_err(|e| Error::io("listener", e))?;
+    let mut refused = Vec::new();
+    loop {
+        match l.accept() {
+            Ok((mut s, from)) => {
+                s.set_nonblocking(false)
+                    .map_err(|e| Error::io("accepted socket", e))?;
+                tune(&s);
+                match handshake::server(&mut s, me, timeout.min(Duration::from_secs(10))) {
+                    Ok(h) if h.role == Role::Data && h.rank as usize == peer => return Ok(s),
+                    Ok(h) => {
+                        let m = format!(
+                            "{from}: rank {} role {:?} where rank {peer} was expected",
+                            h.rank, h.role
+                        );
+                        tracing::warn!(target: "ringzero::transport", "dropped data connection from {m}");
+                        refused.push(m);
+                    }
+                    Err(e) => {
+                        tracing::warn!(target: "ringzero::transport", "dropped data connection from {from}: {e}");
+                        refused.push(e.to_string());
+                    }
+                }
+            }
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                if Instant::now() >= deadline {
+                    let also = if refused.is_empty() {
+                        String::new()
+                    } else {
+                        format!("; refused: {}", refused.join("; "))
+                    };
+                    return Err(Error::Timeout {
+                        op: "connect".into(),
+                        seq: 0,
+                        peer,
+                        waiting: format!("rank {peer} to open its data connection{also}"),
+                        after: timeout,
+                    });
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            Err(e) => return Err(Error::io("accepting a data connection", e)),
+        }
+    }
+}
+
+fn into_mio(s: TcpStream) -> Result<mio::net::TcpStream> {
+    s.set_nonblocking(true)
+        .map_err(|e| Error::io("making a data socket non-blocking", e))?;
+    Ok(mio::net::TcpStream::from_std(s))
+}
+
+struct Pending {
+    header: [u8; HEADER_LEN],
+    slot: usize,
+    len: usize,
+    written: usize,
+}
+
+/// Sending half over TCP.
+pub struct TcpSend {
+    s: mio::net::TcpStream,
+    peer: usize,
+    addr: String,
+    slot_bytes: usize,
+    staging: Vec<Aligned>,
+    queue: VecDeque<Pending>,
+    next_slot: usize,
+    reserved: Option<(usize, usize)>,
+}
+
+impl TcpSend {
+    /// Wrap an authenticated connection to rank `peer`.
+    pub fn new(s: TcpStream, peer: usize, slots: usize, slot_bytes: usize) -> Result<TcpSend> {
+        let addr = s.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+        Ok(TcpSend {
+            s: into_mio(s)?,
+            peer,
+            addr,
+            slot_bytes,
+            staging: (0..slots).map(|_| Aligned::new(slot_bytes)).collect(),
+            queue: VecDeque::new(),
+            next_slot: 0,
+            reserved: None,
+        })
+    }
+
+    fn lost(&self, e: std::io::Error) -> LinkError {
+        LinkError::Lost(format!(
+            "writing to rank {} ({}): {e}",
+            self.peer, self.addr
+        ))
+    }
+}
+
+impl SendLink for TcpSend {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Tcp
+    }
+
+    fn slot_bytes(&self) -> usize {
+        self.slot_bytes
+    }
+
+    fn reserve(&mut self, len: usize) -> LinkResult<Option<&mut [u8]>> {
+        if len > self.slot_bytes {
+            return Err(LinkError::Io(format!(
+                "frame of {len} bytes exceeds the {}-byte slot",
+                self.slot_bytes
+            )));
+        }
+        if self.queue.len() >= self.staging.len() {
+            return Ok(None);
+        }
+        let slot = self.next_slot;
+        self.reserved = Some((slot, len));
+        Ok(Some(&mut self.staging[slot].bytes_mut()[..len]))
+    }
+
+    fn post(&mut self, header: &FrameHeader) -> LinkResult<()> {
+        let (slot, len) = self
+            .reserved
+            .take()
+            .ok_or_else(|| LinkError::Io("post without reserve".into()))?;
+        self.queue.push_back(Pending {
+            header: bytemuck::cast(*header),
+            slot,
+            len,
+            written: 0,
+        });
+        self.next_slot = (self.next_slot + 1) % self.staging.len();
+        Ok(())
+    }
+
+    fn progress(&mut self) -> LinkResult<bool> {
+        let mut moved = false;
+        while let Some(p) = self.queue.front_mut() {
+            let total = HEADER_LEN + p.len;
+            let payload = &self.staging[p.slot].bytes()[..p.len];
+            let r = if p.written < HEADER_LEN {
+                self.s
+                    .write_vectored(&[IoSlice::new(&p.header[p.written..]), IoSlice::new(payload)])
+            } else {
+                self.s.write(&payload[p.written - HEADER_LEN..])
+            };
+            match r {
+                Ok(0) => {
+                    return Err(LinkError::Lost(format!(
+                        "rank {} ({}) stopped reading",
+                        self.peer, self.addr
+                    )))
+                }
+                Ok(n) => {
+                    moved = true;
+                    p.written += n;
+                    if p.written == total {
+                        self.queue.pop_front();
+                    }
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) => return Err(self.lost(e)),
+            }
+        }
+        Ok(moved)
+    }
+
+    fn flushed(&self) -> bool {
+        self.queue.is_empty()
+    }
+
+    fn health(&mut self) -> LinkResult<()> {
+        match self.s.take_error() {
+            Ok(Some(e)) | Err(e) => Err(self.lost(e)),
+            Ok(None) => Ok(()),
+        }
+    }
+
+    fn abort(&mut self, reason: &str) {
+        // An abort frame can only be sent at a frame boundary; mid-frame, closing says enough.
+        if self.queue.is_empty() {
+            let r = &reason.as_bytes()[..reason.len().min(MAX_ABORT_REASON)];
+            let h: [u8; HEADER_LEN] = bytemuck::cast(FrameHeader::abort(r.len()));
+            let _ = self.s.write_vectored(&[IoSlice::new(&h), IoSlice::new(r)]);
+        }
+        let _ = self.s.shutdown(std::net::Shutdown::Write);
+    }
+
+    fn pollable(&mut self) -> Option<&mut mio::net::TcpStream> {
+        Some(&mut self.s)
+    }
+}
+
+/// Receiving half over TCP.
+pub struct TcpRecv {
+    s: mio::net::TcpStream,
+    peer: usize,
+    addr: String,
+    header: [u8; HEADER_LEN],
+    header_got: usize,
+    checked: Option<FrameHeader>,
+    payload: Aligned,
+    got: usize,
+}
+
+impl TcpRecv {
+    /// Wrap an authenticated connection from rank `peer`.
+    pub fn new(s: TcpStream, peer: usize, slot_bytes: usize) -> Result<TcpRecv> {
+        let addr = s.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+        Ok(TcpRecv {
+            s: into_mio(s)?,
+            peer,
+            addr,
+            header: [0; HEADER_LEN],
+            header_got: 0,
+            checked: None,
+            payload: Aligned::new(slot_bytes.max(MAX_ABORT_REASON)),
+            got: 0,
+        })
+    }
+
+    /// Read into `buf[*got..]`; Ok(true) when full, Ok(false) when the socket would block.
+    fn fill(&mut self, which: Buf, want: usize) -> LinkResult<bool> {
+        loop {
+            let (buf, got) = match which {
+                Buf::Header => (&mut self.header[..], &mut self.header_got),
+                Buf::Payload => (&mut self.payload.bytes_mut()[..want], &mut self.got),
+            };
+            if *got == buf.len() {
+                return Ok(true);
+            }
+            match self.s.read(&mut buf[*got..]) {
+                Ok(0) => {
+                    return Err(LinkError::Lost(format!(
+                        "connection closed by rank {} ({})",
+                        self.peer, self.addr
+                    )))
+                }
+                Ok(n) => *got += n,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(false),
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => {
+                    return Err(LinkError::Lost(format!(
+                        "reading from rank {} ({}): {e}",
+                        self.peer, self.addr
+                    )))
+                }
+            }
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Buf {
+    Header,
+    Payload,
+}
+
+impl RecvLink for TcpRecv {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Tcp
+    }
+
+    fn peek(&mut self, expect: &Expect) -> LinkResult<Option<&[u8]>> {
+        if self.checked.is_none() {
+            if !self.fill(Buf::Header, HEADER_LEN)? {
+                return Ok(None);
+            }
+            let h = FrameHeader::decode(&self.header)?;
+            if !h.is_abort() {
+                // Checked before any payload byte is read: the length cannot exceed what we expect.
+                h.check(expect)?;
+                if expect.len > self.payload.len {
+                    return Err(LinkError::Protocol(format!(
+                        "frame of {} bytes exceeds the slot",
+                        expect.len
+                    )));
+                }
+            }
+            self.checked = Some(h);
+        }
+        let h = self.checked.expect("set above");
+        let len = h.len as usize;
+        if !self.fill(Buf::Payload, len)? {
+            return Ok(None);
+        }
+        if h.is_abort() {
+            return Err(LinkError::PeerAborted(
+                String::from_utf8_lossy(&self.payload.bytes()[..len]).into_owned(),
+            ));
+        }
+        Ok(Some(&self.payload.bytes()[..len]))
+    }
+
+    fn release(&mut self) -> LinkResult<()> {
+        self.checked = None;
+        self.header_got = 0;
+        self.got = 0;
+        Ok(())
+    }
+
+    fn health(&mut self) -> LinkResult<()> {
+        match self.s.take_error() {
+            Ok(Some(e)) | Err(e) => Err(LinkError::Lost(format!(
+                "rank {} ({}): {e}",
+                self.peer, self.addr
+            ))),
+            Ok(None) => Ok(()),
+        }
+    }
+
+    fn abort(&mut self, _reason: &str) {
+        let _ = self.s.shutdown(std::net::Shutdown::Both);
+    }
+
+    fn pollable(&mut self) -> Option<&mut mio::net::TcpStream> {
+        Some(&mut self.s)
+    }
+}
