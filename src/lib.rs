@@ -1,1 +1,9 @@
+//! ringzero: ring collectives over shared memory and TCP, written from scratch (no NCCL, no MPI).
+//!
+//! This facade re-exports the crates of the workspace; see [`Communicator`] to start.
+//! - [`kernels`]: element types, devices, CPU reduction kernels;
+//! - everything else: the communicator and its parts (`ringzero-collectives`).
+#![deny(missing_docs)]
 
+pub use ringzero_collectives::*;
+pub use ringzero_kernels as kernels;

@@ -1,0 +1,348 @@
+//! `ringzero launch -n N [--nodes K] -- CMD ARGS...`: run N ranks of CMD on this host.
+//!
+//! Every rank gets `RINGZERO_RANK`, `RINGZERO_WORLD_SIZE`, `RINGZERO_LOCAL_RANK`,
+//! `RINGZERO_LOCAL_WORLD_SIZE`, `RINGZERO_MASTER_ADDR`/`_PORT`, a fresh `RINGZERO_SECRET` and
+//! `RINGZERO_JOB_ID`. With `--nodes K` the ranks are split into K contiguous fake nodes, each with
+//! its own `RINGZERO_NODE_ID`, so edges between them use TCP and edges inside use shared memory.
+//!
+//! Each output line is prefixed with `[rank R]`. When a rank fails (non-zero exit or signal), the
+//! launcher names it, gives the others a grace period to report their own errors (they notice the
+//! dead peer within their deadline), then terminates whoever is left, and exits non-zero.
+
+use std::ffi::OsString;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::process::ExitStatusExt;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// What to launch.
+#[derive(Clone, Debug)]
+pub struct LaunchSpec {
+    /// Number of ranks.
+    pub ranks: usize,
+    /// Number of fake nodes (1: all ranks on this node).
+    pub nodes: usize,
+    /// Program to run.
+    pub program: OsString,
+    /// Its arguments.
+    pub args: Vec<OsString>,
+    /// Extra environment for every rank.
+    pub env: Vec<(String, String)>,
+    /// How long survivors get to exit on their own after a rank fails.
+    pub grace: Duration,
+}
+
+/// Where ranks' output lines go.
+#[derive(Clone)]
+pub enum Output {
+    /// The launcher's stdout/stderr, prefixed.
+    Inherit,
+    /// Collected (tests): `(rank, line)`.
+    Capture(Arc<Mutex<Vec<(usize, String)>>>),
+}
+
+/// How one rank ended.
+#[derive(Clone, Debug)]
+pub struct RankExit {
+    /// The rank.
+    pub rank: usize,
+    /// Its exit status.
+    pub status: ExitStatus,
+    /// Whether the launcher had to terminate it.
+    pub killed_by_launcher: bool,
+}
+
+/// How the job ended.
+#[derive(Clone, Debug)]
+pub struct Outcome {
+    /// Every rank's exit, by rank.
+    pub exits: Vec<RankExit>,
+    /// The first rank seen failing, if any.
+    pub first_failure: Option<usize>,
+}
+
+impl Outcome {
+    /// The launcher's exit code: 0, or the first failed rank's code (128 + signal if killed).
+    pub fn exit_code(&self) -> i32 {
+        match self.first_failure {
+            None => 0,
+            Some(r) => {
+                let s = self.exits[r].status;
+                s.code()
+                    .filter(|c| *c != 0)
+                    .unwrap_or_else(|| 128 + s.signal().unwrap_or(1))
+            }
+        }
+    }
+}
+
+/// Describe an exit status in words.
+pub fn describe(s: ExitStatus) -> String {
+    match (s.code(), s.signal()) {
+        (Some(c), _) => format!("exit code {c}"),
+        (None, Some(sig)) => format!("signal {sig}"),
+        _ => "unknown status".into(),
+    }
+}
+
+/// The fake node of `rank` when `ranks` are split into `nodes` contiguous groups.
+pub fn node_of(rank: usize, ranks: usize, nodes: usize) -> usize {
+    rank * nodes / ranks
+}
+
+fn say(out: &Output, msg: &str) {
+    match out {
+        Output::Inherit => eprintln!("ringzero launch: {msg}"),
+        Output::Capture(v) => v.lock().unwrap().push((usize::MAX, msg.to_string())),
+    }
+}
+
+/// Run the job to completion.
+pub fn launch(spec: &LaunchSpec, out: Output) -> std::io::Result<Outcome> {
+    let invalid = |m: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, m);
+    if spec.ranks == 0 {
+        return Err(invalid("-n must be at least 1".into()));
+    }
+    if spec.nodes == 0 || spec.nodes > spec.ranks {
+        return Err(invalid(format!(
+            "--nodes {} must be between 1 and the number of ranks ({})",
+            spec.nodes, spec.ranks
+        )));
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let secret: String = rand::random::<[u8; 32]>()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let job: String = rand::random::<[u8; 8]>()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let host = rustix::system::uname()
+        .nodename()
+        .to_string_lossy()
+        .into_owned();
+
+    let mut children: Vec<Child> = Vec::with_capacity(spec.ranks);
+    let mut readers = Vec::new();
+    for rank in 0..spec.ranks {
+        let node = node_of(rank, spec.ranks, spec.nodes);
+        let on_node: Vec<usize> = (0..spec.ranks)
+            .filter(|r| node_of(*r, spec.ranks, spec.nodes) == node)
+            .collect();
+        let local_rank = on_node.iter().position(|r| *r == rank).unwrap();
+        let mut cmd = Command::new(&spec.program);
+        cmd.args(&spec.args)
+            .env("RINGZERO_RANK", rank.to_string())
+            .env("RINGZERO_WORLD_SIZE", spec.ranks.to_string())
+            .env("RINGZERO_LOCAL_RANK", local_rank.to_string())
+            .env("RINGZERO_LOCAL_WORLD_SIZE", on_node.len().to_string())
+            .env("RINGZERO_MASTER_ADDR", "127.0.0.1")
+            .env("RINGZERO_MASTER_PORT", port.to_string())
+            .env("RINGZERO_SECRET", &secret)
+            .env("RINGZERO_JOB_ID", &job)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        if spec.nodes > 1 {
+            cmd.env("RINGZERO_NODE_ID", format!("{host}/fake-node-{node}"));
+        }
+        for (k, v) in &spec.env {
+            cmd.env(k, v);
+        }
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                for c in &mut children {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                }
+                return Err(std::io::Error::new(
+                    e.kind(),
+                    format!("starting rank {rank} ({:?}): {e}", spec.program),
+                ));
+            }
+        };
+        readers.push(pump(child.stdout.take().unwrap(), rank, false, out.clone()));
+        readers.push(pump(child.stderr.take().unwrap(), rank, true, out.clone()));
+        children.push(child);
+    }
+
+    let mut status: Vec<Option<(ExitStatus, bool)>> = vec![None; spec.ranks];
+    let mut first_failure = None;
+    let mut failed_at: Option<Instant> = None;
+    let mut termed_at: Option<Instant> = None;
+    while status.iter().any(Option::is_none) {
+        for (rank, c) in children.iter_mut().enumerate() {
+            if status[rank].is_some() {
+                continue;
+            }
+            if let Some(s) = c.try_wait()? {
+                status[rank] = Some((s, termed_at.is_some()));
+                if !s.success() && first_failure.is_none() {
+                    first_failure = Some(rank);
+                    failed_at = Some(Instant::now());
+                    say(
+                        &out,
+                        &format!(
+                            "rank {rank} failed ({}); giving the other ranks {:.1}s to stop",
+                            describe(s),
+                            spec.grace.as_secs_f64()
+                        ),
+                    );
+                }
+            }
+        }
+        if let (Some(t), None) = (failed_at, termed_at) {
+            if t.elapsed() >= spec.grace {
+                termed_at = Some(Instant::now());
+                for (rank, c) in children.iter().enumerate() {
+                    if status[rank].is_none() {
+                        say(&out, &format!("terminating rank {rank}"));
+                        if let Some(pid) = rustix::process::Pid::from_raw(c.id() as i32) {
+                            let _ =
+                                rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+                        }
+                    }
+                }
+            }
+        }
+        if let Some(t) = termed_at {
+            if t.elapsed() >= Duration::from_secs(2) {
+                for (rank, c) in children.iter_mut().enumerate() {
+                    if status[rank].is_none() {
+                        let _ = c.kill();
+                    }
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    for r in readers {
+        let _ = r.join();
+    }
+    let exits: Vec<RankExit> = status
+        .into_iter()
+        .enumerate()
+        .map(|(rank, s)| {
+            let (status, killed_by_launcher) = s.expect("all ranks exited");
+            RankExit {
+                rank,
+                status,
+                killed_by_launcher,
+            }
+        })
+        .collect();
+    let outcome = Outcome {
+        exits,
+        first_failure,
+    };
+    if let Some(r) = first_failure {
+        say(
+            &out,
+            &format!(
+                "job failed: rank {r} exited first with {}",
+                describe(outcome.exits[r].status)
+            ),
+        );
+    }
+    Ok(outcome)
+}
+
+fn pump(
+    stream: impl Read + Send + 'static,
+    rank: usize,
+    is_err: bool,
+    out: Output,
+) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        let mut r = BufReader::new(stream);
+        let mut line = Vec::new();
+        loop {
+            line.clear();
+            match r.read_until(b'\n', &mut line) {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+            let text = String::from_utf8_lossy(&line);
+            let text = text.trim_end_matches(['\n', '\r']);
+            match &out {
+                Output::Inherit if is_err => {
+                    let _ = writeln!(std::io::stderr().lock(), "[rank {rank}] {text}");
+                }
+                Output::Inherit => {
+                    let _ = writeln!(std::io::stdout().lock(), "[rank {rank}] {text}");
+                }
+                Output::Capture(v) => v.lock().unwrap().push((rank, text.to_string())),
+            }
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nodes_are_contiguous_and_balanced() {
+        let nodes: Vec<usize> = (0..5).map(|r| node_of(r, 5, 2)).collect();
+        assert_eq!(nodes, vec![0, 0, 0, 1, 1]);
+        assert!((0..8).all(|r| node_of(r, 8, 1) == 0));
+    }
+
+    #[test]
+    fn bad_specs_are_refused_before_anything_starts() {
+        let spec = LaunchSpec {
+            ranks: 2,
+            nodes: 3,
+            program: "true".into(),
+            args: vec![],
+            env: vec![],
+            grace: Duration::ZERO,
+        };
+        let e = launch(&spec, Output::Inherit).unwrap_err();
+        assert!(e.to_string().contains("--nodes 3"), "{e}");
+        let e = launch(
+            &LaunchSpec {
+                ranks: 1,
+                program: "/nonexistent/prog".into(),
+                nodes: 1,
+                ..spec
+            },
+            Output::Inherit,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("starting rank 0"), "{e}");
+    }
+
+    #[test]
+    fn a_failing_rank_is_named_and_the_rest_are_stopped() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let spec = LaunchSpec {
+            ranks: 3,
+            nodes: 1,
+            program: "sh".into(),
+            args: vec![
+                "-c".into(),
+                "echo hi from $RINGZERO_RANK; if [ $RINGZERO_RANK = 1 ]; then exit 7; fi; sleep 30"
+                    .into(),
+            ],
+            env: vec![],
+            grace: Duration::from_millis(100),
+        };
+        let t = Instant::now();
+        let o = launch(&spec, Output::Capture(log.clone())).unwrap();
+        assert!(t.elapsed() < Duration::from_secs(10));
+        assert_eq!(o.first_failure, Some(1));
+        assert_eq!(o.exit_code(), 7);
+        assert!(o.exits[0].killed_by_launcher && o.exits[2].killed_by_launcher);
+        let log = log.lock().unwrap();
+        assert!(log.contains(&(2, "hi from 2".to_string())));
+        assert!(log
+            .iter()
+            .any(|(r, l)| *r == usize::MAX && l.contains("rank 1 exited first with exit code 7")));
+    }
+}
