@@ -46,7 +46,7 @@ pub use comm::{Communicator, Work};
 pub use config::{Config, TransportPref};
 pub use error::{Error, Result};
 pub use ring::engine::Counters;
-pub use ring::Collective;
+pub use ring::{chunk, Collective};
 pub use ringzero_kernels::{DType, Element, ReduceOp};
 pub use topology::Edge;
 pub use transport::TransportKind;

@@ -176,25 +176,47 @@ pub fn launch(spec: &LaunchSpec, out: Output) -> std::io::Result<Outcome> {
     let mut failed_at: Option<Instant> = None;
     let mut termed_at: Option<Instant> = None;
     while status.iter().any(Option::is_none) {
+        let mut failed_now = Vec::new();
         for (rank, c) in children.iter_mut().enumerate() {
-            if status[rank].is_some() {
-                continue;
-            }
-            if let Some(s) = c.try_wait()? {
-                status[rank] = Some((s, termed_at.is_some()));
-                if !s.success() && first_failure.is_none() {
-                    first_failure = Some(rank);
-                    failed_at = Some(Instant::now());
-                    say(
-                        &out,
-                        &format!(
-                            "rank {rank} failed ({}); giving the other ranks {:.1}s to stop",
-                            describe(s),
-                            spec.grace.as_secs_f64()
-                        ),
-                    );
+            if status[rank].is_none() {
+                if let Some(s) = c.try_wait()? {
+                    status[rank] = Some((s, termed_at.is_some()));
+                    if !s.success() {
+                        failed_now.push(rank);
+                    }
                 }
             }
+        }
+        if first_failure.is_none() && !failed_now.is_empty() {
+            // The ranks that notice a dead peer exit within milliseconds of it, and one pass may see
+            // several exits. Look once more after a moment, then blame a rank that died by a signal
+            // (ranks reacting to a failure exit with an error code) before one that exited.
+            std::thread::sleep(Duration::from_millis(30));
+            for (rank, c) in children.iter_mut().enumerate() {
+                if status[rank].is_none() {
+                    if let Some(s) = c.try_wait()? {
+                        status[rank] = Some((s, false));
+                        if !s.success() {
+                            failed_now.push(rank);
+                        }
+                    }
+                }
+            }
+            let signalled = failed_now
+                .iter()
+                .copied()
+                .find(|r| status[*r].unwrap().0.signal().is_some());
+            let rank = signalled.unwrap_or(failed_now[0]);
+            first_failure = Some(rank);
+            failed_at = Some(Instant::now());
+            say(
+                &out,
+                &format!(
+                    "rank {rank} failed ({}); giving the other ranks {:.1}s to stop",
+                    describe(status[rank].unwrap().0),
+                    spec.grace.as_secs_f64()
+                ),
+            );
         }
         if let (Some(t), None) = (failed_at, termed_at) {
             if t.elapsed() >= spec.grace {

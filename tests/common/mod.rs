@@ -1,0 +1,318 @@
+//! Helpers shared by the integration tests: ranks as threads, inputs that reduce exactly, and a
+//! serial reference computed independently of the library (in f64 / i128).
+
+#![allow(dead_code)]
+
+use std::time::Duration;
+
+use half::{bf16, f16};
+use ringzero::{
+    chunk, Collective, Communicator, Config, DType, Element, ReduceOp, Result, TransportPref,
+};
+
+/// A port that was free a moment ago.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Per-test knobs.
+#[derive(Clone, Debug)]
+pub struct Opts {
+    pub transport: TransportPref,
+    pub slice_bytes: usize,
+    pub timeout: Duration,
+    pub secret: &'static str,
+}
+
+impl Default for Opts {
+    fn default() -> Self {
+        Opts {
+            transport: TransportPref::Shm,
+            slice_bytes: 4096,
+            timeout: Duration::from_secs(20),
+            secret: "test-secret",
+        }
+    }
+}
+
+pub fn config(rank: usize, n: usize, port: u16, o: &Opts) -> Config {
+    let mut c = Config::new(rank, n, "127.0.0.1", port);
+    c.transport = o.transport;
+    c.slice_bytes = o.slice_bytes;
+    c.timeout = o.timeout;
+    c.secret = o.secret.as_bytes().to_vec();
+    c
+}
+
+/// Run `n` ranks as threads; each gets its rank and the result of `Communicator::init`.
+pub fn threads<R: Send>(
+    n: usize,
+    o: &Opts,
+    body: impl Fn(usize, Result<Communicator>) -> R + Sync,
+) -> Vec<R> {
+    let port = free_port();
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..n)
+            .map(|rank| {
+                let body = &body;
+                let cfg = config(rank, n, port, o);
+                s.spawn(move || body(rank, Communicator::init(cfg)))
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().expect("rank thread panicked"))
+            .collect()
+    })
+}
+
+/// Test-side conversions of every element type.
+pub trait TestElem: Element + Copy {
+    fn from_f64(v: f64) -> Self;
+    fn to_f64(self) -> f64;
+}
+
+macro_rules! test_elem {
+    ($t:ty, |$v:ident| $from:expr, |$s:ident| $to:expr) => {
+        impl TestElem for $t {
+            fn from_f64($v: f64) -> Self {
+                $from
+            }
+            fn to_f64(self) -> f64 {
+                let $s = self;
+                $to
+            }
+        }
+    };
+}
+test_elem!(f32, |v| v as f32, |s| s as f64);
+test_elem!(f64, |v| v, |s| s);
+test_elem!(f16, |v| f16::from_f64(v), |s| s.to_f64());
+test_elem!(bf16, |v| bf16::from_f64(v), |s| s.to_f64());
+test_elem!(i32, |v| v as i32, |s| s as f64);
+test_elem!(i64, |v| v as i64, |s| s as f64);
+test_elem!(u8, |v| v as u8, |s| s as f64);
+
+/// Input of `rank` at element `i`: small integers, so every reduction is exact in any order.
+pub fn value(dtype: DType, op: ReduceOp, rank: usize, i: usize, seed: usize) -> f64 {
+    let h = i
+        .wrapping_mul(31)
+        .wrapping_add(rank * 17)
+        .wrapping_add(seed);
+    let unsigned = dtype == DType::U8;
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg if unsigned => (h % 4) as f64,
+        ReduceOp::Sum | ReduceOp::Avg => (h % 7) as f64 - 3.0,
+        ReduceOp::Prod if unsigned => (1 + h % 2) as f64,
+        ReduceOp::Prod => [1.0, 2.0, -1.0][h % 3],
+        ReduceOp::Min | ReduceOp::Max if unsigned => (h % 9) as f64,
+        ReduceOp::Min | ReduceOp::Max => (h % 9) as f64 - 4.0,
+    }
+}
+
+/// The reduction of element `i` over `n` ranks, as the dtype represents it, computed serially:
+/// integers in i128 then wrapped to the type; floats in f64 (exact for these inputs); `Avg` as the
+/// documented "sum, then one division in f32 (f64 for f64)".
+pub fn reference(dtype: DType, op: ReduceOp, n: usize, i: usize, seed: usize) -> f64 {
+    let vals: Vec<f64> = (0..n).map(|r| value(dtype, op, r, i, seed)).collect();
+    let combined = match op {
+        ReduceOp::Sum | ReduceOp::Avg => vals.iter().sum(),
+        ReduceOp::Prod => vals.iter().product(),
+        ReduceOp::Min => vals.iter().copied().fold(f64::INFINITY, f64::min),
+        ReduceOp::Max => vals.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+    };
+    let wrap = |v: f64| -> f64 {
+        let v = v as i128;
+        match dtype {
+            DType::U8 => v.rem_euclid(256) as f64,
+            DType::I32 => v as i32 as f64,
+            DType::I64 => v as i64 as f64,
+            _ => unreachable!(),
+        }
+    };
+    let cast = |v: f64| -> f64 {
+        match dtype {
+            DType::F32 => v as f32 as f64,
+            DType::F64 => v,
+            DType::F16 => f16::from_f64(v).to_f64(),
+            DType::BF16 => bf16::from_f64(v).to_f64(),
+            _ => wrap(v),
+        }
+    };
+    match (op, dtype.is_float()) {
+        (ReduceOp::Avg, false) => (wrap(combined) as i128 / n as i128) as f64,
+        (ReduceOp::Avg, true) if dtype == DType::F64 => combined / n as f64,
+        (ReduceOp::Avg, true) => cast((cast(combined) as f32 / n as f32) as f64),
+        _ => cast(combined),
+    }
+}
+
+/// Marker written into buffers whose contents must be overwritten (or must stay).
+pub const GARBAGE: f64 = 99.0;
+
+/// One collective call to make on every rank.
+#[derive(Clone, Copy, Debug)]
+pub struct Case {
+    pub coll: Collective,
+    pub count: usize,
+    pub dtype: DType,
+    pub op: ReduceOp,
+    pub in_place: bool,
+    pub seed: usize,
+}
+
+/// Run `case` on `comm` with the right element type; returns what this rank ends with.
+pub fn run_case(comm: &Communicator, c: &Case) -> Result<Vec<f64>> {
+    match c.dtype {
+        DType::F32 => run_typed::<f32>(comm, c),
+        DType::F64 => run_typed::<f64>(comm, c),
+        DType::F16 => run_typed::<f16>(comm, c),
+        DType::BF16 => run_typed::<bf16>(comm, c),
+        DType::I32 => run_typed::<i32>(comm, c),
+        DType::I64 => run_typed::<i64>(comm, c),
+        DType::U8 => run_typed::<u8>(comm, c),
+    }
+}
+
+fn run_typed<T: TestElem>(comm: &Communicator, c: &Case) -> Result<Vec<f64>> {
+    let (r, n, count) = (comm.rank(), comm.size(), c.count);
+    let mine = |i: usize| T::from_f64(value(c.dtype, c.op, r, i, c.seed));
+    let input: Vec<T> = (0..count).map(mine).collect();
+    let garbage = |len: usize| vec![T::from_f64(GARBAGE); len];
+    let own = chunk(count, n, r);
+    let out: Vec<T> = match (c.coll, c.in_place) {
+        (Collective::AllReduce, false) => {
+            let mut out = garbage(count);
+            comm.all_reduce(&input, &mut out, c.op)?;
+            out
+        }
+        (Collective::AllReduce, true) => {
+            let mut b = input;
+            comm.all_reduce_in_place(&mut b, c.op)?;
+            b
+        }
+        (Collective::ReduceScatter, false) => {
+            let mut out = garbage(own.len());
+            comm.reduce_scatter(&input, &mut out, c.op)?;
+            out
+        }
+        (Collective::ReduceScatter, true) => {
+            let mut b = input;
+            comm.reduce_scatter_in_place(&mut b, c.op)?;
+            b
+        }
+        (Collective::AllGather, false) => {
+            let mut out = garbage(count);
+            comm.all_gather(&input[own], &mut out)?;
+            out
+        }
+        (Collective::AllGather, true) => {
+            let mut b = garbage(count);
+            b[own.clone()].copy_from_slice(&input[own]);
+            comm.all_gather_in_place(&mut b)?;
+            b
+        }
+        (Collective::Broadcast { root }, false) => {
+            let send = if r == root { input } else { Vec::new() };
+            let mut out = garbage(count);
+            comm.broadcast(&send, &mut out, root)?;
+            out
+        }
+        (Collective::Broadcast { root }, true) => {
+            let mut b = if r == root { input } else { garbage(count) };
+            comm.broadcast_in_place(&mut b, root)?;
+            b
+        }
+        (Collective::Reduce { root }, false) => {
+            let mut out = if r == root {
+                garbage(count)
+            } else {
+                Vec::new()
+            };
+            comm.reduce(&input, &mut out, c.op, root)?;
+            out
+        }
+        (Collective::Reduce { root }, true) => {
+            let mut b = input;
+            comm.reduce_in_place(&mut b, c.op, root)?;
+            b
+        }
+        (Collective::Barrier, _) => {
+            comm.barrier()?;
+            Vec::new()
+        }
+    };
+    Ok(out.into_iter().map(T::to_f64).collect())
+}
+
+/// What rank `r` of `n` must end with after `case`.
+pub fn expected(c: &Case, n: usize, r: usize) -> Vec<f64> {
+    let count = c.count;
+    let red = |i| reference(c.dtype, c.op, n, i, c.seed);
+    let input = |rank, i| value(c.dtype, c.op, rank, i, c.seed);
+    let own = chunk(count, n, r);
+    match (c.coll, c.in_place) {
+        (Collective::AllReduce, _) => (0..count).map(red).collect(),
+        (Collective::ReduceScatter, false) => own.map(red).collect(),
+        (Collective::ReduceScatter, true) => (0..count)
+            .map(|i| {
+                if own.contains(&i) {
+                    red(i)
+                } else {
+                    input(r, i)
+                }
+            })
+            .collect(),
+        (Collective::AllGather, _) => (0..count)
+            .map(|i| {
+                input(
+                    (0..n).find(|q| chunk(count, n, *q).contains(&i)).unwrap(),
+                    i,
+                )
+            })
+            .collect(),
+        (Collective::Broadcast { root }, _) => (0..count).map(|i| input(root, i)).collect(),
+        (Collective::Reduce { root }, false) => {
+            if r == root {
+                (0..count).map(red).collect()
+            } else {
+                Vec::new()
+            }
+        }
+        (Collective::Reduce { root }, true) => (0..count)
+            .map(|i| if r == root { red(i) } else { input(r, i) })
+            .collect(),
+        (Collective::Barrier, _) => Vec::new(),
+    }
+}
+
+/// Run `case` on every rank of `comm` and compare with the reference; panics with the first
+/// difference.
+pub fn check_case(comm: &Communicator, c: &Case) {
+    let got = run_case(comm, c).unwrap_or_else(|e| panic!("rank {}: {c:?}: {e}", comm.rank()));
+    let want = expected(c, comm.size(), comm.rank());
+    assert_eq!(got.len(), want.len(), "rank {}: {c:?} length", comm.rank());
+    if let Some(i) = (0..got.len()).find(|&i| got[i] != want[i]) {
+        panic!(
+            "rank {} of {}: {c:?}: element {i} is {} but should be {}",
+            comm.rank(),
+            comm.size(),
+            got[i],
+            want[i]
+        );
+    }
+}
+
+pub fn all_collectives(root: usize) -> [Collective; 6] {
+    [
+        Collective::AllReduce,
+        Collective::ReduceScatter,
+        Collective::AllGather,
+        Collective::Broadcast { root },
+        Collective::Reduce { root },
+        Collective::Barrier,
+    ]
+}

@@ -1,0 +1,234 @@
+//! Ranks as processes, started through the launcher's own code with this test binary as the
+//! program (`worker_entry` below runs a scenario when `RINGZERO_TEST_SCENARIO` is set).
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use ringzero::{Collective, Communicator, DType, ReduceOp};
+use ringzero_tools::launch::{launch, LaunchSpec, Outcome, Output};
+
+use crate::common::{all_collectives, check_case, Case};
+
+const SCENARIO: &str = "RINGZERO_TEST_SCENARIO";
+
+/// Not a test of its own: the entry point of worker processes. Without `RINGZERO_TEST_SCENARIO`
+/// it returns at once.
+#[test]
+fn worker_entry() {
+    let Ok(scenario) = std::env::var(SCENARIO) else {
+        return;
+    };
+    println!(); // end libtest's "test worker_entry ... " line
+    let code = match scenario.as_str() {
+        "all" => all_collectives_scenario(),
+        "kill" => kill_scenario(),
+        other => {
+            eprintln!("unknown scenario {other}");
+            2
+        }
+    };
+    std::process::exit(code);
+}
+
+fn all_collectives_scenario() -> i32 {
+    let comm = match Communicator::from_env() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("init failed: {e}");
+            return 3;
+        }
+    };
+    for e in comm.edges() {
+        println!("edge {e}");
+    }
+    for (k, coll) in all_collectives(comm.size() - 1).into_iter().enumerate() {
+        for (dtype, op) in [
+            (DType::F32, ReduceOp::Sum),
+            (DType::BF16, ReduceOp::Avg),
+            (DType::I64, ReduceOp::Min),
+            (DType::U8, ReduceOp::Prod),
+        ] {
+            for in_place in [false, true] {
+                let count = if coll == Collective::Barrier {
+                    0
+                } else {
+                    [0, 1, 997, 300_007][k % 4]
+                };
+                check_case(
+                    &comm,
+                    &Case {
+                        coll,
+                        count,
+                        dtype,
+                        op,
+                        in_place,
+                        seed: k,
+                    },
+                );
+            }
+        }
+    }
+    println!("all collectives ok");
+    0
+}
+
+fn kill_scenario() -> i32 {
+    let comm = Communicator::from_env().expect("init");
+    if comm.rank() == 1 {
+        std::thread::spawn(|| {
+            std::thread::sleep(Duration::from_millis(300));
+            let me = rustix::process::getpid();
+            let _ = rustix::process::kill_process(me, rustix::process::Signal::KILL);
+        });
+    }
+    let mut buf = vec![1f32; 1 << 20];
+    for i in 0..100_000 {
+        if let Err(e) = comm.all_reduce_in_place(&mut buf, ReduceOp::Sum) {
+            println!("rank {} failed in iteration {i}: {e}", comm.rank());
+            return 3;
+        }
+        buf.fill(1.0);
+    }
+    println!("rank {} finished without noticing", comm.rank());
+    0
+}
+
+fn run(
+    n: usize,
+    nodes: usize,
+    scenario: &str,
+    env: &[(&str, &str)],
+    grace: Duration,
+) -> (Outcome, Vec<(usize, String)>) {
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let mut e: Vec<(String, String)> = env
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    e.push((SCENARIO.into(), scenario.into()));
+    let spec = LaunchSpec {
+        ranks: n,
+        nodes,
+        program: std::env::current_exe().unwrap().into(),
+        args: [
+            "processes::worker_entry",
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+        ]
+        .map(Into::into)
+        .to_vec(),
+        env: e,
+        grace,
+    };
+    let outcome = launch(&spec, Output::Capture(log.clone())).expect("launch");
+    let lines = log.lock().unwrap().clone();
+    (outcome, lines)
+}
+
+fn assert_all_ok(outcome: &Outcome, lines: &[(usize, String)], n: usize) {
+    assert_eq!(outcome.first_failure, None, "{lines:#?}");
+    let ok = lines
+        .iter()
+        .filter(|(_, l)| l == "all collectives ok")
+        .count();
+    assert_eq!(ok, n, "{lines:#?}");
+}
+
+#[test]
+fn all_collectives_as_processes_over_shm() {
+    let (o, lines) = run(
+        3,
+        1,
+        "all",
+        &[("RINGZERO_TRANSPORT", "shm")],
+        Duration::from_secs(5),
+    );
+    assert_all_ok(&o, &lines, 3);
+    assert!(
+        lines
+            .iter()
+            .filter(|(_, l)| l.starts_with("edge") && l.contains(": shm ("))
+            .count()
+            == 6,
+        "{lines:#?}"
+    );
+}
+
+#[test]
+fn all_collectives_as_processes_over_tcp() {
+    let (o, lines) = run(
+        3,
+        1,
+        "all",
+        &[("RINGZERO_SHM_DISABLE", "1")],
+        Duration::from_secs(5),
+    );
+    assert_all_ok(&o, &lines, 3);
+    assert!(
+        lines
+            .iter()
+            .any(|(_, l)| l.contains(": tcp (same node, RINGZERO_SHM_DISABLE=1)")),
+        "{lines:#?}"
+    );
+}
+
+#[test]
+fn two_fake_nodes_mix_shm_inside_and_tcp_between() {
+    let (o, lines) = run(4, 2, "all", &[], Duration::from_secs(5));
+    assert_all_ok(&o, &lines, 4);
+    let edge = |from: usize, to: usize, kind: &str| {
+        lines
+            .iter()
+            .any(|(_, l)| l.starts_with(&format!("edge rank {from} → rank {to}: {kind} (")))
+    };
+    assert!(edge(0, 1, "shm") && edge(2, 3, "shm"), "{lines:#?}");
+    assert!(edge(1, 2, "tcp") && edge(3, 0, "tcp"), "{lines:#?}");
+}
+
+fn killed_rank_is_noticed(nodes: usize, env: &[(&str, &str)]) {
+    let t = Instant::now();
+    // A long deadline: survivors must notice the death itself, not time out.
+    let mut env = env.to_vec();
+    env.push(("RINGZERO_TIMEOUT", "60"));
+    let (o, lines) = run(4, nodes, "kill", &env, Duration::from_secs(30));
+    let took = t.elapsed();
+    assert_eq!(o.first_failure, Some(1), "{lines:#?}");
+    assert_eq!(o.exit_code(), 128 + 9);
+    for r in [0, 2, 3] {
+        let e = &o.exits[r];
+        assert!(
+            !e.killed_by_launcher,
+            "rank {r} had to be killed: it did not notice\n{lines:#?}"
+        );
+        assert_eq!(e.status.code(), Some(3), "rank {r}: {lines:#?}");
+        assert!(
+            lines.iter().any(|(q, l)| *q == r
+                && l.contains("failed in iteration")
+                && l.contains("all_reduce")),
+            "{lines:#?}"
+        );
+    }
+    assert!(
+        lines
+            .iter()
+            .any(|(q, l)| *q == usize::MAX && l.contains("rank 1 exited first with signal 9")),
+        "{lines:#?}"
+    );
+    assert!(took < Duration::from_secs(20), "took {took:?}");
+}
+
+#[test]
+fn a_rank_killed_mid_all_reduce_over_shm_fails_every_other_rank() {
+    killed_rank_is_noticed(1, &[("RINGZERO_TRANSPORT", "shm")]);
+}
+
+#[test]
+fn a_rank_killed_mid_all_reduce_over_tcp_fails_every_other_rank() {
+    killed_rank_is_noticed(1, &[("RINGZERO_TRANSPORT", "tcp")]);
+}
+
+#[test]
+fn a_rank_killed_mid_all_reduce_across_fake_nodes_fails_every_other_rank() {
+    killed_rank_is_noticed(2, &[]);
+}
