@@ -11,7 +11,7 @@
 
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Read, Write};
-use std::os::unix::process::ExitStatusExt;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -153,6 +153,19 @@ pub fn launch(spec: &LaunchSpec, out: Output) -> std::io::Result<Outcome> {
         for (k, v) in &spec.env {
             cmd.env(k, v);
         }
+        // Each rank leads its own process group, so stopping a rank stops what it started too; and
+        // each rank gets SIGTERM if the launcher dies (Ctrl-C), so no rank outlives the job.
+        cmd.process_group(0);
+        // SAFETY: the closure runs in the child between fork and exec; it makes one prctl system
+        // call, which is async-signal-safe, and allocates nothing.
+        unsafe {
+            cmd.pre_exec(|| {
+                rustix::process::set_parent_process_death_signal(Some(
+                    rustix::process::Signal::TERM,
+                ))
+                .map_err(std::io::Error::from)
+            });
+        }
         let mut child = match cmd.spawn() {
             Ok(c) => c,
             Err(e) => {
@@ -236,14 +249,20 @@ pub fn launch(spec: &LaunchSpec, out: Output) -> std::io::Result<Outcome> {
             if t.elapsed() >= Duration::from_secs(2) {
                 for (rank, c) in children.iter_mut().enumerate() {
                     if status[rank].is_none() {
-                        let _ = c.kill();
+                        signal_group(c, rustix::process::Signal::KILL);
                     }
                 }
             }
         }
         std::thread::sleep(Duration::from_millis(10));
     }
-    for r in readers {
+    // Output still buffered in the pipes is drained; a grandchild that kept a pipe open does not
+    // hold the launcher.
+    let drain = Instant::now() + Duration::from_secs(2);
+    while readers.iter().any(|r| !r.is_finished()) && Instant::now() < drain {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    for r in readers.into_iter().filter(|r| r.is_finished()) {
         let _ = r.join();
     }
     let exits: Vec<RankExit> = status
@@ -272,6 +291,12 @@ pub fn launch(spec: &LaunchSpec, out: Output) -> std::io::Result<Outcome> {
         );
     }
     Ok(outcome)
+}
+
+fn signal_group(c: &Child, sig: rustix::process::Signal) {
+    if let Some(pid) = rustix::process::Pid::from_raw(c.id() as i32) {
+        let _ = rustix::process::kill_process_group(pid, sig);
+    }
 }
 
 fn pump(

@@ -1,0 +1,97 @@
+//! The `ringzero` binary end to end: the README's main command, and its failure modes.
+
+use std::process::Command;
+
+fn ringzero() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_ringzero"))
+}
+
+#[test]
+fn launch_runs_the_checked_sweep_on_four_ranks_and_two_fake_nodes() {
+    let bin = env!("CARGO_BIN_EXE_ringzero");
+    for nodes in ["1", "2"] {
+        let out = ringzero()
+            .args([
+                "launch", "-n", "4", "--nodes", nodes, "--", bin, "check", "-b", "1K", "-e",
+                "256K", "--iters", "2",
+            ])
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(stdout.contains("[rank 0] all results exact"), "{stdout}");
+        assert_eq!(
+            stdout.lines().filter(|l| l.contains("] edge rank")).count(),
+            4,
+            "{stdout}"
+        );
+        if nodes == "2" {
+            assert!(stdout.contains(": tcp (different nodes"), "{stdout}");
+        }
+    }
+}
+
+#[test]
+fn launch_exits_non_zero_naming_the_failed_rank() {
+    let out = ringzero()
+        .args([
+            "launch",
+            "-n",
+            "3",
+            "--grace",
+            "0.2",
+            "--",
+            "sh",
+            "-c",
+            "[ $RINGZERO_RANK = 2 ] && exit 5; sleep 20",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(5));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("rank 2 exited first with exit code 5"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn bad_input_gets_a_clear_error() {
+    let out = ringzero()
+        .args(["check"])
+        .env_remove("RINGZERO_RANK")
+        .env_remove("RANK")
+        .env_remove("SLURM_PROCID")
+        .env_remove("OMPI_COMM_WORLD_RANK")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no launcher found"));
+    let out = ringzero()
+        .args(["launch", "-n", "0", "--", "true"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("-n must be at least 1"));
+    let out = ringzero()
+        .args(["launch", "-n", "2", "--", "true"])
+        .env("RINGZERO_TIMEOUT", "x")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "the launcher itself does not read rank knobs"
+    );
+    let out = ringzero()
+        .args(["check"])
+        .env("RINGZERO_RANK", "0")
+        .env("RINGZERO_WORLD_SIZE", "1")
+        .env("RINGZERO_TRANSPORT", "carrier-pigeon")
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("RINGZERO_TRANSPORT"));
+}
