@@ -281,7 +281,9 @@ fn launch_info(env: &dyn Fn(&str) -> Option<String>) -> Result<LaunchInfo> {
     let need = |v: Option<usize>, var: &str, source: &str| -> Result<usize> {
         v.ok_or_else(|| Error::config(var, format!("missing (other {source} variables are set)")))
     };
-    let conventions: [(&'static str, [&str; 4], &[&str], &[&str]); 4] = [
+    // (name, [rank, world, local rank, local world] variables, master address vars, port vars)
+    type Convention<'a> = (&'static str, [&'a str; 4], &'a [&'a str], &'a [&'a str]);
+    let conventions: [Convention; 4] = [
         (
             "ringzero",
             [

@@ -275,7 +275,7 @@ fn check(coll: Collective, n: usize, count: usize, se: usize, in_place: bool, or
             "rank {r} elements sent"
         );
     }
-    if n > 1 && count % n == 0 {
+    if n > 1 && count.is_multiple_of(n) {
         let total: usize = sim.sent_elems.iter().sum();
         let per = match coll {
             Collective::ReduceScatter | Collective::AllGather => (n - 1) * count / n,

@@ -76,7 +76,7 @@ struct Segment {
 
 impl Segment {
     fn atomic_u64(&self, off: usize) -> &AtomicU64 {
-        debug_assert!(off % 8 == 0 && off + 8 <= OFF_SLOT_HEADERS);
+        debug_assert!(off.is_multiple_of(8) && off + 8 <= OFF_SLOT_HEADERS);
         // SAFETY: the mapping is page-aligned and at least OFF_SLOT_HEADERS long, `off` is a fixed
         // 8-aligned offset inside the control block, and both processes only ever touch these 8
         // bytes through atomics. The reference cannot outlive `self.map`.
@@ -84,7 +84,7 @@ impl Segment {
     }
 
     fn atomic_u32(&self, off: usize) -> &AtomicU32 {
-        debug_assert!(off % 4 == 0 && off + 4 <= OFF_SLOT_HEADERS);
+        debug_assert!(off.is_multiple_of(4) && off + 4 <= OFF_SLOT_HEADERS);
         // SAFETY: as for `atomic_u64`, with 4-byte alignment.
         unsafe { &*(self.map.as_ptr().add(off) as *const AtomicU32) }
     }
