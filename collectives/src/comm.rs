@@ -536,7 +536,6 @@ impl Inner {
                 reason: format!("an earlier error: {e}"),
             });
         }
-        st.seq += 1;
         let slot_bytes = st.links.as_ref().map_or(self.cfg.slice_bytes, |l| {
             l.tx.slot_bytes().min(self.cfg.slice_bytes)
         });
@@ -558,6 +557,9 @@ impl Inner {
             rank: self.rank,
             timeout: self.cfg.timeout,
         };
+        // Refused calls consume no sequence number: the ranks stay in step.
+        engine::check_sizes(&call, &bufs, &fp.to_string())?;
+        st.seq += 1;
         let r = match st.links.as_mut() {
             Some(links) => engine::run(links, &call, bufs),
             None => engine::run_local(&call, bufs),

@@ -216,7 +216,8 @@ fn base(plan: &Plan, buf: Buf) -> usize {
     }
 }
 
-fn check_sizes(call: &Call, bufs: &Bufs, what: &str) -> Result<()> {
+/// Refuse buffers smaller than the plan needs (before anything is sent).
+pub fn check_sizes(call: &Call, bufs: &Bufs, what: &str) -> Result<()> {
     let es = call.dtype.size();
     let p = call.plan;
     let bad = |msg: String| {
