@@ -25,7 +25,7 @@ fn count() -> impl Strategy<Value = usize> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 48, max_shrink_iters: 16, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 96, max_shrink_iters: 16, ..ProptestConfig::default() })]
     #[test]
     fn any_collective_matches_the_serial_reference(
         n in 1usize..=8,
