@@ -1,6 +1,6 @@
 //! The communicator: the public face of the library.
 
-use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
+use std::net::{SocketAddr, TcpListener};
 use std::ops::Range;
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -721,15 +721,7 @@ fn job_tag(job: &str) -> String {
 
 /// The store binds the master address when it is one of ours, else every interface.
 fn store_bind_addr(host: &str, port: u16) -> Result<SocketAddr> {
-    let addrs: Vec<SocketAddr> = (host, port)
-        .to_socket_addrs()
-        .map_err(|e| {
-            Error::config(
-                "RINGZERO_MASTER_ADDR",
-                format!("cannot resolve `{host}`: {e}"),
-            )
-        })?
-        .collect();
+    let addrs = crate::bootstrap::store::resolve_master(host, port)?;
     for a in &addrs {
         if TcpListener::bind(SocketAddr::new(a.ip(), 0)).is_ok() {
             return Ok(*a);

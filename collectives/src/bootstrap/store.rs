@@ -230,6 +230,19 @@ fn read_blob(s: &mut TcpStream, max: usize) -> std::io::Result<Vec<u8>> {
     Ok(v)
 }
 
+/// The addresses of the master (rank 0's store), or a configuration error naming the variable.
+pub fn resolve_master(host: &str, port: u16) -> Result<Vec<SocketAddr>> {
+    (host, port)
+        .to_socket_addrs()
+        .map(Iterator::collect)
+        .map_err(|e| {
+            Error::config(
+                "RINGZERO_MASTER_ADDR",
+                format!("cannot resolve `{host}`: {e}"),
+            )
+        })
+}
+
 /// A rank's connection to the store.
 pub struct StoreClient {
     s: TcpStream,
@@ -244,16 +257,7 @@ impl StoreClient {
         let deadline = Instant::now() + timeout;
         let mut last = String::from("no attempt");
         loop {
-            let addrs: Vec<SocketAddr> = (host, port)
-                .to_socket_addrs()
-                .map_err(|e| {
-                    Error::config(
-                        "RINGZERO_MASTER_ADDR",
-                        format!("cannot resolve `{host}`: {e}"),
-                    )
-                })?
-                .collect();
-            for a in &addrs {
+            for a in &resolve_master(host, port)? {
                 let left = deadline
                     .saturating_duration_since(Instant::now())
                     .max(Duration::from_millis(10));
