@@ -1,21 +1,20 @@
 //! The communicator: the public face of the library.
 
-use std::net::{SocketAddr, TcpListener};
 use std::ops::Range;
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use ringzero_kernels::{DType, Element, ReduceOp};
 
-use crate::bootstrap::{Identity, StoreClient, StoreServer};
+use crate::bootstrap::StoreServer;
 use crate::config::Config;
+use crate::connect;
 use crate::error::{Error, Result};
 use crate::ring::engine::{self, Bufs, Call, Counters, Links};
 use crate::ring::{chunk, plan, Collective, PlanArgs};
-use crate::topology::{self, Edge};
-use crate::transport::shm::{ShmRecv, ShmSend};
-use crate::transport::{tcp, RecvLink, SendLink, TransportKind};
+use crate::topology::Edge;
 use crate::wire::Fingerprint;
+use crate::work::Work;
 
 /// A group of ranks that run collectives together.
 ///
@@ -69,44 +68,6 @@ struct State {
     failed: Option<Error>,
 }
 
-/// A pending asynchronous collective; [`Work::wait`] returns its buffer.
-#[must_use = "a Work must be waited on to get its buffer (and its error)"]
-pub struct Work<T> {
-    slot: Arc<(Mutex<Option<Result<T>>>, Condvar)>,
-}
-
-impl<T> Work<T> {
-    fn new() -> Work<T> {
-        Work {
-            slot: Arc::new((Mutex::new(None), Condvar::new())),
-        }
-    }
-
-    fn failed(e: Error) -> Work<T> {
-        let w = Work::new();
-        *w.slot.0.lock().unwrap() = Some(Err(e));
-        w
-    }
-
-    /// Block until the collective finishes; returns the buffer or the error. The engine's
-    /// deadlines bound this wait.
-    pub fn wait(self) -> Result<T> {
-        let (m, cv) = &*self.slot;
-        let mut g = m.lock().unwrap_or_else(|p| p.into_inner());
-        loop {
-            if let Some(r) = g.take() {
-                return r;
-            }
-            g = cv.wait(g).unwrap_or_else(|p| p.into_inner());
-        }
-    }
-
-    /// Whether the collective has finished (then [`Work::wait`] returns at once).
-    pub fn is_done(&self) -> bool {
-        self.slot.0.lock().map(|g| g.is_some()).unwrap_or(true)
-    }
-}
-
 impl Communicator {
     /// Join the job described by the launcher's environment (see [`Config::from_env`]).
     pub fn from_env() -> Result<Communicator> {
@@ -121,7 +82,7 @@ impl Communicator {
         let (links, edges, store) = if size == 1 {
             (None, Vec::new(), None)
         } else {
-            connect_ring(&cfg)?
+            connect::connect_ring(&cfg)?
         };
         let inner = Arc::new(Inner {
             cfg,
@@ -575,157 +536,4 @@ impl Inner {
         }
         r
     }
-}
-
-/// Rendezvous, choose transports, connect both ring edges.
-fn connect_ring(cfg: &Config) -> Result<(Option<Links>, Vec<Edge>, Option<StoreServer>)> {
-    let (rank, size) = (cfg.launch.rank, cfg.launch.world_size);
-    let (prev, next) = ((rank + size - 1) % size, (rank + 1) % size);
-    let me = Identity {
-        secret: &cfg.secret,
-        job_id: &cfg.job_id,
-        rank: rank as u32,
-    };
-    let (host, port) = (cfg.launch.master_addr.as_str(), cfg.launch.master_port);
-    let server = if rank == 0 {
-        Some(StoreServer::start(
-            store_bind_addr(host, port)?,
-            cfg.secret.clone(),
-            cfg.job_id.clone(),
-            cfg.timeout,
-        )?)
-    } else {
-        None
-    };
-    let mut store = StoreClient::connect(host, port, &me, cfg.timeout)?;
-    let ip = store.local_addr()?.ip();
-    let listener = TcpListener::bind((ip, 0))
-        .map_err(|e| Error::io(format!("binding a data listener on {ip}"), e))?;
-    let listen = listener
-        .local_addr()
-        .map_err(|e| Error::io("data listener address", e))?;
-    store.set(
-        &format!("rank/{rank}"),
-        format!("{}\n{listen}", cfg.node_id).as_bytes(),
-    )?;
-
-    let info = |store: &mut StoreClient, r: usize| -> Result<(String, SocketAddr)> {
-        let v = String::from_utf8(store.get(&format!("rank/{r}"), r)?).map_err(|_| {
-            Error::Protocol {
-                peer: format!("rank {r}"),
-                detail: "rank info is not UTF-8".into(),
-            }
-        })?;
-        let (node, addr) = v.rsplit_once('\n').ok_or_else(|| Error::Protocol {
-            peer: format!("rank {r}"),
-            detail: format!("bad rank info `{v}`"),
-        })?;
-        let addr = addr.parse().map_err(|_| Error::Protocol {
-            peer: format!("rank {r}"),
-            detail: format!("bad address `{addr}`"),
-        })?;
-        Ok((node.to_string(), addr))
-    };
-    let (prev_node, _) = info(&mut store, prev)?;
-    let (_, next_addr) = info(&mut store, next)?;
-
-    // This rank decides the edge it receives on, creates its FIFO, and publishes the choice.
-    let recv_edge = topology::choose(cfg, prev, &prev_node, rank)?;
-    let slot_bytes = cfg.slice_bytes;
-    let shm_rx = match recv_edge.kind {
-        TransportKind::Shm => {
-            let name = format!(
-                "ringzero-{}-{prev}to{rank}-{}-{:08x}",
-                std::process::id(),
-                job_tag(&cfg.job_id),
-                rand::random::<u32>()
-            );
-            Some(ShmRecv::create(
-                &cfg.shm_dir,
-                &name,
-                cfg.slots,
-                slot_bytes,
-                prev,
-            )?)
-        }
-        TransportKind::Tcp => None,
-    };
-    let published = match &shm_rx {
-        Some(rx) => format!("shm\n{}\n{}", recv_edge.reason, rx.path().display()),
-        None => format!("tcp\n{}\n", recv_edge.reason),
-    };
-    store.set(&format!("edge/{rank}"), published.as_bytes())?;
-    let theirs = String::from_utf8(store.get(&format!("edge/{next}"), next)?).unwrap_or_default();
-    let mut parts = theirs.splitn(3, '\n');
-    let (kind, reason, path) = (
-        parts.next().unwrap_or(""),
-        parts.next().unwrap_or(""),
-        parts.next().unwrap_or(""),
-    );
-    let send_kind = match kind {
-        "shm" => TransportKind::Shm,
-        "tcp" => TransportKind::Tcp,
-        _ => {
-            return Err(Error::Protocol {
-                peer: format!("rank {next}"),
-                detail: format!("bad edge info `{theirs}`"),
-            })
-        }
-    };
-    let send_edge = Edge {
-        from: rank,
-        to: next,
-        kind: send_kind,
-        reason: reason.to_string(),
-    };
-
-    let (tx, rx): (Box<dyn SendLink>, Box<dyn RecvLink>) = std::thread::scope(|s| -> Result<_> {
-        let accept = match shm_rx {
-            Some(rx) => {
-                let b: Box<dyn RecvLink> = Box::new(rx);
-                Ok(b)
-            }
-            None => Err(s.spawn(|| -> Result<Box<dyn RecvLink>> {
-                let stream = tcp::accept_from(&listener, &me, prev, cfg.timeout)?;
-                Ok(Box::new(tcp::TcpRecv::new(stream, prev, slot_bytes)?))
-            })),
-        };
-        let tx: Result<Box<dyn SendLink>> = match send_kind {
-            TransportKind::Shm => ShmSend::attach(path.as_ref(), cfg.slots, slot_bytes, next)
-                .map(|t| Box::new(t) as _),
-            TransportKind::Tcp => tcp::connect(next_addr, &me, next, cfg.timeout)
-                .and_then(|st| tcp::TcpSend::new(st, next, cfg.slots, slot_bytes))
-                .map(|t| Box::new(t) as _),
-        };
-        let rx = match accept {
-            Ok(rx) => rx,
-            Err(handle) => handle.join().map_err(|_| Error::Io {
-                context: "accepting".into(),
-                detail: "accept thread panicked".into(),
-            })??,
-        };
-        Ok((tx?, rx))
-    })?;
-    for e in [&recv_edge, &send_edge] {
-        tracing::info!(target: "ringzero::topology", rank, "{e}");
-    }
-    let links = Links::new(tx, rx, next, prev)?;
-    Ok((Some(links), vec![recv_edge, send_edge], server))
-}
-
-fn job_tag(job: &str) -> String {
-    use sha2::Digest;
-    let h = sha2::Sha256::digest(job.as_bytes());
-    h[..4].iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// The store binds the master address when it is one of ours, else every interface.
-fn store_bind_addr(host: &str, port: u16) -> Result<SocketAddr> {
-    let addrs = crate::bootstrap::store::resolve_master(host, port)?;
-    for a in &addrs {
-        if TcpListener::bind(SocketAddr::new(a.ip(), 0)).is_ok() {
-            return Ok(*a);
-        }
-    }
-    Ok(SocketAddr::from(([0, 0, 0, 0], port)))
 }

@@ -36,13 +36,15 @@
 pub mod bootstrap;
 mod comm;
 pub mod config;
+mod connect;
 pub mod error;
 pub mod ring;
 pub mod topology;
 pub mod transport;
 pub mod wire;
+mod work;
 
-pub use comm::{Communicator, Work};
+pub use comm::Communicator;
 pub use config::{Config, TransportPref};
 pub use error::{Error, Result};
 pub use ring::engine::Counters;
@@ -50,3 +52,4 @@ pub use ring::{chunk, Collective};
 pub use ringzero_kernels::{DType, Element, ReduceOp};
 pub use topology::Edge;
 pub use transport::TransportKind;
+pub use work::Work;

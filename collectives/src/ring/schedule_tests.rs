@@ -26,10 +26,7 @@ fn unit(r: usize) -> Val {
 }
 
 fn combine(a: Val, b: Val) -> Val {
-    let mut from = [0; 8];
-    for i in 0..8 {
-        from[i] = a.from[i] + b.from[i];
-    }
+    let from = std::array::from_fn(|i| a.from[i] + b.from[i]);
     Val {
         from,
         finals: a.finals + b.finals,
