@@ -156,6 +156,9 @@ fn data_listener_drops_garbage_and_strangers_and_accepts_the_peer() {
     };
     let mut junk = TcpStream::connect(addr).unwrap();
     junk.write_all(&[0xff; 300]).unwrap();
+    // A caller that connects and then says nothing must not hold up the real peer.
+    let _silent = TcpStream::connect(addr).unwrap();
+    let t = Instant::now();
     let stranger = std::thread::spawn(move || {
         let other_job = Identity {
             secret: b"k",
@@ -175,8 +178,13 @@ fn data_listener_drops_garbage_and_strangers_and_accepts_the_peer() {
         };
         tcp::connect(addr, &mine, 1, Duration::from_secs(5)).map(|_| ())
     });
-    let accepted = tcp::accept_from(&l, &me, 0, Duration::from_secs(10)).unwrap();
+    let accepted = tcp::accept_from(&l, &me, 0, Duration::from_secs(30)).unwrap();
     assert!(accepted.peer_addr().is_ok());
+    assert!(
+        t.elapsed() < Duration::from_secs(8),
+        "the silent caller held up the peer: {:?}",
+        t.elapsed()
+    );
     assert!(stranger.join().unwrap().contains("job id mismatch"));
     peer.join().unwrap().unwrap();
     let _ = Role::Data;

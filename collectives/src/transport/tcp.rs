@@ -88,7 +88,8 @@ pub fn connect(
 
 /// Accept the data connection of rank `peer` on `l`, authenticating every caller; callers that
 /// fail the handshake (random bytes, another job, a wrong secret) are dropped and logged and the
-/// wait goes on, until `timeout`.
+/// wait goes on, until `timeout`. Each caller is authenticated on its own thread, so one that
+/// connects and then says nothing cannot hold up the real peer.
 pub fn accept_from(
     l: &TcpListener,
     me: &Identity,
@@ -98,48 +99,70 @@ pub fn accept_from(
     let deadline = Instant::now() + timeout;
     l.set_nonblocking(true)
         .map_err(|e| Error::io("listener", e))?;
+    let secret: std::sync::Arc<[u8]> = me.secret.into();
+    let job: std::sync::Arc<str> = me.job_id.into();
+    let rank = me.rank;
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<(Result<TcpStream>, SocketAddr)>();
     let mut refused = Vec::new();
     loop {
         match l.accept() {
-            Ok((mut s, from)) => {
-                s.set_nonblocking(false)
-                    .map_err(|e| Error::io("accepted socket", e))?;
-                tune(&s);
-                match handshake::server(&mut s, me, timeout.min(Duration::from_secs(10))) {
-                    Ok(h) if h.role == Role::Data && h.rank as usize == peer => return Ok(s),
-                    Ok(h) => {
-                        let m = format!(
-                            "{from}: rank {} role {:?} where rank {peer} was expected",
-                            h.rank, h.role
-                        );
-                        tracing::warn!(target: "ringzero::transport", "dropped data connection from {m}");
-                        refused.push(m);
-                    }
-                    Err(e) => {
-                        tracing::warn!(target: "ringzero::transport", "dropped data connection from {from}: {e}");
-                        refused.push(e.to_string());
-                    }
-                }
+            Ok((s, from)) => {
+                let (secret, job, done) = (secret.clone(), job.clone(), done_tx.clone());
+                let hs_timeout = timeout.min(Duration::from_secs(10));
+                std::thread::spawn(move || {
+                    let r = (|| {
+                        let mut s = s;
+                        s.set_nonblocking(false)
+                            .map_err(|e| Error::io("accepted socket", e))?;
+                        tune(&s);
+                        let me = Identity {
+                            secret: &secret,
+                            job_id: &job,
+                            rank,
+                        };
+                        let h = handshake::server(&mut s, &me, hs_timeout)?;
+                        if h.role == Role::Data && h.rank as usize == peer {
+                            Ok(s)
+                        } else {
+                            Err(Error::Handshake {
+                                peer: from.to_string(),
+                                reason: format!(
+                                    "rank {} role {:?} where rank {peer} was expected",
+                                    h.rank, h.role
+                                ),
+                            })
+                        }
+                    })();
+                    let _ = done.send((r, from));
+                });
             }
-            Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                if Instant::now() >= deadline {
-                    let also = if refused.is_empty() {
-                        String::new()
-                    } else {
-                        format!("; refused: {}", refused.join("; "))
-                    };
-                    return Err(Error::Timeout {
-                        op: "connect".into(),
-                        seq: 0,
-                        peer,
-                        waiting: format!("rank {peer} to open its data connection{also}"),
-                        after: timeout,
-                    });
-                }
-                std::thread::sleep(Duration::from_millis(2));
-            }
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {}
             Err(e) => return Err(Error::io("accepting a data connection", e)),
         }
+        while let Ok((r, from)) = done_rx.try_recv() {
+            match r {
+                Ok(s) => return Ok(s),
+                Err(e) => {
+                    tracing::warn!(target: "ringzero::transport", "dropped data connection from {from}: {e}");
+                    refused.push(e.to_string());
+                }
+            }
+        }
+        if Instant::now() >= deadline {
+            let also = if refused.is_empty() {
+                String::new()
+            } else {
+                format!("; refused: {}", refused.join("; "))
+            };
+            return Err(Error::Timeout {
+                op: "connect".into(),
+                seq: 0,
+                peer,
+                waiting: format!("rank {peer} to open its data connection{also}"),
+                after: timeout,
+            });
+        }
+        std::thread::sleep(Duration::from_millis(2));
     }
 }
 
