@@ -122,8 +122,14 @@ impl Config {
             launch.master_port,
         );
         c.launch = launch;
-        if let Some(s) = env("RINGZERO_SECRET") {
-            c.secret = s.into_bytes();
+        match env("RINGZERO_SECRET") {
+            Some(s) => c.secret = s.into_bytes(),
+            None if c.launch.world_size > 1 => tracing::warn!(
+                target: "ringzero::bootstrap",
+                "RINGZERO_SECRET is not set: connections are authenticated with an empty key, so anyone \
+                 who can reach the master port can join (`ringzero launch` sets one)"
+            ),
+            None => {}
         }
         if let Some(j) = env("RINGZERO_JOB_ID") {
             c.job_id = j;

@@ -2,25 +2,29 @@
 //!
 //! When both halves of a rank's ring are TCP sockets, it sleeps in `mio`'s poll on both at once
 //! (edge-triggered: the engine only sleeps after a read or write returned `WouldBlock`, so no
-//! readiness is ever missed). Otherwise (shared memory on at least one side) it backs off: spin
-//! briefly, then yield, then sleep in short naps, so ranks sharing a core give way to each other.
+//! readiness is ever missed). Otherwise (shared memory on at least one side) it backs off by time
+//! since the last progress: spin 20 µs, yield until 200 µs, then nap 50 µs at a time, so ranks sharing
+//! a core give way to each other and an idle rank costs almost nothing.
 //! Every sleep is short (≤ 10 ms) so the engine can check deadlines and peer health.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use mio::{Events, Interest, Poll, Token};
 
 use super::{RecvLink, SendLink};
 
-const SPINS: u32 = 64;
-const YIELDS: u32 = 256;
+/// Spin this long after the last progress (a peer a few microseconds behind is caught at once)...
+const SPIN_FOR: Duration = Duration::from_micros(20);
+/// ...then yield the core this long (cheap when ranks outnumber cores: the yield runs them)...
+const YIELD_FOR: Duration = Duration::from_micros(200);
+/// ...then nap.
 const NAP: Duration = Duration::from_micros(50);
 const POLL_CAP: Duration = Duration::from_millis(10);
 
 /// Sleeps between attempts; see the module docs.
 pub struct Waiter {
     poll: Option<(Poll, Events)>,
-    idle: u32,
+    idle_since: Option<Instant>,
 }
 
 impl Waiter {
@@ -38,24 +42,27 @@ impl Waiter {
             }
             poll = Some((p, Events::with_capacity(8)));
         }
-        Ok(Waiter { poll, idle: 0 })
+        Ok(Waiter {
+            poll,
+            idle_since: None,
+        })
     }
 
     /// Something moved: the next wait starts with spinning again.
     pub fn progressed(&mut self) {
-        self.idle = 0;
+        self.idle_since = None;
     }
 
     /// Nothing moved: wait a little (never past `max`).
     pub fn idle(&mut self, max: Duration) {
-        self.idle = self.idle.saturating_add(1);
         if let Some((p, events)) = &mut self.poll {
             let _ = p.poll(events, Some(max.min(POLL_CAP)));
             return;
         }
-        if self.idle < SPINS {
+        let idle = self.idle_since.get_or_insert_with(Instant::now).elapsed();
+        if idle < SPIN_FOR {
             std::hint::spin_loop();
-        } else if self.idle < SPINS + YIELDS {
+        } else if idle < YIELD_FOR {
             std::thread::yield_now();
         } else {
             std::thread::sleep(NAP.min(max));
