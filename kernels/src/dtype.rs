@@ -172,19 +172,31 @@ impl FromStr for ReduceOp {
 pub trait Element: bytemuck::Pod + Send + Sync + PartialEq + fmt::Debug + 'static {
     /// The dtype tag of this type.
     const DTYPE: DType;
+    /// Convert from `f64` the way `as` does (round to nearest for floats, saturate for integers).
+    fn from_f64(v: f64) -> Self;
+    /// Convert to `f64` (exact for every value of every supported type but large `i64`s).
+    fn to_f64(self) -> f64;
 }
 
 macro_rules! element {
-    ($t:ty, $d:ident) => {
+    ($t:ty, $d:ident, |$v:ident| $from:expr, |$s:ident| $to:expr) => {
         impl Element for $t {
             const DTYPE: DType = DType::$d;
+            fn from_f64($v: f64) -> Self {
+                $from
+            }
+            fn to_f64(self) -> f64 {
+                let $s = self;
+                $to
+            }
         }
     };
 }
-element!(f32, F32);
-element!(f64, F64);
-element!(half::f16, F16);
-element!(half::bf16, BF16);
-element!(i32, I32);
-element!(i64, I64);
-element!(u8, U8);
+element!(f32, F32, |v| v as f32, |s| s as f64);
+element!(f64, F64, |v| v, |s| s);
+element!(half::f16, F16, |v| half::f16::from_f64(v), |s| s.to_f64());
+element!(half::bf16, BF16, |v| half::bf16::from_f64(v), |s| s
+    .to_f64());
+element!(i32, I32, |v| v as i32, |s| s as f64);
+element!(i64, I64, |v| v as i64, |s| s as f64);
+element!(u8, U8, |v| v as u8, |s| s as f64);

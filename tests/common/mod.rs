@@ -6,9 +6,7 @@
 use std::time::Duration;
 
 use half::{bf16, f16};
-use ringzero::{
-    chunk, Collective, Communicator, Config, DType, Element, ReduceOp, Result, TransportPref,
-};
+use ringzero::{chunk, Collective, Communicator, Config, DType, ReduceOp, Result, TransportPref};
 
 /// A port that was free a moment ago.
 pub fn free_port() -> u16 {
@@ -69,32 +67,8 @@ pub fn threads<R: Send>(
     })
 }
 
-/// Test-side conversions of every element type.
-pub trait TestElem: Element + Copy {
-    fn from_f64(v: f64) -> Self;
-    fn to_f64(self) -> f64;
-}
-
-macro_rules! test_elem {
-    ($t:ty, |$v:ident| $from:expr, |$s:ident| $to:expr) => {
-        impl TestElem for $t {
-            fn from_f64($v: f64) -> Self {
-                $from
-            }
-            fn to_f64(self) -> f64 {
-                let $s = self;
-                $to
-            }
-        }
-    };
-}
-test_elem!(f32, |v| v as f32, |s| s as f64);
-test_elem!(f64, |v| v, |s| s);
-test_elem!(f16, |v| f16::from_f64(v), |s| s.to_f64());
-test_elem!(bf16, |v| bf16::from_f64(v), |s| s.to_f64());
-test_elem!(i32, |v| v as i32, |s| s as f64);
-test_elem!(i64, |v| v as i64, |s| s as f64);
-test_elem!(u8, |v| v as u8, |s| s as f64);
+/// Every element type converts to and from f64 (`Element::from_f64`/`to_f64`).
+pub use ringzero::Element as TestElem;
 
 /// Input of `rank` at element `i`: small integers, so every reduction is exact in any order.
 pub fn value(dtype: DType, op: ReduceOp, rank: usize, i: usize, seed: usize) -> f64 {
