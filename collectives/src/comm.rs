@@ -233,6 +233,20 @@ impl Communicator {
         self.run_one(c, Some(op), buf.len(), buf)
     }
 
+    /// Send `send` to the next rank and receive the previous rank's buffer into `recv` (same
+    /// length on every rank). Every link carries data at once: this is the ring's raw streaming
+    /// rate, and the exchange step of ring attention.
+    pub fn ring_shift<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        let c = Collective::RingShift;
+        same_len(c, send.len(), recv.len(), "send", "recv")?;
+        self.run_split(c, None, send.len(), send, recv)
+    }
+
+    /// In-place [`Communicator::ring_shift`].
+    pub fn ring_shift_in_place<T: Element>(&self, buf: &mut [T]) -> Result<()> {
+        self.run_one(Collective::RingShift, None, buf.len(), buf)
+    }
+
     /// Return only once every rank has entered the barrier.
     pub fn barrier(&self) -> Result<()> {
         self.wait_async_idle();

@@ -218,6 +218,16 @@ fn run_typed<T: TestElem>(comm: &Communicator, c: &Case) -> Result<Vec<f64>> {
             comm.barrier()?;
             Vec::new()
         }
+        (Collective::RingShift, false) => {
+            let mut out = garbage(count);
+            comm.ring_shift(&input, &mut out)?;
+            out
+        }
+        (Collective::RingShift, true) => {
+            let mut b = input;
+            comm.ring_shift_in_place(&mut b)?;
+            b
+        }
     };
     Ok(out.into_iter().map(T::to_f64).collect())
 }
@@ -260,6 +270,7 @@ pub fn expected(c: &Case, n: usize, r: usize) -> Vec<f64> {
             .map(|i| if r == root { red(i) } else { input(r, i) })
             .collect(),
         (Collective::Barrier, _) => Vec::new(),
+        (Collective::RingShift, _) => (0..count).map(|i| input((r + n - 1) % n, i)).collect(),
     }
 }
 
@@ -280,7 +291,7 @@ pub fn check_case(comm: &Communicator, c: &Case) {
     }
 }
 
-pub fn all_collectives(root: usize) -> [Collective; 6] {
+pub fn all_collectives(root: usize) -> [Collective; 7] {
     [
         Collective::AllReduce,
         Collective::ReduceScatter,
@@ -288,5 +299,6 @@ pub fn all_collectives(root: usize) -> [Collective; 6] {
         Collective::Broadcast { root },
         Collective::Reduce { root },
         Collective::Barrier,
+        Collective::RingShift,
     ]
 }

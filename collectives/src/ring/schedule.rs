@@ -47,6 +47,9 @@ pub enum Collective {
     },
     /// No rank leaves before every rank has entered.
     Barrier,
+    /// Every rank sends its buffer to the next rank and receives the previous rank's (all links
+    /// busy at once: the streaming probe of `ringzero bench`, and ring attention's exchange).
+    RingShift,
 }
 
 impl Collective {
@@ -59,6 +62,7 @@ impl Collective {
             Collective::Broadcast { .. } => 4,
             Collective::Reduce { .. } => 5,
             Collective::Barrier => 6,
+            Collective::RingShift => 7,
         }
     }
 
@@ -79,6 +83,7 @@ impl Collective {
             Collective::Broadcast { .. } => "broadcast",
             Collective::Reduce { .. } => "reduce",
             Collective::Barrier => "barrier",
+            Collective::RingShift => "ring_shift",
         }
     }
 
@@ -99,6 +104,7 @@ impl Collective {
             4 => Collective::Broadcast { root },
             5 => Collective::Reduce { root },
             6 => Collective::Barrier,
+            7 => Collective::RingShift,
             _ => return None,
         })
     }
@@ -330,6 +336,21 @@ pub fn plan(a: PlanArgs) -> Plan {
                         step += 1;
                     }
                 }
+            }
+        }
+        Collective::RingShift => {
+            // Send slice j before receiving slice j into the same place: in place works too.
+            let slices = count.div_ceil(se).max(1);
+            for j in 0..slices {
+                let s = split(0..count, slices, j);
+                let mut send = op(0, j, &s);
+                send.send = true;
+                send.local = input(s.clone());
+                let mut recv = op(1, j, &s);
+                recv.recv = true;
+                recv.store = output(s, false);
+                p.ops.push(send);
+                p.ops.push(recv);
             }
         }
         Collective::Broadcast { root } | Collective::Reduce { root } => {

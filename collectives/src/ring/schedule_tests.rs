@@ -238,6 +238,10 @@ fn check(coll: Collective, n: usize, count: usize, se: usize, in_place: bool, or
                 }
             }
             Collective::Barrier => assert!(out.is_empty()),
+            Collective::RingShift => {
+                let want = unit((r + n - 1) % n);
+                assert!(out.iter().all(|v| *v == want), "rank {r}: {out:?}");
+            }
         }
         if !in_place {
             assert!(
@@ -265,6 +269,7 @@ fn check(coll: Collective, n: usize, count: usize, se: usize, in_place: bool, or
                 }
             }
             Collective::Barrier => 0,
+            Collective::RingShift => count,
         };
         assert_eq!(
             sim.sent_elems[r],
@@ -296,6 +301,7 @@ fn collectives(n: usize, root: usize) -> Vec<Collective> {
         Collective::Broadcast { root },
         Collective::Reduce { root },
         Collective::Barrier,
+        Collective::RingShift,
     ]
 }
 
@@ -354,7 +360,7 @@ proptest! {
         se in 1usize..50,
         in_place: bool,
         root in 0usize..8,
-        which in 0usize..6,
+        which in 0usize..7,
         order in proptest::collection::vec(0usize..8, 1..40),
     ) {
         let coll = collectives(n, root)[which];
