@@ -5,7 +5,6 @@
 
 use std::time::Duration;
 
-use half::{bf16, f16};
 use ringzero::{chunk, Collective, Communicator, Config, DType, ReduceOp, Result, TransportPref};
 
 /// A port that was free a moment ago.
@@ -70,59 +69,7 @@ pub fn threads<R: Send>(
 /// Every element type converts to and from f64 (`Element::from_f64`/`to_f64`).
 pub use ringzero::Element as TestElem;
 
-/// Input of `rank` at element `i`: small integers, so every reduction is exact in any order.
-pub fn value(dtype: DType, op: ReduceOp, rank: usize, i: usize, seed: usize) -> f64 {
-    let h = i
-        .wrapping_mul(31)
-        .wrapping_add(rank * 17)
-        .wrapping_add(seed);
-    let unsigned = dtype == DType::U8;
-    match op {
-        ReduceOp::Sum | ReduceOp::Avg if unsigned => (h % 4) as f64,
-        ReduceOp::Sum | ReduceOp::Avg => (h % 7) as f64 - 3.0,
-        ReduceOp::Prod if unsigned => (1 + h % 2) as f64,
-        ReduceOp::Prod => [1.0, 2.0, -1.0][h % 3],
-        ReduceOp::Min | ReduceOp::Max if unsigned => (h % 9) as f64,
-        ReduceOp::Min | ReduceOp::Max => (h % 9) as f64 - 4.0,
-    }
-}
-
-/// The reduction of element `i` over `n` ranks, as the dtype represents it, computed serially:
-/// integers in i128 then wrapped to the type; floats in f64 (exact for these inputs); `Avg` as the
-/// documented "sum, then one division in f32 (f64 for f64)".
-pub fn reference(dtype: DType, op: ReduceOp, n: usize, i: usize, seed: usize) -> f64 {
-    let vals: Vec<f64> = (0..n).map(|r| value(dtype, op, r, i, seed)).collect();
-    let combined = match op {
-        ReduceOp::Sum | ReduceOp::Avg => vals.iter().sum(),
-        ReduceOp::Prod => vals.iter().product(),
-        ReduceOp::Min => vals.iter().copied().fold(f64::INFINITY, f64::min),
-        ReduceOp::Max => vals.iter().copied().fold(f64::NEG_INFINITY, f64::max),
-    };
-    let wrap = |v: f64| -> f64 {
-        let v = v as i128;
-        match dtype {
-            DType::U8 => v.rem_euclid(256) as f64,
-            DType::I32 => v as i32 as f64,
-            DType::I64 => v as i64 as f64,
-            _ => unreachable!(),
-        }
-    };
-    let cast = |v: f64| -> f64 {
-        match dtype {
-            DType::F32 => v as f32 as f64,
-            DType::F64 => v,
-            DType::F16 => f16::from_f64(v).to_f64(),
-            DType::BF16 => bf16::from_f64(v).to_f64(),
-            _ => wrap(v),
-        }
-    };
-    match (op, dtype.is_float()) {
-        (ReduceOp::Avg, false) => (wrap(combined) as i128 / n as i128) as f64,
-        (ReduceOp::Avg, true) if dtype == DType::F64 => combined / n as f64,
-        (ReduceOp::Avg, true) => cast((cast(combined) as f32 / n as f32) as f64),
-        _ => cast(combined),
-    }
-}
+pub use ringzero_tools::bench::exact::{reference, value};
 
 /// Marker written into buffers whose contents must be overwritten (or must stay).
 pub const GARBAGE: f64 = 99.0;

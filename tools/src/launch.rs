@@ -40,6 +40,9 @@ pub enum Output {
     Inherit,
     /// Collected (tests): `(rank, line)`.
     Capture(Arc<Mutex<Vec<(usize, String)>>>),
+    /// Rank 0 writes straight to the launcher's terminal (its progress bar stays live); the other
+    /// ranks' lines are prefixed. For tools whose rank 0 does the reporting (`ringzero bench`).
+    RankZeroPlain,
 }
 
 /// How one rank ended.
@@ -93,7 +96,7 @@ pub fn node_of(rank: usize, ranks: usize, nodes: usize) -> usize {
 
 fn say(out: &Output, msg: &str) {
     match out {
-        Output::Inherit => eprintln!("ringzero launch: {msg}"),
+        Output::Inherit | Output::RankZeroPlain => eprintln!("ringzero launch: {msg}"),
         Output::Capture(v) => v.lock().unwrap().push((usize::MAX, msg.to_string())),
     }
 }
@@ -144,9 +147,12 @@ pub fn launch(spec: &LaunchSpec, out: Output) -> std::io::Result<Outcome> {
             .env("RINGZERO_MASTER_PORT", port.to_string())
             .env("RINGZERO_SECRET", &secret)
             .env("RINGZERO_JOB_ID", &job)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
+            .stdin(Stdio::null());
+        if matches!(out, Output::RankZeroPlain) && rank == 0 {
+            cmd.stdout(Stdio::inherit()).stderr(Stdio::inherit());
+        } else {
+            cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+        }
         if spec.nodes > 1 {
             cmd.env("RINGZERO_NODE_ID", format!("{host}/fake-node-{node}"));
         }
@@ -179,8 +185,12 @@ pub fn launch(spec: &LaunchSpec, out: Output) -> std::io::Result<Outcome> {
                 ));
             }
         };
-        readers.push(pump(child.stdout.take().unwrap(), rank, false, out.clone()));
-        readers.push(pump(child.stderr.take().unwrap(), rank, true, out.clone()));
+        if let Some(o) = child.stdout.take() {
+            readers.push(pump(o, rank, false, out.clone()));
+        }
+        if let Some(e) = child.stderr.take() {
+            readers.push(pump(e, rank, true, out.clone()));
+        }
         children.push(child);
     }
 
@@ -317,10 +327,10 @@ fn pump(
             let text = String::from_utf8_lossy(&line);
             let text = text.trim_end_matches(['\n', '\r']);
             match &out {
-                Output::Inherit if is_err => {
+                Output::Inherit | Output::RankZeroPlain if is_err => {
                     let _ = writeln!(std::io::stderr().lock(), "[rank {rank}] {text}");
                 }
-                Output::Inherit => {
+                Output::Inherit | Output::RankZeroPlain => {
                     let _ = writeln!(std::io::stdout().lock(), "[rank {rank}] {text}");
                 }
                 Output::Capture(v) => v.lock().unwrap().push((rank, text.to_string())),

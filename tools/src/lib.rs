@@ -2,7 +2,9 @@
 //!
 //! - [`launch`]: spawn N local ranks with the launcher environment, prefix their output, take the
 //!   job down when one fails;
-//! - [`check`]: the checked all-reduce sweep every rank of the main job runs.
+//! - [`bench`]: every collective swept over sizes, checked, against the α–β model;
+//! - [`check`]: a quick checked all-reduce sweep.
 
+pub mod bench;
 pub mod check;
 pub mod launch;

@@ -36,6 +36,9 @@ enum Cmd {
         #[arg(last = true, required = true)]
         cmd: Vec<std::ffi::OsString>,
     },
+    /// Benchmark collectives against the ring's α–β model (nccl-tests semantics). Spawns its own
+    /// local ranks unless run under a launcher.
+    Bench(BenchCli),
     /// Checked all-reduce sweep (run it under `ringzero launch`): every result is verified exactly.
     Check {
         /// Smallest size (bytes; K/M/G suffixes).
@@ -51,6 +54,55 @@ enum Cmd {
         #[arg(long, default_value_t = 5)]
         iters: usize,
     },
+}
+
+#[derive(clap::Args)]
+struct BenchCli {
+    /// all-reduce, reduce-scatter, all-gather, broadcast, reduce, or all.
+    #[arg(default_value = "all")]
+    op: String,
+    /// Local ranks to spawn (ignored under a launcher, which decides).
+    #[arg(short = 'n', long = "ranks")]
+    ranks: Option<usize>,
+    /// Smallest size in bytes (K/M/G suffixes).
+    #[arg(short = 'b', long = "minbytes", default_value = "4K", value_parser = size)]
+    min_bytes: usize,
+    /// Largest size in bytes.
+    #[arg(short = 'e', long = "maxbytes", default_value = "64M", value_parser = size)]
+    max_bytes: usize,
+    /// Multiplier between sizes.
+    #[arg(short = 'f', long = "stepfactor", default_value_t = 4)]
+    factor: usize,
+    /// Element type: f32 f64 f16 bf16 i32 i64 u8.
+    #[arg(short = 'd', long = "datatype", default_value = "f32")]
+    dtype: ringzero_collectives::DType,
+    /// Reduce operator: sum prod min max avg.
+    #[arg(short = 'o', long = "op", default_value = "sum")]
+    redop: ringzero_collectives::ReduceOp,
+    /// Transport: auto, shm or tcp (sets RINGZERO_TRANSPORT for the ranks).
+    #[arg(long)]
+    transport: Option<String>,
+    /// Timed iterations per size.
+    #[arg(long, default_value_t = 20)]
+    iters: usize,
+    /// Warm-up iterations per size.
+    #[arg(long, default_value_t = 5)]
+    warmup: usize,
+    /// Where the buffers live: host (cuda arrives with the CUDA device).
+    #[arg(long, default_value = "host")]
+    device: String,
+    /// Write the report as JSON to this file.
+    #[arg(long)]
+    json: Option<std::path::PathBuf>,
+    /// Write an SVG plot of bus bandwidth against size.
+    #[arg(long)]
+    plot: Option<std::path::PathBuf>,
+    /// Bytes each rank streams to measure β.
+    #[arg(long, default_value = "16M", value_parser = size, hide = true)]
+    probe_bytes: usize,
+    /// Testing aid: this rank corrupts one element of every checked result.
+    #[arg(long, hide = true)]
+    corrupt_rank: Option<usize>,
 }
 
 fn size(s: &str) -> Result<usize, String> {
@@ -97,6 +149,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let outcome = launch::launch(&spec, launch::Output::Inherit)?;
             Ok(ExitCode::from(outcome.exit_code().clamp(0, 255) as u8))
         }
+        Cmd::Bench(b) => bench(b),
         Cmd::Check {
             min_bytes,
             max_bytes,
@@ -147,4 +200,120 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             })
         }
     }
+}
+
+/// Whether a launcher (ours, torchrun, Slurm, Open MPI) started this process as a rank.
+fn under_launcher() -> bool {
+    [
+        "RINGZERO_RANK",
+        "RANK",
+        "SLURM_PROCID",
+        "OMPI_COMM_WORLD_RANK",
+    ]
+    .iter()
+    .any(|v| std::env::var_os(v).is_some())
+}
+
+fn bench(b: BenchCli) -> anyhow::Result<ExitCode> {
+    let ops = ringzero_tools::bench::parse_ops(&b.op).map_err(anyhow::Error::msg)?;
+    let sizes = ringzero_tools::bench::sizes(b.min_bytes, b.max_bytes, b.factor)
+        .map_err(anyhow::Error::msg)?;
+    match b.device.as_str() {
+        "host" => {}
+        "cuda" => anyhow::bail!("--device cuda: this build has no CUDA device support yet (no CUDA driver is used); run with --device host"),
+        other => anyhow::bail!("--device {other}: expected host or cuda"),
+    }
+    if let Some(t) = &b.transport {
+        anyhow::ensure!(
+            matches!(t.as_str(), "auto" | "shm" | "tcp"),
+            "--transport {t}: expected auto, shm or tcp"
+        );
+    }
+    anyhow::ensure!(b.iters > 0, "--iters must be at least 1");
+    if !under_launcher() {
+        let ranks = b.ranks.unwrap_or(4);
+        let spec = launch::LaunchSpec {
+            ranks,
+            nodes: 1,
+            program: std::env::current_exe()
+                .context("finding this executable")?
+                .into(),
+            args: std::env::args_os().skip(1).collect(),
+            env: b
+                .transport
+                .iter()
+                .map(|t| ("RINGZERO_TRANSPORT".to_string(), t.clone()))
+                .collect(),
+            grace: Duration::from_secs(5),
+        };
+        let outcome = launch::launch(&spec, launch::Output::RankZeroPlain)?;
+        return Ok(ExitCode::from(outcome.exit_code().clamp(0, 255) as u8));
+    }
+    let mut cfg =
+        ringzero_collectives::Config::from_env().context("reading the launcher environment")?;
+    if let Some(t) = &b.transport {
+        cfg.transport = match t.as_str() {
+            "shm" => ringzero_collectives::TransportPref::Shm,
+            "tcp" => ringzero_collectives::TransportPref::Tcp,
+            _ => ringzero_collectives::TransportPref::Auto,
+        };
+    }
+    let comm = Communicator::init(cfg).context("joining the job")?;
+    if let Some(n) = b.ranks {
+        if n != comm.size() && comm.rank() == 0 {
+            eprintln!(
+                "ringzero bench: -n {n} ignored: the launcher started {} ranks",
+                comm.size()
+            );
+        }
+    }
+    let args = ringzero_tools::bench::BenchArgs {
+        ops,
+        sweep: ringzero_tools::bench::sweep::SweepArgs {
+            dtype: b.dtype,
+            redop: b.redop,
+            sizes,
+            iters: b.iters,
+            warmup: b.warmup,
+            corrupt_rank: b.corrupt_rank,
+        },
+        probe_bytes: b.probe_bytes,
+    };
+    let bar = if comm.rank() == 0 {
+        let pb = indicatif::ProgressBar::new((args.ops.len() * args.sweep.sizes.len()) as u64);
+        pb.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{spinner} {bar:40} {pos}/{len} sizes, {elapsed}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        Some(pb)
+    } else {
+        None
+    };
+    let report = ringzero_tools::bench::run(&comm, &args, &mut |done, _| {
+        if let Some(pb) = &bar {
+            pb.set_position(done as u64);
+        }
+    })?;
+    if let Some(pb) = bar {
+        pb.finish_and_clear();
+    }
+    let wrong: u64 = report.rows.iter().map(|r| r.wrong).sum();
+    if comm.rank() == 0 {
+        print!("{}", ringzero_tools::bench::text(&report));
+        if let Some(path) = &b.json {
+            let doc = serde_json::to_string_pretty(&report)?;
+            std::fs::write(path, doc).with_context(|| format!("writing {}", path.display()))?;
+        }
+        if let Some(path) = &b.plot {
+            ringzero_tools::bench::plot::write_svg(&report, path)
+                .map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))?;
+        }
+    }
+    Ok(if wrong == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }

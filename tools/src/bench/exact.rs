@@ -1,0 +1,87 @@
+//! Inputs that reduce exactly in any order, and the serial reference they must reduce to, so a
+//! result check can demand zero error (nccl-tests' `#wrong`).
+//!
+//! Inputs are small integers (sum/avg: −3..3, prod: 1, 2, −1, min/max: −4..4; non-negative for
+//! `u8`), exact in every dtype including bf16. The reference is computed independently of the
+//! library: integers in i128 then wrapped to the type, floats in f64, and `Avg` as the library
+//! documents it — the sum, then one division in f32 (f64 for f64).
+
+use half::{bf16, f16};
+use ringzero_collectives::{DType, ReduceOp};
+
+/// Input of `rank` at element `i`.
+pub fn value(dtype: DType, op: ReduceOp, rank: usize, i: usize, seed: usize) -> f64 {
+    let h = i
+        .wrapping_mul(31)
+        .wrapping_add(rank * 17)
+        .wrapping_add(seed);
+    let unsigned = dtype == DType::U8;
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg if unsigned => (h % 4) as f64,
+        ReduceOp::Sum | ReduceOp::Avg => (h % 7) as f64 - 3.0,
+        ReduceOp::Prod if unsigned => (1 + h % 2) as f64,
+        ReduceOp::Prod => [1.0, 2.0, -1.0][h % 3],
+        ReduceOp::Min | ReduceOp::Max if unsigned => (h % 9) as f64,
+        ReduceOp::Min | ReduceOp::Max => (h % 9) as f64 - 4.0,
+    }
+}
+
+/// The reduction of element `i` over `n` ranks, as the dtype represents it.
+pub fn reference(dtype: DType, op: ReduceOp, n: usize, i: usize, seed: usize) -> f64 {
+    let vals = (0..n).map(|r| value(dtype, op, r, i, seed));
+    let combined: f64 = match op {
+        ReduceOp::Sum | ReduceOp::Avg => vals.sum(),
+        ReduceOp::Prod => vals.product(),
+        ReduceOp::Min => vals.fold(f64::INFINITY, f64::min),
+        ReduceOp::Max => vals.fold(f64::NEG_INFINITY, f64::max),
+    };
+    let wrap = |v: f64| -> f64 {
+        let v = v as i128;
+        match dtype {
+            DType::U8 => v.rem_euclid(256) as f64,
+            DType::I32 => v as i32 as f64,
+            _ => v as i64 as f64,
+        }
+    };
+    let cast = |v: f64| -> f64 {
+        match dtype {
+            DType::F32 => v as f32 as f64,
+            DType::F64 => v,
+            DType::F16 => f16::from_f64(v).to_f64(),
+            DType::BF16 => bf16::from_f64(v).to_f64(),
+            _ => wrap(v),
+        }
+    };
+    match (op, dtype.is_float()) {
+        (ReduceOp::Avg, false) => (wrap(combined) as i128 / n as i128) as f64,
+        (ReduceOp::Avg, true) if dtype == DType::F64 => combined / n as f64,
+        (ReduceOp::Avg, true) => cast((cast(combined) as f32 / n as f32) as f64),
+        _ => cast(combined),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reference_by_hand() {
+        // Ranks 0..3 at element 0, seed 0: h = 0, 17, 34 → sum inputs (h % 7) − 3 = −3, 0, 3.
+        assert_eq!(reference(DType::F32, ReduceOp::Sum, 3, 0, 0), 0.0);
+        assert_eq!(
+            reference(DType::I32, ReduceOp::Max, 3, 0, 0),
+            [0usize, 17, 34]
+                .map(|h| (h % 9) as f64 - 4.0)
+                .into_iter()
+                .fold(f64::MIN, f64::max)
+        );
+        // u8 products wrap: 2^8 = 0 mod 256.
+        let n = 8;
+        let all_two = (0..n).all(|r| value(DType::U8, ReduceOp::Prod, r, 1, 1) == 2.0);
+        if all_two {
+            assert_eq!(reference(DType::U8, ReduceOp::Prod, n, 1, 1), 0.0);
+        }
+        // i32 avg truncates toward zero: (−3 + 0) / 2 = −1.
+        assert_eq!(reference(DType::I32, ReduceOp::Avg, 2, 0, 0), -1.0);
+    }
+}

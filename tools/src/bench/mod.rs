@@ -1,0 +1,191 @@
+//! `ringzero bench`: every collective swept over sizes, checked exactly, and set against the ring's
+//! α–β model measured on the links in use. See [`theory`] for the arithmetic, [`probe`] for how α and
+//! β are measured, [`sweep`] for timing and `#wrong`, [`report`] and [`plot`] for the outputs.
+//!
+//! Like nccl-tests, it is one harness with small per-collective descriptors ([`sweep::Buffers`] and
+//! the match in `sweep::run`).
+
+pub mod exact;
+pub mod plot;
+pub mod probe;
+pub mod report;
+pub mod sweep;
+pub mod theory;
+
+use ringzero_collectives::{Collective, Communicator, DType, ReduceOp, Result};
+
+use report::{Header, Report};
+
+/// Everything the sweep needs to know.
+#[derive(Clone, Debug)]
+pub struct BenchArgs {
+    /// Collectives to run, in order.
+    pub ops: Vec<Collective>,
+    /// The sweep itself.
+    pub sweep: sweep::SweepArgs,
+    /// Bytes each rank streams in the β probe.
+    pub probe_bytes: usize,
+}
+
+/// Parse an op name: `all-reduce` (or `all_reduce`, `allreduce`), ..., or `all`.
+pub fn parse_ops(s: &str) -> std::result::Result<Vec<Collective>, String> {
+    let norm: String = s
+        .to_ascii_lowercase()
+        .chars()
+        .filter(|c| *c != '-' && *c != '_')
+        .collect();
+    Ok(match norm.as_str() {
+        "allreduce" => vec![Collective::AllReduce],
+        "reducescatter" => vec![Collective::ReduceScatter],
+        "allgather" => vec![Collective::AllGather],
+        "broadcast" | "bcast" => vec![Collective::Broadcast { root: 0 }],
+        "reduce" => vec![Collective::Reduce { root: 0 }],
+        "all" => vec![
+            Collective::AllReduce,
+            Collective::ReduceScatter,
+            Collective::AllGather,
+            Collective::Broadcast { root: 0 },
+            Collective::Reduce { root: 0 },
+        ],
+        _ => {
+            return Err(format!(
+                "unknown op `{s}` (expected all-reduce, reduce-scatter, all-gather, broadcast, reduce or all)"
+            ))
+        }
+    })
+}
+
+/// Sizes from `min` to `max` multiplying by `factor` (nccl-tests' -b/-e/-f).
+pub fn sizes(min: usize, max: usize, factor: usize) -> std::result::Result<Vec<usize>, String> {
+    if min > max {
+        return Err(format!("-b {min} is larger than -e {max}"));
+    }
+    if factor < 2 {
+        return Err(format!("-f {factor} must be at least 2"));
+    }
+    let mut v = Vec::new();
+    let mut s = min;
+    while s <= max {
+        v.push(s);
+        match s.checked_mul(factor) {
+            Some(next) if next > s => s = next,
+            _ => break,
+        }
+    }
+    Ok(v)
+}
+
+/// The ring's transports in one word: `shm`, `tcp` or `shm+tcp`.
+pub fn transport_summary(comm: &Communicator, probe: &probe::Probe) -> String {
+    let mut kinds: Vec<&str> = probe.edges.iter().map(|e| e.transport.as_str()).collect();
+    kinds.sort();
+    kinds.dedup();
+    if kinds.is_empty() {
+        return if comm.size() == 1 {
+            "none".into()
+        } else {
+            "?".into()
+        };
+    }
+    kinds.join("+")
+}
+
+/// Run the whole benchmark on every rank; every rank returns the same report. `progress` is
+/// called after each (op, size) with the number done and the total.
+pub fn run(
+    comm: &Communicator,
+    a: &BenchArgs,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Report> {
+    let probe = probe::measure(comm, a.probe_bytes)?;
+    let transport = transport_summary(comm, &probe);
+    let total = a.ops.len() * a.sweep.sizes.len();
+    let mut done = 0;
+    let mut rows = Vec::new();
+    for &op in &a.ops {
+        let mut tick = || {
+            done += 1;
+            progress(done, total);
+        };
+        rows.extend(sweep::sweep(
+            comm,
+            op,
+            &a.sweep,
+            probe.model,
+            &transport,
+            &mut tick,
+        )?);
+    }
+    let header = Header {
+        version: env!("CARGO_PKG_VERSION").to_string(),
+        host: rustix::system::uname()
+            .nodename()
+            .to_string_lossy()
+            .into_owned(),
+        ranks: comm.size(),
+        dtype: a.sweep.dtype.to_string(),
+        redop: a.sweep.redop.to_string(),
+        device: "host".into(),
+        alpha_us: probe.alpha_us,
+        beta_gbs: probe.model.beta_gbs,
+        edges: probe.edges.iter().map(Into::into).collect(),
+        memcpy_gbs: probe.memcpy_gbs,
+        tcp_stream_gbs: probe.tcp_stream_gbs,
+        slice_bytes: comm.config().slice_bytes,
+        iters: a.sweep.iters,
+        warmup: a.sweep.warmup,
+        time: "mean over ranks of each rank's mean time per call".into(),
+    };
+    Ok(Report { header, rows })
+}
+
+/// The whole text report: header, one table per op, summary.
+pub fn text(r: &Report) -> String {
+    let mut s = report::header_text(&r.header);
+    let mut start = 0;
+    while start < r.rows.len() {
+        let op = &r.rows[start].op;
+        let end = start + r.rows[start..].iter().take_while(|x| &x.op == op).count();
+        s += &report::table(op, &r.rows[start..end]);
+        start = end;
+    }
+    s += &report::summary(&r.rows);
+    s
+}
+
+/// Defaults that make a sensible first run: f32 sum.
+pub fn default_sweep() -> sweep::SweepArgs {
+    sweep::SweepArgs {
+        dtype: DType::F32,
+        redop: ReduceOp::Sum,
+        sizes: sizes(4 << 10, 64 << 20, 4).expect("valid defaults"),
+        iters: 20,
+        warmup: 5,
+        corrupt_rank: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ops_and_sizes_parse_like_nccl_tests() {
+        assert_eq!(
+            parse_ops("all-reduce").unwrap(),
+            vec![Collective::AllReduce]
+        );
+        assert_eq!(
+            parse_ops("reduce_scatter").unwrap(),
+            vec![Collective::ReduceScatter]
+        );
+        assert_eq!(parse_ops("all").unwrap().len(), 5);
+        assert!(parse_ops("alltoall")
+            .unwrap_err()
+            .contains("unknown op `alltoall`"));
+        assert_eq!(sizes(8, 64, 2).unwrap(), vec![8, 16, 32, 64]);
+        assert_eq!(sizes(4096, 4096, 2).unwrap(), vec![4096]);
+        assert!(sizes(10, 5, 2).is_err());
+        assert!(sizes(1, 5, 1).unwrap_err().contains("-f 1"));
+    }
+}

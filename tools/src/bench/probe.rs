@@ -1,0 +1,187 @@
+//! α and β measured on the links the ring actually uses, plus the two baselines the ratios are
+//! taken against (a memcpy of one slice in this process, and one plain TCP stream on loopback).
+//!
+//! - α, the latency of one ring step: the mean time of a barrier (an empty-frame all-gather of
+//!   n − 1 steps, every link busy at once) divided by n − 1.
+//! - β, the bandwidth of each link: every rank streams `stream_bytes` to the next with
+//!   [`Communicator::ring_shift`] (all links busy at once, as in the ring); the receiving rank's time
+//!   gives its incoming edge's β = bytes / (time − α). The model uses the slowest edge, as the ring
+//!   does.
+
+use std::io::{Read, Write};
+use std::time::{Duration, Instant};
+
+use ringzero_collectives::{Communicator, ReduceOp, Result};
+use serde::Serialize;
+
+use super::theory::Model;
+
+/// One ring edge with its measured bandwidth.
+#[derive(Clone, Debug, Serialize)]
+pub struct EdgeBeta {
+    /// Sending rank.
+    pub from: usize,
+    /// Receiving rank.
+    pub to: usize,
+    /// Transport name.
+    pub transport: String,
+    /// Why this transport.
+    pub reason: String,
+    /// Measured bandwidth, GB/s.
+    pub beta_gbs: f64,
+}
+
+/// What the probes found.
+#[derive(Clone, Debug, Serialize)]
+pub struct Probe {
+    /// Latency per ring step, µs.
+    pub alpha_us: f64,
+    /// Every edge of the ring (edge `r` ends at rank `r`).
+    pub edges: Vec<EdgeBeta>,
+    /// The model used for predictions: α, and the slowest edge's β.
+    #[serde(skip)]
+    pub model: Model,
+    /// memcpy of the probe's bytes in slice-sized copies within one process, GB/s (rank 0).
+    pub memcpy_gbs: f64,
+    /// One plain TCP stream on loopback, GB/s (rank 0; measured only when an edge uses TCP).
+    pub tcp_stream_gbs: Option<f64>,
+}
+
+/// Run the probes on every rank; every rank returns the same result.
+pub fn measure(comm: &Communicator, stream_bytes: usize) -> Result<Probe> {
+    let n = comm.size();
+    let (alpha_us, betas) = if n > 1 {
+        for _ in 0..20 {
+            comm.barrier()?;
+        }
+        let reps = 200;
+        let t = Instant::now();
+        for _ in 0..reps {
+            comm.barrier()?;
+        }
+        let mut a = vec![t.elapsed().as_secs_f64() * 1e6 / reps as f64 / (n - 1) as f64];
+        comm.all_reduce_in_place(&mut a, ReduceOp::Avg)?;
+
+        let send = vec![1u8; stream_bytes];
+        let mut recv = vec![0u8; stream_bytes];
+        comm.ring_shift(&send, &mut recv)?;
+        comm.barrier()?;
+        let reps = 5;
+        let t = Instant::now();
+        for _ in 0..reps {
+            comm.ring_shift(&send, &mut recv)?;
+        }
+        let per_call = t.elapsed().as_secs_f64() * 1e6 / reps as f64;
+        let mine = stream_bytes as f64 / ((per_call - a[0]).max(per_call * 0.5) * 1e3);
+        let mut all = vec![0f64; n];
+        comm.all_gather(&[mine], &mut all)?;
+        (a[0], all)
+    } else {
+        (0.0, Vec::new())
+    };
+    let mut edges = Vec::new();
+    if n > 1 {
+        // Each rank knows its own edges; rank r's receive edge is edge r. Gather their names.
+        let me = &comm.edges()[0];
+        let name = format!("{}\t{}", me.kind, me.reason);
+        let mut len = vec![name.len() as i64];
+        comm.all_reduce_in_place(&mut len, ReduceOp::Max)?;
+        let width = len[0] as usize;
+        let mut mine = name.into_bytes();
+        mine.resize(width, b' ');
+        let mut names = vec![0u8; width * n];
+        comm.all_gather(&mine, &mut names)?;
+        for (r, beta) in betas.iter().enumerate() {
+            let text = String::from_utf8_lossy(&names[r * width..(r + 1) * width])
+                .trim_end()
+                .to_string();
+            let (transport, reason) = text.split_once('\t').unwrap_or((&text, ""));
+            edges.push(EdgeBeta {
+                from: (r + n - 1) % n,
+                to: r,
+                transport: transport.to_string(),
+                reason: reason.to_string(),
+                beta_gbs: *beta,
+            });
+        }
+    }
+    let beta = edges
+        .iter()
+        .map(|e| e.beta_gbs)
+        .fold(f64::INFINITY, f64::min);
+    let model = Model {
+        alpha_us,
+        beta_gbs: if beta.is_finite() { beta } else { 0.0 },
+    };
+
+    // Baselines on rank 0 while the others wait.
+    let mut base = vec![0f64; 2];
+    if comm.rank() == 0 {
+        base[0] = memcpy_gbs(stream_bytes, comm.config().slice_bytes);
+        if edges.iter().any(|e| e.transport == "tcp") {
+            base[1] = tcp_stream_gbs(64 << 20, comm.config().slice_bytes).unwrap_or(0.0);
+        }
+    }
+    comm.broadcast_in_place(&mut base, 0)?;
+    Ok(Probe {
+        alpha_us,
+        edges,
+        model,
+        memcpy_gbs: base[0],
+        tcp_stream_gbs: (base[1] > 0.0).then_some(base[1]),
+    })
+}
+
+/// GB/s of copying `total` bytes from one buffer to another in `piece`-sized copies (what each
+/// side of a shm link does per slice), repeated for about 50 ms.
+pub fn memcpy_gbs(total: usize, piece: usize) -> f64 {
+    let src = vec![1u8; total.max(1)];
+    let mut dst = vec![0u8; total.max(1)];
+    let piece = piece.clamp(1, src.len());
+    dst.copy_from_slice(&src);
+    let (mut copied, t) = (0usize, Instant::now());
+    while t.elapsed() < Duration::from_millis(50) {
+        for (d, s) in dst.chunks_mut(piece).zip(src.chunks(piece)) {
+            d.copy_from_slice(std::hint::black_box(s));
+        }
+        copied += src.len();
+    }
+    std::hint::black_box(&dst);
+    copied as f64 / t.elapsed().as_secs_f64() / 1e9
+}
+
+/// GB/s of one plain TCP stream on loopback: a writer thread sends `total` bytes in `chunk`-sized
+/// writes, this thread reads them.
+pub fn tcp_stream_gbs(total: usize, chunk: usize) -> std::io::Result<f64> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let addr = l.local_addr()?;
+    let writer = std::thread::spawn(move || -> std::io::Result<()> {
+        let mut s = std::net::TcpStream::connect(addr)?;
+        s.set_nodelay(true)?;
+        let buf = vec![7u8; chunk.max(1)];
+        let mut sent = 0;
+        while sent < total {
+            let k = buf.len().min(total - sent);
+            s.write_all(&buf[..k])?;
+            sent += k;
+        }
+        Ok(())
+    });
+    let (mut s, _) = l.accept()?;
+    s.set_read_timeout(Some(Duration::from_secs(30)))?;
+    let mut buf = vec![0u8; chunk.max(1)];
+    let t = Instant::now();
+    let mut got = 0;
+    while got < total {
+        let k = s.read(&mut buf)?;
+        if k == 0 {
+            break;
+        }
+        got += k;
+    }
+    let secs = t.elapsed().as_secs_f64();
+    writer
+        .join()
+        .map_err(|_| std::io::Error::other("writer panicked"))??;
+    Ok(got as f64 / secs / 1e9)
+}

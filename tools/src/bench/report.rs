@@ -1,0 +1,163 @@
+//! What `ringzero bench` prints and writes: an nccl-tests-style table with the α–β prediction and
+//! efficiency next to every line, and the same data as JSON.
+
+use serde::{Deserialize, Serialize};
+
+use super::probe::EdgeBeta;
+use super::sweep::Row;
+
+/// The header of a report.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Header {
+    /// ringzero version.
+    pub version: String,
+    /// Host name.
+    pub host: String,
+    /// Number of ranks.
+    pub ranks: usize,
+    /// Element type.
+    pub dtype: String,
+    /// Reduce operator.
+    pub redop: String,
+    /// Device of the buffers.
+    pub device: String,
+    /// Latency per ring step, µs.
+    pub alpha_us: f64,
+    /// Bandwidth of the slowest link, GB/s (the model's β).
+    pub beta_gbs: f64,
+    /// Every ring edge: transport, reason, measured β.
+    pub edges: Vec<EdgeOut>,
+    /// memcpy of the β probe's bytes in slice-sized copies in one process, GB/s.
+    pub memcpy_gbs: f64,
+    /// One plain loopback TCP stream, GB/s (when an edge uses TCP).
+    pub tcp_stream_gbs: Option<f64>,
+    /// Slice size, bytes.
+    pub slice_bytes: usize,
+    /// Timed iterations per size.
+    pub iters: usize,
+    /// Warm-up iterations per size.
+    pub warmup: usize,
+    /// How `time_us` is defined.
+    pub time: String,
+}
+
+/// An edge in the header.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct EdgeOut {
+    /// Sending rank.
+    pub from: usize,
+    /// Receiving rank.
+    pub to: usize,
+    /// Transport.
+    pub transport: String,
+    /// Why.
+    pub reason: String,
+    /// Measured bandwidth, GB/s.
+    pub beta_gbs: f64,
+}
+
+impl From<&EdgeBeta> for EdgeOut {
+    fn from(e: &EdgeBeta) -> EdgeOut {
+        EdgeOut {
+            from: e.from,
+            to: e.to,
+            transport: e.transport.clone(),
+            reason: e.reason.clone(),
+            beta_gbs: e.beta_gbs,
+        }
+    }
+}
+
+/// A whole report: the JSON document `--json` writes.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Report {
+    /// Header.
+    pub header: Header,
+    /// One object per (op, size, in place or not).
+    pub rows: Vec<Row>,
+}
+
+/// Header lines of the table.
+pub fn header_text(h: &Header) -> String {
+    let mut s = format!(
+        "# ringzero bench {} on {}: {} ranks, {} {}, {} buffers\n",
+        h.version, h.host, h.ranks, h.dtype, h.redop, h.device
+    );
+    for e in &h.edges {
+        s += &format!(
+            "#   edge rank {} → rank {}: {} ({}), β {:.2} GB/s\n",
+            e.from, e.to, e.transport, e.reason, e.beta_gbs
+        );
+    }
+    s += &format!(
+        "# model: α = {:.2} us per step, β = {:.2} GB/s per link (slowest edge); baselines: memcpy in \
+         {} B slices {:.2} GB/s{}\n",
+        h.alpha_us,
+        h.beta_gbs,
+        h.slice_bytes,
+        h.memcpy_gbs,
+        h.tcp_stream_gbs.map(|t| format!(", one loopback TCP stream {t:.2} GB/s")).unwrap_or_default()
+    );
+    s += &format!(
+        "# time: {}; {} warm-up and {} timed iterations per size\n",
+        h.time, h.warmup, h.iters
+    );
+    s += &format!(
+        "#{:>11} {:>10} {:>5} {:>5} | {:>10} {:>7} {:>7} {:>6} {:>9} {:>5} | {:>10} {:>7} {:>7} {:>6} {:>9} {:>5}\n",
+        "size(B)", "count", "type", "redop", "time(us)", "algbw", "busbw", "#wrong", "pred(us)", "eff",
+        "time(us)", "algbw", "busbw", "#wrong", "pred(us)", "eff"
+    );
+    s += &format!(
+        "#{:>35} | {:^54} | {:^54}\n",
+        "", "out-of-place", "in-place"
+    );
+    s
+}
+
+/// One table line from the out-of-place and in-place rows of a size.
+pub fn line(out: &Row, inp: &Row) -> String {
+    let half = |r: &Row| {
+        format!(
+            "{:>10.1} {:>7.3} {:>7.3} {:>6} {:>9} {:>5}",
+            r.time_us,
+            r.algbw_gbs,
+            r.busbw_gbs,
+            r.wrong,
+            r.predicted_us.map_or("-".into(), |p| format!("{p:.1}")),
+            r.efficiency
+                .map_or("-".into(), |e| format!("{:.0}%", e * 100.0)),
+        )
+    };
+    format!(
+        "{:>12} {:>10} {:>5} {:>5} | {} | {}",
+        out.bytes,
+        out.count,
+        out.dtype,
+        out.redop,
+        half(out),
+        half(inp)
+    )
+}
+
+/// The table of one op's rows (which come in out-of-place, in-place pairs).
+pub fn table(op: &str, rows: &[Row]) -> String {
+    let mut s = format!("# {op}\n");
+    for pair in rows.chunks(2) {
+        if let [o, i] = pair {
+            s += &line(o, i);
+            s.push('\n');
+        }
+    }
+    s
+}
+
+/// Summary after the tables.
+pub fn summary(rows: &[Row]) -> String {
+    let wrong: u64 = rows.iter().map(|r| r.wrong).sum();
+    let n = rows.len().max(1) as f64;
+    let avg_bus = rows.iter().map(|r| r.busbw_gbs).sum::<f64>() / n;
+    format!(
+        "# out of bounds values : {wrong} {}\n# avg bus bandwidth    : {avg_bus:.3} GB/s\n",
+        if wrong == 0 { "OK" } else { "FAILED" }
+    )
+}

@@ -1,0 +1,287 @@
+//! One collective over a range of sizes: a checked untimed call (`#wrong`), then warm-up and timed
+//! calls, out of place and in place, on every rank.
+//!
+//! Time per call is the **mean over ranks of each rank's mean** over the timed iterations
+//! (iterations start together after a barrier).
+
+use std::time::Instant;
+
+use ringzero_collectives::{chunk, Collective, Communicator, DType, Element, ReduceOp, Result};
+use serde::Serialize;
+
+use super::exact;
+use super::theory::{self, Model};
+
+/// What to sweep.
+#[derive(Clone, Debug)]
+pub struct SweepArgs {
+    /// Element type.
+    pub dtype: DType,
+    /// Reduce operator.
+    pub redop: ReduceOp,
+    /// Sizes in bytes.
+    pub sizes: Vec<usize>,
+    /// Timed iterations per size.
+    pub iters: usize,
+    /// Untimed iterations before them.
+    pub warmup: usize,
+    /// Test hook: this rank corrupts one element of its checked result.
+    pub corrupt_rank: Option<usize>,
+}
+
+/// One line of the report.
+#[derive(Clone, Debug, Serialize, serde::Deserialize, PartialEq)]
+pub struct Row {
+    /// Collective name.
+    pub op: String,
+    /// Total buffer bytes.
+    pub bytes: usize,
+    /// Total elements.
+    pub count: usize,
+    /// Element type.
+    pub dtype: String,
+    /// Reduce operator (`-` for collectives that do not reduce).
+    pub redop: String,
+    /// Number of ranks.
+    pub ranks: usize,
+    /// Transports of the ring's edges (`shm`, `tcp`, `shm+tcp`).
+    pub transport: String,
+    /// Mean time per call, µs.
+    pub time_us: f64,
+    /// Algorithm bandwidth, GB/s.
+    pub algbw_gbs: f64,
+    /// Bus bandwidth, GB/s.
+    pub busbw_gbs: f64,
+    /// Elements that differed from the exact result, summed over ranks.
+    pub wrong: u64,
+    /// In place or out of place.
+    pub inplace: bool,
+    /// α–β prediction, µs.
+    pub predicted_us: Option<f64>,
+    /// predicted / measured.
+    pub efficiency: Option<f64>,
+}
+
+/// Sweep `op` over `a.sizes`, calling `tick` after each size; every rank returns the same rows.
+pub fn sweep(
+    comm: &Communicator,
+    op: Collective,
+    a: &SweepArgs,
+    model: Model,
+    transport: &str,
+    tick: &mut dyn FnMut(),
+) -> Result<Vec<Row>> {
+    macro_rules! go {
+        ($t:ty) => {
+            sweep_typed::<$t>(comm, op, a, model, transport, tick)
+        };
+    }
+    match a.dtype {
+        DType::F32 => go!(f32),
+        DType::F64 => go!(f64),
+        DType::F16 => go!(half::f16),
+        DType::BF16 => go!(half::bf16),
+        DType::I32 => go!(i32),
+        DType::I64 => go!(i64),
+        DType::U8 => go!(u8),
+    }
+}
+
+fn sweep_typed<T: Element>(
+    comm: &Communicator,
+    op: Collective,
+    a: &SweepArgs,
+    model: Model,
+    transport: &str,
+    tick: &mut dyn FnMut(),
+) -> Result<Vec<Row>> {
+    let n = comm.size();
+    let mut rows = Vec::new();
+    for &size in &a.sizes {
+        let count = size / T::DTYPE.size();
+        let bytes = count * T::DTYPE.size();
+        for inplace in [false, true] {
+            let wrong = check::<T>(comm, op, a, count, inplace)?;
+            let mut bufs = Buffers::<T>::new(comm, op, count);
+            for _ in 0..a.warmup {
+                bufs.call(comm, op, a.redop, inplace)?;
+            }
+            comm.barrier()?;
+            let t = Instant::now();
+            for _ in 0..a.iters.max(1) {
+                bufs.call(comm, op, a.redop, inplace)?;
+            }
+            let mut time = vec![t.elapsed().as_secs_f64() * 1e6 / a.iters.max(1) as f64];
+            comm.all_reduce_in_place(&mut time, ReduceOp::Avg)?;
+            let mut w = vec![wrong as i64];
+            comm.all_reduce_in_place(&mut w, ReduceOp::Sum)?;
+            let time_us = time[0];
+            let predicted_us = theory::predict_us(op, n, bytes, model);
+            rows.push(Row {
+                op: op.name().to_string(),
+                bytes,
+                count,
+                dtype: T::DTYPE.to_string(),
+                redop: if op.reduces() {
+                    a.redop.to_string()
+                } else {
+                    "-".into()
+                },
+                ranks: n,
+                transport: transport.to_string(),
+                time_us,
+                algbw_gbs: theory::algbw_gbs(bytes, time_us),
+                busbw_gbs: theory::busbw_gbs(op, n, bytes, time_us),
+                wrong: w[0] as u64,
+                inplace,
+                predicted_us,
+                efficiency: theory::efficiency(predicted_us, time_us),
+            });
+        }
+        tick();
+    }
+    Ok(rows)
+}
+
+/// The buffers of one timed collective (contents irrelevant).
+struct Buffers<T> {
+    send: Vec<T>,
+    recv: Vec<T>,
+}
+
+impl<T: Element> Buffers<T> {
+    fn new(comm: &Communicator, op: Collective, count: usize) -> Buffers<T> {
+        let own = comm.chunk_range(count).len();
+        let root = comm.rank() == 0;
+        let (s, r) = match op {
+            Collective::ReduceScatter => (count, own),
+            Collective::AllGather => (own, count),
+            Collective::Reduce { .. } => (count, if root { count } else { 0 }),
+            _ => (count, count),
+        };
+        Buffers {
+            send: vec![T::from_f64(1.0); s],
+            recv: vec![T::from_f64(0.0); r],
+        }
+    }
+
+    fn call(
+        &mut self,
+        comm: &Communicator,
+        op: Collective,
+        redop: ReduceOp,
+        inplace: bool,
+    ) -> Result<()> {
+        run(comm, op, redop, inplace, &mut self.send, &mut self.recv)
+    }
+}
+
+/// One call of `op`; in place it works on `send` (which must then hold the whole buffer).
+fn run<T: Element>(
+    comm: &Communicator,
+    op: Collective,
+    redop: ReduceOp,
+    inplace: bool,
+    send: &mut [T],
+    recv: &mut [T],
+) -> Result<()> {
+    match (op, inplace) {
+        (Collective::AllReduce, false) => comm.all_reduce(send, recv, redop),
+        (Collective::AllReduce, true) => comm.all_reduce_in_place(send, redop),
+        (Collective::ReduceScatter, false) => comm.reduce_scatter(send, recv, redop),
+        (Collective::ReduceScatter, true) => comm.reduce_scatter_in_place(send, redop),
+        (Collective::AllGather, false) => comm.all_gather(send, recv),
+        (Collective::AllGather, true) => comm.all_gather_in_place(recv),
+        (Collective::Broadcast { root }, false) => comm.broadcast(send, recv, root),
+        (Collective::Broadcast { root }, true) => comm.broadcast_in_place(send, root),
+        (Collective::Reduce { root }, false) => comm.reduce(send, recv, redop, root),
+        (Collective::Reduce { root }, true) => comm.reduce_in_place(send, redop, root),
+        (Collective::Barrier, _) => comm.barrier(),
+        (Collective::RingShift, false) => comm.ring_shift(send, recv),
+        (Collective::RingShift, true) => comm.ring_shift_in_place(send),
+    }
+}
+
+/// One untimed call on exact inputs; returns how many elements of this rank's result are wrong.
+fn check<T: Element>(
+    comm: &Communicator,
+    op: Collective,
+    a: &SweepArgs,
+    count: usize,
+    inplace: bool,
+) -> Result<u64> {
+    let (r, n) = (comm.rank(), comm.size());
+    let (dt, redop, seed) = (T::DTYPE, a.redop, count % 97);
+    let input = |rank: usize, i: usize| exact::value(dt, redop, rank, i, seed);
+    let own = chunk(count, n, r);
+    let poison = T::from_f64(99.0);
+    let mine: Vec<T> = (0..count).map(|i| T::from_f64(input(r, i))).collect();
+    let mut b = Buffers::<T>::new(comm, op, count);
+    // Fill inputs; outputs start as poison so a result that never arrives counts as wrong.
+    match op {
+        Collective::AllGather => {
+            b.send.copy_from_slice(&mine[own.clone()]);
+            b.recv.fill(poison);
+            if inplace {
+                b.recv[own.clone()].copy_from_slice(&mine[own.clone()]);
+            }
+        }
+        _ => {
+            b.send.copy_from_slice(&mine);
+            b.recv.fill(poison);
+        }
+    }
+    b.call(comm, op, redop, inplace)?;
+    // Where the result lands, and what it must be.
+    let red = |i: usize| exact::reference(dt, redop, n, i, seed);
+    let (got, want): (&mut [T], Vec<f64>) = match (op, inplace) {
+        (Collective::AllReduce, false) => (&mut b.recv, (0..count).map(red).collect()),
+        (Collective::AllReduce, true) => (&mut b.send, (0..count).map(red).collect()),
+        (Collective::ReduceScatter, false) => (&mut b.recv, own.clone().map(red).collect()),
+        (Collective::ReduceScatter, true) => {
+            (&mut b.send[own.clone()], own.clone().map(red).collect())
+        }
+        (Collective::AllGather, _) => {
+            let owner = |i: usize| {
+                (0..n)
+                    .find(|q| chunk(count, n, *q).contains(&i))
+                    .unwrap_or(0)
+            };
+            (
+                &mut b.recv,
+                (0..count).map(|i| input(owner(i), i)).collect(),
+            )
+        }
+        (Collective::Broadcast { root }, false) => {
+            (&mut b.recv, (0..count).map(|i| input(root, i)).collect())
+        }
+        (Collective::Broadcast { root }, true) => {
+            (&mut b.send, (0..count).map(|i| input(root, i)).collect())
+        }
+        (Collective::Reduce { root }, false) if r == root => {
+            (&mut b.recv, (0..count).map(red).collect())
+        }
+        (Collective::Reduce { root }, true) if r == root => {
+            (&mut b.send, (0..count).map(red).collect())
+        }
+        (Collective::RingShift, false) => (
+            &mut b.recv,
+            (0..count).map(|i| input((r + n - 1) % n, i)).collect(),
+        ),
+        (Collective::RingShift, true) => (
+            &mut b.send,
+            (0..count).map(|i| input((r + n - 1) % n, i)).collect(),
+        ),
+        _ => (&mut [], Vec::new()),
+    };
+    if a.corrupt_rank == Some(r) {
+        if let Some(x) = got.first_mut() {
+            *x = T::from_f64(x.to_f64() + 1.0);
+        }
+    }
+    Ok(got
+        .iter()
+        .zip(&want)
+        .filter(|(g, w)| g.to_f64() != **w)
+        .count() as u64)
+}

@@ -1,0 +1,127 @@
+//! The arithmetic of the benchmark, pure and unit-tested: nccl-tests' algbw/busbw and the ring's
+//! α–β model.
+//!
+//! - algbw = S / t, in GB/s (10⁹ bytes per second), S the total buffer bytes;
+//! - busbw = algbw · factor, factor 2(n−1)/n for all-reduce, (n−1)/n for reduce-scatter and
+//!   all-gather, 1 for broadcast and reduce (nccl-tests' definitions, so the numbers compare);
+//! - predicted time t = steps · α + bytes per link / β, with steps 2(n−1) and bytes per link
+//!   2(n−1)/n · S for all-reduce, n−1 and (n−1)/n · S for reduce-scatter and all-gather, n−1 and S
+//!   for broadcast and reduce (a pipelined chain);
+//! - efficiency = predicted / measured time (1.0: the implementation runs at the model's limit).
+
+use ringzero_collectives::Collective;
+
+/// The α–β model of the links in use.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Model {
+    /// Latency of one ring step, µs.
+    pub alpha_us: f64,
+    /// Bandwidth of one link, GB/s (10⁹ bytes per second).
+    pub beta_gbs: f64,
+}
+
+/// nccl-tests' bus-bandwidth factor.
+pub fn busbw_factor(op: Collective, n: usize) -> f64 {
+    let n = n as f64;
+    match op {
+        Collective::AllReduce => 2.0 * (n - 1.0) / n,
+        Collective::ReduceScatter | Collective::AllGather => (n - 1.0) / n,
+        _ => 1.0,
+    }
+}
+
+/// Algorithm bandwidth in GB/s.
+pub fn algbw_gbs(bytes: usize, time_us: f64) -> f64 {
+    if time_us <= 0.0 {
+        return 0.0;
+    }
+    bytes as f64 / (time_us * 1e-6) / 1e9
+}
+
+/// Bus bandwidth in GB/s.
+pub fn busbw_gbs(op: Collective, n: usize, bytes: usize, time_us: f64) -> f64 {
+    algbw_gbs(bytes, time_us) * busbw_factor(op, n)
+}
+
+/// Ring steps of a collective on `n` ranks.
+pub fn steps(op: Collective, n: usize) -> usize {
+    let hops = n.saturating_sub(1);
+    match op {
+        Collective::AllReduce => 2 * hops,
+        _ => hops,
+    }
+}
+
+/// Bytes each link carries for a collective of `bytes` total bytes on `n` ranks.
+pub fn bytes_per_link(op: Collective, n: usize, bytes: usize) -> f64 {
+    if n < 2 {
+        return 0.0;
+    }
+    let (s, n) = (bytes as f64, n as f64);
+    match op {
+        Collective::AllReduce => 2.0 * (n - 1.0) / n * s,
+        Collective::ReduceScatter | Collective::AllGather => (n - 1.0) / n * s,
+        Collective::RingShift => s,
+        _ => s,
+    }
+}
+
+/// Predicted time in µs (None for a one-rank world, where there is nothing to predict).
+pub fn predict_us(op: Collective, n: usize, bytes: usize, m: Model) -> Option<f64> {
+    if n < 2 || m.beta_gbs <= 0.0 {
+        return None;
+    }
+    // β GB/s = β·10³ bytes per µs.
+    Some(steps(op, n) as f64 * m.alpha_us + bytes_per_link(op, n, bytes) / (m.beta_gbs * 1e3))
+}
+
+/// Predicted over measured time.
+pub fn efficiency(predicted_us: Option<f64>, measured_us: f64) -> Option<f64> {
+    predicted_us
+        .filter(|_| measured_us > 0.0)
+        .map(|p| p / measured_us)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bandwidths_match_hand_computed_values() {
+        // 1 GB in 1 s is 1 GB/s; 8 MiB in 1000 µs is 8.388608 GB/s.
+        assert!((algbw_gbs(1_000_000_000, 1e6) - 1.0).abs() < 1e-12);
+        assert!((algbw_gbs(8 << 20, 1000.0) - 8.388608).abs() < 1e-9);
+        // all-reduce on 4 ranks: factor 1.5; reduce-scatter: 0.75; broadcast: 1.
+        assert!((busbw_gbs(Collective::AllReduce, 4, 8 << 20, 1000.0) - 12.582912).abs() < 1e-9);
+        assert!((busbw_gbs(Collective::ReduceScatter, 4, 8 << 20, 1000.0) - 6.291456).abs() < 1e-9);
+        assert_eq!(busbw_factor(Collective::Broadcast { root: 0 }, 8), 1.0);
+        assert_eq!(busbw_factor(Collective::AllReduce, 2), 1.0);
+        assert_eq!(algbw_gbs(10, 0.0), 0.0);
+    }
+
+    #[test]
+    fn predictions_match_hand_computed_values() {
+        let m = Model {
+            alpha_us: 2.0,
+            beta_gbs: 4.0,
+        };
+        // all-reduce, 4 ranks, 8 MB: 6 steps · 2 µs + 1.5 · 8e6 B / 4e3 B/µs = 12 + 3000 µs.
+        assert_eq!(
+            predict_us(Collective::AllReduce, 4, 8_000_000, m),
+            Some(3012.0)
+        );
+        // all-gather, 2 ranks, 1 MB: 1 · 2 + 0.5 · 1e6 / 4e3 = 2 + 125.
+        assert_eq!(
+            predict_us(Collective::AllGather, 2, 1_000_000, m),
+            Some(127.0)
+        );
+        // broadcast, 3 ranks, 4 kB: 2 · 2 + 4000 / 4000 = 5.
+        assert_eq!(
+            predict_us(Collective::Broadcast { root: 0 }, 3, 4000, m),
+            Some(5.0)
+        );
+        assert_eq!(predict_us(Collective::AllReduce, 1, 4000, m), None);
+        assert_eq!(efficiency(Some(50.0), 100.0), Some(0.5));
+        assert_eq!(efficiency(None, 100.0), None);
+    }
+}
