@@ -69,6 +69,7 @@ pub fn threads<R: Send>(
 /// Every element type converts to and from f64 (`Element::from_f64`/`to_f64`).
 pub use ringzero::Element as TestElem;
 
+use half::{bf16, f16};
 pub use ringzero_tools::bench::exact::{reference, value};
 
 /// Marker written into buffers whose contents must be overwritten (or must stay).

@@ -95,3 +95,81 @@ fn bad_input_gets_a_clear_error() {
         .unwrap();
     assert!(String::from_utf8_lossy(&out.stderr).contains("RINGZERO_TRANSPORT"));
 }
+
+#[test]
+fn bench_spawns_its_ranks_and_writes_json_and_svg() {
+    let dir = std::env::temp_dir().join(format!("ringzero-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (json, svg) = (dir.join("b.json"), dir.join("b.svg"));
+    let out = ringzero()
+        .args([
+            "bench",
+            "all-reduce",
+            "-n",
+            "2",
+            "-b",
+            "1K",
+            "-e",
+            "16K",
+            "--iters",
+            "2",
+            "--warmup",
+            "1",
+            "--transport",
+            "tcp",
+        ])
+        .arg("--json")
+        .arg(&json)
+        .arg("--plot")
+        .arg(&svg)
+        .env_remove("RINGZERO_RANK")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("# all_reduce")
+            && stdout.contains(": tcp (forced by RINGZERO_TRANSPORT=tcp)"),
+        "{stdout}"
+    );
+    assert!(
+        stdout
+            .lines()
+            .filter(|l| l.trim_start().starts_with(|c: char| c.is_ascii_digit()))
+            .count()
+            == 3,
+        "{stdout}"
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(v["rows"].as_array().unwrap().len(), 6);
+    assert_eq!(v["header"]["ranks"], 2);
+    let plot = std::fs::read_to_string(&svg).unwrap();
+    assert!(
+        plot.starts_with("<svg") && plot.contains("all_reduce measured"),
+        "{}",
+        &plot[..200.min(plot.len())]
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn bench_refuses_bad_arguments_without_starting_ranks() {
+    for (args, msg) in [
+        (vec!["bench", "--device", "cuda"], "no CUDA device support"),
+        (vec!["bench", "alltoall"], "unknown op `alltoall`"),
+        (vec!["bench", "-b", "1M", "-e", "1K"], "is larger than"),
+        (vec!["bench", "-d", "f8"], "unknown dtype"),
+        (vec!["bench", "--transport", "udp"], "--transport udp"),
+    ] {
+        let out = ringzero().args(&args).output().unwrap();
+        assert!(!out.status.success(), "{args:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(msg), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+}

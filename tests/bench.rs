@@ -1,0 +1,149 @@
+//! `ringzero bench`'s harness with ranks as threads: exact checks that catch a corrupted result,
+//! rows that add up, and a JSON report that parses back.
+
+use ringzero::{Collective, DType, ReduceOp, TransportPref};
+use ringzero_tools::bench::{self, report::Report, sweep::SweepArgs, BenchArgs};
+
+use crate::common::{threads, Opts};
+
+fn args(corrupt_rank: Option<usize>, dtype: DType, redop: ReduceOp) -> BenchArgs {
+    BenchArgs {
+        ops: bench::parse_ops("all").unwrap(),
+        sweep: SweepArgs {
+            dtype,
+            redop,
+            sizes: vec![0, 8, 1000, 4096],
+            iters: 2,
+            warmup: 1,
+            corrupt_rank,
+        },
+        probe_bytes: 64 << 10,
+    }
+}
+
+#[test]
+fn a_corrupted_result_is_counted_and_a_clean_run_counts_nothing() {
+    for (corrupt, transport) in [(None, TransportPref::Shm), (Some(1), TransportPref::Tcp)] {
+        let o = Opts {
+            transport,
+            slice_bytes: 1024,
+            ..Opts::default()
+        };
+        let reports = threads(3, &o, |_, comm| {
+            let comm = comm.unwrap();
+            bench::run(
+                &comm,
+                &args(corrupt, DType::BF16, ReduceOp::Avg),
+                &mut |_, _| {},
+            )
+            .unwrap()
+        });
+        let r = &reports[0];
+        assert!(
+            reports.iter().all(|x| x.rows == r.rows),
+            "every rank returns the same rows"
+        );
+        assert_eq!(
+            r.rows.len(),
+            5 * 4 * 2,
+            "5 ops × 4 sizes × (out of place, in place)"
+        );
+        for row in &r.rows {
+            // Rank 1 holds a checked result unless its part is empty (or it is not the root).
+            let rank1_checks = match row.op.as_str() {
+                "reduce" => false,
+                "reduce_scatter" => !ringzero::chunk(row.count, 3, 1).is_empty(),
+                _ => row.count > 0,
+            };
+            let want = u64::from(corrupt.is_some() && rank1_checks);
+            assert_eq!(row.wrong, want, "{row:?}");
+            assert_eq!(
+                row.transport,
+                if transport == TransportPref::Shm {
+                    "shm"
+                } else {
+                    "tcp"
+                }
+            );
+            assert_eq!((row.ranks, row.dtype.as_str()), (3, "bf16"));
+        }
+        assert_eq!(r.header.edges.len(), 3);
+        assert!(
+            r.header.alpha_us > 0.0 && r.header.beta_gbs > 0.0,
+            "{:?}",
+            r.header
+        );
+    }
+}
+
+#[test]
+fn rows_follow_the_nccl_tests_definitions_and_the_json_parses_back() {
+    let o = Opts {
+        transport: TransportPref::Shm,
+        ..Opts::default()
+    };
+    let reports = threads(2, &o, |_, comm| {
+        let comm = comm.unwrap();
+        bench::run(
+            &comm,
+            &args(None, DType::F32, ReduceOp::Sum),
+            &mut |_, _| {},
+        )
+        .unwrap()
+    });
+    let r = &reports[0];
+    for row in &r.rows {
+        let op = ringzero_tools::bench::parse_ops(&row.op.replace('_', "-")).unwrap()[0];
+        assert_eq!(row.bytes, row.count * 4);
+        assert!((row.algbw_gbs - bench::theory::algbw_gbs(row.bytes, row.time_us)).abs() < 1e-12);
+        assert!((row.busbw_gbs - row.algbw_gbs * bench::theory::busbw_factor(op, 2)).abs() < 1e-12);
+        let pred = bench::theory::predict_us(
+            op,
+            2,
+            row.bytes,
+            bench::theory::Model {
+                alpha_us: r.header.alpha_us,
+                beta_gbs: r.header.beta_gbs,
+            },
+        );
+        assert_eq!(row.predicted_us, pred);
+        assert_eq!(
+            row.redop,
+            if matches!(op, Collective::AllGather | Collective::Broadcast { .. }) {
+                "-"
+            } else {
+                "sum"
+            }
+        );
+    }
+    let json = serde_json::to_string(r).unwrap();
+    let back: Report = serde_json::from_str(&json).unwrap();
+    assert_eq!(&back, r);
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    for key in [
+        "op",
+        "bytes",
+        "count",
+        "dtype",
+        "redop",
+        "ranks",
+        "transport",
+        "time_us",
+        "algbw_gbs",
+        "busbw_gbs",
+        "wrong",
+        "inplace",
+        "predicted_us",
+        "efficiency",
+    ] {
+        assert!(v["rows"][0].get(key).is_some(), "row lacks `{key}`");
+    }
+    for key in ["alpha_us", "beta_gbs", "host", "version"] {
+        assert!(v["header"].get(key).is_some(), "header lacks `{key}`");
+    }
+    let text = bench::text(r);
+    assert!(
+        text.contains("# all_reduce") && text.contains("out of bounds values : 0 OK"),
+        "{text}"
+    );
+}
