@@ -5,8 +5,8 @@
 //!   n − 1 steps, every link busy at once) divided by n − 1.
 //! - β, the bandwidth of each link: every rank streams `stream_bytes` to the next with
 //!   [`Communicator::ring_shift`] (all links busy at once, as in the ring); the receiving rank's time
-//!   gives its incoming edge's β = bytes / (time − α). The model uses the slowest edge, as the ring
-//!   does.
+//!   gives its incoming edge's β = bytes / (time − α), the median of five streams. The model uses the
+//!   slowest edge, as the ring does.
 
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};
@@ -66,13 +66,16 @@ pub fn measure(comm: &Communicator, stream_bytes: usize) -> Result<Probe> {
         let mut recv = vec![0u8; stream_bytes];
         comm.ring_shift(&send, &mut recv)?;
         comm.barrier()?;
-        let reps = 5;
-        let t = Instant::now();
-        for _ in 0..reps {
+        // The median of several timed streams: one noisy neighbour must not set the model.
+        let mut rates = Vec::new();
+        for _ in 0..5 {
+            let t = Instant::now();
             comm.ring_shift(&send, &mut recv)?;
+            let us = t.elapsed().as_secs_f64() * 1e6;
+            rates.push(stream_bytes as f64 / ((us - a[0]).max(us * 0.5) * 1e3));
         }
-        let per_call = t.elapsed().as_secs_f64() * 1e6 / reps as f64;
-        let mine = stream_bytes as f64 / ((per_call - a[0]).max(per_call * 0.5) * 1e3);
+        rates.sort_by(f64::total_cmp);
+        let mine = rates[rates.len() / 2];
         let mut all = vec![0f64; n];
         comm.all_gather(&[mine], &mut all)?;
         (a[0], all)
