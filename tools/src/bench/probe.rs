@@ -1,5 +1,6 @@
 //! α and β measured on the links the ring actually uses, plus the two baselines the ratios are
-//! taken against (a memcpy of one slice in this process, and one plain TCP stream on loopback).
+//! taken against (memcpy in slice-sized copies in this process, and a plain TCP stream pair on
+//! loopback).
 //!
 //! - α, the latency of one ring step: the mean time of a barrier (an empty-frame all-gather of
 //!   n − 1 steps, every link busy at once) divided by n − 1.
@@ -43,7 +44,7 @@ pub struct Probe {
     pub model: Model,
     /// memcpy of the probe's bytes in slice-sized copies within one process, GB/s (rank 0).
     pub memcpy_gbs: f64,
-    /// One plain TCP stream on loopback, GB/s (rank 0; measured only when an edge uses TCP).
+    /// A plain loopback TCP stream pair, GB/s per direction (rank 0; only when an edge uses TCP).
     pub tcp_stream_gbs: Option<f64>,
 }
 
@@ -153,38 +154,49 @@ pub fn memcpy_gbs(total: usize, piece: usize) -> f64 {
     copied as f64 / t.elapsed().as_secs_f64() / 1e9
 }
 
-/// GB/s of one plain TCP stream on loopback: a writer thread sends `total` bytes in `chunk`-sized
-/// writes, this thread reads them.
+/// GB/s per direction of a plain TCP stream pair on loopback: two connections carry `total` bytes
+/// each in opposite directions at once (as the two links of a 2-rank ring do), written in
+/// `chunk`-sized writes by one thread per direction and read by another.
 pub fn tcp_stream_gbs(total: usize, chunk: usize) -> std::io::Result<f64> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
-    let addr = l.local_addr()?;
-    let writer = std::thread::spawn(move || -> std::io::Result<()> {
-        let mut s = std::net::TcpStream::connect(addr)?;
-        s.set_nodelay(true)?;
-        let buf = vec![7u8; chunk.max(1)];
-        let mut sent = 0;
-        while sent < total {
-            let k = buf.len().min(total - sent);
-            s.write_all(&buf[..k])?;
-            sent += k;
-        }
-        Ok(())
-    });
-    let (mut s, _) = l.accept()?;
-    s.set_read_timeout(Some(Duration::from_secs(30)))?;
-    let mut buf = vec![0u8; chunk.max(1)];
+    let one_way = || -> std::io::Result<(std::net::TcpStream, std::net::TcpStream)> {
+        let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+        let w = std::net::TcpStream::connect(l.local_addr()?)?;
+        let (r, _) = l.accept()?;
+        w.set_nodelay(true)?;
+        r.set_read_timeout(Some(Duration::from_secs(30)))?;
+        Ok((w, r))
+    };
+    let pairs = [one_way()?, one_way()?];
     let t = Instant::now();
-    let mut got = 0;
-    while got < total {
-        let k = s.read(&mut buf)?;
-        if k == 0 {
-            break;
-        }
-        got += k;
+    let mut threads = Vec::new();
+    for (mut w, mut r) in pairs {
+        threads.push(std::thread::spawn(move || -> std::io::Result<usize> {
+            let buf = vec![7u8; chunk.max(1)];
+            let mut sent = 0;
+            while sent < total {
+                let k = buf.len().min(total - sent);
+                w.write_all(&buf[..k])?;
+                sent += k;
+            }
+            Ok(0)
+        }));
+        threads.push(std::thread::spawn(move || -> std::io::Result<usize> {
+            let mut buf = vec![0u8; chunk.max(1)];
+            let mut got = 0;
+            while got < total {
+                match r.read(&mut buf)? {
+                    0 => break,
+                    k => got += k,
+                }
+            }
+            Ok(got)
+        }));
     }
-    let secs = t.elapsed().as_secs_f64();
-    writer
-        .join()
-        .map_err(|_| std::io::Error::other("writer panicked"))??;
-    Ok(got as f64 / secs / 1e9)
+    let mut got = 0;
+    for th in threads {
+        got += th
+            .join()
+            .map_err(|_| std::io::Error::other("stream thread panicked"))??;
+    }
+    Ok(got as f64 / 2.0 / t.elapsed().as_secs_f64() / 1e9)
 }

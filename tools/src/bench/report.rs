@@ -29,7 +29,7 @@ pub struct Header {
     pub edges: Vec<EdgeOut>,
     /// memcpy of the β probe's bytes in slice-sized copies in one process, GB/s.
     pub memcpy_gbs: f64,
-    /// One plain loopback TCP stream, GB/s (when an edge uses TCP).
+    /// A plain loopback TCP stream pair, GB/s per direction (when an edge uses TCP).
     pub tcp_stream_gbs: Option<f64>,
     /// Slice size, bytes.
     pub slice_bytes: usize,
@@ -96,7 +96,7 @@ pub fn header_text(h: &Header) -> String {
         h.beta_gbs,
         h.slice_bytes,
         h.memcpy_gbs,
-        h.tcp_stream_gbs.map(|t| format!(", one loopback TCP stream {t:.2} GB/s")).unwrap_or_default()
+        h.tcp_stream_gbs.map(|t| format!(", a loopback TCP stream pair {t:.2} GB/s per direction")).unwrap_or_default()
     );
     s += &format!(
         "# time: {}; {} warm-up and {} timed iterations per size\n",
