@@ -3,8 +3,10 @@
 //! - [`launch`]: spawn N local ranks with the launcher environment, prefix their output, take the
 //!   job down when one fails;
 //! - [`bench`]: every collective swept over sizes, checked, against the α–β model;
-//! - [`check`]: a quick checked all-reduce sweep.
+//! - [`check`]: a quick checked all-reduce sweep;
+//! - [`diag`]: why multi-GPU communication hangs or crawls.
 
 pub mod bench;
 pub mod check;
+pub mod diag;
 pub mod launch;

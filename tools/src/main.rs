@@ -39,6 +39,31 @@ enum Cmd {
     /// Benchmark collectives against the ring's α–β model (nccl-tests semantics). Spawns its own
     /// local ranks unless run under a launcher.
     Bench(BenchCli),
+    /// Diagnose why multi-GPU communication hangs or crawls: host, IOMMU, PCI topology, ACS, probes.
+    /// Exit code 0 OK, 1 degraded, 2 broken.
+    Diag {
+        /// Read sysfs from here (fixtures, captured trees).
+        #[arg(long, default_value = "/sys")]
+        sysfs_root: std::path::PathBuf,
+        /// Read procfs from here.
+        #[arg(long, default_value = "/proc")]
+        procfs_root: std::path::PathBuf,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+        /// Probes to run in child processes (comma-separated: shm, tcp; `none` for none).
+        #[arg(long, default_value = "shm,tcp")]
+        probes: String,
+        /// Seconds before the watchdog kills a probe and calls it HANG.
+        #[arg(long, default_value_t = 20.0)]
+        probe_timeout: f64,
+    },
+    /// Run one diag probe (used by `ringzero diag` in a child process).
+    #[command(hide = true)]
+    DiagProbe {
+        /// Probe name.
+        name: String,
+    },
     /// Checked all-reduce sweep (run it under `ringzero launch`): every result is verified exactly.
     Check {
         /// Smallest size (bytes; K/M/G suffixes).
@@ -150,6 +175,57 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::from(outcome.exit_code().clamp(0, 255) as u8))
         }
         Cmd::Bench(b) => bench(b),
+        Cmd::Diag {
+            sysfs_root,
+            procfs_root,
+            json,
+            probes,
+            probe_timeout,
+        } => {
+            anyhow::ensure!(
+                probe_timeout.is_finite() && probe_timeout > 0.0,
+                "--probe-timeout must be a positive number of seconds"
+            );
+            for (flag, p) in [
+                ("--sysfs-root", &sysfs_root),
+                ("--procfs-root", &procfs_root),
+            ] {
+                anyhow::ensure!(p.is_dir(), "{flag} {}: not a directory", p.display());
+            }
+            let probes: Vec<String> = probes
+                .split(',')
+                .map(str::trim)
+                .filter(|p| !p.is_empty() && *p != "none")
+                .map(str::to_string)
+                .collect();
+            for p in &probes {
+                anyhow::ensure!(
+                    matches!(p.as_str(), "shm" | "tcp" | "hang"),
+                    "--probes: unknown probe `{p}` (expected shm, tcp)"
+                );
+            }
+            let args = ringzero_tools::diag::DiagArgs {
+                sysfs_root,
+                procfs_root,
+                probes,
+                probe_timeout: Duration::from_secs_f64(probe_timeout),
+                exe: std::env::current_exe().context("finding this executable")?,
+            };
+            let report = ringzero_tools::diag::diagnose(&args, &mut |what| {
+                eprintln!("ringzero diag: {what}...")
+            })?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print!("{}", ringzero_tools::diag::text(&report));
+            }
+            Ok(ExitCode::from(report.exit_code as u8))
+        }
+        Cmd::DiagProbe { name } => {
+            let r = ringzero_tools::diag::probe::child(&name);
+            println!("{}", serde_json::to_string(&r)?);
+            Ok(ExitCode::SUCCESS)
+        }
         Cmd::Check {
             min_bytes,
             max_bytes,
