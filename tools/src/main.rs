@@ -58,6 +58,22 @@ enum Cmd {
         #[arg(long, default_value_t = 20.0)]
         probe_timeout: f64,
     },
+    /// ZeRO memory and communication estimator (the paper's model-state formulas, mixed-precision
+    /// Adam).
+    Mem {
+        /// Parameters: 7.5B, 350M, 1.3e9, ...
+        #[arg(long = "params", value_parser = count)]
+        params: f64,
+        /// Data-parallel ranks.
+        #[arg(long = "dp", default_value_t = 1)]
+        dp: usize,
+        /// One stage (0-3); all stages when omitted.
+        #[arg(long)]
+        stage: Option<u8>,
+        /// Optimizer bytes per parameter (12 for mixed-precision Adam).
+        #[arg(long, default_value_t = ringzero_zero::mem::K_ADAM)]
+        k: f64,
+    },
     /// Run one diag probe (used by `ringzero diag` in a child process).
     #[command(hide = true)]
     DiagProbe {
@@ -128,6 +144,22 @@ struct BenchCli {
     /// Testing aid: this rank corrupts one element of every checked result.
     #[arg(long, hide = true)]
     corrupt_rank: Option<usize>,
+}
+
+fn count(s: &str) -> Result<f64, String> {
+    let t = s.trim();
+    let (num, mult) = match t.chars().last() {
+        Some('K' | 'k') => (&t[..t.len() - 1], 1e3),
+        Some('M' | 'm') => (&t[..t.len() - 1], 1e6),
+        Some('B' | 'b' | 'G' | 'g') => (&t[..t.len() - 1], 1e9),
+        Some('T' | 't') => (&t[..t.len() - 1], 1e12),
+        _ => (t, 1.0),
+    };
+    num.parse::<f64>()
+        .ok()
+        .map(|v| v * mult)
+        .filter(|v| v.is_finite() && *v > 0.0)
+        .ok_or_else(|| format!("`{s}` is not a parameter count (e.g. 7.5B, 350M, 1.3e9)"))
 }
 
 fn size(s: &str) -> Result<usize, String> {
@@ -220,6 +252,50 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 print!("{}", ringzero_tools::diag::text(&report));
             }
             Ok(ExitCode::from(report.exit_code as u8))
+        }
+        Cmd::Mem {
+            params,
+            dp,
+            stage,
+            k,
+        } => {
+            anyhow::ensure!(dp >= 1, "--dp must be at least 1");
+            anyhow::ensure!(
+                k.is_finite() && k >= 0.0,
+                "--k must be a non-negative number"
+            );
+            let stages: Vec<u8> = match stage {
+                Some(s) => vec![s],
+                None => vec![0, 1, 2, 3],
+            };
+            for &s in &stages {
+                ringzero_zero::mem::model_states(params, dp, s, k).map_err(anyhow::Error::msg)?;
+            }
+            println!(
+                "ZeRO model states per rank: {:.3e} parameters, {dp} data-parallel ranks, K = {k} (mixed-precision Adam: \
+                 2 B params + 2 B grads + K B optimizer per parameter)",
+                params
+            );
+            println!(
+                "{:>6} {:>12} {:>12} {:>14} {:>12} {:>22}",
+                "stage", "params GB", "grads GB", "optimizer GB", "total GB", "comm/step/rank (GB)"
+            );
+            for s in stages {
+                let m = ringzero_zero::mem::model_states(params, dp, s, k)
+                    .map_err(anyhow::Error::msg)?;
+                let comm = ringzero_zero::mem::comm_elements_per_step(params, dp, s) * 2.0;
+                println!(
+                    "{:>6} {:>12.2} {:>12.2} {:>14.2} {:>12.2} {:>22.2}",
+                    s,
+                    m.params / 1e9,
+                    m.grads / 1e9,
+                    m.optimizer / 1e9,
+                    m.total() / 1e9,
+                    comm / 1e9
+                );
+            }
+            println!("comm: 2Ψ (stages 0-2) or 3Ψ (stage 3) 16-bit elements × (N−1)/N per rank and step, ring collectives");
+            Ok(ExitCode::SUCCESS)
         }
         Cmd::DiagProbe { name } => {
             let r = ringzero_tools::diag::probe::child(&name);

@@ -173,3 +173,26 @@ fn bench_refuses_bad_arguments_without_starting_ranks() {
         assert!(!stderr.contains("panicked"), "{stderr}");
     }
 }
+
+#[test]
+fn mem_reproduces_the_zero_papers_table() {
+    let out = ringzero()
+        .args(["mem", "--params", "7.5B", "--dp", "64"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    let totals: Vec<String> = text
+        .lines()
+        .filter(|l| l.trim_start().starts_with(|c: char| c.is_ascii_digit()))
+        .map(|l| l.split_whitespace().nth(4).unwrap().to_string())
+        .collect();
+    assert_eq!(totals, ["120.00", "31.41", "16.64", "1.88"], "{text}");
+    let out = ringzero()
+        .args(["mem", "--params", "1B", "--dp", "8", "--stage", "4"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("stage 4 does not exist"));
+    assert!(out.stdout.is_empty(), "nothing printed before the error");
+}
