@@ -7,6 +7,9 @@
 //!
 //! These are real code paths, not test doubles: the host is a supported device.
 
+mod adamw;
 mod reduce;
+
+pub use adamw::{adamw_step, AdamW};
 
 pub use reduce::{divide, reduce_into, reduce_into_typed, reduce_to, reduce_to_typed, HALF_BLOCK};
