@@ -6,3 +6,4 @@ mod common;
 mod failures;
 mod processes;
 mod threads;
+mod zero;

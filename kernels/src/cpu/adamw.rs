@@ -28,7 +28,13 @@ pub struct AdamW {
 
 impl Default for AdamW {
     fn default() -> Self {
-        AdamW { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 }
+        AdamW {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+        }
     }
 }
 
@@ -36,7 +42,15 @@ impl Default for AdamW {
 ///
 /// # Panics
 /// If the slices differ in length (the engine checks lengths before calling).
-pub fn adamw_step(h: &AdamW, t: u64, params: &mut [f32], grads: &[f32], m: &mut [f32], v: &mut [f32], grad_scale: f32) {
+pub fn adamw_step(
+    h: &AdamW,
+    t: u64,
+    params: &mut [f32],
+    grads: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    grad_scale: f32,
+) {
     assert!(
         params.len() == grads.len() && m.len() == grads.len() && v.len() == grads.len(),
         "adamw_step: slice lengths differ"
@@ -45,7 +59,12 @@ pub fn adamw_step(h: &AdamW, t: u64, params: &mut [f32], grads: &[f32], m: &mut 
     let bc2 = 1.0 - h.beta2.powi(t.min(i32::MAX as u64) as i32);
     let decay = 1.0 - h.lr * h.weight_decay;
     let (b1, b2, lr, eps) = (h.beta1, h.beta2, h.lr, h.eps);
-    for (((p, &g), m), v) in params.iter_mut().zip(grads).zip(m.iter_mut()).zip(v.iter_mut()) {
+    for (((p, &g), m), v) in params
+        .iter_mut()
+        .zip(grads)
+        .zip(m.iter_mut())
+        .zip(v.iter_mut())
+    {
         let g = g * grad_scale;
         *m = b1 * *m + (1.0 - b1) * g;
         *v = b2 * *v + (1.0 - b2) * g * g;
@@ -66,27 +85,38 @@ mod tests {
             v[i] = b2 * v[i] + (1.0 - b2) * g[i] * g[i];
             let mh = m[i] / (1.0 - b1.powi(t as i32));
             let vh = v[i] / (1.0 - b2.powi(t as i32));
-            p[i] = p[i] * (1.0 - h.lr as f64 * h.weight_decay as f64) - h.lr as f64 * mh / (vh.sqrt() + h.eps as f64);
+            p[i] = p[i] * (1.0 - h.lr as f64 * h.weight_decay as f64)
+                - h.lr as f64 * mh / (vh.sqrt() + h.eps as f64);
         }
     }
 
     #[test]
     fn matches_an_f64_reference_over_a_fixed_gradient_sequence() {
-        let h = AdamW { lr: 1e-2, ..AdamW::default() };
+        let h = AdamW {
+            lr: 1e-2,
+            ..AdamW::default()
+        };
         let n = 257;
         let mut p: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
         let (mut m, mut v) = (vec![0f32; n], vec![0f32; n]);
         let mut p64: Vec<f64> = p.iter().map(|&x| x as f64).collect();
         let (mut m64, mut v64) = (vec![0f64; n], vec![0f64; n]);
         for t in 1..=20u64 {
-            let g: Vec<f32> = (0..n).map(|i| ((i as f32 * 1.3 + t as f32 * 0.7).cos() * 0.5)).collect();
+            let g: Vec<f32> = (0..n)
+                .map(|i| ((i as f32 * 1.3 + t as f32 * 0.7).cos() * 0.5))
+                .collect();
             let g64: Vec<f64> = g.iter().map(|&x| x as f64).collect();
             adamw_step(&h, t, &mut p, &g, &mut m, &mut v, 1.0);
             reference(&h, t, &mut p64, &g64, &mut m64, &mut v64);
         }
         for i in 0..n {
             let err = (p[i] as f64 - p64[i]).abs();
-            assert!(err < 1e-5 * p64[i].abs().max(1.0), "element {i}: {} vs {}", p[i], p64[i]);
+            assert!(
+                err < 1e-5 * p64[i].abs().max(1.0),
+                "element {i}: {} vs {}",
+                p[i],
+                p64[i]
+            );
         }
     }
 
