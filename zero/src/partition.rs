@@ -247,13 +247,13 @@ mod tests {
                 prop_assert_eq!(b.used, *c);
             }
             // Owned ranges cover each parameter exactly once, in order.
-            for i in 0..specs.len() {
+            for (i, spec) in specs.iter().enumerate() {
                 let mut next = 0;
                 for (_, r) in p.owners(i) {
                     prop_assert_eq!(r.start, next);
                     next = r.end;
                 }
-                prop_assert_eq!(next, specs[i].numel());
+                prop_assert_eq!(next, spec.numel());
             }
             prop_assert_eq!(p.numel(), sizes.iter().sum::<usize>());
         }

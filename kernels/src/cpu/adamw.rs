@@ -103,7 +103,7 @@ mod tests {
         let (mut m64, mut v64) = (vec![0f64; n], vec![0f64; n]);
         for t in 1..=20u64 {
             let g: Vec<f32> = (0..n)
-                .map(|i| ((i as f32 * 1.3 + t as f32 * 0.7).cos() * 0.5))
+                .map(|i| (i as f32 * 1.3 + t as f32 * 0.7).cos() * 0.5)
                 .collect();
             let g64: Vec<f64> = g.iter().map(|&x| x as f64).collect();
             adamw_step(&h, t, &mut p, &g, &mut m, &mut v, 1.0);
