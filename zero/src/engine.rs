@@ -1,12 +1,18 @@
 //! The ZeRO engine: owns parameter storage, gradients, optimizer state and all communication; the
 //! trainer owns forward and backward.
 //!
-//! Per micro-step the trainer reads parameters ([`Engine::param`]; stage 3: between
-//! [`Engine::gather`] and [`Engine::release`]), pushes one gradient per parameter
-//! ([`Engine::push_grad`]) and calls [`Engine::step`]; every `accumulation_steps` calls the step is
-//! an optimizer step (the accumulation boundary).
+//! Per micro-step the trainer reads parameters ([`Engine::param`] / [`Engine::param_f32`]; stage
+//! 3: between [`Engine::gather`] and [`Engine::release`], optionally announcing the next layer
+//! with [`Engine::prefetch`]), pushes one gradient per parameter ([`Engine::push_grad`]), in the
+//! same order on every rank, and calls [`Engine::step`]; every `accumulation_steps` calls the step
+//! is an optimizer step (the accumulation boundary).
 //!
-//! | stage | parameters      | gradients                                    | Adam moments |
+//! The engine is generic over the parameter/gradient type `T` (`f32`, `bf16`, `f16`; it must
+//! match [`ZeroConfig::precision`]). With 16-bit `T`, fp32 master weights live next to the Adam
+//! moments (12 bytes per element: the paper's K = 12); with `f32` the parameters are their own
+//! master (8 bytes of moments).
+//!
+//! | stage | parameters      | gradients                                    | master + moments |
 //! |-------|-----------------|----------------------------------------------|--------------|
 //! | 0     | full            | full, all-reduced (avg) at the boundary      | full         |
 //! | 1     | full            | full, reduce-scattered at the boundary       | owned range  |
@@ -17,43 +23,22 @@
 //! over ranks and accumulation steps; clipping uses the global norm, computed the same way in every
 //! stage (squared norms of the owned ranges, summed with an all-reduce), so every stage computes the
 //! same numbers: with one accumulation step the parameters are bit-identical across stages 0–3 and
-//! world sizes' data-parallel baseline (tested). With several accumulation steps stages 2–3 sum
-//! reduced micro-gradients rather than reducing the summed gradient, which rounds differently.
+//! a data-parallel baseline (tested). With several accumulation steps stages 2–3 sum reduced
+//! micro-gradients rather than reducing the summed gradient, which rounds differently.
 //!
-//! This version keeps fp32 parameters (which serve as their own master copy); 16-bit parameters with
-//! fp32 masters, loss scaling and prefetch are the next steps (see the crate docs).
+//! Overflow (fp16): the owned gradient shard is checked for inf/NaN, the verdict agreed with a max
+//! all-reduce of one byte, and on overflow every rank skips the step and the loss scale drops (see
+//! [`crate::scaler`]). In every precision a non-finite global norm also skips the step, so inf/NaN
+//! never reaches the weights.
 
-use ringzero_collectives::{Communicator, ReduceOp};
-use ringzero_kernels::cpu::{adamw_step, AdamW};
+use std::time::{Duration, Instant};
 
+use ringzero_collectives::{Communicator, ReduceOp, Work};
+use ringzero_kernels::cpu::{adamw_mixed, all_finite, cast, reduce_into_typed, sq_norm, Float};
+
+use crate::config::ZeroConfig;
 use crate::partition::{ParamSpec, Partition};
-
-/// Engine configuration.
-#[derive(Clone, Debug, PartialEq)]
-pub struct ZeroConfig {
-    /// ZeRO stage, 0–3.
-    pub stage: u8,
-    /// Largest bucket, in elements.
-    pub bucket_elems: usize,
-    /// Micro-steps per optimizer step.
-    pub accumulation_steps: usize,
-    /// Clip gradients to this global L2 norm.
-    pub clip_norm: Option<f32>,
-    /// Optimizer.
-    pub adamw: AdamW,
-}
-
-impl Default for ZeroConfig {
-    fn default() -> Self {
-        ZeroConfig {
-            stage: 1,
-            bucket_elems: 1 << 20,
-            accumulation_steps: 1,
-            clip_norm: None,
-            adamw: AdamW::default(),
-        }
-    }
-}
+use crate::scaler::LossScaler;
 
 /// Errors of the engine: bad input (nothing changed) or a failed collective.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -86,6 +71,9 @@ pub enum ZeroError {
     /// Stage 3: a gather of something already gathered.
     #[error("parameter `{0}` is already gathered")]
     AlreadyGathered(String),
+    /// Stage 3: an optimizer step while parameters are still gathered (they would go stale).
+    #[error("step: release {0} before the optimizer step (gathered copies would go stale)")]
+    StillGathered(String),
     /// A collective failed.
     #[error(transparent)]
     Comm(#[from] ringzero_collectives::Error),
@@ -94,15 +82,23 @@ pub enum ZeroError {
 /// Bytes the engine holds, by category.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Memory {
-    /// Parameters (full, or the owned shards in stage 3).
+    /// Parameters in `T` (full, or the owned shards in stage 3).
     pub params: usize,
-    /// Gradients (full in stages 0–1, owned shards in 2–3).
+    /// Gradients in `T` (full in stages 0–1, owned shards in 2–3).
     pub grads: usize,
-    /// Optimizer state (Adam moments; full in stage 0, owned shards otherwise).
+    /// Optimizer state: Adam moments, plus fp32 master weights when `T` is 16-bit (full in stage 0,
+    /// owned shards otherwise).
     pub optimizer: usize,
-    /// Communication buffers held right now (stage 2–3 gradient staging, stage 3 gathered
-    /// parameters).
+    /// Communication buffers held right now (stage 2–3 gradient staging and reduce-scatters in
+    /// flight, stage 3 gathered and prefetching parameters).
     pub comm_buffers: usize,
+}
+
+impl Memory {
+    /// Model states: params + grads + optimizer (what the paper's formulas count).
+    pub fn model_states(&self) -> usize {
+        self.params + self.grads + self.optimizer
+    }
 }
 
 /// What a call to [`Engine::step`] did.
@@ -112,58 +108,92 @@ pub enum StepOutcome {
     Accumulated,
     /// An optimizer step; the global gradient norm before clipping.
     Stepped {
-        /// Global L2 norm of the averaged gradient.
+        /// Global L2 norm of the averaged (unscaled) gradient.
         grad_norm: f64,
+    },
+    /// An optimizer step skipped on every rank: a gradient overflowed (or its norm is not
+    /// finite). The loss scale to use from now on.
+    Skipped {
+        /// The new loss scale.
+        loss_scale: f32,
     },
 }
 
-/// The ZeRO engine on one rank.
-pub struct Engine<'c> {
+/// Time the trainer spent waiting on the engine's communication (what prefetch and
+/// `overlap_comm` try to hide).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct CommWait {
+    /// Inside [`Engine::gather`] (stage 3).
+    pub gather: Duration,
+    /// Inside [`Engine::push_grad`] and [`Engine::step`] on gradient reduction.
+    pub reduce: Duration,
+    /// Inside [`Engine::step`] on the parameter all-gather (stages 1–2) and the norm/overflow
+    /// all-reduces.
+    pub update: Duration,
+}
+
+/// Background collectives per bucket, with the elements each holds.
+type InFlight<T> = Vec<Option<(Work<Vec<T>>, usize)>>;
+
+/// The ZeRO engine on one rank, parameters and gradients in `T`.
+pub struct Engine<'c, T: Float = f32> {
     comm: &'c Communicator,
     cfg: ZeroConfig,
     part: Partition,
     rank: usize,
     /// Per bucket: the whole bucket (stages 0–2) or this rank's shard (stage 3).
-    params: Vec<Vec<f32>>,
+    params: Vec<Vec<T>>,
+    /// fp32 master weights (16-bit `T` only; empty for f32): whole buckets in stage 0, owned shards
+    /// otherwise.
+    master: Vec<Vec<f32>>,
     /// Stage 3: whole buckets gathered for compute.
-    gathered: Vec<Option<Vec<f32>>>,
+    gathered: Vec<Option<Vec<T>>>,
+    /// Stage 3: prefetches in flight, with the elements they hold.
+    inflight: InFlight<T>,
     /// Per bucket: the whole bucket (stages 0–1) or this rank's shard (stages 2–3).
-    grads: Vec<Vec<f32>>,
+    grads: Vec<Vec<T>>,
     /// Stages 2–3: a bucket's gradients while backward fills it.
-    staging: Vec<Option<Vec<f32>>>,
+    staging: Vec<Option<Vec<T>>>,
+    /// Stages 2–3 with `overlap_comm`: reduce-scatters in flight, with the elements they hold.
+    pending: InFlight<T>,
     pushed: Vec<bool>,
     m: Vec<Vec<f32>>,
     v: Vec<Vec<f32>>,
+    scaler: LossScaler,
     micro: usize,
     t: u64,
+    skipped: u64,
+    wait: CommWait,
 }
 
-impl<'c> Engine<'c> {
+impl<'c, T: Float> Engine<'c, T> {
     /// An engine for `specs` on `comm`, every parameter element initialised by `init(param index,
-    /// element index)` (the same function on every rank, so no broadcast is needed).
+    /// element index)` (the same function on every rank, so no broadcast is needed; with 16-bit
+    /// `T` the master keeps the fp32 value and the parameter its rounding).
     pub fn new(
         comm: &'c Communicator,
         specs: &[ParamSpec],
         init: &dyn Fn(usize, usize) -> f32,
         cfg: ZeroConfig,
-    ) -> Result<Engine<'c>, ZeroError> {
-        if cfg.stage > 3 {
+    ) -> Result<Engine<'c, T>, ZeroError> {
+        cfg.validate()?;
+        if cfg.precision.dtype() != T::DTYPE {
             return Err(ZeroError::Config(format!(
-                "stage {} does not exist (expected 0, 1, 2 or 3)",
-                cfg.stage
+                "the config asks for {} parameters but the engine was created for {}",
+                cfg.precision,
+                T::DTYPE
             )));
         }
-        if cfg.accumulation_steps == 0 {
-            return Err(ZeroError::Config(
-                "accumulation_steps must be at least 1".into(),
-            ));
-        }
-        if cfg.clip_norm.is_some_and(|c| !(c > 0.0 && c.is_finite())) {
-            return Err(ZeroError::Config(
-                "clip_norm must be a positive number".into(),
-            ));
-        }
         let (n, rank) = (comm.size(), comm.rank());
+        if let (Some(mb), Some(tb)) = (cfg.micro_batch, cfg.train_batch) {
+            if mb * cfg.accumulation_steps * n != tb {
+                return Err(ZeroError::Config(format!(
+                    "train_batch_size {tb} != train_micro_batch_size_per_gpu {mb} × \
+                     gradient_accumulation_steps {} × world size {n}",
+                    cfg.accumulation_steps
+                )));
+            }
+        }
         let part = Partition::new(specs, n, cfg.bucket_elems)
             .map_err(|e| ZeroError::Config(e.to_string()))?;
         let mut full: Vec<Vec<f32>> = part.buckets.iter().map(|b| vec![0f32; b.len]).collect();
@@ -176,50 +206,63 @@ impl<'c> Engine<'c> {
             }
         }
         let stage = cfg.stage;
-        let shard = |b: usize| part.buckets[b].len / n;
-        let params = if stage == 3 {
-            full.iter()
-                .enumerate()
-                .map(|(b, f)| f[part.owned(b, rank)].to_vec())
-                .collect()
-        } else {
-            full
-        };
         let nb = part.buckets.len();
-        let grads = (0..nb)
+        // The range of bucket b this rank updates: everything in stage 0, the owned range else.
+        let upd = |b: usize| {
+            if stage == 0 {
+                0..part.buckets[b].len
+            } else {
+                part.owned(b, rank)
+            }
+        };
+        let master: Vec<Vec<f32>> = if T::IS_F32 {
+            vec![Vec::new(); nb]
+        } else {
+            (0..nb).map(|b| full[b][upd(b)].to_vec()).collect()
+        };
+        let narrow = |x: &[f32]| {
+            let mut out = vec![T::default(); x.len()];
+            cast(x, &mut out);
+            out
+        };
+        let params: Vec<Vec<T>> = (0..nb)
             .map(|b| {
-                vec![
-                    0f32;
-                    if stage >= 2 {
-                        shard(b)
-                    } else {
-                        part.buckets[b].len
-                    }
-                ]
+                if stage == 3 {
+                    narrow(&full[b][part.owned(b, rank)])
+                } else {
+                    narrow(&full[b])
+                }
             })
             .collect();
-        let opt = |b: usize| {
-            vec![
-                0f32;
-                if stage == 0 {
-                    part.buckets[b].len
+        let grads = (0..nb)
+            .map(|b| {
+                let len = if stage >= 2 {
+                    part.owned(b, rank).len()
                 } else {
-                    shard(b)
-                }
-            ]
-        };
+                    part.buckets[b].len
+                };
+                vec![T::default(); len]
+            })
+            .collect();
+        let moments: Vec<Vec<f32>> = (0..nb).map(|b| vec![0f32; upd(b).len()]).collect();
         Ok(Engine {
             comm,
             rank,
             params,
-            gathered: vec![None; nb],
+            master,
+            gathered: (0..nb).map(|_| None).collect(),
+            inflight: (0..nb).map(|_| None).collect(),
             grads,
-            staging: vec![None; nb],
+            staging: (0..nb).map(|_| None).collect(),
+            pending: (0..nb).map(|_| None).collect(),
             pushed: vec![false; specs.len()],
-            m: (0..nb).map(opt).collect(),
-            v: (0..nb).map(opt).collect(),
+            m: moments.clone(),
+            v: moments,
+            scaler: LossScaler::new(cfg.precision, cfg.loss_scaling),
             micro: 0,
             t: 0,
+            skipped: 0,
+            wait: CommWait::default(),
             part,
             cfg,
         })
@@ -235,9 +278,24 @@ impl<'c> Engine<'c> {
         &self.cfg
     }
 
-    /// Optimizer steps taken.
+    /// Optimizer steps taken (skipped ones not counted).
     pub fn steps(&self) -> u64 {
         self.t
+    }
+
+    /// Optimizer steps skipped on overflow.
+    pub fn skipped_steps(&self) -> u64 {
+        self.skipped
+    }
+
+    /// The factor to multiply the loss by before backward (1 unless fp16).
+    pub fn loss_scale(&self) -> f32 {
+        self.scaler.scale()
+    }
+
+    /// Time spent waiting on communication so far.
+    pub fn comm_wait(&self) -> CommWait {
+        self.wait
     }
 
     fn index(&self, name: &str) -> Result<usize, ZeroError> {
@@ -246,8 +304,8 @@ impl<'c> Engine<'c> {
             .ok_or_else(|| ZeroError::UnknownParam(name.to_string()))
     }
 
-    /// The current values of parameter `name` (stage 3: only while gathered).
-    pub fn param(&self, name: &str) -> Result<&[f32], ZeroError> {
+    /// The current values of parameter `name` in `T` (stage 3: only while gathered).
+    pub fn param(&self, name: &str) -> Result<&[T], ZeroError> {
         let s = self.part.slots[self.index(name)?];
         let bucket = if self.cfg.stage == 3 {
             self.gathered[s.bucket]
@@ -259,8 +317,43 @@ impl<'c> Engine<'c> {
         Ok(&bucket[s.offset..s.offset + s.len])
     }
 
-    /// Stage 3: all-gather the buckets holding `names` so they can be read. A no-op in stages 0–2.
-    /// Gathering something already gathered is an error, and nothing is gathered then.
+    /// [`Engine::param`] widened to `f32` (for trainers that compute in fp32).
+    pub fn param_f32(&self, name: &str) -> Result<Vec<f32>, ZeroError> {
+        let p = self.param(name)?;
+        let mut out = vec![0f32; p.len()];
+        cast(p, &mut out);
+        Ok(out)
+    }
+
+    /// Stage 3: start all-gathering the buckets holding `names` in the background, so a later
+    /// [`Engine::gather`] finds them ready; at most `prefetch_elems` elements are in flight (the
+    /// rest is left for `gather`). A no-op in stages 0–2 and when `prefetch_elems` is 0. Like every
+    /// collective, prefetches must be issued in the same order on every rank.
+    pub fn prefetch(&mut self, names: &[&str]) -> Result<(), ZeroError> {
+        let buckets = self.buckets_of(names)?;
+        if self.cfg.stage != 3 || self.cfg.prefetch_elems == 0 {
+            return Ok(());
+        }
+        let mut flying: usize = self.inflight.iter().flatten().map(|(_, e)| e).sum();
+        for (b, _) in buckets {
+            let len = self.part.buckets[b].len;
+            if self.gathered[b].is_some() || self.inflight[b].is_some() {
+                continue;
+            }
+            if flying + len > self.cfg.prefetch_elems {
+                break;
+            }
+            let shard = self.params[b].clone();
+            let held = len + shard.len();
+            self.inflight[b] = Some((self.comm.all_gather_async(shard, len), held));
+            flying += held;
+        }
+        Ok(())
+    }
+
+    /// Stage 3: all-gather the buckets holding `names` so they can be read (waiting for a prefetch
+    /// where one is in flight). A no-op in stages 0–2. Gathering something already gathered is an
+    /// error, and nothing is gathered then.
     pub fn gather(&mut self, names: &[&str]) -> Result<(), ZeroError> {
         let buckets = self.buckets_of(names)?;
         if self.cfg.stage != 3 {
@@ -271,14 +364,28 @@ impl<'c> Engine<'c> {
                 return Err(ZeroError::AlreadyGathered(name.clone()));
             }
         }
+        let t0 = Instant::now();
+        let mut out = Ok(());
         for (b, _) in buckets {
-            if self.gathered[b].is_none() {
-                let mut full = vec![0f32; self.part.buckets[b].len];
-                self.comm.all_gather(&self.params[b], &mut full)?;
-                self.gathered[b] = Some(full);
+            let full = match self.inflight[b].take() {
+                Some((w, _)) => w.wait(),
+                None => {
+                    let mut full = vec![T::default(); self.part.buckets[b].len];
+                    self.comm
+                        .all_gather(&self.params[b], &mut full)
+                        .map(|()| full)
+                }
+            };
+            match full {
+                Ok(f) => self.gathered[b] = Some(f),
+                Err(e) => {
+                    out = Err(e.into());
+                    break;
+                }
             }
         }
-        Ok(())
+        self.wait.gather += t0.elapsed();
+        out
     }
 
     /// Stage 3: drop the gathered buckets holding `names`. A no-op in stages 0–2.
@@ -309,49 +416,73 @@ impl<'c> Engine<'c> {
         Ok(out)
     }
 
-    /// Add this micro-step's gradient of `name`. In stages 2–3 a bucket is reduce-scattered as
-    /// soon as all its gradients are in.
-    pub fn push_grad(&mut self, name: &str, grad: &[f32]) -> Result<(), ZeroError> {
+    /// Add this micro-step's gradient of `name` (already multiplied by [`Engine::loss_scale`]
+    /// under fp16). In stages 2–3 a bucket is reduce-scattered as soon as all its gradients are
+    /// in (in the background with `overlap_comm`).
+    pub fn push_grad(&mut self, name: &str, grad: &[T]) -> Result<(), ZeroError> {
+        self.push_with(name, grad.len(), |dst| {
+            reduce_into_typed(ReduceOp::Sum, dst, grad).expect("lengths checked")
+        })
+    }
+
+    /// [`Engine::push_grad`] from an `f32` gradient, rounded once into `T` (the sum with an
+    /// earlier micro-step's gradient is rounded once too).
+    pub fn push_grad_f32(&mut self, name: &str, grad: &[f32]) -> Result<(), ZeroError> {
+        self.push_with(name, grad.len(), |dst| {
+            let mut acc = vec![0f32; dst.len()];
+            cast(dst, &mut acc);
+            acc.iter_mut().zip(grad).for_each(|(a, g)| *a += g);
+            cast(&acc, dst);
+        })
+    }
+
+    fn push_with(
+        &mut self,
+        name: &str,
+        len: usize,
+        add: impl FnOnce(&mut [T]),
+    ) -> Result<(), ZeroError> {
         let i = self.index(name)?;
         let s = self.part.slots[i];
-        if grad.len() != s.len {
+        if len != s.len {
             return Err(ZeroError::GradLength {
                 name: name.into(),
-                got: grad.len(),
+                got: len,
                 want: s.len,
             });
         }
         if self.pushed[i] {
             return Err(ZeroError::GradTwice(name.into()));
         }
-        let len = self.part.buckets[s.bucket].len;
+        let blen = self.part.buckets[s.bucket].len;
         let dst = if self.cfg.stage >= 2 {
-            self.staging[s.bucket].get_or_insert_with(|| vec![0f32; len])
+            self.staging[s.bucket].get_or_insert_with(|| vec![T::default(); blen])
         } else {
             &mut self.grads[s.bucket]
         };
-        for (d, g) in dst[s.offset..s.offset + s.len].iter_mut().zip(grad) {
-            *d += g;
-        }
+        add(&mut dst[s.offset..s.offset + s.len]);
         self.pushed[i] = true;
-        if self.cfg.stage >= 2
-            && self.part.buckets[s.bucket]
-                .params
-                .iter()
-                .all(|&p| self.pushed[p])
-        {
-            let full = self.staging[s.bucket].take().expect("filled above");
-            let mut shard = vec![0f32; len / self.part.world];
-            self.comm.reduce_scatter(&full, &mut shard, ReduceOp::Avg)?;
-            for (g, x) in self.grads[s.bucket].iter_mut().zip(&shard) {
-                *g += x;
+        let b = s.bucket;
+        if self.cfg.stage >= 2 && self.part.buckets[b].params.iter().all(|&p| self.pushed[p]) {
+            let full = self.staging[b].take().expect("filled above");
+            let t0 = Instant::now();
+            if self.cfg.overlap_comm {
+                let held = full.len() + full.len() / self.part.world;
+                self.pending[b] = Some((self.comm.reduce_scatter_async(full, ReduceOp::Avg), held));
+            } else {
+                let mut shard = vec![T::default(); blen / self.part.world];
+                let r = self.comm.reduce_scatter(&full, &mut shard, ReduceOp::Avg);
+                self.wait.reduce += t0.elapsed();
+                r?;
+                reduce_into_typed(ReduceOp::Sum, &mut self.grads[b], &shard)
+                    .expect("shard lengths match");
             }
         }
         Ok(())
     }
 
-    /// End a micro-step; at the accumulation boundary, reduce gradients, clip, run AdamW on what
-    /// this rank owns and share the result.
+    /// End a micro-step; at the accumulation boundary, reduce gradients, check for overflow, clip,
+    /// run AdamW on what this rank owns and share the result.
     pub fn step(&mut self) -> Result<StepOutcome, ZeroError> {
         let missing: Vec<&str> = (0..self.pushed.len())
             .filter(|&i| !self.pushed[i])
@@ -360,91 +491,240 @@ impl<'c> Engine<'c> {
         if !missing.is_empty() {
             return Err(ZeroError::MissingGrads(missing.join(", ")));
         }
+        let boundary = self.micro + 1 == self.cfg.accumulation_steps;
+        if boundary {
+            let held: Vec<String> = (0..self.gathered.len())
+                .filter(|&b| self.gathered[b].is_some())
+                .map(|b| {
+                    let p = self.part.buckets[b].params[0];
+                    format!("`{}`", self.part.specs[p].name)
+                })
+                .collect();
+            if !held.is_empty() {
+                return Err(ZeroError::StillGathered(held.join(", ")));
+            }
+        }
         self.pushed.iter_mut().for_each(|p| *p = false);
         self.micro += 1;
-        if self.micro < self.cfg.accumulation_steps {
+        // Reduce-scatters still in flight belong to this micro-step.
+        let t0 = Instant::now();
+        for b in 0..self.pending.len() {
+            if let Some((w, _)) = self.pending[b].take() {
+                let shard = w.wait()?;
+                reduce_into_typed(ReduceOp::Sum, &mut self.grads[b], &shard)
+                    .expect("shard lengths match");
+            }
+        }
+        if !boundary {
+            self.wait.reduce += t0.elapsed();
             return Ok(StepOutcome::Accumulated);
         }
         self.micro = 0;
-        let (stage, n, rank) = (self.cfg.stage, self.part.world, self.rank);
-        // Reduce what is not reduced yet.
-        for b in 0..self.part.buckets.len() {
+        // Prefetches of pre-step values would go stale: finish and drop them.
+        for f in &mut self.inflight {
+            if let Some((w, _)) = f.take() {
+                w.wait()?;
+            }
+        }
+        let (stage, n) = (self.cfg.stage, self.part.world);
+        let nb = self.part.buckets.len();
+        // Reduce what is not reduced yet; `red[b]` is this rank's averaged gradient range in
+        // stage 1 (stages 0 and 2–3 keep it in `grads`).
+        let mut red: Vec<Vec<T>> = vec![Vec::new(); nb];
+        for (b, r) in red.iter_mut().enumerate() {
             match stage {
                 0 => self
                     .comm
                     .all_reduce_in_place(&mut self.grads[b], ReduceOp::Avg)?,
                 1 => {
-                    let mut shard = vec![0f32; self.part.buckets[b].len / n];
-                    self.comm
-                        .reduce_scatter(&self.grads[b], &mut shard, ReduceOp::Avg)?;
-                    self.grads[b] = shard;
+                    *r = vec![T::default(); self.part.buckets[b].len / n];
+                    self.comm.reduce_scatter(&self.grads[b], r, ReduceOp::Avg)?;
                 }
                 _ => {}
             }
         }
-        // The owned gradient range of bucket b, whatever the stage keeps.
-        let owned_grad = |e: &Engine, b: usize| -> std::ops::Range<usize> {
-            if stage == 0 {
-                e.part.owned(b, rank)
-            } else {
-                0..e.grads[b].len()
+        self.wait.reduce += t0.elapsed();
+        let t1 = Instant::now();
+        let outcome = self.update(&red);
+        for b in 0..nb {
+            self.grads[b].iter_mut().for_each(|g| *g = T::default());
+        }
+        let outcome = outcome?;
+        if matches!(outcome, StepOutcome::Stepped { .. }) && (stage == 1 || stage == 2) {
+            for b in 0..nb {
+                self.gather_updated(b)?;
+            }
+        }
+        self.wait.update += t1.elapsed();
+        Ok(outcome)
+    }
+
+    /// The optimizer half of a boundary step, on reduced gradients.
+    fn update(&mut self, red: &[Vec<T>]) -> Result<StepOutcome, ZeroError> {
+        let (stage, rank) = (self.cfg.stage, self.rank);
+        let nb = self.part.buckets.len();
+        // This rank's averaged gradient range of bucket b (stage 0: the owned range, for the norm).
+        let owned: Vec<std::ops::Range<usize>> =
+            (0..nb).map(|b| self.part.owned(b, rank)).collect();
+        let g = |e: &Self, b: usize| -> Vec<T> {
+            match stage {
+                0 => e.grads[b][owned[b].clone()].to_vec(),
+                1 => red[b].clone(),
+                _ => e.grads[b].clone(),
             }
         };
-        let scale = 1.0 / self.cfg.accumulation_steps as f32;
-        let mut sq = vec![0f64];
-        for b in 0..self.part.buckets.len() {
-            let r = owned_grad(self, b);
-            sq[0] += self.grads[b][r]
-                .iter()
-                .map(|&g| ((g * scale) as f64).powi(2))
-                .sum::<f64>();
+        if self.scaler.checks_overflow() {
+            let local = (0..nb).any(|b| !all_finite(&g(self, b)));
+            let mut flag = [local as u8];
+            self.comm.all_reduce_in_place(&mut flag, ReduceOp::Max)?;
+            if flag[0] != 0 {
+                return Ok(self.skip());
+            }
+        }
+        let inv = 1.0 / (self.scaler.scale() * self.cfg.accumulation_steps as f32);
+        let mut sq = [0f64];
+        for b in 0..nb {
+            sq[0] += sq_norm(&g(self, b), inv);
         }
         self.comm.all_reduce_in_place(&mut sq, ReduceOp::Sum)?;
         let grad_norm = sq[0].sqrt();
+        if !grad_norm.is_finite() {
+            return Ok(self.skip());
+        }
         let clip = self
             .cfg
             .clip_norm
             .map_or(1.0, |c| ((c as f64) / (grad_norm + 1e-6)).min(1.0) as f32);
         self.t += 1;
-        for b in 0..self.part.buckets.len() {
-            let owned = self.part.owned(b, rank);
-            let p: &mut [f32] = match stage {
-                0 => &mut self.params[b],
-                3 => &mut self.params[b],
-                _ => &mut self.params[b][owned],
+        let h = self.cfg.adamw;
+        for b in 0..nb {
+            // The stretch of `params[b]` this rank updates, and its gradient.
+            let range = match stage {
+                0 => 0..self.params[b].len(),
+                3 => 0..self.params[b].len(),
+                _ => owned[b].clone(),
             };
-            adamw_step(
-                &self.cfg.adamw,
-                self.t,
-                p,
-                &self.grads[b],
-                &mut self.m[b],
-                &mut self.v[b],
-                scale * clip,
-            );
-            if stage == 1 {
-                // Back to a whole bucket for the next accumulation window.
-                self.grads[b] = vec![0f32; self.part.buckets[b].len];
+            let grad: &[T] = match stage {
+                1 => &red[b],
+                _ => &self.grads[b],
+            };
+            let p = &mut self.params[b][range];
+            if T::IS_F32 {
+                let master: &mut [f32] = bytemuck::cast_slice_mut(p);
+                adamw_mixed::<T>(
+                    &h,
+                    self.t,
+                    master,
+                    None,
+                    grad,
+                    &mut self.m[b],
+                    &mut self.v[b],
+                    inv * clip,
+                );
             } else {
-                self.grads[b].iter_mut().for_each(|g| *g = 0.0);
-            }
-            if stage == 1 || stage == 2 {
-                self.comm.all_gather_in_place(&mut self.params[b])?;
+                adamw_mixed(
+                    &h,
+                    self.t,
+                    &mut self.master[b],
+                    Some(p),
+                    grad,
+                    &mut self.m[b],
+                    &mut self.v[b],
+                    inv * clip,
+                );
             }
         }
+        self.scaler.update(false);
         Ok(StepOutcome::Stepped { grad_norm })
+    }
+
+    fn skip(&mut self) -> StepOutcome {
+        self.skipped += 1;
+        self.scaler.update(true);
+        StepOutcome::Skipped {
+            loss_scale: self.scaler.scale(),
+        }
+    }
+
+    /// Stages 1–2: all-gather bucket b's updated parameters, in pieces of at most
+    /// `allgather_elems` elements per call.
+    fn gather_updated(&mut self, b: usize) -> Result<(), ZeroError> {
+        let n = self.part.world;
+        let shard = self.part.buckets[b].len / n;
+        let piece = (self.cfg.allgather_elems / n).max(1);
+        if shard <= piece {
+            self.comm.all_gather_in_place(&mut self.params[b])?;
+            return Ok(());
+        }
+        let own = self.part.owned(b, self.rank);
+        let mut start = 0;
+        while start < shard {
+            let len = piece.min(shard - start);
+            let send = self.params[b][own.start + start..own.start + start + len].to_vec();
+            let mut recv = vec![T::default(); len * n];
+            self.comm.all_gather(&send, &mut recv)?;
+            for r in 0..n {
+                let at = r * shard + start;
+                self.params[b][at..at + len].copy_from_slice(&recv[r * len..(r + 1) * len]);
+            }
+            start += len;
+        }
+        Ok(())
+    }
+
+    /// Every parameter's fp32 master values, assembled from all ranks' shards (a collective: call
+    /// it on every rank). In name order of the specs.
+    pub fn consolidate(&self) -> Result<Vec<(String, Vec<f32>)>, ZeroError> {
+        let (stage, n) = (self.cfg.stage, self.part.world);
+        let mut full: Vec<Vec<f32>> = Vec::with_capacity(self.part.buckets.len());
+        for b in 0..self.part.buckets.len() {
+            let len = self.part.buckets[b].len;
+            let mine: Vec<f32> = if !T::IS_F32 {
+                self.master[b].clone()
+            } else if stage == 3 {
+                bytemuck::cast_slice(&self.params[b]).to_vec()
+            } else {
+                bytemuck::cast_slice(&self.params[b][self.part.owned(b, self.rank)]).to_vec()
+            };
+            if stage == 0 && !T::IS_F32 {
+                full.push(mine);
+                continue;
+            }
+            let mut out = vec![0f32; len];
+            debug_assert_eq!(mine.len(), len / n);
+            self.comm.all_gather(&mine, &mut out)?;
+            full.push(out);
+        }
+        Ok(self
+            .part
+            .slots
+            .iter()
+            .zip(&self.part.specs)
+            .map(|(s, p)| {
+                (
+                    p.name.clone(),
+                    full[s.bucket][s.offset..s.offset + s.len].to_vec(),
+                )
+            })
+            .collect())
     }
 
     /// Bytes held now, by category.
     pub fn memory(&self) -> Memory {
-        let bytes = |v: &Vec<Vec<f32>>| v.iter().map(|x| x.len() * 4).sum::<usize>();
-        let held =
-            |v: &Vec<Option<Vec<f32>>>| v.iter().flatten().map(|x| x.len() * 4).sum::<usize>();
+        let sz = std::mem::size_of::<T>();
+        let elems = |v: &Vec<Vec<T>>| v.iter().map(|x| x.len()).sum::<usize>();
+        let f32s = |v: &Vec<Vec<f32>>| v.iter().map(|x| x.len() * 4).sum::<usize>();
+        let held = |v: &Vec<Option<Vec<T>>>| v.iter().flatten().map(|x| x.len()).sum::<usize>();
+        let flying = |v: &InFlight<T>| v.iter().flatten().map(|(_, e)| e).sum::<usize>();
         Memory {
-            params: bytes(&self.params),
-            grads: bytes(&self.grads),
-            optimizer: bytes(&self.m) + bytes(&self.v),
-            comm_buffers: held(&self.staging) + held(&self.gathered),
+            params: elems(&self.params) * sz,
+            grads: elems(&self.grads) * sz,
+            optimizer: f32s(&self.m) + f32s(&self.v) + f32s(&self.master),
+            comm_buffers: (held(&self.staging)
+                + held(&self.gathered)
+                + flying(&self.inflight)
+                + flying(&self.pending))
+                * sz,
         }
     }
 }

@@ -4,16 +4,22 @@
 //!   engine's counters are compared with);
 //! - [`partition`]: parameters flattened into buckets padded to a multiple of the world size, each
 //!   rank owning one contiguous range of every bucket — pure and property-tested;
-//! - [`engine`]: stages 0–3 (fp32 parameters, AdamW, clipping, accumulation, memory counters).
+//! - [`config`]: the engine's settings, from a builder or a DeepSpeed-style JSON subset;
+//! - [`scaler`]: fp16 dynamic loss scaling;
+//! - [`engine`]: stages 0–3 in fp32, bf16 and fp16 (fp32 masters), AdamW, clipping, accumulation,
+//!   stage-3 prefetch, memory and wait counters.
 //!
-//! Not yet here (the ZeRO issue stays open for them): 16-bit parameters with fp32 masters and
-//! dynamic loss scaling, stage-3 prefetch overlapping compute, the DeepSpeed JSON config,
-//! checkpoints, `ringzero demo`.
+//! Not yet here: checkpoints (safetensors per rank, resharding), and the engine runs on host
+//! buffers only until the CUDA device lands.
 #![deny(missing_docs)]
 
+pub mod config;
 pub mod engine;
 pub mod mem;
 pub mod partition;
+pub mod scaler;
 
-pub use engine::{Engine, Memory, StepOutcome, ZeroConfig, ZeroError};
+pub use config::{LossScaling, Precision, ZeroConfig, ZeroConfigBuilder};
+pub use engine::{CommWait, Engine, Memory, StepOutcome, ZeroError};
 pub use partition::{ParamSpec, Partition};
+pub use scaler::LossScaler;

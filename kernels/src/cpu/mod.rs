@@ -8,8 +8,10 @@
 //! These are real code paths, not test doubles: the host is a supported device.
 
 mod adamw;
+mod float;
 mod reduce;
 
 pub use adamw::{adamw_step, AdamW};
+pub use float::{adamw_mixed, all_finite, cast, scale, sq_norm, Float};
 
 pub use reduce::{divide, reduce_into, reduce_into_typed, reduce_to, reduce_to_typed, HALF_BLOCK};

@@ -1,0 +1,213 @@
+//! Kernels on the floating-point training types (`f32`, `f16`, `bf16`): casts to and from `f32`,
+//! scaling, the squared L2 norm, the inf/NaN check and the mixed-precision AdamW step (fp32 master
+//! and moments, 16-bit parameters written from the master).
+//!
+//! 16-bit inputs are widened in blocks of [`HALF_BLOCK`] elements through `half`'s slice
+//! conversions (which use F16C where the CPU has it), so the loops below see `f32` slices.
+
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
+
+use super::adamw::{adamw_step, AdamW};
+use super::HALF_BLOCK;
+use crate::Element;
+
+/// A floating-point type parameters and gradients can be kept in.
+pub trait Float: Element + Copy + Default {
+    /// Whether this is `f32` itself (then a separate fp32 master copy is unnecessary).
+    const IS_F32: bool;
+    /// Widen `src` into `dst` (equal lengths).
+    fn widen(src: &[Self], dst: &mut [f32]);
+    /// Round `src` into `dst` (equal lengths), to nearest even.
+    fn narrow(src: &[f32], dst: &mut [Self]);
+}
+
+impl Float for f32 {
+    const IS_F32: bool = true;
+    fn widen(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+    fn narrow(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+}
+
+impl Float for f16 {
+    const IS_F32: bool = false;
+    fn widen(src: &[f16], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst);
+    }
+    fn narrow(src: &[f32], dst: &mut [f16]) {
+        dst.convert_from_f32_slice(src);
+    }
+}
+
+impl Float for bf16 {
+    const IS_F32: bool = false;
+    fn widen(src: &[bf16], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst);
+    }
+    fn narrow(src: &[f32], dst: &mut [bf16]) {
+        dst.convert_from_f32_slice(src);
+    }
+}
+
+/// Run `f` over `src` widened to `f32`, one block at a time (`f` gets the block and its offset).
+fn widened<T: Float>(src: &[T], mut f: impl FnMut(usize, &[f32])) {
+    if T::IS_F32 {
+        f(0, bytemuck::cast_slice(src));
+        return;
+    }
+    let mut buf = [0f32; HALF_BLOCK];
+    for (i, block) in src.chunks(HALF_BLOCK).enumerate() {
+        let b = &mut buf[..block.len()];
+        T::widen(block, b);
+        f(i * HALF_BLOCK, b);
+    }
+}
+
+/// Cast `src` into `dst` (any two float types; equal lengths), rounding to nearest even.
+///
+/// # Panics
+/// If the lengths differ.
+pub fn cast<A: Float, B: Float>(src: &[A], dst: &mut [B]) {
+    assert_eq!(src.len(), dst.len(), "cast: lengths differ");
+    widened(src, |off, x| B::narrow(x, &mut dst[off..off + x.len()]));
+}
+
+/// Multiply every element by `s` (in `f32`, rounded back once).
+pub fn scale<T: Float>(buf: &mut [T], s: f32) {
+    if T::IS_F32 {
+        let b: &mut [f32] = bytemuck::cast_slice_mut(buf);
+        b.iter_mut().for_each(|x| *x *= s);
+        return;
+    }
+    let mut tmp = [0f32; HALF_BLOCK];
+    for block in buf.chunks_mut(HALF_BLOCK) {
+        let t = &mut tmp[..block.len()];
+        T::widen(block, t);
+        t.iter_mut().for_each(|x| *x *= s);
+        T::narrow(t, block);
+    }
+}
+
+/// Σ (x·s)² accumulated in `f64` (each product `x·s` rounded to `f32` first, as the optimizer
+/// sees it). Infinite or NaN when any element is.
+pub fn sq_norm<T: Float>(x: &[T], s: f32) -> f64 {
+    let mut acc = 0f64;
+    widened(x, |_, b| {
+        acc += b.iter().map(|&v| ((v * s) as f64).powi(2)).sum::<f64>();
+    });
+    acc
+}
+
+/// Whether every element is finite (no inf, no NaN).
+pub fn all_finite<T: Float>(x: &[T]) -> bool {
+    let mut ok = true;
+    widened(x, |_, b| ok &= b.iter().all(|v| v.is_finite()));
+    ok
+}
+
+/// One AdamW step on an fp32 `master` copy and fp32 moments from gradients kept in `T`
+/// (multiplied by `grad_scale` first); then, unless `T` is `f32` and `params` is absent, the
+/// updated master rounded into the `T` parameters. Element-wise, so a shard computes what the
+/// whole would.
+///
+/// # Panics
+/// If the slices differ in length.
+// A kernel's argument list (the CUDA version takes the same); a struct would only rename it.
+#[allow(clippy::too_many_arguments)]
+pub fn adamw_mixed<T: Float>(
+    h: &AdamW,
+    t: u64,
+    master: &mut [f32],
+    params: Option<&mut [T]>,
+    grads: &[T],
+    m: &mut [f32],
+    v: &mut [f32],
+    grad_scale: f32,
+) {
+    let n = master.len();
+    assert!(
+        grads.len() == n && m.len() == n && v.len() == n,
+        "adamw_mixed: slice lengths differ"
+    );
+    widened(grads, |off, g| {
+        let r = off..off + g.len();
+        adamw_step(
+            h,
+            t,
+            &mut master[r.clone()],
+            g,
+            &mut m[r.clone()],
+            &mut v[r],
+            grad_scale,
+        );
+    });
+    if let Some(p) = params {
+        assert_eq!(p.len(), n, "adamw_mixed: parameter length differs");
+        T::narrow(master, p);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn casts_round_to_nearest_and_back() {
+        let x: Vec<f32> = (0..1000)
+            .map(|i| (i as f32 * 0.731).sin() * 100.0)
+            .collect();
+        let mut h = vec![bf16::ZERO; x.len()];
+        cast(&x, &mut h);
+        for (a, b) in x.iter().zip(&h) {
+            assert_eq!(*b, bf16::from_f32(*a));
+        }
+        let mut back = vec![0f32; x.len()];
+        cast(&h, &mut back);
+        for (a, b) in h.iter().zip(&back) {
+            assert_eq!(a.to_f32(), *b);
+        }
+        let mut f = vec![f16::ZERO; x.len()];
+        cast(&h, &mut f);
+        assert_eq!(f[7], f16::from_f32(h[7].to_f32()));
+    }
+
+    #[test]
+    fn norm_scale_and_finite_check() {
+        let x: Vec<f16> = (0..700).map(|i| f16::from_f32(i as f32 * 0.01)).collect();
+        let want: f64 = x.iter().map(|v| (v.to_f32() as f64 * 0.5).powi(2)).sum();
+        assert!((sq_norm(&x, 0.5) - want).abs() < 1e-9 * want);
+        assert!(all_finite(&x));
+        let mut y = x.clone();
+        y[513] = f16::INFINITY;
+        assert!(!all_finite(&y));
+        assert!(sq_norm(&y, 1.0).is_infinite());
+        y[513] = f16::NAN;
+        assert!(!all_finite(&y));
+        let mut z = x.clone();
+        scale(&mut z, 2.0);
+        assert_eq!(z[300], f16::from_f32(x[300].to_f32() * 2.0));
+    }
+
+    #[test]
+    fn mixed_adamw_equals_the_fp32_step_on_widened_gradients() {
+        let h = AdamW::default();
+        let n = 600;
+        let g16: Vec<bf16> = (0..n).map(|i| bf16::from_f32((i as f32).cos())).collect();
+        let g32: Vec<f32> = g16.iter().map(|g| g.to_f32()).collect();
+        let mut master: Vec<f32> = (0..n).map(|i| (i as f32 * 0.1).sin()).collect();
+        let mut master2 = master.clone();
+        let (mut m, mut v, mut m2, mut v2) =
+            (vec![0.0; n], vec![0.0; n], vec![0.0; n], vec![0.0; n]);
+        let mut p = vec![bf16::ZERO; n];
+        adamw_mixed(&h, 1, &mut master, Some(&mut p), &g16, &mut m, &mut v, 0.25);
+        adamw_step(&h, 1, &mut master2, &g32, &mut m2, &mut v2, 0.25);
+        assert_eq!(master, master2);
+        assert_eq!(m, m2);
+        for (a, b) in p.iter().zip(&master) {
+            assert_eq!(*a, bf16::from_f32(*b));
+        }
+    }
+}

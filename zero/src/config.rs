@@ -1,0 +1,576 @@
+//! Engine configuration: from code (a builder with checked values) or from a DeepSpeed-style JSON
+//! subset ([`ZeroConfig::from_json`]). Unknown keys, and DeepSpeed keys ringzero does not
+//! implement, are errors that name every offending key: a setting that is silently ignored is a
+//! bug the user finds weeks later.
+
+use ringzero_kernels::cpu::AdamW;
+use ringzero_kernels::DType;
+use serde_json::{Map, Value};
+
+use crate::engine::ZeroError;
+
+/// Parameter and gradient precision (optimizer state is always fp32).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Precision {
+    /// fp32 parameters and gradients; the parameters are their own master copy.
+    Fp32,
+    /// bf16 parameters and gradients, fp32 master weights; no loss scaling.
+    Bf16,
+    /// fp16 parameters and gradients, fp32 master weights, loss scaling.
+    Fp16,
+}
+
+impl Precision {
+    /// The dtype parameters and gradients are kept in.
+    pub fn dtype(self) -> DType {
+        match self {
+            Precision::Fp32 => DType::F32,
+            Precision::Bf16 => DType::BF16,
+            Precision::Fp16 => DType::F16,
+        }
+    }
+}
+
+impl std::str::FromStr for Precision {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "fp32" | "f32" => Ok(Precision::Fp32),
+            "bf16" => Ok(Precision::Bf16),
+            "fp16" | "f16" => Ok(Precision::Fp16),
+            _ => Err(format!(
+                "unknown precision `{s}` (expected fp32, bf16 or fp16)"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for Precision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Precision::Fp32 => "fp32",
+            Precision::Bf16 => "bf16",
+            Precision::Fp16 => "fp16",
+        })
+    }
+}
+
+/// fp16 loss scaling, with DeepSpeed's keys and defaults.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LossScaling {
+    /// A fixed scale, or 0 for dynamic scaling.
+    pub loss_scale: f32,
+    /// Dynamic scaling starts at 2^this.
+    pub initial_scale_power: u32,
+    /// Grow the scale ×2 after this many steps without overflow.
+    pub loss_scale_window: u32,
+    /// Overflows tolerated before the scale is halved (1: halve on every overflow).
+    pub hysteresis: u32,
+    /// The scale never drops below this.
+    pub min_loss_scale: f32,
+}
+
+impl Default for LossScaling {
+    fn default() -> Self {
+        LossScaling {
+            loss_scale: 0.0,
+            initial_scale_power: 16,
+            loss_scale_window: 1000,
+            hysteresis: 2,
+            min_loss_scale: 1.0,
+        }
+    }
+}
+
+/// Everything the engine needs to know; build it with [`ZeroConfig::builder`] or
+/// [`ZeroConfig::from_json`], both of which validate.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ZeroConfig {
+    /// ZeRO stage, 0–3 (0 = plain data parallel).
+    pub stage: u8,
+    /// Largest gradient bucket, in elements (`reduce_bucket_size`); buckets are the unit of the
+    /// gradient reduce-scatter and of the stage-3 parameter gather.
+    pub bucket_elems: usize,
+    /// Largest all-gather of updated parameters in stages 1–2, in elements
+    /// (`allgather_bucket_size`); a larger bucket is gathered in pieces.
+    pub allgather_elems: usize,
+    /// Stages 2–3: reduce-scatter a bucket asynchronously while backward goes on (`overlap_comm`).
+    pub overlap_comm: bool,
+    /// Stage 3: elements [`crate::Engine::prefetch`] may have in flight
+    /// (`stage3_prefetch_bucket_size`); 0 turns prefetching off.
+    pub prefetch_elems: usize,
+    /// Parameter and gradient precision.
+    pub precision: Precision,
+    /// fp16 loss scaling (used only with [`Precision::Fp16`]).
+    pub loss_scaling: LossScaling,
+    /// Micro-steps per optimizer step (`gradient_accumulation_steps`).
+    pub accumulation_steps: usize,
+    /// Clip gradients to this global L2 norm (`gradient_clipping`; 0 in JSON means off).
+    pub clip_norm: Option<f32>,
+    /// Optimizer (`optimizer.params`).
+    pub adamw: AdamW,
+    /// `train_micro_batch_size_per_gpu`, checked against `train_batch_size` when both are given.
+    pub micro_batch: Option<usize>,
+    /// `train_batch_size` = micro batch × accumulation steps × world size (checked by the engine,
+    /// which knows the world size).
+    pub train_batch: Option<usize>,
+}
+
+impl Default for ZeroConfig {
+    fn default() -> Self {
+        ZeroConfig {
+            stage: 1,
+            bucket_elems: 1 << 20,
+            allgather_elems: 1 << 22,
+            overlap_comm: false,
+            prefetch_elems: 1 << 22,
+            precision: Precision::Fp32,
+            loss_scaling: LossScaling::default(),
+            accumulation_steps: 1,
+            clip_norm: None,
+            adamw: AdamW::default(),
+            micro_batch: None,
+            train_batch: None,
+        }
+    }
+}
+
+/// Builds a [`ZeroConfig`]; [`ZeroConfigBuilder::build`] checks every value.
+#[derive(Clone, Debug, Default)]
+pub struct ZeroConfigBuilder {
+    cfg: ZeroConfig,
+}
+
+impl ZeroConfigBuilder {
+    /// ZeRO stage 0–3.
+    pub fn stage(mut self, s: u8) -> Self {
+        self.cfg.stage = s;
+        self
+    }
+    /// Gradient bucket size in elements.
+    pub fn bucket_elems(mut self, n: usize) -> Self {
+        self.cfg.bucket_elems = n;
+        self
+    }
+    /// All-gather piece size in elements.
+    pub fn allgather_elems(mut self, n: usize) -> Self {
+        self.cfg.allgather_elems = n;
+        self
+    }
+    /// Asynchronous gradient reduce-scatter (stages 2–3).
+    pub fn overlap_comm(mut self, on: bool) -> Self {
+        self.cfg.overlap_comm = on;
+        self
+    }
+    /// Stage-3 prefetch budget in elements (0: off).
+    pub fn prefetch_elems(mut self, n: usize) -> Self {
+        self.cfg.prefetch_elems = n;
+        self
+    }
+    /// Parameter/gradient precision.
+    pub fn precision(mut self, p: Precision) -> Self {
+        self.cfg.precision = p;
+        self
+    }
+    /// fp16 loss scaling.
+    pub fn loss_scaling(mut self, l: LossScaling) -> Self {
+        self.cfg.loss_scaling = l;
+        self
+    }
+    /// Micro-steps per optimizer step.
+    pub fn accumulation_steps(mut self, n: usize) -> Self {
+        self.cfg.accumulation_steps = n;
+        self
+    }
+    /// Global-norm clipping.
+    pub fn clip_norm(mut self, c: Option<f32>) -> Self {
+        self.cfg.clip_norm = c;
+        self
+    }
+    /// AdamW hyper-parameters.
+    pub fn adamw(mut self, h: AdamW) -> Self {
+        self.cfg.adamw = h;
+        self
+    }
+    /// The checked configuration.
+    pub fn build(self) -> Result<ZeroConfig, ZeroError> {
+        self.cfg.validate()?;
+        Ok(self.cfg)
+    }
+}
+
+fn bad(msg: impl Into<String>) -> ZeroError {
+    ZeroError::Config(msg.into())
+}
+
+impl ZeroConfig {
+    /// A builder starting from the defaults.
+    pub fn builder() -> ZeroConfigBuilder {
+        ZeroConfigBuilder::default()
+    }
+
+    /// Check every value; the error names the first bad one.
+    pub fn validate(&self) -> Result<(), ZeroError> {
+        if self.stage > 3 {
+            return Err(bad(format!(
+                "stage {} does not exist (expected 0, 1, 2 or 3)",
+                self.stage
+            )));
+        }
+        if self.bucket_elems == 0 {
+            return Err(bad("reduce_bucket_size must be at least 1 element"));
+        }
+        if self.allgather_elems == 0 {
+            return Err(bad("allgather_bucket_size must be at least 1 element"));
+        }
+        if self.accumulation_steps == 0 {
+            return Err(bad("gradient_accumulation_steps must be at least 1"));
+        }
+        if self.clip_norm.is_some_and(|c| !(c > 0.0 && c.is_finite())) {
+            return Err(bad("gradient_clipping must be a positive number"));
+        }
+        let h = &self.adamw;
+        if !(h.lr >= 0.0 && h.lr.is_finite()) {
+            return Err(bad(format!("lr {} must be a non-negative number", h.lr)));
+        }
+        for (k, b) in [("betas[0]", h.beta1), ("betas[1]", h.beta2)] {
+            if !(0.0..1.0).contains(&b) {
+                return Err(bad(format!("{k} = {b} must be in [0, 1)")));
+            }
+        }
+        if !(h.eps > 0.0 && h.eps.is_finite()) {
+            return Err(bad(format!("eps {} must be positive", h.eps)));
+        }
+        if !(h.weight_decay >= 0.0 && h.weight_decay.is_finite()) {
+            return Err(bad(format!(
+                "weight_decay {} must be non-negative",
+                h.weight_decay
+            )));
+        }
+        let l = &self.loss_scaling;
+        if !(l.loss_scale >= 0.0 && l.loss_scale.is_finite()) {
+            return Err(bad(
+                "fp16.loss_scale must be 0 (dynamic) or a positive number",
+            ));
+        }
+        if l.initial_scale_power > 64 {
+            return Err(bad(format!(
+                "fp16.initial_scale_power {} is larger than 64",
+                l.initial_scale_power
+            )));
+        }
+        if l.loss_scale_window == 0 {
+            return Err(bad("fp16.loss_scale_window must be at least 1"));
+        }
+        if l.hysteresis == 0 {
+            return Err(bad("fp16.hysteresis must be at least 1"));
+        }
+        if !(l.min_loss_scale > 0.0 && l.min_loss_scale.is_finite()) {
+            return Err(bad("fp16.min_loss_scale must be a positive number"));
+        }
+        if self.micro_batch == Some(0) || self.train_batch == Some(0) {
+            return Err(bad("batch sizes must be at least 1"));
+        }
+        Ok(())
+    }
+
+    /// Parse DeepSpeed's JSON config (the subset below); every unknown or unsupported key is an
+    /// error naming it (all of them at once), as is a value of the wrong type.
+    ///
+    /// Supported: `zero_optimization.{stage, reduce_bucket_size, allgather_bucket_size,
+    /// overlap_comm, stage3_prefetch_bucket_size}`, `fp16.{enabled, loss_scale,
+    /// initial_scale_power, loss_scale_window, hysteresis, min_loss_scale}`, `bf16.enabled`,
+    /// `gradient_clipping`, `gradient_accumulation_steps`, `optimizer.{type: AdamW,
+    /// params.{lr, betas, eps, weight_decay}}`, `train_micro_batch_size_per_gpu`,
+    /// `train_batch_size`.
+    pub fn from_json(text: &str) -> Result<ZeroConfig, ZeroError> {
+        let v: Value =
+            serde_json::from_str(text).map_err(|e| bad(format!("config is not JSON: {e}")))?;
+        let top = v
+            .as_object()
+            .ok_or_else(|| bad("config must be a JSON object"))?;
+        let mut cfg = ZeroConfig {
+            // DeepSpeed's default when `zero_optimization` is absent.
+            stage: 0,
+            ..ZeroConfig::default()
+        };
+        let mut unknown = Vec::new();
+        let mut fp16 = false;
+        let mut bf16 = false;
+        for (k, val) in top {
+            match k.as_str() {
+                "zero_optimization" => {
+                    for (k2, v2) in obj(k, val)? {
+                        let key = format!("{k}.{k2}");
+                        match k2.as_str() {
+                            "stage" => cfg.stage = uint(&key, v2)?.min(255) as u8,
+                            "reduce_bucket_size" => cfg.bucket_elems = uint(&key, v2)? as usize,
+                            "allgather_bucket_size" => {
+                                cfg.allgather_elems = uint(&key, v2)? as usize
+                            }
+                            "overlap_comm" => cfg.overlap_comm = boolean(&key, v2)?,
+                            "stage3_prefetch_bucket_size" => {
+                                cfg.prefetch_elems = uint(&key, v2)? as usize
+                            }
+                            _ => unknown.push(key),
+                        }
+                    }
+                }
+                "fp16" => {
+                    let l = &mut cfg.loss_scaling;
+                    for (k2, v2) in obj(k, val)? {
+                        let key = format!("{k}.{k2}");
+                        match k2.as_str() {
+                            "enabled" => fp16 = boolean(&key, v2)?,
+                            "loss_scale" => l.loss_scale = num(&key, v2)? as f32,
+                            "initial_scale_power" => {
+                                l.initial_scale_power = uint(&key, v2)?.min(u32::MAX as u64) as u32
+                            }
+                            "loss_scale_window" => {
+                                l.loss_scale_window = uint(&key, v2)?.min(u32::MAX as u64) as u32
+                            }
+                            "hysteresis" => {
+                                l.hysteresis = uint(&key, v2)?.min(u32::MAX as u64) as u32
+                            }
+                            "min_loss_scale" => l.min_loss_scale = num(&key, v2)? as f32,
+                            _ => unknown.push(key),
+                        }
+                    }
+                }
+                "bf16" => {
+                    for (k2, v2) in obj(k, val)? {
+                        let key = format!("{k}.{k2}");
+                        match k2.as_str() {
+                            "enabled" => bf16 = boolean(&key, v2)?,
+                            _ => unknown.push(key),
+                        }
+                    }
+                }
+                "gradient_clipping" => {
+                    let c = num(k, val)?;
+                    cfg.clip_norm = (c != 0.0).then_some(c as f32);
+                }
+                "gradient_accumulation_steps" => cfg.accumulation_steps = uint(k, val)? as usize,
+                "train_micro_batch_size_per_gpu" => cfg.micro_batch = Some(uint(k, val)? as usize),
+                "train_batch_size" => cfg.train_batch = Some(uint(k, val)? as usize),
+                "optimizer" => {
+                    for (k2, v2) in obj(k, val)? {
+                        let key = format!("{k}.{k2}");
+                        match k2.as_str() {
+                            "type" => match v2.as_str() {
+                                Some(t) if t.eq_ignore_ascii_case("adamw") => {}
+                                _ => {
+                                    return Err(bad(format!(
+                                        "{key}: {v2} is not supported (ringzero implements AdamW)"
+                                    )))
+                                }
+                            },
+                            "params" => {
+                                let h = &mut cfg.adamw;
+                                for (k3, v3) in obj(&key, v2)? {
+                                    let key3 = format!("{key}.{k3}");
+                                    match k3.as_str() {
+                                        "lr" => h.lr = num(&key3, v3)? as f32,
+                                        "eps" => h.eps = num(&key3, v3)? as f32,
+                                        "weight_decay" => h.weight_decay = num(&key3, v3)? as f32,
+                                        "betas" => {
+                                            let b = v3
+                                                .as_array()
+                                                .filter(|a| a.len() == 2)
+                                                .ok_or_else(|| {
+                                                    bad(format!(
+                                                        "{key3}: expected two numbers, got {v3}"
+                                                    ))
+                                                })?;
+                                            h.beta1 = num(&key3, &b[0])? as f32;
+                                            h.beta2 = num(&key3, &b[1])? as f32;
+                                        }
+                                        _ => unknown.push(key3),
+                                    }
+                                }
+                            }
+                            _ => unknown.push(key),
+                        }
+                    }
+                }
+                _ => unknown.push(k.clone()),
+            }
+        }
+        if !unknown.is_empty() {
+            unknown.sort();
+            let list: Vec<String> = unknown.iter().map(|k| format!("`{k}`")).collect();
+            return Err(bad(format!(
+                "unknown or unsupported key{} {} (ringzero reads zero_optimization.{{stage, \
+                 reduce_bucket_size, allgather_bucket_size, overlap_comm, \
+                 stage3_prefetch_bucket_size}}, fp16.*, bf16.enabled, gradient_clipping, \
+                 gradient_accumulation_steps, optimizer (AdamW), train_batch_size, \
+                 train_micro_batch_size_per_gpu)",
+                if unknown.len() > 1 { "s" } else { "" },
+                list.join(", ")
+            )));
+        }
+        cfg.precision = match (fp16, bf16) {
+            (true, true) => return Err(bad("fp16.enabled and bf16.enabled are both true")),
+            (true, false) => Precision::Fp16,
+            (false, true) => Precision::Bf16,
+            (false, false) => Precision::Fp32,
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+}
+
+fn obj<'a>(key: &str, v: &'a Value) -> Result<&'a Map<String, Value>, ZeroError> {
+    v.as_object()
+        .ok_or_else(|| bad(format!("`{key}` must be an object, got {v}")))
+}
+
+fn boolean(key: &str, v: &Value) -> Result<bool, ZeroError> {
+    v.as_bool()
+        .ok_or_else(|| bad(format!("`{key}` must be true or false, got {v}")))
+}
+
+fn num(key: &str, v: &Value) -> Result<f64, ZeroError> {
+    if v.as_str() == Some("auto") {
+        return Err(bad(format!(
+            "`{key}`: \"auto\" is filled in by the Hugging Face integration; give a number"
+        )));
+    }
+    v.as_f64()
+        .filter(|x| x.is_finite())
+        .ok_or_else(|| bad(format!("`{key}` must be a number, got {v}")))
+}
+
+/// A non-negative integer; DeepSpeed configs often write sizes as `5e8`, so integral floats count.
+fn uint(key: &str, v: &Value) -> Result<u64, ZeroError> {
+    let x = num(key, v)?;
+    if x < 0.0 || x.fract() != 0.0 || x > u64::MAX as f64 {
+        return Err(bad(format!(
+            "`{key}` must be a non-negative integer, got {v}"
+        )));
+    }
+    Ok(x as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_deepspeed_config_parses() {
+        let c = ZeroConfig::from_json(
+            r#"{
+              "train_batch_size": 64,
+              "train_micro_batch_size_per_gpu": 8,
+              "gradient_accumulation_steps": 2,
+              "gradient_clipping": 1.0,
+              "fp16": {"enabled": true, "loss_scale": 0, "initial_scale_power": 12,
+                       "loss_scale_window": 500, "hysteresis": 2, "min_loss_scale": 1},
+              "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95],
+                            "eps": 1e-8, "weight_decay": 0.1}},
+              "zero_optimization": {"stage": 3, "reduce_bucket_size": 5e8,
+                  "allgather_bucket_size": 2e8, "overlap_comm": true,
+                  "stage3_prefetch_bucket_size": 5e7}
+            }"#,
+        )
+        .unwrap();
+        assert_eq!(c.stage, 3);
+        assert_eq!(c.bucket_elems, 500_000_000);
+        assert_eq!(c.allgather_elems, 200_000_000);
+        assert!(c.overlap_comm);
+        assert_eq!(c.prefetch_elems, 50_000_000);
+        assert_eq!(c.precision, Precision::Fp16);
+        assert_eq!(c.loss_scaling.initial_scale_power, 12);
+        assert_eq!(c.loss_scaling.loss_scale_window, 500);
+        assert_eq!(c.accumulation_steps, 2);
+        assert_eq!(c.clip_norm, Some(1.0));
+        assert_eq!(c.adamw.beta2, 0.95);
+        assert_eq!((c.micro_batch, c.train_batch), (Some(8), Some(64)));
+        let d = ZeroConfig::from_json(r#"{"bf16": {"enabled": true}, "gradient_clipping": 0}"#)
+            .unwrap();
+        assert_eq!(
+            (d.stage, d.precision, d.clip_norm),
+            (0, Precision::Bf16, None)
+        );
+    }
+
+    #[test]
+    fn unknown_and_bad_keys_are_named() {
+        let e = ZeroConfig::from_json(
+            r#"{"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+                "scheduler": {}, "fp16": {"enabled": true, "auto_cast": true}}"#,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("unknown or unsupported keys `fp16.auto_cast`, `scheduler`, `zero_optimization.offload_optimizer`"),
+            "{e}"
+        );
+        let cases = [
+            (
+                r#"{"zero_optimization": {"stage": 4}}"#,
+                "stage 4 does not exist",
+            ),
+            (
+                r#"{"zero_optimization": {"stage": "2"}}"#,
+                "`zero_optimization.stage` must be a number",
+            ),
+            (
+                r#"{"zero_optimization": {"stage": 1.5}}"#,
+                "must be a non-negative integer",
+            ),
+            (
+                r#"{"gradient_accumulation_steps": 0}"#,
+                "gradient_accumulation_steps must be at least 1",
+            ),
+            (
+                r#"{"fp16": {"enabled": true}, "bf16": {"enabled": true}}"#,
+                "both true",
+            ),
+            (r#"{"fp16": {"loss_scale_window": 0}}"#, "loss_scale_window"),
+            (r#"{"optimizer": {"type": "Lamb"}}"#, "AdamW"),
+            (
+                r#"{"optimizer": {"params": {"betas": [0.9]}}}"#,
+                "two numbers",
+            ),
+            (
+                r#"{"optimizer": {"params": {"lr": "auto"}}}"#,
+                "Hugging Face",
+            ),
+            (
+                r#"{"gradient_clipping": -1}"#,
+                "gradient_clipping must be a positive",
+            ),
+            (r#"[1]"#, "must be a JSON object"),
+            (r#"{"stage": 2"#, "not JSON"),
+        ];
+        for (json, want) in cases {
+            let e = ZeroConfig::from_json(json).unwrap_err().to_string();
+            assert!(e.contains(want), "{json}: {e}");
+        }
+    }
+
+    #[test]
+    fn the_builder_checks_values() {
+        assert!(ZeroConfig::builder()
+            .stage(2)
+            .clip_norm(Some(1.0))
+            .build()
+            .is_ok());
+        let e = ZeroConfig::builder()
+            .stage(7)
+            .build()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("stage 7"), "{e}");
+        let e = ZeroConfig::builder()
+            .adamw(AdamW {
+                beta1: 1.0,
+                ..AdamW::default()
+            })
+            .build()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("betas[0]"), "{e}");
+    }
+}
