@@ -8,5 +8,6 @@
 
 pub mod bench;
 pub mod check;
+pub mod demo;
 pub mod diag;
 pub mod launch;

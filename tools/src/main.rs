@@ -74,6 +74,9 @@ enum Cmd {
         #[arg(long, default_value_t = ringzero_zero::mem::K_ADAM)]
         k: f64,
     },
+    /// Train a small MLP with the ZeRO engine on N local ranks (any stage and precision), printing
+    /// loss per step and per-rank memory against the paper's formula.
+    Demo(DemoCli),
     /// Run one diag probe (used by `ringzero diag` in a child process).
     #[command(hide = true)]
     DiagProbe {
@@ -95,6 +98,58 @@ enum Cmd {
         #[arg(long, default_value_t = 5)]
         iters: usize,
     },
+}
+
+#[derive(clap::Args)]
+struct DemoCli {
+    /// Local ranks to spawn (ignored under a launcher, which decides).
+    #[arg(short = 'n', long = "ranks")]
+    ranks: Option<usize>,
+    /// ZeRO stage 0-3 [default: 2].
+    #[arg(long)]
+    stage: Option<u8>,
+    /// Parameter precision: fp32, bf16 or fp16 [default: bf16].
+    #[arg(long)]
+    precision: Option<ringzero_zero::Precision>,
+    /// Learning rate [default: 0.003].
+    #[arg(long)]
+    lr: Option<f32>,
+    /// A DeepSpeed-style JSON config (instead of --stage/--precision/--lr).
+    #[arg(long)]
+    config: Option<std::path::PathBuf>,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 100)]
+    steps: usize,
+    /// Samples per rank and micro-step.
+    #[arg(long, default_value_t = 32)]
+    batch: usize,
+    /// Input features.
+    #[arg(long, default_value_t = 16)]
+    input: usize,
+    /// Hidden width.
+    #[arg(long, default_value_t = 64)]
+    hidden: usize,
+    /// Outputs.
+    #[arg(long, default_value_t = 4)]
+    output: usize,
+    /// Linear layers.
+    #[arg(long, default_value_t = 4)]
+    layers: usize,
+    /// Stage 3: turn prefetching off.
+    #[arg(long)]
+    no_prefetch: bool,
+    /// Stages 2-3: reduce-scatter gradient buckets in the background.
+    #[arg(long)]
+    overlap_comm: bool,
+    /// Transport: auto, shm or tcp.
+    #[arg(long)]
+    transport: Option<String>,
+    /// Print every k-th step (always the first and last).
+    #[arg(long, default_value_t = 10)]
+    log_every: usize,
+    /// Step-time benchmark: stages 0-3, and stage 3 with prefetch on and off, --steps each.
+    #[arg(long)]
+    bench: bool,
 }
 
 #[derive(clap::Args)]
@@ -297,6 +352,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             println!("comm: 2Ψ (stages 0-2) or 3Ψ (stage 3) 16-bit elements × (N−1)/N per rank and step, ring collectives");
             Ok(ExitCode::SUCCESS)
         }
+        Cmd::Demo(d) => demo(d),
         Cmd::DiagProbe { name } => {
             let r = ringzero_tools::diag::probe::child(&name);
             println!("{}", serde_json::to_string(&r)?);
@@ -366,6 +422,260 @@ fn under_launcher() -> bool {
     .any(|v| std::env::var_os(v).is_some())
 }
 
+/// Run this same command line on `ranks` local ranks under the launcher (rank 0 reports).
+fn spawn_self(ranks: usize, transport: Option<&str>) -> anyhow::Result<ExitCode> {
+    anyhow::ensure!(ranks >= 1, "-n must be at least 1");
+    let spec = launch::LaunchSpec {
+        ranks,
+        nodes: 1,
+        program: std::env::current_exe()
+            .context("finding this executable")?
+            .into(),
+        args: std::env::args_os().skip(1).collect(),
+        env: transport
+            .iter()
+            .map(|t| ("RINGZERO_TRANSPORT".to_string(), t.to_string()))
+            .collect(),
+        grace: Duration::from_secs(5),
+    };
+    let outcome = launch::launch(&spec, launch::Output::RankZeroPlain)?;
+    Ok(ExitCode::from(outcome.exit_code().clamp(0, 255) as u8))
+}
+
+/// Join the job the launcher started, with `--transport` applied.
+fn join(tool: &str, ranks: Option<usize>, transport: Option<&str>) -> anyhow::Result<Communicator> {
+    let mut cfg =
+        ringzero_collectives::Config::from_env().context("reading the launcher environment")?;
+    if let Some(t) = transport {
+        cfg.transport = match t {
+            "shm" => ringzero_collectives::TransportPref::Shm,
+            "tcp" => ringzero_collectives::TransportPref::Tcp,
+            _ => ringzero_collectives::TransportPref::Auto,
+        };
+    }
+    let comm = Communicator::init(cfg).context("joining the job")?;
+    if let Some(n) = ranks {
+        if n != comm.size() && comm.rank() == 0 {
+            eprintln!(
+                "ringzero {tool}: -n {n} ignored: the launcher started {} ranks",
+                comm.size()
+            );
+        }
+    }
+    Ok(comm)
+}
+
+fn demo(d: DemoCli) -> anyhow::Result<ExitCode> {
+    use ringzero_tools::demo::{self, DemoArgs, Mlp};
+    use ringzero_zero::{Precision, StepOutcome, ZeroConfig};
+    if let Some(t) = &d.transport {
+        anyhow::ensure!(
+            matches!(t.as_str(), "auto" | "shm" | "tcp"),
+            "--transport {t}: expected auto, shm or tcp"
+        );
+    }
+    anyhow::ensure!(d.steps >= 1, "--steps must be at least 1");
+    anyhow::ensure!(d.log_every >= 1, "--log-every must be at least 1");
+    let mlp = Mlp {
+        input: d.input,
+        hidden: d.hidden,
+        output: d.output,
+        layers: d.layers,
+    };
+    anyhow::ensure!(d.layers >= 2, "--layers must be at least 2");
+    anyhow::ensure!(
+        d.input > 0 && d.hidden > 0 && d.output > 0 && d.batch > 0,
+        "--input, --hidden, --output and --batch must be at least 1"
+    );
+    // One layer's weights and bias per bucket, so stage 3 gathers layer by layer.
+    let layer_elems = (0..d.layers)
+        .map(|l| {
+            let (i, o) = mlp.dims(l);
+            i * o + o
+        })
+        .max()
+        .unwrap_or(1);
+    let mut zero = match &d.config {
+        Some(path) => {
+            for (flag, given) in [
+                ("--stage", d.stage.is_some()),
+                ("--precision", d.precision.is_some()),
+                ("--lr", d.lr.is_some()),
+            ] {
+                anyhow::ensure!(
+                    !given,
+                    "{flag} and --config both given: set it in one place (the config's key wins nowhere)"
+                );
+            }
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            ZeroConfig::from_json(&text).with_context(|| format!("{}", path.display()))?
+        }
+        None => {
+            let mut c = ZeroConfig::builder()
+                .stage(d.stage.unwrap_or(2))
+                .precision(d.precision.unwrap_or(Precision::Bf16))
+                .bucket_elems(layer_elems)
+                .prefetch_elems(2 * layer_elems)
+                .overlap_comm(d.overlap_comm)
+                .adamw(ringzero_kernels::cpu::AdamW {
+                    lr: d.lr.unwrap_or(3e-3),
+                    weight_decay: 0.0,
+                    ..Default::default()
+                })
+                .build()?;
+            c.loss_scaling.hysteresis = 1;
+            c
+        }
+    };
+    if d.no_prefetch {
+        zero.prefetch_elems = 0;
+    }
+    if d.overlap_comm {
+        zero.overlap_comm = true;
+    }
+    if !under_launcher() {
+        return spawn_self(d.ranks.unwrap_or(4), d.transport.as_deref());
+    }
+    let comm = join("demo", d.ranks, d.transport.as_deref())?;
+    let root = comm.rank() == 0;
+    if d.bench {
+        let mut rows = Vec::new();
+        for (stage, prefetch) in [(0u8, true), (1, true), (2, true), (3, true), (3, false)] {
+            let mut z = zero.clone();
+            z.stage = stage;
+            if !prefetch {
+                z.prefetch_elems = 0;
+            }
+            let args = DemoArgs {
+                mlp,
+                batch: d.batch,
+                steps: d.steps,
+                zero: z,
+            };
+            let r = demo::run(&comm, &args, &mut |_| {})?;
+            rows.push((stage, prefetch, r));
+        }
+        if root {
+            println!(
+                "ringzero demo --bench: {} ranks, {}, {} layers × {} hidden, batch {}, {} steps (first excluded from the mean)",
+                comm.size(), zero.precision, d.layers, d.hidden, d.batch, d.steps
+            );
+            println!(
+                "{:>6} {:>9} {:>13} {:>18} {:>18} {:>11}",
+                "stage",
+                "prefetch",
+                "step (ms)",
+                "gather wait (ms)",
+                "reduce wait (ms)",
+                "final loss"
+            );
+            for (stage, prefetch, r) in &rows {
+                println!(
+                    "{:>6} {:>9} {:>13.3} {:>18.3} {:>18.3} {:>11.5}",
+                    stage,
+                    if *stage == 3 {
+                        if *prefetch {
+                            "on"
+                        } else {
+                            "off"
+                        }
+                    } else {
+                        "-"
+                    },
+                    r.mean_step.as_secs_f64() * 1e3,
+                    r.gather_wait.as_secs_f64() * 1e3,
+                    r.reduce_wait.as_secs_f64() * 1e3,
+                    r.steps.last().map_or(f64::NAN, |l| l.loss)
+                );
+            }
+            let on = &rows[3].2;
+            let off = &rows[4].2;
+            let (won, woff) = (on.gather_wait.as_secs_f64(), off.gather_wait.as_secs_f64());
+            if woff > 0.0 {
+                println!(
+                    "stage 3: prefetch hides {:.0}% of the parameter-gather wait (rank 0: {:.3} → {:.3} ms per step); step time {:.3} → {:.3} ms",
+                    100.0 * (1.0 - won / woff),
+                    woff * 1e3,
+                    won * 1e3,
+                    off.mean_step.as_secs_f64() * 1e3,
+                    on.mean_step.as_secs_f64() * 1e3
+                );
+            }
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    if root {
+        println!(
+            "ringzero demo: {} ranks, ZeRO stage {}, {}, MLP {}→{}×{}→{} ({} layers), batch {} per rank, {} steps; teacher y = A·x (best loss 0)",
+            comm.size(), zero.stage, zero.precision, d.input, d.hidden, d.layers - 1, d.output, d.layers,
+            d.batch, d.steps
+        );
+        for e in comm.edges().iter().filter(|e| e.to == 0) {
+            println!("edge {e}");
+        }
+        println!(
+            "{:>6} {:>12} {:>10} {:>10} {:>10}",
+            "step", "loss", "scale", "step ms", ""
+        );
+    }
+    let steps = d.steps;
+    let every = d.log_every;
+    let args = DemoArgs {
+        mlp,
+        batch: d.batch,
+        steps,
+        zero: zero.clone(),
+    };
+    let r = demo::run(&comm, &args, &mut |l| {
+        if root
+            && (l.step % every == 0
+                || l.step + 1 == steps
+                || matches!(l.outcome, StepOutcome::Skipped { .. }))
+        {
+            let what = match l.outcome {
+                StepOutcome::Skipped { .. } => "skipped (overflow)",
+                _ => "",
+            };
+            println!(
+                "{:>6} {:>12.6} {:>10} {:>10.3} {:>10}",
+                l.step,
+                l.loss,
+                l.loss_scale,
+                l.time.as_secs_f64() * 1e3,
+                what
+            );
+        }
+    })?;
+    let first = r.steps.first().map_or(f64::NAN, |l| l.loss);
+    let last = r.steps.last().map_or(f64::NAN, |l| l.loss);
+    let down = last < first;
+    if root {
+        print!("{}", demo::memory_text(&r, zero.stage, zero.precision));
+        println!(
+            "loss {first:.6} → {last:.6} ({:.1}× lower); mean step {:.3} ms; waits per step on rank 0: gather {:.3} ms, reduce {:.3} ms; {} skipped steps",
+            first / last,
+            r.mean_step.as_secs_f64() * 1e3,
+            r.gather_wait.as_secs_f64() * 1e3,
+            r.reduce_wait.as_secs_f64() * 1e3,
+            r.steps.iter().filter(|l| matches!(l.outcome, StepOutcome::Skipped { .. })).count()
+        );
+        println!(
+            "{}",
+            if down {
+                "loss went down"
+            } else {
+                "LOSS DID NOT GO DOWN"
+            }
+        );
+    }
+    Ok(if down {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
 fn bench(b: BenchCli) -> anyhow::Result<ExitCode> {
     let ops = ringzero_tools::bench::parse_ops(&b.op).map_err(anyhow::Error::msg)?;
     let sizes = ringzero_tools::bench::sizes(b.min_bytes, b.max_bytes, b.factor)
@@ -383,42 +693,9 @@ fn bench(b: BenchCli) -> anyhow::Result<ExitCode> {
     }
     anyhow::ensure!(b.iters > 0, "--iters must be at least 1");
     if !under_launcher() {
-        let ranks = b.ranks.unwrap_or(4);
-        let spec = launch::LaunchSpec {
-            ranks,
-            nodes: 1,
-            program: std::env::current_exe()
-                .context("finding this executable")?
-                .into(),
-            args: std::env::args_os().skip(1).collect(),
-            env: b
-                .transport
-                .iter()
-                .map(|t| ("RINGZERO_TRANSPORT".to_string(), t.clone()))
-                .collect(),
-            grace: Duration::from_secs(5),
-        };
-        let outcome = launch::launch(&spec, launch::Output::RankZeroPlain)?;
-        return Ok(ExitCode::from(outcome.exit_code().clamp(0, 255) as u8));
+        return spawn_self(b.ranks.unwrap_or(4), b.transport.as_deref());
     }
-    let mut cfg =
-        ringzero_collectives::Config::from_env().context("reading the launcher environment")?;
-    if let Some(t) = &b.transport {
-        cfg.transport = match t.as_str() {
-            "shm" => ringzero_collectives::TransportPref::Shm,
-            "tcp" => ringzero_collectives::TransportPref::Tcp,
-            _ => ringzero_collectives::TransportPref::Auto,
-        };
-    }
-    let comm = Communicator::init(cfg).context("joining the job")?;
-    if let Some(n) = b.ranks {
-        if n != comm.size() && comm.rank() == 0 {
-            eprintln!(
-                "ringzero bench: -n {n} ignored: the launcher started {} ranks",
-                comm.size()
-            );
-        }
-    }
+    let comm = join("bench", b.ranks, b.transport.as_deref())?;
     let args = ringzero_tools::bench::BenchArgs {
         ops,
         sweep: ringzero_tools::bench::sweep::SweepArgs {

@@ -196,3 +196,118 @@ fn mem_reproduces_the_zero_papers_table() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("stage 4 does not exist"));
     assert!(out.stdout.is_empty(), "nothing printed before the error");
 }
+
+#[test]
+fn demo_trains_every_stage_and_precision_and_loss_goes_down() {
+    for (n, stage, precision) in [
+        ("2", "0", "fp32"),
+        ("3", "1", "bf16"),
+        ("2", "2", "fp16"),
+        ("4", "3", "bf16"),
+    ] {
+        let out = ringzero()
+            .args([
+                "demo",
+                "-n",
+                n,
+                "--stage",
+                stage,
+                "--precision",
+                precision,
+                "--steps",
+                "40",
+            ])
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "stage {stage} {precision}: {stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(stdout.contains("loss went down"), "{stdout}");
+        assert!(
+            stdout.contains("every rank's model states equal the formula exactly"),
+            "{stdout}"
+        );
+        let ratio: f64 = stdout
+            .split("× lower")
+            .next()
+            .and_then(|s| s.rsplit('(').next())
+            .and_then(|s| s.parse().ok())
+            .expect("a loss ratio");
+        assert!(ratio > 3.0, "40 steps should cut the loss well: {stdout}");
+        let numeric = |cols: usize| {
+            stdout
+                .lines()
+                .filter(|l| {
+                    let t: Vec<&str> = l.split_whitespace().collect();
+                    t.len() == cols && t.iter().all(|x| x.parse::<f64>().is_ok())
+                })
+                .count()
+        };
+        assert_eq!(numeric(4), 5, "steps 0, 10, 20, 30, 39 printed: {stdout}");
+        assert_eq!(
+            numeric(6),
+            n.parse::<usize>().unwrap(),
+            "one memory row per rank: {stdout}"
+        );
+    }
+}
+
+#[test]
+fn demo_reads_a_deepspeed_config_and_names_bad_keys() {
+    let dir = std::env::temp_dir().join(format!("ringzero-demo-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let good = dir.join("ds.json");
+    std::fs::write(
+        &good,
+        r#"{"zero_optimization": {"stage": 3, "reduce_bucket_size": 5000},
+            "fp16": {"enabled": true, "initial_scale_power": 8},
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.003}}}"#,
+    )
+    .unwrap();
+    let out = ringzero()
+        .args(["demo", "-n", "2", "--steps", "20", "--config"])
+        .arg(&good)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("ZeRO stage 3, fp16"), "{stdout}");
+    assert!(
+        stdout.contains("     256 "),
+        "initial scale 2^8 printed: {stdout}"
+    );
+    let bad = dir.join("bad.json");
+    std::fs::write(&bad, r#"{"zero_optimization": {"stage": 2, "contiguous_gradients": true}, "steps_per_print": 10}"#).unwrap();
+    for extra in [vec![], vec!["--stage", "1"]] {
+        let out = ringzero()
+            .args(["demo", "-n", "2", "--config"])
+            .arg(&bad)
+            .args(&extra)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success());
+        if extra.is_empty() {
+            assert!(
+                stderr.contains("`steps_per_print`, `zero_optimization.contiguous_gradients`"),
+                "{stderr}"
+            );
+        } else {
+            assert!(
+                stderr.contains("--stage and --config both given"),
+                "{stderr}"
+            );
+        }
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+    let out = ringzero().args(["demo", "--stage", "5"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("stage 5 does not exist"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}

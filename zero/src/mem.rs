@@ -37,8 +37,20 @@ impl ModelStates {
 /// Bytes per rank for `psi` parameters on `n` ranks at ZeRO stage `stage` (0–3), optimizer
 /// bytes per parameter `k`.
 pub fn model_states(psi: f64, n: usize, stage: u8, k: f64) -> Result<ModelStates, String> {
+    model_states_with(psi, n, stage, 2.0, k)
+}
+
+/// [`model_states`] for parameters and gradients of `elem` bytes each (4 for fp32 training, whose
+/// optimizer state is then K = 8: momentum and variance, the parameters being their own master).
+pub fn model_states_with(
+    psi: f64,
+    n: usize,
+    stage: u8,
+    elem: f64,
+    k: f64,
+) -> Result<ModelStates, String> {
     let n = n.max(1) as f64;
-    let (p, g, o) = (2.0 * psi, 2.0 * psi, k * psi);
+    let (p, g, o) = (elem * psi, elem * psi, k * psi);
     Ok(match stage {
         0 => ModelStates {
             params: p,
