@@ -184,7 +184,8 @@ struct BenchCli {
     /// Warm-up iterations per size.
     #[arg(long, default_value_t = 5)]
     warmup: usize,
-    /// Where the buffers live: host (cuda arrives with the CUDA device).
+    /// Where the buffers live: host (cuda: the device and kernels exist, collectives on device
+    /// buffers do not yet).
     #[arg(long, default_value = "host")]
     device: String,
     /// Write the report as JSON to this file.
@@ -682,7 +683,14 @@ fn bench(b: BenchCli) -> anyhow::Result<ExitCode> {
         .map_err(anyhow::Error::msg)?;
     match b.device.as_str() {
         "host" => {}
-        "cuda" => anyhow::bail!("--device cuda: this build has no CUDA device support yet (no CUDA driver is used); run with --device host"),
+        "cuda" => {
+            let n = ringzero_kernels::device::cuda_devices()
+                .map_err(|e| anyhow::anyhow!("--device cuda: {e}; run with --device host"))?;
+            anyhow::bail!(
+                "--device cuda: {n} CUDA device(s) found, but collectives on device buffers are not \
+                 implemented yet (CUDA IPC / host staging); run with --device host"
+            )
+        }
         other => anyhow::bail!("--device {other}: expected host or cuda"),
     }
     if let Some(t) = &b.transport {

@@ -1,6 +1,11 @@
-//! Where buffers live. Today only the host; the CUDA device joins behind a cargo feature.
+//! Where buffers live: the host, or a CUDA device (behind the `cuda` cargo feature, on by default;
+//! the driver and NVRTC are loaded at run time, so a machine without them builds, tests and runs
+//! everything host-side and gets [`DeviceError::NoCuda`] when it asks for a GPU).
 
 use std::fmt;
+
+#[cfg(feature = "cuda")]
+pub mod cuda;
 
 /// A device that holds buffers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
@@ -8,12 +13,56 @@ pub enum Device {
     /// Host memory, reduced by the CPU kernels in [`crate::cpu`].
     #[default]
     Host,
+    /// CUDA device `ordinal`, reduced by the NVRTC kernels in `kernels/src/cuda`.
+    Cuda(usize),
 }
 
 impl fmt::Display for Device {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Device::Host => f.write_str("host"),
+            Device::Cuda(i) => write!(f, "cuda:{i}"),
         }
+    }
+}
+
+/// Errors of devices: absence, driver calls, kernel compilation, misuse.
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+pub enum DeviceError {
+    /// No usable CUDA installation (library missing, no device, or the feature is off).
+    #[error("no CUDA: {0}")]
+    NoCuda(String),
+    /// A driver call failed.
+    #[error("CUDA {op}: {msg}")]
+    Driver {
+        /// What was being done.
+        op: String,
+        /// The driver's error.
+        msg: String,
+    },
+    /// NVRTC could not compile the kernels.
+    #[error("compiling the CUDA kernels for {arch} failed: {log}")]
+    Compile {
+        /// Target architecture.
+        arch: String,
+        /// Compiler log.
+        log: String,
+    },
+    /// Bad arguments (lengths, dtypes, devices); nothing was launched.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Whether a CUDA device can be used here: `Ok(count)` or the reason it cannot.
+pub fn cuda_devices() -> Result<usize, DeviceError> {
+    #[cfg(feature = "cuda")]
+    {
+        cuda::device_count()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        Err(DeviceError::NoCuda(
+            "this build has the `cuda` feature off".into(),
+        ))
     }
 }

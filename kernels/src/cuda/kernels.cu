@@ -1,0 +1,186 @@
+// ringzero's device kernels, compiled at run time with NVRTC (no headers needed: 16-bit types are
+// handled as raw bits and converted with PTX `cvt` or bit arithmetic). Every kernel is extern "C",
+// named `<kernel>_<dtype>`, and walks its range with a grid-stride loop, so any grid covers any n.
+//
+// Semantics match the CPU kernels (kernels/src/cpu): f16/bf16 are widened to f32 for each pairwise
+// combine and rounded back to nearest even; integers wrap; `divide` (the second half of Avg) divides
+// in f32 (f64 for f64) and rounds once; integer division truncates toward zero.
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef long long i64;
+typedef unsigned char u8;
+
+struct f16 { u16 bits; };
+struct bf16 { u16 bits; };
+
+__device__ __forceinline__ float widen(f16 x) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
+    return f;
+}
+__device__ __forceinline__ f16 narrow_f16(float f) {
+    f16 r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(f));
+    return r;
+}
+__device__ __forceinline__ float widen(bf16 x) {
+    return __uint_as_float(((u32)x.bits) << 16);
+}
+__device__ __forceinline__ bf16 narrow_bf16(float f) {
+    u32 u = __float_as_uint(f);
+    bf16 r;
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        r.bits = (u16)((u >> 16) | 0x40u); // quiet NaN, sign kept
+    } else {
+        u32 rounding = 0x7fffu + ((u >> 16) & 1u); // round to nearest even
+        r.bits = (u16)((u + rounding) >> 16);
+    }
+    return r;
+}
+
+// Per dtype: the type the arithmetic happens in (W), and the conversions.
+template <typename T> struct Num;
+template <> struct Num<float> {
+    typedef float W;
+    static __device__ __forceinline__ float up(float x) { return x; }
+    static __device__ __forceinline__ float down(float x) { return x; }
+};
+template <> struct Num<double> {
+    typedef double W;
+    static __device__ __forceinline__ double up(double x) { return x; }
+    static __device__ __forceinline__ double down(double x) { return x; }
+};
+template <> struct Num<f16> {
+    typedef float W;
+    static __device__ __forceinline__ float up(f16 x) { return widen(x); }
+    static __device__ __forceinline__ f16 down(float x) { return narrow_f16(x); }
+};
+template <> struct Num<bf16> {
+    typedef float W;
+    static __device__ __forceinline__ float up(bf16 x) { return widen(x); }
+    static __device__ __forceinline__ bf16 down(float x) { return narrow_bf16(x); }
+};
+// Integers compute in the unsigned type of the same width, so sum and product wrap (defined
+// behaviour); min/max compare in the signed type.
+template <> struct Num<int> {
+    typedef int W;
+    static __device__ __forceinline__ int up(int x) { return x; }
+    static __device__ __forceinline__ int down(int x) { return x; }
+};
+template <> struct Num<i64> {
+    typedef i64 W;
+    static __device__ __forceinline__ i64 up(i64 x) { return x; }
+    static __device__ __forceinline__ i64 down(i64 x) { return x; }
+};
+template <> struct Num<u8> {
+    typedef u32 W;
+    static __device__ __forceinline__ u32 up(u8 x) { return x; }
+    static __device__ __forceinline__ u8 down(u32 x) { return (u8)x; }
+};
+
+template <typename W> __device__ __forceinline__ W op_sum(W a, W b) { return a + b; }
+template <> __device__ __forceinline__ int op_sum(int a, int b) { return (int)((u32)a + (u32)b); }
+template <> __device__ __forceinline__ i64 op_sum(i64 a, i64 b) { return (i64)((u64)a + (u64)b); }
+template <typename W> __device__ __forceinline__ W op_prod(W a, W b) { return a * b; }
+template <> __device__ __forceinline__ int op_prod(int a, int b) { return (int)((u32)a * (u32)b); }
+template <> __device__ __forceinline__ i64 op_prod(i64 a, i64 b) { return (i64)((u64)a * (u64)b); }
+// min/max propagate NaN like the CPU path (a NaN operand gives NaN).
+template <typename W> __device__ __forceinline__ W op_min(W a, W b) { return (a != a) ? a : ((b != b) ? b : (b < a ? b : a)); }
+template <typename W> __device__ __forceinline__ W op_max(W a, W b) { return (a != a) ? a : ((b != b) ? b : (b > a ? b : a)); }
+
+#define GRID_STRIDE(i, n) for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (u64)gridDim.x * blockDim.x)
+
+#define REDUCE(OP, NAME, T)                                                                      \
+    extern "C" __global__ void reduce_##NAME##_##T(T *dst, const T *src, u64 n) {                \
+        GRID_STRIDE(i, n) {                                                                      \
+            dst[i] = Num<T>::down(OP<Num<T>::W>(Num<T>::up(dst[i]), Num<T>::up(src[i])));         \
+        }                                                                                        \
+    }
+
+#define DIVIDE(T, D)                                                                             \
+    extern "C" __global__ void divide_##T(T *buf, u64 n, int ranks) {                           \
+        GRID_STRIDE(i, n) { buf[i] = Num<T>::down((Num<T>::W)((D)Num<T>::up(buf[i]) / (D)ranks)); } \
+    }
+
+#define ALL_OPS(T)                                                                               \
+    REDUCE(op_sum, sum, T)                                                                       \
+    REDUCE(op_prod, prod, T)                                                                     \
+    REDUCE(op_min, min, T)                                                                       \
+    REDUCE(op_max, max, T)
+
+ALL_OPS(float)
+ALL_OPS(double)
+ALL_OPS(f16)
+ALL_OPS(bf16)
+ALL_OPS(int)
+ALL_OPS(i64)
+ALL_OPS(u8)
+DIVIDE(float, float)
+DIVIDE(double, double)
+DIVIDE(f16, float)
+DIVIDE(bf16, float)
+DIVIDE(int, int)
+DIVIDE(i64, i64)
+DIVIDE(u8, u32)
+
+// Casts between the float training types.
+#define CAST(A, B)                                                                               \
+    extern "C" __global__ void cast_##A##_##B(const A *src, B *dst, u64 n) {                    \
+        GRID_STRIDE(i, n) { dst[i] = Num<B>::down(Num<A>::up(src[i])); }                         \
+    }
+CAST(float, f16)
+CAST(float, bf16)
+CAST(f16, float)
+CAST(bf16, float)
+
+#define FLOAT_KERNELS(T)                                                                         \
+    extern "C" __global__ void scale_##T(T *buf, float s, u64 n) {                              \
+        GRID_STRIDE(i, n) { buf[i] = Num<T>::down(Num<T>::up(buf[i]) * s); }                     \
+    }                                                                                            \
+    /* Σ (x·s)² in f64: per-thread partial sums, a shared-memory tree per block, one atomic. */  \
+    extern "C" __global__ void sq_norm_##T(const T *x, float s, u64 n, double *out) {           \
+        __shared__ double part[256];                                                             \
+        double acc = 0.0;                                                                        \
+        GRID_STRIDE(i, n) {                                                                      \
+            double v = (double)(Num<T>::up(x[i]) * s);                                           \
+            acc += v * v;                                                                        \
+        }                                                                                        \
+        part[threadIdx.x] = acc;                                                                 \
+        __syncthreads();                                                                         \
+        for (u32 w = blockDim.x / 2; w > 0; w >>= 1) {                                           \
+            if (threadIdx.x < w) part[threadIdx.x] += part[threadIdx.x + w];                     \
+            __syncthreads();                                                                     \
+        }                                                                                        \
+        if (threadIdx.x == 0) atomicAdd(out, part[0]);                                           \
+    }                                                                                            \
+    /* Sets *flag to 1 if any element is inf or NaN. */                                          \
+    extern "C" __global__ void nonfinite_##T(const T *x, u64 n, u32 *flag) {                    \
+        GRID_STRIDE(i, n) {                                                                      \
+            float v = Num<T>::up(x[i]);                                                          \
+            if (!isfinite(v)) { *flag = 1u; }                                                    \
+        }                                                                                        \
+    }                                                                                            \
+    /* AdamW on fp32 master and moments from T gradients; 16-bit params written from the master \
+       (params may be null). Same operation order as the CPU kernel. */                          \
+    extern "C" __global__ void adamw_##T(float *master, T *params, const T *grads, float *m,    \
+                                         float *v, u64 n, float lr, float b1, float b2,         \
+                                         float eps, float decay, float bc1, float bc2,          \
+                                         float grad_scale) {                                     \
+        GRID_STRIDE(i, n) {                                                                      \
+            float g = Num<T>::up(grads[i]) * grad_scale;                                         \
+            float mi = b1 * m[i] + (1.0f - b1) * g;                                              \
+            float vi = b2 * v[i] + (1.0f - b2) * g * g;                                          \
+            m[i] = mi;                                                                           \
+            v[i] = vi;                                                                           \
+            float update = (mi / bc1) / (sqrtf(vi / bc2) + eps);                                 \
+            float p = master[i] * decay - lr * update;                                           \
+            master[i] = p;                                                                       \
+            if (params) params[i] = Num<T>::down(p);                                             \
+        }                                                                                        \
+    }
+
+FLOAT_KERNELS(float)
+FLOAT_KERNELS(f16)
+FLOAT_KERNELS(bf16)

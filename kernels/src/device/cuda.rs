@@ -1,0 +1,530 @@
+//! The CUDA device: a context and its streams, byte buffers tagged with a dtype, copies, and the
+//! NVRTC kernels of `kernels/src/cuda/kernels.cu` (compiled once per context, at first use, for the
+//! device's own architecture).
+//!
+//! cudarc panics when libcuda or libnvrtc is missing; every entry point here first asks
+//! [`driver_present`] / [`nvrtc_present`] and returns [`DeviceError::NoCuda`] instead. Buffers,
+//! streams, events and modules are cudarc owners released on Drop; an error a Drop meets is
+//! recorded by cudarc on the context and returned by the next call here (`check_err`).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DriverError, LaunchConfig,
+    PushKernelArg,
+};
+use cudarc::nvrtc::{CompileOptions, Ptx};
+
+use super::DeviceError;
+use crate::{DType, ReduceOp};
+
+/// The kernels' source, embedded in the binary.
+pub const KERNELS_CU: &str = include_str!("../cuda/kernels.cu");
+
+/// Threads per block of every kernel (the norm's shared-memory tree assumes 256).
+const BLOCK: u32 = 256;
+
+fn driver(op: &str) -> impl Fn(DriverError) -> DeviceError + '_ {
+    move |e| DeviceError::Driver {
+        op: op.to_string(),
+        msg: e.to_string(),
+    }
+}
+
+/// Whether libcuda can be loaded.
+pub fn driver_present() -> bool {
+    static P: OnceLock<bool> = OnceLock::new();
+    // SAFETY: is_culib_present only tries to dlopen the driver library by its known names and
+    // drops the handle; it calls no CUDA function.
+    *P.get_or_init(|| unsafe { cudarc::driver::sys::is_culib_present() })
+}
+
+/// Whether libnvrtc can be loaded.
+pub fn nvrtc_present() -> bool {
+    static P: OnceLock<bool> = OnceLock::new();
+    // SAFETY: as for the driver: a dlopen probe, no NVRTC call.
+    *P.get_or_init(|| unsafe { cudarc::nvrtc::sys::is_culib_present() })
+}
+
+/// Number of CUDA devices, or why there are none.
+pub fn device_count() -> Result<usize, DeviceError> {
+    if !driver_present() {
+        return Err(DeviceError::NoCuda(
+            "no CUDA driver was found (libcuda.so could not be loaded)".into(),
+        ));
+    }
+    let n = CudaContext::device_count().map_err(driver("counting devices"))?;
+    if n <= 0 {
+        return Err(DeviceError::NoCuda(
+            "the CUDA driver is present but reports no device".into(),
+        ));
+    }
+    Ok(n as usize)
+}
+
+/// Compile the kernels for `arch` (e.g. `compute_90`) with NVRTC. `fmad=false` keeps every
+/// multiply-add rounded as on the CPU path, so host and device compute the same bits.
+pub fn compile(arch: &'static str) -> Result<Ptx, DeviceError> {
+    if !nvrtc_present() {
+        return Err(DeviceError::NoCuda(
+            "NVRTC was not found (libnvrtc.so.13 could not be loaded; put the CUDA toolkit's lib64 on LD_LIBRARY_PATH)".into(),
+        ));
+    }
+    let opts = CompileOptions {
+        arch: Some(arch),
+        fmad: Some(false),
+        name: Some("ringzero_kernels.cu".into()),
+        ..Default::default()
+    };
+    cudarc::nvrtc::compile_ptx_with_opts(KERNELS_CU, opts).map_err(|e| DeviceError::Compile {
+        arch: arch.to_string(),
+        log: e.to_string(),
+    })
+}
+
+/// The names of the kernels the source must define (for checks and for loading).
+pub fn kernel_names() -> Vec<String> {
+    let all = ["float", "double", "f16", "bf16", "int", "i64", "u8"];
+    let floats = ["float", "f16", "bf16"];
+    let mut v = Vec::new();
+    for t in all {
+        for op in ["sum", "prod", "min", "max"] {
+            v.push(format!("reduce_{op}_{t}"));
+        }
+        v.push(format!("divide_{t}"));
+    }
+    for (a, b) in [
+        ("float", "f16"),
+        ("float", "bf16"),
+        ("f16", "float"),
+        ("bf16", "float"),
+    ] {
+        v.push(format!("cast_{a}_{b}"));
+    }
+    for t in floats {
+        for k in ["scale", "sq_norm", "nonfinite", "adamw"] {
+            v.push(format!("{k}_{t}"));
+        }
+    }
+    v
+}
+
+/// The kernels' name for a dtype.
+pub fn cu_type(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "float",
+        DType::F64 => "double",
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        DType::I32 => "int",
+        DType::I64 => "i64",
+        DType::U8 => "u8",
+    }
+}
+
+/// One CUDA device: its primary context, a compute stream and a copy stream, and the kernels.
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    copy: Arc<CudaStream>,
+    arch: &'static str,
+    module: OnceLock<Result<Arc<CudaModule>, DeviceError>>,
+    funcs: Mutex<HashMap<String, CudaFunction>>,
+}
+
+/// A device buffer of `len` elements of `dtype`.
+pub struct DeviceBuffer {
+    buf: CudaSlice<u8>,
+    dtype: DType,
+    len: usize,
+}
+
+impl DeviceBuffer {
+    /// Elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Whether it holds no element.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    /// Bytes.
+    pub fn bytes(&self) -> usize {
+        self.len * self.dtype.size()
+    }
+}
+
+impl Gpu {
+    /// Open device `ordinal`.
+    pub fn open(ordinal: usize) -> Result<Arc<Gpu>, DeviceError> {
+        let n = device_count()?;
+        if ordinal >= n {
+            return Err(DeviceError::Invalid(format!(
+                "cuda:{ordinal} does not exist ({n} device{} here)",
+                if n == 1 { "" } else { "s" }
+            )));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(driver("creating the context"))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(driver("reading the compute capability"))?;
+        let arch: &'static str = Box::leak(format!("compute_{major}{minor}").into_boxed_str());
+        let stream = ctx.new_stream().map_err(driver("creating a stream"))?;
+        let copy = ctx.new_stream().map_err(driver("creating a copy stream"))?;
+        Ok(Arc::new(Gpu {
+            ctx,
+            stream,
+            copy,
+            arch,
+            module: OnceLock::new(),
+            funcs: Mutex::new(HashMap::new()),
+        }))
+    }
+
+    /// The architecture kernels are compiled for (`compute_XY`).
+    pub fn arch(&self) -> &'static str {
+        self.arch
+    }
+
+    /// The device's name.
+    pub fn name(&self) -> Result<String, DeviceError> {
+        self.ctx.name().map_err(driver("reading the device name"))
+    }
+
+    /// An error a Drop (or an earlier asynchronous call) left on the context.
+    fn check(&self) -> Result<(), DeviceError> {
+        self.ctx.check_err().map_err(driver("an earlier operation"))
+    }
+
+    fn func(&self, name: &str) -> Result<CudaFunction, DeviceError> {
+        if let Some(f) = self.funcs.lock().unwrap().get(name) {
+            return Ok(f.clone());
+        }
+        let module = self
+            .module
+            .get_or_init(|| {
+                let ptx = compile(self.arch)?;
+                self.ctx
+                    .load_module(ptx)
+                    .map_err(driver("loading the compiled kernels"))
+            })
+            .clone()?;
+        let f = module
+            .load_function(name)
+            .map_err(driver("finding a kernel"))?;
+        self.funcs
+            .lock()
+            .unwrap()
+            .insert(name.to_string(), f.clone());
+        Ok(f)
+    }
+
+    /// A zeroed buffer.
+    pub fn alloc(&self, dtype: DType, len: usize) -> Result<DeviceBuffer, DeviceError> {
+        self.check()?;
+        let buf = self
+            .stream
+            .alloc_zeros::<u8>(len * dtype.size())
+            .map_err(driver("allocating device memory"))?;
+        Ok(DeviceBuffer { buf, dtype, len })
+    }
+
+    /// Host → device, into a new buffer.
+    pub fn upload(&self, dtype: DType, bytes: &[u8]) -> Result<DeviceBuffer, DeviceError> {
+        self.check()?;
+        if !bytes.len().is_multiple_of(dtype.size()) {
+            return Err(DeviceError::Invalid(format!(
+                "upload: {} bytes are not a whole number of {dtype} elements",
+                bytes.len()
+            )));
+        }
+        let buf = self
+            .copy
+            .clone_htod(bytes)
+            .map_err(driver("copying host to device"))?;
+        self.copy
+            .synchronize()
+            .map_err(driver("copying host to device"))?;
+        Ok(DeviceBuffer {
+            buf,
+            dtype,
+            len: bytes.len() / dtype.size(),
+        })
+    }
+
+    /// Device → host (waits for the kernels queued before it).
+    pub fn download(&self, src: &DeviceBuffer, out: &mut [u8]) -> Result<(), DeviceError> {
+        self.check()?;
+        if out.len() != src.bytes() {
+            return Err(DeviceError::Invalid(format!(
+                "download: {} bytes into a {}-byte host buffer",
+                src.bytes(),
+                out.len()
+            )));
+        }
+        self.stream
+            .memcpy_dtoh(&src.buf, out)
+            .map_err(driver("copying device to host"))?;
+        self.stream
+            .synchronize()
+            .map_err(driver("copying device to host"))
+    }
+
+    /// Device → device copy of a whole buffer (same dtype and length), queued on the compute
+    /// stream.
+    pub fn copy(&self, dst: &mut DeviceBuffer, src: &DeviceBuffer) -> Result<(), DeviceError> {
+        self.check()?;
+        same(dst, src, "copy")?;
+        self.stream
+            .memcpy_dtod(&src.buf, &mut dst.buf)
+            .map_err(driver("copying device to device"))
+    }
+
+    /// Wait for everything queued.
+    pub fn synchronize(&self) -> Result<(), DeviceError> {
+        self.stream.synchronize().map_err(driver("synchronizing"))?;
+        self.check()
+    }
+
+    fn cfg(n: usize) -> LaunchConfig {
+        let blocks = n.div_ceil(BLOCK as usize).clamp(1, 132 * 32) as u32;
+        LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    /// `dst = op(dst, src)` element-wise (`Avg` = `Sum` here; finish with [`Gpu::divide`]).
+    pub fn reduce_into(
+        &self,
+        op: ReduceOp,
+        dst: &mut DeviceBuffer,
+        src: &DeviceBuffer,
+    ) -> Result<(), DeviceError> {
+        self.check()?;
+        same(dst, src, "reduce")?;
+        let name = match op.pairwise() {
+            ReduceOp::Prod => "prod",
+            ReduceOp::Min => "min",
+            ReduceOp::Max => "max",
+            _ => "sum",
+        };
+        let f = self.func(&format!("reduce_{name}_{}", cu_type(dst.dtype)))?;
+        let n = dst.len as u64;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&mut dst.buf).arg(&src.buf).arg(&n);
+        // SAFETY: the kernel reads `n` elements of `src` and writes `n` of `dst`; both buffers
+        // hold exactly `n` elements of the kernel's dtype (checked by `same`), and the grid-stride
+        // loop stays below `n`.
+        unsafe { b.launch(Self::cfg(dst.len)) }.map_err(driver("launching reduce"))?;
+        Ok(())
+    }
+
+    /// `buf /= ranks` element-wise (the end of an average).
+    pub fn divide(&self, buf: &mut DeviceBuffer, ranks: usize) -> Result<(), DeviceError> {
+        self.check()?;
+        if ranks == 0 || ranks > i32::MAX as usize {
+            return Err(DeviceError::Invalid(format!("divide by {ranks} ranks")));
+        }
+        let f = self.func(&format!("divide_{}", cu_type(buf.dtype)))?;
+        let (n, r) = (buf.len as u64, ranks as i32);
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&mut buf.buf).arg(&n).arg(&r);
+        // SAFETY: `n` elements of the kernel's dtype, grid-stride bounded by `n`.
+        unsafe { b.launch(Self::cfg(buf.len)) }.map_err(driver("launching divide"))?;
+        Ok(())
+    }
+
+    /// Cast `src` into `dst` (f32 ↔ f16/bf16), rounding to nearest even.
+    pub fn cast(&self, src: &DeviceBuffer, dst: &mut DeviceBuffer) -> Result<(), DeviceError> {
+        self.check()?;
+        if src.len != dst.len {
+            return Err(DeviceError::Invalid(format!(
+                "cast: {} elements into {}",
+                src.len, dst.len
+            )));
+        }
+        let name = format!("cast_{}_{}", cu_type(src.dtype), cu_type(dst.dtype));
+        if !kernel_names().contains(&name) {
+            return Err(DeviceError::Invalid(format!(
+                "cast {} → {} is not supported (f32 ↔ f16/bf16)",
+                src.dtype, dst.dtype
+            )));
+        }
+        let f = self.func(&name)?;
+        let n = src.len as u64;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&src.buf).arg(&mut dst.buf).arg(&n);
+        // SAFETY: both buffers hold `n` elements of the types the kernel's name states.
+        unsafe { b.launch(Self::cfg(src.len)) }.map_err(driver("launching cast"))?;
+        Ok(())
+    }
+
+    fn float_kernel(&self, k: &str, d: DType) -> Result<CudaFunction, DeviceError> {
+        if !matches!(d, DType::F32 | DType::F16 | DType::BF16) {
+            return Err(DeviceError::Invalid(format!(
+                "{k}: {d} is not a training float type (f32, f16, bf16)"
+            )));
+        }
+        self.func(&format!("{k}_{}", cu_type(d)))
+    }
+
+    /// `buf *= s`.
+    pub fn scale(&self, buf: &mut DeviceBuffer, s: f32) -> Result<(), DeviceError> {
+        self.check()?;
+        let f = self.float_kernel("scale", buf.dtype)?;
+        let n = buf.len as u64;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&mut buf.buf).arg(&s).arg(&n);
+        // SAFETY: `n` elements of the kernel's dtype, grid-stride bounded by `n`.
+        unsafe { b.launch(Self::cfg(buf.len)) }.map_err(driver("launching scale"))?;
+        Ok(())
+    }
+
+    /// Σ (x·s)² in f64 (waits for the result).
+    pub fn sq_norm(&self, x: &DeviceBuffer, s: f32) -> Result<f64, DeviceError> {
+        self.check()?;
+        let f = self.float_kernel("sq_norm", x.dtype)?;
+        let mut out = self
+            .stream
+            .alloc_zeros::<f64>(1)
+            .map_err(driver("allocating the norm"))?;
+        let n = x.len as u64;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&x.buf).arg(&s).arg(&n).arg(&mut out);
+        // SAFETY: reads `n` elements of `x`; block size is BLOCK = 256, the size of the kernel's
+        // shared tree; writes one f64 to `out`, which holds one.
+        unsafe { b.launch(Self::cfg(x.len)) }.map_err(driver("launching sq_norm"))?;
+        let v = self
+            .stream
+            .clone_dtoh(&out)
+            .map_err(driver("reading the norm"))?;
+        Ok(v[0])
+    }
+
+    /// Whether every element is finite (waits for the result).
+    pub fn all_finite(&self, x: &DeviceBuffer) -> Result<bool, DeviceError> {
+        self.check()?;
+        let f = self.float_kernel("nonfinite", x.dtype)?;
+        let mut flag = self
+            .stream
+            .alloc_zeros::<u32>(1)
+            .map_err(driver("allocating the flag"))?;
+        let n = x.len as u64;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&x.buf).arg(&n).arg(&mut flag);
+        // SAFETY: reads `n` elements of `x`, writes at most one u32 to `flag`, which holds one.
+        unsafe { b.launch(Self::cfg(x.len)) }.map_err(driver("launching nonfinite"))?;
+        let v = self
+            .stream
+            .clone_dtoh(&flag)
+            .map_err(driver("reading the flag"))?;
+        Ok(v[0] == 0)
+    }
+
+    /// One fused AdamW step: fp32 `master`, `m`, `v`; gradients in `grads`' dtype; `params` (same
+    /// dtype as the gradients) written from the master when given.
+    pub fn adamw(
+        &self,
+        h: &crate::cpu::AdamW,
+        t: u64,
+        state: AdamState<'_>,
+        grad_scale: f32,
+    ) -> Result<(), DeviceError> {
+        self.check()?;
+        let AdamState {
+            master,
+            params,
+            grads,
+            m,
+            v,
+        } = state;
+        let n = master.len;
+        for (what, b) in [("m", &*m), ("v", &*v)] {
+            if b.dtype != DType::F32 || b.len != n {
+                return Err(DeviceError::Invalid(format!(
+                    "adamw: {what} must be {n} f32 elements, is {} {}",
+                    b.len, b.dtype
+                )));
+            }
+        }
+        if master.dtype != DType::F32 || grads.len != n {
+            return Err(DeviceError::Invalid(format!(
+                "adamw: master ({} {}) and gradients ({} {}) must be {n} elements, master f32",
+                master.len, master.dtype, grads.len, grads.dtype
+            )));
+        }
+        if let Some(p) = &params {
+            if p.dtype != grads.dtype || p.len != n {
+                return Err(DeviceError::Invalid(format!(
+                    "adamw: params ({} {}) must match the gradients ({n} {})",
+                    p.len, p.dtype, grads.dtype
+                )));
+            }
+        }
+        let f = self.float_kernel("adamw", grads.dtype)?;
+        let ti = t.min(i32::MAX as u64) as i32;
+        let bc1 = 1.0 - h.beta1.powi(ti);
+        let bc2 = 1.0 - h.beta2.powi(ti);
+        let decay = 1.0 - h.lr * h.weight_decay;
+        let n64 = n as u64;
+        let mut null = None;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&mut master.buf);
+        match params {
+            Some(p) => b.arg(&mut p.buf),
+            None => {
+                // A null device pointer: the kernel skips the 16-bit write.
+                null = Some(0u64);
+                b.arg(null.as_ref().unwrap())
+            }
+        };
+        b.arg(&grads.buf)
+            .arg(&mut m.buf)
+            .arg(&mut v.buf)
+            .arg(&n64)
+            .arg(&h.lr)
+            .arg(&h.beta1)
+            .arg(&h.beta2)
+            .arg(&h.eps)
+            .arg(&decay)
+            .arg(&bc1)
+            .arg(&bc2)
+            .arg(&grad_scale);
+        // SAFETY: every buffer holds `n` elements of the type the kernel expects (checked above);
+        // `params` is either such a buffer or null, which the kernel tests before writing.
+        unsafe { b.launch(Self::cfg(n)) }.map_err(driver("launching adamw"))?;
+        let _ = null;
+        Ok(())
+    }
+}
+
+/// The buffers of one AdamW step.
+pub struct AdamState<'a> {
+    /// fp32 master weights.
+    pub master: &'a mut DeviceBuffer,
+    /// 16-bit parameters written from the master, if any.
+    pub params: Option<&'a mut DeviceBuffer>,
+    /// Gradients (f32, f16 or bf16).
+    pub grads: &'a DeviceBuffer,
+    /// First moment (f32).
+    pub m: &'a mut DeviceBuffer,
+    /// Second moment (f32).
+    pub v: &'a mut DeviceBuffer,
+}
+
+fn same(a: &DeviceBuffer, b: &DeviceBuffer, what: &str) -> Result<(), DeviceError> {
+    if a.dtype != b.dtype || a.len != b.len {
+        return Err(DeviceError::Invalid(format!(
+            "{what}: {} {} and {} {} differ",
+            a.len, a.dtype, b.len, b.dtype
+        )));
+    }
+    Ok(())
+}
