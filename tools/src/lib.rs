@@ -10,4 +10,5 @@ pub mod bench;
 pub mod check;
 pub mod demo;
 pub mod diag;
+pub mod gpucheck;
 pub mod launch;

@@ -77,6 +77,19 @@ enum Cmd {
     /// Train a small MLP with the ZeRO engine on N local ranks (any stage and precision), printing
     /// loss per step and per-rank memory against the paper's formula.
     Demo(DemoCli),
+    /// On a machine with an NVIDIA GPU: every CUDA kernel against the CPU kernels, then bandwidth
+    /// micro-benchmarks; prints a PASS/FAIL table (what scripts/gpu-check.sh runs).
+    GpuCheck {
+        /// Device ordinal.
+        #[arg(long, default_value_t = 0)]
+        device: usize,
+        /// Also write the rows as JSON here.
+        #[arg(long)]
+        json: Option<std::path::PathBuf>,
+        /// Skip the micro-benchmarks.
+        #[arg(long)]
+        no_bench: bool,
+    },
     /// Run one diag probe (used by `ringzero diag` in a child process).
     #[command(hide = true)]
     DiagProbe {
@@ -354,6 +367,42 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Demo(d) => demo(d),
+        Cmd::GpuCheck {
+            device,
+            json,
+            no_bench,
+        } => {
+            use ringzero_tools::gpucheck;
+            let gpu = ringzero_kernels::device::cuda::Gpu::open(device)
+                .map_err(|e| anyhow::anyhow!("gpu-check: {e}"))?;
+            let name = gpu.name().unwrap_or_else(|e| e.to_string());
+            eprintln!(
+                "ringzero gpu-check: {name} ({}), checking kernels...",
+                gpu.arch()
+            );
+            let mut rows = gpucheck::checks(&gpu);
+            if !no_bench {
+                eprintln!("ringzero gpu-check: micro-benchmarks...");
+                match gpucheck::bench(&gpu) {
+                    Ok(r) => rows.extend(r),
+                    Err(e) => rows.push(gpucheck::Row {
+                        check: "bench".into(),
+                        pass: false,
+                        detail: e.to_string(),
+                    }),
+                }
+            }
+            if let Some(path) = json {
+                std::fs::write(&path, serde_json::to_string_pretty(&rows)?)
+                    .with_context(|| format!("writing {}", path.display()))?;
+            }
+            print!("{}", gpucheck::table(&name, &rows));
+            Ok(if rows.iter().all(|r| r.pass) {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            })
+        }
         Cmd::DiagProbe { name } => {
             let r = ringzero_tools::diag::probe::child(&name);
             println!("{}", serde_json::to_string(&r)?);

@@ -168,6 +168,14 @@ fn bench_refuses_bad_arguments_without_starting_ranks() {
     };
     for (args, msg) in [
         (vec!["bench", "--device", "cuda"], cuda_msg),
+        (
+            vec!["gpu-check", "--device", "99"],
+            if cuda_msg == "not implemented yet" {
+                "cuda:99 does not exist"
+            } else {
+                cuda_msg
+            },
+        ),
         (vec!["bench", "alltoall"], "unknown op `alltoall`"),
         (vec!["bench", "-b", "1M", "-e", "1K"], "is larger than"),
         (vec!["bench", "-d", "f8"], "unknown dtype"),

@@ -285,6 +285,30 @@ impl Gpu {
             .map_err(driver("copying device to device"))
     }
 
+    /// Milliseconds per call of `f` (queued `reps` times between two events on the compute
+    /// stream, after one warm-up call).
+    pub fn time(
+        &self,
+        reps: usize,
+        mut f: impl FnMut() -> Result<(), DeviceError>,
+    ) -> Result<f64, DeviceError> {
+        f()?;
+        let start = self
+            .stream
+            .record_event(None)
+            .map_err(driver("recording an event"))?;
+        for _ in 0..reps.max(1) {
+            f()?;
+        }
+        let end = self
+            .stream
+            .record_event(None)
+            .map_err(driver("recording an event"))?;
+        end.synchronize().map_err(driver("waiting for an event"))?;
+        let ms = start.elapsed_ms(&end).map_err(driver("timing"))?;
+        Ok(ms as f64 / reps.max(1) as f64)
+    }
+
     /// Wait for everything queued.
     pub fn synchronize(&self) -> Result<(), DeviceError> {
         self.stream.synchronize().map_err(driver("synchronizing"))?;

@@ -1,0 +1,410 @@
+//! `ringzero gpu-check`: every CUDA kernel against the CPU kernels (themselves tested against
+//! f64/i128 references) on fresh pseudo-random inputs — never zeros — at odd sizes, outputs
+//! poisoned first; then bandwidth micro-benchmarks next to a plain device-to-device copy measured in
+//! the same run. Run by `scripts/gpu-check.sh` on a machine with a GPU.
+
+use ringzero_kernels::cpu::{self, AdamW};
+use ringzero_kernels::device::cuda::{AdamState, DeviceBuffer, Gpu};
+use ringzero_kernels::device::DeviceError;
+use ringzero_kernels::{DType, ReduceOp};
+
+/// One line of the final table.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Row {
+    /// What was checked or measured.
+    pub check: String,
+    /// Whether it passed.
+    pub pass: bool,
+    /// Evidence: mismatches, or the figure.
+    pub detail: String,
+}
+
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// `n` non-zero values of `d` from `seed`: floats in ±[0.25, 2), integers in 1..=100.
+fn random(d: DType, n: usize, seed: u64) -> Vec<u8> {
+    let mut out = vec![0u8; n * d.size()];
+    for i in 0..n {
+        let r = mix(seed ^ (i as u64).wrapping_mul(0x1000_0000_01b3));
+        let f = 0.25 + (r >> 11) as f64 / (1u64 << 53) as f64 * 1.75;
+        let f = if r & 1 == 0 { f } else { -f };
+        let k = (1 + (r >> 20) % 100) as f64;
+        let at = &mut out[i * d.size()..(i + 1) * d.size()];
+        match d {
+            DType::F32 => at.copy_from_slice(&(f as f32).to_le_bytes()),
+            DType::F64 => at.copy_from_slice(&f.to_le_bytes()),
+            DType::F16 => at.copy_from_slice(&half::f16::from_f64(f).to_le_bytes()),
+            DType::BF16 => at.copy_from_slice(&half::bf16::from_f64(f).to_le_bytes()),
+            DType::I32 => at.copy_from_slice(&(k as i32).to_le_bytes()),
+            DType::I64 => at.copy_from_slice(&(k as i64).to_le_bytes()),
+            DType::U8 => at[0] = k as u8,
+        }
+    }
+    out
+}
+
+/// Little-endian bytes to typed values (a copy, so alignment does not matter).
+fn pods<T: bytemuck::Pod>(b: &[u8]) -> Vec<T> {
+    let mut v = vec![T::zeroed(); b.len() / std::mem::size_of::<T>()];
+    bytemuck::cast_slice_mut::<T, u8>(&mut v).copy_from_slice(b);
+    v
+}
+
+fn first_diff(a: &[u8], b: &[u8], size: usize) -> Option<usize> {
+    a.chunks(size).zip(b.chunks(size)).position(|(x, y)| x != y)
+}
+
+fn poisoned(gpu: &Gpu, d: DType, n: usize) -> Result<DeviceBuffer, DeviceError> {
+    gpu.upload(d, &vec![0xA5u8; n * d.size()])
+}
+
+fn download(gpu: &Gpu, b: &DeviceBuffer) -> Result<Vec<u8>, DeviceError> {
+    let mut v = vec![0u8; b.bytes()];
+    gpu.download(b, &mut v)?;
+    Ok(v)
+}
+
+const SIZES: [usize; 4] = [1, 3, 1023, (1 << 20) + 7];
+
+fn row(check: String, r: Result<Option<String>, DeviceError>) -> Row {
+    match r {
+        Ok(None) => Row {
+            check,
+            pass: true,
+            detail: "exact".into(),
+        },
+        Ok(Some(d)) => Row {
+            check,
+            pass: false,
+            detail: d,
+        },
+        Err(e) => Row {
+            check,
+            pass: false,
+            detail: e.to_string(),
+        },
+    }
+}
+
+/// Every correctness check.
+pub fn checks(gpu: &Gpu) -> Vec<Row> {
+    let mut rows = Vec::new();
+    let dtypes = [
+        DType::F32,
+        DType::F64,
+        DType::F16,
+        DType::BF16,
+        DType::I32,
+        DType::I64,
+        DType::U8,
+    ];
+    let ops = [
+        ReduceOp::Sum,
+        ReduceOp::Prod,
+        ReduceOp::Min,
+        ReduceOp::Max,
+        ReduceOp::Avg,
+    ];
+    for d in dtypes {
+        for op in ops {
+            let r = (|| {
+                for (k, &n) in SIZES.iter().enumerate() {
+                    let a = random(d, n, 1 + k as u64);
+                    let b = random(d, n, 100 + k as u64);
+                    let mut da = gpu.upload(d, &a)?;
+                    let db = gpu.upload(d, &b)?;
+                    gpu.reduce_into(op, &mut da, &db)?;
+                    let mut want = a.clone();
+                    cpu::reduce_into(d, op.pairwise(), &mut want, &b).expect("same lengths");
+                    if op == ReduceOp::Avg {
+                        gpu.divide(&mut da, 2)?;
+                        cpu::divide(d, &mut want, 2).expect("layout");
+                    }
+                    let got = download(gpu, &da)?;
+                    if let Some(i) = first_diff(&got, &want, d.size()) {
+                        return Ok(Some(format!(
+                            "n={n}: element {i} differs from the CPU kernel"
+                        )));
+                    }
+                }
+                Ok(None)
+            })();
+            rows.push(row(format!("reduce {op} {d}"), r));
+        }
+    }
+    for (from, to) in [
+        (DType::F32, DType::F16),
+        (DType::F32, DType::BF16),
+        (DType::F16, DType::F32),
+        (DType::BF16, DType::F32),
+    ] {
+        let r = (|| {
+            for &n in &SIZES {
+                let src = random(from, n, 7);
+                let ds = gpu.upload(from, &src)?;
+                let mut dd = poisoned(gpu, to, n)?;
+                gpu.cast(&ds, &mut dd)?;
+                let got = download(gpu, &dd)?;
+                let want = host_cast(from, to, &src);
+                if let Some(i) = first_diff(&got, &want, to.size()) {
+                    return Ok(Some(format!("n={n}: element {i} differs")));
+                }
+            }
+            Ok(None)
+        })();
+        rows.push(row(format!("cast {from}→{to}"), r));
+    }
+    for d in [DType::F32, DType::F16, DType::BF16] {
+        rows.push(row(format!("scale/norm/finite {d}"), float_checks(gpu, d)));
+        rows.push(row(format!("adamw {d}"), adamw_check(gpu, d)));
+    }
+    rows
+}
+
+fn host_cast(from: DType, to: DType, src: &[u8]) -> Vec<u8> {
+    use half::{bf16, f16};
+    let n = src.len() / from.size();
+    let mut wide = vec![0f32; n];
+    match from {
+        DType::F32 => cpu::cast::<f32, f32>(bytemuck::cast_slice(src), &mut wide),
+        DType::F16 => cpu::cast::<f16, f32>(&pods::<f16>(src), &mut wide),
+        _ => cpu::cast::<bf16, f32>(&pods::<bf16>(src), &mut wide),
+    }
+    match to {
+        DType::F32 => bytemuck::cast_slice(&wide).to_vec(),
+        DType::F16 => {
+            let mut o = vec![f16::ZERO; n];
+            cpu::cast(&wide, &mut o);
+            bytemuck::cast_slice(&o).to_vec()
+        }
+        _ => {
+            let mut o = vec![bf16::ZERO; n];
+            cpu::cast(&wide, &mut o);
+            bytemuck::cast_slice(&o).to_vec()
+        }
+    }
+}
+
+fn widened(d: DType, bytes: &[u8]) -> Vec<f32> {
+    pods::<f32>(&host_cast(d, DType::F32, bytes))
+}
+
+fn float_checks(gpu: &Gpu, d: DType) -> Result<Option<String>, DeviceError> {
+    for &n in &SIZES {
+        let x = random(d, n, 11);
+        let mut dx = gpu.upload(d, &x)?;
+        let want: f64 = widened(d, &x)
+            .iter()
+            .map(|v| ((v * 0.5) as f64).powi(2))
+            .sum();
+        let got = gpu.sq_norm(&dx, 0.5)?;
+        if (got - want).abs() > 1e-9 * want.abs().max(1e-30) {
+            return Ok(Some(format!("n={n}: squared norm {got} vs {want}")));
+        }
+        if !gpu.all_finite(&dx)? {
+            return Ok(Some(format!("n={n}: finite data reported non-finite")));
+        }
+        gpu.scale(&mut dx, 3.0)?;
+        let mut want = widened(d, &x);
+        want.iter_mut().for_each(|v| *v *= 3.0);
+        let want = host_cast(DType::F32, d, bytemuck::cast_slice(&want));
+        let got = download(gpu, &dx)?;
+        if let Some(i) = first_diff(&got, &want, d.size()) {
+            return Ok(Some(format!("n={n}: scale element {i} differs")));
+        }
+        let mut bad = x.clone();
+        let at = (n / 2) * d.size();
+        let inf = host_cast(DType::F32, d, &f32::INFINITY.to_le_bytes());
+        bad[at..at + d.size()].copy_from_slice(&inf);
+        if gpu.all_finite(&gpu.upload(d, &bad)?)? {
+            return Ok(Some(format!("n={n}: an inf at {} was not found", n / 2)));
+        }
+    }
+    Ok(None)
+}
+
+fn adamw_check(gpu: &Gpu, d: DType) -> Result<Option<String>, DeviceError> {
+    use half::{bf16, f16};
+    let h = AdamW {
+        lr: 1e-2,
+        ..AdamW::default()
+    };
+    for &n in &SIZES {
+        let master0 = pods::<f32>(&random(DType::F32, n, 21));
+        let mut dm = gpu.upload(DType::F32, bytemuck::cast_slice(&master0))?;
+        let (mut m_d, mut v_d) = (gpu.alloc(DType::F32, n)?, gpu.alloc(DType::F32, n)?);
+        let mut p_d = if d == DType::F32 {
+            None
+        } else {
+            Some(poisoned(gpu, d, n)?)
+        };
+        let (mut master, mut m, mut v) = (master0.clone(), vec![0f32; n], vec![0f32; n]);
+        let mut p16 = vec![0u8; n * d.size()];
+        for t in 1..=3u64 {
+            let g = random(d, n, 30 + t);
+            let dg = gpu.upload(d, &g)?;
+            gpu.adamw(
+                &h,
+                t,
+                AdamState {
+                    master: &mut dm,
+                    params: p_d.as_mut(),
+                    grads: &dg,
+                    m: &mut m_d,
+                    v: &mut v_d,
+                },
+                0.5,
+            )?;
+            match d {
+                DType::F32 => cpu::adamw_mixed::<f32>(
+                    &h,
+                    t,
+                    &mut master,
+                    None,
+                    bytemuck::cast_slice(&g),
+                    &mut m,
+                    &mut v,
+                    0.5,
+                ),
+                DType::F16 => {
+                    let mut p = vec![f16::ZERO; n];
+                    cpu::adamw_mixed(
+                        &h,
+                        t,
+                        &mut master,
+                        Some(&mut p),
+                        &pods::<f16>(&g),
+                        &mut m,
+                        &mut v,
+                        0.5,
+                    );
+                    p16 = bytemuck::cast_slice(&p).to_vec();
+                }
+                _ => {
+                    let mut p = vec![bf16::ZERO; n];
+                    cpu::adamw_mixed(
+                        &h,
+                        t,
+                        &mut master,
+                        Some(&mut p),
+                        &pods::<bf16>(&g),
+                        &mut m,
+                        &mut v,
+                        0.5,
+                    );
+                    p16 = bytemuck::cast_slice(&p).to_vec();
+                }
+            }
+        }
+        for (what, buf, want) in [("master", &dm, &master), ("m", &m_d, &m), ("v", &v_d, &v)] {
+            let got = pods::<f32>(&download(gpu, buf)?);
+            if let Some((i, (a, b))) = got
+                .iter()
+                .zip(want.iter())
+                .enumerate()
+                .find(|(_, (a, b))| a.to_bits() != b.to_bits())
+            {
+                return Ok(Some(format!("n={n}: {what}[{i}] {a} vs CPU {b}")));
+            }
+        }
+        if let Some(p) = &p_d {
+            if let Some(i) = first_diff(&download(gpu, p)?, &p16, d.size()) {
+                return Ok(Some(format!("n={n}: 16-bit param {i} differs")));
+            }
+        }
+    }
+    Ok(None)
+}
+
+/// Bandwidth of each kernel (bytes read + written) next to a device-to-device copy.
+pub fn bench(gpu: &Gpu) -> Result<Vec<Row>, DeviceError> {
+    let n = 64 << 20; // elements
+    let reps = 20;
+    let gbs = |bytes: f64, ms: f64| bytes / (ms * 1e-3) / 1e9;
+    let src = gpu.alloc(DType::F32, n)?;
+    let mut dst = gpu.alloc(DType::F32, n)?;
+    let copy_ms = gpu.time(reps, || gpu.copy(&mut dst, &src))?;
+    let copy = gbs(2.0 * 4.0 * n as f64, copy_ms);
+    let mut rows = vec![Row {
+        check: "bench d2d copy 256 MiB".into(),
+        pass: true,
+        detail: format!("{copy:.0} GB/s"),
+    }];
+    let mut add = |name: String, bytes: f64, ms: f64, target: f64| {
+        let bw = gbs(bytes, ms);
+        rows.push(Row {
+            check: name,
+            pass: bw >= target * copy,
+            detail: format!(
+                "{bw:.0} GB/s = {:.0}% of copy (target {:.0}%)",
+                100.0 * bw / copy,
+                100.0 * target
+            ),
+        });
+    };
+    for d in [DType::F32, DType::BF16] {
+        let a = gpu.upload(d, &random(d, n, 3))?;
+        let mut b = gpu.upload(d, &random(d, n, 4))?;
+        let ms = gpu.time(reps, || gpu.reduce_into(ReduceOp::Sum, &mut b, &a))?;
+        add(
+            format!("bench reduce sum {d} {} MiB", (n * d.size()) >> 20),
+            3.0 * (n * d.size()) as f64,
+            ms,
+            0.9,
+        );
+    }
+    let h = AdamW::default();
+    let d = DType::BF16;
+    let mut master = gpu.upload(DType::F32, &random(DType::F32, n, 5))?;
+    let mut p = gpu.alloc(d, n)?;
+    let g = gpu.upload(d, &random(d, n, 6))?;
+    let (mut m, mut v) = (gpu.alloc(DType::F32, n)?, gpu.alloc(DType::F32, n)?);
+    let mut t = 0;
+    let ms = gpu.time(reps, || {
+        t += 1;
+        gpu.adamw(
+            &h,
+            t,
+            AdamState {
+                master: &mut master,
+                params: Some(&mut p),
+                grads: &g,
+                m: &mut m,
+                v: &mut v,
+            },
+            1.0,
+        )
+    })?;
+    // master r+w 8, m r+w 8, v r+w 8, grad r 2, param w 2 bytes per element.
+    add(
+        format!("bench adamw bf16 {}M params", n >> 20),
+        28.0 * n as f64,
+        ms,
+        0.85,
+    );
+    Ok(rows)
+}
+
+/// The closing table.
+pub fn table(gpu_name: &str, rows: &[Row]) -> String {
+    let mut s = format!(
+        "ringzero gpu-check on {gpu_name}\n{:<34} {:<5} {}\n",
+        "check", "pass", "detail"
+    );
+    for r in rows {
+        s += &format!(
+            "{:<34} {:<5} {}\n",
+            r.check,
+            if r.pass { "PASS" } else { "FAIL" },
+            r.detail
+        );
+    }
+    let failed = rows.iter().filter(|r| !r.pass).count();
+    s += &format!("{} passed, {} failed\n", rows.len() - failed, failed);
+    s
+}
