@@ -429,6 +429,11 @@ impl<'c, T: Float> Engine<'c, T> {
     /// earlier micro-step's gradient is rounded once too).
     pub fn push_grad_f32(&mut self, name: &str, grad: &[f32]) -> Result<(), ZeroError> {
         self.push_with(name, grad.len(), |dst| {
+            if T::IS_F32 {
+                let d: &mut [f32] = bytemuck::cast_slice_mut(dst);
+                d.iter_mut().zip(grad).for_each(|(a, g)| *a += g);
+                return;
+            }
             let mut acc = vec![0f32; dst.len()];
             cast(dst, &mut acc);
             acc.iter_mut().zip(grad).for_each(|(a, g)| *a += g);
@@ -566,25 +571,27 @@ impl<'c, T: Float> Engine<'c, T> {
         // This rank's averaged gradient range of bucket b (stage 0: the owned range, for the norm).
         let owned: Vec<std::ops::Range<usize>> =
             (0..nb).map(|b| self.part.owned(b, rank)).collect();
-        let g = |e: &Self, b: usize| -> Vec<T> {
-            match stage {
-                0 => e.grads[b][owned[b].clone()].to_vec(),
-                1 => red[b].clone(),
-                _ => e.grads[b].clone(),
+        // This rank's reduced gradient range of bucket b, borrowed (no copy).
+        let owned_grad = |grads: &'_ [Vec<T>], b: usize| -> std::ops::Range<usize> {
+            if stage == 0 {
+                owned[b].clone()
+            } else {
+                0..grads[b].len()
             }
         };
+        let src: &[Vec<T>] = if stage == 1 { red } else { &self.grads };
+        let local_overflow = self.scaler.checks_overflow()
+            && (0..nb).any(|b| !all_finite(&src[b][owned_grad(src, b)]));
+        let inv = 1.0 / (self.scaler.scale() * self.cfg.accumulation_steps as f32);
+        let mut sq = [(0..nb)
+            .map(|b| sq_norm(&src[b][owned_grad(src, b)], inv))
+            .sum::<f64>()];
         if self.scaler.checks_overflow() {
-            let local = (0..nb).any(|b| !all_finite(&g(self, b)));
-            let mut flag = [local as u8];
+            let mut flag = [local_overflow as u8];
             self.comm.all_reduce_in_place(&mut flag, ReduceOp::Max)?;
             if flag[0] != 0 {
                 return Ok(self.skip());
             }
-        }
-        let inv = 1.0 / (self.scaler.scale() * self.cfg.accumulation_steps as f32);
-        let mut sq = [0f64];
-        for b in 0..nb {
-            sq[0] += sq_norm(&g(self, b), inv);
         }
         self.comm.all_reduce_in_place(&mut sq, ReduceOp::Sum)?;
         let grad_norm = sq[0].sqrt();
