@@ -10,6 +10,7 @@
 
 use std::time::{Duration, Instant};
 
+use crate::mix;
 use half::{bf16, f16};
 use rand::{Rng, SeedableRng};
 use ringzero_collectives::{Communicator, ReduceOp};
@@ -91,14 +92,6 @@ impl Mlp {
         }
         (x, y)
     }
-}
-
-fn mix(mut z: u64) -> u64 {
-    // splitmix64's finaliser: a well-spread hash of the seed.
-    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
 }
 
 fn unit(z: u64) -> f32 {

@@ -8,6 +8,8 @@ use ringzero_kernels::device::cuda::{AdamState, DeviceBuffer, Gpu};
 use ringzero_kernels::device::DeviceError;
 use ringzero_kernels::{DType, ReduceOp};
 
+use crate::mix;
+
 /// One line of the final table.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct Row {
@@ -17,13 +19,6 @@ pub struct Row {
     pub pass: bool,
     /// Evidence: mismatches, or the figure.
     pub detail: String,
-}
-
-fn mix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
 }
 
 /// `n` non-zero values of `d` from `seed`: floats in ±[0.25, 2), integers in 1..=100.
@@ -94,22 +89,8 @@ fn row(check: String, r: Result<Option<String>, DeviceError>) -> Row {
 /// Every correctness check.
 pub fn checks(gpu: &Gpu) -> Vec<Row> {
     let mut rows = Vec::new();
-    let dtypes = [
-        DType::F32,
-        DType::F64,
-        DType::F16,
-        DType::BF16,
-        DType::I32,
-        DType::I64,
-        DType::U8,
-    ];
-    let ops = [
-        ReduceOp::Sum,
-        ReduceOp::Prod,
-        ReduceOp::Min,
-        ReduceOp::Max,
-        ReduceOp::Avg,
-    ];
+    let dtypes = DType::ALL;
+    let ops = ReduceOp::ALL;
     for d in dtypes {
         for op in ops {
             let r = (|| {

@@ -12,3 +12,12 @@ pub mod demo;
 pub mod diag;
 pub mod gpucheck;
 pub mod launch;
+
+/// splitmix64's finaliser: a well-spread hash of a seed, for reproducible pseudo-random inputs
+/// (demo initialisation, gpu-check data) without carrying an RNG's state around.
+pub(crate) fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
