@@ -99,6 +99,15 @@ template <typename W> __device__ __forceinline__ W op_max(W a, W b) { return (a 
         }                                                                                        \
     }
 
+// dst = a OP b, three addresses (dst may equal a): the ring's fused step "local OP incoming"
+// written straight to its destination, which may be a peer's slot or mapped host memory.
+#define COMBINE(OP, NAME, T)                                                                     \
+    extern "C" __global__ void combine_##NAME##_##T(T *dst, const T *a, const T *b, u64 n) {     \
+        GRID_STRIDE(i, n) {                                                                      \
+            dst[i] = Num<T>::down(OP<Num<T>::W>(Num<T>::up(a[i]), Num<T>::up(b[i])));             \
+        }                                                                                        \
+    }
+
 #define DIVIDE(T, D)                                                                             \
     extern "C" __global__ void divide_##T(T *buf, u64 n, int ranks) {                           \
         GRID_STRIDE(i, n) { buf[i] = Num<T>::down((Num<T>::W)((D)Num<T>::up(buf[i]) / (D)ranks)); } \
@@ -108,7 +117,11 @@ template <typename W> __device__ __forceinline__ W op_max(W a, W b) { return (a 
     REDUCE(op_sum, sum, T)                                                                       \
     REDUCE(op_prod, prod, T)                                                                     \
     REDUCE(op_min, min, T)                                                                       \
-    REDUCE(op_max, max, T)
+    REDUCE(op_max, max, T)                                                                       \
+    COMBINE(op_sum, sum, T)                                                                      \
+    COMBINE(op_prod, prod, T)                                                                    \
+    COMBINE(op_min, min, T)                                                                      \
+    COMBINE(op_max, max, T)
 
 ALL_OPS(float)
 ALL_OPS(double)

@@ -19,6 +19,8 @@ use cudarc::nvrtc::{CompileOptions, Ptx};
 use super::DeviceError;
 use crate::{DType, ReduceOp};
 
+pub mod raw;
+
 /// The kernels' source, embedded in the binary.
 pub const KERNELS_CU: &str = include_str!("../cuda/kernels.cu");
 
@@ -91,6 +93,7 @@ pub fn kernel_names() -> Vec<String> {
     for t in all {
         for op in ["sum", "prod", "min", "max"] {
             v.push(format!("reduce_{op}_{t}"));
+            v.push(format!("combine_{op}_{t}"));
         }
         v.push(format!("divide_{t}"));
     }

@@ -1,0 +1,464 @@
+//! Raw device addresses: memory shared with other processes, host memory the GPU can address, and
+//! the kernels and copies that work on such addresses. This is where the collectives' device data
+//! path touches CUDA, and the only place (with its parent) that calls the driver's `sys` layer.
+//!
+//! Owners, each released on Drop (a failure there is recorded on the context and returned by the
+//! device's next call):
+//! - [`ExportedSlots`]: device memory from a plain `cuMemAlloc` (IPC cannot export memory from a
+//!   stream-ordered pool), with its 64-byte IPC handle;
+//! - [`IpcMapping`]: another process's [`ExportedSlots`] opened with `cuIpcOpenMemHandle`; closed,
+//!   never freed, on Drop (the exporter owns the memory);
+//! - [`HostRegistration`]: host memory (an shm segment) page-locked and mapped into the device's
+//!   address space with `cuMemHostRegister` (portable, device-mapped), unregistered on Drop.
+//!
+//! Addresses are plain `u64` device pointers ([`DevPtr`]). With unified addressing (every 64-bit
+//! platform CUDA supports) a kernel or `cuMemcpyAsync` can use an IPC-mapped peer pointer or a
+//! mapped host pointer like local device memory; that is what lets one ring engine drive both
+//! the peer-copy and the host-staging transports.
+//!
+//! Work is queued on the device's compute stream in call order; [`Gpu::mark`] returns a
+//! [`Marker`] that completes when everything queued before it has.
+
+use std::sync::Arc;
+
+use cudarc::driver::{result, sys, CudaEvent, PushKernelArg};
+
+use super::{cu_type, driver, Gpu};
+use crate::device::DeviceError;
+use crate::{DType, ReduceOp};
+
+/// A device address (valid in the process and context that produced it).
+pub type DevPtr = u64;
+
+/// Size of a CUDA IPC memory handle.
+pub const IPC_HANDLE_BYTES: usize = 64;
+
+fn sys_err(op: &str) -> impl Fn(result::DriverError) -> DeviceError + '_ {
+    driver(op)
+}
+
+/// Device memory allocated with `cuMemAlloc`, exportable to other processes.
+pub struct ExportedSlots {
+    gpu: Arc<Gpu>,
+    ptr: DevPtr,
+    bytes: usize,
+}
+
+impl ExportedSlots {
+    /// Allocate `bytes` (at least 1) and fill them with `fill`.
+    pub fn new(gpu: &Arc<Gpu>, bytes: usize, fill: u8) -> Result<ExportedSlots, DeviceError> {
+        gpu.check()?;
+        gpu.ctx
+            .bind_to_thread()
+            .map_err(sys_err("binding the context"))?;
+        let mut ptr: DevPtr = 0;
+        // SAFETY: `ptr` is a valid out-pointer; the context is current on this thread.
+        unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes.max(1)) }
+            .result()
+            .map_err(sys_err(
+                "allocating IPC-exportable device memory (cuMemAlloc)",
+            ))?;
+        let s = ExportedSlots {
+            gpu: gpu.clone(),
+            ptr,
+            bytes,
+        };
+        // SAFETY: `ptr` owns `bytes.max(1)` bytes just allocated in this context.
+        unsafe { result::memset_d8_sync(ptr, fill, bytes.max(1)) }
+            .map_err(sys_err("filling device memory"))?;
+        Ok(s)
+    }
+
+    /// The base address.
+    pub fn ptr(&self) -> DevPtr {
+        self.ptr
+    }
+
+    /// Length in bytes.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// The IPC handle another process opens with [`IpcMapping::open`].
+    pub fn handle(&self) -> Result<[u8; IPC_HANDLE_BYTES], DeviceError> {
+        self.gpu
+            .ctx
+            .bind_to_thread()
+            .map_err(sys_err("binding the context"))?;
+        let mut h = sys::CUipcMemHandle {
+            reserved: [0; IPC_HANDLE_BYTES],
+        };
+        // SAFETY: `self.ptr` is the base of a live cuMemAlloc allocation of this context and `h`
+        // is a valid out-pointer.
+        unsafe { sys::cuIpcGetMemHandle(&mut h, self.ptr) }
+            .result()
+            .map_err(sys_err("exporting device memory (cuIpcGetMemHandle)"))?;
+        Ok(h.reserved.map(|c| c as u8))
+    }
+}
+
+impl Drop for ExportedSlots {
+    fn drop(&mut self) {
+        let _ = self.gpu.ctx.bind_to_thread();
+        // SAFETY: we own the allocation and nothing in this process uses it after Drop (importers
+        // in other processes hold their own mapping, which the driver keeps valid until closed).
+        let r = unsafe { sys::cuMemFree_v2(self.ptr) }.result();
+        self.gpu.ctx.record_err(r);
+    }
+}
+
+/// Another process's device memory, opened from its IPC handle.
+pub struct IpcMapping {
+    gpu: Arc<Gpu>,
+    ptr: DevPtr,
+    bytes: usize,
+}
+
+impl IpcMapping {
+    /// Open `handle` (exported by another process) in `gpu`'s context. `bytes` is what the
+    /// exporter announced; nothing here can check it, so callers must only trust their peer.
+    pub fn open(
+        gpu: &Arc<Gpu>,
+        handle: &[u8; IPC_HANDLE_BYTES],
+        bytes: usize,
+    ) -> Result<IpcMapping, DeviceError> {
+        gpu.check()?;
+        gpu.ctx
+            .bind_to_thread()
+            .map_err(sys_err("binding the context"))?;
+        let h = sys::CUipcMemHandle {
+            reserved: handle.map(|b| b as _),
+        };
+        let mut ptr: DevPtr = 0;
+        // SAFETY: `ptr` is a valid out-pointer; the handle is passed by value; the flag asks the
+        // driver to enable peer access between the two devices when they differ.
+        unsafe {
+            sys::cuIpcOpenMemHandle_v2(
+                &mut ptr,
+                h,
+                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+            )
+        }
+        .result()
+        .map_err(sys_err(
+            "opening a peer's device memory (cuIpcOpenMemHandle; different IPC namespaces or containers?)",
+        ))?;
+        Ok(IpcMapping {
+            gpu: gpu.clone(),
+            ptr,
+            bytes,
+        })
+    }
+
+    /// The mapped base address.
+    pub fn ptr(&self) -> DevPtr {
+        self.ptr
+    }
+
+    /// Length in bytes (as announced by the exporter).
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl Drop for IpcMapping {
+    fn drop(&mut self) {
+        let _ = self.gpu.ctx.bind_to_thread();
+        // SAFETY: `ptr` came from cuIpcOpenMemHandle in this context and is closed exactly once;
+        // the memory itself belongs to the exporter and is not freed here.
+        let r = unsafe { sys::cuIpcCloseMemHandle(self.ptr) }.result();
+        self.gpu.ctx.record_err(r);
+    }
+}
+
+/// Host memory page-locked and mapped into the device's address space.
+pub struct HostRegistration {
+    gpu: Arc<Gpu>,
+    host: usize,
+    dev: DevPtr,
+    bytes: usize,
+}
+
+// SAFETY: the registration only records addresses; it never dereferences `host`, and the driver
+// calls it makes are thread-safe.
+unsafe impl Send for HostRegistration {}
+// SAFETY: as above; all methods take `&self` and only read plain integers.
+unsafe impl Sync for HostRegistration {}
+
+impl HostRegistration {
+    /// Register `bytes` at `host`.
+    ///
+    /// # Safety
+    /// `host..host + bytes` must stay mapped (and not be registered again) until the returned
+    /// value is dropped.
+    pub unsafe fn new(
+        gpu: &Arc<Gpu>,
+        host: *mut u8,
+        bytes: usize,
+    ) -> Result<HostRegistration, DeviceError> {
+        gpu.check()?;
+        gpu.ctx
+            .bind_to_thread()
+            .map_err(sys_err("binding the context"))?;
+        let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
+        // SAFETY: the caller guarantees the range stays mapped while registered.
+        unsafe { sys::cuMemHostRegister_v2(host.cast(), bytes, flags) }
+            .result()
+            .map_err(sys_err(
+                "page-locking the shm staging slots (cuMemHostRegister; raise `ulimit -l`?)",
+            ))?;
+        let mut dev: DevPtr = 0;
+        // SAFETY: `host` was registered just above with DEVICEMAP; `dev` is a valid out-pointer.
+        let r = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, host.cast(), 0) }.result();
+        let reg = HostRegistration {
+            gpu: gpu.clone(),
+            host: host as usize,
+            dev,
+            bytes,
+        };
+        r.map_err(sys_err("mapping the staging slots into the device"))?;
+        Ok(reg)
+    }
+
+    /// The device address of host address `host` inside the registered range.
+    pub fn device_ptr(&self, host: *const u8) -> Result<DevPtr, DeviceError> {
+        let h = host as usize;
+        if h < self.host || h > self.host + self.bytes {
+            return Err(DeviceError::Invalid(format!(
+                "host address {h:#x} is outside the registered range {:#x}+{}",
+                self.host, self.bytes
+            )));
+        }
+        Ok(self.dev + (h - self.host) as u64)
+    }
+}
+
+impl Drop for HostRegistration {
+    fn drop(&mut self) {
+        let _ = self.gpu.ctx.bind_to_thread();
+        // SAFETY: the range was registered by `new` and is unregistered exactly once.
+        let r = unsafe { sys::cuMemHostUnregister(self.host as *mut _) }.result();
+        self.gpu.ctx.record_err(r);
+    }
+}
+
+/// What the driver says about peer access from device `a` to device `b`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PeerAccess {
+    /// `cuDeviceCanAccessPeer` (always true for a == b).
+    pub can_access: bool,
+    /// `CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED`.
+    pub access_supported: bool,
+    /// `CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED`.
+    pub native_atomics: bool,
+    /// `CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK` (lower is better).
+    pub performance_rank: i32,
+}
+
+/// Peer capability between device ordinals `a` and `b`.
+pub fn peer_access(a: usize, b: usize) -> Result<PeerAccess, DeviceError> {
+    super::device_count()?;
+    if a == b {
+        return Ok(PeerAccess {
+            can_access: true,
+            access_supported: true,
+            native_atomics: true,
+            performance_rank: 0,
+        });
+    }
+    let dev = |o: usize| -> Result<sys::CUdevice, DeviceError> {
+        result::device::get(o as i32).map_err(sys_err("opening a device"))
+    };
+    let (da, db) = (dev(a)?, dev(b)?);
+    let mut can = 0;
+    // SAFETY: valid out-pointer and device handles from cuDeviceGet.
+    unsafe { sys::cuDeviceCanAccessPeer(&mut can, da, db) }
+        .result()
+        .map_err(sys_err("cuDeviceCanAccessPeer"))?;
+    let attr = |at: sys::CUdevice_P2PAttribute| -> Result<i32, DeviceError> {
+        let mut v = 0;
+        // SAFETY: valid out-pointer and device handles.
+        unsafe { sys::cuDeviceGetP2PAttribute(&mut v, at, da, db) }
+            .result()
+            .map_err(sys_err("cuDeviceGetP2PAttribute"))?;
+        Ok(v)
+    };
+    use sys::CUdevice_P2PAttribute as A;
+    Ok(PeerAccess {
+        can_access: can != 0,
+        access_supported: attr(A::CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED)? != 0,
+        native_atomics: attr(A::CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED)? != 0,
+        performance_rank: attr(A::CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK)?,
+    })
+}
+
+/// The PCI bus id of device `ordinal` (`0000:3b:00.0`), lower case like sysfs.
+pub fn pci_bus_id(ordinal: usize) -> Result<String, DeviceError> {
+    super::device_count()?;
+    let d = result::device::get(ordinal as i32).map_err(sys_err("opening a device"))?;
+    let mut buf = [0 as std::ffi::c_char; 32];
+    // SAFETY: the buffer is 32 bytes, as told; the driver NUL-terminates within it.
+    unsafe { sys::cuDeviceGetPCIBusId(buf.as_mut_ptr(), buf.len() as i32, d) }
+        .result()
+        .map_err(sys_err("cuDeviceGetPCIBusId"))?;
+    let bytes: Vec<u8> = buf
+        .iter()
+        .take_while(|c| **c != 0)
+        .map(|c| *c as u8)
+        .collect();
+    Ok(String::from_utf8_lossy(&bytes).to_lowercase())
+}
+
+/// Completes once everything queued before it on the device's compute stream has.
+pub struct Marker(CudaEvent);
+
+impl Marker {
+    /// Whether the work before it has finished.
+    pub fn done(&self) -> Result<bool, DeviceError> {
+        self.0
+            .try_is_complete()
+            .map_err(driver("querying an event (a kernel or copy failed?)"))
+    }
+
+    /// Wait for it.
+    pub fn wait(&self) -> Result<(), DeviceError> {
+        self.0.synchronize().map_err(driver("waiting for an event"))
+    }
+}
+
+impl Gpu {
+    /// The device's UUID (identifies it across processes and ordinals).
+    pub fn uuid(&self) -> Result<[u8; 16], DeviceError> {
+        let u = self.ctx.uuid().map_err(driver("reading the device UUID"))?;
+        Ok(u.bytes.map(|c| c as u8))
+    }
+
+    /// The device ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ctx.ordinal()
+    }
+
+    /// The address of a buffer's first byte (valid while the buffer lives).
+    pub fn ptr_of(&self, buf: &super::DeviceBuffer) -> DevPtr {
+        use cudarc::driver::DevicePtr;
+        let (p, _sync) = buf.buf.device_ptr(&self.stream);
+        p
+    }
+
+    /// A marker after everything queued so far.
+    pub fn mark(&self) -> Result<Marker, DeviceError> {
+        self.check()?;
+        let e = self
+            .stream
+            .record_event(None)
+            .map_err(driver("recording an event"))?;
+        Ok(Marker(e))
+    }
+
+    /// Queue `dst[..n] = a[..n] op b[..n]` (`Avg` combines as `Sum`; finish with
+    /// [`Gpu::divide_at`]). `dst` may equal `a`.
+    ///
+    /// # Safety
+    /// The three ranges must be live device-addressable memory of `n` elements of `dtype` until
+    /// the work completes (see [`Gpu::mark`]); `dst` must not partially overlap `a` or `b`.
+    pub unsafe fn combine_at(
+        &self,
+        dtype: DType,
+        op: ReduceOp,
+        dst: DevPtr,
+        a: DevPtr,
+        b: DevPtr,
+        n: usize,
+    ) -> Result<(), DeviceError> {
+        self.check()?;
+        if n == 0 {
+            return Ok(());
+        }
+        let name = match op.pairwise() {
+            ReduceOp::Prod => "prod",
+            ReduceOp::Min => "min",
+            ReduceOp::Max => "max",
+            _ => "sum",
+        };
+        let f = self.func(&format!("combine_{name}_{}", cu_type(dtype)))?;
+        let n64 = n as u64;
+        let mut l = self.stream.launch_builder(&f);
+        l.arg(&dst).arg(&a).arg(&b).arg(&n64);
+        // SAFETY: the caller guarantees the three ranges; the grid-stride loop stays below `n`.
+        unsafe { l.launch(Self::cfg(n)) }.map_err(driver("launching combine"))?;
+        Ok(())
+    }
+
+    /// Queue `dst[..n] /= ranks` (the end of an average).
+    ///
+    /// # Safety
+    /// As for [`Gpu::combine_at`], for the one range.
+    pub unsafe fn divide_at(
+        &self,
+        dtype: DType,
+        dst: DevPtr,
+        n: usize,
+        ranks: usize,
+    ) -> Result<(), DeviceError> {
+        self.check()?;
+        if ranks == 0 || ranks > i32::MAX as usize {
+            return Err(DeviceError::Invalid(format!("divide by {ranks} ranks")));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.func(&format!("divide_{}", cu_type(dtype)))?;
+        let (n64, r) = (n as u64, ranks as i32);
+        let mut l = self.stream.launch_builder(&f);
+        l.arg(&dst).arg(&n64).arg(&r);
+        // SAFETY: the caller guarantees the range; grid-stride bounded by `n`.
+        unsafe { l.launch(Self::cfg(n)) }.map_err(driver("launching divide"))?;
+        Ok(())
+    }
+
+    /// Queue a copy of `bytes` from `src` to `dst` (device, IPC-mapped or mapped host memory).
+    ///
+    /// # Safety
+    /// Both ranges must be live device-addressable memory until the work completes, and must not
+    /// overlap.
+    pub unsafe fn copy_at(
+        &self,
+        dst: DevPtr,
+        src: DevPtr,
+        bytes: usize,
+    ) -> Result<(), DeviceError> {
+        self.check()?;
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: the caller guarantees both ranges; the stream belongs to this context.
+        unsafe { result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }
+            .map_err(driver("copying device to device"))
+    }
+
+    /// Host bytes into device memory at `dst` (waits).
+    ///
+    /// # Safety
+    /// `dst..dst + src.len()` must be live device memory.
+    pub unsafe fn write_at(&self, dst: DevPtr, src: &[u8]) -> Result<(), DeviceError> {
+        self.check()?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(driver("binding the context"))?;
+        // SAFETY: the caller guarantees the destination; `src` is a live host slice.
+        unsafe { result::memcpy_htod_sync(dst, src) }.map_err(driver("copying host to device"))
+    }
+
+    /// Device memory at `src` into host bytes (waits for the compute stream first).
+    ///
+    /// # Safety
+    /// `src..src + dst.len()` must be live device memory.
+    pub unsafe fn read_at(&self, dst: &mut [u8], src: DevPtr) -> Result<(), DeviceError> {
+        self.stream.synchronize().map_err(driver("synchronizing"))?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(driver("binding the context"))?;
+        // SAFETY: the caller guarantees the source; `dst` is a live host slice.
+        unsafe { result::memcpy_dtoh_sync(dst, src) }.map_err(driver("copying device to host"))
+    }
+}
