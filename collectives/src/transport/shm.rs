@@ -17,6 +17,14 @@
 //! sender unlinks it as soon as it has mapped it (both ends attached); the receiver unlinks it on
 //! drop in case the sender never came.
 //!
+//! The same file without its data area is the *control block* of the `cuda_ipc` transport, whose
+//! slots live in device memory ([`ShmRecv::create_control`], [`ShmSend::attach_control`]). The
+//! device ring engine keeps several frames in flight (a frame is published only when the copy or
+//! kernel writing it has completed, a slot is released only when the kernel reading it has), so
+//! both ends also offer a pipelined form of the protocol on slot indices:
+//! [`ShmSend::reserve_slot`]/[`ShmSend::post_slot`] and
+//! [`ShmRecv::peek_slot`]/[`ShmRecv::consume`]/[`ShmRecv::release_oldest`].
+//!
 //! A dead peer is noticed by [`SendLink::health`]/[`RecvLink::health`]: the abort flag, and the
 //! peer's pid checked with `kill(pid, 0)` plus its `/proc` state (a zombie is dead).
 
@@ -42,6 +50,7 @@ const OFF_RECV_PID: usize = 24;
 const OFF_SEND_PID: usize = 28;
 const OFF_ABORT: usize = 32;
 const OFF_REASON_LEN: usize = 36;
+const OFF_DATA_IN_FILE: usize = 40;
 const OFF_REASON: usize = 64;
 const REASON_CAP: usize = 512;
 const OFF_HEAD: usize = 1024;
@@ -56,6 +65,8 @@ const HEALTH_EVERY: Duration = Duration::from_millis(50);
 struct Geometry {
     slots: usize,
     slot_bytes: usize,
+    /// Whether the slots' bytes are in the file (shm) or elsewhere (cuda_ipc's device memory).
+    data_in_file: bool,
 }
 
 impl Geometry {
@@ -63,7 +74,11 @@ impl Geometry {
         OFF_SLOT_HEADERS + (self.slots * SLOT_HEADER_STRIDE).next_multiple_of(PAGE)
     }
     fn total(&self) -> usize {
-        self.data_offset() + self.slots * self.slot_bytes
+        if self.data_in_file {
+            self.data_offset() + self.slots * self.slot_bytes
+        } else {
+            self.data_offset()
+        }
     }
 }
 
@@ -100,7 +115,7 @@ impl Segment {
     }
 
     fn slot_ptr(&self, slot: usize) -> *mut u8 {
-        debug_assert!(slot < self.geo.slots);
+        debug_assert!(slot < self.geo.slots && self.geo.data_in_file);
         // SAFETY (of the pointer arithmetic): slot < slots, so the slot lies inside the mapping.
         unsafe {
             self.map
@@ -170,7 +185,10 @@ fn pid_alive(pid: u32) -> bool {
 /// The receiving end: owns (creates) the segment.
 pub struct ShmRecv {
     seg: Segment,
+    /// Frames released (the tail).
     next: u64,
+    /// Frames consumed but not yet released (pipelined form only).
+    held: u64,
     peer: usize,
     last_health: Instant,
 }
@@ -180,6 +198,8 @@ pub struct ShmSend {
     seg: Segment,
     head: u64,
     reserved: Option<usize>,
+    /// Slots reserved but not yet posted (pipelined form only).
+    ahead: u64,
     peer: usize,
     last_health: Instant,
 }
@@ -196,7 +216,29 @@ impl ShmRecv {
         let geo = Geometry {
             slots,
             slot_bytes: slot_bytes.next_multiple_of(64),
+            data_in_file: true,
         };
+        ShmRecv::create_with(dir, name, geo, peer)
+    }
+
+    /// Create the control block of a FIFO whose `slots` slots of `slot_bytes` live elsewhere
+    /// (device memory): head, tail, slot headers and the abort flag, no data area.
+    pub fn create_control(
+        dir: &Path,
+        name: &str,
+        slots: usize,
+        slot_bytes: usize,
+        peer: usize,
+    ) -> Result<ShmRecv> {
+        let geo = Geometry {
+            slots,
+            slot_bytes: slot_bytes.next_multiple_of(64),
+            data_in_file: false,
+        };
+        ShmRecv::create_with(dir, name, geo, peer)
+    }
+
+    fn create_with(dir: &Path, name: &str, geo: Geometry, peer: usize) -> Result<ShmRecv> {
         let path = dir.join(name);
         let file = OpenOptions::new()
             .read(true)
@@ -238,7 +280,9 @@ impl ShmRecv {
         seg.atomic_u32(OFF_VERSION)
             .store(VERSION, Ordering::Relaxed);
         seg.atomic_u32(OFF_SLOTS)
-            .store(slots as u32, Ordering::Relaxed);
+            .store(geo.slots as u32, Ordering::Relaxed);
+        seg.atomic_u32(OFF_DATA_IN_FILE)
+            .store(geo.data_in_file as u32, Ordering::Relaxed);
         seg.atomic_u64(OFF_SLOT_BYTES)
             .store(geo.slot_bytes as u64, Ordering::Relaxed);
         seg.atomic_u32(OFF_RECV_PID)
@@ -246,6 +290,7 @@ impl ShmRecv {
         Ok(ShmRecv {
             seg,
             next: 0,
+            held: 0,
             peer,
             last_health: Instant::now(),
         })
@@ -267,6 +312,31 @@ impl Drop for ShmRecv {
 impl ShmSend {
     /// Map the segment rank `peer` created at `path`, check it, and unlink it.
     pub fn attach(path: &Path, slots: usize, slot_bytes: usize, peer: usize) -> Result<ShmSend> {
+        let geo = Geometry {
+            slots,
+            slot_bytes: slot_bytes.next_multiple_of(64),
+            data_in_file: true,
+        };
+        ShmSend::attach_with(path, geo, peer)
+    }
+
+    /// Attach to a control block made by [`ShmRecv::create_control`].
+    pub fn attach_control(
+        path: &Path,
+        slots: usize,
+        slot_bytes: usize,
+        peer: usize,
+    ) -> Result<ShmSend> {
+        let geo = Geometry {
+            slots,
+            slot_bytes: slot_bytes.next_multiple_of(64),
+            data_in_file: false,
+        };
+        ShmSend::attach_with(path, geo, peer)
+    }
+
+    fn attach_with(path: &Path, geo: Geometry, peer: usize) -> Result<ShmSend> {
+        let (slots, slot_bytes) = (geo.slots, geo.slot_bytes);
         let file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -278,10 +348,6 @@ impl ShmSend {
                  set RINGZERO_SHM_DISABLE=1 or distinct RINGZERO_NODE_ID values"
             ),
             })?;
-        let geo = Geometry {
-            slots,
-            slot_bytes: slot_bytes.next_multiple_of(64),
-        };
         let len = file
             .metadata()
             .map_err(|e| Error::io("shm segment size", e))?
@@ -307,7 +373,8 @@ impl ShmSend {
         let ok = seg.atomic_u64(OFF_MAGIC).load(Ordering::Acquire) == MAGIC
             && seg.atomic_u32(OFF_VERSION).load(Ordering::Relaxed) == VERSION
             && seg.atomic_u32(OFF_SLOTS).load(Ordering::Relaxed) as usize == slots
-            && seg.atomic_u64(OFF_SLOT_BYTES).load(Ordering::Relaxed) as usize == geo.slot_bytes;
+            && seg.atomic_u64(OFF_SLOT_BYTES).load(Ordering::Relaxed) as usize == slot_bytes
+            && seg.atomic_u32(OFF_DATA_IN_FILE).load(Ordering::Relaxed) == geo.data_in_file as u32;
         if !ok {
             return Err(Error::Protocol {
                 peer: format!("rank {peer}"),
@@ -325,9 +392,130 @@ impl ShmSend {
             seg,
             head: 0,
             reserved: None,
+            ahead: 0,
             peer,
             last_health: Instant::now(),
         })
+    }
+}
+
+impl ShmSend {
+    /// Slots per FIFO and bytes per slot.
+    pub fn geometry(&self) -> (usize, usize) {
+        (self.seg.geo.slots, self.seg.geo.slot_bytes)
+    }
+
+    /// Pipelined send, step 1: the index of the next slot, once it is free, reserved for a frame
+    /// that [`ShmSend::post_slot`] publishes later. Several may be reserved at once (up to the
+    /// credits); they are posted in the order reserved.
+    pub fn reserve_slot(&mut self) -> LinkResult<Option<usize>> {
+        debug_assert!(self.reserved.is_none(), "pipelined and plain sends mixed");
+        let tail = self.seg.atomic_u64(OFF_TAIL).load(Ordering::Acquire);
+        let used = self.head + self.ahead - tail;
+        if used >= self.seg.geo.slots as u64 {
+            if let Some(reason) = self.seg.aborted_by_peer(1) {
+                return Err(LinkError::PeerAborted(reason));
+            }
+            return Ok(None);
+        }
+        let slot = ((self.head + self.ahead) % self.seg.geo.slots as u64) as usize;
+        self.ahead += 1;
+        Ok(Some(slot))
+    }
+
+    /// Pipelined send, step 2: publish the oldest reserved slot with `header` (its bytes must be
+    /// complete: for device slots, the copy or kernel that wrote them has finished).
+    pub fn post_slot(&mut self, header: &FrameHeader) -> LinkResult<()> {
+        if self.ahead == 0 {
+            return Err(LinkError::Io("post_slot without reserve_slot".into()));
+        }
+        self.ahead -= 1;
+        self.reserved = Some(header.len as usize);
+        SendLink::post(self, header)
+    }
+
+    /// Host address of slot `slot`'s payload (segments with their data in the file).
+    pub fn slot_addr(&self, slot: usize) -> Option<*mut u8> {
+        (self.seg.geo.data_in_file && slot < self.seg.geo.slots).then(|| self.seg.slot_ptr(slot))
+    }
+
+    /// The mapped segment (address and length), for registration with a device.
+    pub fn mapping(&self) -> (*mut u8, usize) {
+        (self.seg.map.as_ptr() as *mut u8, self.seg.map.len())
+    }
+}
+
+impl ShmRecv {
+    /// Slots per FIFO and bytes per slot.
+    pub fn geometry(&self) -> (usize, usize) {
+        (self.seg.geo.slots, self.seg.geo.slot_bytes)
+    }
+
+    /// Pipelined receive: the slot of the next frame not yet consumed, once it has arrived and
+    /// its header matches `expect`. Frames consumed earlier may still be held (not released).
+    pub fn peek_slot(&mut self, expect: &Expect) -> LinkResult<Option<usize>> {
+        let k = self.next + self.held;
+        let head = self.seg.atomic_u64(OFF_HEAD).load(Ordering::Acquire);
+        if head <= k {
+            if let Some(reason) = self.seg.aborted_by_peer(2) {
+                return Err(LinkError::PeerAborted(reason));
+            }
+            return Ok(None);
+        }
+        let slot = (k % self.seg.geo.slots as u64) as usize;
+        self.check_header(slot, expect)?;
+        Ok(Some(slot))
+    }
+
+    /// Move past the frame [`ShmRecv::peek_slot`] returned; its slot stays held until
+    /// [`ShmRecv::release_oldest`].
+    pub fn consume(&mut self) {
+        self.held += 1;
+    }
+
+    /// Give the oldest held slot back to the sender.
+    pub fn release_oldest(&mut self) -> LinkResult<()> {
+        if self.held == 0 {
+            return Err(LinkError::Io("release without a held frame".into()));
+        }
+        self.held -= 1;
+        RecvLink::release(self)
+    }
+
+    /// Host address of slot `slot`'s payload (segments with their data in the file).
+    pub fn slot_addr(&self, slot: usize) -> Option<*mut u8> {
+        (self.seg.geo.data_in_file && slot < self.seg.geo.slots).then(|| self.seg.slot_ptr(slot))
+    }
+
+    /// The mapped segment (address and length), for registration with a device.
+    pub fn mapping(&self) -> (*mut u8, usize) {
+        (self.seg.map.as_ptr() as *mut u8, self.seg.map.len())
+    }
+
+    fn check_header(&self, slot: usize, expect: &Expect) -> LinkResult<()> {
+        let mut bytes = [0u8; HEADER_LEN];
+        // SAFETY: callers saw head > this frame's index with an acquire load, which orders the
+        // sender's writes of the slot header before this read; the sender will not touch the slot
+        // until it is released.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.seg.slot_header_ptr(slot),
+                bytes.as_mut_ptr(),
+                HEADER_LEN,
+            )
+        };
+        let h = FrameHeader::decode(&bytes)?;
+        if h.is_abort() {
+            return Err(LinkError::PeerAborted("abort frame".into()));
+        }
+        h.check(expect)?;
+        if expect.len > self.seg.geo.slot_bytes {
+            return Err(LinkError::Protocol(format!(
+                "frame of {} bytes exceeds the slot",
+                expect.len
+            )));
+        }
+        Ok(())
     }
 }
 
@@ -363,6 +551,11 @@ impl SendLink for ShmSend {
     }
 
     fn reserve(&mut self, len: usize) -> LinkResult<Option<&mut [u8]>> {
+        if !self.seg.geo.data_in_file {
+            return Err(LinkError::Io(
+                "a control block has no host slots (its data lives on the device)".into(),
+            ));
+        }
         if len > self.seg.geo.slot_bytes {
             return Err(LinkError::Io(format!(
                 "frame of {len} bytes exceeds the {}-byte slot",
@@ -432,6 +625,11 @@ impl RecvLink for ShmRecv {
     }
 
     fn peek(&mut self, expect: &Expect) -> LinkResult<Option<&[u8]>> {
+        if !self.seg.geo.data_in_file {
+            return Err(LinkError::Io(
+                "a control block has no host slots (its data lives on the device)".into(),
+            ));
+        }
         let head = self.seg.atomic_u64(OFF_HEAD).load(Ordering::Acquire);
         if head <= self.next {
             if let Some(reason) = self.seg.aborted_by_peer(2) {
@@ -440,28 +638,10 @@ impl RecvLink for ShmRecv {
             return Ok(None);
         }
         let slot = (self.next % self.seg.geo.slots as u64) as usize;
-        let mut bytes = [0u8; HEADER_LEN];
-        // SAFETY: the acquire load of head > next orders the sender's writes of this slot's header
-        // and payload before our reads; the sender will not touch the slot until we release it.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.seg.slot_header_ptr(slot),
-                bytes.as_mut_ptr(),
-                HEADER_LEN,
-            )
-        };
-        let h = FrameHeader::decode(&bytes)?;
-        if h.is_abort() {
-            return Err(LinkError::PeerAborted("abort frame".into()));
-        }
-        h.check(expect)?;
-        if expect.len > self.seg.geo.slot_bytes {
-            return Err(LinkError::Protocol(format!(
-                "frame of {} bytes exceeds the slot",
-                expect.len
-            )));
-        }
-        // SAFETY: as above; the length was checked against the slot size.
+        self.check_header(slot, expect)?;
+        // SAFETY: the acquire load of head > next orders the sender's writes of this slot's
+        // payload before our reads; the sender will not touch the slot until we release it; the
+        // length was checked against the slot size.
         Ok(Some(unsafe {
             std::slice::from_raw_parts(self.seg.slot_ptr(slot), expect.len)
         }))
@@ -546,6 +726,89 @@ mod tests {
         assert_eq!(
             rx.health().unwrap_err(),
             LinkError::PeerAborted("boom".into())
+        );
+    }
+
+    #[test]
+    fn pipelined_frames_keep_several_in_flight_within_the_credits() {
+        let dir = std::env::temp_dir();
+        let name = format!(
+            "ringzero-test-{}-{}",
+            std::process::id(),
+            rand::random::<u32>()
+        );
+        let mut rx = ShmRecv::create_control(&dir, &name, 3, 100, 0).unwrap();
+        // A data-path attach to a control block is refused: the layouts differ.
+        let err = ShmSend::attach(rx.path(), 3, 100, 1)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("bytes, expected") || err.contains("another layout"),
+            "{err}"
+        );
+        let mut tx = ShmSend::attach_control(rx.path(), 3, 100, 1).unwrap();
+        assert_eq!(tx.slot_addr(0), None, "control blocks have no host slots");
+        assert!(tx.reserve(10).is_err(), "plain sends need host slots");
+        let slots: Vec<usize> = (0..3)
+            .map(|_| tx.reserve_slot().unwrap().unwrap())
+            .collect();
+        assert_eq!(slots, [0, 1, 2]);
+        assert_eq!(
+            tx.reserve_slot().unwrap(),
+            None,
+            "three credits, three reserved"
+        );
+        let e = |step| Expect {
+            seq: 0,
+            step,
+            slice: 0,
+            fp: fp(),
+            len: 10,
+        };
+        assert_eq!(rx.peek_slot(&e(0)).unwrap(), None, "nothing posted yet");
+        tx.post_slot(&FrameHeader::data(0, 0, 0, fp(), 10)).unwrap();
+        tx.post_slot(&FrameHeader::data(0, 1, 0, fp(), 10)).unwrap();
+        assert_eq!(rx.peek_slot(&e(0)).unwrap(), Some(0));
+        assert_eq!(
+            rx.peek_slot(&e(0)).unwrap(),
+            Some(0),
+            "same frame until consumed"
+        );
+        rx.consume();
+        assert_eq!(
+            rx.peek_slot(&e(1)).unwrap(),
+            Some(1),
+            "the next frame while 0 is held"
+        );
+        rx.consume();
+        assert_eq!(
+            rx.peek_slot(&e(2)).unwrap(),
+            None,
+            "frame 2 reserved, not posted"
+        );
+        assert_eq!(
+            tx.reserve_slot().unwrap(),
+            None,
+            "held slots give no credit"
+        );
+        rx.release_oldest().unwrap();
+        assert_eq!(
+            tx.reserve_slot().unwrap(),
+            Some(0),
+            "slot 0 again after its release"
+        );
+        tx.post_slot(&FrameHeader::data(0, 2, 0, fp(), 10)).unwrap();
+        tx.post_slot(&FrameHeader::data(0, 3, 0, fp(), 10)).unwrap();
+        assert!(tx.post_slot(&FrameHeader::data(0, 4, 0, fp(), 10)).is_err());
+        assert_eq!(rx.peek_slot(&e(2)).unwrap(), Some(2));
+        rx.consume();
+        assert_eq!(rx.peek_slot(&e(3)).unwrap(), Some(0));
+        rx.release_oldest().unwrap();
+        rx.release_oldest().unwrap();
+        assert!(
+            rx.release_oldest().is_err(),
+            "only consumed frames can be released"
         );
     }
 
