@@ -34,6 +34,9 @@ pub enum TransportPref {
     Tcp,
     /// Shared memory on every edge (an error if two neighbours are on different nodes).
     Shm,
+    /// CUDA IPC peer copies on every device edge (an error where peer access is impossible);
+    /// host buffers use shared memory.
+    CudaIpc,
 }
 
 /// Where rank, world size and master came from.
@@ -72,6 +75,9 @@ pub struct Config {
     pub transport: TransportPref,
     /// Never use shared memory (`RINGZERO_SHM_DISABLE=1`).
     pub shm_disable: bool,
+    /// Never copy device buffers peer to peer; stage them through host shared memory
+    /// (`RINGZERO_P2P_DISABLE=1`).
+    pub p2p_disable: bool,
     /// Largest frame payload in bytes (`RINGZERO_SLICE_BYTES`).
     pub slice_bytes: usize,
     /// Slots per link (`RINGZERO_SLOTS`, at least 2).
@@ -101,6 +107,7 @@ impl Config {
             timeout: DEFAULT_TIMEOUT,
             transport: TransportPref::Auto,
             shm_disable: false,
+            p2p_disable: false,
             slice_bytes: DEFAULT_SLICE_BYTES,
             slots: DEFAULT_SLOTS,
             shm_dir: "/dev/shm".into(),
@@ -158,21 +165,17 @@ impl Config {
                 "auto" | "" => TransportPref::Auto,
                 "tcp" => TransportPref::Tcp,
                 "shm" => TransportPref::Shm,
-                "cuda_ipc" => {
-                    return Err(Error::config(
-                        "RINGZERO_TRANSPORT",
-                        "cuda_ipc is for device buffers, which this build does not support yet",
-                    ))
-                }
+                "cuda_ipc" => TransportPref::CudaIpc,
                 _ => {
                     return Err(Error::config(
                         "RINGZERO_TRANSPORT",
-                        format!("`{t}` is not one of tcp, shm, auto"),
+                        format!("`{t}` is not one of tcp, shm, cuda_ipc, auto"),
                     ))
                 }
             };
         }
         c.shm_disable = flag(env, "RINGZERO_SHM_DISABLE")?;
+        c.p2p_disable = flag(env, "RINGZERO_P2P_DISABLE")?;
         if let Some(v) = env("RINGZERO_SLICE_BYTES") {
             c.slice_bytes = parse_bytes(&v)
                 .filter(|b| (1..=1 << 30).contains(b))

@@ -70,22 +70,15 @@ pub(crate) fn connect_ring(
     let recv_edge = topology::choose(cfg, prev, &prev_node, rank)?;
     let slot_bytes = cfg.slice_bytes;
     let shm_rx = match recv_edge.kind {
-        TransportKind::Shm => {
-            let name = format!(
-                "ringzero-{}-{prev}to{rank}-{}-{:08x}",
-                std::process::id(),
-                job_tag(&cfg.job_id),
-                rand::random::<u32>()
-            );
-            Some(ShmRecv::create(
-                &cfg.shm_dir,
-                &name,
-                cfg.slots,
-                slot_bytes,
-                prev,
-            )?)
-        }
+        TransportKind::Shm => Some(ShmRecv::create(
+            &cfg.shm_dir,
+            &segment_name(cfg, prev, rank, "host"),
+            cfg.slots,
+            slot_bytes,
+            prev,
+        )?),
         TransportKind::Tcp => None,
+        TransportKind::CudaIpc => return Err(host_cuda_ipc()),
     };
     let published = match &shm_rx {
         Some(rx) => format!("shm\n{}\n{}", recv_edge.reason, rx.path().display()),
@@ -133,6 +126,7 @@ pub(crate) fn connect_ring(
             TransportKind::Tcp => tcp::connect(next_addr, &me, next, cfg.timeout)
                 .and_then(|st| tcp::TcpSend::new(st, next, cfg.slots, slot_bytes))
                 .map(|t| Box::new(t) as _),
+            TransportKind::CudaIpc => Err(host_cuda_ipc()),
         };
         let rx = match accept {
             Ok(rx) => rx,
@@ -148,6 +142,23 @@ pub(crate) fn connect_ring(
     }
     let links = Links::new(tx, rx, next, prev)?;
     Ok((Some(links), vec![recv_edge, send_edge], server))
+}
+
+fn host_cuda_ipc() -> Error {
+    Error::config(
+        "RINGZERO_TRANSPORT",
+        "cuda_ipc carries device buffers only; a communicator's host edges are shm or tcp",
+    )
+}
+
+/// A unique name for the shm file of the FIFO carrying frames `prev → rank` (`what`: host, dev).
+pub(crate) fn segment_name(cfg: &Config, prev: usize, rank: usize, what: &str) -> String {
+    format!(
+        "ringzero-{}-{prev}to{rank}-{what}-{}-{:08x}",
+        std::process::id(),
+        job_tag(&cfg.job_id),
+        rand::random::<u32>()
+    )
 }
 
 fn job_tag(job: &str) -> String {

@@ -103,6 +103,14 @@ pub enum Error {
     /// A kernel rejected its operands.
     #[error(transparent)]
     Kernel(#[from] ringzero_kernels::KernelError),
+    /// A device (CUDA) call failed, or no device is usable.
+    #[error("{context}: {source}")]
+    Device {
+        /// What the communicator was doing.
+        context: String,
+        /// The device's error.
+        source: ringzero_kernels::device::DeviceError,
+    },
 }
 
 impl Error {

@@ -14,6 +14,7 @@
 //!
 //! Choosing a transport per edge is [`crate::topology`]'s job, not the transports'.
 
+pub mod device;
 pub mod shm;
 pub mod tcp;
 pub mod wait;
@@ -29,6 +30,9 @@ pub enum TransportKind {
     Shm,
     /// A TCP connection.
     Tcp,
+    /// Slots in the receiver's GPU memory, written by the sender through a CUDA IPC mapping
+    /// (device buffers, same node, peer access allowed and working).
+    CudaIpc,
 }
 
 impl fmt::Display for TransportKind {
@@ -36,6 +40,7 @@ impl fmt::Display for TransportKind {
         f.write_str(match self {
             TransportKind::Shm => "shm",
             TransportKind::Tcp => "tcp",
+            TransportKind::CudaIpc => "cuda_ipc",
         })
     }
 }

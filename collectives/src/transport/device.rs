@@ -1,0 +1,160 @@
+//! The link contract for device buffers, and its one implementation over a shared-memory FIFO.
+//!
+//! The device engine never touches payload bytes itself: it queues kernels and copies on a stream
+//! that read and write *slot addresses*, and it keeps several frames in flight, because a frame may
+//! only be published once the work writing it has completed, and a slot may only be given back once
+//! the kernel reading it has. So the device contract differs from the host one ([`super::SendLink`])
+//! in two ways: a slot is an address the device can use, and reserve/post and peek/release are
+//! split so that up to `slots` frames can be between the two.
+//!
+//! Both device transports inside a node are the same shared-memory FIFO protocol
+//! ([`super::shm`]: head, tail, slot headers, abort flag); they differ only in where the slots'
+//! bytes are:
+//! - `cuda_ipc`: in the receiver's device memory (`cuMemAlloc`, exported with an IPC handle and
+//!   opened by the sender), the shm file holding only the control block;
+//! - `shm` (host staging): in the shm file itself, page-locked and mapped into each process's device
+//!   address space, so the sender's kernel writes its result straight into the receiver's staging
+//!   slot and the receiver's kernel reduces straight out of it (no separate host↔device copies).
+//!
+//! A [`FifoSend`]/[`FifoRecv`] is therefore the shm FIFO plus the device address of slot 0 and an
+//! owner that keeps that memory mapped (an IPC mapping, an exported allocation, a host
+//! registration) for as long as the link lives.
+
+use std::any::Any;
+
+use super::shm::{ShmRecv, ShmSend};
+use super::{LinkResult, TransportKind};
+use crate::wire::{Expect, FrameHeader};
+
+/// An address the device's kernels and copies can use.
+pub type Addr = u64;
+
+/// The sending half of a device ring edge.
+pub trait DevSendLink: Send {
+    /// The backend.
+    fn kind(&self) -> TransportKind;
+    /// Largest payload of one frame.
+    fn slot_bytes(&self) -> usize;
+    /// The address of the next free slot, reserved for a frame [`DevSendLink::post`] publishes
+    /// later; `None` while every credit is taken. Reservations are posted in order.
+    fn reserve(&mut self) -> LinkResult<Option<Addr>>;
+    /// Publish the oldest reserved slot (its bytes are complete).
+    fn post(&mut self, header: &FrameHeader) -> LinkResult<()>;
+    /// Whether the peer is still there.
+    fn health(&mut self) -> LinkResult<()>;
+    /// Tell the peer this rank aborts.
+    fn abort(&mut self, reason: &str);
+}
+
+/// The receiving half of a device ring edge.
+pub trait DevRecvLink: Send {
+    /// The backend.
+    fn kind(&self) -> TransportKind;
+    /// The address of the next frame not yet consumed, once it has arrived and matches `expect`.
+    fn peek(&mut self, expect: &Expect) -> LinkResult<Option<Addr>>;
+    /// Move past the frame peeked last; its slot stays held until [`DevRecvLink::release`].
+    fn consume(&mut self);
+    /// Give the oldest held slot back (the kernel reading it has completed).
+    fn release(&mut self) -> LinkResult<()>;
+    /// Whether the peer is still there.
+    fn health(&mut self) -> LinkResult<()>;
+    /// Tell the peer this rank aborts.
+    fn abort(&mut self, reason: &str);
+}
+
+/// Keeps a link's slot memory mapped (dropped after the FIFO).
+pub type Keep = Box<dyn Any + Send>;
+
+/// Sender over an shm FIFO whose slots start at device address `base`.
+pub struct FifoSend {
+    ctl: ShmSend,
+    kind: TransportKind,
+    base: Addr,
+    slot_bytes: usize,
+    _keep: Keep,
+}
+
+impl FifoSend {
+    /// Wrap `ctl`; slot `i` is at `base + i * slot_bytes` (the FIFO's geometry).
+    pub fn new(ctl: ShmSend, kind: TransportKind, base: Addr, keep: Keep) -> FifoSend {
+        let (_, slot_bytes) = ctl.geometry();
+        FifoSend {
+            ctl,
+            kind,
+            base,
+            slot_bytes,
+            _keep: keep,
+        }
+    }
+}
+
+impl DevSendLink for FifoSend {
+    fn kind(&self) -> TransportKind {
+        self.kind
+    }
+    fn slot_bytes(&self) -> usize {
+        self.slot_bytes
+    }
+    fn reserve(&mut self) -> LinkResult<Option<Addr>> {
+        Ok(self
+            .ctl
+            .reserve_slot()?
+            .map(|s| self.base + (s * self.slot_bytes) as u64))
+    }
+    fn post(&mut self, header: &FrameHeader) -> LinkResult<()> {
+        self.ctl.post_slot(header)
+    }
+    fn health(&mut self) -> LinkResult<()> {
+        super::SendLink::health(&mut self.ctl)
+    }
+    fn abort(&mut self, reason: &str) {
+        super::SendLink::abort(&mut self.ctl, reason)
+    }
+}
+
+/// Receiver over an shm FIFO whose slots start at device address `base`.
+pub struct FifoRecv {
+    ctl: ShmRecv,
+    kind: TransportKind,
+    base: Addr,
+    slot_bytes: usize,
+    _keep: Keep,
+}
+
+impl FifoRecv {
+    /// Wrap `ctl`; slot `i` is at `base + i * slot_bytes`.
+    pub fn new(ctl: ShmRecv, kind: TransportKind, base: Addr, keep: Keep) -> FifoRecv {
+        let (_, slot_bytes) = ctl.geometry();
+        FifoRecv {
+            ctl,
+            kind,
+            base,
+            slot_bytes,
+            _keep: keep,
+        }
+    }
+}
+
+impl DevRecvLink for FifoRecv {
+    fn kind(&self) -> TransportKind {
+        self.kind
+    }
+    fn peek(&mut self, expect: &Expect) -> LinkResult<Option<Addr>> {
+        Ok(self
+            .ctl
+            .peek_slot(expect)?
+            .map(|s| self.base + (s * self.slot_bytes) as u64))
+    }
+    fn consume(&mut self) {
+        self.ctl.consume()
+    }
+    fn release(&mut self) -> LinkResult<()> {
+        self.ctl.release_oldest()
+    }
+    fn health(&mut self) -> LinkResult<()> {
+        super::RecvLink::health(&mut self.ctl)
+    }
+    fn abort(&mut self, reason: &str) {
+        super::RecvLink::abort(&mut self.ctl, reason)
+    }
+}
