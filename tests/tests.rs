@@ -3,6 +3,7 @@
 
 mod bench;
 mod common;
+mod device;
 mod failures;
 mod processes;
 mod threads;

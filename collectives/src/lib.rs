@@ -10,7 +10,8 @@
 //! - [`transport`]: one link to one peer, one contract, one file per backend (`shm`, `tcp`);
 //! - [`ring`]: the schedule as pure data, and the engine that drives a transport through it;
 //! - [`wire`]: frame headers, fingerprints, bounds checks;
-//! - [`Communicator`]: the public API.
+//! - [`Communicator`]: the public API; [`DeviceComm`]: the same ring on device buffers
+//!   (cuda_ipc peer copies, shm host staging), set up through a communicator.
 //!
 //! Two ranks as threads, the way tests run them:
 //! ```
@@ -37,6 +38,7 @@ pub mod bootstrap;
 mod comm;
 pub mod config;
 mod connect;
+pub mod device;
 pub mod error;
 pub mod ring;
 pub mod topology;
@@ -46,6 +48,7 @@ mod work;
 
 pub use comm::Communicator;
 pub use config::{Config, TransportPref};
+pub use device::{DeviceComm, DeviceMemory, HostStream, Stream};
 pub use error::{Error, Result};
 pub use ring::engine::Counters;
 pub use ring::{chunk, Collective};

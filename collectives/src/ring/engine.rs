@@ -141,7 +141,7 @@ pub struct Call<'a> {
     pub timeout: Duration,
 }
 
-fn link_err(
+pub(crate) fn link_err(
     e: LinkError,
     what: &str,
     seq: u64,
@@ -209,7 +209,7 @@ pub fn run_local(call: &Call, mut bufs: Bufs) -> Result<()> {
     Ok(())
 }
 
-fn base(plan: &Plan, buf: Buf) -> usize {
+pub(crate) fn base(plan: &Plan, buf: Buf) -> usize {
     match buf {
         Buf::Input => plan.input_base,
         Buf::Output => plan.output_base,

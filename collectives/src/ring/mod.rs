@@ -1,6 +1,7 @@
 //! The ring: the schedule as pure data ([`schedule`]) and the engine that drives a transport
 //! through it ([`engine`]).
 
+pub mod device_engine;
 pub mod engine;
 pub mod schedule;
 

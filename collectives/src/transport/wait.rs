@@ -48,6 +48,15 @@ impl Waiter {
         })
     }
 
+    /// A waiter with nothing to poll: spin, yield, nap (the device engine's links are shared
+    /// memory and device queues).
+    pub fn backoff() -> Waiter {
+        Waiter {
+            poll: None,
+            idle_since: None,
+        }
+    }
+
     /// Something moved: the next wait starts with spinning again.
     pub fn progressed(&mut self) {
         self.idle_since = None;

@@ -292,6 +292,16 @@ pub fn peer_access(a: usize, b: usize) -> Result<PeerAccess, DeviceError> {
     })
 }
 
+pub use super::device_count;
+
+/// The UUID of device `ordinal`.
+pub fn uuid_of(ordinal: usize) -> Result<[u8; 16], DeviceError> {
+    super::device_count()?;
+    let d = result::device::get(ordinal as i32).map_err(sys_err("opening a device"))?;
+    let u = result::device::get_uuid(d).map_err(sys_err("reading a device UUID"))?;
+    Ok(u.bytes.map(|c| c as u8))
+}
+
 /// The PCI bus id of device `ordinal` (`0000:3b:00.0`), lower case like sysfs.
 pub fn pci_bus_id(ordinal: usize) -> Result<String, DeviceError> {
     super::device_count()?;

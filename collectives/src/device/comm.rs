@@ -1,0 +1,626 @@
+//! [`DeviceComm`]: collectives on device buffers, set up through a host [`Communicator`].
+//!
+//! Set-up, all of it over the host communicator's own collectives (every rank takes part):
+//! 1. every rank all-gathers a [`DeviceInfo`] record (its device's UUID, name, pid);
+//! 2. each rank chooses the transport of the edge it *receives* on ([`topology::choose_device`]),
+//!    creates that FIFO (an shm staging segment mapped into its device, or device slots from
+//!    `cuMemAlloc` with an shm control block) and all-gathers a [`ConnectInfo`] record;
+//! 3. each rank attaches to the FIFO of the rank it sends to;
+//! 4. every edge is probed: the sender writes a pattern (never zeros) into the receiver's slot and
+//!    posts it; the receiver checks every byte within a deadline. Findings are all-gathered; a
+//!    failed cuda_ipc edge is rebuilt as host staging ([`topology::after_probe`]), and the probe
+//!    runs again on the rebuilt edge.
+//!
+//! The chosen transport of both edges, with its reason, is logged once and returned by
+//! [`DeviceComm::edges`].
+
+use std::ops::Range;
+use std::time::{Duration, Instant};
+
+use bytemuck::{Pod, Zeroable};
+use ringzero_kernels::{DType, ReduceOp};
+
+use super::stream::Stream;
+use crate::comm::Communicator;
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::ring::device_engine::{self, DevBufs, DevLinks};
+use crate::ring::engine::{Call, Counters};
+use crate::ring::{chunk, plan, Collective, PlanArgs};
+use crate::topology::{self, DevicePeer, Edge};
+use crate::transport::device::{FifoRecv, FifoSend};
+use crate::transport::shm::{ShmRecv, ShmSend};
+use crate::transport::TransportKind;
+use crate::wire::{Expect, Fingerprint, FrameHeader};
+
+/// What every rank tells the others about its device (fixed size, all-gathered).
+#[derive(Clone, Copy, Pod, Zeroable)]
+#[repr(C)]
+pub struct DeviceInfo {
+    /// Device UUID (zero when it has none).
+    pub uuid: [u8; 16],
+    /// 1 when `uuid` is meaningful.
+    pub has_uuid: u32,
+    /// Process id.
+    pub pid: u32,
+    /// Device name (`cuda:0`, `host`), NUL-padded.
+    pub name: [u8; 24],
+}
+const _: () = assert!(std::mem::size_of::<DeviceInfo>() == 48);
+
+/// How to attach to a rank's receive FIFO (fixed size, all-gathered).
+#[derive(Clone, Copy, Pod, Zeroable)]
+#[repr(C)]
+pub struct ConnectInfo {
+    /// Slot bytes.
+    pub slot_bytes: u64,
+    /// Slots.
+    pub slots: u32,
+    /// 1 shm staging, 3 cuda_ipc.
+    pub kind: u32,
+    /// CUDA IPC handle of the device slots (cuda_ipc).
+    pub ipc: [u8; 64],
+    /// Path of the shm file (data or control block), NUL-padded.
+    pub path: [u8; 128],
+    /// Zero.
+    pub _reserved: [u8; 48],
+}
+const _: () = assert!(std::mem::size_of::<ConnectInfo>() == 256);
+
+fn kind_code(k: TransportKind) -> u32 {
+    match k {
+        TransportKind::Shm => 1,
+        TransportKind::Tcp => 2,
+        TransportKind::CudaIpc => 3,
+    }
+}
+
+fn text<const N: usize>(s: &str) -> [u8; N] {
+    let mut b = [0u8; N];
+    let n = s.len().min(N);
+    b[..n].copy_from_slice(&s.as_bytes()[..n]);
+    b
+}
+
+fn path_text(p: &std::path::Path) -> Result<[u8; 128]> {
+    let s = p.to_string_lossy();
+    if s.len() >= 128 {
+        return Err(Error::config(
+            "RINGZERO_SHM_DIR",
+            format!("the shm path `{s}` is longer than 127 bytes; use a shorter directory"),
+        ));
+    }
+    Ok(text(&s))
+}
+
+fn untext(b: &[u8]) -> String {
+    let end = b.iter().position(|&c| c == 0).unwrap_or(b.len());
+    String::from_utf8_lossy(&b[..end]).into_owned()
+}
+
+/// How long a probe waits for its frame.
+const PROBE_DEADLINE: Duration = Duration::from_secs(5);
+/// Bytes a probe moves (or the slot size, if smaller).
+const PROBE_BYTES: usize = 64 * 1024;
+/// Bytes of a probe finding in the all-gathered record.
+const FINDING_BYTES: usize = 192;
+
+/// The byte at offset `i` of a probe from rank `from`: never zero, differs between neighbours.
+pub fn probe_pattern(from: usize, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| {
+            let x = (i as u64).wrapping_mul(0x9e37_79b9) ^ (from as u64).wrapping_mul(0x85eb_ca6b);
+            ((x >> 7) as u8 % 251) + 1
+        })
+        .collect()
+}
+
+/// Compare what arrived with what was sent: `None` if equal, else the first difference.
+pub fn judge_probe(expected: &[u8], seen: &[u8]) -> Option<String> {
+    if seen.len() != expected.len() {
+        return Some(format!(
+            "{} bytes arrived, {} were sent",
+            seen.len(),
+            expected.len()
+        ));
+    }
+    let bad = expected.iter().zip(seen).filter(|(a, b)| a != b).count();
+    let first = expected.iter().zip(seen).position(|(a, b)| a != b)?;
+    let show = |b: &[u8]| {
+        b[first..(first + 8).min(b.len())]
+            .iter()
+            .map(|x| format!("{x:02x}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    Some(format!(
+        "wrong data: {bad} of {} bytes differ, first at byte {first}: expected {} saw {}",
+        expected.len(),
+        show(expected),
+        show(seen)
+    ))
+}
+
+/// Collectives on buffers of one device per rank (see the module docs).
+pub struct DeviceComm<S: Stream> {
+    stream: S,
+    cfg: Config,
+    rank: usize,
+    size: usize,
+    links: Option<DevLinks>,
+    edges: Vec<Edge>,
+    seq: u64,
+    failed: Option<Error>,
+}
+
+impl<S: Stream> DeviceComm<S> {
+    /// Connect the ring for `stream`'s buffers. Every rank of `comm` must call this together.
+    pub fn new(comm: &Communicator, stream: S) -> Result<DeviceComm<S>> {
+        let cfg = comm.config().clone();
+        let (rank, size) = (comm.rank(), comm.size());
+        let mut dc = DeviceComm {
+            stream,
+            cfg,
+            rank,
+            size,
+            links: None,
+            edges: Vec::new(),
+            seq: 0,
+            failed: None,
+        };
+        if size > 1 {
+            dc.connect(comm)?;
+        }
+        Ok(dc)
+    }
+
+    /// This rank's two device edges (receive edge first), with the transport and why.
+    pub fn edges(&self) -> &[Edge] {
+        &self.edges
+    }
+
+    /// Payload bytes this rank's device links have moved.
+    pub fn counters(&self) -> Counters {
+        self.links.as_ref().map(|l| l.counters).unwrap_or_default()
+    }
+
+    /// The stream (device) the buffers live on.
+    pub fn stream(&self) -> &S {
+        &self.stream
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Ranks.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// The range of elements rank `rank()` owns in a reduce-scatter of `count`.
+    pub fn chunk_range(&self, count: usize) -> Range<usize> {
+        chunk(count, self.size, self.rank)
+    }
+
+    fn connect(&mut self, comm: &Communicator) -> Result<()> {
+        let (rank, size) = (self.rank, self.size);
+        let prev = (rank + size - 1) % size;
+        let next = (rank + 1) % size;
+        // 1. Who is on which device.
+        let me = DeviceInfo {
+            uuid: self.stream.identity().unwrap_or([0; 16]),
+            has_uuid: self.stream.identity().is_some() as u32,
+            pid: std::process::id(),
+            name: text(&self.stream.name()),
+        };
+        let infos: Vec<DeviceInfo> = all_gather_records(comm, &me)?;
+        let p = &infos[prev];
+        let host_edges = comm.edges();
+        let host_recv = host_edges
+            .iter()
+            .find(|e| e.to == rank && e.from == prev)
+            .cloned()
+            .ok_or_else(|| Error::Protocol {
+                peer: format!("rank {prev}"),
+                detail: "the host communicator has no edge from it".into(),
+            })?;
+        let same_gpu = me.has_uuid == 1 && p.has_uuid == 1 && me.uuid == p.uuid;
+        let peer_access = if me.has_uuid == 0 || p.has_uuid == 0 {
+            Err(format!(
+                "{} and {} are not both GPUs",
+                untext(&me.name),
+                untext(&p.name)
+            ))
+        } else if same_gpu {
+            Ok(true)
+        } else {
+            self.stream.can_access_peer(&p.uuid)
+        };
+        let peer = DevicePeer {
+            host_edge: host_recv,
+            mine: untext(&me.name),
+            theirs: untext(&p.name),
+            same_gpu,
+            peer_access,
+        };
+        let mut recv_edge = topology::choose_device(&self.cfg, &peer)?;
+        // 2–4, at most twice: a failed cuda_ipc probe rebuilds that edge as host staging.
+        const ROUNDS: u64 = 2;
+        for round in 0..ROUNDS {
+            let (links, send_kind) = self.build(comm, &recv_edge, prev, next)?;
+            let mut links = links;
+            let finding = self.probe(&mut links, round)?;
+            let mut rec = [0u8; FINDING_BYTES];
+            if let Some(f) = &finding {
+                rec[0] = 1;
+                let t: [u8; FINDING_BYTES - 1] = text(f);
+                rec[1..].copy_from_slice(&t);
+            }
+            let all = all_gather_bytes(comm, &rec)?;
+            let failed = |r: usize| all[r * FINDING_BYTES] == 1;
+            let send_edge = Edge {
+                from: rank,
+                to: next,
+                kind: send_kind,
+                reason: String::new(),
+            };
+            if (0..size).all(|r| !failed(r)) {
+                // Learn the reason the next rank gave for our send edge.
+                let reasons = all_gather_bytes(comm, &text::<FINDING_BYTES>(&recv_edge.reason))?;
+                let their_reason =
+                    untext(&reasons[next * FINDING_BYTES..(next + 1) * FINDING_BYTES]);
+                let send_edge = Edge {
+                    reason: their_reason,
+                    ..send_edge
+                };
+                for e in [&recv_edge, &send_edge] {
+                    tracing::info!(target: "ringzero::topology", rank, "device edge {e}");
+                }
+                self.edges = vec![recv_edge, send_edge];
+                self.links = Some(links);
+                return Ok(());
+            }
+            drop(links);
+            let finding_text = untext(&all[rank * FINDING_BYTES + 1..(rank + 1) * FINDING_BYTES]);
+            recv_edge = topology::after_probe(
+                &self.cfg,
+                recv_edge,
+                failed(rank).then_some(finding_text.as_str()),
+            )?;
+            if let Some(r) = (0..size).find(|&r| failed(r) && round + 1 == ROUNDS) {
+                return Err(Error::Protocol {
+                    peer: format!("rank {r}"),
+                    detail: "device edges failed their start-up probe twice".into(),
+                });
+            }
+        }
+        Err(Error::Protocol {
+            peer: format!("rank {prev}"),
+            detail: "device edges failed their start-up probe twice".into(),
+        })
+    }
+
+    /// Create this rank's receive FIFO for `recv_edge`, exchange connect infos, attach to the next
+    /// rank's FIFO. Returns the links and the send edge's kind.
+    fn build(
+        &self,
+        comm: &Communicator,
+        recv_edge: &Edge,
+        prev: usize,
+        next: usize,
+    ) -> Result<(DevLinks, TransportKind)> {
+        let cfg = &self.cfg;
+        let (slots, slot_bytes) = (cfg.slots, cfg.slice_bytes.next_multiple_of(64));
+        let dev_err = |what: &str| {
+            let what = what.to_string();
+            move |e| Error::Device {
+                context: what.clone(),
+                source: e,
+            }
+        };
+        let name = crate::connect::segment_name(cfg, prev, self.rank, "dev");
+        let mut info = ConnectInfo::zeroed();
+        info.slots = slots as u32;
+        info.slot_bytes = slot_bytes as u64;
+        info.kind = kind_code(recv_edge.kind);
+        let rx: FifoRecv = match recv_edge.kind {
+            TransportKind::Shm => {
+                let ctl = ShmRecv::create(&cfg.shm_dir, &name, slots, slot_bytes, prev)?;
+                let (map, len) = ctl.mapping();
+                let slot0 = ctl.slot_addr(0).expect("data segment");
+                // SAFETY: the mapping lives in `ctl`, which the FifoRecv drops before `keep`.
+                let (dev, keep) = unsafe { self.stream.map_host(map, len) }
+                    .map_err(dev_err("mapping the shm staging slots into the device"))?;
+                info.path = path_text(ctl.path())?;
+                let base = dev + (slot0 as usize - map as usize) as u64;
+                FifoRecv::new(ctl, TransportKind::Shm, base, keep)
+            }
+            TransportKind::CudaIpc => {
+                let (base, handle, keep) = self
+                    .stream
+                    .export(slots * slot_bytes)
+                    .map_err(dev_err("allocating the device slots"))?;
+                let ctl = ShmRecv::create_control(&cfg.shm_dir, &name, slots, slot_bytes, prev)?;
+                info.ipc = handle;
+                info.path = path_text(ctl.path())?;
+                FifoRecv::new(ctl, TransportKind::CudaIpc, base, keep)
+            }
+            TransportKind::Tcp => {
+                return Err(Error::InvalidArgument {
+                    op: "device communicator".into(),
+                    msg: format!(
+                    "{recv_edge}: device buffers between nodes (tcp with pinned staging) are not \
+                         implemented yet; run the ranks of a device communicator on one node"
+                ),
+                })
+            }
+        };
+        let all: Vec<ConnectInfo> = all_gather_records(comm, &info)?;
+        let theirs = all[next];
+        let path = std::path::PathBuf::from(untext(&theirs.path));
+        let (t_slots, t_bytes) = (theirs.slots as usize, theirs.slot_bytes as usize);
+        let (tx, kind) = match theirs.kind {
+            1 => {
+                let ctl = ShmSend::attach(&path, t_slots, t_bytes, next)?;
+                let (map, len) = ctl.mapping();
+                let slot0 = ctl.slot_addr(0).expect("data segment");
+                // SAFETY: as for the receiver: `ctl` outlives `keep` inside the FifoSend.
+                let (dev, keep) = unsafe { self.stream.map_host(map, len) }.map_err(dev_err(
+                    "mapping the peer's shm staging slots into the device",
+                ))?;
+                let base = dev + (slot0 as usize - map as usize) as u64;
+                (
+                    FifoSend::new(ctl, TransportKind::Shm, base, keep),
+                    TransportKind::Shm,
+                )
+            }
+            3 => {
+                let ctl = ShmSend::attach_control(&path, t_slots, t_bytes, next)?;
+                let (base, keep) = self
+                    .stream
+                    .open_exported(&theirs.ipc, t_slots * t_bytes)
+                    .map_err(dev_err(&format!("opening rank {next}'s device slots")))?;
+                (
+                    FifoSend::new(ctl, TransportKind::CudaIpc, base, keep),
+                    TransportKind::CudaIpc,
+                )
+            }
+            k => {
+                return Err(Error::Protocol {
+                    peer: format!("rank {next}"),
+                    detail: format!("unknown device transport code {k}"),
+                })
+            }
+        };
+        Ok((
+            DevLinks {
+                tx: Box::new(tx),
+                rx: Box::new(rx),
+                next,
+                prev,
+                counters: Counters::default(),
+            },
+            kind,
+        ))
+    }
+
+    /// Send a pattern to the next rank, check the one from the previous rank. The finding on the
+    /// receive edge, if the data was wrong or late.
+    fn probe(&self, links: &mut DevLinks, round: u64) -> Result<Option<String>> {
+        let len = PROBE_BYTES.min(links.tx.slot_bytes());
+        let fp = Fingerprint::new(Collective::Barrier, None, None, len);
+        let seq = u64::MAX - round;
+        let what = "device probe";
+        let deadline = PROBE_DEADLINE.min(self.cfg.timeout);
+        let start = Instant::now();
+        let slot = loop {
+            if let Some(a) = links.tx.reserve().map_err(|e| {
+                crate::ring::engine::link_err(e, what, seq, links.next, self.rank, None)
+            })? {
+                break a;
+            }
+            if start.elapsed() >= deadline {
+                return Err(Error::Timeout {
+                    op: what.into(),
+                    seq,
+                    peer: links.next,
+                    waiting: "a free slot for the probe".into(),
+                    after: deadline,
+                });
+            }
+            std::thread::yield_now();
+        };
+        let pattern = probe_pattern(self.rank, len);
+        // SAFETY: `slot` is a reserved slot of `slot_bytes ≥ len` bytes at the next rank.
+        unsafe { self.stream.write(slot, &pattern) }.map_err(|e| Error::Device {
+            context: format!("writing the probe into rank {}'s slot", links.next),
+            source: e,
+        })?;
+        links
+            .tx
+            .post(&FrameHeader::data(seq, 0, 0, fp, len))
+            .map_err(|e| {
+                crate::ring::engine::link_err(e, what, seq, links.next, self.rank, None)
+            })?;
+        let expect = Expect {
+            seq,
+            step: 0,
+            slice: 0,
+            fp,
+            len,
+        };
+        let start = Instant::now();
+        let incoming = loop {
+            if let Some(a) = links.rx.peek(&expect).map_err(|e| {
+                crate::ring::engine::link_err(e, what, seq, links.prev, self.rank, None)
+            })? {
+                break a;
+            }
+            if start.elapsed() >= deadline {
+                return Ok(Some(format!(
+                    "no probe frame from rank {} within {:.1}s",
+                    links.prev,
+                    deadline.as_secs_f64()
+                )));
+            }
+            std::thread::yield_now();
+        };
+        let mut seen = vec![0u8; len];
+        // SAFETY: `incoming` is the held slot of a frame of `len` bytes.
+        unsafe { self.stream.read(&mut seen, incoming) }.map_err(|e| Error::Device {
+            context: format!("reading rank {}'s probe", links.prev),
+            source: e,
+        })?;
+        links.rx.consume();
+        links.rx.release().map_err(|e| {
+            crate::ring::engine::link_err(e, what, seq, links.prev, self.rank, None)
+        })?;
+        Ok(judge_probe(&probe_pattern(links.prev, len), &seen))
+    }
+
+    /// Run `coll` on raw device buffers.
+    ///
+    /// # Safety
+    /// The addresses in `bufs` must be memory of this communicator's device, of the lengths
+    /// given, not used by anything else until this returns.
+    pub unsafe fn run_raw(
+        &mut self,
+        coll: Collective,
+        dtype: DType,
+        op: ReduceOp,
+        count: usize,
+        bufs: DevBufs,
+    ) -> Result<()> {
+        let fp = Fingerprint::new(coll, Some(dtype), Some(op), count);
+        let seq = self.seq;
+        if let Some(e) = &self.failed {
+            return Err(Error::Aborted {
+                op: fp.to_string(),
+                seq,
+                reason: format!("an earlier error: {e}"),
+            });
+        }
+        let slot_bytes = self.cfg.slice_bytes.next_multiple_of(64);
+        let in_place = matches!(bufs, DevBufs::One { .. });
+        let p = plan(PlanArgs {
+            coll,
+            n: self.size,
+            rank: self.rank,
+            count,
+            slice_elems: (slot_bytes / dtype.size()).max(1),
+            in_place,
+        });
+        let call = Call {
+            plan: &p,
+            fp,
+            seq,
+            dtype,
+            op,
+            n: self.size,
+            rank: self.rank,
+            timeout: self.cfg.timeout,
+        };
+        device_engine::check_sizes(&call, &bufs)?;
+        self.seq += 1;
+        let r = match self.links.as_mut() {
+            // SAFETY: forwarded from the caller.
+            Some(links) => unsafe { device_engine::run(&self.stream, links, &call, bufs) },
+            None => {
+                // One rank: only the local copy of an out-of-place call.
+                self.local_copy(&call, bufs)
+            }
+        };
+        if let Err(e) = &r {
+            if !matches!(e, Error::InvalidArgument { .. }) {
+                tracing::error!(target: "ringzero::device", rank = self.rank, "{e}");
+                if let Some(l) = self.links.as_mut() {
+                    l.abort(&format!("rank {}: {e}", self.rank));
+                }
+                self.failed = Some(e.clone());
+            }
+        }
+        r
+    }
+
+    fn local_copy(&self, call: &Call, bufs: DevBufs) -> Result<()> {
+        let es = call.dtype.size();
+        if let DevBufs::Split { input, output, .. } = bufs {
+            for op in &call.plan.ops {
+                if let (Some(l), Some(s)) = (&op.local, &op.store) {
+                    let src = input
+                        + ((l.range.start - crate::ring::engine::base(call.plan, l.buf)) * es)
+                            as u64;
+                    let dst = output
+                        + ((s.range.start - crate::ring::engine::base(call.plan, s.buf)) * es)
+                            as u64;
+                    // SAFETY: both ranges lie inside the caller's buffers (checked sizes).
+                    unsafe { self.stream.copy(dst, src, op.elems * es) }.map_err(|e| {
+                        Error::Device {
+                            context: call.fp.to_string(),
+                            source: e,
+                        }
+                    })?;
+                }
+            }
+            let m = self.stream.mark().map_err(|e| Error::Device {
+                context: call.fp.to_string(),
+                source: e,
+            })?;
+            while !self.stream.done(&m).map_err(|e| Error::Device {
+                context: call.fp.to_string(),
+                source: e,
+            })? {
+                std::thread::yield_now();
+            }
+        }
+        Ok(())
+    }
+}
+
+fn all_gather_bytes(comm: &Communicator, mine: &[u8]) -> Result<Vec<u8>> {
+    let mut all = vec![0u8; mine.len() * comm.size()];
+    comm.all_gather(mine, &mut all)?;
+    Ok(all)
+}
+
+fn all_gather_records<T: Pod>(comm: &Communicator, mine: &T) -> Result<Vec<T>> {
+    let all = all_gather_bytes(comm, bytemuck::bytes_of(mine))?;
+    Ok(all
+        .chunks_exact(std::mem::size_of::<T>())
+        .map(bytemuck::pod_read_unaligned)
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn probe_patterns_have_no_zero_and_differ_between_ranks() {
+        let a = probe_pattern(0, 4096);
+        let b = probe_pattern(1, 4096);
+        assert!(a.iter().all(|&x| x != 0) && b.iter().all(|&x| x != 0));
+        assert_ne!(a, b);
+        assert_eq!(judge_probe(&a, &a), None);
+    }
+
+    #[test]
+    fn a_wrong_probe_names_the_first_bad_byte_and_what_was_seen() {
+        let a = probe_pattern(3, 64);
+        let mut seen = a.clone();
+        seen[10..14].fill(0);
+        let f = judge_probe(&a, &seen).unwrap();
+        assert!(f.starts_with("wrong data: "), "{f}");
+        assert!(f.contains("first at byte 10"), "{f}");
+        assert!(f.contains("saw 00 00 00 00"), "{f}");
+        let zeros = vec![0u8; 64];
+        assert!(judge_probe(&a, &zeros)
+            .unwrap()
+            .contains("64 of 64 bytes differ"));
+        assert!(judge_probe(&a, &a[..10])
+            .unwrap()
+            .contains("10 bytes arrived"));
+    }
+}

@@ -1,0 +1,112 @@
+//! A CUDA device as a [`Stream`]: work goes on the device's compute stream, markers are events,
+//! host staging memory is page-locked and mapped with `cuMemHostRegister`.
+
+use std::any::Any;
+use std::sync::Arc;
+
+use ringzero_kernels::device::cuda::raw::{
+    self, ExportedSlots, HostRegistration, IpcMapping, Marker,
+};
+use ringzero_kernels::device::cuda::Gpu;
+use ringzero_kernels::device::DeviceError;
+use ringzero_kernels::{DType, ReduceOp};
+
+use super::stream::{Exported, Stream};
+use crate::transport::device::Addr;
+
+impl Stream for Arc<Gpu> {
+    type Marker = Marker;
+
+    fn name(&self) -> String {
+        format!("cuda:{}", self.ordinal())
+    }
+
+    unsafe fn combine(
+        &self,
+        dtype: DType,
+        op: ReduceOp,
+        dst: Addr,
+        a: Addr,
+        b: Addr,
+        n: usize,
+    ) -> Result<(), DeviceError> {
+        // SAFETY: forwarded from the caller's contract, which is the kernel's.
+        unsafe { self.combine_at(dtype, op, dst, a, b, n) }
+    }
+
+    unsafe fn divide(
+        &self,
+        dtype: DType,
+        dst: Addr,
+        n: usize,
+        ranks: usize,
+    ) -> Result<(), DeviceError> {
+        // SAFETY: forwarded from the caller's contract.
+        unsafe { self.divide_at(dtype, dst, n, ranks) }
+    }
+
+    unsafe fn copy(&self, dst: Addr, src: Addr, bytes: usize) -> Result<(), DeviceError> {
+        // SAFETY: forwarded from the caller's contract.
+        unsafe { self.copy_at(dst, src, bytes) }
+    }
+
+    fn mark(&self) -> Result<Marker, DeviceError> {
+        Gpu::mark(self)
+    }
+
+    fn done(&self, m: &Marker) -> Result<bool, DeviceError> {
+        m.done()
+    }
+
+    unsafe fn map_host(
+        &self,
+        host: *mut u8,
+        bytes: usize,
+    ) -> Result<(Addr, Box<dyn Any + Send>), DeviceError> {
+        // SAFETY: the caller keeps the range mapped until the owner (returned) is dropped.
+        let reg = unsafe { HostRegistration::new(self, host, bytes)? };
+        let dev = reg.device_ptr(host)?;
+        Ok((dev, Box::new(reg)))
+    }
+
+    fn identity(&self) -> Option<[u8; 16]> {
+        self.uuid().ok()
+    }
+
+    fn can_access_peer(&self, peer: &[u8; 16]) -> Result<bool, String> {
+        let n = raw::device_count().map_err(|e| e.to_string())?;
+        for o in 0..n {
+            if raw::uuid_of(o).map_err(|e| e.to_string())? == *peer {
+                return raw::peer_access(self.ordinal(), o)
+                    .map(|p| p.can_access)
+                    .map_err(|e| e.to_string());
+            }
+        }
+        Err("the sender's GPU is not visible to this process (CUDA_VISIBLE_DEVICES?)".into())
+    }
+
+    fn export(&self, bytes: usize) -> Result<Exported, DeviceError> {
+        let mem = ExportedSlots::new(self, bytes, 0)?;
+        let h = mem.handle()?;
+        Ok((mem.ptr(), h, Box::new(mem)))
+    }
+
+    fn open_exported(
+        &self,
+        handle: &[u8; 64],
+        bytes: usize,
+    ) -> Result<(Addr, Box<dyn Any + Send>), DeviceError> {
+        let m = IpcMapping::open(self, handle, bytes)?;
+        Ok((m.ptr(), Box::new(m)))
+    }
+
+    unsafe fn write(&self, dst: Addr, src: &[u8]) -> Result<(), DeviceError> {
+        // SAFETY: forwarded from the caller's contract.
+        unsafe { self.write_at(dst, src) }
+    }
+
+    unsafe fn read(&self, dst: &mut [u8], src: Addr) -> Result<(), DeviceError> {
+        // SAFETY: forwarded from the caller's contract.
+        unsafe { self.read_at(dst, src) }
+    }
+}

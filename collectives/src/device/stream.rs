@@ -1,0 +1,318 @@
+//! What the device ring engine needs from a device: queue arithmetic and copies on addresses, in
+//! order, and tell when queued work has completed. Two implementations:
+//! - a CUDA device (`ringzero_kernels::device::cuda::Gpu`, in [`super::cuda`]): the compute
+//!   stream, NVRTC kernels, events;
+//! - [`HostStream`]: the host as an asynchronous device — a worker thread that runs the CPU
+//!   kernels on host addresses in the order queued. It gives the device engine the same
+//!   asynchrony a GPU has (work completes after the call returns), so the engine's rules —
+//!   publish a frame only after the work writing it completed, release a slot only after the work
+//!   reading it did — are exercised for real on machines without a GPU.
+
+use std::any::Any;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+
+use ringzero_kernels::device::DeviceError;
+use ringzero_kernels::{cpu, DType, ReduceOp};
+
+use crate::transport::device::Addr;
+
+/// Exported device memory: its address, its 64-byte IPC handle, and its owner.
+pub type Exported = (Addr, [u8; 64], Box<dyn Any + Send>);
+
+/// A device's queue of work on addresses.
+pub trait Stream: Send + Sync {
+    /// Completes when the work queued before it has.
+    type Marker: Send;
+
+    /// The device, for messages (`cuda:0`, `host`).
+    fn name(&self) -> String;
+
+    /// Queue `dst[..n] = a[..n] op b[..n]` (`Avg` combines as `Sum`). `dst` may equal `a`.
+    ///
+    /// # Safety
+    /// The ranges must be device-addressable memory of `n` elements of `dtype`, live until the
+    /// work completes, and `dst` must not partially overlap `a` or `b`.
+    unsafe fn combine(
+        &self,
+        dtype: DType,
+        op: ReduceOp,
+        dst: Addr,
+        a: Addr,
+        b: Addr,
+        n: usize,
+    ) -> Result<(), DeviceError>;
+
+    /// Queue `dst[..n] /= ranks`.
+    ///
+    /// # Safety
+    /// As for [`Stream::combine`], one range.
+    unsafe fn divide(
+        &self,
+        dtype: DType,
+        dst: Addr,
+        n: usize,
+        ranks: usize,
+    ) -> Result<(), DeviceError>;
+
+    /// Queue a copy of `bytes` from `src` to `dst`.
+    ///
+    /// # Safety
+    /// Both ranges live until the work completes; no overlap.
+    unsafe fn copy(&self, dst: Addr, src: Addr, bytes: usize) -> Result<(), DeviceError>;
+
+    /// A marker after everything queued so far.
+    fn mark(&self) -> Result<Self::Marker, DeviceError>;
+
+    /// Whether the work before `m` has completed (an error if any of it failed).
+    fn done(&self, m: &Self::Marker) -> Result<bool, DeviceError>;
+
+    /// Make `bytes` of host memory at `host` addressable by this device: its device address and
+    /// an owner that undoes it on Drop.
+    ///
+    /// # Safety
+    /// The range must stay mapped until the owner is dropped.
+    unsafe fn map_host(
+        &self,
+        host: *mut u8,
+        bytes: usize,
+    ) -> Result<(Addr, Box<dyn Any + Send>), DeviceError>;
+
+    /// This device's identity across processes (a GPU's UUID), if it has one; devices with equal
+    /// identities are the same device.
+    fn identity(&self) -> Option<[u8; 16]>;
+
+    /// Whether this device may access the device with identity `peer` directly, or why that
+    /// cannot be known.
+    fn can_access_peer(&self, peer: &[u8; 16]) -> Result<bool, String>;
+
+    /// `bytes` of device memory another process can open ([`Stream::open_exported`]): its
+    /// address, its 64-byte handle and its owner.
+    fn export(&self, bytes: usize) -> Result<Exported, DeviceError>;
+
+    /// Open memory another process exported: its address here and the mapping's owner.
+    fn open_exported(
+        &self,
+        handle: &[u8; 64],
+        bytes: usize,
+    ) -> Result<(Addr, Box<dyn Any + Send>), DeviceError>;
+
+    /// Copy host bytes to `dst` and wait.
+    ///
+    /// # Safety
+    /// `dst..dst + src.len()` must be live device-addressable memory.
+    unsafe fn write(&self, dst: Addr, src: &[u8]) -> Result<(), DeviceError>;
+
+    /// Wait for queued work, then copy from `src` into host bytes.
+    ///
+    /// # Safety
+    /// `src..src + dst.len()` must be live device-addressable memory.
+    unsafe fn read(&self, dst: &mut [u8], src: Addr) -> Result<(), DeviceError>;
+}
+
+type Job = Box<dyn FnOnce() -> Result<(), String> + Send>;
+
+/// The host as an asynchronous device (see the module docs).
+pub struct HostStream {
+    jobs: Mutex<mpsc::Sender<Job>>,
+    queued: AtomicU64,
+    state: Arc<Progress>,
+}
+
+struct Progress {
+    completed: AtomicU64,
+    error: Mutex<Option<String>>,
+}
+
+impl HostStream {
+    /// Start the worker thread.
+    pub fn new() -> HostStream {
+        let (tx, rx) = mpsc::channel::<Job>();
+        let state = Arc::new(Progress {
+            completed: AtomicU64::new(0),
+            error: Mutex::new(None),
+        });
+        let st = state.clone();
+        std::thread::Builder::new()
+            .name("ringzero-host-stream".into())
+            .spawn(move || {
+                for job in rx {
+                    if let Err(e) = job() {
+                        st.error.lock().unwrap().get_or_insert(e);
+                    }
+                    st.completed.fetch_add(1, Ordering::Release);
+                }
+            })
+            .expect("spawning the host stream's worker thread");
+        HostStream {
+            jobs: Mutex::new(tx),
+            queued: AtomicU64::new(0),
+            state,
+        }
+    }
+
+    fn push(&self, job: Job) -> Result<(), DeviceError> {
+        self.queued.fetch_add(1, Ordering::Relaxed);
+        self.jobs
+            .lock()
+            .unwrap()
+            .send(job)
+            .map_err(|_| DeviceError::Invalid("the host stream's worker has stopped".into()))
+    }
+}
+
+impl Default for HostStream {
+    fn default() -> Self {
+        HostStream::new()
+    }
+}
+
+/// # Safety
+/// `addr..addr + len` must be live, readable host memory for the returned lifetime.
+unsafe fn bytes<'a>(addr: Addr, len: usize) -> &'a [u8] {
+    if len == 0 {
+        return &[];
+    }
+    // SAFETY: guaranteed by the caller.
+    unsafe { std::slice::from_raw_parts(addr as usize as *const u8, len) }
+}
+
+/// # Safety
+/// `addr..addr + len` must be live, writable host memory not otherwise borrowed.
+unsafe fn bytes_mut<'a>(addr: Addr, len: usize) -> &'a mut [u8] {
+    if len == 0 {
+        return &mut [];
+    }
+    // SAFETY: guaranteed by the caller.
+    unsafe { std::slice::from_raw_parts_mut(addr as usize as *mut u8, len) }
+}
+
+impl Stream for HostStream {
+    type Marker = u64;
+
+    fn name(&self) -> String {
+        "host".into()
+    }
+
+    unsafe fn combine(
+        &self,
+        dtype: DType,
+        op: ReduceOp,
+        dst: Addr,
+        a: Addr,
+        b: Addr,
+        n: usize,
+    ) -> Result<(), DeviceError> {
+        let len = n * dtype.size();
+        if len == 0 {
+            return Ok(());
+        }
+        self.push(Box::new(move || {
+            // SAFETY: the caller of `combine` keeps the ranges live until this job completes.
+            // `dst` may equal `a`: then the kernel runs in place on `dst` (reduce_into), so no
+            // shared and mutable view of the same bytes coexist.
+            unsafe {
+                if dst == a {
+                    cpu::reduce_into(dtype, op.pairwise(), bytes_mut(dst, len), bytes(b, len))
+                } else {
+                    cpu::reduce_to(
+                        dtype,
+                        op.pairwise(),
+                        bytes_mut(dst, len),
+                        bytes(a, len),
+                        bytes(b, len),
+                    )
+                }
+            }
+            .map_err(|e| e.to_string())
+        }))
+    }
+
+    unsafe fn divide(
+        &self,
+        dtype: DType,
+        dst: Addr,
+        n: usize,
+        ranks: usize,
+    ) -> Result<(), DeviceError> {
+        let len = n * dtype.size();
+        if len == 0 {
+            return Ok(());
+        }
+        self.push(Box::new(move || {
+            // SAFETY: as for `combine`.
+            cpu::divide(dtype, unsafe { bytes_mut(dst, len) }, ranks).map_err(|e| e.to_string())
+        }))
+    }
+
+    unsafe fn copy(&self, dst: Addr, src: Addr, len: usize) -> Result<(), DeviceError> {
+        if len == 0 {
+            return Ok(());
+        }
+        self.push(Box::new(move || {
+            // SAFETY: as for `combine`; the caller guarantees the ranges do not overlap.
+            unsafe { bytes_mut(dst, len).copy_from_slice(bytes(src, len)) };
+            Ok(())
+        }))
+    }
+
+    fn mark(&self) -> Result<u64, DeviceError> {
+        Ok(self.queued.load(Ordering::Relaxed))
+    }
+
+    fn done(&self, m: &u64) -> Result<bool, DeviceError> {
+        if let Some(e) = self.state.error.lock().unwrap().clone() {
+            return Err(DeviceError::Invalid(format!("host stream: {e}")));
+        }
+        Ok(self.state.completed.load(Ordering::Acquire) >= *m)
+    }
+
+    unsafe fn map_host(
+        &self,
+        host: *mut u8,
+        _bytes: usize,
+    ) -> Result<(Addr, Box<dyn Any + Send>), DeviceError> {
+        Ok((host as usize as Addr, Box::new(())))
+    }
+
+    fn identity(&self) -> Option<[u8; 16]> {
+        None
+    }
+
+    fn can_access_peer(&self, _peer: &[u8; 16]) -> Result<bool, String> {
+        Err("host buffers have no peer device".into())
+    }
+
+    fn export(&self, _bytes: usize) -> Result<Exported, DeviceError> {
+        Err(DeviceError::Invalid(
+            "host buffers cannot be exported over CUDA IPC".into(),
+        ))
+    }
+
+    fn open_exported(
+        &self,
+        _handle: &[u8; 64],
+        _bytes: usize,
+    ) -> Result<(Addr, Box<dyn Any + Send>), DeviceError> {
+        Err(DeviceError::Invalid(
+            "host buffers cannot open CUDA IPC memory".into(),
+        ))
+    }
+
+    unsafe fn write(&self, dst: Addr, src: &[u8]) -> Result<(), DeviceError> {
+        // SAFETY: the caller guarantees the destination range.
+        unsafe { bytes_mut(dst, src.len()).copy_from_slice(src) };
+        Ok(())
+    }
+
+    unsafe fn read(&self, dst: &mut [u8], src: Addr) -> Result<(), DeviceError> {
+        let m = self.mark()?;
+        while !self.done(&m)? {
+            std::thread::yield_now();
+        }
+        // SAFETY: the caller guarantees the source range.
+        dst.copy_from_slice(unsafe { bytes(src, dst.len()) });
+        Ok(())
+    }
+}

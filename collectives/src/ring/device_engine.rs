@@ -1,0 +1,362 @@
+//! The device engine: drives one rank's [`Plan`] over device links ([`DevSendLink`],
+//! [`DevRecvLink`]) by queueing work on a [`Stream`].
+//!
+//! Words as in [`super::schedule`]. The engine runs the plan's ops in order, as the host engine
+//! does, but never waits for the device between them: for each op it waits (on the host) until the
+//! incoming frame has arrived and a slot at the next rank is free, then *queues* the op's
+//! arithmetic — `local ⊕ incoming` written by one kernel straight to its destination (the user's
+//! output, or the next rank's slot when nothing is kept), a copy into the slot when both are
+//! written — and a marker after it. The frame is published and the incoming slot released only
+//! when that marker completes (the *pending* queue, retired in order while the engine waits for
+//! anything else). So while the device reduces slice `j`, the host is already waiting for slice
+//! `j + 1`'s frame, and up to `slots` frames per link are in flight: copies, kernels and the
+//! neighbours' work on consecutive slices overlap.
+//!
+//! Deadlines and peer health are as in the host engine: nothing waits more than the call's
+//! timeout without progress, and the error names the collective, its sequence number, the peer and
+//! what was awaited.
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use ringzero_kernels::ReduceOp;
+
+use super::engine::{base, link_err, Call, Counters};
+use super::schedule::{Loc, Op};
+use crate::device::stream::Stream;
+use crate::error::{Error, Result};
+use crate::transport::device::{Addr, DevRecvLink, DevSendLink};
+use crate::transport::wait::Waiter;
+use crate::wire::{Expect, FrameHeader};
+
+/// A rank's two device ring links.
+pub struct DevLinks {
+    /// To the next rank.
+    pub tx: Box<dyn DevSendLink>,
+    /// From the previous rank.
+    pub rx: Box<dyn DevRecvLink>,
+    /// Next rank.
+    pub next: usize,
+    /// Previous rank.
+    pub prev: usize,
+    /// Byte counters (payload bytes, per link).
+    pub counters: Counters,
+}
+
+impl DevLinks {
+    /// Tell both neighbours this rank aborts.
+    pub fn abort(&mut self, reason: &str) {
+        self.tx.abort(reason);
+        self.rx.abort(reason);
+    }
+}
+
+/// The user's device buffers: addresses and lengths in bytes.
+#[derive(Clone, Copy, Debug)]
+pub enum DevBufs {
+    /// Out of place.
+    Split {
+        /// Send buffer.
+        input: Addr,
+        /// Its bytes.
+        input_bytes: usize,
+        /// Receive buffer.
+        output: Addr,
+        /// Its bytes.
+        output_bytes: usize,
+    },
+    /// In place.
+    One {
+        /// The buffer.
+        buf: Addr,
+        /// Its bytes.
+        bytes: usize,
+    },
+}
+
+struct Pending<M> {
+    marker: M,
+    post: Option<FrameHeader>,
+    release: bool,
+}
+
+/// Refuse buffers smaller than the plan needs.
+pub fn check_sizes(call: &Call, bufs: &DevBufs) -> Result<()> {
+    let es = call.dtype.size();
+    let p = call.plan;
+    let (need_in, need_out) = (p.input_len * es, p.output_len * es);
+    let ok = match *bufs {
+        DevBufs::Split {
+            input_bytes,
+            output_bytes,
+            ..
+        } => input_bytes >= need_in && output_bytes >= need_out,
+        DevBufs::One { bytes, .. } => bytes >= need_in.max(need_out),
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument {
+            op: call.fp.to_string(),
+            msg: format!(
+                "device buffers of {bufs:?}; the plan needs {need_in} input and {need_out} output bytes"
+            ),
+        })
+    }
+}
+
+/// Run one call on the device to completion (every frame posted, every slot released, the
+/// stream's work for it complete).
+///
+/// # Safety
+/// The addresses in `bufs` must be device-addressable memory of `stream` of the given lengths,
+/// live and not used by anything else until this returns.
+pub unsafe fn run<S: Stream>(
+    stream: &S,
+    links: &mut DevLinks,
+    call: &Call,
+    bufs: DevBufs,
+) -> Result<()> {
+    check_sizes(call, &bufs)?;
+    let what = call.fp.to_string();
+    let mut pending: VecDeque<Pending<S::Marker>> = VecDeque::new();
+    let mut waiter = Waiter::backoff();
+    for op in &call.plan.ops {
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            run_op(
+                stream,
+                links,
+                call,
+                op,
+                &bufs,
+                &what,
+                &mut pending,
+                &mut waiter,
+            )?
+        };
+    }
+    // Drain: every marker completes, every frame is posted, every slot released.
+    let mut last = Instant::now();
+    while !pending.is_empty() {
+        if retire(stream, links, call, &what, &mut pending)? {
+            last = Instant::now();
+            waiter.progressed();
+            continue;
+        }
+        if last.elapsed() >= call.timeout {
+            return Err(Error::Timeout {
+                op: what,
+                seq: call.seq,
+                peer: call.rank,
+                waiting: format!(
+                    "this rank's device ({}) to finish its queued work",
+                    stream.name()
+                ),
+                after: call.timeout,
+            });
+        }
+        waiter.idle(call.timeout);
+    }
+    Ok(())
+}
+
+/// Publish frames and release slots whose work has completed, in order. Whether any did.
+fn retire<S: Stream>(
+    stream: &S,
+    links: &mut DevLinks,
+    call: &Call,
+    what: &str,
+    pending: &mut VecDeque<Pending<S::Marker>>,
+) -> Result<bool> {
+    let mut any = false;
+    while let Some(p) = pending.front() {
+        let done = stream.done(&p.marker).map_err(|e| Error::Device {
+            context: format!("{what} seq {}: on {}", call.seq, stream.name()),
+            source: e,
+        })?;
+        if !done {
+            break;
+        }
+        let p = pending.pop_front().expect("front exists");
+        if let Some(h) = p.post {
+            links
+                .tx
+                .post(&h)
+                .map_err(|e| link_err(e, what, call.seq, links.next, call.rank, Some(&call.fp)))?;
+            links.counters.bytes_sent += h.len;
+            links.counters.frames_sent += 1;
+        }
+        if p.release {
+            links
+                .rx
+                .release()
+                .map_err(|e| link_err(e, what, call.seq, links.prev, call.rank, Some(&call.fp)))?;
+        }
+        any = true;
+    }
+    Ok(any)
+}
+
+#[allow(clippy::too_many_arguments)]
+unsafe fn run_op<S: Stream>(
+    stream: &S,
+    links: &mut DevLinks,
+    call: &Call,
+    op: &Op,
+    bufs: &DevBufs,
+    what: &str,
+    pending: &mut VecDeque<Pending<S::Marker>>,
+    waiter: &mut Waiter,
+) -> Result<()> {
+    let es = call.dtype.size();
+    let bytes = op.elems * es;
+    let expect = Expect {
+        seq: call.seq,
+        step: op.step.wrapping_sub(1),
+        slice: op.slice,
+        fp: call.fp,
+        len: bytes,
+    };
+    let (prev, next, seq, rank) = (links.prev, links.next, call.seq, call.rank);
+    let rx_err = |e| link_err(e, what, seq, prev, rank, Some(&call.fp));
+    let tx_err = |e| link_err(e, what, seq, next, rank, Some(&call.fp));
+    if op.send && bytes > links.tx.slot_bytes() {
+        return Err(Error::InvalidArgument {
+            op: what.into(),
+            msg: format!(
+                "a slice of {bytes} bytes exceeds the {}-byte device slot",
+                links.tx.slot_bytes()
+            ),
+        });
+    }
+
+    // Wait for the incoming frame and an outgoing slot, retiring finished work meanwhile.
+    let mut last = Instant::now();
+    let mut last_health = Instant::now();
+    let mut incoming: Option<Addr> = None;
+    let mut slot: Option<Addr> = None;
+    loop {
+        let mut moved = retire(stream, links, call, what, pending)?;
+        if op.recv && incoming.is_none() {
+            incoming = links.rx.peek(&expect).map_err(rx_err)?;
+            moved |= incoming.is_some();
+        }
+        let have_in = !op.recv || incoming.is_some();
+        if op.send && have_in && slot.is_none() {
+            slot = links.tx.reserve().map_err(tx_err)?;
+            moved |= slot.is_some();
+        }
+        if have_in && (!op.send || slot.is_some()) {
+            break;
+        }
+        let now = Instant::now();
+        if moved {
+            last = now;
+            waiter.progressed();
+            continue;
+        }
+        if now.duration_since(last) >= call.timeout {
+            let (peer, waiting) = if !have_in {
+                (
+                    prev,
+                    format!(
+                        "frame (step {}, slice {}) from rank {prev}",
+                        expect.step, op.slice
+                    ),
+                )
+            } else {
+                (
+                    next,
+                    format!(
+                        "a free device slot at rank {next} (it has not consumed earlier frames)"
+                    ),
+                )
+            };
+            return Err(Error::Timeout {
+                op: what.into(),
+                seq,
+                peer,
+                waiting,
+                after: call.timeout,
+            });
+        }
+        if now.duration_since(last_health) >= std::time::Duration::from_millis(20) {
+            last_health = now;
+            links.rx.health().map_err(rx_err)?;
+            links.tx.health().map_err(tx_err)?;
+        }
+        waiter.idle(call.timeout);
+    }
+    waiter.progressed();
+
+    // Queue the arithmetic.
+    let plan = call.plan;
+    let at = |loc: &Loc| -> Addr {
+        let (start, len) = match *bufs {
+            DevBufs::Split { input, output, .. } => match loc.buf {
+                super::schedule::Buf::Input => (input, 0),
+                super::schedule::Buf::Output => (output, 0),
+            },
+            DevBufs::One { buf, .. } => (buf, 0),
+        };
+        let _ = len;
+        start + ((loc.range.start - base(plan, loc.buf)) * es) as u64
+    };
+    let local = op.local.as_ref().map(at);
+    let store = op.store.as_ref().map(at);
+    let finalize = op.finalize && call.op == ReduceOp::Avg && call.n > 1;
+    let dev = |e| Error::Device {
+        context: format!("{what} seq {seq}: queueing work on {}", stream.name()),
+        source: e,
+    };
+    // SAFETY (all queued work below): the user's ranges come from the caller's contract and
+    // `check_sizes`; `incoming` is a slot this rank holds until the work's marker completes;
+    // `slot` is reserved at the next rank and published only after the marker completes. A
+    // combine writes to `store` or `slot`, never to an operand it only reads, except in place
+    // where `store == local` exactly (the kernel reads each element before writing it).
+    unsafe {
+        match (incoming, local) {
+            (Some(b), Some(a)) => {
+                let dst = store.or(slot);
+                if let Some(dst) = dst {
+                    stream
+                        .combine(call.dtype, call.op, dst, a, b, op.elems)
+                        .map_err(dev)?;
+                    if finalize {
+                        stream
+                            .divide(call.dtype, dst, op.elems, call.n)
+                            .map_err(dev)?;
+                    }
+                    if let (Some(st), Some(sl)) = (store, slot) {
+                        stream.copy(sl, st, bytes).map_err(dev)?;
+                    }
+                }
+            }
+            (Some(v), None) | (None, Some(v)) => {
+                if let Some(st) = store {
+                    if st != v {
+                        stream.copy(st, v, bytes).map_err(dev)?;
+                    }
+                }
+                if let Some(sl) = slot {
+                    stream.copy(sl, v, bytes).map_err(dev)?;
+                }
+            }
+            (None, None) => {}
+        }
+    }
+    let marker = stream.mark().map_err(dev)?;
+    if op.recv {
+        links.rx.consume();
+        links.counters.bytes_received += bytes as u64;
+    }
+    pending.push_back(Pending {
+        marker,
+        post: op
+            .send
+            .then(|| FrameHeader::data(seq, op.step, op.slice, call.fp, bytes)),
+        release: op.recv,
+    });
+    Ok(())
+}

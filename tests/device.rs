@@ -1,0 +1,240 @@
+//! Collectives on device buffers through [`DeviceComm`]. On machines without a GPU the device is
+//! the host as an asynchronous stream ([`HostStream`]: work completes on a worker thread after the
+//! call returns, as on a GPU), over the real shm staging FIFO with its pipelined protocol; the same
+//! engine drives CUDA devices (the GPU check script runs those tests where a GPU exists).
+
+use half::{bf16, f16};
+use ringzero::{
+    chunk, Collective, Communicator, DType, DeviceComm, Error, HostStream, ReduceOp, TransportKind,
+    TransportPref,
+};
+
+use crate::common::{expected, threads, value, Case, Opts, TestElem, GARBAGE};
+
+fn run_typed<T: TestElem>(dc: &mut DeviceComm<HostStream>, c: &Case) -> ringzero::Result<Vec<f64>> {
+    let (r, n, count) = (dc.rank(), dc.size(), c.count);
+    let input: Vec<T> = (0..count)
+        .map(|i| T::from_f64(value(c.dtype, c.op, r, i, c.seed)))
+        .collect();
+    let garbage = |len: usize| vec![T::from_f64(GARBAGE); len];
+    let own = chunk(count, n, r);
+    let out = match (c.coll, c.in_place) {
+        (Collective::AllReduce, false) => {
+            let mut out = garbage(count);
+            dc.all_reduce(&input[..], &mut out[..], c.op)?;
+            out
+        }
+        (Collective::AllReduce, true) => {
+            let mut b = input;
+            dc.all_reduce_in_place(&mut b[..], c.op)?;
+            b
+        }
+        (Collective::ReduceScatter, _) => {
+            let mut out = garbage(own.len());
+            dc.reduce_scatter(&input[..], &mut out[..], c.op)?;
+            out
+        }
+        (Collective::AllGather, _) => {
+            let mut out = garbage(count);
+            dc.all_gather(&input[own], &mut out[..])?;
+            out
+        }
+        (Collective::Broadcast { root }, _) => {
+            let mut b = if r == root { input } else { garbage(count) };
+            dc.broadcast_in_place(&mut b[..], root)?;
+            b
+        }
+        (other, _) => panic!("{other:?} has no device form in this test"),
+    };
+    Ok(out.into_iter().map(T::to_f64).collect())
+}
+
+fn run_case(dc: &mut DeviceComm<HostStream>, c: &Case) -> ringzero::Result<Vec<f64>> {
+    match c.dtype {
+        DType::F32 => run_typed::<f32>(dc, c),
+        DType::F64 => run_typed::<f64>(dc, c),
+        DType::F16 => run_typed::<f16>(dc, c),
+        DType::BF16 => run_typed::<bf16>(dc, c),
+        DType::I32 => run_typed::<i32>(dc, c),
+        DType::I64 => run_typed::<i64>(dc, c),
+        DType::U8 => run_typed::<u8>(dc, c),
+    }
+}
+
+fn device_comm(comm: &Communicator) -> DeviceComm<HostStream> {
+    DeviceComm::new(comm, HostStream::new())
+        .unwrap_or_else(|e| panic!("rank {}: device comm: {e}", comm.rank()))
+}
+
+fn check(dc: &mut DeviceComm<HostStream>, c: &Case) {
+    let got = run_case(dc, c).unwrap_or_else(|e| panic!("rank {}: {c:?}: {e}", dc.rank()));
+    let mut want = expected(c, dc.size(), dc.rank());
+    if c.coll == Collective::ReduceScatter {
+        want = chunk(c.count, dc.size(), dc.rank())
+            .map(|i| want_rs(c, dc.size(), i))
+            .collect();
+    }
+    assert_eq!(got.len(), want.len(), "rank {}: {c:?}", dc.rank());
+    if let Some(i) = (0..got.len()).find(|&i| got[i] != want[i]) {
+        panic!(
+            "rank {} of {}: {c:?}: element {i} is {} but should be {}",
+            dc.rank(),
+            dc.size(),
+            got[i],
+            want[i]
+        );
+    }
+}
+
+fn want_rs(c: &Case, n: usize, i: usize) -> f64 {
+    crate::common::reference(c.dtype, c.op, n, i, c.seed)
+}
+
+#[test]
+fn every_collective_dtype_and_op_on_the_host_stream_matches_the_reference() {
+    // Small slots (1 KiB, 4 of them) so counts of a few thousand elements keep every slot in
+    // flight and wrap the FIFO many times.
+    let o = Opts {
+        slice_bytes: 1024,
+        ..Opts::default()
+    };
+    for n in [2, 3, 4] {
+        threads(n, &o, |rank, comm| {
+            let comm = comm.unwrap();
+            let mut dc = device_comm(&comm);
+            let mut seed = 0;
+            for dtype in DType::ALL {
+                for op in ReduceOp::ALL {
+                    for (count, coll, in_place) in [
+                        (1usize, Collective::AllReduce, false),
+                        (3001, Collective::AllReduce, false),
+                        (1023, Collective::AllReduce, true),
+                        (2050, Collective::ReduceScatter, false),
+                        (7, Collective::ReduceScatter, false),
+                        (2050, Collective::AllGather, false),
+                        (0, Collective::AllGather, false),
+                        (999, Collective::Broadcast { root: n - 1 }, true),
+                    ] {
+                        seed += 1;
+                        let c = Case {
+                            coll,
+                            count,
+                            dtype,
+                            op,
+                            in_place,
+                            seed,
+                        };
+                        check(&mut dc, &c);
+                    }
+                }
+            }
+            let _ = rank;
+        });
+    }
+}
+
+#[test]
+fn device_edges_report_host_staging_and_why_and_move_the_ring_volume() {
+    for (p2p_disable, reason) in [
+        (
+            false,
+            "peer access unknown: host and host are not both GPUs: host staging",
+        ),
+        (true, "RINGZERO_P2P_DISABLE=1: host staging"),
+    ] {
+        let n = 3;
+        let port = crate::common::free_port();
+        std::thread::scope(|s| {
+            let hs: Vec<_> = (0..n)
+                .map(|rank| {
+                    let o = Opts {
+                        transport: TransportPref::Auto,
+                        ..Opts::default()
+                    };
+                    let mut cfg = crate::common::config(rank, n, port, &o);
+                    cfg.p2p_disable = p2p_disable;
+                    s.spawn(move || {
+                        let comm = Communicator::init(cfg).unwrap();
+                        let mut dc = device_comm(&comm);
+                        let edges = dc.edges().to_vec();
+                        assert_eq!(edges.len(), 2);
+                        assert_eq!(edges[0].to, rank);
+                        assert_eq!(edges[1].from, rank);
+                        for e in &edges {
+                            assert_eq!(e.kind, TransportKind::Shm, "{e}");
+                            assert_eq!(e.reason, reason, "{e}");
+                        }
+                        let before = dc.counters();
+                        let count = 30_000usize;
+                        let send = vec![1.0f32; count];
+                        let mut recv = vec![0.0f32; count];
+                        dc.all_reduce(&send[..], &mut recv[..], ReduceOp::Sum)
+                            .unwrap();
+                        assert!(recv.iter().all(|&v| v == n as f32));
+                        let sent = dc.counters().bytes_sent - before.bytes_sent;
+                        // Reduce-scatter then all-gather: 2(n−1) chunks of count/n elements.
+                        assert_eq!(sent as usize, 2 * (n - 1) * (count / n) * 4);
+                    })
+                })
+                .collect();
+            for h in hs {
+                h.join().unwrap();
+            }
+        });
+    }
+}
+
+#[test]
+fn device_buffers_over_tcp_edges_are_refused_by_name() {
+    let o = Opts {
+        transport: TransportPref::Tcp,
+        ..Opts::default()
+    };
+    threads(2, &o, |_, comm| {
+        let comm = comm.unwrap();
+        let e = DeviceComm::new(&comm, HostStream::new())
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("device buffers between nodes"), "{e}");
+        assert!(e.contains("tcp"), "{e}");
+    });
+}
+
+#[test]
+fn bad_device_calls_are_refused_and_mismatched_calls_name_both() {
+    threads(2, &Opts::default(), |rank, comm| {
+        let comm = comm.unwrap();
+        let mut dc = device_comm(&comm);
+        let send = [1.0f32; 10];
+        let mut short = [0.0f32; 9];
+        let e = dc
+            .all_reduce(&send[..], &mut short[..], ReduceOp::Sum)
+            .unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+        let mut wrong = [0.0f32; 10];
+        let e = dc
+            .reduce_scatter(&send[..], &mut wrong[..], ReduceOp::Sum)
+            .unwrap_err();
+        assert!(e.to_string().contains("this rank's chunk"), "{e}");
+        let mut b = [0.0f32; 4];
+        assert!(dc.broadcast_in_place(&mut b[..], 2).is_err());
+        // Refused calls used no sequence number: the ranks are still in step.
+        let mut out = vec![0.0f32; 10];
+        dc.all_reduce(&send[..], &mut out[..], ReduceOp::Sum)
+            .unwrap();
+        assert_eq!(out, vec![2.0; 10]);
+        // Now rank 1 calls something else.
+        let r = if rank == 0 {
+            dc.all_reduce(&send[..], &mut out[..], ReduceOp::Sum)
+        } else {
+            dc.all_reduce(&send[..], &mut out[..], ReduceOp::Max)
+        };
+        let e = r.unwrap_err().to_string();
+        assert!(e.contains("all_reduce"), "{e}");
+        // After an error the communicator refuses further calls.
+        assert!(dc
+            .all_reduce(&send[..], &mut out[..], ReduceOp::Sum)
+            .is_err());
+    });
+}
