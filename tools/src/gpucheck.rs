@@ -11,7 +11,7 @@ use ringzero_kernels::{DType, ReduceOp};
 use crate::mix;
 
 /// One line of the final table.
-#[derive(Clone, Debug, serde::Serialize)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct Row {
     /// What was checked or measured.
     pub check: String,

@@ -90,6 +90,19 @@ enum Cmd {
         #[arg(long)]
         no_bench: bool,
     },
+    /// One rank of gpu-check's collective checks (run by `gpu-check` under the launcher).
+    #[command(hide = true)]
+    GpuCollectives {
+        /// Device ordinal.
+        #[arg(long, default_value_t = 0)]
+        device: usize,
+        /// Rank 0 writes its rows here as JSON.
+        #[arg(long)]
+        rows: std::path::PathBuf,
+        /// Skip the bandwidth measurement.
+        #[arg(long)]
+        no_bench: bool,
+    },
     /// Run one diag probe (used by `ringzero diag` in a child process).
     #[command(hide = true)]
     DiagProbe {
@@ -392,12 +405,40 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     }),
                 }
             }
+            for (ranks, staged) in [(2usize, false), (4, false), (2, true), (4, true)] {
+                eprintln!(
+                    "ringzero gpu-check: collectives on device buffers, {ranks} processes, {}...",
+                    if staged {
+                        "RINGZERO_P2P_DISABLE=1"
+                    } else {
+                        "auto (cuda_ipc)"
+                    }
+                );
+                rows.extend(gpu_collectives(device, ranks, staged, no_bench));
+            }
             if let Some(path) = json {
                 std::fs::write(&path, serde_json::to_string_pretty(&rows)?)
                     .with_context(|| format!("writing {}", path.display()))?;
             }
             print!("{}", gpucheck::table(&name, &rows));
             Ok(if rows.iter().all(|r| r.pass) {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            })
+        }
+        Cmd::GpuCollectives {
+            device,
+            rows,
+            no_bench,
+        } => {
+            let comm = join("gpu-collectives", None, None)?;
+            let r = ringzero_tools::gpucoll::rank_main(&comm, device, !no_bench);
+            if comm.rank() == 0 {
+                std::fs::write(&rows, serde_json::to_string(&r)?)
+                    .with_context(|| format!("writing {}", rows.display()))?;
+            }
+            Ok(if r.iter().all(|x| x.pass) {
                 ExitCode::SUCCESS
             } else {
                 ExitCode::FAILURE
@@ -470,6 +511,62 @@ fn under_launcher() -> bool {
     ]
     .iter()
     .any(|v| std::env::var_os(v).is_some())
+}
+
+/// gpu-check's collective checks: `ranks` processes on device `device` through the launcher.
+fn gpu_collectives(
+    device: usize,
+    ranks: usize,
+    staged: bool,
+    no_bench: bool,
+) -> Vec<ringzero_tools::gpucheck::Row> {
+    use ringzero_tools::gpucheck::Row;
+    let label = format!("{} n={ranks}", if staged { "staging" } else { "cuda_ipc" });
+    let fail = |detail: String| {
+        vec![Row {
+            check: format!("{label} run"),
+            pass: false,
+            detail,
+        }]
+    };
+    let rows = std::env::temp_dir().join(format!(
+        "ringzero-gpu-collectives-{}-{ranks}-{staged}.json",
+        std::process::id()
+    ));
+    let mut args: Vec<std::ffi::OsString> = vec![
+        "gpu-collectives".into(),
+        "--device".into(),
+        device.to_string().into(),
+        "--rows".into(),
+        rows.clone().into(),
+    ];
+    if no_bench {
+        args.push("--no-bench".into());
+    }
+    let program = match std::env::current_exe() {
+        Ok(p) => p,
+        Err(e) => return fail(format!("finding this executable: {e}")),
+    };
+    let spec = launch::LaunchSpec {
+        ranks,
+        nodes: 1,
+        program: program.into(),
+        args,
+        env: vec![(
+            "RINGZERO_P2P_DISABLE".to_string(),
+            if staged { "1" } else { "0" }.to_string(),
+        )],
+        grace: Duration::from_secs(5),
+    };
+    let outcome = launch::launch(&spec, launch::Output::RankZeroPlain);
+    let read = std::fs::read_to_string(&rows);
+    let _ = std::fs::remove_file(&rows);
+    match (outcome, read) {
+        (_, Ok(text)) => serde_json::from_str::<Vec<ringzero_tools::gpucheck::Row>>(&text)
+            .unwrap_or_else(|e| fail(format!("rank 0's rows: {e}"))),
+        (Ok(o), Err(e)) => fail(format!("exit {}: no rows ({e})", o.exit_code())),
+        (Err(e), _) => fail(format!("launch: {e}")),
+    }
 }
 
 /// Run this same command line on `ranks` local ranks under the launcher (rank 0 reports).

@@ -330,8 +330,9 @@ impl<S: Stream> DeviceComm<S> {
                 let ctl = ShmRecv::create(&cfg.shm_dir, &name, slots, slot_bytes, prev)?;
                 let (map, len) = ctl.mapping();
                 let slot0 = ctl.slot_addr(0).expect("data segment");
-                // SAFETY: the mapping lives in `ctl`, which the FifoRecv drops before `keep`.
-                let (dev, keep) = unsafe { self.stream.map_host(map, len) }
+                // SAFETY: the mapping lives in `ctl`; the FifoRecv drops `keep` (the registration)
+                // before `ctl`.
+                let (dev, keep) = unsafe { self.stream.map_host(map, len.next_multiple_of(4096)) }
                     .map_err(dev_err("mapping the shm staging slots into the device"))?;
                 info.path = path_text(ctl.path())?;
                 let base = dev + (slot0 as usize - map as usize) as u64;
@@ -366,10 +367,11 @@ impl<S: Stream> DeviceComm<S> {
                 let ctl = ShmSend::attach(&path, t_slots, t_bytes, next)?;
                 let (map, len) = ctl.mapping();
                 let slot0 = ctl.slot_addr(0).expect("data segment");
-                // SAFETY: as for the receiver: `ctl` outlives `keep` inside the FifoSend.
-                let (dev, keep) = unsafe { self.stream.map_host(map, len) }.map_err(dev_err(
-                    "mapping the peer's shm staging slots into the device",
-                ))?;
+                // SAFETY: as for the receiver: the FifoSend drops `keep` before `ctl`.
+                let (dev, keep) = unsafe { self.stream.map_host(map, len.next_multiple_of(4096)) }
+                    .map_err(dev_err(
+                        "mapping the peer's shm staging slots into the device",
+                    ))?;
                 let base = dev + (slot0 as usize - map as usize) as u64;
                 (
                     FifoSend::new(ctl, TransportKind::Shm, base, keep),

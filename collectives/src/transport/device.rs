@@ -62,16 +62,18 @@ pub trait DevRecvLink: Send {
     fn abort(&mut self, reason: &str);
 }
 
-/// Keeps a link's slot memory mapped (dropped after the FIFO).
+/// Keeps a link's slot memory usable (dropped before the FIFO's own mapping).
 pub type Keep = Box<dyn Any + Send>;
 
 /// Sender over an shm FIFO whose slots start at device address `base`.
 pub struct FifoSend {
+    // Declared first so it is dropped first: a host registration must end while the shm file is
+    // still mapped.
+    _keep: Keep,
     ctl: ShmSend,
     kind: TransportKind,
     base: Addr,
     slot_bytes: usize,
-    _keep: Keep,
 }
 
 impl FifoSend {
@@ -114,11 +116,13 @@ impl DevSendLink for FifoSend {
 
 /// Receiver over an shm FIFO whose slots start at device address `base`.
 pub struct FifoRecv {
+    // Declared first so it is dropped first: a host registration must end while the shm file is
+    // still mapped.
+    _keep: Keep,
     ctl: ShmRecv,
     kind: TransportKind,
     base: Addr,
     slot_bytes: usize,
-    _keep: Keep,
 }
 
 impl FifoRecv {

@@ -1,0 +1,278 @@
+//! The GPU collective checks of `ringzero gpu-check`: ring collectives on device buffers
+//! ([`DeviceComm`] over `Arc<Gpu>`), each rank a process on the same GPU, run through the launcher
+//! (`ringzero gpu-collectives` is the rank program). Every collective, dtype and op against the
+//! exact reference of `ringzero bench`'s `#wrong` check, outputs poisoned first; the edges'
+//! transport checked against what was asked (cuda_ipc, or host staging under
+//! `RINGZERO_P2P_DISABLE=1`, which must move every byte through staging); then all-reduce bus
+//! bandwidth at 256 MiB next to a device-to-device copy (cuda_ipc) or a pinned host→device copy
+//! (staging) measured in the same run.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use ringzero_collectives::{chunk, Collective, Communicator, DeviceComm, Element, TransportKind};
+use ringzero_kernels::device::cuda::raw::HostRegistration;
+use ringzero_kernels::device::cuda::{DeviceBuffer, Gpu};
+use ringzero_kernels::{DType, ReduceOp};
+
+use crate::bench::exact::{reference, value};
+use crate::gpucheck::Row;
+
+fn to_bytes(d: DType, vals: &[f64]) -> Vec<u8> {
+    fn go<T: Element>(v: &[f64]) -> Vec<u8> {
+        let t: Vec<T> = v.iter().map(|&x| T::from_f64(x)).collect();
+        bytemuck::cast_slice(&t).to_vec()
+    }
+    match d {
+        DType::F32 => go::<f32>(vals),
+        DType::F64 => go::<f64>(vals),
+        DType::F16 => go::<half::f16>(vals),
+        DType::BF16 => go::<half::bf16>(vals),
+        DType::I32 => go::<i32>(vals),
+        DType::I64 => go::<i64>(vals),
+        DType::U8 => go::<u8>(vals),
+    }
+}
+
+fn from_bytes(d: DType, b: &[u8]) -> Vec<f64> {
+    fn go<T: Element>(b: &[u8]) -> Vec<f64> {
+        let mut t = vec![<T as bytemuck::Zeroable>::zeroed(); b.len() / std::mem::size_of::<T>()];
+        bytemuck::cast_slice_mut::<T, u8>(&mut t).copy_from_slice(b);
+        t.into_iter().map(T::to_f64).collect()
+    }
+    match d {
+        DType::F32 => go::<f32>(b),
+        DType::F64 => go::<f64>(b),
+        DType::F16 => go::<half::f16>(b),
+        DType::BF16 => go::<half::bf16>(b),
+        DType::I32 => go::<i32>(b),
+        DType::I64 => go::<i64>(b),
+        DType::U8 => go::<u8>(b),
+    }
+}
+
+type Check = Result<Option<String>, String>;
+
+fn one(
+    dc: &mut DeviceComm<Arc<Gpu>>,
+    coll: Collective,
+    d: DType,
+    op: ReduceOp,
+    count: usize,
+    seed: usize,
+) -> Check {
+    let gpu = dc.stream().clone();
+    let (r, n) = (dc.rank(), dc.size());
+    let e = |x: ringzero_kernels::device::DeviceError| x.to_string();
+    let input: Vec<f64> = (0..count).map(|i| value(d, op, r, i, seed)).collect();
+    let own = chunk(count, n, r);
+    let poison = |len: usize| gpu.upload(d, &vec![0xA5u8; len * d.size()]);
+    let (out, want): (DeviceBuffer, Vec<f64>) = match coll {
+        Collective::AllReduce => {
+            let send = gpu.upload(d, &to_bytes(d, &input)).map_err(e)?;
+            let mut out = poison(count).map_err(e)?;
+            dc.all_reduce(&send, &mut out, op)
+                .map_err(|x| x.to_string())?;
+            (
+                out,
+                (0..count).map(|i| reference(d, op, n, i, seed)).collect(),
+            )
+        }
+        Collective::ReduceScatter => {
+            let send = gpu.upload(d, &to_bytes(d, &input)).map_err(e)?;
+            let mut out = poison(own.len()).map_err(e)?;
+            dc.reduce_scatter(&send, &mut out, op)
+                .map_err(|x| x.to_string())?;
+            (out, own.map(|i| reference(d, op, n, i, seed)).collect())
+        }
+        Collective::AllGather => {
+            let send = gpu.upload(d, &to_bytes(d, &input[own])).map_err(e)?;
+            let mut out = poison(count).map_err(e)?;
+            dc.all_gather(&send, &mut out).map_err(|x| x.to_string())?;
+            let owner = |i: usize| {
+                (0..n)
+                    .find(|&q| chunk(count, n, q).contains(&i))
+                    .unwrap_or(0)
+            };
+            (
+                out,
+                (0..count)
+                    .map(|i| value(d, op, owner(i), i, seed))
+                    .collect(),
+            )
+        }
+        _ => {
+            let root = n - 1;
+            let mut buf = if r == root {
+                gpu.upload(d, &to_bytes(d, &input)).map_err(e)?
+            } else {
+                poison(count).map_err(e)?
+            };
+            dc.broadcast_in_place(&mut buf, root)
+                .map_err(|x| x.to_string())?;
+            (
+                buf,
+                (0..count).map(|i| value(d, op, root, i, seed)).collect(),
+            )
+        }
+    };
+    let mut bytes = vec![0u8; out.bytes()];
+    gpu.download(&out, &mut bytes).map_err(e)?;
+    let got = from_bytes(d, &bytes);
+    Ok((0..count)
+        .find(|&i| got[i] != want[i] && !(got[i].is_nan() && want[i].is_nan()))
+        .map(|i| {
+            format!(
+                "rank {r}: {} {d} {op} count {count}: element {i} is {} but should be {}",
+                coll.name(),
+                got[i],
+                want[i]
+            )
+        }))
+}
+
+/// Run every check on this rank; rank 0's rows are the report.
+pub fn rank_main(comm: &Communicator, device: usize, bench: bool) -> Vec<Row> {
+    let n = comm.size();
+    let staged = comm.config().p2p_disable;
+    let label = if staged { "staging" } else { "cuda_ipc" };
+    let mut rows = Vec::new();
+    let gpu = match Gpu::open(device) {
+        Ok(g) => g,
+        Err(e) => {
+            return vec![Row {
+                check: format!("{label} n={n} open"),
+                pass: false,
+                detail: e.to_string(),
+            }]
+        }
+    };
+    let mut dc = match DeviceComm::new(comm, gpu.clone()) {
+        Ok(dc) => dc,
+        Err(e) => {
+            return vec![Row {
+                check: format!("{label} n={n} connect"),
+                pass: false,
+                detail: e.to_string(),
+            }]
+        }
+    };
+    let want = if staged {
+        TransportKind::Shm
+    } else {
+        TransportKind::CudaIpc
+    };
+    let edges: Vec<String> = dc.edges().iter().map(|e| e.to_string()).collect();
+    rows.push(Row {
+        check: format!("{label} n={n} edges"),
+        pass: dc.edges().iter().all(|e| e.kind == want),
+        detail: edges.join("; "),
+    });
+    let mut seed = 0;
+    for coll in [
+        Collective::AllReduce,
+        Collective::ReduceScatter,
+        Collective::AllGather,
+        Collective::Broadcast { root: n - 1 },
+    ] {
+        let mut fail = None;
+        let mut cases = 0;
+        'all: for d in DType::ALL {
+            for op in ReduceOp::ALL {
+                for count in [1usize, 1023, (1 << 20) + 7] {
+                    seed += 1;
+                    cases += 1;
+                    match one(&mut dc, coll, d, op, count, seed) {
+                        Ok(None) => {}
+                        Ok(Some(f)) => {
+                            fail = Some(f);
+                            break 'all;
+                        }
+                        Err(e) => {
+                            fail = Some(e);
+                            break 'all;
+                        }
+                    }
+                }
+            }
+        }
+        rows.push(Row {
+            check: format!("{label} n={n} {}", coll.name()),
+            pass: fail.is_none(),
+            detail: fail
+                .unwrap_or_else(|| format!("{cases} cases (7 dtypes × 5 ops × 3 sizes) exact")),
+        });
+    }
+    let sent = dc.counters().bytes_sent;
+    rows.push(Row {
+        check: format!("{label} n={n} bytes moved"),
+        pass: sent > 0 && dc.edges().iter().all(|e| e.kind == want),
+        detail: format!("{sent} payload bytes sent, every one over {want}"),
+    });
+    if bench {
+        match bandwidth(&mut dc, &gpu, staged) {
+            Ok(r) => rows.push(r),
+            Err(e) => rows.push(Row {
+                check: format!("{label} n={n} bench"),
+                pass: false,
+                detail: e,
+            }),
+        }
+    }
+    rows
+}
+
+fn bandwidth(dc: &mut DeviceComm<Arc<Gpu>>, gpu: &Arc<Gpu>, staged: bool) -> Result<Row, String> {
+    let e = |x: ringzero_kernels::device::DeviceError| x.to_string();
+    let n = dc.size();
+    let elems = 64usize << 20; // 256 MiB of f32
+    let bytes = elems * 4;
+    let send = gpu.alloc(DType::F32, elems).map_err(e)?;
+    let mut recv = gpu.alloc(DType::F32, elems).map_err(e)?;
+    // The baseline, measured here and now.
+    let (base_name, base_gbs, target) = if staged {
+        let mut host = vec![0u8; bytes];
+        // SAFETY: `host` outlives the registration (dropped at the end of this block).
+        let reg = unsafe { HostRegistration::new(gpu, host.as_mut_ptr(), bytes) }.map_err(e)?;
+        let hp = reg.device_ptr(host.as_ptr()).map_err(e)?;
+        let dp = gpu.ptr_of(&recv);
+        // SAFETY: both ranges are live for `bytes` bytes until the timing's final sync.
+        let ms = gpu
+            .time(5, || unsafe { gpu.copy_at(dp, hp, bytes) })
+            .map_err(e)?;
+        drop(reg);
+        (
+            "pinned host→device copy",
+            bytes as f64 / (ms * 1e-3) / 1e9,
+            0.8,
+        )
+    } else {
+        let mut dst = gpu.alloc(DType::F32, elems).map_err(e)?;
+        let ms = gpu.time(5, || gpu.copy(&mut dst, &send)).map_err(e)?;
+        (
+            "device-to-device copy",
+            2.0 * bytes as f64 / (ms * 1e-3) / 1e9,
+            0.7,
+        )
+    };
+    let iters = 5;
+    dc.all_reduce(&send, &mut recv, ReduceOp::Sum)
+        .map_err(|x| x.to_string())?;
+    let t = Instant::now();
+    for _ in 0..iters {
+        dc.all_reduce(&send, &mut recv, ReduceOp::Sum)
+            .map_err(|x| x.to_string())?;
+    }
+    let secs = t.elapsed().as_secs_f64() / iters as f64;
+    let busbw = bytes as f64 / secs / 1e9 * 2.0 * (n - 1) as f64 / n as f64;
+    let label = if staged { "staging" } else { "cuda_ipc" };
+    Ok(Row {
+        check: format!("{label} n={n} all_reduce 256 MiB"),
+        pass: busbw >= target * base_gbs,
+        detail: format!(
+            "busbw {busbw:.1} GB/s = {:.0}% of the {base_name} ({base_gbs:.1} GB/s; target {:.0}%)",
+            100.0 * busbw / base_gbs,
+            100.0 * target
+        ),
+    })
+}
