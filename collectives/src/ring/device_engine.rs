@@ -21,7 +21,7 @@ use std::time::Instant;
 
 use ringzero_kernels::ReduceOp;
 
-use super::engine::{base, link_err, Call, Counters};
+use super::engine::{base, link_err, op_timeout, Call, Counters, HEALTH_EVERY};
 use super::schedule::{Loc, Op};
 use crate::device::stream::Stream;
 use crate::error::{Error, Result};
@@ -257,31 +257,17 @@ unsafe fn run_op<S: Stream>(
             continue;
         }
         if now.duration_since(last) >= call.timeout {
-            let (peer, waiting) = if !have_in {
-                (
-                    prev,
-                    format!(
-                        "frame (step {}, slice {}) from rank {prev}",
-                        expect.step, op.slice
-                    ),
-                )
-            } else {
-                (
-                    next,
-                    format!(
-                        "a free device slot at rank {next} (it has not consumed earlier frames)"
-                    ),
-                )
-            };
-            return Err(Error::Timeout {
-                op: what.into(),
-                seq,
-                peer,
-                waiting,
-                after: call.timeout,
-            });
+            return Err(op_timeout(
+                call,
+                what,
+                &expect,
+                have_in,
+                prev,
+                next,
+                "device slot",
+            ));
         }
-        if now.duration_since(last_health) >= std::time::Duration::from_millis(20) {
+        if now.duration_since(last_health) >= HEALTH_EVERY {
             last_health = now;
             links.rx.health().map_err(rx_err)?;
             links.tx.health().map_err(tx_err)?;
@@ -293,14 +279,13 @@ unsafe fn run_op<S: Stream>(
     // Queue the arithmetic.
     let plan = call.plan;
     let at = |loc: &Loc| -> Addr {
-        let (start, len) = match *bufs {
+        let start = match *bufs {
             DevBufs::Split { input, output, .. } => match loc.buf {
-                super::schedule::Buf::Input => (input, 0),
-                super::schedule::Buf::Output => (output, 0),
+                super::schedule::Buf::Input => input,
+                super::schedule::Buf::Output => output,
             },
-            DevBufs::One { buf, .. } => (buf, 0),
+            DevBufs::One { buf, .. } => buf,
         };
-        let _ = len;
         start + ((loc.range.start - base(plan, loc.buf)) * es) as u64
     };
     let local = op.local.as_ref().map(at);

@@ -23,7 +23,7 @@ use crate::transport::wait::Waiter;
 use crate::transport::{LinkError, RecvLink, SendLink};
 use crate::wire::{Expect, Fingerprint, FrameHeader};
 
-const HEALTH_EVERY: Duration = Duration::from_millis(20);
+pub(crate) const HEALTH_EVERY: Duration = Duration::from_millis(20);
 
 /// Byte counters of one rank's links.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -288,27 +288,7 @@ fn run_op(
             continue;
         }
         if now.duration_since(last) >= call.timeout {
-            let (peer, waiting) = if !have_in {
-                (
-                    prev,
-                    format!(
-                        "frame (step {}, slice {}) from rank {prev}",
-                        expect.step, op.slice
-                    ),
-                )
-            } else {
-                (
-                    next,
-                    format!("a free slot at rank {next} (it has not consumed earlier frames)"),
-                )
-            };
-            return Err(Error::Timeout {
-                op: what.into(),
-                seq,
-                peer,
-                waiting,
-                after: call.timeout,
-            });
+            return Err(op_timeout(call, what, &expect, have_in, prev, next, "slot"));
         }
         if now.duration_since(last_health) >= HEALTH_EVERY {
             last_health = now;
@@ -379,6 +359,40 @@ fn run_op(
         links.counters.bytes_received += bytes as u64;
     }
     Ok(())
+}
+
+/// The timeout of an op that waited for its incoming frame (`have_in` false) or for a free `slot`
+/// at the next rank.
+pub(crate) fn op_timeout(
+    call: &Call,
+    what: &str,
+    expect: &Expect,
+    have_in: bool,
+    prev: usize,
+    next: usize,
+    slot: &str,
+) -> Error {
+    let (peer, waiting) = if !have_in {
+        (
+            prev,
+            format!(
+                "frame (step {}, slice {}) from rank {prev}",
+                expect.step, expect.slice
+            ),
+        )
+    } else {
+        (
+            next,
+            format!("a free {slot} at rank {next} (it has not consumed earlier frames)"),
+        )
+    };
+    Error::Timeout {
+        op: what.into(),
+        seq: call.seq,
+        peer,
+        waiting,
+        after: call.timeout,
+    }
 }
 
 /// `value = incoming ⊕ local` (or whichever exists), finalized, written to `store` and `slot`.
