@@ -262,10 +262,15 @@ impl Stream for HostStream {
     }
 
     fn done(&self, m: &u64) -> Result<bool, DeviceError> {
+        // Not done while work before the marker still runs, even after a failure: callers wait
+        // for completion before they free what that work touches.
+        if self.state.completed.load(Ordering::Acquire) < *m {
+            return Ok(false);
+        }
         if let Some(e) = self.state.error.lock().unwrap().clone() {
             return Err(DeviceError::Invalid(format!("host stream: {e}")));
         }
-        Ok(self.state.completed.load(Ordering::Acquire) >= *m)
+        Ok(true)
     }
 
     unsafe fn map_host(

@@ -118,6 +118,36 @@ pub unsafe fn run<S: Stream>(
     bufs: DevBufs,
 ) -> Result<()> {
     check_sizes(call, &bufs)?;
+    // SAFETY: forwarded from the caller.
+    let r = unsafe { run_ops(stream, links, call, bufs) };
+    if r.is_err() {
+        // Work queued before the error still reads and writes the user's buffers and the slots:
+        // let it finish (within the deadline) before the caller may free or unmap them.
+        quiesce(stream, call.timeout);
+    }
+    r
+}
+
+/// Wait until everything queued on `stream` has completed, failed, or `timeout` has passed.
+fn quiesce<S: Stream>(stream: &S, timeout: std::time::Duration) {
+    let Ok(m) = stream.mark() else { return };
+    let start = Instant::now();
+    let mut waiter = Waiter::backoff();
+    while matches!(stream.done(&m), Ok(false)) && start.elapsed() < timeout {
+        waiter.idle(timeout);
+    }
+}
+
+/// The body of [`run`].
+///
+/// # Safety
+/// As for [`run`].
+unsafe fn run_ops<S: Stream>(
+    stream: &S,
+    links: &mut DevLinks,
+    call: &Call,
+    bufs: DevBufs,
+) -> Result<()> {
     let what = call.fp.to_string();
     let mut pending: VecDeque<Pending<S::Marker>> = VecDeque::new();
     let mut waiter = Waiter::backoff();
