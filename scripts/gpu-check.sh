@@ -19,5 +19,19 @@ for t in target/release/deps/cuda-*; do
     "$t" --nocapture || status=1
 done
 out=${OUT:-/tmp}
+# diag on the real machine: CUDA devices, peer facts, peer/pinned copies, IPC and the ring, each
+# probe in a child under the watchdog. Exit 1 (degraded) is a finding, not a failure of the check.
+echo "== ringzero diag --json"
+target/release/ringzero diag --json > "$out/diag.json"
+diag_rc=$?
+python3 - "$out/diag.json" "$diag_rc" <<'PY' || true
+import json, sys
+r = json.load(open(sys.argv[1]))
+print("diag exit code", sys.argv[2], "|", r["cuda"]["note"])
+for p in r["probes"]:
+    gbs = "" if p["gbs"] is None else f' {p["gbs"]:.1f} GB/s'
+    print(f'  {p["name"]:<22} {p["status"]}{gbs}: {p["detail"][:140]}')
+PY
+[ "$diag_rc" -le 1 ] || status=1
 target/release/ringzero gpu-check --json "$out/gpu-check.json" || status=1
 exit $status

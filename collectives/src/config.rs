@@ -245,6 +245,12 @@ impl Config {
     }
 }
 
+/// A 0/1 switch from the process environment (`0`, `false`, `no` or unset: off; `1`, `true`,
+/// `yes`: on; anything else is an error naming the variable).
+pub fn env_flag(var: &str) -> Result<bool> {
+    flag(&|k| std::env::var(k).ok(), var)
+}
+
 fn flag(env: &dyn Fn(&str) -> Option<String>, var: &str) -> Result<bool> {
     match env(var).as_deref().map(str::trim) {
         None | Some("") | Some("0") | Some("false") | Some("no") => Ok(false),

@@ -51,8 +51,10 @@ enum Cmd {
         /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
-        /// Probes to run in child processes (comma-separated: shm, tcp; `none` for none).
-        #[arg(long, default_value = "shm,tcp")]
+        /// Probes to run in child processes (comma-separated: shm, tcp, cuda; `none` for none).
+        /// `cuda` lists the devices and peer facts, then probes peer copies, pinned host copies,
+        /// CUDA IPC and ringzero's ring on device buffers (skipped, and said so, without a GPU).
+        #[arg(long, default_value = "shm,tcp,cuda")]
         probes: String,
         /// Seconds before the watchdog kills a probe and calls it HANG.
         #[arg(long, default_value_t = 20.0)]
@@ -108,6 +110,13 @@ enum Cmd {
     DiagProbe {
         /// Probe name.
         name: String,
+    },
+    /// One rank of diag's ring probe on device buffers (run by `diag-probe cuda-ring…`).
+    #[command(hide = true)]
+    DiagRingRank {
+        /// Rank 0's and rank 1's device ordinals (`0,1`; `0,0` shares one GPU).
+        #[arg(long, value_delimiter = ',', required = true)]
+        devices: Vec<usize>,
     },
     /// Checked all-reduce sweep (run it under `ringzero launch`): every result is verified exactly.
     Check {
@@ -314,14 +323,15 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 .collect();
             for p in &probes {
                 anyhow::ensure!(
-                    matches!(p.as_str(), "shm" | "tcp" | "hang"),
-                    "--probes: unknown probe `{p}` (expected shm, tcp)"
+                    matches!(p.as_str(), "shm" | "tcp" | "cuda" | "hang"),
+                    "--probes: unknown probe `{p}` (expected shm, tcp, cuda or none)"
                 );
             }
             let args = ringzero_tools::diag::DiagArgs {
                 sysfs_root,
                 procfs_root,
                 probes,
+                p2p_disabled: ringzero_collectives::config::env_flag("RINGZERO_P2P_DISABLE")?,
                 probe_timeout: Duration::from_secs_f64(probe_timeout),
                 exe: std::env::current_exe().context("finding this executable")?,
             };
@@ -446,6 +456,12 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Cmd::DiagProbe { name } => {
             let r = ringzero_tools::diag::probe::child(&name);
+            println!("{}", serde_json::to_string(&r)?);
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::DiagRingRank { devices } => {
+            anyhow::ensure!(devices.len() == 2, "--devices takes two ordinals (`0,1`)");
+            let r = ringzero_tools::diag::cuda::ring_rank([devices[0], devices[1]]);
             println!("{}", serde_json::to_string(&r)?);
             Ok(ExitCode::SUCCESS)
         }

@@ -333,3 +333,72 @@ fn bad_roots_are_refused() {
     assert!(String::from_utf8_lossy(&out.stderr)
         .contains("--sysfs-root /nonexistent/sys: not a directory"));
 }
+
+/// The CUDA part: without a driver it says so and runs nothing; with one, every CUDA probe
+/// (peer copies, pinned copies, CUDA IPC, ringzero's ring) must pass on a healthy machine.
+#[test]
+fn cuda_probes_report_why_they_did_not_run_or_pass() {
+    let f = Fixture::new("cuda");
+    f.two_gpu_switch(Config::Acs(0), [(5, "identity"), (5, "identity")]);
+    let (code, text) = f.diag(&["--json", "--probes", "cuda"]);
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let present = ringzero_kernels::device::cuda::driver_present()
+        && ringzero_kernels::device::cuda::device_count().is_ok();
+    if !present {
+        eprintln!("no CUDA driver or GPU here: checking the report says so");
+        assert_eq!(code, 0, "{text}");
+        assert!(v["cuda"]["inventory"].is_null(), "{text}");
+        let note = v["cuda"]["note"].as_str().unwrap();
+        assert!(
+            note.starts_with("no GPU found by CUDA (") && note.ends_with("CUDA probes not run"),
+            "{note}"
+        );
+        assert!(v["probes"].as_array().unwrap().is_empty(), "{text}");
+        // The fixture's GPUs are judged from topology alone, and the pair says why.
+        let ev = v["pairs"][0]["evidence"].as_array().unwrap();
+        assert!(
+            ev.iter().any(|e| e
+                .as_str()
+                .unwrap()
+                .starts_with("CUDA: no GPU found by CUDA")),
+            "{text}"
+        );
+    } else {
+        for p in v["probes"].as_array().unwrap() {
+            assert_eq!(p["status"], "OK", "{p}");
+        }
+        assert!(!v["probes"].as_array().unwrap().is_empty(), "{text}");
+    }
+}
+
+#[test]
+fn a_cuda_probe_without_a_gpu_fails_by_name_and_never_panics() {
+    if ringzero_kernels::device::cuda::device_count().is_ok() {
+        eprintln!("skipped: this machine has a GPU (the probes run for real in gpu-check)");
+        return;
+    }
+    for probe in [
+        "cuda-copy:0:1",
+        "cuda-staging:0",
+        "cuda-inventory",
+        "cuda-ring:0:0",
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_ringzero"))
+            .args(["diag-probe", probe])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        let v: serde_json::Value = serde_json::from_str(text.trim()).unwrap();
+        assert_eq!(v["name"], probe);
+        assert_eq!(v["status"], "FAILED", "{text}");
+        assert!(
+            v["detail"]
+                .as_str()
+                .unwrap()
+                .contains("no CUDA driver was found")
+                || v["detail"].as_str().unwrap().contains("no device"),
+            "{text}"
+        );
+        assert!(!String::from_utf8_lossy(&out.stderr).contains("panicked"));
+    }
+}

@@ -3,10 +3,12 @@
 //! in child processes under a watchdog; every GPU pair gets a verdict with its evidence, and the
 //! fixes are ranked by reach: environment now, root commands (printed, never run), boot/BIOS.
 //!
-//! Without CUDA support in this build, GPU pairs are judged from topology, IOMMU and ACS alone and
-//! the report says that the CUDA probes did not run.
+//! The CUDA part ([`cuda`]) lists devices and peer facts and probes peer copies, host staging,
+//! CUDA IPC and ringzero's own ring, all in child processes. Without a CUDA driver or GPU, pairs
+//! are judged from topology, IOMMU and ACS alone and the report says the CUDA probes did not run.
 
 pub mod acs;
+pub mod cuda;
 pub mod host;
 pub mod pci;
 pub mod probe;
@@ -28,8 +30,10 @@ pub struct DiagArgs {
     pub sysfs_root: PathBuf,
     /// Where procfs is (`/proc`).
     pub procfs_root: PathBuf,
-    /// Probes to run in child processes.
+    /// Probes to run in child processes (`shm`, `tcp`, `hang`; `cuda` for the CUDA set).
     pub probes: Vec<String>,
+    /// `RINGZERO_P2P_DISABLE` is set where diag runs.
+    pub p2p_disabled: bool,
     /// Watchdog timeout per probe.
     pub probe_timeout: Duration,
     /// The executable that runs probes (`ringzero`).
@@ -114,6 +118,8 @@ pub struct Report {
     pub gpus: Vec<PciDevice>,
     /// Every pair of GPUs.
     pub pairs: Vec<Pair>,
+    /// The CUDA devices and peer facts, or why there are none.
+    pub cuda: cuda::CudaSection,
     /// Probe results.
     pub probes: Vec<ProbeResult>,
     /// Fixes, most immediate first.
@@ -136,7 +142,17 @@ pub fn diagnose(a: &DiagArgs, progress: &mut dyn FnMut(&str)) -> std::io::Result
         .cloned()
         .collect();
     let mut probes = Vec::new();
+    let mut cuda_section = cuda::CudaSection {
+        inventory: None,
+        note: "CUDA probes not asked for (--probes without `cuda`)".into(),
+    };
     for p in &a.probes {
+        if p == "cuda" {
+            let (section, results) = cuda::diagnose(&a.exe, a.probe_timeout, progress);
+            cuda_section = section;
+            probes.extend(results);
+            continue;
+        }
         progress(&format!(
             "probing {p} (watchdog {:.0}s)",
             a.probe_timeout.as_secs_f64()
@@ -157,6 +173,11 @@ pub fn diagnose(a: &DiagArgs, progress: &mut dyn FnMut(&str)) -> std::io::Result
                 &a.sysfs_root,
                 &host,
                 staging,
+                &CudaView {
+                    section: &cuda_section,
+                    probes: &probes,
+                    p2p_disabled: a.p2p_disabled,
+                },
                 &mut fixes,
             ));
         }
@@ -183,6 +204,7 @@ pub fn diagnose(a: &DiagArgs, progress: &mut dyn FnMut(&str)) -> std::io::Result
         host_findings,
         gpus,
         pairs,
+        cuda: cuda_section,
         probes,
         fixes,
         exit_code,
@@ -233,6 +255,56 @@ fn judge_host(h: &Host, have_gpu: bool, findings: &mut Vec<String>, fixes: &mut 
     }
 }
 
+/// What the CUDA part found, for judging pairs.
+struct CudaView<'a> {
+    section: &'a cuda::CudaSection,
+    probes: &'a [ProbeResult],
+    p2p_disabled: bool,
+}
+
+impl CudaView<'_> {
+    fn probe(&self, p: cuda::CudaProbe) -> Option<&ProbeResult> {
+        let name = p.name();
+        self.probes.iter().find(|r| r.name == name)
+    }
+
+    /// The CUDA side of pair `x`–`y`: `None` with the reason when it cannot be judged.
+    fn judge(&self, x: &PciDevice, y: &PciDevice) -> Result<cuda::Judged, String> {
+        let Some(inv) = &self.section.inventory else {
+            return Err(format!("CUDA: {}", self.section.note));
+        };
+        let (Some(a), Some(b)) = (inv.by_bdf(&x.bdf), inv.by_bdf(&y.bdf)) else {
+            return Err(
+                "CUDA does not see both GPUs (CUDA_VISIBLE_DEVICES?): no CUDA facts for this pair"
+                    .into(),
+            );
+        };
+        let (a, b) = (a.ordinal.min(b.ordinal), a.ordinal.max(b.ordinal));
+        let host_copy = [a, b]
+            .iter()
+            .filter_map(|&o| self.probe(cuda::CudaProbe::Staging(o))?.gbs)
+            .reduce(f64::min);
+        let staged = self
+            .probes
+            .iter()
+            .find(|r| r.name.starts_with("cuda-ring-staged:") && r.status == ProbeStatus::OK)
+            .and_then(|r| r.gbs);
+        Ok(cuda::judge(cuda::PairFacts {
+            peers: [inv.peer(a, b), inv.peer(b, a)],
+            copy: self.probe(cuda::CudaProbe::Copy(a, b)),
+            ring: self.probe(cuda::CudaProbe::Ring {
+                a,
+                b,
+                staged: false,
+            }),
+            staging_busbw: staged,
+            host_copy_gbs: host_copy,
+            p2p_disabled: self.p2p_disabled,
+        }))
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
 fn judge_pair(
     x: &PciDevice,
     y: &PciDevice,
@@ -240,6 +312,7 @@ fn judge_pair(
     sysfs: &Path,
     host: &Host,
     staging_gbs: Option<f64>,
+    cuda_view: &CudaView<'_>,
     fixes: &mut Vec<Fix>,
 ) -> Pair {
     let route = pci::route(x, y);
@@ -363,7 +436,14 @@ fn judge_pair(
         evidence.push("the GPUs hang off different CPU sockets: CUDA rarely offers peer access across the CPU interconnect".into());
         fixes.push(p2p_off.clone());
     }
-    evidence.push("CUDA probes not run: this build has no CUDA device support".into());
+    match cuda_view.judge(x, y) {
+        Ok(j) => {
+            worse(j.verdict, &mut verdict);
+            evidence.extend(j.evidence);
+            fixes.extend(j.fixes);
+        }
+        Err(why) => evidence.push(why),
+    }
     Pair {
         a: x.bdf.clone(),
         b: y.bdf.clone(),
@@ -454,17 +534,36 @@ pub fn text(r: &Report) -> String {
             g.iommu_group.map_or("-".into(), |n| n.to_string())
         );
     }
+    s += "\n== CUDA\n";
+    s += &format!("{}\n", r.cuda.note);
+    if let Some(inv) = &r.cuda.inventory {
+        for d in &inv.devices {
+            s += &format!(
+                "cuda:{} {} at {} (UUID {})\n",
+                d.ordinal, d.name, d.pci_bus_id, d.uuid
+            );
+        }
+        for p in &inv.peers {
+            s += &format!(
+                "cuda:{} → cuda:{}: can access peer {}, access supported {}, native atomics {}, performance rank {}\n",
+                p.a, p.b, p.can_access, p.access_supported, p.native_atomics, p.performance_rank
+            );
+        }
+    }
     s += "\n== Probes\n";
     if r.probes.is_empty() {
         s += "none run\n";
     }
     for p in &r.probes {
         s += &format!(
-            "{:<6} {:?}{}: {}\n",
+            "{:<6} {:?}{}: {}{}\n",
             p.name,
             p.status,
             p.gbs.map_or(String::new(), |g| format!(" ({g:.2} GB/s)")),
-            p.detail
+            p.detail,
+            p.fell_back.as_ref().map_or(String::new(), |w| format!(
+                " [fell back to host staging: {w}]"
+            ))
         );
     }
     s += "\n== Verdicts\n";

@@ -38,6 +38,31 @@ pub struct ProbeResult {
     pub gbs: Option<f64>,
     /// What was seen.
     pub detail: String,
+    /// A ring probe whose edge fell back from peer copies to host staging: why.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fell_back: Option<String>,
+    /// The CUDA inventory (the `cuda-inventory` probe).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cuda: Option<super::cuda::CudaInventory>,
+}
+
+impl ProbeResult {
+    /// A result with no CUDA extras.
+    pub fn new(
+        name: impl Into<String>,
+        status: ProbeStatus,
+        gbs: Option<f64>,
+        detail: impl Into<String>,
+    ) -> ProbeResult {
+        ProbeResult {
+            name: name.into(),
+            status,
+            gbs,
+            detail: detail.into(),
+            fell_back: None,
+            cuda: None,
+        }
+    }
 }
 
 /// What a watched child did.
@@ -95,22 +120,17 @@ pub fn run(exe: &std::path::Path, name: &str, timeout: Duration) -> ProbeResult 
     ] {
         cmd.env_remove(v);
     }
-    let failed = |detail: String| ProbeResult {
-        name: name.into(),
-        status: ProbeStatus::FAILED,
-        gbs: None,
-        detail,
-    };
+    let failed = |detail: String| ProbeResult::new(name, ProbeStatus::FAILED, None, detail);
     match watchdog(cmd, timeout) {
-        Ok(Watched::Hung) => ProbeResult {
-            name: name.into(),
-            status: ProbeStatus::HANG,
-            gbs: None,
-            detail: format!(
+        Ok(Watched::Hung) => ProbeResult::new(
+            name,
+            ProbeStatus::HANG,
+            None,
+            format!(
                 "no result after {:.1}s; the probe process was killed",
                 timeout.as_secs_f64()
             ),
-        },
+        ),
         Ok(Watched::Exited(out, code)) => match out
             .lines()
             .rev()
@@ -139,12 +159,24 @@ pub fn child(name: &str) -> ProbeResult {
         },
         "shm" => ring(name, TransportPref::Shm),
         "tcp" => ring(name, TransportPref::Tcp),
-        other => ProbeResult {
-            name: other.into(),
-            status: ProbeStatus::FAILED,
-            gbs: None,
-            detail: format!("unknown probe `{other}` (expected shm, tcp or hang)"),
-        },
+        other if super::cuda::CudaProbe::parse(other).is_some() => {
+            let p = super::cuda::CudaProbe::parse(other).expect("checked");
+            match std::env::current_exe() {
+                Ok(exe) => super::cuda::child(other, p, &exe),
+                Err(e) => ProbeResult::new(
+                    other,
+                    ProbeStatus::FAILED,
+                    None,
+                    format!("finding this executable: {e}"),
+                ),
+            }
+        }
+        other => ProbeResult::new(
+            other,
+            ProbeStatus::FAILED,
+            None,
+            format!("unknown probe `{other}` (expected shm, tcp, hang or cuda-…)"),
+        ),
     }
 }
 
@@ -152,14 +184,7 @@ fn ring(name: &str, transport: TransportPref) -> ProbeResult {
     const BYTES: usize = 8 << 20;
     let port = match std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()) {
         Ok(a) => a.port(),
-        Err(e) => {
-            return ProbeResult {
-                name: name.into(),
-                status: ProbeStatus::FAILED,
-                gbs: None,
-                detail: e.to_string(),
-            }
-        }
+        Err(e) => return ProbeResult::new(name, ProbeStatus::FAILED, None, e.to_string()),
     };
     let results: Vec<Result<(f64, Option<String>), String>> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..2)
@@ -211,34 +236,22 @@ fn ring(name: &str, transport: TransportPref) -> ProbeResult {
     let mut gbs = f64::INFINITY;
     for r in &results {
         match r {
-            Err(e) => {
-                return ProbeResult {
-                    name: name.into(),
-                    status: ProbeStatus::FAILED,
-                    gbs: None,
-                    detail: e.clone(),
-                }
-            }
+            Err(e) => return ProbeResult::new(name, ProbeStatus::FAILED, None, e.clone()),
             Ok((g, Some(bad))) => {
-                return ProbeResult {
-                    name: name.into(),
-                    status: ProbeStatus::WRONG_DATA,
-                    gbs: Some(*g),
-                    detail: bad.clone(),
-                }
+                return ProbeResult::new(name, ProbeStatus::WRONG_DATA, Some(*g), bad.clone())
             }
             Ok((g, None)) => gbs = gbs.min(*g),
         }
     }
-    ProbeResult {
-        name: name.into(),
-        status: ProbeStatus::OK,
-        gbs: Some(gbs),
-        detail: format!(
+    ProbeResult::new(
+        name,
+        ProbeStatus::OK,
+        Some(gbs),
+        format!(
             "2 ranks streamed {} MiB of patterned data each way, every byte checked",
             BYTES >> 20
         ),
-    }
+    )
 }
 
 #[cfg(test)]

@@ -446,6 +446,57 @@ impl Gpu {
             .map_err(driver("copying device to device"))
     }
 
+    /// Let this device's context address `peer`'s memory (`cuCtxEnablePeerAccess`); enabling it
+    /// twice is fine, and the same device needs nothing.
+    pub fn enable_peer_access(&self, peer: &Gpu) -> Result<(), DeviceError> {
+        self.check()?;
+        if self.ctx.ordinal() == peer.ctx.ordinal() {
+            return Ok(());
+        }
+        self.ctx
+            .bind_to_thread()
+            .map_err(sys_err("binding the context"))?;
+        // SAFETY: `peer`'s context handle is live (its Gpu is borrowed); flags must be 0.
+        match unsafe { sys::cuCtxEnablePeerAccess(peer.ctx.cu_ctx(), 0) } {
+            sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => {
+                Ok(())
+            }
+            e => Err(sys_err("cuCtxEnablePeerAccess")(result::DriverError(e))),
+        }
+    }
+
+    /// Queue a copy of `bytes` from `src` (this device) to `dst` on `dst_gpu`
+    /// (`cuMemcpyPeerAsync` on this device's compute stream; a direct peer copy once
+    /// [`Gpu::enable_peer_access`] succeeded, staged by the driver otherwise).
+    ///
+    /// # Safety
+    /// `src..src + bytes` must be live memory of this device and `dst..dst + bytes` of
+    /// `dst_gpu`'s, both until the work completes.
+    pub unsafe fn copy_peer_at(
+        &self,
+        dst: DevPtr,
+        dst_gpu: &Gpu,
+        src: DevPtr,
+        bytes: usize,
+    ) -> Result<(), DeviceError> {
+        self.check()?;
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: the caller guarantees both ranges; both context handles are live.
+        unsafe {
+            result::memcpy_peer_async(
+                dst_gpu.ctx.cu_ctx(),
+                dst,
+                self.ctx.cu_ctx(),
+                src,
+                bytes,
+                self.stream.cu_stream(),
+            )
+        }
+        .map_err(driver("copying between devices"))
+    }
+
     /// Host bytes into device memory at `dst` (waits).
     ///
     /// # Safety

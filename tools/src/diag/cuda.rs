@@ -1,0 +1,981 @@
+//! The CUDA part of `ringzero diag`. Nothing here touches the driver in the diagnosing process:
+//! the device inventory (devices, PCI bus ids, `cuDeviceCanAccessPeer` and the P2P attributes per
+//! pair) and every probe run in child processes under the watchdog, so a driver that hangs on
+//! `cuInit` or on a peer copy is killed and reported as HANG instead of hanging the tool.
+//!
+//! Probes (the child side is [`child`]):
+//! - `cuda-inventory`: the device list and peer facts;
+//! - `cuda-copy:A:B`: timed peer copies of patterned data (never zeros) A→B and B→A after
+//!   `cuCtxEnablePeerAccess` (A = B: a copy within one device), every byte checked;
+//! - `cuda-staging:A`: timed pinned host→device and device→host copies, every byte checked;
+//! - `cuda-ring:A:B` / `cuda-ring-staged:A:B`: ringzero's own ring on device buffers in two
+//!   processes (device A and device B; one GPU can hold both), with its automatic transport (CUDA
+//!   IPC expected) or with `RINGZERO_P2P_DISABLE=1` (host staging): the edges' transports and
+//!   reasons, an exact all-reduce, and its bus bandwidth.
+//!
+//! [`judge`] turns the inventory and the probes of one GPU pair into a verdict with evidence and
+//! fixes; it is pure, so it is tested on made-up findings.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use super::probe::{pattern, ProbeResult, ProbeStatus};
+use super::{Fix, Reach, Verdict};
+
+/// A CUDA device as the driver lists it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CudaDevice {
+    /// Ordinal (after `CUDA_VISIBLE_DEVICES`).
+    pub ordinal: usize,
+    /// Name.
+    pub name: String,
+    /// PCI bus id, lower case like sysfs (`0000:3b:00.0`).
+    pub pci_bus_id: String,
+    /// UUID, hex.
+    pub uuid: String,
+}
+
+/// What the driver says about peer access from `a` to `b`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CudaPeer {
+    /// From this ordinal.
+    pub a: usize,
+    /// To this ordinal.
+    pub b: usize,
+    /// `cuDeviceCanAccessPeer`.
+    pub can_access: bool,
+    /// `CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED`.
+    pub access_supported: bool,
+    /// `CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED`.
+    pub native_atomics: bool,
+    /// `CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK` (lower is better).
+    pub performance_rank: i32,
+}
+
+/// The driver's view of the machine.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct CudaInventory {
+    /// Devices.
+    pub devices: Vec<CudaDevice>,
+    /// Every ordered pair of different devices.
+    pub peers: Vec<CudaPeer>,
+}
+
+impl CudaInventory {
+    /// The device at PCI address `bdf` (sysfs spelling), if CUDA sees it.
+    pub fn by_bdf(&self, bdf: &str) -> Option<&CudaDevice> {
+        self.devices
+            .iter()
+            .find(|d| d.pci_bus_id.eq_ignore_ascii_case(bdf))
+    }
+
+    /// The peer facts from `a` to `b`.
+    pub fn peer(&self, a: usize, b: usize) -> Option<&CudaPeer> {
+        self.peers.iter().find(|p| p.a == a && p.b == b)
+    }
+}
+
+/// What the CUDA part of the report says.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct CudaSection {
+    /// The inventory, when a driver and a device were found.
+    pub inventory: Option<CudaInventory>,
+    /// Why there is none, or what went wrong getting it.
+    pub note: String,
+}
+
+/// A CUDA probe, parsed from its name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CudaProbe {
+    /// The device list and peer facts.
+    Inventory,
+    /// Peer copies between two devices (the same one: a copy within it).
+    Copy(usize, usize),
+    /// Pinned host ↔ device copies.
+    Staging(usize),
+    /// ringzero's ring in two processes on devices `a` and `b`; `staged`: P2P disabled.
+    Ring {
+        /// Rank 0's device.
+        a: usize,
+        /// Rank 1's device.
+        b: usize,
+        /// With `RINGZERO_P2P_DISABLE=1`.
+        staged: bool,
+    },
+}
+
+impl CudaProbe {
+    /// Parse `cuda-…` probe names; `None` for anything else.
+    pub fn parse(name: &str) -> Option<CudaProbe> {
+        let mut it = name.split(':');
+        let head = it.next()?;
+        let nums: Vec<usize> = it.map(|x| x.parse().ok()).collect::<Option<_>>()?;
+        match (head, nums.as_slice()) {
+            ("cuda-inventory", []) => Some(CudaProbe::Inventory),
+            ("cuda-copy", [a, b]) => Some(CudaProbe::Copy(*a, *b)),
+            ("cuda-staging", [a]) => Some(CudaProbe::Staging(*a)),
+            ("cuda-ring", [a, b]) => Some(CudaProbe::Ring {
+                a: *a,
+                b: *b,
+                staged: false,
+            }),
+            ("cuda-ring-staged", [a, b]) => Some(CudaProbe::Ring {
+                a: *a,
+                b: *b,
+                staged: true,
+            }),
+            _ => None,
+        }
+    }
+
+    /// Its name (what [`CudaProbe::parse`] reads).
+    pub fn name(self) -> String {
+        match self {
+            CudaProbe::Inventory => "cuda-inventory".into(),
+            CudaProbe::Copy(a, b) => format!("cuda-copy:{a}:{b}"),
+            CudaProbe::Staging(a) => format!("cuda-staging:{a}"),
+            CudaProbe::Ring { a, b, staged } => {
+                format!("cuda-ring{}:{a}:{b}", if staged { "-staged" } else { "" })
+            }
+        }
+    }
+
+    /// How long the watchdog gives it: `base`, more for the rings (two processes start, and
+    /// NVRTC compiles the kernels on first use).
+    pub fn timeout(self, base: Duration) -> Duration {
+        match self {
+            CudaProbe::Ring { .. } => base.max(Duration::from_secs(90)),
+            _ => base,
+        }
+    }
+}
+
+/// The probes to run once the inventory is known: per device, the staging copies; per pair, the
+/// peer copies and the ring over CUDA IPC; the ring over host staging once (its bandwidth is
+/// what the `RINGZERO_P2P_DISABLE=1` fix offers). One device: the same on itself (two
+/// processes share it, which is how CUDA IPC between processes is exercised).
+pub fn plan(inv: &CudaInventory) -> Vec<CudaProbe> {
+    let n = inv.devices.len();
+    let mut out: Vec<CudaProbe> = (0..n).map(CudaProbe::Staging).collect();
+    let pairs: Vec<(usize, usize)> = if n == 1 {
+        vec![(0, 0)]
+    } else {
+        (0..n)
+            .flat_map(|a| (a + 1..n).map(move |b| (a, b)))
+            .collect()
+    };
+    for &(a, b) in &pairs {
+        out.push(CudaProbe::Copy(a, b));
+        out.push(CudaProbe::Ring {
+            a,
+            b,
+            staged: false,
+        });
+    }
+    if let Some(&(a, b)) = pairs.first() {
+        out.push(CudaProbe::Ring { a, b, staged: true });
+    }
+    out
+}
+
+/// One pair's verdict from the CUDA side.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Judged {
+    /// The worst finding (OK when nothing stands in the way).
+    pub verdict: Verdict,
+    /// What it rests on.
+    pub evidence: Vec<String>,
+    /// What to do.
+    pub fixes: Vec<Fix>,
+}
+
+/// What [`judge`] looks at for one GPU pair.
+#[derive(Clone, Copy, Default)]
+pub struct PairFacts<'a> {
+    /// The driver's peer facts, both directions.
+    pub peers: [Option<&'a CudaPeer>; 2],
+    /// The peer copy probe.
+    pub copy: Option<&'a ProbeResult>,
+    /// The ring probe over CUDA IPC.
+    pub ring: Option<&'a ProbeResult>,
+    /// ringzero's all-reduce bus bandwidth over host staging (for the fix text).
+    pub staging_busbw: Option<f64>,
+    /// The slower direction of a pinned host ↔ device copy (what peer copies must beat).
+    pub host_copy_gbs: Option<f64>,
+    /// `RINGZERO_P2P_DISABLE` is set.
+    pub p2p_disabled: bool,
+}
+
+/// Judge one GPU pair.
+pub fn judge(f: PairFacts<'_>) -> Judged {
+    let PairFacts {
+        peers,
+        copy,
+        ring,
+        staging_busbw: staging_gbs,
+        host_copy_gbs,
+        p2p_disabled,
+    } = f;
+    let mut j = Judged {
+        verdict: Verdict::OK,
+        evidence: Vec::new(),
+        fixes: Vec::new(),
+    };
+    let worse = |v: Verdict, j: &mut Judged| {
+        if v.severity() > j.verdict.severity() || j.verdict == Verdict::OK {
+            j.verdict = v;
+        }
+    };
+    let p2p_off = Fix {
+        reach: Reach::Environment,
+        what: "RINGZERO_P2P_DISABLE=1".into(),
+        why: match staging_gbs {
+            Some(g) => format!(
+                "ringzero stages device buffers through pinned host memory instead of peer copies (measured here: \
+                 {g:.1} GB/s all-reduce bus bandwidth); NCCL's equivalent is NCCL_P2P_DISABLE=1"
+            ),
+            None => "ringzero stages device buffers through pinned host memory instead of peer copies; NCCL's \
+                     equivalent is NCCL_P2P_DISABLE=1"
+                .into(),
+        },
+    };
+    if p2p_disabled {
+        worse(Verdict::POLICY_OFF, &mut j);
+        j.evidence.push(
+            "RINGZERO_P2P_DISABLE is set in this environment: ringzero uses host staging, never peer copies".into(),
+        );
+        j.fixes.push(Fix {
+            reach: Reach::Environment,
+            what: "unset RINGZERO_P2P_DISABLE".into(),
+            why: "only if the probes below show peer copies working: they are faster than staging"
+                .into(),
+        });
+    }
+    match peers {
+        [Some(ab), Some(ba)] => {
+            j.evidence.push(format!(
+                "driver: cuDeviceCanAccessPeer {}→{} = {}, {}→{} = {}; access supported {}, native atomics {}, \
+                 performance rank {}",
+                ab.a,
+                ab.b,
+                u8::from(ab.can_access),
+                ba.a,
+                ba.b,
+                u8::from(ba.can_access),
+                ab.access_supported && ba.access_supported,
+                ab.native_atomics && ba.native_atomics,
+                ab.performance_rank.max(ba.performance_rank)
+            ));
+            if !ab.can_access || !ba.can_access {
+                worse(Verdict::UNSUPPORTED, &mut j);
+                j.evidence.push(
+                    "the driver refuses peer access between these GPUs: every peer copy is staged through the host"
+                        .into(),
+                );
+                j.fixes.push(p2p_off.clone());
+            }
+        }
+        _ => j.evidence.push(
+            "driver: no peer facts (CUDA does not see both GPUs; CUDA_VISIBLE_DEVICES?)".into(),
+        ),
+    }
+    let probe = |p: Option<&ProbeResult>, what: &str, j: &mut Judged| {
+        let Some(p) = p else { return };
+        let gbs = p.gbs.map_or(String::new(), |g| format!(" at {g:.1} GB/s"));
+        match p.status {
+            ProbeStatus::OK => j.evidence.push(format!("{what}: OK{gbs} ({})", p.detail)),
+            ProbeStatus::HANG => {
+                worse(Verdict::HANG, j);
+                j.evidence.push(format!("{what}: HANG ({})", p.detail));
+                j.fixes.push(p2p_off.clone());
+            }
+            ProbeStatus::WRONG_DATA => {
+                worse(Verdict::WRONG_DATA, j);
+                j.evidence
+                    .push(format!("{what}: WRONG_DATA{gbs}: {}", p.detail));
+                j.fixes.push(p2p_off.clone());
+            }
+            ProbeStatus::FAILED if is_ipc_failure(&p.detail) => {
+                worse(Verdict::IPC_BLOCKED, j);
+                j.evidence.push(format!(
+                    "{what}: CUDA IPC between processes failed: {}",
+                    p.detail
+                ));
+                j.fixes.push(Fix {
+                    reach: Reach::BootOrBios,
+                    what: "run every rank in one IPC namespace: one container, or docker run --ipc=host (Kubernetes: hostIPC)"
+                        .into(),
+                    why: "cuIpcOpenMemHandle only opens handles from processes that share the IPC namespace"
+                        .into(),
+                });
+                j.fixes.push(p2p_off.clone());
+            }
+            ProbeStatus::FAILED => {
+                worse(Verdict::WRONG_DATA, j);
+                j.evidence.push(format!("{what}: FAILED: {}", p.detail));
+                j.fixes.push(p2p_off.clone());
+            }
+        }
+        if let Some(why) = &p.fell_back {
+            worse(
+                if why.contains("timed out") || why.contains("no frame") {
+                    Verdict::HANG
+                } else {
+                    Verdict::WRONG_DATA
+                },
+                j,
+            );
+            j.evidence.push(format!(
+                "{what}: ringzero's start-up probe found peer copies broken and fell back to host staging: {why}"
+            ));
+            j.fixes.push(p2p_off.clone());
+        }
+    };
+    probe(copy, "peer copy probe", &mut j);
+    probe(ring, "ringzero ring over CUDA IPC", &mut j);
+    if let (Some(c), Some(s)) = (copy.filter(|c| c.status == ProbeStatus::OK), host_copy_gbs) {
+        if let Some(g) = c.gbs.filter(|g| *g < s) {
+            worse(Verdict::SLOW, &mut j);
+            j.evidence.push(format!(
+                "peer copies ({g:.1} GB/s) are slower than a pinned host copy ({s:.1} GB/s): peer traffic is \
+                 detoured (ACS redirect or IOMMU) or crosses a slow link"
+            ));
+            j.fixes.push(p2p_off.clone());
+        }
+    }
+    j
+}
+
+/// Whether a failure is CUDA IPC refusing to open another process's memory.
+pub fn is_ipc_failure(detail: &str) -> bool {
+    detail.contains("cuIpcOpenMemHandle") || detail.contains("cuIpcGetMemHandle")
+}
+
+fn result(name: &str, status: ProbeStatus, gbs: Option<f64>, detail: String) -> ProbeResult {
+    ProbeResult::new(name, status, gbs, detail)
+}
+
+/// The first byte of `seen` that differs from the pattern of `from`.
+fn mismatch(from: usize, seen: &[u8]) -> Option<String> {
+    (0..seen.len())
+        .find(|&i| seen[i] != pattern(from, i))
+        .map(|i| {
+            format!(
+                "byte {i} of {}: expected {:#04x}, saw {:#04x}{}",
+                seen.len(),
+                pattern(from, i),
+                seen[i],
+                if seen[i] == 0 { " (never written)" } else { "" }
+            )
+        })
+}
+
+/// The child side: run CUDA probe `p` named `name`.
+pub fn child(name: &str, p: CudaProbe, exe: &std::path::Path) -> ProbeResult {
+    let out = match p {
+        CudaProbe::Inventory => inventory().map(|inv| {
+            let mut r = result(
+                name,
+                ProbeStatus::OK,
+                None,
+                format!("{} CUDA device(s)", inv.devices.len()),
+            );
+            r.cuda = Some(inv);
+            r
+        }),
+        CudaProbe::Copy(a, b) => copy(name, a, b),
+        CudaProbe::Staging(a) => staging(name, a),
+        CudaProbe::Ring { a, b, staged } => Ok(ring(name, exe, a, b, staged)),
+    };
+    out.unwrap_or_else(|e| result(name, ProbeStatus::FAILED, None, e))
+}
+
+use ringzero_kernels::device::cuda::{raw, Gpu};
+use ringzero_kernels::device::DeviceError;
+use ringzero_kernels::DType;
+
+fn e(x: DeviceError) -> String {
+    x.to_string()
+}
+
+/// The device list and peer facts. No CUDA → an inventory with no device, and why.
+fn inventory() -> Result<CudaInventory, String> {
+    let n = match raw::device_count() {
+        Ok(n) => n,
+        Err(DeviceError::NoCuda(why)) => return Err(format!("NoCuda: {why}")),
+        Err(x) => return Err(x.to_string()),
+    };
+    let mut inv = CudaInventory::default();
+    for o in 0..n {
+        let name = Gpu::open(o).and_then(|g| g.name()).map_err(e)?;
+        let uuid = raw::uuid_of(o).map_err(e)?;
+        inv.devices.push(CudaDevice {
+            ordinal: o,
+            name,
+            pci_bus_id: raw::pci_bus_id(o).map_err(e)?,
+            uuid: uuid.iter().map(|b| format!("{b:02x}")).collect(),
+        });
+    }
+    for a in 0..n {
+        for b in (0..n).filter(|&b| b != a) {
+            let p = raw::peer_access(a, b).map_err(e)?;
+            inv.peers.push(CudaPeer {
+                a,
+                b,
+                can_access: p.can_access,
+                access_supported: p.access_supported,
+                native_atomics: p.native_atomics,
+                performance_rank: p.performance_rank,
+            });
+        }
+    }
+    Ok(inv)
+}
+
+/// Bytes the copy probes move per direction.
+const COPY_BYTES: usize = 64 << 20;
+
+fn copy(name: &str, a: usize, b: usize) -> Result<ProbeResult, String> {
+    let ga = Gpu::open(a).map_err(e)?;
+    let gb = if a == b {
+        ga.clone()
+    } else {
+        Gpu::open(b).map_err(e)?
+    };
+    if a != b {
+        ga.enable_peer_access(&gb).map_err(e)?;
+        gb.enable_peer_access(&ga).map_err(e)?;
+    }
+    let dirs: Vec<(&Arc<Gpu>, &Arc<Gpu>, usize, usize)> = if a == b {
+        vec![(&ga, &ga, a, a)]
+    } else {
+        vec![(&ga, &gb, a, b), (&gb, &ga, b, a)]
+    };
+    let (mut rates, mut min) = (Vec::new(), f64::INFINITY);
+    for (from, to, fa, tb) in dirs {
+        let pat: Vec<u8> = (0..COPY_BYTES).map(|i| pattern(fa, i)).collect();
+        let src = from.upload(DType::U8, &pat).map_err(e)?;
+        let dst = to.alloc(DType::U8, COPY_BYTES).map_err(e)?;
+        let (sp, dp) = (from.ptr_of(&src), to.ptr_of(&dst));
+        // SAFETY: `src` (on `from`) and `dst` (on `to`) hold COPY_BYTES each and live until the
+        // timing below has waited for the last copy.
+        let ms = from
+            .time(3, || unsafe { from.copy_peer_at(dp, to, sp, COPY_BYTES) })
+            .map_err(e)?;
+        let mut seen = vec![0u8; COPY_BYTES];
+        to.download(&dst, &mut seen).map_err(e)?;
+        let gbs = COPY_BYTES as f64 / (ms * 1e-3) / 1e9;
+        if let Some(bad) = mismatch(fa, &seen) {
+            return Ok(result(
+                name,
+                ProbeStatus::WRONG_DATA,
+                Some(gbs),
+                format!("cuda:{fa} → cuda:{tb}: {bad}"),
+            ));
+        }
+        rates.push(format!("cuda:{fa} → cuda:{tb} {gbs:.1} GB/s"));
+        min = min.min(gbs);
+    }
+    Ok(result(
+        name,
+        ProbeStatus::OK,
+        Some(min),
+        format!(
+            "{}; {} MiB of patterned data per direction, every byte checked",
+            rates.join(", "),
+            COPY_BYTES >> 20
+        ),
+    ))
+}
+
+fn staging(name: &str, a: usize) -> Result<ProbeResult, String> {
+    let g = Gpu::open(a).map_err(e)?;
+    let mut host: Vec<u8> = (0..COPY_BYTES).map(|i| pattern(1000, i)).collect();
+    // SAFETY: `host` is neither moved nor resized while registered; `reg` drops first (below).
+    let reg =
+        unsafe { raw::HostRegistration::new(&g, host.as_mut_ptr(), COPY_BYTES) }.map_err(e)?;
+    let hp = reg.device_ptr(host.as_ptr()).map_err(e)?;
+    let dev = g.alloc(DType::U8, COPY_BYTES).map_err(e)?;
+    let dp = g.ptr_of(&dev);
+    // SAFETY: both ranges are COPY_BYTES long and live until `time` has waited for the copies.
+    let h2d = g
+        .time(3, || unsafe { g.copy_at(dp, hp, COPY_BYTES) })
+        .map_err(e)?;
+    let mut seen = vec![0u8; COPY_BYTES];
+    g.download(&dev, &mut seen).map_err(e)?;
+    let bad_in = mismatch(1000, &seen).map(|b| format!("host → cuda:{a}: {b}"));
+    let back: Vec<u8> = (0..COPY_BYTES).map(|i| pattern(2000, i)).collect();
+    let dev2 = g.upload(DType::U8, &back).map_err(e)?;
+    let dp2 = g.ptr_of(&dev2);
+    // SAFETY: as above, device to host.
+    let d2h = g
+        .time(3, || unsafe { g.copy_at(hp, dp2, COPY_BYTES) })
+        .map_err(e)?;
+    drop(reg);
+    let bad_out = mismatch(2000, &host).map(|b| format!("cuda:{a} → host: {b}"));
+    let (i, o) = (
+        COPY_BYTES as f64 / (h2d * 1e-3) / 1e9,
+        COPY_BYTES as f64 / (d2h * 1e-3) / 1e9,
+    );
+    let gbs = Some(i.min(o));
+    Ok(match bad_in.or(bad_out) {
+        Some(bad) => result(name, ProbeStatus::WRONG_DATA, gbs, bad),
+        None => result(
+            name,
+            ProbeStatus::OK,
+            gbs,
+            format!(
+                "pinned host → cuda:{a} {i:.1} GB/s, cuda:{a} → host {o:.1} GB/s; {} MiB each way, every byte checked",
+                COPY_BYTES >> 20
+            ),
+        ),
+    })
+}
+
+/// Run the two ring ranks (`ringzero diag-ring-rank`) under the launcher and combine what they
+/// print. They die with this process (the launcher's death signal), so the watchdog's kill
+/// reaches them.
+fn ring(name: &str, exe: &std::path::Path, a: usize, b: usize, staged: bool) -> ProbeResult {
+    let lines = Arc::new(Mutex::new(Vec::new()));
+    let spec = crate::launch::LaunchSpec {
+        ranks: 2,
+        nodes: 1,
+        program: exe.as_os_str().to_owned(),
+        args: vec![
+            "diag-ring-rank".into(),
+            "--devices".into(),
+            format!("{a},{b}").into(),
+        ],
+        env: vec![
+            (
+                "RINGZERO_P2P_DISABLE".into(),
+                if staged { "1" } else { "0" }.into(),
+            ),
+            ("RINGZERO_TIMEOUT".into(), "20".into()),
+            ("RINGZERO_TRANSPORT".into(), "auto".into()),
+        ],
+        grace: Duration::from_secs(5),
+    };
+    let outcome = crate::launch::launch(&spec, crate::launch::Output::Capture(lines.clone()));
+    let lines = lines.lock().unwrap().clone();
+    let mut results: Vec<(usize, ProbeResult)> = lines
+        .iter()
+        .filter_map(|(r, l)| Some((*r, serde_json::from_str::<ProbeResult>(l).ok()?)))
+        .collect();
+    results.sort_by_key(|(r, p)| (p.status == ProbeStatus::OK, *r));
+    match (results.first(), outcome) {
+        (Some((r, p)), _) => {
+            let mut p = p.clone();
+            p.name = name.into();
+            if p.status != ProbeStatus::OK {
+                p.detail = format!("rank {r} (cuda:{}): {}", [a, b][*r], p.detail);
+            }
+            p
+        }
+        (None, Ok(o)) => result(
+            name,
+            ProbeStatus::FAILED,
+            None,
+            format!(
+                "the ranks exited ({}) without a result: {}",
+                o.exit_code(),
+                lines
+                    .iter()
+                    .rev()
+                    .take(3)
+                    .map(|(r, l)| if *r < 2 {
+                        format!("[rank {r}] {l}")
+                    } else {
+                        format!("[launcher] {l}")
+                    })
+                    .collect::<Vec<_>>()
+                    .join(" | ")
+            ),
+        ),
+        (None, Err(x)) => result(name, ProbeStatus::FAILED, None, format!("launch: {x}")),
+    }
+}
+
+/// One rank of the ring probe: device `devices[rank]`, ringzero's ring on device buffers, the
+/// edge it receives on, an exact all-reduce and its bus bandwidth. Printed as one JSON line.
+pub fn ring_rank(devices: [usize; 2]) -> ProbeResult {
+    let name = "cuda-ring-rank";
+    let go = || -> Result<ProbeResult, String> {
+        use ringzero_collectives::{Communicator, Config, DeviceComm, ReduceOp, TransportKind};
+        let cfg = Config::from_env().map_err(|x| x.to_string())?;
+        let staged = cfg.p2p_disable;
+        let comm = Communicator::init(cfg).map_err(|x| x.to_string())?;
+        let rank = comm.rank();
+        let gpu = Gpu::open(devices[rank % 2]).map_err(e)?;
+        let mut dc = DeviceComm::new(&comm, gpu.clone()).map_err(|x| x.to_string())?;
+        let edge = dc
+            .edges()
+            .iter()
+            .find(|x| x.to == rank)
+            .cloned()
+            .ok_or("no receive edge was reported")?;
+        let want = if staged {
+            TransportKind::Shm
+        } else {
+            TransportKind::CudaIpc
+        };
+        let fell_back = (edge.kind != want && !staged).then(|| edge.reason.clone());
+        if staged && edge.kind != TransportKind::Shm {
+            return Ok(result(
+                name,
+                ProbeStatus::WRONG_DATA,
+                None,
+                format!(
+                    "RINGZERO_P2P_DISABLE=1 but the edge uses {:?}: {}",
+                    edge.kind, edge.reason
+                ),
+            ));
+        }
+        // Exact values: small integers sum without rounding in any order.
+        let elems = 16usize << 20; // 64 MiB of f32
+        let vals: Vec<f32> = (0..elems)
+            .map(|i| ((i % 251) + 1 + 7 * rank) as f32)
+            .collect();
+        let send = gpu
+            .upload(DType::F32, bytemuck::cast_slice(&vals))
+            .map_err(e)?;
+        let mut out = gpu.alloc(DType::F32, elems).map_err(e)?;
+        dc.all_reduce(&send, &mut out, ReduceOp::Sum)
+            .map_err(|x| x.to_string())?;
+        let mut got = vec![0f32; elems];
+        gpu.download(&out, bytemuck::cast_slice_mut(&mut got))
+            .map_err(e)?;
+        let n = comm.size();
+        let bad = (0..elems).find(|&i| {
+            let want: usize = (0..n).map(|r| (i % 251) + 1 + 7 * r).sum();
+            got[i] != want as f32
+        });
+        let iters = 3;
+        let t = Instant::now();
+        for _ in 0..iters {
+            dc.all_reduce(&send, &mut out, ReduceOp::Sum)
+                .map_err(|x| x.to_string())?;
+        }
+        let secs = t.elapsed().as_secs_f64() / iters as f64;
+        let busbw = (elems * 4) as f64 / secs / 1e9 * 2.0 * (n - 1) as f64 / n as f64;
+        let mut r = match bad {
+            Some(i) => result(
+                name,
+                ProbeStatus::WRONG_DATA,
+                Some(busbw),
+                format!("all-reduce element {i} is {} (exact values)", got[i]),
+            ),
+            None => result(
+                name,
+                ProbeStatus::OK,
+                Some(busbw),
+                format!(
+                    "edge rank {} → {rank}: {:?} ({}); 64 MiB f32 all-reduce exact",
+                    edge.from, edge.kind, edge.reason
+                ),
+            ),
+        };
+        r.fell_back = fell_back;
+        Ok(r)
+    };
+    go().unwrap_or_else(|x| result(name, ProbeStatus::FAILED, None, x))
+}
+
+/// Run the CUDA part: the inventory, then the planned probes, each in a child under the
+/// watchdog. Returns the section and the probes' results.
+pub fn diagnose(
+    exe: &std::path::Path,
+    base_timeout: Duration,
+    progress: &mut dyn FnMut(&str),
+) -> (CudaSection, Vec<ProbeResult>) {
+    progress("listing CUDA devices (child process)");
+    let inv = super::probe::run(
+        exe,
+        &CudaProbe::Inventory.name(),
+        CudaProbe::Inventory.timeout(base_timeout),
+    );
+    let inventory = match (inv.status, inv.cuda) {
+        (ProbeStatus::OK, Some(i)) if !i.devices.is_empty() => i,
+        (ProbeStatus::FAILED, _) if inv.detail.starts_with("NoCuda: ") => {
+            return (
+                CudaSection {
+                    inventory: None,
+                    note: format!(
+                        "no GPU found by CUDA ({}); CUDA probes not run",
+                        inv.detail.trim_start_matches("NoCuda: ")
+                    ),
+                },
+                Vec::new(),
+            )
+        }
+        (status, _) => {
+            let note = format!(
+                "listing the CUDA devices failed ({status:?}): {}",
+                inv.detail
+            );
+            let failed = ProbeResult::new(CudaProbe::Inventory.name(), status, None, inv.detail);
+            return (
+                CudaSection {
+                    inventory: None,
+                    note,
+                },
+                vec![failed],
+            );
+        }
+    };
+    let mut results = Vec::new();
+    for p in plan(&inventory) {
+        let t = p.timeout(base_timeout);
+        progress(&format!(
+            "probing {} (watchdog {:.0}s)",
+            p.name(),
+            t.as_secs_f64()
+        ));
+        results.push(super::probe::run(exe, &p.name(), t));
+    }
+    (
+        CudaSection {
+            note: format!("{} CUDA device(s)", inventory.devices.len()),
+            inventory: Some(inventory),
+        },
+        results,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn peer(a: usize, b: usize, can: bool) -> CudaPeer {
+        CudaPeer {
+            a,
+            b,
+            can_access: can,
+            access_supported: can,
+            native_atomics: false,
+            performance_rank: 0,
+        }
+    }
+
+    fn probe(status: ProbeStatus, gbs: Option<f64>, detail: &str) -> ProbeResult {
+        result("p", status, gbs, detail.into())
+    }
+
+    #[test]
+    fn probe_names_round_trip_and_junk_is_refused() {
+        for p in [
+            CudaProbe::Inventory,
+            CudaProbe::Copy(0, 3),
+            CudaProbe::Staging(2),
+            CudaProbe::Ring {
+                a: 1,
+                b: 1,
+                staged: true,
+            },
+            CudaProbe::Ring {
+                a: 0,
+                b: 7,
+                staged: false,
+            },
+        ] {
+            assert_eq!(CudaProbe::parse(&p.name()), Some(p));
+        }
+        for bad in [
+            "cuda-copy:1",
+            "cuda-copy:a:b",
+            "cuda-staging",
+            "cuda-x:1",
+            "shm",
+        ] {
+            assert_eq!(CudaProbe::parse(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn the_plan_covers_every_pair_and_one_gpu_twice() {
+        let dev = |o| CudaDevice {
+            ordinal: o,
+            name: "H100".into(),
+            pci_bus_id: format!("0000:{o:02x}:00.0"),
+            uuid: String::new(),
+        };
+        let one = CudaInventory {
+            devices: vec![dev(0)],
+            peers: vec![],
+        };
+        let names: Vec<String> = plan(&one).into_iter().map(CudaProbe::name).collect();
+        assert_eq!(
+            names,
+            [
+                "cuda-staging:0",
+                "cuda-copy:0:0",
+                "cuda-ring:0:0",
+                "cuda-ring-staged:0:0"
+            ]
+        );
+        let three = CudaInventory {
+            devices: vec![dev(0), dev(1), dev(2)],
+            peers: vec![],
+        };
+        let names: Vec<String> = plan(&three).into_iter().map(CudaProbe::name).collect();
+        for want in [
+            "cuda-copy:0:1",
+            "cuda-copy:0:2",
+            "cuda-copy:1:2",
+            "cuda-ring:1:2",
+            "cuda-ring-staged:0:1",
+        ] {
+            assert!(names.iter().any(|n| n == want), "{want} in {names:?}");
+        }
+        assert_eq!(names.len(), 3 + 2 * 3 + 1);
+        assert_eq!(three.by_bdf("0000:02:00.0").map(|d| d.ordinal), Some(2));
+        assert_eq!(
+            three
+                .by_bdf("0000:02:00.0".to_uppercase().as_str())
+                .map(|d| d.ordinal),
+            Some(2)
+        );
+    }
+
+    #[test]
+    fn healthy_peers_are_ok() {
+        let (ab, ba) = (peer(0, 1, true), peer(1, 0, true));
+        let c = probe(ProbeStatus::OK, Some(40.0), "fine");
+        let r = probe(ProbeStatus::OK, Some(30.0), "fine");
+        let j = judge(PairFacts {
+            peers: [Some(&ab), Some(&ba)],
+            copy: Some(&c),
+            ring: Some(&r),
+            host_copy_gbs: Some(10.0),
+            ..Default::default()
+        });
+        assert_eq!(j.verdict, Verdict::OK, "{j:?}");
+        assert!(j.fixes.is_empty());
+        assert!(
+            j.evidence[0].contains("cuDeviceCanAccessPeer 0→1 = 1, 1→0 = 1"),
+            "{j:?}"
+        );
+    }
+
+    #[test]
+    fn refused_peer_access_is_unsupported_with_the_staging_fix() {
+        let (ab, ba) = (peer(0, 1, false), peer(1, 0, false));
+        let j = judge(PairFacts {
+            peers: [Some(&ab), Some(&ba)],
+            staging_busbw: Some(12.5),
+            ..Default::default()
+        });
+        assert_eq!(j.verdict, Verdict::UNSUPPORTED);
+        assert_eq!(j.fixes[0].what, "RINGZERO_P2P_DISABLE=1");
+        assert!(j.fixes[0].why.contains("12.5 GB/s"), "{:?}", j.fixes);
+    }
+
+    #[test]
+    fn hangs_wrong_data_and_ipc_failures_get_their_verdicts() {
+        let (ab, ba) = (peer(0, 1, true), peer(1, 0, true));
+        let hang = probe(ProbeStatus::HANG, None, "no result after 20.0s");
+        let j = judge(PairFacts {
+            peers: [Some(&ab), Some(&ba)],
+            copy: Some(&hang),
+            ..Default::default()
+        });
+        assert_eq!(j.verdict, Verdict::HANG);
+        assert!(j
+            .evidence
+            .iter()
+            .any(|e| e.contains("peer copy probe: HANG")));
+
+        let wrong = probe(
+            ProbeStatus::WRONG_DATA,
+            Some(3.0),
+            "byte 4096 of 67108864: expected 0x17, saw 0x00 (never written)",
+        );
+        let j = judge(PairFacts {
+            peers: [Some(&ab), Some(&ba)],
+            copy: Some(&wrong),
+            ..Default::default()
+        });
+        assert_eq!(j.verdict, Verdict::WRONG_DATA);
+        assert!(j.evidence.iter().any(|e| e.contains("saw 0x00")));
+
+        let ipc = probe(
+            ProbeStatus::FAILED,
+            None,
+            "rank 1 (cuda:1): device error: opening rank 0's device slots: cuIpcOpenMemHandle: CUDA_ERROR_INVALID_VALUE",
+        );
+        let j = judge(PairFacts {
+            peers: [Some(&ab), Some(&ba)],
+            ring: Some(&ipc),
+            ..Default::default()
+        });
+        assert_eq!(j.verdict, Verdict::IPC_BLOCKED);
+        assert!(j.fixes.iter().any(|f| f.what.contains("--ipc=host")));
+
+        // A hang outranks IPC trouble.
+        let j = judge(PairFacts {
+            peers: [Some(&ab), Some(&ba)],
+            copy: Some(&hang),
+            ring: Some(&ipc),
+            ..Default::default()
+        });
+        assert_eq!(j.verdict, Verdict::HANG);
+    }
+
+    #[test]
+    fn a_ring_that_fell_back_and_slow_peers_are_reported() {
+        let (ab, ba) = (peer(0, 1, true), peer(1, 0, true));
+        let mut r = probe(ProbeStatus::OK, Some(9.0), "edge rank 0 → 1: Shm");
+        r.fell_back = Some("cuda_ipc probe: byte 7 expected 0x12, saw 0x00".into());
+        let j = judge(PairFacts {
+            peers: [Some(&ab), Some(&ba)],
+            ring: Some(&r),
+            ..Default::default()
+        });
+        assert_eq!(j.verdict, Verdict::WRONG_DATA);
+        assert!(j
+            .evidence
+            .iter()
+            .any(|e| e.contains("fell back to host staging")));
+
+        let slow = probe(ProbeStatus::OK, Some(5.0), "fine");
+        let j = judge(PairFacts {
+            peers: [Some(&ab), Some(&ba)],
+            copy: Some(&slow),
+            host_copy_gbs: Some(20.0),
+            ..Default::default()
+        });
+        assert_eq!(j.verdict, Verdict::SLOW);
+        assert!(j
+            .evidence
+            .iter()
+            .any(|e| e.contains("slower than a pinned host copy (20.0 GB/s)")));
+    }
+
+    #[test]
+    fn p2p_disable_in_the_environment_is_policy_off() {
+        let (ab, ba) = (peer(0, 1, true), peer(1, 0, true));
+        let j = judge(PairFacts {
+            peers: [Some(&ab), Some(&ba)],
+            p2p_disabled: true,
+            ..Default::default()
+        });
+        assert_eq!(j.verdict, Verdict::POLICY_OFF);
+        assert_eq!(j.fixes[0].what, "unset RINGZERO_P2P_DISABLE");
+        let j = judge(PairFacts::default());
+        assert!(j.evidence[0].contains("CUDA does not see both GPUs"));
+    }
+
+    #[test]
+    fn mismatches_name_the_byte_and_zeros() {
+        let mut v: Vec<u8> = (0..100).map(|i| pattern(3, i)).collect();
+        assert_eq!(mismatch(3, &v), None);
+        v[42] = 0;
+        let m = mismatch(3, &v).unwrap();
+        assert!(
+            m.starts_with("byte 42 of 100") && m.ends_with("(never written)"),
+            "{m}"
+        );
+    }
+}
