@@ -21,25 +21,33 @@ use crate::wire::{Expect, FrameHeader, HEADER_LEN, MAX_ABORT_REASON};
 
 const SOCKET_BUFFER: usize = 4 << 20;
 
-/// 8-byte aligned byte storage, so every dtype can be viewed in place.
+/// Page-aligned, zero-filled byte storage (an anonymous mapping): every dtype can be viewed in
+/// place, and a device can register it as pinned staging memory.
 struct Aligned {
-    words: Vec<u64>,
+    map: memmap2::MmapMut,
     len: usize,
 }
 
 impl Aligned {
-    fn new(len: usize) -> Aligned {
-        Aligned {
-            words: vec![0u64; len.div_ceil(8)],
-            len,
-        }
+    fn new(len: usize) -> Result<Aligned> {
+        let map = memmap2::MmapMut::map_anon(len.max(1))
+            .map_err(|e| Error::io(format!("allocating {len} bytes of tcp staging"), e))?;
+        Ok(Aligned { map, len })
     }
     fn bytes(&self) -> &[u8] {
-        &bytemuck::cast_slice(&self.words)[..self.len]
+        &self.map[..self.len]
     }
     fn bytes_mut(&mut self) -> &mut [u8] {
-        &mut bytemuck::cast_slice_mut(&mut self.words)[..self.len]
+        &mut self.map[..self.len]
     }
+}
+
+/// Slots start at multiples of this, so every dtype (and a device's vector loads) can read a
+/// slot in place whatever the slot size.
+const STRIDE_ALIGN: usize = 64;
+
+fn stride(slot_bytes: usize) -> usize {
+    slot_bytes.next_multiple_of(STRIDE_ALIGN)
 }
 
 fn tune(s: &TcpStream) {
@@ -185,10 +193,17 @@ pub struct TcpSend {
     peer: usize,
     addr: String,
     slot_bytes: usize,
-    staging: Vec<Aligned>,
+    slots: usize,
+    /// `slots` slots of `slot_bytes`, each starting a multiple of [`STRIDE_ALIGN`] after the
+    /// last.
+    staging: Aligned,
     queue: VecDeque<Pending>,
     next_slot: usize,
+    /// The host engine's one reservation: slot and length.
     reserved: Option<(usize, usize)>,
+    /// The device engine's reservations, oldest first (pipelined: filled by queued device work,
+    /// posted in order once that work has completed).
+    reserved_slots: VecDeque<usize>,
 }
 
 impl TcpSend {
@@ -200,11 +215,58 @@ impl TcpSend {
             peer,
             addr,
             slot_bytes,
-            staging: (0..slots).map(|_| Aligned::new(slot_bytes)).collect(),
+            slots: slots.max(1),
+            staging: Aligned::new(slots.max(1) * stride(slot_bytes))?,
             queue: VecDeque::new(),
             next_slot: 0,
             reserved: None,
+            reserved_slots: VecDeque::new(),
         })
+    }
+
+    /// The staging memory (page-aligned; slot `i` at `i × stride`) and the stride: for a device
+    /// to register.
+    pub fn staging(&mut self) -> (*mut u8, usize, usize) {
+        (
+            self.staging.map.as_mut_ptr(),
+            self.staging.map.len(),
+            stride(self.slot_bytes),
+        )
+    }
+
+    /// Reserve the next slot without its length (the device engine's pipelined send): its index,
+    /// or `None` while every slot is reserved or waiting to be written. Posted in order by
+    /// [`TcpSend::post_slot`].
+    pub fn reserve_slot(&mut self) -> Option<usize> {
+        if self.queue.len() + self.reserved_slots.len() >= self.slots {
+            return None;
+        }
+        let slot = self.next_slot;
+        self.next_slot = (self.next_slot + 1) % self.slots;
+        self.reserved_slots.push_back(slot);
+        Some(slot)
+    }
+
+    /// Queue the oldest slot from [`TcpSend::reserve_slot`] for writing, `header.len` bytes.
+    pub fn post_slot(&mut self, header: &FrameHeader) -> LinkResult<()> {
+        let len = header.len as usize;
+        if len > self.slot_bytes {
+            return Err(LinkError::Io(format!(
+                "frame of {len} bytes exceeds the {}-byte slot",
+                self.slot_bytes
+            )));
+        }
+        let slot = self
+            .reserved_slots
+            .pop_front()
+            .ok_or_else(|| LinkError::Io("post without reserve".into()))?;
+        self.queue.push_back(Pending {
+            header: bytemuck::cast(*header),
+            slot,
+            len,
+            written: 0,
+        });
+        Ok(())
     }
 
     fn lost(&self, e: std::io::Error) -> LinkError {
@@ -231,12 +293,13 @@ impl SendLink for TcpSend {
                 self.slot_bytes
             )));
         }
-        if self.queue.len() >= self.staging.len() {
+        if self.queue.len() + self.reserved_slots.len() >= self.slots {
             return Ok(None);
         }
         let slot = self.next_slot;
         self.reserved = Some((slot, len));
-        Ok(Some(&mut self.staging[slot].bytes_mut()[..len]))
+        let at = slot * stride(self.slot_bytes);
+        Ok(Some(&mut self.staging.bytes_mut()[at..at + len]))
     }
 
     fn post(&mut self, header: &FrameHeader) -> LinkResult<()> {
@@ -250,7 +313,7 @@ impl SendLink for TcpSend {
             len,
             written: 0,
         });
-        self.next_slot = (self.next_slot + 1) % self.staging.len();
+        self.next_slot = (self.next_slot + 1) % self.slots;
         Ok(())
     }
 
@@ -258,7 +321,8 @@ impl SendLink for TcpSend {
         let mut moved = false;
         while let Some(p) = self.queue.front_mut() {
             let total = HEADER_LEN + p.len;
-            let payload = &self.staging[p.slot].bytes()[..p.len];
+            let at = p.slot * stride(self.slot_bytes);
+            let payload = &self.staging.bytes()[at..at + p.len];
             let r = if p.written < HEADER_LEN {
                 self.s
                     .write_vectored(&[IoSlice::new(&p.header[p.written..]), IoSlice::new(payload)])
@@ -321,14 +385,33 @@ pub struct TcpRecv {
     header: [u8; HEADER_LEN],
     header_got: usize,
     checked: Option<FrameHeader>,
+    /// `slots` slots of `slot_bytes` (at least an abort reason's length).
     payload: Aligned,
+    slot_bytes: usize,
+    slots: usize,
     got: usize,
+    /// The oldest slot still held, and how many are held (consumed by the device engine, not yet
+    /// released: the kernel reading them may still run). The host engine holds none.
+    first: usize,
+    held: usize,
 }
 
 impl TcpRecv {
-    /// Wrap an authenticated connection from rank `peer`.
+    /// Wrap an authenticated connection from rank `peer` (one slot: the host engine).
     pub fn new(s: TcpStream, peer: usize, slot_bytes: usize) -> Result<TcpRecv> {
+        TcpRecv::with_slots(s, peer, 1, slot_bytes)
+    }
+
+    /// Wrap a connection with `slots` receive slots (the device engine: frames arrive into the
+    /// next free slot while kernels still read the ones before it).
+    pub fn with_slots(
+        s: TcpStream,
+        peer: usize,
+        slots: usize,
+        slot_bytes: usize,
+    ) -> Result<TcpRecv> {
         let addr = s.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+        let (slots, slot_bytes) = (slots.max(1), slot_bytes.max(MAX_ABORT_REASON));
         Ok(TcpRecv {
             s: into_mio(s)?,
             peer,
@@ -336,17 +419,99 @@ impl TcpRecv {
             header: [0; HEADER_LEN],
             header_got: 0,
             checked: None,
-            payload: Aligned::new(slot_bytes.max(MAX_ABORT_REASON)),
+            payload: Aligned::new(slots * stride(slot_bytes))?,
+            slot_bytes,
+            slots,
             got: 0,
+            first: 0,
+            held: 0,
         })
+    }
+
+    /// The receive slots' memory (page-aligned; slot `i` at `i × stride`) and the stride: for a
+    /// device to register.
+    pub fn staging(&mut self) -> (*mut u8, usize, usize) {
+        (
+            self.payload.map.as_mut_ptr(),
+            self.payload.map.len(),
+            stride(self.slot_bytes),
+        )
+    }
+
+    fn current(&self) -> usize {
+        (self.first + self.held) % self.slots
+    }
+
+    /// The next frame's slot and length once it has fully arrived and matches `expect`.
+    fn arrive(&mut self, expect: &Expect) -> LinkResult<Option<(usize, usize)>> {
+        if self.held == self.slots {
+            return Ok(None);
+        }
+        if self.checked.is_none() {
+            if !self.fill(Buf::Header, HEADER_LEN)? {
+                return Ok(None);
+            }
+            let h = FrameHeader::decode(&self.header)?;
+            if !h.is_abort() {
+                // Checked before any payload byte is read: the length cannot exceed what we expect.
+                h.check(expect)?;
+                if expect.len > self.slot_bytes {
+                    return Err(LinkError::Protocol(format!(
+                        "frame of {} bytes exceeds the slot",
+                        expect.len
+                    )));
+                }
+            }
+            self.checked = Some(h);
+        }
+        let h = self.checked.expect("set above");
+        let len = h.len as usize;
+        if !self.fill(Buf::Payload, len)? {
+            return Ok(None);
+        }
+        let at = self.current() * stride(self.slot_bytes);
+        if h.is_abort() {
+            return Err(LinkError::PeerAborted(
+                String::from_utf8_lossy(&self.payload.bytes()[at..at + len]).into_owned(),
+            ));
+        }
+        Ok(Some((self.current(), len)))
+    }
+
+    fn next_frame(&mut self) {
+        self.checked = None;
+        self.header_got = 0;
+        self.got = 0;
+    }
+
+    /// The device engine's peek: the slot index of the next frame, once it has arrived.
+    pub fn peek_slot(&mut self, expect: &Expect) -> LinkResult<Option<usize>> {
+        Ok(self.arrive(expect)?.map(|(slot, _)| slot))
+    }
+
+    /// Move past the frame peeked last, holding its slot until [`TcpRecv::release_oldest`].
+    pub fn consume(&mut self) {
+        self.next_frame();
+        self.held = (self.held + 1).min(self.slots);
+    }
+
+    /// Free the oldest held slot.
+    pub fn release_oldest(&mut self) -> LinkResult<()> {
+        if self.held == 0 {
+            return Err(LinkError::Io("release without a held slot".into()));
+        }
+        self.first = (self.first + 1) % self.slots;
+        self.held -= 1;
+        Ok(())
     }
 
     /// Read into `buf[*got..]`; Ok(true) when full, Ok(false) when the socket would block.
     fn fill(&mut self, which: Buf, want: usize) -> LinkResult<bool> {
         loop {
+            let at = self.current() * stride(self.slot_bytes);
             let (buf, got) = match which {
                 Buf::Header => (&mut self.header[..], &mut self.header_got),
-                Buf::Payload => (&mut self.payload.bytes_mut()[..want], &mut self.got),
+                Buf::Payload => (&mut self.payload.bytes_mut()[at..at + want], &mut self.got),
             };
             if *got == buf.len() {
                 return Ok(true);
@@ -384,40 +549,17 @@ impl RecvLink for TcpRecv {
     }
 
     fn peek(&mut self, expect: &Expect) -> LinkResult<Option<&[u8]>> {
-        if self.checked.is_none() {
-            if !self.fill(Buf::Header, HEADER_LEN)? {
-                return Ok(None);
+        Ok(match self.arrive(expect)? {
+            Some((slot, len)) => {
+                let at = slot * stride(self.slot_bytes);
+                Some(&self.payload.bytes()[at..at + len])
             }
-            let h = FrameHeader::decode(&self.header)?;
-            if !h.is_abort() {
-                // Checked before any payload byte is read: the length cannot exceed what we expect.
-                h.check(expect)?;
-                if expect.len > self.payload.len {
-                    return Err(LinkError::Protocol(format!(
-                        "frame of {} bytes exceeds the slot",
-                        expect.len
-                    )));
-                }
-            }
-            self.checked = Some(h);
-        }
-        let h = self.checked.expect("set above");
-        let len = h.len as usize;
-        if !self.fill(Buf::Payload, len)? {
-            return Ok(None);
-        }
-        if h.is_abort() {
-            return Err(LinkError::PeerAborted(
-                String::from_utf8_lossy(&self.payload.bytes()[..len]).into_owned(),
-            ));
-        }
-        Ok(Some(&self.payload.bytes()[..len]))
+            None => None,
+        })
     }
 
     fn release(&mut self) -> LinkResult<()> {
-        self.checked = None;
-        self.header_got = 0;
-        self.got = 0;
+        self.next_frame();
         Ok(())
     }
 
