@@ -92,16 +92,34 @@ fn want_rs(c: &Case, n: usize, i: usize) -> f64 {
 
 #[test]
 fn every_collective_dtype_and_op_on_the_host_stream_matches_the_reference() {
+    every_collective(TransportPref::Shm, &[2, 3, 4]);
+}
+
+/// Device buffers between nodes: tcp edges whose staging slots are mapped into the device.
+#[test]
+fn every_collective_dtype_and_op_over_tcp_device_edges_matches_the_reference() {
+    every_collective(TransportPref::Tcp, &[2, 3]);
+}
+
+fn every_collective(transport: TransportPref, ranks: &[usize]) {
     // Small slots (1 KiB, 4 of them) so counts of a few thousand elements keep every slot in
     // flight and wrap the FIFO many times.
     let o = Opts {
         slice_bytes: 1024,
+        transport,
         ..Opts::default()
     };
-    for n in [2, 3, 4] {
+    let want = match transport {
+        TransportPref::Tcp => TransportKind::Tcp,
+        _ => TransportKind::Shm,
+    };
+    for &n in ranks {
         threads(n, &o, |rank, comm| {
             let comm = comm.unwrap();
             let mut dc = device_comm(&comm);
+            for e in dc.edges() {
+                assert_eq!(e.kind, want, "{e}");
+            }
             let mut seed = 0;
             for dtype in DType::ALL {
                 for op in ReduceOp::ALL {
@@ -185,19 +203,29 @@ fn device_edges_report_host_staging_and_why_and_move_the_ring_volume() {
 }
 
 #[test]
-fn device_buffers_over_tcp_edges_are_refused_by_name() {
+fn tcp_device_edges_say_why_and_move_the_ring_volume() {
     let o = Opts {
         transport: TransportPref::Tcp,
+        slice_bytes: 8192,
         ..Opts::default()
     };
-    threads(2, &o, |_, comm| {
+    let n = 3;
+    threads(n, &o, |_, comm| {
         let comm = comm.unwrap();
-        let e = DeviceComm::new(&comm, HostStream::new())
-            .err()
-            .unwrap()
-            .to_string();
-        assert!(e.contains("device buffers between nodes"), "{e}");
-        assert!(e.contains("tcp"), "{e}");
+        let mut dc = device_comm(&comm);
+        for e in dc.edges() {
+            assert_eq!(e.kind, TransportKind::Tcp, "{e}");
+            assert!(e.reason.contains("tcp"), "{e}");
+        }
+        let before = dc.counters();
+        let count = 90_000usize;
+        let send = vec![2.0f32; count];
+        let mut recv = vec![0.0f32; count];
+        dc.all_reduce(&send[..], &mut recv[..], ReduceOp::Sum)
+            .unwrap();
+        assert!(recv.iter().all(|&v| v == 2.0 * n as f32));
+        let sent = dc.counters().bytes_sent - before.bytes_sent;
+        assert_eq!(sent as usize, 2 * (n - 1) * (count / n) * 4);
     });
 }
 

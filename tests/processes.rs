@@ -21,7 +21,8 @@ fn worker_entry() {
     println!(); // end libtest's "test worker_entry ... " line
     let code = match scenario.as_str() {
         "all" => all_collectives_scenario(),
-        "kill" => kill_scenario(),
+        "kill" => kill_scenario(false),
+        "kill-device" => kill_scenario(true),
         other => {
             eprintln!("unknown scenario {other}");
             2
@@ -72,8 +73,13 @@ fn all_collectives_scenario() -> i32 {
     0
 }
 
-fn kill_scenario() -> i32 {
+/// Rank 1 kills itself mid-stream; the others must fail, naming the collective. `device`: the
+/// all-reduces run on device buffers (the device engine over the host stream).
+fn kill_scenario(device: bool) -> i32 {
     let comm = Communicator::from_env().expect("init");
+    let mut dc = device.then(|| {
+        ringzero::DeviceComm::new(&comm, ringzero::HostStream::new()).expect("device comm")
+    });
     if comm.rank() == 1 {
         std::thread::spawn(|| {
             std::thread::sleep(Duration::from_millis(300));
@@ -83,7 +89,11 @@ fn kill_scenario() -> i32 {
     }
     let mut buf = vec![1f32; 1 << 20];
     for i in 0..100_000 {
-        if let Err(e) = comm.all_reduce_in_place(&mut buf, ReduceOp::Sum) {
+        let r = match dc.as_mut() {
+            Some(dc) => dc.all_reduce_in_place(&mut buf[..], ReduceOp::Sum),
+            None => comm.all_reduce_in_place(&mut buf, ReduceOp::Sum),
+        };
+        if let Err(e) = r {
             println!("rank {} failed in iteration {i}: {e}", comm.rank());
             return 3;
         }
@@ -187,11 +197,15 @@ fn two_fake_nodes_mix_shm_inside_and_tcp_between() {
 }
 
 fn killed_rank_is_noticed(nodes: usize, env: &[(&str, &str)]) {
+    killed_rank_is_noticed_in(nodes, env, "kill")
+}
+
+fn killed_rank_is_noticed_in(nodes: usize, env: &[(&str, &str)], scenario: &str) {
     let t = Instant::now();
     // A long deadline: survivors must notice the death itself, not time out.
     let mut env = env.to_vec();
     env.push(("RINGZERO_TIMEOUT", "60"));
-    let (o, lines) = run(4, nodes, "kill", &env, Duration::from_secs(30));
+    let (o, lines) = run(4, nodes, scenario, &env, Duration::from_secs(30));
     let took = t.elapsed();
     assert_eq!(o.first_failure, Some(1), "{lines:#?}");
     assert_eq!(o.exit_code(), 128 + 9);
@@ -231,4 +245,14 @@ fn a_rank_killed_mid_all_reduce_over_tcp_fails_every_other_rank() {
 #[test]
 fn a_rank_killed_mid_all_reduce_across_fake_nodes_fails_every_other_rank() {
     killed_rank_is_noticed(2, &[]);
+}
+
+#[test]
+fn a_rank_killed_mid_device_all_reduce_over_staging_fails_every_other_rank() {
+    killed_rank_is_noticed_in(1, &[("RINGZERO_TRANSPORT", "shm")], "kill-device");
+}
+
+#[test]
+fn a_rank_killed_mid_device_all_reduce_over_tcp_fails_every_other_rank() {
+    killed_rank_is_noticed_in(1, &[("RINGZERO_TRANSPORT", "tcp")], "kill-device");
 }

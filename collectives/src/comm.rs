@@ -56,6 +56,8 @@ struct Inner {
     rank: usize,
     size: usize,
     edges: Vec<Edge>,
+    /// The address this rank's data connections use (None for one rank).
+    data_ip: Option<std::net::IpAddr>,
     state: Mutex<State>,
     pending: (Mutex<usize>, Condvar),
     // Rank 0 serves the store for as long as the communicator lives.
@@ -79,8 +81,8 @@ impl Communicator {
     pub fn init(cfg: Config) -> Result<Communicator> {
         cfg.validate()?;
         let (rank, size) = (cfg.launch.rank, cfg.launch.world_size);
-        let (links, edges, store) = if size == 1 {
-            (None, Vec::new(), None)
+        let (links, edges, store, data_ip) = if size == 1 {
+            (None, Vec::new(), None, None)
         } else {
             connect::connect_ring(&cfg)?
         };
@@ -89,6 +91,7 @@ impl Communicator {
             rank,
             size,
             edges,
+            data_ip,
             state: Mutex::new(State {
                 links,
                 seq: 0,
@@ -126,6 +129,12 @@ impl Communicator {
     /// uses and why. Empty for a one-rank world.
     pub fn edges(&self) -> &[Edge] {
         &self.inner.edges
+    }
+
+    /// The local address this rank's data connections use (where a device communicator listens
+    /// for its tcp edges).
+    pub(crate) fn data_ip(&self) -> Option<std::net::IpAddr> {
+        self.inner.data_ip
     }
 
     /// Byte counters of this rank's links since creation (including the setup barrier's frames).

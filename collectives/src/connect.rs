@@ -13,9 +13,15 @@ use crate::transport::shm::{ShmRecv, ShmSend};
 use crate::transport::{tcp, RecvLink, SendLink, TransportKind};
 
 /// Rendezvous, choose transports, connect both ring edges.
+#[allow(clippy::type_complexity)]
 pub(crate) fn connect_ring(
     cfg: &Config,
-) -> Result<(Option<Links>, Vec<Edge>, Option<StoreServer>)> {
+) -> Result<(
+    Option<Links>,
+    Vec<Edge>,
+    Option<StoreServer>,
+    Option<std::net::IpAddr>,
+)> {
     let (rank, size) = (cfg.launch.rank, cfg.launch.world_size);
     let (prev, next) = ((rank + size - 1) % size, (rank + 1) % size);
     let me = Identity {
@@ -141,7 +147,7 @@ pub(crate) fn connect_ring(
         tracing::info!(target: "ringzero::topology", rank, "{e}");
     }
     let links = Links::new(tx, rx, next, prev)?;
-    Ok((Some(links), vec![recv_edge, send_edge], server))
+    Ok((Some(links), vec![recv_edge, send_edge], server, Some(ip)))
 }
 
 fn host_cuda_ipc() -> Error {

@@ -28,9 +28,11 @@ use crate::ring::device_engine::{self, DevBufs, DevLinks};
 use crate::ring::engine::{Call, Counters};
 use crate::ring::{chunk, plan, Collective, PlanArgs};
 use crate::topology::{self, DevicePeer, Edge};
-use crate::transport::device::{FifoRecv, FifoSend};
+use crate::transport::device::{
+    DevRecvLink, DevSendLink, FifoRecv, FifoSend, TcpDevRecv, TcpDevSend,
+};
 use crate::transport::shm::{ShmRecv, ShmSend};
-use crate::transport::TransportKind;
+use crate::transport::{tcp, TransportKind};
 use crate::wire::{Expect, Fingerprint, FrameHeader};
 
 /// What every rank tells the others about its device (fixed size, all-gathered).
@@ -313,19 +315,16 @@ impl<S: Stream> DeviceComm<S> {
     ) -> Result<(DevLinks, TransportKind)> {
         let cfg = &self.cfg;
         let (slots, slot_bytes) = (cfg.slots, cfg.slice_bytes.next_multiple_of(64));
-        let dev_err = |what: &str| {
-            let what = what.to_string();
-            move |e| Error::Device {
-                context: what.clone(),
-                source: e,
-            }
-        };
         let name = crate::connect::segment_name(cfg, prev, self.rank, "dev");
         let mut info = ConnectInfo::zeroed();
         info.slots = slots as u32;
         info.slot_bytes = slot_bytes as u64;
         info.kind = kind_code(recv_edge.kind);
-        let rx: FifoRecv = match recv_edge.kind {
+        enum Rx {
+            Ready(Box<dyn DevRecvLink>),
+            Listen(std::net::TcpListener),
+        }
+        let rx = match recv_edge.kind {
             TransportKind::Shm => {
                 let ctl = ShmRecv::create(&cfg.shm_dir, &name, slots, slot_bytes, prev)?;
                 let (map, len) = ctl.mapping();
@@ -336,7 +335,7 @@ impl<S: Stream> DeviceComm<S> {
                     .map_err(dev_err("mapping the shm staging slots into the device"))?;
                 info.path = path_text(ctl.path())?;
                 let base = dev + (slot0 as usize - map as usize) as u64;
-                FifoRecv::new(ctl, TransportKind::Shm, base, keep)
+                Rx::Ready(Box::new(FifoRecv::new(ctl, TransportKind::Shm, base, keep)))
             }
             TransportKind::CudaIpc => {
                 let (base, handle, keep) = self
@@ -346,25 +345,96 @@ impl<S: Stream> DeviceComm<S> {
                 let ctl = ShmRecv::create_control(&cfg.shm_dir, &name, slots, slot_bytes, prev)?;
                 info.ipc = handle;
                 info.path = path_text(ctl.path())?;
-                FifoRecv::new(ctl, TransportKind::CudaIpc, base, keep)
+                Rx::Ready(Box::new(FifoRecv::new(
+                    ctl,
+                    TransportKind::CudaIpc,
+                    base,
+                    keep,
+                )))
             }
             TransportKind::Tcp => {
-                return Err(Error::InvalidArgument {
-                    op: "device communicator".into(),
-                    msg: format!(
-                    "{recv_edge}: device buffers between nodes (tcp with pinned staging) are not \
-                         implemented yet; run the ranks of a device communicator on one node"
-                ),
-                })
+                // A connection of its own (the host communicator's carries host frames), on the
+                // address the host data connections use.
+                let ip = comm.data_ip().ok_or_else(|| Error::Protocol {
+                    peer: format!("rank {prev}"),
+                    detail: "a tcp device edge without a host data address".into(),
+                })?;
+                let l = std::net::TcpListener::bind((ip, 0))
+                    .map_err(|e| Error::io(format!("binding a device data listener on {ip}"), e))?;
+                let addr = l
+                    .local_addr()
+                    .map_err(|e| Error::io("device data listener address", e))?;
+                info.path = text(&addr.to_string());
+                Rx::Listen(l)
             }
         };
         let all: Vec<ConnectInfo> = all_gather_records(comm, &info)?;
         let theirs = all[next];
         let path = std::path::PathBuf::from(untext(&theirs.path));
         let (t_slots, t_bytes) = (theirs.slots as usize, theirs.slot_bytes as usize);
-        let (tx, kind) = match theirs.kind {
+        let me = crate::bootstrap::Identity {
+            secret: &cfg.secret,
+            job_id: &cfg.job_id,
+            rank: self.rank as u32,
+        };
+        // Both directions at once: a tcp connect waits for the peer's accept.
+        let (rx, tx): (Box<dyn DevRecvLink>, Result<SendSide>) =
+            std::thread::scope(|sc| -> Result<_> {
+                let (ready, accept) = match rx {
+                    Rx::Ready(r) => (Some(r), None),
+                    Rx::Listen(l) => (
+                        None,
+                        Some(sc.spawn(move || -> Result<tcp::TcpRecv> {
+                            let st = tcp::accept_from(&l, &me, prev, cfg.timeout)?;
+                            tcp::TcpRecv::with_slots(st, prev, slots, slot_bytes)
+                        })),
+                    ),
+                };
+                let tx = self.attach(&theirs, &path, t_slots, t_bytes, next, &me);
+                let rx: Box<dyn DevRecvLink> = match (ready, accept) {
+                    (Some(r), _) => r,
+                    (None, Some(h)) => {
+                        let mut t = h.join().map_err(|_| Error::Io {
+                            context: "accepting a device data connection".into(),
+                            detail: "accept thread panicked".into(),
+                        })??;
+                        let (ptr, len, stride) = t.staging();
+                        // SAFETY: the staging is an anonymous mapping owned by `t`, which the
+                        // TcpDevRecv keeps (and drops after `keep`); moving `t` does not move it.
+                        let (dev, keep) = unsafe { self.stream.map_host(ptr, len) }
+                            .map_err(dev_err("mapping the tcp receive slots into the device"))?;
+                        Box::new(TcpDevRecv::new(t, dev, stride, keep))
+                    }
+                    (None, None) => unreachable!("one of the two is set"),
+                };
+                Ok((rx, tx))
+            })?;
+        let (tx, kind) = tx?;
+        Ok((
+            DevLinks {
+                tx,
+                rx,
+                next,
+                prev,
+                counters: Counters::default(),
+            },
+            kind,
+        ))
+    }
+
+    /// Attach to the next rank's receive FIFO (or connect to it) as `theirs` describes.
+    fn attach(
+        &self,
+        theirs: &ConnectInfo,
+        path: &std::path::Path,
+        t_slots: usize,
+        t_bytes: usize,
+        next: usize,
+        me: &crate::bootstrap::Identity<'_>,
+    ) -> Result<SendSide> {
+        Ok(match theirs.kind {
             1 => {
-                let ctl = ShmSend::attach(&path, t_slots, t_bytes, next)?;
+                let ctl = ShmSend::attach(path, t_slots, t_bytes, next)?;
                 let (map, len) = ctl.mapping();
                 let slot0 = ctl.slot_addr(0).expect("data segment");
                 // SAFETY: as for the receiver: the FifoSend drops `keep` before `ctl`.
@@ -374,19 +444,39 @@ impl<S: Stream> DeviceComm<S> {
                     ))?;
                 let base = dev + (slot0 as usize - map as usize) as u64;
                 (
-                    FifoSend::new(ctl, TransportKind::Shm, base, keep),
+                    Box::new(FifoSend::new(ctl, TransportKind::Shm, base, keep)),
                     TransportKind::Shm,
                 )
             }
             3 => {
-                let ctl = ShmSend::attach_control(&path, t_slots, t_bytes, next)?;
+                let ctl = ShmSend::attach_control(path, t_slots, t_bytes, next)?;
                 let (base, keep) = self
                     .stream
                     .open_exported(&theirs.ipc, t_slots * t_bytes)
                     .map_err(dev_err(&format!("opening rank {next}'s device slots")))?;
                 (
-                    FifoSend::new(ctl, TransportKind::CudaIpc, base, keep),
+                    Box::new(FifoSend::new(ctl, TransportKind::CudaIpc, base, keep)),
                     TransportKind::CudaIpc,
+                )
+            }
+            2 => {
+                let addr: std::net::SocketAddr =
+                    path.to_string_lossy()
+                        .parse()
+                        .map_err(|_| Error::Protocol {
+                            peer: format!("rank {next}"),
+                            detail: format!("bad device data address `{}`", path.display()),
+                        })?;
+                let st = tcp::connect(addr, me, next, self.cfg.timeout)?;
+                let mut t = tcp::TcpSend::new(st, next, t_slots, t_bytes)?;
+                let (ptr, len, stride) = t.staging();
+                // SAFETY: the staging is an anonymous mapping owned by `t`, which the TcpDevSend
+                // keeps (and drops after `keep`); moving `t` does not move it.
+                let (dev, keep) = unsafe { self.stream.map_host(ptr, len) }
+                    .map_err(dev_err("mapping the tcp send staging into the device"))?;
+                (
+                    Box::new(TcpDevSend::new(t, dev, stride, keep)),
+                    TransportKind::Tcp,
                 )
             }
             k => {
@@ -395,17 +485,7 @@ impl<S: Stream> DeviceComm<S> {
                     detail: format!("unknown device transport code {k}"),
                 })
             }
-        };
-        Ok((
-            DevLinks {
-                tx: Box::new(tx),
-                rx: Box::new(rx),
-                next,
-                prev,
-                counters: Counters::default(),
-            },
-            kind,
-        ))
+        })
     }
 
     /// Send a pattern to the next rank, check the one from the previous rank. The finding on the
@@ -454,7 +534,9 @@ impl<S: Stream> DeviceComm<S> {
             len,
         };
         let start = Instant::now();
+        let tx_err = |e, next| crate::ring::engine::link_err(e, what, seq, next, self.rank, None);
         let incoming = loop {
+            links.tx.progress().map_err(|e| tx_err(e, links.next))?;
             if let Some(a) = links.rx.peek(&expect).map_err(|e| {
                 crate::ring::engine::link_err(e, what, seq, links.prev, self.rank, None)
             })? {
@@ -479,6 +561,20 @@ impl<S: Stream> DeviceComm<S> {
         links.rx.release().map_err(|e| {
             crate::ring::engine::link_err(e, what, seq, links.prev, self.rank, None)
         })?;
+        // Our own probe must have left (tcp) before the finding is all-gathered.
+        while !links.tx.flushed() {
+            links.tx.progress().map_err(|e| tx_err(e, links.next))?;
+            if start.elapsed() >= deadline {
+                return Err(Error::Timeout {
+                    op: what.into(),
+                    seq,
+                    peer: links.next,
+                    waiting: format!("rank {} to read the probe", links.next),
+                    after: deadline,
+                });
+            }
+            std::thread::yield_now();
+        }
         Ok(judge_probe(&probe_pattern(links.prev, len), &seen))
     }
 
@@ -578,6 +674,16 @@ impl<S: Stream> DeviceComm<S> {
             }
         }
         Ok(())
+    }
+}
+
+/// A send link and its transport.
+type SendSide = (Box<dyn DevSendLink>, TransportKind);
+
+fn dev_err(what: &str) -> impl Fn(ringzero_kernels::device::DeviceError) -> Error + '_ {
+    move |e| Error::Device {
+        context: what.to_string(),
+        source: e,
     }
 }
 

@@ -166,10 +166,15 @@ unsafe fn run_ops<S: Stream>(
             )?
         };
     }
-    // Drain: every marker completes, every frame is posted, every slot released.
+    // Drain: every marker completes, every frame is posted (and has left this process: tcp
+    // writes from its staging), every slot released.
     let mut last = Instant::now();
-    while !pending.is_empty() {
-        if retire(stream, links, call, &what, &mut pending)? {
+    while !pending.is_empty() || !links.tx.flushed() {
+        let sent = links
+            .tx
+            .progress()
+            .map_err(|e| link_err(e, &what, call.seq, links.next, call.rank, Some(&call.fp)))?;
+        if retire(stream, links, call, &what, &mut pending)? || sent {
             last = Instant::now();
             waiter.progressed();
             continue;
@@ -179,10 +184,14 @@ unsafe fn run_ops<S: Stream>(
                 op: what,
                 seq: call.seq,
                 peer: call.rank,
-                waiting: format!(
-                    "this rank's device ({}) to finish its queued work",
-                    stream.name()
-                ),
+                waiting: if pending.is_empty() {
+                    format!("rank {} to read this rank's last frames", links.next)
+                } else {
+                    format!(
+                        "this rank's device ({}) to finish its queued work",
+                        stream.name()
+                    )
+                },
                 after: call.timeout,
             });
         }
@@ -268,6 +277,7 @@ unsafe fn run_op<S: Stream>(
     let mut slot: Option<Addr> = None;
     loop {
         let mut moved = retire(stream, links, call, what, pending)?;
+        moved |= links.tx.progress().map_err(tx_err)?;
         if op.recv && incoming.is_none() {
             incoming = links.rx.peek(&expect).map_err(rx_err)?;
             moved |= incoming.is_some();

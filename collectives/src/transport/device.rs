@@ -19,10 +19,17 @@
 //! A [`FifoSend`]/[`FifoRecv`] is therefore the shm FIFO plus the device address of slot 0 and an
 //! owner that keeps that memory mapped (an IPC mapping, an exported allocation, a host
 //! registration) for as long as the link lives.
+//!
+//! Between nodes, [`TcpDevSend`]/[`TcpDevRecv`] wrap the tcp transport's staging slots, page-locked
+//! and mapped into the device: the sender's kernel writes a frame's payload into a staging slot
+//! and the frame is written to the socket once that work completes; the receiver reads frames
+//! into its slots while kernels still reduce out of earlier ones. Socket traffic, device copies
+//! and kernels of consecutive slices overlap, up to `slots` frames per direction.
 
 use std::any::Any;
 
 use super::shm::{ShmRecv, ShmSend};
+use super::tcp::{TcpRecv, TcpSend};
 use super::{LinkResult, TransportKind};
 use crate::wire::{Expect, FrameHeader};
 
@@ -40,6 +47,14 @@ pub trait DevSendLink: Send {
     fn reserve(&mut self) -> LinkResult<Option<Addr>>;
     /// Publish the oldest reserved slot (its bytes are complete).
     fn post(&mut self, header: &FrameHeader) -> LinkResult<()>;
+    /// Move posted frames along (tcp: write them from the staging slots). Whether any moved.
+    fn progress(&mut self) -> LinkResult<bool> {
+        Ok(false)
+    }
+    /// Whether every posted frame has left this process.
+    fn flushed(&self) -> bool {
+        true
+    }
     /// Whether the peer is still there.
     fn health(&mut self) -> LinkResult<()>;
     /// Tell the peer this rank aborts.
@@ -160,5 +175,104 @@ impl DevRecvLink for FifoRecv {
     }
     fn abort(&mut self, reason: &str) {
         super::RecvLink::abort(&mut self.ctl, reason)
+    }
+}
+
+/// Sender over TCP whose staging slots are mapped into the device at `base` (slot `i` at
+/// `base + i × stride`).
+pub struct TcpDevSend {
+    // Declared first so it is dropped first: the registration ends while the staging memory (in
+    // `tcp`) is still mapped.
+    _keep: Keep,
+    tcp: TcpSend,
+    base: Addr,
+    stride: usize,
+}
+
+impl TcpDevSend {
+    /// Wrap `tcp`, whose staging (see [`TcpSend::staging`]) the device sees at `base`.
+    pub fn new(tcp: TcpSend, base: Addr, stride: usize, keep: Keep) -> TcpDevSend {
+        TcpDevSend {
+            _keep: keep,
+            tcp,
+            base,
+            stride,
+        }
+    }
+}
+
+impl DevSendLink for TcpDevSend {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Tcp
+    }
+    fn slot_bytes(&self) -> usize {
+        super::SendLink::slot_bytes(&self.tcp)
+    }
+    fn reserve(&mut self) -> LinkResult<Option<Addr>> {
+        Ok(self
+            .tcp
+            .reserve_slot()
+            .map(|s| self.base + (s * self.stride) as u64))
+    }
+    fn post(&mut self, header: &FrameHeader) -> LinkResult<()> {
+        self.tcp.post_slot(header)?;
+        super::SendLink::progress(&mut self.tcp).map(|_| ())
+    }
+    fn progress(&mut self) -> LinkResult<bool> {
+        super::SendLink::progress(&mut self.tcp)
+    }
+    fn flushed(&self) -> bool {
+        super::SendLink::flushed(&self.tcp)
+    }
+    fn health(&mut self) -> LinkResult<()> {
+        super::SendLink::health(&mut self.tcp)
+    }
+    fn abort(&mut self, reason: &str) {
+        super::SendLink::abort(&mut self.tcp, reason)
+    }
+}
+
+/// Receiver over TCP whose receive slots are mapped into the device at `base`.
+pub struct TcpDevRecv {
+    // Declared first so it is dropped first (as for the sender).
+    _keep: Keep,
+    tcp: TcpRecv,
+    base: Addr,
+    stride: usize,
+}
+
+impl TcpDevRecv {
+    /// Wrap `tcp`, whose slots (see [`TcpRecv::staging`]) the device sees at `base`.
+    pub fn new(tcp: TcpRecv, base: Addr, stride: usize, keep: Keep) -> TcpDevRecv {
+        TcpDevRecv {
+            _keep: keep,
+            tcp,
+            base,
+            stride,
+        }
+    }
+}
+
+impl DevRecvLink for TcpDevRecv {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Tcp
+    }
+    fn peek(&mut self, expect: &Expect) -> LinkResult<Option<Addr>> {
+        Ok(self
+            .tcp
+            .peek_slot(expect)?
+            .map(|s| self.base + (s * self.stride) as u64))
+    }
+    fn consume(&mut self) {
+        self.tcp.consume()
+    }
+    fn release(&mut self) -> LinkResult<()> {
+        self.tcp.release_oldest()
+    }
+    fn health(&mut self) -> LinkResult<()> {
+        super::RecvLink::health(&mut self.tcp)
+    }
+    fn abort(&mut self, reason: &str) {
+        super::RecvLink::abort(&mut self.tcp, reason)
     }
 }
