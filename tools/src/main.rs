@@ -415,16 +415,22 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     }),
                 }
             }
-            for (ranks, staged) in [(2usize, false), (4, false), (2, true), (4, true)] {
+            for (ranks, mode) in [
+                (2usize, DevMode::Ipc),
+                (4, DevMode::Ipc),
+                (2, DevMode::Staging),
+                (4, DevMode::Staging),
+                (2, DevMode::Tcp),
+            ] {
                 eprintln!(
                     "ringzero gpu-check: collectives on device buffers, {ranks} processes, {}...",
-                    if staged {
-                        "RINGZERO_P2P_DISABLE=1"
-                    } else {
-                        "auto (cuda_ipc)"
+                    match mode {
+                        DevMode::Ipc => "auto (cuda_ipc)",
+                        DevMode::Staging => "RINGZERO_P2P_DISABLE=1",
+                        DevMode::Tcp => "RINGZERO_TRANSPORT=tcp (pinned tcp staging)",
                     }
                 );
-                rows.extend(gpu_collectives(device, ranks, staged, no_bench));
+                rows.extend(gpu_collectives(device, ranks, mode, no_bench));
             }
             if let Some(path) = json {
                 std::fs::write(&path, serde_json::to_string_pretty(&rows)?)
@@ -530,14 +536,29 @@ fn under_launcher() -> bool {
 }
 
 /// gpu-check's collective checks: `ranks` processes on device `device` through the launcher.
+/// Which device transport a gpu-check collective run asks for.
+#[derive(Clone, Copy, Debug)]
+enum DevMode {
+    Ipc,
+    Staging,
+    Tcp,
+}
+
 fn gpu_collectives(
     device: usize,
     ranks: usize,
-    staged: bool,
+    mode: DevMode,
     no_bench: bool,
 ) -> Vec<ringzero_tools::gpucheck::Row> {
     use ringzero_tools::gpucheck::Row;
-    let label = format!("{} n={ranks}", if staged { "staging" } else { "cuda_ipc" });
+    let label = format!(
+        "{} n={ranks}",
+        match mode {
+            DevMode::Ipc => "cuda_ipc",
+            DevMode::Staging => "staging",
+            DevMode::Tcp => "tcp",
+        }
+    );
     let fail = |detail: String| {
         vec![Row {
             check: format!("{label} run"),
@@ -546,7 +567,7 @@ fn gpu_collectives(
         }]
     };
     let rows = std::env::temp_dir().join(format!(
-        "ringzero-gpu-collectives-{}-{ranks}-{staged}.json",
+        "ringzero-gpu-collectives-{}-{ranks}-{mode:?}.json",
         std::process::id()
     ));
     let mut args: Vec<std::ffi::OsString> = vec![
@@ -568,10 +589,26 @@ fn gpu_collectives(
         nodes: 1,
         program: program.into(),
         args,
-        env: vec![(
-            "RINGZERO_P2P_DISABLE".to_string(),
-            if staged { "1" } else { "0" }.to_string(),
-        )],
+        env: vec![
+            (
+                "RINGZERO_P2P_DISABLE".to_string(),
+                if matches!(mode, DevMode::Staging) {
+                    "1"
+                } else {
+                    "0"
+                }
+                .to_string(),
+            ),
+            (
+                "RINGZERO_TRANSPORT".to_string(),
+                if matches!(mode, DevMode::Tcp) {
+                    "tcp"
+                } else {
+                    "auto"
+                }
+                .to_string(),
+            ),
+        ],
         grace: Duration::from_secs(5),
     };
     let outcome = launch::launch(&spec, launch::Output::RankZeroPlain);
