@@ -10,46 +10,13 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use ringzero_collectives::{chunk, Collective, Communicator, DeviceComm, Element, TransportKind};
+use ringzero_collectives::{chunk, Collective, Communicator, DeviceComm, TransportKind};
 use ringzero_kernels::device::cuda::raw::HostRegistration;
 use ringzero_kernels::device::cuda::{DeviceBuffer, Gpu};
 use ringzero_kernels::{DType, ReduceOp};
 
-use crate::bench::exact::{reference, value};
+use crate::bench::exact::{decode as from_bytes, encode as to_bytes, reference, value};
 use crate::gpucheck::Row;
-
-fn to_bytes(d: DType, vals: &[f64]) -> Vec<u8> {
-    fn go<T: Element>(v: &[f64]) -> Vec<u8> {
-        let t: Vec<T> = v.iter().map(|&x| T::from_f64(x)).collect();
-        bytemuck::cast_slice(&t).to_vec()
-    }
-    match d {
-        DType::F32 => go::<f32>(vals),
-        DType::F64 => go::<f64>(vals),
-        DType::F16 => go::<half::f16>(vals),
-        DType::BF16 => go::<half::bf16>(vals),
-        DType::I32 => go::<i32>(vals),
-        DType::I64 => go::<i64>(vals),
-        DType::U8 => go::<u8>(vals),
-    }
-}
-
-fn from_bytes(d: DType, b: &[u8]) -> Vec<f64> {
-    fn go<T: Element>(b: &[u8]) -> Vec<f64> {
-        let mut t = vec![<T as bytemuck::Zeroable>::zeroed(); b.len() / std::mem::size_of::<T>()];
-        bytemuck::cast_slice_mut::<T, u8>(&mut t).copy_from_slice(b);
-        t.into_iter().map(T::to_f64).collect()
-    }
-    match d {
-        DType::F32 => go::<f32>(b),
-        DType::F64 => go::<f64>(b),
-        DType::F16 => go::<half::f16>(b),
-        DType::BF16 => go::<half::bf16>(b),
-        DType::I32 => go::<i32>(b),
-        DType::I64 => go::<i64>(b),
-        DType::U8 => go::<u8>(b),
-    }
-}
 
 type Check = Result<Option<String>, String>;
 

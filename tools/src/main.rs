@@ -535,7 +535,6 @@ fn under_launcher() -> bool {
     .any(|v| std::env::var_os(v).is_some())
 }
 
-/// gpu-check's collective checks: `ranks` processes on device `device` through the launcher.
 /// Which device transport a gpu-check collective run asks for.
 #[derive(Clone, Copy, Debug)]
 enum DevMode {
@@ -544,6 +543,7 @@ enum DevMode {
     Tcp,
 }
 
+/// gpu-check's collective checks: `ranks` processes on device `device` through the launcher.
 fn gpu_collectives(
     device: usize,
     ranks: usize,

@@ -29,7 +29,13 @@ use crate::ring::Collective;
 use crate::transport::device::Addr;
 
 /// A buffer a [`Stream`] can address.
-pub trait DeviceMemory<S: Stream> {
+///
+/// # Safety
+/// The collectives hand the addresses to kernels and copies without further checks, so an
+/// implementation must guarantee that `addr`/`addr_mut` point at `elems() × dtype().size()` bytes
+/// of memory the stream can read (and, for `addr_mut`, write), owned by `self` and valid for as
+/// long as `self` is borrowed.
+pub unsafe trait DeviceMemory<S: Stream> {
     /// Element type.
     fn dtype(&self) -> DType;
     /// Elements.
@@ -40,7 +46,9 @@ pub trait DeviceMemory<S: Stream> {
     fn addr_mut(&mut self, s: &S) -> Addr;
 }
 
-impl<T: Element> DeviceMemory<HostStream> for [T] {
+// SAFETY: a slice's pointer and length describe exactly its elements, which the host stream
+// (host memory) addresses directly, for as long as the slice is borrowed.
+unsafe impl<T: Element> DeviceMemory<HostStream> for [T] {
     fn dtype(&self) -> DType {
         T::DTYPE
     }
@@ -55,8 +63,11 @@ impl<T: Element> DeviceMemory<HostStream> for [T] {
     }
 }
 
+// SAFETY: a DeviceBuffer owns `len × dtype.size()` bytes of device memory in its GPU's context,
+// freed only when it drops, so its address is valid while it is borrowed. (A buffer of another
+// GPU would be caught by the driver, not by this impl: one device per DeviceComm.)
 #[cfg(feature = "cuda")]
-impl DeviceMemory<std::sync::Arc<ringzero_kernels::device::cuda::Gpu>>
+unsafe impl DeviceMemory<std::sync::Arc<ringzero_kernels::device::cuda::Gpu>>
     for ringzero_kernels::device::cuda::DeviceBuffer
 {
     fn dtype(&self) -> DType {

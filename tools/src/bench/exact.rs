@@ -7,7 +7,7 @@
 //! documents it — the sum, then one division in f32 (f64 for f64).
 
 use half::{bf16, f16};
-use ringzero_collectives::{DType, ReduceOp};
+use ringzero_collectives::{DType, Element, ReduceOp};
 
 /// Input of `rank` at element `i`.
 pub fn value(dtype: DType, op: ReduceOp, rank: usize, i: usize, seed: usize) -> f64 {
@@ -57,6 +57,41 @@ pub fn reference(dtype: DType, op: ReduceOp, n: usize, i: usize, seed: usize) ->
         (ReduceOp::Avg, true) if dtype == DType::F64 => combined / n as f64,
         (ReduceOp::Avg, true) => cast((cast(combined) as f32 / n as f32) as f64),
         _ => cast(combined),
+    }
+}
+
+/// `vals` as `d`'s bytes (native endian).
+pub fn encode(d: DType, vals: &[f64]) -> Vec<u8> {
+    fn go<T: Element>(v: &[f64]) -> Vec<u8> {
+        let t: Vec<T> = v.iter().map(|&x| T::from_f64(x)).collect();
+        bytemuck::cast_slice(&t).to_vec()
+    }
+    match d {
+        DType::F32 => go::<f32>(vals),
+        DType::F64 => go::<f64>(vals),
+        DType::F16 => go::<half::f16>(vals),
+        DType::BF16 => go::<half::bf16>(vals),
+        DType::I32 => go::<i32>(vals),
+        DType::I64 => go::<i64>(vals),
+        DType::U8 => go::<u8>(vals),
+    }
+}
+
+/// `d`'s bytes as values.
+pub fn decode(d: DType, b: &[u8]) -> Vec<f64> {
+    fn go<T: Element>(b: &[u8]) -> Vec<f64> {
+        let mut t = vec![<T as bytemuck::Zeroable>::zeroed(); b.len() / std::mem::size_of::<T>()];
+        bytemuck::cast_slice_mut::<T, u8>(&mut t).copy_from_slice(b);
+        t.into_iter().map(T::to_f64).collect()
+    }
+    match d {
+        DType::F32 => go::<f32>(b),
+        DType::F64 => go::<f64>(b),
+        DType::F16 => go::<half::f16>(b),
+        DType::BF16 => go::<half::bf16>(b),
+        DType::I32 => go::<i32>(b),
+        DType::I64 => go::<i64>(b),
+        DType::U8 => go::<u8>(b),
     }
 }
 
