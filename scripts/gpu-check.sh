@@ -33,5 +33,12 @@ for p in r["probes"]:
     print(f'  {p["name"]:<22} {p["status"]}{gbs}: {p["detail"][:140]}')
 PY
 [ "$diag_rc" -le 1 ] || status=1
+# ringzero bench on device buffers (cuda_ipc on one GPU), 2 and 4 processes, next to nothing but
+# itself: gpu-check's rows below carry the copy baselines measured in the same run.
+for n in 2 4; do
+    echo "== ringzero bench all-reduce --device cuda -n $n"
+    target/release/ringzero bench all-reduce --device cuda -n "$n" -b 1M -e 256M -f 4 --iters 10 \
+        --warmup 3 --json "$out/bench-cuda-n$n.json" | tail -8 || status=1
+done
 target/release/ringzero gpu-check --json "$out/gpu-check.json" || status=1
 exit $status

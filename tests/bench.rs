@@ -147,3 +147,74 @@ fn rows_follow_the_nccl_tests_definitions_and_the_json_parses_back() {
         "{text}"
     );
 }
+
+/// The same sweep on device buffers (the device engine with the host as its device): every
+/// supported variant checked exactly, a corrupted result counted, the device edges in the header,
+/// and the variants device buffers lack left out rather than faked.
+#[test]
+fn the_device_sweep_checks_every_supported_variant_and_catches_corruption() {
+    for (corrupt, transport) in [(None, TransportPref::Shm), (Some(1), TransportPref::Tcp)] {
+        let o = Opts {
+            transport,
+            slice_bytes: 1024,
+            ..Opts::default()
+        };
+        let reports = threads(3, &o, |_, comm| {
+            let comm = comm.unwrap();
+            let mut dc = ringzero::DeviceComm::new(&comm, ringzero::HostStream::new()).unwrap();
+            bench::run_device(
+                &comm,
+                &mut dc,
+                &args(corrupt, DType::F16, ReduceOp::Max),
+                "host-stream".into(),
+                &mut |_, _| {},
+            )
+            .unwrap()
+        });
+        let r = &reports[0];
+        assert!(reports.iter().all(|x| x.rows == r.rows));
+        // all-reduce both ways; reduce-scatter, all-gather out of place; broadcast in place.
+        let variants: Vec<(String, bool)> = r
+            .rows
+            .iter()
+            .filter(|x| x.bytes == 4096)
+            .map(|x| (x.op.clone(), x.inplace))
+            .collect();
+        let want: Vec<(String, bool)> = [
+            ("all_reduce", false),
+            ("all_reduce", true),
+            ("reduce_scatter", false),
+            ("all_gather", false),
+            ("broadcast", true),
+        ]
+        .iter()
+        .map(|(o, i)| (o.to_string(), *i))
+        .collect();
+        assert_eq!(variants, want);
+        for row in &r.rows {
+            let rank1_checks = match row.op.as_str() {
+                "reduce_scatter" => !ringzero::chunk(row.count, 3, 1).is_empty(),
+                _ => row.count > 0,
+            };
+            assert_eq!(
+                row.wrong,
+                u64::from(corrupt.is_some() && rank1_checks),
+                "{row:?}"
+            );
+            assert_eq!(row.predicted_us, None);
+            assert_eq!(
+                row.transport,
+                if transport == TransportPref::Shm {
+                    "shm"
+                } else {
+                    "tcp"
+                }
+            );
+        }
+        assert_eq!(r.header.device_edges.len(), 2);
+        assert_eq!(r.header.device, "host-stream");
+        let text = bench::text(r);
+        assert!(text.contains("n/a"), "{text}");
+        assert!(text.contains("# device buffers"), "{text}");
+    }
+}

@@ -219,9 +219,10 @@ struct BenchCli {
     /// Warm-up iterations per size.
     #[arg(long, default_value_t = 5)]
     warmup: usize,
-    /// Where the buffers live: host (cuda: the device and kernels exist, collectives on device
-    /// buffers do not yet).
-    #[arg(long, default_value = "host")]
+    /// Where the buffers live: host (the host communicator), cuda (device buffers on this node's
+    /// GPUs, rank r on GPU local_rank mod count), host-stream (the device engine with the host as
+    /// its device: the device path without a GPU), or auto (cuda when a GPU is found, else host).
+    #[arg(long, default_value = "auto")]
     device: String,
     /// Write the report as JSON to this file.
     #[arg(long)]
@@ -880,18 +881,19 @@ fn bench(b: BenchCli) -> anyhow::Result<ExitCode> {
     let ops = ringzero_tools::bench::parse_ops(&b.op).map_err(anyhow::Error::msg)?;
     let sizes = ringzero_tools::bench::sizes(b.min_bytes, b.max_bytes, b.factor)
         .map_err(anyhow::Error::msg)?;
-    match b.device.as_str() {
-        "host" => {}
+    let device = match b.device.as_str() {
+        "host" | "host-stream" => b.device.clone(),
         "cuda" => {
-            let n = ringzero_kernels::device::cuda_devices()
+            ringzero_kernels::device::cuda_devices()
                 .map_err(|e| anyhow::anyhow!("--device cuda: {e}; run with --device host"))?;
-            anyhow::bail!(
-                "--device cuda: {n} CUDA device(s) found, but collectives on device buffers are not \
-                 implemented yet (CUDA IPC / host staging); run with --device host"
-            )
+            "cuda".to_string()
         }
-        other => anyhow::bail!("--device {other}: expected host or cuda"),
-    }
+        "auto" => match ringzero_kernels::device::cuda_devices() {
+            Ok(_) => "cuda".to_string(),
+            Err(_) => "host".to_string(),
+        },
+        other => anyhow::bail!("--device {other}: expected host, cuda, host-stream or auto"),
+    };
     if let Some(t) = &b.transport {
         anyhow::ensure!(
             matches!(t.as_str(), "auto" | "shm" | "tcp"),
@@ -927,11 +929,39 @@ fn bench(b: BenchCli) -> anyhow::Result<ExitCode> {
     } else {
         None
     };
-    let report = ringzero_tools::bench::run(&comm, &args, &mut |done, _| {
+    let mut progress = |done: usize, _| {
         if let Some(pb) = &bar {
             pb.set_position(done as u64);
         }
-    })?;
+    };
+    let report = match device.as_str() {
+        "cuda" => {
+            let n = ringzero_kernels::device::cuda_devices()
+                .map_err(|e| anyhow::anyhow!("--device cuda: {e}"))?;
+            let ordinal = comm.config().launch.local_rank % n;
+            let gpu = ringzero_kernels::device::cuda::Gpu::open(ordinal)
+                .map_err(|e| anyhow::anyhow!("opening cuda:{ordinal}: {e}"))?;
+            let name = format!("cuda:{ordinal} ({})", gpu.name().unwrap_or_default());
+            let mut dc = ringzero_collectives::DeviceComm::new(&comm, gpu)
+                .context("connecting the device communicator")?;
+            ringzero_tools::bench::run_device(&comm, &mut dc, &args, name, &mut progress)?
+        }
+        "host-stream" => {
+            let mut dc = ringzero_collectives::DeviceComm::new(
+                &comm,
+                ringzero_collectives::HostStream::new(),
+            )
+            .context("connecting the device communicator")?;
+            ringzero_tools::bench::run_device(
+                &comm,
+                &mut dc,
+                &args,
+                "host-stream (device engine on the host)".into(),
+                &mut progress,
+            )?
+        }
+        _ => ringzero_tools::bench::run(&comm, &args, &mut progress)?,
+    };
     if let Some(pb) = bar {
         pb.finish_and_clear();
     }

@@ -5,6 +5,7 @@
 //! Like nccl-tests, it is one harness with small per-collective descriptors ([`sweep::Buffers`] and
 //! the match in `sweep::run`).
 
+pub mod device;
 pub mod exact;
 pub mod plot;
 pub mod probe;
@@ -116,7 +117,12 @@ pub fn run(
             &mut tick,
         )?);
     }
-    let header = Header {
+    let header = header(comm, a, &probe, "host".into());
+    Ok(Report { header, rows })
+}
+
+fn header(comm: &Communicator, a: &BenchArgs, probe: &probe::Probe, device: String) -> Header {
+    Header {
         version: env!("CARGO_PKG_VERSION").to_string(),
         host: rustix::system::uname()
             .nodename()
@@ -125,17 +131,77 @@ pub fn run(
         ranks: comm.size(),
         dtype: a.sweep.dtype.to_string(),
         redop: a.sweep.redop.to_string(),
-        device: "host".into(),
+        device,
         alpha_us: probe.alpha_us,
         beta_gbs: probe.model.beta_gbs,
         edges: probe.edges.iter().map(Into::into).collect(),
+        device_edges: Vec::new(),
         memcpy_gbs: probe.memcpy_gbs,
         tcp_stream_gbs: probe.tcp_stream_gbs,
         slice_bytes: comm.config().slice_bytes,
         iters: a.sweep.iters,
         warmup: a.sweep.warmup,
         time: "mean over ranks of each rank's mean time per call".into(),
+    }
+}
+
+/// [`run`] on device buffers through `dc` (the device and its stream `device` names). α and β
+/// are still measured on the host links (the header's model); the rows carry no prediction.
+/// Collectives device buffers do not support are left out, and rank 0 says so on stderr.
+pub fn run_device<D: device::BenchDev>(
+    comm: &Communicator,
+    dc: &mut ringzero_collectives::DeviceComm<D>,
+    a: &BenchArgs,
+    device_name: String,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Report> {
+    let probe = probe::measure(comm, a.probe_bytes)?;
+    let mut kinds: Vec<String> = dc.edges().iter().map(|e| e.kind.to_string()).collect();
+    kinds.sort();
+    kinds.dedup();
+    let transport = if kinds.is_empty() {
+        "none".to_string()
+    } else {
+        kinds.join("+")
     };
+    let ops: Vec<Collective> = a
+        .ops
+        .iter()
+        .copied()
+        .filter(|&op| {
+            let ok = device::supports(op, false) || device::supports(op, true);
+            if !ok && comm.rank() == 0 {
+                eprintln!(
+                    "ringzero bench: {} is not available on device buffers; left out",
+                    op.name()
+                );
+            }
+            ok
+        })
+        .collect();
+    let total = ops.len() * a.sweep.sizes.len();
+    let mut done = 0;
+    let mut rows = Vec::new();
+    for &op in &ops {
+        let mut tick = || {
+            done += 1;
+            progress(done, total);
+        };
+        rows.extend(device::sweep(
+            comm, dc, op, &a.sweep, &transport, &mut tick,
+        )?);
+    }
+    let mut header = header(comm, a, &probe, device_name);
+    header.device_edges = dc
+        .edges()
+        .iter()
+        .map(|e| report::DeviceEdgeOut {
+            from: e.from,
+            to: e.to,
+            transport: e.kind.to_string(),
+            reason: e.reason.clone(),
+        })
+        .collect();
     Ok(Report { header, rows })
 }
 

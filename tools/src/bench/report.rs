@@ -27,6 +27,9 @@ pub struct Header {
     pub beta_gbs: f64,
     /// Every ring edge: transport, reason, measured β.
     pub edges: Vec<EdgeOut>,
+    /// The device communicator's edges (device buffers only): transport and why.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub device_edges: Vec<DeviceEdgeOut>,
     /// memcpy of the β probe's bytes in slice-sized copies in one process, GB/s.
     pub memcpy_gbs: f64,
     /// A plain loopback TCP stream pair, GB/s per direction (when an edge uses TCP).
@@ -39,6 +42,19 @@ pub struct Header {
     pub warmup: usize,
     /// How `time_us` is defined.
     pub time: String,
+}
+
+/// A device communicator's edge in the header.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct DeviceEdgeOut {
+    /// Sending rank.
+    pub from: usize,
+    /// Receiving rank.
+    pub to: usize,
+    /// Transport (`cuda_ipc`, `shm` staging, `tcp` with pinned staging).
+    pub transport: String,
+    /// Why.
+    pub reason: String,
 }
 
 /// An edge in the header.
@@ -89,6 +105,15 @@ pub fn header_text(h: &Header) -> String {
             e.from, e.to, e.transport, e.reason, e.beta_gbs
         );
     }
+    for e in &h.device_edges {
+        s += &format!(
+            "#   device edge rank {} → rank {}: {} ({})\n",
+            e.from, e.to, e.transport, e.reason
+        );
+    }
+    if !h.device_edges.is_empty() {
+        s += "# device buffers: the model below is the host links'; rows carry no prediction\n";
+    }
     s += &format!(
         "# model: α = {:.2} us per step, β = {:.2} GB/s per link (slowest edge); baselines: memcpy in \
          {} B slices {:.2} GB/s{}\n",
@@ -116,8 +141,13 @@ pub fn header_text(h: &Header) -> String {
 
 /// One table line from the out-of-place and in-place rows of a size.
 pub fn line(out: &Row, inp: &Row) -> String {
-    let half = |r: &Row| {
-        format!(
+    line_of(Some(out), Some(inp))
+}
+
+/// A line where a variant may be missing (device buffers do not have every one): `n/a` there.
+fn line_of(out: Option<&Row>, inp: Option<&Row>) -> String {
+    let half = |r: Option<&Row>| match r {
+        Some(r) => format!(
             "{:>10.1} {:>7.3} {:>7.3} {:>6} {:>9} {:>5}",
             r.time_us,
             r.algbw_gbs,
@@ -126,27 +156,39 @@ pub fn line(out: &Row, inp: &Row) -> String {
             r.predicted_us.map_or("-".into(), |p| format!("{p:.1}")),
             r.efficiency
                 .map_or("-".into(), |e| format!("{:.0}%", e * 100.0)),
-        )
+        ),
+        None => format!(
+            "{:>10} {:>7} {:>7} {:>6} {:>9} {:>5}",
+            "n/a", "", "", "", "", ""
+        ),
     };
+    let any = out.or(inp).expect("one of the two");
     format!(
         "{:>12} {:>10} {:>5} {:>5} | {} | {}",
-        out.bytes,
-        out.count,
-        out.dtype,
-        out.redop,
+        any.bytes,
+        any.count,
+        any.dtype,
+        any.redop,
         half(out),
         half(inp)
     )
 }
 
-/// The table of one op's rows (which come in out-of-place, in-place pairs).
+/// The table of one op's rows: per size, the out-of-place and the in-place row (either may be
+/// missing).
 pub fn table(op: &str, rows: &[Row]) -> String {
     let mut s = format!("# {op}\n");
-    for pair in rows.chunks(2) {
-        if let [o, i] = pair {
-            s += &line(o, i);
-            s.push('\n');
-        }
+    let mut i = 0;
+    while i < rows.len() {
+        let bytes = rows[i].bytes;
+        let n = rows[i..].iter().take_while(|r| r.bytes == bytes).count();
+        let group = &rows[i..i + n];
+        s += &line_of(
+            group.iter().find(|r| !r.inplace),
+            group.iter().find(|r| r.inplace),
+        );
+        s.push('\n');
+        i += n;
     }
     s
 }

@@ -115,32 +115,59 @@ fn sweep_typed<T: Element>(
             comm.all_reduce_in_place(&mut time, ReduceOp::Avg)?;
             let mut w = vec![wrong as i64];
             comm.all_reduce_in_place(&mut w, ReduceOp::Sum)?;
-            let time_us = time[0];
-            let predicted_us = theory::predict_us(op, n, bytes, model);
-            rows.push(Row {
-                op: op.name().to_string(),
+            rows.push(row(
+                op,
+                a,
+                n,
                 bytes,
                 count,
-                dtype: T::DTYPE.to_string(),
-                redop: if op.reduces() {
-                    a.redop.to_string()
-                } else {
-                    "-".into()
-                },
-                ranks: n,
-                transport: transport.to_string(),
-                time_us,
-                algbw_gbs: theory::algbw_gbs(bytes, time_us),
-                busbw_gbs: theory::busbw_gbs(op, n, bytes, time_us),
-                wrong: w[0] as u64,
+                transport,
+                time[0],
+                w[0] as u64,
                 inplace,
-                predicted_us,
-                efficiency: theory::efficiency(predicted_us, time_us),
-            });
+                Some(model),
+            ));
         }
         tick();
     }
     Ok(rows)
+}
+
+/// One report line; the α–β columns when a `model` applies to these buffers.
+#[allow(clippy::too_many_arguments)]
+pub fn row(
+    op: Collective,
+    a: &SweepArgs,
+    n: usize,
+    bytes: usize,
+    count: usize,
+    transport: &str,
+    time_us: f64,
+    wrong: u64,
+    inplace: bool,
+    model: Option<Model>,
+) -> Row {
+    let predicted_us = model.and_then(|m| theory::predict_us(op, n, bytes, m));
+    Row {
+        op: op.name().to_string(),
+        bytes,
+        count,
+        dtype: a.dtype.to_string(),
+        redop: if op.reduces() {
+            a.redop.to_string()
+        } else {
+            "-".into()
+        },
+        ranks: n,
+        transport: transport.to_string(),
+        time_us,
+        algbw_gbs: theory::algbw_gbs(bytes, time_us),
+        busbw_gbs: theory::busbw_gbs(op, n, bytes, time_us),
+        wrong,
+        inplace,
+        predicted_us,
+        efficiency: theory::efficiency(predicted_us, time_us),
+    }
 }
 
 /// The buffers of one timed collective (contents irrelevant).
