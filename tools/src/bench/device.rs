@@ -9,7 +9,6 @@
 //! The α–β columns stay empty: the model is measured on the host links, not on device copies.
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use ringzero_collectives::{
     chunk, Collective, Communicator, DType, DeviceComm, DeviceMemory, HostStream, ReduceOp, Result,
@@ -18,7 +17,7 @@ use ringzero_collectives::{
 use ringzero_kernels::device::cuda::{DeviceBuffer, Gpu};
 
 use super::exact::{decode, encode, reference, value};
-use super::sweep::{row, Row, SweepArgs};
+use super::sweep::{row, timed, Row, SweepArgs};
 
 /// A stream the bench can make and read buffers on.
 pub trait BenchDev: Stream + Sized {
@@ -240,29 +239,11 @@ pub fn sweep<D: BenchDev>(
                 .stream()
                 .make(a.dtype, &vec![0.0; out_len])
                 .map_err(|e| dev_err("output", e))?;
-            for _ in 0..a.warmup {
-                call(dc, op, a.redop, inplace, &mut send, &mut recv)?;
-            }
-            comm.barrier()?;
-            let t = Instant::now();
-            for _ in 0..a.iters.max(1) {
-                call(dc, op, a.redop, inplace, &mut send, &mut recv)?;
-            }
-            let mut time = vec![t.elapsed().as_secs_f64() * 1e6 / a.iters.max(1) as f64];
-            comm.all_reduce_in_place(&mut time, ReduceOp::Avg)?;
-            let mut w = vec![wrong as i64];
-            comm.all_reduce_in_place(&mut w, ReduceOp::Sum)?;
+            let (time_us, wrong) = timed(comm, a, wrong, || {
+                call(dc, op, a.redop, inplace, &mut send, &mut recv)
+            })?;
             rows.push(row(
-                op,
-                a,
-                n,
-                bytes,
-                count,
-                transport,
-                time[0],
-                w[0] as u64,
-                inplace,
-                None,
+                op, a, n, bytes, count, transport, time_us, wrong, inplace, None,
             ));
         }
         tick();

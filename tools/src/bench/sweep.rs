@@ -103,18 +103,7 @@ fn sweep_typed<T: Element>(
         for inplace in [false, true] {
             let wrong = check::<T>(comm, op, a, count, inplace)?;
             let mut bufs = Buffers::<T>::new(comm, op, count);
-            for _ in 0..a.warmup {
-                bufs.call(comm, op, a.redop, inplace)?;
-            }
-            comm.barrier()?;
-            let t = Instant::now();
-            for _ in 0..a.iters.max(1) {
-                bufs.call(comm, op, a.redop, inplace)?;
-            }
-            let mut time = vec![t.elapsed().as_secs_f64() * 1e6 / a.iters.max(1) as f64];
-            comm.all_reduce_in_place(&mut time, ReduceOp::Avg)?;
-            let mut w = vec![wrong as i64];
-            comm.all_reduce_in_place(&mut w, ReduceOp::Sum)?;
+            let (time_us, wrong) = timed(comm, a, wrong, || bufs.call(comm, op, a.redop, inplace))?;
             rows.push(row(
                 op,
                 a,
@@ -122,8 +111,8 @@ fn sweep_typed<T: Element>(
                 bytes,
                 count,
                 transport,
-                time[0],
-                w[0] as u64,
+                time_us,
+                wrong,
                 inplace,
                 Some(model),
             ));
@@ -131,6 +120,29 @@ fn sweep_typed<T: Element>(
         tick();
     }
     Ok(rows)
+}
+
+/// Time `call` on every rank: warm-up calls, a barrier, timed calls. Returns the mean over ranks of
+/// each rank's mean time per call (µs) and `wrong` summed over ranks.
+pub fn timed(
+    comm: &Communicator,
+    a: &SweepArgs,
+    wrong: u64,
+    mut call: impl FnMut() -> Result<()>,
+) -> Result<(f64, u64)> {
+    for _ in 0..a.warmup {
+        call()?;
+    }
+    comm.barrier()?;
+    let t = Instant::now();
+    for _ in 0..a.iters.max(1) {
+        call()?;
+    }
+    let mut time = vec![t.elapsed().as_secs_f64() * 1e6 / a.iters.max(1) as f64];
+    comm.all_reduce_in_place(&mut time, ReduceOp::Avg)?;
+    let mut w = vec![wrong as i64];
+    comm.all_reduce_in_place(&mut w, ReduceOp::Sum)?;
+    Ok((time[0], w[0] as u64))
 }
 
 /// One report line; the α–β columns when a `model` applies to these buffers.
