@@ -54,10 +54,21 @@ proptest! {
 
 #[test]
 fn every_dtype_and_op_on_both_transports_with_multi_slice_chunks() {
+    every_dtype_and_op(None);
+}
+
+#[test]
+fn every_dtype_and_op_with_streaming_stores_into_the_results() {
+    // Every result written with non-temporal stores (odd counts: unaligned heads and tails).
+    every_dtype_and_op(Some(0));
+}
+
+fn every_dtype_and_op(stream_stores_from: Option<usize>) {
     for transport in [TransportPref::Shm, TransportPref::Tcp] {
         let o = Opts {
             transport,
             slice_bytes: 64,
+            stream_stores_from,
             ..Opts::default()
         };
         threads(3, &o, |_, comm| {
@@ -93,14 +104,16 @@ fn results_are_bit_identical_across_ranks_transports_and_slicing() {
     let count = 10_007;
     let input = |rank: usize, i: usize| ((i as f32 * 0.37 + rank as f32 * 1.1).sin() * 1e3) / 7.0;
     let mut runs = Vec::new();
-    for (transport, slice_bytes) in [
-        (TransportPref::Shm, 1024),
-        (TransportPref::Tcp, 64 * 1024),
-        (TransportPref::Shm, 40),
+    for (transport, slice_bytes, stream_stores_from) in [
+        (TransportPref::Shm, 1024, None),
+        (TransportPref::Tcp, 64 * 1024, None),
+        (TransportPref::Shm, 40, None),
+        (TransportPref::Shm, 4096, Some(0)),
     ] {
         let o = Opts {
             transport,
             slice_bytes,
+            stream_stores_from,
             ..Opts::default()
         };
         let outs = threads(4, &o, |rank, comm| {

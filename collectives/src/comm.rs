@@ -540,6 +540,7 @@ impl Inner {
             n: self.size,
             rank: self.rank,
             timeout: self.cfg.timeout,
+            stream_stores: bufs.output_bytes() >= self.cfg.stream_stores_from,
         };
         // Refused calls consume no sequence number: the ranks stay in step.
         engine::check_sizes(&call, &bufs, &fp.to_string())?;

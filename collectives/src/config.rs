@@ -21,6 +21,8 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 pub const DEFAULT_SLICE_BYTES: usize = 512 * 1024;
 /// Default slots per link (at least 2: see the ring schedule's deadlock test).
 pub const DEFAULT_SLOTS: usize = 4;
+/// Default smallest result (bytes of a rank's output buffer) written with streaming stores.
+pub const DEFAULT_STREAM_STORES_FROM: usize = 16 << 20;
 /// Default master port when a launcher gives none.
 pub const DEFAULT_PORT: u16 = 29500;
 
@@ -82,6 +84,10 @@ pub struct Config {
     pub slice_bytes: usize,
     /// Slots per link (`RINGZERO_SLOTS`, at least 2).
     pub slots: usize,
+    /// Calls whose output buffer has at least this many bytes write their results with streaming
+    /// stores, which skip the read-before-write of lines not in cache
+    /// (`RINGZERO_STREAM_STORES_FROM`, a size or `off`).
+    pub stream_stores_from: usize,
     /// Directory for shared-memory segments (`RINGZERO_SHM_DIR`, default `/dev/shm`).
     pub shm_dir: std::path::PathBuf,
 }
@@ -110,6 +116,7 @@ impl Config {
             p2p_disable: false,
             slice_bytes: DEFAULT_SLICE_BYTES,
             slots: DEFAULT_SLOTS,
+            stream_stores_from: DEFAULT_STREAM_STORES_FROM,
             shm_dir: "/dev/shm".into(),
         }
     }
@@ -197,6 +204,18 @@ impl Config {
                         format!("`{v}` is not a number between 2 and 64"),
                     )
                 })?;
+        }
+        if let Some(v) = env("RINGZERO_STREAM_STORES_FROM") {
+            c.stream_stores_from = if v.trim().eq_ignore_ascii_case("off") {
+                usize::MAX
+            } else {
+                parse_bytes(&v).ok_or_else(|| {
+                    Error::config(
+                        "RINGZERO_STREAM_STORES_FROM",
+                        format!("`{v}` is not a size (like 8M) or `off`"),
+                    )
+                })?
+            };
         }
         if let Some(d) = env("RINGZERO_SHM_DIR") {
             c.shm_dir = d.into();
@@ -494,6 +513,7 @@ mod tests {
         assert!(with("RINGZERO_TIMEOUT", "-3").contains("RINGZERO_TIMEOUT"));
         assert!(with("RINGZERO_TRANSPORT", "udp").contains("`udp` is not one of"));
         assert!(with("RINGZERO_SLOTS", "1").contains("RINGZERO_SLOTS"));
+        assert!(with("RINGZERO_STREAM_STORES_FROM", "soon").contains("`soon` is not a size"));
         assert!(with("RINGZERO_SHM_DISABLE", "maybe").contains("RINGZERO_SHM_DISABLE"));
         assert!(with("RINGZERO_MASTER_PORT", "99999").contains("RINGZERO_MASTER_PORT"));
         let e = cfg(&[
@@ -523,12 +543,25 @@ mod tests {
             ("RINGZERO_SLICE_BYTES", "64K"),
             ("RINGZERO_TRANSPORT", "TCP"),
             ("RINGZERO_NODE_ID", "fake-1"),
+            ("RINGZERO_STREAM_STORES_FROM", "1M"),
         ])
         .unwrap();
+        assert_eq!(c.stream_stores_from, 1 << 20);
         assert_eq!(c.timeout, Duration::from_millis(2500));
         assert_eq!(c.slice_bytes, 65536);
         assert_eq!(c.transport, TransportPref::Tcp);
         assert_eq!(c.node_id, "fake-1");
         assert_eq!(c.launch.master_addr, "127.0.0.1");
+        let off = |v: &str| {
+            cfg(&[
+                ("RINGZERO_RANK", "0"),
+                ("RINGZERO_WORLD_SIZE", "1"),
+                ("RINGZERO_STREAM_STORES_FROM", v),
+            ])
+            .unwrap()
+            .stream_stores_from
+        };
+        assert_eq!(off("OFF"), usize::MAX);
+        assert_eq!(off("0"), 0);
     }
 }

@@ -23,6 +23,8 @@ pub struct Opts {
     pub slice_bytes: usize,
     pub timeout: Duration,
     pub secret: &'static str,
+    /// `Config::stream_stores_from` (None: the default).
+    pub stream_stores_from: Option<usize>,
 }
 
 impl Default for Opts {
@@ -32,6 +34,7 @@ impl Default for Opts {
             slice_bytes: 4096,
             timeout: Duration::from_secs(20),
             secret: "test-secret",
+            stream_stores_from: None,
         }
     }
 }
@@ -42,6 +45,9 @@ pub fn config(rank: usize, n: usize, port: u16, o: &Opts) -> Config {
     c.slice_bytes = o.slice_bytes;
     c.timeout = o.timeout;
     c.secret = o.secret.as_bytes().to_vec();
+    if let Some(b) = o.stream_stores_from {
+        c.stream_stores_from = b;
+    }
     c
 }
 

@@ -619,6 +619,8 @@ impl<S: Stream> DeviceComm<S> {
             n: self.size,
             rank: self.rank,
             timeout: self.cfg.timeout,
+            // The device engine's stores are device copies and kernels.
+            stream_stores: false,
         };
         device_engine::check_sizes(&call, &bufs)?;
         self.seq += 1;

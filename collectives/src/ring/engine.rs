@@ -121,6 +121,16 @@ pub enum Bufs<'a> {
     One(&'a mut [u8]),
 }
 
+impl Bufs<'_> {
+    /// Bytes of the buffer the results go to.
+    pub fn output_bytes(&self) -> usize {
+        match self {
+            Bufs::Split { output, .. } => output.len(),
+            Bufs::One(b) => b.len(),
+        }
+    }
+}
+
 /// One collective call on this rank.
 pub struct Call<'a> {
     /// The plan.
@@ -139,6 +149,9 @@ pub struct Call<'a> {
     pub rank: usize,
     /// Deadline for any wait without progress.
     pub timeout: Duration,
+    /// Write results into the user's buffers with streaming stores (the output is larger than the
+    /// caches; see [`cpu::copy_streaming`]).
+    pub stream_stores: bool,
 }
 
 pub(crate) fn link_err(
@@ -184,9 +197,16 @@ pub fn run(links: &mut Links, call: &Call, mut bufs: Bufs) -> Result<()> {
     let what = call.fp.to_string();
     let es = call.dtype.size();
     check_sizes(call, &bufs, &what)?;
-    for op in &call.plan.ops {
-        run_op(links, call, op, &mut bufs, &what, es)?;
+    let ran = call
+        .plan
+        .ops
+        .iter()
+        .try_for_each(|op| run_op(links, call, op, &mut bufs, &what, es));
+    if call.stream_stores {
+        // The caller (or another thread it hands the buffer to) must see every streamed store.
+        cpu::stream_fence();
     }
+    ran?;
     links.flush(&what, call.seq, call.timeout)
 }
 
@@ -395,7 +415,8 @@ pub(crate) fn op_timeout(
     }
 }
 
-/// `value = incoming ⊕ local` (or whichever exists), finalized, written to `store` and `slot`.
+/// `value = incoming ⊕ local` (or whichever exists), finalized, written to `store` (streamed when
+/// the call says so) and `slot`.
 fn apply(
     call: &Call,
     incoming: Option<&[u8]>,
@@ -404,14 +425,21 @@ fn apply(
     slot: Option<&mut [u8]>,
     finalize: bool,
 ) -> Result<()> {
+    let op = call.op.pairwise();
     match (incoming, local) {
         (Some(a), Some(b)) => {
             let (dst, copy_to) = match (store, slot) {
+                (Some(st), sl) if call.stream_stores => {
+                    // One pass: combine in L1, stream to the result, copy to the next rank's slot.
+                    let div = finalize.then_some(call.n);
+                    cpu::reduce_streaming(call.dtype, op, div, st, b, a, sl)?;
+                    return Ok(());
+                }
                 (Some(st), sl) => (st, sl),
                 (None, Some(sl)) => (sl, None),
                 (None, None) => return Ok(()),
             };
-            cpu::reduce_to(call.dtype, call.op.pairwise(), dst, b, a)?;
+            cpu::reduce_to(call.dtype, op, dst, b, a)?;
             if finalize {
                 cpu::divide(call.dtype, dst, call.n)?;
             }
@@ -420,8 +448,10 @@ fn apply(
             }
         }
         (Some(v), None) | (None, Some(v)) => {
-            if let Some(st) = store {
-                st.copy_from_slice(v);
+            match store {
+                Some(st) if call.stream_stores => cpu::copy_streaming(st, v)?,
+                Some(st) => st.copy_from_slice(v),
+                None => {}
             }
             if let Some(sl) = slot {
                 sl.copy_from_slice(v);
