@@ -16,6 +16,7 @@ fn args(corrupt_rank: Option<usize>, dtype: DType, redop: ReduceOp) -> BenchArgs
             iters: 2,
             warmup: 1,
             corrupt_rank,
+            model_per_row: true,
         },
         probe_bytes: 64 << 10,
     }
@@ -84,14 +85,36 @@ fn rows_follow_the_nccl_tests_definitions_and_the_json_parses_back() {
     };
     let reports = threads(2, &o, |_, comm| {
         let comm = comm.unwrap();
-        bench::run(
-            &comm,
-            &args(None, DType::F32, ReduceOp::Sum),
-            &mut |_, _| {},
-        )
-        .unwrap()
+        let mut a = args(None, DType::F32, ReduceOp::Sum);
+        let per_row = bench::run(&comm, &a, &mut |_, _| {}).unwrap();
+        a.sweep.model_per_row = false;
+        (per_row, bench::run(&comm, &a, &mut |_, _| {}).unwrap())
     });
-    let r = &reports[0];
+    // Per-row models: every row carries the α and β its prediction was computed from.
+    let (r, _) = &reports[0];
+    assert!(reports.iter().all(|(x, _)| x.rows == r.rows));
+    assert!(r.header.model.contains("re-measured"), "{}", r.header.model);
+    for row in &r.rows {
+        let op = ringzero_tools::bench::parse_ops(&row.op.replace('_', "-")).unwrap()[0];
+        let (alpha_us, beta_gbs) = (row.alpha_us.unwrap(), row.beta_gbs.unwrap());
+        assert!(alpha_us > 0.0 && beta_gbs > 0.0, "{row:?}");
+        let m = bench::theory::Model { alpha_us, beta_gbs };
+        assert_eq!(
+            row.predicted_us,
+            bench::theory::predict_us(op, 2, row.bytes, m)
+        );
+        assert_eq!(
+            row.efficiency,
+            bench::theory::efficiency(row.predicted_us, row.time_us)
+        );
+    }
+    // One model for the whole run (`--model start`): the header's.
+    let (_, r) = &reports[0];
+    assert!(
+        r.header.model.contains("measured once"),
+        "{}",
+        r.header.model
+    );
     for row in &r.rows {
         let op = ringzero_tools::bench::parse_ops(&row.op.replace('_', "-")).unwrap()[0];
         assert_eq!(row.bytes, row.count * 4);
@@ -107,6 +130,10 @@ fn rows_follow_the_nccl_tests_definitions_and_the_json_parses_back() {
             },
         );
         assert_eq!(row.predicted_us, pred);
+        assert_eq!(
+            (row.alpha_us, row.beta_gbs),
+            (Some(r.header.alpha_us), Some(r.header.beta_gbs))
+        );
         assert_eq!(
             row.redop,
             if matches!(op, Collective::AllGather | Collective::Broadcast { .. }) {

@@ -219,6 +219,11 @@ struct BenchCli {
     /// Warm-up iterations per size.
     #[arg(long, default_value_t = 5)]
     warmup: usize,
+    /// Which α–β model each line is set against: `row` re-measures α (barriers) and β (every rank
+    /// streaming what one link carries in that call) interleaved with the line's timed calls;
+    /// `start` uses the model measured once at the start (the header's) for every line.
+    #[arg(long, default_value = "row", value_parser = ["row", "start"])]
+    model: String,
     /// Where the buffers live: host (the host communicator), cuda (device buffers on this node's
     /// GPUs, rank r on GPU local_rank mod count), host-stream (the device engine with the host as
     /// its device: the device path without a GPU), or auto (cuda when a GPU is found, else host).
@@ -914,6 +919,7 @@ fn bench(b: BenchCli) -> anyhow::Result<ExitCode> {
             iters: b.iters,
             warmup: b.warmup,
             corrupt_rank: b.corrupt_rank,
+            model_per_row: b.model == "row",
         },
         probe_bytes: b.probe_bytes,
     };

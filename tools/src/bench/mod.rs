@@ -122,6 +122,7 @@ pub fn run(
 }
 
 fn header(comm: &Communicator, a: &BenchArgs, probe: &probe::Probe, device: String) -> Header {
+    let host_buffers = device == "host";
     Header {
         version: env!("CARGO_PKG_VERSION").to_string(),
         host: rustix::system::uname()
@@ -142,6 +143,18 @@ fn header(comm: &Communicator, a: &BenchArgs, probe: &probe::Probe, device: Stri
         iters: a.sweep.iters,
         warmup: a.sweep.warmup,
         time: "mean over ranks of each rank's mean time per call".into(),
+        model: if !host_buffers {
+            String::new()
+        } else if a.sweep.model_per_row {
+            format!(
+                "each line's α and β (its β column) re-measured in the same seconds as its timed calls: groups of \
+                 up to {} calls, each followed by as many barriers (α) and ring streams of the bytes one link \
+                 carries in that call (β, slowest edge); --model start uses the model above",
+                sweep::GROUP
+            )
+        } else {
+            "every line uses the model above, measured once at the start".into()
+        },
     }
 }
 
@@ -228,6 +241,7 @@ pub fn default_sweep() -> sweep::SweepArgs {
         iters: 20,
         warmup: 5,
         corrupt_rank: None,
+        model_per_row: true,
     }
 }
 

@@ -42,6 +42,9 @@ pub struct Header {
     pub warmup: usize,
     /// How `time_us` is defined.
     pub time: String,
+    /// Which model each row's prediction uses.
+    #[serde(default)]
+    pub model: String,
 }
 
 /// A device communicator's edge in the header.
@@ -123,17 +126,20 @@ pub fn header_text(h: &Header) -> String {
         h.memcpy_gbs,
         h.tcp_stream_gbs.map(|t| format!(", a loopback TCP stream pair {t:.2} GB/s per direction")).unwrap_or_default()
     );
+    if !h.model.is_empty() {
+        s += &format!("# lines: {}\n", h.model);
+    }
     s += &format!(
         "# time: {}; {} warm-up and {} timed iterations per size\n",
         h.time, h.warmup, h.iters
     );
     s += &format!(
-        "#{:>11} {:>10} {:>5} {:>5} | {:>10} {:>7} {:>7} {:>6} {:>9} {:>5} | {:>10} {:>7} {:>7} {:>6} {:>9} {:>5}\n",
-        "size(B)", "count", "type", "redop", "time(us)", "algbw", "busbw", "#wrong", "pred(us)", "eff",
-        "time(us)", "algbw", "busbw", "#wrong", "pred(us)", "eff"
+        "#{:>11} {:>10} {:>5} {:>5} | {:>10} {:>7} {:>7} {:>6} {:>6} {:>9} {:>5} | {:>10} {:>7} {:>7} {:>6} {:>6} {:>9} {:>5}\n",
+        "size(B)", "count", "type", "redop", "time(us)", "algbw", "busbw", "#wrong", "β", "pred(us)", "eff",
+        "time(us)", "algbw", "busbw", "#wrong", "β", "pred(us)", "eff"
     );
     s += &format!(
-        "#{:>35} | {:^54} | {:^54}\n",
+        "#{:>35} | {:^61} | {:^61}\n",
         "", "out-of-place", "in-place"
     );
     s
@@ -148,18 +154,19 @@ pub fn line(out: &Row, inp: &Row) -> String {
 fn line_of(out: Option<&Row>, inp: Option<&Row>) -> String {
     let half = |r: Option<&Row>| match r {
         Some(r) => format!(
-            "{:>10.1} {:>7.3} {:>7.3} {:>6} {:>9} {:>5}",
+            "{:>10.1} {:>7.3} {:>7.3} {:>6} {:>6} {:>9} {:>5}",
             r.time_us,
             r.algbw_gbs,
             r.busbw_gbs,
             r.wrong,
+            r.beta_gbs.map_or("-".into(), |b| format!("{b:.2}")),
             r.predicted_us.map_or("-".into(), |p| format!("{p:.1}")),
             r.efficiency
                 .map_or("-".into(), |e| format!("{:.0}%", e * 100.0)),
         ),
         None => format!(
-            "{:>10} {:>7} {:>7} {:>6} {:>9} {:>5}",
-            "n/a", "", "", "", "", ""
+            "{:>10} {:>7} {:>7} {:>6} {:>6} {:>9} {:>5}",
+            "n/a", "", "", "", "", "", ""
         ),
     };
     let any = out.or(inp).expect("one of the two");

@@ -27,6 +27,9 @@ pub struct SweepArgs {
     pub warmup: usize,
     /// Test hook: this rank corrupts one element of its checked result.
     pub corrupt_rank: Option<usize>,
+    /// Re-measure α and β interleaved with every row's timed calls (see [`timed_with_model`]);
+    /// otherwise every row uses the model measured at the start.
+    pub model_per_row: bool,
 }
 
 /// One line of the report.
@@ -56,6 +59,12 @@ pub struct Row {
     pub wrong: u64,
     /// In place or out of place.
     pub inplace: bool,
+    /// α of the model this row's prediction uses, µs per step.
+    #[serde(default)]
+    pub alpha_us: Option<f64>,
+    /// β of the model this row's prediction uses, GB/s per link.
+    #[serde(default)]
+    pub beta_gbs: Option<f64>,
     /// α–β prediction, µs.
     pub predicted_us: Option<f64>,
     /// predicted / measured.
@@ -103,7 +112,14 @@ fn sweep_typed<T: Element>(
         for inplace in [false, true] {
             let wrong = check::<T>(comm, op, a, count, inplace)?;
             let mut bufs = Buffers::<T>::new(comm, op, count);
-            let (time_us, wrong) = timed(comm, a, wrong, || bufs.call(comm, op, a.redop, inplace))?;
+            let call = || bufs.call(comm, op, a.redop, inplace);
+            let (time_us, wrong, model) = if a.model_per_row && n > 1 {
+                let link = theory::bytes_per_link(op, n, bytes) as usize;
+                timed_with_model(comm, a, wrong, link, inplace, call)?
+            } else {
+                let (t, w) = timed(comm, a, wrong, call)?;
+                (t, w, model)
+            };
             rows.push(row(
                 op,
                 a,
@@ -145,6 +161,82 @@ pub fn timed(
     Ok((time[0], w[0] as u64))
 }
 
+/// Calls per group in [`timed_with_model`].
+pub const GROUP: usize = 5;
+
+/// [`timed`], with the model measured in the same seconds as the calls: the timed iterations run
+/// in groups of up to five, each group followed by as many streams of `link_bytes` (what each
+/// link carries in one call) from every rank to the next at once ([`Communicator::ring_shift`], in
+/// place when the call is, so the working sets match) and as many barriers, each part starting
+/// after a barrier.
+/// α is the mean barrier time / (n − 1); an edge's β is `link_bytes / (stream time − α)`, and the
+/// model takes the slowest edge. On a shared machine whose memory bandwidth swings within seconds,
+/// this keeps the efficiency column a ratio of two things measured together.
+pub fn timed_with_model(
+    comm: &Communicator,
+    a: &SweepArgs,
+    wrong: u64,
+    link_bytes: usize,
+    inplace: bool,
+    mut call: impl FnMut() -> Result<()>,
+) -> Result<(f64, u64, Model)> {
+    let n = comm.size();
+    let mut send = vec![1u8; link_bytes.max(1)];
+    let mut recv = vec![0u8; if inplace { 0 } else { link_bytes.max(1) }];
+    let mut stream = || {
+        if inplace {
+            comm.ring_shift_in_place(&mut send)
+        } else {
+            comm.ring_shift(&send, &mut recv)
+        }
+    };
+    for _ in 0..a.warmup {
+        call()?;
+    }
+    stream()?;
+    let (mut calls, mut streams, mut barriers) = (0.0f64, 0.0f64, 0.0f64);
+    let iters = a.iters.max(1);
+    let mut left = iters;
+    while left > 0 {
+        let k = left.min(GROUP);
+        left -= k;
+        comm.barrier()?;
+        let t = Instant::now();
+        for _ in 0..k {
+            call()?;
+        }
+        calls += t.elapsed().as_secs_f64();
+        comm.barrier()?;
+        let t = Instant::now();
+        for _ in 0..k {
+            stream()?;
+        }
+        streams += t.elapsed().as_secs_f64();
+        comm.barrier()?;
+        let t = Instant::now();
+        for _ in 0..k {
+            comm.barrier()?;
+        }
+        barriers += t.elapsed().as_secs_f64();
+    }
+    let per = |total: f64| total * 1e6 / iters as f64;
+    // [mean call time, α] averaged over ranks; β the slowest edge's.
+    let mut means = vec![per(calls), per(barriers) / (n - 1).max(1) as f64];
+    comm.all_reduce_in_place(&mut means, ReduceOp::Avg)?;
+    let alpha_us = means[1];
+    let stream_us = per(streams);
+    let streamed = link_bytes.max(1) as f64;
+    let mut beta = vec![streamed / ((stream_us - alpha_us).max(stream_us * 0.5) * 1e3)];
+    comm.all_reduce_in_place(&mut beta, ReduceOp::Min)?;
+    let mut w = vec![wrong as i64];
+    comm.all_reduce_in_place(&mut w, ReduceOp::Sum)?;
+    let model = Model {
+        alpha_us,
+        beta_gbs: beta[0],
+    };
+    Ok((means[0], w[0] as u64, model))
+}
+
 /// One report line; the α–β columns when a `model` applies to these buffers.
 #[allow(clippy::too_many_arguments)]
 pub fn row(
@@ -160,6 +252,7 @@ pub fn row(
     model: Option<Model>,
 ) -> Row {
     let predicted_us = model.and_then(|m| theory::predict_us(op, n, bytes, m));
+    let model = model.filter(|_| predicted_us.is_some());
     Row {
         op: op.name().to_string(),
         bytes,
@@ -177,6 +270,8 @@ pub fn row(
         busbw_gbs: theory::busbw_gbs(op, n, bytes, time_us),
         wrong,
         inplace,
+        alpha_us: model.map(|m| m.alpha_us),
+        beta_gbs: model.map(|m| m.beta_gbs),
         predicted_us,
         efficiency: theory::efficiency(predicted_us, time_us),
     }
