@@ -1,6 +1,5 @@
 //! α and β measured on the links the ring actually uses, plus the two baselines the ratios are
-//! taken against (memcpy in slice-sized copies in this process, and a plain TCP stream pair on
-//! loopback).
+//! taken against (memcpy in slice-sized copies, and a plain TCP stream pair on loopback).
 //!
 //! - α, the latency of one ring step: the mean time of a barrier (an empty-frame all-gather of
 //!   n − 1 steps, every link busy at once) divided by n − 1.
@@ -8,6 +7,9 @@
 //!   [`Communicator::ring_shift`] (all links busy at once, as in the ring); the receiving rank's time
 //!   gives its incoming edge's β = bytes / (time − α), the median of five streams. The model uses the
 //!   slowest edge, as the ring does.
+//! - memcpy: after each stream, every rank copies the same bytes from its send buffer to its
+//!   receive buffer in slice-sized pieces, all ranks at once (the load the streams run under); the
+//!   median per rank, averaged over ranks.
 
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};
@@ -42,7 +44,8 @@ pub struct Probe {
     /// The model used for predictions: α, and the slowest edge's β.
     #[serde(skip)]
     pub model: Model,
-    /// memcpy of the probe's bytes in slice-sized copies within one process, GB/s (rank 0).
+    /// memcpy of the probe's bytes in slice-sized copies, on every rank at once, each paired with
+    /// a timed stream; the median per rank, averaged over ranks, GB/s.
     pub memcpy_gbs: f64,
     /// A plain loopback TCP stream pair, GB/s per direction (rank 0; only when an edge uses TCP).
     pub tcp_stream_gbs: Option<f64>,
@@ -51,6 +54,7 @@ pub struct Probe {
 /// Run the probes on every rank; every rank returns the same result.
 pub fn measure(comm: &Communicator, stream_bytes: usize) -> Result<Probe> {
     let n = comm.size();
+    let mut memcpy = 0.0;
     let (alpha_us, betas) = if n > 1 {
         for _ in 0..20 {
             comm.barrier()?;
@@ -67,16 +71,26 @@ pub fn measure(comm: &Communicator, stream_bytes: usize) -> Result<Probe> {
         let mut recv = vec![0u8; stream_bytes];
         comm.ring_shift(&send, &mut recv)?;
         comm.barrier()?;
-        // The median of several timed streams: one noisy neighbour must not set the model.
-        let mut rates = Vec::new();
+        // The median of several timed streams: one noisy neighbour must not set the model. Each
+        // stream is paired with a plain memcpy of the same bytes in slice-sized pieces on every
+        // rank at once (the baseline), so the two are measured under the same load.
+        let piece = comm.config().slice_bytes;
+        let (mut rates, mut copies) = (Vec::new(), Vec::new());
         for _ in 0..5 {
             let t = Instant::now();
             comm.ring_shift(&send, &mut recv)?;
             let us = t.elapsed().as_secs_f64() * 1e6;
             rates.push(stream_bytes as f64 / ((us - a[0]).max(us * 0.5) * 1e3));
+            comm.barrier()?;
+            copies.push(memcpy_pass_gbs(&mut recv, &send, piece));
+            comm.barrier()?;
         }
         rates.sort_by(f64::total_cmp);
+        copies.sort_by(f64::total_cmp);
         let mine = rates[rates.len() / 2];
+        let mut copy = vec![copies[copies.len() / 2]];
+        comm.all_reduce_in_place(&mut copy, ReduceOp::Avg)?;
+        memcpy = copy[0];
         let mut all = vec![0f64; n];
         comm.all_gather(&[mine], &mut all)?;
         (a[0], all)
@@ -118,10 +132,14 @@ pub fn measure(comm: &Communicator, stream_bytes: usize) -> Result<Probe> {
         beta_gbs: if beta.is_finite() { beta } else { 0.0 },
     };
 
-    // Baselines on rank 0 while the others wait.
-    let mut base = vec![0f64; 2];
+    // The TCP baseline on rank 0 while the others wait.
+    let mut base = vec![memcpy, 0f64];
     if comm.rank() == 0 {
-        base[0] = memcpy_gbs(stream_bytes, comm.config().slice_bytes);
+        if n == 1 {
+            let send = vec![1u8; stream_bytes.max(1)];
+            let mut recv = vec![0u8; stream_bytes.max(1)];
+            base[0] = memcpy_pass_gbs(&mut recv, &send, comm.config().slice_bytes);
+        }
         if edges.iter().any(|e| e.transport == "tcp") {
             base[1] = tcp_stream_gbs(64 << 20, comm.config().slice_bytes).unwrap_or(0.0);
         }
@@ -136,22 +154,16 @@ pub fn measure(comm: &Communicator, stream_bytes: usize) -> Result<Probe> {
     })
 }
 
-/// GB/s of copying `total` bytes from one buffer to another in `piece`-sized copies (what each
-/// side of a shm link does per slice), repeated for about 50 ms.
-pub fn memcpy_gbs(total: usize, piece: usize) -> f64 {
-    let src = vec![1u8; total.max(1)];
-    let mut dst = vec![0u8; total.max(1)];
-    let piece = piece.clamp(1, src.len());
-    dst.copy_from_slice(&src);
-    let (mut copied, t) = (0usize, Instant::now());
-    while t.elapsed() < Duration::from_millis(50) {
-        for (d, s) in dst.chunks_mut(piece).zip(src.chunks(piece)) {
-            d.copy_from_slice(std::hint::black_box(s));
-        }
-        copied += src.len();
+/// GB/s of one pass copying `src` to `dst` in `piece`-sized copies (what each side of a shm link
+/// does per slice).
+pub fn memcpy_pass_gbs(dst: &mut [u8], src: &[u8], piece: usize) -> f64 {
+    let piece = piece.clamp(1, src.len().max(1));
+    let t = Instant::now();
+    for (d, s) in dst.chunks_mut(piece).zip(src.chunks(piece)) {
+        d.copy_from_slice(std::hint::black_box(s));
     }
     std::hint::black_box(&dst);
-    copied as f64 / t.elapsed().as_secs_f64() / 1e9
+    src.len() as f64 / t.elapsed().as_secs_f64().max(1e-9) / 1e9
 }
 
 /// GB/s per direction of a plain TCP stream pair on loopback: two connections carry `total` bytes

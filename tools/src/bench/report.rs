@@ -30,7 +30,8 @@ pub struct Header {
     /// The device communicator's edges (device buffers only): transport and why.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub device_edges: Vec<DeviceEdgeOut>,
-    /// memcpy of the β probe's bytes in slice-sized copies in one process, GB/s.
+    /// memcpy of the β probe's bytes in slice-sized copies on every rank at once, paired with the
+    /// streams, GB/s per rank.
     pub memcpy_gbs: f64,
     /// A plain loopback TCP stream pair, GB/s per direction (when an edge uses TCP).
     pub tcp_stream_gbs: Option<f64>,
@@ -119,11 +120,12 @@ pub fn header_text(h: &Header) -> String {
     }
     s += &format!(
         "# model: α = {:.2} us per step, β = {:.2} GB/s per link (slowest edge); baselines: memcpy in \
-         {} B slices {:.2} GB/s{}\n",
+         {} B slices on every rank at once {:.2} GB/s (β/memcpy {:.0}%){}\n",
         h.alpha_us,
         h.beta_gbs,
         h.slice_bytes,
         h.memcpy_gbs,
+        if h.memcpy_gbs > 0.0 { h.beta_gbs / h.memcpy_gbs * 100.0 } else { 0.0 },
         h.tcp_stream_gbs.map(|t| format!(", a loopback TCP stream pair {t:.2} GB/s per direction")).unwrap_or_default()
     );
     if !h.model.is_empty() {
