@@ -27,6 +27,43 @@ fn kernels(c: &mut Criterion) {
         }
     }
     g.finish();
+
+    // Results larger than the caches: plain stores read each line before writing it; streaming
+    // stores do not (what `RINGZERO_STREAM_STORES_FROM` switches on in the engine).
+    let mut g = c.benchmark_group("large_results");
+    let bytes = 64 << 20;
+    g.sample_size(10);
+    g.throughput(Throughput::Bytes(2 * bytes as u64));
+    let src = vec![1u8; bytes];
+    let mut dst = vec![1u8; bytes];
+    g.bench_function("memcpy_64M", |b| b.iter(|| dst.copy_from_slice(&src)));
+    g.bench_function("copy_streaming_64M", |b| {
+        b.iter(|| {
+            cpu::copy_streaming(&mut dst, &src).unwrap();
+            cpu::stream_fence();
+        })
+    });
+    let other = vec![0u8; bytes];
+    g.throughput(Throughput::Bytes(3 * bytes as u64));
+    g.bench_function("reduce_to_f32_64M", |b| {
+        b.iter(|| cpu::reduce_to(DType::F32, ReduceOp::Sum, &mut dst, &src, &other).unwrap())
+    });
+    g.bench_function("reduce_streaming_f32_64M", |b| {
+        b.iter(|| {
+            cpu::reduce_streaming(
+                DType::F32,
+                ReduceOp::Sum,
+                None,
+                &mut dst,
+                &src,
+                &other,
+                None,
+            )
+            .unwrap();
+            cpu::stream_fence();
+        })
+    });
+    g.finish();
 }
 
 criterion_group!(benches, kernels);

@@ -149,8 +149,8 @@ pub struct Call<'a> {
     pub rank: usize,
     /// Deadline for any wait without progress.
     pub timeout: Duration,
-    /// Write results into the user's buffers with streaming stores (the output is larger than the
-    /// caches; see [`cpu::copy_streaming`]).
+    /// Copy received results into the user's buffers with streaming stores (the output is larger
+    /// than the caches; see [`cpu::copy_streaming`]).
     pub stream_stores: bool,
 }
 
@@ -415,8 +415,9 @@ pub(crate) fn op_timeout(
     }
 }
 
-/// `value = incoming ⊕ local` (or whichever exists), finalized, written to `store` (streamed when
-/// the call says so) and `slot`.
+/// `value = incoming ⊕ local` (or whichever exists), finalized, written to `store` and `slot`. A
+/// copied value goes to `store` with streaming stores when the call says so; a reduced one with
+/// plain stores (combining through an L1 tile to stream it measured slower: `benches/reduce.rs`).
 fn apply(
     call: &Call,
     incoming: Option<&[u8]>,
@@ -429,12 +430,6 @@ fn apply(
     match (incoming, local) {
         (Some(a), Some(b)) => {
             let (dst, copy_to) = match (store, slot) {
-                (Some(st), sl) if call.stream_stores => {
-                    // One pass: combine in L1, stream to the result, copy to the next rank's slot.
-                    let div = finalize.then_some(call.n);
-                    cpu::reduce_streaming(call.dtype, op, div, st, b, a, sl)?;
-                    return Ok(());
-                }
                 (Some(st), sl) => (st, sl),
                 (None, Some(sl)) => (sl, None),
                 (None, None) => return Ok(()),

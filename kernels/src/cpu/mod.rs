@@ -15,6 +15,6 @@ mod stream;
 pub use adamw::{adamw_step, AdamW};
 pub use float::{adamw_mixed, all_finite, cast, scale, sq_norm, Float};
 
-pub use stream::{copy_streaming, reduce_streaming, stream_fence};
+pub use stream::{copy_streaming, stream_fence};
 
 pub use reduce::{divide, reduce_into, reduce_into_typed, reduce_to, reduce_to_typed, HALF_BLOCK};

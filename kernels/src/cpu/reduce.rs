@@ -275,7 +275,7 @@ half_kernel!(f16);
 half_kernel!(bf16);
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
 
     #[test]
