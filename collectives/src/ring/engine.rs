@@ -426,7 +426,6 @@ fn apply(
     slot: Option<&mut [u8]>,
     finalize: bool,
 ) -> Result<()> {
-    let op = call.op.pairwise();
     match (incoming, local) {
         (Some(a), Some(b)) => {
             let (dst, copy_to) = match (store, slot) {
@@ -434,7 +433,7 @@ fn apply(
                 (None, Some(sl)) => (sl, None),
                 (None, None) => return Ok(()),
             };
-            cpu::reduce_to(call.dtype, op, dst, b, a)?;
+            cpu::reduce_to(call.dtype, call.op.pairwise(), dst, b, a)?;
             if finalize {
                 cpu::divide(call.dtype, dst, call.n)?;
             }

@@ -149,12 +149,24 @@ pub fn timed(
     for _ in 0..a.warmup {
         call()?;
     }
+    let iters = a.iters.max(1);
+    let mine = group(comm, iters, &mut call)? * 1e6 / iters as f64;
+    over_ranks(comm, mine, wrong)
+}
+
+/// After a barrier, the seconds `k` calls of `f` take on this rank.
+fn group(comm: &Communicator, k: usize, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
     comm.barrier()?;
     let t = Instant::now();
-    for _ in 0..a.iters.max(1) {
-        call()?;
+    for _ in 0..k {
+        f()?;
     }
-    let mut time = vec![t.elapsed().as_secs_f64() * 1e6 / a.iters.max(1) as f64];
+    Ok(t.elapsed().as_secs_f64())
+}
+
+/// This rank's mean time per call (µs) averaged over ranks, and `wrong` summed over ranks.
+fn over_ranks(comm: &Communicator, mine_us: f64, wrong: u64) -> Result<(f64, u64)> {
+    let mut time = vec![mine_us];
     comm.all_reduce_in_place(&mut time, ReduceOp::Avg)?;
     let mut w = vec![wrong as i64];
     comm.all_reduce_in_place(&mut w, ReduceOp::Sum)?;
@@ -200,41 +212,25 @@ pub fn timed_with_model(
     while left > 0 {
         let k = left.min(GROUP);
         left -= k;
-        comm.barrier()?;
-        let t = Instant::now();
-        for _ in 0..k {
-            call()?;
-        }
-        calls += t.elapsed().as_secs_f64();
-        comm.barrier()?;
-        let t = Instant::now();
-        for _ in 0..k {
-            stream()?;
-        }
-        streams += t.elapsed().as_secs_f64();
-        comm.barrier()?;
-        let t = Instant::now();
-        for _ in 0..k {
-            comm.barrier()?;
-        }
-        barriers += t.elapsed().as_secs_f64();
+        calls += group(comm, k, &mut call)?;
+        streams += group(comm, k, &mut stream)?;
+        barriers += group(comm, k, &mut || comm.barrier())?;
     }
     let per = |total: f64| total * 1e6 / iters as f64;
-    // [mean call time, α] averaged over ranks; β the slowest edge's.
-    let mut means = vec![per(calls), per(barriers) / (n - 1).max(1) as f64];
-    comm.all_reduce_in_place(&mut means, ReduceOp::Avg)?;
-    let alpha_us = means[1];
+    // α averaged over ranks; β the slowest edge's.
+    let mut alpha = vec![per(barriers) / (n - 1).max(1) as f64];
+    comm.all_reduce_in_place(&mut alpha, ReduceOp::Avg)?;
+    let alpha_us = alpha[0];
     let stream_us = per(streams);
     let streamed = link_bytes.max(1) as f64;
     let mut beta = vec![streamed / ((stream_us - alpha_us).max(stream_us * 0.5) * 1e3)];
     comm.all_reduce_in_place(&mut beta, ReduceOp::Min)?;
-    let mut w = vec![wrong as i64];
-    comm.all_reduce_in_place(&mut w, ReduceOp::Sum)?;
+    let (time_us, wrong) = over_ranks(comm, per(calls), wrong)?;
     let model = Model {
         alpha_us,
         beta_gbs: beta[0],
     };
-    Ok((means[0], w[0] as u64, model))
+    Ok((time_us, wrong, model))
 }
 
 /// One report line; the α–β columns when a `model` applies to these buffers.
