@@ -74,6 +74,23 @@ fn a_corrupted_result_is_counted_and_a_clean_run_counts_nothing() {
             "{:?}",
             r.header
         );
+        // The baselines that fit the transport: a copy out of the previous rank's shared memory
+        // when every edge is shm, a plain TCP stream pair when one is tcp.
+        let shm = transport == TransportPref::Shm;
+        assert_eq!(
+            r.header.shared_copy_gbs.is_some_and(|x| x > 0.0),
+            shm,
+            "{:?}",
+            r.header
+        );
+        assert_eq!(
+            r.header.tcp_stream_gbs.is_some_and(|x| x > 0.0),
+            !shm,
+            "{:?}",
+            r.header
+        );
+        let text = bench::text(r);
+        assert_eq!(text.contains("previous rank's memory"), shm, "{text}");
     }
 }
 

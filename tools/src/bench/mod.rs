@@ -139,6 +139,7 @@ fn header(comm: &Communicator, a: &BenchArgs, probe: &probe::Probe, device: Stri
         device_edges: Vec::new(),
         memcpy_gbs: probe.memcpy_gbs,
         tcp_stream_gbs: probe.tcp_stream_gbs,
+        shared_copy_gbs: probe.shared_copy_gbs,
         slice_bytes: comm.config().slice_bytes,
         iters: a.sweep.iters,
         warmup: a.sweep.warmup,

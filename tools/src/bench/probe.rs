@@ -10,10 +10,18 @@
 //! - memcpy: after each stream, every rank copies the same bytes from its send buffer to its
 //!   receive buffer in slice-sized pieces, all ranks at once (the load the streams run under); the
 //!   median per rank, averaged over ranks.
+//! - copy out of the previous rank's memory (every edge shm): each rank maps a `/dev/shm` buffer
+//!   the previous rank filled and, after each memcpy pass, copies it into its receive buffer the
+//!   same way: what a single-copy design would do per byte (a read straight from the peer's
+//!   buffer with registered buffers or XPMEM; CMA's `process_vm_readv` is such a copy done by the
+//!   kernel). Where β beats it, the slot pipeline (two copies, the middle one in cache) is already
+//!   the better design on that machine (`docs/design-notes.md`, "What a copy between processes
+//!   costs").
 
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
+use ringzero_collectives::transport::TransportKind;
 use ringzero_collectives::{Communicator, ReduceOp, Result};
 use serde::Serialize;
 
@@ -49,12 +57,16 @@ pub struct Probe {
     pub memcpy_gbs: f64,
     /// A plain loopback TCP stream pair, GB/s per direction (rank 0; only when an edge uses TCP).
     pub tcp_stream_gbs: Option<f64>,
+    /// A copy out of the previous rank's memory (a `/dev/shm` mapping it filled) in slice-sized
+    /// pieces, paired with each stream like `memcpy_gbs`, GB/s (only when every edge is shm).
+    pub shared_copy_gbs: Option<f64>,
 }
 
 /// Run the probes on every rank; every rank returns the same result.
 pub fn measure(comm: &Communicator, stream_bytes: usize) -> Result<Probe> {
     let n = comm.size();
     let mut memcpy = 0.0;
+    let mut shared_copy = None;
     let (alpha_us, betas) = if n > 1 {
         for _ in 0..20 {
             comm.barrier()?;
@@ -75,7 +87,8 @@ pub fn measure(comm: &Communicator, stream_bytes: usize) -> Result<Probe> {
         // stream is paired with a plain memcpy of the same bytes in slice-sized pieces on every
         // rank at once (the baseline), so the two are measured under the same load.
         let piece = comm.config().slice_bytes;
-        let (mut rates, mut copies) = (Vec::new(), Vec::new());
+        let peer = PeerBuffer::map_previous(comm, stream_bytes)?;
+        let (mut rates, mut copies, mut shared) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..5 {
             let t = Instant::now();
             comm.ring_shift(&send, &mut recv)?;
@@ -84,13 +97,23 @@ pub fn measure(comm: &Communicator, stream_bytes: usize) -> Result<Probe> {
             comm.barrier()?;
             copies.push(memcpy_pass_gbs(&mut recv, &send, piece));
             comm.barrier()?;
+            if let Some(p) = &peer {
+                shared.push(memcpy_pass_gbs(&mut recv, p.bytes(), piece));
+                comm.barrier()?;
+            }
         }
-        rates.sort_by(f64::total_cmp);
-        copies.sort_by(f64::total_cmp);
-        let mine = rates[rates.len() / 2];
-        let mut copy = vec![copies[copies.len() / 2]];
+        let median = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        let mine = median(&mut rates);
+        let mut copy = vec![median(&mut copies), 0.0];
+        if peer.is_some() {
+            copy[1] = median(&mut shared);
+        }
         comm.all_reduce_in_place(&mut copy, ReduceOp::Avg)?;
         memcpy = copy[0];
+        shared_copy = peer.is_some().then_some(copy[1]);
         let mut all = vec![0f64; n];
         comm.all_gather(&[mine], &mut all)?;
         (a[0], all)
@@ -151,7 +174,89 @@ pub fn measure(comm: &Communicator, stream_bytes: usize) -> Result<Probe> {
         model,
         memcpy_gbs: base[0],
         tcp_stream_gbs: (base[1] > 0.0).then_some(base[1]),
+        shared_copy_gbs: shared_copy,
     })
+}
+
+/// The previous rank's buffer, mapped from a `/dev/shm` file it created and filled.
+struct PeerBuffer {
+    map: memmap2::Mmap,
+}
+
+impl PeerBuffer {
+    /// On every rank at once: create and fill this rank's buffer of `len` bytes, map the previous
+    /// rank's, unlink this rank's file. `None` on every rank (with the reason logged) unless every
+    /// edge is shm and every rank succeeded; an error only when a collective fails.
+    fn map_previous(comm: &Communicator, len: usize) -> Result<Option<PeerBuffer>> {
+        let (n, rank) = (comm.size(), comm.rank());
+        // Every rank must take the same branch: agree on whether every edge is shm first.
+        let mut other = vec![comm.edges().iter().any(|e| e.kind != TransportKind::Shm) as i64];
+        comm.all_reduce_in_place(&mut other, ReduceOp::Max)?;
+        if len == 0 || other[0] != 0 {
+            return Ok(None);
+        }
+        let mut token = vec![(rand::random::<u64>() >> 1) as i64];
+        comm.broadcast_in_place(&mut token, 0)?;
+        let dir = &comm.config().shm_dir;
+        let path = |r: usize| dir.join(format!("ringzero-bench-{:x}-{r}", token[0]));
+        let own = Self::create(&path(rank), len, rank);
+        let mut failed = vec![own.is_err() as i64];
+        comm.all_reduce_in_place(&mut failed, ReduceOp::Max)?;
+        let peer = if failed[0] == 0 {
+            Self::open(&path((rank + n - 1) % n), len)
+        } else {
+            Err(std::io::Error::other("another rank could not create its buffer"))
+        };
+        let mut failed = vec![peer.is_err() as i64];
+        comm.all_reduce_in_place(&mut failed, ReduceOp::Max)?;
+        // Every rank has mapped its peer's file (or given up): the names can go.
+        let _ = std::fs::remove_file(path(rank));
+        drop(own);
+        match peer {
+            Ok(p) if failed[0] == 0 => Ok(Some(p)),
+            Ok(_) => Ok(None),
+            Err(e) => {
+                tracing::warn!(target: "ringzero::bench", "no copy-between-processes baseline: {e}");
+                Ok(None)
+            }
+        }
+    }
+
+    fn create(path: &std::path::Path, len: usize, rank: usize) -> std::io::Result<()> {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(path)?;
+        file.set_len(len as u64)?;
+        // SAFETY: the file was just created by this process (create_new) and sized; the only
+        // other process that maps it does so read-only after the collective above, once this
+        // rank has finished writing it.
+        let mut map = unsafe { memmap2::MmapMut::map_mut(&file) }?;
+        for (i, b) in map.iter_mut().enumerate() {
+            *b = (i as u8).wrapping_mul(31) ^ rank as u8;
+        }
+        Ok(())
+    }
+
+    fn open(path: &std::path::Path, len: usize) -> std::io::Result<PeerBuffer> {
+        let file = std::fs::File::open(path)?;
+        // SAFETY: the owner finished writing the file before the collective that precedes this
+        // call and never writes it again; it is only read through this mapping.
+        let map = unsafe { memmap2::Mmap::map(&file) }?;
+        if map.len() < len {
+            return Err(std::io::Error::other(format!(
+                "{} is {} bytes, expected {len}",
+                path.display(),
+                map.len()
+            )));
+        }
+        Ok(PeerBuffer { map })
+    }
+
+    fn bytes(&self) -> &[u8] {
+        &self.map
+    }
 }
 
 /// GB/s of one pass copying `src` to `dst` in `piece`-sized copies (what each side of a shm link

@@ -35,6 +35,11 @@ pub struct Header {
     pub memcpy_gbs: f64,
     /// A plain loopback TCP stream pair, GB/s per direction (when an edge uses TCP).
     pub tcp_stream_gbs: Option<f64>,
+    /// A copy out of the previous rank's memory in slice-sized pieces on every rank at once,
+    /// paired with the streams like `memcpy_gbs`, GB/s per rank (when every edge is shm): what a
+    /// single-copy design (CMA, registered buffers) would do per byte.
+    #[serde(default)]
+    pub shared_copy_gbs: Option<f64>,
     /// Slice size, bytes.
     pub slice_bytes: usize,
     /// Timed iterations per size.
@@ -126,8 +131,15 @@ pub fn header_text(h: &Header) -> String {
         h.slice_bytes,
         h.memcpy_gbs,
         if h.memcpy_gbs > 0.0 { h.beta_gbs / h.memcpy_gbs * 100.0 } else { 0.0 },
-        h.tcp_stream_gbs.map(|t| format!(", a loopback TCP stream pair {t:.2} GB/s per direction")).unwrap_or_default()
+        h.tcp_stream_gbs.map(|t| format!(", a loopback TCP stream pair {t:.2} GB/s per direction (β/that {:.0}%)", h.beta_gbs / t * 100.0)).unwrap_or_default()
     );
+    if let Some(x) = h.shared_copy_gbs.filter(|x| *x > 0.0) {
+        s += &format!(
+            "#   and one copy straight out of the previous rank's memory (/dev/shm), what a single-copy \
+             design (CMA, registered buffers) would do per byte: {x:.2} GB/s (β/that {:.0}%)\n",
+            h.beta_gbs / x * 100.0
+        );
+    }
     if !h.model.is_empty() {
         s += &format!("# lines: {}\n", h.model);
     }
