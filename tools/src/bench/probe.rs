@@ -1,5 +1,6 @@
-//! α and β measured on the links the ring actually uses, plus the two baselines the ratios are
-//! taken against (memcpy in slice-sized copies, and a plain TCP stream pair on loopback).
+//! α and β measured on the links the ring actually uses, plus the baselines the ratios are taken
+//! against (memcpy in slice-sized copies, one copy out of the previous rank's memory, and a plain
+//! TCP stream pair on loopback), each paired with the timed streams so both see the same seconds.
 //!
 //! - α, the latency of one ring step: the mean time of a barrier (an empty-frame all-gather of
 //!   n − 1 steps, every link busy at once) divided by n − 1.
@@ -17,6 +18,8 @@
 //!   kernel). Where β beats it, the slot pipeline (two copies, the middle one in cache) is already
 //!   the better design on that machine (`docs/design-notes.md`, "What a copy between processes
 //!   costs").
+//! - TCP stream pair (some edge is tcp): after each stream, rank 0 streams the same bytes both
+//!   ways over two plain blocking loopback connections while the other ranks wait; the median.
 
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};
@@ -67,6 +70,7 @@ pub fn measure(comm: &Communicator, stream_bytes: usize) -> Result<Probe> {
     let n = comm.size();
     let mut memcpy = 0.0;
     let mut shared_copy = None;
+    let mut tcp_pair = None;
     let (alpha_us, betas) = if n > 1 {
         for _ in 0..20 {
             comm.barrier()?;
@@ -88,6 +92,7 @@ pub fn measure(comm: &Communicator, stream_bytes: usize) -> Result<Probe> {
         // rank at once (the baseline), so the two are measured under the same load.
         let piece = comm.config().slice_bytes;
         let peer = PeerBuffer::map_previous(comm, stream_bytes)?;
+        let mut tcp = TcpBaseline::new(comm, piece)?;
         let (mut rates, mut copies, mut shared) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..5 {
             let t = Instant::now();
@@ -101,7 +106,9 @@ pub fn measure(comm: &Communicator, stream_bytes: usize) -> Result<Probe> {
                 shared.push(memcpy_pass_gbs(&mut recv, p.bytes(), piece));
                 comm.barrier()?;
             }
+            tcp.pass(comm, stream_bytes)?;
         }
+        tcp_pair = tcp.median(comm)?;
         let median = |v: &mut Vec<f64>| {
             v.sort_by(f64::total_cmp);
             v[v.len() / 2]
@@ -155,27 +162,78 @@ pub fn measure(comm: &Communicator, stream_bytes: usize) -> Result<Probe> {
         beta_gbs: if beta.is_finite() { beta } else { 0.0 },
     };
 
-    // The TCP baseline on rank 0 while the others wait.
-    let mut base = vec![memcpy, 0f64];
-    if comm.rank() == 0 {
-        if n == 1 {
-            let send = vec![1u8; stream_bytes.max(1)];
-            let mut recv = vec![0u8; stream_bytes.max(1)];
-            base[0] = memcpy_pass_gbs(&mut recv, &send, comm.config().slice_bytes);
-        }
-        if edges.iter().any(|e| e.transport == "tcp") {
-            base[1] = tcp_stream_gbs(64 << 20, comm.config().slice_bytes).unwrap_or(0.0);
-        }
+    if n == 1 {
+        let send = vec![1u8; stream_bytes.max(1)];
+        let mut recv = vec![0u8; stream_bytes.max(1)];
+        memcpy = memcpy_pass_gbs(&mut recv, &send, comm.config().slice_bytes);
     }
-    comm.broadcast_in_place(&mut base, 0)?;
     Ok(Probe {
         alpha_us,
         edges,
         model,
-        memcpy_gbs: base[0],
-        tcp_stream_gbs: (base[1] > 0.0).then_some(base[1]),
+        memcpy_gbs: memcpy,
+        tcp_stream_gbs: tcp_pair,
         shared_copy_gbs: shared_copy,
     })
+}
+
+/// The plain TCP stream pair, run on rank 0 after each timed stream while the other ranks wait in
+/// a barrier (when any edge is tcp; every rank agrees on that first).
+struct TcpBaseline {
+    /// Whether any edge is tcp (the same on every rank).
+    on: bool,
+    /// Rank 0's pair, once connected.
+    pair: Option<TcpPair>,
+    rates: Vec<f64>,
+}
+
+impl TcpBaseline {
+    fn new(comm: &Communicator, chunk: usize) -> Result<TcpBaseline> {
+        let mut any = vec![comm.edges().iter().any(|e| e.kind == TransportKind::Tcp) as i64];
+        comm.all_reduce_in_place(&mut any, ReduceOp::Max)?;
+        let on = any[0] != 0;
+        let pair = if on && comm.rank() == 0 {
+            TcpPair::connect(chunk)
+                .map_err(|e| {
+                    tracing::warn!(target: "ringzero::bench", "no TCP stream pair baseline: {e}")
+                })
+                .ok()
+        } else {
+            None
+        };
+        Ok(TcpBaseline {
+            on,
+            pair,
+            rates: Vec::new(),
+        })
+    }
+
+    fn pass(&mut self, comm: &Communicator, bytes: usize) -> Result<()> {
+        if !self.on {
+            return Ok(());
+        }
+        if let Some(p) = &mut self.pair {
+            match p.pass(bytes) {
+                Ok(r) => self.rates.push(r),
+                Err(e) => {
+                    tracing::warn!(target: "ringzero::bench", "TCP stream pair baseline failed: {e}");
+                    self.pair = None;
+                }
+            }
+        }
+        comm.barrier()
+    }
+
+    /// The median pass on rank 0, on every rank.
+    fn median(mut self, comm: &Communicator) -> Result<Option<f64>> {
+        if !self.on {
+            return Ok(None);
+        }
+        self.rates.sort_by(f64::total_cmp);
+        let mut m = vec![self.rates.get(self.rates.len() / 2).copied().unwrap_or(0.0)];
+        comm.broadcast_in_place(&mut m, 0)?;
+        Ok((m[0] > 0.0).then_some(m[0]))
+    }
 }
 
 /// The previous rank's buffer, mapped from a `/dev/shm` file it created and filled.
@@ -271,49 +329,69 @@ pub fn memcpy_pass_gbs(dst: &mut [u8], src: &[u8], piece: usize) -> f64 {
     src.len() as f64 / t.elapsed().as_secs_f64().max(1e-9) / 1e9
 }
 
-/// GB/s per direction of a plain TCP stream pair on loopback: two connections carry `total` bytes
-/// each in opposite directions at once (as the two links of a 2-rank ring do), written in
-/// `chunk`-sized writes by one thread per direction and read by another.
-pub fn tcp_stream_gbs(total: usize, chunk: usize) -> std::io::Result<f64> {
-    let one_way = || -> std::io::Result<(std::net::TcpStream, std::net::TcpStream)> {
-        let l = std::net::TcpListener::bind("127.0.0.1:0")?;
-        let w = std::net::TcpStream::connect(l.local_addr()?)?;
-        let (r, _) = l.accept()?;
-        w.set_nodelay(true)?;
-        r.set_read_timeout(Some(Duration::from_secs(30)))?;
-        Ok((w, r))
-    };
-    let pairs = [one_way()?, one_way()?];
-    let t = Instant::now();
-    let mut threads = Vec::new();
-    for (mut w, mut r) in pairs {
-        threads.push(std::thread::spawn(move || -> std::io::Result<usize> {
-            let buf = vec![7u8; chunk.max(1)];
-            let mut sent = 0;
-            while sent < total {
-                let k = buf.len().min(total - sent);
-                w.write_all(&buf[..k])?;
-                sent += k;
+/// A plain TCP stream pair on loopback: two connections that carry bytes in opposite directions at
+/// once (as the two links of a 2-rank ring do), each written in `chunk`-sized blocking writes by
+/// one thread and read by another. Made once, timed once per [`TcpPair::pass`].
+pub struct TcpPair {
+    pairs: Vec<(std::net::TcpStream, std::net::TcpStream)>,
+    chunk: usize,
+}
+
+impl TcpPair {
+    /// Connect the two streams.
+    pub fn connect(chunk: usize) -> std::io::Result<TcpPair> {
+        let one_way = || -> std::io::Result<(std::net::TcpStream, std::net::TcpStream)> {
+            let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+            let w = std::net::TcpStream::connect(l.local_addr()?)?;
+            let (r, _) = l.accept()?;
+            w.set_nodelay(true)?;
+            w.set_write_timeout(Some(Duration::from_secs(30)))?;
+            r.set_read_timeout(Some(Duration::from_secs(30)))?;
+            Ok((w, r))
+        };
+        Ok(TcpPair {
+            pairs: vec![one_way()?, one_way()?],
+            chunk: chunk.max(1),
+        })
+    }
+
+    /// Stream `total` bytes each way at once; GB/s per direction.
+    pub fn pass(&mut self, total: usize) -> std::io::Result<f64> {
+        let chunk = self.chunk;
+        let t = Instant::now();
+        let got = std::thread::scope(|scope| -> std::io::Result<usize> {
+            let mut threads = Vec::new();
+            for (w, r) in &mut self.pairs {
+                threads.push(scope.spawn(move || -> std::io::Result<usize> {
+                    let buf = vec![7u8; chunk];
+                    let mut sent = 0;
+                    while sent < total {
+                        let k = chunk.min(total - sent);
+                        w.write_all(&buf[..k])?;
+                        sent += k;
+                    }
+                    Ok(0)
+                }));
+                threads.push(scope.spawn(move || -> std::io::Result<usize> {
+                    let mut buf = vec![0u8; chunk];
+                    let mut got = 0;
+                    while got < total {
+                        match r.read(&mut buf[..chunk.min(total - got)])? {
+                            0 => return Err(std::io::Error::other("loopback stream closed")),
+                            k => got += k,
+                        }
+                    }
+                    Ok(got)
+                }));
             }
-            Ok(0)
-        }));
-        threads.push(std::thread::spawn(move || -> std::io::Result<usize> {
-            let mut buf = vec![0u8; chunk.max(1)];
             let mut got = 0;
-            while got < total {
-                match r.read(&mut buf)? {
-                    0 => break,
-                    k => got += k,
-                }
+            for th in threads {
+                got += th
+                    .join()
+                    .map_err(|_| std::io::Error::other("stream thread panicked"))??;
             }
             Ok(got)
-        }));
+        })?;
+        Ok(got as f64 / 2.0 / t.elapsed().as_secs_f64() / 1e9)
     }
-    let mut got = 0;
-    for th in threads {
-        got += th
-            .join()
-            .map_err(|_| std::io::Error::other("stream thread panicked"))??;
-    }
-    Ok(got as f64 / 2.0 / t.elapsed().as_secs_f64() / 1e9)
 }
