@@ -40,5 +40,13 @@ for n in 2 4; do
     target/release/ringzero bench all-reduce --device cuda -n "$n" -b 1M -e 256M -f 4 --iters 10 \
         --warmup 3 --json "$out/bench-cuda-n$n.json" | tail -8 || status=1
 done
+# Host staging (P2P disabled) both ways: kernels on the mapped slots, and explicit copies through
+# device scratch (RINGZERO_STAGING=copy). The issue asks to measure both.
+for staging in mapped copy; do
+    echo "== RINGZERO_P2P_DISABLE=1 RINGZERO_STAGING=$staging ringzero bench all-reduce --device cuda -n 2"
+    RINGZERO_P2P_DISABLE=1 RINGZERO_STAGING=$staging target/release/ringzero bench all-reduce \
+        --device cuda -n 2 -b 1M -e 256M -f 4 --iters 10 --warmup 3 \
+        --json "$out/bench-staging-$staging.json" | tail -8 || status=1
+done
 target/release/ringzero gpu-check --json "$out/gpu-check.json" || status=1
 exit $status

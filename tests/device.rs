@@ -5,8 +5,8 @@
 
 use half::{bf16, f16};
 use ringzero::{
-    chunk, Collective, Communicator, DType, DeviceComm, Error, HostStream, ReduceOp, TransportKind,
-    TransportPref,
+    chunk, Collective, Communicator, DType, DeviceComm, Error, HostStream, ReduceOp, StagingMode,
+    TransportKind, TransportPref,
 };
 
 use crate::common::{expected, threads, value, Case, Opts, TestElem, GARBAGE};
@@ -92,21 +92,28 @@ fn want_rs(c: &Case, n: usize, i: usize) -> f64 {
 
 #[test]
 fn every_collective_dtype_and_op_on_the_host_stream_matches_the_reference() {
-    every_collective(TransportPref::Shm, &[2, 3, 4]);
+    every_collective(TransportPref::Shm, StagingMode::Mapped, &[2, 3, 4]);
+}
+
+/// Host staging with explicit copies through device scratch (`RINGZERO_STAGING=copy`).
+#[test]
+fn every_collective_dtype_and_op_with_explicit_copy_staging_matches_the_reference() {
+    every_collective(TransportPref::Shm, StagingMode::Copy, &[2, 3]);
 }
 
 /// Device buffers between nodes: tcp edges whose staging slots are mapped into the device.
 #[test]
 fn every_collective_dtype_and_op_over_tcp_device_edges_matches_the_reference() {
-    every_collective(TransportPref::Tcp, &[2, 3]);
+    every_collective(TransportPref::Tcp, StagingMode::Mapped, &[2, 3]);
 }
 
-fn every_collective(transport: TransportPref, ranks: &[usize]) {
+fn every_collective(transport: TransportPref, staging: StagingMode, ranks: &[usize]) {
     // Small slots (1 KiB, 4 of them) so counts of a few thousand elements keep every slot in
     // flight and wrap the FIFO many times.
     let o = Opts {
         slice_bytes: 1024,
         transport,
+        staging,
         ..Opts::default()
     };
     let want = match transport {
@@ -180,7 +187,11 @@ fn device_edges_report_host_staging_and_why_and_move_the_ring_volume() {
                         assert_eq!(edges[1].from, rank);
                         for e in &edges {
                             assert_eq!(e.kind, TransportKind::Shm, "{e}");
-                            assert_eq!(e.reason, reason, "{e}");
+                            assert_eq!(
+                                e.reason,
+                                format!("{reason}; kernels read and write the mapped slots"),
+                                "{e}"
+                            );
                         }
                         let before = dc.counters();
                         let count = 30_000usize;
@@ -192,6 +203,11 @@ fn device_edges_report_host_staging_and_why_and_move_the_ring_volume() {
                         let sent = dc.counters().bytes_sent - before.bytes_sent;
                         // Reduce-scatter then all-gather: 2(n−1) chunks of count/n elements.
                         assert_eq!(sent as usize, 2 * (n - 1) * (count / n) * 4);
+                        assert_eq!(
+                            dc.counters().bytes_staged,
+                            0,
+                            "mapped staging copies nothing"
+                        );
                     })
                 })
                 .collect();
@@ -200,6 +216,45 @@ fn device_edges_report_host_staging_and_why_and_move_the_ring_volume() {
             }
         });
     }
+}
+
+/// `RINGZERO_STAGING=copy`: every slice a kernel combines from a host slot is first copied to
+/// device scratch, and every combined slice bound only for the next rank goes through scratch
+/// into the slot; the edges say so.
+#[test]
+fn explicit_copy_staging_moves_every_combined_slice_through_device_scratch() {
+    let n = 3;
+    let o = Opts {
+        transport: TransportPref::Shm,
+        staging: StagingMode::Copy,
+        slice_bytes: 4096,
+        ..Opts::default()
+    };
+    threads(n, &o, |_, comm| {
+        let comm = comm.unwrap();
+        let mut dc = device_comm(&comm);
+        for e in dc.edges() {
+            assert!(
+                e.reason
+                    .ends_with("; explicit copies through device scratch"),
+                "{e}"
+            );
+        }
+        let count = 30_000usize;
+        let send: Vec<f32> = (0..count)
+            .map(|i| (i % 7) as f32 + comm.rank() as f32)
+            .collect();
+        let mut recv = vec![0.0f32; count];
+        dc.all_reduce(&send[..], &mut recv[..], ReduceOp::Sum)
+            .unwrap();
+        for (i, v) in recv.iter().enumerate() {
+            assert_eq!(*v, 3.0 * (i % 7) as f32 + 3.0, "element {i}");
+        }
+        // Reduce-scatter: n − 1 incoming slices combined (staged in), n − 2 combined results
+        // bound only for the next rank (staged out); the all-gather only copies.
+        let chunk_bytes = (count / n * 4) as u64;
+        assert_eq!(dc.counters().bytes_staged, (2 * n as u64 - 3) * chunk_bytes);
+    });
 }
 
 #[test]

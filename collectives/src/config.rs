@@ -41,6 +41,27 @@ pub enum TransportPref {
     CudaIpc,
 }
 
+/// How host staging (the `shm` transport carrying device buffers) moves bytes between the device
+/// and the pinned slots.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum StagingMode {
+    /// Kernels read and write the mapped host slots directly (no separate copies).
+    #[default]
+    Mapped,
+    /// Explicit copies: a kernel's result goes to device scratch and is copied into the host
+    /// slot; a received slot is copied into device scratch before a kernel reads it.
+    Copy,
+}
+
+impl std::fmt::Display for StagingMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            StagingMode::Mapped => "mapped",
+            StagingMode::Copy => "copy",
+        })
+    }
+}
+
 /// Where rank, world size and master came from.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LaunchInfo {
@@ -88,6 +109,8 @@ pub struct Config {
     /// stores, which skip the read-before-write of lines not in cache
     /// (`RINGZERO_STREAM_STORES_FROM`, a size or `off`).
     pub stream_stores_from: usize,
+    /// How host staging of device buffers moves bytes (`RINGZERO_STAGING=mapped|copy`).
+    pub staging: StagingMode,
     /// Directory for shared-memory segments (`RINGZERO_SHM_DIR`, default `/dev/shm`).
     pub shm_dir: std::path::PathBuf,
 }
@@ -117,6 +140,7 @@ impl Config {
             slice_bytes: DEFAULT_SLICE_BYTES,
             slots: DEFAULT_SLOTS,
             stream_stores_from: DEFAULT_STREAM_STORES_FROM,
+            staging: StagingMode::Mapped,
             shm_dir: "/dev/shm".into(),
         }
     }
@@ -215,6 +239,18 @@ impl Config {
                         format!("`{v}` is not a size (like 8M) or `off`"),
                     )
                 })?
+            };
+        }
+        if let Some(v) = env("RINGZERO_STAGING") {
+            c.staging = match v.trim().to_ascii_lowercase().as_str() {
+                "mapped" | "" => StagingMode::Mapped,
+                "copy" => StagingMode::Copy,
+                _ => {
+                    return Err(Error::config(
+                        "RINGZERO_STAGING",
+                        format!("`{v}` is not one of mapped, copy"),
+                    ))
+                }
             };
         }
         if let Some(d) = env("RINGZERO_SHM_DIR") {
@@ -515,6 +551,9 @@ mod tests {
         assert!(with("RINGZERO_SLOTS", "1").contains("RINGZERO_SLOTS"));
         assert!(with("RINGZERO_STREAM_STORES_FROM", "soon").contains("`soon` is not a size"));
         assert!(with("RINGZERO_SHM_DISABLE", "maybe").contains("RINGZERO_SHM_DISABLE"));
+        assert!(
+            with("RINGZERO_STAGING", "zerocopy").contains("`zerocopy` is not one of mapped, copy")
+        );
         assert!(with("RINGZERO_MASTER_PORT", "99999").contains("RINGZERO_MASTER_PORT"));
         let e = cfg(&[
             ("RINGZERO_RANK", "2"),
@@ -544,9 +583,12 @@ mod tests {
             ("RINGZERO_TRANSPORT", "TCP"),
             ("RINGZERO_NODE_ID", "fake-1"),
             ("RINGZERO_STREAM_STORES_FROM", "1M"),
+            ("RINGZERO_STAGING", "Copy"),
         ])
         .unwrap();
         assert_eq!(c.stream_stores_from, 1 << 20);
+        assert_eq!(c.staging, StagingMode::Copy);
+        assert_eq!(Config::new(0, 1, "x", 1).staging, StagingMode::Mapped);
         assert_eq!(c.timeout, Duration::from_millis(2500));
         assert_eq!(c.slice_bytes, 65536);
         assert_eq!(c.transport, TransportPref::Tcp);

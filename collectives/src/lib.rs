@@ -47,7 +47,7 @@ pub mod wire;
 mod work;
 
 pub use comm::Communicator;
-pub use config::{Config, TransportPref};
+pub use config::{Config, StagingMode, TransportPref};
 pub use device::{DeviceComm, DeviceMemory, HostStream, Stream};
 pub use error::{Error, Result};
 pub use ring::engine::Counters;

@@ -5,7 +5,9 @@
 
 use std::time::Duration;
 
-use ringzero::{chunk, Collective, Communicator, Config, DType, ReduceOp, Result, TransportPref};
+use ringzero::{
+    chunk, Collective, Communicator, Config, DType, ReduceOp, Result, StagingMode, TransportPref,
+};
 
 /// A port that was free a moment ago.
 pub fn free_port() -> u16 {
@@ -25,6 +27,8 @@ pub struct Opts {
     pub secret: &'static str,
     /// `Config::stream_stores_from` (None: the default).
     pub stream_stores_from: Option<usize>,
+    /// `Config::staging`.
+    pub staging: StagingMode,
 }
 
 impl Default for Opts {
@@ -35,6 +39,7 @@ impl Default for Opts {
             timeout: Duration::from_secs(20),
             secret: "test-secret",
             stream_stores_from: None,
+            staging: StagingMode::Mapped,
         }
     }
 }
@@ -45,6 +50,7 @@ pub fn config(rank: usize, n: usize, port: u16, o: &Opts) -> Config {
     c.slice_bytes = o.slice_bytes;
     c.timeout = o.timeout;
     c.secret = o.secret.as_bytes().to_vec();
+    c.staging = o.staging;
     if let Some(b) = o.stream_stores_from {
         c.stream_stores_from = b;
     }

@@ -14,6 +14,7 @@
 //! The chosen transport of both edges, with its reason, is logged once and returned by
 //! [`DeviceComm::edges`].
 
+use std::any::Any;
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
@@ -22,14 +23,14 @@ use ringzero_kernels::{DType, ReduceOp};
 
 use super::stream::Stream;
 use crate::comm::Communicator;
-use crate::config::Config;
+use crate::config::{Config, StagingMode};
 use crate::error::{Error, Result};
 use crate::ring::device_engine::{self, DevBufs, DevLinks};
 use crate::ring::engine::{Call, Counters};
 use crate::ring::{chunk, plan, Collective, PlanArgs};
 use crate::topology::{self, DevicePeer, Edge};
 use crate::transport::device::{
-    DevRecvLink, DevSendLink, FifoRecv, FifoSend, TcpDevRecv, TcpDevSend,
+    Addr, DevRecvLink, DevSendLink, FifoRecv, FifoSend, TcpDevRecv, TcpDevSend,
 };
 use crate::transport::shm::{ShmRecv, ShmSend};
 use crate::transport::{tcp, TransportKind};
@@ -269,6 +270,12 @@ impl<S: Stream> DeviceComm<S> {
                 reason: String::new(),
             };
             if (0..size).all(|r| !failed(r)) {
+                if recv_edge.kind == TransportKind::Shm {
+                    recv_edge.reason += match self.cfg.staging {
+                        StagingMode::Mapped => "; kernels read and write the mapped slots",
+                        StagingMode::Copy => "; explicit copies through device scratch",
+                    };
+                }
                 // Learn the reason the next rank gave for our send edge.
                 let reasons = all_gather_bytes(comm, &text::<FINDING_BYTES>(&recv_edge.reason))?;
                 let their_reason =
@@ -335,7 +342,13 @@ impl<S: Stream> DeviceComm<S> {
                     .map_err(dev_err("mapping the shm staging slots into the device"))?;
                 info.path = path_text(ctl.path())?;
                 let base = dev + (slot0 as usize - map as usize) as u64;
-                Rx::Ready(Box::new(FifoRecv::new(ctl, TransportKind::Shm, base, keep)))
+                let fifo = FifoRecv::new(ctl, TransportKind::Shm, base, keep);
+                Rx::Ready(Box::new(
+                    match self.staging_scratch(slots * slot_bytes)? {
+                        Some((scr, owner)) => fifo.with_scratch(scr, owner),
+                        None => fifo,
+                    },
+                ))
             }
             TransportKind::CudaIpc => {
                 let (base, handle, keep) = self
@@ -422,6 +435,16 @@ impl<S: Stream> DeviceComm<S> {
         ))
     }
 
+    /// Device scratch of `bytes` for a host-staging link when `RINGZERO_STAGING=copy`.
+    fn staging_scratch(&self, bytes: usize) -> Result<Option<(Addr, Box<dyn Any + Send>)>> {
+        if self.cfg.staging != StagingMode::Copy {
+            return Ok(None);
+        }
+        self.stream.scratch(bytes).map(Some).map_err(dev_err(
+            "allocating device scratch for explicit-copy staging",
+        ))
+    }
+
     /// Attach to the next rank's receive FIFO (or connect to it) as `theirs` describes.
     fn attach(
         &self,
@@ -443,10 +466,12 @@ impl<S: Stream> DeviceComm<S> {
                         "mapping the peer's shm staging slots into the device",
                     ))?;
                 let base = dev + (slot0 as usize - map as usize) as u64;
-                (
-                    Box::new(FifoSend::new(ctl, TransportKind::Shm, base, keep)),
-                    TransportKind::Shm,
-                )
+                let fifo = FifoSend::new(ctl, TransportKind::Shm, base, keep);
+                let fifo = match self.staging_scratch(t_slots * t_bytes)? {
+                    Some((scr, owner)) => fifo.with_scratch(scr, owner),
+                    None => fifo,
+                };
+                (Box::new(fifo), TransportKind::Shm)
             }
             3 => {
                 let ctl = ShmSend::attach_control(path, t_slots, t_bytes, next)?;

@@ -91,6 +91,11 @@ impl Stream for Arc<Gpu> {
         Ok((mem.ptr(), h, Box::new(mem)))
     }
 
+    fn scratch(&self, bytes: usize) -> Result<(Addr, Box<dyn Any + Send>), DeviceError> {
+        let mem = ExportedSlots::new(self, bytes, 0)?;
+        Ok((mem.ptr(), Box::new(mem)))
+    }
+
     fn open_exported(
         &self,
         handle: &[u8; 64],

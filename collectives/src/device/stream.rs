@@ -79,6 +79,10 @@ pub trait Stream: Send + Sync {
         bytes: usize,
     ) -> Result<(Addr, Box<dyn Any + Send>), DeviceError>;
 
+    /// `bytes` of private device memory (staging scratch): its address and its owner, which frees
+    /// it on Drop.
+    fn scratch(&self, bytes: usize) -> Result<(Addr, Box<dyn Any + Send>), DeviceError>;
+
     /// This device's identity across processes (a GPU's UUID), if it has one; devices with equal
     /// identities are the same device.
     fn identity(&self) -> Option<[u8; 16]>;
@@ -279,6 +283,16 @@ impl Stream for HostStream {
         _bytes: usize,
     ) -> Result<(Addr, Box<dyn Any + Send>), DeviceError> {
         Ok((host as usize as Addr, Box::new(())))
+    }
+
+    fn scratch(&self, bytes: usize) -> Result<(Addr, Box<dyn Any + Send>), DeviceError> {
+        /// One cache line, so the scratch is aligned for every dtype.
+        #[derive(Clone, Copy)]
+        #[repr(C, align(64))]
+        struct Line([u8; 64]);
+        let mem = vec![Line([0; 64]); bytes.div_ceil(64).max(1)].into_boxed_slice();
+        // Moving the box into the owner does not move its heap allocation.
+        Ok((mem.as_ptr() as usize as Addr, Box::new(mem)))
     }
 
     fn identity(&self) -> Option<[u8; 16]> {

@@ -330,6 +330,18 @@ unsafe fn run_op<S: Stream>(
     };
     let local = op.local.as_ref().map(at);
     let store = op.store.as_ref().map(at);
+    // Explicit-copy staging: a kernel never touches a host slot. An incoming slot a kernel
+    // combines from is first copied to device scratch; a combine whose result only goes to the
+    // next rank writes device scratch, which is then copied into the slot. (Plain copies to or
+    // from a slot are copies already.)
+    let stage_in = match (incoming, local) {
+        (Some(sl), Some(_)) => links.rx.scratch(sl),
+        _ => None,
+    };
+    let stage_out = match (incoming, local, store, slot) {
+        (Some(_), Some(_), None, Some(sl)) => links.tx.scratch(sl),
+        _ => None,
+    };
     let finalize = op.finalize && call.op == ReduceOp::Avg && call.n > 1;
     let dev = |e| Error::Device {
         context: format!("{what} seq {seq}: queueing work on {}", stream.name()),
@@ -337,13 +349,23 @@ unsafe fn run_op<S: Stream>(
     };
     // SAFETY (all queued work below): the user's ranges come from the caller's contract and
     // `check_sizes`; `incoming` is a slot this rank holds until the work's marker completes;
-    // `slot` is reserved at the next rank and published only after the marker completes. A
+    // `slot` is reserved at the next rank and published only after the marker completes; the
+    // scratch of a slot is the link's own device memory, one slot's worth per slot, used only
+    // by the work of the op holding that slot (the same rules keep it free). A
     // combine writes to `store` or `slot`, never to an operand it only reads, except in place
     // where `store == local` exactly (the kernel reads each element before writing it).
     unsafe {
         match (incoming, local) {
             (Some(b), Some(a)) => {
-                let dst = store.or(slot);
+                let b = match stage_in {
+                    Some(scr) => {
+                        stream.copy(scr, b, bytes).map_err(dev)?;
+                        links.counters.bytes_staged += bytes as u64;
+                        scr
+                    }
+                    None => b,
+                };
+                let dst = store.or(stage_out).or(slot);
                 if let Some(dst) = dst {
                     stream
                         .combine(call.dtype, call.op, dst, a, b, op.elems)
@@ -353,8 +375,11 @@ unsafe fn run_op<S: Stream>(
                             .divide(call.dtype, dst, op.elems, call.n)
                             .map_err(dev)?;
                     }
-                    if let (Some(st), Some(sl)) = (store, slot) {
+                    if let (Some(st), Some(sl)) = (store.or(stage_out), slot) {
                         stream.copy(sl, st, bytes).map_err(dev)?;
+                        if stage_out.is_some() {
+                            links.counters.bytes_staged += bytes as u64;
+                        }
                     }
                 }
             }

@@ -34,6 +34,9 @@ pub struct Counters {
     pub bytes_received: u64,
     /// Frames sent.
     pub frames_sent: u64,
+    /// Bytes copied between device scratch and host staging slots (explicit-copy staging,
+    /// `RINGZERO_STAGING=copy`; both directions).
+    pub bytes_staged: u64,
 }
 
 /// A rank's two ring links and how it waits on them.

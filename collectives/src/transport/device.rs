@@ -55,6 +55,11 @@ pub trait DevSendLink: Send {
     fn flushed(&self) -> bool {
         true
     }
+    /// Device scratch standing in for the reserved slot at `slot` (explicit-copy host staging:
+    /// a kernel writes its result here and a copy moves it into the slot), if the link has it.
+    fn scratch(&self, _slot: Addr) -> Option<Addr> {
+        None
+    }
     /// Whether the peer is still there.
     fn health(&mut self) -> LinkResult<()>;
     /// Tell the peer this rank aborts.
@@ -71,6 +76,11 @@ pub trait DevRecvLink: Send {
     fn consume(&mut self);
     /// Give the oldest held slot back (the kernel reading it has completed).
     fn release(&mut self) -> LinkResult<()>;
+    /// Device scratch for the held slot at `slot` (explicit-copy host staging: the slot is copied
+    /// here before a kernel reads it), if the link has it.
+    fn scratch(&self, _slot: Addr) -> Option<Addr> {
+        None
+    }
     /// Whether the peer is still there.
     fn health(&mut self) -> LinkResult<()>;
     /// Tell the peer this rank aborts.
@@ -89,6 +99,8 @@ pub struct FifoSend {
     kind: TransportKind,
     base: Addr,
     slot_bytes: usize,
+    /// Device scratch parallel to the slots (explicit-copy staging) and its owner.
+    scratch: Option<(Addr, Keep)>,
 }
 
 impl FifoSend {
@@ -101,7 +113,14 @@ impl FifoSend {
             base,
             slot_bytes,
             _keep: keep,
+            scratch: None,
         }
+    }
+
+    /// Give the link device scratch of one slot per slot at `base`, kept alive by `keep`.
+    pub fn with_scratch(mut self, base: Addr, keep: Keep) -> Self {
+        self.scratch = Some((base, keep));
+        self
     }
 }
 
@@ -121,6 +140,9 @@ impl DevSendLink for FifoSend {
     fn post(&mut self, header: &FrameHeader) -> LinkResult<()> {
         self.ctl.post_slot(header)
     }
+    fn scratch(&self, slot: Addr) -> Option<Addr> {
+        self.scratch.as_ref().map(|(b, _)| b + (slot - self.base))
+    }
     fn health(&mut self) -> LinkResult<()> {
         super::SendLink::health(&mut self.ctl)
     }
@@ -138,6 +160,8 @@ pub struct FifoRecv {
     kind: TransportKind,
     base: Addr,
     slot_bytes: usize,
+    /// Device scratch parallel to the slots (explicit-copy staging) and its owner.
+    scratch: Option<(Addr, Keep)>,
 }
 
 impl FifoRecv {
@@ -150,7 +174,14 @@ impl FifoRecv {
             base,
             slot_bytes,
             _keep: keep,
+            scratch: None,
         }
+    }
+
+    /// Give the link device scratch of one slot per slot at `base`, kept alive by `keep`.
+    pub fn with_scratch(mut self, base: Addr, keep: Keep) -> Self {
+        self.scratch = Some((base, keep));
+        self
     }
 }
 
@@ -169,6 +200,9 @@ impl DevRecvLink for FifoRecv {
     }
     fn release(&mut self) -> LinkResult<()> {
         self.ctl.release_oldest()
+    }
+    fn scratch(&self, slot: Addr) -> Option<Addr> {
+        self.scratch.as_ref().map(|(b, _)| b + (slot - self.base))
     }
     fn health(&mut self) -> LinkResult<()> {
         super::RecvLink::health(&mut self.ctl)

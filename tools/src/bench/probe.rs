@@ -263,7 +263,9 @@ impl PeerBuffer {
         let peer = if failed[0] == 0 {
             Self::open(&path((rank + n - 1) % n), len)
         } else {
-            Err(std::io::Error::other("another rank could not create its buffer"))
+            Err(std::io::Error::other(
+                "another rank could not create its buffer",
+            ))
         };
         let mut failed = vec![peer.is_err() as i64];
         comm.all_reduce_in_place(&mut failed, ReduceOp::Max)?;
