@@ -90,6 +90,20 @@ pub trait DevRecvLink: Send {
 /// Keeps a link's slot memory usable (dropped before the FIFO's own mapping).
 pub type Keep = Box<dyn Any + Send>;
 
+/// Device scratch parallel to a FIFO's slots (explicit-copy staging): slot `i`'s scratch is at
+/// `base + i × slot_bytes`.
+struct Scratch {
+    base: Addr,
+    _keep: Keep,
+}
+
+impl Scratch {
+    /// The scratch of the slot at `slot` in a FIFO whose slots start at `slots_base`.
+    fn of(&self, slots_base: Addr, slot: Addr) -> Addr {
+        self.base + (slot - slots_base)
+    }
+}
+
 /// Sender over an shm FIFO whose slots start at device address `base`.
 pub struct FifoSend {
     // Declared first so it is dropped first: a host registration must end while the shm file is
@@ -99,8 +113,7 @@ pub struct FifoSend {
     kind: TransportKind,
     base: Addr,
     slot_bytes: usize,
-    /// Device scratch parallel to the slots (explicit-copy staging) and its owner.
-    scratch: Option<(Addr, Keep)>,
+    scratch: Option<Scratch>,
 }
 
 impl FifoSend {
@@ -119,7 +132,7 @@ impl FifoSend {
 
     /// Give the link device scratch of one slot per slot at `base`, kept alive by `keep`.
     pub fn with_scratch(mut self, base: Addr, keep: Keep) -> Self {
-        self.scratch = Some((base, keep));
+        self.scratch = Some(Scratch { base, _keep: keep });
         self
     }
 }
@@ -141,7 +154,7 @@ impl DevSendLink for FifoSend {
         self.ctl.post_slot(header)
     }
     fn scratch(&self, slot: Addr) -> Option<Addr> {
-        self.scratch.as_ref().map(|(b, _)| b + (slot - self.base))
+        self.scratch.as_ref().map(|s| s.of(self.base, slot))
     }
     fn health(&mut self) -> LinkResult<()> {
         super::SendLink::health(&mut self.ctl)
@@ -160,8 +173,7 @@ pub struct FifoRecv {
     kind: TransportKind,
     base: Addr,
     slot_bytes: usize,
-    /// Device scratch parallel to the slots (explicit-copy staging) and its owner.
-    scratch: Option<(Addr, Keep)>,
+    scratch: Option<Scratch>,
 }
 
 impl FifoRecv {
@@ -180,7 +192,7 @@ impl FifoRecv {
 
     /// Give the link device scratch of one slot per slot at `base`, kept alive by `keep`.
     pub fn with_scratch(mut self, base: Addr, keep: Keep) -> Self {
-        self.scratch = Some((base, keep));
+        self.scratch = Some(Scratch { base, _keep: keep });
         self
     }
 }
@@ -202,7 +214,7 @@ impl DevRecvLink for FifoRecv {
         self.ctl.release_oldest()
     }
     fn scratch(&self, slot: Addr) -> Option<Addr> {
-        self.scratch.as_ref().map(|(b, _)| b + (slot - self.base))
+        self.scratch.as_ref().map(|s| s.of(self.base, slot))
     }
     fn health(&mut self) -> LinkResult<()> {
         super::RecvLink::health(&mut self.ctl)
