@@ -342,12 +342,9 @@ impl<S: Stream> DeviceComm<S> {
                     .map_err(dev_err("mapping the shm staging slots into the device"))?;
                 info.path = path_text(ctl.path())?;
                 let base = dev + (slot0 as usize - map as usize) as u64;
-                let fifo = FifoRecv::new(ctl, TransportKind::Shm, base, keep);
                 Rx::Ready(Box::new(
-                    match self.staging_scratch(slots * slot_bytes)? {
-                        Some((scr, owner)) => fifo.with_scratch(scr, owner),
-                        None => fifo,
-                    },
+                    FifoRecv::new(ctl, TransportKind::Shm, base, keep)
+                        .with_scratch(self.staging_scratch(slots * slot_bytes)?),
                 ))
             }
             TransportKind::CudaIpc => {
@@ -466,11 +463,8 @@ impl<S: Stream> DeviceComm<S> {
                         "mapping the peer's shm staging slots into the device",
                     ))?;
                 let base = dev + (slot0 as usize - map as usize) as u64;
-                let fifo = FifoSend::new(ctl, TransportKind::Shm, base, keep);
-                let fifo = match self.staging_scratch(t_slots * t_bytes)? {
-                    Some((scr, owner)) => fifo.with_scratch(scr, owner),
-                    None => fifo,
-                };
+                let fifo = FifoSend::new(ctl, TransportKind::Shm, base, keep)
+                    .with_scratch(self.staging_scratch(t_slots * t_bytes)?);
                 (Box::new(fifo), TransportKind::Shm)
             }
             3 => {

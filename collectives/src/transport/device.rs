@@ -90,17 +90,37 @@ pub trait DevRecvLink: Send {
 /// Keeps a link's slot memory usable (dropped before the FIFO's own mapping).
 pub type Keep = Box<dyn Any + Send>;
 
-/// Device scratch parallel to a FIFO's slots (explicit-copy staging): slot `i`'s scratch is at
-/// `base + i × slot_bytes`.
-struct Scratch {
-    base: Addr,
+/// The device side of an shm FIFO, the same at both ends: where its slots are for the device
+/// (slot `i` at `base + i × slot_bytes`), what keeps that memory usable, and optional device
+/// scratch parallel to the slots (explicit-copy staging).
+struct DevSlots {
     _keep: Keep,
+    kind: TransportKind,
+    base: Addr,
+    slot_bytes: usize,
+    /// Scratch base and its owner.
+    scratch: Option<(Addr, Keep)>,
 }
 
-impl Scratch {
-    /// The scratch of the slot at `slot` in a FIFO whose slots start at `slots_base`.
-    fn of(&self, slots_base: Addr, slot: Addr) -> Addr {
-        self.base + (slot - slots_base)
+impl DevSlots {
+    fn new(kind: TransportKind, base: Addr, slot_bytes: usize, keep: Keep) -> DevSlots {
+        DevSlots {
+            _keep: keep,
+            kind,
+            base,
+            slot_bytes,
+            scratch: None,
+        }
+    }
+
+    /// The device address of slot `i`.
+    fn addr(&self, i: usize) -> Addr {
+        self.base + (i * self.slot_bytes) as u64
+    }
+
+    /// The scratch of the slot at device address `slot`.
+    fn scratch(&self, slot: Addr) -> Option<Addr> {
+        self.scratch.as_ref().map(|(b, _)| b + (slot - self.base))
     }
 }
 
@@ -108,12 +128,8 @@ impl Scratch {
 pub struct FifoSend {
     // Declared first so it is dropped first: a host registration must end while the shm file is
     // still mapped.
-    _keep: Keep,
+    dev: DevSlots,
     ctl: ShmSend,
-    kind: TransportKind,
-    base: Addr,
-    slot_bytes: usize,
-    scratch: Option<Scratch>,
 }
 
 impl FifoSend {
@@ -121,40 +137,33 @@ impl FifoSend {
     pub fn new(ctl: ShmSend, kind: TransportKind, base: Addr, keep: Keep) -> FifoSend {
         let (_, slot_bytes) = ctl.geometry();
         FifoSend {
+            dev: DevSlots::new(kind, base, slot_bytes, keep),
             ctl,
-            kind,
-            base,
-            slot_bytes,
-            _keep: keep,
-            scratch: None,
         }
     }
 
-    /// Give the link device scratch of one slot per slot at `base`, kept alive by `keep`.
-    pub fn with_scratch(mut self, base: Addr, keep: Keep) -> Self {
-        self.scratch = Some(Scratch { base, _keep: keep });
+    /// Give the link device scratch of one slot per slot (base address and owner), if any.
+    pub fn with_scratch(mut self, scratch: Option<(Addr, Keep)>) -> Self {
+        self.dev.scratch = scratch;
         self
     }
 }
 
 impl DevSendLink for FifoSend {
     fn kind(&self) -> TransportKind {
-        self.kind
+        self.dev.kind
     }
     fn slot_bytes(&self) -> usize {
-        self.slot_bytes
+        self.dev.slot_bytes
     }
     fn reserve(&mut self) -> LinkResult<Option<Addr>> {
-        Ok(self
-            .ctl
-            .reserve_slot()?
-            .map(|s| self.base + (s * self.slot_bytes) as u64))
+        Ok(self.ctl.reserve_slot()?.map(|s| self.dev.addr(s)))
     }
     fn post(&mut self, header: &FrameHeader) -> LinkResult<()> {
         self.ctl.post_slot(header)
     }
     fn scratch(&self, slot: Addr) -> Option<Addr> {
-        self.scratch.as_ref().map(|s| s.of(self.base, slot))
+        self.dev.scratch(slot)
     }
     fn health(&mut self) -> LinkResult<()> {
         super::SendLink::health(&mut self.ctl)
@@ -166,14 +175,9 @@ impl DevSendLink for FifoSend {
 
 /// Receiver over an shm FIFO whose slots start at device address `base`.
 pub struct FifoRecv {
-    // Declared first so it is dropped first: a host registration must end while the shm file is
-    // still mapped.
-    _keep: Keep,
+    // Declared first so it is dropped first (as in `FifoSend`).
+    dev: DevSlots,
     ctl: ShmRecv,
-    kind: TransportKind,
-    base: Addr,
-    slot_bytes: usize,
-    scratch: Option<Scratch>,
 }
 
 impl FifoRecv {
@@ -181,31 +185,24 @@ impl FifoRecv {
     pub fn new(ctl: ShmRecv, kind: TransportKind, base: Addr, keep: Keep) -> FifoRecv {
         let (_, slot_bytes) = ctl.geometry();
         FifoRecv {
+            dev: DevSlots::new(kind, base, slot_bytes, keep),
             ctl,
-            kind,
-            base,
-            slot_bytes,
-            _keep: keep,
-            scratch: None,
         }
     }
 
-    /// Give the link device scratch of one slot per slot at `base`, kept alive by `keep`.
-    pub fn with_scratch(mut self, base: Addr, keep: Keep) -> Self {
-        self.scratch = Some(Scratch { base, _keep: keep });
+    /// Give the link device scratch of one slot per slot (base address and owner), if any.
+    pub fn with_scratch(mut self, scratch: Option<(Addr, Keep)>) -> Self {
+        self.dev.scratch = scratch;
         self
     }
 }
 
 impl DevRecvLink for FifoRecv {
     fn kind(&self) -> TransportKind {
-        self.kind
+        self.dev.kind
     }
     fn peek(&mut self, expect: &Expect) -> LinkResult<Option<Addr>> {
-        Ok(self
-            .ctl
-            .peek_slot(expect)?
-            .map(|s| self.base + (s * self.slot_bytes) as u64))
+        Ok(self.ctl.peek_slot(expect)?.map(|s| self.dev.addr(s)))
     }
     fn consume(&mut self) {
         self.ctl.consume()
@@ -214,7 +211,7 @@ impl DevRecvLink for FifoRecv {
         self.ctl.release_oldest()
     }
     fn scratch(&self, slot: Addr) -> Option<Addr> {
-        self.scratch.as_ref().map(|s| s.of(self.base, slot))
+        self.dev.scratch(slot)
     }
     fn health(&mut self) -> LinkResult<()> {
         super::RecvLink::health(&mut self.ctl)
