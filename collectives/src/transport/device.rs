@@ -27,6 +27,7 @@
 //! and kernels of consecutive slices overlap, up to `slots` frames per direction.
 
 use std::any::Any;
+use std::time::Duration;
 
 use super::shm::{ShmRecv, ShmSend};
 use super::tcp::{TcpRecv, TcpSend};
@@ -94,7 +95,7 @@ pub type Keep = Box<dyn Any + Send>;
 /// (slot `i` at `base + i × slot_bytes`), what keeps that memory usable, and optional device
 /// scratch parallel to the slots (explicit-copy staging).
 struct DevSlots {
-    _keep: Keep,
+    keep: Keep,
     kind: TransportKind,
     base: Addr,
     slot_bytes: usize,
@@ -105,7 +106,7 @@ struct DevSlots {
 impl DevSlots {
     fn new(kind: TransportKind, base: Addr, slot_bytes: usize, keep: Keep) -> DevSlots {
         DevSlots {
-            _keep: keep,
+            keep,
             kind,
             base,
             slot_bytes,
@@ -194,6 +195,30 @@ impl FifoRecv {
     pub fn with_scratch(mut self, scratch: Option<(Addr, Keep)>) -> Self {
         self.dev.scratch = scratch;
         self
+    }
+}
+
+/// How long a dropped `cuda_ipc` receiver waits for its sender to close its IPC mapping of the
+/// slots before it frees them.
+const IMPORT_CLOSE_WAIT: Duration = Duration::from_secs(2);
+
+impl Drop for FifoRecv {
+    fn drop(&mut self) {
+        // CUDA leaves it undefined to free exported memory before every importer has closed its
+        // IPC mapping, and the sender (another process) drops its end on its own schedule. So the
+        // slots are freed only once the sender has detached (or exited); if it has not within
+        // the wait (a hung or stuck peer), they are left allocated until this process exits.
+        if self.dev.kind == TransportKind::CudaIpc
+            && !self.ctl.sender_detached_within(IMPORT_CLOSE_WAIT)
+        {
+            tracing::warn!(
+                target: "ringzero::device",
+                "the sender still had this rank's device slots open after {:?}; leaving them \
+                 allocated until the process exits",
+                IMPORT_CLOSE_WAIT
+            );
+            std::mem::forget(std::mem::replace(&mut self.dev.keep, Box::new(())));
+        }
     }
 }
 
@@ -317,5 +342,78 @@ impl DevRecvLink for TcpDevRecv {
     }
     fn abort(&mut self, reason: &str) {
         super::RecvLink::abort(&mut self.tcp, reason)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    use std::time::Instant;
+
+    use super::*;
+
+    /// A stand-in owner of device slots that records whether it was dropped (freed).
+    struct Freed(Arc<AtomicBool>);
+    impl Drop for Freed {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+
+    fn ipc_pair(freed: &Arc<AtomicBool>) -> (FifoSend, FifoRecv) {
+        let dir = std::env::temp_dir();
+        let name = format!(
+            "ringzero-ipc-test-{}-{}",
+            std::process::id(),
+            rand::random::<u32>()
+        );
+        let ctl = ShmRecv::create_control(&dir, &name, 2, 4096, 0).unwrap();
+        let rx = FifoRecv::new(
+            ctl,
+            TransportKind::CudaIpc,
+            0x1000,
+            Box::new(Freed(freed.clone())),
+        );
+        let ctl = ShmSend::attach_control(&dir.join(&name), 2, 4096, 1).unwrap();
+        let tx = FifoSend::new(ctl, TransportKind::CudaIpc, 0x1000, Box::new(()));
+        (tx, rx)
+    }
+
+    #[test]
+    fn exported_slots_are_freed_only_after_the_importer_detached() {
+        // The sender drops first: the receiver frees at once.
+        let freed = Arc::new(AtomicBool::new(false));
+        let (tx, rx) = ipc_pair(&freed);
+        drop(tx);
+        let t = Instant::now();
+        drop(rx);
+        assert!(freed.load(Ordering::SeqCst));
+        assert!(t.elapsed() < IMPORT_CLOSE_WAIT);
+
+        // The sender is still attached: the receiver waits, then leaves the slots allocated.
+        let freed = Arc::new(AtomicBool::new(false));
+        let (tx, rx) = ipc_pair(&freed);
+        let t = Instant::now();
+        drop(rx);
+        assert!(t.elapsed() >= IMPORT_CLOSE_WAIT);
+        assert!(
+            !freed.load(Ordering::SeqCst),
+            "freed while the importer still had it open"
+        );
+        drop(tx);
+
+        // The sender detaches while the receiver waits: freed then.
+        let freed = Arc::new(AtomicBool::new(false));
+        let (tx, rx) = ipc_pair(&freed);
+        let late = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(200));
+            drop(tx);
+        });
+        let t = Instant::now();
+        drop(rx);
+        late.join().unwrap();
+        assert!(freed.load(Ordering::SeqCst));
+        assert!(t.elapsed() >= Duration::from_millis(200) && t.elapsed() < IMPORT_CLOSE_WAIT);
     }
 }

@@ -3,7 +3,7 @@
 //! Layout of the file (offsets in bytes):
 //! ```text
 //! 0     control block: magic, version, slots, slot_bytes, receiver pid, sender pid,
-//!       abort flag + reason (512 bytes)
+//!       sender-detached flag, abort flag + reason (512 bytes)
 //! 1024  head: frames the sender has published          (own cache line; written by the sender)
 //! 1088  tail: frames the receiver has released          (own cache line; written by the receiver)
 //! 4096  slot headers, 64 bytes each (a FrameHeader)
@@ -24,6 +24,11 @@
 //! both ends also offer a pipelined form of the protocol on slot indices:
 //! [`ShmSend::reserve_slot`]/[`ShmSend::post_slot`] and
 //! [`ShmRecv::peek_slot`]/[`ShmRecv::consume`]/[`ShmRecv::release_oldest`].
+//!
+//! The sender sets the *detached* flag when its end is dropped (after whatever it mapped of the
+//! receiver's slots is unmapped): the `cuda_ipc` receiver must not free device memory another
+//! process still has open through IPC, so it waits for that flag, briefly, before it does
+//! ([`ShmRecv::sender_detached_within`]).
 //!
 //! A dead peer is noticed by [`SendLink::health`]/[`RecvLink::health`]: the abort flag, and the
 //! peer's pid checked with `kill(pid, 0)` plus its `/proc` state (a zombie is dead).
@@ -51,6 +56,7 @@ const OFF_SEND_PID: usize = 28;
 const OFF_ABORT: usize = 32;
 const OFF_REASON_LEN: usize = 36;
 const OFF_DATA_IN_FILE: usize = 40;
+const OFF_SEND_DETACHED: usize = 44;
 const OFF_REASON: usize = 64;
 const REASON_CAP: usize = 512;
 const OFF_HEAD: usize = 1024;
@@ -309,6 +315,32 @@ impl Drop for ShmRecv {
     }
 }
 
+impl ShmRecv {
+    /// Whether the sender is gone from this FIFO — it never attached, dropped its end, or its
+    /// process has exited — waiting up to `wait` for it. A device-slot owner asks this before it
+    /// frees memory the sender may still have mapped.
+    pub fn sender_detached_within(&self, wait: Duration) -> bool {
+        let start = Instant::now();
+        loop {
+            let pid = self.seg.atomic_u32(OFF_SEND_PID).load(Ordering::Acquire);
+            if pid == 0
+                || self
+                    .seg
+                    .atomic_u32(OFF_SEND_DETACHED)
+                    .load(Ordering::Acquire)
+                    != 0
+                || !pid_alive(pid)
+            {
+                return true;
+            }
+            if start.elapsed() >= wait {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
+
 impl ShmSend {
     /// Map the segment rank `peer` created at `path`, check it, and unlink it.
     pub fn attach(path: &Path, slots: usize, slot_bytes: usize, peer: usize) -> Result<ShmSend> {
@@ -396,6 +428,16 @@ impl ShmSend {
             peer,
             last_health: Instant::now(),
         })
+    }
+}
+
+impl Drop for ShmSend {
+    fn drop(&mut self) {
+        // Owners of device mappings of the receiver's slots are dropped before this (see
+        // `FifoSend`), so the receiver may now free them.
+        self.seg
+            .atomic_u32(OFF_SEND_DETACHED)
+            .store(1, Ordering::Release);
     }
 }
 
