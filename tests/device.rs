@@ -321,3 +321,134 @@ fn bad_device_calls_are_refused_and_mismatched_calls_name_both() {
             .is_err());
     });
 }
+
+/// The host stream, except that once `hang` is set every copy it is given never completes: what
+/// a peer write through a broken P2P path looks like to the engine (the driver accepts the copy,
+/// its event never fires).
+struct HangingCopies {
+    inner: HostStream,
+    hang: bool,
+    hung: std::sync::atomic::AtomicBool,
+}
+
+impl ringzero::Stream for HangingCopies {
+    /// The host stream's marker, and whether a hung copy was queued before it.
+    type Marker = (u64, bool);
+    fn name(&self) -> String {
+        "host (copies hang)".into()
+    }
+    unsafe fn combine(
+        &self,
+        dtype: DType,
+        op: ReduceOp,
+        dst: u64,
+        a: u64,
+        b: u64,
+        n: usize,
+    ) -> Result<(), ringzero::device::DeviceError> {
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.combine(dtype, op, dst, a, b, n) }
+    }
+    unsafe fn divide(
+        &self,
+        dtype: DType,
+        dst: u64,
+        n: usize,
+        ranks: usize,
+    ) -> Result<(), ringzero::device::DeviceError> {
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.divide(dtype, dst, n, ranks) }
+    }
+    unsafe fn copy(
+        &self,
+        dst: u64,
+        src: u64,
+        bytes: usize,
+    ) -> Result<(), ringzero::device::DeviceError> {
+        if self.hang {
+            self.hung.store(true, std::sync::atomic::Ordering::SeqCst);
+            return Ok(());
+        }
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.copy(dst, src, bytes) }
+    }
+    fn mark(&self) -> Result<(u64, bool), ringzero::device::DeviceError> {
+        Ok((
+            self.inner.mark()?,
+            self.hung.load(std::sync::atomic::Ordering::SeqCst),
+        ))
+    }
+    fn done(&self, m: &(u64, bool)) -> Result<bool, ringzero::device::DeviceError> {
+        Ok(!m.1 && self.inner.done(&m.0)?)
+    }
+    unsafe fn map_host(
+        &self,
+        host: *mut u8,
+        bytes: usize,
+    ) -> Result<(u64, Box<dyn std::any::Any + Send>), ringzero::device::DeviceError> {
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.map_host(host, bytes) }
+    }
+    fn scratch(
+        &self,
+        bytes: usize,
+    ) -> Result<(u64, Box<dyn std::any::Any + Send>), ringzero::device::DeviceError> {
+        self.inner.scratch(bytes)
+    }
+    fn identity(&self) -> Option<[u8; 16]> {
+        None
+    }
+    fn can_access_peer(&self, peer: &[u8; 16]) -> Result<bool, String> {
+        self.inner.can_access_peer(peer)
+    }
+    fn export(
+        &self,
+        bytes: usize,
+    ) -> Result<ringzero::device::stream::Exported, ringzero::device::DeviceError> {
+        self.inner.export(bytes)
+    }
+    fn open_exported(
+        &self,
+        handle: &[u8; 64],
+        bytes: usize,
+    ) -> Result<(u64, Box<dyn std::any::Any + Send>), ringzero::device::DeviceError> {
+        self.inner.open_exported(handle, bytes)
+    }
+    unsafe fn read(&self, dst: &mut [u8], src: u64) -> Result<(), ringzero::device::DeviceError> {
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.read(dst, src) }
+    }
+}
+
+/// A rank whose probe copy never completes makes every rank's set-up fail within the probe
+/// deadline, naming that rank, instead of hanging in the copy.
+#[test]
+fn a_probe_copy_that_never_completes_fails_set_up_on_every_rank_naming_the_stuck_rank() {
+    let t = std::time::Instant::now();
+    let errs = threads(3, &Opts::default(), |rank, comm| {
+        let comm = comm.unwrap();
+        let stream = HangingCopies {
+            inner: HostStream::new(),
+            hang: rank == 1,
+            hung: Default::default(),
+        };
+        match DeviceComm::new(&comm, stream) {
+            Ok(_) => panic!("rank {rank}: set-up succeeded over a stuck copy"),
+            Err(e) => e.to_string(),
+        }
+    });
+    for (rank, e) in errs.iter().enumerate() {
+        assert!(e.contains("rank 1"), "rank {rank}: {e}");
+        assert!(
+            e.contains("copy of its probe into rank 2's slot did not complete"),
+            "rank {rank}: {e}"
+        );
+        assert!(e.contains("RINGZERO_P2P_DISABLE=1"), "rank {rank}: {e}");
+    }
+    // The probe deadline is 5 s; nothing waits for the test timeout.
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(20),
+        "{:?}",
+        t.elapsed()
+    );
+}

@@ -33,6 +33,7 @@ use crate::transport::device::{
     Addr, DevRecvLink, DevSendLink, FifoRecv, FifoSend, TcpDevRecv, TcpDevSend,
 };
 use crate::transport::shm::{ShmRecv, ShmSend};
+use crate::transport::wait::Waiter;
 use crate::transport::{tcp, TransportKind};
 use crate::wire::{Expect, Fingerprint, FrameHeader};
 
@@ -255,14 +256,25 @@ impl<S: Stream> DeviceComm<S> {
             let (links, send_kind) = self.build(comm, &recv_edge, prev, next)?;
             let mut links = links;
             let finding = self.probe(&mut links, round)?;
-            let mut rec = [0u8; FINDING_BYTES];
-            if let Some(f) = &finding {
-                rec[0] = 1;
-                let t: [u8; FINDING_BYTES - 1] = text(f);
-                rec[1..].copy_from_slice(&t);
+            let all = all_gather_bytes(comm, &finding.record())?;
+            let code = |r: usize| all[r * FINDING_BYTES];
+            let finding_of =
+                |r: usize| untext(&all[r * FINDING_BYTES + 1..(r + 1) * FINDING_BYTES]);
+            if let Some(r) = (0..size).find(|&r| code(r) == 2) {
+                if matches!(finding, Probe::Stuck(_)) {
+                    // The stuck copy may still write into the next rank's slots through these
+                    // mappings: they stay open.
+                    std::mem::forget(links);
+                }
+                return Err(Error::Protocol {
+                    peer: format!("rank {r}"),
+                    detail: format!(
+                        "device set-up failed, no transport can be rebuilt: {}",
+                        finding_of(r)
+                    ),
+                });
             }
-            let all = all_gather_bytes(comm, &rec)?;
-            let failed = |r: usize| all[r * FINDING_BYTES] == 1;
+            let failed = |r: usize| code(r) == 1;
             let send_edge = Edge {
                 from: rank,
                 to: next,
@@ -292,7 +304,7 @@ impl<S: Stream> DeviceComm<S> {
                 return Ok(());
             }
             drop(links);
-            let finding_text = untext(&all[rank * FINDING_BYTES + 1..(rank + 1) * FINDING_BYTES]);
+            let finding_text = finding_of(rank);
             recv_edge = topology::after_probe(
                 &self.cfg,
                 recv_edge,
@@ -507,9 +519,8 @@ impl<S: Stream> DeviceComm<S> {
         })
     }
 
-    /// Send a pattern to the next rank, check the one from the previous rank. The finding on the
-    /// receive edge, if the data was wrong or late.
-    fn probe(&self, links: &mut DevLinks, round: u64) -> Result<Option<String>> {
+    /// Send a pattern to the next rank, check the one from the previous rank.
+    fn probe(&self, links: &mut DevLinks, round: u64) -> Result<Probe> {
         let len = PROBE_BYTES.min(links.tx.slot_bytes());
         let fp = Fingerprint::new(Collective::Barrier, None, None, len);
         let seq = u64::MAX - round;
@@ -533,12 +544,43 @@ impl<S: Stream> DeviceComm<S> {
             }
             std::thread::yield_now();
         };
-        let pattern = probe_pattern(self.rank, len);
-        // SAFETY: `slot` is a reserved slot of `slot_bytes ≥ len` bytes at the next rank.
-        unsafe { self.stream.write(slot, &pattern) }.map_err(|e| Error::Device {
-            context: format!("writing the probe into rank {}'s slot", links.next),
-            source: e,
-        })?;
+        // The pattern goes through the device queue like any slice (a copy from page-locked host
+        // memory into the slot), so a peer write that never completes is seen here within the
+        // deadline instead of hanging set-up in a synchronous copy.
+        let mut src = memmap2::MmapMut::map_anon(len)
+            .map_err(|e| Error::io("allocating the probe pattern", e))?;
+        src.copy_from_slice(&probe_pattern(self.rank, len));
+        let to = format!("copying the probe into rank {}'s slot", links.next);
+        // SAFETY: an anonymous mapping is whole pages, so rounding `len` up to a page stays
+        // inside it; `src` outlives the registration `keep` (both dropped below, or leaked
+        // together if the copy never completes).
+        let (src_dev, keep) = unsafe {
+            self.stream
+                .map_host(src.as_mut_ptr(), len.next_multiple_of(4096))
+        }
+        .map_err(dev_err(&to))?;
+        // SAFETY: `slot` is a reserved slot of `slot_bytes ≥ len` bytes at the next rank, and
+        // `src_dev` the `len` registered bytes of `src`, both live until the copy completes.
+        unsafe { self.stream.copy(slot, src_dev, len) }.map_err(dev_err(&to))?;
+        let copied = self.stream.mark().map_err(dev_err(&to))?;
+        let (copy_start, mut wait) = (Instant::now(), Waiter::backoff());
+        while !self.stream.done(&copied).map_err(dev_err(&to))? {
+            if copy_start.elapsed() >= deadline {
+                // The copy may still write (and read `src`) whenever the device gets to it:
+                // keep everything it touches.
+                std::mem::forget((keep, src));
+                return Ok(Probe::Stuck(format!(
+                    "rank {}'s copy of its probe into rank {}'s slot did not complete within \
+                     {:.1}s (a peer path that hangs: run `ringzero diag`; RINGZERO_P2P_DISABLE=1 \
+                     avoids it)",
+                    self.rank,
+                    links.next,
+                    deadline.as_secs_f64()
+                )));
+            }
+            wait.idle(deadline);
+        }
+        drop((keep, src));
         links
             .tx
             .post(&FrameHeader::data(seq, 0, 0, fp, len))
@@ -562,7 +604,7 @@ impl<S: Stream> DeviceComm<S> {
                 break a;
             }
             if start.elapsed() >= deadline {
-                return Ok(Some(format!(
+                return Ok(Probe::Failed(format!(
                     "no probe frame from rank {} within {:.1}s",
                     links.prev,
                     deadline.as_secs_f64()
@@ -594,7 +636,10 @@ impl<S: Stream> DeviceComm<S> {
             }
             std::thread::yield_now();
         }
-        Ok(judge_probe(&probe_pattern(links.prev, len), &seen))
+        Ok(match judge_probe(&probe_pattern(links.prev, len), &seen) {
+            Some(f) => Probe::Failed(f),
+            None => Probe::Passed,
+        })
     }
 
     /// Run `coll` on raw device buffers.
@@ -695,6 +740,33 @@ impl<S: Stream> DeviceComm<S> {
             }
         }
         Ok(())
+    }
+}
+
+/// What a rank's start-up probe found.
+enum Probe {
+    /// Both directions passed.
+    Passed,
+    /// The receive edge delivered wrong data or nothing (the edge may be rebuilt).
+    Failed(String),
+    /// This rank's own probe copy never completed: its device queue is stuck behind it, so no
+    /// edge can be rebuilt on it.
+    Stuck(String),
+}
+
+impl Probe {
+    /// Code and text, as all-gathered.
+    fn record(&self) -> [u8; FINDING_BYTES] {
+        let mut rec = [0u8; FINDING_BYTES];
+        let (code, t) = match self {
+            Probe::Passed => return rec,
+            Probe::Failed(t) => (1, t),
+            Probe::Stuck(t) => (2, t),
+        };
+        rec[0] = code;
+        let t: [u8; FINDING_BYTES - 1] = text(t);
+        rec[1..].copy_from_slice(&t);
+        rec
     }
 }
 

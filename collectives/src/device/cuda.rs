@@ -105,11 +105,6 @@ impl Stream for Arc<Gpu> {
         Ok((m.ptr(), Box::new(m)))
     }
 
-    unsafe fn write(&self, dst: Addr, src: &[u8]) -> Result<(), DeviceError> {
-        // SAFETY: forwarded from the caller's contract.
-        unsafe { self.write_at(dst, src) }
-    }
-
     unsafe fn read(&self, dst: &mut [u8], src: Addr) -> Result<(), DeviceError> {
         // SAFETY: forwarded from the caller's contract.
         unsafe { self.read_at(dst, src) }

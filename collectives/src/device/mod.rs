@@ -19,6 +19,7 @@ mod cuda;
 pub mod stream;
 
 pub use comm::DeviceComm;
+pub use ringzero_kernels::device::DeviceError;
 pub use stream::{HostStream, Stream};
 
 use ringzero_kernels::{DType, Element, ReduceOp};

@@ -102,12 +102,6 @@ pub trait Stream: Send + Sync {
         bytes: usize,
     ) -> Result<(Addr, Box<dyn Any + Send>), DeviceError>;
 
-    /// Copy host bytes to `dst` and wait.
-    ///
-    /// # Safety
-    /// `dst..dst + src.len()` must be live device-addressable memory.
-    unsafe fn write(&self, dst: Addr, src: &[u8]) -> Result<(), DeviceError>;
-
     /// Wait for queued work, then copy from `src` into host bytes.
     ///
     /// # Safety
@@ -317,12 +311,6 @@ impl Stream for HostStream {
         Err(DeviceError::Invalid(
             "host buffers cannot open CUDA IPC memory".into(),
         ))
-    }
-
-    unsafe fn write(&self, dst: Addr, src: &[u8]) -> Result<(), DeviceError> {
-        // SAFETY: the caller guarantees the destination range.
-        unsafe { bytes_mut(dst, src.len()).copy_from_slice(src) };
-        Ok(())
     }
 
     unsafe fn read(&self, dst: &mut [u8], src: Addr) -> Result<(), DeviceError> {
