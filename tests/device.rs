@@ -452,3 +452,101 @@ fn a_probe_copy_that_never_completes_fails_set_up_on_every_rank_naming_the_stuck
         t.elapsed()
     );
 }
+
+/// Asynchronous calls return at once and are driven by the proxy thread: rank 0 submits, and
+/// only then (told through a barrier) do the others submit theirs — a submission that blocked
+/// until the collective finished would never return. Several calls queue in order, a blocking
+/// call waits for them, and every result is exact.
+#[test]
+fn async_device_collectives_run_on_the_proxy_thread_in_order() {
+    let n = 3;
+    let submitted = std::sync::Barrier::new(n);
+    let o = Opts {
+        slice_bytes: 1024,
+        ..Opts::default()
+    };
+    threads(n, &o, |rank, comm| {
+        let comm = comm.unwrap();
+        let mut dc = device_comm(&comm);
+        let count = 10_000usize;
+        let own = dc.chunk_range(count);
+        let grads = |k: usize| vec![(rank + k) as f32; count];
+        if rank != 0 {
+            submitted.wait();
+        }
+        let first = dc.all_reduce_async(grads(0), ReduceOp::Sum);
+        if rank == 0 {
+            submitted.wait();
+        }
+        let second = dc.all_reduce_async(grads(1), ReduceOp::Max);
+        let rs = dc.reduce_scatter_async(grads(2), vec![0.0f32; own.len()], ReduceOp::Sum);
+        let ag = dc.all_gather_async(vec![rank as f32 + 0.5; own.len()], vec![0.0f32; count]);
+        let root = vec![if rank == 2 { 7.0f32 } else { 0.0 }; count];
+        let bc = dc.broadcast_async(root, 2);
+        // A blocking call after them runs after them.
+        let mut last = vec![1.0f32; count];
+        dc.all_reduce_in_place(&mut last[..], ReduceOp::Sum)
+            .unwrap();
+        assert!(first.is_done() && bc.is_done(), "rank {rank}");
+        assert!(last.iter().all(|&v| v == n as f32));
+
+        let sum0: f32 = (0..n).map(|r| r as f32).sum();
+        assert!(
+            first.wait().unwrap().iter().all(|&v| v == sum0),
+            "rank {rank}"
+        );
+        let max1 = (n - 1 + 1) as f32;
+        assert!(
+            second.wait().unwrap().iter().all(|&v| v == max1),
+            "rank {rank}"
+        );
+        let (send, mine) = rs.wait().unwrap();
+        assert_eq!(send.len(), count);
+        let sum2: f32 = (0..n).map(|r| (r + 2) as f32).sum();
+        assert!(mine.iter().all(|&v| v == sum2), "rank {rank}");
+        let (_, all) = ag.wait().unwrap();
+        for r in 0..n {
+            let c = ringzero::chunk(count, n, r);
+            assert!(
+                all[c].iter().all(|&v| v == r as f32 + 0.5),
+                "rank {rank}: chunk {r}"
+            );
+        }
+        assert!(bc.wait().unwrap().iter().all(|&v| v == 7.0), "rank {rank}");
+    });
+}
+
+/// Bad arguments fail an asynchronous call's Work at once and use no sequence number; a
+/// mismatch found on the proxy thread fails that call on every rank and aborts the communicator,
+/// as a blocking one does.
+#[test]
+fn async_device_calls_refuse_bad_arguments_and_report_mismatches() {
+    threads(2, &Opts::default(), |rank, comm| {
+        let comm = comm.unwrap();
+        let dc = device_comm(&comm);
+        let e = dc
+            .reduce_scatter_async(vec![1.0f32; 10], vec![0.0f32; 9], ReduceOp::Sum)
+            .wait()
+            .unwrap_err();
+        assert!(e.to_string().contains("this rank's chunk"), "{e}");
+        let e = dc.broadcast_async(vec![1.0f32; 4], 5).wait().unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+        let ok = dc
+            .all_reduce_async(vec![1.0f32; 10], ReduceOp::Sum)
+            .wait()
+            .unwrap();
+        assert_eq!(ok, vec![2.0; 10]);
+        let op = if rank == 0 {
+            ReduceOp::Sum
+        } else {
+            ReduceOp::Min
+        };
+        let e = dc
+            .all_reduce_async(vec![1.0f32; 10], op)
+            .wait()
+            .unwrap_err();
+        assert!(e.to_string().contains("all_reduce"), "rank {rank}: {e}");
+        let later = dc.all_reduce_async(vec![1.0f32; 10], ReduceOp::Sum).wait();
+        assert!(later.is_err(), "rank {rank}: a call after the failure ran");
+    });
+}

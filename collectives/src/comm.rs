@@ -1,8 +1,7 @@
 //! The communicator: the public face of the library.
 
 use std::ops::Range;
-use std::sync::mpsc;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use ringzero_kernels::{DType, Element, ReduceOp};
 
@@ -14,7 +13,7 @@ use crate::ring::engine::{self, Bufs, Call, Counters, Links};
 use crate::ring::{chunk, plan, Collective, PlanArgs};
 use crate::topology::Edge;
 use crate::wire::Fingerprint;
-use crate::work::Work;
+use crate::work::{Work, Worker};
 
 /// A group of ranks that run collectives together.
 ///
@@ -46,10 +45,8 @@ use crate::work::Work;
 /// ```
 pub struct Communicator {
     inner: Arc<Inner>,
-    worker: Mutex<Option<mpsc::Sender<Job>>>,
+    worker: Worker,
 }
-
-type Job = Box<dyn FnOnce() + Send>;
 
 struct Inner {
     cfg: Config,
@@ -59,7 +56,6 @@ struct Inner {
     /// The address this rank's data connections use (None for one rank).
     data_ip: Option<std::net::IpAddr>,
     state: Mutex<State>,
-    pending: (Mutex<usize>, Condvar),
     // Rank 0 serves the store for as long as the communicator lives.
     _store: Option<StoreServer>,
 }
@@ -97,12 +93,11 @@ impl Communicator {
                 seq: 0,
                 failed: None,
             }),
-            pending: (Mutex::new(0), Condvar::new()),
             _store: store,
         });
         let comm = Communicator {
             inner,
-            worker: Mutex::new(None),
+            worker: Worker::new(format!("ringzero-worker-{rank}")),
         };
         if size > 1 {
             comm.barrier()?;
@@ -431,48 +426,20 @@ impl Communicator {
         &self,
         f: impl FnOnce(&Inner) -> Result<R> + Send + 'static,
     ) -> Work<R> {
-        let work = Work::new();
-        let slot = work.slot.clone();
         let inner = self.inner.clone();
-        *self.inner.pending.0.lock().unwrap() += 1;
-        let job: Job = Box::new(move || {
-            let r = f(&inner);
-            *slot.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
-            slot.1.notify_all();
-            let (count, cv) = &inner.pending;
-            *count.lock().unwrap() -= 1;
-            cv.notify_all();
-        });
-        let mut w = self.worker.lock().unwrap();
-        let sender = w.get_or_insert_with(|| {
-            let (jtx, jrx) = mpsc::channel::<Job>();
-            std::thread::Builder::new()
-                .name(format!("ringzero-worker-{}", self.rank()))
-                .spawn(move || jrx.into_iter().for_each(|job| job()))
-                .expect("spawning the ringzero worker thread");
-            jtx
-        });
-        if let Err(mpsc::SendError(job)) = sender.send(job) {
-            job(); // the worker is gone (cannot happen while we hold the sender); run inline
-        }
-        work
+        self.worker.submit(move || f(&inner))
     }
 
     /// Wait until every asynchronous collective submitted so far has finished.
     fn wait_async_idle(&self) {
-        let (count, cv) = &self.inner.pending;
-        let mut c = count.lock().unwrap();
-        while *c > 0 {
-            c = cv.wait(c).unwrap();
-        }
+        self.worker.wait_idle();
     }
 }
 
 impl Drop for Communicator {
     fn drop(&mut self) {
         // Stop the worker after the jobs already queued, then flush what the last call sent.
-        self.worker.lock().unwrap().take();
-        self.wait_async_idle();
+        self.worker.stop();
         let mut st = self.inner.lock();
         let seq = st.seq;
         let timeout = self.inner.cfg.timeout;

@@ -16,6 +16,7 @@
 
 use std::any::Any;
 use std::ops::Range;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use bytemuck::{Pod, Zeroable};
@@ -36,6 +37,7 @@ use crate::transport::shm::{ShmRecv, ShmSend};
 use crate::transport::wait::Waiter;
 use crate::transport::{tcp, TransportKind};
 use crate::wire::{Expect, Fingerprint, FrameHeader};
+use crate::work::{Work, Worker};
 
 /// What every rank tells the others about its device (fixed size, all-gathered).
 #[derive(Clone, Copy, Pod, Zeroable)]
@@ -146,13 +148,29 @@ pub fn judge_probe(expected: &[u8], seen: &[u8]) -> Option<String> {
 }
 
 /// Collectives on buffers of one device per rank (see the module docs).
+///
+/// Blocking calls (`all_reduce(&send, &mut recv, op)`) drive the ring on the calling thread.
+/// Asynchronous calls on owned buffers (`all_reduce_async(buf, op)`) return a [`Work`] at once
+/// and are driven by the communicator's proxy thread, in the order submitted, while the caller
+/// goes on (queueing its own kernels, for example); a blocking call waits for the asynchronous
+/// ones submitted before it, so every rank sees the same order.
 pub struct DeviceComm<S: Stream> {
-    stream: S,
+    pub(super) core: Arc<Core<S>>,
+    worker: Worker,
+}
+
+/// What the calling thread and the proxy thread share.
+pub(super) struct Core<S: Stream> {
+    pub(super) stream: S,
     cfg: Config,
     rank: usize,
     size: usize,
-    links: Option<DevLinks>,
     edges: Vec<Edge>,
+    state: Mutex<DevState>,
+}
+
+struct DevState {
+    links: Option<DevLinks>,
     seq: u64,
     failed: Option<Error>,
 }
@@ -160,52 +178,101 @@ pub struct DeviceComm<S: Stream> {
 impl<S: Stream> DeviceComm<S> {
     /// Connect the ring for `stream`'s buffers. Every rank of `comm` must call this together.
     pub fn new(comm: &Communicator, stream: S) -> Result<DeviceComm<S>> {
-        let cfg = comm.config().clone();
         let (rank, size) = (comm.rank(), comm.size());
-        let mut dc = DeviceComm {
+        let mut core = Core {
             stream,
-            cfg,
+            cfg: comm.config().clone(),
             rank,
             size,
-            links: None,
             edges: Vec::new(),
-            seq: 0,
-            failed: None,
+            state: Mutex::new(DevState {
+                links: None,
+                seq: 0,
+                failed: None,
+            }),
         };
         if size > 1 {
-            dc.connect(comm)?;
+            core.connect(comm)?;
         }
-        Ok(dc)
+        Ok(DeviceComm {
+            core: Arc::new(core),
+            worker: Worker::new(format!("ringzero-device-proxy-{rank}")),
+        })
     }
 
     /// This rank's two device edges (receive edge first), with the transport and why.
     pub fn edges(&self) -> &[Edge] {
-        &self.edges
+        &self.core.edges
     }
 
-    /// Payload bytes this rank's device links have moved.
+    /// Payload bytes this rank's device links have moved (asynchronous calls still running
+    /// included as far as they got).
     pub fn counters(&self) -> Counters {
-        self.links.as_ref().map(|l| l.counters).unwrap_or_default()
+        let st = self.core.lock();
+        st.links.as_ref().map(|l| l.counters).unwrap_or_default()
     }
 
     /// The stream (device) the buffers live on.
     pub fn stream(&self) -> &S {
-        &self.stream
+        &self.core.stream
     }
 
     /// This rank.
     pub fn rank(&self) -> usize {
-        self.rank
+        self.core.rank
     }
 
     /// Ranks.
     pub fn size(&self) -> usize {
-        self.size
+        self.core.size
     }
 
     /// The range of elements rank `rank()` owns in a reduce-scatter of `count`.
     pub fn chunk_range(&self, count: usize) -> Range<usize> {
-        chunk(count, self.size, self.rank)
+        chunk(count, self.core.size, self.core.rank)
+    }
+
+    /// Run `coll` on raw device buffers, after the asynchronous calls submitted before it.
+    ///
+    /// # Safety
+    /// The addresses in `bufs` must be memory of this communicator's device, of the lengths
+    /// given, not used by anything else until this returns.
+    pub unsafe fn run_raw(
+        &mut self,
+        coll: Collective,
+        dtype: DType,
+        op: ReduceOp,
+        count: usize,
+        bufs: DevBufs,
+    ) -> Result<()> {
+        self.worker.wait_idle();
+        // SAFETY: forwarded from the caller.
+        unsafe { self.core.execute(coll, dtype, op, count, bufs) }
+    }
+
+    /// Queue `f` for the proxy thread.
+    pub(super) fn submit<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Core<S>) -> Result<R> + Send + 'static,
+    ) -> Work<R>
+    where
+        S: 'static,
+    {
+        let core = self.core.clone();
+        self.worker.submit(move || f(&core))
+    }
+}
+
+impl<S: Stream> Drop for DeviceComm<S> {
+    fn drop(&mut self) {
+        // The queued asynchronous calls finish first (each within the engine's deadlines).
+        self.worker.stop();
+    }
+}
+
+impl<S: Stream> Core<S> {
+    fn lock(&self) -> MutexGuard<'_, DevState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn connect(&mut self, comm: &Communicator) -> Result<()> {
@@ -300,7 +367,10 @@ impl<S: Stream> DeviceComm<S> {
                     tracing::info!(target: "ringzero::topology", rank, "device edge {e}");
                 }
                 self.edges = vec![recv_edge, send_edge];
-                self.links = Some(links);
+                self.state
+                    .get_mut()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .links = Some(links);
                 return Ok(());
             }
             drop(links);
@@ -642,22 +712,24 @@ impl<S: Stream> DeviceComm<S> {
         })
     }
 
-    /// Run `coll` on raw device buffers.
+    /// Run `coll` on raw device buffers (the body of [`DeviceComm::run_raw`], on whichever thread
+    /// drives it).
     ///
     /// # Safety
-    /// The addresses in `bufs` must be memory of this communicator's device, of the lengths
-    /// given, not used by anything else until this returns.
-    pub unsafe fn run_raw(
-        &mut self,
+    /// As for [`DeviceComm::run_raw`].
+    pub(super) unsafe fn execute(
+        &self,
         coll: Collective,
         dtype: DType,
         op: ReduceOp,
         count: usize,
         bufs: DevBufs,
     ) -> Result<()> {
+        let mut st = self.lock();
+        let st = &mut *st;
         let fp = Fingerprint::new(coll, Some(dtype), Some(op), count);
-        let seq = self.seq;
-        if let Some(e) = &self.failed {
+        let seq = st.seq;
+        if let Some(e) = &st.failed {
             return Err(Error::Aborted {
                 op: fp.to_string(),
                 seq,
@@ -687,8 +759,8 @@ impl<S: Stream> DeviceComm<S> {
             stream_stores: false,
         };
         device_engine::check_sizes(&call, &bufs)?;
-        self.seq += 1;
-        let r = match self.links.as_mut() {
+        st.seq += 1;
+        let r = match st.links.as_mut() {
             // SAFETY: forwarded from the caller.
             Some(links) => unsafe { device_engine::run(&self.stream, links, &call, bufs) },
             None => {
@@ -699,10 +771,10 @@ impl<S: Stream> DeviceComm<S> {
         if let Err(e) = &r {
             if !matches!(e, Error::InvalidArgument { .. }) {
                 tracing::error!(target: "ringzero::device", rank = self.rank, "{e}");
-                if let Some(l) = self.links.as_mut() {
+                if let Some(l) = st.links.as_mut() {
                     l.abort(&format!("rank {}: {e}", self.rank));
                 }
-                self.failed = Some(e.clone());
+                st.failed = Some(e.clone());
             }
         }
         r

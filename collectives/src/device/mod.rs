@@ -28,6 +28,7 @@ use crate::error::{Error, Result};
 use crate::ring::device_engine::DevBufs;
 use crate::ring::Collective;
 use crate::transport::device::Addr;
+use crate::work::Work;
 
 /// A buffer a [`Stream`] can address.
 ///
@@ -114,15 +115,58 @@ fn need(c: Collective, what: &str, have: usize, want: usize) -> Result<()> {
     }
 }
 
+// SAFETY: a Vec's pointer and length describe exactly its elements, which the host stream
+// addresses directly; its heap allocation does not move while the Vec is borrowed (or moved).
+unsafe impl<T: Element> DeviceMemory<HostStream> for Vec<T> {
+    fn dtype(&self) -> DType {
+        T::DTYPE
+    }
+    fn elems(&self) -> usize {
+        self.len()
+    }
+    fn addr(&self, s: &HostStream) -> Addr {
+        self.as_slice().addr(s)
+    }
+    fn addr_mut(&mut self, s: &HostStream) -> Addr {
+        self.as_mut_slice().addr_mut(s)
+    }
+}
+
 impl<S: Stream> DeviceComm<S> {
-    fn split<B: DeviceMemory<S> + ?Sized>(&self, send: &B, recv: &mut B) -> DevBufs {
-        let s = self.stream();
-        DevBufs::Split {
-            input: send.addr(s),
-            input_bytes: send.elems() * send.dtype().size(),
-            output: recv.addr_mut(s),
-            output_bytes: recv.elems() * recv.dtype().size(),
+    /// Check an out-of-place call's buffers (element type and counts); the element count the
+    /// collective runs on.
+    fn check_split(
+        &self,
+        c: Collective,
+        send: (DType, usize),
+        recv: (DType, usize),
+    ) -> Result<usize> {
+        same_dtype(c, send.0, recv.0)?;
+        match c {
+            Collective::AllReduce => need(c, "recv", recv.1, send.1).map(|_| send.1),
+            Collective::ReduceScatter => {
+                let want = self.chunk_range(send.1).len();
+                need(c, "recv (this rank's chunk)", recv.1, want).map(|_| send.1)
+            }
+            _ => {
+                let want = self.chunk_range(recv.1).len();
+                need(c, "send (this rank's chunk of recv)", send.1, want).map(|_| recv.1)
+            }
         }
+    }
+
+    fn check_root(&self, root: usize) -> Result<Collective> {
+        let c = Collective::Broadcast { root };
+        if root >= self.size() {
+            return Err(bad(
+                c,
+                format!(
+                    "root {root} is not a rank of this {}-rank communicator",
+                    self.size()
+                ),
+            ));
+        }
+        Ok(c)
     }
 
     /// Every rank ends with `op` over every rank's `send`, in `recv`.
@@ -133,12 +177,11 @@ impl<S: Stream> DeviceComm<S> {
         op: ReduceOp,
     ) -> Result<()> {
         let c = Collective::AllReduce;
-        same_dtype(c, send.dtype(), recv.dtype())?;
-        need(c, "recv", recv.elems(), send.elems())?;
-        let bufs = self.split(send, recv);
+        let count = self.check_split(c, dims(send), dims(recv))?;
+        let bufs = split(self.stream(), send, recv);
         // SAFETY: `send` and `recv` are borrowed (shared and exclusive, so distinct) for the
         // whole call, and are memory of this stream by the DeviceMemory impl.
-        unsafe { self.run_raw(c, send.dtype(), op, send.elems(), bufs) }
+        unsafe { self.run_raw(c, send.dtype(), op, count, bufs) }
     }
 
     /// In-place all-reduce.
@@ -148,10 +191,7 @@ impl<S: Stream> DeviceComm<S> {
         op: ReduceOp,
     ) -> Result<()> {
         let (dtype, n) = (buf.dtype(), buf.elems());
-        let bufs = DevBufs::One {
-            buf: buf.addr_mut(self.stream()),
-            bytes: n * dtype.size(),
-        };
+        let bufs = one(self.stream(), buf);
         // SAFETY: `buf` is borrowed exclusively for the whole call.
         unsafe { self.run_raw(Collective::AllReduce, dtype, op, n, bufs) }
     }
@@ -165,12 +205,10 @@ impl<S: Stream> DeviceComm<S> {
         op: ReduceOp,
     ) -> Result<()> {
         let c = Collective::ReduceScatter;
-        same_dtype(c, send.dtype(), recv.dtype())?;
-        let want = self.chunk_range(send.elems()).len();
-        need(c, "recv (this rank's chunk)", recv.elems(), want)?;
-        let bufs = self.split(send, recv);
+        let count = self.check_split(c, dims(send), dims(recv))?;
+        let bufs = split(self.stream(), send, recv);
         // SAFETY: as for all_reduce.
-        unsafe { self.run_raw(c, send.dtype(), op, send.elems(), bufs) }
+        unsafe { self.run_raw(c, send.dtype(), op, count, bufs) }
     }
 
     /// Every rank ends with every rank's chunk of `recv` (this rank contributes `send`).
@@ -180,12 +218,10 @@ impl<S: Stream> DeviceComm<S> {
         recv: &mut B,
     ) -> Result<()> {
         let c = Collective::AllGather;
-        same_dtype(c, send.dtype(), recv.dtype())?;
-        let want = self.chunk_range(recv.elems()).len();
-        need(c, "send (this rank's chunk of recv)", send.elems(), want)?;
-        let bufs = self.split(send, recv);
+        let count = self.check_split(c, dims(send), dims(recv))?;
+        let bufs = split(self.stream(), send, recv);
         // SAFETY: as for all_reduce.
-        unsafe { self.run_raw(c, send.dtype(), ReduceOp::Sum, recv.elems(), bufs) }
+        unsafe { self.run_raw(c, send.dtype(), ReduceOp::Sum, count, bufs) }
     }
 
     /// Every rank ends with `root`'s `buf`.
@@ -194,22 +230,104 @@ impl<S: Stream> DeviceComm<S> {
         buf: &mut B,
         root: usize,
     ) -> Result<()> {
-        let c = Collective::Broadcast { root };
-        if root >= self.size() {
-            return Err(bad(
-                c,
-                format!(
-                    "root {root} is not a rank of this {}-rank communicator",
-                    self.size()
-                ),
-            ));
-        }
+        let c = self.check_root(root)?;
         let (dtype, n) = (buf.dtype(), buf.elems());
-        let bufs = DevBufs::One {
-            buf: buf.addr_mut(self.stream()),
-            bytes: n * dtype.size(),
-        };
+        let bufs = one(self.stream(), buf);
         // SAFETY: `buf` is borrowed exclusively for the whole call.
         unsafe { self.run_raw(c, dtype, ReduceOp::Sum, n, bufs) }
     }
+}
+
+/// Asynchronous forms: owned buffers, driven by the proxy thread (see [`DeviceComm`]). Each
+/// returns its buffers through the [`Work`]; bad arguments fail the `Work` at once and use no
+/// sequence number.
+impl<S: Stream + 'static> DeviceComm<S> {
+    /// In-place all-reduce of an owned buffer.
+    pub fn all_reduce_async<B>(&self, buf: B, op: ReduceOp) -> Work<B>
+    where
+        B: DeviceMemory<S> + Send + 'static,
+    {
+        self.submit_one(Collective::AllReduce, op, buf)
+    }
+
+    /// Reduce-scatter of `send` into `recv` (this rank's chunk); returns both.
+    pub fn reduce_scatter_async<B>(&self, send: B, recv: B, op: ReduceOp) -> Work<(B, B)>
+    where
+        B: DeviceMemory<S> + Send + 'static,
+    {
+        self.submit_split(Collective::ReduceScatter, op, send, recv)
+    }
+
+    /// All-gather of every rank's `send` (this rank's chunk of `recv`) into `recv`; returns both.
+    pub fn all_gather_async<B>(&self, send: B, recv: B) -> Work<(B, B)>
+    where
+        B: DeviceMemory<S> + Send + 'static,
+    {
+        self.submit_split(Collective::AllGather, ReduceOp::Sum, send, recv)
+    }
+
+    /// In-place broadcast of `root`'s buffer.
+    pub fn broadcast_async<B>(&self, buf: B, root: usize) -> Work<B>
+    where
+        B: DeviceMemory<S> + Send + 'static,
+    {
+        match self.check_root(root) {
+            Ok(c) => self.submit_one(c, ReduceOp::Sum, buf),
+            Err(e) => Work::failed(e),
+        }
+    }
+
+    fn submit_one<B>(&self, c: Collective, op: ReduceOp, mut buf: B) -> Work<B>
+    where
+        B: DeviceMemory<S> + Send + 'static,
+    {
+        self.submit(move |core| {
+            let (dtype, n) = (buf.dtype(), buf.elems());
+            let bufs = one(&core.stream, &mut buf);
+            // SAFETY: the job owns `buf` until the call returns, and the engine returns only
+            // once the device work touching it has completed.
+            unsafe { core.execute(c, dtype, op, n, bufs) }?;
+            Ok(buf)
+        })
+    }
+
+    fn submit_split<B>(&self, c: Collective, op: ReduceOp, send: B, mut recv: B) -> Work<(B, B)>
+    where
+        B: DeviceMemory<S> + Send + 'static,
+    {
+        let count = match self.check_split(c, dims(&send), dims(&recv)) {
+            Ok(n) => n,
+            Err(e) => return Work::failed(e),
+        };
+        self.submit(move |core| {
+            let bufs = split(&core.stream, &send, &mut recv);
+            // SAFETY: the job owns both buffers (distinct values, so distinct memory) until the
+            // call returns, and the engine returns only once the device work touching them has
+            // completed.
+            unsafe { core.execute(c, send.dtype(), op, count, bufs) }?;
+            Ok((send, recv))
+        })
+    }
+}
+
+/// The device address of an in-place call's buffer.
+fn one<S: Stream, B: DeviceMemory<S> + ?Sized>(s: &S, buf: &mut B) -> DevBufs {
+    DevBufs::One {
+        bytes: buf.elems() * buf.dtype().size(),
+        buf: buf.addr_mut(s),
+    }
+}
+
+/// The device addresses of an out-of-place call's buffers.
+fn split<S: Stream, B: DeviceMemory<S> + ?Sized>(s: &S, send: &B, recv: &mut B) -> DevBufs {
+    DevBufs::Split {
+        input: send.addr(s),
+        input_bytes: send.elems() * send.dtype().size(),
+        output: recv.addr_mut(s),
+        output_bytes: recv.elems() * recv.dtype().size(),
+    }
+}
+
+fn dims<S: Stream, B: DeviceMemory<S> + ?Sized>(b: &B) -> (DType, usize) {
+    (b.dtype(), b.elems())
 }
