@@ -98,6 +98,34 @@ fn one(
         }))
 }
 
+/// Four asynchronous all-reduces queued back to back (the proxy thread drives them, using the GPU
+/// from a thread that did not create its context), each checked exactly.
+fn async_all_reduce(dc: &DeviceComm<Arc<Gpu>>, gpu: &Arc<Gpu>, seed: usize) -> Result<(), String> {
+    let (r, n) = (dc.rank(), dc.size());
+    let (d, op, count) = (DType::F32, ReduceOp::Sum, (1usize << 20) + 7);
+    let e = |x: ringzero_kernels::device::DeviceError| x.to_string();
+    let mut works = Vec::new();
+    for k in 0..4 {
+        let input: Vec<f64> = (0..count).map(|i| value(d, op, r, i, seed + k)).collect();
+        let buf = gpu.upload(d, &to_bytes(d, &input)).map_err(e)?;
+        works.push(dc.all_reduce_async(buf, op));
+    }
+    for (k, w) in works.into_iter().enumerate() {
+        let out = w.wait().map_err(|x| x.to_string())?;
+        let mut bytes = vec![0u8; out.bytes()];
+        gpu.download(&out, &mut bytes).map_err(e)?;
+        let got = from_bytes(d, &bytes);
+        if let Some(i) = (0..count).find(|&i| got[i] != reference(d, op, n, i, seed + k)) {
+            return Err(format!(
+                "rank {r}: async all_reduce #{k}: element {i} is {} but should be {}",
+                got[i],
+                reference(d, op, n, i, seed + k)
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Run every check on this rank; rank 0's rows are the report.
 pub fn rank_main(comm: &Communicator, device: usize, bench: bool) -> Vec<Row> {
     let n = comm.size();
@@ -179,6 +207,14 @@ pub fn rank_main(comm: &Communicator, device: usize, bench: bool) -> Vec<Row> {
                 .unwrap_or_else(|| format!("{cases} cases (7 dtypes × 5 ops × 3 sizes) exact")),
         });
     }
+    let fail = async_all_reduce(&dc, &gpu, seed).err();
+    rows.push(Row {
+        check: format!("{label} n={n} async all_reduce"),
+        pass: fail.is_none(),
+        detail: fail.unwrap_or_else(|| {
+            "4 f32 sum all-reduces of 2^20+7 queued on the proxy thread, exact".into()
+        }),
+    });
     let sent = dc.counters().bytes_sent;
     rows.push(Row {
         check: format!("{label} n={n} bytes moved"),

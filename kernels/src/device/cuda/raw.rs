@@ -441,6 +441,11 @@ impl Gpu {
         if bytes == 0 {
             return Ok(());
         }
+        // The raw call does not make the context current itself, and the calling thread may be
+        // a communicator's proxy thread that has never used this device.
+        self.ctx
+            .bind_to_thread()
+            .map_err(driver("binding the context"))?;
         // SAFETY: the caller guarantees both ranges; the stream belongs to this context.
         unsafe { result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }
             .map_err(driver("copying device to device"))
