@@ -289,3 +289,71 @@ fn bandwidth(dc: &mut DeviceComm<Arc<Gpu>>, gpu: &Arc<Gpu>, staged: bool) -> Res
         ),
     })
 }
+
+/// gpu-check's killed-rank check: every rank all-reduces 64 MiB of f32 in a loop; `victim` sends
+/// itself SIGKILL in its fourth iteration, mid-ring. The others must fail with an error (a lost
+/// peer or an abort naming it) well before the deadline, never hang. Rank 0's row says how long
+/// after its last completed all-reduce the error came.
+pub fn killed_rank_main(comm: &Communicator, device: usize, victim: usize) -> Vec<Row> {
+    let n = comm.size();
+    let label = if comm.config().p2p_disable {
+        "staging"
+    } else {
+        "cuda_ipc"
+    };
+    let check = format!("{label} n={n} rank {victim} killed");
+    let row = |pass: bool, detail: String| {
+        vec![Row {
+            check: check.clone(),
+            pass,
+            detail,
+        }]
+    };
+    let gpu = match Gpu::open(device) {
+        Ok(g) => g,
+        Err(e) => return row(false, e.to_string()),
+    };
+    let mut dc = match DeviceComm::new(comm, gpu.clone()) {
+        Ok(dc) => dc,
+        Err(e) => return row(false, format!("connect: {e}")),
+    };
+    let count = 16 << 20;
+    let bufs = gpu
+        .upload(DType::F32, &vec![0x3Fu8; count * 4])
+        .and_then(|a| Ok((a, gpu.upload(DType::F32, &vec![0u8; count * 4])?)));
+    let (send, mut recv) = match bufs {
+        Ok(b) => b,
+        Err(e) => return row(false, e.to_string()),
+    };
+    let timeout = comm.config().timeout;
+    let mut last_ok = Instant::now();
+    for i in 0..1000 {
+        if dc.rank() == victim && i == 3 {
+            // Mid-ring on purpose: the peers are inside the same all-reduce.
+            let _ = rustix::process::kill_process(
+                rustix::process::getpid(),
+                rustix::process::Signal::KILL,
+            );
+        }
+        match dc.all_reduce(&send, &mut recv, ReduceOp::Sum) {
+            Ok(()) => last_ok = Instant::now(),
+            Err(e) => {
+                let after = last_ok.elapsed();
+                return row(
+                    after < timeout / 2,
+                    format!(
+                        "rank {} failed in iteration {i}, {:.2}s after its last all-reduce \
+                         (deadline {:.0}s): {e}",
+                        dc.rank(),
+                        after.as_secs_f64(),
+                        timeout.as_secs_f64()
+                    ),
+                );
+            }
+        }
+    }
+    row(
+        false,
+        format!("rank {} saw no error in 1000 all-reduces", dc.rank()),
+    )
+}

@@ -104,6 +104,9 @@ enum Cmd {
         /// Skip the bandwidth measurement.
         #[arg(long)]
         no_bench: bool,
+        /// Instead of the checks: all-reduce in a loop while this rank kills itself.
+        #[arg(long)]
+        kill_rank: Option<usize>,
     },
     /// Run one diag probe (used by `ringzero diag` in a child process).
     #[command(hide = true)]
@@ -427,6 +430,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 (2, DevMode::Staging),
                 (4, DevMode::Staging),
                 (2, DevMode::Tcp),
+                (4, DevMode::IpcKill),
+                (4, DevMode::StagingKill),
             ] {
                 eprintln!(
                     "ringzero gpu-check: collectives on device buffers, {ranks} processes, {}...",
@@ -434,6 +439,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                         DevMode::Ipc => "auto (cuda_ipc)",
                         DevMode::Staging => "RINGZERO_P2P_DISABLE=1",
                         DevMode::Tcp => "RINGZERO_TRANSPORT=tcp (pinned tcp staging)",
+                        DevMode::IpcKill => "cuda_ipc, rank 1 killed mid all-reduce",
+                        DevMode::StagingKill => "host staging, rank 1 killed mid all-reduce",
                     }
                 );
                 rows.extend(gpu_collectives(device, ranks, mode, no_bench));
@@ -453,9 +460,13 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             device,
             rows,
             no_bench,
+            kill_rank,
         } => {
             let comm = join("gpu-collectives", None, None)?;
-            let r = ringzero_tools::gpucoll::rank_main(&comm, device, !no_bench);
+            let r = match kill_rank {
+                Some(k) => ringzero_tools::gpucoll::killed_rank_main(&comm, device, k),
+                None => ringzero_tools::gpucoll::rank_main(&comm, device, !no_bench),
+            };
             if comm.rank() == 0 {
                 std::fs::write(&rows, serde_json::to_string(&r)?)
                     .with_context(|| format!("writing {}", rows.display()))?;
@@ -547,6 +558,10 @@ enum DevMode {
     Ipc,
     Staging,
     Tcp,
+    /// cuda_ipc, rank 1 kills itself mid all-reduce.
+    IpcKill,
+    /// Host staging, rank 1 kills itself mid all-reduce.
+    StagingKill,
 }
 
 /// gpu-check's collective checks: `ranks` processes on device `device` through the launcher.
@@ -560,10 +575,14 @@ fn gpu_collectives(
     let label = format!(
         "{} n={ranks}",
         match mode {
-            DevMode::Ipc => "cuda_ipc",
-            DevMode::Staging => "staging",
+            DevMode::Ipc | DevMode::IpcKill => "cuda_ipc",
+            DevMode::Staging | DevMode::StagingKill => "staging",
             DevMode::Tcp => "tcp",
         }
+    );
+    let (staged, kill) = (
+        matches!(mode, DevMode::Staging | DevMode::StagingKill),
+        matches!(mode, DevMode::IpcKill | DevMode::StagingKill),
     );
     let fail = |detail: String| {
         vec![Row {
@@ -586,6 +605,9 @@ fn gpu_collectives(
     if no_bench {
         args.push("--no-bench".into());
     }
+    if kill {
+        args.extend(["--kill-rank".into(), "1".into()]);
+    }
     let program = match std::env::current_exe() {
         Ok(p) => p,
         Err(e) => return fail(format!("finding this executable: {e}")),
@@ -598,12 +620,7 @@ fn gpu_collectives(
         env: vec![
             (
                 "RINGZERO_P2P_DISABLE".to_string(),
-                if matches!(mode, DevMode::Staging) {
-                    "1"
-                } else {
-                    "0"
-                }
-                .to_string(),
+                if staged { "1" } else { "0" }.to_string(),
             ),
             (
                 "RINGZERO_TRANSPORT".to_string(),
