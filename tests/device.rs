@@ -3,91 +3,16 @@
 //! call returns, as on a GPU), over the real shm staging FIFO with its pipelined protocol; the same
 //! engine drives CUDA devices (the GPU check script runs those tests where a GPU exists).
 
-use half::{bf16, f16};
 use ringzero::{
-    chunk, Collective, Communicator, DType, DeviceComm, Error, HostStream, ReduceOp, StagingMode,
+    Collective, Communicator, DType, DeviceComm, Error, HostStream, ReduceOp, StagingMode,
     TransportKind, TransportPref,
 };
 
-use crate::common::{expected, threads, value, Case, Opts, TestElem, GARBAGE};
-
-fn run_typed<T: TestElem>(dc: &mut DeviceComm<HostStream>, c: &Case) -> ringzero::Result<Vec<f64>> {
-    let (r, n, count) = (dc.rank(), dc.size(), c.count);
-    let input: Vec<T> = (0..count)
-        .map(|i| T::from_f64(value(c.dtype, c.op, r, i, c.seed)))
-        .collect();
-    let garbage = |len: usize| vec![T::from_f64(GARBAGE); len];
-    let own = chunk(count, n, r);
-    let out = match (c.coll, c.in_place) {
-        (Collective::AllReduce, false) => {
-            let mut out = garbage(count);
-            dc.all_reduce(&input[..], &mut out[..], c.op)?;
-            out
-        }
-        (Collective::AllReduce, true) => {
-            let mut b = input;
-            dc.all_reduce_in_place(&mut b[..], c.op)?;
-            b
-        }
-        (Collective::ReduceScatter, _) => {
-            let mut out = garbage(own.len());
-            dc.reduce_scatter(&input[..], &mut out[..], c.op)?;
-            out
-        }
-        (Collective::AllGather, _) => {
-            let mut out = garbage(count);
-            dc.all_gather(&input[own], &mut out[..])?;
-            out
-        }
-        (Collective::Broadcast { root }, _) => {
-            let mut b = if r == root { input } else { garbage(count) };
-            dc.broadcast_in_place(&mut b[..], root)?;
-            b
-        }
-        (other, _) => panic!("{other:?} has no device form in this test"),
-    };
-    Ok(out.into_iter().map(T::to_f64).collect())
-}
-
-fn run_case(dc: &mut DeviceComm<HostStream>, c: &Case) -> ringzero::Result<Vec<f64>> {
-    match c.dtype {
-        DType::F32 => run_typed::<f32>(dc, c),
-        DType::F64 => run_typed::<f64>(dc, c),
-        DType::F16 => run_typed::<f16>(dc, c),
-        DType::BF16 => run_typed::<bf16>(dc, c),
-        DType::I32 => run_typed::<i32>(dc, c),
-        DType::I64 => run_typed::<i64>(dc, c),
-        DType::U8 => run_typed::<u8>(dc, c),
-    }
-}
+use crate::common::{all_collectives, check_with, threads, Case, Opts};
 
 fn device_comm(comm: &Communicator) -> DeviceComm<HostStream> {
     DeviceComm::new(comm, HostStream::new())
         .unwrap_or_else(|e| panic!("rank {}: device comm: {e}", comm.rank()))
-}
-
-fn check(dc: &mut DeviceComm<HostStream>, c: &Case) {
-    let got = run_case(dc, c).unwrap_or_else(|e| panic!("rank {}: {c:?}: {e}", dc.rank()));
-    let mut want = expected(c, dc.size(), dc.rank());
-    if c.coll == Collective::ReduceScatter {
-        want = chunk(c.count, dc.size(), dc.rank())
-            .map(|i| want_rs(c, dc.size(), i))
-            .collect();
-    }
-    assert_eq!(got.len(), want.len(), "rank {}: {c:?}", dc.rank());
-    if let Some(i) = (0..got.len()).find(|&i| got[i] != want[i]) {
-        panic!(
-            "rank {} of {}: {c:?}: element {i} is {} but should be {}",
-            dc.rank(),
-            dc.size(),
-            got[i],
-            want[i]
-        );
-    }
-}
-
-fn want_rs(c: &Case, n: usize, i: usize) -> f64 {
-    crate::common::reference(c.dtype, c.op, n, i, c.seed)
 }
 
 #[test]
@@ -130,26 +55,28 @@ fn every_collective(transport: TransportPref, staging: StagingMode, ranks: &[usi
             let mut seed = 0;
             for dtype in DType::ALL {
                 for op in ReduceOp::ALL {
-                    for (count, coll, in_place) in [
-                        (1usize, Collective::AllReduce, false),
-                        (3001, Collective::AllReduce, false),
-                        (1023, Collective::AllReduce, true),
-                        (2050, Collective::ReduceScatter, false),
-                        (7, Collective::ReduceScatter, false),
-                        (2050, Collective::AllGather, false),
-                        (0, Collective::AllGather, false),
-                        (999, Collective::Broadcast { root: n - 1 }, true),
-                    ] {
-                        seed += 1;
-                        let c = Case {
-                            coll,
-                            count,
-                            dtype,
-                            op,
-                            in_place,
-                            seed,
-                        };
-                        check(&mut dc, &c);
+                    for (k, coll) in all_collectives(n - 1).into_iter().enumerate() {
+                        for in_place in [false, true] {
+                            // Counts: empty, one element, fewer than the ranks, and enough to
+                            // wrap the FIFO many times; the mix turns with the collective.
+                            for count in [[3001, 1], [7, 2050], [0, 999]][(k + seed) % 3] {
+                                let count = if coll == Collective::Barrier {
+                                    0
+                                } else {
+                                    count
+                                };
+                                seed += 1;
+                                let c = Case {
+                                    coll,
+                                    count,
+                                    dtype,
+                                    op,
+                                    in_place,
+                                    seed,
+                                };
+                                check_with(&mut dc, &c);
+                            }
+                        }
                     }
                 }
             }
@@ -302,6 +229,17 @@ fn bad_device_calls_are_refused_and_mismatched_calls_name_both() {
         assert!(e.to_string().contains("this rank's chunk"), "{e}");
         let mut b = [0.0f32; 4];
         assert!(dc.broadcast_in_place(&mut b[..], 2).is_err());
+        let e = dc
+            .reduce_in_place(&mut b[..], ReduceOp::Sum, 7)
+            .unwrap_err();
+        assert!(e.to_string().contains("root 7 is not a rank"), "{e}");
+        // The root's recv must match; on the other rank it is not written and may be empty.
+        let e = dc
+            .reduce(&send[..], &mut b[..], ReduceOp::Sum, rank)
+            .unwrap_err();
+        assert!(e.to_string().contains("recv has 4 elements, 10"), "{e}");
+        let e = dc.ring_shift(&send[..], &mut b[..]).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
         // Refused calls used no sequence number: the ranks are still in step.
         let mut out = vec![0.0f32; 10];
         dc.all_reduce(&send[..], &mut out[..], ReduceOp::Sum)

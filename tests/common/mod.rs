@@ -6,7 +6,8 @@
 use std::time::Duration;
 
 use ringzero::{
-    chunk, Collective, Communicator, Config, DType, ReduceOp, Result, StagingMode, TransportPref,
+    chunk, Collective, Communicator, Config, DType, DeviceComm, Element, HostStream, ReduceOp,
+    Result, StagingMode, TransportPref,
 };
 
 /// A port that was free a moment ago.
@@ -98,20 +99,119 @@ pub struct Case {
     pub seed: usize,
 }
 
+/// The collectives on host slices that both communicators offer — the host [`Communicator`] and
+/// [`DeviceComm`] on the host stream — so one driver checks both against one reference.
+pub trait Colls {
+    fn rank(&self) -> usize;
+    fn size(&self) -> usize;
+    fn all_reduce<T: Element>(&mut self, s: &[T], r: &mut [T], op: ReduceOp) -> Result<()>;
+    fn all_reduce_in_place<T: Element>(&mut self, b: &mut [T], op: ReduceOp) -> Result<()>;
+    fn reduce_scatter<T: Element>(&mut self, s: &[T], r: &mut [T], op: ReduceOp) -> Result<()>;
+    fn reduce_scatter_in_place<T: Element>(&mut self, b: &mut [T], op: ReduceOp) -> Result<()>;
+    fn all_gather<T: Element>(&mut self, s: &[T], r: &mut [T]) -> Result<()>;
+    fn all_gather_in_place<T: Element>(&mut self, b: &mut [T]) -> Result<()>;
+    fn broadcast<T: Element>(&mut self, s: &[T], r: &mut [T], root: usize) -> Result<()>;
+    fn broadcast_in_place<T: Element>(&mut self, b: &mut [T], root: usize) -> Result<()>;
+    fn reduce<T: Element>(&mut self, s: &[T], r: &mut [T], op: ReduceOp, root: usize)
+        -> Result<()>;
+    fn reduce_in_place<T: Element>(&mut self, b: &mut [T], op: ReduceOp, root: usize)
+        -> Result<()>;
+    fn ring_shift<T: Element>(&mut self, s: &[T], r: &mut [T]) -> Result<()>;
+    fn ring_shift_in_place<T: Element>(&mut self, b: &mut [T]) -> Result<()>;
+    fn barrier(&mut self) -> Result<()>;
+}
+
+/// Forward every [`Colls`] method to the inherent method of the same name on `$ty` (by path, so
+/// the trait method never calls itself).
+macro_rules! forward_colls {
+    ($impl_for:ty, $ty:ty) => {
+        impl Colls for $impl_for {
+            fn rank(&self) -> usize {
+                <$ty>::rank(self)
+            }
+            fn size(&self) -> usize {
+                <$ty>::size(self)
+            }
+            fn all_reduce<T: Element>(&mut self, s: &[T], r: &mut [T], op: ReduceOp) -> Result<()> {
+                <$ty>::all_reduce(self, s, r, op)
+            }
+            fn all_reduce_in_place<T: Element>(&mut self, b: &mut [T], op: ReduceOp) -> Result<()> {
+                <$ty>::all_reduce_in_place(self, b, op)
+            }
+            fn reduce_scatter<T: Element>(
+                &mut self,
+                s: &[T],
+                r: &mut [T],
+                op: ReduceOp,
+            ) -> Result<()> {
+                <$ty>::reduce_scatter(self, s, r, op)
+            }
+            fn reduce_scatter_in_place<T: Element>(
+                &mut self,
+                b: &mut [T],
+                op: ReduceOp,
+            ) -> Result<()> {
+                <$ty>::reduce_scatter_in_place(self, b, op)
+            }
+            fn all_gather<T: Element>(&mut self, s: &[T], r: &mut [T]) -> Result<()> {
+                <$ty>::all_gather(self, s, r)
+            }
+            fn all_gather_in_place<T: Element>(&mut self, b: &mut [T]) -> Result<()> {
+                <$ty>::all_gather_in_place(self, b)
+            }
+            fn broadcast<T: Element>(&mut self, s: &[T], r: &mut [T], root: usize) -> Result<()> {
+                <$ty>::broadcast(self, s, r, root)
+            }
+            fn broadcast_in_place<T: Element>(&mut self, b: &mut [T], root: usize) -> Result<()> {
+                <$ty>::broadcast_in_place(self, b, root)
+            }
+            fn reduce<T: Element>(
+                &mut self,
+                s: &[T],
+                r: &mut [T],
+                op: ReduceOp,
+                root: usize,
+            ) -> Result<()> {
+                <$ty>::reduce(self, s, r, op, root)
+            }
+            fn reduce_in_place<T: Element>(
+                &mut self,
+                b: &mut [T],
+                op: ReduceOp,
+                root: usize,
+            ) -> Result<()> {
+                <$ty>::reduce_in_place(self, b, op, root)
+            }
+            fn ring_shift<T: Element>(&mut self, s: &[T], r: &mut [T]) -> Result<()> {
+                <$ty>::ring_shift(self, s, r)
+            }
+            fn ring_shift_in_place<T: Element>(&mut self, b: &mut [T]) -> Result<()> {
+                <$ty>::ring_shift_in_place(self, b)
+            }
+            fn barrier(&mut self) -> Result<()> {
+                <$ty>::barrier(self)
+            }
+        }
+    };
+}
+
+forward_colls!(&Communicator, Communicator);
+forward_colls!(DeviceComm<HostStream>, DeviceComm<HostStream>);
+
 /// Run `case` on `comm` with the right element type; returns what this rank ends with.
-pub fn run_case(comm: &Communicator, c: &Case) -> Result<Vec<f64>> {
+pub fn run_case<C: Colls>(comm: &mut C, c: &Case) -> Result<Vec<f64>> {
     match c.dtype {
-        DType::F32 => run_typed::<f32>(comm, c),
-        DType::F64 => run_typed::<f64>(comm, c),
-        DType::F16 => run_typed::<f16>(comm, c),
-        DType::BF16 => run_typed::<bf16>(comm, c),
-        DType::I32 => run_typed::<i32>(comm, c),
-        DType::I64 => run_typed::<i64>(comm, c),
-        DType::U8 => run_typed::<u8>(comm, c),
+        DType::F32 => run_typed::<f32, C>(comm, c),
+        DType::F64 => run_typed::<f64, C>(comm, c),
+        DType::F16 => run_typed::<f16, C>(comm, c),
+        DType::BF16 => run_typed::<bf16, C>(comm, c),
+        DType::I32 => run_typed::<i32, C>(comm, c),
+        DType::I64 => run_typed::<i64, C>(comm, c),
+        DType::U8 => run_typed::<u8, C>(comm, c),
     }
 }
 
-fn run_typed<T: TestElem>(comm: &Communicator, c: &Case) -> Result<Vec<f64>> {
+fn run_typed<T: TestElem, C: Colls>(comm: &mut C, c: &Case) -> Result<Vec<f64>> {
     let (r, n, count) = (comm.rank(), comm.size(), c.count);
     let mine = |i: usize| T::from_f64(value(c.dtype, c.op, r, i, c.seed));
     let input: Vec<T> = (0..count).map(mine).collect();
@@ -237,6 +337,11 @@ pub fn expected(c: &Case, n: usize, r: usize) -> Vec<f64> {
 /// Run `case` on every rank of `comm` and compare with the reference; panics with the first
 /// difference.
 pub fn check_case(comm: &Communicator, c: &Case) {
+    check_with(&mut { comm }, c)
+}
+
+/// [`check_case`] on either communicator.
+pub fn check_with<C: Colls>(comm: &mut C, c: &Case) {
     let got = run_case(comm, c).unwrap_or_else(|e| panic!("rank {}: {c:?}: {e}", comm.rank()));
     let want = expected(c, comm.size(), comm.rank());
     assert_eq!(got.len(), want.len(), "rank {}: {c:?} length", comm.rank());

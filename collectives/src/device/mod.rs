@@ -133,40 +133,84 @@ unsafe impl<T: Element> DeviceMemory<HostStream> for Vec<T> {
 }
 
 impl<S: Stream> DeviceComm<S> {
-    /// Check an out-of-place call's buffers (element type and counts); the element count the
-    /// collective runs on.
+    /// Refuse a root that is not a rank.
+    fn check_root(&self, c: Collective) -> Result<()> {
+        match c {
+            Collective::Broadcast { root } | Collective::Reduce { root } if root >= self.size() => {
+                Err(bad(
+                    c,
+                    format!(
+                        "root {root} is not a rank of this {}-rank communicator",
+                        self.size()
+                    ),
+                ))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Check an out-of-place call's buffers (element type, counts, root); the element count the
+    /// collective runs on. The rules are the host [`crate::Communicator`]'s.
     fn check_split(
         &self,
         c: Collective,
         send: (DType, usize),
         recv: (DType, usize),
     ) -> Result<usize> {
+        self.check_root(c)?;
         same_dtype(c, send.0, recv.0)?;
+        let is_root = |root: usize| root == self.rank();
         match c {
-            Collective::AllReduce => need(c, "recv", recv.1, send.1).map(|_| send.1),
+            Collective::AllReduce | Collective::RingShift => {
+                need(c, "recv", recv.1, send.1).map(|_| send.1)
+            }
             Collective::ReduceScatter => {
                 let want = self.chunk_range(send.1).len();
                 need(c, "recv (this rank's chunk)", recv.1, want).map(|_| send.1)
             }
-            _ => {
+            Collective::AllGather => {
                 let want = self.chunk_range(recv.1).len();
                 need(c, "send (this rank's chunk of recv)", send.1, want).map(|_| recv.1)
             }
+            // Only the root's send is read.
+            Collective::Broadcast { root } if is_root(root) => {
+                need(c, "send", send.1, recv.1).map(|_| recv.1)
+            }
+            Collective::Broadcast { .. } => Ok(recv.1),
+            // Only the root's recv is written.
+            Collective::Reduce { root } if is_root(root) => {
+                need(c, "recv", recv.1, send.1).map(|_| send.1)
+            }
+            Collective::Reduce { .. } => Ok(send.1),
+            Collective::Barrier => Ok(0),
         }
     }
 
-    fn check_root(&self, root: usize) -> Result<Collective> {
-        let c = Collective::Broadcast { root };
-        if root >= self.size() {
-            return Err(bad(
-                c,
-                format!(
-                    "root {root} is not a rank of this {}-rank communicator",
-                    self.size()
-                ),
-            ));
-        }
-        Ok(c)
+    fn out_of_place<B: DeviceMemory<S> + ?Sized>(
+        &mut self,
+        c: Collective,
+        op: ReduceOp,
+        send: &B,
+        recv: &mut B,
+    ) -> Result<()> {
+        let count = self.check_split(c, dims(send), dims(recv))?;
+        let bufs = split(self.stream(), send, recv);
+        // SAFETY: `send` and `recv` are borrowed (shared and exclusive, so distinct) for the
+        // whole call, and are memory of this stream by the DeviceMemory impl.
+        unsafe { self.run_raw(c, send.dtype(), op, count, bufs) }
+    }
+
+    fn in_place<B: DeviceMemory<S> + ?Sized>(
+        &mut self,
+        c: Collective,
+        op: ReduceOp,
+        buf: &mut B,
+    ) -> Result<()> {
+        self.check_root(c)?;
+        let (dtype, n) = dims(buf);
+        let bufs = one(self.stream(), buf);
+        // SAFETY: `buf` is borrowed exclusively for the whole call.
+        unsafe { self.run_raw(c, dtype, op, n, bufs) }
     }
 
     /// Every rank ends with `op` over every rank's `send`, in `recv`.
@@ -176,12 +220,7 @@ impl<S: Stream> DeviceComm<S> {
         recv: &mut B,
         op: ReduceOp,
     ) -> Result<()> {
-        let c = Collective::AllReduce;
-        let count = self.check_split(c, dims(send), dims(recv))?;
-        let bufs = split(self.stream(), send, recv);
-        // SAFETY: `send` and `recv` are borrowed (shared and exclusive, so distinct) for the
-        // whole call, and are memory of this stream by the DeviceMemory impl.
-        unsafe { self.run_raw(c, send.dtype(), op, count, bufs) }
+        self.out_of_place(Collective::AllReduce, op, send, recv)
     }
 
     /// In-place all-reduce.
@@ -190,10 +229,7 @@ impl<S: Stream> DeviceComm<S> {
         buf: &mut B,
         op: ReduceOp,
     ) -> Result<()> {
-        let (dtype, n) = (buf.dtype(), buf.elems());
-        let bufs = one(self.stream(), buf);
-        // SAFETY: `buf` is borrowed exclusively for the whole call.
-        unsafe { self.run_raw(Collective::AllReduce, dtype, op, n, bufs) }
+        self.in_place(Collective::AllReduce, op, buf)
     }
 
     /// Rank `r` ends with chunk `r` (see [`DeviceComm::chunk_range`]) of `op` over every rank's
@@ -204,11 +240,17 @@ impl<S: Stream> DeviceComm<S> {
         recv: &mut B,
         op: ReduceOp,
     ) -> Result<()> {
-        let c = Collective::ReduceScatter;
-        let count = self.check_split(c, dims(send), dims(recv))?;
-        let bufs = split(self.stream(), send, recv);
-        // SAFETY: as for all_reduce.
-        unsafe { self.run_raw(c, send.dtype(), op, count, bufs) }
+        self.out_of_place(Collective::ReduceScatter, op, send, recv)
+    }
+
+    /// In-place reduce-scatter: the reduced chunk [`DeviceComm::chunk_range`]`(buf.elems())` is
+    /// written over that part of `buf`; the rest of `buf` is left as it was.
+    pub fn reduce_scatter_in_place<B: DeviceMemory<S> + ?Sized>(
+        &mut self,
+        buf: &mut B,
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.in_place(Collective::ReduceScatter, op, buf)
     }
 
     /// Every rank ends with every rank's chunk of `recv` (this rank contributes `send`).
@@ -217,11 +259,24 @@ impl<S: Stream> DeviceComm<S> {
         send: &B,
         recv: &mut B,
     ) -> Result<()> {
-        let c = Collective::AllGather;
-        let count = self.check_split(c, dims(send), dims(recv))?;
-        let bufs = split(self.stream(), send, recv);
-        // SAFETY: as for all_reduce.
-        unsafe { self.run_raw(c, send.dtype(), ReduceOp::Sum, count, bufs) }
+        self.out_of_place(Collective::AllGather, ReduceOp::Sum, send, recv)
+    }
+
+    /// In-place all-gather: this rank's chunk of `buf` is sent, every other chunk is
+    /// overwritten.
+    pub fn all_gather_in_place<B: DeviceMemory<S> + ?Sized>(&mut self, buf: &mut B) -> Result<()> {
+        self.in_place(Collective::AllGather, ReduceOp::Sum, buf)
+    }
+
+    /// Every rank's `recv` ends with `root`'s `send`. On other ranks `send` is not read (and may
+    /// be empty); on the root it must be as long as `recv`.
+    pub fn broadcast<B: DeviceMemory<S> + ?Sized>(
+        &mut self,
+        send: &B,
+        recv: &mut B,
+        root: usize,
+    ) -> Result<()> {
+        self.out_of_place(Collective::Broadcast { root }, ReduceOp::Sum, send, recv)
     }
 
     /// Every rank ends with `root`'s `buf`.
@@ -230,11 +285,52 @@ impl<S: Stream> DeviceComm<S> {
         buf: &mut B,
         root: usize,
     ) -> Result<()> {
-        let c = self.check_root(root)?;
-        let (dtype, n) = (buf.dtype(), buf.elems());
-        let bufs = one(self.stream(), buf);
-        // SAFETY: `buf` is borrowed exclusively for the whole call.
-        unsafe { self.run_raw(c, dtype, ReduceOp::Sum, n, bufs) }
+        self.in_place(Collective::Broadcast { root }, ReduceOp::Sum, buf)
+    }
+
+    /// `op` over every rank's `send` into `root`'s `recv` (as long as `send`). On other ranks
+    /// `recv` is not written (and may be empty).
+    pub fn reduce<B: DeviceMemory<S> + ?Sized>(
+        &mut self,
+        send: &B,
+        recv: &mut B,
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<()> {
+        self.out_of_place(Collective::Reduce { root }, op, send, recv)
+    }
+
+    /// In-place reduce: `root`'s `buf` receives the result; other ranks' buffers are unchanged.
+    pub fn reduce_in_place<B: DeviceMemory<S> + ?Sized>(
+        &mut self,
+        buf: &mut B,
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<()> {
+        self.in_place(Collective::Reduce { root }, op, buf)
+    }
+
+    /// Send `send` to the next rank and receive the previous rank's buffer into `recv` (same
+    /// length on every rank): the ring's raw streaming rate, and ring attention's exchange.
+    pub fn ring_shift<B: DeviceMemory<S> + ?Sized>(
+        &mut self,
+        send: &B,
+        recv: &mut B,
+    ) -> Result<()> {
+        self.out_of_place(Collective::RingShift, ReduceOp::Sum, send, recv)
+    }
+
+    /// In-place [`DeviceComm::ring_shift`].
+    pub fn ring_shift_in_place<B: DeviceMemory<S> + ?Sized>(&mut self, buf: &mut B) -> Result<()> {
+        self.in_place(Collective::RingShift, ReduceOp::Sum, buf)
+    }
+
+    /// Return only once every rank has entered the barrier (and the device work queued by
+    /// earlier calls has completed).
+    pub fn barrier(&mut self) -> Result<()> {
+        let none = DevBufs::One { buf: 0, bytes: 0 };
+        // SAFETY: no buffer: the barrier moves empty frames only.
+        unsafe { self.run_raw(Collective::Barrier, DType::U8, ReduceOp::Sum, 0, none) }
     }
 }
 
@@ -271,8 +367,9 @@ impl<S: Stream + 'static> DeviceComm<S> {
     where
         B: DeviceMemory<S> + Send + 'static,
     {
-        match self.check_root(root) {
-            Ok(c) => self.submit_one(c, ReduceOp::Sum, buf),
+        let c = Collective::Broadcast { root };
+        match self.check_root(c) {
+            Ok(()) => self.submit_one(c, ReduceOp::Sum, buf),
             Err(e) => Work::failed(e),
         }
     }
