@@ -4,20 +4,18 @@
 //! communicator. Device collectives return once their work has completed, so host wall time is
 //! the call's time.
 //!
-//! Device buffers support all-reduce (out of place and in place), reduce-scatter and all-gather
-//! (out of place) and broadcast (in place); other variants are left out of the sweep and said so.
+//! Every collective runs on device buffers, out of place and in place, as on the host.
 //! The α–β columns stay empty: the model is measured on the host links, not on device copies.
 
 use std::sync::Arc;
 
 use ringzero_collectives::{
-    chunk, Collective, Communicator, DType, DeviceComm, DeviceMemory, HostStream, ReduceOp, Result,
-    Stream,
+    Collective, Communicator, DType, DeviceComm, DeviceMemory, HostStream, ReduceOp, Result, Stream,
 };
 use ringzero_kernels::device::cuda::{DeviceBuffer, Gpu};
 
-use super::exact::{decode, encode, reference, value};
-use super::sweep::{row, timed, Row, SweepArgs};
+use super::exact::{self, decode, encode, value};
+use super::sweep::{row, timed, wrong, Row, SweepArgs};
 
 /// A stream the bench can make and read buffers on.
 pub trait BenchDev: Stream + Sized {
@@ -87,17 +85,6 @@ impl BenchDev for Arc<Gpu> {
     }
 }
 
-/// Whether device buffers support `op` in this variant.
-pub fn supports(op: Collective, inplace: bool) -> bool {
-    matches!(
-        (op, inplace),
-        (Collective::AllReduce, _)
-            | (Collective::ReduceScatter, false)
-            | (Collective::AllGather, false)
-            | (Collective::Broadcast { .. }, true)
-    )
-}
-
 fn dev_err(what: &str, e: String) -> ringzero_collectives::Error {
     ringzero_collectives::Error::Io {
         context: format!("bench on device buffers: {what}"),
@@ -105,7 +92,7 @@ fn dev_err(what: &str, e: String) -> ringzero_collectives::Error {
     }
 }
 
-/// One call; `send` holds the input (and the result in place), `recv` the output.
+/// One call; in place it works on `send` (all-gather: on `recv`), as the host sweep does.
 fn call<D: BenchDev>(
     dc: &mut DeviceComm<D>,
     op: Collective,
@@ -118,26 +105,30 @@ fn call<D: BenchDev>(
         (Collective::AllReduce, false) => dc.all_reduce(send, recv, redop),
         (Collective::AllReduce, true) => dc.all_reduce_in_place(send, redop),
         (Collective::ReduceScatter, false) => dc.reduce_scatter(send, recv, redop),
+        (Collective::ReduceScatter, true) => dc.reduce_scatter_in_place(send, redop),
         (Collective::AllGather, false) => dc.all_gather(send, recv),
+        (Collective::AllGather, true) => dc.all_gather_in_place(recv),
+        (Collective::Broadcast { root }, false) => dc.broadcast(send, recv, root),
         (Collective::Broadcast { root }, true) => dc.broadcast_in_place(send, root),
-        (op, inplace) => Err(ringzero_collectives::Error::InvalidArgument {
-            op: op.name().into(),
-            msg: format!(
-                "{} on device buffers is not supported",
-                if inplace { "in place" } else { "out of place" }
-            ),
-        }),
+        (Collective::Reduce { root }, false) => dc.reduce(send, recv, redop, root),
+        (Collective::Reduce { root }, true) => dc.reduce_in_place(send, redop, root),
+        (Collective::Barrier, _) => dc.barrier(),
+        (Collective::RingShift, false) => dc.ring_shift(send, recv),
+        (Collective::RingShift, true) => dc.ring_shift_in_place(send),
     }
 }
 
-/// Input and output lengths of `op` with `count` elements on this rank.
-fn lens(op: Collective, n: usize, rank: usize, count: usize) -> (usize, usize) {
-    let own = chunk(count, n, rank).len();
-    match op {
-        Collective::ReduceScatter => (count, own),
-        Collective::AllGather => (own, count),
-        _ => (count, count),
-    }
+/// Buffers holding `send` and `recv` as `dtype`.
+fn buffers<D: BenchDev>(
+    dc: &DeviceComm<D>,
+    dtype: DType,
+    (send, recv): (Vec<f64>, Vec<f64>),
+) -> Result<(D::Buf, D::Buf)> {
+    let s = dc.stream();
+    Ok((
+        s.make(dtype, &send).map_err(|e| dev_err("input", e))?,
+        s.make(dtype, &recv).map_err(|e| dev_err("output", e))?,
+    ))
 }
 
 /// One untimed call on exact inputs: how many elements of this rank's result are wrong.
@@ -150,64 +141,23 @@ fn check<D: BenchDev>(
 ) -> Result<u64> {
     let (r, n) = (dc.rank(), dc.size());
     let (dt, redop, seed) = (a.dtype, a.redop, count % 97);
-    let input = |rank: usize, i: usize| value(dt, redop, rank, i, seed);
-    let own = chunk(count, n, r);
-    let mine: Vec<f64> = (0..count).map(|i| input(r, i)).collect();
-    let (_, out_len) = lens(op, n, r, count);
-    let send_vals = if op == Collective::AllGather {
-        mine[own.clone()].to_vec()
-    } else {
-        mine
-    };
-    let mut send = dc
-        .stream()
-        .make(dt, &send_vals)
-        .map_err(|e| dev_err("input", e))?;
-    let mut recv = dc
-        .stream()
-        .make(dt, &vec![99.0; out_len])
-        .map_err(|e| dev_err("output", e))?;
+    let mine = |i: usize| value(dt, redop, r, i, seed);
+    let vals = exact::inputs(op, inplace, n, r, count, mine);
+    let (mut send, mut recv) = buffers(dc, dt, vals)?;
     call(dc, op, redop, inplace, &mut send, &mut recv)?;
-    let s = dc.stream();
-    let red = |i: usize| reference(dt, redop, n, i, seed);
-    let (got, want): (Vec<f64>, Vec<f64>) = match op {
-        Collective::AllReduce => (
-            s.contents(if inplace { &send } else { &recv })
-                .map_err(|e| dev_err("result", e))?,
-            (0..count).map(red).collect(),
-        ),
-        Collective::ReduceScatter => (
-            s.contents(&recv).map_err(|e| dev_err("result", e))?,
-            own.map(red).collect(),
-        ),
-        Collective::AllGather => {
-            let owner = |i: usize| {
-                (0..n)
-                    .find(|q| chunk(count, n, *q).contains(&i))
-                    .unwrap_or(0)
-            };
-            (
-                s.contents(&recv).map_err(|e| dev_err("result", e))?,
-                (0..count).map(|i| input(owner(i), i)).collect(),
-            )
-        }
-        Collective::Broadcast { root } => (
-            s.contents(&send).map_err(|e| dev_err("result", e))?,
-            (0..count).map(|i| input(root, i)).collect(),
-        ),
-        _ => (Vec::new(), Vec::new()),
+    let Some((lands, range, want)) = exact::landing(op, inplace, n, r, count, (dt, redop, seed))
+    else {
+        return Ok(0);
     };
-    let mut got = got;
-    if a.corrupt_rank == Some(r) {
-        if let Some(x) = got.first_mut() {
-            *x += 1.0;
-        }
-    }
-    Ok(got
-        .iter()
-        .zip(&want)
-        .filter(|(g, w)| **g != **w && !(g.is_nan() && w.is_nan()))
-        .count() as u64)
+    let buf = match lands {
+        exact::Lands::Send => &send,
+        exact::Lands::Recv => &recv,
+    };
+    let all = dc
+        .stream()
+        .contents(buf)
+        .map_err(|e| dev_err("result", e))?;
+    Ok(wrong(a, r, &mut all[range].to_vec(), &want))
 }
 
 /// Sweep `op` over `a.sizes` on device buffers; every rank returns the same rows.
@@ -226,19 +176,10 @@ pub fn sweep<D: BenchDev>(
         let count = size / es;
         let bytes = count * es;
         for inplace in [false, true] {
-            if !supports(op, inplace) {
-                continue;
-            }
             let wrong = check(dc, op, a, count, inplace)?;
-            let (in_len, out_len) = lens(op, n, comm.rank(), count);
-            let mut send = dc
-                .stream()
-                .make(a.dtype, &vec![1.0; in_len])
-                .map_err(|e| dev_err("input", e))?;
-            let mut recv = dc
-                .stream()
-                .make(a.dtype, &vec![0.0; out_len])
-                .map_err(|e| dev_err("output", e))?;
+            let (in_len, out_len) = exact::lens(op, n, comm.rank(), count);
+            let (mut send, mut recv) =
+                buffers(dc, a.dtype, (vec![1.0; in_len], vec![0.0; out_len]))?;
             let (time_us, wrong) = timed(comm, a, wrong, || {
                 call(dc, op, a.redop, inplace, &mut send, &mut recv)
             })?;

@@ -6,8 +6,10 @@
 //! library: integers in i128 then wrapped to the type, floats in f64, and `Avg` as the library
 //! documents it — the sum, then one division in f32 (f64 for f64).
 
+use std::ops::Range;
+
 use half::{bf16, f16};
-use ringzero_collectives::{DType, Element, ReduceOp};
+use ringzero_collectives::{chunk, Collective, DType, Element, ReduceOp};
 
 /// Input of `rank` at element `i`.
 pub fn value(dtype: DType, op: ReduceOp, rank: usize, i: usize, seed: usize) -> f64 {
@@ -58,6 +60,94 @@ pub fn reference(dtype: DType, op: ReduceOp, n: usize, i: usize, seed: usize) ->
         (ReduceOp::Avg, true) => cast((cast(combined) as f32 / n as f32) as f64),
         _ => cast(combined),
     }
+}
+
+/// Send and receive lengths of one call of `op` on `count` elements at rank `r` of `n` (in place,
+/// the send buffer is the whole buffer, except for all-gather, which works in `recv`).
+pub fn lens(op: Collective, n: usize, r: usize, count: usize) -> (usize, usize) {
+    let own = chunk(count, n, r).len();
+    match op {
+        Collective::ReduceScatter => (count, own),
+        Collective::AllGather => (own, count),
+        Collective::Reduce { root } => (count, if r == root { count } else { 0 }),
+        Collective::Barrier => (0, 0),
+        _ => (count, count),
+    }
+}
+
+/// The input buffers of an exact check: `send` holds this rank's inputs, `recv` poison (99) —
+/// except in place all-gather, whose `recv` already holds this rank's chunk.
+pub fn inputs(
+    op: Collective,
+    inplace: bool,
+    n: usize,
+    r: usize,
+    count: usize,
+    mine: impl Fn(usize) -> f64,
+) -> (Vec<f64>, Vec<f64>) {
+    let own = chunk(count, n, r);
+    let (s, rl) = lens(op, n, r, count);
+    let mut recv = vec![99.0; rl];
+    let send: Vec<f64> = match op {
+        Collective::AllGather => {
+            if inplace {
+                own.clone().for_each(|i| recv[i] = mine(i));
+            }
+            own.map(mine).collect()
+        }
+        _ => (0..s).map(mine).collect(),
+    };
+    (send, recv)
+}
+
+/// Which buffer of a call holds a rank's result.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Lands {
+    /// The send buffer (in place).
+    Send,
+    /// The receive buffer.
+    Recv,
+}
+
+/// Where rank `r`'s result of `op` on inputs from [`value`] lands (buffer and range) and what it
+/// must be; `None` where the rank ends with nothing to check (barrier, reduce off the root out of
+/// place).
+pub fn landing(
+    op: Collective,
+    inplace: bool,
+    n: usize,
+    r: usize,
+    count: usize,
+    (dtype, redop, seed): (DType, ReduceOp, usize),
+) -> Option<(Lands, Range<usize>, Vec<f64>)> {
+    let red = |i: usize| reference(dtype, redop, n, i, seed);
+    let input = |rank: usize, i: usize| value(dtype, redop, rank, i, seed);
+    let own = chunk(count, n, r);
+    let home = if inplace { Lands::Send } else { Lands::Recv };
+    Some(match op {
+        Collective::AllReduce => (home, 0..count, (0..count).map(red).collect()),
+        Collective::ReduceScatter if inplace => (Lands::Send, own.clone(), own.map(red).collect()),
+        Collective::ReduceScatter => (Lands::Recv, 0..own.len(), own.map(red).collect()),
+        Collective::AllGather => {
+            let owner = |i: usize| {
+                (0..n)
+                    .find(|&q| chunk(count, n, q).contains(&i))
+                    .unwrap_or(0)
+            };
+            let want = (0..count).map(|i| input(owner(i), i)).collect();
+            (Lands::Recv, 0..count, want)
+        }
+        Collective::Broadcast { root } => {
+            (home, 0..count, (0..count).map(|i| input(root, i)).collect())
+        }
+        Collective::Reduce { root } if r == root => (home, 0..count, (0..count).map(red).collect()),
+        Collective::RingShift => (
+            home,
+            0..count,
+            (0..count).map(|i| input((r + n - 1) % n, i)).collect(),
+        ),
+        Collective::Reduce { .. } | Collective::Barrier => return None,
+    })
 }
 
 /// `vals` as `d`'s bytes (native endian).

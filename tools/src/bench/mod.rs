@@ -178,21 +178,7 @@ pub fn run_device<D: device::BenchDev>(
     } else {
         kinds.join("+")
     };
-    let ops: Vec<Collective> = a
-        .ops
-        .iter()
-        .copied()
-        .filter(|&op| {
-            let ok = device::supports(op, false) || device::supports(op, true);
-            if !ok && comm.rank() == 0 {
-                eprintln!(
-                    "ringzero bench: {} is not available on device buffers; left out",
-                    op.name()
-                );
-            }
-            ok
-        })
-        .collect();
+    let ops: Vec<Collective> = a.ops.clone();
     let total = ops.len() * a.sweep.sizes.len();
     let mut done = 0;
     let mut rows = Vec::new();

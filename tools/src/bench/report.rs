@@ -164,7 +164,7 @@ pub fn line(out: &Row, inp: &Row) -> String {
     line_of(Some(out), Some(inp))
 }
 
-/// A line where a variant may be missing (device buffers do not have every one): `n/a` there.
+/// A line where a variant may be missing (a row set read back that lacks one): `n/a` there.
 fn line_of(out: Option<&Row>, inp: Option<&Row>) -> String {
     let half = |r: Option<&Row>| match r {
         Some(r) => format!(

@@ -6,7 +6,7 @@
 
 use std::time::Instant;
 
-use ringzero_collectives::{chunk, Collective, Communicator, DType, Element, ReduceOp, Result};
+use ringzero_collectives::{Collective, Communicator, DType, Element, ReduceOp, Result};
 use serde::Serialize;
 
 use super::exact;
@@ -281,14 +281,7 @@ struct Buffers<T> {
 
 impl<T: Element> Buffers<T> {
     fn new(comm: &Communicator, op: Collective, count: usize) -> Buffers<T> {
-        let own = comm.chunk_range(count).len();
-        let root = comm.rank() == 0;
-        let (s, r) = match op {
-            Collective::ReduceScatter => (count, own),
-            Collective::AllGather => (own, count),
-            Collective::Reduce { .. } => (count, if root { count } else { 0 }),
-            _ => (count, count),
-        };
+        let (s, r) = exact::lens(op, comm.size(), comm.rank(), count);
         Buffers {
             send: vec![T::from_f64(1.0); s],
             recv: vec![T::from_f64(0.0); r],
@@ -342,76 +335,39 @@ fn check<T: Element>(
 ) -> Result<u64> {
     let (r, n) = (comm.rank(), comm.size());
     let (dt, redop, seed) = (T::DTYPE, a.redop, count % 97);
-    let input = |rank: usize, i: usize| exact::value(dt, redop, rank, i, seed);
-    let own = chunk(count, n, r);
-    let poison = T::from_f64(99.0);
-    let mine: Vec<T> = (0..count).map(|i| T::from_f64(input(r, i))).collect();
-    let mut b = Buffers::<T>::new(comm, op, count);
-    // Fill inputs; outputs start as poison so a result that never arrives counts as wrong.
-    match op {
-        Collective::AllGather => {
-            b.send.copy_from_slice(&mine[own.clone()]);
-            b.recv.fill(poison);
-            if inplace {
-                b.recv[own.clone()].copy_from_slice(&mine[own.clone()]);
-            }
-        }
-        _ => {
-            b.send.copy_from_slice(&mine);
-            b.recv.fill(poison);
-        }
-    }
-    b.call(comm, op, redop, inplace)?;
-    // Where the result lands, and what it must be.
-    let red = |i: usize| exact::reference(dt, redop, n, i, seed);
-    let (got, want): (&mut [T], Vec<f64>) = match (op, inplace) {
-        (Collective::AllReduce, false) => (&mut b.recv, (0..count).map(red).collect()),
-        (Collective::AllReduce, true) => (&mut b.send, (0..count).map(red).collect()),
-        (Collective::ReduceScatter, false) => (&mut b.recv, own.clone().map(red).collect()),
-        (Collective::ReduceScatter, true) => {
-            (&mut b.send[own.clone()], own.clone().map(red).collect())
-        }
-        (Collective::AllGather, _) => {
-            let owner = |i: usize| {
-                (0..n)
-                    .find(|q| chunk(count, n, *q).contains(&i))
-                    .unwrap_or(0)
-            };
-            (
-                &mut b.recv,
-                (0..count).map(|i| input(owner(i), i)).collect(),
-            )
-        }
-        (Collective::Broadcast { root }, false) => {
-            (&mut b.recv, (0..count).map(|i| input(root, i)).collect())
-        }
-        (Collective::Broadcast { root }, true) => {
-            (&mut b.send, (0..count).map(|i| input(root, i)).collect())
-        }
-        (Collective::Reduce { root }, false) if r == root => {
-            (&mut b.recv, (0..count).map(red).collect())
-        }
-        (Collective::Reduce { root }, true) if r == root => {
-            (&mut b.send, (0..count).map(red).collect())
-        }
-        (Collective::RingShift, false) => (
-            &mut b.recv,
-            (0..count).map(|i| input((r + n - 1) % n, i)).collect(),
-        ),
-        (Collective::RingShift, true) => (
-            &mut b.send,
-            (0..count).map(|i| input((r + n - 1) % n, i)).collect(),
-        ),
-        _ => (&mut [], Vec::new()),
+    let mine = |i: usize| exact::value(dt, redop, r, i, seed);
+    // Outputs start as poison so a result that never arrives counts as wrong.
+    let (send, recv) = exact::inputs(op, inplace, n, r, count, mine);
+    let typed = |v: Vec<f64>| v.into_iter().map(T::from_f64).collect::<Vec<T>>();
+    let mut b = Buffers {
+        send: typed(send),
+        recv: typed(recv),
     };
+    b.call(comm, op, redop, inplace)?;
+    let Some((lands, range, want)) = exact::landing(op, inplace, n, r, count, (dt, redop, seed))
+    else {
+        return Ok(0);
+    };
+    let mut got: Vec<f64> = match lands {
+        exact::Lands::Send => &b.send[range],
+        exact::Lands::Recv => &b.recv[range],
+    }
+    .iter()
+    .map(|x| x.to_f64())
+    .collect();
+    Ok(wrong(a, r, &mut got, &want))
+}
+
+/// How many of `got` differ from `want` (NaN equals NaN); the bench's own `--corrupt-rank` test
+/// hook spoils one element first.
+pub fn wrong(a: &SweepArgs, r: usize, got: &mut [f64], want: &[f64]) -> u64 {
     if a.corrupt_rank == Some(r) {
         if let Some(x) = got.first_mut() {
-            *x = T::from_f64(x.to_f64() + 1.0);
+            *x += 1.0;
         }
     }
-    Ok(got
-        .iter()
-        .zip(&want)
-        .filter(|(g, w)| g.to_f64() != **w)
-        .count() as u64)
+    got.iter()
+        .zip(want)
+        .filter(|(g, w)| **g != **w && !(g.is_nan() && w.is_nan()))
+        .count() as u64
 }
