@@ -227,12 +227,13 @@ impl Gpu {
         Ok(f)
     }
 
-    /// A zeroed buffer.
+    /// A zeroed buffer. An empty one still owns one element of memory: CUDA refuses to
+    /// allocate zero bytes, and a rank's part of a collective may be empty.
     pub fn alloc(&self, dtype: DType, len: usize) -> Result<DeviceBuffer, DeviceError> {
         self.check()?;
         let buf = self
             .stream
-            .alloc_zeros::<u8>(len * dtype.size())
+            .alloc_zeros::<u8>(len.max(1) * dtype.size())
             .map_err(driver("allocating device memory"))?;
         Ok(DeviceBuffer { buf, dtype, len })
     }
@@ -245,6 +246,9 @@ impl Gpu {
                 "upload: {} bytes are not a whole number of {dtype} elements",
                 bytes.len()
             )));
+        }
+        if bytes.is_empty() {
+            return self.alloc(dtype, 0);
         }
         let buf = self
             .copy
@@ -269,6 +273,9 @@ impl Gpu {
                 src.bytes(),
                 out.len()
             )));
+        }
+        if out.is_empty() {
+            return Ok(()); // (an empty buffer's one element of memory is not its content)
         }
         self.stream
             .memcpy_dtoh(&src.buf, out)
