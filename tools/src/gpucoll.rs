@@ -10,88 +10,40 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use ringzero_collectives::{chunk, Collective, Communicator, DeviceComm, TransportKind};
+use ringzero_collectives::{Collective, Communicator, DeviceComm, TransportKind};
 use ringzero_kernels::device::cuda::raw::HostRegistration;
-use ringzero_kernels::device::cuda::{DeviceBuffer, Gpu};
+use ringzero_kernels::device::cuda::Gpu;
 use ringzero_kernels::{DType, ReduceOp};
 
+use crate::bench::device::exact_result;
 use crate::bench::exact::{decode as from_bytes, encode as to_bytes, reference, value};
 use crate::gpucheck::Row;
 
 type Check = Result<Option<String>, String>;
 
+/// One collective on exact inputs (the bench's `#wrong` check): the first wrong element, if any.
 fn one(
     dc: &mut DeviceComm<Arc<Gpu>>,
     coll: Collective,
+    inplace: bool,
     d: DType,
     op: ReduceOp,
     count: usize,
     seed: usize,
 ) -> Check {
-    let gpu = dc.stream().clone();
-    let (r, n) = (dc.rank(), dc.size());
-    let e = |x: ringzero_kernels::device::DeviceError| x.to_string();
-    let input: Vec<f64> = (0..count).map(|i| value(d, op, r, i, seed)).collect();
-    let own = chunk(count, n, r);
-    let poison = |len: usize| gpu.upload(d, &vec![0xA5u8; len * d.size()]);
-    let (out, want): (DeviceBuffer, Vec<f64>) = match coll {
-        Collective::AllReduce => {
-            let send = gpu.upload(d, &to_bytes(d, &input)).map_err(e)?;
-            let mut out = poison(count).map_err(e)?;
-            dc.all_reduce(&send, &mut out, op)
-                .map_err(|x| x.to_string())?;
-            (
-                out,
-                (0..count).map(|i| reference(d, op, n, i, seed)).collect(),
-            )
-        }
-        Collective::ReduceScatter => {
-            let send = gpu.upload(d, &to_bytes(d, &input)).map_err(e)?;
-            let mut out = poison(own.len()).map_err(e)?;
-            dc.reduce_scatter(&send, &mut out, op)
-                .map_err(|x| x.to_string())?;
-            (out, own.map(|i| reference(d, op, n, i, seed)).collect())
-        }
-        Collective::AllGather => {
-            let send = gpu.upload(d, &to_bytes(d, &input[own])).map_err(e)?;
-            let mut out = poison(count).map_err(e)?;
-            dc.all_gather(&send, &mut out).map_err(|x| x.to_string())?;
-            let owner = |i: usize| {
-                (0..n)
-                    .find(|&q| chunk(count, n, q).contains(&i))
-                    .unwrap_or(0)
-            };
-            (
-                out,
-                (0..count)
-                    .map(|i| value(d, op, owner(i), i, seed))
-                    .collect(),
-            )
-        }
-        _ => {
-            let root = n - 1;
-            let mut buf = if r == root {
-                gpu.upload(d, &to_bytes(d, &input)).map_err(e)?
-            } else {
-                poison(count).map_err(e)?
-            };
-            dc.broadcast_in_place(&mut buf, root)
-                .map_err(|x| x.to_string())?;
-            (
-                buf,
-                (0..count).map(|i| value(d, op, root, i, seed)).collect(),
-            )
-        }
+    let r = dc.rank();
+    let Some((got, want)) =
+        exact_result(dc, coll, inplace, count, (d, op, seed)).map_err(|x| x.to_string())?
+    else {
+        return Ok(None);
     };
-    let mut bytes = vec![0u8; out.bytes()];
-    gpu.download(&out, &mut bytes).map_err(e)?;
-    let got = from_bytes(d, &bytes);
-    Ok((0..count)
+    Ok((0..want.len())
         .find(|&i| got[i] != want[i] && !(got[i].is_nan() && want[i].is_nan()))
         .map(|i| {
             format!(
-                "rank {r}: {} {d} {op} count {count}: element {i} is {} but should be {}",
+                "rank {r}: {}{} {d} {op} count {count}: element {i} is {} but should be {}",
                 coll.name(),
+                if inplace { " in place" } else { "" },
                 got[i],
                 want[i]
             )
@@ -178,15 +130,21 @@ pub fn rank_main(comm: &Communicator, device: usize, bench: bool) -> Vec<Row> {
         Collective::ReduceScatter,
         Collective::AllGather,
         Collective::Broadcast { root: n - 1 },
+        Collective::Reduce { root: n - 1 },
+        Collective::RingShift,
+        Collective::Barrier,
     ] {
         let mut fail = None;
         let mut cases = 0;
         'all: for d in DType::ALL {
             for op in ReduceOp::ALL {
-                for count in [1usize, 1023, (1 << 20) + 7] {
+                for (count, inplace) in [1usize, 1023, (1 << 20) + 7]
+                    .into_iter()
+                    .flat_map(|c| [(c, false), (c, true)])
+                {
                     seed += 1;
                     cases += 1;
-                    match one(&mut dc, coll, d, op, count, seed) {
+                    match one(&mut dc, coll, inplace, d, op, count, seed) {
                         Ok(None) => {}
                         Ok(Some(f)) => {
                             fail = Some(f);
@@ -203,8 +161,9 @@ pub fn rank_main(comm: &Communicator, device: usize, bench: bool) -> Vec<Row> {
         rows.push(Row {
             check: format!("{label} n={n} {}", coll.name()),
             pass: fail.is_none(),
-            detail: fail
-                .unwrap_or_else(|| format!("{cases} cases (7 dtypes × 5 ops × 3 sizes) exact")),
+            detail: fail.unwrap_or_else(|| {
+                format!("{cases} cases (7 dtypes × 5 ops × 3 sizes × both ways) exact")
+            }),
         });
     }
     let fail = async_all_reduce(&dc, &gpu, seed).err();

@@ -131,23 +131,23 @@ fn buffers<D: BenchDev>(
     ))
 }
 
-/// One untimed call on exact inputs: how many elements of this rank's result are wrong.
-fn check<D: BenchDev>(
+/// One call of `op` on exact inputs ([`exact::inputs`]): what this rank's result holds and what
+/// it must hold, or `None` where it holds nothing to check (barrier, reduce off the root).
+pub fn exact_result<D: BenchDev>(
     dc: &mut DeviceComm<D>,
     op: Collective,
-    a: &SweepArgs,
-    count: usize,
     inplace: bool,
-) -> Result<u64> {
+    count: usize,
+    (dt, redop, seed): (DType, ReduceOp, usize),
+) -> Result<Option<(Vec<f64>, Vec<f64>)>> {
     let (r, n) = (dc.rank(), dc.size());
-    let (dt, redop, seed) = (a.dtype, a.redop, count % 97);
     let mine = |i: usize| value(dt, redop, r, i, seed);
     let vals = exact::inputs(op, inplace, n, r, count, mine);
     let (mut send, mut recv) = buffers(dc, dt, vals)?;
     call(dc, op, redop, inplace, &mut send, &mut recv)?;
     let Some((lands, range, want)) = exact::landing(op, inplace, n, r, count, (dt, redop, seed))
     else {
-        return Ok(0);
+        return Ok(None);
     };
     let buf = match lands {
         exact::Lands::Send => &send,
@@ -157,7 +157,24 @@ fn check<D: BenchDev>(
         .stream()
         .contents(buf)
         .map_err(|e| dev_err("result", e))?;
-    Ok(wrong(a, r, &mut all[range].to_vec(), &want))
+    Ok(Some((all[range].to_vec(), want)))
+}
+
+/// One untimed call on exact inputs: how many elements of this rank's result are wrong.
+fn check<D: BenchDev>(
+    dc: &mut DeviceComm<D>,
+    op: Collective,
+    a: &SweepArgs,
+    count: usize,
+    inplace: bool,
+) -> Result<u64> {
+    let r = dc.rank();
+    Ok(
+        match exact_result(dc, op, inplace, count, (a.dtype, a.redop, count % 97))? {
+            Some((mut got, want)) => wrong(a, r, &mut got, &want),
+            None => 0,
+        },
+    )
 }
 
 /// Sweep `op` over `a.sizes` on device buffers; every rank returns the same rows.
