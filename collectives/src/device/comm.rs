@@ -155,7 +155,7 @@ pub fn judge_probe(expected: &[u8], seen: &[u8]) -> Option<String> {
 /// goes on (queueing its own kernels, for example); a blocking call waits for the asynchronous
 /// ones submitted before it, so every rank sees the same order.
 pub struct DeviceComm<S: Stream> {
-    pub(super) core: Arc<Core<S>>,
+    core: Arc<Core<S>>,
     worker: Worker,
 }
 
@@ -205,8 +205,8 @@ impl<S: Stream> DeviceComm<S> {
         &self.core.edges
     }
 
-    /// Payload bytes this rank's device links have moved (asynchronous calls still running
-    /// included as far as they got).
+    /// Payload bytes this rank's device links have moved (read between calls: waits for an
+    /// asynchronous call in progress).
     pub fn counters(&self) -> Counters {
         let st = self.core.lock();
         st.links.as_ref().map(|l| l.counters).unwrap_or_default()
