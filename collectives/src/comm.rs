@@ -1,6 +1,7 @@
 //! The communicator: the public face of the library.
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use ringzero_kernels::{DType, Element, ReduceOp};
@@ -9,6 +10,7 @@ use crate::bootstrap::StoreServer;
 use crate::config::Config;
 use crate::connect;
 use crate::error::{Error, Result};
+use crate::flight::{FlightRecord, Recorder};
 use crate::ring::engine::{self, Bufs, Call, Counters, Links};
 use crate::ring::{chunk, plan, Collective, PlanArgs};
 use crate::topology::Edge;
@@ -56,6 +58,10 @@ struct Inner {
     /// The address this rank's data connections use (None for one rank).
     data_ip: Option<std::net::IpAddr>,
     state: Mutex<State>,
+    /// The last calls, dumped when the communicator fails or closes.
+    flight: Recorder,
+    /// Device communicators created on this one so far (their flight records' names).
+    device_comms: AtomicUsize,
     // Rank 0 serves the store for as long as the communicator lives.
     _store: Option<StoreServer>,
 }
@@ -82,10 +88,13 @@ impl Communicator {
         } else {
             connect::connect_ring(&cfg)?
         };
+        let flight = Recorder::new(&cfg, "host".into(), &edges);
         let inner = Arc::new(Inner {
             cfg,
             rank,
             size,
+            flight,
+            device_comms: AtomicUsize::new(0),
             edges,
             data_ip,
             state: Mutex::new(State {
@@ -140,6 +149,23 @@ impl Communicator {
             .as_ref()
             .map(|l| l.counters)
             .unwrap_or_default()
+    }
+
+    /// The flight recorder's record: this communicator's last calls (`RINGZERO_FLIGHT_ENTRIES`,
+    /// default 256) with what each moved and how it ended, and the first failure. Readable from
+    /// another thread while a call is stuck. When `RINGZERO_DUMP_DIR` is set, the same record is
+    /// written there when the communicator fails or is dropped; `ringzero diag --flight DIR` joins
+    /// the records of every rank.
+    pub fn flight_record(&self) -> FlightRecord {
+        self.inner.flight.snapshot()
+    }
+
+    /// The name of the next device communicator's flight record: `device`, `device1`, ...
+    pub(crate) fn next_device_name(&self) -> String {
+        match self.inner.device_comms.fetch_add(1, Ordering::Relaxed) {
+            0 => "device".into(),
+            i => format!("device{i}"),
+        }
     }
 
     /// Elements of a `count`-element buffer that this rank owns in a reduce-scatter or contributes
@@ -365,6 +391,7 @@ impl Communicator {
         if let Some(l) = st.links.as_mut() {
             l.abort(&e.to_string());
         }
+        self.inner.flight.failed(&e.to_string());
         st.failed.get_or_insert(e);
     }
 
@@ -445,9 +472,12 @@ impl Drop for Communicator {
         let timeout = self.inner.cfg.timeout;
         if st.failed.is_none() {
             if let Some(l) = st.links.as_mut() {
-                let _ = l.flush("shutdown", seq, timeout);
+                if let Err(e) = l.flush("shutdown", seq, timeout) {
+                    self.inner.flight.failed(&e.to_string());
+                }
             }
         }
+        self.inner.flight.closed();
     }
 }
 
@@ -512,10 +542,14 @@ impl Inner {
         // Refused calls consume no sequence number: the ranks stay in step.
         engine::check_sizes(&call, &bufs, &fp.to_string())?;
         st.seq += 1;
+        let counters = |st: &State| st.links.as_ref().map(|l| l.counters).unwrap_or_default();
+        let bytes = (count * dt.size()) as u64;
+        self.flight.begin(seq, &fp, in_place, bytes, counters(&st));
         let r = match st.links.as_mut() {
             Some(links) => engine::run(links, &call, bufs),
             None => engine::run_local(&call, bufs),
         };
+        self.flight.end(&r, counters(&st));
         if let Err(e) = &r {
             if !matches!(e, Error::InvalidArgument { .. }) {
                 tracing::error!(target: "ringzero::comm", rank = self.rank, "{e}");
@@ -523,6 +557,7 @@ impl Inner {
                     l.abort(&format!("rank {}: {e}", self.rank));
                 }
                 st.failed = Some(e.clone());
+                self.flight.failed(&e.to_string());
             }
         }
         r

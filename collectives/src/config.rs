@@ -113,6 +113,13 @@ pub struct Config {
     pub staging: StagingMode,
     /// Directory for shared-memory segments (`RINGZERO_SHM_DIR`, default `/dev/shm`).
     pub shm_dir: std::path::PathBuf,
+    /// Calls each communicator's flight recorder keeps (`RINGZERO_FLIGHT_ENTRIES`, 0 turns it
+    /// off).
+    pub flight_entries: usize,
+    /// Where a communicator that fails writes its flight record (`RINGZERO_DUMP_DIR`; unset:
+    /// nowhere, the record is still readable through `flight_record()`). `ringzero launch` sets
+    /// one per job.
+    pub dump_dir: Option<std::path::PathBuf>,
 }
 
 impl Config {
@@ -142,6 +149,8 @@ impl Config {
             stream_stores_from: DEFAULT_STREAM_STORES_FROM,
             staging: StagingMode::Mapped,
             shm_dir: "/dev/shm".into(),
+            flight_entries: crate::flight::DEFAULT_ENTRIES,
+            dump_dir: None,
         }
     }
 
@@ -255,6 +264,29 @@ impl Config {
         }
         if let Some(d) = env("RINGZERO_SHM_DIR") {
             c.shm_dir = d.into();
+        }
+        if let Some(v) = env("RINGZERO_FLIGHT_ENTRIES") {
+            c.flight_entries =
+                v.trim()
+                    .parse()
+                    .ok()
+                    .filter(|n| *n <= 1 << 20)
+                    .ok_or_else(|| {
+                        Error::config(
+                            "RINGZERO_FLIGHT_ENTRIES",
+                            format!("`{v}` is not a number between 0 (off) and 1048576"),
+                        )
+                    })?;
+        }
+        match env("RINGZERO_DUMP_DIR") {
+            Some(d) if d.trim().is_empty() => {
+                return Err(Error::config(
+                    "RINGZERO_DUMP_DIR",
+                    "is empty (unset it to write no flight records)",
+                ))
+            }
+            Some(d) => c.dump_dir = Some(d.into()),
+            None => {}
         }
         c.validate()?;
         Ok(c)
@@ -555,6 +587,8 @@ mod tests {
             with("RINGZERO_STAGING", "zerocopy").contains("`zerocopy` is not one of mapped, copy")
         );
         assert!(with("RINGZERO_MASTER_PORT", "99999").contains("RINGZERO_MASTER_PORT"));
+        assert!(with("RINGZERO_FLIGHT_ENTRIES", "-1").contains("RINGZERO_FLIGHT_ENTRIES"));
+        assert!(with("RINGZERO_DUMP_DIR", " ").contains("RINGZERO_DUMP_DIR: is empty"));
         let e = cfg(&[
             ("RINGZERO_RANK", "2"),
             ("RINGZERO_WORLD_SIZE", "2"),
@@ -584,8 +618,16 @@ mod tests {
             ("RINGZERO_NODE_ID", "fake-1"),
             ("RINGZERO_STREAM_STORES_FROM", "1M"),
             ("RINGZERO_STAGING", "Copy"),
+            ("RINGZERO_FLIGHT_ENTRIES", "16"),
+            ("RINGZERO_DUMP_DIR", "/tmp/rz-dumps"),
         ])
         .unwrap();
+        assert_eq!(c.flight_entries, 16);
+        assert_eq!(
+            c.dump_dir.as_deref(),
+            Some(std::path::Path::new("/tmp/rz-dumps"))
+        );
+        assert_eq!(Config::new(0, 1, "x", 1).dump_dir, None);
         assert_eq!(c.stream_stores_from, 1 << 20);
         assert_eq!(c.staging, StagingMode::Copy);
         assert_eq!(Config::new(0, 1, "x", 1).staging, StagingMode::Mapped);

@@ -10,6 +10,7 @@
 //! - [`transport`]: one link to one peer, one contract, one file per backend (`shm`, `tcp`);
 //! - [`ring`]: the schedule as pure data, and the engine that drives a transport through it;
 //! - [`wire`]: frame headers, fingerprints, bounds checks;
+//! - [`flight`]: the flight recorder: each communicator's last calls, dumped when it fails;
 //! - [`Communicator`]: the public API; [`DeviceComm`]: the same ring on device buffers
 //!   (cuda_ipc peer copies, shm host staging), set up through a communicator.
 //!
@@ -40,6 +41,7 @@ pub mod config;
 mod connect;
 pub mod device;
 pub mod error;
+pub mod flight;
 pub mod ring;
 pub mod topology;
 pub mod transport;
@@ -50,6 +52,7 @@ pub use comm::Communicator;
 pub use config::{Config, StagingMode, TransportPref};
 pub use device::{DeviceComm, DeviceMemory, HostStream, Stream};
 pub use error::{Error, Result};
+pub use flight::{CallState, FlightEntry, FlightRecord};
 pub use ring::engine::Counters;
 pub use ring::{chunk, Collective};
 pub use ringzero_kernels::{DType, Element, ReduceOp};

@@ -26,6 +26,7 @@ use super::stream::Stream;
 use crate::comm::Communicator;
 use crate::config::{Config, StagingMode};
 use crate::error::{Error, Result};
+use crate::flight::{FlightRecord, Recorder};
 use crate::ring::device_engine::{self, DevBufs, DevLinks};
 use crate::ring::engine::{Call, Counters};
 use crate::ring::{chunk, plan, Collective, PlanArgs};
@@ -167,6 +168,8 @@ pub(super) struct Core<S: Stream> {
     size: usize,
     edges: Vec<Edge>,
     state: Mutex<DevState>,
+    /// The last calls, dumped when the communicator fails or closes.
+    flight: Recorder,
 }
 
 struct DevState {
@@ -181,6 +184,7 @@ impl<S: Stream> DeviceComm<S> {
         let (rank, size) = (comm.rank(), comm.size());
         let mut core = Core {
             stream,
+            flight: Recorder::new(comm.config(), comm.next_device_name(), &[]),
             cfg: comm.config().clone(),
             rank,
             size,
@@ -193,6 +197,7 @@ impl<S: Stream> DeviceComm<S> {
         };
         if size > 1 {
             core.connect(comm)?;
+            core.flight.set_edges(&core.edges);
         }
         Ok(DeviceComm {
             core: Arc::new(core),
@@ -210,6 +215,13 @@ impl<S: Stream> DeviceComm<S> {
     pub fn counters(&self) -> Counters {
         let st = self.core.lock();
         st.links.as_ref().map(|l| l.counters).unwrap_or_default()
+    }
+
+    /// The flight recorder's record of this communicator's last calls: see
+    /// [`Communicator::flight_record`]. Its `comm` is `device` for the first device communicator
+    /// created on a communicator, then `device1`, `device2`, ...
+    pub fn flight_record(&self) -> FlightRecord {
+        self.core.flight.snapshot()
     }
 
     /// The stream (device) the buffers live on.
@@ -267,6 +279,7 @@ impl<S: Stream> Drop for DeviceComm<S> {
     fn drop(&mut self) {
         // The queued asynchronous calls finish first (each within the engine's deadlines).
         self.worker.stop();
+        self.core.flight.closed();
     }
 }
 
@@ -760,6 +773,9 @@ impl<S: Stream> Core<S> {
         };
         device_engine::check_sizes(&call, &bufs)?;
         st.seq += 1;
+        let counters = |st: &DevState| st.links.as_ref().map(|l| l.counters).unwrap_or_default();
+        let bytes = (count * dtype.size()) as u64;
+        self.flight.begin(seq, &fp, in_place, bytes, counters(st));
         let r = match st.links.as_mut() {
             // SAFETY: forwarded from the caller.
             Some(links) => unsafe { device_engine::run(&self.stream, links, &call, bufs) },
@@ -768,6 +784,7 @@ impl<S: Stream> Core<S> {
                 self.local_copy(&call, bufs)
             }
         };
+        self.flight.end(&r, counters(st));
         if let Err(e) = &r {
             if !matches!(e, Error::InvalidArgument { .. }) {
                 tracing::error!(target: "ringzero::device", rank = self.rank, "{e}");
@@ -775,6 +792,7 @@ impl<S: Stream> Core<S> {
                     l.abort(&format!("rank {}: {e}", self.rank));
                 }
                 st.failed = Some(e.clone());
+                self.flight.failed(&e.to_string());
             }
         }
         r

@@ -1,0 +1,453 @@
+//! The flight recorder: the last few collectives of one communicator, kept in memory and written
+//! to a file when the communicator fails.
+//!
+//! Words used here:
+//! - an *entry* is one collective call: its sequence number, what was called (the fingerprint
+//!   every rank must agree on), when it started, how long it ran, what moved, how it ended;
+//! - a *record* is one communicator's entries with who it is (job, rank, size, edges) and its
+//!   first failure: what one rank knows about a hang or a crash;
+//! - a *dump* is a record written as JSON to `RINGZERO_DUMP_DIR` as
+//!   `ringzero-flight-<comm>-rank<R>.json`: at the first failure (or [`abort`]), and again when
+//!   the communicator is dropped, failed or not. A rank that left the ring cleanly while the
+//!   others waited for it thus leaves a record too, and it shows the call it never made.
+//!   `ringzero diag --flight DIR` sets the records of every rank side by side and names the rank
+//!   that was missing, late or calling something else.
+//!
+//! The recorder has its own lock, held only to copy an entry in or out, so another thread can
+//! read the record of a communicator that is stuck inside a call.
+//!
+//! [`abort`]: crate::Communicator::abort
+
+use std::collections::VecDeque;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::Config;
+use crate::error::Error;
+use crate::ring::engine::Counters;
+use crate::topology::Edge;
+use crate::wire::Fingerprint;
+
+/// Version of the dump format (`format` in the JSON).
+pub const FORMAT: u32 = 1;
+/// Default number of entries kept per communicator (`RINGZERO_FLIGHT_ENTRIES`).
+pub const DEFAULT_ENTRIES: usize = 256;
+/// Prefix of every dump file's name.
+pub const FILE_PREFIX: &str = "ringzero-flight-";
+
+/// How a call ended, or that it has not.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CallState {
+    /// Still running when the record was taken.
+    Running,
+    /// Finished without error.
+    Done,
+    /// Returned an error (the entry's `error`).
+    Failed,
+}
+
+/// One collective call.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FlightEntry {
+    /// Sequence number on this communicator (the same call has the same number on every rank).
+    pub seq: u64,
+    /// What was called, as every rank must call it: `all_reduce(f32, sum, count=1024)`.
+    pub call: String,
+    /// Whether it was the in-place form (ranks may differ in this).
+    pub in_place: bool,
+    /// Bytes of the full buffer (`count` × element size).
+    pub bytes: u64,
+    /// When it started, microseconds since the Unix epoch (this host's clock).
+    pub start_unix_us: u64,
+    /// How long it ran (so far, while running), microseconds.
+    pub elapsed_us: u64,
+    /// Payload bytes sent to the next rank during the call.
+    pub sent: u64,
+    /// Payload bytes received from the previous rank during the call.
+    pub received: u64,
+    /// How it ended.
+    pub state: CallState,
+    /// The error, for a failed call.
+    pub error: Option<String>,
+}
+
+/// What one rank's communicator knows: who it is, its last calls, and its first failure.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FlightRecord {
+    /// [`FORMAT`].
+    pub format: u32,
+    /// Which communicator of the rank: `host` (a [`Communicator`](crate::Communicator)) or
+    /// `device`, `device1`, ... (its [`DeviceComm`](crate::DeviceComm)s, in creation order).
+    pub comm: String,
+    /// The job (`RINGZERO_JOB_ID`).
+    pub job_id: String,
+    /// This rank.
+    pub rank: usize,
+    /// Number of ranks.
+    pub size: usize,
+    /// This rank's node (`RINGZERO_NODE_ID`).
+    pub node: String,
+    /// This process.
+    pub pid: u32,
+    /// The ring edges, as reported by `edges()`.
+    pub edges: Vec<String>,
+    /// The deadline of every wait, seconds.
+    pub timeout_s: f64,
+    /// When the record was taken, microseconds since the Unix epoch.
+    pub taken_unix_us: u64,
+    /// The first error that failed the communicator, if any.
+    pub failure: Option<String>,
+    /// Whether the communicator had been closed (dropped) when the record was taken.
+    pub closed: bool,
+    /// Calls older than the first entry that were no longer kept.
+    pub dropped: u64,
+    /// The last calls, oldest first.
+    pub entries: Vec<FlightEntry>,
+}
+
+impl FlightRecord {
+    /// The file name of this record's dump.
+    pub fn file_name(&self) -> String {
+        format!("{FILE_PREFIX}{}-rank{}.json", self.comm, self.rank)
+    }
+}
+
+/// The recorder of one communicator.
+pub(crate) struct Recorder {
+    dir: Option<PathBuf>,
+    cap: usize,
+    inner: Mutex<Inner>,
+}
+
+struct Inner {
+    head: FlightRecord,
+    entries: VecDeque<FlightEntry>,
+    /// The running call: when it started, and the counters then.
+    running: Option<(Instant, Counters)>,
+    /// Where the dump went, once written.
+    dumped: Option<PathBuf>,
+}
+
+/// Microseconds since the Unix epoch.
+fn now_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
+}
+
+impl Recorder {
+    pub(crate) fn new(cfg: &Config, comm: String, edges: &[Edge]) -> Recorder {
+        let head = FlightRecord {
+            format: FORMAT,
+            comm,
+            job_id: cfg.job_id.clone(),
+            rank: cfg.launch.rank,
+            size: cfg.launch.world_size,
+            node: cfg.node_id.clone(),
+            pid: std::process::id(),
+            edges: edges.iter().map(ToString::to_string).collect(),
+            timeout_s: cfg.timeout.as_secs_f64(),
+            taken_unix_us: 0,
+            failure: None,
+            closed: false,
+            dropped: 0,
+            entries: Vec::new(),
+        };
+        Recorder {
+            dir: cfg.dump_dir.clone(),
+            cap: cfg.flight_entries,
+            inner: Mutex::new(Inner {
+                head,
+                entries: VecDeque::new(),
+                running: None,
+                dumped: None,
+            }),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The edges are known only after connecting.
+    pub(crate) fn set_edges(&self, edges: &[Edge]) {
+        self.lock().head.edges = edges.iter().map(ToString::to_string).collect();
+    }
+
+    /// A call with sequence number `seq` starts; `now` are the links' counters before it.
+    pub(crate) fn begin(
+        &self,
+        seq: u64,
+        fp: &Fingerprint,
+        in_place: bool,
+        bytes: u64,
+        now: Counters,
+    ) {
+        if self.cap == 0 {
+            return;
+        }
+        let mut g = self.lock();
+        if g.entries.len() == self.cap {
+            g.entries.pop_front();
+            g.head.dropped += 1;
+        }
+        g.entries.push_back(FlightEntry {
+            seq,
+            call: fp.to_string(),
+            in_place,
+            bytes,
+            start_unix_us: now_us(),
+            elapsed_us: 0,
+            sent: 0,
+            received: 0,
+            state: CallState::Running,
+            error: None,
+        });
+        g.running = Some((Instant::now(), now));
+    }
+
+    /// The running call ended with `r`; `now` are the links' counters after it.
+    pub(crate) fn end(&self, r: &Result<(), Error>, now: Counters) {
+        let mut g = self.lock();
+        let Some((t, before)) = g.running.take() else {
+            return;
+        };
+        if let Some(e) = g.entries.back_mut() {
+            e.elapsed_us = t.elapsed().as_micros() as u64;
+            e.sent = now.bytes_sent.saturating_sub(before.bytes_sent);
+            e.received = now.bytes_received.saturating_sub(before.bytes_received);
+            match r {
+                Ok(()) => e.state = CallState::Done,
+                Err(err) => {
+                    e.state = CallState::Failed;
+                    e.error = Some(err.to_string());
+                }
+            }
+        }
+    }
+
+    /// The record as it stands.
+    pub(crate) fn snapshot(&self) -> FlightRecord {
+        let g = self.lock();
+        snapshot(&g)
+    }
+
+    /// The communicator failed with `why`: remember it (later failures keep the first cause)
+    /// and, when a dump directory is set, write the record there unless a failure already did.
+    /// Returns where the record is.
+    pub(crate) fn failed(&self, why: &str) -> Option<PathBuf> {
+        let mut g = self.lock();
+        if g.head.failure.is_none() {
+            g.head.failure = Some(why.to_string());
+        }
+        if g.dumped.is_some() {
+            return g.dumped.clone();
+        }
+        let p = self.dump(&g)?;
+        tracing::error!(target: "ringzero::flight", rank = g.head.rank,
+            "flight record of the last {} calls written to {} (`ringzero diag --flight {}` joins every rank's)",
+            g.entries.len(), p.display(), p.parent().unwrap_or(Path::new(".")).display());
+        g.dumped = Some(p.clone());
+        Some(p)
+    }
+
+    /// The communicator is being dropped: write the final record where a dump directory is set.
+    pub(crate) fn closed(&self) -> Option<PathBuf> {
+        let mut g = self.lock();
+        g.head.closed = true;
+        let p = self.dump(&g)?;
+        g.dumped = Some(p.clone());
+        Some(p)
+    }
+
+    fn dump(&self, g: &Inner) -> Option<PathBuf> {
+        let dir = self.dir.as_ref()?;
+        let rec = snapshot(g);
+        write_atomically(dir, &rec)
+            .map_err(|e| {
+                tracing::warn!(target: "ringzero::flight", rank = rec.rank,
+                    "could not write the flight record to {}: {e}", dir.display())
+            })
+            .ok()
+    }
+}
+
+fn snapshot(g: &Inner) -> FlightRecord {
+    let mut rec = g.head.clone();
+    rec.taken_unix_us = now_us();
+    rec.entries = g.entries.iter().cloned().collect();
+    if let (Some((t, _)), Some(last)) = (g.running, rec.entries.last_mut()) {
+        if last.state == CallState::Running {
+            last.elapsed_us = t.elapsed().as_micros() as u64;
+        }
+    }
+    rec
+}
+
+/// Write `rec` into `dir` under its file name: a temporary file, flushed to disk, then renamed, so
+/// a reader never sees half a record.
+fn write_atomically(dir: &Path, rec: &FlightRecord) -> std::io::Result<PathBuf> {
+    use std::io::Write;
+    std::fs::create_dir_all(dir)?;
+    let path = dir.join(rec.file_name());
+    let tmp = dir.join(format!(".{}.{}.tmp", rec.file_name(), rec.pid));
+    let json = serde_json::to_vec_pretty(rec).map_err(std::io::Error::other)?;
+    let mut f = std::fs::File::create(&tmp)?;
+    f.write_all(&json)?;
+    f.sync_all()?;
+    drop(f);
+    std::fs::rename(&tmp, &path)?;
+    Ok(path)
+}
+
+/// Read every dump in `dir` (files named `ringzero-flight-*.json`), sorted by (job, comm, rank).
+/// A file that is not a record is an error naming it.
+pub fn read_dir(dir: &Path) -> std::io::Result<Vec<FlightRecord>> {
+    let mut out = Vec::new();
+    for ent in std::fs::read_dir(dir)? {
+        let p = ent?.path();
+        let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if !(name.starts_with(FILE_PREFIX) && name.ends_with(".json")) {
+            continue;
+        }
+        let bytes = std::fs::read(&p)?;
+        let rec: FlightRecord = serde_json::from_slice(&bytes).map_err(|e| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("{}: not a ringzero flight record: {e}", p.display()),
+            )
+        })?;
+        if rec.format != FORMAT {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!(
+                    "{}: flight record format {} (this ringzero reads format {FORMAT})",
+                    p.display(),
+                    rec.format
+                ),
+            ));
+        }
+        out.push(rec);
+    }
+    out.sort_by(|a, b| (&a.job_id, &a.comm, a.rank).cmp(&(&b.job_id, &b.comm, b.rank)));
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ring::Collective;
+    use ringzero_kernels::{DType, ReduceOp};
+
+    fn cfg(entries: usize, dir: Option<PathBuf>) -> Config {
+        let mut c = Config::new(1, 3, "127.0.0.1", 1);
+        c.flight_entries = entries;
+        c.dump_dir = dir;
+        c
+    }
+
+    fn fp(count: usize) -> Fingerprint {
+        Fingerprint::new(
+            Collective::AllReduce,
+            Some(DType::F32),
+            Some(ReduceOp::Sum),
+            count,
+        )
+    }
+
+    fn counters(sent: u64, received: u64) -> Counters {
+        Counters {
+            bytes_sent: sent,
+            bytes_received: received,
+            ..Counters::default()
+        }
+    }
+
+    #[test]
+    fn keeps_the_last_entries_with_what_moved_and_how_they_ended() {
+        let r = Recorder::new(&cfg(3, None), "host".into(), &[]);
+        for seq in 0..5u64 {
+            r.begin(
+                seq,
+                &fp(seq as usize + 1),
+                false,
+                4,
+                counters(seq * 10, seq * 20),
+            );
+            let res = if seq == 4 {
+                Err(Error::config("x", "boom"))
+            } else {
+                Ok(())
+            };
+            r.end(&res, counters(seq * 10 + 7, seq * 20 + 9));
+        }
+        let rec = r.snapshot();
+        assert_eq!(rec.dropped, 2);
+        let seqs: Vec<u64> = rec.entries.iter().map(|e| e.seq).collect();
+        assert_eq!(seqs, vec![2, 3, 4]);
+        assert_eq!(rec.entries[0].call, fp(3).to_string());
+        assert_eq!((rec.entries[1].sent, rec.entries[1].received), (7, 9));
+        assert_eq!(rec.entries[1].state, CallState::Done);
+        assert_eq!(rec.entries[2].state, CallState::Failed);
+        assert!(rec.entries[2].error.as_deref().unwrap().contains("boom"));
+        assert_eq!((rec.rank, rec.size), (1, 3));
+    }
+
+    #[test]
+    fn a_running_call_shows_as_running_and_zero_entries_records_nothing() {
+        let r = Recorder::new(&cfg(4, None), "device".into(), &[]);
+        r.begin(0, &fp(8), true, 32, Counters::default());
+        let rec = r.snapshot();
+        assert_eq!(rec.entries.len(), 1);
+        assert_eq!(rec.entries[0].state, CallState::Running);
+        assert!(rec.entries[0].in_place);
+        let off = Recorder::new(&cfg(0, None), "host".into(), &[]);
+        off.begin(0, &fp(8), false, 32, Counters::default());
+        off.end(&Ok(()), Counters::default());
+        assert!(off.snapshot().entries.is_empty());
+    }
+
+    #[test]
+    fn a_failure_is_dumped_once_and_reads_back() {
+        let dir = std::env::temp_dir().join(format!("ringzero-flight-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let r = Recorder::new(&cfg(8, Some(dir.clone())), "host".into(), &[]);
+        r.begin(0, &fp(5), false, 20, Counters::default());
+        r.end(&Ok(()), counters(20, 20));
+        r.begin(1, &fp(6), false, 24, Counters::default());
+        r.end(&Err(Error::config("x", "first")), Counters::default());
+        let p = r.failed("first").expect("dumped");
+        assert_eq!(p, dir.join("ringzero-flight-host-rank1.json"));
+        // A later failure keeps the first dump and the first cause.
+        r.begin(2, &fp(7), false, 28, Counters::default());
+        r.end(&Err(Error::config("x", "second")), Counters::default());
+        assert_eq!(r.failed("second"), Some(p.clone()));
+        let back = read_dir(&dir).unwrap();
+        assert_eq!(back.len(), 1);
+        assert_eq!(back[0].failure.as_deref(), Some("first"));
+        assert_eq!(back[0].entries.len(), 2);
+        assert_eq!(r.snapshot().failure.as_deref(), Some("first"));
+        // Closing rewrites it, marked closed, with every entry.
+        assert_eq!(r.closed(), Some(p.clone()));
+        let back = read_dir(&dir).unwrap();
+        assert!(back[0].closed);
+        assert_eq!(back[0].entries.len(), 3);
+        assert_eq!(back[0].failure.as_deref(), Some("first"));
+        // A file that is not a record is named.
+        std::fs::write(dir.join("ringzero-flight-bad.json"), "{").unwrap();
+        let e = read_dir(&dir).unwrap_err();
+        assert!(e.to_string().contains("ringzero-flight-bad.json"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn no_dump_directory_means_no_file_but_the_failure_is_kept() {
+        let r = Recorder::new(&cfg(8, None), "host".into(), &[]);
+        assert_eq!(r.failed("why"), None);
+        assert_eq!(r.snapshot().failure.as_deref(), Some("why"));
+    }
+}
