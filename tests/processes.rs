@@ -5,9 +5,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ringzero::{Collective, Communicator, DType, ReduceOp};
-use ringzero_tools::launch::{launch, LaunchSpec, Outcome, Output};
+use ringzero_tools::diag::flight::{self, FindingKind};
+use ringzero_tools::launch::{launch, DumpDir, LaunchSpec, Outcome, Output};
 
-use crate::common::{all_collectives, check_case, Case};
+use crate::common::{all_collectives, check_case, fresh_dir, Case};
 
 const SCENARIO: &str = "RINGZERO_TEST_SCENARIO";
 
@@ -110,6 +111,17 @@ fn run(
     env: &[(&str, &str)],
     grace: Duration,
 ) -> (Outcome, Vec<(usize, String)>) {
+    run_with(n, nodes, scenario, env, grace, None)
+}
+
+fn run_with(
+    n: usize,
+    nodes: usize,
+    scenario: &str,
+    env: &[(&str, &str)],
+    grace: Duration,
+    dump_dir: Option<&std::path::Path>,
+) -> (Outcome, Vec<(usize, String)>) {
     let log = Arc::new(Mutex::new(Vec::new()));
     let mut e: Vec<(String, String)> = env
         .iter()
@@ -130,6 +142,10 @@ fn run(
         .to_vec(),
         env: e,
         grace,
+        dump_dir: dump_dir.map(|d| DumpDir {
+            path: d.to_path_buf(),
+            remove_on_success: false,
+        }),
     };
     let outcome = launch(&spec, Output::Capture(log.clone())).expect("launch");
     let lines = log.lock().unwrap().clone();
@@ -205,8 +221,63 @@ fn killed_rank_is_noticed_in(nodes: usize, env: &[(&str, &str)], scenario: &str)
     // A long deadline: survivors must notice the death itself, not time out.
     let mut env = env.to_vec();
     env.push(("RINGZERO_TIMEOUT", "60"));
-    let (o, lines) = run(4, nodes, scenario, &env, Duration::from_secs(30));
+    let dir = fresh_dir(&format!("kill-{scenario}-{nodes}-{}", env[0].1));
+    let (o, lines) = run_with(
+        4,
+        nodes,
+        scenario,
+        &env,
+        Duration::from_secs(30),
+        Some(&dir),
+    );
     let took = t.elapsed();
+    // The survivors' flight records name the dead rank first, and the launcher points to them.
+    let report = flight::join(&dir).unwrap();
+    let comm = if scenario == "kill-device" {
+        "device"
+    } else {
+        "host"
+    };
+    let g = report
+        .groups
+        .iter()
+        .find(|g| g.comm == comm)
+        .expect("group");
+    let f = &g.findings[0];
+    assert_eq!(
+        (f.kind, f.ranks.as_slice()),
+        (FindingKind::NO_RECORD, &[1][..]),
+        "{}",
+        flight::text(&report)
+    );
+    assert!(
+        f.text.contains("the others saw it go") && f.text.contains("peer rank 1"),
+        "{}",
+        f.text
+    );
+    for r in [0, 2, 3] {
+        let line = &g.ranks[r];
+        assert!(
+            line.present && line.closed && line.failure.is_some(),
+            "{line:?}"
+        );
+        assert!(
+            line.last
+                .as_ref()
+                .unwrap()
+                .call
+                .starts_with("all_reduce(f32, sum"),
+            "{line:?}"
+        );
+    }
+    assert_eq!(report.exit_code, 2);
+    assert!(
+        lines.iter().any(|(q, l)| *q == usize::MAX
+            && l.contains("flight records of 3 of 4 ranks")
+            && l.contains("ringzero diag --flight")),
+        "{lines:#?}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
     assert_eq!(o.first_failure, Some(1), "{lines:#?}");
     assert_eq!(o.exit_code(), 128 + 9);
     for r in [0, 2, 3] {

@@ -5,6 +5,7 @@ mod bench;
 mod common;
 mod device;
 mod failures;
+mod flight;
 mod processes;
 mod threads;
 mod zero;

@@ -30,6 +30,8 @@ pub struct Opts {
     pub stream_stores_from: Option<usize>,
     /// `Config::staging`.
     pub staging: StagingMode,
+    /// `Config::dump_dir`: where flight records go.
+    pub dump_dir: Option<std::path::PathBuf>,
 }
 
 impl Default for Opts {
@@ -41,6 +43,7 @@ impl Default for Opts {
             secret: "test-secret",
             stream_stores_from: None,
             staging: StagingMode::Mapped,
+            dump_dir: None,
         }
     }
 }
@@ -52,6 +55,7 @@ pub fn config(rank: usize, n: usize, port: u16, o: &Opts) -> Config {
     c.timeout = o.timeout;
     c.secret = o.secret.as_bytes().to_vec();
     c.staging = o.staging;
+    c.dump_dir = o.dump_dir.clone();
     if let Some(b) = o.stream_stores_from {
         c.stream_stores_from = b;
     }
@@ -84,6 +88,14 @@ pub use ringzero::Element as TestElem;
 
 use half::{bf16, f16};
 pub use ringzero_tools::bench::exact::{reference, value};
+
+/// A fresh, empty directory for one test's files (flight records), named after the test.
+pub fn fresh_dir(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("ringzero-test-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
 
 /// Marker written into buffers whose contents must be overwritten (or must stay).
 pub const GARBAGE: f64 = 99.0;

@@ -7,7 +7,9 @@
 //!
 //! Each output line is prefixed with `[rank R]`. When a rank fails (non-zero exit or signal), the
 //! launcher names it, gives the others a grace period to report their own errors (they notice the
-//! dead peer within their deadline), then terminates whoever is left, and exits non-zero.
+//! dead peer within their deadline), then terminates whoever is left, and exits non-zero. With a
+//! dump directory, the ranks write their flight records there (`RINGZERO_DUMP_DIR`), and a failed
+//! job's last message says how to join them (`ringzero diag --flight DIR`).
 
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -31,6 +33,18 @@ pub struct LaunchSpec {
     pub env: Vec<(String, String)>,
     /// How long survivors get to exit on their own after a rank fails.
     pub grace: Duration,
+    /// Where the ranks write their flight records (`RINGZERO_DUMP_DIR`), if anywhere.
+    pub dump_dir: Option<DumpDir>,
+}
+
+/// The directory the ranks' flight records go to.
+#[derive(Clone, Debug)]
+pub struct DumpDir {
+    /// The directory (created if missing).
+    pub path: std::path::PathBuf,
+    /// Remove it when every rank succeeded (a directory made for this job); otherwise it is
+    /// kept, and a failed job's message points to it.
+    pub remove_on_success: bool,
 }
 
 /// Where ranks' output lines go.
@@ -124,6 +138,17 @@ pub fn launch(spec: &LaunchSpec, out: Output) -> std::io::Result<Outcome> {
         .iter()
         .map(|b| format!("{b:02x}"))
         .collect();
+    if let Some(d) = &spec.dump_dir {
+        std::fs::create_dir_all(&d.path).map_err(|e| {
+            std::io::Error::new(
+                e.kind(),
+                format!(
+                    "creating the flight record directory {}: {e}",
+                    d.path.display()
+                ),
+            )
+        })?;
+    }
     let host = rustix::system::uname()
         .nodename()
         .to_string_lossy()
@@ -155,6 +180,9 @@ pub fn launch(spec: &LaunchSpec, out: Output) -> std::io::Result<Outcome> {
         }
         if spec.nodes > 1 {
             cmd.env("RINGZERO_NODE_ID", format!("{host}/fake-node-{node}"));
+        }
+        if let Some(d) = &spec.dump_dir {
+            cmd.env("RINGZERO_DUMP_DIR", &d.path);
         }
         for (k, v) in &spec.env {
             cmd.env(k, v);
@@ -300,6 +328,29 @@ pub fn launch(spec: &LaunchSpec, out: Output) -> std::io::Result<Outcome> {
             ),
         );
     }
+    if let Some(d) = &spec.dump_dir {
+        if first_failure.is_some() {
+            let ranks: std::collections::BTreeSet<usize> =
+                ringzero_collectives::flight::read_dir(&d.path)
+                    .map(|recs| recs.iter().map(|r| r.rank).collect())
+                    .unwrap_or_default();
+            if !ranks.is_empty() {
+                say(
+                    &out,
+                    &format!(
+                        "flight records of {} of {} ranks are in {}: `ringzero diag --flight {}` \
+                         names the rank that broke the job",
+                        ranks.len(),
+                        spec.ranks,
+                        d.path.display(),
+                        d.path.display()
+                    ),
+                );
+            }
+        } else if d.remove_on_success {
+            let _ = std::fs::remove_dir_all(&d.path);
+        }
+    }
     Ok(outcome)
 }
 
@@ -359,6 +410,7 @@ mod tests {
             args: vec![],
             env: vec![],
             grace: Duration::ZERO,
+            dump_dir: None,
         };
         let e = launch(&spec, Output::Inherit).unwrap_err();
         assert!(e.to_string().contains("--nodes 3"), "{e}");
@@ -389,6 +441,7 @@ mod tests {
             ],
             env: vec![],
             grace: Duration::from_millis(100),
+            dump_dir: None,
         };
         let t = Instant::now();
         let o = launch(&spec, Output::Capture(log.clone())).unwrap();

@@ -32,6 +32,11 @@ enum Cmd {
         /// Seconds the other ranks get to stop by themselves after one fails.
         #[arg(long, default_value_t = 5.0)]
         grace: f64,
+        /// Where the ranks write their flight records (`RINGZERO_DUMP_DIR`). Default: that
+        /// variable if set, else a new directory under the temporary directory, removed when the
+        /// job succeeds and named when it fails.
+        #[arg(long, value_name = "DIR")]
+        dump_dir: Option<std::path::PathBuf>,
         /// The command and its arguments.
         #[arg(last = true, required = true)]
         cmd: Vec<std::ffi::OsString>,
@@ -59,6 +64,11 @@ enum Cmd {
         /// Seconds before the watchdog kills a probe and calls it HANG.
         #[arg(long, default_value_t = 20.0)]
         probe_timeout: f64,
+        /// Instead of examining this machine, join the flight records a failed job's ranks wrote
+        /// to this directory (`RINGZERO_DUMP_DIR`; `ringzero launch` prints it) and name the rank
+        /// that was missing, late or calling something else.
+        #[arg(long, value_name = "DIR", conflicts_with_all = ["sysfs_root", "procfs_root", "probes", "probe_timeout"])]
+        flight: Option<std::path::PathBuf>,
     },
     /// ZeRO memory and communication estimator (the paper's model-state formulas, mixed-precision
     /// Adam).
@@ -266,6 +276,29 @@ fn size(s: &str) -> Result<usize, String> {
     parse_bytes(s).ok_or_else(|| format!("`{s}` is not a size (e.g. 4096, 64K, 16M)"))
 }
 
+/// `--dump-dir`, else `RINGZERO_DUMP_DIR`, else a fresh directory for this job.
+fn dump_dir_for_launch(flag: Option<std::path::PathBuf>) -> launch::DumpDir {
+    let kept = flag.or_else(|| {
+        std::env::var_os("RINGZERO_DUMP_DIR")
+            .filter(|d| !d.is_empty())
+            .map(Into::into)
+    });
+    match kept {
+        Some(path) => launch::DumpDir {
+            path,
+            remove_on_success: false,
+        },
+        None => launch::DumpDir {
+            path: std::env::temp_dir().join(format!(
+                "ringzero-flight-{}-{:08x}",
+                std::process::id(),
+                rand::random::<u32>()
+            )),
+            remove_on_success: true,
+        },
+    }
+}
+
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -289,6 +322,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             ranks,
             nodes,
             grace,
+            dump_dir,
             cmd,
         } => {
             anyhow::ensure!(
@@ -302,6 +336,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 args: cmd[1..].to_vec(),
                 env: vec![],
                 grace: Duration::from_secs_f64(grace),
+                dump_dir: Some(dump_dir_for_launch(dump_dir)),
             };
             let outcome = launch::launch(&spec, launch::Output::Inherit)?;
             Ok(ExitCode::from(outcome.exit_code().clamp(0, 255) as u8))
@@ -313,7 +348,18 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             json,
             probes,
             probe_timeout,
+            flight,
         } => {
+            if let Some(dir) = flight {
+                anyhow::ensure!(dir.is_dir(), "--flight {}: not a directory", dir.display());
+                let report = ringzero_tools::diag::flight::join(&dir)?;
+                if json {
+                    println!("{}", serde_json::to_string_pretty(&report)?);
+                } else {
+                    print!("{}", ringzero_tools::diag::flight::text(&report));
+                }
+                return Ok(ExitCode::from(report.exit_code as u8));
+            }
             anyhow::ensure!(
                 probe_timeout.is_finite() && probe_timeout > 0.0,
                 "--probe-timeout must be a positive number of seconds"
@@ -633,6 +679,7 @@ fn gpu_collectives(
             ),
         ],
         grace: Duration::from_secs(5),
+        dump_dir: None,
     };
     let outcome = launch::launch(&spec, launch::Output::RankZeroPlain);
     let read = std::fs::read_to_string(&rows);
@@ -660,6 +707,7 @@ fn spawn_self(ranks: usize, transport: Option<&str>) -> anyhow::Result<ExitCode>
             .map(|t| ("RINGZERO_TRANSPORT".to_string(), t.to_string()))
             .collect(),
         grace: Duration::from_secs(5),
+        dump_dir: None,
     };
     let outcome = launch::launch(&spec, launch::Output::RankZeroPlain)?;
     Ok(ExitCode::from(outcome.exit_code().clamp(0, 255) as u8))

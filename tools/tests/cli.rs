@@ -329,3 +329,92 @@ fn demo_reads_a_deepspeed_config_and_names_bad_keys() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("stage 5 does not exist"));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn launch_keeps_flight_records_and_diag_joins_them() {
+    let bin = env!("CARGO_BIN_EXE_ringzero");
+    let base = std::env::temp_dir().join(format!("ringzero-cli-flight-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    let dumps = base.join("dumps");
+    let tmp = base.join("tmp");
+    std::fs::create_dir_all(&tmp).unwrap();
+    let check = [bin, "check", "-b", "1K", "-e", "4K", "--iters", "1"];
+    // With --dump-dir every rank's record stays there, and a healthy job joins as consistent.
+    let out = ringzero()
+        .args(["launch", "-n", "2", "--dump-dir"])
+        .arg(&dumps)
+        .arg("--")
+        .args(check)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let names: Vec<String> = std::fs::read_dir(&dumps)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    for r in 0..2 {
+        assert!(
+            names.contains(&format!("ringzero-flight-host-rank{r}.json")),
+            "{names:?}"
+        );
+    }
+    let out = ringzero()
+        .arg("diag")
+        .arg("--flight")
+        .arg(&dumps)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{stdout}");
+    assert!(
+        stdout.contains("1. CONSISTENT: every rank recorded the same calls"),
+        "{stdout}"
+    );
+    let out = ringzero()
+        .args(["diag", "--json", "--flight"])
+        .arg(&dumps)
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["groups"][0]["ranks"][1]["closed"], true);
+    // Without it, the launcher's own directory (under TMPDIR) is gone after a job that succeeded.
+    let out = ringzero()
+        .args(["launch", "-n", "2", "--"])
+        .args(check)
+        .env("TMPDIR", &tmp)
+        .env_remove("RINGZERO_DUMP_DIR")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        std::fs::read_dir(&tmp).unwrap().count(),
+        0,
+        "left behind in {}",
+        tmp.display()
+    );
+    // A directory without records, and --flight mixed with machine checks, are refused.
+    let out = ringzero()
+        .arg("diag")
+        .arg("--flight")
+        .arg(&tmp)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no flight records"));
+    let out = ringzero()
+        .args(["diag", "--probes", "shm", "--flight"])
+        .arg(&tmp)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot be used with"));
+    std::fs::remove_dir_all(&base).unwrap();
+}

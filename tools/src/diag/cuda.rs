@@ -557,6 +557,7 @@ fn ring(name: &str, exe: &std::path::Path, a: usize, b: usize, staged: bool) -> 
             ("RINGZERO_TRANSPORT".into(), "auto".into()),
         ],
         grace: Duration::from_secs(5),
+        dump_dir: None,
     };
     let outcome = crate::launch::launch(&spec, crate::launch::Output::Capture(lines.clone()));
     let lines = lines.lock().unwrap().clone();

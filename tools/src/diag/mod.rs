@@ -6,9 +6,13 @@
 //! The CUDA part ([`cuda`]) lists devices and peer facts and probes peer copies, host staging,
 //! CUDA IPC and ringzero's own ring, all in child processes. Without a CUDA driver or GPU, pairs
 //! are judged from topology, IOMMU and ACS alone and the report says the CUDA probes did not run.
+//!
+//! After a job failed, `diag --flight DIR` ([`flight`]) joins the flight records its ranks wrote
+//! and names the rank that was missing, late or calling something else.
 
 pub mod acs;
 pub mod cuda;
+pub mod flight;
 pub mod host;
 pub mod pci;
 pub mod probe;

@@ -1,0 +1,162 @@
+//! The flight recorder end to end, ranks as threads: each rank misbehaves in a way that breaks real
+//! jobs (skips a call, arrives late, calls something else), every rank writes its record to a dump
+//! directory, and `diag --flight`'s join must name the culprit first. (A killed rank: see
+//! `processes.rs`.)
+
+use std::time::Duration;
+
+use ringzero::{CallState, Communicator, ReduceOp, TransportPref};
+use ringzero_tools::diag::flight::{self, FindingKind, FlightReport};
+
+use crate::common::{fresh_dir, threads, Opts};
+
+fn opts(dir: &std::path::Path, timeout: Duration) -> Opts {
+    Opts {
+        transport: TransportPref::Tcp,
+        timeout,
+        dump_dir: Some(dir.to_path_buf()),
+        ..Opts::default()
+    }
+}
+
+fn all_reduce(comm: &Communicator) -> ringzero::Result<()> {
+    let mut buf = vec![1f32; 1000];
+    comm.all_reduce_in_place(&mut buf, ReduceOp::Sum)
+}
+
+fn joined(dir: &std::path::Path) -> FlightReport {
+    let r = flight::join(dir).unwrap();
+    assert_eq!(r.groups.len(), 1, "{}", flight::text(&r));
+    r
+}
+
+#[test]
+fn a_rank_that_leaves_before_a_call_is_named_as_never_making_it() {
+    let dir = fresh_dir("flight-skip");
+    threads(3, &opts(&dir, Duration::from_secs(20)), |rank, comm| {
+        let comm = comm.unwrap();
+        all_reduce(&comm).unwrap();
+        all_reduce(&comm).unwrap();
+        if rank != 2 {
+            // Rank 2 closed its communicator instead of making this call.
+            assert!(all_reduce(&comm).is_err());
+        }
+    });
+    let r = joined(&dir);
+    let g = &r.groups[0];
+    let f = &g.findings[0];
+    assert_eq!(f.kind, FindingKind::NEVER_CALLED, "{}", flight::text(&r));
+    assert_eq!((f.ranks.as_slice(), f.seq), (&[2][..], Some(3)));
+    assert!(
+        f.text.contains("closed its communicator")
+            && f.text.contains("all_reduce(f32, sum, count=1000)"),
+        "{}",
+        f.text
+    );
+    assert!(g
+        .findings
+        .iter()
+        .any(|f| f.kind == FindingKind::FIRST_ERROR));
+    // Every rank recorded the setup barrier and both all-reduces with the bytes they moved.
+    let last2 = g.ranks[2].last.as_ref().unwrap();
+    assert_eq!((last2.seq, last2.state), (2, CallState::Done));
+    // Ring all-reduce: 2 of the 3 chunks (333 or 334 f32) in each half.
+    assert!(
+        (4 * 333 * 4..=4 * 334 * 4).contains(&last2.sent),
+        "{last2:?}"
+    );
+    assert!(
+        (4 * 333 * 4..=4 * 334 * 4).contains(&last2.received),
+        "{last2:?}"
+    );
+    assert_eq!(r.exit_code, 2);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_rank_that_enters_after_the_others_failed_is_named_late() {
+    let dir = fresh_dir("flight-late");
+    threads(2, &opts(&dir, Duration::from_millis(800)), |rank, comm| {
+        let comm = comm.unwrap();
+        all_reduce(&comm).unwrap();
+        if rank == 1 {
+            // Busy elsewhere (a slow data loader) past rank 0's deadline.
+            std::thread::sleep(Duration::from_millis(2000));
+        }
+        assert!(all_reduce(&comm).is_err());
+    });
+    let r = joined(&dir);
+    let g = &r.groups[0];
+    let f = &g.findings[0];
+    assert_eq!(f.kind, FindingKind::LATE, "{}", flight::text(&r));
+    assert_eq!((f.ranks.as_slice(), f.seq), (&[1][..], Some(2)));
+    assert!(
+        f.text.contains("after rank 0 had already failed in it"),
+        "{}",
+        f.text
+    );
+    let first = g
+        .findings
+        .iter()
+        .find(|f| f.kind == FindingKind::FIRST_ERROR)
+        .unwrap();
+    assert!(
+        first.ranks == [0] && first.text.contains("timed out"),
+        "{}",
+        first.text
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn ranks_calling_different_collectives_are_a_mismatch_naming_both() {
+    let dir = fresh_dir("flight-mismatch");
+    threads(3, &opts(&dir, Duration::from_secs(20)), |rank, comm| {
+        let comm = comm.unwrap();
+        all_reduce(&comm).unwrap();
+        let r = if rank == 1 {
+            let mut out = vec![0f32; 999];
+            comm.all_gather(&[1.0; 333], &mut out)
+        } else {
+            all_reduce(&comm)
+        };
+        assert!(r.is_err());
+    });
+    let r = joined(&dir);
+    let f = &r.groups[0].findings[0];
+    assert_eq!(
+        (f.kind, f.seq),
+        (FindingKind::MISMATCH, Some(2)),
+        "{}",
+        flight::text(&r)
+    );
+    assert!(
+        f.text
+            .contains("ranks 0, 2 called all_reduce(f32, sum, count=1000)")
+            && f.text.contains("rank 1 called all_gather(f32, count=999)"),
+        "{}",
+        f.text
+    );
+    assert_eq!(r.exit_code, 2);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_healthy_job_leaves_consistent_records_and_the_recorder_is_readable_live() {
+    let dir = fresh_dir("flight-ok");
+    threads(2, &opts(&dir, Duration::from_secs(20)), |_, comm| {
+        let comm = comm.unwrap();
+        for _ in 0..5 {
+            all_reduce(&comm).unwrap();
+        }
+        let rec = comm.flight_record();
+        assert_eq!(rec.entries.len(), 6, "setup barrier + 5 all-reduces");
+        assert!(rec.entries.iter().all(|e| e.state == CallState::Done));
+        assert!(!rec.closed && rec.failure.is_none());
+    });
+    let r = joined(&dir);
+    assert_eq!(r.groups[0].findings[0].kind, FindingKind::CONSISTENT);
+    assert!(r.groups[0].ranks.iter().all(|l| l.closed));
+    assert_eq!(r.exit_code, 0);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
