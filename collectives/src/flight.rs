@@ -125,11 +125,19 @@ pub(crate) struct Recorder {
 
 struct Inner {
     head: FlightRecord,
-    entries: VecDeque<FlightEntry>,
+    entries: VecDeque<Slot>,
     /// The running call: when it started, and the counters then.
     running: Option<(Instant, Counters)>,
     /// Where the dump went, once written.
     dumped: Option<PathBuf>,
+}
+
+/// An entry as kept: the fingerprint stays binary until a record is taken, so recording costs a
+/// call no formatting.
+#[derive(Clone)]
+struct Slot {
+    fp: Fingerprint,
+    entry: FlightEntry,
 }
 
 /// Microseconds since the Unix epoch.
@@ -195,17 +203,20 @@ impl Recorder {
             g.entries.pop_front();
             g.head.dropped += 1;
         }
-        g.entries.push_back(FlightEntry {
-            seq,
-            call: fp.to_string(),
-            in_place,
-            bytes,
-            start_unix_us: now_us(),
-            elapsed_us: 0,
-            sent: 0,
-            received: 0,
-            state: CallState::Running,
-            error: None,
+        g.entries.push_back(Slot {
+            fp: *fp,
+            entry: FlightEntry {
+                seq,
+                call: String::new(),
+                in_place,
+                bytes,
+                start_unix_us: now_us(),
+                elapsed_us: 0,
+                sent: 0,
+                received: 0,
+                state: CallState::Running,
+                error: None,
+            },
         });
         g.running = Some((Instant::now(), now));
     }
@@ -216,7 +227,7 @@ impl Recorder {
         let Some((t, before)) = g.running.take() else {
             return;
         };
-        if let Some(e) = g.entries.back_mut() {
+        if let Some(Slot { entry: e, .. }) = g.entries.back_mut() {
             e.elapsed_us = t.elapsed().as_micros() as u64;
             e.sent = now.bytes_sent.saturating_sub(before.bytes_sent);
             e.received = now.bytes_received.saturating_sub(before.bytes_received);
@@ -279,7 +290,14 @@ impl Recorder {
 fn snapshot(g: &Inner) -> FlightRecord {
     let mut rec = g.head.clone();
     rec.taken_unix_us = now_us();
-    rec.entries = g.entries.iter().cloned().collect();
+    rec.entries = g
+        .entries
+        .iter()
+        .map(|s| FlightEntry {
+            call: s.fp.to_string(),
+            ..s.entry.clone()
+        })
+        .collect();
     if let (Some((t, _)), Some(last)) = (g.running, rec.entries.last_mut()) {
         if last.state == CallState::Running {
             last.elapsed_us = t.elapsed().as_micros() as u64;
