@@ -658,6 +658,13 @@ fn gpu_collectives(
         Ok(p) => p,
         Err(e) => return fail(format!("finding this executable: {e}")),
     };
+    // A killed-rank run also checks that the survivors' flight records name the dead rank.
+    let dumps = kill.then(|| {
+        std::env::temp_dir().join(format!(
+            "ringzero-gpu-flight-{}-{ranks}-{mode:?}",
+            std::process::id()
+        ))
+    });
     let spec = launch::LaunchSpec {
         ranks,
         nodes: 1,
@@ -679,16 +686,55 @@ fn gpu_collectives(
             ),
         ],
         grace: Duration::from_secs(5),
-        dump_dir: None,
+        dump_dir: dumps.clone().map(|path| launch::DumpDir {
+            path,
+            remove_on_success: false,
+        }),
     };
     let outcome = launch::launch(&spec, launch::Output::RankZeroPlain);
     let read = std::fs::read_to_string(&rows);
     let _ = std::fs::remove_file(&rows);
-    match (outcome, read) {
+    let mut out = match (outcome, read) {
         (_, Ok(text)) => serde_json::from_str::<Vec<ringzero_tools::gpucheck::Row>>(&text)
             .unwrap_or_else(|e| fail(format!("rank 0's rows: {e}"))),
         (Ok(o), Err(e)) => fail(format!("exit {}: no rows ({e})", o.exit_code())),
         (Err(e), _) => fail(format!("launch: {e}")),
+    };
+    if let Some(d) = dumps {
+        out.push(flight_names_the_killed_rank(&label, &d));
+        let _ = std::fs::remove_dir_all(&d);
+    }
+    out
+}
+
+/// gpu-check's row for a killed-rank run's flight records: the device communicator's join must
+/// name rank 1 first, as having left no record.
+fn flight_names_the_killed_rank(
+    label: &str,
+    dir: &std::path::Path,
+) -> ringzero_tools::gpucheck::Row {
+    use ringzero_tools::diag::flight::{self, FindingKind};
+    let (pass, detail) = match flight::join(dir) {
+        Err(e) => (false, e.to_string()),
+        Ok(r) => match r.groups.iter().find(|g| g.comm == "device") {
+            None => (false, "no device communicator's records".to_string()),
+            Some(g) => {
+                let f = &g.findings[0];
+                let present = g.ranks.iter().filter(|l| l.present).count();
+                (
+                    f.kind == FindingKind::NO_RECORD && f.ranks == [1],
+                    format!(
+                        "{present} records; first finding {:?} {:?}",
+                        f.kind, f.ranks
+                    ),
+                )
+            }
+        },
+    };
+    ringzero_tools::gpucheck::Row {
+        check: format!("{label} killed rank: diag --flight names it"),
+        pass,
+        detail,
     }
 }
 
