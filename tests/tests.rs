@@ -7,5 +7,6 @@ mod device;
 mod failures;
 mod flight;
 mod processes;
+mod split;
 mod threads;
 mod zero;

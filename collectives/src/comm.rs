@@ -60,8 +60,13 @@ struct Inner {
     state: Mutex<State>,
     /// The last calls, dumped when the communicator fails or closes.
     flight: Recorder,
+    /// This communicator's name in flight records: `host`, or `split<N>.<color>` (nested:
+    /// `split1.0-split2.1`).
+    name: String,
     /// Device communicators created on this one so far (their flight records' names).
     device_comms: AtomicUsize,
+    /// Splits made from this one so far (the sub-communicators' job ids and names).
+    splits: AtomicUsize,
     // Rank 0 serves the store for as long as the communicator lives.
     _store: Option<StoreServer>,
 }
@@ -81,20 +86,28 @@ impl Communicator {
     /// Join the job described by `cfg`: rendezvous through rank 0's store, choose and connect the
     /// transport of both ring edges, and run a barrier over the ring to prove it works.
     pub fn init(cfg: Config) -> Result<Communicator> {
+        Communicator::start(cfg, "host".into(), None)
+    }
+
+    /// [`Communicator::init`] with the flight record's name and, for a split's rank 0, the store
+    /// it already serves.
+    fn start(cfg: Config, name: String, server: Option<StoreServer>) -> Result<Communicator> {
         cfg.validate()?;
         let (rank, size) = (cfg.launch.rank, cfg.launch.world_size);
         let (links, edges, store, data_ip) = if size == 1 {
             (None, Vec::new(), None, None)
         } else {
-            connect::connect_ring(&cfg)?
+            connect::connect_ring(&cfg, server)?
         };
-        let flight = Recorder::new(&cfg, "host".into(), &edges);
+        let flight = Recorder::new(&cfg, name.clone(), &edges);
         let inner = Arc::new(Inner {
             cfg,
             rank,
             size,
             flight,
+            name,
             device_comms: AtomicUsize::new(0),
+            splits: AtomicUsize::new(0),
             edges,
             data_ip,
             state: Mutex::new(State {
@@ -160,12 +173,111 @@ impl Communicator {
         self.inner.flight.snapshot()
     }
 
-    /// The name of the next device communicator's flight record: `device`, `device1`, ...
+    /// The name of the next device communicator's flight record: `device`, `device1`, ... (on a
+    /// split, prefixed by the split's name).
     pub(crate) fn next_device_name(&self) -> String {
-        match self.inner.device_comms.fetch_add(1, Ordering::Relaxed) {
-            0 => "device".into(),
+        let d = match self.inner.device_comms.fetch_add(1, Ordering::Relaxed) {
+            0 => "device".to_string(),
             i => format!("device{i}"),
+        };
+        match self.inner.name.as_str() {
+            "host" => d,
+            n => format!("{n}-{d}"),
         }
+    }
+
+    /// Split into sub-communicators: ranks that pass the same `color` form one, ranked by `key`
+    /// (ties by rank in this communicator); a rank that passes `None` joins none and gets
+    /// `Ok(None)`. Every rank of this communicator must call it, in the same order as its other
+    /// collectives (it runs two all-gathers here). Each new communicator has its own store, ring,
+    /// transports (chosen per edge as at start-up), sequence numbers and flight record; this one
+    /// stays usable, and either may be dropped first.
+    ///
+    /// Data parallel inside tensor-parallel groups of 2 on 8 ranks:
+    /// `comm.split(Some(rank % 2), rank)` gives the two data-parallel groups {0,2,4,6} and
+    /// {1,3,5,7}; `comm.split(Some(rank / 2), rank)` the four tensor-parallel pairs.
+    pub fn split(&self, color: Option<u32>, key: u32) -> Result<Option<Communicator>> {
+        use crate::split::{place, Ask};
+        let n = self.inner.splits.fetch_add(1, Ordering::Relaxed) + 1;
+        let cfg = &self.inner.cfg;
+        let asks: Vec<Ask> =
+            self.all_gather_records(&Ask::new(color, key, &cfg.node_id, self.data_ip()))?;
+        let me = place(&asks, self.rank());
+        // A group's rank 0 serves its store on an ephemeral port; the second all-gather tells the
+        // other members which.
+        let mut server = None;
+        let mut failed = None;
+        if let Some(p) = me.as_ref().filter(|p| p.rank == 0 && p.members.len() > 1) {
+            let ip = asks[self.rank()]
+                .ip()
+                .ok_or_else(|| Error::InvalidArgument {
+                    op: "split".into(),
+                    msg: "this rank has no data address to serve the new store on".into(),
+                });
+            let started = ip.and_then(|ip| {
+                StoreServer::start(
+                    std::net::SocketAddr::new(ip, 0),
+                    cfg.secret.clone(),
+                    split_job(cfg, n, p.color),
+                    cfg.timeout,
+                )
+            });
+            // On failure port 0 goes out, so the members fail at once too.
+            match started {
+                Ok(s) => server = Some(s),
+                Err(e) => failed = Some(e),
+            }
+        }
+        let port = server.as_ref().map_or(0u32, |s| s.addr().port() as u32);
+        let ports: Vec<u32> = self.all_gather_records(&port)?;
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        let Some(p) = me else { return Ok(None) };
+        let root = p.members[0];
+        if p.members.len() > 1 && ports[root] == 0 {
+            return Err(Error::Io {
+                context: format!("split {n}, color {}", p.color),
+                detail: format!(
+                    "rank {root}, the new communicator's rank 0, could not start its store (its \
+                     own error says why)"
+                ),
+            });
+        }
+        let mut sub = cfg.clone();
+        sub.launch = crate::config::LaunchInfo {
+            rank: p.rank,
+            world_size: p.members.len(),
+            local_rank: p.local_rank,
+            local_world_size: p.local_size,
+            master_addr: asks[root]
+                .ip()
+                .map_or("127.0.0.1".into(), |ip| ip.to_string()),
+            master_port: ports[root] as u16,
+            source: "split",
+        };
+        sub.job_id = split_job(cfg, n, p.color);
+        let name = match self.inner.name.as_str() {
+            "host" => format!("split{n}.{}", p.color),
+            parent => format!("{parent}-split{n}.{}", p.color),
+        };
+        Communicator::start(sub, name, server).map(Some)
+    }
+
+    /// Every rank's `mine`, in rank order (one all-gather of its bytes).
+    pub(crate) fn all_gather_records<T: bytemuck::Pod>(&self, mine: &T) -> Result<Vec<T>> {
+        let all = self.all_gather_bytes(bytemuck::bytes_of(mine))?;
+        Ok(all
+            .chunks_exact(std::mem::size_of::<T>())
+            .map(bytemuck::pod_read_unaligned)
+            .collect())
+    }
+
+    /// Every rank's `mine` (all of one length), concatenated in rank order.
+    pub(crate) fn all_gather_bytes(&self, mine: &[u8]) -> Result<Vec<u8>> {
+        let mut all = vec![0u8; mine.len() * self.size()];
+        self.all_gather(mine, &mut all)?;
+        Ok(all)
     }
 
     /// Elements of a `count`-element buffer that this rank owns in a reduce-scatter or contributes
@@ -479,6 +591,12 @@ impl Drop for Communicator {
         }
         self.inner.flight.closed();
     }
+}
+
+/// The job id of split `n`'s group `color`: distinct from the parent's and every other group's,
+/// so their connections cannot cross.
+fn split_job(cfg: &Config, n: usize, color: u32) -> String {
+    format!("{}/split{n}.{color}", cfg.job_id)
 }
 
 fn same_len(c: Collective, a: usize, b: usize, a_name: &str, b_name: &str) -> Result<()> {

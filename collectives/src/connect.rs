@@ -12,10 +12,12 @@ use crate::topology::{self, Edge};
 use crate::transport::shm::{ShmRecv, ShmSend};
 use crate::transport::{tcp, RecvLink, SendLink, TransportKind};
 
-/// Rendezvous, choose transports, connect both ring edges.
+/// Rendezvous, choose transports, connect both ring edges. Rank 0 serves the store: `server`
+/// when one was started already (a split's), else one it starts on the master port.
 #[allow(clippy::type_complexity)]
 pub(crate) fn connect_ring(
     cfg: &Config,
+    server: Option<StoreServer>,
 ) -> Result<(
     Option<Links>,
     Vec<Edge>,
@@ -30,7 +32,9 @@ pub(crate) fn connect_ring(
         rank: rank as u32,
     };
     let (host, port) = (cfg.launch.master_addr.as_str(), cfg.launch.master_port);
-    let server = if rank == 0 {
+    let server = if server.is_some() {
+        server
+    } else if rank == 0 {
         Some(StoreServer::start(
             store_bind_addr(host, port)?,
             cfg.secret.clone(),

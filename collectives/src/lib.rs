@@ -11,7 +11,8 @@
 //! - [`ring`]: the schedule as pure data, and the engine that drives a transport through it;
 //! - [`wire`]: frame headers, fingerprints, bounds checks;
 //! - [`flight`]: the flight recorder: each communicator's last calls, dumped when it fails;
-//! - [`Communicator`]: the public API; [`DeviceComm`]: the same ring on device buffers
+//! - [`Communicator`]: the public API (with `split` into sub-communicators); [`DeviceComm`]: the
+//!   same ring on device buffers
 //!   (cuda_ipc peer copies, shm host staging), set up through a communicator.
 //!
 //! Two ranks as threads, the way tests run them:
@@ -43,6 +44,7 @@ pub mod device;
 pub mod error;
 pub mod flight;
 pub mod ring;
+mod split;
 pub mod topology;
 pub mod transport;
 pub mod wire;

@@ -299,7 +299,7 @@ impl<S: Stream> Core<S> {
             pid: std::process::id(),
             name: text(&self.stream.name()),
         };
-        let infos: Vec<DeviceInfo> = all_gather_records(comm, &me)?;
+        let infos: Vec<DeviceInfo> = comm.all_gather_records(&me)?;
         let p = &infos[prev];
         let host_edges = comm.edges();
         let host_recv = host_edges
@@ -336,7 +336,7 @@ impl<S: Stream> Core<S> {
             let (links, send_kind) = self.build(comm, &recv_edge, prev, next)?;
             let mut links = links;
             let finding = self.probe(&mut links, round)?;
-            let all = all_gather_bytes(comm, &finding.record())?;
+            let all = comm.all_gather_bytes(&finding.record())?;
             let code = |r: usize| all[r * FINDING_BYTES];
             let finding_of =
                 |r: usize| untext(&all[r * FINDING_BYTES + 1..(r + 1) * FINDING_BYTES]);
@@ -369,7 +369,7 @@ impl<S: Stream> Core<S> {
                     };
                 }
                 // Learn the reason the next rank gave for our send edge.
-                let reasons = all_gather_bytes(comm, &text::<FINDING_BYTES>(&recv_edge.reason))?;
+                let reasons = comm.all_gather_bytes(&text::<FINDING_BYTES>(&recv_edge.reason))?;
                 let their_reason =
                     untext(&reasons[next * FINDING_BYTES..(next + 1) * FINDING_BYTES]);
                 let send_edge = Edge {
@@ -473,7 +473,7 @@ impl<S: Stream> Core<S> {
                 Rx::Listen(l)
             }
         };
-        let all: Vec<ConnectInfo> = all_gather_records(comm, &info)?;
+        let all: Vec<ConnectInfo> = comm.all_gather_records(&info)?;
         let theirs = all[next];
         let path = std::path::PathBuf::from(untext(&theirs.path));
         let (t_slots, t_bytes) = (theirs.slots as usize, theirs.slot_bytes as usize);
@@ -868,20 +868,6 @@ fn dev_err(what: &str) -> impl Fn(ringzero_kernels::device::DeviceError) -> Erro
         context: what.to_string(),
         source: e,
     }
-}
-
-fn all_gather_bytes(comm: &Communicator, mine: &[u8]) -> Result<Vec<u8>> {
-    let mut all = vec![0u8; mine.len() * comm.size()];
-    comm.all_gather(mine, &mut all)?;
-    Ok(all)
-}
-
-fn all_gather_records<T: Pod>(comm: &Communicator, mine: &T) -> Result<Vec<T>> {
-    let all = all_gather_bytes(comm, bytemuck::bytes_of(mine))?;
-    Ok(all
-        .chunks_exact(std::mem::size_of::<T>())
-        .map(bytemuck::pod_read_unaligned)
-        .collect())
 }
 
 #[cfg(test)]

@@ -1,6 +1,6 @@
 //! What the device ring engine needs from a device: queue arithmetic and copies on addresses, in
 //! order, and tell when queued work has completed. Two implementations:
-//! - a CUDA device (`ringzero_kernels::device::cuda::Gpu`, in [`super::cuda`]): the compute
+//! - a CUDA device (`ringzero_kernels::device::cuda::Gpu`, in `device::cuda`): the compute
 //!   stream, NVRTC kernels, events;
 //! - [`HostStream`]: the host as an asynchronous device — a worker thread that runs the CPU
 //!   kernels on host addresses in the order queued. It gives the device engine the same

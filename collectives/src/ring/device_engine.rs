@@ -1,4 +1,4 @@
-//! The device engine: drives one rank's [`Plan`] over device links ([`DevSendLink`],
+//! The device engine: drives one rank's [`Plan`](super::Plan) over device links ([`DevSendLink`],
 //! [`DevRecvLink`]) by queueing work on a [`Stream`].
 //!
 //! Words as in [`super::schedule`]. The engine runs the plan's ops in order, as the host engine
