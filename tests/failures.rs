@@ -288,3 +288,68 @@ fn an_explicit_abort_reaches_every_rank() {
         assert!(*t < Duration::from_secs(5));
     }
 }
+
+/// Rank 2 is busy elsewhere; rank 0's watchdog aborts its stuck all-reduce long before the
+/// deadline. `device`: the same on a `DeviceComm` (host stream), whose call runs on the proxy
+/// thread while the caller aborts.
+fn watchdog_abort(transport: TransportPref, device: bool) {
+    let t = Instant::now();
+    // Nobody drops its communicator (closing its sockets) before every rank has its error.
+    let done = std::sync::Barrier::new(3);
+    let got = threads(
+        3,
+        &both(transport, Duration::from_secs(30)),
+        |rank, comm| {
+            let comm = comm.unwrap();
+            let dc = device
+                .then(|| ringzero::DeviceComm::new(&comm, ringzero::HostStream::new()).unwrap());
+            let buf = vec![1f32; 4096];
+            let call = |buf: Vec<f32>| match &dc {
+                Some(dc) => dc.all_reduce_async(buf, ReduceOp::Sum),
+                None => comm.all_reduce_async(buf, ReduceOp::Sum),
+            };
+            if rank == 2 {
+                std::thread::sleep(Duration::from_millis(1500));
+            }
+            let work = call(buf);
+            if rank == 0 {
+                std::thread::sleep(Duration::from_millis(300));
+                match &dc {
+                    Some(dc) => dc.abort("watchdog: step took too long"),
+                    None => comm.abort("watchdog: step took too long"),
+                }
+            }
+            let e = work.wait().unwrap_err();
+            let took = t.elapsed();
+            // Later calls fail at once too.
+            let again = call(vec![1f32; 8]).wait().unwrap_err();
+            assert!(matches!(again, Error::Aborted { .. }), "{again}");
+            done.wait();
+            (e.to_string(), took)
+        },
+    );
+    for (rank, (e, took)) in got.iter().enumerate() {
+        assert!(
+            e.contains("rank 0: watchdog: step took too long"),
+            "{transport:?} rank {rank}: {e}"
+        );
+        assert!(
+            *took < Duration::from_secs(10),
+            "{transport:?} rank {rank} took {took:?}"
+        );
+    }
+}
+
+#[test]
+fn abort_from_a_watchdog_ends_a_stuck_call_on_every_rank() {
+    for transport in [TransportPref::Shm, TransportPref::Tcp] {
+        watchdog_abort(transport, false);
+    }
+}
+
+#[test]
+fn abort_from_a_watchdog_ends_a_stuck_device_call_on_every_rank() {
+    for transport in [TransportPref::Shm, TransportPref::Tcp] {
+        watchdog_abort(transport, true);
+    }
+}

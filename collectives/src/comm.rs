@@ -11,7 +11,7 @@ use crate::config::Config;
 use crate::connect;
 use crate::error::{Error, Result};
 use crate::flight::{FlightRecord, Recorder};
-use crate::ring::engine::{self, Bufs, Call, Counters, Links};
+use crate::ring::engine::{self, AbortFlag, Bufs, Call, Counters, Links};
 use crate::ring::{chunk, plan, Collective, PlanArgs};
 use crate::topology::Edge;
 use crate::wire::Fingerprint;
@@ -60,6 +60,8 @@ struct Inner {
     state: Mutex<State>,
     /// The last calls, dumped when the communicator fails or closes.
     flight: Recorder,
+    /// Raised by [`Communicator::abort`] from any thread; the running call sees it.
+    abort: AbortFlag,
     /// This communicator's name in flight records: `host`, or `split<N>.<color>` (nested:
     /// `split1.0-split2.1`).
     name: String,
@@ -105,6 +107,7 @@ impl Communicator {
             rank,
             size,
             flight,
+            abort: AbortFlag::default(),
             name,
             device_comms: AtomicUsize::new(0),
             splits: AtomicUsize::new(0),
@@ -491,14 +494,21 @@ impl Communicator {
         })
     }
 
-    /// Abort the communicator: tell both neighbours (they and, in turn, every rank fail their
-    /// current and later calls) and fail every later call here.
+    /// Abort the communicator from any thread — a watchdog's, say, while a call is stuck: the call
+    /// in progress on this rank fails within a few tens of milliseconds with an
+    /// [`Error::Aborted`] naming `reason`, both neighbours are told (they and, in turn, every rank
+    /// fail their current and later calls), and every later call here fails. Returns once the
+    /// neighbours have been told.
     pub fn abort(&self, reason: &str) {
+        let why = format!("rank {}: {reason}", self.rank());
+        // The running call (if any) holds the state: it sees the flag at its next health check
+        // and returns, and then the state is ours.
+        self.inner.abort.raise(why.clone());
         let mut st = self.inner.lock();
         let e = Error::Aborted {
             op: "abort".into(),
             seq: st.seq,
-            reason: format!("rank {}: {reason}", self.rank()),
+            reason: why,
         };
         if let Some(l) = st.links.as_mut() {
             l.abort(&e.to_string());
@@ -584,7 +594,7 @@ impl Drop for Communicator {
         let timeout = self.inner.cfg.timeout;
         if st.failed.is_none() {
             if let Some(l) = st.links.as_mut() {
-                if let Err(e) = l.flush("shutdown", seq, timeout) {
+                if let Err(e) = l.flush("shutdown", seq, timeout, &self.inner.abort) {
                     self.inner.flight.failed(&e.to_string());
                 }
             }
@@ -628,13 +638,7 @@ impl Inner {
         let dt = dtype.unwrap_or(DType::U8);
         let fp = Fingerprint::new(coll, dtype, Some(op), count);
         let seq = st.seq;
-        if let Some(e) = &st.failed {
-            return Err(Error::Aborted {
-                op: fp.to_string(),
-                seq,
-                reason: format!("an earlier error: {e}"),
-            });
-        }
+        engine::refuse(st.failed.as_ref(), &self.abort, &fp, seq)?;
         let slot_bytes = st.links.as_ref().map_or(self.cfg.slice_bytes, |l| {
             l.tx.slot_bytes().min(self.cfg.slice_bytes)
         });
@@ -656,6 +660,7 @@ impl Inner {
             rank: self.rank,
             timeout: self.cfg.timeout,
             stream_stores: bufs.output_bytes() >= self.cfg.stream_stores_from,
+            abort: &self.abort,
         };
         // Refused calls consume no sequence number: the ranks stay in step.
         engine::check_sizes(&call, &bufs, &fp.to_string())?;

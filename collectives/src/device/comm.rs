@@ -28,7 +28,7 @@ use crate::config::{Config, StagingMode};
 use crate::error::{Error, Result};
 use crate::flight::{FlightRecord, Recorder};
 use crate::ring::device_engine::{self, DevBufs, DevLinks};
-use crate::ring::engine::{Call, Counters};
+use crate::ring::engine::{AbortFlag, Call, Counters};
 use crate::ring::{chunk, plan, Collective, PlanArgs};
 use crate::topology::{self, DevicePeer, Edge};
 use crate::transport::device::{
@@ -170,6 +170,8 @@ pub(super) struct Core<S: Stream> {
     state: Mutex<DevState>,
     /// The last calls, dumped when the communicator fails or closes.
     flight: Recorder,
+    /// Raised by [`DeviceComm::abort`] from any thread; the running call sees it.
+    abort: AbortFlag,
 }
 
 struct DevState {
@@ -185,6 +187,7 @@ impl<S: Stream> DeviceComm<S> {
         let mut core = Core {
             stream,
             flight: Recorder::new(comm.config(), comm.next_device_name(), &[]),
+            abort: AbortFlag::default(),
             cfg: comm.config().clone(),
             rank,
             size,
@@ -222,6 +225,26 @@ impl<S: Stream> DeviceComm<S> {
     /// created on a communicator, then `device1`, `device2`, ...
     pub fn flight_record(&self) -> FlightRecord {
         self.core.flight.snapshot()
+    }
+
+    /// Abort from any thread, as [`Communicator::abort`] does: the call in progress (blocking, or
+    /// on the proxy thread) fails within a few tens of milliseconds once its queued device work
+    /// has drained, both neighbours are told, and every later call fails. Returns once the
+    /// neighbours have been told.
+    pub fn abort(&self, reason: &str) {
+        let why = format!("rank {}: {reason}", self.core.rank);
+        self.core.abort.raise(why.clone());
+        let mut st = self.core.lock();
+        let e = Error::Aborted {
+            op: "abort".into(),
+            seq: st.seq,
+            reason: why,
+        };
+        if let Some(l) = st.links.as_mut() {
+            l.abort(&e.to_string());
+        }
+        self.core.flight.failed(&e.to_string());
+        st.failed.get_or_insert(e);
     }
 
     /// The stream (device) the buffers live on.
@@ -742,13 +765,7 @@ impl<S: Stream> Core<S> {
         let st = &mut *st;
         let fp = Fingerprint::new(coll, Some(dtype), Some(op), count);
         let seq = st.seq;
-        if let Some(e) = &st.failed {
-            return Err(Error::Aborted {
-                op: fp.to_string(),
-                seq,
-                reason: format!("an earlier error: {e}"),
-            });
-        }
+        crate::ring::engine::refuse(st.failed.as_ref(), &self.abort, &fp, seq)?;
         let slot_bytes = self.cfg.slice_bytes.next_multiple_of(64);
         let in_place = matches!(bufs, DevBufs::One { .. });
         let p = plan(PlanArgs {
@@ -770,6 +787,7 @@ impl<S: Stream> Core<S> {
             timeout: self.cfg.timeout,
             // The device engine's stores are device copies and kernels.
             stream_stores: false,
+            abort: &self.abort,
         };
         device_engine::check_sizes(&call, &bufs)?;
         st.seq += 1;

@@ -179,6 +179,7 @@ unsafe fn run_ops<S: Stream>(
             waiter.progressed();
             continue;
         }
+        call.abort.check(call)?;
         if last.elapsed() >= call.timeout {
             return Err(Error::Timeout {
                 op: what,
@@ -309,6 +310,7 @@ unsafe fn run_op<S: Stream>(
         }
         if now.duration_since(last_health) >= HEALTH_EVERY {
             last_health = now;
+            call.abort.check(call)?;
             links.rx.health().map_err(rx_err)?;
             links.tx.health().map_err(tx_err)?;
         }

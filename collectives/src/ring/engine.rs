@@ -25,6 +25,68 @@ use crate::wire::{Expect, Fingerprint, FrameHeader};
 
 pub(crate) const HEALTH_EVERY: Duration = Duration::from_millis(20);
 
+/// A communicator's abort request, raised from any thread (`abort()`), seen by the call in
+/// progress at its next health check (every [`HEALTH_EVERY`] of waiting), so a stuck call ends
+/// without waiting for its deadline.
+#[derive(Debug, Default)]
+pub struct AbortFlag {
+    raised: std::sync::atomic::AtomicBool,
+    reason: std::sync::Mutex<Option<String>>,
+}
+
+impl AbortFlag {
+    /// Raise it (the first reason stays).
+    pub fn raise(&self, reason: String) {
+        let mut r = self.reason.lock().unwrap_or_else(|p| p.into_inner());
+        r.get_or_insert(reason);
+        self.raised
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    /// The reason, once raised.
+    pub fn reason(&self) -> Option<String> {
+        if !self.raised.load(std::sync::atomic::Ordering::Acquire) {
+            return None;
+        }
+        self.reason
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// An [`Error::Aborted`] for `call` once raised.
+    pub(crate) fn check(&self, call: &Call) -> Result<()> {
+        match self.reason() {
+            None => Ok(()),
+            Some(reason) => Err(Error::Aborted {
+                op: call.fp.to_string(),
+                seq: call.seq,
+                reason,
+            }),
+        }
+    }
+}
+
+/// A communicator runs no more calls once it failed, or once `abort()` was called (which is
+/// about to take the state): the error says which.
+pub(crate) fn refuse(
+    failed: Option<&Error>,
+    abort: &AbortFlag,
+    fp: &Fingerprint,
+    seq: u64,
+) -> Result<()> {
+    let reason = match (failed, abort.reason()) {
+        (Some(e), _) => format!("an earlier error: {e}"),
+        (None, Some(r)) => r,
+        (None, None) => return Ok(()),
+    };
+    Err(Error::Aborted {
+        op: fp.to_string(),
+        seq,
+        reason,
+    })
+}
+
 /// Byte counters of one rank's links.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Counters {
@@ -74,10 +136,24 @@ impl Links {
         })
     }
 
-    /// Send everything posted so far, within `timeout` of no progress.
-    pub fn flush(&mut self, what: &str, seq: u64, timeout: Duration) -> Result<()> {
+    /// Send everything posted so far, within `timeout` of no progress (or until `abort` is
+    /// raised).
+    pub fn flush(
+        &mut self,
+        what: &str,
+        seq: u64,
+        timeout: Duration,
+        abort: &AbortFlag,
+    ) -> Result<()> {
         let mut last = Instant::now();
         while !self.tx.flushed() {
+            if let Some(reason) = abort.reason() {
+                return Err(Error::Aborted {
+                    op: what.into(),
+                    seq,
+                    reason,
+                });
+            }
             if self
                 .tx
                 .progress()
@@ -155,6 +231,8 @@ pub struct Call<'a> {
     /// Copy received results into the user's buffers with streaming stores (the output is larger
     /// than the caches; see [`cpu::copy_streaming`]).
     pub stream_stores: bool,
+    /// The communicator's abort request, checked while waiting.
+    pub abort: &'a AbortFlag,
 }
 
 pub(crate) fn link_err(
@@ -210,7 +288,7 @@ pub fn run(links: &mut Links, call: &Call, mut bufs: Bufs) -> Result<()> {
         cpu::stream_fence();
     }
     ran?;
-    links.flush(&what, call.seq, call.timeout)
+    links.flush(&what, call.seq, call.timeout, call.abort)
 }
 
 /// Run a call that needs no link (a one-rank world): only local copies.
@@ -315,6 +393,7 @@ fn run_op(
         }
         if now.duration_since(last_health) >= HEALTH_EVERY {
             last_health = now;
+            call.abort.check(call)?;
             links.rx.health().map_err(rx_err)?;
             links.tx.health().map_err(tx_err)?;
         }

@@ -204,6 +204,8 @@ pub struct TcpSend {
     /// The device engine's reservations, oldest first (pipelined: filled by queued device work,
     /// posted in order once that work has completed).
     reserved_slots: VecDeque<usize>,
+    /// Bytes read back from the peer: the only thing a receiver ever sends is an abort frame.
+    back: Vec<u8>,
 }
 
 impl TcpSend {
@@ -218,6 +220,7 @@ impl TcpSend {
             slots: slots.max(1),
             staging: Aligned::new(slots.max(1) * stride(slot_bytes))?,
             queue: VecDeque::new(),
+            back: Vec::new(),
             next_slot: 0,
             reserved: None,
             reserved_slots: VecDeque::new(),
@@ -269,11 +272,48 @@ impl TcpSend {
         Ok(())
     }
 
-    fn lost(&self, e: std::io::Error) -> LinkError {
+    fn lost(&mut self, e: std::io::Error) -> LinkError {
+        if let Some(aborted) = self.read_back() {
+            return aborted;
+        }
         LinkError::Lost(format!(
             "writing to rank {} ({}): {e}",
             self.peer, self.addr
         ))
+    }
+
+    /// Read what the peer sent back (without blocking): an abort frame with its reason once it
+    /// has fully arrived, garbage as a protocol error, else nothing.
+    fn read_back(&mut self) -> Option<LinkError> {
+        let mut buf = [0u8; 256];
+        while self.back.len() < HEADER_LEN + MAX_ABORT_REASON {
+            match self.s.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => self.back.extend_from_slice(&buf[..n]),
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(_) => break,
+            }
+        }
+        if self.back.len() < HEADER_LEN {
+            return None;
+        }
+        let head: [u8; HEADER_LEN] = self.back[..HEADER_LEN].try_into().expect("length checked");
+        let h = match FrameHeader::decode(&head) {
+            Ok(h) if h.is_abort() => h,
+            Ok(_) => {
+                return Some(LinkError::Protocol(format!(
+                    "rank {} ({}) sent a data frame against the ring's direction",
+                    self.peer, self.addr
+                )))
+            }
+            Err(e) => return Some(e.into()),
+        };
+        let end = HEADER_LEN + h.len as usize;
+        (self.back.len() >= end).then(|| {
+            LinkError::PeerAborted(
+                String::from_utf8_lossy(&self.back[HEADER_LEN..end]).into_owned(),
+            )
+        })
     }
 }
 
@@ -358,7 +398,10 @@ impl SendLink for TcpSend {
     fn health(&mut self) -> LinkResult<()> {
         match self.s.take_error() {
             Ok(Some(e)) | Err(e) => Err(self.lost(e)),
-            Ok(None) => Ok(()),
+            Ok(None) => match self.read_back() {
+                Some(e) => Err(e),
+                None => Ok(()),
+            },
         }
     }
 
@@ -573,8 +616,13 @@ impl RecvLink for TcpRecv {
         }
     }
 
-    fn abort(&mut self, _reason: &str) {
-        let _ = self.s.shutdown(std::net::Shutdown::Both);
+    fn abort(&mut self, reason: &str) {
+        // Tell the sender why, on the connection's otherwise unused reverse direction, then stop
+        // writing; the connection closes when the link is dropped.
+        let r = &reason.as_bytes()[..reason.len().min(MAX_ABORT_REASON)];
+        let h: [u8; HEADER_LEN] = bytemuck::cast(FrameHeader::abort(r.len()));
+        let _ = self.s.write_vectored(&[IoSlice::new(&h), IoSlice::new(r)]);
+        let _ = self.s.shutdown(std::net::Shutdown::Write);
     }
 
     fn pollable(&mut self) -> Option<&mut mio::net::TcpStream> {
