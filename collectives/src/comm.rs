@@ -500,21 +500,8 @@ impl Communicator {
     /// fail their current and later calls), and every later call here fails. Returns once the
     /// neighbours have been told.
     pub fn abort(&self, reason: &str) {
-        let why = format!("rank {}: {reason}", self.rank());
-        // The running call (if any) holds the state: it sees the flag at its next health check
-        // and returns, and then the state is ours.
-        self.inner.abort.raise(why.clone());
-        let mut st = self.inner.lock();
-        let e = Error::Aborted {
-            op: "abort".into(),
-            seq: st.seq,
-            reason: why,
-        };
-        if let Some(l) = st.links.as_mut() {
-            l.abort(&e.to_string());
-        }
-        self.inner.flight.failed(&e.to_string());
-        st.failed.get_or_insert(e);
+        let i = &self.inner;
+        engine::abort(&i.state, &i.abort, i.rank, reason, &i.flight);
     }
 
     fn rooted(&self, c: Collective, root: usize) -> Result<Collective> {
@@ -609,6 +596,20 @@ fn split_job(cfg: &Config, n: usize, color: u32) -> String {
     format!("{}/split{n}.{color}", cfg.job_id)
 }
 
+impl engine::FailState for State {
+    fn tell_neighbours(&mut self, why: &str) {
+        if let Some(l) = self.links.as_mut() {
+            l.abort(why);
+        }
+    }
+    fn seq(&self) -> u64 {
+        self.seq
+    }
+    fn failure(&mut self) -> &mut Option<Error> {
+        &mut self.failed
+    }
+}
+
 fn same_len(c: Collective, a: usize, b: usize, a_name: &str, b_name: &str) -> Result<()> {
     if a == b {
         Ok(())
@@ -676,11 +677,7 @@ impl Inner {
         if let Err(e) = &r {
             if !matches!(e, Error::InvalidArgument { .. }) {
                 tracing::error!(target: "ringzero::comm", rank = self.rank, "{e}");
-                if let Some(l) = st.links.as_mut() {
-                    l.abort(&format!("rank {}: {e}", self.rank));
-                }
-                st.failed = Some(e.clone());
-                self.flight.failed(&e.to_string());
+                engine::fail(&mut *st, self.rank, e, &self.flight);
             }
         }
         r

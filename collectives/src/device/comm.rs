@@ -180,6 +180,20 @@ struct DevState {
     failed: Option<Error>,
 }
 
+impl crate::ring::engine::FailState for DevState {
+    fn tell_neighbours(&mut self, why: &str) {
+        if let Some(l) = self.links.as_mut() {
+            l.abort(why);
+        }
+    }
+    fn seq(&self) -> u64 {
+        self.seq
+    }
+    fn failure(&mut self) -> &mut Option<Error> {
+        &mut self.failed
+    }
+}
+
 impl<S: Stream> DeviceComm<S> {
     /// Connect the ring for `stream`'s buffers. Every rank of `comm` must call this together.
     pub fn new(comm: &Communicator, stream: S) -> Result<DeviceComm<S>> {
@@ -232,19 +246,8 @@ impl<S: Stream> DeviceComm<S> {
     /// has drained, both neighbours are told, and every later call fails. Returns once the
     /// neighbours have been told.
     pub fn abort(&self, reason: &str) {
-        let why = format!("rank {}: {reason}", self.core.rank);
-        self.core.abort.raise(why.clone());
-        let mut st = self.core.lock();
-        let e = Error::Aborted {
-            op: "abort".into(),
-            seq: st.seq,
-            reason: why,
-        };
-        if let Some(l) = st.links.as_mut() {
-            l.abort(&e.to_string());
-        }
-        self.core.flight.failed(&e.to_string());
-        st.failed.get_or_insert(e);
+        let c = &self.core;
+        crate::ring::engine::abort(&c.state, &c.abort, c.rank, reason, &c.flight);
     }
 
     /// The stream (device) the buffers live on.
@@ -806,11 +809,7 @@ impl<S: Stream> Core<S> {
         if let Err(e) = &r {
             if !matches!(e, Error::InvalidArgument { .. }) {
                 tracing::error!(target: "ringzero::device", rank = self.rank, "{e}");
-                if let Some(l) = st.links.as_mut() {
-                    l.abort(&format!("rank {}: {e}", self.rank));
-                }
-                st.failed = Some(e.clone());
-                self.flight.failed(&e.to_string());
+                crate::ring::engine::fail(st, self.rank, e, &self.flight);
             }
         }
         r

@@ -19,6 +19,7 @@ use ringzero_kernels::{cpu, DType, ReduceOp};
 
 use super::schedule::{Buf, Loc, Op, Plan};
 use crate::error::{Error, Result};
+use crate::flight::Recorder;
 use crate::transport::wait::Waiter;
 use crate::transport::{LinkError, RecvLink, SendLink};
 use crate::wire::{Expect, Fingerprint, FrameHeader};
@@ -65,6 +66,48 @@ impl AbortFlag {
             }),
         }
     }
+}
+
+/// What failing touches in a communicator's state (the host `Communicator`'s and a
+/// `DeviceComm`'s), so both fail and abort the same way ([`fail`], [`abort`]).
+pub(crate) trait FailState {
+    /// Tell both neighbours this rank aborts, and why.
+    fn tell_neighbours(&mut self, why: &str);
+    /// The next call's sequence number.
+    fn seq(&self) -> u64;
+    /// The first failure, once there is one.
+    fn failure(&mut self) -> &mut Option<Error>;
+}
+
+/// A call on `rank` failed with `e` (not a refused argument): tell the neighbours, keep the
+/// first failure, write the flight record.
+pub(crate) fn fail<S: FailState>(st: &mut S, rank: usize, e: &Error, flight: &Recorder) {
+    st.tell_neighbours(&format!("rank {rank}: {e}"));
+    st.failure().get_or_insert_with(|| e.clone());
+    flight.failed(&e.to_string());
+}
+
+/// `abort()` on `rank`: raise the flag without a lock (a running call holds the state; it sees
+/// the flag at its next health check and returns), then take the state, tell the neighbours, and
+/// fail every later call.
+pub(crate) fn abort<S: FailState>(
+    state: &std::sync::Mutex<S>,
+    flag: &AbortFlag,
+    rank: usize,
+    reason: &str,
+    flight: &Recorder,
+) {
+    let why = format!("rank {rank}: {reason}");
+    flag.raise(why.clone());
+    let mut st = state.lock().unwrap_or_else(|p| p.into_inner());
+    let e = Error::Aborted {
+        op: "abort".into(),
+        seq: st.seq(),
+        reason: why,
+    };
+    st.tell_neighbours(&e.to_string());
+    flight.failed(&e.to_string());
+    st.failure().get_or_insert(e);
 }
 
 /// A communicator runs no more calls once it failed, or once `abort()` was called (which is
