@@ -73,11 +73,7 @@ struct Inner {
     _store: Option<StoreServer>,
 }
 
-struct State {
-    links: Option<Links>,
-    seq: u64,
-    failed: Option<Error>,
-}
+type State = engine::RingState<Links>;
 
 impl Communicator {
     /// Join the job described by the launcher's environment (see [`Config::from_env`]).
@@ -113,11 +109,7 @@ impl Communicator {
             splits: AtomicUsize::new(0),
             edges,
             data_ip,
-            state: Mutex::new(State {
-                links,
-                seq: 0,
-                failed: None,
-            }),
+            state: Mutex::new(State::new(links)),
             _store: store,
         });
         let comm = Communicator {
@@ -594,20 +586,6 @@ impl Drop for Communicator {
 /// so their connections cannot cross.
 fn split_job(cfg: &Config, n: usize, color: u32) -> String {
     format!("{}/split{n}.{color}", cfg.job_id)
-}
-
-impl engine::FailState for State {
-    fn tell_neighbours(&mut self, why: &str) {
-        if let Some(l) = self.links.as_mut() {
-            l.abort(why);
-        }
-    }
-    fn seq(&self) -> u64 {
-        self.seq
-    }
-    fn failure(&mut self) -> &mut Option<Error> {
-        &mut self.failed
-    }
 }
 
 fn same_len(c: Collective, a: usize, b: usize, a_name: &str, b_name: &str) -> Result<()> {

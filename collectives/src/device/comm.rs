@@ -174,25 +174,7 @@ pub(super) struct Core<S: Stream> {
     abort: AbortFlag,
 }
 
-struct DevState {
-    links: Option<DevLinks>,
-    seq: u64,
-    failed: Option<Error>,
-}
-
-impl crate::ring::engine::FailState for DevState {
-    fn tell_neighbours(&mut self, why: &str) {
-        if let Some(l) = self.links.as_mut() {
-            l.abort(why);
-        }
-    }
-    fn seq(&self) -> u64 {
-        self.seq
-    }
-    fn failure(&mut self) -> &mut Option<Error> {
-        &mut self.failed
-    }
-}
+type DevState = crate::ring::engine::RingState<DevLinks>;
 
 impl<S: Stream> DeviceComm<S> {
     /// Connect the ring for `stream`'s buffers. Every rank of `comm` must call this together.
@@ -206,11 +188,7 @@ impl<S: Stream> DeviceComm<S> {
             rank,
             size,
             edges: Vec::new(),
-            state: Mutex::new(DevState {
-                links: None,
-                seq: 0,
-                failed: None,
-            }),
+            state: Mutex::new(DevState::new(None)),
         };
         if size > 1 {
             core.connect(comm)?;

@@ -43,6 +43,12 @@ pub struct DevLinks {
     pub counters: Counters,
 }
 
+impl super::engine::TellAbort for DevLinks {
+    fn tell_abort(&mut self, why: &str) {
+        self.abort(why);
+    }
+}
+
 impl DevLinks {
     /// Tell both neighbours this rank aborts.
     pub fn abort(&mut self, reason: &str) {

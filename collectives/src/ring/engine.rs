@@ -68,30 +68,59 @@ impl AbortFlag {
     }
 }
 
-/// What failing touches in a communicator's state (the host `Communicator`'s and a
-/// `DeviceComm`'s), so both fail and abort the same way ([`fail`], [`abort`]).
-pub(crate) trait FailState {
-    /// Tell both neighbours this rank aborts, and why.
-    fn tell_neighbours(&mut self, why: &str);
+/// A communicator's mutable state (the host `Communicator`'s over [`Links`], a `DeviceComm`'s
+/// over device links): its links, the next call's sequence number, its first failure.
+pub(crate) struct RingState<L> {
+    /// The two ring links (None for a one-rank world).
+    pub links: Option<L>,
     /// The next call's sequence number.
-    fn seq(&self) -> u64;
+    pub seq: u64,
     /// The first failure, once there is one.
-    fn failure(&mut self) -> &mut Option<Error>;
+    pub failed: Option<Error>,
+}
+
+/// Links that can tell both neighbours this rank aborts.
+pub(crate) trait TellAbort {
+    /// Tell both neighbours, with the reason.
+    fn tell_abort(&mut self, why: &str);
+}
+
+impl TellAbort for Links {
+    fn tell_abort(&mut self, why: &str) {
+        self.abort(why);
+    }
+}
+
+impl<L: TellAbort> RingState<L> {
+    /// A fresh state over `links`.
+    pub(crate) fn new(links: Option<L>) -> RingState<L> {
+        RingState {
+            links,
+            seq: 0,
+            failed: None,
+        }
+    }
+
+    fn tell_neighbours(&mut self, why: &str) {
+        if let Some(l) = self.links.as_mut() {
+            l.tell_abort(why);
+        }
+    }
 }
 
 /// A call on `rank` failed with `e` (not a refused argument): tell the neighbours, keep the
 /// first failure, write the flight record.
-pub(crate) fn fail<S: FailState>(st: &mut S, rank: usize, e: &Error, flight: &Recorder) {
+pub(crate) fn fail<L: TellAbort>(st: &mut RingState<L>, rank: usize, e: &Error, flight: &Recorder) {
     st.tell_neighbours(&format!("rank {rank}: {e}"));
-    st.failure().get_or_insert_with(|| e.clone());
+    st.failed.get_or_insert_with(|| e.clone());
     flight.failed(&e.to_string());
 }
 
 /// `abort()` on `rank`: raise the flag without a lock (a running call holds the state; it sees
 /// the flag at its next health check and returns), then take the state, tell the neighbours, and
 /// fail every later call.
-pub(crate) fn abort<S: FailState>(
-    state: &std::sync::Mutex<S>,
+pub(crate) fn abort<L: TellAbort>(
+    state: &std::sync::Mutex<RingState<L>>,
     flag: &AbortFlag,
     rank: usize,
     reason: &str,
@@ -102,12 +131,12 @@ pub(crate) fn abort<S: FailState>(
     let mut st = state.lock().unwrap_or_else(|p| p.into_inner());
     let e = Error::Aborted {
         op: "abort".into(),
-        seq: st.seq(),
+        seq: st.seq,
         reason: why,
     };
     st.tell_neighbours(&e.to_string());
     flight.failed(&e.to_string());
-    st.failure().get_or_insert(e);
+    st.failed.get_or_insert(e);
 }
 
 /// A communicator runs no more calls once it failed, or once `abort()` was called (which is
