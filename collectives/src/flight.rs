@@ -306,20 +306,13 @@ fn snapshot(g: &Inner) -> FlightRecord {
     rec
 }
 
-/// Write `rec` into `dir` under its file name: a temporary file, flushed to disk, then renamed, so
-/// a reader never sees half a record.
+/// Write `rec` into `dir` under its file name, atomically (a reader never sees half a record).
 fn write_atomically(dir: &Path, rec: &FlightRecord) -> std::io::Result<PathBuf> {
-    use std::io::Write;
     std::fs::create_dir_all(dir)?;
-    let path = dir.join(rec.file_name());
-    let tmp = dir.join(format!(".{}.{}.tmp", rec.file_name(), rec.pid));
     let json = serde_json::to_vec_pretty(rec).map_err(std::io::Error::other)?;
-    let mut f = std::fs::File::create(&tmp)?;
-    f.write_all(&json)?;
-    f.sync_all()?;
-    drop(f);
-    std::fs::rename(&tmp, &path)?;
-    Ok(path)
+    crate::atomic_file::write_atomically(&dir.join(rec.file_name()), |tmp| {
+        std::fs::write(tmp, &json)
+    })
 }
 
 /// Read every dump in `dir` (files named `ringzero-flight-*.json`), sorted by (job, comm, rank).

@@ -36,6 +36,7 @@
 //! ```
 #![deny(missing_docs)]
 
+pub mod atomic_file;
 pub mod bootstrap;
 mod comm;
 pub mod config;

@@ -40,6 +40,8 @@ use crate::config::ZeroConfig;
 use crate::partition::{ParamSpec, Partition};
 use crate::scaler::LossScaler;
 
+mod persist;
+
 /// Errors of the engine: bad input (nothing changed) or a failed collective.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum ZeroError {
@@ -74,6 +76,30 @@ pub enum ZeroError {
     /// Stage 3: an optimizer step while parameters are still gathered (they would go stale).
     #[error("step: release {0} before the optimizer step (gathered copies would go stale)")]
     StillGathered(String),
+    /// A call the engine's state does not allow now (nothing changed).
+    #[error("{call}: {why}")]
+    NotNow {
+        /// The call.
+        call: &'static str,
+        /// Why not, and what to do.
+        why: String,
+    },
+    /// A checkpoint could not be saved or loaded; names the file or directory.
+    #[error("checkpoint {}: {msg}", path.display())]
+    Checkpoint {
+        /// The file or directory at fault.
+        path: std::path::PathBuf,
+        /// What is wrong with it.
+        msg: String,
+    },
+    /// Other ranks failed a step that every rank must pass (their own errors say why).
+    #[error("{what}: rank(s) {ranks:?} failed (see their errors)")]
+    PeerFailed {
+        /// What failed, and what that means for this rank.
+        what: String,
+        /// The ranks that failed.
+        ranks: Vec<usize>,
+    },
     /// A collective failed.
     #[error(transparent)]
     Comm(#[from] ringzero_collectives::Error),
@@ -266,6 +292,15 @@ impl<'c, T: Float> Engine<'c, T> {
             part,
             cfg,
         })
+    }
+
+    /// The range of bucket `b` this rank updates: everything in stage 0, the owned range else.
+    fn update_range(&self, b: usize) -> std::ops::Range<usize> {
+        if self.cfg.stage == 0 {
+            0..self.part.buckets[b].len
+        } else {
+            self.part.owned(b, self.rank)
+        }
     }
 
     /// The layout.

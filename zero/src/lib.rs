@@ -9,16 +9,20 @@
 //! - [`engine`]: stages 0–3 in fp32, bf16 and fp16 (fp32 masters), AdamW, clipping, accumulation,
 //!   stage-3 prefetch, memory and wait counters.
 //!
-//! Not yet here: checkpoints (safetensors per rank, resharding), and the engine runs on host
-//! buffers only until the CUDA device lands.
+//! - [`checkpoint`]: one safetensors shard per rank and a `meta.json` commit marker, loaded at any
+//!   world size, stage or precision (resharded by parameter name), and consolidated offline.
+//!
+//! Not yet here: the engine runs on host buffers only.
 #![deny(missing_docs)]
 
+pub mod checkpoint;
 pub mod config;
 pub mod engine;
 pub mod mem;
 pub mod partition;
 pub mod scaler;
 
+pub use checkpoint::{Checkpoint, Meta as CheckpointMeta};
 pub use config::{LossScaling, Precision, ZeroConfig, ZeroConfigBuilder};
 pub use engine::{CommWait, Engine, Memory, StepOutcome, ZeroError};
 pub use partition::{ParamSpec, Partition};

@@ -7,6 +7,7 @@
 //! left the scale is halved (not below `min_loss_scale`). After `loss_scale_window` consecutive
 //! good steps the scale doubles and the hysteresis is refilled.
 
+use crate::checkpoint::ScalerState;
 use crate::config::{LossScaling, Precision};
 
 /// The state of loss scaling on one rank (identical on every rank: it only changes on decisions
@@ -52,6 +53,25 @@ impl LossScaler {
     /// Whether overflow is checked (and steps skipped on it).
     pub fn checks_overflow(&self) -> bool {
         self.checks
+    }
+
+    /// The state a checkpoint keeps (fp16 only).
+    pub fn state(&self) -> Option<ScalerState> {
+        self.checks.then_some(ScalerState {
+            scale: self.scale,
+            good: self.good,
+            hysteresis_left: self.hysteresis_left,
+        })
+    }
+
+    /// Resume from a checkpoint's state. Only dynamic scaling resumes: a static scale is the
+    /// configuration's, and other precisions have none.
+    pub fn restore(&mut self, s: ScalerState) {
+        if self.dynamic {
+            self.scale = s.scale;
+            self.good = s.good;
+            self.hysteresis_left = s.hysteresis_left;
+        }
     }
 
     /// Record the outcome of one optimizer step (overflow = skipped).
