@@ -2,6 +2,7 @@
 //! the launcher's own code) for isolation and for killing one mid-collective.
 
 mod bench;
+mod checkpoint;
 mod common;
 mod device;
 mod failures;
