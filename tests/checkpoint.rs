@@ -87,8 +87,11 @@ fn run<T: Float>(e: &mut Engine<'_, T>, rank: usize, from: usize, to: usize) {
     }
 }
 
-/// Every parameter in `T`, bit for bit, and the fp32 masters (a collective).
-fn state<T: Float>(e: &mut Engine<'_, T>) -> (Vec<Vec<u8>>, Vec<(String, Vec<f32>)>) {
+/// Every parameter's bytes in `T`, and every fp32 master by name.
+type State = (Vec<Vec<u8>>, Vec<(String, Vec<f32>)>);
+
+/// The engine's [`State`] (a collective).
+fn state<T: Float>(e: &mut Engine<'_, T>) -> State {
     let names: Vec<String> = specs().into_iter().map(|s| s.name).collect();
     let names: Vec<&str> = names.iter().map(|s| s.as_str()).collect();
     e.gather(&names).unwrap();
@@ -102,7 +105,7 @@ fn state<T: Float>(e: &mut Engine<'_, T>) -> (Vec<Vec<u8>>, Vec<(String, Vec<f32
 
 fn opts(n: usize) -> Opts {
     Opts {
-        transport: if n % 2 == 0 {
+        transport: if n.is_multiple_of(2) {
             TransportPref::Shm
         } else {
             TransportPref::Tcp

@@ -14,6 +14,10 @@ use super::{Engine, ZeroError};
 use crate::checkpoint::{self, plan, Checkpoint, Meta, ParamMeta, ShardMeta, FORMAT};
 use crate::config::Precision;
 
+/// A checkpoint read for this rank: its metadata and, per bucket, master and moments of the range
+/// this rank updates.
+type Staged = (Meta, Vec<[Vec<f32>; 3]>);
+
 /// Payload of one agreement record: a shard's size (8 bytes) and SHA-256 (32).
 type Payload = [u8; 40];
 
@@ -144,7 +148,7 @@ impl<T: Float> Engine<'_, T> {
     }
 
     /// This rank's part of the checkpoint: per bucket, the three states of its update range.
-    fn read_checkpoint(&self, dir: &Path) -> Result<(Meta, Vec<[Vec<f32>; 3]>), ZeroError> {
+    fn read_checkpoint(&self, dir: &Path) -> Result<Staged, ZeroError> {
         let mut ck = Checkpoint::open(dir)?;
         if let Some(why) = plan::mismatch(ck.partition(), &self.part) {
             return Err(checkpoint::err(dir, why));
