@@ -156,6 +156,10 @@ pub struct DemoArgs {
     pub steps: usize,
     /// Engine settings (precision picks the parameter type).
     pub zero: ZeroConfig,
+    /// Start from this checkpoint (its step count and data position included).
+    pub resume: Option<std::path::PathBuf>,
+    /// Save a checkpoint here after the last step.
+    pub save: Option<std::path::PathBuf>,
 }
 
 /// One step as seen by every rank.
@@ -222,6 +226,21 @@ pub fn train<T: Float>(
     let specs = mlp.specs();
     let init = |p: usize, i: usize| mlp.init(p, i);
     let mut e = Engine::<T>::new(comm, &specs, &init, args.zero.clone())?;
+    // The data position: the step index numbers the logs, `micro` picks each micro-batch.
+    let (mut start, mut micro) = (0usize, 0usize);
+    if let Some(dir) = &args.resume {
+        let meta = e.load_checkpoint(dir)?;
+        let pos = |k: &str| meta.client_state[k].as_u64().map(|v| v as usize);
+        match (pos("step"), pos("micro")) {
+            (Some(s), Some(m)) => (start, micro) = (s, m),
+            _ => {
+                return Err(ZeroError::Checkpoint {
+                    path: dir.clone(),
+                    msg: "its client_state has no demo data position (`step`, `micro`)".into(),
+                })
+            }
+        }
+    }
     let teacher = mlp.teacher();
     let names: Vec<[String; 2]> = (0..mlp.layers)
         .map(|l| [format!("w{l}"), format!("b{l}")])
@@ -232,8 +251,7 @@ pub fn train<T: Float>(
     let mut logs = Vec::new();
     let mut peak = 0usize;
     let accum = args.zero.accumulation_steps;
-    let mut micro = 0usize;
-    for step in 0..args.steps {
+    for step in start..start + args.steps {
         let t0 = Instant::now();
         let mut loss_sum = 0f64;
         let mut outcome = StepOutcome::Accumulated;
@@ -319,6 +337,10 @@ pub fn train<T: Float>(
         };
         on_step(&log);
         logs.push(log);
+    }
+    if let Some(dir) = &args.save {
+        let position = serde_json::json!({ "step": start + args.steps, "micro": micro });
+        e.save_checkpoint(dir, position)?;
     }
     let timed: Vec<&StepLog> = logs.iter().skip(1).collect();
     let mean_step = if timed.is_empty() {

@@ -8,6 +8,7 @@
 
 pub mod bench;
 pub mod check;
+pub mod ckpt;
 pub mod demo;
 pub mod diag;
 pub mod gpucheck;

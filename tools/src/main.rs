@@ -86,6 +86,11 @@ enum Cmd {
         #[arg(long, default_value_t = ringzero_zero::mem::K_ADAM)]
         k: f64,
     },
+    /// ZeRO checkpoints: check one, or consolidate its shards into one file of full weights.
+    Ckpt {
+        #[command(subcommand)]
+        cmd: CkptCmd,
+    },
     /// Train a small MLP with the ZeRO engine on N local ranks (any stage and precision), printing
     /// loss per step and per-rank memory against the paper's formula.
     Demo(DemoCli),
@@ -198,6 +203,41 @@ struct DemoCli {
     /// Step-time benchmark: stages 0-3, and stage 3 with prefetch on and off, --steps each.
     #[arg(long)]
     bench: bool,
+    /// Start from the checkpoint in DIR (saved by --save, at any world size, stage or
+    /// precision); --steps more steps follow.
+    #[arg(long, value_name = "DIR", conflicts_with = "bench")]
+    resume: Option<std::path::PathBuf>,
+    /// Save a checkpoint into DIR after the last step (DIR must not hold one).
+    #[arg(long, value_name = "DIR", conflicts_with = "bench")]
+    save: Option<std::path::PathBuf>,
+}
+
+#[derive(Subcommand)]
+enum CkptCmd {
+    /// Print a checkpoint's layout and state, and check every shard's size, SHA-256 and tensors.
+    /// Exit code 1 when a shard is bad.
+    Inspect {
+        /// The checkpoint directory (the one holding meta.json).
+        dir: std::path::PathBuf,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Write every parameter as one safetensors file, named and shaped as declared, assembled
+    /// shard by shard (one parameter in memory at a time). Every shard is checked first.
+    Consolidate {
+        /// The checkpoint directory.
+        dir: std::path::PathBuf,
+        /// The file to write (replaced atomically if it exists).
+        #[arg(short = 'o', long)]
+        out: std::path::PathBuf,
+        /// fp32 (the masters as they are), bf16 or fp16 (their rounding).
+        #[arg(long, default_value = "fp32")]
+        dtype: ringzero_zero::Precision,
+        /// Also write each parameter's Adam moments, as `<name>.exp_avg` and `<name>.exp_avg_sq`.
+        #[arg(long)]
+        optimizer: bool,
+    },
 }
 
 #[derive(clap::Args)]
@@ -445,6 +485,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Demo(d) => demo(d),
+        Cmd::Ckpt { cmd } => ckpt(cmd),
         Cmd::GpuCheck {
             device,
             json,
@@ -869,6 +910,8 @@ fn demo(d: DemoCli) -> anyhow::Result<ExitCode> {
                 batch: d.batch,
                 steps: d.steps,
                 zero: z,
+                resume: None,
+                save: None,
             };
             let r = demo::run(&comm, &args, &mut |_| {})?;
             rows.push((stage, prefetch, r));
@@ -943,11 +986,18 @@ fn demo(d: DemoCli) -> anyhow::Result<ExitCode> {
         batch: d.batch,
         steps,
         zero: zero.clone(),
+        resume: d.resume.clone(),
+        save: d.save.clone(),
     };
+    if let (true, Some(dir)) = (root, &d.resume) {
+        println!("resuming from the checkpoint in {}", dir.display());
+    }
+    let mut seen = 0usize;
     let r = demo::run(&comm, &args, &mut |l| {
+        seen += 1;
         if root
             && (l.step % every == 0
-                || l.step + 1 == steps
+                || seen == steps
                 || matches!(l.outcome, StepOutcome::Skipped { .. }))
         {
             let what = match l.outcome {
@@ -985,12 +1035,50 @@ fn demo(d: DemoCli) -> anyhow::Result<ExitCode> {
                 "LOSS DID NOT GO DOWN"
             }
         );
+        if let Some(dir) = &d.save {
+            println!("saved a checkpoint in {}", dir.display());
+        }
     }
     Ok(if down {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
     })
+}
+
+fn ckpt(cmd: CkptCmd) -> anyhow::Result<ExitCode> {
+    use ringzero_tools::ckpt;
+    match cmd {
+        CkptCmd::Inspect { dir, json } => {
+            let i = ckpt::inspect(&dir)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&i)?);
+            } else {
+                print!("{}", ckpt::text(&dir, &i));
+            }
+            Ok(if i.ok() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            })
+        }
+        CkptCmd::Consolidate {
+            dir,
+            out,
+            dtype,
+            optimizer,
+        } => {
+            let r = ringzero_zero::checkpoint::consolidate(&dir, &out, dtype, optimizer)?;
+            println!(
+                "wrote {}: {} tensors, {} parameter elements in {dtype}, {} bytes",
+                out.display(),
+                r.tensors,
+                r.elements,
+                r.bytes
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+    }
 }
 
 fn bench(b: BenchCli) -> anyhow::Result<ExitCode> {

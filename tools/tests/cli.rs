@@ -418,3 +418,127 @@ fn launch_keeps_flight_records_and_diag_joins_them() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot be used with"));
     std::fs::remove_dir_all(&base).unwrap();
 }
+
+#[test]
+fn demo_resumes_exactly_and_ckpt_checks_and_consolidates() {
+    let root = std::env::temp_dir().join(format!("ringzero-cli-ckpt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    std::fs::create_dir_all(&root).unwrap();
+    let ck = root.join("ck");
+    let demo = |extra: &[&str]| {
+        let mut args = vec![
+            "demo",
+            "-n",
+            "2",
+            "--stage",
+            "2",
+            "--precision",
+            "fp32",
+            "--log-every",
+            "1",
+        ];
+        args.extend_from_slice(extra);
+        let out = ringzero().args(&args).output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+        let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+        (out.status.success(), stdout, stderr)
+    };
+    // (step, loss, scale) of every logged step: the step time differs from run to run.
+    let losses = |stdout: &str| -> Vec<String> {
+        stdout
+            .lines()
+            .filter_map(|l| {
+                let t: Vec<&str> = l.split_whitespace().collect();
+                (t.len() == 4 && t.iter().all(|x| x.parse::<f64>().is_ok()))
+                    .then(|| t[..3].join(" "))
+            })
+            .collect()
+    };
+    let (ok, whole, err) = demo(&["--steps", "8"]);
+    assert!(ok, "{whole}\n{err}");
+    let ck_s = ck.to_str().unwrap();
+    let (ok, first, err) = demo(&["--steps", "4", "--save", ck_s]);
+    assert!(ok, "{first}\n{err}");
+    assert!(first.contains("saved a checkpoint in"), "{first}");
+    let (ok, second, err) = demo(&["--steps", "4", "--resume", ck_s]);
+    assert!(ok, "{second}\n{err}");
+    let (whole, first, second) = (losses(&whole), losses(&first), losses(&second));
+    assert_eq!(whole.len(), 8);
+    assert_eq!(first[..], whole[..4]);
+    assert_eq!(second[..], whole[4..], "the resumed run continues exactly");
+
+    // Saving over it is refused; a model of another shape cannot load it.
+    let (ok, out, err) = demo(&["--steps", "1", "--save", ck_s]);
+    assert!(
+        !ok && err.contains("already holds a checkpoint"),
+        "{out}\n{err}"
+    );
+    let (ok, out, err) = demo(&["--steps", "1", "--resume", ck_s, "--hidden", "32"]);
+    assert!(!ok, "{out}");
+    assert!(err.contains("parameter `w0` has shape [32, 16]"), "{err}");
+
+    let inspect = |dir: &std::path::Path, json: bool| {
+        let mut c = ringzero();
+        c.args(["ckpt", "inspect", dir.to_str().unwrap()]);
+        if json {
+            c.arg("--json");
+        }
+        c.output().unwrap()
+    };
+    let out = inspect(&ck, false);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("saved by 2 ranks (stage 2, fp32"), "{text}");
+    assert!(text.contains("after 4 optimizer steps"), "{text}");
+    assert!(text.contains("all 2 shards check out"), "{text}");
+    let out = inspect(&ck, true);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["meta"]["client_state"]["step"], 4);
+    assert_eq!(v["shards"], serde_json::json!([null, null]));
+
+    let full = root.join("full.safetensors");
+    let out = ringzero()
+        .args(["ckpt", "consolidate", ck_s, "-o", full.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    // 4 layers of 16 → 64 → 64 → 64 → 4: weights and biases.
+    let psi = 16 * 64 + 64 + 2 * (64 * 64 + 64) + 64 * 4 + 4;
+    assert!(
+        text.contains(&format!("8 tensors, {psi} parameter elements in fp32")),
+        "{text}"
+    );
+    let header_len = u64::from_le_bytes(std::fs::read(&full).unwrap()[..8].try_into().unwrap());
+    assert_eq!(
+        std::fs::metadata(&full).unwrap().len(),
+        8 + header_len + 4 * psi as u64
+    );
+
+    // A corrupt shard: inspect says which and exits 1; consolidate refuses and writes nothing.
+    let shard = ck.join("rank-00001-of-00002.safetensors");
+    let mut bytes = std::fs::read(&shard).unwrap();
+    let at = bytes.len() / 2;
+    bytes[at] ^= 1;
+    std::fs::write(&shard, bytes).unwrap();
+    let out = inspect(&ck, false);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("rank-00001-of-00002.safetensors") && text.contains("BAD: checkpoint"),
+        "{text}"
+    );
+    assert!(text.contains("checksum mismatch"), "{text}");
+    let other = root.join("other.safetensors");
+    let out = ringzero()
+        .args(["ckpt", "consolidate", ck_s, "-o", other.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("checksum mismatch"));
+    assert!(!other.exists());
+    let out = inspect(&root.join("nowhere"), false);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("nowhere: does not exist"));
+    std::fs::remove_dir_all(&root).unwrap();
+}
