@@ -196,6 +196,10 @@ pub struct DemoReport {
     pub numel: (usize, usize),
     /// Largest communication buffer total seen on this rank.
     pub peak_comm_buffers: usize,
+    /// Wall time of `load_checkpoint` on this rank (with `resume`).
+    pub load_time: Option<Duration>,
+    /// Wall time of `save_checkpoint` on this rank (with `save`).
+    pub save_time: Option<Duration>,
 }
 
 /// Train on every rank of `comm` with the parameter type `args.zero.precision` names.
@@ -228,8 +232,11 @@ pub fn train<T: Float>(
     let mut e = Engine::<T>::new(comm, &specs, &init, args.zero.clone())?;
     // The data position: the step index numbers the logs, `micro` picks each micro-batch.
     let (mut start, mut micro) = (0usize, 0usize);
+    let mut load_time = None;
     if let Some(dir) = &args.resume {
+        let t0 = Instant::now();
         let meta = e.load_checkpoint(dir)?;
+        load_time = Some(t0.elapsed());
         let pos = |k: &str| meta.client_state[k].as_u64().map(|v| v as usize);
         match (pos("step"), pos("micro")) {
             (Some(s), Some(m)) => (start, micro) = (s, m),
@@ -338,9 +345,12 @@ pub fn train<T: Float>(
         on_step(&log);
         logs.push(log);
     }
+    let mut save_time = None;
     if let Some(dir) = &args.save {
         let position = serde_json::json!({ "step": start + args.steps, "micro": micro });
+        let t0 = Instant::now();
         e.save_checkpoint(dir, position)?;
+        save_time = Some(t0.elapsed());
     }
     let timed: Vec<&StepLog> = logs.iter().skip(1).collect();
     let mean_step = if timed.is_empty() {
@@ -384,6 +394,8 @@ pub fn train<T: Float>(
         formula: (f.params, f.grads, f.optimizer),
         numel: (e.partition().numel(), padded),
         peak_comm_buffers: peak,
+        load_time,
+        save_time,
     })
 }
 

@@ -1035,8 +1035,24 @@ fn demo(d: DemoCli) -> anyhow::Result<ExitCode> {
                 "LOSS DID NOT GO DOWN"
             }
         );
-        if let Some(dir) = &d.save {
-            println!("saved a checkpoint in {}", dir.display());
+        let shard = |dir: &std::path::Path| {
+            let f = ringzero_zero::checkpoint::shard_file(0, comm.size());
+            std::fs::metadata(dir.join(f)).map_or(0, |m| m.len()) as f64 / (1u64 << 20) as f64
+        };
+        if let Some(t) = r.load_time {
+            println!(
+                "loaded the checkpoint in {:.1} ms on rank 0",
+                t.as_secs_f64() * 1e3
+            );
+        }
+        if let (Some(dir), Some(t)) = (&d.save, r.save_time) {
+            println!(
+                "saved a checkpoint in {} ({:.1} ms; rank 0's shard {:.2} MiB, {:.0} MiB/s)",
+                dir.display(),
+                t.as_secs_f64() * 1e3,
+                shard(dir),
+                shard(dir) / t.as_secs_f64()
+            );
         }
     }
     Ok(if down {
