@@ -8,7 +8,7 @@ use ringzero::{Collective, Communicator, DType, ReduceOp};
 use ringzero_tools::diag::flight::{self, FindingKind};
 use ringzero_tools::launch::{launch, DumpDir, LaunchSpec, Outcome, Output};
 
-use crate::common::{all_collectives, check_case, fresh_dir, Case};
+use crate::common::{check_case, fresh_dir, host_collectives, Case};
 
 const SCENARIO: &str = "RINGZERO_TEST_SCENARIO";
 
@@ -43,7 +43,7 @@ fn all_collectives_scenario() -> i32 {
     for e in comm.edges() {
         println!("edge {e}");
     }
-    for (k, coll) in all_collectives(comm.size() - 1).into_iter().enumerate() {
+    for (k, coll) in host_collectives(comm.size() - 1).into_iter().enumerate() {
         for (dtype, op) in [
             (DType::F32, ReduceOp::Sum),
             (DType::BF16, ReduceOp::Avg),

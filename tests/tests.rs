@@ -1,6 +1,7 @@
 //! Integration tests: one binary (link once), ranks as threads for breadth, as processes (through
 //! the launcher's own code) for isolation and for killing one mid-collective.
 
+mod alltoall;
 mod bench;
 mod checkpoint;
 mod common;

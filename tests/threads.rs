@@ -4,7 +4,7 @@
 use proptest::prelude::*;
 use ringzero::{Collective, DType, ReduceOp, TransportKind, TransportPref};
 
-use crate::common::{all_collectives, check_case, threads, Case, Opts};
+use crate::common::{check_case, host_collectives, threads, Case, Opts};
 
 fn transport() -> impl Strategy<Value = TransportPref> {
     prop_oneof![Just(TransportPref::Shm), Just(TransportPref::Tcp)]
@@ -32,14 +32,14 @@ proptest! {
         count in count(),
         dtype in proptest::sample::select(DType::ALL.to_vec()),
         op in proptest::sample::select(ReduceOp::ALL.to_vec()),
-        which in 0usize..7,
+        which in 0usize..8,
         in_place: bool,
         slice_bytes in prop_oneof![Just(8usize), Just(100), Just(4096), Just(512 * 1024)],
         transport in transport(),
         root in 0usize..8,
         seed in 0usize..1000,
     ) {
-        let coll = all_collectives(root % n)[which];
+        let coll = host_collectives(root % n)[which];
         let count = if coll == Collective::Barrier { 0 } else { count };
         let case = Case { coll, count, dtype, op, in_place, seed };
         let o = Opts { transport, slice_bytes, ..Opts::default() };
@@ -75,7 +75,7 @@ fn every_dtype_and_op(stream_stores_from: Option<usize>) {
             let comm = comm.unwrap();
             for dtype in DType::ALL {
                 for op in ReduceOp::ALL {
-                    for coll in all_collectives(1) {
+                    for coll in host_collectives(1) {
                         for in_place in [false, true] {
                             let count = if coll == Collective::Barrier { 0 } else { 301 };
                             check_case(
@@ -208,7 +208,7 @@ fn one_rank_world_needs_no_links() {
     threads(1, &o, |_, comm| {
         let comm = comm.unwrap();
         assert!(comm.edges().is_empty());
-        for coll in all_collectives(0) {
+        for coll in host_collectives(0) {
             for in_place in [false, true] {
                 check_case(
                     &comm,

@@ -58,6 +58,9 @@ struct Inner {
     /// The address this rank's data connections use (None for one rank).
     data_ip: Option<std::net::IpAddr>,
     state: Mutex<State>,
+    /// All-to-all's rings of stride 2..n−1 (index k−2), connected by the first all-to-all. Locked
+    /// only while `state` is held.
+    strides: Mutex<Vec<Links>>,
     /// The last calls, dumped when the communicator fails or closes.
     flight: Recorder,
     /// Raised by [`Communicator::abort`] from any thread; the running call sees it.
@@ -110,6 +113,7 @@ impl Communicator {
             edges,
             data_ip,
             state: Mutex::new(State::new(links)),
+            strides: Mutex::new(Vec::new()),
             _store: store,
         });
         let comm = Communicator {
@@ -149,14 +153,11 @@ impl Communicator {
         self.inner.data_ip
     }
 
-    /// Byte counters of this rank's links since creation (including the setup barrier's frames).
+    /// Byte counters of this rank's links since creation (including the setup barrier's frames,
+    /// and all-to-all's links once connected).
     pub fn counters(&self) -> Counters {
-        self.inner
-            .lock()
-            .links
-            .as_ref()
-            .map(|l| l.counters)
-            .unwrap_or_default()
+        let st = self.inner.lock();
+        self.inner.counters(&st)
     }
 
     /// The flight recorder's record: this communicator's last calls (`RINGZERO_FLIGHT_ENTRIES`,
@@ -384,6 +385,46 @@ impl Communicator {
         self.run_one(Collective::RingShift, None, buf.len(), buf)
     }
 
+    /// All-to-all: block `j` of `send` goes to rank `j`, and block `i` of `recv` comes from rank
+    /// `i` (`send` and `recv` hold the same number of elements, a multiple of the world size; a
+    /// block is that number over the world size). A rank's own block is copied locally.
+    ///
+    /// A ring has no all-to-all schedule, so this runs `n − 1` pairwise exchanges as gloo and
+    /// NCCL do: exchange `k` sends to rank `r + k` while receiving from rank `r − k`, over the
+    /// ring of stride `k`. Stride 1 is the communicator's own ring; the first all-to-all connects
+    /// the others (through the same store and handshake, each edge choosing shm or tcp as the
+    /// ring's edges do), which makes it slower than later ones. Each rank sends (n−1)/n of its
+    /// buffer, as with direct links.
+    pub fn all_to_all<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        let c = Collective::AllToAll;
+        same_len(c, send.len(), recv.len(), "send", "recv")?;
+        if !send.len().is_multiple_of(self.inner.size) {
+            return Err(Error::InvalidArgument {
+                op: c.name().into(),
+                msg: format!(
+                    "send has {} elements, not a multiple of the world size {} (every rank sends \
+                     each rank one block of equal size)",
+                    send.len(),
+                    self.inner.size
+                ),
+            });
+        }
+        self.wait_async_idle();
+        self.inner.all_to_all(
+            T::DTYPE,
+            send.len(),
+            bytemuck::cast_slice(send),
+            bytemuck::cast_slice_mut(recv),
+        )
+    }
+
+    /// In-place [`Communicator::all_to_all`]: `buf`'s blocks are sent first (from a copy of
+    /// `buf` this call makes), then replaced by the blocks received.
+    pub fn all_to_all_in_place<T: Element>(&self, buf: &mut [T]) -> Result<()> {
+        let send = buf.to_vec();
+        self.all_to_all(&send, buf)
+    }
+
     /// Return only once every rank has entered the barrier.
     pub fn barrier(&self) -> Result<()> {
         self.wait_async_idle();
@@ -572,9 +613,11 @@ impl Drop for Communicator {
         let seq = st.seq;
         let timeout = self.inner.cfg.timeout;
         if st.failed.is_none() {
-            if let Some(l) = st.links.as_mut() {
+            let mut strides = self.inner.strides.lock().unwrap_or_else(|p| p.into_inner());
+            for l in st.links.iter_mut().chain(strides.iter_mut()) {
                 if let Err(e) = l.flush("shutdown", seq, timeout, &self.inner.abort) {
                     self.inner.flight.failed(&e.to_string());
+                    break;
                 }
             }
         }
@@ -602,6 +645,119 @@ fn same_len(c: Collective, a: usize, b: usize, a_name: &str, b_name: &str) -> Re
 impl Inner {
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Bytes and frames over every link: the ring's and all-to-all's strides.
+    fn counters(&self, st: &State) -> Counters {
+        let strides = self.strides.lock().unwrap_or_else(|p| p.into_inner());
+        st.links
+            .iter()
+            .chain(strides.iter())
+            .fold(Counters::default(), |a, l| Counters {
+                bytes_sent: a.bytes_sent + l.counters.bytes_sent,
+                bytes_received: a.bytes_received + l.counters.bytes_received,
+                frames_sent: a.frames_sent + l.counters.frames_sent,
+                bytes_staged: a.bytes_staged + l.counters.bytes_staged,
+            })
+    }
+
+    /// [`Communicator::all_to_all`] on bytes (`count` elements of `dtype`, checked).
+    fn all_to_all(
+        &self,
+        dtype: DType,
+        count: usize,
+        input: &[u8],
+        output: &mut [u8],
+    ) -> Result<()> {
+        let mut st = self.lock();
+        let fp = Fingerprint::new(Collective::AllToAll, Some(dtype), None, count);
+        let seq = st.seq;
+        engine::refuse(st.failed.as_ref(), &self.abort, &fp, seq)?;
+        st.seq += 1;
+        self.flight.begin(
+            seq,
+            &fp,
+            false,
+            (count * dtype.size()) as u64,
+            self.counters(&st),
+        );
+        let r = self.exchange_blocks(&mut st, fp, seq, dtype, count, input, output);
+        self.flight.end(&r, self.counters(&st));
+        if let Err(e) = &r {
+            tracing::error!(target: "ringzero::comm", rank = self.rank, "{e}");
+            engine::fail(&mut *st, self.rank, e, &self.flight);
+        }
+        r
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn exchange_blocks(
+        &self,
+        st: &mut State,
+        fp: Fingerprint,
+        seq: u64,
+        dtype: DType,
+        count: usize,
+        input: &[u8],
+        output: &mut [u8],
+    ) -> Result<()> {
+        let (n, r) = (self.size, self.rank);
+        let block = count / n;
+        let bb = block * dtype.size();
+        output[r * bb..(r + 1) * bb].copy_from_slice(&input[r * bb..(r + 1) * bb]);
+        let Some(ring) = st.links.as_mut() else {
+            return Ok(());
+        };
+        let mut strides = self.strides.lock().unwrap_or_else(|p| p.into_inner());
+        for k in 1..n {
+            let (to, from) = ((r + k) % n, (r + n - k) % n);
+            if k == 2 && strides.len() + 2 < n {
+                // First all-to-all: connect strides 2..n−1 (every rank is here, in the same order),
+                // after the ring's own exchange, so a rank that called something else fails that
+                // exchange with a mismatch instead of leaving the others waiting in a connect.
+                let mut fresh = Vec::with_capacity(n - 2);
+                for k in 2..n {
+                    let (links, edges, _) = connect::connect_stride(&self.cfg, k)?;
+                    for e in &edges {
+                        tracing::info!(target: "ringzero::topology", rank = r, stride = k, "{e}");
+                    }
+                    fresh.push(links);
+                }
+                *strides = fresh;
+            }
+            let links = if k == 1 {
+                &mut *ring
+            } else {
+                &mut strides[k - 2]
+            };
+            let slot_bytes = links.tx.slot_bytes().min(self.cfg.slice_bytes);
+            let p = plan(PlanArgs {
+                coll: Collective::AllToAll,
+                n,
+                rank: r,
+                count: block,
+                slice_elems: (slot_bytes / dtype.size()).max(1),
+                in_place: false,
+            });
+            let call = Call {
+                plan: &p,
+                fp,
+                seq,
+                dtype,
+                op: ReduceOp::Sum,
+                n,
+                rank: r,
+                timeout: self.cfg.timeout,
+                stream_stores: output.len() >= self.cfg.stream_stores_from,
+                abort: &self.abort,
+            };
+            let bufs = Bufs::Split {
+                input: &input[to * bb..(to + 1) * bb],
+                output: &mut output[from * bb..(from + 1) * bb],
+            };
+            engine::run(links, &call, bufs)?;
+        }
+        Ok(())
     }
 
     fn execute(

@@ -24,13 +24,7 @@ pub(crate) fn connect_ring(
     Option<StoreServer>,
     Option<std::net::IpAddr>,
 )> {
-    let (rank, size) = (cfg.launch.rank, cfg.launch.world_size);
-    let (prev, next) = ((rank + size - 1) % size, (rank + 1) % size);
-    let me = Identity {
-        secret: &cfg.secret,
-        job_id: &cfg.job_id,
-        rank: rank as u32,
-    };
+    let rank = cfg.launch.rank;
     let (host, port) = (cfg.launch.master_addr.as_str(), cfg.launch.master_port);
     let server = if server.is_some() {
         server
@@ -44,6 +38,31 @@ pub(crate) fn connect_ring(
     } else {
         None
     };
+    let (links, edges, ip) = connect_stride(cfg, 1)?;
+    Ok((Some(links), edges, server, Some(ip)))
+}
+
+/// Connect the links of the ring with stride `stride`: to rank `rank + stride` and from rank
+/// `rank − stride` (stride 1 is the communicator's ring; all-to-all connects the others on first
+/// use). Every rank must call it with the same stride at about the same time; rank 0's store
+/// must be up. Returns the links, the two edges (receive, send) and this rank's data address.
+pub(crate) fn connect_stride(
+    cfg: &Config,
+    stride: usize,
+) -> Result<(Links, Vec<Edge>, std::net::IpAddr)> {
+    let (rank, size) = (cfg.launch.rank, cfg.launch.world_size);
+    let (prev, next) = ((rank + size - stride) % size, (rank + stride) % size);
+    // Stride 1 keeps the keys it always had; the others get their own.
+    let key = |what: &str, r: usize| match stride {
+        1 => format!("{what}/{r}"),
+        _ => format!("stride{stride}/{what}/{r}"),
+    };
+    let me = Identity {
+        secret: &cfg.secret,
+        job_id: &cfg.job_id,
+        rank: rank as u32,
+    };
+    let (host, port) = (cfg.launch.master_addr.as_str(), cfg.launch.master_port);
     let mut store = StoreClient::connect(host, port, &me, cfg.timeout)?;
     let ip = store.local_addr()?.ip();
     let listener = TcpListener::bind((ip, 0))
@@ -52,16 +71,14 @@ pub(crate) fn connect_ring(
         .local_addr()
         .map_err(|e| Error::io("data listener address", e))?;
     store.set(
-        &format!("rank/{rank}"),
+        &key("rank", rank),
         format!("{}\n{listen}", cfg.node_id).as_bytes(),
     )?;
 
     let info = |store: &mut StoreClient, r: usize| -> Result<(String, SocketAddr)> {
-        let v = String::from_utf8(store.get(&format!("rank/{r}"), r)?).map_err(|_| {
-            Error::Protocol {
-                peer: format!("rank {r}"),
-                detail: "rank info is not UTF-8".into(),
-            }
+        let v = String::from_utf8(store.get(&key("rank", r), r)?).map_err(|_| Error::Protocol {
+            peer: format!("rank {r}"),
+            detail: "rank info is not UTF-8".into(),
         })?;
         let (node, addr) = v.rsplit_once('\n').ok_or_else(|| Error::Protocol {
             peer: format!("rank {r}"),
@@ -94,8 +111,8 @@ pub(crate) fn connect_ring(
         Some(rx) => format!("shm\n{}\n{}", recv_edge.reason, rx.path().display()),
         None => format!("tcp\n{}\n", recv_edge.reason),
     };
-    store.set(&format!("edge/{rank}"), published.as_bytes())?;
-    let theirs = String::from_utf8(store.get(&format!("edge/{next}"), next)?).unwrap_or_default();
+    store.set(&key("edge", rank), published.as_bytes())?;
+    let theirs = String::from_utf8(store.get(&key("edge", next), next)?).unwrap_or_default();
     let mut parts = theirs.splitn(3, '\n');
     let (kind, reason, path) = (
         parts.next().unwrap_or(""),
@@ -151,7 +168,7 @@ pub(crate) fn connect_ring(
         tracing::info!(target: "ringzero::topology", rank, "{e}");
     }
     let links = Links::new(tx, rx, next, prev)?;
-    Ok((Some(links), vec![recv_edge, send_edge], server, Some(ip)))
+    Ok((links, vec![recv_edge, send_edge], ip))
 }
 
 fn host_cuda_ipc() -> Error {

@@ -131,13 +131,21 @@ pub trait Colls {
     fn ring_shift<T: Element>(&mut self, s: &[T], r: &mut [T]) -> Result<()>;
     fn ring_shift_in_place<T: Element>(&mut self, b: &mut [T]) -> Result<()>;
     fn barrier(&mut self) -> Result<()>;
+    /// Host communicators only; the device communicator has no all-to-all.
+    fn all_to_all<T: Element>(&mut self, _s: &[T], _r: &mut [T]) -> Result<()> {
+        unimplemented!("all_to_all on this communicator")
+    }
+    fn all_to_all_in_place<T: Element>(&mut self, _b: &mut [T]) -> Result<()> {
+        unimplemented!("all_to_all on this communicator")
+    }
 }
 
 /// Forward every [`Colls`] method to the inherent method of the same name on `$ty` (by path, so
 /// the trait method never calls itself).
 macro_rules! forward_colls {
-    ($impl_for:ty, $ty:ty) => {
+    ($impl_for:ty, $ty:ty $(; $($extra:tt)*)?) => {
         impl Colls for $impl_for {
+            $($($extra)*)?
             fn rank(&self) -> usize {
                 <$ty>::rank(self)
             }
@@ -207,7 +215,14 @@ macro_rules! forward_colls {
     };
 }
 
-forward_colls!(&Communicator, Communicator);
+forward_colls!(&Communicator, Communicator;
+    fn all_to_all<T: Element>(&mut self, s: &[T], r: &mut [T]) -> Result<()> {
+        Communicator::all_to_all(self, s, r)
+    }
+    fn all_to_all_in_place<T: Element>(&mut self, b: &mut [T]) -> Result<()> {
+        Communicator::all_to_all_in_place(self, b)
+    }
+);
 forward_colls!(DeviceComm<HostStream>, DeviceComm<HostStream>);
 
 /// Run `case` on `comm` with the right element type; returns what this rank ends with.
@@ -224,7 +239,8 @@ pub fn run_case<C: Colls>(comm: &mut C, c: &Case) -> Result<Vec<f64>> {
 }
 
 fn run_typed<T: TestElem, C: Colls>(comm: &mut C, c: &Case) -> Result<Vec<f64>> {
-    let (r, n, count) = (comm.rank(), comm.size(), c.count);
+    let (r, n) = (comm.rank(), comm.size());
+    let count = round_count(c.coll, n, c.count);
     let mine = |i: usize| T::from_f64(value(c.dtype, c.op, r, i, c.seed));
     let input: Vec<T> = (0..count).map(mine).collect();
     let garbage = |len: usize| vec![T::from_f64(GARBAGE); len];
@@ -300,13 +316,23 @@ fn run_typed<T: TestElem, C: Colls>(comm: &mut C, c: &Case) -> Result<Vec<f64>> 
             comm.ring_shift_in_place(&mut b)?;
             b
         }
+        (Collective::AllToAll, false) => {
+            let mut out = garbage(count);
+            comm.all_to_all(&input, &mut out)?;
+            out
+        }
+        (Collective::AllToAll, true) => {
+            let mut b = input;
+            comm.all_to_all_in_place(&mut b)?;
+            b
+        }
     };
     Ok(out.into_iter().map(T::to_f64).collect())
 }
 
 /// What rank `r` of `n` must end with after `case`.
 pub fn expected(c: &Case, n: usize, r: usize) -> Vec<f64> {
-    let count = c.count;
+    let count = round_count(c.coll, n, c.count);
     let red = |i| reference(c.dtype, c.op, n, i, c.seed);
     let input = |rank, i| value(c.dtype, c.op, rank, i, c.seed);
     let own = chunk(count, n, r);
@@ -343,6 +369,15 @@ pub fn expected(c: &Case, n: usize, r: usize) -> Vec<f64> {
             .collect(),
         (Collective::Barrier, _) => Vec::new(),
         (Collective::RingShift, _) => (0..count).map(|i| input((r + n - 1) % n, i)).collect(),
+        // Written independently of the bench's `landing`: element j of block q comes from rank
+        // q's block r.
+        (Collective::AllToAll, _) => {
+            let b = count / n;
+            (0..n)
+                .flat_map(|q| (0..b).map(move |j| (q, r * b + j)))
+                .map(|(q, i)| input(q, i))
+                .collect()
+        }
     }
 }
 
@@ -366,6 +401,20 @@ pub fn check_with<C: Colls>(comm: &mut C, c: &Case) {
             want[i]
         );
     }
+}
+
+/// The element count `coll` runs on for a case of `count`: all-to-all needs a multiple of `n`.
+pub fn round_count(coll: Collective, n: usize, count: usize) -> usize {
+    match coll {
+        Collective::AllToAll => count - count % n,
+        _ => count,
+    }
+}
+
+/// [`all_collectives`] and the host-only ones (all-to-all).
+pub fn host_collectives(root: usize) -> [Collective; 8] {
+    let a = all_collectives(root);
+    std::array::from_fn(|i| a.get(i).copied().unwrap_or(Collective::AllToAll))
 }
 
 pub fn all_collectives(root: usize) -> [Collective; 7] {

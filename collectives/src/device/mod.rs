@@ -183,6 +183,10 @@ impl<S: Stream> DeviceComm<S> {
             }
             Collective::Reduce { .. } => Ok(send.1),
             Collective::Barrier => Ok(0),
+            Collective::AllToAll => Err(bad(
+                c,
+                "all-to-all runs on host buffers only (Communicator::all_to_all)".into(),
+            )),
         }
     }
 

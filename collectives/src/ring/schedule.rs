@@ -50,6 +50,11 @@ pub enum Collective {
     /// Every rank sends its buffer to the next rank and receives the previous rank's (all links
     /// busy at once: the streaming probe of `ringzero bench`, and ring attention's exchange).
     RingShift,
+    /// Rank `r` sends block `j` of its input to rank `j` and ends with block `r` of every rank's
+    /// input, in rank order. A ring has no schedule for it: the communicator runs `n − 1`
+    /// pairwise exchanges, the `k`-th over links to rank `r + k` and from rank `r − k`, each
+    /// planned like [`Collective::RingShift`] of one block.
+    AllToAll,
 }
 
 impl Collective {
@@ -63,6 +68,7 @@ impl Collective {
             Collective::Reduce { .. } => 5,
             Collective::Barrier => 6,
             Collective::RingShift => 7,
+            Collective::AllToAll => 8,
         }
     }
 
@@ -84,6 +90,7 @@ impl Collective {
             Collective::Reduce { .. } => "reduce",
             Collective::Barrier => "barrier",
             Collective::RingShift => "ring_shift",
+            Collective::AllToAll => "all_to_all",
         }
     }
 
@@ -105,6 +112,7 @@ impl Collective {
             5 => Collective::Reduce { root },
             6 => Collective::Barrier,
             7 => Collective::RingShift,
+            8 => Collective::AllToAll,
             _ => return None,
         })
     }
@@ -338,7 +346,7 @@ pub fn plan(a: PlanArgs) -> Plan {
                 }
             }
         }
-        Collective::RingShift => {
+        Collective::RingShift | Collective::AllToAll => {
             // Send slice j before receiving slice j into the same place: in place works too.
             let slices = count.div_ceil(se).max(1);
             for j in 0..slices {

@@ -238,7 +238,7 @@ fn check(coll: Collective, n: usize, count: usize, se: usize, in_place: bool, or
                 }
             }
             Collective::Barrier => assert!(out.is_empty()),
-            Collective::RingShift => {
+            Collective::RingShift | Collective::AllToAll => {
                 let want = unit((r + n - 1) % n);
                 assert!(out.iter().all(|v| *v == want), "rank {r}: {out:?}");
             }
@@ -269,7 +269,7 @@ fn check(coll: Collective, n: usize, count: usize, se: usize, in_place: bool, or
                 }
             }
             Collective::Barrier => 0,
-            Collective::RingShift => count,
+            Collective::RingShift | Collective::AllToAll => count,
         };
         assert_eq!(
             sim.sent_elems[r],

@@ -62,6 +62,15 @@ pub fn reference(dtype: DType, op: ReduceOp, n: usize, i: usize, seed: usize) ->
     }
 }
 
+/// The element count a sweep runs `op` on for a buffer of `count` elements: all-to-all sends
+/// equal blocks, so its count is rounded down to a multiple of `n` (as nccl-tests does).
+pub fn round_count(op: Collective, n: usize, count: usize) -> usize {
+    match op {
+        Collective::AllToAll => count - count % n.max(1),
+        _ => count,
+    }
+}
+
 /// Send and receive lengths of one call of `op` on `count` elements at rank `r` of `n` (in place,
 /// the send buffer is the whole buffer, except for all-gather, which works in `recv`).
 pub fn lens(op: Collective, n: usize, r: usize, count: usize) -> (usize, usize) {
@@ -146,6 +155,12 @@ pub fn landing(
             0..count,
             (0..count).map(|i| input((r + n - 1) % n, i)).collect(),
         ),
+        Collective::AllToAll => {
+            // Block q of the result is block r of rank q's input.
+            let b = count / n;
+            let want = (0..count).map(|i| input(i / b, r * b + i % b)).collect();
+            (home, 0..count, want)
+        }
         Collective::Reduce { .. } | Collective::Barrier => return None,
     })
 }

@@ -107,7 +107,7 @@ fn sweep_typed<T: Element>(
     let n = comm.size();
     let mut rows = Vec::new();
     for &size in &a.sizes {
-        let count = size / T::DTYPE.size();
+        let count = exact::round_count(op, n, size / T::DTYPE.size());
         let bytes = count * T::DTYPE.size();
         for inplace in [false, true] {
             let wrong = check::<T>(comm, op, a, count, inplace)?;
@@ -322,6 +322,8 @@ fn run<T: Element>(
         (Collective::Barrier, _) => comm.barrier(),
         (Collective::RingShift, false) => comm.ring_shift(send, recv),
         (Collective::RingShift, true) => comm.ring_shift_in_place(send),
+        (Collective::AllToAll, false) => comm.all_to_all(send, recv),
+        (Collective::AllToAll, true) => comm.all_to_all_in_place(send),
     }
 }
 

@@ -25,7 +25,7 @@ pub fn busbw_factor(op: Collective, n: usize) -> f64 {
     let n = n as f64;
     match op {
         Collective::AllReduce => 2.0 * (n - 1.0) / n,
-        Collective::ReduceScatter | Collective::AllGather => (n - 1.0) / n,
+        Collective::ReduceScatter | Collective::AllGather | Collective::AllToAll => (n - 1.0) / n,
         _ => 1.0,
     }
 }
@@ -60,7 +60,10 @@ pub fn bytes_per_link(op: Collective, n: usize, bytes: usize) -> f64 {
     let (s, n) = (bytes as f64, n as f64);
     match op {
         Collective::AllReduce => 2.0 * (n - 1.0) / n * s,
-        Collective::ReduceScatter | Collective::AllGather => (n - 1.0) / n * s,
+        // All-to-all: n − 1 exchanges of one block (s/n), each over its own link.
+        Collective::ReduceScatter | Collective::AllGather | Collective::AllToAll => {
+            (n - 1.0) / n * s
+        }
         Collective::RingShift => s,
         _ => s,
     }

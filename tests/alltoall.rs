@@ -1,0 +1,100 @@
+//! All-to-all on thread ranks: the bytes it moves, link reuse, bad counts, and a rank that calls
+//! something else. (Its results against the serial reference are in the proptest and the
+//! process scenarios, through `host_collectives`.)
+
+use std::time::{Duration, Instant};
+
+use ringzero::{Collective, DType, Error, ReduceOp, TransportPref};
+
+use crate::common::{check_case, threads, Case, Opts};
+
+#[test]
+fn all_to_all_sends_n_minus_1_over_n_of_the_buffer_and_connects_once() {
+    for transport in [TransportPref::Shm, TransportPref::Tcp] {
+        for n in 2..=5usize {
+            let o = Opts {
+                transport,
+                ..Opts::default()
+            };
+            threads(n, &o, |_, comm| {
+                let comm = comm.unwrap();
+                let count = n * 1000;
+                for seed in 0..3 {
+                    let before = comm.counters();
+                    let case = Case {
+                        coll: Collective::AllToAll,
+                        count,
+                        dtype: DType::F64,
+                        op: ReduceOp::Sum,
+                        in_place: seed == 1,
+                        seed,
+                    };
+                    check_case(&comm, &case);
+                    let after = comm.counters();
+                    // Payload bytes: n − 1 blocks of count/n f64 out, as many in.
+                    let want = ((n - 1) * (count / n) * 8) as u64;
+                    assert_eq!(
+                        after.bytes_sent - before.bytes_sent,
+                        want,
+                        "{transport:?} n={n}"
+                    );
+                    assert_eq!(after.bytes_received - before.bytes_received, want);
+                }
+                assert_eq!(
+                    comm.edges().len(),
+                    2,
+                    "the ring's edges are still the ring's"
+                );
+            });
+        }
+    }
+}
+
+#[test]
+fn all_to_all_refuses_bad_counts_and_names_a_rank_that_calls_something_else() {
+    let o = Opts {
+        transport: TransportPref::Tcp,
+        timeout: Duration::from_secs(20),
+        ..Opts::default()
+    };
+    let t = Instant::now();
+    let errs = threads(3, &o, |rank, comm| {
+        let comm = comm.unwrap();
+        let mut recv = vec![0f32; 10];
+        let e = comm.all_to_all(&[1f32; 10], &mut recv).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+        assert!(
+            e.to_string()
+                .contains("send has 10 elements, not a multiple of the world size 3"),
+            "{e}"
+        );
+        let e = comm.all_to_all(&[1f32; 9], &mut recv).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("send has 9 elements but recv has 10"),
+            "{e}"
+        );
+        // Refused calls changed nothing: the next all-to-all works.
+        let mut out = vec![0f32; 3];
+        comm.all_to_all(&[rank as f32; 3], &mut out).unwrap();
+        assert_eq!(out, vec![0.0, 1.0, 2.0]);
+        // Rank 0 calls all-to-all, the others all-reduce.
+        let mut b = vec![1f32; 6];
+        let e = if rank == 0 {
+            comm.all_to_all(&[1f32; 6], &mut b).unwrap_err()
+        } else {
+            comm.all_reduce_in_place(&mut b, ReduceOp::Sum).unwrap_err()
+        };
+        e.to_string()
+    });
+    assert!(
+        t.elapsed() < Duration::from_secs(10),
+        "a mismatch must not wait for the deadline: {errs:?}"
+    );
+    for e in &errs[..2] {
+        assert!(
+            e.contains("all_to_all(f32, count=6)") && e.contains("all_reduce(f32, sum, count=6)"),
+            "{e}"
+        );
+    }
+}
