@@ -14,35 +14,12 @@ use ringzero_zero::checkpoint::{self, Checkpoint};
 use ringzero_zero::{Engine, LossScaling, ParamSpec, Precision, ZeroConfig, ZeroError};
 
 use crate::common::{fresh_dir, threads, Opts};
-
-fn specs() -> Vec<ParamSpec> {
-    vec![
-        ParamSpec::new("w1", &[37]),
-        ParamSpec::new("b1", &[5]),
-        ParamSpec::new("w2", &[13, 10]),
-        ParamSpec::new("b2", &[3]),
-    ]
-}
-
-#[inline(never)]
-fn init(p: usize, i: usize) -> f32 {
-    ((p * 131 + i) as f32 * 0.173).sin()
-}
+// The model and data of the ZeRO parity tests.
+use crate::zero::{grad, init, specs};
 
 /// Not `init`: a loaded engine must not keep anything of its own start.
 fn other_init(_: usize, _: usize) -> f32 {
     0.5
-}
-
-/// A gradient that depends on the parameters, the rank and the step.
-fn grad(params: &[f32], rank: usize, step: usize, p: usize) -> Vec<f32> {
-    params
-        .iter()
-        .enumerate()
-        .map(|(i, &x)| {
-            (x * (rank as f32 + 1.3) + (step * 7 + p * 3 + i) as f32 * 0.11).sin() * 0.37
-        })
-        .collect()
 }
 
 fn cfg(p: Precision, stage: u8, bucket: usize) -> ZeroConfig {

@@ -13,7 +13,7 @@ use ringzero_zero::{
 
 use crate::common::{threads, Opts};
 
-fn specs() -> Vec<ParamSpec> {
+pub(crate) fn specs() -> Vec<ParamSpec> {
     vec![
         ParamSpec::new("w1", &[37]),
         ParamSpec::new("b1", &[5]),
@@ -27,12 +27,12 @@ const BUCKET: usize = 64;
 // Never inlined: where an optimised caller's constant folding evaluates `sin` at compile time,
 // it may differ from the run-time `sinf` in the last bit, and tests compare exactly.
 #[inline(never)]
-fn init(p: usize, i: usize) -> f32 {
+pub(crate) fn init(p: usize, i: usize) -> f32 {
     ((p * 131 + i) as f32 * 0.173).sin()
 }
 
 /// A gradient that depends on the parameters, the rank and the step (so any divergence grows).
-fn grad(params: &[f32], rank: usize, step: usize, p: usize) -> Vec<f32> {
+pub(crate) fn grad(params: &[f32], rank: usize, step: usize, p: usize) -> Vec<f32> {
     params
         .iter()
         .enumerate()

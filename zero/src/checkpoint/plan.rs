@@ -105,24 +105,27 @@ mod tests {
         (p * 10_000 + k + 1) as f32
     }
 
+    /// Range `own` of bucket `b` of layout `part`: each parameter's tagged elements where the
+    /// layout puts them, zero in the padding.
+    fn tagged(part: &Partition, b: usize, own: Range<usize>) -> Vec<f32> {
+        let mut v = vec![0f32; own.len()];
+        for &p in &part.buckets[b].params {
+            let s = part.slots[p];
+            for k in 0..s.len {
+                if own.contains(&(s.offset + k)) {
+                    v[s.offset + k - own.start] = tag(&part.specs[p].name, k);
+                }
+            }
+        }
+        v
+    }
+
     /// Shards as `saved` would write them: `[rank][bucket]`.
     fn shards(saved: &Partition) -> Vec<Vec<Vec<f32>>> {
         (0..saved.world)
             .map(|r| {
                 (0..saved.buckets.len())
-                    .map(|b| {
-                        let own = saved.owned(b, r);
-                        let mut v = vec![0f32; own.len()];
-                        for &p in &saved.buckets[b].params {
-                            let s = saved.slots[p];
-                            for k in 0..s.len {
-                                if own.contains(&(s.offset + k)) {
-                                    v[s.offset + k - own.start] = tag(&saved.specs[p].name, k);
-                                }
-                            }
-                        }
-                        v
-                    })
+                    .map(|b| tagged(saved, b, saved.owned(b, r)))
                     .collect()
             })
             .collect()
@@ -184,17 +187,7 @@ mod tests {
                         prop_assert!(dst.iter().all(|&x| x == 0.0), "pieces overlap");
                         dst.copy_from_slice(src);
                     }
-                    // What the rank should hold: each parameter's elements where `now` puts
-                    // them, zero in the padding.
-                    let mut want = vec![0f32; own.len()];
-                    for &p in &now.buckets[b].params {
-                        let s = now.slots[p];
-                        for k in 0..s.len {
-                            if own.contains(&(s.offset + k)) {
-                                want[s.offset + k - own.start] = tag(&now.specs[p].name, k);
-                            }
-                        }
-                    }
+                    let want = tagged(&now, b, own);
                     prop_assert_eq!(got, want);
                 }
             }
