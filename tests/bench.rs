@@ -46,8 +46,8 @@ fn a_corrupted_result_is_counted_and_a_clean_run_counts_nothing() {
         );
         assert_eq!(
             r.rows.len(),
-            5 * 4 * 2,
-            "5 ops × 4 sizes × (out of place, in place)"
+            6 * 4 * 2,
+            "6 ops × 4 sizes × (out of place, in place)"
         );
         for row in &r.rows {
             // Rank 1 holds a checked result unless its part is empty (or it is not the root).
@@ -153,7 +153,10 @@ fn rows_follow_the_nccl_tests_definitions_and_the_json_parses_back() {
         );
         assert_eq!(
             row.redop,
-            if matches!(op, Collective::AllGather | Collective::Broadcast { .. }) {
+            if matches!(
+                op,
+                Collective::AllGather | Collective::Broadcast { .. } | Collective::AllToAll
+            ) {
                 "-"
             } else {
                 "sum"
