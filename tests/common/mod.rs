@@ -131,12 +131,19 @@ pub trait Colls {
     fn ring_shift<T: Element>(&mut self, s: &[T], r: &mut [T]) -> Result<()>;
     fn ring_shift_in_place<T: Element>(&mut self, b: &mut [T]) -> Result<()>;
     fn barrier(&mut self) -> Result<()>;
-    /// Host communicators only; the device communicator has no all-to-all.
+    /// Host communicators only; the device communicator has no all-to-all, and says so.
     fn all_to_all<T: Element>(&mut self, _s: &[T], _r: &mut [T]) -> Result<()> {
-        unimplemented!("all_to_all on this communicator")
+        Err(no_all_to_all())
     }
     fn all_to_all_in_place<T: Element>(&mut self, _b: &mut [T]) -> Result<()> {
-        unimplemented!("all_to_all on this communicator")
+        Err(no_all_to_all())
+    }
+}
+
+fn no_all_to_all() -> ringzero::Error {
+    ringzero::Error::InvalidArgument {
+        op: "all_to_all".into(),
+        msg: "this communicator has no all-to-all (host communicators only)".into(),
     }
 }
 
