@@ -673,19 +673,33 @@ impl Inner {
         let fp = Fingerprint::new(Collective::AllToAll, Some(dtype), None, count);
         let seq = st.seq;
         engine::refuse(st.failed.as_ref(), &self.abort, &fp, seq)?;
+        let bytes = (count * dtype.size()) as u64;
+        self.recorded(&mut st, &fp, false, bytes, |st| {
+            self.exchange_blocks(st, fp, seq, dtype, count, input, output)
+        })
+    }
+
+    /// Run one call that passed its checks: take its sequence number, record it in the flight
+    /// recorder, and fail the communicator if it fails (bad arguments found late excepted).
+    fn recorded(
+        &self,
+        st: &mut State,
+        fp: &Fingerprint,
+        in_place: bool,
+        bytes: u64,
+        run: impl FnOnce(&mut State) -> Result<()>,
+    ) -> Result<()> {
+        let seq = st.seq;
         st.seq += 1;
-        self.flight.begin(
-            seq,
-            &fp,
-            false,
-            (count * dtype.size()) as u64,
-            self.counters(&st),
-        );
-        let r = self.exchange_blocks(&mut st, fp, seq, dtype, count, input, output);
-        self.flight.end(&r, self.counters(&st));
+        self.flight
+            .begin(seq, fp, in_place, bytes, self.counters(st));
+        let r = run(st);
+        self.flight.end(&r, self.counters(st));
         if let Err(e) = &r {
-            tracing::error!(target: "ringzero::comm", rank = self.rank, "{e}");
-            engine::fail(&mut *st, self.rank, e, &self.flight);
+            if !matches!(e, Error::InvalidArgument { .. }) {
+                tracing::error!(target: "ringzero::comm", rank = self.rank, "{e}");
+                engine::fail(st, self.rank, e, &self.flight);
+            }
         }
         r
     }
@@ -799,21 +813,12 @@ impl Inner {
         };
         // Refused calls consume no sequence number: the ranks stay in step.
         engine::check_sizes(&call, &bufs, &fp.to_string())?;
-        st.seq += 1;
-        let counters = |st: &State| st.links.as_ref().map(|l| l.counters).unwrap_or_default();
         let bytes = (count * dt.size()) as u64;
-        self.flight.begin(seq, &fp, in_place, bytes, counters(&st));
-        let r = match st.links.as_mut() {
-            Some(links) => engine::run(links, &call, bufs),
-            None => engine::run_local(&call, bufs),
-        };
-        self.flight.end(&r, counters(&st));
-        if let Err(e) = &r {
-            if !matches!(e, Error::InvalidArgument { .. }) {
-                tracing::error!(target: "ringzero::comm", rank = self.rank, "{e}");
-                engine::fail(&mut *st, self.rank, e, &self.flight);
+        self.recorded(&mut st, &fp, in_place, bytes, |st| {
+            match st.links.as_mut() {
+                Some(links) => engine::run(links, &call, bufs),
+                None => engine::run_local(&call, bufs),
             }
-        }
-        r
+        })
     }
 }
