@@ -95,6 +95,34 @@ fn a_corrupted_result_is_counted_and_a_clean_run_counts_nothing() {
 }
 
 #[test]
+fn send_recv_pairs_ranks_and_checks_what_each_received() {
+    // Three ranks: 0↔1 exchange, 2 sits out (nothing to check, so its corruption counts nothing).
+    for (corrupt, want) in [(None, 0), (Some(1), 1), (Some(2), 0)] {
+        let reports = threads(3, &Opts::default(), |_, comm| {
+            let comm = comm.unwrap();
+            let mut a = args(corrupt, DType::F16, ReduceOp::Sum);
+            a.ops = bench::parse_ops("send-recv").unwrap();
+            bench::run(&comm, &a, &mut |_, _| {}).unwrap()
+        });
+        let r = &reports[0];
+        assert_eq!(r.rows.len(), 4 * 2, "4 sizes × (out of place, in place)");
+        for row in &r.rows {
+            assert_eq!(row.op, "send_recv");
+            assert_eq!(row.redop, "-");
+            assert_eq!(row.wrong, if row.count > 0 { want } else { 0 }, "{row:?}");
+            // One message each way between two ranks: one step, the whole buffer per link.
+            let m = bench::theory::Model {
+                alpha_us: row.alpha_us.unwrap(),
+                beta_gbs: row.beta_gbs.unwrap(),
+            };
+            let pred = m.alpha_us + row.bytes as f64 / (m.beta_gbs * 1e3);
+            assert!((row.predicted_us.unwrap() - pred).abs() < 1e-9, "{row:?}");
+            assert_eq!(row.busbw_gbs, row.algbw_gbs);
+        }
+    }
+}
+
+#[test]
 fn rows_follow_the_nccl_tests_definitions_and_the_json_parses_back() {
     let o = Opts {
         transport: TransportPref::Shm,

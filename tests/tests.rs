@@ -8,6 +8,7 @@ mod common;
 mod device;
 mod failures;
 mod flight;
+mod p2p;
 mod processes;
 mod split;
 mod threads;

@@ -1,5 +1,6 @@
 //! The communicator: the public face of the library.
 
+use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -12,7 +13,7 @@ use crate::connect;
 use crate::error::{Error, Result};
 use crate::flight::{FlightRecord, Recorder};
 use crate::ring::engine::{self, AbortFlag, Bufs, Call, Counters, Links};
-use crate::ring::{chunk, plan, Collective, PlanArgs};
+use crate::ring::{chunk, plan, plan_p2p, Collective, PlanArgs};
 use crate::topology::Edge;
 use crate::wire::Fingerprint;
 use crate::work::{Work, Worker};
@@ -61,6 +62,9 @@ struct Inner {
     /// All-to-all's rings of stride 2..n−1 (index k−2), connected by the first all-to-all. Locked
     /// only while `state` is held.
     strides: Mutex<Vec<Links>>,
+    /// Point-to-point links per peer, connected by the pair's first send or receive. Locked only
+    /// while `state` is held (after `strides`, when both are).
+    pairs: Mutex<BTreeMap<usize, Pair>>,
     /// The last calls, dumped when the communicator fails or closes.
     flight: Recorder,
     /// Raised by [`Communicator::abort`] from any thread; the running call sees it.
@@ -77,6 +81,14 @@ struct Inner {
 }
 
 type State = engine::RingState<Links>;
+
+/// The links of this rank with one peer, for point-to-point calls, and how many messages each
+/// direction has carried (each direction numbers its own: a message's sequence number).
+struct Pair {
+    links: Links,
+    sent: u64,
+    received: u64,
+}
 
 impl Communicator {
     /// Join the job described by the launcher's environment (see [`Config::from_env`]).
@@ -114,6 +126,7 @@ impl Communicator {
             data_ip,
             state: Mutex::new(State::new(links)),
             strides: Mutex::new(Vec::new()),
+            pairs: Mutex::new(BTreeMap::new()),
             _store: store,
         });
         let comm = Communicator {
@@ -154,7 +167,7 @@ impl Communicator {
     }
 
     /// Byte counters of this rank's links since creation (including the setup barrier's frames,
-    /// and all-to-all's links once connected).
+    /// all-to-all's links and point-to-point links once connected).
     pub fn counters(&self) -> Counters {
         let st = self.inner.lock();
         self.inner.counters(&st)
@@ -425,6 +438,49 @@ impl Communicator {
         self.all_to_all(&send, buf)
     }
 
+    /// Send `buf` to rank `peer`, which receives it with [`Communicator::recv`] (or
+    /// [`Communicator::send_recv`]) of the same element type and count.
+    ///
+    /// Point-to-point calls are not collectives: only the two ranks take part, over links of
+    /// their own, so they mix freely with collectives. The pair's first call (whichever of the
+    /// three each rank makes) connects those links through the same store, handshake and shm/tcp
+    /// choice as the ring, and both ranks must reach it before either goes on; later calls need
+    /// no rendezvous. Messages from one rank to another arrive in the order they were sent. Like `MPI_Send`, a send may return before
+    /// the receiver has called `recv` (while the message fits the link's `RINGZERO_SLOTS` ×
+    /// `RINGZERO_SLICE_BYTES`), or wait for it: two ranks that each send the other a large message
+    /// before receiving wait until the deadline, so exchange with [`Communicator::send_recv`].
+    ///
+    /// A receiver expecting another count or element type fails with an [`Error::Mismatch`]
+    /// naming both calls; a peer that never makes its call fails this one at the deadline; any
+    /// error aborts the communicator, as a collective's does. Point-to-point calls are not
+    /// entries of the flight record (its sequence numbers are the collectives').
+    pub fn send<T: Element>(&self, buf: &[T], peer: usize) -> Result<()> {
+        self.wait_async_idle();
+        let send = bytemuck::cast_slice(buf);
+        self.inner.point_to_point(T::DTYPE, peer, Some(send), None)
+    }
+
+    /// Receive into `buf` what rank `peer` sends with [`Communicator::send`] (or
+    /// [`Communicator::send_recv`]); its count and element type must be `buf`'s. Returns once
+    /// the whole message is in `buf`. See [`Communicator::send`].
+    pub fn recv<T: Element>(&self, buf: &mut [T], peer: usize) -> Result<()> {
+        self.wait_async_idle();
+        let recv = bytemuck::cast_slice_mut(buf);
+        self.inner.point_to_point(T::DTYPE, peer, None, Some(recv))
+    }
+
+    /// Send `send` to rank `peer` and receive `recv` from it at once (`MPI_Sendrecv` with one
+    /// peer; pipeline stages trading activations for gradients). The two directions interleave
+    /// slice by slice, so two ranks exchanging messages of any size never wait on each other.
+    /// The counts may differ; each must match what the peer sends or expects. To send to one
+    /// neighbour while receiving from the other, use [`Communicator::ring_shift`].
+    pub fn send_recv<T: Element>(&self, send: &[T], recv: &mut [T], peer: usize) -> Result<()> {
+        self.wait_async_idle();
+        let (send, recv) = (bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv));
+        self.inner
+            .point_to_point(T::DTYPE, peer, Some(send), Some(recv))
+    }
+
     /// Return only once every rank has entered the barrier.
     pub fn barrier(&self) -> Result<()> {
         self.wait_async_idle();
@@ -535,6 +591,8 @@ impl Communicator {
     pub fn abort(&self, reason: &str) {
         let i = &self.inner;
         engine::abort(&i.state, &i.abort, i.rank, reason, &i.flight);
+        let _st = i.lock();
+        i.tell_other_links(&format!("rank {}: {reason}", i.rank));
     }
 
     fn rooted(&self, c: Collective, root: usize) -> Result<Collective> {
@@ -614,7 +672,14 @@ impl Drop for Communicator {
         let timeout = self.inner.cfg.timeout;
         if st.failed.is_none() {
             let mut strides = self.inner.strides.lock().unwrap_or_else(|p| p.into_inner());
-            for l in st.links.iter_mut().chain(strides.iter_mut()) {
+            let mut pairs = self.inner.pairs.lock().unwrap_or_else(|p| p.into_inner());
+            let pair_links = pairs.values_mut().map(|p| &mut p.links);
+            for l in st
+                .links
+                .iter_mut()
+                .chain(strides.iter_mut())
+                .chain(pair_links)
+            {
                 if let Err(e) = l.flush("shutdown", seq, timeout, &self.inner.abort) {
                     self.inner.flight.failed(&e.to_string());
                     break;
@@ -647,12 +712,14 @@ impl Inner {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Bytes and frames over every link: the ring's and all-to-all's strides.
+    /// Bytes and frames over every link: the ring's, all-to-all's strides and point-to-point.
     fn counters(&self, st: &State) -> Counters {
         let strides = self.strides.lock().unwrap_or_else(|p| p.into_inner());
+        let pairs = self.pairs.lock().unwrap_or_else(|p| p.into_inner());
         st.links
             .iter()
             .chain(strides.iter())
+            .chain(pairs.values().map(|p| &p.links))
             .fold(Counters::default(), |a, l| Counters {
                 bytes_sent: a.bytes_sent + l.counters.bytes_sent,
                 bytes_received: a.bytes_received + l.counters.bytes_received,
@@ -696,12 +763,154 @@ impl Inner {
         let r = run(st);
         self.flight.end(&r, self.counters(st));
         if let Err(e) = &r {
-            if !matches!(e, Error::InvalidArgument { .. }) {
-                tracing::error!(target: "ringzero::comm", rank = self.rank, "{e}");
-                engine::fail(st, self.rank, e, &self.flight);
-            }
+            self.fail(st, e);
         }
         r
+    }
+
+    /// A call failed with `e`: unless it only refused its arguments, fail the communicator and
+    /// tell every peer this rank has a link with.
+    fn fail(&self, st: &mut State, e: &Error) {
+        if matches!(e, Error::InvalidArgument { .. }) {
+            return;
+        }
+        tracing::error!(target: "ringzero::comm", rank = self.rank, "{e}");
+        engine::fail(st, self.rank, e, &self.flight);
+        self.tell_other_links(&format!("rank {}: {e}", self.rank));
+    }
+
+    /// Tell the peers of the links beside the ring's (all-to-all's strides, point-to-point) that
+    /// this rank aborts. Call with `state` held.
+    fn tell_other_links(&self, why: &str) {
+        let mut strides = self.strides.lock().unwrap_or_else(|p| p.into_inner());
+        let mut pairs = self.pairs.lock().unwrap_or_else(|p| p.into_inner());
+        for l in strides.iter_mut() {
+            l.abort(why);
+        }
+        for p in pairs.values_mut() {
+            p.links.abort(why);
+        }
+    }
+
+    /// [`Communicator::send`], [`Communicator::recv`] and [`Communicator::send_recv`] on bytes
+    /// of `dtype`.
+    fn point_to_point(
+        &self,
+        dtype: DType,
+        peer: usize,
+        send: Option<&[u8]>,
+        recv: Option<&mut [u8]>,
+    ) -> Result<()> {
+        let es = dtype.size();
+        let fp_of = |b: usize| Fingerprint::new(Collective::SendRecv, Some(dtype), None, b / es);
+        let (send_fp, recv_fp) = (
+            send.map(|b| fp_of(b.len())),
+            recv.as_ref().map(|b| fp_of(b.len())),
+        );
+        let fp = send_fp.or(recv_fp).expect("a send or a receive");
+        let verb = match (send.is_some(), recv.is_some()) {
+            (true, true) => "send_recv with",
+            (true, false) => "send to",
+            _ => "recv from",
+        };
+        if peer >= self.size || peer == self.rank {
+            let why = if peer == self.rank {
+                "is this rank (copy the buffer instead)".to_string()
+            } else {
+                format!("is not a rank of this {}-rank communicator", self.size)
+            };
+            return Err(Error::InvalidArgument {
+                op: format!("{verb} rank {peer}"),
+                msg: format!("peer {peer} {why}"),
+            });
+        }
+        let mut st = self.lock();
+        let mut pairs = self.pairs.lock().unwrap_or_else(|p| p.into_inner());
+        let next_seq = pairs
+            .get(&peer)
+            .map_or(0, |p| if send.is_some() { p.sent } else { p.received });
+        engine::refuse(st.failed.as_ref(), &self.abort, &fp, next_seq)?;
+        let r = self.run_pair(&mut pairs, peer, dtype, (send_fp, recv_fp), send, recv);
+        drop(pairs);
+        if let Err(e) = &r {
+            self.fail(&mut st, e);
+        }
+        r
+    }
+
+    /// The body of [`Inner::point_to_point`]: connect the pair on its first call, run the plan.
+    fn run_pair(
+        &self,
+        pairs: &mut BTreeMap<usize, Pair>,
+        peer: usize,
+        dtype: DType,
+        (send_fp, recv_fp): (Option<Fingerprint>, Option<Fingerprint>),
+        send: Option<&[u8]>,
+        recv: Option<&mut [u8]>,
+    ) -> Result<()> {
+        let pair = match pairs.entry(peer) {
+            std::collections::btree_map::Entry::Occupied(o) => o.into_mut(),
+            std::collections::btree_map::Entry::Vacant(v) => {
+                let fp = send_fp.or(recv_fp).expect("a send or a receive");
+                let (links, edges) =
+                    connect::connect_pair(&self.cfg, peer).map_err(|e| match e {
+                        Error::Timeout { after, .. } => Error::Timeout {
+                            op: fp.to_string(),
+                            seq: 0,
+                            peer,
+                            waiting: format!(
+                                "rank {peer} to make its first send or receive with rank {} (the \
+                             pair connects its links then)",
+                                self.rank
+                            ),
+                            after,
+                        },
+                        e => e,
+                    })?;
+                for e in &edges {
+                    tracing::info!(target: "ringzero::topology", rank = self.rank, peer, "point-to-point {e}");
+                }
+                v.insert(Pair {
+                    links,
+                    sent: 0,
+                    received: 0,
+                })
+            }
+        };
+        let es = dtype.size();
+        let slot_bytes = pair.links.tx.slot_bytes().min(self.cfg.slice_bytes);
+        let p = plan_p2p(
+            send.map(|b| b.len() / es),
+            recv.as_ref().map(|b| b.len() / es),
+            (slot_bytes / es).max(1),
+        );
+        let incoming = recv_fp.map(|f| (pair.received, f));
+        let (seq, fp) = match send_fp {
+            Some(f) => (pair.sent, f),
+            None => incoming.expect("a send or a receive"),
+        };
+        let out_bytes = recv.as_ref().map_or(0, |b| b.len());
+        let call = Call {
+            plan: &p,
+            fp,
+            seq,
+            dtype,
+            op: ReduceOp::Sum,
+            n: 2,
+            rank: self.rank,
+            timeout: self.cfg.timeout,
+            stream_stores: out_bytes >= self.cfg.stream_stores_from,
+            abort: &self.abort,
+            incoming,
+        };
+        let bufs = Bufs::Split {
+            input: send.unwrap_or(&[]),
+            output: recv.unwrap_or(&mut []),
+        };
+        engine::run_unordered(&mut pair.links, &call, bufs)?;
+        pair.sent += u64::from(send_fp.is_some());
+        pair.received += u64::from(recv_fp.is_some());
+        Ok(())
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -764,6 +973,7 @@ impl Inner {
                 timeout: self.cfg.timeout,
                 stream_stores: output.len() >= self.cfg.stream_stores_from,
                 abort: &self.abort,
+                incoming: None,
             };
             let bufs = Bufs::Split {
                 input: &input[to * bb..(to + 1) * bb],
@@ -810,6 +1020,7 @@ impl Inner {
             timeout: self.cfg.timeout,
             stream_stores: bufs.output_bytes() >= self.cfg.stream_stores_from,
             abort: &self.abort,
+            incoming: None,
         };
         // Refused calls consume no sequence number: the ranks stay in step.
         engine::check_sizes(&call, &bufs, &fp.to_string())?;

@@ -51,12 +51,40 @@ pub(crate) fn connect_stride(
     stride: usize,
 ) -> Result<(Links, Vec<Edge>, std::net::IpAddr)> {
     let (rank, size) = (cfg.launch.rank, cfg.launch.world_size);
-    let (prev, next) = ((rank + size - stride) % size, (rank + stride) % size);
     // Stride 1 keeps the keys it always had; the others get their own.
-    let key = |what: &str, r: usize| match stride {
-        1 => format!("{what}/{r}"),
-        _ => format!("stride{stride}/{what}/{r}"),
+    let scope = match stride {
+        1 => String::new(),
+        _ => format!("stride{stride}/"),
     };
+    connect_links(
+        cfg,
+        (rank + size - stride) % size,
+        (rank + stride) % size,
+        &scope,
+    )
+}
+
+/// Connect this rank's two links with `peer` alone, one each way, for their point-to-point
+/// calls. Only the two of them take part, at about the same time (each one's first send or
+/// receive naming the other); rank 0's store must be up.
+pub(crate) fn connect_pair(cfg: &Config, peer: usize) -> Result<(Links, Vec<Edge>)> {
+    let rank = cfg.launch.rank;
+    let scope = format!("pair{}-{}/", rank.min(peer), rank.max(peer));
+    let (links, edges, _) = connect_links(cfg, peer, peer, &scope)?;
+    Ok((links, edges))
+}
+
+/// Connect a link to `next` and one from `prev` (the same rank for a pair), rendezvousing under
+/// the store keys of `scope`. Returns the links, the two edges (receive, send) and this rank's
+/// data address.
+fn connect_links(
+    cfg: &Config,
+    prev: usize,
+    next: usize,
+    scope: &str,
+) -> Result<(Links, Vec<Edge>, std::net::IpAddr)> {
+    let rank = cfg.launch.rank;
+    let key = |what: &str, r: usize| format!("{scope}{what}/{r}");
     let me = Identity {
         secret: &cfg.secret,
         job_id: &cfg.job_id,

@@ -138,6 +138,13 @@ pub trait Colls {
     fn all_to_all_in_place<T: Element>(&mut self, _b: &mut [T]) -> Result<()> {
         Err(no_all_to_all())
     }
+    /// Host communicators only, as all-to-all.
+    fn send_recv<T: Element>(&mut self, _s: &[T], _r: &mut [T], _peer: usize) -> Result<()> {
+        Err(ringzero::Error::InvalidArgument {
+            op: "send_recv".into(),
+            msg: "this communicator has no send/recv (host communicators only)".into(),
+        })
+    }
 }
 
 fn no_all_to_all() -> ringzero::Error {
@@ -228,6 +235,9 @@ forward_colls!(&Communicator, Communicator;
     }
     fn all_to_all_in_place<T: Element>(&mut self, b: &mut [T]) -> Result<()> {
         Communicator::all_to_all_in_place(self, b)
+    }
+    fn send_recv<T: Element>(&mut self, s: &[T], r: &mut [T], peer: usize) -> Result<()> {
+        Communicator::send_recv(self, s, r, peer)
     }
 );
 forward_colls!(DeviceComm<HostStream>, DeviceComm<HostStream>);
@@ -333,6 +343,21 @@ fn run_typed<T: TestElem, C: Colls>(comm: &mut C, c: &Case) -> Result<Vec<f64>> 
             comm.all_to_all_in_place(&mut b)?;
             b
         }
+        // Ranks pair up 0↔1, 2↔3, ...; an odd world's last rank sits out. "In place" receives
+        // into the buffer it sent from (a copy of it).
+        (Collective::SendRecv, in_place) => match Some(r ^ 1).filter(|&p| p < n) {
+            None => Vec::new(),
+            Some(peer) if in_place => {
+                let mut b = input.clone();
+                comm.send_recv(&input, &mut b, peer)?;
+                b
+            }
+            Some(peer) => {
+                let mut out = garbage(count);
+                comm.send_recv(&input, &mut out, peer)?;
+                out
+            }
+        },
     };
     Ok(out.into_iter().map(T::to_f64).collect())
 }
@@ -385,6 +410,8 @@ pub fn expected(c: &Case, n: usize, r: usize) -> Vec<f64> {
                 .map(|(q, i)| input(q, i))
                 .collect()
         }
+        (Collective::SendRecv, _) if r ^ 1 < n => (0..count).map(|i| input(r ^ 1, i)).collect(),
+        (Collective::SendRecv, _) => Vec::new(),
     }
 }
 
@@ -418,10 +445,11 @@ pub fn round_count(coll: Collective, n: usize, count: usize) -> usize {
     }
 }
 
-/// [`all_collectives`] and the host-only ones (all-to-all).
-pub fn host_collectives(root: usize) -> [Collective; 8] {
+/// [`all_collectives`] and the host-only calls (all-to-all, pairwise send/recv).
+pub fn host_collectives(root: usize) -> [Collective; 9] {
     let a = all_collectives(root);
-    std::array::from_fn(|i| a.get(i).copied().unwrap_or(Collective::AllToAll))
+    let host = [Collective::AllToAll, Collective::SendRecv];
+    std::array::from_fn(|i| a.get(i).copied().unwrap_or_else(|| host[i - a.len()]))
 }
 
 pub fn all_collectives(root: usize) -> [Collective; 7] {

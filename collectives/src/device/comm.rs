@@ -769,6 +769,7 @@ impl<S: Stream> Core<S> {
             // The device engine's stores are device copies and kernels.
             stream_stores: false,
             abort: &self.abort,
+            incoming: None,
         };
         device_engine::check_sizes(&call, &bufs)?;
         st.seq += 1;

@@ -187,6 +187,10 @@ impl<S: Stream> DeviceComm<S> {
                 c,
                 "all-to-all runs on host buffers only (Communicator::all_to_all)".into(),
             )),
+            Collective::SendRecv => Err(bad(
+                c,
+                "send/recv run on host buffers only (Communicator::send, recv, send_recv)".into(),
+            )),
         }
     }
 

@@ -257,15 +257,16 @@ unsafe fn run_op<S: Stream>(
 ) -> Result<()> {
     let es = call.dtype.size();
     let bytes = op.elems * es;
+    let (in_seq, in_fp) = call.expected();
     let expect = Expect {
-        seq: call.seq,
+        seq: in_seq,
         step: op.step.wrapping_sub(1),
         slice: op.slice,
-        fp: call.fp,
+        fp: in_fp,
         len: bytes,
     };
     let (prev, next, seq, rank) = (links.prev, links.next, call.seq, call.rank);
-    let rx_err = |e| link_err(e, what, seq, prev, rank, Some(&call.fp));
+    let rx_err = |e| link_err(e, what, in_seq, prev, rank, Some(&in_fp));
     let tx_err = |e| link_err(e, what, seq, next, rank, Some(&call.fp));
     if op.send && bytes > links.tx.slot_bytes() {
         return Err(Error::InvalidArgument {

@@ -305,6 +305,17 @@ pub struct Call<'a> {
     pub stream_stores: bool,
     /// The communicator's abort request, checked while waiting.
     pub abort: &'a AbortFlag,
+    /// The sequence number and fingerprint of the frames this rank receives, where they are not
+    /// `seq` and `fp` (a point-to-point call: each direction of a pair counts its own frames,
+    /// and an exchange's two directions may differ in count).
+    pub incoming: Option<(u64, Fingerprint)>,
+}
+
+impl Call<'_> {
+    /// The sequence number and fingerprint of the frames this rank receives.
+    pub fn expected(&self) -> (u64, Fingerprint) {
+        self.incoming.unwrap_or((self.seq, self.fp))
+    }
 }
 
 pub(crate) fn link_err(
@@ -424,6 +435,94 @@ pub fn check_sizes(call: &Call, bufs: &Bufs, what: &str) -> Result<()> {
     Ok(())
 }
 
+/// The frame a receiving `op` of `call` waits for.
+fn expect(call: &Call, op: &Op, es: usize) -> Expect {
+    let (seq, fp) = call.expected();
+    Expect {
+        seq,
+        step: op.step.wrapping_sub(1),
+        slice: op.slice,
+        fp,
+        len: op.elems * es,
+    }
+}
+
+/// Run a plan whose sending and receiving ops are independent of each other (a point-to-point
+/// call: sends read only the input, receives write only the output) to completion: each
+/// direction's ops in order, the two directions each as soon as it can go. So an exchange never
+/// waits on itself, whichever calls its peer makes (`send_recv`, or `recv` then `send`, ...).
+pub fn run_unordered(links: &mut Links, call: &Call, mut bufs: Bufs) -> Result<()> {
+    let what = call.fp.to_string();
+    let es = call.dtype.size();
+    check_sizes(call, &bufs, &what)?;
+    debug_assert!(
+        call.plan.ops.iter().all(|o| o.send != o.recv),
+        "every op of an unordered plan only sends or only receives"
+    );
+    let mut sends = call.plan.ops.iter().filter(|o| o.send).peekable();
+    let mut recvs = call.plan.ops.iter().filter(|o| o.recv).peekable();
+    let (prev, next, rank) = (links.prev, links.next, call.rank);
+    let tx_err = |e| link_err(e, &what, call.seq, next, rank, Some(&call.fp));
+    let (mut last, mut last_health) = (Instant::now(), Instant::now());
+    let ran = loop {
+        let (send, recv) = (sends.peek().copied(), recvs.peek().copied());
+        if send.is_none() && recv.is_none() {
+            break Ok(());
+        }
+        let mut moved = links.tx.progress().map_err(tx_err)?;
+        if let Some(op) = send {
+            if links.tx.reserve(op.elems * es).map_err(tx_err)?.is_some() {
+                // Ready: run_op finds its slot at once.
+                run_op(links, call, op, &mut bufs, &what, es)?;
+                sends.next();
+                moved = true;
+            }
+        }
+        if let Some(op) = recv {
+            let e = expect(call, op, es);
+            let ready = links
+                .rx
+                .peek(&e)
+                .map_err(|err| link_err(err, &what, e.seq, prev, rank, Some(&e.fp)))?;
+            if ready.is_some() {
+                run_op(links, call, op, &mut bufs, &what, es)?;
+                recvs.next();
+                moved = true;
+            }
+        }
+        let now = Instant::now();
+        if moved {
+            last = now;
+            links.waiter.progressed();
+            continue;
+        }
+        if now.duration_since(last) >= call.timeout {
+            // A missing frame names the sender; else the send waits for a slot at the receiver.
+            let (op, have_in) = match recv {
+                Some(op) => (op, false),
+                None => (send.expect("an op is pending"), true),
+            };
+            let e = expect(call, op, es);
+            break Err(op_timeout(call, &what, &e, have_in, prev, next, "slot"));
+        }
+        if now.duration_since(last_health) >= HEALTH_EVERY {
+            last_health = now;
+            call.abort.check(call)?;
+            links
+                .rx
+                .health()
+                .map_err(|e| link_err(e, &what, call.expected().0, prev, rank, None))?;
+            links.tx.health().map_err(tx_err)?;
+        }
+        links.waiter.idle(call.timeout);
+    };
+    if call.stream_stores {
+        cpu::stream_fence();
+    }
+    ran?;
+    links.flush(&what, call.seq, call.timeout, call.abort)
+}
+
 fn run_op(
     links: &mut Links,
     call: &Call,
@@ -433,15 +532,10 @@ fn run_op(
     es: usize,
 ) -> Result<()> {
     let bytes = op.elems * es;
-    let expect = Expect {
-        seq: call.seq,
-        step: op.step.wrapping_sub(1),
-        slice: op.slice,
-        fp: call.fp,
-        len: bytes,
-    };
+    let expect = expect(call, op, es);
+    let (in_seq, in_fp) = (expect.seq, expect.fp);
     let (prev, next, seq, rank) = (links.prev, links.next, call.seq, call.rank);
-    let rx_err = |e| link_err(e, what, seq, prev, rank, Some(&call.fp));
+    let rx_err = |e| link_err(e, what, in_seq, prev, rank, Some(&in_fp));
     let tx_err = |e| link_err(e, what, seq, next, rank, Some(&call.fp));
 
     // Wait until both the incoming frame and an outgoing slot are there.
@@ -562,7 +656,7 @@ pub(crate) fn op_timeout(
     };
     Error::Timeout {
         op: what.into(),
-        seq: call.seq,
+        seq: if have_in { call.seq } else { expect.seq },
         peer,
         waiting,
         after: call.timeout,

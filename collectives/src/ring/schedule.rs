@@ -55,6 +55,10 @@ pub enum Collective {
     /// pairwise exchanges, the `k`-th over links to rank `r + k` and from rank `r − k`, each
     /// planned like [`Collective::RingShift`] of one block.
     AllToAll,
+    /// Point-to-point: one rank's send matched by another rank's receive. Not a collective: only
+    /// the two ranks take part, over links of their own, and the frames of each direction carry
+    /// that direction's own sequence numbers. Planned by [`plan_p2p`].
+    SendRecv,
 }
 
 impl Collective {
@@ -69,6 +73,7 @@ impl Collective {
             Collective::Barrier => 6,
             Collective::RingShift => 7,
             Collective::AllToAll => 8,
+            Collective::SendRecv => 9,
         }
     }
 
@@ -91,6 +96,7 @@ impl Collective {
             Collective::Barrier => "barrier",
             Collective::RingShift => "ring_shift",
             Collective::AllToAll => "all_to_all",
+            Collective::SendRecv => "send_recv",
         }
     }
 
@@ -113,6 +119,7 @@ impl Collective {
             6 => Collective::Barrier,
             7 => Collective::RingShift,
             8 => Collective::AllToAll,
+            9 => Collective::SendRecv,
             _ => return None,
         })
     }
@@ -346,7 +353,7 @@ pub fn plan(a: PlanArgs) -> Plan {
                 }
             }
         }
-        Collective::RingShift | Collective::AllToAll => {
+        Collective::RingShift | Collective::AllToAll | Collective::SendRecv => {
             // Send slice j before receiving slice j into the same place: in place works too.
             let slices = count.div_ceil(se).max(1);
             for j in 0..slices {
@@ -392,6 +399,62 @@ pub fn plan(a: PlanArgs) -> Plan {
         }
     }
     p
+}
+
+/// The plan of one rank's point-to-point call with one peer: send `send` elements to it, receive
+/// `recv` elements from it, or both at once. Each direction is sliced as
+/// [`Collective::RingShift`] slices its buffer (sends are step 0, receives expect step 0), so a
+/// rank's `send` and its peer's `recv` of the same count agree frame by frame whichever call each
+/// made. The sends only read the input and the receives only write the output, so the engine
+/// runs the two directions independently ([`super::engine::run_unordered`]): an exchange never
+/// waits on itself, whichever calls the peer makes.
+pub fn plan_p2p(send: Option<usize>, recv: Option<usize>, slice_elems: usize) -> Plan {
+    let se = slice_elems.max(1);
+    let slices = |c: usize| c.div_ceil(se).max(1);
+    let (ns, nr) = (send.map_or(0, slices), recv.map_or(0, slices));
+    let mut ops = Vec::with_capacity(ns + nr);
+    for j in 0..ns.max(nr) {
+        if let Some(c) = send.filter(|_| j < ns) {
+            let s = split(0..c, ns, j);
+            ops.push(Op {
+                step: 0,
+                slice: j as u32,
+                elems: s.len(),
+                recv: false,
+                local: Some(Loc {
+                    buf: Buf::Input,
+                    range: s,
+                }),
+                store: None,
+                finalize: false,
+                send: true,
+            });
+        }
+        if let Some(c) = recv.filter(|_| j < nr) {
+            let s = split(0..c, nr, j);
+            ops.push(Op {
+                step: 1,
+                slice: j as u32,
+                elems: s.len(),
+                recv: true,
+                local: None,
+                store: Some(Loc {
+                    buf: Buf::Output,
+                    range: s,
+                }),
+                finalize: false,
+                send: false,
+            });
+        }
+    }
+    Plan {
+        ops,
+        input_base: 0,
+        output_base: 0,
+        input_len: send.unwrap_or(0),
+        output_len: recv.unwrap_or(0),
+        in_place: false,
+    }
 }
 
 impl Plan {

@@ -238,7 +238,7 @@ fn check(coll: Collective, n: usize, count: usize, se: usize, in_place: bool, or
                 }
             }
             Collective::Barrier => assert!(out.is_empty()),
-            Collective::RingShift | Collective::AllToAll => {
+            Collective::RingShift | Collective::AllToAll | Collective::SendRecv => {
                 let want = unit((r + n - 1) % n);
                 assert!(out.iter().all(|v| *v == want), "rank {r}: {out:?}");
             }
@@ -269,7 +269,7 @@ fn check(coll: Collective, n: usize, count: usize, se: usize, in_place: bool, or
                 }
             }
             Collective::Barrier => 0,
-            Collective::RingShift | Collective::AllToAll => count,
+            Collective::RingShift | Collective::AllToAll | Collective::SendRecv => count,
         };
         assert_eq!(
             sim.sent_elems[r],
@@ -366,5 +366,149 @@ proptest! {
         let coll = collectives(n, root)[which];
         let count = if coll == Collective::Barrier { 0 } else { count };
         check(coll, n, count, se, in_place, &order);
+    }
+}
+
+/// One point-to-point call of a rank with its peer: elements it sends, elements it receives.
+type P2pCall = (Option<usize>, Option<usize>);
+
+/// Two ranks run their point-to-point calls in program order, each call's plan the way the
+/// engine's unordered runner does (each direction's ops in order, either direction whenever it
+/// can go), over one link each way of `depth` slots, `order` choosing who tries first. Every
+/// element carries (sender, message, position); returns what each rank received, per message.
+#[allow(clippy::type_complexity)]
+fn simulate_p2p(
+    calls: [&[P2pCall]; 2],
+    se: usize,
+    depth: usize,
+    order: &[usize],
+) -> [Vec<Vec<(usize, usize, usize)>>; 2] {
+    struct Rank {
+        call: usize,
+        sends: usize,
+        recvs: usize,
+        sent_msgs: usize,
+        /// The current call's receive buffer is in `got`.
+        opened: bool,
+        got: Vec<Vec<(usize, usize, usize)>>,
+    }
+    let plans: [Vec<Plan>; 2] = calls.map(|c| c.iter().map(|&(s, r)| plan_p2p(s, r, se)).collect());
+    let mut ranks: Vec<Rank> = (0..2)
+        .map(|_| Rank {
+            call: 0,
+            sends: 0,
+            recvs: 0,
+            sent_msgs: 0,
+            opened: false,
+            got: Vec::new(),
+        })
+        .collect();
+    // links[r]: r → 1 − r; a frame is (step, slice, values).
+    let mut links: [VecDeque<(u32, u32, Vec<(usize, usize, usize)>)>; 2] = Default::default();
+    let mut t = 0;
+    let step = |r: usize,
+                ranks: &mut Vec<Rank>,
+                links: &mut [VecDeque<(u32, u32, Vec<(usize, usize, usize)>)>; 2]|
+     -> bool {
+        let me = &mut ranks[r];
+        let Some(p) = plans[r].get(me.call) else {
+            return false;
+        };
+        let send_ops: Vec<&Op> = p.ops.iter().filter(|o| o.send).collect();
+        let recv_ops: Vec<&Op> = p.ops.iter().filter(|o| o.recv).collect();
+        if !me.opened && !recv_ops.is_empty() {
+            me.got.push(vec![(usize::MAX, 0, 0); p.output_len]);
+            me.opened = true;
+        }
+        let mut moved = false;
+        if let Some(op) = send_ops.get(me.sends) {
+            if links[r].len() < depth {
+                assert!(!op.recv && op.store.is_none(), "a sending op only sends");
+                let l = op.local.as_ref().expect("a send reads its input");
+                assert_eq!(l.buf, Buf::Input);
+                let vals = l.range.clone().map(|g| (r, me.sent_msgs, g)).collect();
+                links[r].push_back((op.step, op.slice, vals));
+                me.sends += 1;
+                moved = true;
+            }
+        }
+        if let Some(op) = recv_ops.get(me.recvs) {
+            if let Some((step, slice, vals)) = links[1 - r].pop_front() {
+                assert_eq!(
+                    (step + 1, slice, vals.len()),
+                    (op.step, op.slice, op.elems),
+                    "rank {r}: the frame is the one its op expects"
+                );
+                let st = op.store.as_ref().expect("a receive stores");
+                let out = me.got.last_mut().unwrap();
+                for (g, v) in st.range.clone().zip(vals) {
+                    assert_eq!(
+                        out[g],
+                        (usize::MAX, 0, 0),
+                        "rank {r}: element {g} stored twice"
+                    );
+                    out[g] = v;
+                }
+                me.recvs += 1;
+                moved = true;
+            }
+        }
+        if me.sends == send_ops.len() && me.recvs == recv_ops.len() {
+            me.sent_msgs += usize::from(!send_ops.is_empty());
+            me.call += 1;
+            me.sends = 0;
+            me.recvs = 0;
+            me.opened = false;
+            moved = true;
+        }
+        moved
+    };
+    while (0..2).any(|r| ranks[r].call < plans[r].len()) {
+        let first = order[t % order.len()] % 2;
+        t += 1;
+        let moved = [first, 1 - first]
+            .into_iter()
+            .any(|r| step(r, &mut ranks, &mut links));
+        assert!(
+            moved,
+            "deadlock: calls {:?}",
+            ranks.iter().map(|r| r.call).collect::<Vec<_>>()
+        );
+    }
+    assert!(links.iter().all(|l| l.is_empty()), "frames left on links");
+    let [a, b]: [Rank; 2] = ranks.try_into().ok().unwrap();
+    [a.got, b.got]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+    #[test]
+    fn point_to_point_plans_agree_and_exchanges_never_wait_on_themselves(
+        a in prop_oneof![0usize..5, 5usize..300],
+        b in prop_oneof![0usize..5, 5usize..300],
+        se in 1usize..50,
+        depth in 1usize..4,
+        shape in 0usize..4,
+        order in proptest::collection::vec(0usize..2, 1..20),
+    ) {
+        // Rank 0 sends `a` elements, rank 1 sends `b`.
+        let (r0, r1): (Vec<P2pCall>, Vec<P2pCall>) = match shape {
+            0 => (vec![(Some(a), Some(b))], vec![(Some(b), Some(a))]),
+            1 => (vec![(Some(a), Some(b))], vec![(None, Some(a)), (Some(b), None)]),
+            2 => (vec![(Some(a), Some(b))], vec![(Some(b), None), (None, Some(a))]),
+            // Two messages one way arrive in order.
+            _ => (vec![(Some(a), None), (Some(b), None)], vec![(None, Some(a)), (None, Some(b))]),
+        };
+        let [got0, got1] = simulate_p2p([&r0, &r1], se, depth, &order);
+        let msg = |from: usize, m: usize, len: usize| -> Vec<(usize, usize, usize)> {
+            (0..len).map(|g| (from, m, g)).collect()
+        };
+        if shape == 3 {
+            prop_assert!(got0.is_empty());
+            prop_assert_eq!(got1, vec![msg(0, 0, a), msg(0, 1, b)]);
+        } else {
+            prop_assert_eq!(got0, vec![msg(1, 0, b)]);
+            prop_assert_eq!(got1, vec![msg(0, 0, a)]);
+        }
     }
 }

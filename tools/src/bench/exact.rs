@@ -71,6 +71,12 @@ pub fn round_count(op: Collective, n: usize, count: usize) -> usize {
     }
 }
 
+/// The rank that rank `r` of `n` exchanges with in the send-recv sweep: ranks pair up as 0↔1,
+/// 2↔3, ...; with an odd `n` the last rank sits out.
+pub fn partner(r: usize, n: usize) -> Option<usize> {
+    Some(r ^ 1).filter(|&p| p < n)
+}
+
 /// Send and receive lengths of one call of `op` on `count` elements at rank `r` of `n` (in place,
 /// the send buffer is the whole buffer, except for all-gather, which works in `recv`).
 pub fn lens(op: Collective, n: usize, r: usize, count: usize) -> (usize, usize) {
@@ -160,6 +166,10 @@ pub fn landing(
             let b = count / n;
             let want = (0..count).map(|i| input(i / b, r * b + i % b)).collect();
             (home, 0..count, want)
+        }
+        Collective::SendRecv => {
+            let p = partner(r, n)?;
+            (home, 0..count, (0..count).map(|i| input(p, i)).collect())
         }
         Collective::Reduce { .. } | Collective::Barrier => return None,
     })

@@ -42,6 +42,7 @@ pub fn parse_ops(s: &str) -> std::result::Result<Vec<Collective>, String> {
         "broadcast" | "bcast" => vec![Collective::Broadcast { root: 0 }],
         "reduce" => vec![Collective::Reduce { root: 0 }],
         "alltoall" | "a2a" => vec![Collective::AllToAll],
+        "sendrecv" | "p2p" => vec![Collective::SendRecv],
         "all" => vec![
             Collective::AllReduce,
             Collective::ReduceScatter,
@@ -53,7 +54,7 @@ pub fn parse_ops(s: &str) -> std::result::Result<Vec<Collective>, String> {
         _ => {
             return Err(format!(
                 "unknown op `{s}` (expected all-reduce, reduce-scatter, all-gather, broadcast, \
-                 reduce, all-to-all or all)"
+                 reduce, all-to-all, send-recv or all)"
             ))
         }
     })
@@ -185,10 +186,12 @@ pub fn run_device<D: device::BenchDev>(
         .ops
         .iter()
         .copied()
-        .filter(|&op| op != Collective::AllToAll)
+        .filter(|&op| !matches!(op, Collective::AllToAll | Collective::SendRecv))
         .collect();
     if ops.len() < a.ops.len() && comm.rank() == 0 {
-        eprintln!("all-to-all runs on host buffers only: left out of the device sweep");
+        eprintln!(
+            "all-to-all and send-recv run on host buffers only: left out of the device sweep"
+        );
     }
     let total = ops.len() * a.sweep.sizes.len();
     let mut done = 0;
@@ -259,6 +262,8 @@ mod tests {
         );
         assert_eq!(parse_ops("all").unwrap().len(), 6);
         assert_eq!(parse_ops("all-to-all").unwrap(), vec![Collective::AllToAll]);
+        assert_eq!(parse_ops("send-recv").unwrap(), vec![Collective::SendRecv]);
+        assert!(!parse_ops("all").unwrap().contains(&Collective::SendRecv));
         assert!(parse_ops("gather")
             .unwrap_err()
             .contains("unknown op `gather`"));

@@ -324,6 +324,14 @@ fn run<T: Element>(
         (Collective::RingShift, true) => comm.ring_shift_in_place(send),
         (Collective::AllToAll, false) => comm.all_to_all(send, recv),
         (Collective::AllToAll, true) => comm.all_to_all_in_place(send),
+        (Collective::SendRecv, _) => match exact::partner(comm.rank(), comm.size()) {
+            None => Ok(()),
+            Some(peer) if inplace => {
+                let out = send.to_vec();
+                comm.send_recv(&out, send, peer)
+            }
+            Some(peer) => comm.send_recv(send, recv, peer),
+        },
     }
 }
 

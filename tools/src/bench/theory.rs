@@ -48,6 +48,8 @@ pub fn steps(op: Collective, n: usize) -> usize {
     let hops = n.saturating_sub(1);
     match op {
         Collective::AllReduce => 2 * hops,
+        // One message each way between two ranks.
+        Collective::SendRecv => 1,
         _ => hops,
     }
 }

@@ -1,0 +1,304 @@
+//! Point-to-point send/recv on thread ranks: every ordered pair in order and exactly, exchanges
+//! larger than the links' slots, mixing with collectives, mismatches, bad peers, a peer that
+//! never comes and one that aborts.
+
+use std::time::{Duration, Instant};
+
+use half::bf16;
+use ringzero::{Communicator, Error, ReduceOp, TransportPref};
+
+use crate::common::{threads, Opts};
+
+/// Message `m` from `src` to `dst`: `count` values that differ by position, pair and message
+/// (small integers, exact in every type used here).
+fn message(src: usize, dst: usize, m: usize, count: usize) -> Vec<f64> {
+    (0..count)
+        .map(|i| ((i * 7 + src * 31 + dst * 17 + m * 5) % 97) as f64 + 1.0)
+        .collect()
+}
+
+/// Elements of message `m` from `src` to `dst`: from empty to several times the links' slots
+/// (`Opts::default()`'s 4 KiB slices).
+fn count_of(src: usize, dst: usize, m: usize) -> usize {
+    match (src * 4 + dst + m) % 4 {
+        0 => 0,
+        1 => 1,
+        2 => 1023,
+        _ => 9000,
+    }
+}
+
+#[test]
+fn every_pair_sends_in_order_exact_bytes_over_shm_and_tcp() {
+    let n = 4;
+    for transport in [TransportPref::Shm, TransportPref::Tcp] {
+        let o = Opts {
+            transport,
+            ..Opts::default()
+        };
+        threads(n, &o, |r, comm| {
+            let comm = comm.unwrap();
+            let before = comm.counters();
+            let mut moved = (0u64, 0u64);
+            // Up: receive from every lower rank, then send to every higher one (two messages
+            // each, f64). Every wait is on a lower rank, so none can close a cycle.
+            for src in 0..r {
+                for m in 0..2 {
+                    let mut buf = vec![-1f64; count_of(src, r, m)];
+                    comm.recv(&mut buf, src).unwrap();
+                    assert_eq!(
+                        buf,
+                        message(src, r, m, buf.len()),
+                        "{transport:?} {src}→{r} #{m}"
+                    );
+                    moved.1 += buf.len() as u64 * 8;
+                }
+            }
+            for dst in r + 1..n {
+                for m in 0..2 {
+                    let buf = message(r, dst, m, count_of(r, dst, m));
+                    comm.send(&buf, dst).unwrap();
+                    moved.0 += buf.len() as u64 * 8;
+                }
+            }
+            // Down, in bf16: the same from the top rank, over the same pair links.
+            for src in (r + 1..n).rev() {
+                let want: Vec<bf16> = message(src, r, 2, count_of(src, r, 2))
+                    .into_iter()
+                    .map(bf16::from_f64)
+                    .collect();
+                let mut buf = vec![bf16::from_f64(-1.0); want.len()];
+                comm.recv(&mut buf, src).unwrap();
+                assert_eq!(buf, want, "{transport:?} {src}→{r}");
+                moved.1 += buf.len() as u64 * 2;
+            }
+            for dst in (0..r).rev() {
+                let buf: Vec<bf16> = message(r, dst, 2, count_of(r, dst, 2))
+                    .into_iter()
+                    .map(bf16::from_f64)
+                    .collect();
+                comm.send(&buf, dst).unwrap();
+                moved.0 += buf.len() as u64 * 2;
+            }
+            // Payload bytes on the pair links: exactly the messages, nothing on the ring.
+            let after = comm.counters();
+            assert_eq!(after.bytes_sent - before.bytes_sent, moved.0, "rank {r}");
+            assert_eq!(
+                after.bytes_received - before.bytes_received,
+                moved.1,
+                "rank {r}"
+            );
+            assert_eq!(
+                comm.edges().len(),
+                2,
+                "the ring's edges are still the ring's"
+            );
+        });
+    }
+}
+
+#[test]
+fn exchanges_of_any_size_never_wait_on_themselves_and_mix_with_collectives() {
+    let o = Opts {
+        transport: TransportPref::Tcp,
+        ..Opts::default()
+    };
+    threads(4, &o, |r, comm| {
+        let comm = comm.unwrap();
+        let peer = r ^ 1;
+        // Counts that differ by direction, far beyond the links' slots.
+        let (mine, theirs) = (30_000 + r * 1000, 30_000 + peer * 1000);
+        let send: Vec<f32> = message(r, peer, 0, mine)
+            .iter()
+            .map(|&v| v as f32)
+            .collect();
+        let mut recv = vec![0f32; theirs];
+        comm.send_recv(&send, &mut recv, peer).unwrap();
+        let want: Vec<f32> = message(peer, r, 0, theirs)
+            .iter()
+            .map(|&v| v as f32)
+            .collect();
+        assert_eq!(recv, want);
+
+        // The even rank exchanges; the odd one receives first, then sends: the exchange keeps
+        // sending while it waits, so neither side waits on the other.
+        let mut got = vec![0f32; theirs];
+        if r % 2 == 0 {
+            comm.send_recv(&send, &mut got, peer).unwrap();
+        } else {
+            comm.recv(&mut got, peer).unwrap();
+            comm.send(&send, peer).unwrap();
+        }
+        assert_eq!(got, want);
+
+        // Small messages go eagerly: both send first, then receive.
+        comm.send(&[r as i32; 64], peer).unwrap();
+        let mut small = [0i32; 64];
+        comm.recv(&mut small, peer).unwrap();
+        assert_eq!(small, [peer as i32; 64]);
+
+        // A send left pending across a collective: pair links and the ring are apart. (The
+        // pair's first call connects its links, which both must reach: 0 and 3 meet first.)
+        if r == 0 || r == 3 {
+            let mut hello = [0u8; 1];
+            comm.send_recv(&[1u8], &mut hello, 3 - r).unwrap();
+        }
+        let mut sum = vec![r as f64 + 1.0; 1000];
+        if r == 0 {
+            comm.send(&[7u8; 100], 3).unwrap();
+            comm.all_reduce_in_place(&mut sum, ReduceOp::Sum).unwrap();
+        } else if r == 3 {
+            comm.all_reduce_in_place(&mut sum, ReduceOp::Sum).unwrap();
+            let mut b = [0u8; 100];
+            comm.recv(&mut b, 0).unwrap();
+            assert_eq!(b, [7u8; 100]);
+        } else {
+            comm.all_reduce_in_place(&mut sum, ReduceOp::Sum).unwrap();
+        }
+        assert!(sum.iter().all(|&v| v == 10.0));
+        comm.barrier().unwrap();
+    });
+}
+
+#[test]
+fn bad_peers_are_refused_and_change_nothing() {
+    let errs = threads(2, &Opts::default(), |r, comm| {
+        let comm = comm.unwrap();
+        let mut errs = Vec::new();
+        for peer in [r, 2, usize::MAX] {
+            let e = comm.send(&[1f32; 4], peer).unwrap_err();
+            assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+            errs.push(e.to_string());
+        }
+        let e = comm.recv(&mut [0f32; 4], 5).unwrap_err();
+        errs.push(e.to_string());
+        // Nothing changed: the pair and the ring still work.
+        let mut b = [0f32; 4];
+        comm.send_recv(&[r as f32; 4], &mut b, 1 - r).unwrap();
+        assert_eq!(b, [(1 - r) as f32; 4]);
+        comm.barrier().unwrap();
+        errs
+    });
+    let e = &errs[0];
+    assert!(e[0].contains("peer 0 is this rank"), "{e:?}");
+    assert!(
+        e[1].contains("peer 2 is not a rank of this 2-rank communicator"),
+        "{e:?}"
+    );
+    assert!(e[3].contains("recv from rank 5"), "{e:?}");
+    // A one-rank world has no peer at all.
+    let mut cfg = crate::common::config(0, 1, crate::common::free_port(), &Opts::default());
+    cfg.timeout = Duration::from_secs(5);
+    let solo = Communicator::init(cfg).unwrap();
+    assert!(matches!(
+        solo.send(&[1u8], 0),
+        Err(Error::InvalidArgument { .. })
+    ));
+}
+
+#[test]
+fn a_receiver_expecting_another_message_names_both_and_the_sender_learns() {
+    let o = Opts {
+        timeout: Duration::from_secs(20),
+        ..Opts::default()
+    };
+    let t = Instant::now();
+    let errs = threads(2, &o, |r, comm| {
+        let comm = comm.unwrap();
+        // One good message first, so the mismatch is the pair's second in that direction.
+        if r == 0 {
+            comm.send(&[1f32; 10], 1).unwrap();
+            comm.send(&[1f32; 10], 1).unwrap();
+            // Waits for rank 1, which fails instead of sending: the abort must reach this.
+            comm.recv(&mut [0f32; 3], 1).unwrap_err().to_string()
+        } else {
+            comm.recv(&mut [0f32; 10], 0).unwrap();
+            comm.recv(&mut [0f32; 12], 0).unwrap_err().to_string()
+        }
+    });
+    assert!(
+        t.elapsed() < Duration::from_secs(10),
+        "a mismatch must not wait for the deadline: {errs:?}"
+    );
+    let (sender, receiver) = (&errs[0], &errs[1]);
+    assert!(
+        receiver.contains("send_recv(f32, count=12)")
+            && receiver.contains("send_recv(f32, count=10) (its seq 1)")
+            && receiver.contains("rank 0"),
+        "{receiver}"
+    );
+    assert!(sender.contains("rank 1 aborted"), "{sender}");
+}
+
+#[test]
+fn a_peer_that_never_calls_or_aborts_ends_the_wait() {
+    let o = Opts {
+        timeout: Duration::from_secs(2),
+        ..Opts::default()
+    };
+    // Rank 1 never makes a point-to-point call: rank 0's first send names it at the deadline.
+    let t = Instant::now();
+    let errs = threads(2, &o, |r, comm| {
+        let comm = comm.unwrap();
+        if r == 0 {
+            Some(comm.send(&[1u8; 10], 1).unwrap_err().to_string())
+        } else {
+            std::thread::sleep(Duration::from_secs(4));
+            None
+        }
+    });
+    let e = errs[0].as_ref().unwrap();
+    assert!(
+        e.contains("rank 1 to make its first send or receive with rank 0"),
+        "{e}"
+    );
+    assert!(t.elapsed() < Duration::from_secs(15), "{:?}", t.elapsed());
+
+    // Connected, then rank 1 stops receiving: a send larger than the slots names it, and where.
+    let errs = threads(2, &o, |r, comm| {
+        let comm = comm.unwrap();
+        if r == 0 {
+            comm.send(&[1u8; 10], 1).unwrap();
+            let t = Instant::now();
+            let e = comm.send(&vec![1u8; 1 << 20], 1).unwrap_err();
+            assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+            Some(e.to_string())
+        } else {
+            comm.recv(&mut [0u8; 10], 0).unwrap();
+            std::thread::sleep(Duration::from_secs(4));
+            None
+        }
+    });
+    let e = errs[0].as_ref().unwrap();
+    assert!(
+        e.contains("seq 1") && e.contains("a free slot at rank 1"),
+        "{e}"
+    );
+
+    // A watchdog aborts rank 1 while rank 0 waits for its message: rank 0 fails long before
+    // the deadline, naming it.
+    let o = Opts {
+        timeout: Duration::from_secs(30),
+        ..Opts::default()
+    };
+    let errs = threads(2, &o, |r, comm| {
+        let comm = comm.unwrap();
+        if r == 0 {
+            comm.send(&[1u8; 10], 1).unwrap();
+            let t = Instant::now();
+            let e = comm.recv(&mut [0u8; 10], 1).unwrap_err();
+            assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+            e.to_string()
+        } else {
+            comm.recv(&mut [0u8; 10], 0).unwrap();
+            std::thread::sleep(Duration::from_millis(300));
+            comm.abort("watchdog");
+            comm.send(&[1u8; 10], 0).unwrap_err().to_string()
+        }
+    });
+    assert!(
+        errs[0].contains("rank 1 aborted") && errs[0].contains("watchdog"),
+        "{errs:?}"
+    );
+    assert!(errs[1].contains("watchdog"), "{errs:?}");
+}
