@@ -109,7 +109,11 @@ fn sweep_typed<T: Element>(
     for &size in &a.sizes {
         let count = exact::round_count(op, n, size / T::DTYPE.size());
         let bytes = count * T::DTYPE.size();
-        for inplace in [false, true] {
+        // Send/recv has no in-place form: its column is n/a.
+        for inplace in [false, true]
+            .into_iter()
+            .filter(|&i| !i || has_in_place(op))
+        {
             let wrong = check::<T>(comm, op, a, count, inplace)?;
             let mut bufs = Buffers::<T>::new(comm, op, count);
             let call = || bufs.call(comm, op, a.redop, inplace);
@@ -136,6 +140,11 @@ fn sweep_typed<T: Element>(
         tick();
     }
     Ok(rows)
+}
+
+/// Whether `op` has an in-place form to sweep.
+pub fn has_in_place(op: Collective) -> bool {
+    op != Collective::SendRecv
 }
 
 /// Time `call` on every rank: warm-up calls, a barrier, timed calls. Returns the mean over ranks of
@@ -324,14 +333,14 @@ fn run<T: Element>(
         (Collective::RingShift, true) => comm.ring_shift_in_place(send),
         (Collective::AllToAll, false) => comm.all_to_all(send, recv),
         (Collective::AllToAll, true) => comm.all_to_all_in_place(send),
-        (Collective::SendRecv, _) => match exact::partner(comm.rank(), comm.size()) {
+        (Collective::SendRecv, false) => match exact::partner(comm.rank(), comm.size()) {
             None => Ok(()),
-            Some(peer) if inplace => {
-                let out = send.to_vec();
-                comm.send_recv(&out, send, peer)
-            }
             Some(peer) => comm.send_recv(send, recv, peer),
         },
+        (Collective::SendRecv, true) => Err(ringzero_collectives::Error::InvalidArgument {
+            op: op.name().into(),
+            msg: "send/recv has no in-place form".into(),
+        }),
     }
 }
 
