@@ -96,9 +96,9 @@ fn a_corrupted_result_is_counted_and_a_clean_run_counts_nothing() {
 
 #[test]
 fn send_recv_pairs_ranks_and_checks_what_each_received() {
-    // Three ranks: 0↔1 exchange, 2 sits out (nothing to check, so its corruption counts nothing).
-    for (corrupt, want) in [(None, 0), (Some(1), 1), (Some(2), 0)] {
-        let reports = threads(3, &Opts::default(), |_, comm| {
+    // Ranks 0↔1 and 2↔3 exchange; a rank's corrupted result is counted once.
+    for (corrupt, want) in [(None, 0), (Some(1), 1), (Some(2), 1)] {
+        let reports = threads(4, &Opts::default(), |_, comm| {
             let comm = comm.unwrap();
             let mut a = args(corrupt, DType::F16, ReduceOp::Sum);
             a.ops = bench::parse_ops("send-recv").unwrap();
@@ -123,6 +123,21 @@ fn send_recv_pairs_ranks_and_checks_what_each_received() {
             assert!((row.predicted_us.unwrap() - pred).abs() < 1e-9, "{row:?}");
             assert_eq!(row.busbw_gbs, row.algbw_gbs);
         }
+    }
+    // An odd world would leave a rank idle, its time in the mean: refused on every rank.
+    let errs = threads(3, &Opts::default(), |_, comm| {
+        let comm = comm.unwrap();
+        let mut a = args(None, DType::F32, ReduceOp::Sum);
+        a.ops = bench::parse_ops("p2p").unwrap();
+        bench::run(&comm, &a, &mut |_, _| {})
+            .unwrap_err()
+            .to_string()
+    });
+    for e in errs {
+        assert!(
+            e.contains("run it on an even number of ranks, not 3"),
+            "{e}"
+        );
     }
 }
 

@@ -72,7 +72,7 @@ pub fn round_count(op: Collective, n: usize, count: usize) -> usize {
 }
 
 /// The rank that rank `r` of `n` exchanges with in the send-recv sweep: ranks pair up as 0↔1,
-/// 2↔3, ...; with an odd `n` the last rank sits out.
+/// 2↔3, ... (the bench refuses an odd `n`; its last rank would have none).
 pub fn partner(r: usize, n: usize) -> Option<usize> {
     Some(r ^ 1).filter(|&p| p < n)
 }

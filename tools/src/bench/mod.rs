@@ -102,6 +102,16 @@ pub fn run(
     a: &BenchArgs,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Report> {
+    let n = comm.size();
+    if a.ops.contains(&Collective::SendRecv) && !n.is_multiple_of(2) {
+        // A rank left out would count its idle time in the mean over ranks.
+        return Err(ringzero_collectives::Error::InvalidArgument {
+            op: "bench send-recv".into(),
+            msg: format!(
+                "it pairs ranks 0↔1, 2↔3, ...: run it on an even number of ranks, not {n}"
+            ),
+        });
+    }
     let probe = probe::measure(comm, a.probe_bytes)?;
     let transport = transport_summary(comm, &probe);
     let total = a.ops.len() * a.sweep.sizes.len();
