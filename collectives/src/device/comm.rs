@@ -818,11 +818,21 @@ impl<S: Stream> Core<S> {
                 context: call.fp.to_string(),
                 source: e,
             })?;
+            let (start, mut wait) = (Instant::now(), Waiter::backoff());
             while !self.stream.done(&m).map_err(|e| Error::Device {
                 context: call.fp.to_string(),
                 source: e,
             })? {
-                std::thread::yield_now();
+                if start.elapsed() >= call.timeout {
+                    return Err(Error::Timeout {
+                        op: call.fp.to_string(),
+                        seq: call.seq,
+                        peer: self.rank,
+                        waiting: format!("the local copy on {}", self.stream.name()),
+                        after: call.timeout,
+                    });
+                }
+                wait.idle(call.timeout);
             }
         }
         Ok(())
