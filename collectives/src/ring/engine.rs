@@ -463,7 +463,7 @@ pub fn run_unordered(links: &mut Links, call: &Call, mut bufs: Bufs) -> Result<(
     let mut recvs = call.plan.ops.iter().filter(|o| o.recv).peekable();
     let (prev, next, rank) = (links.prev, links.next, call.rank);
     let tx_err = |e| link_err(e, &what, call.seq, next, rank, Some(&call.fp));
-    let (mut last, mut last_health) = (Instant::now(), Instant::now());
+    let mut patience = Patience::new();
     let ran = loop {
         let (send, recv) = (sends.peek().copied(), recvs.peek().copied());
         if send.is_none() && recv.is_none() {
@@ -490,37 +490,78 @@ pub fn run_unordered(links: &mut Links, call: &Call, mut bufs: Bufs) -> Result<(
                 moved = true;
             }
         }
-        let now = Instant::now();
-        if moved {
-            last = now;
-            links.waiter.progressed();
-            continue;
-        }
-        if now.duration_since(last) >= call.timeout {
+        let waited = patience.round(links, call, &what, moved, || {
             // A missing frame names the sender; else the send waits for a slot at the receiver.
             let (op, have_in) = match recv {
                 Some(op) => (op, false),
                 None => (send.expect("an op is pending"), true),
             };
             let e = expect(call, op, es);
-            break Err(op_timeout(call, &what, &e, have_in, prev, next, "slot"));
+            op_timeout(call, &what, &e, have_in, prev, next, "slot")
+        });
+        if let Err(e) = waited {
+            break Err(e);
         }
-        if now.duration_since(last_health) >= HEALTH_EVERY {
-            last_health = now;
-            call.abort.check(call)?;
-            links
-                .rx
-                .health()
-                .map_err(|e| link_err(e, &what, call.expected().0, prev, rank, None))?;
-            links.tx.health().map_err(tx_err)?;
-        }
-        links.waiter.idle(call.timeout);
     };
     if call.stream_stores {
         cpu::stream_fence();
     }
     ran?;
     links.flush(&what, call.seq, call.timeout, call.abort)
+}
+
+/// The clock of one wait on a call's links: progress restarts the deadline.
+struct Patience {
+    last: Instant,
+    last_health: Instant,
+}
+
+impl Patience {
+    fn new() -> Patience {
+        let now = Instant::now();
+        Patience {
+            last: now,
+            last_health: now,
+        }
+    }
+
+    /// One round of waiting that `moved` something or not: with no progress for the call's
+    /// timeout the wait fails with `timed_out()`; every [`HEALTH_EVERY`] the abort flag and both
+    /// peers' health are checked; then the waiter backs off. `Ok`: go round again.
+    fn round(
+        &mut self,
+        links: &mut Links,
+        call: &Call,
+        what: &str,
+        moved: bool,
+        timed_out: impl FnOnce() -> Error,
+    ) -> Result<()> {
+        let now = Instant::now();
+        if moved {
+            self.last = now;
+            links.waiter.progressed();
+            return Ok(());
+        }
+        if now.duration_since(self.last) >= call.timeout {
+            return Err(timed_out());
+        }
+        if now.duration_since(self.last_health) >= HEALTH_EVERY {
+            self.last_health = now;
+            call.abort.check(call)?;
+            let (in_seq, in_fp) = call.expected();
+            let (prev, next) = (links.prev, links.next);
+            links
+                .rx
+                .health()
+                .map_err(|e| link_err(e, what, in_seq, prev, call.rank, Some(&in_fp)))?;
+            links
+                .tx
+                .health()
+                .map_err(|e| link_err(e, what, call.seq, next, call.rank, Some(&call.fp)))?;
+        }
+        links.waiter.idle(call.timeout);
+        Ok(())
+    }
 }
 
 fn run_op(
@@ -539,8 +580,7 @@ fn run_op(
     let tx_err = |e| link_err(e, what, seq, next, rank, Some(&call.fp));
 
     // Wait until both the incoming frame and an outgoing slot are there.
-    let mut last = Instant::now();
-    let mut last_health = Instant::now();
+    let mut patience = Patience::new();
     loop {
         let moved = links.tx.progress().map_err(tx_err)?;
         let have_in = !op.recv || links.rx.peek(&expect).map_err(rx_err)?.is_some();
@@ -548,22 +588,9 @@ fn run_op(
         if have_in && have_out {
             break;
         }
-        let now = Instant::now();
-        if moved {
-            last = now;
-            links.waiter.progressed();
-            continue;
-        }
-        if now.duration_since(last) >= call.timeout {
-            return Err(op_timeout(call, what, &expect, have_in, prev, next, "slot"));
-        }
-        if now.duration_since(last_health) >= HEALTH_EVERY {
-            last_health = now;
-            call.abort.check(call)?;
-            links.rx.health().map_err(rx_err)?;
-            links.tx.health().map_err(tx_err)?;
-        }
-        links.waiter.idle(call.timeout);
+        patience.round(links, call, what, moved, || {
+            op_timeout(call, what, &expect, have_in, prev, next, "slot")
+        })?;
     }
     links.waiter.progressed();
 
