@@ -1123,7 +1123,13 @@ fn bench(b: BenchCli) -> anyhow::Result<ExitCode> {
     }
     anyhow::ensure!(b.iters > 0, "--iters must be at least 1");
     if !under_launcher() {
-        return spawn_self(b.ranks.unwrap_or(4), b.transport.as_deref());
+        let n = b.ranks.unwrap_or(4);
+        // Refused before any rank starts (under a launcher, bench::run refuses it on every rank).
+        anyhow::ensure!(
+            !ops.contains(&ringzero_collectives::Collective::SendRecv) || n.is_multiple_of(2),
+            "send-recv pairs ranks 0↔1, 2↔3, ...: run it on an even number of ranks, not -n {n}"
+        );
+        return spawn_self(n, b.transport.as_deref());
     }
     let comm = join("bench", b.ranks, b.transport.as_deref())?;
     let args = ringzero_tools::bench::BenchArgs {

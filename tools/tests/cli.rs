@@ -165,6 +165,10 @@ fn bench_refuses_bad_arguments_without_starting_ranks() {
         (vec!["bench", "-b", "1M", "-e", "1K"], "is larger than"),
         (vec!["bench", "-d", "f8"], "unknown dtype"),
         (vec!["bench", "--transport", "udp"], "--transport udp"),
+        (
+            vec!["bench", "send-recv", "-n", "3", "--device", "host"],
+            "run it on an even number of ranks, not -n 3",
+        ),
     ];
     if ringzero_kernels::device::cuda_devices().is_err() {
         cases.push((
