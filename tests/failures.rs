@@ -353,3 +353,48 @@ fn abort_from_a_watchdog_ends_a_stuck_device_call_on_every_rank() {
         watchdog_abort(transport, true);
     }
 }
+
+/// A blocking device call holds `&mut` its communicator, so a watchdog thread aborts it through
+/// an `AbortHandle` taken beforehand: every rank fails long before the deadline, naming the
+/// reason, and a handle that outlives its communicator does nothing.
+#[test]
+fn an_abort_handle_ends_a_blocking_device_call_from_another_thread() {
+    let t = Instant::now();
+    let done = std::sync::Barrier::new(3);
+    let got = threads(
+        3,
+        &both(TransportPref::Shm, Duration::from_secs(30)),
+        |rank, comm| {
+            let comm = comm.unwrap();
+            let mut dc = ringzero::DeviceComm::new(&comm, ringzero::HostStream::new()).unwrap();
+            let handle = dc.abort_handle();
+            let late = handle.clone();
+            let mut buf = vec![1f32; 4096];
+            if rank == 2 {
+                std::thread::sleep(Duration::from_millis(1500));
+            }
+            let e = std::thread::scope(|s| {
+                if rank == 0 {
+                    s.spawn(move || {
+                        std::thread::sleep(Duration::from_millis(300));
+                        handle.abort("watchdog: step took too long");
+                    });
+                }
+                dc.all_reduce_in_place(buf.as_mut_slice(), ReduceOp::Sum)
+                    .unwrap_err()
+            });
+            let took = t.elapsed();
+            done.wait();
+            drop(dc);
+            late.abort("after the communicator is gone");
+            (e.to_string(), took)
+        },
+    );
+    for (rank, (e, took)) in got.iter().enumerate() {
+        assert!(
+            e.contains("rank 0: watchdog: step took too long"),
+            "rank {rank}: {e}"
+        );
+        assert!(*took < Duration::from_secs(10), "rank {rank} took {took:?}");
+    }
+}

@@ -589,10 +589,18 @@ impl Communicator {
     /// fail their current and later calls), and every later call here fails. Returns once the
     /// neighbours have been told.
     pub fn abort(&self, reason: &str) {
-        let i = &self.inner;
-        engine::abort(&i.state, &i.abort, i.rank, reason, &i.flight);
-        let _st = i.lock();
-        i.tell_other_links(&format!("rank {}: {reason}", i.rank));
+        self.inner.abort(reason);
+    }
+
+    /// A handle that aborts this communicator as [`Communicator::abort`] does, for a watchdog
+    /// thread that does not own a reference to the communicator.
+    pub fn abort_handle(&self) -> AbortHandle {
+        let inner = Arc::downgrade(&self.inner);
+        AbortHandle::new(move |reason| {
+            if let Some(i) = inner.upgrade() {
+                i.abort(reason)
+            }
+        })
     }
 
     fn rooted(&self, c: Collective, root: usize) -> Result<Collective> {
@@ -690,6 +698,32 @@ impl Drop for Communicator {
     }
 }
 
+/// Aborts one communicator (host or device) from any thread: cheap to clone, `Send` and `Sync`.
+/// It does not keep the communicator alive: once that is dropped, `abort` does nothing.
+#[derive(Clone)]
+pub struct AbortHandle {
+    abort: Arc<dyn Fn(&str) + Send + Sync>,
+}
+
+impl AbortHandle {
+    pub(crate) fn new(abort: impl Fn(&str) + Send + Sync + 'static) -> AbortHandle {
+        AbortHandle {
+            abort: Arc::new(abort),
+        }
+    }
+
+    /// Abort with `reason`: see [`Communicator::abort`].
+    pub fn abort(&self, reason: &str) {
+        (self.abort)(reason)
+    }
+}
+
+impl std::fmt::Debug for AbortHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AbortHandle")
+    }
+}
+
 /// The job id of split `n`'s group `color`: distinct from the parent's and every other group's,
 /// so their connections cannot cross.
 fn split_job(cfg: &Config, n: usize, color: u32) -> String {
@@ -708,6 +742,12 @@ fn same_len(c: Collective, a: usize, b: usize, a_name: &str, b_name: &str) -> Re
 }
 
 impl Inner {
+    fn abort(&self, reason: &str) {
+        engine::abort(&self.state, &self.abort, self.rank, reason, &self.flight);
+        let _st = self.lock();
+        self.tell_other_links(&format!("rank {}: {reason}", self.rank));
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }

@@ -23,7 +23,7 @@ use bytemuck::{Pod, Zeroable};
 use ringzero_kernels::{DType, ReduceOp};
 
 use super::stream::Stream;
-use crate::comm::Communicator;
+use crate::comm::{AbortHandle, Communicator};
 use crate::config::{Config, StagingMode};
 use crate::error::{Error, Result};
 use crate::flight::{FlightRecord, Recorder};
@@ -224,8 +224,22 @@ impl<S: Stream> DeviceComm<S> {
     /// has drained, both neighbours are told, and every later call fails. Returns once the
     /// neighbours have been told.
     pub fn abort(&self, reason: &str) {
-        let c = &self.core;
-        crate::ring::engine::abort(&c.state, &c.abort, c.rank, reason, &c.flight);
+        self.core.abort(reason);
+    }
+
+    /// A handle that aborts this communicator as [`DeviceComm::abort`] does, from a thread that
+    /// cannot borrow it: the blocking calls hold `&mut self` while they run, so a watchdog takes
+    /// a handle first.
+    pub fn abort_handle(&self) -> AbortHandle
+    where
+        S: 'static,
+    {
+        let core = Arc::downgrade(&self.core);
+        AbortHandle::new(move |reason| {
+            if let Some(c) = core.upgrade() {
+                c.abort(reason)
+            }
+        })
     }
 
     /// The stream (device) the buffers live on.
@@ -288,6 +302,10 @@ impl<S: Stream> Drop for DeviceComm<S> {
 }
 
 impl<S: Stream> Core<S> {
+    fn abort(&self, reason: &str) {
+        crate::ring::engine::abort(&self.state, &self.abort, self.rank, reason, &self.flight);
+    }
+
     fn lock(&self) -> MutexGuard<'_, DevState> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
