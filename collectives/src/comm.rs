@@ -444,8 +444,8 @@ impl Communicator {
     /// Point-to-point calls are not collectives: only the two ranks take part, over links of
     /// their own, so they mix freely with collectives. The pair's first call (whichever of the
     /// three each rank makes) connects those links through the same store, handshake and shm/tcp
-    /// choice as the ring, and both ranks must reach it before either goes on; later calls need
-    /// no rendezvous. Messages from one rank to another arrive in the order they were sent. Like `MPI_Send`, a send may return before
+    /// choice as the ring, and both ranks must reach it before either goes on, while rank 0's
+    /// communicator is alive (its store serves the rendezvous); later calls need neither. Messages from one rank to another arrive in the order they were sent. Like `MPI_Send`, a send may return before
     /// the receiver has called `recv` (while the message fits the link's `RINGZERO_SLOTS` ×
     /// `RINGZERO_SLICE_BYTES`), or wait for it: two ranks that each send the other a large message
     /// before receiving wait until the deadline, so exchange with [`Communicator::send_recv`].
@@ -894,7 +894,8 @@ impl Inner {
                 let fp = send_fp.or(recv_fp).expect("a send or a receive");
                 let (links, edges) =
                     connect::connect_pair(&self.cfg, peer).map_err(|e| match e {
-                        Error::Timeout { after, .. } => Error::Timeout {
+                        // The peer's store key never came (not the store itself failing).
+                        Error::Timeout { after, peer: p, .. } if p == peer => Error::Timeout {
                             op: fp.to_string(),
                             seq: 0,
                             peer,

@@ -2,7 +2,8 @@
 //!
 //! Requests (after the handshake), little-endian:
 //! `SET`: `1, key_len u32, key, value_len u32, value` → `0`;
-//! `GET`: `2, key_len u32, key, wait_ms u64` → `0, value_len u32, value` or `1` (not set in time).
+//! `GET`: `2, key_len u32, key, wait_ms u64` → `0, value_len u32, value`, `1` (not set in time)
+//! or `2` (the server is stopping: rank 0 dropped its communicator).
 //! Keys are at most [`MAX_KEY`] bytes and values [`MAX_VALUE`]; anything else drops the
 //! connection. A GET waits on the server until the key is set or its deadline passes, so
 //! clients never poll.
@@ -186,11 +187,14 @@ fn serve(
                 let mut kv = map.kv.lock().unwrap();
                 let value = loop {
                     if let Some(v) = kv.get(&key) {
-                        break Some(v.clone());
+                        break Ok(v.clone());
                     }
                     let now = Instant::now();
-                    if now >= deadline || stop.load(Ordering::Acquire) {
-                        break None;
+                    if stop.load(Ordering::Acquire) {
+                        break Err(2);
+                    }
+                    if now >= deadline {
+                        break Err(1);
                     }
                     let wait = (deadline - now).min(Duration::from_millis(100));
                     kv = map.changed.wait_timeout(kv, wait).unwrap().0;
@@ -198,12 +202,12 @@ fn serve(
                 drop(kv);
                 let mut out = Vec::new();
                 match value {
-                    Some(v) => {
+                    Ok(v) => {
                         out.push(0);
                         out.extend_from_slice(&(v.len() as u32).to_le_bytes());
                         out.extend_from_slice(&v);
                     }
-                    None => out.push(1),
+                    Err(status) => out.push(status),
                 }
                 s.write_all(&out)
                     .map_err(|e| Error::io(format!("answering {peer}"), e))?;
@@ -331,6 +335,18 @@ impl StoreClient {
         self.s
             .read_exact(&mut status)
             .map_err(|e| Error::io(format!("reading from the {}", self.server), e))?;
+        if status[0] == 2 {
+            return Err(Error::PeerLost {
+                op: "bootstrap".into(),
+                seq: 0,
+                peer: 0,
+                detail: format!(
+                    "the store closed (rank 0 dropped its communicator) before rank {who} set \
+                     `{key}`; connections made after start-up (a pair's first send/recv) need \
+                     rank 0's communicator alive"
+                ),
+            });
+        }
         if status[0] != 0 {
             return Err(Error::Timeout {
                 op: "bootstrap".into(),
