@@ -412,39 +412,30 @@ pub fn plan_p2p(send: Option<usize>, recv: Option<usize>, slice_elems: usize) ->
     let se = slice_elems.max(1);
     let slices = |c: usize| c.div_ceil(se).max(1);
     let (ns, nr) = (send.map_or(0, slices), recv.map_or(0, slices));
+    // Sends (step 0) read slice j of the input; receives expect it and store it in the output.
+    let op = |send: bool, j: usize, s: Range<usize>| Op {
+        step: u32::from(!send),
+        slice: j as u32,
+        elems: s.len(),
+        recv: !send,
+        local: send.then(|| Loc {
+            buf: Buf::Input,
+            range: s.clone(),
+        }),
+        store: (!send).then(|| Loc {
+            buf: Buf::Output,
+            range: s.clone(),
+        }),
+        finalize: false,
+        send,
+    };
     let mut ops = Vec::with_capacity(ns + nr);
     for j in 0..ns.max(nr) {
         if let Some(c) = send.filter(|_| j < ns) {
-            let s = split(0..c, ns, j);
-            ops.push(Op {
-                step: 0,
-                slice: j as u32,
-                elems: s.len(),
-                recv: false,
-                local: Some(Loc {
-                    buf: Buf::Input,
-                    range: s,
-                }),
-                store: None,
-                finalize: false,
-                send: true,
-            });
+            ops.push(op(true, j, split(0..c, ns, j)));
         }
         if let Some(c) = recv.filter(|_| j < nr) {
-            let s = split(0..c, nr, j);
-            ops.push(Op {
-                step: 1,
-                slice: j as u32,
-                elems: s.len(),
-                recv: true,
-                local: None,
-                store: Some(Loc {
-                    buf: Buf::Output,
-                    range: s,
-                }),
-                finalize: false,
-                send: false,
-            });
+            ops.push(op(false, j, split(0..c, nr, j)));
         }
     }
     Plan {
