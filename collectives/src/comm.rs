@@ -7,7 +7,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use ringzero_kernels::{DType, Element, ReduceOp};
 
-use crate::bootstrap::StoreServer;
+use crate::bootstrap::peers::PeerListener;
+use crate::bootstrap::{Identity, StoreServer};
 use crate::config::Config;
 use crate::connect;
 use crate::error::{Error, Result};
@@ -65,6 +66,10 @@ struct Inner {
     /// Point-to-point links per peer, connected by the pair's first send or receive. Locked only
     /// while `state` is held (after `strides`, when both are).
     pairs: Mutex<BTreeMap<usize, Pair>>,
+    /// Where every rank can be reached after start-up (learned by the start-up all-gather), and
+    /// this rank's listener for them: pairs connect without rank 0's store.
+    peers: std::sync::OnceLock<Vec<connect::PeerAddr>>,
+    peer_listener: Option<PeerListener>,
     /// The last calls, dumped when the communicator fails or closes.
     flight: Recorder,
     /// Raised by [`Communicator::abort`] from any thread; the running call sees it.
@@ -97,7 +102,8 @@ impl Communicator {
     }
 
     /// Join the job described by `cfg`: rendezvous through rank 0's store, choose and connect the
-    /// transport of both ring edges, and run a barrier over the ring to prove it works.
+    /// transport of both ring edges, and all-gather over the ring (proving it works) where every
+    /// rank can be reached later (point-to-point calls connect straight between two ranks).
     pub fn init(cfg: Config) -> Result<Communicator> {
         Communicator::start(cfg, "host".into(), None)
     }
@@ -113,6 +119,18 @@ impl Communicator {
             connect::connect_ring(&cfg, server)?
         };
         let flight = Recorder::new(&cfg, name.clone(), &edges);
+        let peer_listener = match data_ip {
+            Some(ip) => Some(PeerListener::start(
+                ip,
+                &Identity {
+                    secret: &cfg.secret,
+                    job_id: &cfg.job_id,
+                    rank: rank as u32,
+                },
+                cfg.timeout,
+            )?),
+            None => None,
+        };
         let inner = Arc::new(Inner {
             cfg,
             rank,
@@ -127,14 +145,36 @@ impl Communicator {
             state: Mutex::new(State::new(links)),
             strides: Mutex::new(Vec::new()),
             pairs: Mutex::new(BTreeMap::new()),
+            peers: std::sync::OnceLock::new(),
+            peer_listener,
             _store: store,
         });
         let comm = Communicator {
             inner,
             worker: Worker::new(format!("ringzero-worker-{rank}")),
         };
-        if size > 1 {
-            comm.barrier()?;
+        if let Some(l) = &comm.inner.peer_listener {
+            // Every rank's node and peer listener; the all-gather also proves the ring works.
+            let mine = PeerRecord {
+                node: fixed(&comm.inner.cfg.node_id),
+                addr: fixed(&l.addr().to_string()),
+            };
+            let all: Vec<PeerRecord> = comm.all_gather_records(&mine)?;
+            let peers = all
+                .iter()
+                .enumerate()
+                .map(|(r, p)| {
+                    let addr = unfixed(&p.addr);
+                    Ok(connect::PeerAddr {
+                        node: unfixed(&p.node),
+                        addr: addr.parse().map_err(|_| Error::Protocol {
+                            peer: format!("rank {r}"),
+                            detail: format!("bad peer listener address `{addr}`"),
+                        })?,
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let _ = comm.inner.peers.set(peers);
         }
         Ok(comm)
     }
@@ -443,9 +483,9 @@ impl Communicator {
     ///
     /// Point-to-point calls are not collectives: only the two ranks take part, over links of
     /// their own, so they mix freely with collectives. The pair's first call (whichever of the
-    /// three each rank makes) connects those links through the same store, handshake and shm/tcp
-    /// choice as the ring, and both ranks must reach it before either goes on, while rank 0's
-    /// communicator is alive (its store serves the rendezvous); later calls need neither. Messages from one rank to another arrive in the order they were sent. Like `MPI_Send`, a send may return before
+    /// three each rank makes) connects those links straight between the two ranks (same
+    /// handshake and shm/tcp choice as the ring; rank 0's store is not needed), and both ranks
+    /// must reach it before either goes on; later calls need no rendezvous. Messages from one rank to another arrive in the order they were sent. Like `MPI_Send`, a send may return before
     /// the receiver has called `recv` (while the message fits the link's `RINGZERO_SLOTS` ×
     /// `RINGZERO_SLICE_BYTES`), or wait for it: two ranks that each send the other a large message
     /// before receiving wait until the deadline, so exchange with [`Communicator::send_recv`].
@@ -724,6 +764,27 @@ impl std::fmt::Debug for AbortHandle {
     }
 }
 
+/// What each rank tells every other at start-up: its node and its peer listener's address.
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+#[repr(C)]
+struct PeerRecord {
+    node: [u8; 128],
+    addr: [u8; 64],
+}
+
+/// `s` NUL-padded (`Config::validate` keeps node ids under 128 bytes; an address fits 64).
+fn fixed<const N: usize>(s: &str) -> [u8; N] {
+    let mut b = [0u8; N];
+    let n = s.len().min(N);
+    b[..n].copy_from_slice(&s.as_bytes()[..n]);
+    b
+}
+
+fn unfixed(b: &[u8]) -> String {
+    let end = b.iter().position(|&c| c == 0).unwrap_or(b.len());
+    String::from_utf8_lossy(&b[..end]).into_owned()
+}
+
 /// The job id of split `n`'s group `color`: distinct from the parent's and every other group's,
 /// so their connections cannot cross.
 fn split_job(cfg: &Config, n: usize, color: u32) -> String {
@@ -892,22 +953,21 @@ impl Inner {
             std::collections::btree_map::Entry::Occupied(o) => o.into_mut(),
             std::collections::btree_map::Entry::Vacant(v) => {
                 let fp = send_fp.or(recv_fp).expect("a send or a receive");
-                let (links, edges) =
-                    connect::connect_pair(&self.cfg, peer).map_err(|e| match e {
-                        // The peer's store key never came (not the store itself failing).
-                        Error::Timeout { after, peer: p, .. } if p == peer => Error::Timeout {
-                            op: fp.to_string(),
-                            seq: 0,
-                            peer,
-                            waiting: format!(
-                                "rank {peer} to make its first send or receive with rank {} (the \
-                             pair connects its links then)",
-                                self.rank
-                            ),
-                            after,
-                        },
-                        e => e,
-                    })?;
+                let (Some(peers), Some(listener)) = (self.peers.get(), &self.peer_listener) else {
+                    return Err(Error::Protocol {
+                        peer: format!("rank {peer}"),
+                        detail: "this communicator has no peer listener".into(),
+                    });
+                };
+                let what = fp.to_string();
+                let (links, edges) = connect::connect_pair(
+                    &self.cfg,
+                    peer,
+                    &peers[peer],
+                    listener,
+                    &self.abort,
+                    &what,
+                )?;
                 for e in &edges {
                     tracing::info!(target: "ringzero::topology", rank = self.rank, peer, "point-to-point {e}");
                 }

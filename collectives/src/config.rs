@@ -313,6 +313,16 @@ impl Config {
                 ),
             ));
         }
+        if self.node_id.len() > 127 {
+            return Err(Error::config(
+                "RINGZERO_NODE_ID",
+                format!(
+                    "node id `{}…` is {} bytes; at most 127",
+                    self.node_id.chars().take(32).collect::<String>(),
+                    self.node_id.len()
+                ),
+            ));
+        }
         if self.slots < 2 {
             return Err(Error::config(
                 "slots",

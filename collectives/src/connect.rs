@@ -2,12 +2,14 @@
 //! each edge's transport (the receiver decides), create or attach the shm FIFO or open the
 //! authenticated TCP connection, in parallel for both directions.
 
-use std::net::{SocketAddr, TcpListener};
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
 
+use crate::bootstrap::peers::PeerListener;
 use crate::bootstrap::{Identity, StoreClient, StoreServer};
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::ring::engine::Links;
+use crate::ring::engine::{AbortFlag, Links};
 use crate::topology::{self, Edge};
 use crate::transport::shm::{ShmRecv, ShmSend};
 use crate::transport::{tcp, RecvLink, SendLink, TransportKind};
@@ -64,14 +66,132 @@ pub(crate) fn connect_stride(
     )
 }
 
+/// Where a rank can be reached after start-up: its node and its peer listener.
+#[derive(Clone, Debug)]
+pub(crate) struct PeerAddr {
+    /// Node id (`RINGZERO_NODE_ID`).
+    pub node: String,
+    /// Its [`PeerListener`]'s address.
+    pub addr: SocketAddr,
+}
+
 /// Connect this rank's two links with `peer` alone, one each way, for their point-to-point
-/// calls. Only the two of them take part, at about the same time (each one's first send or
-/// receive naming the other); rank 0's store must be up.
-pub(crate) fn connect_pair(cfg: &Config, peer: usize) -> Result<(Links, Vec<Edge>)> {
+/// calls, straight between the two ranks (no store: rank 0 may have left). Both must call it at
+/// about the same time (each one's first send or receive naming the other). Each dials the
+/// other's peer listener and takes the other's call from its own; on the stream it dialled it
+/// sends how it receives (shm segment or tcp), and reads on the accepted one how the peer
+/// receives. A tcp link then carries its frames on that same connection.
+pub(crate) fn connect_pair(
+    cfg: &Config,
+    peer: usize,
+    theirs: &PeerAddr,
+    listener: &PeerListener,
+    abort: &AbortFlag,
+    what: &str,
+) -> Result<(Links, Vec<Edge>)> {
     let rank = cfg.launch.rank;
-    let scope = format!("pair{}-{}/", rank.min(peer), rank.max(peer));
-    let (links, edges, _) = connect_links(cfg, peer, peer, &scope)?;
-    Ok((links, edges))
+    let me = Identity {
+        secret: &cfg.secret,
+        job_id: &cfg.job_id,
+        rank: rank as u32,
+    };
+    let recv_edge = topology::choose(cfg, peer, &theirs.node, rank)?;
+    let slot_bytes = cfg.slice_bytes;
+    let shm_rx = match recv_edge.kind {
+        TransportKind::Shm => Some(ShmRecv::create(
+            &cfg.shm_dir,
+            &segment_name(cfg, peer, rank, "pair"),
+            cfg.slots,
+            slot_bytes,
+            peer,
+        )?),
+        TransportKind::Tcp => None,
+        TransportKind::CudaIpc => return Err(host_cuda_ipc()),
+    };
+    let published = match &shm_rx {
+        Some(rx) => format!("shm\n{}\n{}", recv_edge.reason, rx.path().display()),
+        None => format!("tcp\n{}\n", recv_edge.reason),
+    };
+    // Dial and accept at once: each side waits for the other's call.
+    let (out, inc) = std::thread::scope(|s| {
+        let dial = s.spawn(|| -> Result<TcpStream> {
+            let mut out = tcp::connect(theirs.addr, &me, peer, cfg.timeout)?;
+            write_blob(&mut out, published.as_bytes())
+                .map_err(|e| Error::io(format!("telling rank {peer} how this rank receives"), e))?;
+            Ok(out)
+        });
+        let inc = listener.take(peer, cfg.timeout, abort, what);
+        let out = dial.join().map_err(|_| Error::Io {
+            context: format!("connecting to rank {peer}"),
+            detail: "the dialling thread panicked".into(),
+        });
+        (out, inc)
+    });
+    let (out, mut inc) = (out??, inc?);
+    tcp::tune(&inc);
+    let info = read_blob(&mut inc).map_err(|e| Error::PeerLost {
+        op: what.into(),
+        seq: 0,
+        peer,
+        detail: format!("reading how rank {peer} receives: {e}"),
+    })?;
+    let info = String::from_utf8_lossy(&info).into_owned();
+    let mut parts = info.splitn(3, '\n');
+    let (kind, reason, path) = (
+        parts.next().unwrap_or(""),
+        parts.next().unwrap_or(""),
+        parts.next().unwrap_or(""),
+    );
+    let (tx, send_kind): (Box<dyn SendLink>, _) = match kind {
+        "shm" => (
+            Box::new(ShmSend::attach(path.as_ref(), cfg.slots, slot_bytes, peer)?),
+            TransportKind::Shm,
+        ),
+        "tcp" => (
+            Box::new(tcp::TcpSend::new(out, peer, cfg.slots, slot_bytes)?),
+            TransportKind::Tcp,
+        ),
+        _ => {
+            return Err(Error::Protocol {
+                peer: format!("rank {peer}"),
+                detail: format!("bad pair edge info `{info}`"),
+            })
+        }
+    };
+    let rx: Box<dyn RecvLink> = match shm_rx {
+        Some(rx) => Box::new(rx),
+        None => Box::new(tcp::TcpRecv::new(inc, peer, slot_bytes)?),
+    };
+    let send_edge = Edge {
+        from: rank,
+        to: peer,
+        kind: send_kind,
+        reason: reason.to_string(),
+    };
+    let links = Links::new(tx, rx, peer, peer)?;
+    Ok((links, vec![recv_edge, send_edge]))
+}
+
+/// Length-prefixed bytes (u32 little-endian length).
+fn write_blob(s: &mut TcpStream, b: &[u8]) -> std::io::Result<()> {
+    s.write_all(&(b.len() as u32).to_le_bytes())?;
+    s.write_all(b)
+}
+
+/// Bytes written by [`write_blob`] (at most 64 KiB), within the stream's read timeout.
+fn read_blob(s: &mut TcpStream) -> std::io::Result<Vec<u8>> {
+    let mut n = [0u8; 4];
+    s.read_exact(&mut n)?;
+    let n = u32::from_le_bytes(n) as usize;
+    if n > 1 << 16 {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("{n} bytes is not an edge description"),
+        ));
+    }
+    let mut b = vec![0u8; n];
+    s.read_exact(&mut b)?;
+    Ok(b)
 }
 
 /// Connect a link to `next` and one from `prev` (the same rank for a pair), rendezvousing under

@@ -345,25 +345,19 @@ fn run_typed<T: TestElem, C: Colls>(comm: &mut C, c: &Case) -> Result<Vec<f64>> 
         }
         // Ranks pair up 0↔1, 2↔3, ...; an odd world's last rank sits out. "In place" receives
         // into the buffer it sent from (a copy of it).
-        // A barrier after: a pair's first call rendezvouses through rank 0's store, so rank 0
-        // must not drop its communicator before every pair has connected.
-        (Collective::SendRecv, in_place) => {
-            let out = match Some(r ^ 1).filter(|&p| p < n) {
-                None => Vec::new(),
-                Some(peer) if in_place => {
-                    let mut b = input.clone();
-                    comm.send_recv(&input, &mut b, peer)?;
-                    b
-                }
-                Some(peer) => {
-                    let mut out = garbage(count);
-                    comm.send_recv(&input, &mut out, peer)?;
-                    out
-                }
-            };
-            comm.barrier()?;
-            out
-        }
+        (Collective::SendRecv, in_place) => match Some(r ^ 1).filter(|&p| p < n) {
+            None => Vec::new(),
+            Some(peer) if in_place => {
+                let mut b = input.clone();
+                comm.send_recv(&input, &mut b, peer)?;
+                b
+            }
+            Some(peer) => {
+                let mut out = garbage(count);
+                comm.send_recv(&input, &mut out, peer)?;
+                out
+            }
+        },
     };
     Ok(out.into_iter().map(T::to_f64).collect())
 }

@@ -6,6 +6,7 @@
 //! [`handshake`].
 
 pub mod handshake;
+pub(crate) mod peers;
 pub mod store;
 
 pub use handshake::{Identity, Role};

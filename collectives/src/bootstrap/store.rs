@@ -342,8 +342,7 @@ impl StoreClient {
                 peer: 0,
                 detail: format!(
                     "the store closed (rank 0 dropped its communicator) before rank {who} set \
-                     `{key}`; connections made after start-up (a pair's first send/recv) need \
-                     rank 0's communicator alive"
+                     `{key}`"
                 ),
             });
         }

@@ -50,7 +50,7 @@ fn stride(slot_bytes: usize) -> usize {
     slot_bytes.next_multiple_of(STRIDE_ALIGN)
 }
 
-fn tune(s: &TcpStream) {
+pub(crate) fn tune(s: &TcpStream) {
     let r = SockRef::from(s);
     let _ = r.set_nodelay(true);
     let _ = r.set_send_buffer_size(SOCKET_BUFFER);
