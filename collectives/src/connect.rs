@@ -95,23 +95,8 @@ pub(crate) fn connect_pair(
         job_id: &cfg.job_id,
         rank: rank as u32,
     };
-    let recv_edge = topology::choose(cfg, peer, &theirs.node, rank)?;
     let slot_bytes = cfg.slice_bytes;
-    let shm_rx = match recv_edge.kind {
-        TransportKind::Shm => Some(ShmRecv::create(
-            &cfg.shm_dir,
-            &segment_name(cfg, peer, rank, "pair"),
-            cfg.slots,
-            slot_bytes,
-            peer,
-        )?),
-        TransportKind::Tcp => None,
-        TransportKind::CudaIpc => return Err(host_cuda_ipc()),
-    };
-    let published = match &shm_rx {
-        Some(rx) => format!("shm\n{}\n{}", recv_edge.reason, rx.path().display()),
-        None => format!("tcp\n{}\n", recv_edge.reason),
-    };
+    let (recv_edge, shm_rx, published) = receive_side(cfg, peer, &theirs.node, "pair")?;
     // Dial and accept at once: each side waits for the other's call.
     let (out, inc) = std::thread::scope(|s| {
         let dial = s.spawn(|| -> Result<TcpStream> {
@@ -135,28 +120,12 @@ pub(crate) fn connect_pair(
         peer,
         detail: format!("reading how rank {peer} receives: {e}"),
     })?;
-    let info = String::from_utf8_lossy(&info).into_owned();
-    let mut parts = info.splitn(3, '\n');
-    let (kind, reason, path) = (
-        parts.next().unwrap_or(""),
-        parts.next().unwrap_or(""),
-        parts.next().unwrap_or(""),
-    );
-    let (tx, send_kind): (Box<dyn SendLink>, _) = match kind {
-        "shm" => (
-            Box::new(ShmSend::attach(path.as_ref(), cfg.slots, slot_bytes, peer)?),
-            TransportKind::Shm,
-        ),
-        "tcp" => (
-            Box::new(tcp::TcpSend::new(out, peer, cfg.slots, slot_bytes)?),
-            TransportKind::Tcp,
-        ),
-        _ => {
-            return Err(Error::Protocol {
-                peer: format!("rank {peer}"),
-                detail: format!("bad pair edge info `{info}`"),
-            })
+    let (send_kind, reason, path) = parse_published(&String::from_utf8_lossy(&info), peer)?;
+    let tx: Box<dyn SendLink> = match send_kind {
+        TransportKind::Shm => {
+            Box::new(ShmSend::attach(path.as_ref(), cfg.slots, slot_bytes, peer)?)
         }
+        _ => Box::new(tcp::TcpSend::new(out, peer, cfg.slots, slot_bytes)?),
     };
     let rx: Box<dyn RecvLink> = match shm_rx {
         Some(rx) => Box::new(rx),
@@ -166,7 +135,7 @@ pub(crate) fn connect_pair(
         from: rank,
         to: peer,
         kind: send_kind,
-        reason: reason.to_string(),
+        reason,
     };
     let links = Links::new(tx, rx, peer, peer)?;
     Ok((links, vec![recv_edge, send_edge]))
@@ -194,7 +163,7 @@ fn read_blob(s: &mut TcpStream) -> std::io::Result<Vec<u8>> {
     Ok(b)
 }
 
-/// Connect a link to `next` and one from `prev` (the same rank for a pair), rendezvousing under
+/// Connect a link to `next` and one from `prev` (the same rank on two ranks), rendezvousing under
 /// the store keys of `scope`. Returns the links, the two edges (receive, send) and this rank's
 /// data address.
 fn connect_links(
@@ -242,46 +211,16 @@ fn connect_links(
     let (_, next_addr) = info(&mut store, next)?;
 
     // This rank decides the edge it receives on, creates its FIFO, and publishes the choice.
-    let recv_edge = topology::choose(cfg, prev, &prev_node, rank)?;
     let slot_bytes = cfg.slice_bytes;
-    let shm_rx = match recv_edge.kind {
-        TransportKind::Shm => Some(ShmRecv::create(
-            &cfg.shm_dir,
-            &segment_name(cfg, prev, rank, "host"),
-            cfg.slots,
-            slot_bytes,
-            prev,
-        )?),
-        TransportKind::Tcp => None,
-        TransportKind::CudaIpc => return Err(host_cuda_ipc()),
-    };
-    let published = match &shm_rx {
-        Some(rx) => format!("shm\n{}\n{}", recv_edge.reason, rx.path().display()),
-        None => format!("tcp\n{}\n", recv_edge.reason),
-    };
+    let (recv_edge, shm_rx, published) = receive_side(cfg, prev, &prev_node, "host")?;
     store.set(&key("edge", rank), published.as_bytes())?;
     let theirs = String::from_utf8(store.get(&key("edge", next), next)?).unwrap_or_default();
-    let mut parts = theirs.splitn(3, '\n');
-    let (kind, reason, path) = (
-        parts.next().unwrap_or(""),
-        parts.next().unwrap_or(""),
-        parts.next().unwrap_or(""),
-    );
-    let send_kind = match kind {
-        "shm" => TransportKind::Shm,
-        "tcp" => TransportKind::Tcp,
-        _ => {
-            return Err(Error::Protocol {
-                peer: format!("rank {next}"),
-                detail: format!("bad edge info `{theirs}`"),
-            })
-        }
-    };
+    let (send_kind, reason, path) = parse_published(&theirs, next)?;
     let send_edge = Edge {
         from: rank,
         to: next,
         kind: send_kind,
-        reason: reason.to_string(),
+        reason,
     };
 
     let (tx, rx): (Box<dyn SendLink>, Box<dyn RecvLink>) = std::thread::scope(|s| -> Result<_> {
@@ -317,6 +256,57 @@ fn connect_links(
     }
     let links = Links::new(tx, rx, next, prev)?;
     Ok((links, vec![recv_edge, send_edge], ip))
+}
+
+/// This rank's side of the edge it receives on from rank `from` (on node `from_node`): the
+/// transport (the receiver decides), its shm FIFO when shm (`what` names the segment: host,
+/// pair), and the text that tells the sender how to reach it.
+fn receive_side(
+    cfg: &Config,
+    from: usize,
+    from_node: &str,
+    what: &str,
+) -> Result<(Edge, Option<ShmRecv>, String)> {
+    let rank = cfg.launch.rank;
+    let edge = topology::choose(cfg, from, from_node, rank)?;
+    let shm_rx = match edge.kind {
+        TransportKind::Shm => Some(ShmRecv::create(
+            &cfg.shm_dir,
+            &segment_name(cfg, from, rank, what),
+            cfg.slots,
+            cfg.slice_bytes,
+            from,
+        )?),
+        TransportKind::Tcp => None,
+        TransportKind::CudaIpc => return Err(host_cuda_ipc()),
+    };
+    let published = match &shm_rx {
+        Some(rx) => format!("shm\n{}\n{}", edge.reason, rx.path().display()),
+        None => format!("tcp\n{}\n", edge.reason),
+    };
+    Ok((edge, shm_rx, published))
+}
+
+/// The sender's reading of what [`receive_side`] published by rank `to`: the transport, its
+/// reason, the shm path (empty for tcp).
+fn parse_published(text: &str, to: usize) -> Result<(TransportKind, String, String)> {
+    let mut parts = text.splitn(3, '\n');
+    let (kind, reason, path) = (
+        parts.next().unwrap_or(""),
+        parts.next().unwrap_or(""),
+        parts.next().unwrap_or(""),
+    );
+    let kind = match kind {
+        "shm" => TransportKind::Shm,
+        "tcp" => TransportKind::Tcp,
+        _ => {
+            return Err(Error::Protocol {
+                peer: format!("rank {to}"),
+                detail: format!("bad edge info `{text}`"),
+            })
+        }
+    };
+    Ok((kind, reason.to_string(), path.to_string()))
 }
 
 fn host_cuda_ipc() -> Error {
