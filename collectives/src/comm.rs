@@ -813,6 +813,31 @@ impl Inner {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// A call of `plan` on this communicator (all ranks; frames numbered `seq`, fingerprinted `fp`,
+    /// both ways) writing `out_bytes` of results.
+    fn call<'a>(
+        &'a self,
+        plan: &'a crate::ring::Plan,
+        (seq, fp): (u64, Fingerprint),
+        dtype: DType,
+        op: ReduceOp,
+        out_bytes: usize,
+    ) -> Call<'a> {
+        Call {
+            plan,
+            fp,
+            seq,
+            dtype,
+            op,
+            n: self.size,
+            rank: self.rank,
+            timeout: self.cfg.timeout,
+            stream_stores: out_bytes >= self.cfg.stream_stores_from,
+            abort: &self.abort,
+            incoming: None,
+        }
+    }
+
     /// Bytes and frames over every link: the ring's, all-to-all's strides and point-to-point.
     fn counters(&self, st: &State) -> Counters {
         let strides = self.strides.lock().unwrap_or_else(|p| p.into_inner());
@@ -992,17 +1017,9 @@ impl Inner {
         };
         let out_bytes = recv.as_ref().map_or(0, |b| b.len());
         let call = Call {
-            plan: &p,
-            fp,
-            seq,
-            dtype,
-            op: ReduceOp::Sum,
             n: 2,
-            rank: self.rank,
-            timeout: self.cfg.timeout,
-            stream_stores: out_bytes >= self.cfg.stream_stores_from,
-            abort: &self.abort,
             incoming,
+            ..self.call(&p, (seq, fp), dtype, ReduceOp::Sum, out_bytes)
         };
         let bufs = Bufs::Split {
             input: send.unwrap_or(&[]),
@@ -1063,19 +1080,7 @@ impl Inner {
                 slice_elems: (slot_bytes / dtype.size()).max(1),
                 in_place: false,
             });
-            let call = Call {
-                plan: &p,
-                fp,
-                seq,
-                dtype,
-                op: ReduceOp::Sum,
-                n,
-                rank: r,
-                timeout: self.cfg.timeout,
-                stream_stores: output.len() >= self.cfg.stream_stores_from,
-                abort: &self.abort,
-                incoming: None,
-            };
+            let call = self.call(&p, (seq, fp), dtype, ReduceOp::Sum, output.len());
             let bufs = Bufs::Split {
                 input: &input[to * bb..(to + 1) * bb],
                 output: &mut output[from * bb..(from + 1) * bb],
@@ -1110,19 +1115,7 @@ impl Inner {
             slice_elems: (slot_bytes / dt.size()).max(1),
             in_place,
         });
-        let call = Call {
-            plan: &p,
-            fp,
-            seq,
-            dtype: dt,
-            op,
-            n: self.size,
-            rank: self.rank,
-            timeout: self.cfg.timeout,
-            stream_stores: bufs.output_bytes() >= self.cfg.stream_stores_from,
-            abort: &self.abort,
-            incoming: None,
-        };
+        let call = self.call(&p, (seq, fp), dt, op, bufs.output_bytes());
         // Refused calls consume no sequence number: the ranks stay in step.
         engine::check_sizes(&call, &bufs, &fp.to_string())?;
         let bytes = (count * dt.size()) as u64;
