@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use half::bf16;
-use ringzero::{Communicator, Error, ReduceOp, TransportPref};
+use ringzero::{Communicator, Error, P2p, ReduceOp, TransportPref};
 
 use crate::common::{threads, Opts};
 
@@ -327,4 +327,89 @@ fn pairs_connect_straight_even_after_rank_0_has_left() {
             assert_eq!(b, message(peer, r, 0, 5000), "{transport:?}");
         });
     }
+}
+
+#[test]
+fn a_batch_shifts_around_the_ring_and_swaps_with_every_rank_at_once() {
+    let n = 4;
+    for transport in [TransportPref::Shm, TransportPref::Tcp] {
+        let o = Opts {
+            transport,
+            ..Opts::default()
+        };
+        threads(n, &o, |r, comm| {
+            let comm = comm.unwrap();
+            let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+            // Send to the next rank while receiving from the previous one, far beyond the slots,
+            // as the pairs' first calls: every rank connects with both neighbours at once.
+            let out = message(r, next, 0, 40_000);
+            let mut got = vec![0f64; 40_000];
+            comm.send_recv_batch(&mut [P2p::Send(&out, next), P2p::Recv(&mut got, prev)])
+                .unwrap();
+            assert_eq!(got, message(prev, r, 0, 40_000), "{transport:?} rank {r}");
+
+            // Swap with every rank in one batch, two messages each way per peer, of sizes that
+            // differ by pair and message; receives listed before sends on odd ranks.
+            let peers: Vec<usize> = (0..n).filter(|&q| q != r).collect();
+            let outs: Vec<Vec<f64>> = peers
+                .iter()
+                .flat_map(|&q| (1..3).map(move |m| message(r, q, m, count_of(r, q, m) + 500)))
+                .collect();
+            let mut ins: Vec<Vec<f64>> = peers
+                .iter()
+                .flat_map(|&q| (1..3).map(move |m| vec![-1f64; count_of(q, r, m) + 500]))
+                .collect();
+            let mut batch: Vec<P2p<f64>> = Vec::new();
+            let mut recvs: Vec<P2p<f64>> = ins
+                .iter_mut()
+                .enumerate()
+                .map(|(i, b)| P2p::Recv(b.as_mut_slice(), peers[i / 2]))
+                .collect();
+            let sends = outs
+                .iter()
+                .enumerate()
+                .map(|(i, b)| P2p::Send(b.as_slice(), peers[i / 2]));
+            if r % 2 == 1 {
+                batch.append(&mut recvs);
+                batch.extend(sends);
+            } else {
+                batch.extend(sends);
+                batch.append(&mut recvs);
+            }
+            comm.send_recv_batch(&mut batch).unwrap();
+            drop(batch);
+            for (i, b) in ins.iter().enumerate() {
+                let (q, m) = (peers[i / 2], 1 + i % 2);
+                assert_eq!(*b, message(q, r, m, b.len()), "{transport:?} {q}→{r} #{m}");
+            }
+
+            // Single calls go on where the batch left each pair's numbering.
+            let mut one = [0f64; 3];
+            comm.send_recv(&[r as f64; 3], &mut one, r ^ 1).unwrap();
+            assert_eq!(one, [(r ^ 1) as f64; 3]);
+            comm.barrier().unwrap();
+        });
+    }
+}
+
+#[test]
+fn a_batch_with_a_bad_peer_is_refused_whole() {
+    threads(2, &Opts::default(), |r, comm| {
+        let comm = comm.unwrap();
+        let mut b = [0u8; 4];
+        let e = comm
+            .send_recv_batch(&mut [
+                P2p::Send(&[1u8; 4], 1 - r),
+                P2p::Recv(&mut b, 1 - r),
+                P2p::Send(&[1u8; 4], 7),
+            ])
+            .unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+        assert!(e.to_string().contains("message 2 of the batch"), "{e}");
+        assert!(e.to_string().contains("peer 7 is not a rank"), "{e}");
+        // Nothing moved: an empty batch is fine, and the pair's first exchange works.
+        comm.send_recv_batch::<u8>(&mut []).unwrap();
+        comm.send_recv(&[r as u8; 4], &mut b, 1 - r).unwrap();
+        assert_eq!(b, [(1 - r) as u8; 4]);
+    });
 }

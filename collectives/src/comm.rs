@@ -13,8 +13,8 @@ use crate::config::Config;
 use crate::connect;
 use crate::error::{Error, Result};
 use crate::flight::{FlightRecord, Recorder};
-use crate::ring::engine::{self, AbortFlag, Bufs, Call, Counters, Links};
-use crate::ring::{chunk, plan, plan_p2p, Collective, PlanArgs};
+use crate::ring::engine::{self, AbortFlag, Bufs, Call, Counters, Lane, Links};
+use crate::ring::{chunk, plan, plan_p2p, Collective, Plan, PlanArgs};
 use crate::topology::Edge;
 use crate::wire::Fingerprint;
 use crate::work::{Work, Worker};
@@ -86,6 +86,24 @@ struct Inner {
 }
 
 type State = engine::RingState<Links>;
+
+/// One message of a point-to-point call, as bytes: to or from a peer.
+enum Msg<'a> {
+    Send(&'a [u8], usize),
+    Recv(&'a mut [u8], usize),
+}
+
+/// One peer's sends and receives in a point-to-point call, in program order.
+type PeerMsgs<'a> = (Vec<&'a [u8]>, Vec<&'a mut [u8]>);
+
+/// One message of [`Communicator::send_recv_batch`].
+#[derive(Debug)]
+pub enum P2p<'a, T> {
+    /// Send the buffer to the rank.
+    Send(&'a [T], usize),
+    /// Receive into the buffer from the rank.
+    Recv(&'a mut [T], usize),
+}
 
 /// The links of this rank with one peer, for point-to-point calls, and how many messages each
 /// direction has carried (each direction numbers its own: a message's sequence number).
@@ -495,18 +513,14 @@ impl Communicator {
     /// error aborts the communicator, as a collective's does. Point-to-point calls are not
     /// entries of the flight record (its sequence numbers are the collectives').
     pub fn send<T: Element>(&self, buf: &[T], peer: usize) -> Result<()> {
-        self.wait_async_idle();
-        let send = bytemuck::cast_slice(buf);
-        self.inner.point_to_point(T::DTYPE, peer, Some(send), None)
+        self.send_recv_batch(&mut [P2p::Send(buf, peer)])
     }
 
     /// Receive into `buf` what rank `peer` sends with [`Communicator::send`] (or
     /// [`Communicator::send_recv`]); its count and element type must be `buf`'s. Returns once
     /// the whole message is in `buf`. See [`Communicator::send`].
     pub fn recv<T: Element>(&self, buf: &mut [T], peer: usize) -> Result<()> {
-        self.wait_async_idle();
-        let recv = bytemuck::cast_slice_mut(buf);
-        self.inner.point_to_point(T::DTYPE, peer, None, Some(recv))
+        self.send_recv_batch(&mut [P2p::Recv(buf, peer)])
     }
 
     /// Send `send` to rank `peer` and receive `recv` from it at once (`MPI_Sendrecv` with one
@@ -515,10 +529,26 @@ impl Communicator {
     /// The counts may differ; each must match what the peer sends or expects. To send to one
     /// neighbour while receiving from the other, use [`Communicator::ring_shift`].
     pub fn send_recv<T: Element>(&self, send: &[T], recv: &mut [T], peer: usize) -> Result<()> {
+        self.send_recv_batch(&mut [P2p::Send(send, peer), P2p::Recv(recv, peer)])
+    }
+
+    /// Run several sends and receives, to and from any peers, at once (NCCL's grouped calls,
+    /// torch's `batch_isend_irecv`): every message moves as soon as it can, so a batch never
+    /// waits on itself — send to the next rank while receiving from the previous one, or swap
+    /// with every rank — whatever calls the peers make. Messages to one peer (and from one peer)
+    /// keep their order in the batch, and each is matched by the peer as if sent or received
+    /// alone. Pairs that have not met yet connect at once. Returns once every message has
+    /// completed; any error fails the communicator.
+    pub fn send_recv_batch<T: Element>(&self, msgs: &mut [P2p<'_, T>]) -> Result<()> {
         self.wait_async_idle();
-        let (send, recv) = (bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv));
-        self.inner
-            .point_to_point(T::DTYPE, peer, Some(send), Some(recv))
+        let msgs = msgs
+            .iter_mut()
+            .map(|m| match m {
+                P2p::Send(b, p) => Msg::Send(bytemuck::cast_slice(b), *p),
+                P2p::Recv(b, p) => Msg::Recv(bytemuck::cast_slice_mut(b), *p),
+            })
+            .collect();
+        self.inner.point_to_point(T::DTYPE, msgs)
     }
 
     /// Return only once every rank has entered the barrier.
@@ -918,45 +948,59 @@ impl Inner {
         }
     }
 
-    /// [`Communicator::send`], [`Communicator::recv`] and [`Communicator::send_recv`] on bytes
-    /// of `dtype`.
-    fn point_to_point(
-        &self,
-        dtype: DType,
-        peer: usize,
-        send: Option<&[u8]>,
-        recv: Option<&mut [u8]>,
-    ) -> Result<()> {
+    /// Every point-to-point call ([`Communicator::send`], `recv`, `send_recv`,
+    /// `send_recv_batch`) on messages of `dtype`: connect the pairs not yet connected (all at
+    /// once), then run every peer's messages as one lane of [`engine::run_lanes`].
+    fn point_to_point(&self, dtype: DType, msgs: Vec<Msg<'_>>) -> Result<()> {
         let es = dtype.size();
-        let fp_of = |b: usize| Fingerprint::new(Collective::SendRecv, Some(dtype), None, b / es);
-        let (send_fp, recv_fp) = (
-            send.map(|b| fp_of(b.len())),
-            recv.as_ref().map(|b| fp_of(b.len())),
-        );
-        let fp = send_fp.or(recv_fp).expect("a send or a receive");
-        let verb = match (send.is_some(), recv.is_some()) {
-            (true, true) => "send_recv with",
-            (true, false) => "send to",
-            _ => "recv from",
-        };
-        if peer >= self.size || peer == self.rank {
-            let why = if peer == self.rank {
-                "is this rank (copy the buffer instead)".to_string()
-            } else {
-                format!("is not a rank of this {}-rank communicator", self.size)
+        let fp_of =
+            |b: &[u8]| Fingerprint::new(Collective::SendRecv, Some(dtype), None, b.len() / es);
+        for (i, m) in msgs.iter().enumerate() {
+            let (verb, peer) = match m {
+                Msg::Send(_, p) => ("send to", *p),
+                Msg::Recv(_, p) => ("recv from", *p),
             };
-            return Err(Error::InvalidArgument {
-                op: format!("{verb} rank {peer}"),
-                msg: format!("peer {peer} {why}"),
-            });
+            if peer >= self.size || peer == self.rank {
+                let why = if peer == self.rank {
+                    "is this rank (copy the buffer instead)".to_string()
+                } else {
+                    format!("is not a rank of this {}-rank communicator", self.size)
+                };
+                let which = if msgs.len() > 1 {
+                    format!(" (message {i} of the batch)")
+                } else {
+                    String::new()
+                };
+                return Err(Error::InvalidArgument {
+                    op: format!("{verb} rank {peer}{which}"),
+                    msg: format!("peer {peer} {why}"),
+                });
+            }
+        }
+        if msgs.is_empty() {
+            return Ok(());
+        }
+        // Each peer's sends and receives, in program order.
+        let mut by_peer: BTreeMap<usize, PeerMsgs> = BTreeMap::new();
+        for m in msgs {
+            match m {
+                Msg::Send(b, p) => by_peer.entry(p).or_default().0.push(b),
+                Msg::Recv(b, p) => by_peer.entry(p).or_default().1.push(b),
+            }
         }
         let mut st = self.lock();
+        let first = by_peer.values().next().expect("a message");
+        let fp = first
+            .0
+            .first()
+            .map(|b| fp_of(b))
+            .or_else(|| first.1.first().map(|b| fp_of(b)))
+            .expect("a message");
+        engine::refuse(st.failed.as_ref(), &self.abort, &fp, 0)?;
         let mut pairs = self.pairs.lock().unwrap_or_else(|p| p.into_inner());
-        let next_seq = pairs
-            .get(&peer)
-            .map_or(0, |p| if send.is_some() { p.sent } else { p.received });
-        engine::refuse(st.failed.as_ref(), &self.abort, &fp, next_seq)?;
-        let r = self.run_pair(&mut pairs, peer, dtype, (send_fp, recv_fp), send, recv);
+        let r = self
+            .connect_pairs(&mut pairs, by_peer.keys().copied(), &fp)
+            .and_then(|()| self.run_batch(&mut pairs, dtype, by_peer));
         drop(pairs);
         if let Err(e) = &r {
             self.fail(&mut st, e);
@@ -964,70 +1008,147 @@ impl Inner {
         r
     }
 
-    /// The body of [`Inner::point_to_point`]: connect the pair on its first call, run the plan.
-    fn run_pair(
+    /// Connect this rank with each of `peers` it has no links with yet, all at once (each connect
+    /// waits for the peer's; one by one in ascending rank order could not wait in a cycle
+    /// either, only longer).
+    fn connect_pairs(
         &self,
         pairs: &mut BTreeMap<usize, Pair>,
-        peer: usize,
-        dtype: DType,
-        (send_fp, recv_fp): (Option<Fingerprint>, Option<Fingerprint>),
-        send: Option<&[u8]>,
-        recv: Option<&mut [u8]>,
+        peers: impl Iterator<Item = usize>,
+        fp: &Fingerprint,
     ) -> Result<()> {
-        let pair = match pairs.entry(peer) {
-            std::collections::btree_map::Entry::Occupied(o) => o.into_mut(),
-            std::collections::btree_map::Entry::Vacant(v) => {
-                let fp = send_fp.or(recv_fp).expect("a send or a receive");
-                let (Some(peers), Some(listener)) = (self.peers.get(), &self.peer_listener) else {
-                    return Err(Error::Protocol {
-                        peer: format!("rank {peer}"),
-                        detail: "this communicator has no peer listener".into(),
+        let missing: Vec<usize> = peers.filter(|p| !pairs.contains_key(p)).collect();
+        if missing.is_empty() {
+            return Ok(());
+        }
+        let (Some(addrs), Some(listener)) = (self.peers.get(), &self.peer_listener) else {
+            return Err(Error::Protocol {
+                peer: format!("rank {}", missing[0]),
+                detail: "this communicator has no peer listener".into(),
+            });
+        };
+        let what = fp.to_string();
+        let made: Vec<_> = std::thread::scope(|s| {
+            let hs: Vec<_> = missing
+                .iter()
+                .map(|&peer| {
+                    let what = &what;
+                    let h = s.spawn(move || {
+                        connect::connect_pair(
+                            &self.cfg,
+                            peer,
+                            &addrs[peer],
+                            listener,
+                            &self.abort,
+                            what,
+                        )
                     });
-                };
-                let what = fp.to_string();
-                let (links, edges) = connect::connect_pair(
-                    &self.cfg,
-                    peer,
-                    &peers[peer],
-                    listener,
-                    &self.abort,
-                    &what,
-                )?;
-                for e in &edges {
-                    tracing::info!(target: "ringzero::topology", rank = self.rank, peer, "point-to-point {e}");
-                }
-                v.insert(Pair {
+                    (peer, h)
+                })
+                .collect();
+            hs.into_iter()
+                .map(|(peer, h)| {
+                    let r = h.join().unwrap_or_else(|_| {
+                        Err(Error::Io {
+                            context: format!("connecting to rank {peer}"),
+                            detail: "the connecting thread panicked".into(),
+                        })
+                    });
+                    (peer, r)
+                })
+                .collect()
+        });
+        for (peer, r) in made {
+            let (links, edges) = r?;
+            for e in &edges {
+                tracing::info!(target: "ringzero::topology", rank = self.rank, peer, "point-to-point {e}");
+            }
+            pairs.insert(
+                peer,
+                Pair {
                     links,
                     sent: 0,
                     received: 0,
-                })
-            }
-        };
+                },
+            );
+        }
+        Ok(())
+    }
+
+    /// Run connected peers' messages: each peer's `i`-th send and `i`-th receive form its `i`-th
+    /// call, numbered on from the pair's counts in each direction.
+    fn run_batch(
+        &self,
+        pairs: &mut BTreeMap<usize, Pair>,
+        dtype: DType,
+        by_peer: BTreeMap<usize, PeerMsgs>,
+    ) -> Result<()> {
         let es = dtype.size();
-        let slot_bytes = pair.links.tx.slot_bytes().min(self.cfg.slice_bytes);
-        let p = plan_p2p(
-            send.map(|b| b.len() / es),
-            recv.as_ref().map(|b| b.len() / es),
-            (slot_bytes / es).max(1),
-        );
-        let incoming = recv_fp.map(|f| (pair.received, f));
-        let (seq, fp) = match send_fp {
-            Some(f) => (pair.sent, f),
-            None => incoming.expect("a send or a receive"),
-        };
-        let out_bytes = recv.as_ref().map_or(0, |b| b.len());
-        let call = Call {
-            n: 2,
-            incoming,
-            ..self.call(&p, (seq, fp), dtype, ReduceOp::Sum, out_bytes)
-        };
-        let bufs = Bufs::Split {
-            input: send.unwrap_or(&[]),
-            output: recv.unwrap_or(&mut []),
-        };
-        engine::run_unordered(&mut pair.links, &call, bufs)?;
-        pair.sent += u64::from(send_fp.is_some());
-        pair.received += u64::from(recv_fp.is_some());
+        let fp_of = |b: usize| Fingerprint::new(Collective::SendRecv, Some(dtype), None, b / es);
+        let slice_elems = (self.cfg.slice_bytes / es).max(1);
+        // Plans first: the calls borrow them.
+        let plans: Vec<Vec<Plan>> = by_peer
+            .values()
+            .map(|(sends, recvs)| {
+                (0..sends.len().max(recvs.len()))
+                    .map(|i| {
+                        plan_p2p(
+                            sends.get(i).map(|b| b.len() / es),
+                            recvs.get(i).map(|b| b.len() / es),
+                            slice_elems,
+                        )
+                    })
+                    .collect()
+            })
+            .collect();
+        let mut counts = Vec::with_capacity(by_peer.len());
+        let mut lanes = Vec::with_capacity(by_peer.len());
+        let wanted: Vec<usize> = by_peer.keys().copied().collect();
+        let chosen = pairs
+            .iter_mut()
+            .filter(|(p, _)| wanted.binary_search(p).is_ok());
+        for (((peer, (sends, recvs)), plans), (_, pair)) in
+            by_peer.into_iter().zip(&plans).zip(chosen)
+        {
+            counts.push((peer, sends.len() as u64, recvs.len() as u64));
+            let (mut sends, mut recvs) = (sends.into_iter(), recvs.into_iter());
+            let calls = plans
+                .iter()
+                .enumerate()
+                .map(|(i, plan)| {
+                    let (send, recv) = (sends.next(), recvs.next());
+                    let send_fp = send.map(|b| fp_of(b.len()));
+                    let recv_fp = recv.as_ref().map(|b| fp_of(b.len()));
+                    let incoming = recv_fp.map(|f| (pair.received + i as u64, f));
+                    let (seq, fp) = match send_fp {
+                        Some(f) => (pair.sent + i as u64, f),
+                        None => incoming.expect("a send or a receive"),
+                    };
+                    let out_bytes = recv.as_ref().map_or(0, |b| b.len());
+                    let call = Call {
+                        n: 2,
+                        incoming,
+                        ..self.call(plan, (seq, fp), dtype, ReduceOp::Sum, out_bytes)
+                    };
+                    let bufs = Bufs::Split {
+                        input: send.unwrap_or(&[]),
+                        output: recv.unwrap_or(&mut []),
+                    };
+                    (call, bufs)
+                })
+                .collect();
+            lanes.push(Lane {
+                links: &mut pair.links,
+                calls,
+            });
+        }
+        engine::run_lanes(&mut lanes, self.cfg.timeout, &self.abort)?;
+        drop(lanes);
+        for (peer, sent, received) in counts {
+            let pair = pairs.get_mut(&peer).expect("connected above");
+            pair.sent += sent;
+            pair.received += received;
+        }
         Ok(())
     }
 

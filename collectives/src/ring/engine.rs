@@ -27,7 +27,7 @@ use crate::wire::{Expect, Fingerprint, FrameHeader};
 pub(crate) const HEALTH_EVERY: Duration = Duration::from_millis(20);
 
 /// A communicator's abort request, raised from any thread (`abort()`), seen by the call in
-/// progress at its next health check (every [`HEALTH_EVERY`] of waiting), so a stuck call ends
+/// progress at its next health check (every `HEALTH_EVERY`, 20 ms, of waiting), so a stuck call ends
 /// without waiting for its deadline.
 #[derive(Debug, Default)]
 pub struct AbortFlag {
@@ -447,35 +447,145 @@ fn expect(call: &Call, op: &Op, es: usize) -> Expect {
     }
 }
 
-/// Run a plan whose sending and receiving ops are independent of each other (a point-to-point
-/// call: sends read only the input, receives write only the output) to completion: each
-/// direction's ops in order, the two directions each as soon as it can go. So an exchange never
-/// waits on itself, whichever calls its peer makes (`send_recv`, or `recv` then `send`, ...).
-pub fn run_unordered(links: &mut Links, call: &Call, mut bufs: Bufs) -> Result<()> {
-    let what = call.fp.to_string();
-    let es = call.dtype.size();
-    check_sizes(call, &bufs, &what)?;
-    debug_assert!(
-        call.plan.ops.iter().all(|o| o.send != o.recv),
-        "every op of an unordered plan only sends or only receives"
-    );
-    let mut sends = call.plan.ops.iter().filter(|o| o.send).peekable();
-    let mut recvs = call.plan.ops.iter().filter(|o| o.recv).peekable();
-    let (prev, next, rank) = (links.prev, links.next, call.rank);
-    let tx_err = |e| link_err(e, &what, call.seq, next, rank, Some(&call.fp));
+/// One link pair's share of a point-to-point run ([`run_lanes`]): its calls, run one after the
+/// other, each a plan whose sends only read the input and whose receives only write the output.
+pub struct Lane<'a> {
+    /// The links to and from the peer.
+    pub links: &'a mut Links,
+    /// Calls in order, with their buffers.
+    pub calls: Vec<(Call<'a>, Bufs<'a>)>,
+}
+
+/// Where a lane is: its current call, and the index in that call's ops at or after which its
+/// next send op and its next receive op are.
+#[derive(Default)]
+struct Cursor {
+    call: usize,
+    send_at: usize,
+    recv_at: usize,
+}
+
+impl Cursor {
+    /// The current call's next send op and next receive op (`None` once a direction is done),
+    /// moving the indices up to them.
+    fn next<'p>(&mut self, plan: &'p Plan) -> (Option<&'p Op>, Option<&'p Op>) {
+        let find = |at: &mut usize, want: fn(&Op) -> bool| {
+            while plan.ops.get(*at).is_some_and(|o| !want(o)) {
+                *at += 1;
+            }
+            plan.ops.get(*at)
+        };
+        (
+            find(&mut self.send_at, |o| o.send),
+            find(&mut self.recv_at, |o| o.recv),
+        )
+    }
+}
+
+/// Run every lane's calls to completion: each lane's calls in order, and within a call the send
+/// ops in order and the receive ops in order, but each direction of each lane as soon as it can
+/// go. So an exchange never waits on itself, whatever calls its peer makes (`send_recv`, or
+/// `recv` then `send`), and a batch over several peers never waits on one peer while another
+/// could move. Every wait has the calls' deadline (no progress on any lane for `timeout`).
+pub fn run_lanes(lanes: &mut [Lane], timeout: Duration, abort: &AbortFlag) -> Result<()> {
+    for lane in lanes.iter() {
+        for (call, bufs) in &lane.calls {
+            check_sizes(call, bufs, &call.fp.to_string())?;
+            debug_assert!(
+                call.plan.ops.iter().all(|o| o.send != o.recv),
+                "every op of a lane's plan only sends or only receives"
+            );
+        }
+    }
+    let mut at: Vec<Cursor> = lanes.iter().map(|_| Cursor::default()).collect();
+    // One lane waits on its own poller; several share a backoff.
+    let mut shared = Waiter::backoff();
     let mut patience = Patience::new();
     let ran = loop {
-        let (send, recv) = (sends.peek().copied(), recvs.peek().copied());
-        if send.is_none() && recv.is_none() {
+        let mut moved = false;
+        let mut pending = false;
+        for (lane, cur) in lanes.iter_mut().zip(at.iter_mut()) {
+            moved |= step_lane(lane, cur)?;
+            pending |= cur.call < lane.calls.len();
+        }
+        if !pending {
             break Ok(());
         }
-        let mut moved = links.tx.progress().map_err(tx_err)?;
+        let single = lanes.len() == 1;
+        match patience.tick(moved, timeout) {
+            Tick::Moved => {
+                if single {
+                    lanes[0].links.waiter.progressed();
+                } else {
+                    shared.progressed();
+                }
+                continue;
+            }
+            Tick::TimedOut => {
+                let (lane, cur) = lanes
+                    .iter()
+                    .zip(at.iter_mut())
+                    .find(|(l, c)| c.call < l.calls.len())
+                    .expect("a lane is pending");
+                break Err(lane_timeout(lane, cur));
+            }
+            Tick::Check => {
+                for (lane, cur) in lanes.iter_mut().zip(&at) {
+                    if let Some((call, _)) = lane.calls.get(cur.call) {
+                        health(lane.links, call, &call.fp.to_string())?;
+                    }
+                }
+            }
+            Tick::Idle => {}
+        }
+        if single {
+            lanes[0].links.waiter.idle(timeout);
+        } else {
+            shared.idle(timeout);
+        }
+    };
+    if lanes
+        .iter()
+        .any(|l| l.calls.iter().any(|(c, _)| c.stream_stores))
+    {
+        cpu::stream_fence();
+    }
+    ran?;
+    for lane in lanes.iter_mut() {
+        if let Some((call, _)) = lane.calls.last() {
+            lane.links
+                .flush(&call.fp.to_string(), call.seq, timeout, abort)?;
+        }
+    }
+    Ok(())
+}
+
+/// Run whatever of `lane`'s current call can go now (its next send if a slot is free, its next
+/// receive if the frame is there), moving to the next call when one completes. Whether anything
+/// moved.
+fn step_lane(lane: &mut Lane, cur: &mut Cursor) -> Result<bool> {
+    let links = &mut *lane.links;
+    let mut moved = false;
+    while let Some((call, bufs)) = lane.calls.get_mut(cur.call) {
+        let what = call.fp.to_string();
+        let es = call.dtype.size();
+        let (prev, next, rank) = (links.prev, links.next, call.rank);
+        moved |= links
+            .tx
+            .progress()
+            .map_err(|e| link_err(e, &what, call.seq, next, rank, Some(&call.fp)))?;
+        let (send, recv) = cur.next(call.plan);
+        let mut ran = false;
         if let Some(op) = send {
-            if links.tx.reserve(op.elems * es).map_err(tx_err)?.is_some() {
+            let slot = links.tx.reserve(op.elems * es);
+            if slot
+                .map_err(|e| link_err(e, &what, call.seq, next, rank, Some(&call.fp)))?
+                .is_some()
+            {
                 // Ready: run_op finds its slot at once.
-                run_op(links, call, op, &mut bufs, &what, es)?;
-                sends.next();
-                moved = true;
+                run_op(links, call, op, bufs, &what, es)?;
+                cur.send_at += 1;
+                ran = true;
             }
         }
         if let Some(op) = recv {
@@ -485,29 +595,74 @@ pub fn run_unordered(links: &mut Links, call: &Call, mut bufs: Bufs) -> Result<(
                 .peek(&e)
                 .map_err(|err| link_err(err, &what, e.seq, prev, rank, Some(&e.fp)))?;
             if ready.is_some() {
-                run_op(links, call, op, &mut bufs, &what, es)?;
-                recvs.next();
-                moved = true;
+                run_op(links, call, op, bufs, &what, es)?;
+                cur.recv_at += 1;
+                ran = true;
             }
         }
-        let waited = patience.round(links, call, &what, moved, || {
-            // A missing frame names the sender; else the send waits for a slot at the receiver.
-            let (op, have_in) = match recv {
-                Some(op) => (op, false),
-                None => (send.expect("an op is pending"), true),
+        moved |= ran;
+        if send.is_none() && recv.is_none() {
+            // This call is complete: on to the lane's next one.
+            *cur = Cursor {
+                call: cur.call + 1,
+                ..Cursor::default()
             };
-            let e = expect(call, op, es);
-            op_timeout(call, &what, &e, have_in, prev, next, "slot")
-        });
-        if let Err(e) = waited {
-            break Err(e);
+            moved = true;
+            continue;
         }
-    };
-    if call.stream_stores {
-        cpu::stream_fence();
+        break;
     }
-    ran?;
-    links.flush(&what, call.seq, call.timeout, call.abort)
+    Ok(moved)
+}
+
+/// The timeout of a lane's current call: a missing frame names the sender; else the send waits
+/// for a slot at the receiver.
+fn lane_timeout(lane: &Lane, cur: &mut Cursor) -> Error {
+    let (call, _) = &lane.calls[cur.call];
+    let es = call.dtype.size();
+    let (send, recv) = cur.next(call.plan);
+    let (op, have_in) = match recv {
+        Some(op) => (op, false),
+        None => (send.expect("an op is pending"), true),
+    };
+    let e = expect(call, op, es);
+    let what = call.fp.to_string();
+    op_timeout(
+        call,
+        &what,
+        &e,
+        have_in,
+        lane.links.prev,
+        lane.links.next,
+        "slot",
+    )
+}
+
+/// The abort flag and both peers' health, for `call` on `links`.
+fn health(links: &mut Links, call: &Call, what: &str) -> Result<()> {
+    call.abort.check(call)?;
+    let (in_seq, in_fp) = call.expected();
+    let (prev, next) = (links.prev, links.next);
+    links
+        .rx
+        .health()
+        .map_err(|e| link_err(e, what, in_seq, prev, call.rank, Some(&in_fp)))?;
+    links
+        .tx
+        .health()
+        .map_err(|e| link_err(e, what, call.seq, next, call.rank, Some(&call.fp)))
+}
+
+/// What a wait does after one round.
+enum Tick {
+    /// Something moved: the deadline restarts; go round at once.
+    Moved,
+    /// Nothing moved for the whole timeout: fail.
+    TimedOut,
+    /// Time for the health checks, then idle.
+    Check,
+    /// Idle, then go round.
+    Idle,
 }
 
 /// The clock of one wait on a call's links: progress restarts the deadline.
@@ -525,9 +680,27 @@ impl Patience {
         }
     }
 
-    /// One round of waiting that `moved` something or not: with no progress for the call's
-    /// timeout the wait fails with `timed_out()`; every [`HEALTH_EVERY`] the abort flag and both
-    /// peers' health are checked; then the waiter backs off. `Ok`: go round again.
+    /// After a round that `moved` something or not: progress restarts the deadline; with none
+    /// for `timeout` the wait fails; every [`HEALTH_EVERY`] the health checks are due.
+    fn tick(&mut self, moved: bool, timeout: Duration) -> Tick {
+        let now = Instant::now();
+        if moved {
+            self.last = now;
+            return Tick::Moved;
+        }
+        if now.duration_since(self.last) >= timeout {
+            return Tick::TimedOut;
+        }
+        if now.duration_since(self.last_health) >= HEALTH_EVERY {
+            self.last_health = now;
+            return Tick::Check;
+        }
+        Tick::Idle
+    }
+
+    /// One round of waiting on one call's `links` (see [`Patience::tick`]): fails with
+    /// `timed_out()` at the deadline, runs the health checks when due, then lets the links'
+    /// waiter back off. `Ok`: go round again.
     fn round(
         &mut self,
         links: &mut Links,
@@ -536,28 +709,14 @@ impl Patience {
         moved: bool,
         timed_out: impl FnOnce() -> Error,
     ) -> Result<()> {
-        let now = Instant::now();
-        if moved {
-            self.last = now;
-            links.waiter.progressed();
-            return Ok(());
-        }
-        if now.duration_since(self.last) >= call.timeout {
-            return Err(timed_out());
-        }
-        if now.duration_since(self.last_health) >= HEALTH_EVERY {
-            self.last_health = now;
-            call.abort.check(call)?;
-            let (in_seq, in_fp) = call.expected();
-            let (prev, next) = (links.prev, links.next);
-            links
-                .rx
-                .health()
-                .map_err(|e| link_err(e, what, in_seq, prev, call.rank, Some(&in_fp)))?;
-            links
-                .tx
-                .health()
-                .map_err(|e| link_err(e, what, call.seq, next, call.rank, Some(&call.fp)))?;
+        match self.tick(moved, call.timeout) {
+            Tick::Moved => {
+                links.waiter.progressed();
+                return Ok(());
+            }
+            Tick::TimedOut => return Err(timed_out()),
+            Tick::Check => health(links, call, what)?,
+            Tick::Idle => {}
         }
         links.waiter.idle(call.timeout);
         Ok(())
