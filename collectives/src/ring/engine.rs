@@ -463,6 +463,8 @@ struct Cursor {
     call: usize,
     send_at: usize,
     recv_at: usize,
+    /// The current call's name, for errors (made once per call, not per poll).
+    what: Option<String>,
 }
 
 impl Cursor {
@@ -567,7 +569,7 @@ fn step_lane(lane: &mut Lane, cur: &mut Cursor) -> Result<bool> {
     let links = &mut *lane.links;
     let mut moved = false;
     while let Some((call, bufs)) = lane.calls.get_mut(cur.call) {
-        let what = call.fp.to_string();
+        let what = cur.what.take().unwrap_or_else(|| call.fp.to_string());
         let es = call.dtype.size();
         let (prev, next, rank) = (links.prev, links.next, call.rank);
         moved |= links
@@ -610,6 +612,7 @@ fn step_lane(lane: &mut Lane, cur: &mut Cursor) -> Result<bool> {
             moved = true;
             continue;
         }
+        cur.what = Some(what);
         break;
     }
     Ok(moved)
