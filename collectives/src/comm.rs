@@ -951,7 +951,7 @@ impl Inner {
     /// Every point-to-point call ([`Communicator::send`], `recv`, `send_recv`,
     /// `send_recv_batch`) on messages of `dtype`: connect the pairs not yet connected (all at
     /// once), then run every peer's messages as one lane of [`engine::run_lanes`].
-    fn point_to_point(&self, dtype: DType, msgs: Vec<Msg<'_>>) -> Result<()> {
+    fn point_to_point(&self, dtype: DType, mut msgs: Vec<Msg<'_>>) -> Result<()> {
         let es = dtype.size();
         let fp_of =
             |b: &[u8]| Fingerprint::new(Collective::SendRecv, Some(dtype), None, b.len() / es);
@@ -977,35 +977,74 @@ impl Inner {
                 });
             }
         }
-        if msgs.is_empty() {
+        let Some(first) = msgs.first() else {
             return Ok(());
-        }
-        // Each peer's sends and receives, in program order.
-        let mut by_peer: BTreeMap<usize, PeerMsgs> = BTreeMap::new();
-        for m in msgs {
-            match m {
-                Msg::Send(b, p) => by_peer.entry(p).or_default().0.push(b),
-                Msg::Recv(b, p) => by_peer.entry(p).or_default().1.push(b),
-            }
-        }
+        };
+        let fp = match first {
+            Msg::Send(b, _) => fp_of(b),
+            Msg::Recv(b, _) => fp_of(b),
+        };
         let mut st = self.lock();
-        let first = by_peer.values().next().expect("a message");
-        let fp = first
-            .0
-            .first()
-            .map(|b| fp_of(b))
-            .or_else(|| first.1.first().map(|b| fp_of(b)))
-            .expect("a message");
         engine::refuse(st.failed.as_ref(), &self.abort, &fp, 0)?;
         let mut pairs = self.pairs.lock().unwrap_or_else(|p| p.into_inner());
-        let r = self
-            .connect_pairs(&mut pairs, by_peer.keys().copied(), &fp)
-            .and_then(|()| self.run_batch(&mut pairs, dtype, by_peer));
+        let r = match msgs.as_mut_slice() {
+            // `send`, `recv`, `send_recv`: one call with one peer, without the batch's grouping
+            // (small messages are latency-bound).
+            [Msg::Send(s, p)] => self.run_single(&mut pairs, dtype, *p, Some(s), None),
+            [Msg::Recv(r, p)] => self.run_single(&mut pairs, dtype, *p, None, Some(r)),
+            [Msg::Send(s, p), Msg::Recv(r, q)] if p == q => {
+                self.run_single(&mut pairs, dtype, *p, Some(s), Some(r))
+            }
+            _ => {
+                // Each peer's sends and receives, in program order.
+                let mut by_peer: BTreeMap<usize, PeerMsgs> = BTreeMap::new();
+                for m in msgs {
+                    match m {
+                        Msg::Send(b, p) => by_peer.entry(p).or_default().0.push(b),
+                        Msg::Recv(b, p) => by_peer.entry(p).or_default().1.push(b),
+                    }
+                }
+                self.connect_pairs(&mut pairs, by_peer.keys().copied(), &fp)
+                    .and_then(|()| self.run_batch(&mut pairs, dtype, by_peer))
+            }
+        };
         drop(pairs);
         if let Err(e) = &r {
             self.fail(&mut st, e);
         }
         r
+    }
+
+    /// One call with one peer: at most one message each way.
+    fn run_single(
+        &self,
+        pairs: &mut BTreeMap<usize, Pair>,
+        dtype: DType,
+        peer: usize,
+        send: Option<&[u8]>,
+        recv: Option<&mut [u8]>,
+    ) -> Result<()> {
+        let es = dtype.size();
+        let fp = Fingerprint::new(
+            Collective::SendRecv,
+            Some(dtype),
+            None,
+            send.map_or_else(|| recv.as_ref().map_or(0, |b| b.len()), |b| b.len()) / es,
+        );
+        self.connect_pairs(pairs, std::iter::once(peer), &fp)?;
+        let pair = pairs.get_mut(&peer).expect("connected above");
+        let slice_elems = (self.cfg.slice_bytes / es).max(1);
+        let plan = plan_p2p(
+            send.map(|b| b.len() / es),
+            recv.as_ref().map(|b| b.len() / es),
+            slice_elems,
+        );
+        let (sent, received) = (pair.sent, pair.received);
+        pair.sent += u64::from(send.is_some());
+        pair.received += u64::from(recv.is_some());
+        let call = self.p2p_call(&plan, dtype, (send, sent), (recv, received));
+        let mut lane = [Lane::new(&mut pair.links, vec![call])];
+        engine::run_lanes(&mut lane, self.cfg.timeout, &self.abort)
     }
 
     /// Connect this rank with each of `peers` it has no links with yet, all at once (each connect
@@ -1084,7 +1123,6 @@ impl Inner {
         by_peer: BTreeMap<usize, PeerMsgs>,
     ) -> Result<()> {
         let es = dtype.size();
-        let fp_of = |b: usize| Fingerprint::new(Collective::SendRecv, Some(dtype), None, b / es);
         let slice_elems = (self.cfg.slice_bytes / es).max(1);
         // Plans first: the calls borrow them.
         let plans: Vec<Vec<Plan>> = by_peer
@@ -1101,55 +1139,67 @@ impl Inner {
                     .collect()
             })
             .collect();
-        let mut counts = Vec::with_capacity(by_peer.len());
         let mut lanes = Vec::with_capacity(by_peer.len());
-        let wanted: Vec<usize> = by_peer.keys().copied().collect();
-        let chosen = pairs
-            .iter_mut()
-            .filter(|(p, _)| wanted.binary_search(p).is_ok());
-        for (((peer, (sends, recvs)), plans), (_, pair)) in
-            by_peer.into_iter().zip(&plans).zip(chosen)
-        {
-            counts.push((peer, sends.len() as u64, recvs.len() as u64));
+        // Both maps are sorted by peer: walk the pairs alongside.
+        let mut all = pairs.iter_mut();
+        for ((peer, (sends, recvs)), plans) in by_peer.into_iter().zip(&plans) {
+            let pair = loop {
+                match all.next() {
+                    Some((p, pair)) if *p == peer => break pair,
+                    Some(_) => {}
+                    None => unreachable!("rank {peer} was connected above"),
+                }
+            };
+            // Numbered now: if the run fails, the communicator fails with it.
+            let (sent, received) = (pair.sent, pair.received);
+            pair.sent += sends.len() as u64;
+            pair.received += recvs.len() as u64;
             let (mut sends, mut recvs) = (sends.into_iter(), recvs.into_iter());
             let calls = plans
                 .iter()
                 .enumerate()
                 .map(|(i, plan)| {
-                    let (send, recv) = (sends.next(), recvs.next());
-                    let send_fp = send.map(|b| fp_of(b.len()));
-                    let recv_fp = recv.as_ref().map(|b| fp_of(b.len()));
-                    let incoming = recv_fp.map(|f| (pair.received + i as u64, f));
-                    let (seq, fp) = match send_fp {
-                        Some(f) => (pair.sent + i as u64, f),
-                        None => incoming.expect("a send or a receive"),
-                    };
-                    let out_bytes = recv.as_ref().map_or(0, |b| b.len());
-                    let call = Call {
-                        n: 2,
-                        incoming,
-                        ..self.call(plan, (seq, fp), dtype, ReduceOp::Sum, out_bytes)
-                    };
-                    let bufs = Bufs::Split {
-                        input: send.unwrap_or(&[]),
-                        output: recv.unwrap_or(&mut []),
-                    };
-                    (call, bufs)
+                    let i = i as u64;
+                    self.p2p_call(
+                        plan,
+                        dtype,
+                        (sends.next(), sent + i),
+                        (recvs.next(), received + i),
+                    )
                 })
                 .collect();
-            lanes.push(Lane {
-                links: &mut pair.links,
-                calls,
-            });
+            lanes.push(Lane::new(&mut pair.links, calls));
         }
-        engine::run_lanes(&mut lanes, self.cfg.timeout, &self.abort)?;
-        drop(lanes);
-        for (peer, sent, received) in counts {
-            let pair = pairs.get_mut(&peer).expect("connected above");
-            pair.sent += sent;
-            pair.received += received;
-        }
-        Ok(())
+        engine::run_lanes(&mut lanes, self.cfg.timeout, &self.abort)
+    }
+
+    /// One point-to-point call of `plan`: the message it sends (its sequence number in that
+    /// direction) and the one it receives.
+    fn p2p_call<'a>(
+        &'a self,
+        plan: &'a Plan,
+        dtype: DType,
+        (send, send_seq): (Option<&'a [u8]>, u64),
+        (recv, recv_seq): (Option<&'a mut [u8]>, u64),
+    ) -> (Call<'a>, Bufs<'a>) {
+        let es = dtype.size();
+        let fp_of = |b: usize| Fingerprint::new(Collective::SendRecv, Some(dtype), None, b / es);
+        let incoming = recv.as_ref().map(|b| (recv_seq, fp_of(b.len())));
+        let (seq, fp) = match send {
+            Some(b) => (send_seq, fp_of(b.len())),
+            None => incoming.expect("a send or a receive"),
+        };
+        let out_bytes = recv.as_ref().map_or(0, |b| b.len());
+        let call = Call {
+            n: 2,
+            incoming,
+            ..self.call(plan, (seq, fp), dtype, ReduceOp::Sum, out_bytes)
+        };
+        let bufs = Bufs::Split {
+            input: send.unwrap_or(&[]),
+            output: recv.unwrap_or(&mut []),
+        };
+        (call, bufs)
     }
 
     #[allow(clippy::too_many_arguments)]

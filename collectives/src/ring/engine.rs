@@ -450,10 +450,20 @@ fn expect(call: &Call, op: &Op, es: usize) -> Expect {
 /// One link pair's share of a point-to-point run ([`run_lanes`]): its calls, run one after the
 /// other, each a plan whose sends only read the input and whose receives only write the output.
 pub struct Lane<'a> {
-    /// The links to and from the peer.
-    pub links: &'a mut Links,
-    /// Calls in order, with their buffers.
-    pub calls: Vec<(Call<'a>, Bufs<'a>)>,
+    links: &'a mut Links,
+    calls: Vec<(Call<'a>, Bufs<'a>)>,
+    at: Cursor,
+}
+
+impl<'a> Lane<'a> {
+    /// The calls (in order, with their buffers) to run over the links to and from one peer.
+    pub fn new(links: &'a mut Links, calls: Vec<(Call<'a>, Bufs<'a>)>) -> Lane<'a> {
+        Lane {
+            links,
+            calls,
+            at: Cursor::default(),
+        }
+    }
 }
 
 /// Where a lane is: its current call, and the index in that call's ops at or after which its
@@ -463,8 +473,9 @@ struct Cursor {
     call: usize,
     send_at: usize,
     recv_at: usize,
-    /// The current call's name, for errors (made once per call, not per poll).
-    what: Option<String>,
+    /// A call's name (its index, the name), for errors and the final flush: made once per
+    /// call, not per poll.
+    what: Option<(usize, String)>,
 }
 
 impl Cursor {
@@ -492,23 +503,25 @@ impl Cursor {
 pub fn run_lanes(lanes: &mut [Lane], timeout: Duration, abort: &AbortFlag) -> Result<()> {
     for lane in lanes.iter() {
         for (call, bufs) in &lane.calls {
-            check_sizes(call, bufs, &call.fp.to_string())?;
+            // The call's name only when refusing (no allocation per call on the way in).
+            if check_sizes(call, bufs, "").is_err() {
+                check_sizes(call, bufs, &call.fp.to_string())?;
+            }
             debug_assert!(
                 call.plan.ops.iter().all(|o| o.send != o.recv),
                 "every op of a lane's plan only sends or only receives"
             );
         }
     }
-    let mut at: Vec<Cursor> = lanes.iter().map(|_| Cursor::default()).collect();
     // One lane waits on its own poller; several share a backoff.
     let mut shared = Waiter::backoff();
     let mut patience = Patience::new();
     let ran = loop {
         let mut moved = false;
         let mut pending = false;
-        for (lane, cur) in lanes.iter_mut().zip(at.iter_mut()) {
-            moved |= step_lane(lane, cur)?;
-            pending |= cur.call < lane.calls.len();
+        for lane in lanes.iter_mut() {
+            moved |= step_lane(lane)?;
+            pending |= lane.at.call < lane.calls.len();
         }
         if !pending {
             break Ok(());
@@ -524,16 +537,15 @@ pub fn run_lanes(lanes: &mut [Lane], timeout: Duration, abort: &AbortFlag) -> Re
                 continue;
             }
             Tick::TimedOut => {
-                let (lane, cur) = lanes
-                    .iter()
-                    .zip(at.iter_mut())
-                    .find(|(l, c)| c.call < l.calls.len())
+                let lane = lanes
+                    .iter_mut()
+                    .find(|l| l.at.call < l.calls.len())
                     .expect("a lane is pending");
-                break Err(lane_timeout(lane, cur));
+                break Err(lane_timeout(lane));
             }
             Tick::Check => {
-                for (lane, cur) in lanes.iter_mut().zip(&at) {
-                    if let Some((call, _)) = lane.calls.get(cur.call) {
+                for lane in lanes.iter_mut() {
+                    if let Some((call, _)) = lane.calls.get(lane.at.call) {
                         health(lane.links, call, &call.fp.to_string())?;
                     }
                 }
@@ -555,8 +567,11 @@ pub fn run_lanes(lanes: &mut [Lane], timeout: Duration, abort: &AbortFlag) -> Re
     ran?;
     for lane in lanes.iter_mut() {
         if let Some((call, _)) = lane.calls.last() {
-            lane.links
-                .flush(&call.fp.to_string(), call.seq, timeout, abort)?;
+            let what = match lane.at.what.take() {
+                Some((i, w)) if i + 1 == lane.calls.len() => w,
+                _ => call.fp.to_string(),
+            };
+            lane.links.flush(&what, call.seq, timeout, abort)?;
         }
     }
     Ok(())
@@ -565,11 +580,14 @@ pub fn run_lanes(lanes: &mut [Lane], timeout: Duration, abort: &AbortFlag) -> Re
 /// Run whatever of `lane`'s current call can go now (its next send if a slot is free, its next
 /// receive if the frame is there), moving to the next call when one completes. Whether anything
 /// moved.
-fn step_lane(lane: &mut Lane, cur: &mut Cursor) -> Result<bool> {
-    let links = &mut *lane.links;
+fn step_lane(lane: &mut Lane) -> Result<bool> {
+    let (links, cur) = (&mut *lane.links, &mut lane.at);
     let mut moved = false;
     while let Some((call, bufs)) = lane.calls.get_mut(cur.call) {
-        let what = cur.what.take().unwrap_or_else(|| call.fp.to_string());
+        let what = match cur.what.take() {
+            Some((i, w)) if i == cur.call => w,
+            _ => call.fp.to_string(),
+        };
         let es = call.dtype.size();
         let (prev, next, rank) = (links.prev, links.next, call.rank);
         moved |= links
@@ -604,15 +622,16 @@ fn step_lane(lane: &mut Lane, cur: &mut Cursor) -> Result<bool> {
         }
         moved |= ran;
         if send.is_none() && recv.is_none() {
-            // This call is complete: on to the lane's next one.
+            // This call is complete: on to the lane's next one (its name stays for the flush).
             *cur = Cursor {
                 call: cur.call + 1,
+                what: Some((cur.call, what)),
                 ..Cursor::default()
             };
             moved = true;
             continue;
         }
-        cur.what = Some(what);
+        cur.what = Some((cur.call, what));
         break;
     }
     Ok(moved)
@@ -620,7 +639,8 @@ fn step_lane(lane: &mut Lane, cur: &mut Cursor) -> Result<bool> {
 
 /// The timeout of a lane's current call: a missing frame names the sender; else the send waits
 /// for a slot at the receiver.
-fn lane_timeout(lane: &Lane, cur: &mut Cursor) -> Error {
+fn lane_timeout(lane: &mut Lane) -> Error {
+    let cur = &mut lane.at;
     let (call, _) = &lane.calls[cur.call];
     let es = call.dtype.size();
     let (send, recv) = cur.next(call.plan);
