@@ -990,10 +990,10 @@ impl Inner {
         let r = match msgs.as_mut_slice() {
             // `send`, `recv`, `send_recv`: one call with one peer, without the batch's grouping
             // (small messages are latency-bound).
-            [Msg::Send(s, p)] => self.run_single(&mut pairs, dtype, *p, Some(s), None),
-            [Msg::Recv(r, p)] => self.run_single(&mut pairs, dtype, *p, None, Some(r)),
+            [Msg::Send(s, p)] => self.run_single(&mut pairs, (dtype, &fp), *p, Some(s), None),
+            [Msg::Recv(r, p)] => self.run_single(&mut pairs, (dtype, &fp), *p, None, Some(r)),
             [Msg::Send(s, p), Msg::Recv(r, q)] if p == q => {
-                self.run_single(&mut pairs, dtype, *p, Some(s), Some(r))
+                self.run_single(&mut pairs, (dtype, &fp), *p, Some(s), Some(r))
             }
             _ => {
                 // Each peer's sends and receives, in program order.
@@ -1019,19 +1019,13 @@ impl Inner {
     fn run_single(
         &self,
         pairs: &mut BTreeMap<usize, Pair>,
-        dtype: DType,
+        (dtype, fp): (DType, &Fingerprint),
         peer: usize,
         send: Option<&[u8]>,
         recv: Option<&mut [u8]>,
     ) -> Result<()> {
         let es = dtype.size();
-        let fp = Fingerprint::new(
-            Collective::SendRecv,
-            Some(dtype),
-            None,
-            send.map_or_else(|| recv.as_ref().map_or(0, |b| b.len()), |b| b.len()) / es,
-        );
-        self.connect_pairs(pairs, std::iter::once(peer), &fp)?;
+        self.connect_pairs(pairs, std::iter::once(peer), fp)?;
         let pair = pairs.get_mut(&peer).expect("connected above");
         let slice_elems = (self.cfg.slice_bytes / es).max(1);
         let plan = plan_p2p(
