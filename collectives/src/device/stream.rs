@@ -136,8 +136,15 @@ impl HostStream {
             .name("ringzero-host-stream".into())
             .spawn(move || {
                 for job in rx {
-                    if let Err(e) = job() {
-                        st.error.lock().unwrap().get_or_insert(e);
+                    // A panicking job is an error like any other: the worker goes on, so every
+                    // queued job completes and no wait on a marker outlives its work.
+                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job))
+                        .unwrap_or_else(|_| Err("a host stream job panicked".into()));
+                    if let Err(e) = r {
+                        st.error
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .get_or_insert(e);
                     }
                     st.completed.fetch_add(1, Ordering::Release);
                 }
@@ -265,7 +272,13 @@ impl Stream for HostStream {
         if self.state.completed.load(Ordering::Acquire) < *m {
             return Ok(false);
         }
-        if let Some(e) = self.state.error.lock().unwrap().clone() {
+        if let Some(e) = self
+            .state
+            .error
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+        {
             return Err(DeviceError::Invalid(format!("host stream: {e}")));
         }
         Ok(true)
@@ -315,11 +328,43 @@ impl Stream for HostStream {
 
     unsafe fn read(&self, dst: &mut [u8], src: Addr) -> Result<(), DeviceError> {
         let m = self.mark()?;
+        // Bounded: the queue holds only copies and reductions of finite size, which never wait
+        // on anything (a failed job still counts as completed). Back off as the engine does, so
+        // a long queue does not cost a spinning core.
+        let mut waiter = crate::transport::wait::Waiter::backoff();
         while !self.done(&m)? {
-            std::thread::yield_now();
+            waiter.idle(std::time::Duration::from_millis(1));
         }
         // SAFETY: the caller guarantees the source range.
         dst.copy_from_slice(unsafe { bytes(src, dst.len()) });
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_panicking_job_fails_the_stream_and_later_waits_still_end() {
+        let s = HostStream::new();
+        s.push(Box::new(|| panic!("on purpose"))).unwrap();
+        let src = [7u8; 16];
+        let mut dst = [0u8; 16];
+        // SAFETY: `src` is live host memory of `dst.len()` bytes.
+        let r = unsafe { s.read(&mut dst, src.as_ptr() as usize as Addr) };
+        let e = r.expect_err("the panic is reported").to_string();
+        assert!(e.contains("panicked"), "{e}");
+        // The worker survived: later work completes (and the stream stays failed).
+        s.push(Box::new(|| Ok(()))).unwrap();
+        let m = s.mark().unwrap();
+        let start = std::time::Instant::now();
+        while !matches!(s.done(&m), Err(_)) {
+            assert!(
+                start.elapsed() < std::time::Duration::from_secs(10),
+                "never completed"
+            );
+            std::thread::yield_now();
+        }
     }
 }
