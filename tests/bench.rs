@@ -1,7 +1,7 @@
 //! `ringzero bench`'s harness with ranks as threads: exact checks that catch a corrupted result,
 //! rows that add up, and a JSON report that parses back.
 
-use ringzero::{Collective, DType, ReduceOp, TransportPref};
+use ringzero::{DType, ReduceOp, TransportPref};
 use ringzero_tools::bench::{self, report::Report, sweep::SweepArgs, BenchArgs};
 
 use crate::common::{threads, Opts};
@@ -46,13 +46,13 @@ fn a_corrupted_result_is_counted_and_a_clean_run_counts_nothing() {
         );
         assert_eq!(
             r.rows.len(),
-            6 * 4 * 2,
-            "6 ops × 4 sizes × (out of place, in place)"
+            6 * 4 * 2 + 4 * 4,
+            "6 ring ops × 4 sizes × (out of place, in place), 4 pairwise ops × 4 sizes"
         );
         for row in &r.rows {
             // Rank 1 holds a checked result unless its part is empty (or it is not the root).
             let rank1_checks = match row.op.as_str() {
-                "reduce" => false,
+                "reduce" | "gather" => false,
                 "reduce_scatter" => !ringzero::chunk(row.count, 3, 1).is_empty(),
                 _ => row.count > 0,
             };
@@ -198,17 +198,7 @@ fn rows_follow_the_nccl_tests_definitions_and_the_json_parses_back() {
             (row.alpha_us, row.beta_gbs),
             (Some(r.header.alpha_us), Some(r.header.beta_gbs))
         );
-        assert_eq!(
-            row.redop,
-            if matches!(
-                op,
-                Collective::AllGather | Collective::Broadcast { .. } | Collective::AllToAll
-            ) {
-                "-"
-            } else {
-                "sum"
-            }
-        );
+        assert_eq!(row.redop, if op.reduces() { "sum" } else { "-" });
     }
     let json = serde_json::to_string(r).unwrap();
     let back: Report = serde_json::from_str(&json).unwrap();

@@ -9,6 +9,7 @@ mod device;
 mod failures;
 mod flight;
 mod p2p;
+mod pairwise;
 mod processes;
 mod split;
 mod threads;

@@ -5,6 +5,7 @@
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 
+use crate::bootstrap::handshake::Role;
 use crate::bootstrap::peers::PeerListener;
 use crate::bootstrap::{Identity, StoreClient, StoreServer};
 use crate::config::Config;
@@ -80,10 +81,11 @@ pub(crate) struct PeerAddr {
 /// about the same time (each one's first send or receive naming the other). Each dials the
 /// other's peer listener and takes the other's call from its own; on the stream it dialled it
 /// sends how it receives (shm segment or tcp), and reads on the accepted one how the peer
-/// receives. A tcp link then carries its frames on that same connection.
+/// receives. A tcp link then carries its frames on that same connection. `role` tells a pair's
+/// point-to-point links from its pairwise collectives' ones.
 pub(crate) fn connect_pair(
     cfg: &Config,
-    peer: usize,
+    (peer, role): (usize, Role),
     theirs: &PeerAddr,
     listener: &PeerListener,
     abort: &AbortFlag,
@@ -96,16 +98,20 @@ pub(crate) fn connect_pair(
         rank: rank as u32,
     };
     let slot_bytes = cfg.slice_bytes;
-    let (recv_edge, shm_rx, published) = receive_side(cfg, peer, &theirs.node, "pair")?;
+    let label = match role {
+        Role::Pairwise => "pairwise",
+        _ => "pair",
+    };
+    let (recv_edge, shm_rx, published) = receive_side(cfg, peer, &theirs.node, label)?;
     // Dial and accept at once: each side waits for the other's call.
     let (out, inc) = std::thread::scope(|s| {
         let dial = s.spawn(|| -> Result<TcpStream> {
-            let mut out = tcp::connect(theirs.addr, &me, peer, cfg.timeout)?;
+            let mut out = tcp::connect_as(theirs.addr, &me, role, peer, cfg.timeout)?;
             write_blob(&mut out, published.as_bytes())
                 .map_err(|e| Error::io(format!("telling rank {peer} how this rank receives"), e))?;
             Ok(out)
         });
-        let inc = listener.take(peer, cfg.timeout, abort, what);
+        let inc = listener.take((peer, role), cfg.timeout, abort, what);
         let out = dial.join().map_err(|_| Error::Io {
             context: format!("connecting to rank {peer}"),
             detail: "the dialling thread panicked".into(),
@@ -121,11 +127,35 @@ pub(crate) fn connect_pair(
         detail: format!("reading how rank {peer} receives: {e}"),
     })?;
     let (send_kind, reason, path) = parse_published(&String::from_utf8_lossy(&info), peer)?;
-    let tx: Box<dyn SendLink> = match send_kind {
-        TransportKind::Shm => {
-            Box::new(ShmSend::attach(path.as_ref(), cfg.slots, slot_bytes, peer)?)
-        }
-        _ => Box::new(tcp::TcpSend::new(out, peer, cfg.slots, slot_bytes)?),
+    let shm_tx = match send_kind {
+        TransportKind::Shm => Some(ShmSend::attach(path.as_ref(), cfg.slots, slot_bytes, peer)?),
+        _ => None,
+    };
+    // Neither side goes on before both have attached: a rank whose calls with the peer end at
+    // once (sends that fit the slots) could otherwise drop its receive segment before the peer
+    // maps it. The byte precedes any frame on a tcp link's streams.
+    let mut out = out;
+    out.write_all(&[ATTACHED])
+        .and_then(|()| {
+            let mut b = [0u8];
+            inc.read_exact(&mut b)?;
+            match b[0] {
+                ATTACHED => Ok(()),
+                x => Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("byte {x:#04x} where the attach acknowledgement was expected"),
+                )),
+            }
+        })
+        .map_err(|e| Error::PeerLost {
+            op: what.into(),
+            seq: 0,
+            peer,
+            detail: format!("waiting for rank {peer} to attach to this rank's links: {e}"),
+        })?;
+    let tx: Box<dyn SendLink> = match shm_tx {
+        Some(tx) => Box::new(tx),
+        None => Box::new(tcp::TcpSend::new(out, peer, cfg.slots, slot_bytes)?),
     };
     let rx: Box<dyn RecvLink> = match shm_rx {
         Some(rx) => Box::new(rx),
@@ -140,6 +170,9 @@ pub(crate) fn connect_pair(
     let links = Links::new(tx, rx, peer, peer)?;
     Ok((links, vec![recv_edge, send_edge]))
 }
+
+/// What each side of [`connect_pair`] writes once it has attached its send link.
+const ATTACHED: u8 = 0xA7;
 
 /// Length-prefixed bytes (u32 little-endian length).
 fn write_blob(s: &mut TcpStream, b: &[u8]) -> std::io::Result<()> {

@@ -37,7 +37,8 @@ pub enum Kind {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
 #[repr(C)]
 pub struct Fingerprint {
-    /// Total element count.
+    /// Total element count (`u64::MAX` where it differs by rank: `all_to_all_v` as a whole;
+    /// each of its messages carries its own).
     pub count: u64,
     /// Root rank (`u32::MAX` when none).
     pub root: u32,
@@ -95,7 +96,9 @@ impl fmt::Display for Fingerprint {
         if let Some(op) = ReduceOp::from_code(self.redop) {
             write!(f, ", {op}")?;
         }
-        write!(f, ", count={}", self.count)?;
+        if self.count != u64::MAX {
+            write!(f, ", count={}", self.count)?;
+        }
         if let Some(r) = coll.root() {
             write!(f, ", root={r}")?;
         }

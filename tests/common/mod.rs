@@ -145,6 +145,28 @@ pub trait Colls {
             msg: "this communicator has no send/recv (host communicators only)".into(),
         })
     }
+    /// The host communicator, for the collectives only it has (the pairwise ones).
+    fn host(&self) -> Result<&Communicator> {
+        Err(ringzero::Error::InvalidArgument {
+            op: "pairwise collectives".into(),
+            msg: "host communicators only".into(),
+        })
+    }
+}
+
+/// Elements rank `from` sends rank `to` in the all-to-all-v cases: 0, ⅓, ⅔ or all of `count`.
+pub fn pair_count(count: usize, from: usize, to: usize) -> usize {
+    count * ((from + 2 * to) % 4) / 3
+}
+
+/// Rank `r`'s part in the all-gather-v cases: ⅓, ⅔, all or none of `count`.
+pub fn part_count(count: usize, r: usize) -> usize {
+    count * ((r + 1) % 4) / 3
+}
+
+/// Where rank `from`'s block for rank `to` starts in its all-to-all-v send buffer.
+fn pair_offset(count: usize, from: usize, to: usize) -> usize {
+    (0..to).map(|j| pair_count(count, from, j)).sum()
 }
 
 fn no_all_to_all() -> ringzero::Error {
@@ -238,6 +260,9 @@ forward_colls!(&Communicator, Communicator;
     }
     fn send_recv<T: Element>(&mut self, s: &[T], r: &mut [T], peer: usize) -> Result<()> {
         Communicator::send_recv(self, s, r, peer)
+    }
+    fn host(&self) -> Result<&Communicator> {
+        Ok(self)
     }
 );
 forward_colls!(DeviceComm<HostStream>, DeviceComm<HostStream>);
@@ -358,6 +383,37 @@ fn run_typed<T: TestElem, C: Colls>(comm: &mut C, c: &Case) -> Result<Vec<f64>> 
                 out
             }
         },
+        // The pairwise collectives have no in-place form: `in_place` runs them the same.
+        (Collective::AllToAllV, _) => {
+            let sends: Vec<usize> = (0..n).map(|j| pair_count(count, r, j)).collect();
+            let recvs: Vec<usize> = (0..n).map(|q| pair_count(count, q, r)).collect();
+            let send: Vec<T> = (0..sends.iter().sum()).map(mine).collect();
+            let mut out = garbage(recvs.iter().sum());
+            comm.host()?.all_to_all_v(&send, &sends, &mut out, &recvs)?;
+            out
+        }
+        (Collective::AllGatherV, _) => {
+            let counts: Vec<usize> = (0..n).map(|q| part_count(count, q)).collect();
+            let send: Vec<T> = (0..counts[r]).map(mine).collect();
+            let mut out = garbage(counts.iter().sum());
+            comm.host()?.all_gather_v(&send, &mut out, &counts)?;
+            out
+        }
+        (Collective::Gather { root }, _) => {
+            let mut out = garbage(if r == root { n * count } else { 0 });
+            comm.host()?.gather(&input, &mut out, root)?;
+            out
+        }
+        (Collective::Scatter { root }, _) => {
+            let send: Vec<T> = if r == root {
+                (0..n * count).map(mine).collect()
+            } else {
+                Vec::new()
+            };
+            let mut out = garbage(count);
+            comm.host()?.scatter(&send, &mut out, root)?;
+            out
+        }
     };
     Ok(out.into_iter().map(T::to_f64).collect())
 }
@@ -412,6 +468,23 @@ pub fn expected(c: &Case, n: usize, r: usize) -> Vec<f64> {
         }
         (Collective::SendRecv, _) if r ^ 1 < n => (0..count).map(|i| input(r ^ 1, i)).collect(),
         (Collective::SendRecv, _) => Vec::new(),
+        // Rank q's block for this rank, for every q in order.
+        (Collective::AllToAllV, _) => (0..n)
+            .flat_map(|q| {
+                let at = pair_offset(count, q, r);
+                (at..at + pair_count(count, q, r)).map(move |i| input(q, i))
+            })
+            .collect(),
+        (Collective::AllGatherV, _) => (0..n)
+            .flat_map(|q| (0..part_count(count, q)).map(move |i| input(q, i)))
+            .collect(),
+        (Collective::Gather { root }, _) if r == root => (0..n)
+            .flat_map(|q| (0..count).map(move |i| input(q, i)))
+            .collect(),
+        (Collective::Gather { .. }, _) => Vec::new(),
+        (Collective::Scatter { root }, _) => (r * count..(r + 1) * count)
+            .map(|i| input(root, i))
+            .collect(),
     }
 }
 
@@ -445,10 +518,17 @@ pub fn round_count(coll: Collective, n: usize, count: usize) -> usize {
     }
 }
 
-/// [`all_collectives`] and the host-only calls (all-to-all, pairwise send/recv).
-pub fn host_collectives(root: usize) -> [Collective; 9] {
+/// [`all_collectives`] and the host-only calls (all-to-all, send/recv, the pairwise collectives).
+pub fn host_collectives(root: usize) -> [Collective; 13] {
     let a = all_collectives(root);
-    let host = [Collective::AllToAll, Collective::SendRecv];
+    let host = [
+        Collective::AllToAll,
+        Collective::SendRecv,
+        Collective::AllToAllV,
+        Collective::AllGatherV,
+        Collective::Gather { root },
+        Collective::Scatter { root },
+    ];
     std::array::from_fn(|i| a.get(i).copied().unwrap_or_else(|| host[i - a.len()]))
 }
 

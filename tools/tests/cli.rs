@@ -161,7 +161,7 @@ fn bench_spawns_its_ranks_and_writes_json_and_svg() {
 fn bench_refuses_bad_arguments_without_starting_ranks() {
     // Without a GPU, asking for one says no driver was found (with a GPU, these would run).
     let mut cases = vec![
-        (vec!["bench", "gather"], "unknown op `gather`"),
+        (vec!["bench", "hypercube"], "unknown op `hypercube`"),
         (vec!["bench", "-b", "1M", "-e", "1K"], "is larger than"),
         (vec!["bench", "-d", "f8"], "unknown dtype"),
         (vec!["bench", "--transport", "udp"], "--transport udp"),

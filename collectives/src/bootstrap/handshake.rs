@@ -32,13 +32,16 @@ const BAD_JOB: u8 = 2;
 const BAD_SECRET: u8 = 3;
 
 /// What a connection is for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u8)]
 pub enum Role {
     /// A connection to the rendezvous store.
     Store = 1,
-    /// A ring data link.
+    /// A data link: the ring's, all-to-all's strides', or a pair's for point-to-point calls.
     Data = 2,
+    /// A pair's data link for the pairwise collectives (all-to-all-v, gather, ...), apart from
+    /// its point-to-point one so that messages pending there never stand in their way.
+    Pairwise = 3,
 }
 
 /// Who this end is.
@@ -192,6 +195,7 @@ pub fn server(s: &mut TcpStream, me: &Identity, timeout: Duration) -> Result<Pee
     let role = match hello[6] {
         1 => Role::Store,
         2 => Role::Data,
+        3 => Role::Pairwise,
         r => {
             return Err(Error::Handshake {
                 peer,

@@ -19,10 +19,10 @@ use super::handshake::{self, Identity, Role};
 use crate::error::{Error, Result};
 use crate::ring::engine::AbortFlag;
 
-/// Authenticated connections waiting for the call that expects them, by caller rank.
+/// Authenticated connections waiting for the call that expects them, by caller rank and role.
 #[derive(Default)]
 struct Inbox {
-    by_rank: Mutex<HashMap<usize, VecDeque<TcpStream>>>,
+    by_rank: Mutex<HashMap<(usize, Role), VecDeque<TcpStream>>>,
     arrived: Condvar,
 }
 
@@ -99,11 +99,11 @@ impl PeerListener {
         self.addr
     }
 
-    /// The next authenticated connection from rank `peer`, waiting up to `timeout` (checking
-    /// `abort` as it waits). `what` names the call, for the errors.
+    /// The next authenticated connection of `role` from rank `peer`, waiting up to `timeout`
+    /// (checking `abort` as it waits). `what` names the call, for the errors.
     pub(crate) fn take(
         &self,
-        peer: usize,
+        (peer, role): (usize, Role),
         timeout: Duration,
         abort: &AbortFlag,
         what: &str,
@@ -111,7 +111,7 @@ impl PeerListener {
         let deadline = Instant::now() + timeout;
         let mut by_rank = self.inbox.by_rank.lock().unwrap_or_else(|p| p.into_inner());
         loop {
-            if let Some(s) = by_rank.get_mut(&peer).and_then(|q| q.pop_front()) {
+            if let Some(s) = by_rank.get_mut(&(peer, role)).and_then(|q| q.pop_front()) {
                 return Ok(s);
             }
             if let Some(reason) = abort.reason() {
@@ -127,11 +127,18 @@ impl PeerListener {
                     op: what.into(),
                     seq: 0,
                     peer,
-                    waiting: format!(
-                        "rank {peer} to make its first send or receive with rank {} (the pair \
-                         connects its links then)",
-                        self.rank
-                    ),
+                    waiting: match role {
+                        Role::Pairwise => format!(
+                            "rank {peer} to join its first pairwise collective with rank {} (the \
+                             pair connects those links then)",
+                            self.rank
+                        ),
+                        _ => format!(
+                            "rank {peer} to make its first send or receive with rank {} (the \
+                             pair connects its links then)",
+                            self.rank
+                        ),
+                    },
                     after: timeout,
                 });
             }
@@ -159,25 +166,30 @@ impl Drop for PeerListener {
 }
 
 impl Inbox {
-    fn file(&self, caller: usize, s: TcpStream) {
+    fn file(&self, caller: (usize, Role), s: TcpStream) {
         let mut by_rank = self.by_rank.lock().unwrap_or_else(|p| p.into_inner());
         by_rank.entry(caller).or_default().push_back(s);
         self.arrived.notify_all();
     }
 }
 
-/// Run the server side of the handshake on an accepted caller; its rank and the stream.
-fn authenticate(mut s: TcpStream, me: &Identity, timeout: Duration) -> Result<(usize, TcpStream)> {
+/// Run the server side of the handshake on an accepted caller; its rank and role, and the
+/// stream.
+fn authenticate(
+    mut s: TcpStream,
+    me: &Identity,
+    timeout: Duration,
+) -> Result<((usize, Role), TcpStream)> {
     s.set_nonblocking(false)
         .map_err(|e| Error::io("accepted peer socket", e))?;
     let hello = handshake::server(&mut s, me, timeout)?;
-    if hello.role != Role::Data {
+    if !matches!(hello.role, Role::Data | Role::Pairwise) {
         return Err(Error::Handshake {
             peer: format!("rank {}", hello.rank),
             reason: format!("role {:?} on the peer listener", hello.role),
         });
     }
-    Ok((hello.rank as usize, s))
+    Ok(((hello.rank as usize, hello.role), s))
 }
 
 #[cfg(test)]
@@ -205,20 +217,31 @@ mod tests {
         assert!(
             crate::transport::tcp::connect(l.addr(), &wrong, 0, Duration::from_secs(2)).is_err()
         );
-        // Ranks 3 and 2 of the job: filed under their ranks, taken in any order.
-        for rank in [3, 2] {
+        // Ranks 3 and 2 of the job: filed under their ranks (and roles), taken in any order.
+        let tcp = |rank, role| {
             let who = Identity { rank, ..me };
-            crate::transport::tcp::connect(l.addr(), &who, 0, Duration::from_secs(2)).unwrap();
-        }
+            crate::transport::tcp::connect_as(l.addr(), &who, role, 0, Duration::from_secs(2))
+                .unwrap()
+        };
+        let mut pairwise = tcp(3, Role::Pairwise);
+        pairwise.write_all(b"pairwise").unwrap();
+        let mut data = tcp(3, Role::Data);
+        data.write_all(b"data").unwrap();
+        tcp(2, Role::Data);
         let abort = AbortFlag::default();
-        for rank in [2, 3] {
-            l.take(rank, Duration::from_secs(5), &abort, "test")
-                .unwrap();
-        }
+        let take =
+            |peer, role, secs| l.take((peer, role), Duration::from_secs(secs), &abort, "test");
+        take(2, Role::Data, 5).unwrap();
+        let mut got = String::new();
+        let mut d = take(3, Role::Data, 5).unwrap();
+        d.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        std::io::Read::read_to_string(&mut std::io::Read::take(&mut d, 4), &mut got).unwrap();
+        assert_eq!(got, "data", "each role gets its own connection");
+        take(3, Role::Pairwise, 5).unwrap();
         // Nobody else called: rank 3 has no second connection, and the wait says who is missing.
         let t = Instant::now();
         let e = l
-            .take(3, Duration::from_millis(300), &abort, "test")
+            .take((3, Role::Data), Duration::from_millis(300), &abort, "test")
             .unwrap_err();
         assert!(t.elapsed() >= Duration::from_millis(300));
         assert!(
@@ -228,9 +251,7 @@ mod tests {
         );
         // An abort ends the wait at once.
         abort.raise("watchdog".into());
-        let e = l
-            .take(1, Duration::from_secs(30), &abort, "test")
-            .unwrap_err();
+        let e = take(1, Role::Pairwise, 30).unwrap_err();
         assert!(matches!(e, Error::Aborted { .. }), "{e}");
     }
 }

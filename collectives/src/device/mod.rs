@@ -191,6 +191,17 @@ impl<S: Stream> DeviceComm<S> {
                 c,
                 "send/recv run on host buffers only (Communicator::send, recv, send_recv)".into(),
             )),
+            Collective::AllToAllV
+            | Collective::AllGatherV
+            | Collective::Gather { .. }
+            | Collective::Scatter { .. } => Err(bad(
+                c,
+                format!(
+                    "{} runs on host buffers only (Communicator::{})",
+                    c.name(),
+                    c.name()
+                ),
+            )),
         }
     }
 

@@ -59,6 +59,24 @@ pub enum Collective {
     /// the two ranks take part, over links of their own, and the frames of each direction carry
     /// that direction's own sequence numbers. Planned by [`plan_p2p`].
     SendRecv,
+    /// All-to-all with a count per pair of ranks (`MPI_Alltoallv`). Like the three below, it
+    /// runs over the point-to-point links: each pair of ranks exchanges one message each way
+    /// (possibly empty), planned by [`plan_p2p`] and numbered with the collective's sequence
+    /// number.
+    AllToAllV,
+    /// All-gather of parts of different sizes (`MPI_Allgatherv`): every rank sends its part to
+    /// every other rank.
+    AllGatherV,
+    /// The root ends with every rank's buffer, in rank order (`MPI_Gather`).
+    Gather {
+        /// Destination rank.
+        root: usize,
+    },
+    /// Rank `r` ends with block `r` of the root's buffer (`MPI_Scatter`).
+    Scatter {
+        /// Source rank.
+        root: usize,
+    },
 }
 
 impl Collective {
@@ -74,13 +92,20 @@ impl Collective {
             Collective::RingShift => 7,
             Collective::AllToAll => 8,
             Collective::SendRecv => 9,
+            Collective::AllToAllV => 10,
+            Collective::AllGatherV => 11,
+            Collective::Gather { .. } => 12,
+            Collective::Scatter { .. } => 13,
         }
     }
 
     /// The root, if this collective has one.
     pub fn root(self) -> Option<usize> {
         match self {
-            Collective::Broadcast { root } | Collective::Reduce { root } => Some(root),
+            Collective::Broadcast { root }
+            | Collective::Reduce { root }
+            | Collective::Gather { root }
+            | Collective::Scatter { root } => Some(root),
             _ => None,
         }
     }
@@ -97,6 +122,10 @@ impl Collective {
             Collective::RingShift => "ring_shift",
             Collective::AllToAll => "all_to_all",
             Collective::SendRecv => "send_recv",
+            Collective::AllToAllV => "all_to_all_v",
+            Collective::AllGatherV => "all_gather_v",
+            Collective::Gather { .. } => "gather",
+            Collective::Scatter { .. } => "scatter",
         }
     }
 
@@ -120,6 +149,10 @@ impl Collective {
             7 => Collective::RingShift,
             8 => Collective::AllToAll,
             9 => Collective::SendRecv,
+            10 => Collective::AllToAllV,
+            11 => Collective::AllGatherV,
+            12 => Collective::Gather { root },
+            13 => Collective::Scatter { root },
             _ => return None,
         })
     }
@@ -353,7 +386,14 @@ pub fn plan(a: PlanArgs) -> Plan {
                 }
             }
         }
-        Collective::RingShift | Collective::AllToAll | Collective::SendRecv => {
+        // The pairwise collectives plan each message like this (`plan_p2p` is the same frames).
+        Collective::RingShift
+        | Collective::AllToAll
+        | Collective::SendRecv
+        | Collective::AllToAllV
+        | Collective::AllGatherV
+        | Collective::Gather { .. }
+        | Collective::Scatter { .. } => {
             // Send slice j before receiving slice j into the same place: in place works too.
             let slices = count.div_ceil(se).max(1);
             for j in 0..slices {

@@ -238,7 +238,13 @@ fn check(coll: Collective, n: usize, count: usize, se: usize, in_place: bool, or
                 }
             }
             Collective::Barrier => assert!(out.is_empty()),
-            Collective::RingShift | Collective::AllToAll | Collective::SendRecv => {
+            Collective::RingShift
+            | Collective::AllToAll
+            | Collective::SendRecv
+            | Collective::AllToAllV
+            | Collective::AllGatherV
+            | Collective::Gather { .. }
+            | Collective::Scatter { .. } => {
                 let want = unit((r + n - 1) % n);
                 assert!(out.iter().all(|v| *v == want), "rank {r}: {out:?}");
             }
@@ -269,7 +275,13 @@ fn check(coll: Collective, n: usize, count: usize, se: usize, in_place: bool, or
                 }
             }
             Collective::Barrier => 0,
-            Collective::RingShift | Collective::AllToAll | Collective::SendRecv => count,
+            Collective::RingShift
+            | Collective::AllToAll
+            | Collective::SendRecv
+            | Collective::AllToAllV
+            | Collective::AllGatherV
+            | Collective::Gather { .. }
+            | Collective::Scatter { .. } => count,
         };
         assert_eq!(
             sim.sent_elems[r],

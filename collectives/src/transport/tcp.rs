@@ -65,6 +65,17 @@ pub fn connect(
     peer: usize,
     timeout: Duration,
 ) -> Result<TcpStream> {
+    connect_as(addr, me, Role::Data, peer, timeout)
+}
+
+/// [`connect`] for a connection of `role`.
+pub fn connect_as(
+    addr: SocketAddr,
+    me: &Identity,
+    role: Role,
+    peer: usize,
+    timeout: Duration,
+) -> Result<TcpStream> {
     let deadline = Instant::now() + timeout;
     let who = format!("rank {peer} at {addr}");
     loop {
@@ -77,7 +88,7 @@ pub fn connect(
             Ok(()) => {
                 let mut s: TcpStream = sock.into();
                 tune(&s);
-                let theirs = handshake::client(&mut s, me, Role::Data, &who, timeout)?;
+                let theirs = handshake::client(&mut s, me, role, &who, timeout)?;
                 if theirs as usize != peer {
                     return Err(Error::Handshake {
                         peer: who,

@@ -115,12 +115,18 @@ fn call<D: BenchDev>(
         (Collective::Barrier, _) => dc.barrier(),
         (Collective::RingShift, false) => dc.ring_shift(send, recv),
         (Collective::RingShift, true) => dc.ring_shift_in_place(send),
-        (Collective::AllToAll | Collective::SendRecv, _) => {
-            Err(ringzero_collectives::Error::InvalidArgument {
-                op: op.name().into(),
-                msg: "all-to-all and send/recv run on host buffers only (Communicator)".into(),
-            })
-        }
+        (
+            Collective::AllToAll
+            | Collective::SendRecv
+            | Collective::AllToAllV
+            | Collective::AllGatherV
+            | Collective::Gather { .. }
+            | Collective::Scatter { .. },
+            _,
+        ) => Err(ringzero_collectives::Error::InvalidArgument {
+            op: op.name().into(),
+            msg: format!("{} runs on host buffers only (Communicator)", op.name()),
+        }),
     }
 }
 

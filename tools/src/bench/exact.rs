@@ -62,11 +62,15 @@ pub fn reference(dtype: DType, op: ReduceOp, n: usize, i: usize, seed: usize) ->
     }
 }
 
-/// The element count a sweep runs `op` on for a buffer of `count` elements: all-to-all sends
-/// equal blocks, so its count is rounded down to a multiple of `n` (as nccl-tests does).
+/// The element count a sweep runs `op` on for a buffer of `count` elements: all-to-all, gather
+/// and scatter move equal blocks, so their count is rounded down to a multiple of `n` (as
+/// nccl-tests does).
 pub fn round_count(op: Collective, n: usize, count: usize) -> usize {
     match op {
-        Collective::AllToAll => count - count % n.max(1),
+        Collective::AllToAll
+        | Collective::AllToAllV
+        | Collective::Gather { .. }
+        | Collective::Scatter { .. } => count - count % n.max(1),
         _ => count,
     }
 }
@@ -78,13 +82,18 @@ pub fn partner(r: usize, n: usize) -> Option<usize> {
 }
 
 /// Send and receive lengths of one call of `op` on `count` elements at rank `r` of `n` (in place,
-/// the send buffer is the whole buffer, except for all-gather, which works in `recv`).
+/// the send buffer is the whole buffer, except for all-gather, which works in `recv`). The sweep
+/// runs the `-v` forms on the balanced counts of their ring forms; gather and scatter move blocks
+/// of `count / n` (`count` a multiple of `n`).
 pub fn lens(op: Collective, n: usize, r: usize, count: usize) -> (usize, usize) {
     let own = chunk(count, n, r).len();
+    let at_root = |root: usize| if r == root { count } else { 0 };
     match op {
         Collective::ReduceScatter => (count, own),
-        Collective::AllGather => (own, count),
-        Collective::Reduce { root } => (count, if r == root { count } else { 0 }),
+        Collective::AllGather | Collective::AllGatherV => (own, count),
+        Collective::Reduce { root } => (count, at_root(root)),
+        Collective::Gather { root } => (count / n.max(1), at_root(root)),
+        Collective::Scatter { root } => (at_root(root), count / n.max(1)),
         Collective::Barrier => (0, 0),
         _ => (count, count),
     }
@@ -104,7 +113,9 @@ pub fn inputs(
     let (s, rl) = lens(op, n, r, count);
     let mut recv = vec![99.0; rl];
     let send: Vec<f64> = match op {
-        Collective::AllGather => {
+        // Rank r gathers its block r of the buffer.
+        Collective::Gather { .. } => (r * s..(r + 1) * s).map(mine).collect(),
+        Collective::AllGather | Collective::AllGatherV => {
             if inplace {
                 own.clone().for_each(|i| recv[i] = mine(i));
             }
@@ -143,7 +154,7 @@ pub fn landing(
         Collective::AllReduce => (home, 0..count, (0..count).map(red).collect()),
         Collective::ReduceScatter if inplace => (Lands::Send, own.clone(), own.map(red).collect()),
         Collective::ReduceScatter => (Lands::Recv, 0..own.len(), own.map(red).collect()),
-        Collective::AllGather => {
+        Collective::AllGather | Collective::AllGatherV => {
             let owner = |i: usize| {
                 (0..n)
                     .find(|&q| chunk(count, n, q).contains(&i))
@@ -161,7 +172,7 @@ pub fn landing(
             0..count,
             (0..count).map(|i| input((r + n - 1) % n, i)).collect(),
         ),
-        Collective::AllToAll => {
+        Collective::AllToAll | Collective::AllToAllV => {
             // Block q of the result is block r of rank q's input.
             let b = count / n;
             let want = (0..count).map(|i| input(i / b, r * b + i % b)).collect();
@@ -171,7 +182,22 @@ pub fn landing(
             let p = partner(r, n)?;
             (home, 0..count, (0..count).map(|i| input(p, i)).collect())
         }
-        Collective::Reduce { .. } | Collective::Barrier => return None,
+        Collective::Gather { root } if r == root => {
+            // Block q is rank q's block q.
+            (
+                Lands::Recv,
+                0..count,
+                (0..count)
+                    .map(|i| input(i / (count / n).max(1), i))
+                    .collect(),
+            )
+        }
+        Collective::Scatter { root } => {
+            let b = count / n;
+            let want = (r * b..(r + 1) * b).map(|i| input(root, i)).collect();
+            (Lands::Recv, 0..b, want)
+        }
+        Collective::Reduce { .. } | Collective::Gather { .. } | Collective::Barrier => return None,
     })
 }
 

@@ -28,6 +28,20 @@ pub struct BenchArgs {
     pub probe_bytes: usize,
 }
 
+/// Whether `op` runs on device buffers (`DeviceComm`): the ring's collectives do; all-to-all,
+/// send/recv and the pairwise collectives are host-only.
+pub fn on_device(op: Collective) -> bool {
+    !matches!(
+        op,
+        Collective::AllToAll
+            | Collective::SendRecv
+            | Collective::AllToAllV
+            | Collective::AllGatherV
+            | Collective::Gather { .. }
+            | Collective::Scatter { .. }
+    )
+}
+
 /// Parse an op name: `all-reduce` (or `all_reduce`, `allreduce`), ..., or `all`.
 pub fn parse_ops(s: &str) -> std::result::Result<Vec<Collective>, String> {
     let norm: String = s
@@ -43,6 +57,10 @@ pub fn parse_ops(s: &str) -> std::result::Result<Vec<Collective>, String> {
         "reduce" => vec![Collective::Reduce { root: 0 }],
         "alltoall" | "a2a" => vec![Collective::AllToAll],
         "sendrecv" | "p2p" => vec![Collective::SendRecv],
+        "alltoallv" => vec![Collective::AllToAllV],
+        "allgatherv" => vec![Collective::AllGatherV],
+        "gather" => vec![Collective::Gather { root: 0 }],
+        "scatter" => vec![Collective::Scatter { root: 0 }],
         "all" => vec![
             Collective::AllReduce,
             Collective::ReduceScatter,
@@ -50,11 +68,16 @@ pub fn parse_ops(s: &str) -> std::result::Result<Vec<Collective>, String> {
             Collective::Broadcast { root: 0 },
             Collective::Reduce { root: 0 },
             Collective::AllToAll,
+            Collective::AllToAllV,
+            Collective::AllGatherV,
+            Collective::Gather { root: 0 },
+            Collective::Scatter { root: 0 },
         ],
         _ => {
             return Err(format!(
                 "unknown op `{s}` (expected all-reduce, reduce-scatter, all-gather, broadcast, \
-                 reduce, all-to-all, send-recv or all)"
+                 reduce, all-to-all, all-to-all-v, all-gather-v, gather, scatter, send-recv or \
+                 all)"
             ))
         }
     })
@@ -192,15 +215,11 @@ pub fn run_device<D: device::BenchDev>(
     } else {
         kinds.join("+")
     };
-    let ops: Vec<Collective> = a
-        .ops
-        .iter()
-        .copied()
-        .filter(|&op| !matches!(op, Collective::AllToAll | Collective::SendRecv))
-        .collect();
+    let ops: Vec<Collective> = a.ops.iter().copied().filter(|&op| on_device(op)).collect();
     if ops.len() < a.ops.len() && comm.rank() == 0 {
         eprintln!(
-            "all-to-all and send-recv run on host buffers only: left out of the device sweep"
+            "all-to-all, send-recv and the pairwise collectives (all-to-all-v, all-gather-v, \
+             gather, scatter) run on host buffers only: left out of the device sweep"
         );
     }
     let total = ops.len() * a.sweep.sizes.len();
@@ -270,13 +289,25 @@ mod tests {
             parse_ops("reduce_scatter").unwrap(),
             vec![Collective::ReduceScatter]
         );
-        assert_eq!(parse_ops("all").unwrap().len(), 6);
+        assert_eq!(parse_ops("all").unwrap().len(), 10);
+        assert_eq!(
+            parse_ops("all_to_all_v").unwrap(),
+            vec![Collective::AllToAllV]
+        );
+        assert_eq!(
+            parse_ops("AllGatherV").unwrap(),
+            vec![Collective::AllGatherV]
+        );
+        assert_eq!(
+            parse_ops("scatter").unwrap(),
+            vec![Collective::Scatter { root: 0 }]
+        );
         assert_eq!(parse_ops("all-to-all").unwrap(), vec![Collective::AllToAll]);
         assert_eq!(parse_ops("send-recv").unwrap(), vec![Collective::SendRecv]);
         assert!(!parse_ops("all").unwrap().contains(&Collective::SendRecv));
-        assert!(parse_ops("gather")
+        assert!(parse_ops("hypercube")
             .unwrap_err()
-            .contains("unknown op `gather`"));
+            .contains("unknown op `hypercube`"));
         assert_eq!(sizes(8, 64, 2).unwrap(), vec![8, 16, 32, 64]);
         assert_eq!(sizes(4096, 4096, 2).unwrap(), vec![4096]);
         assert!(sizes(10, 5, 2).is_err());

@@ -6,7 +6,7 @@
 
 use std::time::Instant;
 
-use ringzero_collectives::{Collective, Communicator, DType, Element, ReduceOp, Result};
+use ringzero_collectives::{chunk, Collective, Communicator, DType, Element, ReduceOp, Result};
 use serde::Serialize;
 
 use super::exact;
@@ -144,7 +144,14 @@ fn sweep_typed<T: Element>(
 
 /// Whether `op` has an in-place form to sweep.
 pub fn has_in_place(op: Collective) -> bool {
-    op != Collective::SendRecv
+    !matches!(
+        op,
+        Collective::SendRecv
+            | Collective::AllToAllV
+            | Collective::AllGatherV
+            | Collective::Gather { .. }
+            | Collective::Scatter { .. }
+    )
 }
 
 /// Time `call` on every rank: warm-up calls, a barrier, timed calls. Returns the mean over ranks of
@@ -337,9 +344,27 @@ fn run<T: Element>(
             None => Ok(()),
             Some(peer) => comm.send_recv(send, recv, peer),
         },
-        (Collective::SendRecv, true) => Err(ringzero_collectives::Error::InvalidArgument {
+        (Collective::AllToAllV, false) => {
+            let counts = vec![send.len() / comm.size(); comm.size()];
+            comm.all_to_all_v(send, &counts, recv, &counts)
+        }
+        (Collective::AllGatherV, false) => {
+            let n = comm.size();
+            let counts: Vec<usize> = (0..n).map(|q| chunk(recv.len(), n, q).len()).collect();
+            comm.all_gather_v(send, recv, &counts)
+        }
+        (Collective::Gather { root }, false) => comm.gather(send, recv, root),
+        (Collective::Scatter { root }, false) => comm.scatter(send, recv, root),
+        (
+            Collective::SendRecv
+            | Collective::AllToAllV
+            | Collective::AllGatherV
+            | Collective::Gather { .. }
+            | Collective::Scatter { .. },
+            true,
+        ) => Err(ringzero_collectives::Error::InvalidArgument {
             op: op.name().into(),
-            msg: "send/recv has no in-place form".into(),
+            msg: format!("{} has no in-place form", op.name()),
         }),
     }
 }

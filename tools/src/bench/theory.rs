@@ -25,7 +25,13 @@ pub fn busbw_factor(op: Collective, n: usize) -> f64 {
     let n = n as f64;
     match op {
         Collective::AllReduce => 2.0 * (n - 1.0) / n,
-        Collective::ReduceScatter | Collective::AllGather | Collective::AllToAll => (n - 1.0) / n,
+        Collective::ReduceScatter
+        | Collective::AllGather
+        | Collective::AllToAll
+        | Collective::AllToAllV
+        | Collective::AllGatherV
+        | Collective::Gather { .. }
+        | Collective::Scatter { .. } => (n - 1.0) / n,
         _ => 1.0,
     }
 }
@@ -48,8 +54,13 @@ pub fn steps(op: Collective, n: usize) -> usize {
     let hops = n.saturating_sub(1);
     match op {
         Collective::AllReduce => 2 * hops,
-        // One message each way between two ranks.
-        Collective::SendRecv => 1,
+        // One message each way between two ranks; the pairwise collectives send all theirs at
+        // once.
+        Collective::SendRecv
+        | Collective::AllToAllV
+        | Collective::AllGatherV
+        | Collective::Gather { .. }
+        | Collective::Scatter { .. } => 1,
         _ => hops,
     }
 }
@@ -62,10 +73,16 @@ pub fn bytes_per_link(op: Collective, n: usize, bytes: usize) -> f64 {
     let (s, n) = (bytes as f64, n as f64);
     match op {
         Collective::AllReduce => 2.0 * (n - 1.0) / n * s,
-        // All-to-all: n − 1 exchanges of one block (s/n), each over its own link.
-        Collective::ReduceScatter | Collective::AllGather | Collective::AllToAll => {
-            (n - 1.0) / n * s
-        }
+        // All-to-all: n − 1 exchanges of one block (s/n), each over its own link. The pairwise
+        // collectives move as much through each rank (the root, for gather and scatter), which
+        // one engine thread drives: they count as one link.
+        Collective::ReduceScatter
+        | Collective::AllGather
+        | Collective::AllToAll
+        | Collective::AllToAllV
+        | Collective::AllGatherV
+        | Collective::Gather { .. }
+        | Collective::Scatter { .. } => (n - 1.0) / n * s,
         Collective::RingShift => s,
         _ => s,
     }

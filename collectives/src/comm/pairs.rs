@@ -1,0 +1,377 @@
+//! Point-to-point: send and receive between two ranks over links of their own (one each way per
+//! pair, connected straight between the two ranks by the pair's first call).
+
+use std::collections::BTreeMap;
+
+use ringzero_kernels::{DType, Element, ReduceOp};
+
+use super::{Communicator, Inner};
+use crate::bootstrap::Role;
+use crate::connect;
+use crate::error::{Error, Result};
+use crate::ring::engine::{self, Bufs, Call, Lane, Links};
+use crate::ring::{plan_p2p, Collective, Plan};
+use crate::wire::Fingerprint;
+
+/// One message of a point-to-point call, as bytes: to or from a peer.
+enum Msg<'a> {
+    Send(&'a [u8], usize),
+    Recv(&'a mut [u8], usize),
+}
+
+/// One peer's sends and receives in a point-to-point call, in program order.
+type PeerMsgs<'a> = (Vec<&'a [u8]>, Vec<&'a mut [u8]>);
+
+/// One message of [`Communicator::send_recv_batch`].
+#[derive(Debug)]
+pub enum P2p<'a, T> {
+    /// Send the buffer to the rank.
+    Send(&'a [T], usize),
+    /// Receive into the buffer from the rank.
+    Recv(&'a mut [T], usize),
+}
+
+/// The links of this rank with one peer, for point-to-point calls, and how many messages each
+/// direction has carried (each direction numbers its own: a message's sequence number).
+pub(super) struct Pair {
+    pub(super) links: Links,
+    pub(super) sent: u64,
+    pub(super) received: u64,
+}
+
+impl Communicator {
+    /// Send `buf` to rank `peer`, which receives it with [`Communicator::recv`] (or
+    /// [`Communicator::send_recv`]) of the same element type and count.
+    ///
+    /// Point-to-point calls are not collectives: only the two ranks take part, over links of
+    /// their own, so they mix freely with collectives. The pair's first call (whichever of the
+    /// three each rank makes) connects those links straight between the two ranks (same
+    /// handshake and shm/tcp choice as the ring; rank 0's store is not needed), and both ranks
+    /// must reach it before either goes on; later calls need no rendezvous. Messages from one
+    /// rank to another arrive in the order they were sent. Like `MPI_Send`, a send may return
+    /// before the receiver has called `recv` (while the message fits the link's `RINGZERO_SLOTS`
+    /// × `RINGZERO_SLICE_BYTES`), or wait for it: two ranks that each send the other a large
+    /// message before receiving wait until the deadline, so exchange with
+    /// [`Communicator::send_recv`].
+    ///
+    /// A receiver expecting another count or element type fails with an [`Error::Mismatch`]
+    /// naming both calls; a peer that never makes its call fails this one at the deadline; any
+    /// error aborts the communicator, as a collective's does. Point-to-point calls are not
+    /// entries of the flight record (its sequence numbers are the collectives').
+    pub fn send<T: Element>(&self, buf: &[T], peer: usize) -> Result<()> {
+        self.send_recv_batch(&mut [P2p::Send(buf, peer)])
+    }
+
+    /// Receive into `buf` what rank `peer` sends with [`Communicator::send`] (or
+    /// [`Communicator::send_recv`]); its count and element type must be `buf`'s. Returns once
+    /// the whole message is in `buf`. See [`Communicator::send`].
+    pub fn recv<T: Element>(&self, buf: &mut [T], peer: usize) -> Result<()> {
+        self.send_recv_batch(&mut [P2p::Recv(buf, peer)])
+    }
+
+    /// Send `send` to rank `peer` and receive `recv` from it at once (`MPI_Sendrecv` with one
+    /// peer; pipeline stages trading activations for gradients). The two directions interleave
+    /// slice by slice, so two ranks exchanging messages of any size never wait on each other.
+    /// The counts may differ; each must match what the peer sends or expects. To send to one
+    /// neighbour while receiving from the other, use [`Communicator::ring_shift`].
+    pub fn send_recv<T: Element>(&self, send: &[T], recv: &mut [T], peer: usize) -> Result<()> {
+        self.send_recv_batch(&mut [P2p::Send(send, peer), P2p::Recv(recv, peer)])
+    }
+
+    /// Run several sends and receives, to and from any peers, at once (NCCL's grouped calls,
+    /// torch's `batch_isend_irecv`): every message moves as soon as it can, so a batch never
+    /// waits on itself — send to the next rank while receiving from the previous one, or swap
+    /// with every rank — whatever calls the peers make. Messages to one peer (and from one peer)
+    /// keep their order in the batch, and each is matched by the peer as if sent or received
+    /// alone. Pairs that have not met yet connect at once. Returns once every message has
+    /// completed; any error fails the communicator.
+    pub fn send_recv_batch<T: Element>(&self, msgs: &mut [P2p<'_, T>]) -> Result<()> {
+        self.wait_async_idle();
+        let msgs = msgs
+            .iter_mut()
+            .map(|m| match m {
+                P2p::Send(b, p) => Msg::Send(bytemuck::cast_slice(b), *p),
+                P2p::Recv(b, p) => Msg::Recv(bytemuck::cast_slice_mut(b), *p),
+            })
+            .collect();
+        self.inner.point_to_point(T::DTYPE, msgs)
+    }
+}
+
+impl Inner {
+    /// Every point-to-point call ([`Communicator::send`], `recv`, `send_recv`,
+    /// `send_recv_batch`) on messages of `dtype`: connect the pairs not yet connected (all at
+    /// once), then run every peer's messages as one lane of [`engine::run_lanes`].
+    fn point_to_point(&self, dtype: DType, mut msgs: Vec<Msg<'_>>) -> Result<()> {
+        let es = dtype.size();
+        let fp_of =
+            |b: &[u8]| Fingerprint::new(Collective::SendRecv, Some(dtype), None, b.len() / es);
+        for (i, m) in msgs.iter().enumerate() {
+            let (verb, peer) = match m {
+                Msg::Send(_, p) => ("send to", *p),
+                Msg::Recv(_, p) => ("recv from", *p),
+            };
+            if peer >= self.size || peer == self.rank {
+                let why = if peer == self.rank {
+                    "is this rank (copy the buffer instead)".to_string()
+                } else {
+                    format!("is not a rank of this {}-rank communicator", self.size)
+                };
+                let which = if msgs.len() > 1 {
+                    format!(" (message {i} of the batch)")
+                } else {
+                    String::new()
+                };
+                return Err(Error::InvalidArgument {
+                    op: format!("{verb} rank {peer}{which}"),
+                    msg: format!("peer {peer} {why}"),
+                });
+            }
+        }
+        let Some(first) = msgs.first() else {
+            return Ok(());
+        };
+        let fp = match first {
+            Msg::Send(b, _) => fp_of(b),
+            Msg::Recv(b, _) => fp_of(b),
+        };
+        let mut st = self.lock();
+        engine::refuse(st.failed.as_ref(), &self.abort, &fp, 0)?;
+        let mut pairs = self.pairs.lock().unwrap_or_else(|p| p.into_inner());
+        let r = match msgs.as_mut_slice() {
+            // `send`, `recv`, `send_recv`: one call with one peer, without the batch's grouping
+            // (small messages are latency-bound).
+            [Msg::Send(s, p)] => self.run_single(&mut pairs, (dtype, &fp), *p, Some(s), None),
+            [Msg::Recv(r, p)] => self.run_single(&mut pairs, (dtype, &fp), *p, None, Some(r)),
+            [Msg::Send(s, p), Msg::Recv(r, q)] if p == q => {
+                self.run_single(&mut pairs, (dtype, &fp), *p, Some(s), Some(r))
+            }
+            _ => {
+                // Each peer's sends and receives, in program order.
+                let mut by_peer: BTreeMap<usize, PeerMsgs> = BTreeMap::new();
+                for m in msgs {
+                    match m {
+                        Msg::Send(b, p) => by_peer.entry(p).or_default().0.push(b),
+                        Msg::Recv(b, p) => by_peer.entry(p).or_default().1.push(b),
+                    }
+                }
+                self.connect_pairs(&mut pairs, by_peer.keys().copied(), &fp)
+                    .and_then(|()| self.run_batch(&mut pairs, dtype, by_peer))
+            }
+        };
+        drop(pairs);
+        if let Err(e) = &r {
+            self.fail(&mut st, e);
+        }
+        r
+    }
+
+    /// One call with one peer: at most one message each way.
+    fn run_single(
+        &self,
+        pairs: &mut BTreeMap<usize, Pair>,
+        (dtype, fp): (DType, &Fingerprint),
+        peer: usize,
+        send: Option<&[u8]>,
+        recv: Option<&mut [u8]>,
+    ) -> Result<()> {
+        let es = dtype.size();
+        self.connect_pairs(pairs, std::iter::once(peer), fp)?;
+        let pair = pairs.get_mut(&peer).expect("connected above");
+        let slice_elems = (self.cfg.slice_bytes / es).max(1);
+        let plan = plan_p2p(
+            send.map(|b| b.len() / es),
+            recv.as_ref().map(|b| b.len() / es),
+            slice_elems,
+        );
+        let (sent, received) = (pair.sent, pair.received);
+        pair.sent += u64::from(send.is_some());
+        pair.received += u64::from(recv.is_some());
+        let coll = (Collective::SendRecv, dtype);
+        let call = self.p2p_call(&plan, coll, (send, sent), (recv, received));
+        let mut lane = [Lane::new(&mut pair.links, vec![call])];
+        engine::run_lanes(&mut lane, self.cfg.timeout, &self.abort)
+    }
+
+    /// Connect this rank's point-to-point links with each of `peers` it has none with yet.
+    fn connect_pairs(
+        &self,
+        pairs: &mut BTreeMap<usize, Pair>,
+        peers: impl Iterator<Item = usize>,
+        fp: &Fingerprint,
+    ) -> Result<()> {
+        for (peer, links) in self.connect_missing(pairs, peers, fp, Role::Data)? {
+            let (sent, received) = (0, 0);
+            pairs.insert(
+                peer,
+                Pair {
+                    links,
+                    sent,
+                    received,
+                },
+            );
+        }
+        Ok(())
+    }
+
+    /// Connect links of `role` with each of `peers` that `have` has none for, all at once
+    /// (each connect waits for the peer's; one by one in ascending rank order could not wait in
+    /// a cycle either, only longer); the new links by peer.
+    pub(super) fn connect_missing<V>(
+        &self,
+        have: &BTreeMap<usize, V>,
+        peers: impl Iterator<Item = usize>,
+        fp: &Fingerprint,
+        role: Role,
+    ) -> Result<Vec<(usize, Links)>> {
+        let missing: Vec<usize> = peers.filter(|p| !have.contains_key(p)).collect();
+        if missing.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (Some(addrs), Some(listener)) = (self.peers.get(), &self.peer_listener) else {
+            return Err(Error::Protocol {
+                peer: format!("rank {}", missing[0]),
+                detail: "this communicator has no peer listener".into(),
+            });
+        };
+        let what = fp.to_string();
+        let made: Vec<_> = std::thread::scope(|s| {
+            let hs: Vec<_> = missing
+                .iter()
+                .map(|&peer| {
+                    let what = &what;
+                    let h = s.spawn(move || {
+                        connect::connect_pair(
+                            &self.cfg,
+                            (peer, role),
+                            &addrs[peer],
+                            listener,
+                            &self.abort,
+                            what,
+                        )
+                    });
+                    (peer, h)
+                })
+                .collect();
+            hs.into_iter()
+                .map(|(peer, h)| {
+                    let r = h.join().unwrap_or_else(|_| {
+                        Err(Error::Io {
+                            context: format!("connecting to rank {peer}"),
+                            detail: "the connecting thread panicked".into(),
+                        })
+                    });
+                    (peer, r)
+                })
+                .collect()
+        });
+        let kind = match role {
+            Role::Pairwise => "pairwise",
+            _ => "point-to-point",
+        };
+        made.into_iter()
+            .map(|(peer, r)| {
+                let (links, edges) = r?;
+                for e in &edges {
+                    tracing::info!(target: "ringzero::topology", rank = self.rank, peer, "{kind} {e}");
+                }
+                Ok((peer, links))
+            })
+            .collect()
+    }
+
+    /// Run connected peers' messages: each peer's `i`-th send and `i`-th receive form its `i`-th
+    /// call, numbered on from the pair's counts in each direction.
+    fn run_batch(
+        &self,
+        pairs: &mut BTreeMap<usize, Pair>,
+        dtype: DType,
+        by_peer: BTreeMap<usize, PeerMsgs>,
+    ) -> Result<()> {
+        let es = dtype.size();
+        let slice_elems = (self.cfg.slice_bytes / es).max(1);
+        // Plans first: the calls borrow them.
+        let plans: Vec<Vec<Plan>> = by_peer
+            .values()
+            .map(|(sends, recvs)| {
+                (0..sends.len().max(recvs.len()))
+                    .map(|i| {
+                        plan_p2p(
+                            sends.get(i).map(|b| b.len() / es),
+                            recvs.get(i).map(|b| b.len() / es),
+                            slice_elems,
+                        )
+                    })
+                    .collect()
+            })
+            .collect();
+        let mut lanes = Vec::with_capacity(by_peer.len());
+        let peers: Vec<usize> = by_peer.keys().copied().collect();
+        let peer_msgs = by_peer.into_values().zip(&plans);
+        for (pair, ((sends, recvs), plans)) in pairs_of(pairs, &peers).into_iter().zip(peer_msgs) {
+            // Numbered now: if the run fails, the communicator fails with it.
+            let (sent, received) = (pair.sent, pair.received);
+            pair.sent += sends.len() as u64;
+            pair.received += recvs.len() as u64;
+            let (mut sends, mut recvs) = (sends.into_iter(), recvs.into_iter());
+            let calls = plans
+                .iter()
+                .enumerate()
+                .map(|(i, plan)| {
+                    let i = i as u64;
+                    self.p2p_call(
+                        plan,
+                        (Collective::SendRecv, dtype),
+                        (sends.next(), sent + i),
+                        (recvs.next(), received + i),
+                    )
+                })
+                .collect();
+            lanes.push(Lane::new(&mut pair.links, calls));
+        }
+        engine::run_lanes(&mut lanes, self.cfg.timeout, &self.abort)
+    }
+
+    /// One call of `plan` with one peer: the message it sends (its sequence number in that
+    /// direction) and the one it receives, both fingerprinted as `coll` of their own counts.
+    pub(super) fn p2p_call<'a>(
+        &'a self,
+        plan: &'a Plan,
+        (coll, dtype): (Collective, DType),
+        (send, send_seq): (Option<&'a [u8]>, u64),
+        (recv, recv_seq): (Option<&'a mut [u8]>, u64),
+    ) -> (Call<'a>, Bufs<'a>) {
+        let es = dtype.size();
+        let fp_of = |b: usize| Fingerprint::new(coll, Some(dtype), None, b / es);
+        let incoming = recv.as_ref().map(|b| (recv_seq, fp_of(b.len())));
+        let (seq, fp) = match send {
+            Some(b) => (send_seq, fp_of(b.len())),
+            None => incoming.expect("a send or a receive"),
+        };
+        let out_bytes = recv.as_ref().map_or(0, |b| b.len());
+        let call = Call {
+            n: 2,
+            incoming,
+            ..self.call(plan, (seq, fp), dtype, ReduceOp::Sum, out_bytes)
+        };
+        let bufs = Bufs::Split {
+            input: send.unwrap_or(&[]),
+            output: recv.unwrap_or(&mut []),
+        };
+        (call, bufs)
+    }
+}
+
+/// The entries of `peers` (ascending, each present), in that order.
+pub(super) fn pairs_of<'p, V>(
+    pairs: &'p mut BTreeMap<usize, V>,
+    peers: &[usize],
+) -> Vec<&'p mut V> {
+    let got: Vec<&mut V> = pairs
+        .iter_mut()
+        .filter(|(p, _)| peers.binary_search(p).is_ok())
+        .map(|(_, pair)| pair)
+        .collect();
+    assert_eq!(got.len(), peers.len(), "every peer was connected first");
+    got
+}

@@ -1,0 +1,364 @@
+//! Collectives over the point-to-point links: all-to-all with a count per pair of ranks,
+//! all-gather of parts of different sizes, gather and scatter.
+//!
+//! A ring has no schedule for these (their messages differ per pair of ranks, or all meet at
+//! one root), so each rank exchanges one message each way with every peer concerned, all at once:
+//! one [`engine::Lane`] per peer over the pair's own links, each message sliced as
+//! `send_recv` slices it ([`plan_p2p`]). The links are the pair's own for these collectives
+//! (`Inner::mesh`, connected by the first pairwise collective that needs them), apart from its
+//! point-to-point ones, so messages sent and not yet received never stand in their way. They are collectives all the same: every rank calls
+//! them in the same order as its other collectives, each takes the communicator's next sequence
+//! number (its frames carry it both ways, with the collective and that pair's count as the
+//! fingerprint, so a peer that disagrees on a count fails with an [`Error::Mismatch`] naming
+//! both), and each is an entry of the flight record. Each rank sends only its own data, once
+//! per peer that needs it: the volume of a ring's all-gather, straight to where it goes.
+
+use ringzero_kernels::{DType, Element};
+
+use super::pairs::pairs_of;
+use super::{Communicator, Inner};
+use crate::bootstrap::Role;
+use crate::error::{Error, Result};
+use crate::ring::engine::{self, Lane};
+use crate::ring::{plan_p2p, Collective, Plan};
+use crate::wire::Fingerprint;
+
+/// This rank's message to and from one peer in a pairwise collective. Either may be absent; an
+/// empty one still travels (it carries the fingerprint).
+struct Exchange<'a> {
+    peer: usize,
+    send: Option<&'a [u8]>,
+    recv: Option<&'a mut [u8]>,
+}
+
+impl Communicator {
+    /// All-to-all with a count per pair of ranks (`MPI_Alltoallv`; torch's `all_to_all_single`
+    /// with split sizes; the token exchange of a mixture-of-experts layer). `send` holds, in rank
+    /// order, `send_counts[j]` elements for each rank `j`; `recv` receives, in rank order,
+    /// `recv_counts[i]` elements from each rank `i`. Counts may be zero. `recv_counts[i]` must
+    /// be what rank `i` sends this rank (else both fail with an [`Error::Mismatch`] naming the
+    /// two counts); this rank's own block is copied locally, so `send_counts[rank]` must equal
+    /// `recv_counts[rank]`.
+    ///
+    /// Every pair of ranks exchanges at once over its point-to-point links (connected by the
+    /// first call that needs them; see the module `pairs`), where [`Communicator::all_to_all`]
+    /// runs `n − 1` ring exchanges one after the other. A rank that calls a ring collective
+    /// instead is found at the deadline rather than at once.
+    pub fn all_to_all_v<T: Element>(
+        &self,
+        send: &[T],
+        send_counts: &[usize],
+        recv: &mut [T],
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        let c = Collective::AllToAllV;
+        let (n, r) = (self.size(), self.rank());
+        let sd = offsets(c, ("send_counts", send_counts), n, ("send", send.len()))?;
+        let rd = offsets(c, ("recv_counts", recv_counts), n, ("recv", recv.len()))?;
+        if send_counts[r] != recv_counts[r] {
+            return Err(Error::InvalidArgument {
+                op: c.name().into(),
+                msg: format!(
+                    "send_counts[{r}] is {} but recv_counts[{r}] is {}: this rank's own block is \
+                     copied locally, so they must be equal",
+                    send_counts[r], recv_counts[r]
+                ),
+            });
+        }
+        self.wait_async_idle();
+        let es = T::DTYPE.size();
+        let send: &[u8] = bytemuck::cast_slice(send);
+        let mut recvs = split_mut(bytemuck::cast_slice_mut(recv), &rd, es);
+        let own = std::mem::take(&mut recvs[r]);
+        let block = |p: usize| &send[sd[p] * es..sd[p + 1] * es];
+        let ex = recvs
+            .into_iter()
+            .enumerate()
+            .filter(|&(p, _)| p != r)
+            .map(|(peer, recv)| Exchange {
+                peer,
+                send: Some(block(peer)),
+                recv: Some(recv),
+            })
+            .collect();
+        // Counts differ by rank: the call as a whole has none (every rank records the same call).
+        let fp = Fingerprint::new(c, Some(T::DTYPE), None, usize::MAX);
+        let bytes = send.len() as u64;
+        self.inner
+            .pairwise((fp, T::DTYPE), bytes, Some((block(r), own)), ex)
+    }
+
+    /// All-gather of parts of different sizes (`MPI_Allgatherv`; gathering per-rank results of
+    /// varying length, or shards that do not split evenly): rank `i` contributes `counts[i]`
+    /// elements (`send` holds this rank's), and `recv` (the sum of `counts`) ends with every
+    /// rank's part in rank order, on every rank.
+    ///
+    /// Every rank sends its part to every other rank at once over the point-to-point links
+    /// (see [`Communicator::all_to_all_v`]): each sends and receives what a ring's all-gather
+    /// moves. [`Communicator::all_gather`] is the ring's form for balanced chunks.
+    pub fn all_gather_v<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        counts: &[usize],
+    ) -> Result<()> {
+        let c = Collective::AllGatherV;
+        let (n, r) = (self.size(), self.rank());
+        let d = offsets(c, ("counts", counts), n, ("recv", recv.len()))?;
+        if send.len() != counts[r] {
+            return Err(Error::InvalidArgument {
+                op: c.name().into(),
+                msg: format!(
+                    "send has {} elements but counts[{r}] (this rank's part) is {}",
+                    send.len(),
+                    counts[r]
+                ),
+            });
+        }
+        self.wait_async_idle();
+        let es = T::DTYPE.size();
+        let send: &[u8] = bytemuck::cast_slice(send);
+        let mut recvs = split_mut(bytemuck::cast_slice_mut(recv), &d, es);
+        let own = std::mem::take(&mut recvs[r]);
+        let ex = recvs
+            .into_iter()
+            .enumerate()
+            .filter(|&(p, _)| p != r)
+            .map(|(peer, recv)| Exchange {
+                peer,
+                send: Some(send),
+                recv: Some(recv),
+            })
+            .collect();
+        let fp = Fingerprint::new(c, Some(T::DTYPE), None, d[n]);
+        let bytes = (d[n] * es) as u64;
+        self.inner
+            .pairwise((fp, T::DTYPE), bytes, Some((send, own)), ex)
+    }
+
+    /// Gather (`MPI_Gather`): the root's `recv` (`size()` times `send.len()` elements) ends with
+    /// every rank's `send` in rank order. Every rank's `send` has the same length (a rank that
+    /// disagrees fails with an [`Error::Mismatch`]); `recv` is read only on the root (pass an
+    /// empty slice elsewhere). The ranks send to the root at once, over their point-to-point
+    /// links with it.
+    pub fn gather<T: Element>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
+        let c = self.rooted(Collective::Gather { root }, root)?;
+        let (n, r) = (self.size(), self.rank());
+        let es = T::DTYPE.size();
+        let send: &[u8] = bytemuck::cast_slice(send);
+        let count = send.len() / es;
+        let (local, ex) = if r == root {
+            let want = count.checked_mul(n);
+            if want != Some(recv.len()) {
+                return Err(Error::InvalidArgument {
+                    op: c.to_string(),
+                    msg: format!(
+                        "recv has {} elements but the root gathers {n} × {count} (the world size \
+                         times send's length)",
+                        recv.len()
+                    ),
+                });
+            }
+            let d: Vec<usize> = (0..=n).map(|i| i * count).collect();
+            let mut recvs = split_mut(bytemuck::cast_slice_mut(recv), &d, es);
+            let own = std::mem::take(&mut recvs[r]);
+            let ex: Vec<Exchange> = recvs
+                .into_iter()
+                .enumerate()
+                .filter(|&(p, _)| p != r)
+                .map(|(peer, recv)| Exchange {
+                    peer,
+                    send: None,
+                    recv: Some(recv),
+                })
+                .collect();
+            (Some((send, own)), ex)
+        } else {
+            let to_root = Exchange {
+                peer: root,
+                send: Some(send),
+                recv: None,
+            };
+            (None, vec![to_root])
+        };
+        self.wait_async_idle();
+        let fp = Fingerprint::new(c, Some(T::DTYPE), None, count);
+        // The flight record's size is the root's whole buffer, as for the bench.
+        let bytes = n.saturating_mul(send.len()) as u64;
+        self.inner.pairwise((fp, T::DTYPE), bytes, local, ex)
+    }
+
+    /// Scatter (`MPI_Scatter`): rank `i`'s `recv` ends with block `i` of the root's `send`
+    /// (`size()` blocks of `recv.len()` elements). Every rank's `recv` has the same length (a
+    /// rank that disagrees fails with an [`Error::Mismatch`]); `send` is read only on the root
+    /// (pass an empty slice elsewhere). The root sends to every rank at once.
+    pub fn scatter<T: Element>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
+        let c = self.rooted(Collective::Scatter { root }, root)?;
+        let (n, r) = (self.size(), self.rank());
+        let es = T::DTYPE.size();
+        let recv: &mut [u8] = bytemuck::cast_slice_mut(recv);
+        let count = recv.len() / es;
+        let send: &[u8] = bytemuck::cast_slice(send);
+        let bytes = n.saturating_mul(recv.len()) as u64;
+        let (local, ex) = if r == root {
+            if count.checked_mul(n) != Some(send.len() / es) {
+                return Err(Error::InvalidArgument {
+                    op: c.to_string(),
+                    msg: format!(
+                        "send has {} elements but the root scatters {n} × {count} (the world size \
+                         times recv's length)",
+                        send.len() / es
+                    ),
+                });
+            }
+            let block = |p: usize| &send[p * recv.len()..(p + 1) * recv.len()];
+            let ex: Vec<Exchange> = (0..n)
+                .filter(|&p| p != r)
+                .map(|peer| Exchange {
+                    peer,
+                    send: Some(block(peer)),
+                    recv: None,
+                })
+                .collect();
+            (Some((block(r), recv)), ex)
+        } else {
+            let from_root = Exchange {
+                peer: root,
+                send: None,
+                recv: Some(recv),
+            };
+            (None, vec![from_root])
+        };
+        self.wait_async_idle();
+        let fp = Fingerprint::new(c, Some(T::DTYPE), None, count);
+        self.inner.pairwise((fp, T::DTYPE), bytes, local, ex)
+    }
+}
+
+impl Inner {
+    /// Run a pairwise collective fingerprinted `fp` as a whole: take the next sequence number,
+    /// copy this rank's own block (`local`), then every exchange at once, each peer's as one
+    /// lane. `ex` is in ascending peer order.
+    fn pairwise(
+        &self,
+        (fp, dtype): (Fingerprint, DType),
+        bytes: u64,
+        local: Option<(&[u8], &mut [u8])>,
+        ex: Vec<Exchange<'_>>,
+    ) -> Result<()> {
+        let coll = Collective::from_code(fp.coll, fp.root as usize)
+            .expect("a fingerprint made here names a collective");
+        let mut st = self.lock();
+        let seq = st.seq;
+        engine::refuse(st.failed.as_ref(), &self.abort, &fp, seq)?;
+        self.recorded(&mut st, &fp, false, bytes, |_| {
+            if let Some((from, to)) = local {
+                to.copy_from_slice(from);
+            }
+            let mut mesh = self.mesh.lock().unwrap_or_else(|p| p.into_inner());
+            let peers: Vec<usize> = ex.iter().map(|e| e.peer).collect();
+            let made = self.connect_missing(&mesh, peers.iter().copied(), &fp, Role::Pairwise)?;
+            mesh.extend(made);
+            let es = dtype.size();
+            let slice_elems = (self.cfg.slice_bytes / es).max(1);
+            // Plans first: the calls borrow them.
+            let plans: Vec<Plan> = ex
+                .iter()
+                .map(|e| {
+                    let len = |b: &[u8]| b.len() / es;
+                    plan_p2p(e.send.map(len), e.recv.as_deref().map(len), slice_elems)
+                })
+                .collect();
+            let mut lanes: Vec<Lane> = pairs_of(&mut mesh, &peers)
+                .into_iter()
+                .zip(ex.into_iter().zip(&plans))
+                .map(|(links, (e, plan))| {
+                    // Both directions carry the collective's own sequence number.
+                    let call = self.p2p_call(plan, (coll, dtype), (e.send, seq), (e.recv, seq));
+                    Lane::new(links, vec![call])
+                })
+                .collect();
+            engine::run_lanes(&mut lanes, self.cfg.timeout, &self.abort)
+        })
+    }
+}
+
+/// Where each rank's block starts in a buffer of `len` elements split by `counts` (`n + 1`
+/// offsets, the last `len`), or why `counts` cannot split it.
+fn offsets(
+    c: Collective,
+    (what, counts): (&str, &[usize]),
+    n: usize,
+    (buf, len): (&str, usize),
+) -> Result<Vec<usize>> {
+    let bad = |msg: String| Error::InvalidArgument {
+        op: c.name().into(),
+        msg,
+    };
+    if counts.len() != n {
+        return Err(bad(format!(
+            "{what} has {} entries but the communicator has {n} ranks (one count per rank)",
+            counts.len()
+        )));
+    }
+    let mut at = Vec::with_capacity(n + 1);
+    at.push(0usize);
+    for &k in counts {
+        let next = at[at.len() - 1]
+            .checked_add(k)
+            .ok_or_else(|| bad(format!("{what} add up to more than usize::MAX elements")))?;
+        at.push(next);
+    }
+    if at[n] != len {
+        return Err(bad(format!(
+            "{what} add up to {} elements but {buf} has {len}",
+            at[n]
+        )));
+    }
+    Ok(at)
+}
+
+/// `buf` cut into the blocks between consecutive `offsets` (in elements of `es` bytes).
+fn split_mut<'a>(mut buf: &'a mut [u8], offsets: &[usize], es: usize) -> Vec<&'a mut [u8]> {
+    offsets
+        .windows(2)
+        .map(|w| {
+            let (block, rest) = std::mem::take(&mut buf).split_at_mut((w[1] - w[0]) * es);
+            buf = rest;
+            block
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn offsets_split_a_buffer_or_say_why_not() {
+        let c = Collective::AllToAllV;
+        assert_eq!(
+            offsets(c, ("send_counts", &[2, 0, 3]), 3, ("send", 5)).unwrap(),
+            [0, 2, 2, 5]
+        );
+        let e = offsets(c, ("send_counts", &[2, 3]), 3, ("send", 5)).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("2 entries but the communicator has 3 ranks"),
+            "{e}"
+        );
+        let e = offsets(c, ("recv_counts", &[2, 3, 1]), 3, ("recv", 5)).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("add up to 6 elements but recv has 5"),
+            "{e}"
+        );
+        let e = offsets(c, ("counts", &[usize::MAX, 1]), 2, ("recv", 0)).unwrap_err();
+        assert!(e.to_string().contains("more than usize::MAX"), "{e}");
+        let mut buf = [0u8, 1, 2, 3, 4, 5, 6, 7, 8, 9];
+        let parts = split_mut(&mut buf, &[0, 2, 2, 5], 2);
+        let lens: Vec<usize> = parts.iter().map(|p| p.len()).collect();
+        assert_eq!(lens, [4, 0, 6]);
+        assert_eq!(parts[2], [4, 5, 6, 7, 8, 9]);
+    }
+}
