@@ -129,6 +129,18 @@ impl Collective {
         }
     }
 
+    /// Whether this is one of the pairwise collectives (over each pair's own links, not a ring:
+    /// all-to-all-v, all-gather-v, gather, scatter).
+    pub fn is_pairwise(self) -> bool {
+        matches!(
+            self,
+            Collective::AllToAllV
+                | Collective::AllGatherV
+                | Collective::Gather { .. }
+                | Collective::Scatter { .. }
+        )
+    }
+
     /// Whether this collective combines values (and so takes a reduce op).
     pub fn reduces(self) -> bool {
         matches!(

@@ -31,15 +31,7 @@ pub struct BenchArgs {
 /// Whether `op` runs on device buffers (`DeviceComm`): the ring's collectives do; all-to-all,
 /// send/recv and the pairwise collectives are host-only.
 pub fn on_device(op: Collective) -> bool {
-    !matches!(
-        op,
-        Collective::AllToAll
-            | Collective::SendRecv
-            | Collective::AllToAllV
-            | Collective::AllGatherV
-            | Collective::Gather { .. }
-            | Collective::Scatter { .. }
-    )
+    !matches!(op, Collective::AllToAll | Collective::SendRecv) && !op.is_pairwise()
 }
 
 /// Parse an op name: `all-reduce` (or `all_reduce`, `allreduce`), ..., or `all`.

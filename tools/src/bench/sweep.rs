@@ -144,14 +144,7 @@ fn sweep_typed<T: Element>(
 
 /// Whether `op` has an in-place form to sweep.
 pub fn has_in_place(op: Collective) -> bool {
-    !matches!(
-        op,
-        Collective::SendRecv
-            | Collective::AllToAllV
-            | Collective::AllGatherV
-            | Collective::Gather { .. }
-            | Collective::Scatter { .. }
-    )
+    op != Collective::SendRecv && !op.is_pairwise()
 }
 
 /// Time `call` on every rank: warm-up calls, a barrier, timed calls. Returns the mean over ranks of
