@@ -98,3 +98,34 @@ fn all_to_all_refuses_bad_counts_and_names_a_rank_that_calls_something_else() {
         );
     }
 }
+
+#[test]
+fn a_first_all_to_all_against_a_ring_collective_fails_at_once_not_in_a_connect() {
+    // Rank 0's first all-to-all would connect its pair links; the others never will. Its ring
+    // exchange runs first, so both sides meet the other's frame and fail with both calls named.
+    let o = Opts {
+        timeout: Duration::from_secs(20),
+        ..Opts::default()
+    };
+    let t = Instant::now();
+    let errs = threads(4, &o, |rank, comm| {
+        let comm = comm.unwrap();
+        let mut b = vec![1f32; 8];
+        let e = if rank == 0 {
+            comm.all_to_all(&[1f32; 8], &mut b).unwrap_err()
+        } else {
+            comm.all_reduce_in_place(&mut b, ReduceOp::Sum).unwrap_err()
+        };
+        e.to_string()
+    });
+    assert!(
+        t.elapsed() < Duration::from_secs(10),
+        "a mismatch must not wait for the deadline: {errs:?}"
+    );
+    assert!(
+        errs[0].contains("all_to_all(f32, count=8)")
+            && errs[0].contains("all_reduce(f32, sum, count=8)"),
+        "{}",
+        errs[0]
+    );
+}

@@ -248,3 +248,29 @@ fn counts_the_ranks_disagree_on_fail_fast_naming_both() {
         assert!(e.is_empty() || e.contains("rank 2"), "{e}");
     }
 }
+
+#[test]
+fn a_peer_that_never_joins_is_named_with_the_call_and_its_sequence_number() {
+    let o = Opts {
+        timeout: Duration::from_secs(2),
+        ..Opts::default()
+    };
+    let errs = threads(2, &o, |r, comm| {
+        let comm = comm.unwrap();
+        if r == 1 {
+            // Never joins; stays alive past rank 0's deadline.
+            std::thread::sleep(Duration::from_secs(3));
+            return String::new();
+        }
+        let mut mine = [0f32; 4];
+        let e = comm.scatter(&[1f32; 8], &mut mine, 0).unwrap_err();
+        assert!(matches!(e, Error::Timeout { .. }), "{e}");
+        e.to_string()
+    });
+    assert!(
+        errs[0].contains("scatter(f32, count=4, root=0) seq 1")
+            && errs[0].contains("rank 1 to join its first pairwise collective with rank 0"),
+        "{}",
+        errs[0]
+    );
+}

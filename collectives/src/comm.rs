@@ -65,11 +65,8 @@ struct Inner {
     /// The address this rank's data connections use (None for one rank).
     data_ip: Option<std::net::IpAddr>,
     state: Mutex<State>,
-    /// All-to-all's rings of stride 2..n−1 (index k−2), connected by the first all-to-all. Locked
-    /// only while `state` is held.
-    strides: Mutex<Vec<Links>>,
     /// Point-to-point links per peer, connected by the pair's first send or receive. Locked only
-    /// while `state` is held (after `strides`, when both are).
+    /// while `state` is held.
     pairs: Mutex<BTreeMap<usize, Pair>>,
     /// The pairwise collectives' links per peer (apart from point-to-point's), connected by the
     /// first such collective between the two. Locked only while `state` is held (after `pairs`,
@@ -144,7 +141,6 @@ impl Communicator {
             edges,
             data_ip,
             state: Mutex::new(State::new(links)),
-            strides: Mutex::new(Vec::new()),
             pairs: Mutex::new(BTreeMap::new()),
             mesh: Mutex::new(BTreeMap::new()),
             peers: std::sync::OnceLock::new(),
@@ -444,12 +440,12 @@ impl Communicator {
     /// `i` (`send` and `recv` hold the same number of elements, a multiple of the world size; a
     /// block is that number over the world size). A rank's own block is copied locally.
     ///
-    /// A ring has no all-to-all schedule, so this runs `n − 1` pairwise exchanges as gloo and
-    /// NCCL do: exchange `k` sends to rank `r + k` while receiving from rank `r − k`, over the
-    /// ring of stride `k`. Stride 1 is the communicator's own ring; the first all-to-all connects
-    /// the others (through the same store and handshake, each edge choosing shm or tcp as the
-    /// ring's edges do), which makes it slower than later ones. Each rank sends (n−1)/n of its
-    /// buffer, as with direct links.
+    /// A ring has no all-to-all schedule, so every rank exchanges a block with every other rank
+    /// at once, as NCCL's grouped sends and receives do: the next rank's block goes out and the
+    /// previous rank's comes in over the ring's own links (so a rank that calls a ring collective
+    /// instead fails at once, both calls named), every other block over links each pair keeps
+    /// for the pairwise collectives (see [`Communicator::all_to_all_v`]), which the first
+    /// all-to-all connects, after its ring exchange. Each rank sends (n−1)/n of its buffer.
     pub fn all_to_all<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
         let c = Collective::AllToAll;
         same_len(c, send.len(), recv.len(), "send", "recv")?;
@@ -811,35 +807,16 @@ impl Inner {
         })
     }
 
-    /// Run `f` on every link beside the ring's: all-to-all's strides, point-to-point's pairs and
-    /// the pairwise collectives' (locked in that order). Call with `state` held.
+    /// Run `f` on every link beside the ring's: point-to-point's pairs and the pairwise
+    /// collectives' (locked in that order). Call with `state` held.
     fn other_links<R>(&self, f: impl FnOnce(&mut dyn Iterator<Item = &mut Links>) -> R) -> R {
-        let mut strides = self.strides.lock().unwrap_or_else(|p| p.into_inner());
         let mut pairs = self.pairs.lock().unwrap_or_else(|p| p.into_inner());
         let mut mesh = self.mesh.lock().unwrap_or_else(|p| p.into_inner());
-        let mut all = strides
-            .iter_mut()
-            .chain(pairs.values_mut().map(|p| &mut p.links))
+        let mut all = pairs
+            .values_mut()
+            .map(|p| &mut p.links)
             .chain(mesh.values_mut());
         f(&mut all)
-    }
-
-    /// [`Communicator::all_to_all`] on bytes (`count` elements of `dtype`, checked).
-    fn all_to_all(
-        &self,
-        dtype: DType,
-        count: usize,
-        input: &[u8],
-        output: &mut [u8],
-    ) -> Result<()> {
-        let mut st = self.lock();
-        let fp = Fingerprint::new(Collective::AllToAll, Some(dtype), None, count);
-        let seq = st.seq;
-        engine::refuse(st.failed.as_ref(), &self.abort, &fp, seq)?;
-        let bytes = (count * dtype.size()) as u64;
-        self.recorded(&mut st, &fp, false, bytes, |st| {
-            self.exchange_blocks(st, fp, seq, dtype, count, input, output)
-        })
     }
 
     /// Run one call that passed its checks: take its sequence number, record it in the flight
@@ -879,65 +856,6 @@ impl Inner {
     /// aborts. Call with `state` held.
     fn tell_other_links(&self, why: &str) {
         self.other_links(|others| others.for_each(|l| l.abort(why)));
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn exchange_blocks(
-        &self,
-        st: &mut State,
-        fp: Fingerprint,
-        seq: u64,
-        dtype: DType,
-        count: usize,
-        input: &[u8],
-        output: &mut [u8],
-    ) -> Result<()> {
-        let (n, r) = (self.size, self.rank);
-        let block = count / n;
-        let bb = block * dtype.size();
-        output[r * bb..(r + 1) * bb].copy_from_slice(&input[r * bb..(r + 1) * bb]);
-        let Some(ring) = st.links.as_mut() else {
-            return Ok(());
-        };
-        let mut strides = self.strides.lock().unwrap_or_else(|p| p.into_inner());
-        for k in 1..n {
-            let (to, from) = ((r + k) % n, (r + n - k) % n);
-            if k == 2 && strides.len() + 2 < n {
-                // First all-to-all: connect strides 2..n−1 (every rank is here, in the same order),
-                // after the ring's own exchange, so a rank that called something else fails that
-                // exchange with a mismatch instead of leaving the others waiting in a connect.
-                let mut fresh = Vec::with_capacity(n - 2);
-                for k in 2..n {
-                    let (links, edges, _) = connect::connect_stride(&self.cfg, k)?;
-                    for e in &edges {
-                        tracing::info!(target: "ringzero::topology", rank = r, stride = k, "{e}");
-                    }
-                    fresh.push(links);
-                }
-                *strides = fresh;
-            }
-            let links = if k == 1 {
-                &mut *ring
-            } else {
-                &mut strides[k - 2]
-            };
-            let slot_bytes = links.tx.slot_bytes().min(self.cfg.slice_bytes);
-            let p = plan(PlanArgs {
-                coll: Collective::AllToAll,
-                n,
-                rank: r,
-                count: block,
-                slice_elems: (slot_bytes / dtype.size()).max(1),
-                in_place: false,
-            });
-            let call = self.call(&p, (seq, fp), dtype, ReduceOp::Sum, output.len());
-            let bufs = Bufs::Split {
-                input: &input[to * bb..(to + 1) * bb],
-                output: &mut output[from * bb..(from + 1) * bb],
-            };
-            engine::run(links, &call, bufs)?;
-        }
-        Ok(())
     }
 
     fn execute(

@@ -46,9 +46,9 @@ pub(crate) fn connect_ring(
 }
 
 /// Connect the links of the ring with stride `stride`: to rank `rank + stride` and from rank
-/// `rank − stride` (stride 1 is the communicator's ring; all-to-all connects the others on first
-/// use). Every rank must call it with the same stride at about the same time; rank 0's store
-/// must be up. Returns the links, the two edges (receive, send) and this rank's data address.
+/// `rank − stride` (stride 1 is the communicator's ring). Every rank must call it with the same
+/// stride at about the same time; rank 0's store must be up. Returns the links, the two edges
+/// (receive, send) and this rank's data address.
 pub(crate) fn connect_stride(
     cfg: &Config,
     stride: usize,

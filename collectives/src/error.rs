@@ -114,6 +114,18 @@ pub enum Error {
 }
 
 impl Error {
+    /// This error with the sequence number of the call it happened in (connects, which know no
+    /// call, report 0).
+    pub(crate) fn at_seq(mut self, at: u64) -> Error {
+        if let Error::Timeout { seq, .. }
+        | Error::PeerLost { seq, .. }
+        | Error::Aborted { seq, .. } = &mut self
+        {
+            *seq = at;
+        }
+        self
+    }
+
     /// An [`Error::Io`] from an `io::Error` and a description of what was being done.
     pub fn io(context: impl Into<String>, e: std::io::Error) -> Error {
         Error::Io {

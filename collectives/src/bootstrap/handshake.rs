@@ -37,7 +37,7 @@ const BAD_SECRET: u8 = 3;
 pub enum Role {
     /// A connection to the rendezvous store.
     Store = 1,
-    /// A data link: the ring's, all-to-all's strides', or a pair's for point-to-point calls.
+    /// A data link: the ring's, or a pair's for point-to-point calls.
     Data = 2,
     /// A pair's data link for the pairwise collectives (all-to-all-v, gather, ...), apart from
     /// its point-to-point one so that messages pending there never stand in their way.

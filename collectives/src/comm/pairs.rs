@@ -187,8 +187,8 @@ impl Inner {
         let (sent, received) = (pair.sent, pair.received);
         pair.sent += u64::from(send.is_some());
         pair.received += u64::from(recv.is_some());
-        let coll = (Collective::SendRecv, dtype);
-        let call = self.p2p_call(&plan, coll, (send, sent), (recv, received));
+        let fp_of = |c| Fingerprint::new(Collective::SendRecv, Some(dtype), None, c);
+        let call = self.p2p_call(&plan, (&fp_of, dtype), (send, sent), (recv, received));
         let mut lane = [Lane::new(&mut pair.links, vec![call])];
         engine::run_lanes(&mut lane, self.cfg.timeout, &self.abort)
     }
@@ -290,6 +290,7 @@ impl Inner {
     ) -> Result<()> {
         let es = dtype.size();
         let slice_elems = (self.cfg.slice_bytes / es).max(1);
+        let fp_of = |c| Fingerprint::new(Collective::SendRecv, Some(dtype), None, c);
         // Plans first: the calls borrow them.
         let plans: Vec<Vec<Plan>> = by_peer
             .values()
@@ -321,7 +322,7 @@ impl Inner {
                     let i = i as u64;
                     self.p2p_call(
                         plan,
-                        (Collective::SendRecv, dtype),
+                        (&fp_of, dtype),
                         (sends.next(), sent + i),
                         (recvs.next(), received + i),
                     )
@@ -332,20 +333,19 @@ impl Inner {
         engine::run_lanes(&mut lanes, self.cfg.timeout, &self.abort)
     }
 
-    /// One call of `plan` with one peer: the message it sends (its sequence number in that
-    /// direction) and the one it receives, both fingerprinted as `coll` of their own counts.
+    /// One call of `plan` over one pair of links: the message it sends (its sequence number in
+    /// that direction) and the one it receives, each fingerprinted by `fp_of` its element count.
     pub(super) fn p2p_call<'a>(
         &'a self,
         plan: &'a Plan,
-        (coll, dtype): (Collective, DType),
+        (fp_of, dtype): (&dyn Fn(usize) -> Fingerprint, DType),
         (send, send_seq): (Option<&'a [u8]>, u64),
         (recv, recv_seq): (Option<&'a mut [u8]>, u64),
     ) -> (Call<'a>, Bufs<'a>) {
         let es = dtype.size();
-        let fp_of = |b: usize| Fingerprint::new(coll, Some(dtype), None, b / es);
-        let incoming = recv.as_ref().map(|b| (recv_seq, fp_of(b.len())));
+        let incoming = recv.as_ref().map(|b| (recv_seq, fp_of(b.len() / es)));
         let (seq, fp) = match send {
-            Some(b) => (send_seq, fp_of(b.len())),
+            Some(b) => (send_seq, fp_of(b.len() / es)),
             None => incoming.expect("a send or a receive"),
         };
         let out_bytes = recv.as_ref().map_or(0, |b| b.len());

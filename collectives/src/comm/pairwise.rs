@@ -85,7 +85,7 @@ impl Communicator {
         let fp = Fingerprint::new(c, Some(T::DTYPE), None, usize::MAX);
         let bytes = send.len() as u64;
         self.inner
-            .pairwise((fp, T::DTYPE), bytes, Some((block(r), own)), ex)
+            .pairwise((fp, T::DTYPE), bytes, Some((block(r), own)), None, ex)
     }
 
     /// All-gather of parts of different sizes (`MPI_Allgatherv`; gathering per-rank results of
@@ -133,7 +133,7 @@ impl Communicator {
         let fp = Fingerprint::new(c, Some(T::DTYPE), None, d[n]);
         let bytes = (d[n] * es) as u64;
         self.inner
-            .pairwise((fp, T::DTYPE), bytes, Some((send, own)), ex)
+            .pairwise((fp, T::DTYPE), bytes, Some((send, own)), None, ex)
     }
 
     /// Gather (`MPI_Gather`): the root's `recv` (`size()` times `send.len()` elements) ends with
@@ -185,7 +185,7 @@ impl Communicator {
         let fp = Fingerprint::new(c, Some(T::DTYPE), None, count);
         // The flight record's size is the root's whole buffer, as for the bench.
         let bytes = n.saturating_mul(send.len()) as u64;
-        self.inner.pairwise((fp, T::DTYPE), bytes, local, ex)
+        self.inner.pairwise((fp, T::DTYPE), bytes, local, None, ex)
     }
 
     /// Scatter (`MPI_Scatter`): rank `i`'s `recv` ends with block `i` of the root's `send`
@@ -231,53 +231,123 @@ impl Communicator {
         };
         self.wait_async_idle();
         let fp = Fingerprint::new(c, Some(T::DTYPE), None, count);
-        self.inner.pairwise((fp, T::DTYPE), bytes, local, ex)
+        self.inner.pairwise((fp, T::DTYPE), bytes, local, None, ex)
     }
 }
 
 impl Inner {
+    /// [`Communicator::all_to_all`] on bytes (`count` elements of `dtype`, a multiple of the
+    /// world size, checked): one round of pairwise exchanges, the one with the next rank's block
+    /// out and the previous rank's in over the ring's own links, every other over the pairs'.
+    pub(super) fn all_to_all(
+        &self,
+        dtype: DType,
+        count: usize,
+        input: &[u8],
+        output: &mut [u8],
+    ) -> Result<()> {
+        let (n, r) = (self.size, self.rank);
+        let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+        let es = dtype.size();
+        let block = count / n;
+        let blk = |p: usize| &input[p * block * es..(p + 1) * block * es];
+        let bounds: Vec<usize> = (0..=n).map(|i| i * block).collect();
+        let mut outs: Vec<Option<&mut [u8]>> = split_mut(output, &bounds, es)
+            .into_iter()
+            .map(Some)
+            .collect();
+        let own = outs[r].take().expect("every block is there");
+        let ring = (n > 1).then(|| (blk(next), outs[prev].take().expect("prev is not this rank")));
+        // The rest: to every peer but the next rank, from every peer but the previous one
+        // (with two ranks, nothing is left).
+        let ex = (0..n)
+            .filter(|&p| p != r)
+            .map(|peer| Exchange {
+                peer,
+                send: (peer != next).then(|| blk(peer)),
+                recv: outs[peer].take(),
+            })
+            .filter(|e| e.send.is_some() || e.recv.is_some())
+            .collect();
+        let fp = Fingerprint::new(Collective::AllToAll, Some(dtype), None, count);
+        let bytes = (count * es) as u64;
+        self.pairwise((fp, dtype), bytes, Some((blk(r), own)), ring, ex)
+    }
+
     /// Run a pairwise collective fingerprinted `fp` as a whole: take the next sequence number,
     /// copy this rank's own block (`local`), then every exchange at once, each peer's as one
     /// lane. `ex` is in ascending peer order.
+    ///
+    /// `ring`, when given, is this rank's message to the next rank and the one from the previous
+    /// rank, over the ring's own links (`ex` then leaves those directions out): all-to-all's, so
+    /// that a rank calling a ring collective instead meets its frames and both fail at once with
+    /// the two calls named. Its frames carry the whole call's fingerprint, as ring collectives'
+    /// do; the other collectives' frames carry each message's count.
     fn pairwise(
         &self,
         (fp, dtype): (Fingerprint, DType),
         bytes: u64,
         local: Option<(&[u8], &mut [u8])>,
+        ring: Option<(&[u8], &mut [u8])>,
         ex: Vec<Exchange<'_>>,
     ) -> Result<()> {
         let coll = Collective::from_code(fp.coll, fp.root as usize)
             .expect("a fingerprint made here names a collective");
+        let whole = ring.is_some();
+        let fp_of = |c| {
+            if whole {
+                fp
+            } else {
+                Fingerprint::new(coll, Some(dtype), None, c)
+            }
+        };
         let mut st = self.lock();
         let seq = st.seq;
         engine::refuse(st.failed.as_ref(), &self.abort, &fp, seq)?;
-        self.recorded(&mut st, &fp, false, bytes, |_| {
+        self.recorded(&mut st, &fp, false, bytes, |st| {
             if let Some((from, to)) = local {
                 to.copy_from_slice(from);
             }
-            let mut mesh = self.mesh.lock().unwrap_or_else(|p| p.into_inner());
-            let peers: Vec<usize> = ex.iter().map(|e| e.peer).collect();
-            let made = self.connect_missing(&mesh, peers.iter().copied(), &fp, Role::Pairwise)?;
-            mesh.extend(made);
             let es = dtype.size();
             let slice_elems = (self.cfg.slice_bytes / es).max(1);
+            let len = |b: &[u8]| b.len() / es;
             // Plans first: the calls borrow them.
+            let ring_plan = ring
+                .as_ref()
+                .map(|(s, r)| plan_p2p(Some(len(s)), Some(len(r)), slice_elems));
             let plans: Vec<Plan> = ex
                 .iter()
-                .map(|e| {
-                    let len = |b: &[u8]| b.len() / es;
-                    plan_p2p(e.send.map(len), e.recv.as_deref().map(len), slice_elems)
-                })
+                .map(|e| plan_p2p(e.send.map(len), e.recv.as_deref().map(len), slice_elems))
                 .collect();
-            let mut lanes: Vec<Lane> = pairs_of(&mut mesh, &peers)
+            let mut ring_lane = match (ring, &ring_plan, st.links.as_mut()) {
+                (Some((s, r)), Some(plan), Some(links)) => {
+                    let call = self.p2p_call(plan, (&fp_of, dtype), (Some(s), seq), (Some(r), seq));
+                    Some(Lane::new(links, vec![call]))
+                }
+                _ => None,
+            };
+            let mut mesh = self.mesh.lock().unwrap_or_else(|p| p.into_inner());
+            let peers: Vec<usize> = ex.iter().map(|e| e.peer).collect();
+            if peers.iter().any(|p| !mesh.contains_key(p)) {
+                // A first call connects: exchange over the ring before, so a rank that called
+                // something else fails there at once instead of leaving this one in a connect.
+                if let Some(lane) = ring_lane.take() {
+                    engine::run_lanes(&mut [lane], self.cfg.timeout, &self.abort)?;
+                }
+                let made = self
+                    .connect_missing(&mesh, peers.iter().copied(), &fp, Role::Pairwise)
+                    .map_err(|e| e.at_seq(seq))?;
+                mesh.extend(made);
+            }
+            let mesh_lanes = pairs_of(&mut mesh, &peers)
                 .into_iter()
                 .zip(ex.into_iter().zip(&plans))
                 .map(|(links, (e, plan))| {
                     // Both directions carry the collective's own sequence number.
-                    let call = self.p2p_call(plan, (coll, dtype), (e.send, seq), (e.recv, seq));
+                    let call = self.p2p_call(plan, (&fp_of, dtype), (e.send, seq), (e.recv, seq));
                     Lane::new(links, vec![call])
-                })
-                .collect();
+                });
+            let mut lanes: Vec<Lane> = ring_lane.into_iter().chain(mesh_lanes).collect();
             engine::run_lanes(&mut lanes, self.cfg.timeout, &self.abort)
         })
     }

@@ -51,9 +51,9 @@ pub enum Collective {
     /// busy at once: the streaming probe of `ringzero bench`, and ring attention's exchange).
     RingShift,
     /// Rank `r` sends block `j` of its input to rank `j` and ends with block `r` of every rank's
-    /// input, in rank order. A ring has no schedule for it: the communicator runs `n − 1`
-    /// pairwise exchanges, the `k`-th over links to rank `r + k` and from rank `r − k`, each
-    /// planned like [`Collective::RingShift`] of one block.
+    /// input, in rank order. A ring has no schedule for it: the communicator exchanges a block
+    /// with every other rank at once (the neighbours' over the ring's links, the others' over
+    /// each pair's), each planned by [`plan_p2p`].
     AllToAll,
     /// Point-to-point: one rank's send matched by another rank's receive. Not a collective: only
     /// the two ranks take part, over links of their own, and the frames of each direction carry
