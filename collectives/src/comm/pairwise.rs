@@ -311,10 +311,13 @@ impl Inner {
             let es = dtype.size();
             let slice_elems = (self.cfg.slice_bytes / es).max(1);
             let len = |b: &[u8]| b.len() / es;
-            // Plans first: the calls borrow them.
+            // Plans first: the calls borrow them. A frame must fit the ring's slots too.
+            let ring_slice = st.links.as_ref().map_or(slice_elems, |l| {
+                (l.tx.slot_bytes().min(self.cfg.slice_bytes) / es).max(1)
+            });
             let ring_plan = ring
                 .as_ref()
-                .map(|(s, r)| plan_p2p(Some(len(s)), Some(len(r)), slice_elems));
+                .map(|(s, r)| plan_p2p(Some(len(s)), Some(len(r)), ring_slice));
             let plans: Vec<Plan> = ex
                 .iter()
                 .map(|e| plan_p2p(e.send.map(len), e.recv.as_deref().map(len), slice_elems))
