@@ -56,14 +56,14 @@ impl Communicator {
         let sd = offsets(c, ("send_counts", send_counts), n, ("send", send.len()))?;
         let rd = offsets(c, ("recv_counts", recv_counts), n, ("recv", recv.len()))?;
         if send_counts[r] != recv_counts[r] {
-            return Err(Error::InvalidArgument {
-                op: c.name().into(),
-                msg: format!(
+            return Err(refused(
+                c,
+                format!(
                     "send_counts[{r}] is {} but recv_counts[{r}] is {}: this rank's own block is \
                      copied locally, so they must be equal",
                     send_counts[r], recv_counts[r]
                 ),
-            });
+            ));
         }
         self.wait_async_idle();
         let es = T::DTYPE.size();
@@ -106,14 +106,14 @@ impl Communicator {
         let (n, r) = (self.size(), self.rank());
         let d = offsets(c, ("counts", counts), n, ("recv", recv.len()))?;
         if send.len() != counts[r] {
-            return Err(Error::InvalidArgument {
-                op: c.name().into(),
-                msg: format!(
+            return Err(refused(
+                c,
+                format!(
                     "send has {} elements but counts[{r}] (this rank's part) is {}",
                     send.len(),
                     counts[r]
                 ),
-            });
+            ));
         }
         self.wait_async_idle();
         let es = T::DTYPE.size();
@@ -150,14 +150,14 @@ impl Communicator {
         let (local, ex) = if r == root {
             let want = count.checked_mul(n);
             if want != Some(recv.len()) {
-                return Err(Error::InvalidArgument {
-                    op: c.to_string(),
-                    msg: format!(
+                return Err(refused(
+                    c,
+                    format!(
                         "recv has {} elements but the root gathers {n} × {count} (the world size \
                          times send's length)",
                         recv.len()
                     ),
-                });
+                ));
             }
             let d: Vec<usize> = (0..=n).map(|i| i * count).collect();
             let mut recvs = split_mut(bytemuck::cast_slice_mut(recv), &d, es);
@@ -202,14 +202,14 @@ impl Communicator {
         let bytes = n.saturating_mul(recv.len()) as u64;
         let (local, ex) = if r == root {
             if count.checked_mul(n) != Some(send.len() / es) {
-                return Err(Error::InvalidArgument {
-                    op: c.to_string(),
-                    msg: format!(
+                return Err(refused(
+                    c,
+                    format!(
                         "send has {} elements but the root scatters {n} × {count} (the world size \
                          times recv's length)",
                         send.len() / es
                     ),
-                });
+                ));
             }
             let block = |p: usize| &send[p * recv.len()..(p + 1) * recv.len()];
             let ex: Vec<Exchange> = (0..n)
@@ -356,6 +356,14 @@ impl Inner {
     }
 }
 
+/// A call of `c` refused for `msg` before anything moved.
+fn refused(c: Collective, msg: String) -> Error {
+    Error::InvalidArgument {
+        op: c.to_string(),
+        msg,
+    }
+}
+
 /// Where each rank's block starts in a buffer of `len` elements split by `counts` (`n + 1`
 /// offsets, the last `len`), or why `counts` cannot split it.
 fn offsets(
@@ -364,10 +372,7 @@ fn offsets(
     n: usize,
     (buf, len): (&str, usize),
 ) -> Result<Vec<usize>> {
-    let bad = |msg: String| Error::InvalidArgument {
-        op: c.name().into(),
-        msg,
-    };
+    let bad = |msg: String| refused(c, msg);
     if counts.len() != n {
         return Err(bad(format!(
             "{what} has {} entries but the communicator has {n} ranks (one count per rank)",
