@@ -17,40 +17,50 @@ fn device_comm(comm: &Communicator) -> DeviceComm<HostStream> {
 
 #[test]
 fn every_collective_dtype_and_op_on_the_host_stream_matches_the_reference() {
-    every_collective(TransportPref::Shm, StagingMode::Mapped, &[2, 3, 4]);
+    every_collective(
+        TransportPref::Shm,
+        StagingMode::Mapped,
+        &[(2, 1), (3, 1), (4, 1)],
+    );
 }
 
 /// Host staging with explicit copies through device scratch (`RINGZERO_STAGING=copy`).
 #[test]
 fn every_collective_dtype_and_op_with_explicit_copy_staging_matches_the_reference() {
-    every_collective(TransportPref::Shm, StagingMode::Copy, &[2, 3]);
+    every_collective(TransportPref::Shm, StagingMode::Copy, &[(2, 1), (3, 1)]);
 }
 
-/// Device buffers between nodes: tcp edges whose staging slots are mapped into the device.
+/// Device buffers between nodes: tcp edges whose staging slots are mapped into the device, of
+/// one connection (two ranks) and of three (three ranks).
 #[test]
 fn every_collective_dtype_and_op_over_tcp_device_edges_matches_the_reference() {
-    every_collective(TransportPref::Tcp, StagingMode::Mapped, &[2, 3]);
+    every_collective(TransportPref::Tcp, StagingMode::Mapped, &[(2, 1), (3, 3)]);
 }
 
-fn every_collective(transport: TransportPref, staging: StagingMode, ranks: &[usize]) {
-    // Small slots (1 KiB, 4 of them) so counts of a few thousand elements keep every slot in
-    // flight and wrap the FIFO many times.
-    let o = Opts {
-        slice_bytes: 1024,
-        transport,
-        staging,
-        ..Opts::default()
-    };
+/// Each (ranks, tcp connections per edge) of `runs`.
+fn every_collective(transport: TransportPref, staging: StagingMode, runs: &[(usize, usize)]) {
     let want = match transport {
         TransportPref::Tcp => TransportKind::Tcp,
         _ => TransportKind::Shm,
     };
-    for &n in ranks {
+    for &(n, tcp_sockets) in runs {
+        // Small slots (1 KiB, 4 of them) so counts of a few thousand elements keep every slot in
+        // flight and wrap the FIFO many times.
+        let o = Opts {
+            slice_bytes: 1024,
+            transport,
+            staging,
+            tcp_sockets,
+            ..Opts::default()
+        };
         threads(n, &o, |rank, comm| {
             let comm = comm.unwrap();
             let mut dc = device_comm(&comm);
             for e in dc.edges() {
                 assert_eq!(e.kind, want, "{e}");
+                if want == TransportKind::Tcp {
+                    assert_eq!(e.sockets, tcp_sockets, "{e}");
+                }
             }
             let mut seed = 0;
             for dtype in DType::ALL {

@@ -183,18 +183,18 @@ fn all_collectives_as_processes_over_shm() {
 
 #[test]
 fn all_collectives_as_processes_over_tcp() {
+    // Two connections per edge: the receiving rank's knob reaches its sender.
     let (o, lines) = run(
         3,
         1,
         "all",
-        &[("RINGZERO_SHM_DISABLE", "1")],
+        &[("RINGZERO_SHM_DISABLE", "1"), ("RINGZERO_TCP_SOCKETS", "2")],
         Duration::from_secs(5),
     );
     assert_all_ok(&o, &lines, 3);
     assert!(
-        lines
-            .iter()
-            .any(|(_, l)| l.contains(": tcp (same node, RINGZERO_SHM_DISABLE=1)")),
+        lines.iter().any(|(_, l)| l
+            .contains(": tcp over 2 connections (same node, RINGZERO_SHM_DISABLE=1)")),
         "{lines:#?}"
     );
 }
@@ -311,6 +311,14 @@ fn a_rank_killed_mid_all_reduce_over_shm_fails_every_other_rank() {
 #[test]
 fn a_rank_killed_mid_all_reduce_over_tcp_fails_every_other_rank() {
     killed_rank_is_noticed(1, &[("RINGZERO_TRANSPORT", "tcp")]);
+}
+
+#[test]
+fn a_rank_killed_mid_all_reduce_over_tcp_edges_of_four_connections_fails_every_other_rank() {
+    killed_rank_is_noticed(
+        1,
+        &[("RINGZERO_TCP_SOCKETS", "4"), ("RINGZERO_TRANSPORT", "tcp")],
+    );
 }
 
 #[test]

@@ -6,8 +6,13 @@ use ringzero::{Collective, DType, ReduceOp, TransportKind, TransportPref};
 
 use crate::common::{check_case, host_collectives, threads, Case, Opts};
 
-fn transport() -> impl Strategy<Value = TransportPref> {
-    prop_oneof![Just(TransportPref::Shm), Just(TransportPref::Tcp)]
+/// A transport, and the connections per edge when it is tcp.
+fn transport() -> impl Strategy<Value = (TransportPref, usize)> {
+    prop_oneof![
+        Just((TransportPref::Shm, 1)),
+        Just((TransportPref::Tcp, 1)),
+        Just((TransportPref::Tcp, 3)),
+    ]
 }
 
 fn count() -> impl Strategy<Value = usize> {
@@ -35,14 +40,14 @@ proptest! {
         which in 0usize..13,
         in_place: bool,
         slice_bytes in prop_oneof![Just(8usize), Just(100), Just(4096), Just(512 * 1024)],
-        transport in transport(),
+        (transport, tcp_sockets) in transport(),
         root in 0usize..8,
         seed in 0usize..1000,
     ) {
         let coll = host_collectives(root % n)[which];
         let count = if coll == Collective::Barrier { 0 } else { count };
         let case = Case { coll, count, dtype, op, in_place, seed };
-        let o = Opts { transport, slice_bytes, ..Opts::default() };
+        let o = Opts { transport, slice_bytes, tcp_sockets, ..Opts::default() };
         threads(n, &o, |_, comm| {
             let comm = comm.expect("init");
             check_case(&comm, &case);
@@ -54,21 +59,23 @@ proptest! {
 
 #[test]
 fn every_dtype_and_op_on_both_transports_with_multi_slice_chunks() {
-    every_dtype_and_op(None);
+    every_dtype_and_op(None, 1);
 }
 
 #[test]
 fn every_dtype_and_op_with_streaming_stores_into_the_results() {
-    // Every result written with non-temporal stores (odd counts: unaligned heads and tails).
-    every_dtype_and_op(Some(0));
+    // Every result written with non-temporal stores (odd counts: unaligned heads and tails);
+    // tcp edges of three connections each.
+    every_dtype_and_op(Some(0), 3);
 }
 
-fn every_dtype_and_op(stream_stores_from: Option<usize>) {
+fn every_dtype_and_op(stream_stores_from: Option<usize>, tcp_sockets: usize) {
     for transport in [TransportPref::Shm, TransportPref::Tcp] {
         let o = Opts {
             transport,
             slice_bytes: 64,
             stream_stores_from,
+            tcp_sockets,
             ..Opts::default()
         };
         threads(3, &o, |_, comm| {
@@ -104,16 +111,18 @@ fn results_are_bit_identical_across_ranks_transports_and_slicing() {
     let count = 10_007;
     let input = |rank: usize, i: usize| ((i as f32 * 0.37 + rank as f32 * 1.1).sin() * 1e3) / 7.0;
     let mut runs = Vec::new();
-    for (transport, slice_bytes, stream_stores_from) in [
-        (TransportPref::Shm, 1024, None),
-        (TransportPref::Tcp, 64 * 1024, None),
-        (TransportPref::Shm, 40, None),
-        (TransportPref::Shm, 4096, Some(0)),
+    for (transport, slice_bytes, stream_stores_from, tcp_sockets) in [
+        (TransportPref::Shm, 1024, None, 1),
+        (TransportPref::Tcp, 64 * 1024, None, 1),
+        (TransportPref::Tcp, 1000, None, 4),
+        (TransportPref::Shm, 40, None, 1),
+        (TransportPref::Shm, 4096, Some(0), 1),
     ] {
         let o = Opts {
             transport,
             slice_bytes,
             stream_stores_from,
+            tcp_sockets,
             ..Opts::default()
         };
         let outs = threads(4, &o, |rank, comm| {
@@ -137,9 +146,14 @@ fn results_are_bit_identical_across_ranks_transports_and_slicing() {
 
 #[test]
 fn bytes_per_link_match_the_ring_theory() {
-    for transport in [TransportPref::Shm, TransportPref::Tcp] {
+    for (transport, tcp_sockets) in [
+        (TransportPref::Shm, 1),
+        (TransportPref::Tcp, 1),
+        (TransportPref::Tcp, 2),
+    ] {
         let o = Opts {
             transport,
+            tcp_sockets,
             ..Opts::default()
         };
         let n = 4;
@@ -170,11 +184,12 @@ fn bytes_per_link_match_the_ring_theory() {
                 after.bytes_received - mid.bytes_received,
                 (n as u64 - 1) * bytes / n as u64
             );
-            let kinds: Vec<TransportKind> = comm.edges().iter().map(|e| e.kind).collect();
+            let kinds: Vec<(TransportKind, usize)> =
+                comm.edges().iter().map(|e| (e.kind, e.sockets)).collect();
             let want = if transport == TransportPref::Shm {
-                TransportKind::Shm
+                (TransportKind::Shm, 0)
             } else {
-                TransportKind::Tcp
+                (TransportKind::Tcp, tcp_sockets)
             };
             assert_eq!(kinds, vec![want, want]);
         });

@@ -21,6 +21,10 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 pub const DEFAULT_SLICE_BYTES: usize = 512 * 1024;
 /// Default slots per link (at least 2: see the ring schedule's deadlock test).
 pub const DEFAULT_SLOTS: usize = 4;
+/// Default TCP connections per ring edge.
+pub const DEFAULT_TCP_SOCKETS: usize = 1;
+/// Most TCP connections per ring edge.
+pub const MAX_TCP_SOCKETS: usize = 32;
 /// Default smallest result (bytes of a rank's output buffer) written with streaming stores.
 pub const DEFAULT_STREAM_STORES_FROM: usize = 16 << 20;
 /// Default master port when a launcher gives none.
@@ -105,6 +109,11 @@ pub struct Config {
     pub slice_bytes: usize,
     /// Slots per link (`RINGZERO_SLOTS`, at least 2).
     pub slots: usize,
+    /// TCP connections carrying each tcp ring edge (`RINGZERO_TCP_SOCKETS`, 1 to 32): frames go
+    /// round-robin over them, so an edge is not held to what one connection can carry (a
+    /// per-flow rate limit, one core's worth of receive processing, a window against a long
+    /// round trip). The receiving rank's value counts; its sender follows.
+    pub tcp_sockets: usize,
     /// Calls whose output buffer has at least this many bytes write their results with streaming
     /// stores, which skip the read-before-write of lines not in cache
     /// (`RINGZERO_STREAM_STORES_FROM`, a size or `off`).
@@ -146,6 +155,7 @@ impl Config {
             p2p_disable: false,
             slice_bytes: DEFAULT_SLICE_BYTES,
             slots: DEFAULT_SLOTS,
+            tcp_sockets: DEFAULT_TCP_SOCKETS,
             stream_stores_from: DEFAULT_STREAM_STORES_FROM,
             staging: StagingMode::Mapped,
             shm_dir: "/dev/shm".into(),
@@ -235,6 +245,19 @@ impl Config {
                     Error::config(
                         "RINGZERO_SLOTS",
                         format!("`{v}` is not a number between 2 and 64"),
+                    )
+                })?;
+        }
+        if let Some(v) = env("RINGZERO_TCP_SOCKETS") {
+            c.tcp_sockets = v
+                .trim()
+                .parse()
+                .ok()
+                .filter(|s| (1..=MAX_TCP_SOCKETS).contains(s))
+                .ok_or_else(|| {
+                    Error::config(
+                        "RINGZERO_TCP_SOCKETS",
+                        format!("`{v}` is not a number between 1 and {MAX_TCP_SOCKETS}"),
                     )
                 })?;
         }
@@ -331,6 +354,15 @@ impl Config {
         }
         if self.slice_bytes == 0 {
             return Err(Error::config("slice_bytes", "must be at least 1"));
+        }
+        if !(1..=MAX_TCP_SOCKETS).contains(&self.tcp_sockets) {
+            return Err(Error::config(
+                "tcp_sockets",
+                format!(
+                    "{} connections per edge; between 1 and {MAX_TCP_SOCKETS}",
+                    self.tcp_sockets
+                ),
+            ));
         }
         if self.transport == TransportPref::Shm && self.shm_disable {
             return Err(Error::config(
@@ -591,6 +623,15 @@ mod tests {
         assert!(with("RINGZERO_TIMEOUT", "-3").contains("RINGZERO_TIMEOUT"));
         assert!(with("RINGZERO_TRANSPORT", "udp").contains("`udp` is not one of"));
         assert!(with("RINGZERO_SLOTS", "1").contains("RINGZERO_SLOTS"));
+        for bad in ["0", "33", "four"] {
+            let e = with("RINGZERO_TCP_SOCKETS", bad);
+            assert!(
+                e.contains(&format!(
+                    "RINGZERO_TCP_SOCKETS: `{bad}` is not a number between 1 and 32"
+                )),
+                "{e}"
+            );
+        }
         assert!(with("RINGZERO_STREAM_STORES_FROM", "soon").contains("`soon` is not a size"));
         assert!(with("RINGZERO_SHM_DISABLE", "maybe").contains("RINGZERO_SHM_DISABLE"));
         assert!(
@@ -630,8 +671,11 @@ mod tests {
             ("RINGZERO_STAGING", "Copy"),
             ("RINGZERO_FLIGHT_ENTRIES", "16"),
             ("RINGZERO_DUMP_DIR", "/tmp/rz-dumps"),
+            ("RINGZERO_TCP_SOCKETS", " 8"),
         ])
         .unwrap();
+        assert_eq!(c.tcp_sockets, 8);
+        assert_eq!(Config::new(0, 1, "x", 1).tcp_sockets, 1);
         assert_eq!(c.flight_entries, 16);
         assert_eq!(
             c.dump_dir.as_deref(),

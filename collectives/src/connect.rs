@@ -102,7 +102,8 @@ pub(crate) fn connect_pair(
         Role::Pairwise => "pairwise",
         _ => "pair",
     };
-    let (recv_edge, shm_rx, published) = receive_side(cfg, peer, &theirs.node, label)?;
+    // A pair's links are one connection each way (RINGZERO_TCP_SOCKETS is for ring edges).
+    let (recv_edge, shm_rx, published) = receive_side(cfg, peer, &theirs.node, label, 1)?;
     // Dial and accept at once: each side waits for the other's call.
     let (out, inc) = std::thread::scope(|s| {
         let dial = s.spawn(|| -> Result<TcpStream> {
@@ -126,9 +127,14 @@ pub(crate) fn connect_pair(
         peer,
         detail: format!("reading how rank {peer} receives: {e}"),
     })?;
-    let (send_kind, reason, path) = parse_published(&String::from_utf8_lossy(&info), peer)?;
-    let shm_tx = match send_kind {
-        TransportKind::Shm => Some(ShmSend::attach(path.as_ref(), cfg.slots, slot_bytes, peer)?),
+    let route = parse_published(&String::from_utf8_lossy(&info), peer)?;
+    let shm_tx = match route.kind {
+        TransportKind::Shm => Some(ShmSend::attach(
+            route.path.as_ref(),
+            cfg.slots,
+            slot_bytes,
+            peer,
+        )?),
         _ => None,
     };
     // Neither side goes on before both have attached: a rank whose calls with the peer end at
@@ -161,12 +167,7 @@ pub(crate) fn connect_pair(
         Some(rx) => Box::new(rx),
         None => Box::new(tcp::TcpRecv::new(inc, peer, slot_bytes)?),
     };
-    let send_edge = Edge {
-        from: rank,
-        to: peer,
-        kind: send_kind,
-        reason,
-    };
+    let send_edge = route.edge(rank, peer);
     let links = Links::new(tx, rx, peer, peer)?;
     Ok((links, vec![recv_edge, send_edge]))
 }
@@ -245,16 +246,12 @@ fn connect_links(
 
     // This rank decides the edge it receives on, creates its FIFO, and publishes the choice.
     let slot_bytes = cfg.slice_bytes;
-    let (recv_edge, shm_rx, published) = receive_side(cfg, prev, &prev_node, "host")?;
+    let (recv_edge, shm_rx, published) =
+        receive_side(cfg, prev, &prev_node, "host", cfg.tcp_sockets)?;
     store.set(&key("edge", rank), published.as_bytes())?;
     let theirs = String::from_utf8(store.get(&key("edge", next), next)?).unwrap_or_default();
-    let (send_kind, reason, path) = parse_published(&theirs, next)?;
-    let send_edge = Edge {
-        from: rank,
-        to: next,
-        kind: send_kind,
-        reason,
-    };
+    let route = parse_published(&theirs, next)?;
+    let send_edge = route.edge(rank, next);
 
     let (tx, rx): (Box<dyn SendLink>, Box<dyn RecvLink>) = std::thread::scope(|s| -> Result<_> {
         let accept = match shm_rx {
@@ -263,16 +260,19 @@ fn connect_links(
                 Ok(b)
             }
             None => Err(s.spawn(|| -> Result<Box<dyn RecvLink>> {
-                let stream = tcp::accept_from(&listener, &me, prev, cfg.timeout)?;
-                Ok(Box::new(tcp::TcpRecv::new(stream, prev, slot_bytes)?))
+                let wires =
+                    tcp::accept_wires(&listener, &me, prev, recv_edge.sockets, cfg.timeout)?;
+                Ok(Box::new(tcp::TcpRecv::over(wires, prev, 1, slot_bytes)?))
             })),
         };
-        let tx: Result<Box<dyn SendLink>> = match send_kind {
-            TransportKind::Shm => ShmSend::attach(path.as_ref(), cfg.slots, slot_bytes, next)
+        let tx: Result<Box<dyn SendLink>> = match route.kind {
+            TransportKind::Shm => ShmSend::attach(route.path.as_ref(), cfg.slots, slot_bytes, next)
                 .map(|t| Box::new(t) as _),
-            TransportKind::Tcp => tcp::connect(next_addr, &me, next, cfg.timeout)
-                .and_then(|st| tcp::TcpSend::new(st, next, cfg.slots, slot_bytes))
-                .map(|t| Box::new(t) as _),
+            TransportKind::Tcp => {
+                tcp::connect_wires(next_addr, &me, next, route.sockets, cfg.timeout)
+                    .and_then(|w| tcp::TcpSend::over(w, next, cfg.slots, slot_bytes))
+                    .map(|t| Box::new(t) as _)
+            }
             TransportKind::CudaIpc => Err(host_cuda_ipc()),
         };
         let rx = match accept {
@@ -293,15 +293,17 @@ fn connect_links(
 
 /// This rank's side of the edge it receives on from rank `from` (on node `from_node`): the
 /// transport (the receiver decides), its shm FIFO when shm (`what` names the segment: host,
-/// pair), and the text that tells the sender how to reach it.
+/// pair), and the text that tells the sender how to reach it. A tcp edge gets `sockets`
+/// connections.
 fn receive_side(
     cfg: &Config,
     from: usize,
     from_node: &str,
     what: &str,
+    sockets: usize,
 ) -> Result<(Edge, Option<ShmRecv>, String)> {
     let rank = cfg.launch.rank;
-    let edge = topology::choose(cfg, from, from_node, rank)?;
+    let mut edge = topology::choose(cfg, from, from_node, rank)?;
     let shm_rx = match edge.kind {
         TransportKind::Shm => Some(ShmRecv::create(
             &cfg.shm_dir,
@@ -310,36 +312,70 @@ fn receive_side(
             cfg.slice_bytes,
             from,
         )?),
-        TransportKind::Tcp => None,
+        TransportKind::Tcp => {
+            edge.sockets = sockets;
+            None
+        }
         TransportKind::CudaIpc => return Err(host_cuda_ipc()),
     };
     let published = match &shm_rx {
         Some(rx) => format!("shm\n{}\n{}", edge.reason, rx.path().display()),
-        None => format!("tcp\n{}\n", edge.reason),
+        None => format!("tcp\n{}\n{}", edge.reason, edge.sockets),
     };
     Ok((edge, shm_rx, published))
 }
 
-/// The sender's reading of what [`receive_side`] published by rank `to`: the transport, its
-/// reason, the shm path (empty for tcp).
-fn parse_published(text: &str, to: usize) -> Result<(TransportKind, String, String)> {
+/// How a rank receives on its edge from us, as [`receive_side`] published it.
+struct Route {
+    kind: TransportKind,
+    reason: String,
+    /// The shm file (shm).
+    path: String,
+    /// The connections to open (tcp).
+    sockets: usize,
+}
+
+impl Route {
+    fn edge(&self, from: usize, to: usize) -> Edge {
+        Edge {
+            from,
+            to,
+            kind: self.kind,
+            reason: self.reason.clone(),
+            sockets: self.sockets,
+        }
+    }
+}
+
+/// The sender's reading of what [`receive_side`] published by rank `to`.
+fn parse_published(text: &str, to: usize) -> Result<Route> {
     let mut parts = text.splitn(3, '\n');
-    let (kind, reason, path) = (
+    let (kind, reason, rest) = (
         parts.next().unwrap_or(""),
         parts.next().unwrap_or(""),
         parts.next().unwrap_or(""),
     );
-    let kind = match kind {
-        "shm" => TransportKind::Shm,
-        "tcp" => TransportKind::Tcp,
-        _ => {
-            return Err(Error::Protocol {
-                peer: format!("rank {to}"),
-                detail: format!("bad edge info `{text}`"),
-            })
-        }
+    let bad = || Error::Protocol {
+        peer: format!("rank {to}"),
+        detail: format!("bad edge info `{text}`"),
     };
-    Ok((kind, reason.to_string(), path.to_string()))
+    let (kind, path, sockets) = match kind {
+        "shm" => (TransportKind::Shm, rest.to_string(), 0),
+        "tcp" => {
+            let k: usize = rest.parse().map_err(|_| bad())?;
+            if !(1..=crate::config::MAX_TCP_SOCKETS).contains(&k) {
+                return Err(bad());
+            }
+            (TransportKind::Tcp, String::new(), k)
+        }
+        _ => return Err(bad()),
+    };
+    Ok(Route {
+        kind,
+        reason: reason.to_string(),
+        path,
+        sockets,
+    })
 }
 
 fn host_cuda_ipc() -> Error {

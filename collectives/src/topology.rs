@@ -42,13 +42,20 @@ pub struct Edge {
     pub kind: TransportKind,
     /// Why it was chosen.
     pub reason: String,
+    /// TCP connections carrying the edge (`RINGZERO_TCP_SOCKETS` of the receiving rank); 0 for
+    /// shm and cuda_ipc.
+    pub sockets: usize,
 }
 
 impl fmt::Display for Edge {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let over = match self.sockets {
+            0 | 1 => String::new(),
+            k => format!(" over {k} connections"),
+        };
         write!(
             f,
-            "rank {} → rank {}: {} ({})",
+            "rank {} → rank {}: {}{over} ({})",
             self.from, self.to, self.kind, self.reason
         )
     }
@@ -63,6 +70,10 @@ pub fn choose(cfg: &Config, from: usize, from_node: &str, to: usize) -> Result<E
             to,
             kind,
             reason,
+            sockets: match kind {
+                TransportKind::Tcp => cfg.tcp_sockets,
+                _ => 0,
+            },
         })
     };
     match cfg.transport {
@@ -108,6 +119,10 @@ pub fn choose_device(cfg: &Config, p: &DevicePeer) -> Result<Edge> {
             to,
             kind,
             reason,
+            sockets: match kind {
+                TransportKind::Tcp => cfg.tcp_sockets,
+                _ => 0,
+            },
         })
     };
     let forced_ipc = cfg.transport == TransportPref::CudaIpc;
@@ -189,6 +204,7 @@ pub fn after_probe(cfg: &Config, edge: Edge, finding: Option<&str>) -> Result<Ed
         TransportKind::CudaIpc if cfg.transport != TransportPref::CudaIpc => Ok(Edge {
             kind: TransportKind::Shm,
             reason: format!("cuda_ipc probe failed ({f}): host staging"),
+            sockets: 0,
             ..edge
         }),
         _ => Err(Error::Protocol {
@@ -242,6 +258,7 @@ mod tests {
                 to: 1,
                 kind,
                 reason: "host reason".into(),
+                sockets: 0,
             },
             mine: "cuda:1".into(),
             theirs: "cuda:0".into(),
@@ -324,6 +341,7 @@ mod tests {
             to: 1,
             kind: TransportKind::CudaIpc,
             reason: "peer access".into(),
+            sockets: 0,
         };
         assert_eq!(after_probe(&c, ipc.clone(), None).unwrap(), ipc);
         let e = after_probe(&c, ipc.clone(), Some("wrong data at byte 8")).unwrap();

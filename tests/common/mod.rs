@@ -32,6 +32,8 @@ pub struct Opts {
     pub staging: StagingMode,
     /// `Config::dump_dir`: where flight records go.
     pub dump_dir: Option<std::path::PathBuf>,
+    /// `Config::tcp_sockets`: connections per tcp ring edge.
+    pub tcp_sockets: usize,
 }
 
 impl Default for Opts {
@@ -44,6 +46,7 @@ impl Default for Opts {
             stream_stores_from: None,
             staging: StagingMode::Mapped,
             dump_dir: None,
+            tcp_sockets: 1,
         }
     }
 }
@@ -56,6 +59,7 @@ pub fn config(rank: usize, n: usize, port: u16, o: &Opts) -> Config {
     c.secret = o.secret.as_bytes().to_vec();
     c.staging = o.staging;
     c.dump_dir = o.dump_dir.clone();
+    c.tcp_sockets = o.tcp_sockets;
     if let Some(b) = o.stream_stores_from {
         c.stream_stores_from = b;
     }

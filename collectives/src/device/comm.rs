@@ -69,8 +69,10 @@ pub struct ConnectInfo {
     pub ipc: [u8; 64],
     /// Path of the shm file (data or control block), NUL-padded.
     pub path: [u8; 128],
+    /// TCP connections to open (tcp).
+    pub sockets: u32,
     /// Zero.
-    pub _reserved: [u8; 48],
+    pub _reserved: [u32; 11],
 }
 const _: () = assert!(std::mem::size_of::<ConnectInfo>() == 256);
 
@@ -355,7 +357,7 @@ impl<S: Stream> Core<S> {
         // 2–4, at most twice: a failed cuda_ipc probe rebuilds that edge as host staging.
         const ROUNDS: u64 = 2;
         for round in 0..ROUNDS {
-            let (links, send_kind) = self.build(comm, &recv_edge, prev, next)?;
+            let (links, (send_kind, send_sockets)) = self.build(comm, &recv_edge, prev, next)?;
             let mut links = links;
             let finding = self.probe(&mut links, round)?;
             let all = comm.all_gather_bytes(&finding.record())?;
@@ -382,6 +384,7 @@ impl<S: Stream> Core<S> {
                 to: next,
                 kind: send_kind,
                 reason: String::new(),
+                sockets: send_sockets,
             };
             if (0..size).all(|r| !failed(r)) {
                 if recv_edge.kind == TransportKind::Shm {
@@ -429,14 +432,14 @@ impl<S: Stream> Core<S> {
     }
 
     /// Create this rank's receive FIFO for `recv_edge`, exchange connect infos, attach to the next
-    /// rank's FIFO. Returns the links and the send edge's kind.
+    /// rank's FIFO. Returns the links and the send edge's kind and tcp connections.
     fn build(
         &self,
         comm: &Communicator,
         recv_edge: &Edge,
         prev: usize,
         next: usize,
-    ) -> Result<(DevLinks, TransportKind)> {
+    ) -> Result<(DevLinks, (TransportKind, usize))> {
         let cfg = &self.cfg;
         let (slots, slot_bytes) = (cfg.slots, cfg.slice_bytes.next_multiple_of(64));
         let name = crate::connect::segment_name(cfg, prev, self.rank, "dev");
@@ -444,6 +447,7 @@ impl<S: Stream> Core<S> {
         info.slots = slots as u32;
         info.slot_bytes = slot_bytes as u64;
         info.kind = kind_code(recv_edge.kind);
+        info.sockets = recv_edge.sockets as u32;
         enum Rx {
             Ready(Box<dyn DevRecvLink>),
             Listen(std::net::TcpListener),
@@ -512,8 +516,9 @@ impl<S: Stream> Core<S> {
                     Rx::Listen(l) => (
                         None,
                         Some(sc.spawn(move || -> Result<tcp::TcpRecv> {
-                            let st = tcp::accept_from(&l, &me, prev, cfg.timeout)?;
-                            tcp::TcpRecv::with_slots(st, prev, slots, slot_bytes)
+                            let wires =
+                                tcp::accept_wires(&l, &me, prev, recv_edge.sockets, cfg.timeout)?;
+                            tcp::TcpRecv::over(wires, prev, slots, slot_bytes)
                         })),
                     ),
                 };
@@ -537,6 +542,10 @@ impl<S: Stream> Core<S> {
                 Ok((rx, tx))
             })?;
         let (tx, kind) = tx?;
+        let sockets = match kind {
+            TransportKind::Tcp => theirs.sockets as usize,
+            _ => 0,
+        };
         Ok((
             DevLinks {
                 tx,
@@ -545,7 +554,7 @@ impl<S: Stream> Core<S> {
                 prev,
                 counters: Counters::default(),
             },
-            kind,
+            (kind, sockets),
         ))
     }
 
@@ -603,8 +612,15 @@ impl<S: Stream> Core<S> {
                             peer: format!("rank {next}"),
                             detail: format!("bad device data address `{}`", path.display()),
                         })?;
-                let st = tcp::connect(addr, me, next, self.cfg.timeout)?;
-                let mut t = tcp::TcpSend::new(st, next, t_slots, t_bytes)?;
+                let k = theirs.sockets as usize;
+                if !(1..=crate::config::MAX_TCP_SOCKETS).contains(&k) {
+                    return Err(Error::Protocol {
+                        peer: format!("rank {next}"),
+                        detail: format!("{k} tcp connections asked for its device edge"),
+                    });
+                }
+                let wires = tcp::connect_wires(addr, me, next, k, self.cfg.timeout)?;
+                let mut t = tcp::TcpSend::over(wires, next, t_slots, t_bytes)?;
                 let (ptr, len, stride) = t.staging();
                 // SAFETY: the staging is an anonymous mapping owned by `t`, which the TcpDevSend
                 // keeps (and drops after `keep`); moving `t` does not move it.

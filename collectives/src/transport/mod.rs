@@ -106,9 +106,9 @@ pub trait SendLink: Send {
     fn health(&mut self) -> LinkResult<()>;
     /// Tell the peer this rank aborts, best effort, without blocking.
     fn abort(&mut self, reason: &str);
-    /// A socket the engine can sleep on (tcp), if any.
-    fn pollable(&mut self) -> Option<&mut mio::net::TcpStream> {
-        None
+    /// The sockets the engine can sleep on (tcp), if any.
+    fn sockets(&mut self) -> Vec<&mut mio::net::TcpStream> {
+        Vec::new()
     }
 }
 
@@ -125,8 +125,8 @@ pub trait RecvLink: Send {
     fn health(&mut self) -> LinkResult<()>;
     /// Tell the peer this rank aborts, best effort.
     fn abort(&mut self, reason: &str);
-    /// A socket the engine can sleep on (tcp), if any.
-    fn pollable(&mut self) -> Option<&mut mio::net::TcpStream> {
-        None
+    /// The sockets the engine can sleep on (tcp), if any.
+    fn sockets(&mut self) -> Vec<&mut mio::net::TcpStream> {
+        Vec::new()
     }
 }

@@ -1,6 +1,6 @@
 //! How the engine waits when neither direction can move.
 //!
-//! When both halves of a rank's ring are TCP sockets, it sleeps in `mio`'s poll on both at once
+//! When both halves of a rank's ring are TCP, it sleeps in `mio`'s poll on all their sockets at once
 //! (edge-triggered: the engine only sleeps after a read or write returned `WouldBlock`, so no
 //! readiness is ever missed). Otherwise (shared memory on at least one side) it backs off by time
 //! since the last progress: spin 20 µs, yield until 200 µs, then nap 50 µs at a time, so ranks sharing
@@ -31,16 +31,15 @@ impl Waiter {
     /// A waiter for this pair of links; registers their sockets when both have one.
     pub fn new(tx: &mut dyn SendLink, rx: &mut dyn RecvLink) -> std::io::Result<Waiter> {
         let mut poll = None;
-        if let (Some(_), Some(_)) = (tx.pollable(), rx.pollable()) {
+        if !tx.sockets().is_empty() && !rx.sockets().is_empty() {
             let p = Poll::new()?;
             let both = Interest::READABLE | Interest::WRITABLE;
-            if let Some(s) = tx.pollable() {
-                p.registry().register(s, Token(0), both)?;
+            let mut n = 0;
+            for s in tx.sockets().into_iter().chain(rx.sockets()) {
+                p.registry().register(s, Token(n), both)?;
+                n += 1;
             }
-            if let Some(s) = rx.pollable() {
-                p.registry().register(s, Token(1), both)?;
-            }
-            poll = Some((p, Events::with_capacity(8)));
+            poll = Some((p, Events::with_capacity(n.max(8))));
         }
         Ok(Waiter {
             poll,
