@@ -193,8 +193,9 @@ fn all_collectives_as_processes_over_tcp() {
     );
     assert_all_ok(&o, &lines, 3);
     assert!(
-        lines.iter().any(|(_, l)| l
-            .contains(": tcp over 2 connections (same node, RINGZERO_SHM_DISABLE=1)")),
+        lines.iter().any(
+            |(_, l)| l.contains(": tcp over 2 connections (same node, RINGZERO_SHM_DISABLE=1)")
+        ),
         "{lines:#?}"
     );
 }

@@ -268,6 +268,10 @@ struct BenchCli {
     /// Transport: auto, shm or tcp (sets RINGZERO_TRANSPORT for the ranks).
     #[arg(long)]
     transport: Option<String>,
+    /// TCP connections per tcp ring edge, 1 to 32 (sets RINGZERO_TCP_SOCKETS for the ranks):
+    /// edges between nodes, or every edge with --transport tcp.
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=32))]
+    tcp_sockets: Option<u16>,
     /// Timed iterations per size.
     #[arg(long, default_value_t = 20)]
     iters: usize,
@@ -551,7 +555,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             no_bench,
             kill_rank,
         } => {
-            let comm = join("gpu-collectives", None, None)?;
+            let comm = join("gpu-collectives", None, None, None)?;
             let r = match kill_rank {
                 Some(k) => ringzero_tools::gpucoll::killed_rank_main(&comm, device, k),
                 None => ringzero_tools::gpucoll::rank_main(&comm, device, !no_bench),
@@ -782,7 +786,11 @@ fn flight_names_the_killed_rank(
 }
 
 /// Run this same command line on `ranks` local ranks under the launcher (rank 0 reports).
-fn spawn_self(ranks: usize, transport: Option<&str>) -> anyhow::Result<ExitCode> {
+fn spawn_self(
+    ranks: usize,
+    transport: Option<&str>,
+    tcp_sockets: Option<u16>,
+) -> anyhow::Result<ExitCode> {
     anyhow::ensure!(ranks >= 1, "-n must be at least 1");
     let spec = launch::LaunchSpec {
         ranks,
@@ -794,6 +802,7 @@ fn spawn_self(ranks: usize, transport: Option<&str>) -> anyhow::Result<ExitCode>
         env: transport
             .iter()
             .map(|t| ("RINGZERO_TRANSPORT".to_string(), t.to_string()))
+            .chain(tcp_sockets.map(|k| ("RINGZERO_TCP_SOCKETS".to_string(), k.to_string())))
             .collect(),
         grace: Duration::from_secs(5),
         dump_dir: None,
@@ -802,10 +811,18 @@ fn spawn_self(ranks: usize, transport: Option<&str>) -> anyhow::Result<ExitCode>
     Ok(ExitCode::from(outcome.exit_code().clamp(0, 255) as u8))
 }
 
-/// Join the job the launcher started, with `--transport` applied.
-fn join(tool: &str, ranks: Option<usize>, transport: Option<&str>) -> anyhow::Result<Communicator> {
+/// Join the job the launcher started, with `--transport` and `--tcp-sockets` applied.
+fn join(
+    tool: &str,
+    ranks: Option<usize>,
+    transport: Option<&str>,
+    tcp_sockets: Option<u16>,
+) -> anyhow::Result<Communicator> {
     let mut cfg =
         ringzero_collectives::Config::from_env().context("reading the launcher environment")?;
+    if let Some(k) = tcp_sockets {
+        cfg.tcp_sockets = k as usize;
+    }
     if let Some(t) = transport {
         cfg.transport = match t {
             "shm" => ringzero_collectives::TransportPref::Shm,
@@ -895,9 +912,9 @@ fn demo(d: DemoCli) -> anyhow::Result<ExitCode> {
         zero.overlap_comm = true;
     }
     if !under_launcher() {
-        return spawn_self(d.ranks.unwrap_or(4), d.transport.as_deref());
+        return spawn_self(d.ranks.unwrap_or(4), d.transport.as_deref(), None);
     }
-    let comm = join("demo", d.ranks, d.transport.as_deref())?;
+    let comm = join("demo", d.ranks, d.transport.as_deref(), None)?;
     let root = comm.rank() == 0;
     if d.bench {
         let mut rows = Vec::new();
@@ -1130,9 +1147,9 @@ fn bench(b: BenchCli) -> anyhow::Result<ExitCode> {
             !ops.contains(&ringzero_collectives::Collective::SendRecv) || n.is_multiple_of(2),
             "send-recv pairs ranks 0↔1, 2↔3, ...: run it on an even number of ranks, not -n {n}"
         );
-        return spawn_self(n, b.transport.as_deref());
+        return spawn_self(n, b.transport.as_deref(), b.tcp_sockets);
     }
-    let comm = join("bench", b.ranks, b.transport.as_deref())?;
+    let comm = join("bench", b.ranks, b.transport.as_deref(), b.tcp_sockets)?;
     let args = ringzero_tools::bench::BenchArgs {
         ops,
         sweep: ringzero_tools::bench::sweep::SweepArgs {

@@ -307,36 +307,52 @@ fn into_mio(s: TcpStream) -> Result<mio::net::TcpStream> {
     Ok(mio::net::TcpStream::from_std(s))
 }
 
-struct Pending {
-    header: [u8; HEADER_LEN],
+/// Payloads are split into parts of at least this many bytes, one per connection: a small frame
+/// uses fewer connections (fewer system calls), a slice-sized one all of them.
+pub const MIN_PART: usize = 4096;
+
+/// How a payload of `len` bytes is striped over `wires` connections: part `i` (on wire `i`) is
+/// the returned range; the first part travels after the frame's header on wire 0. Both ends
+/// compute it from the header's length. A frame always has part 0 (it carries the header).
+pub fn parts(len: usize, wires: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
+    let n = len.div_ceil(MIN_PART).clamp(1, wires.max(1));
+    let each = len.div_ceil(n);
+    (0..n).map(move |i| (i * each).min(len)..((i + 1) * each).min(len))
+}
+
+/// One part of a frame queued on a connection: the header goes first on wire 0.
+struct Piece {
+    header: Option<[u8; HEADER_LEN]>,
     slot: usize,
+    /// The part's bytes within the slot.
+    at: usize,
     len: usize,
     written: usize,
 }
 
-/// One of a sending edge's connections: the frames queued for it, and what the peer sent back.
+/// One of a sending edge's connections: the parts queued for it, and what the peer sent back.
 struct SendWire {
     s: mio::net::TcpStream,
-    queue: VecDeque<Pending>,
+    queue: VecDeque<Piece>,
     /// Bytes read back from the peer: the only thing a receiver ever sends is an abort frame.
     back: Vec<u8>,
 }
 
-/// Sending half over TCP: one or more connections ("wires"); frame `n` goes on wire `n mod k`,
-/// so the receiver, reading the wires in the same turn, sees the frames in order.
+/// Sending half over TCP: one or more connections ("wires"); each frame's payload is striped over
+/// them (see [`parts`]), so a single frame in flight keeps every connection busy.
 pub struct TcpSend {
     wires: Vec<SendWire>,
-    /// Frames posted so far: the next one goes on wire `posted mod k`.
-    posted: usize,
     peer: usize,
     addr: String,
     slot_bytes: usize,
     /// `slots` slots of `slot_bytes`, each starting a multiple of [`STRIDE_ALIGN`] after the
     /// last.
     staging: Aligned,
-    /// Slots neither reserved nor waiting to be written. Frames on different wires finish in
-    /// any order, so the free slots are a set, not a ring position.
+    /// Slots neither reserved nor waiting to be written. The parts of a frame leave on different
+    /// connections at their own pace, so slots come free in any order: a set, not a ring.
     free: Vec<usize>,
+    /// Parts of each slot's frame not yet written.
+    unwritten: Vec<usize>,
     /// The host engine's one reservation: slot and length.
     reserved: Option<(usize, usize)>,
     /// The device engine's reservations, oldest first (pipelined: filled by queued device work,
@@ -381,12 +397,12 @@ impl TcpSend {
         let slots = slots.max(1);
         Ok(TcpSend {
             wires,
-            posted: 0,
             peer,
             addr,
             slot_bytes,
             staging: Aligned::new(slots * stride(slot_bytes))?,
             free: (0..slots).rev().collect(),
+            unwritten: vec![0; slots],
             reserved: None,
             reserved_slots: VecDeque::new(),
         })
@@ -434,14 +450,19 @@ impl TcpSend {
     }
 
     fn queue_frame(&mut self, header: &FrameHeader, slot: usize, len: usize) {
-        let k = self.wires.len();
-        self.wires[self.posted % k].queue.push_back(Pending {
-            header: bytemuck::cast(*header),
-            slot,
-            len,
-            written: 0,
-        });
-        self.posted = self.posted.wrapping_add(1);
+        let base = slot * stride(self.slot_bytes);
+        let mut n = 0;
+        for (i, part) in parts(len, self.wires.len()).enumerate() {
+            self.wires[i].queue.push_back(Piece {
+                header: (i == 0).then(|| bytemuck::cast(*header)),
+                slot,
+                at: base + part.start,
+                len: part.len(),
+                written: 0,
+            });
+            n += 1;
+        }
+        self.unwritten[slot] = n;
     }
 
     fn lost(&mut self, wire: usize, e: std::io::Error) -> LinkError {
@@ -497,25 +518,24 @@ impl TcpSend {
         })
     }
 
-    /// Write `wire`'s queued frames until its socket would block; frees the slots of the frames
-    /// that have left.
+    /// Write `wire`'s queued parts until its socket would block; frees the slots whose frames
+    /// have left on every connection.
     fn write_wire(&mut self, wire: usize) -> LinkResult<bool> {
         let mut moved = false;
-        let st = stride(self.slot_bytes);
         loop {
             let w = &mut self.wires[wire];
             let Some(p) = w.queue.front_mut() else {
                 return Ok(moved);
             };
-            let total = HEADER_LEN + p.len;
-            let payload = &self.staging.bytes()[p.slot * st..p.slot * st + p.len];
-            let r = if p.written < HEADER_LEN {
-                w.s.write_vectored(&[IoSlice::new(&p.header[p.written..]), IoSlice::new(payload)])
+            let head = p.header.as_ref().map_or(&[][..], |h| &h[..]);
+            let payload = &self.staging.bytes()[p.at..p.at + p.len];
+            let r = if p.written < head.len() {
+                w.s.write_vectored(&[IoSlice::new(&head[p.written..]), IoSlice::new(payload)])
             } else {
-                w.s.write(&payload[p.written - HEADER_LEN..])
+                w.s.write(&payload[p.written - head.len()..])
             };
             match r {
-                Ok(0) => {
+                Ok(0) if head.len() + p.len > p.written => {
                     return Err(LinkError::Lost(format!(
                         "rank {} ({}{}) stopped reading",
                         self.peer,
@@ -526,10 +546,13 @@ impl TcpSend {
                 Ok(n) => {
                     moved = true;
                     p.written += n;
-                    if p.written == total {
+                    if p.written == head.len() + p.len {
                         let slot = p.slot;
                         w.queue.pop_front();
-                        self.free.push(slot);
+                        self.unwritten[slot] -= 1;
+                        if self.unwritten[slot] == 0 {
+                            self.free.push(slot);
+                        }
                     }
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(moved),
@@ -603,14 +626,16 @@ impl SendLink for TcpSend {
     }
 
     fn abort(&mut self, reason: &str) {
-        // An abort frame can only be sent at a frame boundary; mid-frame, closing says enough.
-        // The receiver reads whichever wire its next frame is due on: each idle wire says why.
-        let r = &reason.as_bytes()[..reason.len().min(MAX_ABORT_REASON)];
-        let h: [u8; HEADER_LEN] = bytemuck::cast(FrameHeader::abort(r.len()));
+        // An abort frame (header and reason, on wire 0 where headers go) can only be sent at a
+        // frame boundary; mid-frame, closing says enough.
+        if self.flushed() {
+            let r = &reason.as_bytes()[..reason.len().min(MAX_ABORT_REASON)];
+            let h: [u8; HEADER_LEN] = bytemuck::cast(FrameHeader::abort(r.len()));
+            let _ = self.wires[0]
+                .s
+                .write_vectored(&[IoSlice::new(&h), IoSlice::new(r)]);
+        }
         for w in &mut self.wires {
-            if w.queue.is_empty() {
-                let _ = w.s.write_vectored(&[IoSlice::new(&h), IoSlice::new(r)]);
-            }
             let _ = w.s.shutdown(std::net::Shutdown::Write);
         }
     }
@@ -620,11 +645,12 @@ impl SendLink for TcpSend {
     }
 }
 
-/// Receiving half over TCP: reads frame `n` from wire `n mod k`, in turn (see [`TcpSend`]).
+/// Receiving half over TCP: a frame's header from wire 0, then its parts from every wire at once
+/// (see [`TcpSend`]).
 pub struct TcpRecv {
     wires: Vec<mio::net::TcpStream>,
-    /// The wire the next frame arrives on.
-    at: usize,
+    /// Bytes of the current frame's part received on each wire.
+    part_got: Vec<usize>,
     peer: usize,
     addr: String,
     header: [u8; HEADER_LEN],
@@ -634,7 +660,6 @@ pub struct TcpRecv {
     payload: Aligned,
     slot_bytes: usize,
     slots: usize,
-    got: usize,
     /// The oldest slot still held, and how many are held (consumed by the device engine, not yet
     /// released: the kernel reading them may still run). The host engine holds none.
     first: usize,
@@ -678,8 +703,8 @@ impl TcpRecv {
             .unwrap_or_default();
         let (slots, slot_bytes) = (slots.max(1), slot_bytes.max(MAX_ABORT_REASON));
         Ok(TcpRecv {
+            part_got: vec![0; streams.len()],
             wires: streams.into_iter().map(into_mio).collect::<Result<_>>()?,
-            at: 0,
             peer,
             addr,
             header: [0; HEADER_LEN],
@@ -688,7 +713,6 @@ impl TcpRecv {
             payload: Aligned::new(slots * stride(slot_bytes))?,
             slot_bytes,
             slots,
-            got: 0,
             first: 0,
             held: 0,
         })
@@ -700,10 +724,10 @@ impl TcpRecv {
     }
 
     /// ", connection 2 of 4" where an edge has several.
-    fn wire_name(&self) -> String {
+    fn wire_name(&self, wire: usize) -> String {
         match self.wires.len() {
             1 => String::new(),
-            k => format!(", connection {} of {k}", self.at + 1),
+            k => format!(", connection {} of {k}", wire + 1),
         }
     }
 
@@ -727,7 +751,7 @@ impl TcpRecv {
             return Ok(None);
         }
         if self.checked.is_none() {
-            if !self.fill(Buf::Header, HEADER_LEN)? {
+            if !self.read_header()? {
                 return Ok(None);
             }
             let h = FrameHeader::decode(&self.header)?;
@@ -745,7 +769,13 @@ impl TcpRecv {
         }
         let h = self.checked.expect("set above");
         let len = h.len as usize;
-        if !self.fill(Buf::Payload, len)? {
+        // An abort's reason follows its header on wire 0; data is striped.
+        let wires = if h.is_abort() { 1 } else { self.wires.len() };
+        let mut all = true;
+        for (i, part) in parts(len, wires).enumerate() {
+            all &= self.read_part(i, part)?;
+        }
+        if !all {
             return Ok(None);
         }
         let at = self.current() * stride(self.slot_bytes);
@@ -757,12 +787,11 @@ impl TcpRecv {
         Ok(Some((self.current(), len)))
     }
 
-    /// The frame is done with: the next one arrives on the next wire.
+    /// The frame is done with.
     fn next_frame(&mut self) {
         self.checked = None;
         self.header_got = 0;
-        self.got = 0;
-        self.at = (self.at + 1) % self.wires.len();
+        self.part_got.fill(0);
     }
 
     /// The device engine's peek: the slot index of the next frame, once it has arrived.
@@ -786,46 +815,55 @@ impl TcpRecv {
         Ok(())
     }
 
-    /// Read into `buf[*got..]`; Ok(true) when full, Ok(false) when the socket would block.
-    fn fill(&mut self, which: Buf, want: usize) -> LinkResult<bool> {
-        loop {
-            let at = self.current() * stride(self.slot_bytes);
-            let (buf, got) = match which {
-                Buf::Header => (&mut self.header[..], &mut self.header_got),
-                Buf::Payload => (&mut self.payload.bytes_mut()[at..at + want], &mut self.got),
-            };
-            if *got == buf.len() {
-                return Ok(true);
-            }
-            match self.wires[self.at].read(&mut buf[*got..]) {
-                Ok(0) => {
-                    return Err(LinkError::Lost(format!(
-                        "connection closed by rank {} ({}{})",
-                        self.peer,
-                        self.addr,
-                        self.wire_name()
-                    )))
-                }
-                Ok(n) => *got += n,
-                Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(false),
-                Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(e) => {
-                    return Err(LinkError::Lost(format!(
-                        "reading from rank {} ({}{}): {e}",
-                        self.peer,
-                        self.addr,
-                        self.wire_name()
-                    )))
-                }
+    /// Read the next header from wire 0: Ok(true) once whole, Ok(false) when the socket would
+    /// block.
+    fn read_header(&mut self) -> LinkResult<bool> {
+        while self.header_got < HEADER_LEN {
+            let r = self.wires[0].read(&mut self.header[self.header_got..]);
+            match self.got(0, r)? {
+                Some(n) => self.header_got += n,
+                None => return Ok(false),
             }
         }
+        Ok(true)
     }
-}
 
-#[derive(Clone, Copy)]
-enum Buf {
-    Header,
-    Payload,
+    /// Read part `part` of the current frame from `wire` into the current slot: Ok(true) once
+    /// whole, Ok(false) when the socket would block.
+    fn read_part(&mut self, wire: usize, part: std::ops::Range<usize>) -> LinkResult<bool> {
+        let at = self.current() * stride(self.slot_bytes);
+        let (start, end) = (at + part.start, at + part.end);
+        while start + self.part_got[wire] < end {
+            let from = start + self.part_got[wire];
+            let r = self.wires[wire].read(&mut self.payload.bytes_mut()[from..end]);
+            match self.got(wire, r)? {
+                Some(n) => self.part_got[wire] += n,
+                None => return Ok(false),
+            }
+        }
+        Ok(true)
+    }
+
+    /// A read's outcome on `wire`: bytes read, `None` when it would block, or the link lost.
+    fn got(&self, wire: usize, r: std::io::Result<usize>) -> LinkResult<Option<usize>> {
+        match r {
+            Ok(0) => Err(LinkError::Lost(format!(
+                "connection closed by rank {} ({}{})",
+                self.peer,
+                self.addr,
+                self.wire_name(wire)
+            ))),
+            Ok(n) => Ok(Some(n)),
+            Err(e) if e.kind() == ErrorKind::WouldBlock => Ok(None),
+            Err(e) if e.kind() == ErrorKind::Interrupted => Ok(Some(0)),
+            Err(e) => Err(LinkError::Lost(format!(
+                "reading from rank {} ({}{}): {e}",
+                self.peer,
+                self.addr,
+                self.wire_name(wire)
+            ))),
+        }
+    }
 }
 
 impl RecvLink for TcpRecv {
@@ -945,11 +983,35 @@ mod tests {
     }
 
     #[test]
-    fn frames_arrive_in_order_over_several_connections() {
-        let (mut tx, mut rx) = edge(3, 2, 4096);
+    fn parts_cover_the_payload_and_small_frames_use_fewer_connections() {
+        let split = |len, k| parts(len, k).collect::<Vec<_>>();
+        assert_eq!(split(0, 4), vec![0..0]);
+        assert_eq!(split(100, 4), vec![0..100]);
+        assert_eq!(split(MIN_PART + 1, 4), [0..2049, 2049..4097]);
+        for (len, k) in [
+            (512 << 10, 4),
+            (12_289, 3),
+            (1 << 20, 32),
+            (5 * MIN_PART, 8),
+        ] {
+            let p = split(len, k);
+            assert!(p.len() <= k && p[0].start == 0 && p.last().unwrap().end == len);
+            assert!(p
+                .windows(2)
+                .all(|w| w[0].end == w[1].start && !w[1].is_empty()));
+        }
+        assert_eq!(split(512 << 10, 4).len(), 4);
+    }
+
+    #[test]
+    fn frames_striped_over_several_connections_arrive_whole_and_in_order() {
+        let (mut tx, mut rx) = edge(3, 2, 20_000);
         assert_eq!((tx.wires(), rx.wires()), (3, 3));
-        for step in 0..10u32 {
-            let len = [1, 4096, 100, 3000][step as usize % 4];
+        // One part, two, three; empty frames carry only a header.
+        let len_of =
+            |step: u32| [1, 3 * MIN_PART + 5, 0, 20_000, MIN_PART + 1, 100][step as usize % 6];
+        for step in 0..12u32 {
+            let len = len_of(step);
             let deadline = Instant::now() + Duration::from_secs(10);
             while tx.reserve(len).unwrap().is_none() {
                 tx.progress().unwrap();
@@ -961,19 +1023,38 @@ mod tests {
                 .copy_from_slice(&pattern(step, len));
             tx.post(&FrameHeader::data(7, step, 0, fp(len), len))
                 .unwrap();
-            // Every frame is read back before the next: the receiver turns to the next wire each
-            // time, so a frame on the wrong connection would never be found.
-            assert_eq!(receive(&mut tx, &mut rx, step, len), pattern(step, len));
+            if step % 2 == 1 {
+                // Two frames in flight at once before reading.
+                for s in [step - 1, step] {
+                    assert_eq!(
+                        receive(&mut tx, &mut rx, s, len_of(s)),
+                        pattern(s, len_of(s))
+                    );
+                }
+            }
         }
         assert!(tx.flushed());
     }
 
+    /// Read what `s` has (without blocking) onto `out`.
+    fn drain(s: &mut mio::net::TcpStream, out: &mut Vec<u8>) {
+        let mut buf = vec![0u8; 1 << 20];
+        loop {
+            match s.read(&mut buf) {
+                Ok(0) => return,
+                Ok(n) => out.extend_from_slice(&buf[..n]),
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return,
+                Err(e) => panic!("{e}"),
+            }
+        }
+    }
+
     #[test]
-    fn a_slot_freed_on_one_connection_is_reused_while_another_is_still_writing() {
-        // Slots larger than the sockets' buffers: a frame on a connection the receiver is not
-        // reading cannot leave. Frames on different connections finish out of order, and the
-        // slot of the one that left must be the one reused.
-        let big = 24 << 20;
+    fn a_slot_freed_while_another_frame_is_still_writing_is_the_one_reused() {
+        // A large frame's second part is held back (nobody reads connection 2; the part is
+        // larger than the sockets' buffers) while a small frame behind its first part leaves: the
+        // small frame's slot comes free first and must be the one reused.
+        let big = 48 << 20;
         let (mut tx, mut rx) = edge(2, 2, big);
         let first = pattern(0, big);
         tx.reserve(big).unwrap().unwrap().copy_from_slice(&first);
@@ -983,29 +1064,35 @@ mod tests {
             .unwrap()
             .copy_from_slice(&pattern(1, 10));
         tx.post(&FrameHeader::data(7, 1, 0, fp(10), 10)).unwrap();
-        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut wire0 = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(20);
         while tx.reserve(10).unwrap().is_none() {
             tx.progress().unwrap();
+            drain(&mut rx.wires[0], &mut wire0);
             assert!(Instant::now() < deadline, "the small frame never left");
         }
         assert!(
             !tx.flushed(),
-            "the large frame should still be waiting for the receiver"
+            "the large frame's second part should still be waiting"
         );
-        // Frame 2 reuses the small frame's slot (on connection 1 again); the large frame's slot
-        // must be untouched.
-        tx.reserve(10)
-            .unwrap()
-            .unwrap()
-            .copy_from_slice(&pattern(2, 10));
-        tx.post(&FrameHeader::data(7, 2, 0, fp(10), 10)).unwrap();
-        assert!(tx.reserve(1).unwrap().is_none(), "both slots are busy");
+        assert_eq!(tx.reserved.map(|(slot, _)| slot), Some(1));
+        tx.reserve(big).unwrap().unwrap().fill(0xEE);
+        let mut wire1 = Vec::new();
+        let half = big / 2;
+        while !tx.flushed() || wire1.len() < half {
+            tx.progress().unwrap();
+            drain(&mut rx.wires[1], &mut wire1);
+            assert!(Instant::now() < deadline, "the second part never left");
+        }
+        drain(&mut rx.wires[0], &mut wire0);
         assert!(
-            receive(&mut tx, &mut rx, 0, big) == first,
-            "the large frame was overwritten"
+            wire1 == first[half..],
+            "the large frame's second part was overwritten"
         );
-        assert_eq!(receive(&mut tx, &mut rx, 1, 10), pattern(1, 10));
-        assert_eq!(receive(&mut tx, &mut rx, 2, 10), pattern(2, 10));
+        let h0: [u8; HEADER_LEN] = bytemuck::cast(FrameHeader::data(7, 0, 0, fp(big), big));
+        let h1: [u8; HEADER_LEN] = bytemuck::cast(FrameHeader::data(7, 1, 0, fp(10), 10));
+        let want0 = [&h0[..], &first[..half], &h1[..], &pattern(1, 10)].concat();
+        assert!(wire0 == want0, "connection 1 carried something else");
     }
 
     #[test]
@@ -1058,20 +1145,24 @@ mod tests {
         }
 
         // One connection of the edge closes mid-run: the error names it.
-        let (mut tx, mut rx) = edge(3, 2, 64);
-        tx.wires[1].s.shutdown(std::net::Shutdown::Both).unwrap();
+        let len = 3 * MIN_PART;
+        let (mut tx, mut rx) = edge(3, 2, len);
         tx.reserve(5).unwrap().unwrap().fill(1);
         tx.post(&FrameHeader::data(7, 0, 0, fp(5), 5)).unwrap();
         assert_eq!(receive(&mut tx, &mut rx, 0, 5), vec![1; 5]);
+        tx.wires[1].s.shutdown(std::net::Shutdown::Both).unwrap();
+        tx.reserve(len).unwrap().unwrap().fill(2);
+        tx.post(&FrameHeader::data(7, 1, 0, fp(len), len)).unwrap();
         let deadline = Instant::now() + Duration::from_secs(10);
         let err = loop {
-            match rx.peek(&expect(1, 5)) {
+            let _ = tx.progress();
+            match rx.peek(&expect(1, len)) {
                 Err(e) => break e,
                 Ok(None) => assert!(
                     Instant::now() < deadline,
                     "the closed connection went unseen"
                 ),
-                Ok(Some(_)) => panic!("a frame that was never sent"),
+                Ok(Some(_)) => panic!("a frame with a part missing"),
             }
         };
         assert!(

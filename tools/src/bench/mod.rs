@@ -235,6 +235,7 @@ pub fn run_device<D: device::BenchDev>(
             to: e.to,
             transport: e.kind.to_string(),
             reason: e.reason.clone(),
+            sockets: e.sockets,
         })
         .collect();
     Ok(Report { header, rows })

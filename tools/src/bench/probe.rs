@@ -41,6 +41,8 @@ pub struct EdgeBeta {
     pub transport: String,
     /// Why this transport.
     pub reason: String,
+    /// TCP connections carrying the edge (0: not tcp).
+    pub sockets: usize,
     /// Measured bandwidth, GB/s.
     pub beta_gbs: f64,
 }
@@ -131,7 +133,7 @@ pub fn measure(comm: &Communicator, stream_bytes: usize) -> Result<Probe> {
     if n > 1 {
         // Each rank knows its own edges; rank r's receive edge is edge r. Gather their names.
         let me = &comm.edges()[0];
-        let name = format!("{}\t{}", me.kind, me.reason);
+        let name = format!("{}\t{}\t{}", me.kind, me.sockets, me.reason);
         let mut len = vec![name.len() as i64];
         comm.all_reduce_in_place(&mut len, ReduceOp::Max)?;
         let width = len[0] as usize;
@@ -143,12 +145,18 @@ pub fn measure(comm: &Communicator, stream_bytes: usize) -> Result<Probe> {
             let text = String::from_utf8_lossy(&names[r * width..(r + 1) * width])
                 .trim_end()
                 .to_string();
-            let (transport, reason) = text.split_once('\t').unwrap_or((&text, ""));
+            let mut parts = text.splitn(3, '\t');
+            let (transport, sockets, reason) = (
+                parts.next().unwrap_or(""),
+                parts.next().and_then(|k| k.parse().ok()).unwrap_or(0),
+                parts.next().unwrap_or(""),
+            );
             edges.push(EdgeBeta {
                 from: (r + n - 1) % n,
                 to: r,
                 transport: transport.to_string(),
                 reason: reason.to_string(),
+                sockets,
                 beta_gbs: *beta,
             });
         }

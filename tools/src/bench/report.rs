@@ -64,6 +64,9 @@ pub struct DeviceEdgeOut {
     pub transport: String,
     /// Why.
     pub reason: String,
+    /// TCP connections carrying the edge (0: not tcp).
+    #[serde(default)]
+    pub sockets: usize,
 }
 
 /// An edge in the header.
@@ -77,6 +80,9 @@ pub struct EdgeOut {
     pub transport: String,
     /// Why.
     pub reason: String,
+    /// TCP connections carrying the edge (0: not tcp).
+    #[serde(default)]
+    pub sockets: usize,
     /// Measured bandwidth, GB/s.
     pub beta_gbs: f64,
 }
@@ -88,6 +94,7 @@ impl From<&EdgeBeta> for EdgeOut {
             to: e.to,
             transport: e.transport.clone(),
             reason: e.reason.clone(),
+            sockets: e.sockets,
             beta_gbs: e.beta_gbs,
         }
     }
@@ -102,6 +109,14 @@ pub struct Report {
     pub rows: Vec<Row>,
 }
 
+/// " over 4 connections" for a tcp edge of several.
+fn connections(sockets: usize) -> String {
+    match sockets {
+        0 | 1 => String::new(),
+        k => format!(" over {k} connections"),
+    }
+}
+
 /// Header lines of the table.
 pub fn header_text(h: &Header) -> String {
     let mut s = format!(
@@ -110,14 +125,23 @@ pub fn header_text(h: &Header) -> String {
     );
     for e in &h.edges {
         s += &format!(
-            "#   edge rank {} → rank {}: {} ({}), β {:.2} GB/s\n",
-            e.from, e.to, e.transport, e.reason, e.beta_gbs
+            "#   edge rank {} → rank {}: {}{} ({}), β {:.2} GB/s\n",
+            e.from,
+            e.to,
+            e.transport,
+            connections(e.sockets),
+            e.reason,
+            e.beta_gbs
         );
     }
     for e in &h.device_edges {
         s += &format!(
-            "#   device edge rank {} → rank {}: {} ({})\n",
-            e.from, e.to, e.transport, e.reason
+            "#   device edge rank {} → rank {}: {}{} ({})\n",
+            e.from,
+            e.to,
+            e.transport,
+            connections(e.sockets),
+            e.reason
         );
     }
     if !h.device_edges.is_empty() {
