@@ -531,7 +531,9 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     match mode {
                         DevMode::Ipc => "auto (cuda_ipc)",
                         DevMode::Staging => "RINGZERO_P2P_DISABLE=1",
-                        DevMode::Tcp => "RINGZERO_TRANSPORT=tcp (pinned tcp staging)",
+                        DevMode::Tcp => {
+                            "RINGZERO_TRANSPORT=tcp RINGZERO_TCP_SOCKETS=2 (pinned tcp staging)"
+                        }
                         DevMode::IpcKill => "cuda_ipc, rank 1 killed mid all-reduce",
                         DevMode::StagingKill => "host staging, rank 1 killed mid all-reduce",
                     }
@@ -731,6 +733,8 @@ fn gpu_collectives(
                 }
                 .to_string(),
             ),
+            // The tcp run's edges stripe every frame over two connections (pinned staging parts).
+            ("RINGZERO_TCP_SOCKETS".to_string(), "2".to_string()),
         ],
         grace: Duration::from_secs(5),
         dump_dir: dumps.clone().map(|path| launch::DumpDir {
