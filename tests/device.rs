@@ -95,6 +95,45 @@ fn every_collective(transport: TransportPref, staging: StagingMode, runs: &[(usi
     }
 }
 
+/// Slice-sized frames (256 KiB) over tcp device edges of three connections: each frame's pinned
+/// staging slot leaves in three parts.
+#[test]
+fn slice_sized_frames_striped_over_tcp_device_edges_match_the_reference() {
+    let o = Opts {
+        slice_bytes: 256 << 10,
+        transport: TransportPref::Tcp,
+        tcp_sockets: 3,
+        ..Opts::default()
+    };
+    threads(3, &o, |_, comm| {
+        let comm = comm.unwrap();
+        let mut dc = device_comm(&comm);
+        for (k, coll) in all_collectives(1).into_iter().enumerate() {
+            let count = if coll == Collective::Barrier {
+                0
+            } else {
+                200_003
+            };
+            for dtype in [DType::F32, DType::F16] {
+                let c = Case {
+                    coll,
+                    count,
+                    dtype,
+                    op: ReduceOp::Sum,
+                    in_place: k % 2 == 1,
+                    seed: k,
+                };
+                check_with(&mut dc, &c);
+            }
+        }
+        assert!(
+            dc.edges().iter().all(|e| e.sockets == 3),
+            "{:?}",
+            dc.edges()
+        );
+    });
+}
+
 #[test]
 fn device_edges_report_host_staging_and_why_and_move_the_ring_volume() {
     for (p2p_disable, reason) in [

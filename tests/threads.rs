@@ -240,3 +240,39 @@ fn one_rank_world_needs_no_links() {
         }
     });
 }
+
+#[test]
+fn slice_sized_frames_striped_over_four_connections_match_the_reference() {
+    // 512 KiB slices over tcp edges of four connections: the ring's frames travel in four parts
+    // each (the smaller tests' frames fit in one).
+    let o = Opts {
+        transport: TransportPref::Tcp,
+        slice_bytes: 512 << 10,
+        tcp_sockets: 4,
+        ..Opts::default()
+    };
+    threads(3, &o, |_, comm| {
+        let comm = comm.unwrap();
+        for (k, coll) in host_collectives(2).into_iter().enumerate() {
+            for dtype in [DType::F32, DType::BF16] {
+                let count = if coll == Collective::Barrier {
+                    0
+                } else {
+                    300_007
+                };
+                check_case(
+                    &comm,
+                    &Case {
+                        coll,
+                        count,
+                        dtype,
+                        op: ReduceOp::Sum,
+                        in_place: k % 2 == 0,
+                        seed: k,
+                    },
+                );
+            }
+        }
+        assert!(comm.edges().iter().all(|e| e.sockets == 4));
+    });
+}

@@ -307,9 +307,11 @@ fn into_mio(s: TcpStream) -> Result<mio::net::TcpStream> {
     Ok(mio::net::TcpStream::from_std(s))
 }
 
-/// Payloads are split into parts of at least this many bytes, one per connection: a small frame
-/// uses fewer connections (fewer system calls), a slice-sized one all of them.
-pub const MIN_PART: usize = 4096;
+/// Payloads are split into parts of at least this many bytes, one per connection: a frame of up
+/// to this size travels whole on one connection (one write, one read: small calls cost what they
+/// cost over one connection), a slice-sized one (512 KiB by default) on up to 8. NCCL's socket
+/// transport splits its requests over sockets with the same floor.
+pub const MIN_PART: usize = 64 << 10;
 
 /// How a payload of `len` bytes is striped over `wires` connections: part `i` (on wire `i`) is
 /// the returned range; the first part travels after the frame's header on wire 0. Both ends
@@ -987,7 +989,9 @@ mod tests {
         let split = |len, k| parts(len, k).collect::<Vec<_>>();
         assert_eq!(split(0, 4), vec![0..0]);
         assert_eq!(split(100, 4), vec![0..100]);
-        assert_eq!(split(MIN_PART + 1, 4), [0..2049, 2049..4097]);
+        assert_eq!(split(MIN_PART, 4), vec![0..MIN_PART]);
+        let half = MIN_PART / 2 + 1;
+        assert_eq!(split(MIN_PART + 1, 4), [0..half, half..MIN_PART + 1]);
         for (len, k) in [
             (512 << 10, 4),
             (12_289, 3),
@@ -1005,11 +1009,12 @@ mod tests {
 
     #[test]
     fn frames_striped_over_several_connections_arrive_whole_and_in_order() {
-        let (mut tx, mut rx) = edge(3, 2, 20_000);
+        let (mut tx, mut rx) = edge(3, 2, 3 * MIN_PART + 5);
         assert_eq!((tx.wires(), rx.wires()), (3, 3));
         // One part, two, three; empty frames carry only a header.
-        let len_of =
-            |step: u32| [1, 3 * MIN_PART + 5, 0, 20_000, MIN_PART + 1, 100][step as usize % 6];
+        let len_of = |step: u32| {
+            [1, 3 * MIN_PART + 5, 0, 2 * MIN_PART, MIN_PART + 1, 100][step as usize % 6]
+        };
         for step in 0..12u32 {
             let len = len_of(step);
             let deadline = Instant::now() + Duration::from_secs(10);
