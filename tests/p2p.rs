@@ -413,3 +413,50 @@ fn a_batch_with_a_bad_peer_is_refused_whole() {
         assert_eq!(b, [(1 - r) as u8; 4]);
     });
 }
+
+#[test]
+fn pair_and_pairwise_links_stripe_large_frames_over_three_connections() {
+    // 256 KiB slices over tcp links of three connections: the pairs' frames travel in three
+    // parts each, point-to-point and pairwise collectives alike.
+    let n = 4;
+    let o = Opts {
+        transport: TransportPref::Tcp,
+        slice_bytes: 256 << 10,
+        tcp_sockets: 3,
+        ..Opts::default()
+    };
+    threads(n, &o, |r, comm| {
+        let comm = comm.unwrap();
+        let peer = r ^ 1;
+        let (mine, theirs) = (200_000 + r * 1000, 200_000 + peer * 1000);
+        let send: Vec<f32> = message(r, peer, 0, mine)
+            .iter()
+            .map(|&v| v as f32)
+            .collect();
+        let mut recv = vec![0f32; theirs];
+        comm.send_recv(&send, &mut recv, peer).unwrap();
+        let want: Vec<f32> = message(peer, r, 0, theirs)
+            .iter()
+            .map(|&v| v as f32)
+            .collect();
+        assert!(
+            recv == want,
+            "rank {r}: the exchange with rank {peer} came back wrong"
+        );
+        for coll in crate::common::host_collectives(1) {
+            if coll.is_pairwise() || coll == ringzero::Collective::AllToAll {
+                crate::common::check_case(
+                    &comm,
+                    &crate::common::Case {
+                        coll,
+                        count: n * 100_003,
+                        dtype: ringzero::DType::F32,
+                        op: ReduceOp::Sum,
+                        in_place: false,
+                        seed: 11,
+                    },
+                );
+            }
+        }
+    });
+}

@@ -81,8 +81,10 @@ pub(crate) struct PeerAddr {
 /// about the same time (each one's first send or receive naming the other). Each dials the
 /// other's peer listener and takes the other's call from its own; on the stream it dialled it
 /// sends how it receives (shm segment or tcp), and reads on the accepted one how the peer
-/// receives. A tcp link then carries its frames on that same connection. `role` tells a pair's
-/// point-to-point links from its pairwise collectives' ones.
+/// receives. A tcp link then carries its frames on that same connection and, with
+/// `RINGZERO_TCP_SOCKETS` above 1, on as many more as the receiver published, dialled once the
+/// count is known. `role` tells a pair's point-to-point links from its pairwise collectives'
+/// ones.
 pub(crate) fn connect_pair(
     cfg: &Config,
     (peer, role): (usize, Role),
@@ -102,32 +104,84 @@ pub(crate) fn connect_pair(
         Role::Pairwise => "pairwise",
         _ => "pair",
     };
-    // A pair's links are one connection each way (RINGZERO_TCP_SOCKETS is for ring edges).
-    let (recv_edge, shm_rx, published) = receive_side(cfg, peer, &theirs.node, label, 1)?;
-    // Dial and accept at once: each side waits for the other's call.
-    let (out, inc) = std::thread::scope(|s| {
+    let (recv_edge, shm_rx, published) =
+        receive_side(cfg, peer, &theirs.node, label, cfg.tcp_sockets)?;
+    let mut incoming = Incoming {
+        key: (peer, role),
+        want: match recv_edge.kind {
+            TransportKind::Tcp => recv_edge.sockets,
+            _ => 1,
+        },
+        wires: Vec::new(),
+    };
+    // Dial and accept at once: each side waits for the other's call. The first connection each
+    // way carries the published text (and, for tcp, the link's frames).
+    let (out, taken) = std::thread::scope(|s| {
         let dial = s.spawn(|| -> Result<TcpStream> {
             let mut out = tcp::connect_as(theirs.addr, &me, role, peer, cfg.timeout)?;
-            write_blob(&mut out, published.as_bytes())
+            tcp::write_intro(&mut out, 0, 0)
+                .and_then(|()| write_blob(&mut out, published.as_bytes()))
                 .map_err(|e| Error::io(format!("telling rank {peer} how this rank receives"), e))?;
             Ok(out)
         });
-        let inc = listener.take((peer, role), cfg.timeout, abort, what);
+        let taken = incoming.take_until(
+            listener,
+            |w| w.first().is_some_and(Option::is_some),
+            cfg,
+            abort,
+            what,
+        );
         let out = dial.join().map_err(|_| Error::Io {
             context: format!("connecting to rank {peer}"),
             detail: "the dialling thread panicked".into(),
         });
-        (out, inc)
+        (out, taken)
     });
-    let (out, mut inc) = (out??, inc?);
-    tcp::tune(&inc);
-    let info = read_blob(&mut inc).map_err(|e| Error::PeerLost {
+    let (out, ()) = (out??, taken?);
+    let inc = incoming.wires[0].as_mut().expect("taken above");
+    let info = read_blob(inc).map_err(|e| Error::PeerLost {
         op: what.into(),
         seq: 0,
         peer,
         detail: format!("reading how rank {peer} receives: {e}"),
     })?;
     let route = parse_published(&String::from_utf8_lossy(&info), peer)?;
+    // The rest of a tcp link's connections, both ways at once: ours now that the peer's count is
+    // known, the peer's as they come.
+    let (extra, rest) = std::thread::scope(|s| {
+        let dial = s.spawn(|| -> Result<Vec<TcpStream>> {
+            let k = match route.kind {
+                TransportKind::Tcp => route.sockets,
+                _ => 1,
+            };
+            (1..k)
+                .map(|i| {
+                    let mut c = tcp::connect_as(theirs.addr, &me, role, peer, cfg.timeout)?;
+                    tcp::write_intro(&mut c, i, k).map_err(|e| {
+                        Error::io(
+                            format!("opening connection {} of {k} to rank {peer}", i + 1),
+                            e,
+                        )
+                    })?;
+                    Ok(c)
+                })
+                .collect()
+        });
+        let want = incoming.want;
+        let rest = incoming.take_until(
+            listener,
+            |w| w.len() == want && w.iter().all(Option::is_some),
+            cfg,
+            abort,
+            what,
+        );
+        let extra = dial.join().map_err(|_| Error::Io {
+            context: format!("connecting to rank {peer}"),
+            detail: "the dialling thread panicked".into(),
+        });
+        (extra, rest)
+    });
+    let (extra, ()) = (extra??, rest?);
     let shm_tx = match route.kind {
         TransportKind::Shm => Some(ShmSend::attach(
             route.path.as_ref(),
@@ -141,6 +195,7 @@ pub(crate) fn connect_pair(
     // once (sends that fit the slots) could otherwise drop its receive segment before the peer
     // maps it. The byte precedes any frame on a tcp link's streams.
     let mut out = out;
+    let inc = incoming.wires[0].as_mut().expect("taken above");
     out.write_all(&[ATTACHED])
         .and_then(|()| {
             let mut b = [0u8];
@@ -161,15 +216,75 @@ pub(crate) fn connect_pair(
         })?;
     let tx: Box<dyn SendLink> = match shm_tx {
         Some(tx) => Box::new(tx),
-        None => Box::new(tcp::TcpSend::new(out, peer, cfg.slots, slot_bytes)?),
+        None => Box::new(tcp::TcpSend::over(
+            std::iter::once(out).chain(extra).collect(),
+            peer,
+            cfg.slots,
+            slot_bytes,
+        )?),
     };
     let rx: Box<dyn RecvLink> = match shm_rx {
         Some(rx) => Box::new(rx),
-        None => Box::new(tcp::TcpRecv::new(inc, peer, slot_bytes)?),
+        None => Box::new(tcp::TcpRecv::over(
+            incoming.wires.into_iter().flatten().collect(),
+            peer,
+            1,
+            slot_bytes,
+        )?),
     };
     let send_edge = route.edge(rank, peer);
     let links = Links::new(tx, rx, peer, peer)?;
     Ok((links, vec![recv_edge, send_edge]))
+}
+
+/// A pair's incoming connections by index ([`tcp::write_intro`]): the listener hands them over in
+/// the order their handshakes end, which need not be the order they were dialled.
+struct Incoming {
+    key: (usize, Role),
+    /// Connections this rank's receive side takes: its published count for tcp, else one (the
+    /// connection that carries the published text).
+    want: usize,
+    wires: Vec<Option<TcpStream>>,
+}
+
+impl Incoming {
+    /// Take the peer's connections, placing each by its index, until `done`.
+    fn take_until(
+        &mut self,
+        listener: &PeerListener,
+        done: impl Fn(&[Option<TcpStream>]) -> bool,
+        cfg: &Config,
+        abort: &AbortFlag,
+        what: &str,
+    ) -> Result<()> {
+        let peer = self.key.0;
+        while !done(&self.wires) {
+            let mut s = listener.take(self.key, cfg.timeout, abort, what)?;
+            tcp::tune(&s);
+            let bad = |detail: String| Error::Protocol {
+                peer: format!("rank {peer}"),
+                detail,
+            };
+            let (i, count) = tcp::read_intro(&mut s, cfg.timeout)
+                .map_err(|e| bad(format!("reading which connection of the link this is: {e}")))?;
+            // The first connection comes before the peer knows this rank's count (it reads it
+            // there): it says 0.
+            if i >= self.want || (i > 0 && count != self.want) {
+                return Err(bad(format!(
+                    "opened connection {} of {count} where this rank published {}",
+                    i + 1,
+                    self.want
+                )));
+            }
+            if self.wires.len() < self.want {
+                self.wires.resize_with(self.want, || None);
+            }
+            if self.wires[i].replace(s).is_some() {
+                return Err(bad(format!("opened connection {} twice", i + 1)));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// What each side of [`connect_pair`] writes once it has attached its send link.

@@ -143,7 +143,10 @@ fn accept_n(
     let rank = me.rank;
     // An authenticated connection and its introduction (or why it could not be read), or why a
     // caller was dropped.
-    type Accepted = (Result<(TcpStream, std::io::Result<[u8; 4]>)>, SocketAddr);
+    type Accepted = (
+        Result<(TcpStream, std::io::Result<(usize, usize)>)>,
+        SocketAddr,
+    );
     let (done_tx, done_rx) = std::sync::mpsc::channel::<Accepted>();
     let mut refused = Vec::new();
     let mut got: Vec<Option<TcpStream>> = (0..count).map(|_| None).collect();
@@ -166,15 +169,11 @@ fn accept_n(
                         };
                         let h = handshake::server(&mut s, &me, hs_timeout)?;
                         if h.role == Role::Data && h.rank as usize == peer {
-                            let mut intro = [0u8; 4];
-                            let read = match wires {
-                                None => Ok(()),
-                                Some(_) => s
-                                    .set_read_timeout(Some(hs_timeout))
-                                    .and_then(|()| s.read_exact(&mut intro))
-                                    .and_then(|()| s.set_read_timeout(None)),
+                            let intro = match wires {
+                                None => Ok((0, 1)),
+                                Some(_) => read_intro(&mut s, hs_timeout),
                             };
-                            Ok((s, read.map(|()| intro)))
+                            Ok((s, intro))
                         } else {
                             Err(Error::Handshake {
                                 peer: from.to_string(),
@@ -198,18 +197,11 @@ fn accept_n(
                         peer: format!("rank {peer} ({from})"),
                         detail,
                     };
-                    let intro = intro.map_err(|e| {
+                    let (i, theirs) = intro.map_err(|e| {
                         bad(format!(
                             "reading which of the edge's connections this is: {e}"
                         ))
                     })?;
-                    let (i, theirs) = match wires {
-                        None => (0, 1),
-                        Some(_) => (
-                            u16::from_le_bytes([intro[0], intro[1]]) as usize,
-                            u16::from_le_bytes([intro[2], intro[3]]) as usize,
-                        ),
-                    };
                     if theirs != count {
                         return Err(bad(format!(
                             "opened its edge with {theirs} connections where this rank \
@@ -257,6 +249,27 @@ fn accept_n(
     }
 }
 
+/// Open a connection of an edge with its place among the edge's connections: index and count,
+/// two little-endian u16 (see [`connect_wires`]).
+pub fn write_intro(s: &mut TcpStream, index: usize, count: usize) -> std::io::Result<()> {
+    let mut intro = [0u8; 4];
+    intro[..2].copy_from_slice(&(index as u16).to_le_bytes());
+    intro[2..].copy_from_slice(&(count as u16).to_le_bytes());
+    s.write_all(&intro)
+}
+
+/// Read what [`write_intro`] wrote, waiting at most `timeout`: (index, count).
+pub fn read_intro(s: &mut TcpStream, timeout: Duration) -> std::io::Result<(usize, usize)> {
+    let mut intro = [0u8; 4];
+    s.set_read_timeout(Some(timeout.max(Duration::from_millis(1))))?;
+    s.read_exact(&mut intro)?;
+    s.set_read_timeout(None)?;
+    Ok((
+        u16::from_le_bytes([intro[0], intro[1]]) as usize,
+        u16::from_le_bytes([intro[2], intro[3]]) as usize,
+    ))
+}
+
 /// Dial the `count` connections of one edge to rank `peer` at `addr` (see [`TcpSend::over`]).
 /// Each opens with its place among them (index, count: two little-endian u16), so the receiver
 /// orders them whatever order they are accepted in, and refuses a count it did not publish.
@@ -272,10 +285,7 @@ pub fn connect_wires(
         .map(|i| {
             let left = deadline.saturating_duration_since(Instant::now());
             let mut s = connect(addr, me, peer, left.max(Duration::from_millis(10)))?;
-            let mut intro = [0u8; 4];
-            intro[..2].copy_from_slice(&(i as u16).to_le_bytes());
-            intro[2..].copy_from_slice(&(count as u16).to_le_bytes());
-            s.write_all(&intro).map_err(|e| {
+            write_intro(&mut s, i, count).map_err(|e| {
                 Error::io(
                     format!(
                         "opening connection {} of {count} to rank {peer} at {addr}",
