@@ -97,6 +97,23 @@ fn every_pair_sends_in_order_exact_bytes_over_shm_and_tcp() {
     }
 }
 
+/// Rank `r` exchanges with rank `r ^ 1` (`base + 1000 r` elements each way, so the directions
+/// differ) and checks what came back: returns what it sent, the peer's count and its message.
+fn exchange_with_neighbour(comm: &Communicator, base: usize) -> (Vec<f32>, usize, Vec<f32>) {
+    let (r, peer) = (comm.rank(), comm.rank() ^ 1);
+    let (mine, theirs) = (base + r * 1000, base + peer * 1000);
+    let f32s = |v: Vec<f64>| v.iter().map(|&v| v as f32).collect::<Vec<f32>>();
+    let send = f32s(message(r, peer, 0, mine));
+    let mut recv = vec![0f32; theirs];
+    comm.send_recv(&send, &mut recv, peer).unwrap();
+    let want = f32s(message(peer, r, 0, theirs));
+    assert!(
+        recv == want,
+        "rank {r}: the exchange with rank {peer} came back wrong"
+    );
+    (send, theirs, want)
+}
+
 #[test]
 fn exchanges_of_any_size_never_wait_on_themselves_and_mix_with_collectives() {
     let o = Opts {
@@ -107,18 +124,7 @@ fn exchanges_of_any_size_never_wait_on_themselves_and_mix_with_collectives() {
         let comm = comm.unwrap();
         let peer = r ^ 1;
         // Counts that differ by direction, far beyond the links' slots.
-        let (mine, theirs) = (30_000 + r * 1000, 30_000 + peer * 1000);
-        let send: Vec<f32> = message(r, peer, 0, mine)
-            .iter()
-            .map(|&v| v as f32)
-            .collect();
-        let mut recv = vec![0f32; theirs];
-        comm.send_recv(&send, &mut recv, peer).unwrap();
-        let want: Vec<f32> = message(peer, r, 0, theirs)
-            .iter()
-            .map(|&v| v as f32)
-            .collect();
-        assert_eq!(recv, want);
+        let (send, theirs, want) = exchange_with_neighbour(&comm, 30_000);
 
         // The even rank exchanges; the odd one receives first, then sends: the exchange keeps
         // sending while it waits, so neither side waits on the other.
@@ -425,24 +431,9 @@ fn pair_and_pairwise_links_stripe_large_frames_over_three_connections() {
         tcp_sockets: 3,
         ..Opts::default()
     };
-    threads(n, &o, |r, comm| {
+    threads(n, &o, |_, comm| {
         let comm = comm.unwrap();
-        let peer = r ^ 1;
-        let (mine, theirs) = (200_000 + r * 1000, 200_000 + peer * 1000);
-        let send: Vec<f32> = message(r, peer, 0, mine)
-            .iter()
-            .map(|&v| v as f32)
-            .collect();
-        let mut recv = vec![0f32; theirs];
-        comm.send_recv(&send, &mut recv, peer).unwrap();
-        let want: Vec<f32> = message(peer, r, 0, theirs)
-            .iter()
-            .map(|&v| v as f32)
-            .collect();
-        assert!(
-            recv == want,
-            "rank {r}: the exchange with rank {peer} came back wrong"
-        );
+        exchange_with_neighbour(&comm, 200_000);
         for coll in crate::common::host_collectives(1) {
             if coll.is_pairwise() || coll == ringzero::Collective::AllToAll {
                 crate::common::check_case(

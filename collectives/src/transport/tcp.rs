@@ -311,6 +311,14 @@ pub fn accept_wires(
     accept_n(l, me, peer, Some(count), timeout)
 }
 
+/// The peer's address for messages, refusing an edge of no connections.
+fn peer_address(streams: &[TcpStream]) -> Result<String> {
+    let first = streams
+        .first()
+        .ok_or_else(|| Error::config("tcp_sockets", "an edge needs at least one connection"))?;
+    Ok(first.peer_addr().map(|a| a.to_string()).unwrap_or_default())
+}
+
 fn into_mio(s: TcpStream) -> Result<mio::net::TcpStream> {
     s.set_nonblocking(true)
         .map_err(|e| Error::io("making a data socket non-blocking", e))?;
@@ -386,16 +394,7 @@ impl TcpSend {
         slots: usize,
         slot_bytes: usize,
     ) -> Result<TcpSend> {
-        if streams.is_empty() {
-            return Err(Error::config(
-                "tcp_sockets",
-                "an edge needs at least one connection",
-            ));
-        }
-        let addr = streams[0]
-            .peer_addr()
-            .map(|a| a.to_string())
-            .unwrap_or_default();
+        let addr = peer_address(&streams)?;
         let wires = streams
             .into_iter()
             .map(|s| {
@@ -703,16 +702,7 @@ impl TcpRecv {
         slots: usize,
         slot_bytes: usize,
     ) -> Result<TcpRecv> {
-        if streams.is_empty() {
-            return Err(Error::config(
-                "tcp_sockets",
-                "an edge needs at least one connection",
-            ));
-        }
-        let addr = streams[0]
-            .peer_addr()
-            .map(|a| a.to_string())
-            .unwrap_or_default();
+        let addr = peer_address(&streams)?;
         let (slots, slot_bytes) = (slots.max(1), slot_bytes.max(MAX_ABORT_REASON));
         Ok(TcpRecv {
             part_got: vec![0; streams.len()],
