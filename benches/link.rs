@@ -76,7 +76,8 @@ fn shm_pair(len: usize) -> (Box<dyn SendLink>, Box<dyn RecvLink>) {
     (Box::new(tx), Box::new(rx))
 }
 
-fn tcp_pair(len: usize) -> (Box<dyn SendLink>, Box<dyn RecvLink>) {
+/// A tcp link of `wires` connections, each frame striped over them.
+fn tcp_link(len: usize, wires: usize) -> (Box<dyn SendLink>, Box<dyn RecvLink>) {
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap();
     let me = Identity {
@@ -90,12 +91,20 @@ fn tcp_pair(len: usize) -> (Box<dyn SendLink>, Box<dyn RecvLink>) {
             job_id: "bench",
             rank: 0,
         };
-        tcp::connect(addr, &me, 1, Duration::from_secs(10)).unwrap()
+        tcp::connect_wires(addr, &me, 1, wires, Duration::from_secs(10)).unwrap()
     });
-    let accepted = tcp::accept_from(&l, &me, 0, Duration::from_secs(10)).unwrap();
-    let tx = TcpSend::new(t.join().unwrap(), 1, SLOTS, len).unwrap();
-    let rx = TcpRecv::new(accepted, 0, len).unwrap();
+    let accepted = tcp::accept_wires(&l, &me, 0, wires, Duration::from_secs(10)).unwrap();
+    let tx = TcpSend::over(t.join().unwrap(), 1, SLOTS, len).unwrap();
+    let rx = TcpRecv::over(accepted, 0, 1, len).unwrap();
     (Box::new(tx), Box::new(rx))
+}
+
+fn tcp_pair(len: usize) -> (Box<dyn SendLink>, Box<dyn RecvLink>) {
+    tcp_link(len, 1)
+}
+
+fn tcp_pair_x4(len: usize) -> (Box<dyn SendLink>, Box<dyn RecvLink>) {
+    tcp_link(len, 4)
 }
 
 fn links(c: &mut Criterion) {
@@ -106,6 +115,7 @@ fn links(c: &mut Criterion) {
         for (name, make) in [
             ("shm", shm_pair as fn(usize) -> _),
             ("tcp", tcp_pair as fn(usize) -> _),
+            ("tcp-x4", tcp_pair_x4 as fn(usize) -> _),
         ] {
             let mut pair = Some(make(len));
             g.bench_with_input(BenchmarkId::new(name, len), &len, |b, &len| {
