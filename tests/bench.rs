@@ -46,14 +46,16 @@ fn a_corrupted_result_is_counted_and_a_clean_run_counts_nothing() {
         );
         assert_eq!(
             r.rows.len(),
-            6 * 4 * 2 + 4 * 4,
-            "6 ring ops × 4 sizes × (out of place, in place), 4 pairwise ops × 4 sizes"
+            7 * 4 * 2 + 4 * 4,
+            "7 ring ops × 4 sizes × (out of place, in place), 4 pairwise ops × 4 sizes"
         );
         for row in &r.rows {
             // Rank 1 holds a checked result unless its part is empty (or it is not the root).
             let rank1_checks = match row.op.as_str() {
                 "reduce" | "gather" => false,
-                "reduce_scatter" => !ringzero::chunk(row.count, 3, 1).is_empty(),
+                "reduce_scatter" | "reduce_scatter_v" => {
+                    !ringzero::chunk(row.count, 3, 1).is_empty()
+                }
                 _ => row.count > 0,
             };
             let want = u64::from(corrupt.is_some() && rank1_checks);
@@ -270,17 +272,20 @@ fn the_device_sweep_checks_every_variant_and_catches_corruption() {
             "all_gather",
             "broadcast",
             "reduce",
+            "reduce_scatter_v",
         ]
         .iter()
         .flat_map(|o| [(o.to_string(), false), (o.to_string(), true)])
         .collect();
         assert_eq!(variants, want);
-        assert_eq!(r.rows.len(), 5 * 4 * 2);
+        assert_eq!(r.rows.len(), 6 * 4 * 2);
         for row in &r.rows {
             // Rank 1 holds a checked result unless its part is empty (or it is not the root).
             let rank1_checks = match row.op.as_str() {
                 "reduce" => false,
-                "reduce_scatter" => !ringzero::chunk(row.count, 3, 1).is_empty(),
+                "reduce_scatter" | "reduce_scatter_v" => {
+                    !ringzero::chunk(row.count, 3, 1).is_empty()
+                }
                 _ => row.count > 0,
             };
             assert_eq!(

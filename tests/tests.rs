@@ -11,6 +11,7 @@ mod flight;
 mod p2p;
 mod pairwise;
 mod processes;
+mod rsv;
 mod split;
 mod threads;
 mod zero;

@@ -37,7 +37,7 @@ proptest! {
         count in count(),
         dtype in proptest::sample::select(DType::ALL.to_vec()),
         op in proptest::sample::select(ReduceOp::ALL.to_vec()),
-        which in 0usize..13,
+        which in 0usize..14,
         in_place: bool,
         slice_bytes in prop_oneof![Just(8usize), Just(100), Just(4096), Just(512 * 1024)],
         (transport, tcp_sockets) in transport(),

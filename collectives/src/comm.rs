@@ -14,7 +14,7 @@ use crate::connect;
 use crate::error::{Error, Result};
 use crate::flight::{FlightRecord, Recorder};
 use crate::ring::engine::{self, AbortFlag, Bufs, Call, Counters, Links};
-use crate::ring::{chunk, plan, Collective, PlanArgs};
+use crate::ring::{chunk, plan, Collective, Count, PlanArgs};
 use crate::topology::Edge;
 use crate::wire::Fingerprint;
 use crate::work::{Work, Worker};
@@ -365,6 +365,62 @@ impl Communicator {
         self.run_one(Collective::ReduceScatter, Some(op), buf.len(), buf)
     }
 
+    /// Reduce-scatter with a part per rank (`MPI_Reduce_scatter`): `counts[i]` elements of the
+    /// reduction go to rank `i`, in rank order, so `counts` (one per rank, the same on every
+    /// rank) add up to `send`'s length and `recv` holds `counts[rank]`. Parts may be of any size,
+    /// zero included: shards that do not split evenly need no padding.
+    ///
+    /// The ring's reduce-scatter over parts of the given sizes: each rank sends every part but
+    /// its own once, and a link's time follows the largest part (a frame per part per step, each
+    /// part cut into as many slices as the largest needs). Ranks that pass different counts fail
+    /// at the first frame: the counts' digest is part of the call's fingerprint.
+    pub fn reduce_scatter_v<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let c = Collective::ReduceScatterV;
+        let at = offsets(c, ("counts", counts), self.size(), ("send", send.len()))?;
+        let r = self.rank();
+        if recv.len() != counts[r] {
+            return Err(refused(
+                c,
+                format!(
+                    "recv has {} elements but counts[{r}] (this rank's part) is {}",
+                    recv.len(),
+                    counts[r]
+                ),
+            ));
+        }
+        self.wait_async_idle();
+        let bufs = Bufs::Split {
+            input: bytemuck::cast_slice(send),
+            output: bytemuck::cast_slice_mut(recv),
+        };
+        let count = Count::parts(at[counts.len()], counts);
+        self.inner
+            .execute(c, Some(T::DTYPE), op, count, false, bufs)
+    }
+
+    /// In-place [`Communicator::reduce_scatter_v`]: this rank's part of `buf` (`counts[rank]`
+    /// elements after the parts of the ranks before it) is overwritten with the reduction; the
+    /// rest of `buf` is left as it was.
+    pub fn reduce_scatter_v_in_place<T: Element>(
+        &self,
+        buf: &mut [T],
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let c = Collective::ReduceScatterV;
+        let at = offsets(c, ("counts", counts), self.size(), ("buf", buf.len()))?;
+        self.wait_async_idle();
+        let count = Count::parts(at[counts.len()], counts);
+        let bufs = Bufs::One(bytemuck::cast_slice_mut(buf));
+        self.inner.execute(c, Some(T::DTYPE), op, count, true, bufs)
+    }
+
     /// Gather every rank's `send` (chunk [`chunk_range`](Self::chunk_range)`(recv.len())` of the
     /// result, so its length must match) into every rank's `recv`.
     pub fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
@@ -483,7 +539,7 @@ impl Communicator {
             Collective::Barrier,
             None,
             ReduceOp::Sum,
-            0,
+            0.into(),
             false,
             Bufs::One(&mut []),
         )
@@ -497,7 +553,7 @@ impl Communicator {
                 Collective::AllReduce,
                 Some(T::DTYPE),
                 op,
-                n,
+                n.into(),
                 true,
                 Bufs::One(bytemuck::cast_slice_mut(&mut buf)),
             )?;
@@ -519,10 +575,37 @@ impl Communicator {
                 Collective::ReduceScatter,
                 Some(T::DTYPE),
                 op,
-                n,
+                n.into(),
                 false,
                 bufs,
             )?;
+            Ok(out)
+        })
+    }
+
+    /// Asynchronous [`Communicator::reduce_scatter_v`]: returns this rank's part
+    /// (`counts[rank]` elements) of the reduction of `send`. Bad counts fail the `Work` at once
+    /// and use no sequence number.
+    pub fn reduce_scatter_v_async<T: Element>(
+        &self,
+        send: Vec<T>,
+        counts: Vec<usize>,
+        op: ReduceOp,
+    ) -> Work<Vec<T>> {
+        let c = Collective::ReduceScatterV;
+        let total = match offsets(c, ("counts", &counts), self.size(), ("send", send.len())) {
+            Ok(at) => at[counts.len()],
+            Err(e) => return Work::failed(e),
+        };
+        let mine = counts[self.rank()];
+        self.submit(move |inner| {
+            let mut out = vec![T::zeroed(); mine];
+            let bufs = Bufs::Split {
+                input: bytemuck::cast_slice(&send),
+                output: bytemuck::cast_slice_mut(&mut out),
+            };
+            let count = Count::parts(total, &counts);
+            inner.execute(c, Some(T::DTYPE), op, count, false, bufs)?;
             Ok(out)
         })
     }
@@ -550,7 +633,7 @@ impl Communicator {
                 Collective::AllGather,
                 Some(T::DTYPE),
                 ReduceOp::Sum,
-                count,
+                count.into(),
                 false,
                 bufs,
             )?;
@@ -570,7 +653,7 @@ impl Communicator {
                 c,
                 Some(T::DTYPE),
                 ReduceOp::Sum,
-                n,
+                n.into(),
                 true,
                 Bufs::One(bytemuck::cast_slice_mut(&mut buf)),
             )?;
@@ -628,7 +711,7 @@ impl Communicator {
             c,
             Some(T::DTYPE),
             op.unwrap_or(ReduceOp::Sum),
-            count,
+            count.into(),
             false,
             bufs,
         )
@@ -646,7 +729,7 @@ impl Communicator {
             c,
             Some(T::DTYPE),
             op.unwrap_or(ReduceOp::Sum),
-            count,
+            count.into(),
             true,
             Bufs::One(bytemuck::cast_slice_mut(buf)),
         )
@@ -743,6 +826,46 @@ fn unfixed(b: &[u8]) -> String {
 /// so their connections cannot cross.
 fn split_job(cfg: &Config, n: usize, color: u32) -> String {
     format!("{}/split{n}.{color}", cfg.job_id)
+}
+
+/// A call of `c` refused for `msg` before anything moved.
+pub(crate) fn refused(c: Collective, msg: String) -> Error {
+    Error::InvalidArgument {
+        op: c.to_string(),
+        msg,
+    }
+}
+
+/// Where each rank's block starts in a buffer of `len` elements split by `counts` (`n + 1`
+/// offsets, the last `len`), or why `counts` cannot split it.
+pub(crate) fn offsets(
+    c: Collective,
+    (what, counts): (&str, &[usize]),
+    n: usize,
+    (buf, len): (&str, usize),
+) -> Result<Vec<usize>> {
+    let bad = |msg: String| refused(c, msg);
+    if counts.len() != n {
+        return Err(bad(format!(
+            "{what} has {} entries but the communicator has {n} ranks (one count per rank)",
+            counts.len()
+        )));
+    }
+    let mut at = Vec::with_capacity(n + 1);
+    at.push(0usize);
+    for &k in counts {
+        let next = at[at.len() - 1]
+            .checked_add(k)
+            .ok_or_else(|| bad(format!("{what} add up to more than usize::MAX elements")))?;
+        at.push(next);
+    }
+    if at[n] != len {
+        return Err(bad(format!(
+            "{what} add up to {} elements but {buf} has {len}",
+            at[n]
+        )));
+    }
+    Ok(at)
 }
 
 fn same_len(c: Collective, a: usize, b: usize, a_name: &str, b_name: &str) -> Result<()> {
@@ -863,13 +986,14 @@ impl Inner {
         coll: Collective,
         dtype: Option<DType>,
         op: ReduceOp,
-        count: usize,
+        count: Count,
         in_place: bool,
         bufs: Bufs,
     ) -> Result<()> {
         let mut st = self.lock();
         let dt = dtype.unwrap_or(DType::U8);
-        let fp = Fingerprint::new(coll, dtype, Some(op), count);
+        let fp = Fingerprint::new(coll, dtype, Some(op), count.total);
+        let fp = count.parts.map_or(fp, |c| fp.with_counts(c));
         let seq = st.seq;
         engine::refuse(st.failed.as_ref(), &self.abort, &fp, seq)?;
         let slot_bytes = st.links.as_ref().map_or(self.cfg.slice_bytes, |l| {
@@ -879,14 +1003,15 @@ impl Inner {
             coll,
             n: self.size,
             rank: self.rank,
-            count,
+            count: count.total,
             slice_elems: (slot_bytes / dt.size()).max(1),
             in_place,
+            counts: count.parts,
         });
         let call = self.call(&p, (seq, fp), dt, op, bufs.output_bytes());
         // Refused calls consume no sequence number: the ranks stay in step.
         engine::check_sizes(&call, &bufs, &fp.to_string())?;
-        let bytes = (count * dt.size()) as u64;
+        let bytes = (count.total * dt.size()) as u64;
         self.recorded(&mut st, &fp, in_place, bytes, |st| {
             match st.links.as_mut() {
                 Some(links) => engine::run(links, &call, bufs),

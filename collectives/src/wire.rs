@@ -40,7 +40,9 @@ pub struct Fingerprint {
     /// Total element count (`u64::MAX` where it differs by rank: `all_to_all_v` as a whole;
     /// each of its messages carries its own).
     pub count: u64,
-    /// Root rank (`u32::MAX` when none).
+    /// Root rank; for [`Collective::ReduceScatterV`], a digest of its counts
+    /// ([`Fingerprint::with_counts`]), so ranks that split the same total differently fail at
+    /// the first frame. `u32::MAX` when neither.
     pub root: u32,
     /// [`Collective::code`].
     pub coll: u8,
@@ -73,6 +75,20 @@ impl Fingerprint {
             _pad: 0,
         }
     }
+
+    /// This fingerprint with a digest of a v-collective's per-rank `counts` in place of the
+    /// root (64-bit FNV-1a over the counts, folded to 32 bits; never `u32::MAX`).
+    pub fn with_counts(mut self, counts: &[usize]) -> Fingerprint {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for &k in counts {
+            for b in (k as u64).to_le_bytes() {
+                h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+            }
+        }
+        let folded = (h ^ (h >> 32)) as u32;
+        self.root = if folded == u32::MAX { 0 } else { folded };
+        self
+    }
 }
 
 impl fmt::Display for Fingerprint {
@@ -101,6 +117,9 @@ impl fmt::Display for Fingerprint {
         }
         if let Some(r) = coll.root() {
             write!(f, ", root={r}")?;
+        }
+        if coll == Collective::ReduceScatterV && self.root != u32::MAX {
+            write!(f, ", counts#{:08x}", self.root)?;
         }
         f.write_str(")")
     }
@@ -313,5 +332,28 @@ mod tests {
             Fingerprint::new(Collective::Barrier, None, None, 0).to_string(),
             "barrier()"
         );
+    }
+
+    #[test]
+    fn a_v_collectives_counts_are_part_of_its_fingerprint() {
+        let rsv = |counts: &[usize]| {
+            Fingerprint::new(
+                Collective::ReduceScatterV,
+                Some(DType::F32),
+                Some(ReduceOp::Sum),
+                counts.iter().sum(),
+            )
+            .with_counts(counts)
+        };
+        let (a, b) = (rsv(&[3, 5]), rsv(&[4, 4]));
+        assert_ne!(a, b, "same total, split differently");
+        assert_eq!(a, rsv(&[3, 5]));
+        assert_ne!(rsv(&[0, 8]), rsv(&[8, 0]));
+        let s = a.to_string();
+        assert!(
+            s.starts_with("reduce_scatter_v(f32, sum, count=8, counts#"),
+            "{s}"
+        );
+        assert_ne!(s, b.to_string());
     }
 }

@@ -124,6 +124,19 @@ pub trait Colls {
     fn all_reduce_in_place<T: Element>(&mut self, b: &mut [T], op: ReduceOp) -> Result<()>;
     fn reduce_scatter<T: Element>(&mut self, s: &[T], r: &mut [T], op: ReduceOp) -> Result<()>;
     fn reduce_scatter_in_place<T: Element>(&mut self, b: &mut [T], op: ReduceOp) -> Result<()>;
+    fn reduce_scatter_v<T: Element>(
+        &mut self,
+        s: &[T],
+        r: &mut [T],
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<()>;
+    fn reduce_scatter_v_in_place<T: Element>(
+        &mut self,
+        b: &mut [T],
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<()>;
     fn all_gather<T: Element>(&mut self, s: &[T], r: &mut [T]) -> Result<()>;
     fn all_gather_in_place<T: Element>(&mut self, b: &mut [T]) -> Result<()>;
     fn broadcast<T: Element>(&mut self, s: &[T], r: &mut [T], root: usize) -> Result<()>;
@@ -212,6 +225,23 @@ macro_rules! forward_colls {
                 op: ReduceOp,
             ) -> Result<()> {
                 <$ty>::reduce_scatter_in_place(self, b, op)
+            }
+            fn reduce_scatter_v<T: Element>(
+                &mut self,
+                s: &[T],
+                r: &mut [T],
+                counts: &[usize],
+                op: ReduceOp,
+            ) -> Result<()> {
+                <$ty>::reduce_scatter_v(self, s, r, counts, op)
+            }
+            fn reduce_scatter_v_in_place<T: Element>(
+                &mut self,
+                b: &mut [T],
+                counts: &[usize],
+                op: ReduceOp,
+            ) -> Result<()> {
+                <$ty>::reduce_scatter_v_in_place(self, b, counts, op)
             }
             fn all_gather<T: Element>(&mut self, s: &[T], r: &mut [T]) -> Result<()> {
                 <$ty>::all_gather(self, s, r)
@@ -311,6 +341,20 @@ fn run_typed<T: TestElem, C: Colls>(comm: &mut C, c: &Case) -> Result<Vec<f64>> 
             let mut b = input;
             comm.reduce_scatter_in_place(&mut b, c.op)?;
             b
+        }
+        // Parts of ⅓, ⅔, all or none of `count` (the all-gather-v cases' parts).
+        (Collective::ReduceScatterV, in_place) => {
+            let counts: Vec<usize> = (0..n).map(|q| part_count(count, q)).collect();
+            let input: Vec<T> = (0..counts.iter().sum()).map(mine).collect();
+            if in_place {
+                let mut b = input;
+                comm.reduce_scatter_v_in_place(&mut b, &counts, c.op)?;
+                b
+            } else {
+                let mut out = garbage(counts[r]);
+                comm.reduce_scatter_v(&input, &mut out, &counts, c.op)?;
+                out
+            }
         }
         (Collective::AllGather, false) => {
             let mut out = garbage(count);
@@ -440,6 +484,23 @@ pub fn expected(c: &Case, n: usize, r: usize) -> Vec<f64> {
                 }
             })
             .collect(),
+        (Collective::ReduceScatterV, in_place) => {
+            let at = |q: usize| (0..q).map(|p| part_count(count, p)).sum::<usize>();
+            let (own, total) = (at(r)..at(r + 1), at(n));
+            if in_place {
+                (0..total)
+                    .map(|i| {
+                        if own.contains(&i) {
+                            red(i)
+                        } else {
+                            input(r, i)
+                        }
+                    })
+                    .collect()
+            } else {
+                own.map(red).collect()
+            }
+        }
         (Collective::AllGather, _) => (0..count)
             .map(|i| {
                 input(
@@ -523,7 +584,7 @@ pub fn round_count(coll: Collective, n: usize, count: usize) -> usize {
 }
 
 /// [`all_collectives`] and the host-only calls (all-to-all, send/recv, the pairwise collectives).
-pub fn host_collectives(root: usize) -> [Collective; 13] {
+pub fn host_collectives(root: usize) -> [Collective; 14] {
     let a = all_collectives(root);
     let host = [
         Collective::AllToAll,
@@ -536,10 +597,11 @@ pub fn host_collectives(root: usize) -> [Collective; 13] {
     std::array::from_fn(|i| a.get(i).copied().unwrap_or_else(|| host[i - a.len()]))
 }
 
-pub fn all_collectives(root: usize) -> [Collective; 7] {
+pub fn all_collectives(root: usize) -> [Collective; 8] {
     [
         Collective::AllReduce,
         Collective::ReduceScatter,
+        Collective::ReduceScatterV,
         Collective::AllGather,
         Collective::Broadcast { root },
         Collective::Reduce { root },

@@ -128,6 +128,7 @@ pub fn rank_main(comm: &Communicator, device: usize, bench: bool) -> Vec<Row> {
     for coll in [
         Collective::AllReduce,
         Collective::ReduceScatter,
+        Collective::ReduceScatterV,
         Collective::AllGather,
         Collective::Broadcast { root: n - 1 },
         Collective::Reduce { root: n - 1 },

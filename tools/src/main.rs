@@ -243,8 +243,8 @@ enum CkptCmd {
 #[derive(clap::Args)]
 struct BenchCli {
     /// all-reduce, reduce-scatter, all-gather, broadcast, reduce, all-to-all, all-to-all-v,
-    /// all-gather-v, gather, scatter (balanced counts; root 0), send-recv (ranks 0↔1, 2↔3, ...
-    /// exchange), or all (every collective: all but send-recv).
+    /// all-gather-v, reduce-scatter-v, gather, scatter (balanced counts; root 0), send-recv
+    /// (ranks 0↔1, 2↔3, ... exchange), or all (every collective: all but send-recv).
     #[arg(default_value = "all")]
     op: String,
     /// Local ranks to spawn (ignored under a launcher, which decides).

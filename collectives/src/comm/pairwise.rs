@@ -9,16 +9,16 @@
 //! point-to-point ones, so messages sent and not yet received never stand in their way. They are collectives all the same: every rank calls
 //! them in the same order as its other collectives, each takes the communicator's next sequence
 //! number (its frames carry it both ways, with the collective and that pair's count as the
-//! fingerprint, so a peer that disagrees on a count fails with an [`Error::Mismatch`] naming
+//! fingerprint, so a peer that disagrees on a count fails with an [`Error::Mismatch`](crate::Error::Mismatch) naming
 //! both), and each is an entry of the flight record. Each rank sends only its own data, once
 //! per peer that needs it: the volume of a ring's all-gather, straight to where it goes.
 
 use ringzero_kernels::{DType, Element};
 
 use super::pairs::pairs_of;
-use super::{Communicator, Inner};
+use super::{offsets, refused, Communicator, Inner};
 use crate::bootstrap::Role;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::ring::engine::{self, Lane};
 use crate::ring::{plan_p2p, Collective, Plan};
 use crate::wire::Fingerprint;
@@ -36,7 +36,7 @@ impl Communicator {
     /// with split sizes; the token exchange of a mixture-of-experts layer). `send` holds, in rank
     /// order, `send_counts[j]` elements for each rank `j`; `recv` receives, in rank order,
     /// `recv_counts[i]` elements from each rank `i`. Counts may be zero. `recv_counts[i]` must
-    /// be what rank `i` sends this rank (else both fail with an [`Error::Mismatch`] naming the
+    /// be what rank `i` sends this rank (else both fail with an [`Error::Mismatch`](crate::Error::Mismatch) naming the
     /// two counts); this rank's own block is copied locally, so `send_counts[rank]` must equal
     /// `recv_counts[rank]`.
     ///
@@ -138,7 +138,7 @@ impl Communicator {
 
     /// Gather (`MPI_Gather`): the root's `recv` (`size()` times `send.len()` elements) ends with
     /// every rank's `send` in rank order. Every rank's `send` has the same length (a rank that
-    /// disagrees fails with an [`Error::Mismatch`]); `recv` is read only on the root (pass an
+    /// disagrees fails with an [`Error::Mismatch`](crate::Error::Mismatch)); `recv` is read only on the root (pass an
     /// empty slice elsewhere). The ranks send to the root at once, over their point-to-point
     /// links with it.
     pub fn gather<T: Element>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
@@ -190,7 +190,7 @@ impl Communicator {
 
     /// Scatter (`MPI_Scatter`): rank `i`'s `recv` ends with block `i` of the root's `send`
     /// (`size()` blocks of `recv.len()` elements). Every rank's `recv` has the same length (a
-    /// rank that disagrees fails with an [`Error::Mismatch`]); `send` is read only on the root
+    /// rank that disagrees fails with an [`Error::Mismatch`](crate::Error::Mismatch)); `send` is read only on the root
     /// (pass an empty slice elsewhere). The root sends to every rank at once.
     pub fn scatter<T: Element>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
         let c = self.rooted(Collective::Scatter { root }, root)?;
@@ -354,46 +354,6 @@ impl Inner {
             engine::run_lanes(&mut lanes, self.cfg.timeout, &self.abort)
         })
     }
-}
-
-/// A call of `c` refused for `msg` before anything moved.
-fn refused(c: Collective, msg: String) -> Error {
-    Error::InvalidArgument {
-        op: c.to_string(),
-        msg,
-    }
-}
-
-/// Where each rank's block starts in a buffer of `len` elements split by `counts` (`n + 1`
-/// offsets, the last `len`), or why `counts` cannot split it.
-fn offsets(
-    c: Collective,
-    (what, counts): (&str, &[usize]),
-    n: usize,
-    (buf, len): (&str, usize),
-) -> Result<Vec<usize>> {
-    let bad = |msg: String| refused(c, msg);
-    if counts.len() != n {
-        return Err(bad(format!(
-            "{what} has {} entries but the communicator has {n} ranks (one count per rank)",
-            counts.len()
-        )));
-    }
-    let mut at = Vec::with_capacity(n + 1);
-    at.push(0usize);
-    for &k in counts {
-        let next = at[at.len() - 1]
-            .checked_add(k)
-            .ok_or_else(|| bad(format!("{what} add up to more than usize::MAX elements")))?;
-        at.push(next);
-    }
-    if at[n] != len {
-        return Err(bad(format!(
-            "{what} add up to {} elements but {buf} has {len}",
-            at[n]
-        )));
-    }
-    Ok(at)
 }
 
 /// `buf` cut into the blocks between consecutive `offsets` (in elements of `es` bytes).

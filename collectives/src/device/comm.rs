@@ -29,7 +29,7 @@ use crate::error::{Error, Result};
 use crate::flight::{FlightRecord, Recorder};
 use crate::ring::device_engine::{self, DevBufs, DevLinks};
 use crate::ring::engine::{AbortFlag, Call, Counters};
-use crate::ring::{chunk, plan, Collective, PlanArgs};
+use crate::ring::{chunk, plan, Collective, Count, PlanArgs};
 use crate::topology::{self, DevicePeer, Edge};
 use crate::transport::device::{
     Addr, DevRecvLink, DevSendLink, FifoRecv, FifoSend, TcpDevRecv, TcpDevSend,
@@ -275,6 +275,25 @@ impl<S: Stream> DeviceComm<S> {
         dtype: DType,
         op: ReduceOp,
         count: usize,
+        bufs: DevBufs,
+    ) -> Result<()> {
+        if coll == Collective::ReduceScatterV {
+            return Err(super::v_needs_counts());
+        }
+        // SAFETY: forwarded from the caller.
+        unsafe { self.run_counted(coll, dtype, op, count.into(), bufs) }
+    }
+
+    /// [`DeviceComm::run_raw`] with a count that may give each rank's part.
+    ///
+    /// # Safety
+    /// As for [`DeviceComm::run_raw`].
+    pub(super) unsafe fn run_counted(
+        &mut self,
+        coll: Collective,
+        dtype: DType,
+        op: ReduceOp,
+        count: Count,
         bufs: DevBufs,
     ) -> Result<()> {
         self.worker.wait_idle();
@@ -773,12 +792,13 @@ impl<S: Stream> Core<S> {
         coll: Collective,
         dtype: DType,
         op: ReduceOp,
-        count: usize,
+        count: Count,
         bufs: DevBufs,
     ) -> Result<()> {
         let mut st = self.lock();
         let st = &mut *st;
-        let fp = Fingerprint::new(coll, Some(dtype), Some(op), count);
+        let fp = Fingerprint::new(coll, Some(dtype), Some(op), count.total);
+        let fp = count.parts.map_or(fp, |c| fp.with_counts(c));
         let seq = st.seq;
         crate::ring::engine::refuse(st.failed.as_ref(), &self.abort, &fp, seq)?;
         let slot_bytes = self.cfg.slice_bytes.next_multiple_of(64);
@@ -787,9 +807,10 @@ impl<S: Stream> Core<S> {
             coll,
             n: self.size,
             rank: self.rank,
-            count,
+            count: count.total,
             slice_elems: (slot_bytes / dtype.size()).max(1),
             in_place,
+            counts: count.parts,
         });
         let call = Call {
             plan: &p,
@@ -808,7 +829,7 @@ impl<S: Stream> Core<S> {
         device_engine::check_sizes(&call, &bufs)?;
         st.seq += 1;
         let counters = |st: &DevState| st.links.as_ref().map(|l| l.counters).unwrap_or_default();
-        let bytes = (count * dtype.size()) as u64;
+        let bytes = (count.total * dtype.size()) as u64;
         self.flight.begin(seq, &fp, in_place, bytes, counters(st));
         let r = match st.links.as_mut() {
             // SAFETY: forwarded from the caller.

@@ -24,9 +24,10 @@ pub use stream::{HostStream, Stream};
 
 use ringzero_kernels::{DType, Element, ReduceOp};
 
+use crate::comm::offsets;
 use crate::error::{Error, Result};
 use crate::ring::device_engine::DevBufs;
-use crate::ring::Collective;
+use crate::ring::{Collective, Count};
 use crate::transport::device::Addr;
 use crate::work::Work;
 
@@ -102,6 +103,14 @@ fn same_dtype(c: Collective, a: DType, b: DType) -> Result<()> {
             format!("send is {a} but recv is {b}; they must match"),
         ))
     }
+}
+
+/// What a v-collective without its counts gets.
+fn v_needs_counts() -> Error {
+    bad(
+        Collective::ReduceScatterV,
+        "takes a count per rank: call DeviceComm::reduce_scatter_v".into(),
+    )
 }
 
 fn need(c: Collective, what: &str, have: usize, want: usize) -> Result<()> {
@@ -183,6 +192,7 @@ impl<S: Stream> DeviceComm<S> {
             }
             Collective::Reduce { .. } => Ok(send.1),
             Collective::Barrier => Ok(0),
+            Collective::ReduceScatterV => Err(v_needs_counts()),
             Collective::AllToAll => Err(bad(
                 c,
                 "all-to-all runs on host buffers only (Communicator::all_to_all)".into(),
@@ -270,6 +280,51 @@ impl<S: Stream> DeviceComm<S> {
         op: ReduceOp,
     ) -> Result<()> {
         self.in_place(Collective::ReduceScatter, op, buf)
+    }
+
+    /// Reduce-scatter with a part per rank: rank `i` ends with the `counts[i]` elements of the
+    /// reduction that follow the parts of the ranks before it, so `counts` (one per rank, the
+    /// same on every rank) add up to `send`'s length and `recv` holds `counts[rank]`. The rules
+    /// are [`crate::Communicator::reduce_scatter_v`]'s.
+    pub fn reduce_scatter_v<B: DeviceMemory<S> + ?Sized>(
+        &mut self,
+        send: &B,
+        recv: &mut B,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let c = Collective::ReduceScatterV;
+        same_dtype(c, send.dtype(), recv.dtype())?;
+        let at = offsets(c, ("counts", counts), self.size(), ("send", send.elems()))?;
+        let r = self.rank();
+        need(
+            c,
+            &format!("recv (counts[{r}], this rank's part)"),
+            recv.elems(),
+            counts[r],
+        )?;
+        let bufs = split(self.stream(), send, recv);
+        let count = Count::parts(at[counts.len()], counts);
+        // SAFETY: `send` and `recv` are borrowed (shared and exclusive, so distinct) for the
+        // whole call, and are memory of this stream by the DeviceMemory impl.
+        unsafe { self.run_counted(c, send.dtype(), op, count, bufs) }
+    }
+
+    /// In-place [`DeviceComm::reduce_scatter_v`]: this rank's part of `buf` is overwritten with
+    /// the reduction; the rest of `buf` is left as it was.
+    pub fn reduce_scatter_v_in_place<B: DeviceMemory<S> + ?Sized>(
+        &mut self,
+        buf: &mut B,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let c = Collective::ReduceScatterV;
+        let at = offsets(c, ("counts", counts), self.size(), ("buf", buf.elems()))?;
+        let dtype = buf.dtype();
+        let bufs = one(self.stream(), buf);
+        let count = Count::parts(at[counts.len()], counts);
+        // SAFETY: `buf` is borrowed exclusively for the whole call.
+        unsafe { self.run_counted(c, dtype, op, count, bufs) }
     }
 
     /// Every rank ends with every rank's chunk of `recv` (this rank contributes `send`).
@@ -402,7 +457,7 @@ impl<S: Stream + 'static> DeviceComm<S> {
             let bufs = one(&core.stream, &mut buf);
             // SAFETY: the job owns `buf` until the call returns, and the engine returns only
             // once the device work touching it has completed.
-            unsafe { core.execute(c, dtype, op, n, bufs) }?;
+            unsafe { core.execute(c, dtype, op, n.into(), bufs) }?;
             Ok(buf)
         })
     }
@@ -420,7 +475,7 @@ impl<S: Stream + 'static> DeviceComm<S> {
             // SAFETY: the job owns both buffers (distinct values, so distinct memory) until the
             // call returns, and the engine returns only once the device work touching them has
             // completed.
-            unsafe { core.execute(c, send.dtype(), op, count, bufs) }?;
+            unsafe { core.execute(c, send.dtype(), op, count.into(), bufs) }?;
             Ok((send, recv))
         })
     }

@@ -5,4 +5,4 @@ pub mod device_engine;
 pub mod engine;
 pub mod schedule;
 
-pub use schedule::{chunk, plan, plan_p2p, split, Buf, Collective, Loc, Op, Plan, PlanArgs};
+pub use schedule::{chunk, plan, plan_p2p, split, Buf, Collective, Count, Loc, Op, Plan, PlanArgs};

@@ -6,6 +6,8 @@
 //!   a reduce-scatter holding chunk `r` fully reduced, and contributes chunk `r` to an all-gather.
 //!   Counts not divisible by `n` therefore need no padding: the first `count % n` chunks are one
 //!   element longer.
+//!   [`Collective::ReduceScatterV`] takes the chunks' sizes from its caller instead (any sizes,
+//!   zero included); everything below holds for them unchanged.
 //! - **slice**: the unit of one frame on a link. Every chunk is split into the same number `J` of
 //!   slices (`J = ceil(largest chunk / slice_elems)`, at least 1), so every rank runs the same
 //!   program shape and an empty chunk still sends (empty) frames: a collective with `n > 1` always
@@ -77,6 +79,11 @@ pub enum Collective {
         /// Source rank.
         root: usize,
     },
+    /// Reduce-scatter with a count per rank (`MPI_Reduce_scatter`): rank `r` ends with part `r`
+    /// of the reduction, parts of any size (shards that do not split evenly, with no padding).
+    /// A ring collective: the reduce-scatter's schedule over the given parts instead of balanced
+    /// chunks (see [`PlanArgs::counts`]).
+    ReduceScatterV,
 }
 
 impl Collective {
@@ -96,6 +103,7 @@ impl Collective {
             Collective::AllGatherV => 11,
             Collective::Gather { .. } => 12,
             Collective::Scatter { .. } => 13,
+            Collective::ReduceScatterV => 14,
         }
     }
 
@@ -126,6 +134,7 @@ impl Collective {
             Collective::AllGatherV => "all_gather_v",
             Collective::Gather { .. } => "gather",
             Collective::Scatter { .. } => "scatter",
+            Collective::ReduceScatterV => "reduce_scatter_v",
         }
     }
 
@@ -145,7 +154,10 @@ impl Collective {
     pub fn reduces(self) -> bool {
         matches!(
             self,
-            Collective::AllReduce | Collective::ReduceScatter | Collective::Reduce { .. }
+            Collective::AllReduce
+                | Collective::ReduceScatter
+                | Collective::ReduceScatterV
+                | Collective::Reduce { .. }
         )
     }
 
@@ -165,6 +177,7 @@ impl Collective {
             11 => Collective::AllGatherV,
             12 => Collective::Gather { root },
             13 => Collective::Scatter { root },
+            14 => Collective::ReduceScatterV,
             _ => return None,
         })
     }
@@ -255,7 +268,7 @@ pub struct Plan {
 
 /// Parameters of one rank's plan.
 #[derive(Clone, Copy, Debug)]
-pub struct PlanArgs {
+pub struct PlanArgs<'a> {
     /// The collective.
     pub coll: Collective,
     /// World size.
@@ -268,6 +281,75 @@ pub struct PlanArgs {
     pub slice_elems: usize,
     /// One buffer for input and output.
     pub in_place: bool,
+    /// Elements of each rank's chunk, where they are given (`n` of them, adding up to `count`)
+    /// rather than balanced by [`chunk`]: [`Collective::ReduceScatterV`]'s parts. `None` for
+    /// every other collective.
+    pub counts: Option<&'a [usize]>,
+}
+
+/// The elements a collective call runs on: a total, split into balanced chunks, or with each
+/// rank's part given ([`Collective::ReduceScatterV`]).
+#[derive(Clone, Copy, Debug)]
+pub struct Count<'a> {
+    /// Total elements ([`PlanArgs::count`]).
+    pub total: usize,
+    /// Each rank's part, adding up to `total` ([`PlanArgs::counts`]).
+    pub parts: Option<&'a [usize]>,
+}
+
+impl From<usize> for Count<'_> {
+    fn from(total: usize) -> Self {
+        Count { total, parts: None }
+    }
+}
+
+impl<'a> Count<'a> {
+    /// A v-collective's count: `parts`, which the caller has checked add up to `total`.
+    pub fn parts(total: usize, parts: &'a [usize]) -> Count<'a> {
+        Count {
+            total,
+            parts: Some(parts),
+        }
+    }
+}
+
+/// Where every rank's chunk lies: balanced ([`chunk`]) or at the given counts.
+enum Chunks {
+    Balanced { count: usize, n: usize },
+    At(Vec<usize>),
+}
+
+impl Chunks {
+    fn new(count: usize, n: usize, counts: Option<&[usize]>) -> Chunks {
+        match counts {
+            None => Chunks::Balanced { count, n },
+            Some(c) => {
+                assert_eq!(c.len(), n, "plan: {} counts for {n} ranks", c.len());
+                let at: Vec<usize> = std::iter::once(0)
+                    .chain(c.iter().scan(0usize, |a, &k| {
+                        *a += k;
+                        Some(*a)
+                    }))
+                    .collect();
+                assert_eq!(at[n], count, "plan: counts add up to {} of {count}", at[n]);
+                Chunks::At(at)
+            }
+        }
+    }
+
+    fn get(&self, c: usize) -> Range<usize> {
+        match self {
+            Chunks::Balanced { count, n } => chunk(*count, *n, c),
+            Chunks::At(at) => at[c]..at[c + 1],
+        }
+    }
+
+    fn largest(&self) -> usize {
+        match self {
+            Chunks::Balanced { count, n } => chunk(*count, *n, 0).len(),
+            Chunks::At(at) => at.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0),
+        }
+    }
 }
 
 /// Build the plan of one rank. Pure: the same arguments always give the same plan.
@@ -281,8 +363,18 @@ pub fn plan(a: PlanArgs) -> Plan {
         ..
     } = a;
     assert!(n > 0 && r < n, "plan: rank {r} of {n}");
+    assert!(
+        a.counts.is_none() || coll == Collective::ReduceScatterV,
+        "plan: counts given to {coll}"
+    );
+    // The v-variant is the reduce-scatter over parts of the given sizes.
+    let coll = match coll {
+        Collective::ReduceScatterV => Collective::ReduceScatter,
+        c => c,
+    };
+    let chunks = Chunks::new(count, n, a.counts);
     let se = a.slice_elems.max(1);
-    let own = chunk(count, n, r);
+    let own = chunks.get(r);
     let (input_base, input_len, output_base, output_len) = match coll {
         Collective::ReduceScatter if !in_place => (0, count, own.start, own.len()),
         Collective::AllGather if !in_place => (own.start, own.len(), 0, count),
@@ -350,9 +442,8 @@ pub fn plan(a: PlanArgs) -> Plan {
         | Collective::AllGather
         | Collective::AllReduce
         | Collective::Barrier => {
-            let largest = chunk(count, n, 0).len();
-            let slices = largest.div_ceil(se).max(1);
-            let slice_of = |c: usize, j: usize| split(chunk(count, n, c), slices, j);
+            let slices = chunks.largest().div_ceil(se).max(1);
+            let slice_of = |c: usize, j: usize| split(chunks.get(c), slices, j);
             for j in 0..slices {
                 let mut step = 0;
                 if matches!(coll, Collective::ReduceScatter | Collective::AllReduce) {
@@ -399,6 +490,7 @@ pub fn plan(a: PlanArgs) -> Plan {
             }
         }
         // The pairwise collectives plan each message like this (`plan_p2p` is the same frames).
+        Collective::ReduceScatterV => unreachable!("planned as a reduce-scatter"),
         Collective::RingShift
         | Collective::AllToAll
         | Collective::SendRecv

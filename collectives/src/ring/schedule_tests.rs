@@ -55,6 +55,19 @@ fn simulate(
     depth: usize,
     order: &[usize],
 ) -> Sim {
+    simulate_with(coll, n, (count, None), se, in_place, depth, order)
+}
+
+/// [`simulate`] with the chunks at `counts` where they are given (the v-variants).
+fn simulate_with(
+    coll: Collective,
+    n: usize,
+    (count, counts): (usize, Option<&[usize]>),
+    se: usize,
+    in_place: bool,
+    depth: usize,
+    order: &[usize],
+) -> Sim {
     let plans: Vec<Plan> = (0..n)
         .map(|rank| {
             plan(PlanArgs {
@@ -64,6 +77,7 @@ fn simulate(
                 count,
                 slice_elems: se,
                 in_place,
+                counts,
             })
         })
         .collect();
@@ -513,4 +527,63 @@ proptest! {
             prop_assert_eq!(got1, vec![msg(0, 0, a)]);
         }
     }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+    /// Reduce-scatter-v: parts of any size (empty ones included) are each reduced exactly once
+    /// per rank and end on their owner, the rest of an in-place buffer untouched; each rank
+    /// sends every part but its own, as the balanced reduce-scatter does.
+    #[test]
+    fn reduce_scatter_v_reduces_parts_of_any_size(
+        counts in proptest::collection::vec(prop_oneof![Just(0usize), 0usize..60], 1..=8),
+        se in 1usize..40,
+        in_place: bool,
+        order in proptest::collection::vec(0usize..8, 1..40),
+    ) {
+        let n = counts.len();
+        let count: usize = counts.iter().sum();
+        let at: Vec<usize> = std::iter::once(0)
+            .chain(counts.iter().scan(0, |a, &k| { *a += k; Some(*a) }))
+            .collect();
+        let sim = simulate_with(
+            Collective::ReduceScatterV,
+            n,
+            (count, Some(&counts)),
+            se,
+            in_place,
+            2,
+            &order,
+        );
+        for r in 0..n {
+            let own = at[r]..at[r + 1];
+            let out = &sim.out[r];
+            if in_place {
+                prop_assert_eq!(out.len(), count);
+                for (g, v) in out.iter().enumerate() {
+                    let want = if own.contains(&g) { all_ones(n) } else { unit(r) };
+                    prop_assert_eq!(*v, want, "rank {} element {}", r, g);
+                }
+            } else {
+                prop_assert_eq!(out.len(), own.len());
+                prop_assert!(out.iter().all(|v| *v == all_ones(n)), "rank {}: {:?}", r, out);
+            }
+            let want = if n == 1 { 0 } else { count - counts[r] };
+            prop_assert_eq!(sim.sent_elems[r], want, "rank {} elements sent", r);
+        }
+    }
+}
+
+#[test]
+#[should_panic(expected = "counts add up to 5 of 6")]
+fn counts_that_do_not_add_up_are_a_caller_bug() {
+    plan(PlanArgs {
+        coll: Collective::ReduceScatterV,
+        n: 2,
+        rank: 0,
+        count: 6,
+        slice_elems: 4,
+        in_place: false,
+        counts: Some(&[2, 3]),
+    });
 }

@@ -115,6 +115,14 @@ fn call<D: BenchDev>(
         (Collective::Barrier, _) => dc.barrier(),
         (Collective::RingShift, false) => dc.ring_shift(send, recv),
         (Collective::RingShift, true) => dc.ring_shift_in_place(send),
+        (Collective::ReduceScatterV, false) => {
+            let counts = super::sweep::balanced(dc.size(), send.elems());
+            dc.reduce_scatter_v(send, recv, &counts, redop)
+        }
+        (Collective::ReduceScatterV, true) => {
+            let counts = super::sweep::balanced(dc.size(), send.elems());
+            dc.reduce_scatter_v_in_place(send, &counts, redop)
+        }
         (
             Collective::AllToAll
             | Collective::SendRecv

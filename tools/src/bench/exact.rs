@@ -89,7 +89,7 @@ pub fn lens(op: Collective, n: usize, r: usize, count: usize) -> (usize, usize) 
     let own = chunk(count, n, r).len();
     let at_root = |root: usize| if r == root { count } else { 0 };
     match op {
-        Collective::ReduceScatter => (count, own),
+        Collective::ReduceScatter | Collective::ReduceScatterV => (count, own),
         Collective::AllGather | Collective::AllGatherV => (own, count),
         Collective::Reduce { root } => (count, at_root(root)),
         Collective::Gather { root } => (count / n.max(1), at_root(root)),
@@ -152,8 +152,12 @@ pub fn landing(
     let home = if inplace { Lands::Send } else { Lands::Recv };
     Some(match op {
         Collective::AllReduce => (home, 0..count, (0..count).map(red).collect()),
-        Collective::ReduceScatter if inplace => (Lands::Send, own.clone(), own.map(red).collect()),
-        Collective::ReduceScatter => (Lands::Recv, 0..own.len(), own.map(red).collect()),
+        Collective::ReduceScatter | Collective::ReduceScatterV if inplace => {
+            (Lands::Send, own.clone(), own.map(red).collect())
+        }
+        Collective::ReduceScatter | Collective::ReduceScatterV => {
+            (Lands::Recv, 0..own.len(), own.map(red).collect())
+        }
         Collective::AllGather | Collective::AllGatherV => {
             let owner = |i: usize| {
                 (0..n)

@@ -44,6 +44,7 @@ pub fn parse_ops(s: &str) -> std::result::Result<Vec<Collective>, String> {
     Ok(match norm.as_str() {
         "allreduce" => vec![Collective::AllReduce],
         "reducescatter" => vec![Collective::ReduceScatter],
+        "reducescatterv" => vec![Collective::ReduceScatterV],
         "allgather" => vec![Collective::AllGather],
         "broadcast" | "bcast" => vec![Collective::Broadcast { root: 0 }],
         "reduce" => vec![Collective::Reduce { root: 0 }],
@@ -62,14 +63,15 @@ pub fn parse_ops(s: &str) -> std::result::Result<Vec<Collective>, String> {
             Collective::AllToAll,
             Collective::AllToAllV,
             Collective::AllGatherV,
+            Collective::ReduceScatterV,
             Collective::Gather { root: 0 },
             Collective::Scatter { root: 0 },
         ],
         _ => {
             return Err(format!(
                 "unknown op `{s}` (expected all-reduce, reduce-scatter, all-gather, broadcast, \
-                 reduce, all-to-all, all-to-all-v, all-gather-v, gather, scatter, send-recv or \
-                 all)"
+                 reduce, all-to-all, all-to-all-v, all-gather-v, reduce-scatter-v, gather, \
+                 scatter, send-recv or all)"
             ))
         }
     })
@@ -282,7 +284,11 @@ mod tests {
             parse_ops("reduce_scatter").unwrap(),
             vec![Collective::ReduceScatter]
         );
-        assert_eq!(parse_ops("all").unwrap().len(), 10);
+        assert_eq!(parse_ops("all").unwrap().len(), 11);
+        assert_eq!(
+            parse_ops("reduce-scatter-v").unwrap(),
+            vec![Collective::ReduceScatterV]
+        );
         assert_eq!(
             parse_ops("all_to_all_v").unwrap(),
             vec![Collective::AllToAllV]

@@ -342,9 +342,16 @@ fn run<T: Element>(
             comm.all_to_all_v(send, &counts, recv, &counts)
         }
         (Collective::AllGatherV, false) => {
-            let n = comm.size();
-            let counts: Vec<usize> = (0..n).map(|q| chunk(recv.len(), n, q).len()).collect();
+            let counts = balanced(comm.size(), recv.len());
             comm.all_gather_v(send, recv, &counts)
+        }
+        (Collective::ReduceScatterV, false) => {
+            let counts = balanced(comm.size(), send.len());
+            comm.reduce_scatter_v(send, recv, &counts, redop)
+        }
+        (Collective::ReduceScatterV, true) => {
+            let counts = balanced(comm.size(), send.len());
+            comm.reduce_scatter_v_in_place(send, &counts, redop)
         }
         (Collective::Gather { root }, false) => comm.gather(send, recv, root),
         (Collective::Scatter { root }, false) => comm.scatter(send, recv, root),
@@ -360,6 +367,11 @@ fn run<T: Element>(
             msg: format!("{} has no in-place form", op.name()),
         }),
     }
+}
+
+/// The ring forms' balanced chunks of `count` as the counts of a `-v` form.
+pub fn balanced(n: usize, count: usize) -> Vec<usize> {
+    (0..n).map(|q| chunk(count, n, q).len()).collect()
 }
 
 /// One untimed call on exact inputs; returns how many elements of this rank's result are wrong.

@@ -25,7 +25,10 @@ pub fn busbw_factor(op: Collective, n: usize) -> f64 {
     let n = n as f64;
     match op {
         Collective::AllReduce => 2.0 * (n - 1.0) / n,
-        Collective::ReduceScatter | Collective::AllGather | Collective::AllToAll => (n - 1.0) / n,
+        Collective::ReduceScatter
+        | Collective::ReduceScatterV
+        | Collective::AllGather
+        | Collective::AllToAll => (n - 1.0) / n,
         op if op.is_pairwise() => (n - 1.0) / n,
         _ => 1.0,
     }
@@ -68,9 +71,10 @@ pub fn bytes_per_link(op: Collective, n: usize, bytes: usize) -> f64 {
         // All-to-all: n − 1 exchanges of one block (s/n), each over its own link. The pairwise
         // collectives move as much through each rank (the root, for gather and scatter), which
         // one engine thread drives: they count as one link.
-        Collective::ReduceScatter | Collective::AllGather | Collective::AllToAll => {
-            (n - 1.0) / n * s
-        }
+        Collective::ReduceScatter
+        | Collective::ReduceScatterV
+        | Collective::AllGather
+        | Collective::AllToAll => (n - 1.0) / n * s,
         op if op.is_pairwise() => (n - 1.0) / n * s,
         Collective::RingShift => s,
         _ => s,
