@@ -269,8 +269,78 @@ fn a_peer_that_never_joins_is_named_with_the_call_and_its_sequence_number() {
     });
     assert!(
         errs[0].contains("scatter(f32, count=4, root=0) seq 1")
-            && errs[0].contains("rank 1 to join its first pairwise collective with rank 0"),
+            && errs[0].contains("waiting for frame (step 0, slice 0) from rank 1"),
         "{}",
         errs[0]
     );
+}
+
+/// A rank that calls a ring collective, or another pairwise one, where its neighbours call a
+/// pairwise collective meets their announcement on the ring: every rank fails within a hop, not
+/// at the deadline, and the rank that found it names both calls. Checked on a first pairwise
+/// call (whose pairs are not yet connected) and on a later one, over shm and tcp.
+#[test]
+fn a_ring_collective_against_a_pairwise_one_fails_at_once_naming_both() {
+    for transport in [TransportPref::Shm, TransportPref::Tcp] {
+        let o = Opts {
+            transport,
+            timeout: Duration::from_secs(20),
+            ..Opts::default()
+        };
+        for connected in [false, true] {
+            let t = Instant::now();
+            let errs = threads(3, &o, |r, comm| {
+                let comm = comm.unwrap();
+                let mut g = vec![0f32; if r == 0 { 6 } else { 0 }];
+                if connected {
+                    comm.gather(&[1f32, 2.0], &mut g, 0).unwrap();
+                }
+                let e = match r {
+                    2 => {
+                        let mut b = [1f32; 6];
+                        comm.all_reduce_in_place(&mut b, ReduceOp::Sum).unwrap_err()
+                    }
+                    1 if connected => {
+                        let mut all = [0f32; 6];
+                        comm.all_gather_v(&[1f32; 2], &mut all, &[2, 2, 2])
+                            .unwrap_err()
+                    }
+                    _ => comm.gather(&[1f32, 2.0], &mut g, 0).unwrap_err(),
+                };
+                e.to_string()
+            });
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "{transport:?} connected={connected}: must not wait for the deadline: {errs:?}"
+            );
+            // Rank 2 meets rank 1's announcement (gather, or all-gather-v once connected).
+            let theirs = if connected {
+                "all_gather_v(f32, count=6)"
+            } else {
+                "gather(f32, count=2, root=0)"
+            };
+            assert!(
+                errs[2].contains("all_reduce(f32, sum, count=6)") && errs[2].contains(theirs),
+                "{transport:?} connected={connected}: {}",
+                errs[2]
+            );
+            // Rank 0 meets rank 2's all-reduce frame; rank 1 meets rank 0's gather, or learns
+            // of the failure.
+            assert!(
+                errs[0].contains("all_reduce(f32, sum, count=6)"),
+                "{transport:?} connected={connected}: {}",
+                errs[0]
+            );
+            if connected {
+                assert!(
+                    errs[1].contains("gather(f32, count=2, root=0)")
+                        && errs[1].contains("all_gather_v(f32, count=6)"),
+                    "{transport:?}: {}",
+                    errs[1]
+                );
+            } else {
+                assert!(errs[1].contains("rank "), "{transport:?}: {}", errs[1]);
+            }
+        }
+    }
 }

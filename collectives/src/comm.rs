@@ -72,6 +72,10 @@ struct Inner {
     /// first such collective between the two. Locked only while `state` is held (after `pairs`,
     /// when both are).
     mesh: Mutex<BTreeMap<usize, Links>>,
+    /// Every pair of ranks (lower first) that the pairwise collectives have connected so far,
+    /// this rank's or not: a function of the calls made, so the same on every rank, which is
+    /// what lets every rank agree whether a call connects anywhere. Locked after `mesh`.
+    mesh_pairs: Mutex<std::collections::BTreeSet<(usize, usize)>>,
     /// Where every rank can be reached after start-up (learned by the start-up all-gather), and
     /// this rank's listener for them: pairs connect without rank 0's store.
     peers: std::sync::OnceLock<Vec<connect::PeerAddr>>,
@@ -143,6 +147,7 @@ impl Communicator {
             state: Mutex::new(State::new(links)),
             pairs: Mutex::new(BTreeMap::new()),
             mesh: Mutex::new(BTreeMap::new()),
+            mesh_pairs: Mutex::new(Default::default()),
             peers: std::sync::OnceLock::new(),
             peer_listener,
             _store: store,

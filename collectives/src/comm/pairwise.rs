@@ -13,14 +13,15 @@
 //! both), and each is an entry of the flight record. Each rank sends only its own data, once
 //! per peer that needs it: the volume of a ring's all-gather, straight to where it goes.
 
-use ringzero_kernels::{DType, Element};
+use ringzero_kernels::{DType, Element, ReduceOp};
 
 use super::pairs::pairs_of;
 use super::{offsets, refused, Communicator, Inner};
 use crate::bootstrap::Role;
 use crate::error::Result;
+use crate::ring::engine::Bufs;
 use crate::ring::engine::{self, Lane};
-use crate::ring::{plan_p2p, Collective, Plan};
+use crate::ring::{plan, plan_p2p, Collective, Plan, PlanArgs};
 use crate::wire::Fingerprint;
 
 /// This rank's message to and from one peer in a pairwise collective. Either may be absent; an
@@ -279,10 +280,14 @@ impl Inner {
     /// lane. `ex` is in ascending peer order.
     ///
     /// `ring`, when given, is this rank's message to the next rank and the one from the previous
-    /// rank, over the ring's own links (`ex` then leaves those directions out): all-to-all's, so
-    /// that a rank calling a ring collective instead meets its frames and both fail at once with
-    /// the two calls named. Its frames carry the whole call's fingerprint, as ring collectives'
-    /// do; the other collectives' frames carry each message's count.
+    /// rank, over the ring's own links (`ex` then leaves those directions out): all-to-all's.
+    /// Every other pairwise collective sends an empty message around the ring instead (its
+    /// announcement, at the same time as the exchanges). Either way a rank whose neighbour
+    /// called a ring collective, or another pairwise one, meets its frame and both fail at once
+    /// with the two calls named; a failing rank aborts and tells every peer, so the whole job
+    /// learns within a hop, not at the deadline. The ring frames carry the whole call's
+    /// fingerprint, as ring collectives' do; the other collectives' pair frames carry each
+    /// message's count.
     fn pairwise(
         &self,
         (fp, dtype): (Fingerprint, DType),
@@ -294,6 +299,8 @@ impl Inner {
         let coll = Collective::from_code(fp.coll, fp.root as usize)
             .expect("a fingerprint made here names a collective");
         let whole = ring.is_some();
+        let announce = (ring.is_none() && self.size > 1).then(|| (&[][..], &mut [][..]));
+        let ring = ring.or(announce);
         let fp_of = |c| {
             if whole {
                 fp
@@ -322,18 +329,48 @@ impl Inner {
                 .iter()
                 .map(|e| plan_p2p(e.send.map(len), e.recv.as_deref().map(len), slice_elems))
                 .collect();
+            let mut mesh = self.mesh.lock().unwrap_or_else(|p| p.into_inner());
+            let mut known = self.mesh_pairs.lock().unwrap_or_else(|p| p.into_inner());
+            let peers: Vec<usize> = ex.iter().map(|e| e.peer).collect();
+            let wanted = call_pairs(coll, self.size);
+            debug_assert!(
+                peers
+                    .iter()
+                    .all(|&p| wanted.contains(&(p.min(self.rank), p.max(self.rank)))),
+                "{coll}: rank {} exchanges with {peers:?}, outside {wanted:?}",
+                self.rank
+            );
+            let connects = wanted.iter().any(|p| !known.contains(p));
+            if let (true, Some(links)) = (connects, st.links.as_mut()) {
+                // The call connects somewhere (every rank knows, `known` being the same on
+                // all): first make sure every rank made it. An empty frame carrying the call
+                // goes all the way round the ring (a barrier's n − 1 hops), and a rank that
+                // finishes has checked, through its neighbours', every rank's fingerprint. A
+                // rank that called something else fails there, and its abort travels the same
+                // way, so no rank is left dialling a peer that will never answer.
+                let agree = plan(PlanArgs {
+                    coll: Collective::Barrier,
+                    n: self.size,
+                    rank: self.rank,
+                    count: 0,
+                    slice_elems: 1,
+                    in_place: false,
+                    counts: None,
+                });
+                let call = self.call(&agree, (seq, fp), dtype, ReduceOp::Sum, 0);
+                engine::run(links, &call, Bufs::One(&mut []))?;
+            }
             let mut ring_lane = match (ring, &ring_plan, st.links.as_mut()) {
                 (Some((s, r)), Some(plan), Some(links)) => {
-                    let call = self.p2p_call(plan, (&fp_of, dtype), (Some(s), seq), (Some(r), seq));
+                    let call =
+                        self.p2p_call(plan, (&|_| fp, dtype), (Some(s), seq), (Some(r), seq));
                     Some(Lane::new(links, vec![call]))
                 }
                 _ => None,
             };
-            let mut mesh = self.mesh.lock().unwrap_or_else(|p| p.into_inner());
-            let peers: Vec<usize> = ex.iter().map(|e| e.peer).collect();
-            if peers.iter().any(|p| !mesh.contains_key(p)) {
-                // A first call connects: exchange over the ring before, so a rank that called
-                // something else fails there at once instead of leaving this one in a connect.
+            if connects {
+                // All-to-all's ring messages before connecting (and the announcement, though
+                // the pass above has done its work).
                 if let Some(lane) = ring_lane.take() {
                     engine::run_lanes(&mut [lane], self.cfg.timeout, &self.abort)?;
                 }
@@ -341,6 +378,7 @@ impl Inner {
                     .connect_missing(&mesh, peers.iter().copied(), &fp, Role::Pairwise)
                     .map_err(|e| e.at_seq(seq))?;
                 mesh.extend(made);
+                known.extend(wanted);
             }
             let mesh_lanes = pairs_of(&mut mesh, &peers)
                 .into_iter()
@@ -353,6 +391,21 @@ impl Inner {
             let mut lanes: Vec<Lane> = ring_lane.into_iter().chain(mesh_lanes).collect();
             engine::run_lanes(&mut lanes, self.cfg.timeout, &self.abort)
         })
+    }
+}
+
+/// The pairs of ranks (lower first) that pairwise collective `coll` exchanges between on `n`
+/// ranks, whatever this rank's place: the root with every other rank for gather and scatter;
+/// every pair for the others, except all-to-all on two ranks (whose one pair is the ring's).
+fn call_pairs(coll: Collective, n: usize) -> Vec<(usize, usize)> {
+    let all = (0..n).flat_map(|i| (i + 1..n).map(move |j| (i, j)));
+    match coll {
+        Collective::Gather { root } | Collective::Scatter { root } => (0..n)
+            .filter(|&j| j != root)
+            .map(|j| (j.min(root), j.max(root)))
+            .collect(),
+        Collective::AllToAll if n <= 2 => Vec::new(),
+        _ => all.collect(),
     }
 }
 
@@ -371,6 +424,24 @@ fn split_mut<'a>(mut buf: &'a mut [u8], offsets: &[usize], es: usize) -> Vec<&'a
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_calls_pairs_are_the_same_whichever_rank_asks() {
+        assert_eq!(
+            call_pairs(Collective::Gather { root: 1 }, 3),
+            [(0, 1), (1, 2)]
+        );
+        assert_eq!(call_pairs(Collective::Scatter { root: 0 }, 2), [(0, 1)]);
+        assert_eq!(
+            call_pairs(Collective::AllGatherV, 3),
+            [(0, 1), (0, 2), (1, 2)]
+        );
+        assert_eq!(call_pairs(Collective::AllToAllV, 4).len(), 6);
+        // Two ranks' all-to-all runs over the ring alone; three ranks' needs every pair.
+        assert!(call_pairs(Collective::AllToAll, 2).is_empty());
+        assert_eq!(call_pairs(Collective::AllToAll, 3).len(), 3);
+        assert!(call_pairs(Collective::AllGatherV, 1).is_empty());
+    }
 
     #[test]
     fn offsets_split_a_buffer_or_say_why_not() {
