@@ -163,7 +163,7 @@ fn bad_counts_are_refused_and_change_nothing_on_both_communicators() {
         refused(
             dc.reduce_scatter_v(&send[..], &mut dout[..1], &[2, 2, 2], ReduceOp::Sum)
                 .unwrap_err(),
-            &format!("recv (counts[{r}], this rank's part) has 1 elements, 2 were expected"),
+            &format!("recv has 1 elements but counts[{r}] (this rank's part) is 2"),
         );
         refused(
             dc.reduce_scatter_v_in_place(&mut buf[..], &[1, 1, 1], ReduceOp::Sum)

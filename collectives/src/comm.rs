@@ -388,17 +388,7 @@ impl Communicator {
     ) -> Result<()> {
         let c = Collective::ReduceScatterV;
         let at = offsets(c, ("counts", counts), self.size(), ("send", send.len()))?;
-        let r = self.rank();
-        if recv.len() != counts[r] {
-            return Err(refused(
-                c,
-                format!(
-                    "recv has {} elements but counts[{r}] (this rank's part) is {}",
-                    recv.len(),
-                    counts[r]
-                ),
-            ));
-        }
+        own_part(c, ("recv", recv.len()), counts, self.rank())?;
         self.wait_async_idle();
         let bufs = Bufs::Split {
             input: bytemuck::cast_slice(send),
@@ -871,6 +861,26 @@ pub(crate) fn offsets(
         )));
     }
     Ok(at)
+}
+
+/// Refuse a buffer (`what`, `len` elements) that should hold this rank's part, `counts[rank]`.
+/// `counts` has one entry per rank (checked by [`offsets`] first).
+pub(crate) fn own_part(
+    c: Collective,
+    (what, len): (&str, usize),
+    counts: &[usize],
+    rank: usize,
+) -> Result<()> {
+    if len == counts[rank] {
+        return Ok(());
+    }
+    Err(refused(
+        c,
+        format!(
+            "{what} has {len} elements but counts[{rank}] (this rank's part) is {}",
+            counts[rank]
+        ),
+    ))
 }
 
 fn same_len(c: Collective, a: usize, b: usize, a_name: &str, b_name: &str) -> Result<()> {

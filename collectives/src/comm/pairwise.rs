@@ -16,7 +16,7 @@
 use ringzero_kernels::{DType, Element, ReduceOp};
 
 use super::pairs::pairs_of;
-use super::{offsets, refused, Communicator, Inner};
+use super::{offsets, own_part, refused, Communicator, Inner};
 use crate::bootstrap::Role;
 use crate::error::Result;
 use crate::ring::engine::Bufs;
@@ -106,16 +106,7 @@ impl Communicator {
         let c = Collective::AllGatherV;
         let (n, r) = (self.size(), self.rank());
         let d = offsets(c, ("counts", counts), n, ("recv", recv.len()))?;
-        if send.len() != counts[r] {
-            return Err(refused(
-                c,
-                format!(
-                    "send has {} elements but counts[{r}] (this rank's part) is {}",
-                    send.len(),
-                    counts[r]
-                ),
-            ));
-        }
+        own_part(c, ("send", send.len()), counts, r)?;
         self.wait_async_idle();
         let es = T::DTYPE.size();
         let send: &[u8] = bytemuck::cast_slice(send);

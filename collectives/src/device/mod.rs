@@ -24,7 +24,7 @@ pub use stream::{HostStream, Stream};
 
 use ringzero_kernels::{DType, Element, ReduceOp};
 
-use crate::comm::offsets;
+use crate::comm::{offsets, own_part};
 use crate::error::{Error, Result};
 use crate::ring::device_engine::DevBufs;
 use crate::ring::{Collective, Count};
@@ -296,13 +296,7 @@ impl<S: Stream> DeviceComm<S> {
         let c = Collective::ReduceScatterV;
         same_dtype(c, send.dtype(), recv.dtype())?;
         let at = offsets(c, ("counts", counts), self.size(), ("send", send.elems()))?;
-        let r = self.rank();
-        need(
-            c,
-            &format!("recv (counts[{r}], this rank's part)"),
-            recv.elems(),
-            counts[r],
-        )?;
+        own_part(c, ("recv", recv.elems()), counts, self.rank())?;
         let bufs = split(self.stream(), send, recv);
         let count = Count::parts(at[counts.len()], counts);
         // SAFETY: `send` and `recv` are borrowed (shared and exclusive, so distinct) for the
