@@ -44,7 +44,7 @@ impl Communicator {
     /// Every pair of ranks exchanges at once over its point-to-point links (connected by the
     /// first call that needs them; see the module `pairs`), where [`Communicator::all_to_all`]
     /// runs `n − 1` ring exchanges one after the other. A rank that calls a ring collective
-    /// instead is found at the deadline rather than at once.
+    /// instead fails at once, both calls named (see [`Inner::pairwise`]).
     pub fn all_to_all_v<T: Element>(
         &self,
         send: &[T],
@@ -69,19 +69,9 @@ impl Communicator {
         self.wait_async_idle();
         let es = T::DTYPE.size();
         let send: &[u8] = bytemuck::cast_slice(send);
-        let mut recvs = split_mut(bytemuck::cast_slice_mut(recv), &rd, es);
-        let own = std::mem::take(&mut recvs[r]);
         let block = |p: usize| &send[sd[p] * es..sd[p + 1] * es];
-        let ex = recvs
-            .into_iter()
-            .enumerate()
-            .filter(|&(p, _)| p != r)
-            .map(|(peer, recv)| Exchange {
-                peer,
-                send: Some(block(peer)),
-                recv: Some(recv),
-            })
-            .collect();
+        let recvs = split_mut(bytemuck::cast_slice_mut(recv), &rd, es);
+        let (own, ex) = from_every_peer(recvs, r, |p| Some(block(p)));
         // Counts differ by rank: the call as a whole has none (every rank records the same call).
         let fp = Fingerprint::new(c, Some(T::DTYPE), None, usize::MAX);
         let bytes = send.len() as u64;
@@ -110,18 +100,8 @@ impl Communicator {
         self.wait_async_idle();
         let es = T::DTYPE.size();
         let send: &[u8] = bytemuck::cast_slice(send);
-        let mut recvs = split_mut(bytemuck::cast_slice_mut(recv), &d, es);
-        let own = std::mem::take(&mut recvs[r]);
-        let ex = recvs
-            .into_iter()
-            .enumerate()
-            .filter(|&(p, _)| p != r)
-            .map(|(peer, recv)| Exchange {
-                peer,
-                send: Some(send),
-                recv: Some(recv),
-            })
-            .collect();
+        let recvs = split_mut(bytemuck::cast_slice_mut(recv), &d, es);
+        let (own, ex) = from_every_peer(recvs, r, |_| Some(send));
         let fp = Fingerprint::new(c, Some(T::DTYPE), None, d[n]);
         let bytes = (d[n] * es) as u64;
         self.inner
@@ -152,18 +132,8 @@ impl Communicator {
                 ));
             }
             let d: Vec<usize> = (0..=n).map(|i| i * count).collect();
-            let mut recvs = split_mut(bytemuck::cast_slice_mut(recv), &d, es);
-            let own = std::mem::take(&mut recvs[r]);
-            let ex: Vec<Exchange> = recvs
-                .into_iter()
-                .enumerate()
-                .filter(|&(p, _)| p != r)
-                .map(|(peer, recv)| Exchange {
-                    peer,
-                    send: None,
-                    recv: Some(recv),
-                })
-                .collect();
+            let recvs = split_mut(bytemuck::cast_slice_mut(recv), &d, es);
+            let (own, ex) = from_every_peer(recvs, r, |_| None);
             (Some((send, own)), ex)
         } else {
             let to_root = Exchange {
@@ -323,11 +293,19 @@ impl Inner {
             let mut mesh = self.mesh.lock().unwrap_or_else(|p| p.into_inner());
             let mut known = self.mesh_pairs.lock().unwrap_or_else(|p| p.into_inner());
             let peers: Vec<usize> = ex.iter().map(|e| e.peer).collect();
-            let wanted = call_pairs(coll, self.size);
+            // Once every pair is connected (the usual steady state) no call connects: skip
+            // listing the call's pairs.
+            let n = self.size;
+            let wanted = if known.len() < n * (n - 1) / 2 {
+                call_pairs(coll, n)
+            } else {
+                Vec::new()
+            };
             debug_assert!(
-                peers
-                    .iter()
-                    .all(|&p| wanted.contains(&(p.min(self.rank), p.max(self.rank)))),
+                wanted.is_empty()
+                    || peers
+                        .iter()
+                        .all(|&p| wanted.contains(&(p.min(self.rank), p.max(self.rank)))),
                 "{coll}: rank {} exchanges with {peers:?}, outside {wanted:?}",
                 self.rank
             );
@@ -398,6 +376,27 @@ fn call_pairs(coll: Collective, n: usize) -> Vec<(usize, usize)> {
         Collective::AllToAll if n <= 2 => Vec::new(),
         _ => all.collect(),
     }
+}
+
+/// Rank `r`'s own block of `recvs` (one per rank, in rank order), and an exchange with every
+/// other rank: receive its block, send it `send(peer)`.
+fn from_every_peer<'a>(
+    mut recvs: Vec<&'a mut [u8]>,
+    r: usize,
+    send: impl Fn(usize) -> Option<&'a [u8]>,
+) -> (&'a mut [u8], Vec<Exchange<'a>>) {
+    let own = std::mem::take(&mut recvs[r]);
+    let ex = recvs
+        .into_iter()
+        .enumerate()
+        .filter(|&(p, _)| p != r)
+        .map(|(peer, recv)| Exchange {
+            peer,
+            send: send(peer),
+            recv: Some(recv),
+        })
+        .collect();
+    (own, ex)
 }
 
 /// `buf` cut into the blocks between consecutive `offsets` (in elements of `es` bytes).
