@@ -470,6 +470,12 @@ fn async_device_collectives_run_on_the_proxy_thread_in_order() {
         let ag = dc.all_gather_async(vec![rank as f32 + 0.5; own.len()], vec![0.0f32; count]);
         let root = vec![if rank == 2 { 7.0f32 } else { 0.0 }; count];
         let bc = dc.broadcast_async(root, 2);
+        let red = dc.reduce_async(vec![rank as f32 + 1.0; 100], ReduceOp::Max, 1);
+        let counts = [1, 0, 99];
+        let part = vec![-1.0f32; counts[rank]];
+        let rsv = dc.reduce_scatter_v_async(vec![1.0f32; 100], part, &counts, ReduceOp::Sum);
+        let shift = dc.ring_shift_async(vec![rank as f32; 50], vec![-1.0f32; 50]);
+        let bar = dc.barrier_async();
         // A blocking call after them runs after them.
         let mut last = vec![1.0f32; count];
         dc.all_reduce_in_place(&mut last[..], ReduceOp::Sum)
@@ -500,6 +506,17 @@ fn async_device_collectives_run_on_the_proxy_thread_in_order() {
             );
         }
         assert!(bc.wait().unwrap().iter().all(|&v| v == 7.0), "rank {rank}");
+        let want = if rank == 1 {
+            n as f32
+        } else {
+            rank as f32 + 1.0
+        };
+        assert_eq!(red.wait().unwrap(), vec![want; 100], "rank {rank}");
+        let (_, part) = rsv.wait().unwrap();
+        assert_eq!(part, vec![n as f32; counts[rank]], "rank {rank}");
+        let (_, got) = shift.wait().unwrap();
+        assert_eq!(got, vec![((rank + n - 1) % n) as f32; 50], "rank {rank}");
+        bar.wait().unwrap();
     });
 }
 
@@ -518,6 +535,19 @@ fn async_device_calls_refuse_bad_arguments_and_report_mismatches() {
         assert!(e.to_string().contains("this rank's chunk"), "{e}");
         let e = dc.broadcast_async(vec![1.0f32; 4], 5).wait().unwrap_err();
         assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+        let e = dc.reduce_async(vec![1.0f32; 4], ReduceOp::Sum, 2);
+        assert!(e.is_done());
+        let e = e.wait().unwrap_err().to_string();
+        assert!(e.contains("root 2 is not a rank"), "{e}");
+        let rsv = dc.reduce_scatter_v_async(vec![1.0f32; 4], vec![0.0; 2], &[2, 1], ReduceOp::Sum);
+        let e = rsv.wait().unwrap_err().to_string();
+        assert!(
+            e.contains("counts add up to 3 elements but send has 4"),
+            "{e}"
+        );
+        let rsv = dc.reduce_scatter_v_async(vec![1.0f32; 4], vec![0.0; 1], &[2, 2], ReduceOp::Sum);
+        let e = rsv.wait().unwrap_err().to_string();
+        assert!(e.contains("recv has 1 elements but counts"), "{e}");
         let ok = dc
             .all_reduce_async(vec![1.0f32; 10], ReduceOp::Sum)
             .wait()

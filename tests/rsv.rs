@@ -65,7 +65,7 @@ fn uneven_parts_land_on_their_owners_and_the_ring_moves_all_but_its_own() {
                 assert_eq!(*x, want, "{transport:?} rank {r} in place, element {i}");
             }
             // The asynchronous form: the same result, in order with blocking calls.
-            let w = comm.reduce_scatter_v_async(input(r), COUNTS.to_vec(), ReduceOp::Sum);
+            let w = comm.reduce_scatter_v_async(input(r), &COUNTS, ReduceOp::Sum);
             assert_eq!(w.wait().unwrap(), want, "{transport:?} rank {r} async");
         });
     }
@@ -145,7 +145,7 @@ fn bad_counts_are_refused_and_change_nothing_on_both_communicators() {
             "counts add up to 6 elements but buf has 5",
         );
         refused(
-            comm.reduce_scatter_v_async(send.to_vec(), vec![6], ReduceOp::Sum)
+            comm.reduce_scatter_v_async(send.to_vec(), &[6], ReduceOp::Sum)
                 .wait()
                 .unwrap_err(),
             "counts has 1 entries",

@@ -19,10 +19,11 @@ use crate::topology::Edge;
 use crate::wire::Fingerprint;
 use crate::work::{Work, Worker};
 
+mod nonblocking;
 mod pairs;
 mod pairwise;
-pub use pairs::P2p;
 use pairs::Pair;
+pub use pairs::{P2p, P2pOwned};
 
 /// A group of ranks that run collectives together.
 ///
@@ -500,17 +501,7 @@ impl Communicator {
     pub fn all_to_all<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
         let c = Collective::AllToAll;
         same_len(c, send.len(), recv.len(), "send", "recv")?;
-        if !send.len().is_multiple_of(self.inner.size) {
-            return Err(Error::InvalidArgument {
-                op: c.name().into(),
-                msg: format!(
-                    "send has {} elements, not a multiple of the world size {} (every rank sends \
-                     each rank one block of equal size)",
-                    send.len(),
-                    self.inner.size
-                ),
-            });
-        }
+        self.whole_blocks(send.len())?;
         self.wait_async_idle();
         self.inner.all_to_all(
             T::DTYPE,
@@ -540,122 +531,6 @@ impl Communicator {
         )
     }
 
-    /// Asynchronous in-place all-reduce of an owned buffer.
-    pub fn all_reduce_async<T: Element>(&self, mut buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
-        self.submit(move |inner| {
-            let n = buf.len();
-            inner.execute(
-                Collective::AllReduce,
-                Some(T::DTYPE),
-                op,
-                n.into(),
-                true,
-                Bufs::One(bytemuck::cast_slice_mut(&mut buf)),
-            )?;
-            Ok(buf)
-        })
-    }
-
-    /// Asynchronous reduce-scatter: returns this rank's reduced chunk of `send`.
-    pub fn reduce_scatter_async<T: Element>(&self, send: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
-        let own = self.chunk_range(send.len());
-        self.submit(move |inner| {
-            let mut out = vec![T::zeroed(); own.len()];
-            let n = send.len();
-            let bufs = Bufs::Split {
-                input: bytemuck::cast_slice(&send),
-                output: bytemuck::cast_slice_mut(&mut out),
-            };
-            inner.execute(
-                Collective::ReduceScatter,
-                Some(T::DTYPE),
-                op,
-                n.into(),
-                false,
-                bufs,
-            )?;
-            Ok(out)
-        })
-    }
-
-    /// Asynchronous [`Communicator::reduce_scatter_v`]: returns this rank's part
-    /// (`counts[rank]` elements) of the reduction of `send`. Bad counts fail the `Work` at once
-    /// and use no sequence number.
-    pub fn reduce_scatter_v_async<T: Element>(
-        &self,
-        send: Vec<T>,
-        counts: Vec<usize>,
-        op: ReduceOp,
-    ) -> Work<Vec<T>> {
-        let c = Collective::ReduceScatterV;
-        let total = match offsets(c, ("counts", &counts), self.size(), ("send", send.len())) {
-            Ok(at) => at[counts.len()],
-            Err(e) => return Work::failed(e),
-        };
-        let mine = counts[self.rank()];
-        self.submit(move |inner| {
-            let mut out = vec![T::zeroed(); mine];
-            let bufs = Bufs::Split {
-                input: bytemuck::cast_slice(&send),
-                output: bytemuck::cast_slice_mut(&mut out),
-            };
-            let count = Count::parts(total, &counts);
-            inner.execute(c, Some(T::DTYPE), op, count, false, bufs)?;
-            Ok(out)
-        })
-    }
-
-    /// Asynchronous all-gather of every rank's `send` into a new buffer of `count` elements
-    /// (`send` must hold this rank's chunk of `count`).
-    pub fn all_gather_async<T: Element>(&self, send: Vec<T>, count: usize) -> Work<Vec<T>> {
-        let want = self.chunk_range(count).len();
-        if let Err(e) = same_len(
-            Collective::AllGather,
-            send.len(),
-            want,
-            "send",
-            "this rank's chunk of count",
-        ) {
-            return Work::failed(e);
-        }
-        self.submit(move |inner| {
-            let mut out = vec![T::zeroed(); count];
-            let bufs = Bufs::Split {
-                input: bytemuck::cast_slice(&send),
-                output: bytemuck::cast_slice_mut(&mut out),
-            };
-            inner.execute(
-                Collective::AllGather,
-                Some(T::DTYPE),
-                ReduceOp::Sum,
-                count.into(),
-                false,
-                bufs,
-            )?;
-            Ok(out)
-        })
-    }
-
-    /// Asynchronous in-place broadcast of the root's buffer.
-    pub fn broadcast_async<T: Element>(&self, mut buf: Vec<T>, root: usize) -> Work<Vec<T>> {
-        let c = match self.rooted(Collective::Broadcast { root }, root) {
-            Ok(c) => c,
-            Err(e) => return Work::failed(e),
-        };
-        self.submit(move |inner| {
-            let n = buf.len();
-            inner.execute(
-                c,
-                Some(T::DTYPE),
-                ReduceOp::Sum,
-                n.into(),
-                true,
-                Bufs::One(bytemuck::cast_slice_mut(&mut buf)),
-            )?;
-            Ok(buf)
-        })
-    }
-
     /// Abort the communicator from any thread — a watchdog's, say, while a call is stuck: the call
     /// in progress on this rank fails within a few tens of milliseconds with an
     /// [`Error::Aborted`] naming `reason`, both neighbours are told (they and, in turn, every rank
@@ -674,6 +549,21 @@ impl Communicator {
                 i.abort(reason)
             }
         })
+    }
+
+    /// Refuse an all-to-all buffer of `len` elements that does not split into one block per rank.
+    fn whole_blocks(&self, len: usize) -> Result<()> {
+        if len.is_multiple_of(self.size()) {
+            return Ok(());
+        }
+        Err(refused(
+            Collective::AllToAll,
+            format!(
+                "send has {len} elements, not a multiple of the world size {} (every rank sends \
+                 each rank one block of equal size)",
+                self.size()
+            ),
+        ))
     }
 
     fn rooted(&self, c: Collective, root: usize) -> Result<Collective> {

@@ -51,7 +51,7 @@ pub mod transport;
 pub mod wire;
 mod work;
 
-pub use comm::{AbortHandle, Communicator, P2p};
+pub use comm::{AbortHandle, Communicator, P2p, P2pOwned};
 pub use config::{Config, StagingMode, TransportPref};
 pub use device::{DeviceComm, DeviceMemory, HostStream, Stream};
 pub use error::{Error, Result};

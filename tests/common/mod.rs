@@ -3,6 +3,9 @@
 
 #![allow(dead_code)]
 
+mod queued;
+pub use queued::Queued;
+
 use std::time::Duration;
 
 use ringzero::{
@@ -168,6 +171,26 @@ pub trait Colls {
             op: "pairwise collectives".into(),
             msg: "host communicators only".into(),
         })
+    }
+    /// The pairwise collectives: the host communicator's (through [`Colls::host`]) unless a
+    /// driver runs them another way.
+    fn all_to_all_v<T: Element>(
+        &mut self,
+        s: &[T],
+        sc: &[usize],
+        r: &mut [T],
+        rc: &[usize],
+    ) -> Result<()> {
+        self.host()?.all_to_all_v(s, sc, r, rc)
+    }
+    fn all_gather_v<T: Element>(&mut self, s: &[T], r: &mut [T], counts: &[usize]) -> Result<()> {
+        self.host()?.all_gather_v(s, r, counts)
+    }
+    fn gather<T: Element>(&mut self, s: &[T], r: &mut [T], root: usize) -> Result<()> {
+        self.host()?.gather(s, r, root)
+    }
+    fn scatter<T: Element>(&mut self, s: &[T], r: &mut [T], root: usize) -> Result<()> {
+        self.host()?.scatter(s, r, root)
     }
 }
 
@@ -437,19 +460,19 @@ fn run_typed<T: TestElem, C: Colls>(comm: &mut C, c: &Case) -> Result<Vec<f64>> 
             let recvs: Vec<usize> = (0..n).map(|q| pair_count(count, q, r)).collect();
             let send: Vec<T> = (0..sends.iter().sum()).map(mine).collect();
             let mut out = garbage(recvs.iter().sum());
-            comm.host()?.all_to_all_v(&send, &sends, &mut out, &recvs)?;
+            comm.all_to_all_v(&send, &sends, &mut out, &recvs)?;
             out
         }
         (Collective::AllGatherV, _) => {
             let counts: Vec<usize> = (0..n).map(|q| part_count(count, q)).collect();
             let send: Vec<T> = (0..counts[r]).map(mine).collect();
             let mut out = garbage(counts.iter().sum());
-            comm.host()?.all_gather_v(&send, &mut out, &counts)?;
+            comm.all_gather_v(&send, &mut out, &counts)?;
             out
         }
         (Collective::Gather { root }, _) => {
             let mut out = garbage(if r == root { n * count } else { 0 });
-            comm.host()?.gather(&input, &mut out, root)?;
+            comm.gather(&input, &mut out, root)?;
             out
         }
         (Collective::Scatter { root }, _) => {
@@ -459,7 +482,7 @@ fn run_typed<T: TestElem, C: Colls>(comm: &mut C, c: &Case) -> Result<Vec<f64>> 
                 Vec::new()
             };
             let mut out = garbage(count);
-            comm.host()?.scatter(&send, &mut out, root)?;
+            comm.scatter(&send, &mut out, root)?;
             out
         }
     };

@@ -31,6 +31,16 @@ pub enum P2p<'a, T> {
     Recv(&'a mut [T], usize),
 }
 
+/// One message of [`Communicator::send_recv_batch_async`], on a buffer it owns: a send's buffer
+/// comes back as it went, a receive's (its length the count expected) filled.
+#[derive(Debug)]
+pub enum P2pOwned<T> {
+    /// Send the buffer to the rank.
+    Send(Vec<T>, usize),
+    /// Receive into the buffer from the rank.
+    Recv(Vec<T>, usize),
+}
+
 /// The links of this rank with one peer, for point-to-point calls, and how many messages each
 /// direction has carried (each direction numbers its own: a message's sequence number).
 pub(super) struct Pair {
@@ -86,7 +96,74 @@ impl Communicator {
     /// alone. Pairs that have not met yet connect at once. Returns once every message has
     /// completed; any error fails the communicator.
     pub fn send_recv_batch<T: Element>(&self, msgs: &mut [P2p<'_, T>]) -> Result<()> {
+        check_peers(self.size(), self.rank(), msgs.iter().map(P2p::peer))?;
         self.wait_async_idle();
+        self.inner.send_recv_batch(msgs)
+    }
+}
+
+impl<T> P2p<'_, T> {
+    /// Whether the message is a send, and its peer.
+    fn peer(&self) -> (bool, usize) {
+        match self {
+            P2p::Send(_, p) => (true, *p),
+            P2p::Recv(_, p) => (false, *p),
+        }
+    }
+}
+
+impl<T> P2pOwned<T> {
+    /// Whether the message is a send, and its peer.
+    pub(super) fn peer(&self) -> (bool, usize) {
+        match self {
+            P2pOwned::Send(_, p) => (true, *p),
+            P2pOwned::Recv(_, p) => (false, *p),
+        }
+    }
+
+    /// The message on a borrowed buffer.
+    pub(super) fn as_p2p(&mut self) -> P2p<'_, T> {
+        match self {
+            P2pOwned::Send(b, p) => P2p::Send(b, *p),
+            P2pOwned::Recv(b, p) => P2p::Recv(b, *p),
+        }
+    }
+}
+
+/// Refuse a point-to-point call whose messages (send or not, peer) name a peer that is not
+/// another rank of an `n`-rank communicator, before anything moves.
+pub(super) fn check_peers(
+    n: usize,
+    rank: usize,
+    msgs: impl ExactSizeIterator<Item = (bool, usize)>,
+) -> Result<()> {
+    let batch = msgs.len() > 1;
+    for (i, (is_send, peer)) in msgs.enumerate() {
+        if peer < n && peer != rank {
+            continue;
+        }
+        let verb = if is_send { "send to" } else { "recv from" };
+        let why = if peer == rank {
+            "is this rank (copy the buffer instead)".to_string()
+        } else {
+            format!("is not a rank of this {n}-rank communicator")
+        };
+        let which = if batch {
+            format!(" (message {i} of the batch)")
+        } else {
+            String::new()
+        };
+        return Err(Error::InvalidArgument {
+            op: format!("{verb} rank {peer}{which}"),
+            msg: format!("peer {peer} {why}"),
+        });
+    }
+    Ok(())
+}
+
+impl Inner {
+    /// [`Communicator::send_recv_batch`] on messages whose peers [`check_peers`] accepted.
+    pub(super) fn send_recv_batch<T: Element>(&self, msgs: &mut [P2p<'_, T>]) -> Result<()> {
         let msgs = msgs
             .iter_mut()
             .map(|m| match m {
@@ -94,40 +171,17 @@ impl Communicator {
                 P2p::Recv(b, p) => Msg::Recv(bytemuck::cast_slice_mut(b), *p),
             })
             .collect();
-        self.inner.point_to_point(T::DTYPE, msgs)
+        self.point_to_point(T::DTYPE, msgs)
     }
-}
 
-impl Inner {
     /// Every point-to-point call ([`Communicator::send`], `recv`, `send_recv`,
-    /// `send_recv_batch`) on messages of `dtype`: connect the pairs not yet connected (all at
-    /// once), then run every peer's messages as one lane of [`engine::run_lanes`].
+    /// `send_recv_batch`, and their asynchronous forms) on messages of `dtype`: connect the
+    /// pairs not yet connected (all at once), then run every peer's messages as one lane of
+    /// [`engine::run_lanes`].
     fn point_to_point(&self, dtype: DType, mut msgs: Vec<Msg<'_>>) -> Result<()> {
         let es = dtype.size();
         let fp_of =
             |b: &[u8]| Fingerprint::new(Collective::SendRecv, Some(dtype), None, b.len() / es);
-        for (i, m) in msgs.iter().enumerate() {
-            let (verb, peer) = match m {
-                Msg::Send(_, p) => ("send to", *p),
-                Msg::Recv(_, p) => ("recv from", *p),
-            };
-            if peer >= self.size || peer == self.rank {
-                let why = if peer == self.rank {
-                    "is this rank (copy the buffer instead)".to_string()
-                } else {
-                    format!("is not a rank of this {}-rank communicator", self.size)
-                };
-                let which = if msgs.len() > 1 {
-                    format!(" (message {i} of the batch)")
-                } else {
-                    String::new()
-                };
-                return Err(Error::InvalidArgument {
-                    op: format!("{verb} rank {peer}{which}"),
-                    msg: format!("peer {peer} {why}"),
-                });
-            }
-        }
         let Some(first) = msgs.first() else {
             return Ok(());
         };

@@ -52,31 +52,11 @@ impl Communicator {
         recv: &mut [T],
         recv_counts: &[usize],
     ) -> Result<()> {
-        let c = Collective::AllToAllV;
-        let (n, r) = (self.size(), self.rank());
-        let sd = offsets(c, ("send_counts", send_counts), n, ("send", send.len()))?;
-        let rd = offsets(c, ("recv_counts", recv_counts), n, ("recv", recv.len()))?;
-        if send_counts[r] != recv_counts[r] {
-            return Err(refused(
-                c,
-                format!(
-                    "send_counts[{r}] is {} but recv_counts[{r}] is {}: this rank's own block is \
-                     copied locally, so they must be equal",
-                    send_counts[r], recv_counts[r]
-                ),
-            ));
-        }
+        let at = self.all_to_all_v_layout((send_counts, send.len()), (recv_counts, recv.len()))?;
         self.wait_async_idle();
-        let es = T::DTYPE.size();
-        let send: &[u8] = bytemuck::cast_slice(send);
-        let block = |p: usize| &send[sd[p] * es..sd[p + 1] * es];
-        let recvs = split_mut(bytemuck::cast_slice_mut(recv), &rd, es);
-        let (own, ex) = from_every_peer(recvs, r, |p| Some(block(p)));
-        // Counts differ by rank: the call as a whole has none (every rank records the same call).
-        let fp = Fingerprint::new(c, Some(T::DTYPE), None, usize::MAX);
-        let bytes = send.len() as u64;
+        let (send, recv) = (bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv));
         self.inner
-            .pairwise((fp, T::DTYPE), bytes, Some((block(r), own)), None, ex)
+            .all_to_all_v(T::DTYPE, (send, &at.0), (recv, &at.1))
     }
 
     /// All-gather of parts of different sizes (`MPI_Allgatherv`; gathering per-rank results of
@@ -93,19 +73,10 @@ impl Communicator {
         recv: &mut [T],
         counts: &[usize],
     ) -> Result<()> {
-        let c = Collective::AllGatherV;
-        let (n, r) = (self.size(), self.rank());
-        let d = offsets(c, ("counts", counts), n, ("recv", recv.len()))?;
-        own_part(c, ("send", send.len()), counts, r)?;
+        let at = self.all_gather_v_layout(send.len(), (counts, recv.len()))?;
         self.wait_async_idle();
-        let es = T::DTYPE.size();
-        let send: &[u8] = bytemuck::cast_slice(send);
-        let recvs = split_mut(bytemuck::cast_slice_mut(recv), &d, es);
-        let (own, ex) = from_every_peer(recvs, r, |_| Some(send));
-        let fp = Fingerprint::new(c, Some(T::DTYPE), None, d[n]);
-        let bytes = (d[n] * es) as u64;
-        self.inner
-            .pairwise((fp, T::DTYPE), bytes, Some((send, own)), None, ex)
+        let (send, recv) = (bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv));
+        self.inner.all_gather_v(T::DTYPE, send, recv, &at)
     }
 
     /// Gather (`MPI_Gather`): the root's `recv` (`size()` times `send.len()` elements) ends with
@@ -114,25 +85,157 @@ impl Communicator {
     /// empty slice elsewhere). The ranks send to the root at once, over their point-to-point
     /// links with it.
     pub fn gather<T: Element>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
-        let c = self.rooted(Collective::Gather { root }, root)?;
+        self.gather_check(send.len(), recv.len(), root)?;
+        self.wait_async_idle();
+        let (send, recv) = (bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv));
+        self.inner.gather(T::DTYPE, send, recv, root)
+    }
+
+    /// Scatter (`MPI_Scatter`): rank `i`'s `recv` ends with block `i` of the root's `send`
+    /// (`size()` blocks of `recv.len()` elements). Every rank's `recv` has the same length (a
+    /// rank that disagrees fails with an [`Error::Mismatch`](crate::Error::Mismatch)); `send` is read only on the root
+    /// (pass an empty slice elsewhere). The root sends to every rank at once.
+    pub fn scatter<T: Element>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
+        self.scatter_check(send.len(), recv.len(), root)?;
+        self.wait_async_idle();
+        let (send, recv) = (bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv));
+        self.inner.scatter(T::DTYPE, send, recv, root)
+    }
+
+    /// Where each rank's block starts in an all-to-all-v's `send` and `recv` (elements), or why
+    /// the counts do not fit the buffers (lengths in elements). Checked before the call takes a
+    /// sequence number, by its blocking and asynchronous forms alike.
+    pub(super) fn all_to_all_v_layout(
+        &self,
+        (send_counts, send_len): (&[usize], usize),
+        (recv_counts, recv_len): (&[usize], usize),
+    ) -> Result<(Vec<usize>, Vec<usize>)> {
+        let c = Collective::AllToAllV;
         let (n, r) = (self.size(), self.rank());
-        let es = T::DTYPE.size();
-        let send: &[u8] = bytemuck::cast_slice(send);
+        let sd = offsets(c, ("send_counts", send_counts), n, ("send", send_len))?;
+        let rd = offsets(c, ("recv_counts", recv_counts), n, ("recv", recv_len))?;
+        if send_counts[r] != recv_counts[r] {
+            return Err(refused(
+                c,
+                format!(
+                    "send_counts[{r}] is {} but recv_counts[{r}] is {}: this rank's own block is \
+                     copied locally, so they must be equal",
+                    send_counts[r], recv_counts[r]
+                ),
+            ));
+        }
+        Ok((sd, rd))
+    }
+
+    /// Where each rank's part starts in an all-gather-v's `recv`, or why `counts` do not fit
+    /// `send` (this rank's part) and `recv` (lengths in elements).
+    pub(super) fn all_gather_v_layout(
+        &self,
+        send_len: usize,
+        (counts, recv_len): (&[usize], usize),
+    ) -> Result<Vec<usize>> {
+        let c = Collective::AllGatherV;
+        let at = offsets(c, ("counts", counts), self.size(), ("recv", recv_len))?;
+        own_part(c, ("send", send_len), counts, self.rank())?;
+        Ok(at)
+    }
+
+    /// Refuse a gather whose root is no rank, or whose root's `recv` is not `size()` times
+    /// `send` (lengths in elements).
+    pub(super) fn gather_check(&self, send_len: usize, recv_len: usize, root: usize) -> Result<()> {
+        let c = self.rooted(Collective::Gather { root }, root)?;
+        let n = self.size();
+        if self.rank() == root && send_len.checked_mul(n) != Some(recv_len) {
+            return Err(refused(
+                c,
+                format!(
+                    "recv has {recv_len} elements but the root gathers {n} × {send_len} (the \
+                     world size times send's length)"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Refuse a scatter whose root is no rank, or whose root's `send` is not `size()` times
+    /// `recv` (lengths in elements).
+    pub(super) fn scatter_check(
+        &self,
+        send_len: usize,
+        recv_len: usize,
+        root: usize,
+    ) -> Result<()> {
+        let c = self.rooted(Collective::Scatter { root }, root)?;
+        let n = self.size();
+        if self.rank() == root && recv_len.checked_mul(n) != Some(send_len) {
+            return Err(refused(
+                c,
+                format!(
+                    "send has {send_len} elements but the root scatters {n} × {recv_len} (the \
+                     world size times recv's length)"
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Inner {
+    /// [`Communicator::all_to_all_v`] on bytes of `dtype`, its blocks at the offsets (in
+    /// elements) that [`Communicator::all_to_all_v_layout`] found.
+    pub(super) fn all_to_all_v(
+        &self,
+        dtype: DType,
+        (send, sd): (&[u8], &[usize]),
+        (recv, rd): (&mut [u8], &[usize]),
+    ) -> Result<()> {
+        let (c, r, es) = (Collective::AllToAllV, self.rank, dtype.size());
+        let block = |p: usize| &send[sd[p] * es..sd[p + 1] * es];
+        let recvs = split_mut(recv, rd, es);
+        let (own, ex) = from_every_peer(recvs, r, |p| Some(block(p)));
+        // Counts differ by rank: the call as a whole has none (every rank records the same call).
+        let fp = Fingerprint::new(c, Some(dtype), None, usize::MAX);
+        let bytes = send.len() as u64;
+        self.pairwise((fp, dtype), bytes, Some((block(r), own)), None, ex)
+    }
+
+    /// [`Communicator::all_gather_v`] on bytes of `dtype`, the parts at offsets `at` (in
+    /// elements) of `recv`.
+    pub(super) fn all_gather_v(
+        &self,
+        dtype: DType,
+        send: &[u8],
+        recv: &mut [u8],
+        at: &[usize],
+    ) -> Result<()> {
+        let es = dtype.size();
+        let recvs = split_mut(recv, at, es);
+        let (own, ex) = from_every_peer(recvs, self.rank, |_| Some(send));
+        let total = at[at.len() - 1];
+        let fp = Fingerprint::new(Collective::AllGatherV, Some(dtype), None, total);
+        let bytes = (total * es) as u64;
+        self.pairwise((fp, dtype), bytes, Some((send, own)), None, ex)
+    }
+
+    /// [`Communicator::gather`] on bytes of `dtype` (checked by
+    /// [`Communicator::gather_check`]).
+    pub(super) fn gather(
+        &self,
+        dtype: DType,
+        send: &[u8],
+        recv: &mut [u8],
+        root: usize,
+    ) -> Result<()> {
+        let (c, n, r, es) = (
+            Collective::Gather { root },
+            self.size,
+            self.rank,
+            dtype.size(),
+        );
         let count = send.len() / es;
         let (local, ex) = if r == root {
-            let want = count.checked_mul(n);
-            if want != Some(recv.len()) {
-                return Err(refused(
-                    c,
-                    format!(
-                        "recv has {} elements but the root gathers {n} × {count} (the world size \
-                         times send's length)",
-                        recv.len()
-                    ),
-                ));
-            }
             let d: Vec<usize> = (0..=n).map(|i| i * count).collect();
-            let recvs = split_mut(bytemuck::cast_slice_mut(recv), &d, es);
+            let recvs = split_mut(recv, &d, es);
             let (own, ex) = from_every_peer(recvs, r, |_| None);
             (Some((send, own)), ex)
         } else {
@@ -143,36 +246,30 @@ impl Communicator {
             };
             (None, vec![to_root])
         };
-        self.wait_async_idle();
-        let fp = Fingerprint::new(c, Some(T::DTYPE), None, count);
+        let fp = Fingerprint::new(c, Some(dtype), None, count);
         // The flight record's size is the root's whole buffer, as for the bench.
         let bytes = n.saturating_mul(send.len()) as u64;
-        self.inner.pairwise((fp, T::DTYPE), bytes, local, None, ex)
+        self.pairwise((fp, dtype), bytes, local, None, ex)
     }
 
-    /// Scatter (`MPI_Scatter`): rank `i`'s `recv` ends with block `i` of the root's `send`
-    /// (`size()` blocks of `recv.len()` elements). Every rank's `recv` has the same length (a
-    /// rank that disagrees fails with an [`Error::Mismatch`](crate::Error::Mismatch)); `send` is read only on the root
-    /// (pass an empty slice elsewhere). The root sends to every rank at once.
-    pub fn scatter<T: Element>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
-        let c = self.rooted(Collective::Scatter { root }, root)?;
-        let (n, r) = (self.size(), self.rank());
-        let es = T::DTYPE.size();
-        let recv: &mut [u8] = bytemuck::cast_slice_mut(recv);
+    /// [`Communicator::scatter`] on bytes of `dtype` (checked by
+    /// [`Communicator::scatter_check`]).
+    pub(super) fn scatter(
+        &self,
+        dtype: DType,
+        send: &[u8],
+        recv: &mut [u8],
+        root: usize,
+    ) -> Result<()> {
+        let (c, n, r, es) = (
+            Collective::Scatter { root },
+            self.size,
+            self.rank,
+            dtype.size(),
+        );
         let count = recv.len() / es;
-        let send: &[u8] = bytemuck::cast_slice(send);
         let bytes = n.saturating_mul(recv.len()) as u64;
         let (local, ex) = if r == root {
-            if count.checked_mul(n) != Some(send.len() / es) {
-                return Err(refused(
-                    c,
-                    format!(
-                        "send has {} elements but the root scatters {n} × {count} (the world size \
-                         times recv's length)",
-                        send.len() / es
-                    ),
-                ));
-            }
             let block = |p: usize| &send[p * recv.len()..(p + 1) * recv.len()];
             let ex: Vec<Exchange> = (0..n)
                 .filter(|&p| p != r)
@@ -191,13 +288,10 @@ impl Communicator {
             };
             (None, vec![from_root])
         };
-        self.wait_async_idle();
-        let fp = Fingerprint::new(c, Some(T::DTYPE), None, count);
-        self.inner.pairwise((fp, T::DTYPE), bytes, local, None, ex)
+        let fp = Fingerprint::new(c, Some(dtype), None, count);
+        self.pairwise((fp, dtype), bytes, local, None, ex)
     }
-}
 
-impl Inner {
     /// [`Communicator::all_to_all`] on bytes (`count` elements of `dtype`, a multiple of the
     /// world size, checked): one round of pairwise exchanges, the one with the next rank's block
     /// out and the previous rank's in over the ring's own links, every other over the pairs'.

@@ -442,6 +442,80 @@ impl<S: Stream + 'static> DeviceComm<S> {
         }
     }
 
+    /// In-place reduce: `root`'s buffer comes back holding the result; other ranks' come back
+    /// unchanged.
+    pub fn reduce_async<B>(&self, buf: B, op: ReduceOp, root: usize) -> Work<B>
+    where
+        B: DeviceMemory<S> + Send + 'static,
+    {
+        let c = Collective::Reduce { root };
+        match self.check_root(c) {
+            Ok(()) => self.submit_one(c, op, buf),
+            Err(e) => Work::failed(e),
+        }
+    }
+
+    /// Reduce-scatter of `send` into `recv` (this rank's part, `counts[rank]` elements) with a
+    /// part per rank, as [`DeviceComm::reduce_scatter_v`]; returns both.
+    pub fn reduce_scatter_v_async<B>(
+        &self,
+        send: B,
+        mut recv: B,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Work<(B, B)>
+    where
+        B: DeviceMemory<S> + Send + 'static,
+    {
+        let c = Collective::ReduceScatterV;
+        let checked = same_dtype(c, send.dtype(), recv.dtype())
+            .and_then(|()| offsets(c, ("counts", counts), self.size(), ("send", send.elems())))
+            .and_then(|at| {
+                own_part(c, ("recv", recv.elems()), counts, self.rank())?;
+                Ok(at[counts.len()])
+            });
+        let total = match checked {
+            Ok(total) => total,
+            Err(e) => return Work::failed(e),
+        };
+        let counts = counts.to_vec();
+        self.submit(move |core| {
+            let bufs = split(&core.stream, &send, &mut recv);
+            let count = Count::parts(total, &counts);
+            // SAFETY: the job owns both buffers (distinct values, so distinct memory) until the
+            // call returns, and the engine returns only once the device work touching them has
+            // completed.
+            unsafe { core.execute(c, send.dtype(), op, count, bufs) }?;
+            Ok((send, recv))
+        })
+    }
+
+    /// Send `send` to the next rank and receive the previous rank's into `recv`; returns both.
+    pub fn ring_shift_async<B>(&self, send: B, recv: B) -> Work<(B, B)>
+    where
+        B: DeviceMemory<S> + Send + 'static,
+    {
+        self.submit_split(Collective::RingShift, ReduceOp::Sum, send, recv)
+    }
+
+    /// Completes once every rank has entered the barrier (and the device work queued before it
+    /// has completed).
+    pub fn barrier_async(&self) -> Work<()> {
+        self.submit(|core| {
+            let none = DevBufs::One { buf: 0, bytes: 0 };
+            // SAFETY: no buffer: the barrier moves empty frames only.
+            unsafe {
+                core.execute(
+                    Collective::Barrier,
+                    DType::U8,
+                    ReduceOp::Sum,
+                    0.into(),
+                    none,
+                )
+            }
+        })
+    }
+
     fn submit_one<B>(&self, c: Collective, op: ReduceOp, mut buf: B) -> Work<B>
     where
         B: DeviceMemory<S> + Send + 'static,

@@ -1,0 +1,189 @@
+//! The asynchronous forms of every host call: against the serial reference through the
+//! [`Queued`] driver, many queued at once before any is waited on, and bad arguments refused at
+//! once without taking a sequence number.
+
+use proptest::prelude::*;
+use ringzero::{DType, P2pOwned, ReduceOp};
+
+use crate::common::{check_with, host_collectives, threads, Case, Opts, Queued};
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, max_shrink_iters: 8, ..ProptestConfig::default() })]
+    #[test]
+    fn every_async_form_matches_the_serial_reference(
+        n in 1usize..=5,
+        count in prop_oneof![Just(0usize), Just(1), Just(7), Just(1009), 0usize..300],
+        dtype in proptest::sample::select(DType::ALL.to_vec()),
+        op in proptest::sample::select(ReduceOp::ALL.to_vec()),
+        in_place: bool,
+        root in 0usize..5,
+        seed in 0usize..1000,
+    ) {
+        let o = Opts { slice_bytes: 256, ..Opts::default() };
+        threads(n, &o, |_, comm| {
+            let comm = comm.expect("init");
+            // Every host collective in turn, each on the same communicator.
+            for (k, coll) in host_collectives(root % n).into_iter().enumerate() {
+                let count = if coll == ringzero::Collective::Barrier { 0 } else { count };
+                let case = Case { coll, count, dtype, op, in_place, seed: seed + k };
+                check_with(&mut Queued(&comm), &case);
+            }
+        });
+    }
+}
+
+#[test]
+fn many_calls_queued_at_once_complete_in_program_order() {
+    let o = Opts {
+        slice_bytes: 64,
+        ..Opts::default()
+    };
+    threads(4, &o, |r, comm| {
+        let comm = comm.unwrap();
+        let (n, ri) = (4usize, r as i64);
+        let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+        // Nothing is waited on until every call is queued.
+        let reduce = comm.reduce_async(vec![ri + 1; 5], ReduceOp::Sum, 1);
+        let shift = comm.ring_shift_async(vec![ri; 3]);
+        let barrier = comm.barrier_async();
+        let a2a = comm.all_to_all_async((0..8).map(|i| ri * 100 + i).collect::<Vec<i64>>());
+        // Rank r sends rank j (r + j) % 3 elements, each r·10 + j.
+        let sc: Vec<usize> = (0..n).map(|j| (r + j) % 3).collect();
+        let rc: Vec<usize> = (0..n).map(|q| (q + r) % 3).collect();
+        let send: Vec<i64> = (0..n)
+            .flat_map(|j| std::iter::repeat_n(ri * 10 + j as i64, sc[j]))
+            .collect();
+        let a2av = comm.all_to_all_v_async(send, &sc, &rc);
+        let agv = comm.all_gather_v_async(vec![ri; r], &[0, 1, 2, 3]);
+        let gather = comm.gather_async(vec![ri; 2], 2);
+        let scattered: Vec<i64> = if r == 3 { (0..8).collect() } else { Vec::new() };
+        let scatter = comm.scatter_async(scattered, 2, 3);
+        // Point-to-point between 0↔1 and 2↔3, then once around the ring in one batch.
+        let pair = comm.send_recv_async(vec![ri; 4], vec![-1; 4], r ^ 1);
+        let round = comm.send_recv_batch_async(vec![
+            P2pOwned::Send(vec![ri; 2], next),
+            P2pOwned::Recv(vec![-1i64; 2], prev),
+        ]);
+        // A blocking call waits for every queued one first.
+        let mut x = vec![1u8; 3];
+        comm.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
+        assert_eq!(x, [4; 3]);
+        assert!(reduce.is_done() && round.is_done(), "rank {r}");
+
+        let want = if r == 1 { 10 } else { ri + 1 };
+        assert_eq!(reduce.wait().unwrap(), vec![want; 5], "rank {r}");
+        assert_eq!(shift.wait().unwrap(), vec![prev as i64; 3], "rank {r}");
+        barrier.wait().unwrap();
+        let want: Vec<i64> = (0..n as i64)
+            .flat_map(|q| [q * 100 + 2 * ri, q * 100 + 2 * ri + 1])
+            .collect();
+        assert_eq!(a2a.wait().unwrap(), want, "rank {r}");
+        let want: Vec<i64> = (0..n)
+            .flat_map(|q| std::iter::repeat_n(q as i64 * 10 + ri, rc[q]))
+            .collect();
+        assert_eq!(a2av.wait().unwrap(), want, "rank {r}");
+        assert_eq!(agv.wait().unwrap(), [1, 2, 2, 3, 3, 3], "rank {r}");
+        let want: Vec<i64> = if r == 2 {
+            vec![0, 0, 1, 1, 2, 2, 3, 3]
+        } else {
+            Vec::new()
+        };
+        assert_eq!(gather.wait().unwrap(), want, "rank {r}");
+        assert_eq!(scatter.wait().unwrap(), [2 * ri, 2 * ri + 1], "rank {r}");
+        let (sent, got) = pair.wait().unwrap();
+        assert_eq!((sent, got), (vec![ri; 4], vec![(r ^ 1) as i64; 4]));
+        let round = round.wait().unwrap();
+        assert!(
+            matches!(&round[..], [P2pOwned::Send(s, p), P2pOwned::Recv(g, q)]
+                if s == &[ri; 2] && *p == next && g == &[prev as i64; 2] && *q == prev),
+            "rank {r}: {round:?}"
+        );
+        // Recorded in program order after the start-up all-gather (point-to-point calls are
+        // not collectives, so not entries).
+        let calls: Vec<String> = comm.flight_record().entries[1..]
+            .iter()
+            .map(|e| format!("{} {}", e.seq, e.call.split('(').next().unwrap()))
+            .collect();
+        let want = [
+            "1 reduce",
+            "2 ring_shift",
+            "3 barrier",
+            "4 all_to_all",
+            "5 all_to_all_v",
+            "6 all_gather_v",
+            "7 gather",
+            "8 scatter",
+            "9 all_reduce",
+        ];
+        assert_eq!(calls, want, "rank {r}");
+    });
+}
+
+#[test]
+fn bad_async_arguments_fail_at_once_and_take_no_sequence_number() {
+    let o = Opts::default();
+    threads(3, &o, |r, comm| {
+        let comm = comm.unwrap();
+        let refused = |w: ringzero::Work<Vec<i32>>, what: &str| {
+            assert!(w.is_done(), "rank {r}: {what}: not refused at once");
+            let e = w.wait().unwrap_err().to_string();
+            assert!(e.contains(what), "rank {r}: {e}");
+        };
+        refused(
+            comm.reduce_async(vec![1], ReduceOp::Sum, 3),
+            "root 3 is not a rank",
+        );
+        refused(
+            comm.all_to_all_async(vec![1; 4]),
+            "not a multiple of the world size 3",
+        );
+        refused(
+            comm.all_to_all_v_async(vec![1; 3], &[1, 1, 1], &[1, 1]),
+            "recv_counts has 2 entries",
+        );
+        refused(
+            comm.all_to_all_v_async(vec![1; 3], &[1, 1, 1], &[usize::MAX, 1, 1]),
+            "add up to more than usize::MAX",
+        );
+        let mut own = [0usize; 3];
+        own[r] = 2;
+        let mut other = [0usize; 3];
+        other[r] = 1;
+        refused(
+            comm.all_to_all_v_async(vec![1; 2], &own, &other),
+            "this rank's own block is copied locally",
+        );
+        refused(
+            comm.all_gather_v_async(vec![1; 2], &[1, 1, 1]),
+            &format!("send has 2 elements but counts[{r}]"),
+        );
+        let mut huge = [usize::MAX / 8; 3];
+        huge[r] = 1;
+        refused(
+            comm.all_gather_v_async(vec![1], &huge),
+            "more than can be allocated",
+        );
+        refused(comm.gather_async(vec![1], 5), "root 5 is not a rank");
+        if r == 0 {
+            refused(comm.scatter_async(vec![1; 5], 2, 0), "send has 5 elements");
+        }
+        refused(comm.send_async(vec![1], r), "is this rank");
+        refused(
+            comm.recv_async(vec![1], 7),
+            "peer 7 is not a rank of this 3-rank",
+        );
+        let batch = comm.send_recv_batch_async(vec![
+            P2pOwned::Send(vec![1i32], (r + 1) % 3),
+            P2pOwned::Recv(vec![1i32], 3),
+        ]);
+        assert!(batch.is_done());
+        let e = batch.wait().unwrap_err().to_string();
+        assert!(e.contains("message 1 of the batch"), "{e}");
+        // Nothing was numbered or broken: the next collective follows the start-up all-gather.
+        let mut x = [r as i32];
+        comm.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
+        assert_eq!(x, [3]);
+        let seqs: Vec<u64> = comm.flight_record().entries.iter().map(|e| e.seq).collect();
+        assert_eq!(seqs, [0, 1], "rank {r}");
+    });
+}
