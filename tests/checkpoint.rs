@@ -46,7 +46,7 @@ fn cfg(p: Precision, stage: u8, bucket: usize) -> ZeroConfig {
 }
 
 /// Optimizer steps `from..to` (the step index picks the data, as a data loader's position would).
-fn run<T: Float>(e: &mut Engine<'_, T>, rank: usize, from: usize, to: usize) {
+pub(crate) fn run<T: Float>(e: &mut Engine<'_, T>, rank: usize, from: usize, to: usize) {
     let sp = specs();
     for t in from..to {
         for (i, s) in sp.iter().enumerate() {

@@ -8,6 +8,7 @@ mod common;
 mod device;
 mod failures;
 mod flight;
+mod hybrid;
 mod nonblocking;
 mod p2p;
 mod pairwise;

@@ -57,7 +57,7 @@ fn cfg(stage: u8, clip: Option<f32>) -> ZeroConfig {
 
 /// `cfg` in a precision; fp16 with a static scale of 1024 (so unscaling is exercised and the
 /// baseline knows the scale).
-fn cfg_in(p: Precision, stage: u8, clip: Option<f32>) -> ZeroConfig {
+pub(crate) fn cfg_in(p: Precision, stage: u8, clip: Option<f32>) -> ZeroConfig {
     ZeroConfig {
         precision: p,
         loss_scaling: LossScaling {
@@ -77,6 +77,18 @@ fn widen<T: Float>(x: &[T]) -> Vec<f32> {
 /// Plain data parallel in `T` with the same buckets (all-reduce of 16-bit gradients, full
 /// mixed-precision AdamW on every rank): every parameter after `steps` steps.
 fn baseline<T: Float>(comm: &Communicator, steps: usize, c: &ZeroConfig) -> Vec<Vec<T>> {
+    baseline_on(comm, None, comm.rank(), steps, c)
+}
+
+/// [`baseline`] with gradients averaged over `comm` and then over `replicas` (hybrid sharding's
+/// order), the data of `data_rank`, and the norm over `comm`'s owned ranges.
+pub(crate) fn baseline_on<T: Float>(
+    comm: &Communicator,
+    replicas: Option<&Communicator>,
+    data_rank: usize,
+    steps: usize,
+    c: &ZeroConfig,
+) -> Vec<Vec<T>> {
     let sp = specs();
     let part = Partition::new(&sp, comm.size(), BUCKET).unwrap();
     let mut master: Vec<Vec<f32>> = part.buckets.iter().map(|b| vec![0f32; b.len]).collect();
@@ -105,7 +117,7 @@ fn baseline<T: Float>(comm: &Communicator, steps: usize, c: &ZeroConfig) -> Vec<
         let mut g: Vec<Vec<T>> = params.iter().map(|b| vec![T::default(); b.len()]).collect();
         for (i, s) in part.slots.iter().enumerate() {
             let p32 = widen(&params[s.bucket][s.offset..s.offset + s.len]);
-            let gi: Vec<f32> = grad(&p32, comm.rank(), t, i)
+            let gi: Vec<f32> = grad(&p32, data_rank, t, i)
                 .into_iter()
                 .map(|x| x * scale)
                 .collect();
@@ -113,6 +125,9 @@ fn baseline<T: Float>(comm: &Communicator, steps: usize, c: &ZeroConfig) -> Vec<
         }
         for b in &mut g {
             comm.all_reduce_in_place(b, ReduceOp::Avg).unwrap();
+            if let Some(rep) = replicas {
+                rep.all_reduce_in_place(b, ReduceOp::Avg).unwrap();
+            }
         }
         // Global norm as the engine defines it: squared sums of each rank's owned ranges, summed.
         let mut sq = vec![0f64];
@@ -144,9 +159,18 @@ fn baseline<T: Float>(comm: &Communicator, steps: usize, c: &ZeroConfig) -> Vec<
 
 /// Train with the engine; stage 3 gathers and releases around "forward" and prefetches.
 fn train<T: Float>(comm: &Communicator, c: ZeroConfig, steps: usize) -> Vec<Vec<T>> {
+    let e = Engine::<T>::new(comm, &specs(), &init, c).unwrap();
+    train_engine(e, comm.rank(), steps)
+}
+
+/// [`train`] on an engine already made, with the data of `data_rank`.
+pub(crate) fn train_engine<T: Float>(
+    mut e: Engine<'_, T>,
+    data_rank: usize,
+    steps: usize,
+) -> Vec<Vec<T>> {
     let sp = specs();
     let names: Vec<&str> = sp.iter().map(|s| s.name.as_str()).collect();
-    let mut e = Engine::<T>::new(comm, &sp, &init, c).unwrap();
     for t in 0..steps {
         let mut grads = Vec::new();
         for (i, n) in names.iter().enumerate() {
@@ -155,7 +179,7 @@ fn train<T: Float>(comm: &Communicator, c: ZeroConfig, steps: usize) -> Vec<Vec<
                 e.prefetch(&[next]).unwrap();
             }
             let scale = e.loss_scale();
-            let g: Vec<f32> = grad(&e.param_f32(n).unwrap(), comm.rank(), t, i)
+            let g: Vec<f32> = grad(&e.param_f32(n).unwrap(), data_rank, t, i)
                 .into_iter()
                 .map(|x| x * scale)
                 .collect();
@@ -171,7 +195,7 @@ fn train<T: Float>(comm: &Communicator, c: ZeroConfig, steps: usize) -> Vec<Vec<
     names.iter().map(|n| e.param(n).unwrap().to_vec()).collect()
 }
 
-fn bits<T: Float>(x: &[T]) -> Vec<u8> {
+pub(crate) fn bits<T: Float>(x: &[T]) -> Vec<u8> {
     bytemuck::cast_slice(x).to_vec()
 }
 

@@ -26,6 +26,9 @@
 //! a data-parallel baseline (tested). With several accumulation steps stages 2–3 sum reduced
 //! micro-gradients rather than reducing the summed gradient, which rounds differently.
 //!
+//! Hybrid sharding ([`Engine::new_hybrid`]): the same engine on a shard group, with each reduced
+//! gradient range averaged over the group's replicas at the accumulation boundary.
+//!
 //! Overflow (fp16): the owned gradient shard is checked for inf/NaN, the verdict agreed with a max
 //! all-reduce of one byte, and on overflow every rank skips the step and the loss scale drops (see
 //! [`crate::scaler`]). In every precision a non-finite global norm also skips the step, so inf/NaN
@@ -100,6 +103,15 @@ pub enum ZeroError {
         /// The ranks that failed.
         ranks: Vec<usize>,
     },
+    /// Hybrid sharding: other shard groups failed a step that every rank must pass (their
+    /// ranks' errors say why).
+    #[error("{what}: the shard group(s) of replica(s) {replicas:?} failed (see their errors)")]
+    ReplicaFailed {
+        /// What failed, and what that means for this rank.
+        what: String,
+        /// The failed groups, by their index in this rank's replica communicator.
+        replicas: Vec<usize>,
+    },
     /// A collective failed.
     #[error(transparent)]
     Comm(#[from] ringzero_collectives::Error),
@@ -164,6 +176,9 @@ type InFlight<T> = Vec<Option<(Work<Vec<T>>, usize)>>;
 /// The ZeRO engine on one rank, parameters and gradients in `T`.
 pub struct Engine<'c, T: Float = f32> {
     comm: &'c Communicator,
+    /// Hybrid sharding: the ranks that hold the same shard in the other shard groups (see
+    /// [`Engine::new_hybrid`]).
+    replicas: Option<&'c Communicator>,
     cfg: ZeroConfig,
     part: Partition,
     rank: usize,
@@ -202,6 +217,73 @@ impl<'c, T: Float> Engine<'c, T> {
         init: &dyn Fn(usize, usize) -> f32,
         cfg: ZeroConfig,
     ) -> Result<Engine<'c, T>, ZeroError> {
+        Self::build(comm, None, specs, init, cfg)
+    }
+
+    /// Hybrid sharding (FSDP's `HYBRID_SHARD`, DeepSpeed's MiCS): the model states are sharded
+    /// over `shard` (typically the ranks of one node, whose links are fast) and replicated over
+    /// `replicas` (the ranks that hold the same shard in the other shard groups, one per node).
+    /// Parameters are gathered inside the shard group only; gradients are reduce-scattered in it
+    /// and then averaged over `replicas` once per optimizer step, so the slow links carry
+    /// 2(R−1)/R of a shard per step rather than a share of every all-gather. With a world of
+    /// `S × R` ranks, a node-major layout is built with
+    /// `world.split(Some(node), local_rank)` and `world.split(Some(local_rank), node)`.
+    ///
+    /// Every rank of `replicas` must hold the same shard: the same rank in shard groups of the
+    /// same size (checked here, with one all-gather over `replicas` and one agreement over
+    /// `shard`; every rank fails alike if any does). Checkpoints are written by the first
+    /// replica's shard group (an ordinary checkpoint of `S` ranks, loadable at any size) and
+    /// read by every group; both stay all-or-nothing across the whole world.
+    pub fn new_hybrid(
+        shard: &'c Communicator,
+        replicas: &'c Communicator,
+        specs: &[ParamSpec],
+        init: &dyn Fn(usize, usize) -> f32,
+        cfg: ZeroConfig,
+    ) -> Result<Engine<'c, T>, ZeroError> {
+        let mine = [shard.rank() as i64, shard.size() as i64];
+        let mut all = vec![0i64; 2 * replicas.size()];
+        replicas.all_gather(&mine, &mut all)?;
+        let odd = all
+            .chunks_exact(2)
+            .enumerate()
+            .find(|(_, c)| c[..] != mine[..])
+            .map(|(k, c)| {
+                format!(
+                    "hybrid sharding: replica {k} holds shard rank {} of {} but this rank (replica \
+                     {}) holds shard rank {} of {}; every rank of `replicas` must hold the same \
+                     shard",
+                    c[0],
+                    c[1],
+                    replicas.rank(),
+                    mine[0],
+                    mine[1]
+                )
+            });
+        // Every shard group learns whether any of its ranks' replica groups disagreed.
+        let mut bad = [u8::from(odd.is_some())];
+        shard.all_reduce_in_place(&mut bad, ReduceOp::Max)?;
+        match (odd, bad[0]) {
+            (Some(why), _) => return Err(ZeroError::Config(why)),
+            (None, 0) => {}
+            (None, _) => {
+                return Err(ZeroError::Config(
+                    "hybrid sharding: another rank of this shard group found its replicas \
+                     holding different shards (its error says which)"
+                        .into(),
+                ))
+            }
+        }
+        Self::build(shard, Some(replicas), specs, init, cfg)
+    }
+
+    fn build(
+        comm: &'c Communicator,
+        replicas: Option<&'c Communicator>,
+        specs: &[ParamSpec],
+        init: &dyn Fn(usize, usize) -> f32,
+        cfg: ZeroConfig,
+    ) -> Result<Engine<'c, T>, ZeroError> {
         cfg.validate()?;
         if cfg.precision.dtype() != T::DTYPE {
             return Err(ZeroError::Config(format!(
@@ -211,11 +293,12 @@ impl<'c, T: Float> Engine<'c, T> {
             )));
         }
         let (n, rank) = (comm.size(), comm.rank());
+        let world = n * replicas.map_or(1, |r| r.size());
         if let (Some(mb), Some(tb)) = (cfg.micro_batch, cfg.train_batch) {
-            if mb * cfg.accumulation_steps * n != tb {
+            if mb * cfg.accumulation_steps * world != tb {
                 return Err(ZeroError::Config(format!(
                     "train_batch_size {tb} != train_micro_batch_size_per_gpu {mb} × \
-                     gradient_accumulation_steps {} × world size {n}",
+                     gradient_accumulation_steps {} × world size {world}",
                     cfg.accumulation_steps
                 )));
             }
@@ -273,6 +356,7 @@ impl<'c, T: Float> Engine<'c, T> {
         let moments: Vec<Vec<f32>> = (0..nb).map(|b| vec![0f32; upd(b).len()]).collect();
         Ok(Engine {
             comm,
+            replicas,
             rank,
             params,
             master,
@@ -581,6 +665,18 @@ impl<'c, T: Float> Engine<'c, T> {
                     self.comm.reduce_scatter(&self.grads[b], r, ReduceOp::Avg)?;
                 }
                 _ => {}
+            }
+        }
+        if let Some(rep) = self.replicas {
+            // Hybrid sharding: the shard group's average, averaged over the replicas (every
+            // replica ends bit-identical, so each computes the same norm and update below).
+            let reduced = if stage == 1 {
+                &mut red
+            } else {
+                &mut self.grads
+            };
+            for g in reduced.iter_mut() {
+                rep.all_reduce_in_place(g, ReduceOp::Avg)?;
             }
         }
         self.wait.reduce += t0.elapsed();

@@ -4,7 +4,9 @@
 //! (preparing the directory, writing a shard, committing `meta.json`; reading and checking the
 //! shards) ends in an agreement round (an all-gather of one small record per rank), and no rank
 //! goes on, or changes anything, unless every rank succeeded. A failing rank returns its own
-//! error; the others return [`ZeroError::PeerFailed`] naming it.
+//! error; the others return [`ZeroError::PeerFailed`] naming it. With hybrid sharding each round
+//! is also agreed over the replicas (one byte per shard group), and ranks of a group that
+//! succeeded while another failed return [`ZeroError::ReplicaFailed`] naming that group.
 
 use std::path::Path;
 
@@ -37,7 +39,15 @@ impl<T: Float> Engine<'_, T> {
     ) -> Result<(), ZeroError> {
         let dir = dir.as_ref();
         self.between_steps("save_checkpoint", false)?;
-        let prepared = checkpoint::prepare_dir(dir).map(|()| [0u8; 40]);
+        // Hybrid sharding: the first replica's shard group writes; the others take part in
+        // every agreement, so all learn the outcome.
+        let writes = self.replicas.is_none_or(|r| r.rank() == 0);
+        let skip = || Ok([0u8; 40]);
+        let prepared = if writes {
+            checkpoint::prepare_dir(dir).map(|()| [0u8; 40])
+        } else {
+            skip()
+        };
         self.agree(
             prepared,
             "save_checkpoint: preparing the directory; nothing was written",
@@ -46,17 +56,21 @@ impl<T: Float> Engine<'_, T> {
         let states: Vec<[&[f32]; 3]> = (0..self.part.buckets.len())
             .map(|b| self.own_states(b))
             .collect();
-        let written = checkpoint::write_shard(dir, self.rank, n, &states).map(|(bytes, sum)| {
-            let mut p = [0u8; 40];
-            p[..8].copy_from_slice(&bytes.to_le_bytes());
-            p[8..].copy_from_slice(&sum);
-            p
-        });
+        let written = if writes {
+            checkpoint::write_shard(dir, self.rank, n, &states).map(|(bytes, sum)| {
+                let mut p = [0u8; 40];
+                p[..8].copy_from_slice(&bytes.to_le_bytes());
+                p[8..].copy_from_slice(&sum);
+                p
+            })
+        } else {
+            skip()
+        };
         let shards = self.agree(
             written,
             "save_checkpoint: writing the shards; the checkpoint was not committed",
         )?;
-        let committed = if self.rank == 0 {
+        let committed = if self.rank == 0 && writes {
             let meta = Meta {
                 format: FORMAT,
                 world: n,
@@ -235,12 +249,29 @@ impl<T: Float> Engine<'_, T> {
         }
         let mut all = vec![0u8; REC * n];
         self.comm.all_gather(&mine, &mut all)?;
-        local?;
         let failed: Vec<usize> = (0..n).filter(|&r| all[r * REC] == 0).collect();
+        // Hybrid sharding: then every shard group's verdict, before any rank returns (a rank
+        // that left early would leave its replicas waiting in this round).
+        let groups = match self.replicas {
+            Some(rep) => {
+                let mut v = vec![0u8; rep.size()];
+                rep.all_gather(&[u8::from(failed.is_empty())], &mut v)?;
+                v
+            }
+            None => Vec::new(),
+        };
+        local?;
         if !failed.is_empty() {
             return Err(ZeroError::PeerFailed {
                 what: what.to_string(),
                 ranks: failed,
+            });
+        }
+        let groups: Vec<usize> = (0..groups.len()).filter(|&k| groups[k] == 0).collect();
+        if !groups.is_empty() {
+            return Err(ZeroError::ReplicaFailed {
+                what: what.to_string(),
+                replicas: groups,
             });
         }
         Ok(all
