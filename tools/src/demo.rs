@@ -160,6 +160,9 @@ pub struct DemoArgs {
     pub resume: Option<std::path::PathBuf>,
     /// Save a checkpoint here after the last step.
     pub save: Option<std::path::PathBuf>,
+    /// Hybrid sharding: shard over groups of this many consecutive ranks, replicate across the
+    /// groups (`None`: shard over every rank).
+    pub shard_size: Option<usize>,
 }
 
 /// One step as seen by every rank.
@@ -229,7 +232,16 @@ pub fn train<T: Float>(
     }
     let specs = mlp.specs();
     let init = |p: usize, i: usize| mlp.init(p, i);
-    let mut e = Engine::<T>::new(comm, &specs, &init, args.zero.clone())?;
+    let groups = match args.shard_size {
+        Some(s) => Some(hybrid_groups(comm, s)?),
+        None => None,
+    };
+    let mut e = match &groups {
+        Some((shard, replicas)) => {
+            Engine::<T>::new_hybrid(shard, replicas, &specs, &init, args.zero.clone())?
+        }
+        None => Engine::<T>::new(comm, &specs, &init, args.zero.clone())?,
+    };
     // The data position: the step index numbers the logs, `micro` picks each micro-batch.
     let (mut start, mut micro) = (0usize, 0usize);
     let mut load_time = None;
@@ -379,7 +391,7 @@ pub fn train<T: Float>(
     let sixteen = std::mem::size_of::<T>() == 2;
     let f = model_states_with(
         padded as f64,
-        comm.size(),
+        e.partition().world,
         args.zero.stage,
         std::mem::size_of::<T>() as f64,
         if sixteen { K_ADAM } else { 8.0 },
@@ -397,6 +409,28 @@ pub fn train<T: Float>(
         load_time,
         save_time,
     })
+}
+
+/// Hybrid sharding's communicators on `comm`: shard groups of `size` consecutive ranks, and the
+/// replica groups of the ranks at the same place in each (a collective: two splits).
+fn hybrid_groups(
+    comm: &Communicator,
+    size: usize,
+) -> Result<(Communicator, Communicator), ZeroError> {
+    let n = comm.size();
+    if size == 0 || !n.is_multiple_of(size) {
+        return Err(ZeroError::Config(format!(
+            "shard size {size} does not divide the {n} ranks into whole groups"
+        )));
+    }
+    let r = comm.rank();
+    let key = |k: usize| u32::try_from(k).expect("a rank fits u32");
+    let shard = comm.split(Some(key(r / size)), key(r % size))?;
+    let replicas = comm.split(Some(key(r % size)), key(r / size))?;
+    match (shard, replicas) {
+        (Some(s), Some(rep)) => Ok((s, rep)),
+        _ => unreachable!("every rank passed a color"),
+    }
 }
 
 /// Rank 0's closing text: memory per rank by category against the formula.

@@ -210,6 +210,10 @@ struct DemoCli {
     /// Save a checkpoint into DIR after the last step (DIR must not hold one).
     #[arg(long, value_name = "DIR", conflicts_with = "bench")]
     save: Option<std::path::PathBuf>,
+    /// Hybrid sharding: shard over groups of S consecutive ranks (a node's), replicate across
+    /// the groups; S must divide the world size.
+    #[arg(long, value_name = "S")]
+    shard_size: Option<usize>,
 }
 
 #[derive(Subcommand)]
@@ -935,6 +939,7 @@ fn demo(d: DemoCli) -> anyhow::Result<ExitCode> {
                 zero: z,
                 resume: None,
                 save: None,
+                shard_size: d.shard_size,
             };
             let r = demo::run(&comm, &args, &mut |_| {})?;
             rows.push((stage, prefetch, r));
@@ -990,8 +995,13 @@ fn demo(d: DemoCli) -> anyhow::Result<ExitCode> {
     }
     if root {
         println!(
-            "ringzero demo: {} ranks, ZeRO stage {}, {}, MLP {}→{}×{}→{} ({} layers), batch {} per rank, {} steps; teacher y = A·x (best loss 0)",
-            comm.size(), zero.stage, zero.precision, d.input, d.hidden, d.layers - 1, d.output, d.layers,
+            "ringzero demo: {} ranks, ZeRO stage {}{}, {}, MLP {}→{}×{}→{} ({} layers), batch {} per rank, {} steps; teacher y = A·x (best loss 0)",
+            comm.size(), zero.stage,
+            d.shard_size.map_or(String::new(), |s| format!(
+                " hybrid (sharded over groups of {s}, {} replicas)",
+                comm.size() / s.max(1)
+            )),
+            zero.precision, d.input, d.hidden, d.layers - 1, d.output, d.layers,
             d.batch, d.steps
         );
         for e in comm.edges().iter().filter(|e| e.to == 0) {
@@ -1011,6 +1021,7 @@ fn demo(d: DemoCli) -> anyhow::Result<ExitCode> {
         zero: zero.clone(),
         resume: d.resume.clone(),
         save: d.save.clone(),
+        shard_size: d.shard_size,
     };
     if let (true, Some(dir)) = (root, &d.resume) {
         println!("resuming from the checkpoint in {}", dir.display());

@@ -279,6 +279,51 @@ fn demo_trains_every_stage_and_precision_and_loss_goes_down() {
 }
 
 #[test]
+fn demo_trains_with_hybrid_sharding_and_refuses_a_shard_size_that_does_not_divide() {
+    let out = ringzero()
+        .args([
+            "demo",
+            "-n",
+            "4",
+            "--stage",
+            "3",
+            "--shard-size",
+            "2",
+            "--steps",
+            "30",
+        ])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("hybrid (sharded over groups of 2, 2 replicas)"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("loss went down"), "{stdout}");
+    // Each rank holds half the model states (the shard group's size is 2, not 4).
+    assert!(
+        stdout.contains("every rank's model states equal the formula exactly"),
+        "{stdout}"
+    );
+    let out = ringzero()
+        .args(["demo", "-n", "4", "--shard-size", "3", "--steps", "2"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("shard size 3 does not divide the 4 ranks"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+#[test]
 fn demo_reads_a_deepspeed_config_and_names_bad_keys() {
     let dir = std::env::temp_dir().join(format!("ringzero-demo-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
