@@ -240,7 +240,7 @@ impl Communicator {
             0
         };
         let prepared = self
-            .gather_check(send.len(), len, root)
+            .blocks_check(c, ("send", send.len()), ("recv", len))
             .and_then(|()| zeroed::<T>(c, "recv", len));
         let mut out = match prepared {
             Ok(out) => out,
@@ -263,7 +263,7 @@ impl Communicator {
     ) -> Work<Vec<T>> {
         let c = Collective::Scatter { root };
         let prepared = self
-            .scatter_check(send.len(), count, root)
+            .blocks_check(c, ("recv", count), ("send", send.len()))
             .and_then(|()| zeroed::<T>(c, "recv", count));
         let mut out = match prepared {
             Ok(out) => out,

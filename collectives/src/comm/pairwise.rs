@@ -85,7 +85,8 @@ impl Communicator {
     /// empty slice elsewhere). The ranks send to the root at once, over their point-to-point
     /// links with it.
     pub fn gather<T: Element>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
-        self.gather_check(send.len(), recv.len(), root)?;
+        let c = Collective::Gather { root };
+        self.blocks_check(c, ("send", send.len()), ("recv", recv.len()))?;
         self.wait_async_idle();
         let (send, recv) = (bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv));
         self.inner.gather(T::DTYPE, send, recv, root)
@@ -96,7 +97,8 @@ impl Communicator {
     /// rank that disagrees fails with an [`Error::Mismatch`](crate::Error::Mismatch)); `send` is read only on the root
     /// (pass an empty slice elsewhere). The root sends to every rank at once.
     pub fn scatter<T: Element>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
-        self.scatter_check(send.len(), recv.len(), root)?;
+        let c = Collective::Scatter { root };
+        self.blocks_check(c, ("recv", recv.len()), ("send", send.len()))?;
         self.wait_async_idle();
         let (send, recv) = (bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv));
         self.inner.scatter(T::DTYPE, send, recv, root)
@@ -140,39 +142,29 @@ impl Communicator {
         Ok(at)
     }
 
-    /// Refuse a gather whose root is no rank, or whose root's `recv` is not `size()` times
-    /// `send` (lengths in elements).
-    pub(super) fn gather_check(&self, send_len: usize, recv_len: usize, root: usize) -> Result<()> {
-        let c = self.rooted(Collective::Gather { root }, root)?;
-        let n = self.size();
-        if self.rank() == root && send_len.checked_mul(n) != Some(recv_len) {
-            return Err(refused(
-                c,
-                format!(
-                    "recv has {recv_len} elements but the root gathers {n} × {send_len} (the \
-                     world size times send's length)"
-                ),
-            ));
-        }
-        Ok(())
-    }
-
-    /// Refuse a scatter whose root is no rank, or whose root's `send` is not `size()` times
-    /// `recv` (lengths in elements).
-    pub(super) fn scatter_check(
+    /// Refuse a gather or scatter (`c`) whose root is no rank, or whose root's whole buffer
+    /// (`whole`: its name and length) is not `size()` blocks of `block` (name, length; lengths
+    /// in elements).
+    pub(super) fn blocks_check(
         &self,
-        send_len: usize,
-        recv_len: usize,
-        root: usize,
+        c: Collective,
+        (block, block_len): (&str, usize),
+        (whole, whole_len): (&str, usize),
     ) -> Result<()> {
-        let c = self.rooted(Collective::Scatter { root }, root)?;
+        let root = c.root().expect("gather and scatter have a root");
+        let c = self.rooted(c, root)?;
         let n = self.size();
-        if self.rank() == root && recv_len.checked_mul(n) != Some(send_len) {
+        if self.rank() == root && block_len.checked_mul(n) != Some(whole_len) {
+            let verb = if matches!(c, Collective::Gather { .. }) {
+                "gathers"
+            } else {
+                "scatters"
+            };
             return Err(refused(
                 c,
                 format!(
-                    "send has {send_len} elements but the root scatters {n} × {recv_len} (the \
-                     world size times recv's length)"
+                    "{whole} has {whole_len} elements but the root {verb} {n} × {block_len} (the \
+                     world size times {block}'s length)"
                 ),
             ));
         }
@@ -218,7 +210,7 @@ impl Inner {
     }
 
     /// [`Communicator::gather`] on bytes of `dtype` (checked by
-    /// [`Communicator::gather_check`]).
+    /// [`Communicator::blocks_check`]).
     pub(super) fn gather(
         &self,
         dtype: DType,
@@ -253,7 +245,7 @@ impl Inner {
     }
 
     /// [`Communicator::scatter`] on bytes of `dtype` (checked by
-    /// [`Communicator::scatter_check`]).
+    /// [`Communicator::blocks_check`]).
     pub(super) fn scatter(
         &self,
         dtype: DType,
