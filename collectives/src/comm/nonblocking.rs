@@ -192,10 +192,10 @@ impl Communicator {
         recv_counts: &[usize],
     ) -> Work<Vec<T>> {
         let c = Collective::AllToAllV;
-        let prepared = sum(recv_counts).and_then(|total| {
-            let at = self.all_to_all_v_layout((send_counts, send.len()), (recv_counts, total))?;
-            Ok((at, zeroed::<T>(c, "recv", total)?))
-        });
+        let total = sum(recv_counts);
+        let prepared = self
+            .all_to_all_v_layout((send_counts, send.len()), (recv_counts, total))
+            .and_then(|at| Ok((at, zeroed::<T>(c, "recv", total)?)));
         let ((sd, rd), mut out) = match prepared {
             Ok(p) => p,
             Err(e) => return Work::failed(e),
@@ -215,10 +215,10 @@ impl Communicator {
     /// `counts`), in rank order.
     pub fn all_gather_v_async<T: Element>(&self, send: Vec<T>, counts: &[usize]) -> Work<Vec<T>> {
         let c = Collective::AllGatherV;
-        let prepared = sum(counts).and_then(|total| {
-            let at = self.all_gather_v_layout(send.len(), (counts, total))?;
-            Ok((at, zeroed::<T>(c, "recv", total)?))
-        });
+        let total = sum(counts);
+        let prepared = self
+            .all_gather_v_layout(send.len(), (counts, total))
+            .and_then(|at| Ok((at, zeroed::<T>(c, "recv", total)?)));
         let (at, mut out) = match prepared {
             Ok(p) => p,
             Err(e) => return Work::failed(e),
@@ -356,11 +356,11 @@ impl Communicator {
 
 /// The sum of `counts`, or `usize::MAX` where it overflows (which [`offsets`] then refuses,
 /// naming the counts).
-fn sum(counts: &[usize]) -> Result<usize> {
-    Ok(counts
+fn sum(counts: &[usize]) -> usize {
+    counts
         .iter()
         .try_fold(0usize, |a, &k| a.checked_add(k))
-        .unwrap_or(usize::MAX))
+        .unwrap_or(usize::MAX)
 }
 
 /// A zeroed buffer of `len` elements for `c`'s output `what`, or an error that says it cannot

@@ -218,12 +218,8 @@ impl Inner {
         recv: &mut [u8],
         root: usize,
     ) -> Result<()> {
-        let (c, n, r, es) = (
-            Collective::Gather { root },
-            self.size,
-            self.rank,
-            dtype.size(),
-        );
+        let c = Collective::Gather { root };
+        let (n, r, es) = (self.size, self.rank, dtype.size());
         let count = send.len() / es;
         let (local, ex) = if r == root {
             let d: Vec<usize> = (0..=n).map(|i| i * count).collect();
@@ -253,12 +249,8 @@ impl Inner {
         recv: &mut [u8],
         root: usize,
     ) -> Result<()> {
-        let (c, n, r, es) = (
-            Collective::Scatter { root },
-            self.size,
-            self.rank,
-            dtype.size(),
-        );
+        let c = Collective::Scatter { root };
+        let (n, r, es) = (self.size, self.rank, dtype.size());
         let count = recv.len() / es;
         let bytes = n.saturating_mul(recv.len()) as u64;
         let (local, ex) = if r == root {
