@@ -2,6 +2,7 @@
 //! through it ([`engine`]).
 
 pub mod device_engine;
+pub mod doubling;
 pub mod engine;
 pub mod schedule;
 
