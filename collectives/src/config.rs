@@ -27,6 +27,8 @@ pub const DEFAULT_TCP_SOCKETS: usize = 1;
 pub const MAX_TCP_SOCKETS: usize = 32;
 /// Default smallest result (bytes of a rank's output buffer) written with streaming stores.
 pub const DEFAULT_STREAM_STORES_FROM: usize = 16 << 20;
+/// Default largest all-reduce (bytes) that `auto` runs by recursive doubling.
+pub const DEFAULT_DOUBLING_MAX: usize = 32 << 10;
 /// Default master port when a launcher gives none.
 pub const DEFAULT_PORT: u16 = 29500;
 
@@ -63,6 +65,57 @@ impl std::fmt::Display for StagingMode {
             StagingMode::Mapped => "mapped",
             StagingMode::Copy => "copy",
         })
+    }
+}
+
+/// Which algorithm a host all-reduce runs (`RINGZERO_ALGO`, `RINGZERO_DOUBLING_MAX`).
+///
+/// Every rank must choose alike: a rank whose choice differs fails at the first frame with both
+/// calls named. Both algorithms give every rank bit-identical results, but their reduction
+/// orders differ, so results may differ in rounding between them (see `ring::doubling`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AllReduceAlgo {
+    /// Recursive doubling up to `doubling_max` bytes (latency-bound calls), the ring above.
+    Auto {
+        /// The largest buffer, in bytes, run by recursive doubling.
+        doubling_max: usize,
+    },
+    /// The ring at every size (bandwidth-optimal; the order the reduce-scatter uses too).
+    Ring,
+    /// Recursive doubling at every size.
+    Doubling,
+}
+
+impl Default for AllReduceAlgo {
+    fn default() -> Self {
+        AllReduceAlgo::Auto {
+            doubling_max: DEFAULT_DOUBLING_MAX,
+        }
+    }
+}
+
+impl AllReduceAlgo {
+    /// Whether an all-reduce of `bytes` on `n` ranks runs by recursive doubling (never on one
+    /// rank, where there is nothing to exchange).
+    pub fn doubles(self, bytes: usize, n: usize) -> bool {
+        n > 1
+            && match self {
+                AllReduceAlgo::Auto { doubling_max } => bytes <= doubling_max,
+                AllReduceAlgo::Ring => false,
+                AllReduceAlgo::Doubling => true,
+            }
+    }
+}
+
+impl std::fmt::Display for AllReduceAlgo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            AllReduceAlgo::Auto { doubling_max } => {
+                write!(f, "auto (doubling up to {doubling_max} B, ring above)")
+            }
+            AllReduceAlgo::Ring => f.write_str("ring"),
+            AllReduceAlgo::Doubling => f.write_str("doubling"),
+        }
     }
 }
 
@@ -120,6 +173,9 @@ pub struct Config {
     pub stream_stores_from: usize,
     /// How host staging of device buffers moves bytes (`RINGZERO_STAGING=mapped|copy`).
     pub staging: StagingMode,
+    /// Which algorithm host all-reduces run (`RINGZERO_ALGO=auto|ring|doubling`, and
+    /// `RINGZERO_DOUBLING_MAX` for auto's threshold). Device buffers always take the ring.
+    pub all_reduce_algo: AllReduceAlgo,
     /// Directory for shared-memory segments (`RINGZERO_SHM_DIR`, default `/dev/shm`).
     pub shm_dir: std::path::PathBuf,
     /// Calls each communicator's flight recorder keeps (`RINGZERO_FLIGHT_ENTRIES`, 0 turns it
@@ -158,6 +214,7 @@ impl Config {
             tcp_sockets: DEFAULT_TCP_SOCKETS,
             stream_stores_from: DEFAULT_STREAM_STORES_FROM,
             staging: StagingMode::Mapped,
+            all_reduce_algo: AllReduceAlgo::default(),
             shm_dir: "/dev/shm".into(),
             flight_entries: crate::flight::DEFAULT_ENTRIES,
             dump_dir: None,
@@ -285,6 +342,7 @@ impl Config {
                 }
             };
         }
+        c.all_reduce_algo = all_reduce_algo(env)?;
         if let Some(d) = env("RINGZERO_SHM_DIR") {
             c.shm_dir = d.into();
         }
@@ -528,6 +586,37 @@ pub fn default_node_id() -> String {
     format!("{host}/{}", boot.trim())
 }
 
+/// `RINGZERO_ALGO` and `RINGZERO_DOUBLING_MAX` (auto's threshold only).
+fn all_reduce_algo(env: &dyn Fn(&str) -> Option<String>) -> Result<AllReduceAlgo> {
+    let max = match env("RINGZERO_DOUBLING_MAX") {
+        None => None,
+        Some(v) => Some(parse_bytes(&v).ok_or_else(|| {
+            Error::config(
+                "RINGZERO_DOUBLING_MAX",
+                format!("`{v}` is not a size (like 32K)"),
+            )
+        })?),
+    };
+    let algo = env("RINGZERO_ALGO").unwrap_or_default();
+    match (algo.trim().to_ascii_lowercase().as_str(), max) {
+        ("auto" | "", max) => Ok(AllReduceAlgo::Auto {
+            doubling_max: max.unwrap_or(DEFAULT_DOUBLING_MAX),
+        }),
+        ("ring", None) => Ok(AllReduceAlgo::Ring),
+        ("doubling", None) => Ok(AllReduceAlgo::Doubling),
+        (a @ ("ring" | "doubling"), Some(_)) => Err(Error::config(
+            "RINGZERO_DOUBLING_MAX",
+            format!(
+                "sets where RINGZERO_ALGO=auto switches to the ring, but RINGZERO_ALGO is `{a}`"
+            ),
+        )),
+        _ => Err(Error::config(
+            "RINGZERO_ALGO",
+            format!("`{algo}` is not one of auto, ring, doubling"),
+        )),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -701,5 +790,49 @@ mod tests {
         };
         assert_eq!(off("OFF"), usize::MAX);
         assert_eq!(off("0"), 0);
+    }
+
+    #[test]
+    fn all_reduce_algorithm() {
+        let algo = |kv: &[(&str, &str)]| {
+            let mut all = vec![("RINGZERO_RANK", "0"), ("RINGZERO_WORLD_SIZE", "1")];
+            all.extend_from_slice(kv);
+            cfg(&all).map(|c| c.all_reduce_algo)
+        };
+        let auto = AllReduceAlgo::default();
+        assert_eq!(algo(&[]).unwrap(), auto);
+        assert!(auto.doubles(DEFAULT_DOUBLING_MAX, 2));
+        assert!(!auto.doubles(DEFAULT_DOUBLING_MAX + 1, 2));
+        assert!(!auto.doubles(4, 1), "one rank has nothing to exchange");
+        assert_eq!(
+            algo(&[("RINGZERO_ALGO", "Ring")]).unwrap(),
+            AllReduceAlgo::Ring
+        );
+        assert_eq!(
+            algo(&[("RINGZERO_ALGO", "doubling")]).unwrap(),
+            AllReduceAlgo::Doubling
+        );
+        assert_eq!(
+            algo(&[("RINGZERO_DOUBLING_MAX", "1M")]).unwrap(),
+            AllReduceAlgo::Auto {
+                doubling_max: 1 << 20
+            }
+        );
+        let e = algo(&[("RINGZERO_ALGO", "tree")]).unwrap_err().to_string();
+        assert!(
+            e.contains("RINGZERO_ALGO: `tree` is not one of auto, ring, doubling"),
+            "{e}"
+        );
+        let e = algo(&[("RINGZERO_DOUBLING_MAX", "lots")])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("RINGZERO_DOUBLING_MAX: `lots` is not a size"),
+            "{e}"
+        );
+        let e = algo(&[("RINGZERO_ALGO", "ring"), ("RINGZERO_DOUBLING_MAX", "1M")])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("but RINGZERO_ALGO is `ring`"), "{e}");
     }
 }

@@ -52,7 +52,7 @@ pub mod wire;
 mod work;
 
 pub use comm::{AbortHandle, Communicator, P2p, P2pOwned};
-pub use config::{Config, StagingMode, TransportPref};
+pub use config::{AllReduceAlgo, Config, StagingMode, TransportPref};
 pub use device::{DeviceComm, DeviceMemory, HostStream, Stream};
 pub use error::{Error, Result};
 pub use flight::{CallState, FlightEntry, FlightRecord};

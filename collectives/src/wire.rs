@@ -50,8 +50,10 @@ pub struct Fingerprint {
     pub dtype: u8,
     /// [`ReduceOp`] code (0 when the collective does not reduce).
     pub redop: u8,
-    /// Zero.
-    pub _pad: u8,
+    /// The algorithm, where a collective has more than one: 0 for the ring (and every
+    /// collective with one algorithm), [`Fingerprint::DOUBLING`] for the recursive-doubling
+    /// all-reduce. Ranks that chose differently fail at the first frame, both calls named.
+    pub algo: u8,
 }
 
 impl Fingerprint {
@@ -72,8 +74,17 @@ impl Fingerprint {
             } else {
                 0
             },
-            _pad: 0,
+            algo: 0,
         }
+    }
+
+    /// [`Fingerprint::algo`] of the recursive-doubling all-reduce.
+    pub const DOUBLING: u8 = 1;
+
+    /// This fingerprint, for the recursive-doubling algorithm.
+    pub fn doubling(mut self) -> Fingerprint {
+        self.algo = Fingerprint::DOUBLING;
+        self
     }
 
     /// This fingerprint with a digest of a v-collective's per-rank `counts` in place of the
@@ -120,6 +131,11 @@ impl fmt::Display for Fingerprint {
         }
         if coll == Collective::ReduceScatterV && self.root != u32::MAX {
             write!(f, ", counts#{:08x}", self.root)?;
+        }
+        match self.algo {
+            0 => {}
+            Fingerprint::DOUBLING => f.write_str(", by doubling")?,
+            a => write!(f, ", algo#{a}")?,
         }
         f.write_str(")")
     }
@@ -331,6 +347,29 @@ mod tests {
         assert_eq!(
             Fingerprint::new(Collective::Barrier, None, None, 0).to_string(),
             "barrier()"
+        );
+    }
+
+    #[test]
+    fn the_algorithm_is_part_of_the_fingerprint() {
+        let d = fp().doubling();
+        assert_eq!(
+            d.to_string(),
+            "all_reduce(f32, sum, count=1000, by doubling)"
+        );
+        let want = Expect {
+            seq: 3,
+            step: 0,
+            slice: 0,
+            fp: fp(),
+            len: 0,
+        };
+        let e = FrameHeader::data(3, 0, 0, d, 0).check(&want).unwrap_err();
+        assert_eq!(
+            e,
+            WireError::Mismatch {
+                theirs: "all_reduce(f32, sum, count=1000, by doubling) (its seq 3)".into()
+            }
         );
     }
 
