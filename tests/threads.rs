@@ -2,7 +2,7 @@
 //! reference.
 
 use proptest::prelude::*;
-use ringzero::{Collective, DType, ReduceOp, TransportKind, TransportPref};
+use ringzero::{AllReduceAlgo, Collective, DType, ReduceOp, TransportKind, TransportPref};
 
 use crate::common::{check_case, host_collectives, threads, Case, Opts};
 
@@ -163,7 +163,8 @@ fn bytes_per_link_match_the_ring_theory() {
             let buf = vec![1f32; s];
             let mut out = vec![0f32; s];
             let before = comm.counters();
-            comm.all_reduce(&buf, &mut out, ReduceOp::Sum).unwrap();
+            comm.all_reduce_with(&buf, &mut out, ReduceOp::Sum, AllReduceAlgo::Ring)
+                .unwrap();
             let mid = comm.counters();
             let mut chunk = vec![0f32; s / n];
             comm.reduce_scatter(&buf, &mut chunk, ReduceOp::Sum)
@@ -184,6 +185,13 @@ fn bytes_per_link_match_the_ring_theory() {
                 after.bytes_received - mid.bytes_received,
                 (n as u64 - 1) * bytes / n as u64
             );
+            // Recursive doubling: log2 n exchanges of the whole buffer, each way.
+            comm.all_reduce_with(&buf, &mut out, ReduceOp::Sum, AllReduceAlgo::Doubling)
+                .unwrap();
+            let end = comm.counters();
+            assert_eq!(end.bytes_sent - after.bytes_sent, 2 * bytes, "doubling");
+            assert_eq!(end.bytes_received - after.bytes_received, 2 * bytes);
+            assert_eq!(out, vec![n as f32; s]);
             let kinds: Vec<(TransportKind, usize)> =
                 comm.edges().iter().map(|e| (e.kind, e.sockets)).collect();
             let want = if transport == TransportPref::Shm {

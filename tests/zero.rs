@@ -5,7 +5,7 @@
 
 use half::{bf16, f16};
 use ringzero::kernels::cpu::{adamw_mixed, cast, sq_norm, AdamW, Float};
-use ringzero::{Communicator, ReduceOp, TransportPref};
+use ringzero::{AllReduceAlgo, Communicator, ReduceOp, TransportPref};
 use ringzero_zero::mem::{comm_elements_per_step, model_states, K_ADAM};
 use ringzero_zero::{
     Engine, LossScaling, ParamSpec, Partition, Precision, StepOutcome, ZeroConfig, ZeroError,
@@ -123,10 +123,13 @@ pub(crate) fn baseline_on<T: Float>(
                 .collect();
             cast(&gi, &mut g[s.bucket][s.offset..s.offset + s.len]);
         }
+        // The ring's all-reduce: the order of the engine's reduce-scatter.
         for b in &mut g {
-            comm.all_reduce_in_place(b, ReduceOp::Avg).unwrap();
+            comm.all_reduce_in_place_with(b, ReduceOp::Avg, AllReduceAlgo::Ring)
+                .unwrap();
             if let Some(rep) = replicas {
-                rep.all_reduce_in_place(b, ReduceOp::Avg).unwrap();
+                rep.all_reduce_in_place_with(b, ReduceOp::Avg, AllReduceAlgo::Ring)
+                    .unwrap();
             }
         }
         // Global norm as the engine defines it: squared sums of each rank's owned ranges, summed.
@@ -401,12 +404,9 @@ fn counters<T: Float>(p: Precision) {
             }
             assert!(matches!(e.step().unwrap(), StepOutcome::Stepped { .. }));
             let sent = comm.counters().bytes_sent - before;
-            // A one-element all-reduce sends its element on the links its chunk crosses.
-            let small = |bytes: usize| {
-                2 * bytes
-                    - if rank == 0 { bytes } else { 0 }
-                    - if (rank + 1) % n == 0 { bytes } else { 0 }
-            };
+            // A one-element all-reduce (the norm, the overflow flag) goes by recursive
+            // doubling: each rank sends it once per round, log2 n rounds on 4 ranks.
+            let small = |bytes: usize| n.ilog2() as usize * bytes;
             let extra = small(8) + if p == Precision::Fp16 { small(1) } else { 0 };
             let volume = comm_elements_per_step(padded as f64, n, stage);
             assert_eq!(

@@ -9,7 +9,7 @@ use ringzero_kernels::{DType, Element, ReduceOp};
 
 use crate::bootstrap::peers::PeerListener;
 use crate::bootstrap::{Identity, StoreServer};
-use crate::config::Config;
+use crate::config::{AllReduceAlgo, Config};
 use crate::connect;
 use crate::error::{Error, Result};
 use crate::flight::{FlightRecord, Recorder};
@@ -19,6 +19,7 @@ use crate::topology::Edge;
 use crate::wire::Fingerprint;
 use crate::work::{Work, Worker};
 
+mod doubling;
 mod nonblocking;
 mod pairs;
 mod pairwise;
@@ -340,15 +341,57 @@ impl Communicator {
     }
 
     /// Sum (or other `op`) of every rank's `send` into every rank's `recv`.
+    ///
+    /// On three ranks or more, small buffers (up to `RINGZERO_DOUBLING_MAX`, 64 KiB by default)
+    /// go by recursive doubling (`log2 n` exchanges, each of the whole buffer, with one partner
+    /// at a time), larger ones round the ring (`2(n − 1)` hops of `1/n` of it): see
+    /// [`AllReduceAlgo`]
+    /// (`RINGZERO_ALGO`). Both leave every rank bit-identical, in an order fixed by the world
+    /// size and the count; the two orders differ, so a sum may round differently on either side
+    /// of the threshold. [`Communicator::all_reduce_with`] picks the algorithm for one call.
     pub fn all_reduce<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
-        let c = Collective::AllReduce;
-        same_len(c, send.len(), recv.len(), "send", "recv")?;
-        self.run_split(c, Some(op), send.len(), send, recv)
+        self.all_reduce_with(send, recv, op, self.inner.cfg.all_reduce_algo)
     }
 
     /// In-place [`Communicator::all_reduce`].
     pub fn all_reduce_in_place<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
-        self.run_one(Collective::AllReduce, Some(op), buf.len(), buf)
+        self.all_reduce_in_place_with(buf, op, self.inner.cfg.all_reduce_algo)
+    }
+
+    /// [`Communicator::all_reduce`] by the algorithm `algo`, whatever `RINGZERO_ALGO` says: for
+    /// a caller whose results must round as another collective's do (the ring's all-reduce
+    /// reduces in the order of its reduce-scatter, [`AllReduceAlgo::Ring`]). Every rank must
+    /// make the same choice: a rank whose call runs another algorithm fails at the first frame,
+    /// both calls named.
+    pub fn all_reduce_with<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+        algo: AllReduceAlgo,
+    ) -> Result<()> {
+        let c = Collective::AllReduce;
+        same_len(c, send.len(), recv.len(), "send", "recv")?;
+        self.wait_async_idle();
+        let bufs = Bufs::Split {
+            input: bytemuck::cast_slice(send),
+            output: bytemuck::cast_slice_mut(recv),
+        };
+        self.inner
+            .all_reduce(algo, T::DTYPE, op, send.len(), false, bufs)
+    }
+
+    /// In-place [`Communicator::all_reduce_with`].
+    pub fn all_reduce_in_place_with<T: Element>(
+        &self,
+        buf: &mut [T],
+        op: ReduceOp,
+        algo: AllReduceAlgo,
+    ) -> Result<()> {
+        self.wait_async_idle();
+        let count = buf.len();
+        let bufs = Bufs::One(bytemuck::cast_slice_mut(buf));
+        self.inner.all_reduce(algo, T::DTYPE, op, count, true, bufs)
     }
 
     /// Reduce every rank's `send` and leave chunk [`chunk_range`](Self::chunk_range)`(send.len())`
@@ -886,6 +929,26 @@ impl Inner {
         self.other_links(|others| others.for_each(|l| l.abort(why)));
     }
 
+    /// An all-reduce by `algo` (the ring's, or recursive doubling where `algo` picks it for this
+    /// size).
+    fn all_reduce(
+        &self,
+        algo: AllReduceAlgo,
+        dtype: DType,
+        op: ReduceOp,
+        count: usize,
+        in_place: bool,
+        bufs: Bufs,
+    ) -> Result<()> {
+        if algo.doubles(count.saturating_mul(dtype.size()), self.size) {
+            self.all_reduce_doubling(dtype, op, count, bufs)
+        } else {
+            let c = Collective::AllReduce;
+            self.execute(c, Some(dtype), op, count.into(), in_place, bufs)
+        }
+    }
+
+    /// A ring collective.
     fn execute(
         &self,
         coll: Collective,

@@ -28,7 +28,7 @@ pub const MAX_TCP_SOCKETS: usize = 32;
 /// Default smallest result (bytes of a rank's output buffer) written with streaming stores.
 pub const DEFAULT_STREAM_STORES_FROM: usize = 16 << 20;
 /// Default largest all-reduce (bytes) that `auto` runs by recursive doubling.
-pub const DEFAULT_DOUBLING_MAX: usize = 32 << 10;
+pub const DEFAULT_DOUBLING_MAX: usize = 64 << 10;
 /// Default master port when a launcher gives none.
 pub const DEFAULT_PORT: u16 = 29500;
 
@@ -75,7 +75,8 @@ impl std::fmt::Display for StagingMode {
 /// orders differ, so results may differ in rounding between them (see `ring::doubling`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AllReduceAlgo {
-    /// Recursive doubling up to `doubling_max` bytes (latency-bound calls), the ring above.
+    /// Recursive doubling up to `doubling_max` bytes (latency-bound calls) on three ranks or
+    /// more, the ring above (and on two ranks, where both take one exchange's time).
     Auto {
         /// The largest buffer, in bytes, run by recursive doubling.
         doubling_max: usize,
@@ -98,12 +99,11 @@ impl AllReduceAlgo {
     /// Whether an all-reduce of `bytes` on `n` ranks runs by recursive doubling (never on one
     /// rank, where there is nothing to exchange).
     pub fn doubles(self, bytes: usize, n: usize) -> bool {
-        n > 1
-            && match self {
-                AllReduceAlgo::Auto { doubling_max } => bytes <= doubling_max,
-                AllReduceAlgo::Ring => false,
-                AllReduceAlgo::Doubling => true,
-            }
+        match self {
+            AllReduceAlgo::Auto { doubling_max } => n > 2 && bytes <= doubling_max,
+            AllReduceAlgo::Ring => false,
+            AllReduceAlgo::Doubling => n > 1,
+        }
     }
 }
 
@@ -593,7 +593,7 @@ fn all_reduce_algo(env: &dyn Fn(&str) -> Option<String>) -> Result<AllReduceAlgo
         Some(v) => Some(parse_bytes(&v).ok_or_else(|| {
             Error::config(
                 "RINGZERO_DOUBLING_MAX",
-                format!("`{v}` is not a size (like 32K)"),
+                format!("`{v}` is not a size (like 64K)"),
             )
         })?),
     };
@@ -801,9 +801,17 @@ mod tests {
         };
         let auto = AllReduceAlgo::default();
         assert_eq!(algo(&[]).unwrap(), auto);
-        assert!(auto.doubles(DEFAULT_DOUBLING_MAX, 2));
-        assert!(!auto.doubles(DEFAULT_DOUBLING_MAX + 1, 2));
-        assert!(!auto.doubles(4, 1), "one rank has nothing to exchange");
+        assert!(auto.doubles(DEFAULT_DOUBLING_MAX, 3));
+        assert!(!auto.doubles(DEFAULT_DOUBLING_MAX + 1, 3));
+        assert!(
+            !auto.doubles(4, 2),
+            "two ranks: the ring's two hops of half"
+        );
+        assert!(AllReduceAlgo::Doubling.doubles(1 << 30, 2));
+        assert!(
+            !AllReduceAlgo::Doubling.doubles(4, 1),
+            "one rank has nothing to exchange"
+        );
         assert_eq!(
             algo(&[("RINGZERO_ALGO", "Ring")]).unwrap(),
             AllReduceAlgo::Ring

@@ -36,7 +36,7 @@
 
 use std::time::{Duration, Instant};
 
-use ringzero_collectives::{Communicator, ReduceOp, Work};
+use ringzero_collectives::{AllReduceAlgo, Communicator, ReduceOp, Work};
 use ringzero_kernels::cpu::{adamw_mixed, all_finite, cast, reduce_into_typed, sq_norm, Float};
 
 use crate::config::ZeroConfig;
@@ -657,9 +657,14 @@ impl<'c, T: Float> Engine<'c, T> {
         let mut red: Vec<Vec<T>> = vec![Vec::new(); nb];
         for (b, r) in red.iter_mut().enumerate() {
             match stage {
-                0 => self
-                    .comm
-                    .all_reduce_in_place(&mut self.grads[b], ReduceOp::Avg)?,
+                // The ring's all-reduce reduces in its reduce-scatter's order, so stage 0 ends
+                // bit-identical to stages 1–3 (recursive doubling, which `auto` picks for small
+                // buffers, would round in another order).
+                0 => self.comm.all_reduce_in_place_with(
+                    &mut self.grads[b],
+                    ReduceOp::Avg,
+                    AllReduceAlgo::Ring,
+                )?,
                 1 => {
                     *r = vec![T::default(); self.part.buckets[b].len / n];
                     self.comm.reduce_scatter(&self.grads[b], r, ReduceOp::Avg)?;
@@ -676,7 +681,7 @@ impl<'c, T: Float> Engine<'c, T> {
                 &mut self.grads
             };
             for g in reduced.iter_mut() {
-                rep.all_reduce_in_place(g, ReduceOp::Avg)?;
+                rep.all_reduce_in_place_with(g, ReduceOp::Avg, AllReduceAlgo::Ring)?;
             }
         }
         self.wait.reduce += t0.elapsed();

@@ -20,15 +20,9 @@ impl Communicator {
     /// Asynchronous in-place all-reduce of an owned buffer.
     pub fn all_reduce_async<T: Element>(&self, mut buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
         self.submit(move |inner| {
-            let n = buf.len();
-            inner.execute(
-                Collective::AllReduce,
-                Some(T::DTYPE),
-                op,
-                n.into(),
-                true,
-                Bufs::One(bytemuck::cast_slice_mut(&mut buf)),
-            )?;
+            let (n, algo) = (buf.len(), inner.cfg.all_reduce_algo);
+            let bufs = Bufs::One(bytemuck::cast_slice_mut(&mut buf));
+            inner.all_reduce(algo, T::DTYPE, op, n, true, bufs)?;
             Ok(buf)
         })
     }

@@ -9,9 +9,10 @@ use super::{Communicator, Inner};
 use crate::bootstrap::Role;
 use crate::connect;
 use crate::error::{Error, Result};
-use crate::ring::engine::{self, Bufs, Call, Lane, Links};
+use crate::ring::engine::{self, link_err, Bufs, Call, Lane, Links};
 use crate::ring::{plan_p2p, Collective, Plan};
-use crate::wire::Fingerprint;
+use crate::transport::LinkError;
+use crate::wire::{Expect, Fingerprint};
 
 /// One message of a point-to-point call, as bytes: to or from a peer.
 enum Msg<'a> {
@@ -254,7 +255,7 @@ impl Inner {
         peers: impl Iterator<Item = usize>,
         fp: &Fingerprint,
     ) -> Result<()> {
-        for (peer, links) in self.connect_missing(pairs, peers, fp, Role::Data)? {
+        for (peer, links) in self.connect_missing(pairs, peers, fp, Role::Data, None)? {
             let (sent, received) = (0, 0);
             pairs.insert(
                 peer,
@@ -271,12 +272,18 @@ impl Inner {
     /// Connect links of `role` with each of `peers` that `have` has none for, all at once
     /// (each connect waits for the peer's; one by one in ascending rank order could not wait in
     /// a cycle either, only longer); the new links by peer.
+    ///
+    /// With `watch`, the ring's incoming link is watched meanwhile: a collective's ranks connect
+    /// after agreeing on the call, but a rank that fails after that (its watchdog aborts it, its
+    /// neighbour dies) never comes to connect, and says so only on the ring. A peer's abort or
+    /// loss seen there ends the wait at once, as the error.
     pub(super) fn connect_missing<V>(
         &self,
         have: &BTreeMap<usize, V>,
         peers: impl Iterator<Item = usize>,
         fp: &Fingerprint,
         role: Role,
+        mut watch: Option<Watch<'_>>,
     ) -> Result<Vec<(usize, Links)>> {
         let missing: Vec<usize> = peers.filter(|p| !have.contains_key(p)).collect();
         if missing.is_empty() {
@@ -289,6 +296,7 @@ impl Inner {
             });
         };
         let what = fp.to_string();
+        let mut seen = None;
         let made: Vec<_> = std::thread::scope(|s| {
             let hs: Vec<_> = missing
                 .iter()
@@ -307,6 +315,19 @@ impl Inner {
                     (peer, h)
                 })
                 .collect();
+            while let Some(w) = watch.as_mut() {
+                if hs.iter().all(|(_, h)| h.is_finished()) {
+                    break;
+                }
+                if let Err(e) = w.check() {
+                    let e = link_err(e, &what, w.seq, w.ring.prev, self.rank, Some(fp));
+                    // The connecting threads wait on the abort flag.
+                    self.abort.raise(e.to_string());
+                    seen = Some(e);
+                    break;
+                }
+                std::thread::sleep(WATCH_EVERY);
+            }
             hs.into_iter()
                 .map(|(peer, h)| {
                     let r = h.join().unwrap_or_else(|_| {
@@ -319,6 +340,9 @@ impl Inner {
                 })
                 .collect()
         });
+        if let Some(e) = seen {
+            return Err(e);
+        }
         let kind = match role {
             Role::Pairwise => "pairwise",
             _ => "point-to-point",
@@ -413,6 +437,30 @@ impl Inner {
             output: recv.unwrap_or(&mut []),
         };
         (call, bufs)
+    }
+}
+
+/// How often [`Inner::connect_missing`] looks at the ring while connecting.
+const WATCH_EVERY: std::time::Duration = std::time::Duration::from_millis(2);
+
+/// The ring's incoming link, watched while a collective connects pairs ([`Inner::connect_missing`]).
+pub(super) struct Watch<'a> {
+    /// The ring's links.
+    pub(super) ring: &'a mut Links,
+    /// The call's sequence number.
+    pub(super) seq: u64,
+    /// The frame due next on the ring, where known (the call's announcement): an abort frame
+    /// in front of it is seen too, not only a closed or dead peer.
+    pub(super) next: Option<Expect>,
+}
+
+impl Watch<'_> {
+    fn check(&mut self) -> std::result::Result<(), LinkError> {
+        self.ring.rx.health()?;
+        if let Some(x) = &self.next {
+            self.ring.rx.peek(x)?;
+        }
+        Ok(())
     }
 }
 

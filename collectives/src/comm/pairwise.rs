@@ -13,14 +13,16 @@
 //! both), and each is an entry of the flight record. Each rank sends only its own data, once
 //! per peer that needs it: the volume of a ring's all-gather, straight to where it goes.
 
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::MutexGuard;
+
 use ringzero_kernels::{DType, Element, ReduceOp};
 
-use super::pairs::pairs_of;
-use super::{offsets, own_part, refused, Communicator, Inner};
+use super::pairs::{pairs_of, Watch};
+use super::{offsets, own_part, refused, Communicator, Inner, State};
 use crate::bootstrap::Role;
 use crate::error::Result;
-use crate::ring::engine::Bufs;
-use crate::ring::engine::{self, Lane};
+use crate::ring::engine::{self, Bufs, Lane, Links};
 use crate::ring::{plan, plan_p2p, Collective, Plan, PlanArgs};
 use crate::wire::Fingerprint;
 
@@ -368,66 +370,34 @@ impl Inner {
                 .iter()
                 .map(|e| plan_p2p(e.send.map(len), e.recv.as_deref().map(len), slice_elems))
                 .collect();
-            let mut mesh = self.mesh.lock().unwrap_or_else(|p| p.into_inner());
-            let mut known = self.mesh_pairs.lock().unwrap_or_else(|p| p.into_inner());
             let peers: Vec<usize> = ex.iter().map(|e| e.peer).collect();
-            // Once every pair is connected (the usual steady state) no call connects: skip
-            // listing the call's pairs.
-            let n = self.size;
-            let wanted = if known.len() < n * (n - 1) / 2 {
-                call_pairs(coll, n)
-            } else {
-                Vec::new()
-            };
-            debug_assert!(
-                wanted.is_empty()
-                    || peers
-                        .iter()
-                        .all(|&p| wanted.contains(&(p.min(self.rank), p.max(self.rank)))),
-                "{coll}: rank {} exchanges with {peers:?}, outside {wanted:?}",
-                self.rank
-            );
-            let connects = wanted.iter().any(|p| !known.contains(p));
-            if let (true, Some(links)) = (connects, st.links.as_mut()) {
-                // The call connects somewhere (every rank knows, `known` being the same on
-                // all): first make sure every rank made it. An empty frame carrying the call
-                // goes all the way round the ring (a barrier's n − 1 hops), and a rank that
-                // finishes has checked, through its neighbours', every rank's fingerprint. A
-                // rank that called something else fails there, and its abort travels the same
-                // way, so no rank is left dialling a peer that will never answer.
-                let agree = plan(PlanArgs {
-                    coll: Collective::Barrier,
-                    n: self.size,
-                    rank: self.rank,
-                    count: 0,
-                    slice_elems: 1,
-                    in_place: false,
-                    counts: None,
+            let mut mesh = self.mesh_for(st, (seq, &fp, dtype), || call_pairs(coll, self.size))?;
+            let whole = |_| fp;
+            let mut ring = ring.zip(ring_plan.as_ref());
+            if mesh.connects {
+                // All-to-all's ring messages before connecting (and the announcement, though
+                // the pass in `mesh_for` has done its work).
+                if let (Some(((s, r), plan)), Some(links)) = (ring.take(), st.links.as_mut()) {
+                    let call = self.p2p_call(plan, (&whole, dtype), (Some(s), seq), (Some(r), seq));
+                    let lane = Lane::new(links, vec![call]);
+                    engine::run_lanes(&mut [lane], self.cfg.timeout, &self.abort)?;
+                }
+                // The ring has carried this call's frames: what comes next is unknown.
+                let watch = st.links.as_mut().map(|ring| Watch {
+                    ring,
+                    seq,
+                    next: None,
                 });
-                let call = self.call(&agree, (seq, fp), dtype, ReduceOp::Sum, 0);
-                engine::run(links, &call, Bufs::One(&mut []))?;
+                mesh.connect(self, &peers, (seq, &fp), watch)?;
             }
-            let mut ring_lane = match (ring, &ring_plan, st.links.as_mut()) {
-                (Some((s, r)), Some(plan), Some(links)) => {
-                    let call =
-                        self.p2p_call(plan, (&|_| fp, dtype), (Some(s), seq), (Some(r), seq));
+            let ring_lane = match (ring, st.links.as_mut()) {
+                (Some(((s, r), plan)), Some(links)) => {
+                    let call = self.p2p_call(plan, (&whole, dtype), (Some(s), seq), (Some(r), seq));
                     Some(Lane::new(links, vec![call]))
                 }
                 _ => None,
             };
-            if connects {
-                // All-to-all's ring messages before connecting (and the announcement, though
-                // the pass above has done its work).
-                if let Some(lane) = ring_lane.take() {
-                    engine::run_lanes(&mut [lane], self.cfg.timeout, &self.abort)?;
-                }
-                let made = self
-                    .connect_missing(&mesh, peers.iter().copied(), &fp, Role::Pairwise)
-                    .map_err(|e| e.at_seq(seq))?;
-                mesh.extend(made);
-                known.extend(wanted);
-            }
-            let mesh_lanes = pairs_of(&mut mesh, &peers)
+            let mesh_lanes = pairs_of(&mut mesh.links, &peers)
                 .into_iter()
                 .zip(ex.into_iter().zip(&plans))
                 .map(|(links, (e, plan))| {
@@ -438,6 +408,97 @@ impl Inner {
             let mut lanes: Vec<Lane> = ring_lane.into_iter().chain(mesh_lanes).collect();
             engine::run_lanes(&mut lanes, self.cfg.timeout, &self.abort)
         })
+    }
+}
+
+/// The pairs' own links (`Inner::mesh`), locked for one call, and whether that call connects
+/// some of them first ([`Inner::mesh_for`]).
+pub(super) struct Mesh<'a> {
+    pub(super) links: MutexGuard<'a, BTreeMap<usize, Links>>,
+    known: MutexGuard<'a, BTreeSet<(usize, usize)>>,
+    wanted: Vec<(usize, usize)>,
+    /// Whether some pair of the call is not connected yet (the same answer on every rank).
+    pub(super) connects: bool,
+}
+
+impl Inner {
+    /// Lock the pairs' links for the call (`seq`, `fp`), which exchanges between the pairs
+    /// `pairs()` lists (lower rank first, whatever this rank's place). When some of them are not
+    /// connected yet (every rank knows alike: they all connect the same pairs in the same
+    /// calls), first make sure every rank made this call: an empty frame carrying it goes all
+    /// the way round the ring (a barrier's n − 1 hops), and a rank that finishes has checked,
+    /// through its neighbours', every rank's fingerprint. A rank that called something else
+    /// fails there, and its abort travels the same way, so no rank is left dialling a peer that
+    /// will never answer. Then [`Mesh::connect`] connects this rank's missing links.
+    pub(super) fn mesh_for(
+        &self,
+        st: &mut State,
+        (seq, fp, dtype): (u64, &Fingerprint, DType),
+        pairs: impl FnOnce() -> Vec<(usize, usize)>,
+    ) -> Result<Mesh<'_>> {
+        let links = self.mesh.lock().unwrap_or_else(|p| p.into_inner());
+        let known = self.mesh_pairs.lock().unwrap_or_else(|p| p.into_inner());
+        // Once every pair is connected (the usual steady state) no call connects: skip listing
+        // the call's pairs.
+        let n = self.size;
+        let wanted = if known.len() < n * (n - 1) / 2 {
+            pairs()
+        } else {
+            Vec::new()
+        };
+        let connects = wanted.iter().any(|p| !known.contains(p));
+        if let (true, Some(ring)) = (connects, st.links.as_mut()) {
+            let agree = plan(PlanArgs {
+                coll: Collective::Barrier,
+                n,
+                rank: self.rank,
+                count: 0,
+                slice_elems: 1,
+                in_place: false,
+                counts: None,
+            });
+            let call = self.call(&agree, (seq, *fp), dtype, ReduceOp::Sum, 0);
+            engine::run(ring, &call, Bufs::One(&mut []))?;
+        }
+        Ok(Mesh {
+            links,
+            known,
+            wanted,
+            connects,
+        })
+    }
+}
+
+impl Mesh<'_> {
+    /// Connect this rank's missing links with `peers` (all among the call's pairs), all at once,
+    /// watching the ring meanwhile (`watch`: see [`Inner::connect_missing`]).
+    pub(super) fn connect(
+        &mut self,
+        inner: &Inner,
+        peers: &[usize],
+        (seq, fp): (u64, &Fingerprint),
+        watch: Option<Watch<'_>>,
+    ) -> Result<()> {
+        let me = inner.rank;
+        debug_assert!(
+            peers
+                .iter()
+                .all(|&p| self.wanted.contains(&(p.min(me), p.max(me)))),
+            "{fp}: rank {me} exchanges with {peers:?}, outside {:?}",
+            self.wanted
+        );
+        let made = inner
+            .connect_missing(
+                &self.links,
+                peers.iter().copied(),
+                fp,
+                Role::Pairwise,
+                watch,
+            )
+            .map_err(|e| e.at_seq(seq))?;
+        self.links.extend(made);
+        self.known.extend(self.wanted.drain(..));
+        Ok(())
     }
 }
 
