@@ -6,6 +6,7 @@ mod bench;
 mod checkpoint;
 mod common;
 mod device;
+mod doubling;
 mod failures;
 mod flight;
 mod hybrid;

@@ -9,8 +9,8 @@ pub use queued::Queued;
 use std::time::Duration;
 
 use ringzero::{
-    chunk, Collective, Communicator, Config, DType, DeviceComm, Element, HostStream, ReduceOp,
-    Result, StagingMode, TransportPref,
+    chunk, AllReduceAlgo, Collective, Communicator, Config, DType, DeviceComm, Element, HostStream,
+    ReduceOp, Result, StagingMode, TransportPref,
 };
 
 /// A port that was free a moment ago.
@@ -37,6 +37,8 @@ pub struct Opts {
     pub dump_dir: Option<std::path::PathBuf>,
     /// `Config::tcp_sockets`: connections per tcp ring edge.
     pub tcp_sockets: usize,
+    /// `Config::all_reduce_algo` (None: the default).
+    pub algo: Option<AllReduceAlgo>,
 }
 
 impl Default for Opts {
@@ -50,6 +52,7 @@ impl Default for Opts {
             staging: StagingMode::Mapped,
             dump_dir: None,
             tcp_sockets: 1,
+            algo: None,
         }
     }
 }
@@ -65,6 +68,9 @@ pub fn config(rank: usize, n: usize, port: u16, o: &Opts) -> Config {
     c.tcp_sockets = o.tcp_sockets;
     if let Some(b) = o.stream_stores_from {
         c.stream_stores_from = b;
+    }
+    if let Some(a) = o.algo {
+        c.all_reduce_algo = a;
     }
     c
 }

@@ -1,0 +1,177 @@
+//! The recursive-doubling all-reduce: every dtype and op on world sizes with and without a fold,
+//! against the serial reference; bit-identical ranks in the schedule's tree order on values that
+//! round; the bytes it moves; `auto` switching at the threshold; and ranks that chose different
+//! algorithms failing at once with both calls named.
+
+use std::time::{Duration, Instant};
+
+use ringzero::{AllReduceAlgo, Collective, DType, ReduceOp, TransportPref};
+
+use crate::common::{check_case, threads, Case, Opts};
+
+#[test]
+fn every_dtype_and_op_matches_the_serial_reference() {
+    // 2 and 4 ranks run the exchanges alone; 3, 5 and 6 fold ranks first. Counts: empty, one
+    // element, several slices of 1 KiB (multi-frame messages).
+    for (n, transport) in [
+        (2, TransportPref::Shm),
+        (3, TransportPref::Tcp),
+        (4, TransportPref::Shm),
+        (5, TransportPref::Shm),
+        (6, TransportPref::Tcp),
+    ] {
+        let o = Opts {
+            transport,
+            slice_bytes: 1024,
+            algo: Some(AllReduceAlgo::Doubling),
+            ..Opts::default()
+        };
+        threads(n, &o, |_, comm| {
+            let comm = comm.unwrap();
+            let mut seed = 0;
+            for dtype in DType::ALL {
+                for op in ReduceOp::ALL {
+                    for (count, in_place) in [(0, false), (1, true), (1000, false), (777, true)] {
+                        seed += 1;
+                        let c = Case {
+                            coll: Collective::AllReduce,
+                            count,
+                            dtype,
+                            op,
+                            in_place,
+                            seed,
+                        };
+                        check_case(&comm, &c);
+                    }
+                }
+            }
+            // Every call went by doubling: the flight record names it.
+            let rec = comm.flight_record();
+            let last = rec.entries.last().unwrap();
+            assert!(last.call.ends_with(", by doubling)"), "{}", last.call);
+        });
+    }
+}
+
+/// Rank `r`'s input: values whose sums round, so the order of the reduction shows.
+fn rounding(r: usize, count: usize) -> Vec<f32> {
+    (0..count)
+        .map(|i| 1.0 / (3.0 + (r * 7 + i) as f32) + (r as f32) * 1e3)
+        .collect()
+}
+
+#[test]
+fn ranks_end_bit_identical_in_the_schedules_tree_order() {
+    let count = 513;
+    let o = Opts {
+        algo: Some(AllReduceAlgo::Doubling),
+        ..Opts::default()
+    };
+    for n in [4, 5] {
+        let got = threads(n, &o, |r, comm| {
+            let comm = comm.unwrap();
+            let mut buf = rounding(r, count);
+            comm.all_reduce_in_place(&mut buf, ReduceOp::Sum).unwrap();
+            buf
+        });
+        // The tree, written out: pairs in rank order, then pairs of pairs; on 5 ranks ranks 0
+        // and 1 fold into one first.
+        let x: Vec<Vec<f32>> = (0..n).map(|r| rounding(r, count)).collect();
+        let want: Vec<f32> = (0..count)
+            .map(|i| match n {
+                4 => (x[0][i] + x[1][i]) + (x[2][i] + x[3][i]),
+                _ => ((x[0][i] + x[1][i]) + x[2][i]) + (x[3][i] + x[4][i]),
+            })
+            .collect();
+        for (r, g) in got.iter().enumerate() {
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(g), bits(&want), "n = {n}, rank {r}");
+        }
+        // The ring's order is another: on these values it rounds differently somewhere (so the
+        // comparison above is not vacuous).
+        let ring: Vec<f32> = (0..count)
+            .map(|i| (0..n).map(|r| x[r][i]).fold(0.0, |a, b| a + b))
+            .collect();
+        assert_ne!(ring, want, "n = {n}");
+    }
+}
+
+#[test]
+fn it_moves_the_whole_buffer_once_per_round_and_auto_switches_at_the_threshold() {
+    let max = 4096;
+    let o = Opts {
+        algo: Some(AllReduceAlgo::Auto { doubling_max: max }),
+        ..Opts::default()
+    };
+    threads(4, &o, |_, comm| {
+        let comm = comm.unwrap();
+        // Up to the threshold: 2 rounds on 4 ranks, the whole buffer out and in each.
+        let mut small = vec![1f32; max / 4];
+        let before = comm.counters();
+        comm.all_reduce_in_place(&mut small, ReduceOp::Sum).unwrap();
+        let mid = comm.counters();
+        assert_eq!(mid.bytes_sent - before.bytes_sent, 2 * max as u64);
+        assert_eq!(mid.bytes_received - before.bytes_received, 2 * max as u64);
+        assert_eq!(small, vec![4.0; max / 4]);
+        // One element more: the ring, 2(n − 1)/n of the buffer.
+        let big = vec![1f32; max / 4 + 4];
+        let mut out = vec![0f32; big.len()];
+        comm.all_reduce(&big, &mut out, ReduceOp::Sum).unwrap();
+        let after = comm.counters();
+        assert_eq!(after.bytes_sent - mid.bytes_sent, 6 * (max as u64 + 16) / 4);
+        assert_eq!(out, vec![4.0; big.len()]);
+        let rec = comm.flight_record();
+        let calls: Vec<&str> = rec.entries.iter().map(|e| e.call.as_str()).collect();
+        assert_eq!(
+            calls[calls.len() - 2..],
+            [
+                "all_reduce(f32, sum, count=1024, by doubling)",
+                "all_reduce(f32, sum, count=1028)"
+            ]
+        );
+        // The async form chooses alike.
+        let back = comm.all_reduce_async(vec![2f32; 8], ReduceOp::Avg).wait();
+        assert_eq!(back.unwrap(), vec![2.0; 8]);
+        let rec = comm.flight_record();
+        assert!(rec.entries.last().unwrap().call.ends_with("by doubling)"));
+    });
+}
+
+#[test]
+fn ranks_that_choose_different_algorithms_fail_at_once_naming_both() {
+    // First call (the pair links are not connected yet), then once they are.
+    for connected in [false, true] {
+        let t = Instant::now();
+        let errs = threads(4, &Opts::default(), |r, comm| {
+            let comm = comm.unwrap();
+            if connected {
+                let mut warm = [1f32; 4];
+                comm.all_reduce_in_place_with(&mut warm, ReduceOp::Sum, AllReduceAlgo::Doubling)
+                    .unwrap();
+            }
+            let algo = if r == 2 {
+                AllReduceAlgo::Ring
+            } else {
+                AllReduceAlgo::Doubling
+            };
+            let mut b = [1f32; 16];
+            let e = comm
+                .all_reduce_in_place_with(&mut b, ReduceOp::Sum, algo)
+                .unwrap_err();
+            e.to_string()
+        });
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "connected={connected}: must not wait for the deadline: {errs:?}"
+        );
+        // Rank 2 (ring) meets rank 1's announcement; rank 3 meets rank 2's ring frame.
+        for r in [2, 3] {
+            assert!(
+                errs[r].contains("all_reduce(f32, sum, count=16, by doubling)")
+                    && errs[r].contains("all_reduce(f32, sum, count=16)"),
+                "connected={connected} rank {r}: {}",
+                errs[r]
+            );
+        }
+    }
+}
