@@ -16,6 +16,7 @@ use ringzero_kernels::device::cuda::{DeviceBuffer, Gpu};
 
 use super::exact::{self, decode, encode, value};
 use super::sweep::{row, timed, wrong, Row, SweepArgs};
+use super::theory::Algo;
 
 /// A stream the bench can make and read buffers on.
 pub trait BenchDev: Stream + Sized {
@@ -220,8 +221,18 @@ pub fn sweep<D: BenchDev>(
             let (time_us, wrong) = timed(comm, a, wrong, || {
                 call(dc, op, a.redop, inplace, &mut send, &mut recv)
             })?;
+            // Device buffers always take the ring.
             rows.push(row(
-                op, a, n, bytes, count, transport, time_us, wrong, inplace, None,
+                (op, Algo::Ring),
+                a,
+                n,
+                bytes,
+                count,
+                transport,
+                time_us,
+                wrong,
+                inplace,
+                None,
             ));
         }
         tick();

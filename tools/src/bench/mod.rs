@@ -177,15 +177,22 @@ fn header(comm: &Communicator, a: &BenchArgs, probe: &probe::Probe, device: Stri
         time: "mean over ranks of each rank's mean time per call".into(),
         model: if !host_buffers {
             String::new()
-        } else if a.sweep.model_per_row {
-            format!(
-                "each line's α and β (its β column) re-measured in the same seconds as its timed calls: groups of \
-                 up to {} calls, each followed by as many barriers (α) and ring streams of the bytes one link \
-                 carries in that call (β, slowest edge); --model start uses the model above",
-                sweep::GROUP
-            )
         } else {
-            "every line uses the model above, measured once at the start".into()
+            let lines = if a.sweep.model_per_row {
+                format!(
+                    "each line's α and β (its β column) re-measured in the same seconds as its timed calls: groups of \
+                     up to {} calls, each followed by as many barriers (α) and ring streams of the bytes one link \
+                     carries in that call (β, slowest edge); --model start uses the model above",
+                    sweep::GROUP
+                )
+            } else {
+                "every line uses the model above, measured once at the start".into()
+            };
+            format!(
+                "{lines}\n# all-reduce: {} (RINGZERO_ALGO); lines marked `by doubling` are predicted as rounds·α + \
+                 rounds·S/β (each round sends the whole buffer)",
+                comm.config().all_reduce_algo
+            )
         },
     }
 }

@@ -232,6 +232,9 @@ pub fn table(op: &str, rows: &[Row]) -> String {
             group.iter().find(|r| !r.inplace),
             group.iter().find(|r| r.inplace),
         );
+        if group.iter().any(|r| r.algo == "doubling") {
+            s += "  by doubling";
+        }
         s.push('\n');
         i += n;
     }

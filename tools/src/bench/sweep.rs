@@ -10,7 +10,7 @@ use ringzero_collectives::{chunk, Collective, Communicator, DType, Element, Redu
 use serde::Serialize;
 
 use super::exact;
-use super::theory::{self, Model};
+use super::theory::{self, Algo, Model};
 
 /// What to sweep.
 #[derive(Clone, Debug)]
@@ -69,6 +69,10 @@ pub struct Row {
     pub predicted_us: Option<f64>,
     /// predicted / measured.
     pub efficiency: Option<f64>,
+    /// How the collective moved: `ring`, or `doubling` (a small all-reduce; see
+    /// `ringzero::AllReduceAlgo`). Empty in reports written before it was recorded.
+    #[serde(default)]
+    pub algo: String,
 }
 
 /// Sweep `op` over `a.sizes`, calling `tick` after each size; every rank returns the same rows.
@@ -117,15 +121,21 @@ fn sweep_typed<T: Element>(
             let wrong = check::<T>(comm, op, a, count, inplace)?;
             let mut bufs = Buffers::<T>::new(comm, op, count);
             let call = || bufs.call(comm, op, a.redop, inplace);
+            let algo =
+                if op == Collective::AllReduce && comm.config().all_reduce_algo.doubles(bytes, n) {
+                    Algo::Doubling
+                } else {
+                    Algo::Ring
+                };
             let (time_us, wrong, model) = if a.model_per_row && n > 1 {
-                let link = theory::bytes_per_link(op, n, bytes) as usize;
+                let link = theory::bytes_per_link(op, algo, n, bytes) as usize;
                 timed_with_model(comm, a, wrong, link, inplace, call)?
             } else {
                 let (t, w) = timed(comm, a, wrong, call)?;
                 (t, w, model)
             };
             rows.push(row(
-                op,
+                (op, algo),
                 a,
                 n,
                 bytes,
@@ -245,7 +255,7 @@ pub fn timed_with_model(
 /// One report line; the α–β columns when a `model` applies to these buffers.
 #[allow(clippy::too_many_arguments)]
 pub fn row(
-    op: Collective,
+    (op, algo): (Collective, Algo),
     a: &SweepArgs,
     n: usize,
     bytes: usize,
@@ -256,7 +266,7 @@ pub fn row(
     inplace: bool,
     model: Option<Model>,
 ) -> Row {
-    let predicted_us = model.and_then(|m| theory::predict_us(op, n, bytes, m));
+    let predicted_us = model.and_then(|m| theory::predict_us(op, algo, n, bytes, m));
     let model = model.filter(|_| predicted_us.is_some());
     Row {
         op: op.name().to_string(),
@@ -279,6 +289,7 @@ pub fn row(
         beta_gbs: model.map(|m| m.beta_gbs),
         predicted_us,
         efficiency: theory::efficiency(predicted_us, time_us),
+        algo: algo.name().into(),
     }
 }
 

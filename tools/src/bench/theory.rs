@@ -7,9 +7,33 @@
 //! - predicted time t = steps · α + bytes per link / β, with steps 2(n−1) and bytes per link
 //!   2(n−1)/n · S for all-reduce, n−1 and (n−1)/n · S for reduce-scatter and all-gather, n−1 and S
 //!   for broadcast and reduce (a pipelined chain);
+//! - an all-reduce by recursive doubling (small buffers, see `ringzero::AllReduceAlgo`) takes
+//!   its schedule's rounds as steps (log2 n, two more when n is not a power of two) and sends the
+//!   whole buffer in each: bytes per link rounds · S;
 //! - efficiency = predicted / measured time (1.0: the implementation runs at the model's limit).
 
+use ringzero_collectives::ring::doubling;
 use ringzero_collectives::Collective;
+
+/// How a collective moves: round the ring (every collective), or by recursive doubling (a
+/// small all-reduce).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Algo {
+    /// The ring's schedule (or the pairwise exchange of the collectives that have no ring).
+    Ring,
+    /// Recursive doubling ([`doubling`]).
+    Doubling,
+}
+
+impl Algo {
+    /// The name in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Algo::Ring => "ring",
+            Algo::Doubling => "doubling",
+        }
+    }
+}
 
 /// The α–β model of the links in use.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -47,10 +71,11 @@ pub fn busbw_gbs(op: Collective, n: usize, bytes: usize, time_us: f64) -> f64 {
     algbw_gbs(bytes, time_us) * busbw_factor(op, n)
 }
 
-/// Ring steps of a collective on `n` ranks.
-pub fn steps(op: Collective, n: usize) -> usize {
+/// Ring steps of a collective on `n` ranks (rounds, for recursive doubling).
+pub fn steps(op: Collective, algo: Algo, n: usize) -> usize {
     let hops = n.saturating_sub(1);
     match op {
+        _ if algo == Algo::Doubling => doubling::depth(n),
         Collective::AllReduce => 2 * hops,
         // One message each way between two ranks; the pairwise collectives send all theirs at
         // once.
@@ -61,12 +86,14 @@ pub fn steps(op: Collective, n: usize) -> usize {
 }
 
 /// Bytes each link carries for a collective of `bytes` total bytes on `n` ranks.
-pub fn bytes_per_link(op: Collective, n: usize, bytes: usize) -> f64 {
+pub fn bytes_per_link(op: Collective, algo: Algo, n: usize, bytes: usize) -> f64 {
     if n < 2 {
         return 0.0;
     }
+    let rounds = doubling::depth(n) as f64;
     let (s, n) = (bytes as f64, n as f64);
     match op {
+        _ if algo == Algo::Doubling => rounds * s,
         Collective::AllReduce => 2.0 * (n - 1.0) / n * s,
         // All-to-all: n − 1 exchanges of one block (s/n), each over its own link. The pairwise
         // collectives move as much through each rank (the root, for gather and scatter), which
@@ -82,12 +109,13 @@ pub fn bytes_per_link(op: Collective, n: usize, bytes: usize) -> f64 {
 }
 
 /// Predicted time in µs (None for a one-rank world, where there is nothing to predict).
-pub fn predict_us(op: Collective, n: usize, bytes: usize, m: Model) -> Option<f64> {
+pub fn predict_us(op: Collective, algo: Algo, n: usize, bytes: usize, m: Model) -> Option<f64> {
     if n < 2 || m.beta_gbs <= 0.0 {
         return None;
     }
     // β GB/s = β·10³ bytes per µs.
-    Some(steps(op, n) as f64 * m.alpha_us + bytes_per_link(op, n, bytes) / (m.beta_gbs * 1e3))
+    let link = bytes_per_link(op, algo, n, bytes);
+    Some(steps(op, algo, n) as f64 * m.alpha_us + link / (m.beta_gbs * 1e3))
 }
 
 /// Predicted over measured time.
@@ -122,20 +150,28 @@ mod tests {
         };
         // all-reduce, 4 ranks, 8 MB: 6 steps · 2 µs + 1.5 · 8e6 B / 4e3 B/µs = 12 + 3000 µs.
         assert_eq!(
-            predict_us(Collective::AllReduce, 4, 8_000_000, m),
+            predict_us(Collective::AllReduce, Algo::Ring, 4, 8_000_000, m),
             Some(3012.0)
         );
         // all-gather, 2 ranks, 1 MB: 1 · 2 + 0.5 · 1e6 / 4e3 = 2 + 125.
         assert_eq!(
-            predict_us(Collective::AllGather, 2, 1_000_000, m),
+            predict_us(Collective::AllGather, Algo::Ring, 2, 1_000_000, m),
             Some(127.0)
         );
         // broadcast, 3 ranks, 4 kB: 2 · 2 + 4000 / 4000 = 5.
         assert_eq!(
-            predict_us(Collective::Broadcast { root: 0 }, 3, 4000, m),
+            predict_us(Collective::Broadcast { root: 0 }, Algo::Ring, 3, 4000, m),
             Some(5.0)
         );
-        assert_eq!(predict_us(Collective::AllReduce, 1, 4000, m), None);
+        assert_eq!(
+            predict_us(Collective::AllReduce, Algo::Ring, 1, 4000, m),
+            None
+        );
+        // By recursive doubling, 4 ranks, 8 kB: 2 rounds · 2 µs + 2 · 8000 / 4000 = 8; 5 ranks
+        // fold first: 4 rounds.
+        let d = |n, b| predict_us(Collective::AllReduce, Algo::Doubling, n, b, m);
+        assert_eq!(d(4, 8000), Some(8.0));
+        assert_eq!(d(5, 8000), Some(16.0));
         assert_eq!(efficiency(Some(50.0), 100.0), Some(0.5));
         assert_eq!(efficiency(None, 100.0), None);
     }
