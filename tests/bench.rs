@@ -2,7 +2,7 @@
 //! rows that add up, and a JSON report that parses back.
 
 use ringzero::{DType, ReduceOp, TransportPref};
-use ringzero_tools::bench::{self, report::Report, sweep::SweepArgs, BenchArgs};
+use ringzero_tools::bench::{self, report::Report, sweep::SweepArgs, theory::Algo, BenchArgs};
 
 use crate::common::{threads, Opts};
 
@@ -167,7 +167,7 @@ fn rows_follow_the_nccl_tests_definitions_and_the_json_parses_back() {
         let m = bench::theory::Model { alpha_us, beta_gbs };
         assert_eq!(
             row.predicted_us,
-            bench::theory::predict_us(op, 2, row.bytes, m)
+            bench::theory::predict_us(op, Algo::Ring, 2, row.bytes, m)
         );
         assert_eq!(
             row.efficiency,
@@ -186,8 +186,11 @@ fn rows_follow_the_nccl_tests_definitions_and_the_json_parses_back() {
         assert_eq!(row.bytes, row.count * 4);
         assert!((row.algbw_gbs - bench::theory::algbw_gbs(row.bytes, row.time_us)).abs() < 1e-12);
         assert!((row.busbw_gbs - row.algbw_gbs * bench::theory::busbw_factor(op, 2)).abs() < 1e-12);
+        // Two ranks: every all-reduce goes round the ring under `auto`.
+        assert_eq!(row.algo, "ring", "{row:?}");
         let pred = bench::theory::predict_us(
             op,
+            Algo::Ring,
             2,
             row.bytes,
             bench::theory::Model {

@@ -52,7 +52,7 @@ pub fn rounds(n: usize, rank: usize) -> Vec<Round> {
     }
     let p = 1usize << n.ilog2();
     let extra = n - p;
-    if rank < 2 * extra && rank % 2 == 0 {
+    if rank < 2 * extra && rank.is_multiple_of(2) {
         // Folded away: hand the buffer to the odd neighbour, get the result back at the end.
         let peer = rank + 1;
         let fold = Round {
@@ -209,7 +209,7 @@ mod tests {
             );
             // Every rank's input exactly once, in rank order (the tree keeps the order).
             let leaves: Vec<String> = vals[0]
-                .split(|c| c == '(' || c == ')' || c == '+')
+                .split(['(', ')', '+'])
                 .filter(|s| !s.is_empty())
                 .map(str::to_string)
                 .collect();
