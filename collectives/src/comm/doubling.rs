@@ -101,11 +101,9 @@ impl Inner {
         let slice_elems = (self.cfg.slice_bytes / es).max(1);
         let whole = |_| *fp;
         let mut theirs = Aligned::zeroed(acc.len);
-        // The announcement: an empty frame each way around the ring, with the first round.
-        let ring_slice = st.links.as_ref().map_or(slice_elems, |l| {
-            (l.tx.slot_bytes().min(self.cfg.slice_bytes) / es).max(1)
-        });
-        let announce_plan = plan_p2p(Some(0), Some(0), ring_slice);
+        // The announcement: an empty frame each way around the ring, with the first round (one
+        // empty slice, whatever the slot size).
+        let announce_plan = plan_p2p(Some(0), Some(0), 1);
         let mut announce = st.links.as_mut().map(|links| {
             let call = self.p2p_call(
                 &announce_plan,
