@@ -7,16 +7,25 @@
 use half::bf16;
 use ringzero::kernels::cpu::Float;
 use ringzero::Communicator;
-use ringzero_zero::{Engine, Precision, StepOutcome, ZeroError};
+use ringzero_zero::{hybrid_groups, Engine, Precision, StepOutcome, ZeroError};
 
 use crate::common::{fresh_dir, threads, Opts};
 use crate::zero::{baseline_on, bits, cfg_in, grad, init, specs, train_engine};
 
 /// Node-major layout of four ranks: shard groups {0,1} and {2,3}, replica groups {0,2} and {1,3}.
 fn groups(world: &Communicator) -> (Communicator, Communicator) {
-    let r = world.rank() as u32;
-    let shard = world.split(Some(r / 2), r).unwrap().unwrap();
-    let replicas = world.split(Some(r % 2), r / 2).unwrap().unwrap();
+    let (shard, replicas) = hybrid_groups(world, 2).unwrap();
+    let r = world.rank();
+    assert_eq!(
+        (shard.size(), shard.rank()),
+        (2, r % 2),
+        "rank {r}'s shard group"
+    );
+    assert_eq!(
+        (replicas.size(), replicas.rank()),
+        (2, r / 2),
+        "rank {r}'s replicas"
+    );
     (shard, replicas)
 }
 
@@ -126,6 +135,50 @@ fn replicas_holding_different_shards_are_refused_on_every_rank() {
             "rank {rank}: {e}"
         );
         // Nothing was left half-done: the communicators still work.
+        let mut x = [1.0f32];
+        world
+            .all_reduce_in_place(&mut x, ringzero::ReduceOp::Sum)
+            .unwrap();
+        assert_eq!(x, [4.0]);
+    });
+}
+
+#[test]
+fn a_configured_shard_size_is_honoured_or_refused_never_dropped() {
+    threads(4, &Opts::default(), |rank, world| {
+        let world = world.unwrap();
+        let mut c = cfg_in(Precision::Fp32, 3, None);
+        c.shard_size = Some(2);
+        // The plain constructor would shard over all four ranks: refused, naming both sizes.
+        let Err(e) = Engine::<f32>::new(&world, &specs(), &init, c.clone()) else {
+            panic!("rank {rank}: a shard size of 2 was dropped on a 4-rank engine");
+        };
+        let e = e.to_string();
+        assert!(
+            e.contains("groups of 2") && e.contains("all 4 ranks"),
+            "{e}"
+        );
+        // A size that does not divide the world is refused before any split.
+        let Err(e) = hybrid_groups(&world, 3) else {
+            panic!("rank {rank}: groups of 3 out of 4 ranks")
+        };
+        assert!(
+            e.to_string()
+                .contains("shard size 3 does not divide the 4 ranks"),
+            "{e}"
+        );
+        let (shard, rep) = groups(&world);
+        // Groups of 2 built, but the config says 4 (the world's size): refused too.
+        let mut four = c.clone();
+        four.shard_size = Some(4);
+        let Err(e) = Engine::<f32>::new_hybrid(&shard, &rep, &specs(), &init, four) else {
+            panic!("rank {rank}: a 2-rank shard group accepted a shard size of 4");
+        };
+        assert!(e.to_string().contains("has 2 ranks"), "{e}");
+        // The matching size trains, and the communicators still work after the refusals.
+        let mut e = Engine::<f32>::new_hybrid(&shard, &rep, &specs(), &init, c).unwrap();
+        let (norms, _) = norms_and_params(&mut e, rank);
+        assert!(norms.iter().all(|g| g.is_finite() && *g > 0.0), "{norms:?}");
         let mut x = [1.0f32];
         world
             .all_reduce_in_place(&mut x, ringzero::ReduceOp::Sum)

@@ -16,7 +16,9 @@ use rand::{Rng, SeedableRng};
 use ringzero_collectives::{Communicator, ReduceOp};
 use ringzero_kernels::cpu::Float;
 use ringzero_zero::mem::{model_states_with, K_ADAM};
-use ringzero_zero::{Engine, Memory, ParamSpec, Precision, StepOutcome, ZeroConfig, ZeroError};
+use ringzero_zero::{
+    hybrid_groups, Engine, Memory, ParamSpec, Precision, StepOutcome, ZeroConfig, ZeroError,
+};
 
 /// The network: `layers` linear layers, ReLU between them.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -160,9 +162,6 @@ pub struct DemoArgs {
     pub resume: Option<std::path::PathBuf>,
     /// Save a checkpoint here after the last step.
     pub save: Option<std::path::PathBuf>,
-    /// Hybrid sharding: shard over groups of this many consecutive ranks, replicate across the
-    /// groups (`None`: shard over every rank).
-    pub shard_size: Option<usize>,
 }
 
 /// One step as seen by every rank.
@@ -232,7 +231,7 @@ pub fn train<T: Float>(
     }
     let specs = mlp.specs();
     let init = |p: usize, i: usize| mlp.init(p, i);
-    let groups = match args.shard_size {
+    let groups = match args.zero.shard_size {
         Some(s) => Some(hybrid_groups(comm, s)?),
         None => None,
     };
@@ -409,28 +408,6 @@ pub fn train<T: Float>(
         load_time,
         save_time,
     })
-}
-
-/// Hybrid sharding's communicators on `comm`: shard groups of `size` consecutive ranks, and the
-/// replica groups of the ranks at the same place in each (a collective: two splits).
-fn hybrid_groups(
-    comm: &Communicator,
-    size: usize,
-) -> Result<(Communicator, Communicator), ZeroError> {
-    let n = comm.size();
-    if size == 0 || !n.is_multiple_of(size) {
-        return Err(ZeroError::Config(format!(
-            "shard size {size} does not divide the {n} ranks into whole groups"
-        )));
-    }
-    let r = comm.rank();
-    let key = |k: usize| u32::try_from(k).expect("a rank fits u32");
-    let shard = comm.split(Some(key(r / size)), key(r % size))?;
-    let replicas = comm.split(Some(key(r % size)), key(r / size))?;
-    match (shard, replicas) {
-        (Some(s), Some(rep)) => Ok((s, rep)),
-        _ => unreachable!("every rank passed a color"),
-    }
 }
 
 /// Rank 0's closing text: memory per rank by category against the formula.

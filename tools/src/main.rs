@@ -85,6 +85,10 @@ enum Cmd {
         /// Optimizer bytes per parameter (12 for mixed-precision Adam).
         #[arg(long, default_value_t = ringzero_zero::mem::K_ADAM)]
         k: f64,
+        /// Hybrid sharding (MiCS's `mics_shard_size`, FSDP's HYBRID_SHARD): shard over groups of
+        /// S ranks and replicate across the --dp/S groups; adds the traffic between groups.
+        #[arg(long = "shard-size", value_name = "S")]
+        shard_size: Option<usize>,
     },
     /// ZeRO checkpoints: check one, or consolidate its shards into one file of full weights.
     Ckpt {
@@ -455,43 +459,71 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             dp,
             stage,
             k,
+            shard_size,
         } => {
             anyhow::ensure!(dp >= 1, "--dp must be at least 1");
             anyhow::ensure!(
                 k.is_finite() && k >= 0.0,
                 "--k must be a non-negative number"
             );
+            use ringzero_zero::mem;
+            let shard = shard_size.unwrap_or(dp);
+            let replicas =
+                mem::replicas(dp, shard).map_err(|e| anyhow::anyhow!("--shard-size: {e}"))?;
             let stages: Vec<u8> = match stage {
                 Some(s) => vec![s],
                 None => vec![0, 1, 2, 3],
             };
             for &s in &stages {
-                ringzero_zero::mem::model_states(params, dp, s, k).map_err(anyhow::Error::msg)?;
+                mem::model_states(params, shard, s, k).map_err(anyhow::Error::msg)?;
             }
+            let layout = match shard_size {
+                Some(_) => format!(
+                    "{dp} data-parallel ranks as {replicas} replicas of a shard group of {shard}"
+                ),
+                None => format!("{dp} data-parallel ranks"),
+            };
             println!(
-                "ZeRO model states per rank: {:.3e} parameters, {dp} data-parallel ranks, K = {k} (mixed-precision Adam: \
-                 2 B params + 2 B grads + K B optimizer per parameter)",
-                params
+                "ZeRO model states per rank: {params:.3e} parameters, {layout}, K = {k} \
+                 (mixed-precision Adam: 2 B params + 2 B grads + K B optimizer per parameter)"
             );
-            println!(
+            let comm_head = if shard_size.is_some() {
+                "comm in group (GB)"
+            } else {
+                "comm/step/rank (GB)"
+            };
+            print!(
                 "{:>6} {:>12} {:>12} {:>14} {:>12} {:>22}",
-                "stage", "params GB", "grads GB", "optimizer GB", "total GB", "comm/step/rank (GB)"
+                "stage", "params GB", "grads GB", "optimizer GB", "total GB", comm_head
             );
+            if shard_size.is_some() {
+                print!(" {:>22}", "between groups (GB)");
+            }
+            println!();
             for s in stages {
-                let m = ringzero_zero::mem::model_states(params, dp, s, k)
-                    .map_err(anyhow::Error::msg)?;
-                let comm = ringzero_zero::mem::comm_elements_per_step(params, dp, s) * 2.0;
-                println!(
+                let m = mem::model_states(params, shard, s, k).map_err(anyhow::Error::msg)?;
+                let c = mem::hybrid_comm_elements_per_step(params, shard, replicas, s);
+                print!(
                     "{:>6} {:>12.2} {:>12.2} {:>14.2} {:>12.2} {:>22.2}",
                     s,
                     m.params / 1e9,
                     m.grads / 1e9,
                     m.optimizer / 1e9,
                     m.total() / 1e9,
-                    comm / 1e9
+                    c.group * 2.0 / 1e9
                 );
+                if shard_size.is_some() {
+                    print!(" {:>22.2}", c.replicas * 2.0 / 1e9);
+                }
+                println!();
             }
             println!("comm: 2Ψ (stages 0-2) or 3Ψ (stage 3) 16-bit elements × (N−1)/N per rank and step, ring collectives");
+            if shard_size.is_some() {
+                println!(
+                    "hybrid: N = the shard group ({shard}); between groups, the gradient average over \
+                     the {replicas} replicas: 2·(Ψ/{shard})·(R−1)/R elements (all Ψ in stage 0)"
+                );
+            }
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Demo(d) => demo(d),
@@ -886,6 +918,7 @@ fn demo(d: DemoCli) -> anyhow::Result<ExitCode> {
                 ("--stage", d.stage.is_some()),
                 ("--precision", d.precision.is_some()),
                 ("--lr", d.lr.is_some()),
+                ("--shard-size", d.shard_size.is_some()),
             ] {
                 anyhow::ensure!(
                     !given,
@@ -903,6 +936,7 @@ fn demo(d: DemoCli) -> anyhow::Result<ExitCode> {
                 .bucket_elems(layer_elems)
                 .prefetch_elems(2 * layer_elems)
                 .overlap_comm(d.overlap_comm)
+                .shard_size(d.shard_size)
                 .adamw(ringzero_kernels::cpu::AdamW {
                     lr: d.lr.unwrap_or(3e-3),
                     weight_decay: 0.0,
@@ -939,7 +973,6 @@ fn demo(d: DemoCli) -> anyhow::Result<ExitCode> {
                 zero: z,
                 resume: None,
                 save: None,
-                shard_size: d.shard_size,
             };
             let r = demo::run(&comm, &args, &mut |_| {})?;
             rows.push((stage, prefetch, r));
@@ -997,7 +1030,7 @@ fn demo(d: DemoCli) -> anyhow::Result<ExitCode> {
         println!(
             "ringzero demo: {} ranks, ZeRO stage {}{}, {}, MLP {}→{}×{}→{} ({} layers), batch {} per rank, {} steps; teacher y = A·x (best loss 0)",
             comm.size(), zero.stage,
-            d.shard_size.map_or(String::new(), |s| format!(
+            zero.shard_size.map_or(String::new(), |s| format!(
                 " hybrid (sharded over groups of {s}, {} replicas)",
                 comm.size() / s.max(1)
             )),
@@ -1021,7 +1054,6 @@ fn demo(d: DemoCli) -> anyhow::Result<ExitCode> {
         zero: zero.clone(),
         resume: d.resume.clone(),
         save: d.save.clone(),
-        shard_size: d.shard_size,
     };
     if let (true, Some(dir)) = (root, &d.resume) {
         println!("resuming from the checkpoint in {}", dir.display());

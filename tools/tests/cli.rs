@@ -221,6 +221,42 @@ fn mem_reproduces_the_zero_papers_table() {
 }
 
 #[test]
+fn mem_with_a_shard_size_prices_hybrid_sharding() {
+    let out = ringzero()
+        .args(["mem", "--params", "7.5B", "--dp", "64", "--shard-size", "8"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("64 data-parallel ranks as 8 replicas of a shard group of 8"),
+        "{text}"
+    );
+    let rows: Vec<Vec<String>> = text
+        .lines()
+        .filter(|l| l.trim_start().starts_with(|c: char| c.is_ascii_digit()))
+        .map(|l| l.split_whitespace().map(String::from).collect())
+        .collect();
+    // Memory is the paper's for 8 ranks; the last column the gradient average across groups:
+    // 2·Ψ·7/8 in stage 0, 2·(Ψ/8)·7/8 after that (16-bit elements, GB).
+    let col = |i: usize| rows.iter().map(|r| r[i].as_str()).collect::<Vec<_>>();
+    assert_eq!(col(4), ["120.00", "41.25", "28.12", "15.00"], "{text}");
+    assert_eq!(col(5), ["26.25", "26.25", "26.25", "39.38"], "{text}");
+    assert_eq!(col(6), ["26.25", "3.28", "3.28", "3.28"], "{text}");
+    let out = ringzero()
+        .args(["mem", "--params", "1B", "--dp", "64", "--shard-size", "7"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("--shard-size: shard size 7 does not divide the 64 ranks"),
+        "{stderr}"
+    );
+    assert!(out.stdout.is_empty(), "nothing printed before the error");
+}
+
+#[test]
 fn demo_trains_every_stage_and_precision_and_loss_goes_down() {
     for (n, stage, precision) in [
         ("2", "0", "fp32"),
@@ -321,6 +357,43 @@ fn demo_trains_with_hybrid_sharding_and_refuses_a_shard_size_that_does_not_divid
         "{stderr}"
     );
     assert!(!stderr.contains("panicked"), "{stderr}");
+    // DeepSpeed's key for it, from a config file; the flag and the file may not both say.
+    let dir = std::env::temp_dir().join(format!("ringzero-mics-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("ds.json");
+    std::fs::write(
+        &cfg,
+        r#"{"zero_optimization": {"stage": 3, "mics_shard_size": 2},
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.003}}}"#,
+    )
+    .unwrap();
+    let out = ringzero()
+        .args(["demo", "-n", "4", "--steps", "3", "--config"])
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("hybrid (sharded over groups of 2, 2 replicas)"),
+        "{stdout}"
+    );
+    let out = ringzero()
+        .args(["demo", "-n", "4", "--shard-size", "2", "--config"])
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("--shard-size and --config both given"),
+        "{stderr}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]

@@ -114,6 +114,12 @@ pub struct ZeroConfig {
     /// `train_batch_size` = micro batch × accumulation steps × world size (checked by the engine,
     /// which knows the world size).
     pub train_batch: Option<usize>,
+    /// Hybrid sharding (`zero_optimization.mics_shard_size`; DeepSpeed's -1, or none, is off):
+    /// the states are sharded over groups of this many ranks and replicated across the groups.
+    /// The engine is then built with [`crate::Engine::new_hybrid`] on the communicators
+    /// [`crate::hybrid_groups`] splits off (the plain constructor refuses such a config, so the
+    /// setting is never silently dropped).
+    pub shard_size: Option<usize>,
 }
 
 impl Default for ZeroConfig {
@@ -131,6 +137,7 @@ impl Default for ZeroConfig {
             adamw: AdamW::default(),
             micro_batch: None,
             train_batch: None,
+            shard_size: None,
         }
     }
 }
@@ -190,6 +197,11 @@ impl ZeroConfigBuilder {
     /// AdamW hyper-parameters.
     pub fn adamw(mut self, h: AdamW) -> Self {
         self.cfg.adamw = h;
+        self
+    }
+    /// Hybrid sharding over groups of this many ranks (`None`: shard over every rank).
+    pub fn shard_size(mut self, s: Option<usize>) -> Self {
+        self.cfg.shard_size = s;
         self
     }
     /// The checked configuration.
@@ -271,6 +283,11 @@ impl ZeroConfig {
         if self.micro_batch == Some(0) || self.train_batch == Some(0) {
             return Err(bad("batch sizes must be at least 1"));
         }
+        if self.shard_size == Some(0) {
+            return Err(bad(
+                "mics_shard_size must be at least 1 rank (or -1 for no hybrid sharding)",
+            ));
+        }
         Ok(())
     }
 
@@ -278,7 +295,7 @@ impl ZeroConfig {
     /// error naming it (all of them at once), as is a value of the wrong type.
     ///
     /// Supported: `zero_optimization.{stage, reduce_bucket_size, allgather_bucket_size,
-    /// overlap_comm, stage3_prefetch_bucket_size}`, `fp16.{enabled, loss_scale,
+    /// overlap_comm, stage3_prefetch_bucket_size, mics_shard_size}`, `fp16.{enabled, loss_scale,
     /// initial_scale_power, loss_scale_window, hysteresis, min_loss_scale}`, `bf16.enabled`,
     /// `gradient_clipping`, `gradient_accumulation_steps`, `optimizer.{type: AdamW,
     /// params.{lr, betas, eps, weight_decay}}`, `train_micro_batch_size_per_gpu`,
@@ -312,6 +329,7 @@ impl ZeroConfig {
                             "stage3_prefetch_bucket_size" => {
                                 cfg.prefetch_elems = uint(&key, v2)? as usize
                             }
+                            "mics_shard_size" => cfg.shard_size = shard_size(&key, v2)?,
                             _ => unknown.push(key),
                         }
                     }
@@ -402,7 +420,7 @@ impl ZeroConfig {
             return Err(bad(format!(
                 "unknown or unsupported key{} {} (ringzero reads zero_optimization.{{stage, \
                  reduce_bucket_size, allgather_bucket_size, overlap_comm, \
-                 stage3_prefetch_bucket_size}}, fp16.*, bf16.enabled, gradient_clipping, \
+                 stage3_prefetch_bucket_size, mics_shard_size}}, fp16.*, bf16.enabled, gradient_clipping, \
                  gradient_accumulation_steps, optimizer (AdamW), train_batch_size, \
                  train_micro_batch_size_per_gpu)",
                 if unknown.len() > 1 { "s" } else { "" },
@@ -452,6 +470,19 @@ fn uint(key: &str, v: &Value) -> Result<u64, ZeroError> {
     Ok(x as u64)
 }
 
+/// `mics_shard_size`: a group size of at least 1, or DeepSpeed's -1 for off.
+fn shard_size(key: &str, v: &Value) -> Result<Option<usize>, ZeroError> {
+    if num(key, v)? == -1.0 {
+        return Ok(None);
+    }
+    match uint(key, v) {
+        Ok(s) if s >= 1 => Ok(Some(s as usize)),
+        _ => Err(bad(format!(
+            "`{key}` must be a group size of at least 1 rank, or -1 for no hybrid sharding, got {v}"
+        ))),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -486,11 +517,37 @@ mod tests {
         assert_eq!(c.clip_norm, Some(1.0));
         assert_eq!(c.adamw.beta2, 0.95);
         assert_eq!((c.micro_batch, c.train_batch), (Some(8), Some(64)));
+        assert_eq!(c.shard_size, None);
         let d = ZeroConfig::from_json(r#"{"bf16": {"enabled": true}, "gradient_clipping": 0}"#)
             .unwrap();
         assert_eq!(
             (d.stage, d.precision, d.clip_norm),
             (0, Precision::Bf16, None)
+        );
+    }
+
+    #[test]
+    fn mics_shard_size_turns_hybrid_sharding_on_and_minus_one_off() {
+        let on =
+            ZeroConfig::from_json(r#"{"zero_optimization": {"stage": 3, "mics_shard_size": 8}}"#);
+        assert_eq!(on.unwrap().shard_size, Some(8));
+        let off = ZeroConfig::from_json(r#"{"zero_optimization": {"mics_shard_size": -1}}"#);
+        assert_eq!(off.unwrap().shard_size, None);
+        for bad in ["0", "-2", "1.5", "\"8\""] {
+            let text = format!(r#"{{"zero_optimization": {{"mics_shard_size": {bad}}}}}"#);
+            let e = ZeroConfig::from_json(&text).unwrap_err().to_string();
+            assert!(
+                e.contains("`zero_optimization.mics_shard_size`"),
+                "{bad}: {e}"
+            );
+        }
+        let e = ZeroConfig::builder()
+            .shard_size(Some(0))
+            .build()
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("mics_shard_size must be at least 1"),
+            "{e}"
         );
     }
 

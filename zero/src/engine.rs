@@ -207,6 +207,27 @@ pub struct Engine<'c, T: Float = f32> {
     wait: CommWait,
 }
 
+/// Hybrid sharding's communicators on `world` for [`Engine::new_hybrid`]: shard groups of
+/// `size` consecutive ranks (a node's, when ranks are numbered node by node), and replica
+/// groups of the ranks at the same place in each. A collective (two splits) that every rank of
+/// `world` calls with the same `size` ([`ZeroConfig::shard_size`]); a size that does not divide
+/// the world into whole groups is refused before anything is split.
+pub fn hybrid_groups(
+    world: &Communicator,
+    size: usize,
+) -> Result<(Communicator, Communicator), ZeroError> {
+    let n = world.size();
+    crate::mem::replicas(n, size).map_err(ZeroError::Config)?;
+    let r = world.rank();
+    let key = |k: usize| u32::try_from(k).expect("a rank fits u32");
+    let shard = world.split(Some(key(r / size)), key(r % size))?;
+    let replicas = world.split(Some(key(r % size)), key(r / size))?;
+    match (shard, replicas) {
+        (Some(s), Some(rep)) => Ok((s, rep)),
+        _ => unreachable!("every rank passed a color"),
+    }
+}
+
 impl<'c, T: Float> Engine<'c, T> {
     /// An engine for `specs` on `comm`, every parameter element initialised by `init(param index,
     /// element index)` (the same function on every rank, so no broadcast is needed; with 16-bit
@@ -217,6 +238,14 @@ impl<'c, T: Float> Engine<'c, T> {
         init: &dyn Fn(usize, usize) -> f32,
         cfg: ZeroConfig,
     ) -> Result<Engine<'c, T>, ZeroError> {
+        if let Some(s) = cfg.shard_size.filter(|&s| s != comm.size()) {
+            return Err(ZeroError::Config(format!(
+                "the config shards over groups of {s} ranks (mics_shard_size) but Engine::new \
+                 shards over all {} ranks of its communicator: build the groups with \
+                 ringzero_zero::hybrid_groups and the engine with Engine::new_hybrid",
+                comm.size()
+            )));
+        }
         Self::build(comm, None, specs, init, cfg)
     }
 
@@ -241,6 +270,13 @@ impl<'c, T: Float> Engine<'c, T> {
         init: &dyn Fn(usize, usize) -> f32,
         cfg: ZeroConfig,
     ) -> Result<Engine<'c, T>, ZeroError> {
+        if let Some(s) = cfg.shard_size.filter(|&s| s != shard.size()) {
+            return Err(ZeroError::Config(format!(
+                "the config shards over groups of {s} ranks (mics_shard_size) but the shard \
+                 communicator has {} ranks",
+                shard.size()
+            )));
+        }
         let mine = [shard.rank() as i64, shard.size() as i64];
         let mut all = vec![0i64; 2 * replicas.size()];
         replicas.all_gather(&mine, &mut all)?;

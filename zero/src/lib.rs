@@ -24,6 +24,6 @@ pub mod scaler;
 
 pub use checkpoint::{Checkpoint, Meta as CheckpointMeta};
 pub use config::{LossScaling, Precision, ZeroConfig, ZeroConfigBuilder};
-pub use engine::{CommWait, Engine, Memory, StepOutcome, ZeroError};
+pub use engine::{hybrid_groups, CommWait, Engine, Memory, StepOutcome, ZeroError};
 pub use partition::{ParamSpec, Partition};
 pub use scaler::LossScaler;

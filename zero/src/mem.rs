@@ -12,6 +12,13 @@
 //! Communication per step and rank: 2Ψ elements for stages 0–2 (a reduce-scatter and an all-gather,
 //! or an all-reduce), 3Ψ for stage 3 (parameters are all-gathered for forward and again for
 //! backward), each scaled by (N − 1)/N for a ring.
+//!
+//! Hybrid sharding (MiCS, FSDP's `HYBRID_SHARD`, [`crate::Engine::new_hybrid`]): the N ranks
+//! form R = N/S groups of S; each group shards the states as above over its S ranks (so memory is
+//! the table's with N = S), and the R ranks holding the same shard average the reduced gradients
+//! once per step with a ring all-reduce: 2(R − 1)/R of the gradient shard (Ψ/S elements; all Ψ in
+//! stage 0, which shards nothing) on the links between groups, in exchange for S-way instead of
+//! N-way sharding.
 
 /// Optimizer bytes per parameter for mixed-precision Adam.
 pub const K_ADAM: f64 = 12.0;
@@ -87,6 +94,43 @@ pub fn comm_elements_per_step(psi: f64, n: usize, stage: u8) -> f64 {
     volume * psi * (n - 1.0) / n
 }
 
+/// Replica groups of a hybrid layout: `n` ranks sharded over groups of `shard`, refused (with the
+/// reason) unless `shard` divides `n` into whole groups.
+pub fn replicas(n: usize, shard: usize) -> Result<usize, String> {
+    if shard == 0 || n == 0 || !n.is_multiple_of(shard) {
+        return Err(format!(
+            "shard size {shard} does not divide the {n} ranks into whole groups"
+        ));
+    }
+    Ok(n / shard)
+}
+
+/// Elements each rank sends per training step under hybrid sharding.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct HybridComm {
+    /// Inside its shard group ([`comm_elements_per_step`] on `shard` ranks).
+    pub group: f64,
+    /// To the other replicas of its shard (the gradient average, a ring all-reduce).
+    pub replicas: f64,
+}
+
+/// [`comm_elements_per_step`] for `psi` parameters sharded over groups of `shard` ranks with
+/// `replicas` copies of each group (ring collectives in both).
+pub fn hybrid_comm_elements_per_step(
+    psi: f64,
+    shard: usize,
+    replicas: usize,
+    stage: u8,
+) -> HybridComm {
+    let (s, r) = (shard.max(1) as f64, replicas.max(1) as f64);
+    // Stage 0 averages whole gradients across replicas; the others the shard's reduced range.
+    let averaged = if stage == 0 { psi } else { psi / s };
+    HybridComm {
+        group: comm_elements_per_step(psi, shard, stage),
+        replicas: 2.0 * averaged * (r - 1.0) / r,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -104,5 +148,36 @@ mod tests {
             .contains("stage 4"));
         assert_eq!(comm_elements_per_step(100.0, 4, 1), 150.0);
         assert_eq!(comm_elements_per_step(100.0, 4, 3), 225.0);
+    }
+
+    #[test]
+    fn hybrid_sharding_trades_memory_for_traffic_between_groups() {
+        let psi = 7.5e9;
+        // 64 ranks as 8 groups of 8: memory is the table's for 8 ranks.
+        assert_eq!(replicas(64, 8), Ok(8));
+        let m = model_states(psi, 8, 3, K_ADAM).unwrap().total() / 1e9;
+        assert!((m - 15.0).abs() < 0.05, "{m}");
+        // Stage 3: 3Ψ·7/8 inside the group, 2·(Ψ/8)·7/8 across the 8 replicas.
+        let c = hybrid_comm_elements_per_step(800.0, 8, 8, 3);
+        assert_eq!(c.group, 2100.0);
+        assert_eq!(c.replicas, 175.0);
+        // Stage 0 averages whole gradients across groups.
+        assert_eq!(
+            hybrid_comm_elements_per_step(800.0, 8, 8, 0).replicas,
+            1400.0
+        );
+        // One group is plain ZeRO; groups of one are plain data parallel across ranks.
+        let one = hybrid_comm_elements_per_step(800.0, 64, 1, 2);
+        assert_eq!(
+            (one.group, one.replicas),
+            (comm_elements_per_step(800.0, 64, 2), 0.0)
+        );
+        let solo = hybrid_comm_elements_per_step(800.0, 1, 64, 1);
+        assert_eq!(solo.group, 0.0);
+        assert_eq!(solo.replicas, 2.0 * 800.0 * 63.0 / 64.0);
+        for (n, s) in [(64, 0), (64, 7), (0, 1), (4, 8)] {
+            let e = replicas(n, s).unwrap_err();
+            assert!(e.contains(&format!("shard size {s}")), "{e}");
+        }
     }
 }
