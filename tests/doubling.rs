@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use ringzero::{AllReduceAlgo, Collective, DType, ReduceOp, TransportPref};
+use ringzero::{Algo, Collective, DType, ReduceOp, TransportPref};
 
 use crate::common::{check_case, threads, Case, Opts};
 
@@ -23,7 +23,7 @@ fn every_dtype_and_op_matches_the_serial_reference() {
         let o = Opts {
             transport,
             slice_bytes: 1024,
-            algo: Some(AllReduceAlgo::Doubling),
+            algo: Some(Algo::Doubling),
             ..Opts::default()
         };
         threads(n, &o, |_, comm| {
@@ -64,7 +64,7 @@ fn rounding(r: usize, count: usize) -> Vec<f32> {
 fn ranks_end_bit_identical_in_the_schedules_tree_order() {
     let count = 513;
     let o = Opts {
-        algo: Some(AllReduceAlgo::Doubling),
+        algo: Some(Algo::Doubling),
         ..Opts::default()
     };
     for n in [4, 5] {
@@ -100,7 +100,7 @@ fn ranks_end_bit_identical_in_the_schedules_tree_order() {
 fn it_moves_the_whole_buffer_once_per_round_and_auto_switches_at_the_threshold() {
     let max = 4096;
     let o = Opts {
-        algo: Some(AllReduceAlgo::Auto { doubling_max: max }),
+        algo: Some(Algo::Auto { doubling_max: max }),
         ..Opts::default()
     };
     threads(4, &o, |_, comm| {
@@ -146,14 +146,10 @@ fn ranks_that_choose_different_algorithms_fail_at_once_naming_both() {
             let comm = comm.unwrap();
             if connected {
                 let mut warm = [1f32; 4];
-                comm.all_reduce_in_place_with(&mut warm, ReduceOp::Sum, AllReduceAlgo::Doubling)
+                comm.all_reduce_in_place_with(&mut warm, ReduceOp::Sum, Algo::Doubling)
                     .unwrap();
             }
-            let algo = if r == 2 {
-                AllReduceAlgo::Ring
-            } else {
-                AllReduceAlgo::Doubling
-            };
+            let algo = if r == 2 { Algo::Ring } else { Algo::Doubling };
             let mut b = [1f32; 16];
             let e = comm
                 .all_reduce_in_place_with(&mut b, ReduceOp::Sum, algo)

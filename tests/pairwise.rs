@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use ringzero::{AllReduceAlgo, Error, P2p, ReduceOp, TransportPref};
+use ringzero::{Algo, Error, P2p, ReduceOp, TransportPref};
 
 use crate::common::{threads, Opts};
 
@@ -298,7 +298,7 @@ fn a_ring_collective_against_a_pairwise_one_fails_at_once_naming_both() {
                 let e = match r {
                     2 => {
                         let mut b = [1f32; 6];
-                        comm.all_reduce_in_place_with(&mut b, ReduceOp::Sum, AllReduceAlgo::Ring)
+                        comm.all_reduce_in_place_with(&mut b, ReduceOp::Sum, Algo::Ring)
                             .unwrap_err()
                     }
                     1 if connected => {

@@ -2,7 +2,7 @@
 //! reference.
 
 use proptest::prelude::*;
-use ringzero::{AllReduceAlgo, Collective, DType, ReduceOp, TransportKind, TransportPref};
+use ringzero::{Algo, Collective, DType, ReduceOp, TransportKind, TransportPref};
 
 use crate::common::{check_case, host_collectives, threads, Case, Opts};
 
@@ -163,7 +163,7 @@ fn bytes_per_link_match_the_ring_theory() {
             let buf = vec![1f32; s];
             let mut out = vec![0f32; s];
             let before = comm.counters();
-            comm.all_reduce_with(&buf, &mut out, ReduceOp::Sum, AllReduceAlgo::Ring)
+            comm.all_reduce_with(&buf, &mut out, ReduceOp::Sum, Algo::Ring)
                 .unwrap();
             let mid = comm.counters();
             let mut chunk = vec![0f32; s / n];
@@ -186,7 +186,7 @@ fn bytes_per_link_match_the_ring_theory() {
                 (n as u64 - 1) * bytes / n as u64
             );
             // Recursive doubling: log2 n exchanges of the whole buffer, each way.
-            comm.all_reduce_with(&buf, &mut out, ReduceOp::Sum, AllReduceAlgo::Doubling)
+            comm.all_reduce_with(&buf, &mut out, ReduceOp::Sum, Algo::Doubling)
                 .unwrap();
             let end = comm.counters();
             assert_eq!(end.bytes_sent - after.bytes_sent, 2 * bytes, "doubling");

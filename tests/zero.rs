@@ -5,7 +5,7 @@
 
 use half::{bf16, f16};
 use ringzero::kernels::cpu::{adamw_mixed, cast, sq_norm, AdamW, Float};
-use ringzero::{AllReduceAlgo, Communicator, ReduceOp, TransportPref};
+use ringzero::{Algo, Communicator, ReduceOp, TransportPref};
 use ringzero_zero::mem::{comm_elements_per_step, model_states, K_ADAM};
 use ringzero_zero::{
     Engine, LossScaling, ParamSpec, Partition, Precision, StepOutcome, ZeroConfig, ZeroError,
@@ -125,10 +125,10 @@ pub(crate) fn baseline_on<T: Float>(
         }
         // The ring's all-reduce: the order of the engine's reduce-scatter.
         for b in &mut g {
-            comm.all_reduce_in_place_with(b, ReduceOp::Avg, AllReduceAlgo::Ring)
+            comm.all_reduce_in_place_with(b, ReduceOp::Avg, Algo::Ring)
                 .unwrap();
             if let Some(rep) = replicas {
-                rep.all_reduce_in_place_with(b, ReduceOp::Avg, AllReduceAlgo::Ring)
+                rep.all_reduce_in_place_with(b, ReduceOp::Avg, Algo::Ring)
                     .unwrap();
             }
         }

@@ -9,7 +9,7 @@ use ringzero_kernels::{DType, Element, ReduceOp};
 
 use crate::bootstrap::peers::PeerListener;
 use crate::bootstrap::{Identity, StoreServer};
-use crate::config::{AllReduceAlgo, Config};
+use crate::config::{Algo, Config};
 use crate::connect;
 use crate::error::{Error, Result};
 use crate::flight::{FlightRecord, Recorder};
@@ -345,22 +345,22 @@ impl Communicator {
     /// On three ranks or more, small buffers (up to `RINGZERO_DOUBLING_MAX`, 64 KiB by default)
     /// go by recursive doubling (`log2 n` exchanges, each of the whole buffer, with one partner
     /// at a time), larger ones round the ring (`2(n − 1)` hops of `1/n` of it): see
-    /// [`AllReduceAlgo`]
+    /// [`Algo`]
     /// (`RINGZERO_ALGO`). Both leave every rank bit-identical, in an order fixed by the world
     /// size and the count; the two orders differ, so a sum may round differently on either side
     /// of the threshold. [`Communicator::all_reduce_with`] picks the algorithm for one call.
     pub fn all_reduce<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
-        self.all_reduce_with(send, recv, op, self.inner.cfg.all_reduce_algo)
+        self.all_reduce_with(send, recv, op, self.inner.cfg.algo)
     }
 
     /// In-place [`Communicator::all_reduce`].
     pub fn all_reduce_in_place<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
-        self.all_reduce_in_place_with(buf, op, self.inner.cfg.all_reduce_algo)
+        self.all_reduce_in_place_with(buf, op, self.inner.cfg.algo)
     }
 
     /// [`Communicator::all_reduce`] by the algorithm `algo`, whatever `RINGZERO_ALGO` says: for
     /// a caller whose results must round as another collective's do (the ring's all-reduce
-    /// reduces in the order of its reduce-scatter, [`AllReduceAlgo::Ring`]). Every rank must
+    /// reduces in the order of its reduce-scatter, [`Algo::Ring`]). Every rank must
     /// make the same choice: a rank whose call runs another algorithm fails at the first frame,
     /// both calls named.
     pub fn all_reduce_with<T: Element>(
@@ -368,7 +368,7 @@ impl Communicator {
         send: &[T],
         recv: &mut [T],
         op: ReduceOp,
-        algo: AllReduceAlgo,
+        algo: Algo,
     ) -> Result<()> {
         let c = Collective::AllReduce;
         same_len(c, send.len(), recv.len(), "send", "recv")?;
@@ -377,8 +377,14 @@ impl Communicator {
             input: bytemuck::cast_slice(send),
             output: bytemuck::cast_slice_mut(recv),
         };
-        self.inner
-            .all_reduce(algo, T::DTYPE, op, send.len(), false, bufs)
+        self.inner.execute_by(
+            algo,
+            c,
+            (Some(T::DTYPE), op),
+            send.len().into(),
+            false,
+            bufs,
+        )
     }
 
     /// In-place [`Communicator::all_reduce_with`].
@@ -386,12 +392,14 @@ impl Communicator {
         &self,
         buf: &mut [T],
         op: ReduceOp,
-        algo: AllReduceAlgo,
+        algo: Algo,
     ) -> Result<()> {
         self.wait_async_idle();
         let count = buf.len();
         let bufs = Bufs::One(bytemuck::cast_slice_mut(buf));
-        self.inner.all_reduce(algo, T::DTYPE, op, count, true, bufs)
+        let (c, dtype) = (Collective::AllReduce, Some(T::DTYPE));
+        self.inner
+            .execute_by(algo, c, (dtype, op), count.into(), true, bufs)
     }
 
     /// Reduce every rank's `send` and leave chunk [`chunk_range`](Self::chunk_range)`(send.len())`
@@ -476,6 +484,10 @@ impl Communicator {
 
     /// Copy the root's `send` into every rank's `recv`. On other ranks `send` is not read (and may
     /// be empty); on the root it must be as long as `recv`.
+    ///
+    /// On three ranks or more, small buffers (up to `RINGZERO_DOUBLING_MAX`) go down a binomial
+    /// tree (`⌈log2 n⌉` rounds, the holders doubling each round), larger ones down the ring's
+    /// pipelined chain (`n − 1` hops, slice after slice): see [`Algo`] (`RINGZERO_ALGO`).
     pub fn broadcast<T: Element>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
         let c = self.rooted(Collective::Broadcast { root }, root)?;
         if root == self.rank() {
@@ -492,6 +504,11 @@ impl Communicator {
 
     /// Reduce every rank's `send` into the root's `recv` (as long as `send`). On other ranks
     /// `recv` is not written (and may be empty).
+    ///
+    /// Small buffers on three ranks or more go up a binomial tree (`⌈log2 n⌉` rounds), larger
+    /// ones up the ring's chain, as [`Communicator::broadcast`] goes down them; the two reduce in
+    /// different (fixed) orders, so a sum may round differently on either side of the
+    /// threshold.
     pub fn reduce<T: Element>(
         &self,
         send: &[T],
@@ -561,17 +578,21 @@ impl Communicator {
         self.all_to_all(&send, buf)
     }
 
-    /// Return only once every rank has entered the barrier.
+    /// Return only once every rank has entered the barrier. On three ranks or more it is a
+    /// dissemination barrier (`⌈log2 n⌉` rounds of empty messages), else the ring's (`n − 1`
+    /// hops): see [`Algo`] (`RINGZERO_ALGO`).
     pub fn barrier(&self) -> Result<()> {
+        self.barrier_with(self.inner.cfg.algo)
+    }
+
+    /// [`Communicator::barrier`] by the algorithm `algo`, whatever `RINGZERO_ALGO` says (the
+    /// ring's barrier is `n − 1` hops, what `ringzero bench` times as α). Every rank must make
+    /// the same choice: a rank whose call runs another algorithm fails at once, both calls named.
+    pub fn barrier_with(&self, algo: Algo) -> Result<()> {
         self.wait_async_idle();
-        self.inner.execute(
-            Collective::Barrier,
-            None,
-            ReduceOp::Sum,
-            0.into(),
-            false,
-            Bufs::One(&mut []),
-        )
+        let (c, bufs) = (Collective::Barrier, Bufs::One(&mut []));
+        self.inner
+            .execute_by(algo, c, (None, ReduceOp::Sum), 0.into(), false, bufs)
     }
 
     /// Abort the communicator from any thread — a watchdog's, say, while a call is stuck: the call
@@ -929,26 +950,8 @@ impl Inner {
         self.other_links(|others| others.for_each(|l| l.abort(why)));
     }
 
-    /// An all-reduce by `algo` (the ring's, or recursive doubling where `algo` picks it for this
-    /// size).
-    fn all_reduce(
-        &self,
-        algo: AllReduceAlgo,
-        dtype: DType,
-        op: ReduceOp,
-        count: usize,
-        in_place: bool,
-        bufs: Bufs,
-    ) -> Result<()> {
-        if algo.doubles(count.saturating_mul(dtype.size()), self.size) {
-            self.all_reduce_doubling(dtype, op, count, bufs)
-        } else {
-            let c = Collective::AllReduce;
-            self.execute(c, Some(dtype), op, count.into(), in_place, bufs)
-        }
-    }
-
-    /// A ring collective.
+    /// A ring collective, or its doubling schedule where the configured algorithm picks that
+    /// for this size ([`Inner::execute_by`]).
     fn execute(
         &self,
         coll: Collective,
@@ -958,6 +961,28 @@ impl Inner {
         in_place: bool,
         bufs: Bufs,
     ) -> Result<()> {
+        self.execute_by(self.cfg.algo, coll, (dtype, op), count, in_place, bufs)
+    }
+
+    /// [`Inner::execute`] by `algo`: the collectives that have a doubling schedule (all-reduce,
+    /// broadcast, reduce, barrier) run it where `algo` picks it for this size and world, every
+    /// other call runs the ring.
+    fn execute_by(
+        &self,
+        algo: Algo,
+        coll: Collective,
+        (dtype, op): (Option<DType>, ReduceOp),
+        count: Count,
+        in_place: bool,
+        bufs: Bufs,
+    ) -> Result<()> {
+        let bytes = count.total.saturating_mul(dtype.map_or(1, DType::size));
+        if count.parts.is_none()
+            && crate::ring::doubling::has_schedule(coll)
+            && algo.doubles(bytes, self.size)
+        {
+            return self.by_doubling(coll, (dtype, op), count.total, in_place, bufs);
+        }
         let mut st = self.lock();
         let dt = dtype.unwrap_or(DType::U8);
         let fp = Fingerprint::new(coll, dtype, Some(op), count.total);

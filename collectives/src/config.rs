@@ -27,7 +27,7 @@ pub const DEFAULT_TCP_SOCKETS: usize = 1;
 pub const MAX_TCP_SOCKETS: usize = 32;
 /// Default smallest result (bytes of a rank's output buffer) written with streaming stores.
 pub const DEFAULT_STREAM_STORES_FROM: usize = 16 << 20;
-/// Default largest all-reduce (bytes) that `auto` runs by recursive doubling.
+/// Default largest buffer (bytes) that `auto` runs by a doubling schedule.
 pub const DEFAULT_DOUBLING_MAX: usize = 64 << 10;
 /// Default master port when a launcher gives none.
 pub const DEFAULT_PORT: u16 = 29500;
@@ -68,53 +68,57 @@ impl std::fmt::Display for StagingMode {
     }
 }
 
-/// Which algorithm a host all-reduce runs (`RINGZERO_ALGO`, `RINGZERO_DOUBLING_MAX`).
+/// Which algorithm the latency-bound host collectives run (`RINGZERO_ALGO`,
+/// `RINGZERO_DOUBLING_MAX`): all-reduce, broadcast, reduce and barrier either go round the ring
+/// (`2(n − 1)` or `n − 1` hops) or by their doubling schedule in about `log2 n` rounds
+/// (recursive doubling, binomial trees, a dissemination barrier: see `ring::doubling`).
 ///
 /// Every rank must choose alike: a rank whose choice differs fails at the first frame with both
-/// calls named. Both algorithms give every rank bit-identical results, but their reduction
-/// orders differ, so results may differ in rounding between them (see `ring::doubling`).
+/// calls named. Both give every rank of an all-reduce bit-identical results, but the reduction
+/// orders differ, so sums may differ in rounding between them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum AllReduceAlgo {
-    /// Recursive doubling up to `doubling_max` bytes (latency-bound calls) on three ranks or
-    /// more, the ring above (and on two ranks, where both take one exchange's time).
+pub enum Algo {
+    /// The doubling schedules up to `doubling_max` bytes (latency-bound calls; every barrier) on
+    /// three ranks or more, the ring above (and on two ranks, where both take one exchange's
+    /// time).
     Auto {
-        /// The largest buffer, in bytes, run by recursive doubling.
+        /// The largest buffer, in bytes, run by a doubling schedule.
         doubling_max: usize,
     },
     /// The ring at every size (bandwidth-optimal; the order the reduce-scatter uses too).
     Ring,
-    /// Recursive doubling at every size.
+    /// The doubling schedules at every size.
     Doubling,
 }
 
-impl Default for AllReduceAlgo {
+impl Default for Algo {
     fn default() -> Self {
-        AllReduceAlgo::Auto {
+        Algo::Auto {
             doubling_max: DEFAULT_DOUBLING_MAX,
         }
     }
 }
 
-impl AllReduceAlgo {
-    /// Whether an all-reduce of `bytes` on `n` ranks runs by recursive doubling (never on one
-    /// rank, where there is nothing to exchange).
+impl Algo {
+    /// Whether a collective that has a doubling schedule runs it for `bytes` on `n` ranks (never
+    /// on one rank, where there is nothing to exchange).
     pub fn doubles(self, bytes: usize, n: usize) -> bool {
         match self {
-            AllReduceAlgo::Auto { doubling_max } => n > 2 && bytes <= doubling_max,
-            AllReduceAlgo::Ring => false,
-            AllReduceAlgo::Doubling => n > 1,
+            Algo::Auto { doubling_max } => n > 2 && bytes <= doubling_max,
+            Algo::Ring => false,
+            Algo::Doubling => n > 1,
         }
     }
 }
 
-impl std::fmt::Display for AllReduceAlgo {
+impl std::fmt::Display for Algo {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            AllReduceAlgo::Auto { doubling_max } => {
+            Algo::Auto { doubling_max } => {
                 write!(f, "auto (doubling up to {doubling_max} B, ring above)")
             }
-            AllReduceAlgo::Ring => f.write_str("ring"),
-            AllReduceAlgo::Doubling => f.write_str("doubling"),
+            Algo::Ring => f.write_str("ring"),
+            Algo::Doubling => f.write_str("doubling"),
         }
     }
 }
@@ -173,9 +177,10 @@ pub struct Config {
     pub stream_stores_from: usize,
     /// How host staging of device buffers moves bytes (`RINGZERO_STAGING=mapped|copy`).
     pub staging: StagingMode,
-    /// Which algorithm host all-reduces run (`RINGZERO_ALGO=auto|ring|doubling`, and
-    /// `RINGZERO_DOUBLING_MAX` for auto's threshold). Device buffers always take the ring.
-    pub all_reduce_algo: AllReduceAlgo,
+    /// Which algorithm host all-reduces, broadcasts, reduces and barriers run
+    /// (`RINGZERO_ALGO=auto|ring|doubling`, and `RINGZERO_DOUBLING_MAX` for auto's threshold).
+    /// Device buffers always take the ring.
+    pub algo: Algo,
     /// Directory for shared-memory segments (`RINGZERO_SHM_DIR`, default `/dev/shm`).
     pub shm_dir: std::path::PathBuf,
     /// Calls each communicator's flight recorder keeps (`RINGZERO_FLIGHT_ENTRIES`, 0 turns it
@@ -214,7 +219,7 @@ impl Config {
             tcp_sockets: DEFAULT_TCP_SOCKETS,
             stream_stores_from: DEFAULT_STREAM_STORES_FROM,
             staging: StagingMode::Mapped,
-            all_reduce_algo: AllReduceAlgo::default(),
+            algo: Algo::default(),
             shm_dir: "/dev/shm".into(),
             flight_entries: crate::flight::DEFAULT_ENTRIES,
             dump_dir: None,
@@ -342,7 +347,7 @@ impl Config {
                 }
             };
         }
-        c.all_reduce_algo = all_reduce_algo(env)?;
+        c.algo = algo(env)?;
         if let Some(d) = env("RINGZERO_SHM_DIR") {
             c.shm_dir = d.into();
         }
@@ -587,7 +592,7 @@ pub fn default_node_id() -> String {
 }
 
 /// `RINGZERO_ALGO` and `RINGZERO_DOUBLING_MAX` (auto's threshold only).
-fn all_reduce_algo(env: &dyn Fn(&str) -> Option<String>) -> Result<AllReduceAlgo> {
+fn algo(env: &dyn Fn(&str) -> Option<String>) -> Result<Algo> {
     let max = match env("RINGZERO_DOUBLING_MAX") {
         None => None,
         Some(v) => Some(parse_bytes(&v).ok_or_else(|| {
@@ -599,11 +604,11 @@ fn all_reduce_algo(env: &dyn Fn(&str) -> Option<String>) -> Result<AllReduceAlgo
     };
     let algo = env("RINGZERO_ALGO").unwrap_or_default();
     match (algo.trim().to_ascii_lowercase().as_str(), max) {
-        ("auto" | "", max) => Ok(AllReduceAlgo::Auto {
+        ("auto" | "", max) => Ok(Algo::Auto {
             doubling_max: max.unwrap_or(DEFAULT_DOUBLING_MAX),
         }),
-        ("ring", None) => Ok(AllReduceAlgo::Ring),
-        ("doubling", None) => Ok(AllReduceAlgo::Doubling),
+        ("ring", None) => Ok(Algo::Ring),
+        ("doubling", None) => Ok(Algo::Doubling),
         (a @ ("ring" | "doubling"), Some(_)) => Err(Error::config(
             "RINGZERO_DOUBLING_MAX",
             format!(
@@ -797,9 +802,9 @@ mod tests {
         let algo = |kv: &[(&str, &str)]| {
             let mut all = vec![("RINGZERO_RANK", "0"), ("RINGZERO_WORLD_SIZE", "1")];
             all.extend_from_slice(kv);
-            cfg(&all).map(|c| c.all_reduce_algo)
+            cfg(&all).map(|c| c.algo)
         };
-        let auto = AllReduceAlgo::default();
+        let auto = Algo::default();
         assert_eq!(algo(&[]).unwrap(), auto);
         assert!(auto.doubles(DEFAULT_DOUBLING_MAX, 3));
         assert!(!auto.doubles(DEFAULT_DOUBLING_MAX + 1, 3));
@@ -807,22 +812,19 @@ mod tests {
             !auto.doubles(4, 2),
             "two ranks: the ring's two hops of half"
         );
-        assert!(AllReduceAlgo::Doubling.doubles(1 << 30, 2));
+        assert!(Algo::Doubling.doubles(1 << 30, 2));
         assert!(
-            !AllReduceAlgo::Doubling.doubles(4, 1),
+            !Algo::Doubling.doubles(4, 1),
             "one rank has nothing to exchange"
         );
-        assert_eq!(
-            algo(&[("RINGZERO_ALGO", "Ring")]).unwrap(),
-            AllReduceAlgo::Ring
-        );
+        assert_eq!(algo(&[("RINGZERO_ALGO", "Ring")]).unwrap(), Algo::Ring);
         assert_eq!(
             algo(&[("RINGZERO_ALGO", "doubling")]).unwrap(),
-            AllReduceAlgo::Doubling
+            Algo::Doubling
         );
         assert_eq!(
             algo(&[("RINGZERO_DOUBLING_MAX", "1M")]).unwrap(),
-            AllReduceAlgo::Auto {
+            Algo::Auto {
                 doubling_max: 1 << 20
             }
         );

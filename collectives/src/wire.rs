@@ -51,8 +51,9 @@ pub struct Fingerprint {
     /// [`ReduceOp`] code (0 when the collective does not reduce).
     pub redop: u8,
     /// The algorithm, where a collective has more than one: 0 for the ring (and every
-    /// collective with one algorithm), [`Fingerprint::DOUBLING`] for the recursive-doubling
-    /// all-reduce. Ranks that chose differently fail at the first frame, both calls named.
+    /// collective with one algorithm), [`Fingerprint::DOUBLING`] for the doubling schedules
+    /// (`ring::doubling`). Ranks that chose differently fail at the first frame, both calls
+    /// named.
     pub algo: u8,
 }
 
@@ -78,10 +79,10 @@ impl Fingerprint {
         }
     }
 
-    /// [`Fingerprint::algo`] of the recursive-doubling all-reduce.
+    /// [`Fingerprint::algo`] of the doubling schedules.
     pub const DOUBLING: u8 = 1;
 
-    /// This fingerprint, for the recursive-doubling algorithm.
+    /// This fingerprint, for the collective's doubling schedule.
     pub fn doubling(mut self) -> Fingerprint {
         self.algo = Fingerprint::DOUBLING;
         self
@@ -112,8 +113,17 @@ impl fmt::Display for Fingerprint {
         let Some(coll) = Collective::from_code(self.coll, root) else {
             return write!(f, "<unknown collective {}>", self.coll);
         };
+        // What each collective's doubling schedule is called.
+        let doubling = match coll {
+            Collective::Broadcast { .. } | Collective::Reduce { .. } => ", by binomial tree",
+            Collective::Barrier => "by dissemination",
+            _ => ", by doubling",
+        };
         if coll == Collective::Barrier {
-            return f.write_str("barrier()");
+            return match self.algo {
+                Fingerprint::DOUBLING => write!(f, "barrier({doubling})"),
+                _ => f.write_str("barrier()"),
+            };
         }
         write!(f, "{}(", coll.name())?;
         match DType::from_code(self.dtype) {
@@ -134,7 +144,7 @@ impl fmt::Display for Fingerprint {
         }
         match self.algo {
             0 => {}
-            Fingerprint::DOUBLING => f.write_str(", by doubling")?,
+            Fingerprint::DOUBLING => f.write_str(doubling)?,
             a => write!(f, ", algo#{a}")?,
         }
         f.write_str(")")
@@ -345,9 +355,12 @@ mod tests {
         );
         assert_eq!(f.to_string(), "reduce(bf16, max, count=5, root=2)");
         assert_eq!(
-            Fingerprint::new(Collective::Barrier, None, None, 0).to_string(),
-            "barrier()"
+            f.doubling().to_string(),
+            "reduce(bf16, max, count=5, root=2, by binomial tree)"
         );
+        let b = Fingerprint::new(Collective::Barrier, None, None, 0);
+        assert_eq!(b.to_string(), "barrier()");
+        assert_eq!(b.doubling().to_string(), "barrier(by dissemination)");
     }
 
     #[test]

@@ -9,7 +9,7 @@ pub use queued::Queued;
 use std::time::Duration;
 
 use ringzero::{
-    chunk, AllReduceAlgo, Collective, Communicator, Config, DType, DeviceComm, Element, HostStream,
+    chunk, Algo, Collective, Communicator, Config, DType, DeviceComm, Element, HostStream,
     ReduceOp, Result, StagingMode, TransportPref,
 };
 
@@ -37,8 +37,8 @@ pub struct Opts {
     pub dump_dir: Option<std::path::PathBuf>,
     /// `Config::tcp_sockets`: connections per tcp ring edge.
     pub tcp_sockets: usize,
-    /// `Config::all_reduce_algo` (None: the default).
-    pub algo: Option<AllReduceAlgo>,
+    /// `Config::algo` (None: the default).
+    pub algo: Option<Algo>,
 }
 
 impl Default for Opts {
@@ -70,7 +70,7 @@ pub fn config(rank: usize, n: usize, port: u16, o: &Opts) -> Config {
         c.stream_stores_from = b;
     }
     if let Some(a) = o.algo {
-        c.all_reduce_algo = a;
+        c.algo = a;
     }
     c
 }

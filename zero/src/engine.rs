@@ -36,7 +36,7 @@
 
 use std::time::{Duration, Instant};
 
-use ringzero_collectives::{AllReduceAlgo, Communicator, ReduceOp, Work};
+use ringzero_collectives::{Algo, Communicator, ReduceOp, Work};
 use ringzero_kernels::cpu::{adamw_mixed, all_finite, cast, reduce_into_typed, sq_norm, Float};
 
 use crate::config::ZeroConfig;
@@ -699,7 +699,7 @@ impl<'c, T: Float> Engine<'c, T> {
                 0 => self.comm.all_reduce_in_place_with(
                     &mut self.grads[b],
                     ReduceOp::Avg,
-                    AllReduceAlgo::Ring,
+                    Algo::Ring,
                 )?,
                 1 => {
                     *r = vec![T::default(); self.part.buckets[b].len / n];
@@ -717,7 +717,7 @@ impl<'c, T: Float> Engine<'c, T> {
                 &mut self.grads
             };
             for g in reduced.iter_mut() {
-                rep.all_reduce_in_place_with(g, ReduceOp::Avg, AllReduceAlgo::Ring)?;
+                rep.all_reduce_in_place_with(g, ReduceOp::Avg, Algo::Ring)?;
             }
         }
         self.wait.reduce += t0.elapsed();

@@ -1,86 +1,118 @@
-//! The recursive-doubling all-reduce ([`crate::ring::doubling`]'s schedule) over the pairs' own
-//! links: how a small all-reduce runs in `log2 n` exchanges instead of the ring's `2(n − 1)`
-//! hops.
+//! The doubling schedules ([`crate::ring::doubling`]: recursive doubling for the all-reduce,
+//! binomial trees for broadcast and reduce, dissemination for the barrier) over the pairs' own
+//! links: how a small latency-bound collective runs in about `log2 n` rounds instead of the
+//! ring's `n − 1` or `2(n − 1)` hops.
 //!
-//! It is the same collective as the ring's all-reduce (same checks, the communicator's next
-//! sequence number, a flight record entry), with [`Fingerprint::DOUBLING`] in its fingerprint.
-//! Each round is one exchange with one peer over the pair's links (`Inner::mesh`, shared with
-//! the pairwise collectives and connected by the first call that needs them), the whole buffer
-//! each way, sliced as `send_recv` slices it. With the first round an empty frame goes to the
-//! next rank and one comes from the previous over the ring's links, as the pairwise collectives
-//! announce themselves: a neighbour that called anything else (the ring's all-reduce included)
-//! meets it and both fail at once with the two calls named.
+//! It is the same collective as the ring's (same checks, the communicator's next sequence number,
+//! a flight record entry), with [`Fingerprint::DOUBLING`] in its fingerprint. Each round is at
+//! most one message out and one in over the pairs' links (`Inner::mesh`, shared with the pairwise
+//! collectives and connected by the first call that needs them), the whole buffer each, sliced as
+//! `send_recv` slices it. With the first round an empty frame goes to the next rank and one comes
+//! from the previous over the ring's links, as the pairwise collectives announce themselves: a
+//! neighbour that called anything else (the ring's form of the same collective included) meets it
+//! and both fail at once with the two calls named.
 
 use ringzero_kernels::{cpu, DType, ReduceOp};
 
-use super::pairs::Watch;
+use super::pairs::{pairs_of, Watch};
 use super::{refused, Inner, State};
 use crate::error::Result;
-use crate::ring::doubling::{self, Take};
+use crate::ring::doubling::{self, Round, Take};
 use crate::ring::engine::{self, Bufs, Lane};
 use crate::ring::{plan_p2p, Collective};
 use crate::wire::{Expect, Fingerprint};
 
 impl Inner {
-    /// All-reduce of `count` elements of `dtype` by recursive doubling: `bufs` as the ring's
-    /// all-reduce takes them (one buffer in place, or input and output of `count` elements).
-    pub(super) fn all_reduce_doubling(
+    /// `coll` (one with a doubling schedule) of `count` elements of `dtype` by that schedule:
+    /// `bufs` as the ring's form of `coll` takes them.
+    pub(super) fn by_doubling(
         &self,
-        dtype: DType,
-        op: ReduceOp,
+        coll: Collective,
+        (dtype, op): (Option<DType>, ReduceOp),
         count: usize,
+        in_place: bool,
         bufs: Bufs,
     ) -> Result<()> {
-        let c = Collective::AllReduce;
-        let fp = Fingerprint::new(c, Some(dtype), Some(op), count).doubling();
-        let bytes = count * dtype.size();
-        let (input, in_place) = match &bufs {
-            Bufs::One(b) => (b.len(), true),
-            Bufs::Split { input, output } => {
-                if output.len() != input.len() {
-                    return Err(refused(c, "send and recv differ in length".into()));
-                }
-                (input.len(), false)
-            }
+        let dt = dtype.unwrap_or(DType::U8);
+        let fp = Fingerprint::new(coll, dtype, Some(op), count).doubling();
+        let bytes = count * dt.size();
+        let me = self.rank;
+        // The lengths the ring's checks would insist on: the input everywhere it is read, the
+        // output everywhere it is written.
+        let (reads, writes) = match coll {
+            Collective::AllReduce | Collective::Barrier => (true, true),
+            Collective::Broadcast { root } => (me == root, true),
+            Collective::Reduce { root } => (true, me == root),
+            _ => unreachable!("{coll} has no doubling schedule"),
         };
-        if input != bytes {
-            return Err(refused(
-                c,
-                format!("the buffer does not hold {count} elements"),
-            ));
+        let (input, output) = match &bufs {
+            Bufs::One(b) => (b.len(), b.len()),
+            Bufs::Split { input, output } => (input.len(), output.len()),
+        };
+        for (what, len, checked) in [("send", input, reads), ("recv", output, writes)] {
+            if checked && len != bytes {
+                return Err(refused(
+                    coll,
+                    format!("{what} holds {len} bytes, not the {count} elements of the call"),
+                ));
+            }
         }
+        let rounds = doubling::rounds(coll, self.size, me).expect("checked by the caller");
         let mut st = self.lock();
         let seq = st.seq;
         engine::refuse(st.failed.as_ref(), &self.abort, &fp, seq)?;
         self.recorded(&mut st, &fp, in_place, bytes as u64, |st| {
-            let (mut acc, out) = match bufs {
-                Bufs::One(b) => (Aligned::copy_of(b), b),
-                Bufs::Split { input, output } => (Aligned::copy_of(input), output),
-            };
-            self.doubling_rounds(st, (seq, &fp, dtype, op), &mut acc)?;
-            if op == ReduceOp::Avg {
-                cpu::divide(dtype, acc.bytes_mut(), self.size)?;
+            let call = (seq, &fp, dt, op);
+            match (coll, bufs) {
+                // The buffer itself: received into, sent from.
+                (Collective::Broadcast { root }, Bufs::Split { input, output }) => {
+                    if me == root {
+                        output.copy_from_slice(input);
+                    }
+                    self.run_rounds(st, coll, call, &rounds, output)
+                }
+                (Collective::Broadcast { .. } | Collective::Barrier, Bufs::One(b)) => {
+                    self.run_rounds(st, coll, call, &rounds, b)
+                }
+                (Collective::Barrier, Bufs::Split { output, .. }) => {
+                    self.run_rounds(st, coll, call, &rounds, output)
+                }
+                // Reductions: combined in aligned scratch, the input left as it was until the
+                // result is written.
+                (_, bufs) => {
+                    let (mut acc, out) = match bufs {
+                        Bufs::One(b) => (Aligned::copy_of(b), b),
+                        Bufs::Split { input, output } => (Aligned::copy_of(input), output),
+                    };
+                    self.run_rounds(st, coll, call, &rounds, acc.bytes_mut())?;
+                    if writes {
+                        if op == ReduceOp::Avg {
+                            cpu::divide(dt, acc.bytes_mut(), self.size)?;
+                        }
+                        out.copy_from_slice(acc.bytes());
+                    }
+                    Ok(())
+                }
             }
-            out.copy_from_slice(acc.bytes());
-            Ok(())
         })
     }
 
-    /// This rank's rounds of the call (`seq`, `fp`) on `acc`, which ends holding the reduction
-    /// (before an average's division).
-    fn doubling_rounds(
+    /// This rank's `rounds` of the call (`seq`, `fp`) on `acc`, which ends holding what the
+    /// schedule leaves this rank (before an average's division).
+    fn run_rounds(
         &self,
         st: &mut State,
+        coll: Collective,
         (seq, fp, dtype, op): (u64, &Fingerprint, DType, ReduceOp),
-        acc: &mut Aligned,
+        rounds: &[Round],
+        acc: &mut [u8],
     ) -> Result<()> {
         let (n, es) = (self.size, dtype.size());
-        let count = acc.len / es;
-        let rounds = doubling::rounds(n, self.rank);
-        let mut peers: Vec<usize> = rounds.iter().map(|x| x.peer).collect();
+        let count = acc.len() / es;
+        let mut peers: Vec<usize> = rounds.iter().flat_map(Round::peers).collect();
         peers.sort_unstable();
         peers.dedup();
-        let mut mesh = self.mesh_for(st, (seq, fp, dtype), || doubling::pairs(n))?;
+        let mut mesh = self.mesh_for(st, (seq, fp, dtype), || doubling::pairs(coll, n))?;
         if mesh.connects {
             // The ring's next frame is this call's announcement (below): watch for it, and for
             // an abort in front of it.
@@ -100,7 +132,13 @@ impl Inner {
         }
         let slice_elems = (self.cfg.slice_bytes / es).max(1);
         let whole = |_| *fp;
-        let mut theirs = Aligned::zeroed(acc.len);
+        // Where a round receives what it does not simply keep (a combine, or a replacement of a
+        // buffer it sends in the same round).
+        let scratch = rounds.iter().any(|x| {
+            x.from
+                .is_some_and(|(_, t)| t != Take::Replace || x.to.is_some())
+        });
+        let mut theirs = Aligned::zeroed(if scratch { acc.len() } else { 0 });
         // The announcement: an empty frame each way around the ring, with the first round (one
         // empty slice, whatever the slot size).
         let announce_plan = plan_p2p(Some(0), Some(0), 1);
@@ -113,38 +151,58 @@ impl Inner {
             );
             (links, call)
         });
-        for round in &rounds {
-            let receives = round.take != Take::Nothing;
-            let plan = plan_p2p(
-                round.send.then_some(count),
-                receives.then_some(count),
-                slice_elems,
-            );
-            let links = mesh
-                .links
-                .get_mut(&round.peer)
-                .expect("connected above: every peer of the rounds");
-            let call = self.p2p_call(
-                &plan,
-                (&whole, dtype),
-                (round.send.then_some(acc.bytes()), seq),
-                (receives.then_some(theirs.bytes_mut()), seq),
-            );
-            let mut lanes = vec![Lane::new(links, vec![call])];
+        for round in rounds {
+            let mut now: Vec<usize> = round.peers().collect();
+            now.sort_unstable();
+            let from = round.from.map(|(p, _)| p);
+            let plans: Vec<_> = now
+                .iter()
+                .map(|&p| {
+                    let send = (round.to == Some(p)).then_some(count);
+                    let recv = (from == Some(p)).then_some(count);
+                    plan_p2p(send, recv, slice_elems)
+                })
+                .collect();
+            // A kept buffer is received in place; anything else beside it.
+            let direct = matches!(round.from, Some((_, Take::Replace))) && round.to.is_none();
+            let (mut send, mut recv): (Option<&[u8]>, Option<&mut [u8]>) = if direct {
+                (None, Some(&mut *acc))
+            } else {
+                (round.to.map(|_| &*acc), from.map(|_| theirs.bytes_mut()))
+            };
+            let mut lanes = Vec::with_capacity(3);
+            for ((&p, links), plan) in now.iter().zip(pairs_of(&mut mesh.links, &now)).zip(&plans) {
+                let s = if round.to == Some(p) {
+                    send.take()
+                } else {
+                    None
+                };
+                let r = if from == Some(p) { recv.take() } else { None };
+                let call = self.p2p_call(plan, (&whole, dtype), (s, seq), (r, seq));
+                lanes.push(Lane::new(links, vec![call]));
+            }
             if let Some((ring, call)) = announce.take() {
                 lanes.push(Lane::new(ring, vec![call]));
             }
             engine::run_lanes(&mut lanes, self.cfg.timeout, &self.abort)?;
             drop(lanes);
-            match round.take {
-                Take::Nothing => {}
-                Take::MineFirst => cpu::reduce_into(dtype, op, acc.bytes_mut(), theirs.bytes())?,
-                Take::TheirsFirst => {
-                    cpu::reduce_into(dtype, op, theirs.bytes_mut(), acc.bytes())?;
-                    std::mem::swap(acc, &mut theirs);
+            match round.from {
+                Some((_, Take::MineFirst)) => cpu::reduce_into(dtype, op, acc, theirs.bytes())?,
+                Some((_, Take::TheirsFirst)) => {
+                    cpu::reduce_into(dtype, op, theirs.bytes_mut(), acc)?;
+                    acc.copy_from_slice(theirs.bytes());
                 }
-                Take::Replace => std::mem::swap(acc, &mut theirs),
+                Some((_, Take::Replace)) if !direct => acc.copy_from_slice(theirs.bytes()),
+                _ => {}
             }
+        }
+        if let Some((ring, call)) = announce {
+            // No rounds (not reached with two ranks or more): the announcement alone.
+            engine::run_lanes(
+                &mut [Lane::new(ring, vec![call])],
+                self.cfg.timeout,
+                &self.abort,
+            )?;
         }
         Ok(())
     }

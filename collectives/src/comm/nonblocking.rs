@@ -20,9 +20,9 @@ impl Communicator {
     /// Asynchronous in-place all-reduce of an owned buffer.
     pub fn all_reduce_async<T: Element>(&self, mut buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
         self.submit(move |inner| {
-            let (n, algo) = (buf.len(), inner.cfg.all_reduce_algo);
+            let (c, n) = (Collective::AllReduce, buf.len());
             let bufs = Bufs::One(bytemuck::cast_slice_mut(&mut buf));
-            inner.all_reduce(algo, T::DTYPE, op, n, true, bufs)?;
+            inner.execute(c, Some(T::DTYPE), op, n.into(), true, bufs)?;
             Ok(buf)
         })
     }

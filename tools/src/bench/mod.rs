@@ -189,9 +189,10 @@ fn header(comm: &Communicator, a: &BenchArgs, probe: &probe::Probe, device: Stri
                 "every line uses the model above, measured once at the start".into()
             };
             format!(
-                "{lines}\n# all-reduce: {} (RINGZERO_ALGO); lines marked `by doubling` are predicted as rounds·α + \
+                "{lines}\n# all-reduce, broadcast, reduce: {} (RINGZERO_ALGO); lines marked `by doubling` ran \
+                 the doubling schedule (recursive doubling, binomial tree) and are predicted as rounds·α + \
                  rounds·S/β (each round sends the whole buffer)",
-                comm.config().all_reduce_algo
+                comm.config().algo
             )
         },
     }

@@ -74,13 +74,15 @@ pub fn measure(comm: &Communicator, stream_bytes: usize) -> Result<Probe> {
     let mut shared_copy = None;
     let mut tcp_pair = None;
     let (alpha_us, betas) = if n > 1 {
+        // α is one ring step: the ring's barrier (n − 1 hops), whatever RINGZERO_ALGO picks.
+        let ring_barrier = || comm.barrier_with(ringzero_collectives::Algo::Ring);
         for _ in 0..20 {
-            comm.barrier()?;
+            ring_barrier()?;
         }
         let reps = 200;
         let t = Instant::now();
         for _ in 0..reps {
-            comm.barrier()?;
+            ring_barrier()?;
         }
         let mut a = vec![t.elapsed().as_secs_f64() * 1e6 / reps as f64 / (n - 1) as f64];
         comm.all_reduce_in_place(&mut a, ReduceOp::Avg)?;

@@ -70,7 +70,7 @@ pub struct Row {
     /// predicted / measured.
     pub efficiency: Option<f64>,
     /// How the collective moved: `ring`, or `doubling` (a small all-reduce; see
-    /// `ringzero::AllReduceAlgo`). Empty in reports written before it was recorded.
+    /// `ringzero::Algo`). Empty in reports written before it was recorded.
     #[serde(default)]
     pub algo: String,
 }
@@ -121,12 +121,9 @@ fn sweep_typed<T: Element>(
             let wrong = check::<T>(comm, op, a, count, inplace)?;
             let mut bufs = Buffers::<T>::new(comm, op, count);
             let call = || bufs.call(comm, op, a.redop, inplace);
-            let algo =
-                if op == Collective::AllReduce && comm.config().all_reduce_algo.doubles(bytes, n) {
-                    Algo::Doubling
-                } else {
-                    Algo::Ring
-                };
+            let doubles = ringzero_collectives::ring::doubling::has_schedule(op)
+                && comm.config().algo.doubles(bytes, n);
+            let algo = if doubles { Algo::Doubling } else { Algo::Ring };
             let (time_us, wrong, model) = if a.model_per_row && n > 1 {
                 let link = theory::bytes_per_link(op, algo, n, bytes) as usize;
                 timed_with_model(comm, a, wrong, link, inplace, call)?
@@ -233,7 +230,10 @@ pub fn timed_with_model(
         left -= k;
         calls += group(comm, k, &mut call)?;
         streams += group(comm, k, &mut stream)?;
-        barriers += group(comm, k, &mut || comm.barrier())?;
+        // α is one ring step: the ring's barrier, whatever RINGZERO_ALGO picks for barriers.
+        barriers += group(comm, k, &mut || {
+            comm.barrier_with(ringzero_collectives::Algo::Ring)
+        })?;
     }
     let per = |total: f64| total * 1e6 / iters as f64;
     // α averaged over ranks; β the slowest edge's.

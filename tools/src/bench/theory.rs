@@ -7,21 +7,22 @@
 //! - predicted time t = steps · α + bytes per link / β, with steps 2(n−1) and bytes per link
 //!   2(n−1)/n · S for all-reduce, n−1 and (n−1)/n · S for reduce-scatter and all-gather, n−1 and S
 //!   for broadcast and reduce (a pipelined chain);
-//! - an all-reduce by recursive doubling (small buffers, see `ringzero::AllReduceAlgo`) takes
-//!   its schedule's rounds as steps (log2 n, two more when n is not a power of two) and sends the
-//!   whole buffer in each: bytes per link rounds · S;
+//! - a collective by its doubling schedule (small buffers, see `ringzero::Algo`: recursive
+//!   doubling for all-reduce, binomial trees for broadcast and reduce) takes its schedule's
+//!   rounds as steps (⌈log2 n⌉; the all-reduce log2 n, two more when n is not a power of two)
+//!   and sends the whole buffer in each: bytes per link rounds · S;
 //! - efficiency = predicted / measured time (1.0: the implementation runs at the model's limit).
 
 use ringzero_collectives::ring::doubling;
 use ringzero_collectives::Collective;
 
-/// How a collective moves: round the ring (every collective), or by recursive doubling (a
-/// small all-reduce).
+/// How a collective moves: round the ring (every collective), or by its doubling schedule (a
+/// small all-reduce, broadcast or reduce).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Algo {
     /// The ring's schedule (or the pairwise exchange of the collectives that have no ring).
     Ring,
-    /// Recursive doubling ([`doubling`]).
+    /// The doubling schedule ([`doubling`]).
     Doubling,
 }
 
@@ -75,7 +76,7 @@ pub fn busbw_gbs(op: Collective, n: usize, bytes: usize, time_us: f64) -> f64 {
 pub fn steps(op: Collective, algo: Algo, n: usize) -> usize {
     let hops = n.saturating_sub(1);
     match op {
-        _ if algo == Algo::Doubling => doubling::depth(n),
+        _ if algo == Algo::Doubling => doubling::depth(op, n),
         Collective::AllReduce => 2 * hops,
         // One message each way between two ranks; the pairwise collectives send all theirs at
         // once.
@@ -90,7 +91,7 @@ pub fn bytes_per_link(op: Collective, algo: Algo, n: usize, bytes: usize) -> f64
     if n < 2 {
         return 0.0;
     }
-    let rounds = doubling::depth(n) as f64;
+    let rounds = doubling::depth(op, n) as f64;
     let (s, n) = (bytes as f64, n as f64);
     match op {
         _ if algo == Algo::Doubling => rounds * s,
