@@ -1,7 +1,9 @@
-//! The recursive-doubling all-reduce: every dtype and op on world sizes with and without a fold,
-//! against the serial reference; bit-identical ranks in the schedule's tree order on values that
-//! round; the bytes it moves; `auto` switching at the threshold; and ranks that chose different
-//! algorithms failing at once with both calls named.
+//! The doubling schedules. The recursive-doubling all-reduce: every dtype and op on world sizes
+//! with and without a fold, against the serial reference; bit-identical ranks in the schedule's
+//! tree order on values that round; the bytes it moves; `auto` switching at the threshold; and
+//! ranks that chose different algorithms failing at once with both calls named. The binomial
+//! broadcast and reduce from every root and the dissemination barrier: the same checks, beside
+//! the ring's forms of the same calls.
 
 use std::time::{Duration, Instant};
 
@@ -165,6 +167,219 @@ fn ranks_that_choose_different_algorithms_fail_at_once_naming_both() {
             assert!(
                 errs[r].contains("all_reduce(f32, sum, count=16, by doubling)")
                     && errs[r].contains("all_reduce(f32, sum, count=16)"),
+                "connected={connected} rank {r}: {}",
+                errs[r]
+            );
+        }
+    }
+}
+
+#[test]
+fn broadcast_reduce_and_barrier_match_the_reference_by_either_algorithm() {
+    for (n, transport) in [
+        (3, TransportPref::Tcp),
+        (5, TransportPref::Shm),
+        (6, TransportPref::Shm),
+    ] {
+        for algo in [Algo::Doubling, Algo::Ring] {
+            let o = Opts {
+                transport,
+                slice_bytes: 1024,
+                algo: Some(algo),
+                ..Opts::default()
+            };
+            threads(n, &o, |_, comm| {
+                let comm = comm.unwrap();
+                let mut seed = 100;
+                for root in [0, n / 2, n - 1] {
+                    for dtype in DType::ALL {
+                        for op in ReduceOp::ALL {
+                            for (count, in_place) in
+                                [(0, true), (1, false), (777, true), (1000, false)]
+                            {
+                                seed += 1;
+                                for coll in
+                                    [Collective::Broadcast { root }, Collective::Reduce { root }]
+                                {
+                                    if matches!(coll, Collective::Broadcast { .. })
+                                        && op != ReduceOp::Sum
+                                    {
+                                        continue;
+                                    }
+                                    let c = Case {
+                                        coll,
+                                        count,
+                                        dtype,
+                                        op,
+                                        in_place,
+                                        seed,
+                                    };
+                                    check_case(&comm, &c);
+                                }
+                            }
+                        }
+                    }
+                }
+                comm.barrier().unwrap();
+                let rec = comm.flight_record();
+                let calls: Vec<&str> = rec.entries.iter().map(|e| e.call.as_str()).collect();
+                let last = calls[calls.len() - 3..].to_vec();
+                if algo == Algo::Doubling {
+                    assert!(last[0].ends_with(", by binomial tree)"), "{last:?}");
+                    assert!(last[1].ends_with(", by binomial tree)"), "{last:?}");
+                    assert_eq!(last[2], "barrier(by dissemination)");
+                } else {
+                    assert!(last.iter().all(|c| !c.contains(" by ")), "{last:?}");
+                }
+            });
+        }
+    }
+}
+
+#[test]
+fn the_binomial_reduce_combines_in_rank_order_counted_from_the_root() {
+    let count = 257;
+    let o = Opts {
+        algo: Some(Algo::Doubling),
+        ..Opts::default()
+    };
+    let (n, root) = (5, 2);
+    let got = threads(n, &o, |r, comm| {
+        let comm = comm.unwrap();
+        let mut out = vec![0f32; if r == root { count } else { 0 }];
+        comm.reduce(&rounding(r, count), &mut out, ReduceOp::Sum, root)
+            .unwrap();
+        out
+    });
+    // Counted from the root, ranks 2, 3, 4, 0, 1: pairs, then pairs of pairs, then the fifth.
+    let x: Vec<Vec<f32>> = (0..n).map(|r| rounding(r, count)).collect();
+    let want: Vec<f32> = (0..count)
+        .map(|i| ((x[2][i] + x[3][i]) + (x[4][i] + x[0][i])) + x[1][i])
+        .collect();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&got[root]), bits(&want));
+    let ring: Vec<f32> = (0..count)
+        .map(|i| (0..n).map(|r| x[r][i]).fold(0.0, |a, b| a + b))
+        .collect();
+    assert_ne!(ring, want, "the order shows on these values");
+    assert!(got
+        .iter()
+        .enumerate()
+        .all(|(r, g)| r == root || g.is_empty()));
+}
+
+#[test]
+fn the_tree_sends_log_n_copies_from_the_root_and_auto_keeps_broadcast_on_the_chain() {
+    let size = 4096;
+    for algo in [Algo::Doubling, Algo::default()] {
+        let o = Opts {
+            algo: Some(algo),
+            ..Opts::default()
+        };
+        threads(8, &o, |r, comm| {
+            let comm = comm.unwrap();
+            // Connect the tree's links first, so the counts below are the calls' own.
+            let mut warm = vec![0u8; 8];
+            comm.broadcast_in_place(&mut warm, 0).unwrap();
+            comm.barrier().unwrap();
+            let before = comm.counters();
+            let mut buf = vec![r as u8; size];
+            comm.broadcast_in_place(&mut buf, 0).unwrap();
+            let after = comm.counters();
+            assert_eq!(buf, vec![0u8; size]);
+            let sent = after.bytes_sent - before.bytes_sent;
+            let want = if algo == Algo::Doubling {
+                // The root sends the buffer once in each of the 3 rounds; rank 4 passes it on
+                // to 6 and 5, ranks 2 and 6 to 3 and 7; odd ranks are leaves.
+                match r {
+                    0 => 3 * size,
+                    4 => 2 * size,
+                    2 | 6 => size,
+                    _ => 0,
+                }
+            } else {
+                // The chain: once over every link but the last.
+                if r == 7 {
+                    0
+                } else {
+                    size
+                }
+            };
+            assert_eq!(sent, want as u64, "{algo} rank {r}");
+            // Barriers take 3 rounds, an empty frame each, beside the announcement's, either way.
+            let f0 = comm.counters().frames_sent;
+            comm.barrier().unwrap();
+            assert_eq!(comm.counters().frames_sent - f0, 3 + 1, "rank {r}");
+            // The async forms choose alike.
+            let b = comm.broadcast_async(vec![r as u8; 16], 3).wait().unwrap();
+            assert_eq!(b, vec![3u8; 16]);
+            comm.barrier_async().wait().unwrap();
+            let rec = comm.flight_record();
+            let calls: Vec<&str> = rec.entries.iter().map(|e| e.call.as_str()).collect();
+            let tree = if algo == Algo::Doubling {
+                ", by binomial tree"
+            } else {
+                ""
+            };
+            assert_eq!(
+                calls[calls.len() - 4..],
+                [
+                    format!("broadcast(u8, count=4096, root=0{tree})"),
+                    "barrier(by dissemination)".into(),
+                    format!("broadcast(u8, count=16, root=3{tree})"),
+                    "barrier(by dissemination)".into(),
+                ]
+            );
+        });
+    }
+}
+
+#[test]
+fn no_rank_leaves_the_dissemination_barrier_before_the_last_one_entered() {
+    let o = Opts {
+        algo: Some(Algo::Doubling),
+        ..Opts::default()
+    };
+    for n in [3, 5, 7] {
+        let start = Instant::now();
+        let times = threads(n, &o, |r, comm| {
+            let comm = comm.unwrap();
+            // Connect first; then enter one after another, 40 ms apart, the last rank last.
+            comm.barrier().unwrap();
+            std::thread::sleep(Duration::from_millis(40 * r as u64));
+            let entered = start.elapsed();
+            comm.barrier().unwrap();
+            (entered, start.elapsed())
+        });
+        let last_in = times.iter().map(|t| t.0).max().unwrap();
+        for (r, (_, out)) in times.iter().enumerate() {
+            assert!(
+                *out >= last_in,
+                "n = {n}: rank {r} left at {out:?}, before {last_in:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_barrier_by_another_algorithm_fails_at_once_naming_both() {
+    for connected in [false, true] {
+        let t = Instant::now();
+        let errs = threads(5, &Opts::default(), |r, comm| {
+            let comm = comm.unwrap();
+            if connected {
+                comm.barrier_with(Algo::Doubling).unwrap();
+            }
+            let algo = if r == 3 { Algo::Ring } else { Algo::Doubling };
+            comm.barrier_with(algo).unwrap_err().to_string()
+        });
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "connected={connected}: must not wait for the deadline: {errs:?}"
+        );
+        for r in [3, 4] {
+            assert!(
+                errs[r].contains("barrier(by dissemination)") && errs[r].contains("barrier()"),
                 "connected={connected} rank {r}: {}",
                 errs[r]
             );

@@ -485,9 +485,10 @@ impl Communicator {
     /// Copy the root's `send` into every rank's `recv`. On other ranks `send` is not read (and may
     /// be empty); on the root it must be as long as `recv`.
     ///
-    /// On three ranks or more, small buffers (up to `RINGZERO_DOUBLING_MAX`) go down a binomial
-    /// tree (`⌈log2 n⌉` rounds, the holders doubling each round), larger ones down the ring's
-    /// pipelined chain (`n − 1` hops, slice after slice): see [`Algo`] (`RINGZERO_ALGO`).
+    /// It goes down the ring's pipelined chain (`n − 1` hops, slice after slice), or with
+    /// [`Algo::Doubling`] (`RINGZERO_ALGO=doubling`) down a binomial tree: `⌈log2 n⌉` rounds, the
+    /// holders doubling each round, which shortens one call but sends `log2 n` copies from the
+    /// root, so back-to-back calls no longer pipeline.
     pub fn broadcast<T: Element>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
         let c = self.rooted(Collective::Broadcast { root }, root)?;
         if root == self.rank() {
@@ -505,10 +506,9 @@ impl Communicator {
     /// Reduce every rank's `send` into the root's `recv` (as long as `send`). On other ranks
     /// `recv` is not written (and may be empty).
     ///
-    /// Small buffers on three ranks or more go up a binomial tree (`⌈log2 n⌉` rounds), larger
-    /// ones up the ring's chain, as [`Communicator::broadcast`] goes down them; the two reduce in
-    /// different (fixed) orders, so a sum may round differently on either side of the
-    /// threshold.
+    /// It goes up the ring's chain, or with [`Algo::Doubling`] up a binomial tree, as
+    /// [`Communicator::broadcast`] goes down them; the two reduce in different (fixed) orders,
+    /// so a sum may round differently between them.
     pub fn reduce<T: Element>(
         &self,
         send: &[T],
@@ -977,10 +977,7 @@ impl Inner {
         bufs: Bufs,
     ) -> Result<()> {
         let bytes = count.total.saturating_mul(dtype.map_or(1, DType::size));
-        if count.parts.is_none()
-            && crate::ring::doubling::has_schedule(coll)
-            && algo.doubles(bytes, self.size)
-        {
+        if count.parts.is_none() && algo.doubles(coll, bytes, self.size) {
             return self.by_doubling(coll, (dtype, op), count.total, in_place, bufs);
         }
         let mut st = self.lock();

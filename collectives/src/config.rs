@@ -14,6 +14,7 @@
 use std::time::Duration;
 
 use crate::error::{Error, Result};
+use crate::ring::{doubling, Collective};
 
 /// Default deadline for any single wait.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
@@ -27,7 +28,7 @@ pub const DEFAULT_TCP_SOCKETS: usize = 1;
 pub const MAX_TCP_SOCKETS: usize = 32;
 /// Default smallest result (bytes of a rank's output buffer) written with streaming stores.
 pub const DEFAULT_STREAM_STORES_FROM: usize = 16 << 20;
-/// Default largest buffer (bytes) that `auto` runs by a doubling schedule.
+/// Default largest all-reduce (bytes) that `auto` runs by recursive doubling.
 pub const DEFAULT_DOUBLING_MAX: usize = 64 << 10;
 /// Default master port when a launcher gives none.
 pub const DEFAULT_PORT: u16 = 29500;
@@ -78,16 +79,19 @@ impl std::fmt::Display for StagingMode {
 /// orders differ, so sums may differ in rounding between them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Algo {
-    /// The doubling schedules up to `doubling_max` bytes (latency-bound calls; every barrier) on
-    /// three ranks or more, the ring above (and on two ranks, where both take one exchange's
-    /// time).
+    /// On three ranks or more: the all-reduce by recursive doubling up to `doubling_max` bytes
+    /// and every barrier by dissemination, where they measured faster; broadcast and reduce on
+    /// the ring's chain at every size, whose calls pipeline one after another (a tree's root
+    /// sends `log2 n` copies per call: it cut one call's latency but lost on back-to-back calls
+    /// in `ringzero bench`, see the design notes). Two ranks always take the ring, where both
+    /// are one exchange.
     Auto {
-        /// The largest buffer, in bytes, run by a doubling schedule.
+        /// The largest all-reduce, in bytes, run by recursive doubling.
         doubling_max: usize,
     },
     /// The ring at every size (bandwidth-optimal; the order the reduce-scatter uses too).
     Ring,
-    /// The doubling schedules at every size.
+    /// The doubling schedules at every size, broadcast and reduce by binomial tree included.
     Doubling,
 }
 
@@ -100,13 +104,23 @@ impl Default for Algo {
 }
 
 impl Algo {
-    /// Whether a collective that has a doubling schedule runs it for `bytes` on `n` ranks (never
-    /// on one rank, where there is nothing to exchange).
-    pub fn doubles(self, bytes: usize, n: usize) -> bool {
+    /// Whether `coll` of `bytes` on `n` ranks runs its doubling schedule (never on one rank,
+    /// where there is nothing to exchange, nor for a collective that has none).
+    pub fn doubles(self, coll: Collective, bytes: usize, n: usize) -> bool {
+        if n < 2 || !doubling::has_schedule(coll) {
+            return false;
+        }
         match self {
-            Algo::Auto { doubling_max } => n > 2 && bytes <= doubling_max,
+            Algo::Auto { doubling_max } => {
+                n > 2
+                    && match coll {
+                        Collective::AllReduce => bytes <= doubling_max,
+                        Collective::Barrier => true,
+                        _ => false,
+                    }
+            }
             Algo::Ring => false,
-            Algo::Doubling => n > 1,
+            Algo::Doubling => true,
         }
     }
 }
@@ -115,7 +129,11 @@ impl std::fmt::Display for Algo {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Algo::Auto { doubling_max } => {
-                write!(f, "auto (doubling up to {doubling_max} B, ring above)")
+                write!(
+                    f,
+                    "auto (all-reduce by doubling up to {doubling_max} B, ring above; barrier by \
+                     dissemination; broadcast and reduce on the ring)"
+                )
             }
             Algo::Ring => f.write_str("ring"),
             Algo::Doubling => f.write_str("doubling"),
@@ -178,7 +196,8 @@ pub struct Config {
     /// How host staging of device buffers moves bytes (`RINGZERO_STAGING=mapped|copy`).
     pub staging: StagingMode,
     /// Which algorithm host all-reduces, broadcasts, reduces and barriers run
-    /// (`RINGZERO_ALGO=auto|ring|doubling`, and `RINGZERO_DOUBLING_MAX` for auto's threshold).
+    /// (`RINGZERO_ALGO=auto|ring|doubling`, and `RINGZERO_DOUBLING_MAX` for auto's all-reduce
+    /// threshold).
     /// Device buffers always take the ring.
     pub algo: Algo,
     /// Directory for shared-memory segments (`RINGZERO_SHM_DIR`, default `/dev/shm`).
@@ -806,15 +825,22 @@ mod tests {
         };
         let auto = Algo::default();
         assert_eq!(algo(&[]).unwrap(), auto);
-        assert!(auto.doubles(DEFAULT_DOUBLING_MAX, 3));
-        assert!(!auto.doubles(DEFAULT_DOUBLING_MAX + 1, 3));
+        let (ar, bar) = (Collective::AllReduce, Collective::Barrier);
+        let bc = Collective::Broadcast { root: 0 };
+        assert!(auto.doubles(ar, DEFAULT_DOUBLING_MAX, 3));
+        assert!(!auto.doubles(ar, DEFAULT_DOUBLING_MAX + 1, 3));
         assert!(
-            !auto.doubles(4, 2),
+            !auto.doubles(ar, 4, 2),
             "two ranks: the ring's two hops of half"
         );
-        assert!(Algo::Doubling.doubles(1 << 30, 2));
+        assert!(auto.doubles(bar, 0, 3) && !auto.doubles(bar, 0, 2));
+        assert!(!auto.doubles(bc, 4, 8), "auto keeps broadcast on the chain");
+        assert!(Algo::Doubling.doubles(ar, 1 << 30, 2));
+        assert!(Algo::Doubling.doubles(bc, 1 << 30, 8));
+        assert!(!Algo::Doubling.doubles(Collective::AllGather, 4, 8));
+        assert!(!Algo::Ring.doubles(bar, 0, 8));
         assert!(
-            !Algo::Doubling.doubles(4, 1),
+            !Algo::Doubling.doubles(ar, 4, 1),
             "one rank has nothing to exchange"
         );
         assert_eq!(algo(&[("RINGZERO_ALGO", "Ring")]).unwrap(), Algo::Ring);

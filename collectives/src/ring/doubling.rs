@@ -155,7 +155,7 @@ pub fn broadcast(n: usize, root: usize, rank: usize) -> Vec<Round> {
         .rev()
         .filter_map(|k| {
             let (step, span) = (1usize << k, 1usize << (k + 1));
-            if v % span == 0 && v + step < n {
+            if v.is_multiple_of(span) && v + step < n {
                 Some(Round::send(real(v + step)))
             } else if v % span == step {
                 Some(Round::receive(real(v - step), Take::Replace))

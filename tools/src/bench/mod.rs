@@ -189,7 +189,7 @@ fn header(comm: &Communicator, a: &BenchArgs, probe: &probe::Probe, device: Stri
                 "every line uses the model above, measured once at the start".into()
             };
             format!(
-                "{lines}\n# all-reduce, broadcast, reduce: {} (RINGZERO_ALGO); lines marked `by doubling` ran \
+                "{lines}\n# algorithms: {} (RINGZERO_ALGO); lines marked `by doubling` ran \
                  the doubling schedule (recursive doubling, binomial tree) and are predicted as rounds·α + \
                  rounds·S/β (each round sends the whole buffer)",
                 comm.config().algo
