@@ -6,6 +6,29 @@ fn ringzero() -> Command {
     Command::new(env!("CARGO_BIN_EXE_ringzero"))
 }
 
+/// Run `cmd`, which must succeed; its stdout (both streams in the failure message).
+fn succeeds(cmd: &mut Command) -> String {
+    let out = cmd.output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{cmd:?}: {stdout}\n{stderr}");
+    stdout
+}
+
+/// Run `cmd`, which must fail cleanly (no panic) and print nothing on stdout; its stderr.
+fn fails(cmd: &mut Command) -> String {
+    let out = cmd.output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "{cmd:?} succeeded: {stderr}");
+    assert!(!stderr.contains("panicked"), "{cmd:?}: {stderr}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.is_empty(),
+        "{cmd:?} printed before failing: {stdout}"
+    );
+    stderr
+}
+
 #[test]
 fn launch_runs_the_checked_sweep_on_four_ranks_and_two_fake_nodes() {
     let bin = env!("CARGO_BIN_EXE_ringzero");
@@ -222,12 +245,8 @@ fn mem_reproduces_the_zero_papers_table() {
 
 #[test]
 fn mem_with_a_shard_size_prices_hybrid_sharding() {
-    let out = ringzero()
-        .args(["mem", "--params", "7.5B", "--dp", "64", "--shard-size", "8"])
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{text}");
+    let text =
+        succeeds(ringzero().args(["mem", "--params", "7.5B", "--dp", "64", "--shard-size", "8"]));
     assert!(
         text.contains("64 data-parallel ranks as 8 replicas of a shard group of 8"),
         "{text}"
@@ -243,17 +262,12 @@ fn mem_with_a_shard_size_prices_hybrid_sharding() {
     assert_eq!(col(4), ["120.00", "41.25", "28.12", "15.00"], "{text}");
     assert_eq!(col(5), ["26.25", "26.25", "26.25", "39.38"], "{text}");
     assert_eq!(col(6), ["26.25", "3.28", "3.28", "3.28"], "{text}");
-    let out = ringzero()
-        .args(["mem", "--params", "1B", "--dp", "64", "--shard-size", "7"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stderr =
+        fails(ringzero().args(["mem", "--params", "1B", "--dp", "64", "--shard-size", "7"]));
     assert!(
         stderr.contains("--shard-size: shard size 7 does not divide the 64 ranks"),
         "{stderr}"
     );
-    assert!(out.stdout.is_empty(), "nothing printed before the error");
 }
 
 #[test]
@@ -367,28 +381,20 @@ fn demo_trains_with_hybrid_sharding_and_refuses_a_shard_size_that_does_not_divid
             "optimizer": {"type": "AdamW", "params": {"lr": 0.003}}}"#,
     )
     .unwrap();
-    let out = ringzero()
-        .args(["demo", "-n", "4", "--steps", "3", "--config"])
-        .arg(&cfg)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
+    let stdout = succeeds(
+        ringzero()
+            .args(["demo", "-n", "4", "--steps", "3", "--config"])
+            .arg(&cfg),
     );
     assert!(
         stdout.contains("hybrid (sharded over groups of 2, 2 replicas)"),
         "{stdout}"
     );
-    let out = ringzero()
-        .args(["demo", "-n", "4", "--shard-size", "2", "--config"])
-        .arg(&cfg)
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
+    let stderr = fails(
+        ringzero()
+            .args(["demo", "-n", "4", "--shard-size", "2", "--config"])
+            .arg(&cfg),
+    );
     assert!(
         stderr.contains("--shard-size and --config both given"),
         "{stderr}"
