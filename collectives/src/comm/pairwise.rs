@@ -46,7 +46,7 @@ impl Communicator {
     /// Every pair of ranks exchanges at once over its point-to-point links (connected by the
     /// first call that needs them; see the module `pairs`), where [`Communicator::all_to_all`]
     /// runs `n − 1` ring exchanges one after the other. A rank that calls a ring collective
-    /// instead fails at once, both calls named (see [`Inner::pairwise`]).
+    /// instead fails at once, both calls named (see `Inner::pairwise`).
     pub fn all_to_all_v<T: Element>(
         &self,
         send: &[T],
