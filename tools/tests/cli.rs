@@ -278,26 +278,17 @@ fn demo_trains_every_stage_and_precision_and_loss_goes_down() {
         ("2", "2", "fp16"),
         ("4", "3", "bf16"),
     ] {
-        let out = ringzero()
-            .args([
-                "demo",
-                "-n",
-                n,
-                "--stage",
-                stage,
-                "--precision",
-                precision,
-                "--steps",
-                "40",
-            ])
-            .output()
-            .unwrap();
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success(),
-            "stage {stage} {precision}: {stdout}\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let stdout = succeeds(ringzero().args([
+            "demo",
+            "-n",
+            n,
+            "--stage",
+            stage,
+            "--precision",
+            precision,
+            "--steps",
+            "40",
+        ]));
         assert!(stdout.contains("loss went down"), "{stdout}");
         assert!(
             stdout.contains("every rank's model states equal the formula exactly"),
@@ -330,26 +321,17 @@ fn demo_trains_every_stage_and_precision_and_loss_goes_down() {
 
 #[test]
 fn demo_trains_with_hybrid_sharding_and_refuses_a_shard_size_that_does_not_divide() {
-    let out = ringzero()
-        .args([
-            "demo",
-            "-n",
-            "4",
-            "--stage",
-            "3",
-            "--shard-size",
-            "2",
-            "--steps",
-            "30",
-        ])
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = succeeds(ringzero().args([
+        "demo",
+        "-n",
+        "4",
+        "--stage",
+        "3",
+        "--shard-size",
+        "2",
+        "--steps",
+        "30",
+    ]));
     assert!(
         stdout.contains("hybrid (sharded over groups of 2, 2 replicas)"),
         "{stdout}"
@@ -414,16 +396,10 @@ fn demo_reads_a_deepspeed_config_and_names_bad_keys() {
             "optimizer": {"type": "AdamW", "params": {"lr": 0.003}}}"#,
     )
     .unwrap();
-    let out = ringzero()
-        .args(["demo", "-n", "2", "--steps", "20", "--config"])
-        .arg(&good)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}{}",
-        String::from_utf8_lossy(&out.stderr)
+    let stdout = succeeds(
+        ringzero()
+            .args(["demo", "-n", "2", "--steps", "20", "--config"])
+            .arg(&good),
     );
     assert!(stdout.contains("ZeRO stage 3, fp16"), "{stdout}");
     assert!(
@@ -433,14 +409,12 @@ fn demo_reads_a_deepspeed_config_and_names_bad_keys() {
     let bad = dir.join("bad.json");
     std::fs::write(&bad, r#"{"zero_optimization": {"stage": 2, "contiguous_gradients": true}, "steps_per_print": 10}"#).unwrap();
     for extra in [vec![], vec!["--stage", "1"]] {
-        let out = ringzero()
-            .args(["demo", "-n", "2", "--config"])
-            .arg(&bad)
-            .args(&extra)
-            .output()
-            .unwrap();
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success());
+        let stderr = fails(
+            ringzero()
+                .args(["demo", "-n", "2", "--config"])
+                .arg(&bad)
+                .args(&extra),
+        );
         if extra.is_empty() {
             assert!(
                 stderr.contains("`steps_per_print`, `zero_optimization.contiguous_gradients`"),
@@ -452,7 +426,6 @@ fn demo_reads_a_deepspeed_config_and_names_bad_keys() {
                 "{stderr}"
             );
         }
-        assert!(!stderr.contains("panicked"), "{stderr}");
     }
     let out = ringzero().args(["demo", "--stage", "5"]).output().unwrap();
     assert!(String::from_utf8_lossy(&out.stderr).contains("stage 5 does not exist"));
