@@ -1,7 +1,8 @@
-//! The doubling schedules. The recursive-doubling all-reduce: every dtype and op on world sizes
-//! with and without a fold, against the serial reference; bit-identical ranks in the schedule's
-//! tree order on values that round; the bytes it moves; `auto` switching at the threshold; and
-//! ranks that chose different algorithms failing at once with both calls named. The binomial
+//! The doubling schedules. The recursive-doubling and halving-doubling all-reduces: every dtype
+//! and op on world sizes with and without a fold, against the serial reference; bit-identical
+//! ranks in the schedules' one tree order on values that round; the bytes they move; `auto`
+//! switching at its thresholds; and ranks that chose different algorithms failing at once with
+//! both calls named. The binomial
 //! broadcast and reduce from every root and the dissemination barrier: the same checks, beside
 //! the ring's forms of the same calls.
 
@@ -15,17 +16,24 @@ use crate::common::{check_case, threads, Case, Opts};
 fn every_dtype_and_op_matches_the_serial_reference() {
     // 2 and 4 ranks run the exchanges alone; 3, 5 and 6 fold ranks first. Counts: empty, one
     // element, several slices of 1 KiB (multi-frame messages).
-    for (n, transport) in [
-        (2, TransportPref::Shm),
-        (3, TransportPref::Tcp),
-        (4, TransportPref::Shm),
-        (5, TransportPref::Shm),
-        (6, TransportPref::Tcp),
+    // Halving-doubling splits the buffer in 2, 4 or 8 parts: 1 element leaves parts empty, 777
+    // does not split evenly.
+    for (n, transport, algo) in [
+        (2, TransportPref::Shm, Algo::Doubling),
+        (3, TransportPref::Tcp, Algo::Doubling),
+        (4, TransportPref::Shm, Algo::Doubling),
+        (5, TransportPref::Shm, Algo::Doubling),
+        (6, TransportPref::Tcp, Algo::Doubling),
+        (2, TransportPref::Tcp, Algo::HalvingDoubling),
+        (3, TransportPref::Shm, Algo::HalvingDoubling),
+        (4, TransportPref::Tcp, Algo::HalvingDoubling),
+        (6, TransportPref::Shm, Algo::HalvingDoubling),
+        (8, TransportPref::Shm, Algo::HalvingDoubling),
     ] {
         let o = Opts {
             transport,
             slice_bytes: 1024,
-            algo: Some(Algo::Doubling),
+            algo: Some(algo),
             ..Opts::default()
         };
         threads(n, &o, |_, comm| {
@@ -47,10 +55,14 @@ fn every_dtype_and_op_matches_the_serial_reference() {
                     }
                 }
             }
-            // Every call went by doubling: the flight record names it.
+            // Every call went by the schedule: the flight record names it.
             let rec = comm.flight_record();
             let last = rec.entries.last().unwrap();
-            assert!(last.call.ends_with(", by doubling)"), "{}", last.call);
+            assert!(
+                last.call.ends_with(&format!(", by {algo})")),
+                "{}",
+                last.call
+            );
         });
     }
 }
@@ -65,11 +77,16 @@ fn rounding(r: usize, count: usize) -> Vec<f32> {
 #[test]
 fn ranks_end_bit_identical_in_the_schedules_tree_order() {
     let count = 513;
-    let o = Opts {
-        algo: Some(Algo::Doubling),
-        ..Opts::default()
-    };
-    for n in [4, 5] {
+    for (n, algo) in [
+        (4, Algo::Doubling),
+        (5, Algo::Doubling),
+        (4, Algo::HalvingDoubling),
+        (5, Algo::HalvingDoubling),
+    ] {
+        let o = Opts {
+            algo: Some(algo),
+            ..Opts::default()
+        };
         let got = threads(n, &o, |r, comm| {
             let comm = comm.unwrap();
             let mut buf = rounding(r, count);
@@ -87,7 +104,7 @@ fn ranks_end_bit_identical_in_the_schedules_tree_order() {
             .collect();
         for (r, g) in got.iter().enumerate() {
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(g), bits(&want), "n = {n}, rank {r}");
+            assert_eq!(bits(g), bits(&want), "{algo} n = {n}, rank {r}");
         }
         // The ring's order is another: on these values it rounds differently somewhere (so the
         // comparison above is not vacuous).
@@ -102,7 +119,10 @@ fn ranks_end_bit_identical_in_the_schedules_tree_order() {
 fn it_moves_the_whole_buffer_once_per_round_and_auto_switches_at_the_threshold() {
     let max = 4096;
     let o = Opts {
-        algo: Some(Algo::Auto { doubling_max: max }),
+        algo: Some(Algo::Auto {
+            doubling_max: max,
+            halving_max: 0,
+        }),
         ..Opts::default()
     };
     threads(4, &o, |_, comm| {
@@ -140,9 +160,77 @@ fn it_moves_the_whole_buffer_once_per_round_and_auto_switches_at_the_threshold()
 }
 
 #[test]
+fn halving_doubling_moves_the_rings_bytes_and_auto_takes_it_between_the_thresholds() {
+    let (dmax, hmax) = (1024, 16384);
+    let o = Opts {
+        algo: Some(Algo::Auto {
+            doubling_max: dmax,
+            halving_max: hmax,
+        }),
+        ..Opts::default()
+    };
+    for n in [4, 5] {
+        threads(n, &o, |r, comm| {
+            let comm = comm.unwrap();
+            let calls = |k: usize| {
+                let rec = comm.flight_record();
+                let all: Vec<String> = rec.entries.iter().map(|e| e.call.clone()).collect();
+                all[all.len() - k..].to_vec()
+            };
+            // Connect the pairs' links first, so the counts below are the calls' own.
+            let mut warm = vec![1f32; 2 * dmax / 4];
+            comm.all_reduce_in_place(&mut warm, ReduceOp::Sum).unwrap();
+            // Above doubling_max, up to halving_max: halving-doubling. On 4 ranks every rank
+            // sends and receives 2 · 3/4 of the buffer (2 rounds of halves, 2 of quarters back
+            // up: the ring's bytes); on 5, ranks 0 and 1 fold first: rank 0 sends the buffer
+            // once and gets it back, rank 1 carries the fold both ways on top of its share.
+            let bytes = hmax as u64;
+            let mut buf = vec![r as f32; hmax / 4];
+            let before = comm.counters();
+            comm.all_reduce_in_place(&mut buf, ReduceOp::Sum).unwrap();
+            let after = comm.counters();
+            let want = (0..n).sum::<usize>() as f32;
+            assert_eq!(buf, vec![want; hmax / 4]);
+            let sent = after.bytes_sent - before.bytes_sent;
+            let got = after.bytes_received - before.bytes_received;
+            let share = bytes * 3 / 2;
+            let (want_sent, want_got) = match (n, r) {
+                (5, 0) => (bytes, bytes),
+                (5, 1) => (share + bytes, share + bytes),
+                _ => (share, share),
+            };
+            assert_eq!((sent, got), (want_sent, want_got), "n = {n} rank {r}");
+            // Above halving_max: the ring.
+            let mut big = vec![1f32; hmax / 4 + 4];
+            comm.all_reduce_in_place(&mut big, ReduceOp::Sum).unwrap();
+            assert_eq!(big, vec![n as f32; hmax / 4 + 4]);
+            assert_eq!(
+                calls(2),
+                [
+                    "all_reduce(f32, sum, count=4096, by halving-doubling)",
+                    "all_reduce(f32, sum, count=4100)"
+                ]
+            );
+            // The async form chooses alike.
+            let back = comm
+                .all_reduce_async(vec![2f32; 1000], ReduceOp::Avg)
+                .wait();
+            assert_eq!(back.unwrap(), vec![2.0; 1000]);
+            assert!(calls(1)[0].ends_with("by halving-doubling)"));
+        });
+    }
+}
+
+#[test]
 fn ranks_that_choose_different_algorithms_fail_at_once_naming_both() {
-    // First call (the pair links are not connected yet), then once they are.
-    for connected in [false, true] {
+    // First call (the pair links are not connected yet), then once they are; rank 2 on the
+    // ring, then by halving-doubling, the others by recursive doubling.
+    for (connected, other, named) in [
+        (false, Algo::Ring, ""),
+        (true, Algo::Ring, ""),
+        (false, Algo::HalvingDoubling, ", by halving-doubling"),
+        (true, Algo::HalvingDoubling, ", by halving-doubling"),
+    ] {
         let t = Instant::now();
         let errs = threads(4, &Opts::default(), |r, comm| {
             let comm = comm.unwrap();
@@ -151,7 +239,7 @@ fn ranks_that_choose_different_algorithms_fail_at_once_naming_both() {
                 comm.all_reduce_in_place_with(&mut warm, ReduceOp::Sum, Algo::Doubling)
                     .unwrap();
             }
-            let algo = if r == 2 { Algo::Ring } else { Algo::Doubling };
+            let algo = if r == 2 { other } else { Algo::Doubling };
             let mut b = [1f32; 16];
             let e = comm
                 .all_reduce_in_place_with(&mut b, ReduceOp::Sum, algo)
@@ -160,14 +248,14 @@ fn ranks_that_choose_different_algorithms_fail_at_once_naming_both() {
         });
         assert!(
             t.elapsed() < Duration::from_secs(10),
-            "connected={connected}: must not wait for the deadline: {errs:?}"
+            "connected={connected} {other}: must not wait for the deadline: {errs:?}"
         );
-        // Rank 2 (ring) meets rank 1's announcement; rank 3 meets rank 2's ring frame.
+        // Rank 2 meets rank 1's announcement; rank 3 meets rank 2's first frame.
         for r in [2, 3] {
             assert!(
                 errs[r].contains("all_reduce(f32, sum, count=16, by doubling)")
-                    && errs[r].contains("all_reduce(f32, sum, count=16)"),
-                "connected={connected} rank {r}: {}",
+                    && errs[r].contains(&format!("all_reduce(f32, sum, count=16{named})")),
+                "connected={connected} {other} rank {r}: {}",
                 errs[r]
             );
         }

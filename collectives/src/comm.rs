@@ -965,8 +965,8 @@ impl Inner {
     }
 
     /// [`Inner::execute`] by `algo`: the collectives that have a doubling schedule (all-reduce,
-    /// broadcast, reduce, barrier) run it where `algo` picks it for this size and world, every
-    /// other call runs the ring.
+    /// broadcast, reduce, barrier) run the one `algo` picks for this size and world, if any;
+    /// every other call runs the ring.
     fn execute_by(
         &self,
         algo: Algo,
@@ -977,8 +977,11 @@ impl Inner {
         bufs: Bufs,
     ) -> Result<()> {
         let bytes = count.total.saturating_mul(dtype.map_or(1, DType::size));
-        if count.parts.is_none() && algo.doubles(coll, bytes, self.size) {
-            return self.by_doubling(coll, (dtype, op), count.total, in_place, bufs);
+        if let Some(sched) = algo.schedule(coll, bytes, self.size) {
+            if count.parts.is_none() {
+                let call = (sched, coll, dtype, op);
+                return self.by_doubling(call, count.total, in_place, bufs);
+            }
         }
         let mut st = self.lock();
         let dt = dtype.unwrap_or(DType::U8);

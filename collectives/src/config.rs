@@ -14,7 +14,8 @@
 use std::time::Duration;
 
 use crate::error::{Error, Result};
-use crate::ring::{doubling, Collective};
+use crate::ring::doubling::Schedule;
+use crate::ring::Collective;
 
 /// Default deadline for any single wait.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
@@ -30,6 +31,9 @@ pub const MAX_TCP_SOCKETS: usize = 32;
 pub const DEFAULT_STREAM_STORES_FROM: usize = 16 << 20;
 /// Default largest all-reduce (bytes) that `auto` runs by recursive doubling.
 pub const DEFAULT_DOUBLING_MAX: usize = 64 << 10;
+/// Default largest all-reduce (bytes) that `auto` runs by halving-doubling (above
+/// [`DEFAULT_DOUBLING_MAX`]).
+pub const DEFAULT_HALVING_MAX: usize = 1 << 20;
 /// Default master port when a launcher gives none.
 pub const DEFAULT_PORT: u16 = 29500;
 
@@ -70,73 +74,93 @@ impl std::fmt::Display for StagingMode {
 }
 
 /// Which algorithm the latency-bound host collectives run (`RINGZERO_ALGO`,
-/// `RINGZERO_DOUBLING_MAX`): all-reduce, broadcast, reduce and barrier either go round the ring
-/// (`2(n − 1)` or `n − 1` hops) or by their doubling schedule in about `log2 n` rounds
-/// (recursive doubling, binomial trees, a dissemination barrier: see `ring::doubling`).
+/// `RINGZERO_DOUBLING_MAX`, `RINGZERO_HALVING_MAX`): all-reduce, broadcast, reduce and barrier
+/// either go round the ring (`2(n − 1)` or `n − 1` hops) or by a doubling schedule in about
+/// `log2 n` rounds (recursive doubling and halving-doubling, binomial trees, a dissemination
+/// barrier: see `ring::doubling`).
 ///
 /// Every rank must choose alike: a rank whose choice differs fails at the first frame with both
-/// calls named. Both give every rank of an all-reduce bit-identical results, but the reduction
-/// orders differ, so sums may differ in rounding between them.
+/// calls named. Each gives every rank of an all-reduce bit-identical results; recursive doubling
+/// and halving-doubling reduce in the same order, the ring in another, so sums may differ in
+/// rounding between the ring and the other two.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Algo {
-    /// On three ranks or more: the all-reduce by recursive doubling up to `doubling_max` bytes
-    /// and every barrier by dissemination, where they measured faster; broadcast and reduce on
-    /// the ring's chain at every size, whose calls pipeline one after another (a tree's root
-    /// sends `log2 n` copies per call: it cut one call's latency but lost on back-to-back calls
-    /// in `ringzero bench`, see the design notes). Two ranks always take the ring, where both
-    /// are one exchange.
+    /// On three ranks or more: the all-reduce by recursive doubling up to `doubling_max` bytes,
+    /// by halving-doubling up to `halving_max`, the ring above; every barrier by dissemination,
+    /// where they measured faster; broadcast and reduce on the ring's chain at every size, whose
+    /// calls pipeline one after another (a tree's root sends `log2 n` copies per call: it cut
+    /// one call's latency but lost on back-to-back calls in `ringzero bench`, see the design
+    /// notes). Two ranks always take the ring, where all are one exchange.
     Auto {
         /// The largest all-reduce, in bytes, run by recursive doubling.
         doubling_max: usize,
+        /// The largest all-reduce, in bytes, run by halving-doubling (those up to
+        /// `doubling_max` excepted).
+        halving_max: usize,
     },
     /// The ring at every size (bandwidth-optimal; the order the reduce-scatter uses too).
     Ring,
-    /// The doubling schedules at every size, broadcast and reduce by binomial tree included.
+    /// The whole-buffer doubling schedules at every size, broadcast and reduce by binomial tree
+    /// included.
     Doubling,
+    /// The all-reduce by halving-doubling at every size; everything else on the ring.
+    HalvingDoubling,
 }
 
 impl Default for Algo {
     fn default() -> Self {
         Algo::Auto {
             doubling_max: DEFAULT_DOUBLING_MAX,
+            halving_max: DEFAULT_HALVING_MAX,
         }
     }
 }
 
 impl Algo {
-    /// Whether `coll` of `bytes` on `n` ranks runs its doubling schedule (never on one rank,
-    /// where there is nothing to exchange, nor for a collective that has none).
-    pub fn doubles(self, coll: Collective, bytes: usize, n: usize) -> bool {
-        if n < 2 || !doubling::has_schedule(coll) {
-            return false;
+    /// The schedule `coll` of `bytes` on `n` ranks runs, `None` for the ring's (never a
+    /// schedule on one rank, where there is nothing to exchange, nor for a collective without
+    /// one).
+    pub fn schedule(self, coll: Collective, bytes: usize, n: usize) -> Option<Schedule> {
+        if n < 2 {
+            return None;
         }
-        match self {
-            Algo::Auto { doubling_max } => {
-                n > 2
-                    && match coll {
-                        Collective::AllReduce => bytes <= doubling_max,
-                        Collective::Barrier => true,
-                        _ => false,
-                    }
-            }
-            Algo::Ring => false,
-            Algo::Doubling => true,
-        }
+        let s = match self {
+            Algo::Auto {
+                doubling_max,
+                halving_max,
+            } => match coll {
+                _ if n == 2 => None,
+                Collective::AllReduce if bytes <= doubling_max => Some(Schedule::Doubling),
+                Collective::AllReduce if bytes <= halving_max => Some(Schedule::HalvingDoubling),
+                Collective::Barrier => Some(Schedule::Doubling),
+                _ => None,
+            },
+            Algo::Ring => None,
+            Algo::Doubling => Some(Schedule::Doubling),
+            Algo::HalvingDoubling => Some(Schedule::HalvingDoubling),
+        };
+        s.filter(|s| s.has(coll))
     }
 }
 
 impl std::fmt::Display for Algo {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Algo::Auto { doubling_max } => {
-                write!(
-                    f,
-                    "auto (all-reduce by doubling up to {doubling_max} B, ring above; barrier by \
-                     dissemination; broadcast and reduce on the ring)"
+            Algo::Auto {
+                doubling_max,
+                halving_max,
+            } => {
+                write!(f, "auto (all-reduce by doubling up to {doubling_max} B, ")?;
+                if halving_max > doubling_max {
+                    write!(f, "by halving-doubling up to {halving_max} B, ")?;
+                }
+                f.write_str(
+                    "ring above; barrier by dissemination; broadcast and reduce on the ring)",
                 )
             }
             Algo::Ring => f.write_str("ring"),
             Algo::Doubling => f.write_str("doubling"),
+            Algo::HalvingDoubling => f.write_str("halving-doubling"),
         }
     }
 }
@@ -196,8 +220,8 @@ pub struct Config {
     /// How host staging of device buffers moves bytes (`RINGZERO_STAGING=mapped|copy`).
     pub staging: StagingMode,
     /// Which algorithm host all-reduces, broadcasts, reduces and barriers run
-    /// (`RINGZERO_ALGO=auto|ring|doubling`, and `RINGZERO_DOUBLING_MAX` for auto's all-reduce
-    /// threshold).
+    /// (`RINGZERO_ALGO=auto|ring|doubling|halving-doubling`, and `RINGZERO_DOUBLING_MAX` and
+    /// `RINGZERO_HALVING_MAX` for auto's all-reduce thresholds).
     /// Device buffers always take the ring.
     pub algo: Algo,
     /// Directory for shared-memory segments (`RINGZERO_SHM_DIR`, default `/dev/shm`).
@@ -610,35 +634,52 @@ pub fn default_node_id() -> String {
     format!("{host}/{}", boot.trim())
 }
 
-/// `RINGZERO_ALGO` and `RINGZERO_DOUBLING_MAX` (auto's threshold only).
+/// `RINGZERO_ALGO`, and `RINGZERO_DOUBLING_MAX` and `RINGZERO_HALVING_MAX` (auto's thresholds
+/// only).
 fn algo(env: &dyn Fn(&str) -> Option<String>) -> Result<Algo> {
-    let max = match env("RINGZERO_DOUBLING_MAX") {
-        None => None,
-        Some(v) => Some(parse_bytes(&v).ok_or_else(|| {
-            Error::config(
-                "RINGZERO_DOUBLING_MAX",
-                format!("`{v}` is not a size (like 64K)"),
-            )
-        })?),
+    let size = |var: &'static str| -> Result<Option<usize>> {
+        env(var)
+            .map(|v| {
+                parse_bytes(&v)
+                    .ok_or_else(|| Error::config(var, format!("`{v}` is not a size (like 64K)")))
+            })
+            .transpose()
     };
+    let (dmax, hmax) = (
+        size("RINGZERO_DOUBLING_MAX")?,
+        size("RINGZERO_HALVING_MAX")?,
+    );
     let algo = env("RINGZERO_ALGO").unwrap_or_default();
-    match (algo.trim().to_ascii_lowercase().as_str(), max) {
-        ("auto" | "", max) => Ok(Algo::Auto {
-            doubling_max: max.unwrap_or(DEFAULT_DOUBLING_MAX),
-        }),
-        ("ring", None) => Ok(Algo::Ring),
-        ("doubling", None) => Ok(Algo::Doubling),
-        (a @ ("ring" | "doubling"), Some(_)) => Err(Error::config(
-            "RINGZERO_DOUBLING_MAX",
+    let fixed = match algo.trim().to_ascii_lowercase().as_str() {
+        "auto" | "" => {
+            return Ok(Algo::Auto {
+                doubling_max: dmax.unwrap_or(DEFAULT_DOUBLING_MAX),
+                halving_max: hmax.unwrap_or(DEFAULT_HALVING_MAX),
+            })
+        }
+        "ring" => Algo::Ring,
+        "doubling" => Algo::Doubling,
+        "halving-doubling" => Algo::HalvingDoubling,
+        _ => {
+            return Err(Error::config(
+                "RINGZERO_ALGO",
+                format!("`{algo}` is not one of auto, ring, doubling, halving-doubling"),
+            ))
+        }
+    };
+    let set = [
+        ("RINGZERO_DOUBLING_MAX", dmax),
+        ("RINGZERO_HALVING_MAX", hmax),
+    ];
+    if let Some((var, _)) = set.iter().find(|(_, v)| v.is_some()) {
+        return Err(Error::config(
+            *var,
             format!(
-                "sets where RINGZERO_ALGO=auto switches to the ring, but RINGZERO_ALGO is `{a}`"
+                "sets where RINGZERO_ALGO=auto switches algorithm, but RINGZERO_ALGO is `{fixed}`"
             ),
-        )),
-        _ => Err(Error::config(
-            "RINGZERO_ALGO",
-            format!("`{algo}` is not one of auto, ring, doubling"),
-        )),
+        ));
     }
+    Ok(fixed)
 }
 
 #[cfg(test)]
@@ -827,20 +868,32 @@ mod tests {
         assert_eq!(algo(&[]).unwrap(), auto);
         let (ar, bar) = (Collective::AllReduce, Collective::Barrier);
         let bc = Collective::Broadcast { root: 0 };
-        assert!(auto.doubles(ar, DEFAULT_DOUBLING_MAX, 3));
-        assert!(!auto.doubles(ar, DEFAULT_DOUBLING_MAX + 1, 3));
-        assert!(
-            !auto.doubles(ar, 4, 2),
+        let (d, hd) = (Some(Schedule::Doubling), Some(Schedule::HalvingDoubling));
+        assert_eq!(auto.schedule(ar, DEFAULT_DOUBLING_MAX, 3), d);
+        assert_eq!(auto.schedule(ar, DEFAULT_DOUBLING_MAX + 1, 3), hd);
+        assert_eq!(auto.schedule(ar, DEFAULT_HALVING_MAX, 8), hd);
+        assert_eq!(auto.schedule(ar, DEFAULT_HALVING_MAX + 1, 8), None);
+        assert_eq!(
+            auto.schedule(ar, 4, 2),
+            None,
             "two ranks: the ring's two hops of half"
         );
-        assert!(auto.doubles(bar, 0, 3) && !auto.doubles(bar, 0, 2));
-        assert!(!auto.doubles(bc, 4, 8), "auto keeps broadcast on the chain");
-        assert!(Algo::Doubling.doubles(ar, 1 << 30, 2));
-        assert!(Algo::Doubling.doubles(bc, 1 << 30, 8));
-        assert!(!Algo::Doubling.doubles(Collective::AllGather, 4, 8));
-        assert!(!Algo::Ring.doubles(bar, 0, 8));
-        assert!(
-            !Algo::Doubling.doubles(ar, 4, 1),
+        assert_eq!(auto.schedule(bar, 0, 3), d);
+        assert_eq!(auto.schedule(bar, 0, 2), None);
+        assert_eq!(
+            auto.schedule(bc, 4, 8),
+            None,
+            "auto keeps broadcast on the chain"
+        );
+        assert_eq!(Algo::Doubling.schedule(ar, 1 << 30, 2), d);
+        assert_eq!(Algo::Doubling.schedule(bc, 1 << 30, 8), d);
+        assert_eq!(Algo::Doubling.schedule(Collective::AllGather, 4, 8), None);
+        assert_eq!(Algo::HalvingDoubling.schedule(ar, 4, 2), hd);
+        assert_eq!(Algo::HalvingDoubling.schedule(bar, 0, 8), None);
+        assert_eq!(Algo::Ring.schedule(bar, 0, 8), None);
+        assert_eq!(
+            Algo::Doubling.schedule(ar, 4, 1),
+            None,
             "one rank has nothing to exchange"
         );
         assert_eq!(algo(&[("RINGZERO_ALGO", "Ring")]).unwrap(), Algo::Ring);
@@ -849,14 +902,42 @@ mod tests {
             Algo::Doubling
         );
         assert_eq!(
-            algo(&[("RINGZERO_DOUBLING_MAX", "1M")]).unwrap(),
+            algo(&[("RINGZERO_ALGO", "halving-doubling")]).unwrap(),
+            Algo::HalvingDoubling
+        );
+        assert_eq!(
+            algo(&[
+                ("RINGZERO_DOUBLING_MAX", "1M"),
+                ("RINGZERO_HALVING_MAX", "0")
+            ])
+            .unwrap(),
             Algo::Auto {
-                doubling_max: 1 << 20
+                doubling_max: 1 << 20,
+                halving_max: 0,
             }
+        );
+        let e = algo(&[("RINGZERO_HALVING_MAX", "big")])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("RINGZERO_HALVING_MAX: `big` is not a size"),
+            "{e}"
+        );
+        let e = algo(&[
+            ("RINGZERO_ALGO", "doubling"),
+            ("RINGZERO_HALVING_MAX", "1M"),
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("RINGZERO_HALVING_MAX: sets where RINGZERO_ALGO=auto switches"),
+            "{e}"
         );
         let e = algo(&[("RINGZERO_ALGO", "tree")]).unwrap_err().to_string();
         assert!(
-            e.contains("RINGZERO_ALGO: `tree` is not one of auto, ring, doubling"),
+            e.contains(
+                "RINGZERO_ALGO: `tree` is not one of auto, ring, doubling, halving-doubling"
+            ),
             "{e}"
         );
         let e = algo(&[("RINGZERO_DOUBLING_MAX", "lots")])

@@ -59,6 +59,7 @@ pub type AllReduceAlgo = Algo;
 pub use device::{DeviceComm, DeviceMemory, HostStream, Stream};
 pub use error::{Error, Result};
 pub use flight::{CallState, FlightEntry, FlightRecord};
+pub use ring::doubling::Schedule;
 pub use ring::engine::Counters;
 pub use ring::{chunk, Collective};
 pub use ringzero_kernels::{DType, Element, ReduceOp};

@@ -12,6 +12,7 @@ use bytemuck::{Pod, Zeroable};
 use ringzero_kernels::{DType, ReduceOp};
 use std::fmt;
 
+use crate::ring::doubling::Schedule;
 use crate::ring::Collective;
 
 /// `RZF1` — start of every data frame.
@@ -51,9 +52,9 @@ pub struct Fingerprint {
     /// [`ReduceOp`] code (0 when the collective does not reduce).
     pub redop: u8,
     /// The algorithm, where a collective has more than one: 0 for the ring (and every
-    /// collective with one algorithm), [`Fingerprint::DOUBLING`] for the doubling schedules
-    /// (`ring::doubling`). Ranks that chose differently fail at the first frame, both calls
-    /// named.
+    /// collective with one algorithm), [`Fingerprint::DOUBLING`] and
+    /// [`Fingerprint::HALVING_DOUBLING`] for the doubling schedules (`ring::doubling`). Ranks
+    /// that chose differently fail at the first frame, both calls named.
     pub algo: u8,
 }
 
@@ -79,12 +80,22 @@ impl Fingerprint {
         }
     }
 
-    /// [`Fingerprint::algo`] of the doubling schedules.
+    /// [`Fingerprint::algo`] of the whole-buffer doubling schedules ([`Schedule::Doubling`]).
     pub const DOUBLING: u8 = 1;
+    /// [`Fingerprint::algo`] of [`Schedule::HalvingDoubling`].
+    pub const HALVING_DOUBLING: u8 = 2;
 
-    /// This fingerprint, for the collective's doubling schedule.
-    pub fn doubling(mut self) -> Fingerprint {
-        self.algo = Fingerprint::DOUBLING;
+    /// This fingerprint, for the collective's whole-buffer doubling schedule.
+    pub fn doubling(self) -> Fingerprint {
+        self.by(Schedule::Doubling)
+    }
+
+    /// This fingerprint, for the collective's schedule `sched`.
+    pub fn by(mut self, sched: Schedule) -> Fingerprint {
+        self.algo = match sched {
+            Schedule::Doubling => Fingerprint::DOUBLING,
+            Schedule::HalvingDoubling => Fingerprint::HALVING_DOUBLING,
+        };
         self
     }
 
@@ -145,6 +156,7 @@ impl fmt::Display for Fingerprint {
         match self.algo {
             0 => {}
             Fingerprint::DOUBLING => f.write_str(doubling)?,
+            Fingerprint::HALVING_DOUBLING => f.write_str(", by halving-doubling")?,
             a => write!(f, ", algo#{a}")?,
         }
         f.write_str(")")
@@ -370,6 +382,12 @@ mod tests {
             d.to_string(),
             "all_reduce(f32, sum, count=1000, by doubling)"
         );
+        let hd = fp().by(Schedule::HalvingDoubling);
+        assert_eq!(
+            hd.to_string(),
+            "all_reduce(f32, sum, count=1000, by halving-doubling)"
+        );
+        assert_ne!(hd, d);
         let want = Expect {
             seq: 3,
             step: 0,

@@ -1,13 +1,14 @@
-//! The doubling schedules ([`crate::ring::doubling`]: recursive doubling for the all-reduce,
-//! binomial trees for broadcast and reduce, dissemination for the barrier) over the pairs' own
-//! links: how a small latency-bound collective runs in about `log2 n` rounds instead of the
-//! ring's `n − 1` or `2(n − 1)` hops.
+//! The doubling schedules ([`crate::ring::doubling`]: recursive doubling and halving-doubling for
+//! the all-reduce, binomial trees for broadcast and reduce, dissemination for the barrier) over
+//! the pairs' own links: how a latency-bound collective runs in about `log2 n` rounds (`2 log2 n`
+//! for halving-doubling) instead of the ring's `n − 1` or `2(n − 1)` hops.
 //!
 //! It is the same collective as the ring's (same checks, the communicator's next sequence number,
-//! a flight record entry), with [`Fingerprint::DOUBLING`] in its fingerprint. Each round is at
-//! most one message out and one in over the pairs' links (`Inner::mesh`, shared with the pairwise
-//! collectives and connected by the first call that needs them), the whole buffer each, sliced as
-//! `send_recv` slices it. With the first round an empty frame goes to the next rank and one comes
+//! a flight record entry), with its schedule in its fingerprint ([`Fingerprint::by`]). Each round
+//! is at most one message out and one in over the pairs' links (`Inner::mesh`, shared with the
+//! pairwise collectives and connected by the first call that needs them), each the part of the
+//! buffer the round names (the whole buffer but in halving-doubling), sliced as `send_recv`
+//! slices it. With the first round an empty frame goes to the next rank and one comes
 //! from the previous over the ring's links, as the pairwise collectives announce themselves: a
 //! neighbour that called anything else (the ring's form of the same collective included) meets it
 //! and both fail at once with the two calls named.
@@ -17,24 +18,25 @@ use ringzero_kernels::{cpu, DType, ReduceOp};
 use super::pairs::{pairs_of, Watch};
 use super::{refused, Inner, State};
 use crate::error::Result;
-use crate::ring::doubling::{self, Round, Take};
+use std::ops::Range;
+
+use crate::ring::doubling::{self, Round, Schedule, Take};
 use crate::ring::engine::{self, Bufs, Lane};
 use crate::ring::{plan_p2p, Collective};
 use crate::wire::{Expect, Fingerprint};
 
 impl Inner {
-    /// `coll` (one with a doubling schedule) of `count` elements of `dtype` by that schedule:
-    /// `bufs` as the ring's form of `coll` takes them.
+    /// `coll` (one that `sched` has a schedule for) of `count` elements of `dtype` by that
+    /// schedule: `bufs` as the ring's form of `coll` takes them.
     pub(super) fn by_doubling(
         &self,
-        coll: Collective,
-        (dtype, op): (Option<DType>, ReduceOp),
+        (sched, coll, dtype, op): (Schedule, Collective, Option<DType>, ReduceOp),
         count: usize,
         in_place: bool,
         bufs: Bufs,
     ) -> Result<()> {
         let dt = dtype.unwrap_or(DType::U8);
-        let fp = Fingerprint::new(coll, dtype, Some(op), count).doubling();
+        let fp = Fingerprint::new(coll, dtype, Some(op), count).by(sched);
         let bytes = count * dt.size();
         let me = self.rank;
         // The lengths the ring's checks would insist on: the input everywhere it is read, the
@@ -57,24 +59,25 @@ impl Inner {
                 ));
             }
         }
-        let rounds = doubling::rounds(coll, self.size, me).expect("checked by the caller");
+        let rounds = doubling::rounds(sched, coll, self.size, me).expect("checked by the caller");
         let mut st = self.lock();
         let seq = st.seq;
         engine::refuse(st.failed.as_ref(), &self.abort, &fp, seq)?;
         self.recorded(&mut st, &fp, in_place, bytes as u64, |st| {
             let call = (seq, &fp, dt, op);
+            let coll = (sched, coll);
             match (coll, bufs) {
                 // The buffer itself: received into, sent from.
-                (Collective::Broadcast { root }, Bufs::Split { input, output }) => {
+                ((_, Collective::Broadcast { root }), Bufs::Split { input, output }) => {
                     if me == root {
                         output.copy_from_slice(input);
                     }
                     self.run_rounds(st, coll, call, &rounds, output)
                 }
-                (Collective::Broadcast { .. } | Collective::Barrier, Bufs::One(b)) => {
+                ((_, Collective::Broadcast { .. } | Collective::Barrier), Bufs::One(b)) => {
                     self.run_rounds(st, coll, call, &rounds, b)
                 }
-                (Collective::Barrier, Bufs::Split { output, .. }) => {
+                ((_, Collective::Barrier), Bufs::Split { output, .. }) => {
                     self.run_rounds(st, coll, call, &rounds, output)
                 }
                 // Reductions: combined in aligned scratch, the input left as it was until the
@@ -102,7 +105,7 @@ impl Inner {
     fn run_rounds(
         &self,
         st: &mut State,
-        coll: Collective,
+        (sched, coll): (Schedule, Collective),
         (seq, fp, dtype, op): (u64, &Fingerprint, DType, ReduceOp),
         rounds: &[Round],
         acc: &mut [u8],
@@ -112,7 +115,7 @@ impl Inner {
         let mut peers: Vec<usize> = rounds.iter().flat_map(Round::peers).collect();
         peers.sort_unstable();
         peers.dedup();
-        let mut mesh = self.mesh_for(st, (seq, fp, dtype), || doubling::pairs(coll, n))?;
+        let mut mesh = self.mesh_for(st, (seq, fp, dtype), || doubling::pairs(sched, coll, n))?;
         if mesh.connects {
             // The ring's next frame is this call's announcement (below): watch for it, and for
             // an abort in front of it.
@@ -132,13 +135,25 @@ impl Inner {
         }
         let slice_elems = (self.cfg.slice_bytes / es).max(1);
         let whole = |_| *fp;
-        // Where a round receives what it does not simply keep (a combine, or a replacement of a
-        // buffer it sends in the same round).
-        let scratch = rounds.iter().any(|x| {
-            x.from
-                .is_some_and(|(_, t)| t != Take::Replace || x.to.is_some())
-        });
-        let mut theirs = Aligned::zeroed(if scratch { acc.len() } else { 0 });
+        // The bytes each round sends and receives, and whether what it receives can land in
+        // place: a replacement of a part it does not send in the same round. Anything else is
+        // received beside the buffer.
+        let bytes = |s: doubling::Span| {
+            let e = s.elems(count);
+            e.start * es..e.end * es
+        };
+        let direct = |x: &Round| {
+            let (s, r) = (bytes(x.send), bytes(x.recv));
+            matches!(x.from, Some((_, Take::Replace)))
+                && (x.to.is_none() || s.end <= r.start || r.end <= s.start)
+        };
+        let scratch = rounds
+            .iter()
+            .filter(|x| x.from.is_some() && !direct(x))
+            .map(|x| bytes(x.recv).len())
+            .max()
+            .unwrap_or(0);
+        let mut theirs = Aligned::zeroed(scratch);
         // The announcement: an empty frame each way around the ring, with the first round (one
         // empty slice, whatever the slot size).
         let announce_plan = plan_p2p(Some(0), Some(0), 1);
@@ -155,20 +170,22 @@ impl Inner {
             let mut now: Vec<usize> = round.peers().collect();
             now.sort_unstable();
             let from = round.from.map(|(p, _)| p);
+            let (sb, rb) = (bytes(round.send), bytes(round.recv));
             let plans: Vec<_> = now
                 .iter()
                 .map(|&p| {
-                    let send = (round.to == Some(p)).then_some(count);
-                    let recv = (from == Some(p)).then_some(count);
+                    let send = (round.to == Some(p)).then_some(sb.len() / es);
+                    let recv = (from == Some(p)).then_some(rb.len() / es);
                     plan_p2p(send, recv, slice_elems)
                 })
                 .collect();
-            // A kept buffer is received in place; anything else beside it.
-            let direct = matches!(round.from, Some((_, Take::Replace))) && round.to.is_none();
+            let direct = direct(round);
             let (mut send, mut recv): (Option<&[u8]>, Option<&mut [u8]>) = if direct {
-                (None, Some(&mut *acc))
+                let (s, r) = beside(acc, round.to.map(|_| sb.clone()), rb.clone());
+                (s, Some(r))
             } else {
-                (round.to.map(|_| &*acc), from.map(|_| theirs.bytes_mut()))
+                let to = round.to.map(|_| &acc[sb.clone()]);
+                (to, from.map(|_| &mut theirs.bytes_mut()[..rb.len()]))
             };
             let mut lanes = Vec::with_capacity(3);
             for ((&p, links), plan) in now.iter().zip(pairs_of(&mut mesh.links, &now)).zip(&plans) {
@@ -186,13 +203,20 @@ impl Inner {
             }
             engine::run_lanes(&mut lanes, self.cfg.timeout, &self.abort)?;
             drop(lanes);
+            // What came in beside the buffer (nothing when it landed in place or none came).
+            let beside_len = if direct || from.is_none() {
+                0
+            } else {
+                rb.len()
+            };
+            let got = &mut theirs.bytes_mut()[..beside_len];
             match round.from {
-                Some((_, Take::MineFirst)) => cpu::reduce_into(dtype, op, acc, theirs.bytes())?,
+                Some((_, Take::MineFirst)) => cpu::reduce_into(dtype, op, &mut acc[rb], got)?,
                 Some((_, Take::TheirsFirst)) => {
-                    cpu::reduce_into(dtype, op, theirs.bytes_mut(), acc)?;
-                    acc.copy_from_slice(theirs.bytes());
+                    cpu::reduce_into(dtype, op, got, &acc[rb.clone()])?;
+                    acc[rb].copy_from_slice(got);
                 }
-                Some((_, Take::Replace)) if !direct => acc.copy_from_slice(theirs.bytes()),
+                Some((_, Take::Replace)) if !direct => acc[rb].copy_from_slice(got),
                 _ => {}
             }
         }
@@ -205,6 +229,26 @@ impl Inner {
             )?;
         }
         Ok(())
+    }
+}
+
+/// `recv` of `buf` to receive into, and `send` of it (if any, and apart from `recv`) to send from.
+fn beside(
+    buf: &mut [u8],
+    send: Option<Range<usize>>,
+    recv: Range<usize>,
+) -> (Option<&[u8]>, &mut [u8]) {
+    match send {
+        None => (None, &mut buf[recv]),
+        Some(s) if s.end <= recv.start => {
+            let (lo, hi) = buf.split_at_mut(recv.start);
+            (Some(&lo[s]), &mut hi[..recv.len()])
+        }
+        Some(s) => {
+            assert!(recv.end <= s.start, "{s:?} overlaps {recv:?}");
+            let (lo, hi) = buf.split_at_mut(s.start);
+            (Some(&hi[..s.len()]), &mut lo[recv])
+        }
     }
 }
 

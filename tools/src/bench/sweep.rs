@@ -121,11 +121,11 @@ fn sweep_typed<T: Element>(
             let wrong = check::<T>(comm, op, a, count, inplace)?;
             let mut bufs = Buffers::<T>::new(comm, op, count);
             let call = || bufs.call(comm, op, a.redop, inplace);
-            let algo = if comm.config().algo.doubles(op, bytes, n) {
-                Algo::Doubling
-            } else {
-                Algo::Ring
-            };
+            let algo = comm
+                .config()
+                .algo
+                .schedule(op, bytes, n)
+                .map_or(Algo::Ring, Algo::By);
             let (time_us, wrong, model) = if a.model_per_row && n > 1 {
                 let link = theory::bytes_per_link(op, algo, n, bytes) as usize;
                 timed_with_model(comm, a, wrong, link, inplace, call)?

@@ -7,23 +7,25 @@
 //! - predicted time t = steps · α + bytes per link / β, with steps 2(n−1) and bytes per link
 //!   2(n−1)/n · S for all-reduce, n−1 and (n−1)/n · S for reduce-scatter and all-gather, n−1 and S
 //!   for broadcast and reduce (a pipelined chain);
-//! - a collective by its doubling schedule (small buffers, see `ringzero::Algo`: recursive
-//!   doubling for all-reduce, binomial trees for broadcast and reduce) takes its schedule's
-//!   rounds as steps (⌈log2 n⌉; the all-reduce log2 n, two more when n is not a power of two)
-//!   and sends the whole buffer in each: bytes per link rounds · S;
+//! - a collective by a doubling schedule (see `ringzero::Algo`: recursive doubling or
+//!   halving-doubling for all-reduce, binomial trees for broadcast and reduce) takes its
+//!   schedule's rounds as steps (⌈log2 n⌉; the all-reduce log2 n by recursive doubling, 2 log2 n
+//!   by halving-doubling, two more when n is not a power of two) and its busiest rank's volume
+//!   as bytes per link: rounds · S for the whole-buffer schedules, 2(p−1)/p · S for
+//!   halving-doubling (p the largest power of two ≤ n; 2 S more for the fold);
 //! - efficiency = predicted / measured time (1.0: the implementation runs at the model's limit).
 
 use ringzero_collectives::ring::doubling;
-use ringzero_collectives::Collective;
+use ringzero_collectives::{Collective, Schedule};
 
-/// How a collective moves: round the ring (every collective), or by its doubling schedule (a
-/// small all-reduce, broadcast or reduce).
+/// How a collective moves: round the ring (every collective), or by a doubling schedule (an
+/// all-reduce, broadcast or reduce that `ringzero::Algo` picks it for).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Algo {
     /// The ring's schedule (or the pairwise exchange of the collectives that have no ring).
     Ring,
-    /// The doubling schedule ([`doubling`]).
-    Doubling,
+    /// A doubling schedule ([`doubling`]).
+    By(Schedule),
 }
 
 impl Algo {
@@ -31,7 +33,8 @@ impl Algo {
     pub fn name(self) -> &'static str {
         match self {
             Algo::Ring => "ring",
-            Algo::Doubling => "doubling",
+            Algo::By(Schedule::Doubling) => "doubling",
+            Algo::By(Schedule::HalvingDoubling) => "halving-doubling",
         }
     }
 }
@@ -75,8 +78,10 @@ pub fn busbw_gbs(op: Collective, n: usize, bytes: usize, time_us: f64) -> f64 {
 /// Ring steps of a collective on `n` ranks (rounds, for recursive doubling).
 pub fn steps(op: Collective, algo: Algo, n: usize) -> usize {
     let hops = n.saturating_sub(1);
+    if let Algo::By(s) = algo {
+        return doubling::depth(s, op, n);
+    }
     match op {
-        _ if algo == Algo::Doubling => doubling::depth(op, n),
         Collective::AllReduce => 2 * hops,
         // One message each way between two ranks; the pairwise collectives send all theirs at
         // once.
@@ -91,10 +96,11 @@ pub fn bytes_per_link(op: Collective, algo: Algo, n: usize, bytes: usize) -> f64
     if n < 2 {
         return 0.0;
     }
-    let rounds = doubling::depth(op, n) as f64;
+    if let Algo::By(sched) = algo {
+        return doubling::volume(sched, op, n) * bytes as f64;
+    }
     let (s, n) = (bytes as f64, n as f64);
     match op {
-        _ if algo == Algo::Doubling => rounds * s,
         Collective::AllReduce => 2.0 * (n - 1.0) / n * s,
         // All-to-all: n − 1 exchanges of one block (s/n), each over its own link. The pairwise
         // collectives move as much through each rank (the root, for gather and scatter), which
@@ -170,9 +176,20 @@ mod tests {
         );
         // By recursive doubling, 4 ranks, 8 kB: 2 rounds · 2 µs + 2 · 8000 / 4000 = 8; 5 ranks
         // fold first: 4 rounds.
-        let d = |n, b| predict_us(Collective::AllReduce, Algo::Doubling, n, b, m);
+        let d = |n, b| {
+            let algo = Algo::By(Schedule::Doubling);
+            predict_us(Collective::AllReduce, algo, n, b, m)
+        };
         assert_eq!(d(4, 8000), Some(8.0));
         assert_eq!(d(5, 8000), Some(16.0));
+        // By halving-doubling, 4 ranks, 8 kB: 4 rounds · 2 µs + 1.5 · 8000 / 4000 = 11; 5 ranks
+        // add the fold: 6 rounds, 3.5 · 8000 / 4000.
+        let hd = |n, b| {
+            let algo = Algo::By(Schedule::HalvingDoubling);
+            predict_us(Collective::AllReduce, algo, n, b, m)
+        };
+        assert_eq!(hd(4, 8000), Some(11.0));
+        assert_eq!(hd(5, 8000), Some(19.0));
         assert_eq!(efficiency(Some(50.0), 100.0), Some(0.5));
         assert_eq!(efficiency(None, 100.0), None);
     }
