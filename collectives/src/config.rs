@@ -33,7 +33,7 @@ pub const DEFAULT_STREAM_STORES_FROM: usize = 16 << 20;
 pub const DEFAULT_DOUBLING_MAX: usize = 64 << 10;
 /// Default largest all-reduce (bytes) that `auto` runs by halving-doubling (above
 /// [`DEFAULT_DOUBLING_MAX`]).
-pub const DEFAULT_HALVING_MAX: usize = 1 << 20;
+pub const DEFAULT_HALVING_MAX: usize = 256 << 10;
 /// Default master port when a launcher gives none.
 pub const DEFAULT_PORT: u16 = 29500;
 

@@ -21,8 +21,8 @@ use crate::error::Result;
 use std::ops::Range;
 
 use crate::ring::doubling::{self, Round, Schedule, Take};
-use crate::ring::engine::{self, Bufs, Lane};
-use crate::ring::{plan_p2p, Collective};
+use crate::ring::engine::{self, Bufs, Call, Lane};
+use crate::ring::{plan_p2p, Collective, Loc, Op, Plan};
 use crate::wire::{Expect, Fingerprint};
 
 impl Inner {
@@ -80,21 +80,29 @@ impl Inner {
                 ((_, Collective::Barrier), Bufs::Split { output, .. }) => {
                     self.run_rounds(st, coll, call, &rounds, output)
                 }
-                // Reductions: combined in aligned scratch, the input left as it was until the
-                // result is written.
-                (_, bufs) => {
-                    let (mut acc, out) = match bufs {
-                        Bufs::One(b) => (Aligned::copy_of(b), b),
-                        Bufs::Split { input, output } => (Aligned::copy_of(input), output),
-                    };
-                    self.run_rounds(st, coll, call, &rounds, acc.bytes_mut())?;
-                    if writes {
-                        if op == ReduceOp::Avg {
-                            cpu::divide(dt, acc.bytes_mut(), self.size)?;
+                // Reductions where this rank ends with the result (the all-reduce, the
+                // reduce's root): combined in the output itself, the input copied there first.
+                (_, bufs) if writes => {
+                    let out = match bufs {
+                        Bufs::One(b) => b,
+                        Bufs::Split { input, output } => {
+                            output.copy_from_slice(input);
+                            output
                         }
-                        out.copy_from_slice(acc.bytes());
+                    };
+                    self.run_rounds(st, coll, call, &rounds, out)?;
+                    if op == ReduceOp::Avg {
+                        cpu::divide(dt, out, self.size)?;
                     }
                     Ok(())
+                }
+                // A reduce's other ranks: partial results in scratch, their buffers untouched.
+                (_, bufs) => {
+                    let mut acc = Aligned::copy_of(match bufs {
+                        Bufs::One(b) => b,
+                        Bufs::Split { input, .. } => input,
+                    });
+                    self.run_rounds(st, coll, call, &rounds, acc.bytes_mut())
                 }
             }
         })
@@ -179,6 +187,25 @@ impl Inner {
                     plan_p2p(send, recv, slice_elems)
                 })
                 .collect();
+            if now.len() == 1 && (round.to.is_none() || from.is_none() || direct(round)) {
+                // One peer, and what goes out is not what comes in: the round runs on the
+                // buffer itself, each received slice combined into it or stored straight from
+                // the link (as the ring's in-place steps do), no scratch.
+                let links = pairs_of(&mut mesh.links, &now).pop().expect("one peer");
+                let combine = matches!(round.from, Some((_, t)) if t != Take::Replace);
+                let plan = placed(&plans[0], (sb.start / es, rb.start / es), combine, count);
+                let call = Call {
+                    n: 2,
+                    incoming: from.map(|_| (seq, *fp)),
+                    ..self.call(&plan, (seq, *fp), dtype, op, rb.len())
+                };
+                let mut lanes = vec![Lane::new(links, vec![(call, Bufs::One(&mut *acc))])];
+                if let Some((ring, call)) = announce.take() {
+                    lanes.push(Lane::new(ring, vec![call]));
+                }
+                engine::run_lanes(&mut lanes, self.cfg.timeout, &self.abort)?;
+                continue;
+            }
             let direct = direct(round);
             let (mut send, mut recv): (Option<&[u8]>, Option<&mut [u8]>) = if direct {
                 let (s, r) = beside(acc, round.to.map(|_| sb.clone()), rb.clone());
@@ -232,6 +259,39 @@ impl Inner {
     }
 }
 
+/// A point-to-point `plan` (sends reading input elements from 0, receives storing output elements
+/// from 0) placed on one buffer of `count` elements: its sends reading from element `send_at`,
+/// its receives storing from `recv_at`, and combining into what is there when `combine`.
+fn placed(plan: &Plan, (send_at, recv_at): (usize, usize), combine: bool, count: usize) -> Plan {
+    let shift = |l: &Loc, by: usize| Loc {
+        buf: l.buf,
+        range: l.range.start + by..l.range.end + by,
+    };
+    let ops = plan
+        .ops
+        .iter()
+        .map(|o| {
+            let store = o.store.as_ref().map(|l| shift(l, recv_at));
+            Op {
+                local: match (&o.local, combine) {
+                    (Some(l), _) => Some(shift(l, send_at)),
+                    (None, true) => store.clone(),
+                    (None, false) => None,
+                },
+                store,
+                ..o.clone()
+            }
+        })
+        .collect();
+    Plan {
+        ops,
+        input_len: count,
+        output_len: count,
+        in_place: true,
+        ..plan.clone()
+    }
+}
+
 /// `recv` of `buf` to receive into, and `send` of it (if any, and apart from `recv`) to send from.
 fn beside(
     buf: &mut [u8],
@@ -271,10 +331,6 @@ impl Aligned {
         let mut a = Aligned::zeroed(b.len());
         a.bytes_mut().copy_from_slice(b);
         a
-    }
-
-    fn bytes(&self) -> &[u8] {
-        &bytemuck::cast_slice(&self.words)[..self.len]
     }
 
     fn bytes_mut(&mut self) -> &mut [u8] {

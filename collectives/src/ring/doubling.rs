@@ -39,8 +39,9 @@
 //!   0`): each sends the span it holds and receives its peer's, the sibling half, so the span
 //!   doubles back to the whole buffer; then the unfold. Every part is reduced by the same tree
 //!   as the recursive doubling's (`((x0 ⊕ x1) ⊕ (x2 ⊕ x3))`, pairs by bit 0 first), on one rank,
-//!   and copied to the others: the two schedules give bit-identical results, so a size
-//!   threshold between them changes no bits.
+//!   and copied to the others: the two schedules give bit-identical results (but for which
+//!   NaN or zero a min or max keeps, see [`Take::TheirsFirst`]), so a size threshold between
+//!   them changes no bits.
 
 use std::ops::Range;
 
@@ -104,7 +105,12 @@ impl Span {
 pub enum Take {
     /// Combine as `mine ⊕ theirs` (this rank holds the lower side).
     MineFirst,
-    /// Combine as `theirs ⊕ mine` (the peer holds the lower side).
+    /// Combine as `theirs ⊕ mine` (the peer holds the lower side). The operand order of one ⊕
+    /// matters only for which of two NaNs, or of +0 and −0, min and max return (every operator
+    /// is commutative otherwise, floating point included): the runner keeps it where both sides
+    /// of an exchange compute the same element (recursive doubling's exchanges, so both get the
+    /// same bits), and combines in place as `mine ⊕ theirs` where one rank alone computes it
+    /// (the fold, halving-doubling's halves).
     TheirsFirst,
     /// Replace this rank's buffer with the peer's (a broadcast's data, a barrier's empty
     /// message, the all-reduce's unfold: finished results).
