@@ -474,3 +474,48 @@ fn a_barrier_by_another_algorithm_fails_at_once_naming_both() {
         }
     }
 }
+
+#[test]
+fn a_rank_that_leaves_mid_call_fails_the_others_at_once_naming_it() {
+    // Rank 3 drops its communicator (its thread lives on, as a rank whose process goes on
+    // would) while the others call an all-reduce: they fail at once, not at the deadline, over
+    // the ring's links and the pairs' alike.
+    for (algo, named) in [
+        (Algo::HalvingDoubling, ", by halving-doubling"),
+        (Algo::Ring, ""),
+    ] {
+        for transport in [TransportPref::Shm, TransportPref::Tcp] {
+            let o = Opts {
+                transport,
+                algo: Some(algo),
+                ..Opts::default()
+            };
+            let t = Instant::now();
+            let errs = threads(4, &o, |r, comm| {
+                let comm = comm.unwrap();
+                // One call first, so every link is up and rank 3 leaves mid-collective.
+                let mut warm = vec![1f32; 1000];
+                comm.all_reduce_in_place(&mut warm, ReduceOp::Sum).unwrap();
+                assert_eq!(warm, vec![4.0; 1000]);
+                if r == 3 {
+                    drop(comm);
+                    return String::new();
+                }
+                let mut b = vec![1f32; 100_000];
+                let e = comm.all_reduce_in_place(&mut b, ReduceOp::Sum).unwrap_err();
+                e.to_string()
+            });
+            let what = format!("{algo} over {transport:?}");
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "{what}: must not wait for the deadline: {errs:?}"
+            );
+            let call = format!("all_reduce(f32, sum, count=100000{named}) seq 2");
+            for (r, e) in errs.iter().take(3).enumerate() {
+                assert!(e.contains(&call), "{what} rank {r}: {e}");
+            }
+            // Rank 3's ring successor (rank 0) waits on it in either algorithm.
+            assert!(errs[0].contains("rank 3"), "{what}: {}", errs[0]);
+        }
+    }
+}

@@ -3,7 +3,7 @@
 //! Layout of the file (offsets in bytes):
 //! ```text
 //! 0     control block: magic, version, slots, slot_bytes, receiver pid, sender pid,
-//!       sender-detached flag, abort flag + reason (512 bytes)
+//!       sender-detached flag, receiver-closed flag, abort flag + reason (512 bytes)
 //! 1024  head: frames the sender has published          (own cache line; written by the sender)
 //! 1088  tail: frames the receiver has released          (own cache line; written by the receiver)
 //! 4096  slot headers, 64 bytes each (a FrameHeader)
@@ -31,7 +31,11 @@
 //! ([`ShmRecv::sender_detached_within`]).
 //!
 //! A dead peer is noticed by [`SendLink::health`]/[`RecvLink::health`]: the abort flag, and the
-//! peer's pid checked with `kill(pid, 0)` plus its `/proc` state (a zombie is dead).
+//! peer's pid checked with `kill(pid, 0)` plus its `/proc` state (a zombie is dead). So is a
+//! peer that closed its end while its process lives on (a rank that dropped its communicator
+//! and went on, or one of the threads of one process): the receiver sets the *closed* flag when
+//! its end is dropped, the sender the detached flag, and a host FIFO whose peer end is gone is
+//! lost once nothing it published is left unread.
 
 use std::fs::OpenOptions;
 use std::os::unix::fs::OpenOptionsExt;
@@ -57,6 +61,7 @@ const OFF_ABORT: usize = 32;
 const OFF_REASON_LEN: usize = 36;
 const OFF_DATA_IN_FILE: usize = 40;
 const OFF_SEND_DETACHED: usize = 44;
+const OFF_RECV_CLOSED: usize = 48;
 const OFF_REASON: usize = 64;
 const REASON_CAP: usize = 512;
 const OFF_HEAD: usize = 1024;
@@ -310,6 +315,10 @@ impl ShmRecv {
 
 impl Drop for ShmRecv {
     fn drop(&mut self) {
+        // A sender still waiting for slots learns that none will be freed.
+        self.seg
+            .atomic_u32(OFF_RECV_CLOSED)
+            .store(1, Ordering::Release);
         // Normally the sender unlinked it already.
         let _ = std::fs::remove_file(&self.seg.path);
     }
@@ -561,6 +570,15 @@ impl ShmRecv {
     }
 }
 
+/// The peer closed its end of a host FIFO while its process lives on: nothing more will come
+/// through (or be taken from) it. (Device control blocks keep the pid check only: their sender
+/// detaches as soon as its device work is done.)
+fn closed_by(peer: usize) -> LinkError {
+    LinkError::Lost(format!(
+        "rank {peer} closed its end of the link (its communicator was dropped)"
+    ))
+}
+
 fn check_health(
     seg: &Segment,
     me: u32,
@@ -653,7 +671,12 @@ impl SendLink for ShmSend {
     }
 
     fn health(&mut self) -> LinkResult<()> {
-        check_health(&self.seg, 1, OFF_RECV_PID, self.peer, &mut self.last_health)
+        check_health(&self.seg, 1, OFF_RECV_PID, self.peer, &mut self.last_health)?;
+        let closed = self.seg.atomic_u32(OFF_RECV_CLOSED).load(Ordering::Acquire) != 0;
+        if closed && self.seg.geo.data_in_file {
+            return Err(closed_by(self.peer));
+        }
+        Ok(())
     }
 
     fn abort(&mut self, reason: &str) {
@@ -698,7 +721,20 @@ impl RecvLink for ShmRecv {
     }
 
     fn health(&mut self) -> LinkResult<()> {
-        check_health(&self.seg, 2, OFF_SEND_PID, self.peer, &mut self.last_health)
+        check_health(&self.seg, 2, OFF_SEND_PID, self.peer, &mut self.last_health)?;
+        let detached = self
+            .seg
+            .atomic_u32(OFF_SEND_DETACHED)
+            .load(Ordering::Acquire)
+            != 0;
+        if detached && self.seg.geo.data_in_file {
+            // Frames it published before it left are still good: lost once they are read.
+            let head = self.seg.atomic_u64(OFF_HEAD).load(Ordering::Acquire);
+            if head <= self.next + self.held {
+                return Err(closed_by(self.peer));
+            }
+        }
+        Ok(())
     }
 
     fn abort(&mut self, reason: &str) {
@@ -851,6 +887,51 @@ mod tests {
         assert!(
             rx.release_oldest().is_err(),
             "only consumed frames can be released"
+        );
+    }
+
+    #[test]
+    fn an_end_dropped_while_its_process_lives_is_lost_once_its_frames_are_read() {
+        let dir = std::env::temp_dir();
+        let name = |k: u32| {
+            format!(
+                "ringzero-test-{}-{k}-{}",
+                std::process::id(),
+                rand::random::<u32>()
+            )
+        };
+        let e = Expect {
+            seq: 0,
+            step: 0,
+            slice: 0,
+            fp: fp(),
+            len: 10,
+        };
+        // The sender posts a frame and drops its end: the frame is still read, then the link is
+        // lost, naming the peer.
+        let mut rx = ShmRecv::create(&dir, &name(1), 2, 100, 3).unwrap();
+        let mut tx = ShmSend::attach(rx.path(), 2, 100, 1).unwrap();
+        tx.reserve(10).unwrap().unwrap().fill(7);
+        tx.post(&FrameHeader::data(0, 0, 0, fp(), 10)).unwrap();
+        assert!(rx.health().is_ok());
+        drop(tx);
+        assert!(rx.health().is_ok(), "a frame is left to read");
+        assert_eq!(rx.peek(&e).unwrap().unwrap(), &[7u8; 10]);
+        rx.release().unwrap();
+        let err = rx.health().unwrap_err();
+        assert!(
+            matches!(&err, LinkError::Lost(d) if d.contains("rank 3 closed its end")),
+            "{err:?}"
+        );
+        // The receiver drops its end: a sender is lost at once.
+        let rx = ShmRecv::create(&dir, &name(2), 2, 100, 0).unwrap();
+        let mut tx = ShmSend::attach(rx.path(), 2, 100, 5).unwrap();
+        assert!(tx.health().is_ok());
+        drop(rx);
+        let err = tx.health().unwrap_err();
+        assert!(
+            matches!(&err, LinkError::Lost(d) if d.contains("rank 5 closed its end")),
+            "{err:?}"
         );
     }
 
