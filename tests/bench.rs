@@ -313,3 +313,55 @@ fn the_device_sweep_checks_every_variant_and_catches_corruption() {
         assert!(text.contains("# device buffers"), "{text}");
     }
 }
+
+#[test]
+fn lines_name_and_model_the_schedule_auto_picked() {
+    let o = Opts {
+        algo: Some(ringzero::Algo::Auto {
+            doubling_max: 1024,
+            halving_max: 8192,
+        }),
+        ..Opts::default()
+    };
+    let reports = threads(4, &o, |_, comm| {
+        let comm = comm.unwrap();
+        let mut a = args(None, DType::F32, ReduceOp::Sum);
+        a.ops = bench::parse_ops("all-reduce").unwrap();
+        a.sweep.sizes = vec![1024, 4096, 16384];
+        a.sweep.model_per_row = false;
+        bench::run(&comm, &a, &mut |_, _| {}).unwrap()
+    });
+    let r = &reports[0];
+    let m = bench::theory::Model {
+        alpha_us: r.header.alpha_us,
+        beta_gbs: r.header.beta_gbs,
+    };
+    let by = |s| Algo::By(s);
+    for (bytes, algo) in [
+        (1024, by(ringzero::Schedule::Doubling)),
+        (4096, by(ringzero::Schedule::HalvingDoubling)),
+        (16384, Algo::Ring),
+    ] {
+        let rows: Vec<_> = r.rows.iter().filter(|x| x.bytes == bytes).collect();
+        assert_eq!(rows.len(), 2, "out of place and in place at {bytes}");
+        for row in rows {
+            assert_eq!(row.algo, algo.name(), "{row:?}");
+            assert_eq!(row.wrong, 0, "{row:?}");
+            let op = ringzero::Collective::AllReduce;
+            assert_eq!(
+                row.predicted_us,
+                bench::theory::predict_us(op, algo, 4, bytes, m)
+            );
+        }
+    }
+    let text = bench::text(r);
+    let line = |b: &str| {
+        text.lines()
+            .find(|l| l.trim_start().starts_with(b))
+            .unwrap_or_else(|| panic!("no line for {b}: {text}"))
+            .to_string()
+    };
+    assert!(line("1024 ").ends_with("  by doubling"), "{text}");
+    assert!(line("4096 ").ends_with("  by halving-doubling"), "{text}");
+    assert!(!line("16384 ").contains(" by "), "{text}");
+}

@@ -190,8 +190,10 @@ fn header(comm: &Communicator, a: &BenchArgs, probe: &probe::Probe, device: Stri
             };
             format!(
                 "{lines}\n# algorithms: {} (RINGZERO_ALGO); lines marked `by doubling` ran \
-                 the doubling schedule (recursive doubling, binomial tree) and are predicted as rounds·α + \
-                 rounds·S/β (each round sends the whole buffer)",
+                 a whole-buffer doubling schedule (recursive doubling, binomial tree), predicted as \
+                 rounds·α + rounds·S/β (each round sends the whole buffer); `by halving-doubling` \
+                 as rounds·α + V·S/β, V the busiest rank's share of the buffer over all rounds \
+                 (2(p−1)/p, p the largest power of two ≤ n, 2 more when n is not one)",
                 comm.config().algo
             )
         },

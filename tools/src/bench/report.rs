@@ -232,8 +232,12 @@ pub fn table(op: &str, rows: &[Row]) -> String {
             group.iter().find(|r| !r.inplace),
             group.iter().find(|r| r.inplace),
         );
-        if group.iter().any(|r| r.algo == "doubling") {
-            s += "  by doubling";
+        if let Some(r) = group
+            .iter()
+            .find(|r| !r.algo.is_empty() && r.algo != "ring")
+        {
+            s += "  by ";
+            s += &r.algo;
         }
         s.push('\n');
         i += n;
