@@ -571,8 +571,8 @@ impl ShmRecv {
 }
 
 /// The peer closed its end of a host FIFO while its process lives on: nothing more will come
-/// through (or be taken from) it. (Device control blocks keep the pid check only: their sender
-/// detaches as soon as its device work is done.)
+/// through (or be taken from) it. (Device control blocks keep the pid check only: their frames
+/// are tracked by the device engine's own counters.)
 fn closed_by(peer: usize) -> LinkError {
     LinkError::Lost(format!(
         "rank {peer} closed its end of the link (its communicator was dropped)"
