@@ -2,7 +2,7 @@
 //!
 //! - [`launch`]: spawn N local ranks with the launcher environment, prefix their output, take the
 //!   job down when one fails;
-//! - [`bench`]: every collective swept over sizes, checked, against the α–β model;
+//! - [`bench`](mod@bench): every collective swept over sizes, checked, against the α–β model;
 //! - [`check`]: a quick checked all-reduce sweep;
 //! - [`diag`]: why multi-GPU communication hangs or crawls.
 

@@ -1,4 +1,4 @@
-//! CPU kernels: element-wise reductions for every [`DType`] and [`ReduceOp`].
+//! CPU kernels: element-wise reductions for every [`DType`](crate::DType) and [`ReduceOp`](crate::ReduceOp).
 //!
 //! The hot loops are plain `zip` loops over slices with the operator chosen *outside* the loop, so
 //! each (dtype, op) pair is its own monomorphized loop that LLVM vectorizes (no bounds checks, no

@@ -2,7 +2,7 @@
 //! α–β model measured on the links in use. See [`theory`] for the arithmetic, [`probe`] for how α and
 //! β are measured, [`sweep`] for timing and `#wrong`, [`report`] and [`plot`] for the outputs.
 //!
-//! Like nccl-tests, it is one harness with small per-collective descriptors ([`sweep::Buffers`] and
+//! Like nccl-tests, it is one harness with small per-collective descriptors (`sweep::Buffers` and
 //! the match in `sweep::run`).
 
 pub mod device;
