@@ -519,3 +519,62 @@ fn a_rank_that_leaves_mid_call_fails_the_others_at_once_naming_it() {
         }
     }
 }
+
+#[test]
+fn broadcast_and_reduce_take_the_algorithm_one_call_names() {
+    let n = 5;
+    let o = Opts {
+        algo: Some(Algo::Ring),
+        ..Opts::default()
+    };
+    let errs = threads(n, &o, |r, comm| {
+        let comm = comm.unwrap();
+        let last = || comm.flight_record().entries.last().unwrap().call.clone();
+        let data: Vec<i32> = (0..100).map(|i| i * (r as i32 + 1)).collect();
+        let mut out = vec![0i32; 100];
+        comm.broadcast_with(&data, &mut out, 2, Algo::Doubling)
+            .unwrap();
+        assert_eq!(out, (0..100).map(|i| i * 3).collect::<Vec<_>>());
+        assert_eq!(
+            last(),
+            "broadcast(i32, count=100, root=2, by binomial tree)"
+        );
+        let mut buf = data.clone();
+        comm.broadcast_in_place_with(&mut buf, 4, Algo::Doubling)
+            .unwrap();
+        assert_eq!(buf, (0..100).map(|i| i * 5).collect::<Vec<_>>());
+        let mut sum = vec![0i32; if r == 1 { 100 } else { 0 }];
+        comm.reduce_with(&data, &mut sum, ReduceOp::Sum, 1, Algo::Doubling)
+            .unwrap();
+        if r == 1 {
+            assert_eq!(sum, (0..100).map(|i| i * 15).collect::<Vec<_>>());
+        }
+        assert_eq!(
+            last(),
+            "reduce(i32, sum, count=100, root=1, by binomial tree)"
+        );
+        let mut buf = data.clone();
+        comm.reduce_in_place_with(&mut buf, ReduceOp::Max, 0, Algo::Doubling)
+            .unwrap();
+        let want = if r == 0 {
+            (0..100).map(|i| i * 5).collect()
+        } else {
+            data.clone()
+        };
+        assert_eq!(buf, want, "rank {r}: only the root's buffer changes");
+        // The configured algorithm otherwise.
+        comm.broadcast(&data, &mut out, 0).unwrap();
+        assert_eq!(last(), "broadcast(i32, count=100, root=0)");
+        // A rank that picks otherwise fails at once, both calls named (ranks whose part of the
+        // tree never meets it may finish: a failure reaches them at their next call).
+        let algo = if r == 3 { Algo::Ring } else { Algo::Doubling };
+        let e = comm.broadcast_with(&data, &mut out, 0, algo);
+        e.err().map(|e| e.to_string()).unwrap_or_default()
+    });
+    assert!(
+        errs[3].contains("broadcast(i32, count=100, root=0, by binomial tree)")
+            && errs[3].contains("broadcast(i32, count=100, root=0)"),
+        "{}",
+        errs[3]
+    );
+}

@@ -344,11 +344,13 @@ impl Communicator {
     ///
     /// On three ranks or more, small buffers (up to `RINGZERO_DOUBLING_MAX`, 64 KiB by default)
     /// go by recursive doubling (`log2 n` exchanges, each of the whole buffer, with one partner
-    /// at a time), larger ones round the ring (`2(n − 1)` hops of `1/n` of it): see
-    /// [`Algo`]
-    /// (`RINGZERO_ALGO`). Both leave every rank bit-identical, in an order fixed by the world
-    /// size and the count; the two orders differ, so a sum may round differently on either side
-    /// of the threshold. [`Communicator::all_reduce_with`] picks the algorithm for one call.
+    /// at a time), middle ones (up to `RINGZERO_HALVING_MAX`, 256 KiB) by halving-doubling (the
+    /// same partners, halves of the buffer down and back up: `2 log2 n` exchanges moving the
+    /// ring's bytes), larger ones round the ring (`2(n − 1)` hops of `1/n` of it): see [`Algo`]
+    /// (`RINGZERO_ALGO`). Each leaves every rank bit-identical, in an order fixed by the world
+    /// size and the count; the two doubling schedules share one order and the ring has another,
+    /// so a sum may round differently on either side of `RINGZERO_HALVING_MAX`.
+    /// [`Communicator::all_reduce_with`] picks the algorithm for one call.
     pub fn all_reduce<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
         self.all_reduce_with(send, recv, op, self.inner.cfg.algo)
     }
@@ -490,17 +492,41 @@ impl Communicator {
     /// holders doubling each round, which shortens one call but sends `log2 n` copies from the
     /// root, so back-to-back calls no longer pipeline.
     pub fn broadcast<T: Element>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
-        let c = self.rooted(Collective::Broadcast { root }, root)?;
-        if root == self.rank() {
-            same_len(c, send.len(), recv.len(), "send", "recv")?;
-        }
-        self.run_split(c, None, recv.len(), send, recv)
+        self.broadcast_with(send, recv, root, self.inner.cfg.algo)
     }
 
     /// In-place broadcast of the root's `buf`.
     pub fn broadcast_in_place<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
+        self.broadcast_in_place_with(buf, root, self.inner.cfg.algo)
+    }
+
+    /// [`Communicator::broadcast`] by the algorithm `algo`, whatever `RINGZERO_ALGO` says (the
+    /// tree for one large one-off broadcast, say, with [`Algo::Doubling`]). Every rank must make
+    /// the same choice: a rank whose call runs another algorithm fails at the first frame, both
+    /// calls named.
+    pub fn broadcast_with<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        root: usize,
+        algo: Algo,
+    ) -> Result<()> {
         let c = self.rooted(Collective::Broadcast { root }, root)?;
-        self.run_one(c, None, buf.len(), buf)
+        if root == self.rank() {
+            same_len(c, send.len(), recv.len(), "send", "recv")?;
+        }
+        self.run_split_by(algo, c, None, recv.len(), send, recv)
+    }
+
+    /// In-place [`Communicator::broadcast_with`].
+    pub fn broadcast_in_place_with<T: Element>(
+        &self,
+        buf: &mut [T],
+        root: usize,
+        algo: Algo,
+    ) -> Result<()> {
+        let c = self.rooted(Collective::Broadcast { root }, root)?;
+        self.run_one_by(algo, c, None, buf.len(), buf)
     }
 
     /// Reduce every rank's `send` into the root's `recv` (as long as `send`). On other ranks
@@ -516,11 +542,7 @@ impl Communicator {
         op: ReduceOp,
         root: usize,
     ) -> Result<()> {
-        let c = self.rooted(Collective::Reduce { root }, root)?;
-        if root == self.rank() {
-            same_len(c, send.len(), recv.len(), "send", "recv")?;
-        }
-        self.run_split(c, Some(op), send.len(), send, recv)
+        self.reduce_with(send, recv, op, root, self.inner.cfg.algo)
     }
 
     /// In-place reduce: the root's `buf` receives the result; other ranks' buffers are unchanged.
@@ -530,8 +552,37 @@ impl Communicator {
         op: ReduceOp,
         root: usize,
     ) -> Result<()> {
+        self.reduce_in_place_with(buf, op, root, self.inner.cfg.algo)
+    }
+
+    /// [`Communicator::reduce`] by the algorithm `algo`, whatever `RINGZERO_ALGO` says. Every
+    /// rank must make the same choice: a rank whose call runs another algorithm fails at the
+    /// first frame, both calls named.
+    pub fn reduce_with<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+        root: usize,
+        algo: Algo,
+    ) -> Result<()> {
         let c = self.rooted(Collective::Reduce { root }, root)?;
-        self.run_one(c, Some(op), buf.len(), buf)
+        if root == self.rank() {
+            same_len(c, send.len(), recv.len(), "send", "recv")?;
+        }
+        self.run_split_by(algo, c, Some(op), send.len(), send, recv)
+    }
+
+    /// In-place [`Communicator::reduce_with`].
+    pub fn reduce_in_place_with<T: Element>(
+        &self,
+        buf: &mut [T],
+        op: ReduceOp,
+        root: usize,
+        algo: Algo,
+    ) -> Result<()> {
+        let c = self.rooted(Collective::Reduce { root }, root)?;
+        self.run_one_by(algo, c, Some(op), buf.len(), buf)
     }
 
     /// Send `send` to the next rank and receive the previous rank's buffer into `recv` (same
@@ -651,19 +702,27 @@ impl Communicator {
         send: &[T],
         recv: &mut [T],
     ) -> Result<()> {
+        self.run_split_by(self.inner.cfg.algo, c, op, count, send, recv)
+    }
+
+    /// [`Communicator::run_split`] by `algo`.
+    fn run_split_by<T: Element>(
+        &self,
+        algo: Algo,
+        c: Collective,
+        op: Option<ReduceOp>,
+        count: usize,
+        send: &[T],
+        recv: &mut [T],
+    ) -> Result<()> {
         self.wait_async_idle();
         let bufs = Bufs::Split {
             input: bytemuck::cast_slice(send),
             output: bytemuck::cast_slice_mut(recv),
         };
-        self.inner.execute(
-            c,
-            Some(T::DTYPE),
-            op.unwrap_or(ReduceOp::Sum),
-            count.into(),
-            false,
-            bufs,
-        )
+        let call = (Some(T::DTYPE), op.unwrap_or(ReduceOp::Sum));
+        self.inner
+            .execute_by(algo, c, call, count.into(), false, bufs)
     }
 
     fn run_one<T: Element>(
@@ -673,15 +732,23 @@ impl Communicator {
         count: usize,
         buf: &mut [T],
     ) -> Result<()> {
+        self.run_one_by(self.inner.cfg.algo, c, op, count, buf)
+    }
+
+    /// [`Communicator::run_one`] by `algo`.
+    fn run_one_by<T: Element>(
+        &self,
+        algo: Algo,
+        c: Collective,
+        op: Option<ReduceOp>,
+        count: usize,
+        buf: &mut [T],
+    ) -> Result<()> {
         self.wait_async_idle();
-        self.inner.execute(
-            c,
-            Some(T::DTYPE),
-            op.unwrap_or(ReduceOp::Sum),
-            count.into(),
-            true,
-            Bufs::One(bytemuck::cast_slice_mut(buf)),
-        )
+        let call = (Some(T::DTYPE), op.unwrap_or(ReduceOp::Sum));
+        let bufs = Bufs::One(bytemuck::cast_slice_mut(buf));
+        self.inner
+            .execute_by(algo, c, call, count.into(), true, bufs)
     }
 
     fn submit<R: Send + 'static>(
