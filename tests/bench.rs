@@ -17,6 +17,7 @@ fn args(corrupt_rank: Option<usize>, dtype: DType, redop: ReduceOp) -> BenchArgs
             warmup: 1,
             corrupt_rank,
             model_per_row: true,
+            algos: Vec::new(),
         },
         probe_bytes: 64 << 10,
     }
@@ -364,4 +365,57 @@ fn lines_name_and_model_the_schedule_auto_picked() {
     assert!(line("1024 ").ends_with("  by doubling"), "{text}");
     assert!(line("4096 ").ends_with("  by halving-doubling"), "{text}");
     assert!(!line("16384 ").contains(" by "), "{text}");
+}
+
+#[test]
+fn algorithms_side_by_side_each_get_a_checked_line_and_the_fastest_is_named() {
+    use ringzero::Algo as A;
+    let reports = threads(4, &Opts::default(), |_, comm| {
+        let comm = comm.unwrap();
+        let mut a = args(None, DType::F32, ReduceOp::Sum);
+        a.ops = ["all-reduce", "broadcast", "all-gather"]
+            .iter()
+            .flat_map(|o| bench::parse_ops(o).unwrap())
+            .collect();
+        a.sweep.sizes = vec![1024, 4096];
+        a.sweep.model_per_row = false;
+        a.sweep.algos = vec![A::Ring, A::Doubling, A::HalvingDoubling];
+        bench::run(&comm, &a, &mut |_, _| {}).unwrap()
+    });
+    let r = &reports[0];
+    let algos = |op: &str, bytes: usize| {
+        let mut v: Vec<&str> = r
+            .rows
+            .iter()
+            .filter(|x| x.op == op && x.bytes == bytes)
+            .map(|x| x.algo.as_str())
+            .collect();
+        v.dedup();
+        v
+    };
+    // Each algorithm with a schedule of its own, once per size, both ways, checked.
+    for bytes in [1024, 4096] {
+        assert_eq!(
+            algos("all_reduce", bytes),
+            ["ring", "doubling", "halving-doubling"]
+        );
+        // Halving-doubling has no broadcast: the ring's is not run twice.
+        assert_eq!(algos("broadcast", bytes), ["ring", "doubling"]);
+        assert_eq!(algos("all_gather", bytes), ["ring"]);
+    }
+    assert!(r.rows.iter().all(|x| x.wrong == 0), "{:?}", r.rows);
+    assert_eq!(r.rows.iter().filter(|x| x.op == "all_reduce").count(), 12);
+    let text = bench::text(r);
+    assert!(text.contains("  by halving-doubling\n"), "{text}");
+    assert!(text.contains("  by ring\n"), "{text}");
+    let fastest: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("# fastest: "))
+        .collect();
+    assert_eq!(fastest.len(), 2, "all-reduce and broadcast: {text}");
+    assert!(
+        text.contains("# suggests: RINGZERO_DOUBLING_MAX=")
+            && text.contains(" RINGZERO_HALVING_MAX="),
+        "{text}"
+    );
 }

@@ -143,6 +143,24 @@ impl Algo {
     }
 }
 
+impl std::str::FromStr for Algo {
+    type Err = String;
+
+    /// `auto` (with the default thresholds), `ring`, `doubling` or `halving-doubling`, as
+    /// `RINGZERO_ALGO` takes them (any case).
+    fn from_str(s: &str) -> std::result::Result<Algo, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" | "" => Ok(Algo::default()),
+            "ring" => Ok(Algo::Ring),
+            "doubling" => Ok(Algo::Doubling),
+            "halving-doubling" => Ok(Algo::HalvingDoubling),
+            _ => Err(format!(
+                "`{s}` is not one of auto, ring, doubling, halving-doubling"
+            )),
+        }
+    }
+}
+
 impl std::fmt::Display for Algo {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
@@ -650,22 +668,15 @@ fn algo(env: &dyn Fn(&str) -> Option<String>) -> Result<Algo> {
         size("RINGZERO_HALVING_MAX")?,
     );
     let algo = env("RINGZERO_ALGO").unwrap_or_default();
-    let fixed = match algo.trim().to_ascii_lowercase().as_str() {
-        "auto" | "" => {
+    let fixed = match algo.parse::<Algo>() {
+        Ok(Algo::Auto { .. }) => {
             return Ok(Algo::Auto {
                 doubling_max: dmax.unwrap_or(DEFAULT_DOUBLING_MAX),
                 halving_max: hmax.unwrap_or(DEFAULT_HALVING_MAX),
             })
         }
-        "ring" => Algo::Ring,
-        "doubling" => Algo::Doubling,
-        "halving-doubling" => Algo::HalvingDoubling,
-        _ => {
-            return Err(Error::config(
-                "RINGZERO_ALGO",
-                format!("`{algo}` is not one of auto, ring, doubling, halving-doubling"),
-            ))
-        }
+        Ok(fixed) => fixed,
+        Err(e) => return Err(Error::config("RINGZERO_ALGO", e)),
     };
     let set = [
         ("RINGZERO_DOUBLING_MAX", dmax),

@@ -296,6 +296,13 @@ struct BenchCli {
     /// its device: the device path without a GPU), or auto (cuda when a GPU is found, else host).
     #[arg(long, default_value = "auto")]
     device: String,
+    /// Algorithms to set side by side (comma-separated: ring, doubling, halving-doubling, auto):
+    /// all-reduce, broadcast and reduce run each size by each in turn, a line per schedule, and
+    /// the report says which was fastest at each size and, for the all-reduce, where to set
+    /// RINGZERO_DOUBLING_MAX and RINGZERO_HALVING_MAX on these links. Without it every call runs
+    /// what RINGZERO_ALGO picks.
+    #[arg(long, value_delimiter = ',')]
+    algos: Vec<ringzero_collectives::Algo>,
     /// Write the report as JSON to this file.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
@@ -1207,6 +1214,7 @@ fn bench(b: BenchCli) -> anyhow::Result<ExitCode> {
             warmup: b.warmup,
             corrupt_rank: b.corrupt_rank,
             model_per_row: b.model == "row",
+            algos: b.algos.clone(),
         },
         probe_bytes: b.probe_bytes,
     };

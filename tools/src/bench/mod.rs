@@ -277,6 +277,7 @@ pub fn default_sweep() -> sweep::SweepArgs {
         warmup: 5,
         corrupt_rank: None,
         model_per_row: true,
+        algos: Vec::new(),
     }
 }
 

@@ -219,30 +219,85 @@ fn line_of(out: Option<&Row>, inp: Option<&Row>) -> String {
     )
 }
 
-/// The table of one op's rows: per size, the out-of-place and the in-place row (either may be
-/// missing).
+/// The table of one op's rows: per size (and per algorithm, when `--algos` set several side by
+/// side), the out-of-place and the in-place row (either may be missing); then, with several
+/// algorithms, the fastest at each size.
 pub fn table(op: &str, rows: &[Row]) -> String {
     let mut s = format!("# {op}\n");
+    let mut algos: Vec<&str> = rows.iter().map(|r| r.algo.as_str()).collect();
+    algos.sort_unstable();
+    algos.dedup();
+    let compared = algos.len() > 1;
     let mut i = 0;
     while i < rows.len() {
-        let bytes = rows[i].bytes;
-        let n = rows[i..].iter().take_while(|r| r.bytes == bytes).count();
+        let (bytes, algo) = (rows[i].bytes, &rows[i].algo);
+        let n = rows[i..]
+            .iter()
+            .take_while(|r| r.bytes == bytes && r.algo == *algo)
+            .count();
         let group = &rows[i..i + n];
         s += &line_of(
             group.iter().find(|r| !r.inplace),
             group.iter().find(|r| r.inplace),
         );
-        if let Some(r) = group
-            .iter()
-            .find(|r| !r.algo.is_empty() && r.algo != "ring")
-        {
+        if compared || (!algo.is_empty() && algo != "ring") {
             s += "  by ";
-            s += &r.algo;
+            s += algo;
         }
         s.push('\n');
         i += n;
     }
+    if compared {
+        s += &fastest(op, rows, &algos);
+    }
     s
+}
+
+/// The fastest algorithm at each size (out of place, where there is such a row), and for the
+/// all-reduce the `auto` thresholds they suggest.
+fn fastest(op: &str, rows: &[Row], algos: &[&str]) -> String {
+    let mut sizes: Vec<usize> = rows.iter().map(|r| r.bytes).collect();
+    sizes.sort_unstable();
+    sizes.dedup();
+    let winners: Vec<(usize, &str)> = sizes
+        .iter()
+        .filter_map(|&b| {
+            let at: Vec<&Row> = rows.iter().filter(|r| r.bytes == b).collect();
+            let out = at.iter().any(|r| !r.inplace);
+            at.into_iter()
+                .filter(|r| r.inplace != out)
+                .min_by(|x, y| x.time_us.total_cmp(&y.time_us))
+                .map(|r| (b, r.algo.as_str()))
+        })
+        .collect();
+    let list: Vec<String> = winners.iter().map(|(b, a)| format!("{b} {a}")).collect();
+    let mut s = format!("# fastest: {}\n", list.join(", "));
+    if op == "all_reduce" && algos.contains(&"doubling") {
+        let (dmax, hmax) = thresholds(&winners);
+        s += &format!("# suggests: RINGZERO_DOUBLING_MAX={dmax}");
+        if algos.contains(&"halving-doubling") {
+            s += &format!(" RINGZERO_HALVING_MAX={hmax}");
+        }
+        s += " (the smallest sizes' run of doubling wins, then of halving-doubling wins; \
+              measured here, on these ranks)\n";
+    }
+    s
+}
+
+/// `auto`'s thresholds from the fastest algorithm per size (ascending): doubling up to the last
+/// size of the leading run of `doubling` wins, halving-doubling up to the last of the run of
+/// `halving-doubling` wins after it (the doubling threshold when there is none).
+pub fn thresholds(winners: &[(usize, &str)]) -> (usize, usize) {
+    let mut it = winners.iter().peekable();
+    let mut dmax = 0;
+    while let Some((b, _)) = it.next_if(|(_, a)| *a == "doubling") {
+        dmax = *b;
+    }
+    let mut hmax = dmax;
+    while let Some((b, _)) = it.next_if(|(_, a)| *a == "halving-doubling") {
+        hmax = *b;
+    }
+    (dmax, hmax)
 }
 
 /// Summary after the tables.
@@ -254,4 +309,23 @@ pub fn summary(rows: &[Row]) -> String {
         "# out of bounds values : {wrong} {}\n# avg bus bandwidth    : {avg_bus:.3} GB/s\n",
         if wrong == 0 { "OK" } else { "FAILED" }
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::thresholds;
+
+    #[test]
+    fn thresholds_follow_the_leading_runs_of_winners() {
+        let w = |v: &[(usize, &'static str)]| thresholds(v);
+        let (d, h, r) = ("doubling", "halving-doubling", "ring");
+        assert_eq!(w(&[(4, d), (8, d), (16, h), (32, h), (64, r)]), (8, 32));
+        // No halving-doubling win: its threshold is the doubling one (never used).
+        assert_eq!(w(&[(4, d), (8, r), (16, h)]), (4, 4));
+        // The ring wins from the start: neither.
+        assert_eq!(w(&[(4, r), (8, d)]), (0, 0));
+        // Halving-doubling wins from the start.
+        assert_eq!(w(&[(4, h), (8, h), (16, d)]), (0, 8));
+        assert_eq!(w(&[]), (0, 0));
+    }
 }

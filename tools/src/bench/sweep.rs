@@ -11,6 +11,7 @@ use serde::Serialize;
 
 use super::exact;
 use super::theory::{self, Algo, Model};
+use ringzero_collectives::ring::doubling;
 
 /// What to sweep.
 #[derive(Clone, Debug)]
@@ -30,6 +31,10 @@ pub struct SweepArgs {
     /// Re-measure α and β interleaved with every row's timed calls (see [`timed_with_model`]);
     /// otherwise every row uses the model measured at the start.
     pub model_per_row: bool,
+    /// Algorithms to set side by side, each size run by each in turn (`--algos`), for the
+    /// collectives that have more than one (all-reduce, broadcast, reduce); empty: the
+    /// communicator's own (`RINGZERO_ALGO`).
+    pub algos: Vec<ringzero_collectives::Algo>,
 }
 
 /// One line of the report.
@@ -110,45 +115,77 @@ fn sweep_typed<T: Element>(
 ) -> Result<Vec<Row>> {
     let n = comm.size();
     let mut rows = Vec::new();
+    let own = [comm.config().algo];
+    let choices = if a.algos.is_empty() || !doubling::has_schedule(op) {
+        &own[..]
+    } else {
+        &a.algos[..]
+    };
     for &size in &a.sizes {
         let count = exact::round_count(op, n, size / T::DTYPE.size());
         let bytes = count * T::DTYPE.size();
-        // Send/recv has no in-place form: its column is n/a.
-        for inplace in [false, true]
-            .into_iter()
-            .filter(|&i| !i || has_in_place(op))
-        {
-            let wrong = check::<T>(comm, op, a, count, inplace)?;
-            let mut bufs = Buffers::<T>::new(comm, op, count);
-            let call = || bufs.call(comm, op, a.redop, inplace);
-            let algo = comm
-                .config()
-                .algo
-                .schedule(op, bytes, n)
-                .map_or(Algo::Ring, Algo::By);
-            let (time_us, wrong, model) = if a.model_per_row && n > 1 {
-                let link = theory::bytes_per_link(op, algo, n, bytes) as usize;
-                timed_with_model(comm, a, wrong, link, inplace, call)?
-            } else {
-                let (t, w) = timed(comm, a, wrong, call)?;
-                (t, w, model)
-            };
-            rows.push(row(
-                (op, algo),
-                a,
-                n,
-                bytes,
-                count,
-                transport,
-                time_us,
-                wrong,
-                inplace,
-                Some(model),
-            ));
+        // Each choice in turn at this size (so a slow patch of the machine hits them alike),
+        // once for each schedule they come to.
+        let mut ran = Vec::new();
+        for &choice in choices {
+            let algo = choice.schedule(op, bytes, n).map_or(Algo::Ring, Algo::By);
+            if ran.contains(&algo) {
+                continue;
+            }
+            ran.push(algo);
+            // Send/recv has no in-place form: its column is n/a.
+            for inplace in [false, true]
+                .into_iter()
+                .filter(|&i| !i || has_in_place(op))
+            {
+                rows.push(size_row::<T>(
+                    comm,
+                    (op, choice, algo),
+                    a,
+                    (count, bytes, inplace),
+                    model,
+                    transport,
+                )?);
+            }
         }
         tick();
     }
     Ok(rows)
+}
+
+/// One row: `op` of `count` elements by `choice` (which runs `algo` at this size), checked, then
+/// timed.
+fn size_row<T: Element>(
+    comm: &Communicator,
+    (op, choice, algo): (Collective, ringzero_collectives::Algo, Algo),
+    a: &SweepArgs,
+    (count, bytes, inplace): (usize, usize, bool),
+    model: Model,
+    transport: &str,
+) -> Result<Row> {
+    let n = comm.size();
+    let wrong = check::<T>(comm, (op, choice), a, count, inplace)?;
+    let mut bufs = Buffers::<T>::new(comm, op, count);
+    let call = || bufs.call(comm, (op, choice), a.redop, inplace);
+    let (time_us, wrong, model) = if a.model_per_row && n > 1 {
+        let link = theory::bytes_per_link(op, algo, n, bytes) as usize;
+        timed_with_model(comm, a, wrong, link, inplace, call)?
+    } else {
+        let (t, w) = timed(comm, a, wrong, call)?;
+        (t, w, model)
+    };
+    Ok(row(
+        (op, algo),
+        a,
+        n,
+        bytes,
+        count,
+        transport,
+        time_us,
+        wrong,
+        inplace,
+        Some(model),
+    ))
 }
 
 /// Whether `op` has an in-place form to sweep.
@@ -313,35 +350,43 @@ impl<T: Element> Buffers<T> {
     fn call(
         &mut self,
         comm: &Communicator,
-        op: Collective,
+        (op, algo): (Collective, ringzero_collectives::Algo),
         redop: ReduceOp,
         inplace: bool,
     ) -> Result<()> {
-        run(comm, op, redop, inplace, &mut self.send, &mut self.recv)
+        run(
+            comm,
+            (op, algo),
+            redop,
+            inplace,
+            &mut self.send,
+            &mut self.recv,
+        )
     }
 }
 
-/// One call of `op`; in place it works on `send` (which must then hold the whole buffer).
+/// One call of `op` by `algo` (where `op` has more than one algorithm); in place it works on
+/// `send` (which must then hold the whole buffer).
 fn run<T: Element>(
     comm: &Communicator,
-    op: Collective,
+    (op, algo): (Collective, ringzero_collectives::Algo),
     redop: ReduceOp,
     inplace: bool,
     send: &mut [T],
     recv: &mut [T],
 ) -> Result<()> {
     match (op, inplace) {
-        (Collective::AllReduce, false) => comm.all_reduce(send, recv, redop),
-        (Collective::AllReduce, true) => comm.all_reduce_in_place(send, redop),
+        (Collective::AllReduce, false) => comm.all_reduce_with(send, recv, redop, algo),
+        (Collective::AllReduce, true) => comm.all_reduce_in_place_with(send, redop, algo),
         (Collective::ReduceScatter, false) => comm.reduce_scatter(send, recv, redop),
         (Collective::ReduceScatter, true) => comm.reduce_scatter_in_place(send, redop),
         (Collective::AllGather, false) => comm.all_gather(send, recv),
         (Collective::AllGather, true) => comm.all_gather_in_place(recv),
-        (Collective::Broadcast { root }, false) => comm.broadcast(send, recv, root),
-        (Collective::Broadcast { root }, true) => comm.broadcast_in_place(send, root),
-        (Collective::Reduce { root }, false) => comm.reduce(send, recv, redop, root),
-        (Collective::Reduce { root }, true) => comm.reduce_in_place(send, redop, root),
-        (Collective::Barrier, _) => comm.barrier(),
+        (Collective::Broadcast { root }, false) => comm.broadcast_with(send, recv, root, algo),
+        (Collective::Broadcast { root }, true) => comm.broadcast_in_place_with(send, root, algo),
+        (Collective::Reduce { root }, false) => comm.reduce_with(send, recv, redop, root, algo),
+        (Collective::Reduce { root }, true) => comm.reduce_in_place_with(send, redop, root, algo),
+        (Collective::Barrier, _) => comm.barrier_with(algo),
         (Collective::RingShift, false) => comm.ring_shift(send, recv),
         (Collective::RingShift, true) => comm.ring_shift_in_place(send),
         (Collective::AllToAll, false) => comm.all_to_all(send, recv),
@@ -390,7 +435,7 @@ pub fn balanced(n: usize, count: usize) -> Vec<usize> {
 /// One untimed call on exact inputs; returns how many elements of this rank's result are wrong.
 fn check<T: Element>(
     comm: &Communicator,
-    op: Collective,
+    (op, algo): (Collective, ringzero_collectives::Algo),
     a: &SweepArgs,
     count: usize,
     inplace: bool,
@@ -405,7 +450,7 @@ fn check<T: Element>(
         send: typed(send),
         recv: typed(recv),
     };
-    b.call(comm, op, redop, inplace)?;
+    b.call(comm, (op, algo), redop, inplace)?;
     let Some((lands, range, want)) = exact::landing(op, inplace, n, r, count, (dt, redop, seed))
     else {
         return Ok(0);
