@@ -227,7 +227,10 @@ pub fn table(op: &str, rows: &[Row]) -> String {
     let mut algos: Vec<&str> = rows.iter().map(|r| r.algo.as_str()).collect();
     algos.sort_unstable();
     algos.dedup();
-    let compared = algos.len() > 1;
+    // Side by side: some size ran by more than one algorithm (`auto` alone picks one per size).
+    let compared = rows
+        .iter()
+        .any(|r| rows.iter().any(|q| q.bytes == r.bytes && q.algo != r.algo));
     let mut i = 0;
     while i < rows.len() {
         let (bytes, algo) = (rows[i].bytes, &rows[i].algo);
