@@ -85,11 +85,6 @@ impl Fingerprint {
     /// [`Fingerprint::algo`] of [`Schedule::HalvingDoubling`].
     pub const HALVING_DOUBLING: u8 = 2;
 
-    /// This fingerprint, for the collective's whole-buffer doubling schedule.
-    pub fn doubling(self) -> Fingerprint {
-        self.by(Schedule::Doubling)
-    }
-
     /// This fingerprint, for the collective's schedule `sched`.
     pub fn by(mut self, sched: Schedule) -> Fingerprint {
         self.algo = match sched {
@@ -367,17 +362,20 @@ mod tests {
         );
         assert_eq!(f.to_string(), "reduce(bf16, max, count=5, root=2)");
         assert_eq!(
-            f.doubling().to_string(),
+            f.by(Schedule::Doubling).to_string(),
             "reduce(bf16, max, count=5, root=2, by binomial tree)"
         );
         let b = Fingerprint::new(Collective::Barrier, None, None, 0);
         assert_eq!(b.to_string(), "barrier()");
-        assert_eq!(b.doubling().to_string(), "barrier(by dissemination)");
+        assert_eq!(
+            b.by(Schedule::Doubling).to_string(),
+            "barrier(by dissemination)"
+        );
     }
 
     #[test]
     fn the_algorithm_is_part_of_the_fingerprint() {
-        let d = fp().doubling();
+        let d = fp().by(Schedule::Doubling);
         assert_eq!(
             d.to_string(),
             "all_reduce(f32, sum, count=1000, by doubling)"

@@ -18,8 +18,6 @@ use ringzero_kernels::{cpu, DType, ReduceOp};
 use super::pairs::{pairs_of, Watch};
 use super::{refused, Inner, State};
 use crate::error::Result;
-use std::ops::Range;
-
 use crate::ring::doubling::{self, Round, Schedule, Take};
 use crate::ring::engine::{self, Bufs, Call, Lane};
 use crate::ring::{plan_p2p, Collective, Loc, Op, Plan};
@@ -143,21 +141,21 @@ impl Inner {
         }
         let slice_elems = (self.cfg.slice_bytes / es).max(1);
         let whole = |_| *fp;
-        // The bytes each round sends and receives, and whether what it receives can land in
-        // place: a replacement of a part it does not send in the same round. Anything else is
-        // received beside the buffer.
+        // The bytes each round sends and receives, and whether the round runs on the buffer
+        // itself: one peer, and what goes out is not what comes in. Any other round (recursive
+        // doubling's exchanges, the barrier's two peers) receives into scratch beside it.
         let bytes = |s: doubling::Span| {
             let e = s.elems(count);
             e.start * es..e.end * es
         };
-        let direct = |x: &Round| {
+        let on_buffer = |x: &Round| {
             let (s, r) = (bytes(x.send), bytes(x.recv));
-            matches!(x.from, Some((_, Take::Replace)))
-                && (x.to.is_none() || s.end <= r.start || r.end <= s.start)
+            x.peers().count() == 1
+                && (x.to.is_none() || x.from.is_none() || s.end <= r.start || r.end <= s.start)
         };
         let scratch = rounds
             .iter()
-            .filter(|x| x.from.is_some() && !direct(x))
+            .filter(|x| x.from.is_some() && !on_buffer(x))
             .map(|x| bytes(x.recv).len())
             .max()
             .unwrap_or(0);
@@ -187,10 +185,9 @@ impl Inner {
                     plan_p2p(send, recv, slice_elems)
                 })
                 .collect();
-            if now.len() == 1 && (round.to.is_none() || from.is_none() || direct(round)) {
-                // One peer, and what goes out is not what comes in: the round runs on the
-                // buffer itself, each received slice combined into it or stored straight from
-                // the link (as the ring's in-place steps do), no scratch.
+            if on_buffer(round) {
+                // Each received slice combined into the buffer or stored there straight from
+                // the link, as the ring's in-place steps do.
                 let links = pairs_of(&mut mesh.links, &now).pop().expect("one peer");
                 let combine = matches!(round.from, Some((_, t)) if t != Take::Replace);
                 let plan = placed(&plans[0], (sb.start / es, rb.start / es), combine, count);
@@ -206,14 +203,9 @@ impl Inner {
                 engine::run_lanes(&mut lanes, self.cfg.timeout, &self.abort)?;
                 continue;
             }
-            let direct = direct(round);
-            let (mut send, mut recv): (Option<&[u8]>, Option<&mut [u8]>) = if direct {
-                let (s, r) = beside(acc, round.to.map(|_| sb.clone()), rb.clone());
-                (s, Some(r))
-            } else {
-                let to = round.to.map(|_| &acc[sb.clone()]);
-                (to, from.map(|_| &mut theirs.bytes_mut()[..rb.len()]))
-            };
+            let got_len = if from.is_some() { rb.len() } else { 0 };
+            let mut send = round.to.map(|_| &acc[sb.clone()]);
+            let mut recv = from.map(|_| &mut theirs.bytes_mut()[..got_len]);
             let mut lanes = Vec::with_capacity(3);
             for ((&p, links), plan) in now.iter().zip(pairs_of(&mut mesh.links, &now)).zip(&plans) {
                 let s = if round.to == Some(p) {
@@ -230,21 +222,15 @@ impl Inner {
             }
             engine::run_lanes(&mut lanes, self.cfg.timeout, &self.abort)?;
             drop(lanes);
-            // What came in beside the buffer (nothing when it landed in place or none came).
-            let beside_len = if direct || from.is_none() {
-                0
-            } else {
-                rb.len()
-            };
-            let got = &mut theirs.bytes_mut()[..beside_len];
+            let got = &mut theirs.bytes_mut()[..got_len];
             match round.from {
                 Some((_, Take::MineFirst)) => cpu::reduce_into(dtype, op, &mut acc[rb], got)?,
                 Some((_, Take::TheirsFirst)) => {
                     cpu::reduce_into(dtype, op, got, &acc[rb.clone()])?;
                     acc[rb].copy_from_slice(got);
                 }
-                Some((_, Take::Replace)) if !direct => acc[rb].copy_from_slice(got),
-                _ => {}
+                Some((_, Take::Replace)) => acc[rb].copy_from_slice(got),
+                None => {}
             }
         }
         if let Some((ring, call)) = announce {
@@ -289,26 +275,6 @@ fn placed(plan: &Plan, (send_at, recv_at): (usize, usize), combine: bool, count:
         output_len: count,
         in_place: true,
         ..plan.clone()
-    }
-}
-
-/// `recv` of `buf` to receive into, and `send` of it (if any, and apart from `recv`) to send from.
-fn beside(
-    buf: &mut [u8],
-    send: Option<Range<usize>>,
-    recv: Range<usize>,
-) -> (Option<&[u8]>, &mut [u8]) {
-    match send {
-        None => (None, &mut buf[recv]),
-        Some(s) if s.end <= recv.start => {
-            let (lo, hi) = buf.split_at_mut(recv.start);
-            (Some(&lo[s]), &mut hi[..recv.len()])
-        }
-        Some(s) => {
-            assert!(recv.end <= s.start, "{s:?} overlaps {recv:?}");
-            let (lo, hi) = buf.split_at_mut(s.start);
-            (Some(&hi[..s.len()]), &mut lo[recv])
-        }
     }
 }
 
