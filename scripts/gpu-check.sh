@@ -22,7 +22,7 @@ out=${OUT:-/tmp}
 # diag on the real machine: CUDA devices, peer facts, peer/pinned copies, IPC and the ring, each
 # probe in a child under the watchdog. Exit 1 (degraded) is a finding, not a failure of the check.
 echo "== ringzero diag --json"
-target/release/ringzero diag --json > "$out/diag.json"
+timeout -k 5 300 target/release/ringzero diag --json > "$out/diag.json"
 diag_rc=$?
 python3 - "$out/diag.json" "$diag_rc" <<'PY' || true
 import json, sys
@@ -33,20 +33,42 @@ for p in r["probes"]:
     print(f'  {p["name"]:<22} {p["status"]}{gbs}: {p["detail"][:140]}')
 PY
 [ "$diag_rc" -le 1 ] || status=1
-# ringzero bench on device buffers (cuda_ipc on one GPU), 2 and 4 processes, next to nothing but
-# itself: gpu-check's rows below carry the copy baselines measured in the same run.
+# Every rank below is a process on the one GPU. Without MPS the GPU time-slices between processes,
+# and each slice of the ring waits for a context switch; with MPS their kernels run side by side.
+# So the benches run both ways, and `ringzero gpu-check` runs under MPS when this script can start
+# it (and stops it after); an MPS daemon already running is left alone.
+bench() {  # label, then env assignments and bench arguments
+    local label=$1; shift
+    echo "== $label"
+    env "$@" --json "$out/bench-$label.json" | grep -E '^ +[0-9]|edge|rror' || status=1
+}
+B=target/release/ringzero
+A="all-reduce --device cuda -b 4M -e 256M -f 4 --iters 10 --warmup 3"
 for n in 2 4; do
-    echo "== ringzero bench all-reduce --device cuda -n $n"
-    target/release/ringzero bench all-reduce --device cuda -n "$n" -b 1M -e 256M -f 4 --iters 10 \
-        --warmup 3 --json "$out/bench-cuda-n$n.json" | tail -8 || status=1
+    bench "cuda_ipc-n$n" timeout -k 5 120 $B bench $A -n "$n"
 done
 # Host staging (P2P disabled) both ways: kernels on the mapped slots, and explicit copies through
 # device scratch (RINGZERO_STAGING=copy). The issue asks to measure both.
 for staging in mapped copy; do
-    echo "== RINGZERO_P2P_DISABLE=1 RINGZERO_STAGING=$staging ringzero bench all-reduce --device cuda -n 2"
-    RINGZERO_P2P_DISABLE=1 RINGZERO_STAGING=$staging target/release/ringzero bench all-reduce \
-        --device cuda -n 2 -b 1M -e 256M -f 4 --iters 10 --warmup 3 \
-        --json "$out/bench-staging-$staging.json" | tail -8 || status=1
+    bench "staging-$staging-n2" RINGZERO_P2P_DISABLE=1 RINGZERO_STAGING=$staging \
+        timeout -k 5 120 $B bench $A -n 2
 done
-target/release/ringzero gpu-check --json "$out/gpu-check.json" || status=1
+mps=0
+export CUDA_MPS_PIPE_DIRECTORY=${CUDA_MPS_PIPE_DIRECTORY:-/tmp/ringzero-mps} \
+       CUDA_MPS_LOG_DIRECTORY=${CUDA_MPS_LOG_DIRECTORY:-/tmp/ringzero-mps-log}
+if command -v nvidia-cuda-mps-control >/dev/null && [ ! -e "$CUDA_MPS_PIPE_DIRECTORY/control" ]; then
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    nvidia-cuda-mps-control -d && mps=1 && echo "== MPS daemon started for the runs below"
+fi
+if [ -e "$CUDA_MPS_PIPE_DIRECTORY/control" ]; then
+    for n in 2 4; do
+        bench "mps-cuda_ipc-n$n" timeout -k 5 120 $B bench $A -n "$n"
+    done
+    bench "mps-staging-mapped-n2" RINGZERO_P2P_DISABLE=1 timeout -k 5 120 $B bench $A -n 2
+else
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    echo "== no MPS: gpu-check's ranks time-slice the GPU"
+fi
+timeout -k 10 600 $B gpu-check --json "$out/gpu-check.json" || status=1
+[ "$mps" = 1 ] && echo quit | nvidia-cuda-mps-control
 exit $status

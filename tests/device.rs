@@ -233,6 +233,36 @@ fn explicit_copy_staging_moves_every_combined_slice_through_device_scratch() {
     });
 }
 
+/// `RINGZERO_DEVICE_SLICE_BYTES` sizes the device edges' frames apart from the host path's
+/// `RINGZERO_SLICE_BYTES` (a GPU wants megabytes per slice, a CPU ring a cache's worth); without
+/// it the host stream keeps the host slice.
+#[test]
+fn device_slices_take_their_own_size_when_one_is_configured() {
+    let n = 3;
+    let count = 30_000usize; // chunks of 10 000 f32 = 40 000 bytes
+    for (device_slice_bytes, frames_per_chunk) in [(Some(16384), 3), (None, 40)] {
+        let o = Opts {
+            slice_bytes: 1000,
+            device_slice_bytes,
+            ..Opts::default()
+        };
+        threads(n, &o, |_, comm| {
+            let comm = comm.unwrap();
+            let mut dc = device_comm(&comm);
+            let send = vec![1.5f32; count];
+            let mut recv = vec![0.0f32; count];
+            dc.all_reduce(&send[..], &mut recv[..], ReduceOp::Sum)
+                .unwrap();
+            assert!(recv.iter().all(|&v| v == 4.5));
+            assert_eq!(
+                dc.counters().frames_sent,
+                2 * (n as u64 - 1) * frames_per_chunk,
+                "device slice {device_slice_bytes:?}"
+            );
+        });
+    }
+}
+
 #[test]
 fn tcp_device_edges_say_why_and_move_the_ring_volume() {
     let o = Opts {

@@ -21,6 +21,12 @@ use crate::ring::Collective;
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 /// Default largest frame payload.
 pub const DEFAULT_SLICE_BYTES: usize = 512 * 1024;
+/// Default largest frame payload on a GPU's device ring edges, unless
+/// `RINGZERO_DEVICE_SLICE_BYTES` says otherwise. Every slice costs a kernel launch, an event and a
+/// host round trip through the control block, and with several processes on one GPU a context
+/// switch; on an H100 with 2 processes on one GPU (no MPS) all-reduce busbw at 256 MiB was
+/// 3.3 GB/s with 512 KiB slices, 25 GB/s with 4 MiB and 77 GB/s with 16 MiB (gpu-verification.md).
+pub const DEFAULT_GPU_SLICE_BYTES: usize = 4 << 20;
 /// Default slots per link (at least 2: see the ring schedule's deadlock test).
 pub const DEFAULT_SLOTS: usize = 4;
 /// Default TCP connections per ring edge.
@@ -224,6 +230,9 @@ pub struct Config {
     pub p2p_disable: bool,
     /// Largest frame payload in bytes (`RINGZERO_SLICE_BYTES`).
     pub slice_bytes: usize,
+    /// Largest frame payload on device ring edges (`RINGZERO_DEVICE_SLICE_BYTES`); `None`: the
+    /// stream's own choice ([`DEFAULT_GPU_SLICE_BYTES`] on a GPU), else `slice_bytes`.
+    pub device_slice_bytes: Option<usize>,
     /// Slots per link (`RINGZERO_SLOTS`, at least 2).
     pub slots: usize,
     /// TCP connections carrying each tcp ring edge (`RINGZERO_TCP_SOCKETS`, 1 to 32): frames go
@@ -276,6 +285,7 @@ impl Config {
             shm_disable: false,
             p2p_disable: false,
             slice_bytes: DEFAULT_SLICE_BYTES,
+            device_slice_bytes: None,
             slots: DEFAULT_SLOTS,
             tcp_sockets: DEFAULT_TCP_SOCKETS,
             stream_stores_from: DEFAULT_STREAM_STORES_FROM,
@@ -358,6 +368,18 @@ impl Config {
                         format!("`{v}` is not a size between 1 and 1G"),
                     )
                 })?;
+        }
+        if let Some(v) = env("RINGZERO_DEVICE_SLICE_BYTES") {
+            c.device_slice_bytes = Some(
+                parse_bytes(&v)
+                    .filter(|b| (1..=1 << 30).contains(b))
+                    .ok_or_else(|| {
+                        Error::config(
+                            "RINGZERO_DEVICE_SLICE_BYTES",
+                            format!("`{v}` is not a size between 1 and 1G"),
+                        )
+                    })?,
+            );
         }
         if let Some(v) = env("RINGZERO_SLOTS") {
             c.slots = v
@@ -788,6 +810,8 @@ mod tests {
         assert!(with("RINGZERO_TIMEOUT", "-3").contains("RINGZERO_TIMEOUT"));
         assert!(with("RINGZERO_TRANSPORT", "udp").contains("`udp` is not one of"));
         assert!(with("RINGZERO_SLOTS", "1").contains("RINGZERO_SLOTS"));
+        assert!(with("RINGZERO_DEVICE_SLICE_BYTES", "2G")
+            .contains("RINGZERO_DEVICE_SLICE_BYTES: `2G` is not a size between 1 and 1G"));
         for bad in ["0", "33", "four"] {
             let e = with("RINGZERO_TCP_SOCKETS", bad);
             assert!(
@@ -830,6 +854,7 @@ mod tests {
             ("RINGZERO_WORLD_SIZE", "1"),
             ("RINGZERO_TIMEOUT", "2.5"),
             ("RINGZERO_SLICE_BYTES", "64K"),
+            ("RINGZERO_DEVICE_SLICE_BYTES", "8M"),
             ("RINGZERO_TRANSPORT", "TCP"),
             ("RINGZERO_NODE_ID", "fake-1"),
             ("RINGZERO_STREAM_STORES_FROM", "1M"),
@@ -852,6 +877,8 @@ mod tests {
         assert_eq!(Config::new(0, 1, "x", 1).staging, StagingMode::Mapped);
         assert_eq!(c.timeout, Duration::from_millis(2500));
         assert_eq!(c.slice_bytes, 65536);
+        assert_eq!(c.device_slice_bytes, Some(8 << 20));
+        assert_eq!(Config::new(0, 1, "x", 1).device_slice_bytes, None);
         assert_eq!(c.transport, TransportPref::Tcp);
         assert_eq!(c.node_id, "fake-1");
         assert_eq!(c.launch.master_addr, "127.0.0.1");

@@ -39,6 +39,8 @@ pub struct Opts {
     pub tcp_sockets: usize,
     /// `Config::algo` (None: the default).
     pub algo: Option<Algo>,
+    /// `Config::device_slice_bytes` (None: the stream's choice, else `slice_bytes`).
+    pub device_slice_bytes: Option<usize>,
 }
 
 impl Default for Opts {
@@ -53,6 +55,7 @@ impl Default for Opts {
             dump_dir: None,
             tcp_sockets: 1,
             algo: None,
+            device_slice_bytes: None,
         }
     }
 }
@@ -61,6 +64,7 @@ pub fn config(rank: usize, n: usize, port: u16, o: &Opts) -> Config {
     let mut c = Config::new(rank, n, "127.0.0.1", port);
     c.transport = o.transport;
     c.slice_bytes = o.slice_bytes;
+    c.device_slice_bytes = o.device_slice_bytes;
     c.timeout = o.timeout;
     c.secret = o.secret.as_bytes().to_vec();
     c.staging = o.staging;

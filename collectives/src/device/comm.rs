@@ -452,6 +452,16 @@ impl<S: Stream> Core<S> {
 
     /// Create this rank's receive FIFO for `recv_edge`, exchange connect infos, attach to the next
     /// rank's FIFO. Returns the links and the send edge's kind and tcp connections.
+    /// Bytes of one slot of this rank's device edges: the configured device slice, else the
+    /// stream's choice, else the host slice; rounded up to 64 bytes.
+    fn slot_bytes(&self) -> usize {
+        self.cfg
+            .device_slice_bytes
+            .or_else(|| self.stream.slice_bytes())
+            .unwrap_or(self.cfg.slice_bytes)
+            .next_multiple_of(64)
+    }
+
     fn build(
         &self,
         comm: &Communicator,
@@ -460,7 +470,7 @@ impl<S: Stream> Core<S> {
         next: usize,
     ) -> Result<(DevLinks, (TransportKind, usize))> {
         let cfg = &self.cfg;
-        let (slots, slot_bytes) = (cfg.slots, cfg.slice_bytes.next_multiple_of(64));
+        let (slots, slot_bytes) = (cfg.slots, self.slot_bytes());
         let name = crate::connect::segment_name(cfg, prev, self.rank, "dev");
         let mut info = ConnectInfo::zeroed();
         info.slots = slots as u32;
@@ -801,7 +811,7 @@ impl<S: Stream> Core<S> {
         let fp = count.parts.map_or(fp, |c| fp.with_counts(c));
         let seq = st.seq;
         crate::ring::engine::refuse(st.failed.as_ref(), &self.abort, &fp, seq)?;
-        let slot_bytes = self.cfg.slice_bytes.next_multiple_of(64);
+        let slot_bytes = self.slot_bytes();
         let in_place = matches!(bufs, DevBufs::One { .. });
         let p = plan(PlanArgs {
             coll,

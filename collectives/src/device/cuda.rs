@@ -21,6 +21,10 @@ impl Stream for Arc<Gpu> {
         format!("cuda:{}", self.ordinal())
     }
 
+    fn slice_bytes(&self) -> Option<usize> {
+        Some(crate::config::DEFAULT_GPU_SLICE_BYTES)
+    }
+
     unsafe fn combine(
         &self,
         dtype: DType,

@@ -29,6 +29,12 @@ pub trait Stream: Send + Sync {
     /// The device, for messages (`cuda:0`, `host`).
     fn name(&self) -> String;
 
+    /// The largest frame payload this device's ring edges should use when the configuration
+    /// names none (`RINGZERO_DEVICE_SLICE_BYTES`); `None`: the host path's `slice_bytes`.
+    fn slice_bytes(&self) -> Option<usize> {
+        None
+    }
+
     /// Queue `dst[..n] = a[..n] op b[..n]` (`Avg` combines as `Sum`). `dst` may equal `a`.
     ///
     /// # Safety

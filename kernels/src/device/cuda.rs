@@ -27,6 +27,12 @@ pub const KERNELS_CU: &str = include_str!("../cuda/kernels.cu");
 /// Threads per block of every kernel (the norm's shared-memory tree assumes 256).
 const BLOCK: u32 = 256;
 
+/// Events that [`Gpu::time`] reads elapsed time between. cudarc's default flag
+/// (`CU_EVENT_DISABLE_TIMING`) makes `cuEventElapsedTime` fail with `CUDA_ERROR_INVALID_HANDLE`,
+/// as the first run on an H100 showed.
+const TIMED: cudarc::driver::sys::CUevent_flags =
+    cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
+
 fn driver(op: &str) -> impl Fn(DriverError) -> DeviceError + '_ {
     move |e| DeviceError::Driver {
         op: op.to_string(),
@@ -305,14 +311,14 @@ impl Gpu {
         f()?;
         let start = self
             .stream
-            .record_event(None)
+            .record_event(Some(TIMED))
             .map_err(driver("recording an event"))?;
         for _ in 0..reps.max(1) {
             f()?;
         }
         let end = self
             .stream
-            .record_event(None)
+            .record_event(Some(TIMED))
             .map_err(driver("recording an event"))?;
         end.synchronize().map_err(driver("waiting for an event"))?;
         let ms = start.elapsed_ms(&end).map_err(driver("timing"))?;
