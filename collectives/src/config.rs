@@ -24,9 +24,15 @@ pub const DEFAULT_SLICE_BYTES: usize = 512 * 1024;
 /// Default largest frame payload on a GPU's device ring edges, unless
 /// `RINGZERO_DEVICE_SLICE_BYTES` says otherwise. Every slice costs a kernel launch, an event and a
 /// host round trip through the control block, and with several processes on one GPU a context
-/// switch; on an H100 with 2 processes on one GPU (no MPS) all-reduce busbw at 256 MiB was
-/// 3.3 GB/s with 512 KiB slices, 25 GB/s with 4 MiB and 77 GB/s with 16 MiB (gpu-verification.md).
-pub const DEFAULT_GPU_SLICE_BYTES: usize = 4 << 20;
+/// switch. On an H100 with 2 processes on one GPU, all-reduce busbw at 256 MiB was 3.3 GB/s with
+/// 512 KiB slices, 25 with 4 MiB and 77 with 16 MiB (no MPS), and 195 with 4 MiB, 294 with 16 MiB
+/// and 330 with 64 MiB under MPS (docs/gpu-verification.md).
+pub const DEFAULT_GPU_SLICE_BYTES: usize = 16 << 20;
+/// The same when `RINGZERO_P2P_DISABLE=1` stages every device edge inside a node through
+/// `/dev/shm` (slots × slice bytes of it per edge, page-locked): a smaller slice keeps that within a
+/// container's 64 MB default. Host staging ran at 11–13 GB/s busbw with 4 MiB slices (2 processes,
+/// 4 to 256 MiB): the PCIe link bounds it, not the per-slice costs.
+pub const DEFAULT_GPU_STAGED_SLICE_BYTES: usize = 4 << 20;
 /// Default slots per link (at least 2: see the ring schedule's deadlock test).
 pub const DEFAULT_SLOTS: usize = 4;
 /// Default TCP connections per ring edge.

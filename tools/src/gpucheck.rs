@@ -118,6 +118,9 @@ pub fn checks(gpu: &Gpu) -> Vec<Row> {
             rows.push(row(format!("reduce {op} {d}"), r));
         }
     }
+    for d in dtypes {
+        rows.push(row(format!("combine2/copy2 {d}"), two_destinations(gpu, d)));
+    }
     for (from, to) in [
         (DType::F32, DType::F16),
         (DType::F32, DType::BF16),
@@ -145,6 +148,55 @@ pub fn checks(gpu: &Gpu) -> Vec<Row> {
         rows.push(row(format!("adamw {d}"), adamw_check(gpu, d)));
     }
     rows
+}
+
+/// The ring's one-pass kernels: `combine2` (`dst = also = a op b`, every op) and `copy2`
+/// (`dst = also = src`), both destinations poisoned first, on 16-byte-aligned ranges (the vector
+/// path) and on ranges one element in (the element-by-element path).
+fn two_destinations(gpu: &Gpu, d: DType) -> Result<Option<String>, DeviceError> {
+    let es = d.size();
+    for (k, &n) in SIZES.iter().enumerate() {
+        let a = random(d, n, 300 + k as u64);
+        let b = random(d, n, 400 + k as u64);
+        let (da, db) = (gpu.upload(d, &a)?, gpu.upload(d, &b)?);
+        for skip in [0, 1.min(n - 1)] {
+            let m = n - skip;
+            let at = |buf: &DeviceBuffer| gpu.ptr_of(buf) + (skip * es) as u64;
+            for op in ReduceOp::ALL {
+                let (dst, also) = (poisoned(gpu, d, n)?, poisoned(gpu, d, n)?);
+                // SAFETY: four distinct live buffers of `n` elements, each range `m` elements
+                // from element `skip`; `download` below waits for the kernel.
+                unsafe { gpu.combine2_at(d, op, at(&dst), at(&also), at(&da), at(&db), m)? };
+                let mut want = a[skip * es..].to_vec();
+                cpu::reduce_into(d, op.pairwise(), &mut want, &b[skip * es..]).expect("lengths");
+                for (name, buf) in [("dst", &dst), ("also", &also)] {
+                    let got = download(gpu, buf)?;
+                    if got[..skip * es].iter().any(|&x| x != 0xA5) {
+                        return Ok(Some(format!(
+                            "combine2 {op} n={m}: {name} written before element {skip}"
+                        )));
+                    }
+                    if let Some(i) = first_diff(&got[skip * es..], &want, es) {
+                        return Ok(Some(format!(
+                            "combine2 {op} n={m} from element {skip}: {name}[{i}] differs"
+                        )));
+                    }
+                }
+            }
+            let (dst, also) = (poisoned(gpu, d, n)?, poisoned(gpu, d, n)?);
+            // SAFETY: as above, three buffers, `m · es` bytes each from element `skip`.
+            unsafe { gpu.copy2_at(at(&dst), at(&also), at(&da), m * es)? };
+            for (name, buf) in [("dst", &dst), ("also", &also)] {
+                let got = download(gpu, buf)?;
+                if let Some(i) = first_diff(&got[skip * es..], &a[skip * es..], es) {
+                    return Ok(Some(format!(
+                        "copy2 n={m} from element {skip}: {name}[{i}] differs"
+                    )));
+                }
+            }
+        }
+    }
+    Ok(None)
 }
 
 fn host_cast(from: DType, to: DType, src: &[u8]) -> Vec<u8> {

@@ -454,10 +454,20 @@ impl<S: Stream> Core<S> {
     /// rank's FIFO. Returns the links and the send edge's kind and tcp connections.
     /// Bytes of one slot of this rank's device edges: the configured device slice, else the
     /// stream's choice, else the host slice; rounded up to 64 bytes.
+    /// Every rank must come to the same figure (their plans slice alike), so it depends on the
+    /// configuration and the kind of device only, never on one edge's transport.
     fn slot_bytes(&self) -> usize {
+        let staged = crate::config::DEFAULT_GPU_STAGED_SLICE_BYTES;
         self.cfg
             .device_slice_bytes
-            .or_else(|| self.stream.slice_bytes())
+            .or_else(|| {
+                let b = self.stream.slice_bytes()?;
+                Some(if self.cfg.p2p_disable {
+                    b.min(staged)
+                } else {
+                    b
+                })
+            })
             .unwrap_or(self.cfg.slice_bytes)
             .next_multiple_of(64)
     }

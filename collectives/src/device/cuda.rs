@@ -38,6 +38,31 @@ impl Stream for Arc<Gpu> {
         unsafe { self.combine_at(dtype, op, dst, a, b, n) }
     }
 
+    unsafe fn combine2(
+        &self,
+        dtype: DType,
+        op: ReduceOp,
+        dst: Addr,
+        also: Addr,
+        a: Addr,
+        b: Addr,
+        n: usize,
+    ) -> Result<(), DeviceError> {
+        // SAFETY: forwarded from the caller's contract, which is the kernel's.
+        unsafe { self.combine2_at(dtype, op, dst, also, a, b, n) }
+    }
+
+    unsafe fn copy2(
+        &self,
+        dst: Addr,
+        also: Addr,
+        src: Addr,
+        bytes: usize,
+    ) -> Result<(), DeviceError> {
+        // SAFETY: forwarded from the caller's contract, which is the kernel's.
+        unsafe { self.copy2_at(dst, also, src, bytes) }
+    }
+
     unsafe fn divide(
         &self,
         dtype: DType,

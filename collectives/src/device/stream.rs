@@ -50,6 +50,50 @@ pub trait Stream: Send + Sync {
         n: usize,
     ) -> Result<(), DeviceError>;
 
+    /// Queue `dst[..n] = also[..n] = a[..n] op b[..n]`: a step whose result is both kept and
+    /// sent. By default a combine into `dst` and a copy of it to `also`; a device may do it in one
+    /// pass, which saves reading the result back.
+    ///
+    /// # Safety
+    /// As for [`Stream::combine`], and `also` is a fourth such range, overlapping none of the
+    /// others.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn combine2(
+        &self,
+        dtype: DType,
+        op: ReduceOp,
+        dst: Addr,
+        also: Addr,
+        a: Addr,
+        b: Addr,
+        n: usize,
+    ) -> Result<(), DeviceError> {
+        // SAFETY: the caller's contract covers both calls' ranges.
+        unsafe {
+            self.combine(dtype, op, dst, a, b, n)?;
+            self.copy(also, dst, n * dtype.size())
+        }
+    }
+
+    /// Queue copies of `bytes` from `src` to `dst` and to `also`: a step that keeps what it
+    /// forwards. By default two copies; a device may do it in one pass (one read of `src`).
+    ///
+    /// # Safety
+    /// As for [`Stream::copy`], for both destinations, which overlap neither `src` nor each other.
+    unsafe fn copy2(
+        &self,
+        dst: Addr,
+        also: Addr,
+        src: Addr,
+        bytes: usize,
+    ) -> Result<(), DeviceError> {
+        // SAFETY: the caller's contract covers both copies.
+        unsafe {
+            self.copy(dst, src, bytes)?;
+            self.copy(also, src, bytes)
+        }
+    }
+
     /// Queue `dst[..n] /= ranks`.
     ///
     /// # Safety

@@ -375,7 +375,19 @@ unsafe fn run_op<S: Stream>(
                     None => b,
                 };
                 let dst = store.or(stage_out).or(slot);
-                if let Some(dst) = dst {
+                // Kept and sent: one pass writes both, unless an average must be divided
+                // first or explicit-copy staging keeps kernels off the host slot.
+                let both = match (store, slot) {
+                    (Some(st), Some(sl)) if !finalize && links.tx.scratch(sl).is_none() => {
+                        Some((st, sl))
+                    }
+                    _ => None,
+                };
+                if let Some((st, sl)) = both {
+                    stream
+                        .combine2(call.dtype, call.op, st, sl, a, b, op.elems)
+                        .map_err(dev)?;
+                } else if let Some(dst) = dst {
                     stream
                         .combine(call.dtype, call.op, dst, a, b, op.elems)
                         .map_err(dev)?;
@@ -393,13 +405,23 @@ unsafe fn run_op<S: Stream>(
                 }
             }
             (Some(v), None) | (None, Some(v)) => {
-                if let Some(st) = store {
-                    if st != v {
-                        stream.copy(st, v, bytes).map_err(dev)?;
+                // Kept and forwarded: one pass reads `v` once, unless explicit-copy staging
+                // keeps kernels off a host slot at either end.
+                let kernels_may = slot.is_some_and(|sl| links.tx.scratch(sl).is_none())
+                    && incoming.is_none_or(|i| links.rx.scratch(i).is_none());
+                let keep = store.filter(|&st| st != v);
+                match (keep, slot) {
+                    (Some(st), Some(sl)) if kernels_may => {
+                        stream.copy2(st, sl, v, bytes).map_err(dev)?;
                     }
-                }
-                if let Some(sl) = slot {
-                    stream.copy(sl, v, bytes).map_err(dev)?;
+                    _ => {
+                        if let Some(st) = keep {
+                            stream.copy(st, v, bytes).map_err(dev)?;
+                        }
+                        if let Some(sl) = slot {
+                            stream.copy(sl, v, bytes).map_err(dev)?;
+                        }
+                    }
                 }
             }
             (None, None) => {}

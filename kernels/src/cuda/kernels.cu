@@ -106,23 +106,25 @@ __device__ __forceinline__ T apply(T a, T b) {
     return Num<T>::down(Op::template f<typename Num<T>::W>(Num<T>::up(a), Num<T>::up(b)));
 }
 
-// dst = a OP b over n elements. When all three addresses are 16-byte aligned (the common case:
-// allocations are, and slices start at multiples of the slot size), each thread moves 16 bytes per
-// load and store — 8 f16/bf16 or 16 u8 at a time; one element per load leaves a 2-byte type at
-// about half of the copy bandwidth (the first H100 run: bf16 reduce at 56 % of a copy). The tail,
-// and unaligned ranges, go element by element. dst may equal a: each thread reads its elements
-// before writing them.
+// dst = a OP b over n elements, and the same result to `also` when it is not null (the ring step
+// whose result is both kept and sent: one pass instead of a combine and a copy that reads the
+// result back). When every address is 16-byte aligned (the common case: allocations are, and
+// slices start at multiples of the slot size), each thread moves 16 bytes per load and store — 8
+// f16/bf16 or 16 u8 at a time; one element per load left a 2-byte type at about half of the copy
+// bandwidth (the first H100 run: bf16 reduce at 56 % of a copy). The tail, and unaligned ranges,
+// go element by element. dst may equal a: each thread reads its elements before writing them.
 template <typename T, typename Op>
-__device__ __forceinline__ void combine_body(T *dst, const T *a, const T *b, u64 n) {
+__device__ __forceinline__ void combine_body(T *dst, T *also, const T *a, const T *b, u64 n) {
     const u64 per = sizeof(Vec16) / sizeof(T);
     const u64 first = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     const u64 stride = (u64)gridDim.x * blockDim.x;
     u64 done = 0;
-    if ((((u64)dst | (u64)a | (u64)b) & 15) == 0) {
+    if ((((u64)dst | (u64)also | (u64)a | (u64)b) & 15) == 0) {
         const u64 vecs = n / per;
         const Vec16 *va = (const Vec16 *)a;
         const Vec16 *vb = (const Vec16 *)b;
         Vec16 *vd = (Vec16 *)dst;
+        Vec16 *vo = (Vec16 *)also;
         for (u64 v = first; v < vecs; v += stride) {
             Vec16 x = va[v], y = vb[v], r;
             const T *xs = (const T *)&x;
@@ -131,23 +133,57 @@ __device__ __forceinline__ void combine_body(T *dst, const T *a, const T *b, u64
 #pragma unroll
             for (u64 k = 0; k < per; ++k) rs[k] = apply<T, Op>(xs[k], ys[k]);
             vd[v] = r;
+            if (vo) vo[v] = r;
         }
         done = vecs * per;
     }
-    for (u64 i = done + first; i < n; i += stride) dst[i] = apply<T, Op>(a[i], b[i]);
+    for (u64 i = done + first; i < n; i += stride) {
+        T r = apply<T, Op>(a[i], b[i]);
+        dst[i] = r;
+        if (also) also[i] = r;
+    }
+}
+
+// dst[..bytes] = also[..bytes] = src[..bytes] (the all-gather step that keeps what it forwards),
+// 16 bytes at a time when all three are aligned.
+extern "C" __global__ void copy2(u8 *dst, u8 *also, const u8 *src, u64 bytes) {
+    const u64 first = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    u64 done = 0;
+    if ((((u64)dst | (u64)also | (u64)src) & 15) == 0) {
+        const u64 vecs = bytes / sizeof(Vec16);
+        for (u64 v = first; v < vecs; v += stride) {
+            Vec16 x = ((const Vec16 *)src)[v];
+            ((Vec16 *)dst)[v] = x;
+            ((Vec16 *)also)[v] = x;
+        }
+        done = vecs * sizeof(Vec16);
+    }
+    for (u64 i = done + first; i < bytes; i += stride) {
+        u8 x = src[i];
+        dst[i] = x;
+        also[i] = x;
+    }
 }
 
 // dst = dst OP src.
 #define REDUCE(OP, NAME, T)                                                                      \
     extern "C" __global__ void reduce_##NAME##_##T(T *dst, const T *src, u64 n) {                \
-        combine_body<T, OP>(dst, dst, src, n);                                                   \
+        combine_body<T, OP>(dst, 0, dst, src, n);                                                \
     }
 
 // dst = a OP b, three addresses (dst may equal a): the ring's fused step "local OP incoming"
 // written straight to its destination, which may be a peer's slot or mapped host memory.
 #define COMBINE(OP, NAME, T)                                                                     \
     extern "C" __global__ void combine_##NAME##_##T(T *dst, const T *a, const T *b, u64 n) {     \
-        combine_body<T, OP>(dst, a, b, n);                                                       \
+        combine_body<T, OP>(dst, 0, a, b, n);                                                    \
+    }
+
+// dst = also = a OP b.
+#define COMBINE2(OP, NAME, T)                                                                    \
+    extern "C" __global__ void combine2_##NAME##_##T(T *dst, T *also, const T *a, const T *b,   \
+                                                     u64 n) {                                    \
+        combine_body<T, OP>(dst, also, a, b, n);                                                 \
     }
 
 #define DIVIDE(T, D)                                                                             \
@@ -163,7 +199,11 @@ __device__ __forceinline__ void combine_body(T *dst, const T *a, const T *b, u64
     COMBINE(Sum, sum, T)                                                                         \
     COMBINE(Prod, prod, T)                                                                       \
     COMBINE(Min, min, T)                                                                         \
-    COMBINE(Max, max, T)
+    COMBINE(Max, max, T)                                                                         \
+    COMBINE2(Sum, sum, T)                                                                        \
+    COMBINE2(Prod, prod, T)                                                                      \
+    COMBINE2(Min, min, T)                                                                        \
+    COMBINE2(Max, max, T)
 
 ALL_OPS(float)
 ALL_OPS(double)

@@ -100,6 +100,7 @@ pub fn kernel_names() -> Vec<String> {
         for op in ["sum", "prod", "min", "max"] {
             v.push(format!("reduce_{op}_{t}"));
             v.push(format!("combine_{op}_{t}"));
+            v.push(format!("combine2_{op}_{t}"));
         }
         v.push(format!("divide_{t}"));
     }
@@ -111,6 +112,7 @@ pub fn kernel_names() -> Vec<String> {
     ] {
         v.push(format!("cast_{a}_{b}"));
     }
+    v.push("copy2".to_string());
     for t in floats {
         for k in ["scale", "sq_norm", "nonfinite", "adamw"] {
             v.push(format!("{k}_{t}"));

@@ -384,18 +384,70 @@ impl Gpu {
         if n == 0 {
             return Ok(());
         }
-        let name = match op.pairwise() {
-            ReduceOp::Prod => "prod",
-            ReduceOp::Min => "min",
-            ReduceOp::Max => "max",
-            _ => "sum",
-        };
-        let f = self.func(&format!("combine_{name}_{}", cu_type(dtype)))?;
+        let f = self.func(&format!("combine_{}_{}", pairwise_name(op), cu_type(dtype)))?;
         let n64 = n as u64;
         let mut l = self.stream.launch_builder(&f);
         l.arg(&dst).arg(&a).arg(&b).arg(&n64);
         // SAFETY: the caller guarantees the three ranges; the grid-stride loop stays below `n`.
         unsafe { l.launch(Self::cfg(n)) }.map_err(driver("launching combine"))?;
+        Ok(())
+    }
+
+    /// Queue `dst[..n] = also[..n] = a[..n] op b[..n]` in one pass (`Avg` combines as `Sum`).
+    ///
+    /// # Safety
+    /// As for [`Gpu::combine_at`], and `also` is a fourth such range, overlapping none of the
+    /// others.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn combine2_at(
+        &self,
+        dtype: DType,
+        op: ReduceOp,
+        dst: DevPtr,
+        also: DevPtr,
+        a: DevPtr,
+        b: DevPtr,
+        n: usize,
+    ) -> Result<(), DeviceError> {
+        self.check()?;
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.func(&format!(
+            "combine2_{}_{}",
+            pairwise_name(op),
+            cu_type(dtype)
+        ))?;
+        let n64 = n as u64;
+        let mut l = self.stream.launch_builder(&f);
+        l.arg(&dst).arg(&also).arg(&a).arg(&b).arg(&n64);
+        // SAFETY: the caller guarantees the four ranges; the grid-stride loop stays below `n`.
+        unsafe { l.launch(Self::cfg(n)) }.map_err(driver("launching combine2"))?;
+        Ok(())
+    }
+
+    /// Queue copies of `bytes` from `src` to both `dst` and `also` in one pass (one read).
+    ///
+    /// # Safety
+    /// As for [`Gpu::copy_at`], for both destinations, which overlap neither `src` nor each other.
+    pub unsafe fn copy2_at(
+        &self,
+        dst: DevPtr,
+        also: DevPtr,
+        src: DevPtr,
+        bytes: usize,
+    ) -> Result<(), DeviceError> {
+        self.check()?;
+        if bytes == 0 {
+            return Ok(());
+        }
+        let f = self.func("copy2")?;
+        let b64 = bytes as u64;
+        let mut l = self.stream.launch_builder(&f);
+        l.arg(&dst).arg(&also).arg(&src).arg(&b64);
+        // SAFETY: the caller guarantees the three ranges; the grid-stride loop stays below
+        // `bytes`.
+        unsafe { l.launch(Self::cfg(bytes.div_ceil(16))) }.map_err(driver("launching copy2"))?;
         Ok(())
     }
 
@@ -526,5 +578,15 @@ impl Gpu {
             .map_err(driver("binding the context"))?;
         // SAFETY: the caller guarantees the source; `dst` is a live host slice.
         unsafe { result::memcpy_dtoh_sync(dst, src) }.map_err(driver("copying device to host"))
+    }
+}
+
+/// The kernel-name part of the pairwise op `op` combines with (`Avg` combines as `Sum`).
+fn pairwise_name(op: ReduceOp) -> &'static str {
+    match op.pairwise() {
+        ReduceOp::Prod => "prod",
+        ReduceOp::Min => "min",
+        ReduceOp::Max => "max",
+        _ => "sum",
     }
 }
