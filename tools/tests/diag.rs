@@ -183,6 +183,20 @@ fn a_healthy_two_gpu_switch_is_ok() {
         "{text}"
     );
     assert!(text.contains("nothing to fix"), "{text}");
+    assert!(
+        text.contains("MPS               not running: processes that share a GPU take turns on it"),
+        "{text}"
+    );
+    f.write("proc/4242/comm", "nvidia-cuda-mps-control\n");
+    f.write("proc/77/comm", "bash\n");
+    let (code, text) = f.diag(&[]);
+    assert_eq!(code, 0, "{text}");
+    assert!(
+        text.contains(
+            "MPS               nvidia-cuda-mps-control (pid 4242): processes sharing a GPU run side by side"
+        ),
+        "{text}"
+    );
 }
 
 #[test]

@@ -371,6 +371,7 @@ impl<S: Stream> Core<S> {
             theirs: untext(&p.name),
             same_gpu,
             peer_access,
+            mps: same_gpu.then(topology::mps_control).flatten(),
         };
         let mut recv_edge = topology::choose_device(&self.cfg, &peer)?;
         // 2–4, at most twice: a failed cuda_ipc probe rebuilds that edge as host staging.

@@ -30,10 +30,29 @@ pub struct Host {
     pub memlock_unlimited: bool,
     /// This process's IPC namespace differs from PID 1's.
     pub private_ipc_namespace: Option<bool>,
+    /// An MPS daemon's process (`nvidia-cuda-mps-control` or `-server`) and its pid, from procfs.
+    /// Without one, processes that share a GPU take turns on it.
+    pub mps: Option<String>,
     /// IOMMU: kernel command-line parameters about it.
     pub iommu_cmdline: Vec<String>,
     /// IOMMU: groups present (the IOMMU is active).
     pub iommu_active: bool,
+}
+
+/// The first process under `procfs` whose name says it is an MPS daemon: `name (pid N)`.
+fn mps_process(procfs: &Path) -> Option<String> {
+    let entries = std::fs::read_dir(procfs).ok()?;
+    // Bounded: one pass over the pid directories that exist.
+    entries.flatten().find_map(|e| {
+        let name = e.file_name();
+        let pid = name
+            .to_str()
+            .filter(|n| n.bytes().all(|b| b.is_ascii_digit()))?;
+        let comm = read(&e.path().join("comm"))?;
+        let comm = comm.trim();
+        comm.starts_with("nvidia-cuda-mps")
+            .then(|| format!("{comm} (pid {pid})"))
+    })
 }
 
 fn read(p: &Path) -> Option<String> {
@@ -114,7 +133,9 @@ pub fn read_host(sysfs: &Path, procfs: &Path, live: bool) -> Host {
     let iommu_active =
         std::fs::read_dir(sysfs.join("kernel/iommu_groups")).is_ok_and(|mut d| d.next().is_some());
     let root = live.then(|| rustix::process::geteuid().is_root());
+    let mps = mps_process(procfs);
     Host {
+        mps,
         kernel,
         nvidia_driver,
         virtual_machine,

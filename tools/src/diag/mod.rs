@@ -507,6 +507,16 @@ pub fn text(r: &Report) -> String {
             None => "unknown",
         }
     );
+    s += &format!(
+        "MPS               {}\n",
+        match &h.mps {
+            Some(p) => format!("{p}: processes sharing a GPU run side by side"),
+            None if r.gpus.is_empty() => "not running".into(),
+            None => "not running: processes that share a GPU take turns on it \
+                     (`nvidia-cuda-mps-control -d` runs them side by side)"
+                .into(),
+        }
+    );
     for f in &r.host_findings {
         s += &format!("! {f}\n");
     }
