@@ -187,13 +187,14 @@ fn a_healthy_two_gpu_switch_is_ok() {
         text.contains("MPS               not running: processes that share a GPU take turns on it"),
         "{text}"
     );
-    f.write("proc/4242/comm", "nvidia-cuda-mps-control\n");
+    // comm holds 15 bytes: `nvidia-cuda-mps-control` and `-server` both read so.
+    f.write("proc/4242/comm", "nvidia-cuda-mps\n");
     f.write("proc/77/comm", "bash\n");
     let (code, text) = f.diag(&[]);
     assert_eq!(code, 0, "{text}");
     assert!(
         text.contains(
-            "MPS               nvidia-cuda-mps-control (pid 4242): processes sharing a GPU run side by side"
+            "MPS               nvidia-cuda-mps (pid 4242): processes sharing a GPU run side by side"
         ),
         "{text}"
     );
