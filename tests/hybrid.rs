@@ -240,3 +240,44 @@ fn a_hybrid_checkpoint_is_written_once_and_loads_anywhere() {
     });
     assert!(again.iter().all(|w| *w == saved[0]));
 }
+
+/// Ranks dealt round-robin over two nodes (Slurm's cyclic distribution: ranks 0 and 2 on one,
+/// 1 and 3 on the other): the shard groups are still the ranks of a node, so their edges are
+/// shared memory, and the replica groups cross nodes over tcp.
+#[test]
+fn shard_groups_follow_the_nodes_when_ranks_are_dealt_round_robin() {
+    let n = 4;
+    let port = crate::common::free_port();
+    let o = Opts {
+        transport: ringzero::TransportPref::Auto,
+        ..Opts::default()
+    };
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..n)
+            .map(|rank| {
+                let mut cfg = crate::common::config(rank, n, port, &o);
+                cfg.node_id = format!("node-{}", rank % 2);
+                s.spawn(move || {
+                    let world = Communicator::init(cfg).unwrap();
+                    let (shard, rep) = hybrid_groups(&world, 2).unwrap();
+                    let mut members = [0i32; 2];
+                    shard.all_gather(&[rank as i32], &mut members).unwrap();
+                    let want = if rank % 2 == 0 { [0, 2] } else { [1, 3] };
+                    assert_eq!(members, want, "rank {rank}'s shard group");
+                    rep.all_gather(&[rank as i32], &mut members).unwrap();
+                    let want = if rank < 2 { [0, 1] } else { [2, 3] };
+                    assert_eq!(members, want, "rank {rank}'s replicas");
+                    for e in shard.edges() {
+                        assert_eq!(e.kind, ringzero::TransportKind::Shm, "{e}");
+                    }
+                    for e in rep.edges() {
+                        assert_eq!(e.kind, ringzero::TransportKind::Tcp, "{e}");
+                    }
+                })
+            })
+            .collect();
+        for h in hs {
+            h.join().expect("rank thread panicked");
+        }
+    });
+}

@@ -207,24 +207,64 @@ pub struct Engine<'c, T: Float = f32> {
     wait: CommWait,
 }
 
-/// Hybrid sharding's communicators on `world` for [`Engine::new_hybrid`]: shard groups of
-/// `size` consecutive ranks (a node's, when ranks are numbered node by node), and replica
-/// groups of the ranks at the same place in each. A collective (two splits) that every rank of
-/// `world` calls with the same `size` ([`ZeroConfig::shard_size`]); a size that does not divide
-/// the world into whole groups is refused before anything is split.
+/// Hybrid sharding's communicators on `world` for [`Engine::new_hybrid`]: shard groups of `size`
+/// ranks that share a node wherever the nodes allow it, and replica groups of the ranks at the
+/// same place in each. Ranks are taken node by node (nodes in the order of their lowest rank,
+/// ranks in order inside a node, nodes told apart by `RINGZERO_NODE_ID`), then cut into groups of
+/// `size`: with ranks numbered node by node these are runs of consecutive ranks, and with ranks
+/// dealt round-robin over nodes (Slurm's cyclic distribution) the groups still stay inside nodes.
+/// A collective (an all-gather of node ids, then two splits) that every rank of `world` calls with
+/// the same `size` ([`ZeroConfig::shard_size`]); a size that does not divide the world into whole
+/// groups is refused before anything is split.
 pub fn hybrid_groups(
     world: &Communicator,
     size: usize,
 ) -> Result<(Communicator, Communicator), ZeroError> {
     let n = world.size();
     crate::mem::replicas(n, size).map_err(ZeroError::Config)?;
-    let r = world.rank();
+    use sha2::Digest;
+    let mine = sha2::Sha256::digest(world.config().node_id.as_bytes());
+    let mut all = vec![0u8; n * mine.len()];
+    world.all_gather(&mine[..], &mut all)?;
+    let nodes: Vec<&[u8]> = all.chunks(mine.len()).collect();
+    let at = node_major(&nodes)
+        .iter()
+        .position(|&x| x == world.rank())
+        .expect("every rank has a place");
     let key = |k: usize| u32::try_from(k).expect("a rank fits u32");
-    let shard = world.split(Some(key(r / size)), key(r % size))?;
-    let replicas = world.split(Some(key(r % size)), key(r / size))?;
+    let shard = world.split(Some(key(at / size)), key(at % size))?;
+    let replicas = world.split(Some(key(at % size)), key(at / size))?;
     match (shard, replicas) {
         (Some(s), Some(rep)) => Ok((s, rep)),
         _ => unreachable!("every rank passed a color"),
+    }
+}
+
+/// Ranks in node-major order, given each rank's node: nodes in the order of their lowest rank,
+/// ranks ascending inside each.
+fn node_major<K: PartialEq>(node_of: &[K]) -> Vec<usize> {
+    let first: Vec<usize> = node_of
+        .iter()
+        .map(|k| node_of.iter().position(|x| x == k).expect("k is there"))
+        .collect();
+    let mut order: Vec<usize> = (0..node_of.len()).collect();
+    order.sort_by_key(|&r| (first[r], r));
+    order
+}
+
+#[cfg(test)]
+mod node_major_tests {
+    use super::node_major;
+
+    #[test]
+    fn node_major_keeps_node_major_numbering_and_regroups_round_robin() {
+        assert_eq!(node_major(&["a", "a", "b", "b"]), [0, 1, 2, 3]);
+        assert_eq!(node_major(&["a", "b", "a", "b"]), [0, 2, 1, 3]);
+        assert_eq!(
+            node_major(&["b", "a", "c", "a", "b", "c"]),
+            [0, 4, 1, 3, 2, 5]
+        );
+        assert_eq!(node_major::<&str>(&[]), Vec::<usize>::new());
     }
 }
 
