@@ -252,22 +252,6 @@ fn node_major<K: PartialEq>(node_of: &[K]) -> Vec<usize> {
     order
 }
 
-#[cfg(test)]
-mod node_major_tests {
-    use super::node_major;
-
-    #[test]
-    fn node_major_keeps_node_major_numbering_and_regroups_round_robin() {
-        assert_eq!(node_major(&["a", "a", "b", "b"]), [0, 1, 2, 3]);
-        assert_eq!(node_major(&["a", "b", "a", "b"]), [0, 2, 1, 3]);
-        assert_eq!(
-            node_major(&["b", "a", "c", "a", "b", "c"]),
-            [0, 4, 1, 3, 2, 5]
-        );
-        assert_eq!(node_major::<&str>(&[]), Vec::<usize>::new());
-    }
-}
-
 impl<'c, T: Float> Engine<'c, T> {
     /// An engine for `specs` on `comm`, every parameter element initialised by `init(param index,
     /// element index)` (the same function on every rank, so no broadcast is needed; with 16-bit
@@ -945,5 +929,21 @@ impl<'c, T: Float> Engine<'c, T> {
                 + flying(&self.pending))
                 * sz,
         }
+    }
+}
+
+#[cfg(test)]
+mod node_major_tests {
+    use super::node_major;
+
+    #[test]
+    fn node_major_keeps_node_major_numbering_and_regroups_round_robin() {
+        assert_eq!(node_major(&["a", "a", "b", "b"]), [0, 1, 2, 3]);
+        assert_eq!(node_major(&["a", "b", "a", "b"]), [0, 2, 1, 3]);
+        assert_eq!(
+            node_major(&["b", "a", "c", "a", "b", "c"]),
+            [0, 4, 1, 3, 2, 5]
+        );
+        assert_eq!(node_major::<&str>(&[]), Vec::<usize>::new());
     }
 }
