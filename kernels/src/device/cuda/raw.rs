@@ -380,17 +380,8 @@ impl Gpu {
         b: DevPtr,
         n: usize,
     ) -> Result<(), DeviceError> {
-        self.check()?;
-        if n == 0 {
-            return Ok(());
-        }
-        let f = self.func(&format!("combine_{}_{}", pairwise_name(op), cu_type(dtype)))?;
-        let n64 = n as u64;
-        let mut l = self.stream.launch_builder(&f);
-        l.arg(&dst).arg(&a).arg(&b).arg(&n64);
-        // SAFETY: the caller guarantees the three ranges; the grid-stride loop stays below `n`.
-        unsafe { l.launch(Self::cfg(n)) }.map_err(driver("launching combine"))?;
-        Ok(())
+        // SAFETY: forwarded from the caller's contract.
+        unsafe { self.launch_combine(dtype, op, dst, None, a, b, n) }
     }
 
     /// Queue `dst[..n] = also[..n] = a[..n] op b[..n]` in one pass (`Avg` combines as `Sum`).
@@ -409,20 +400,49 @@ impl Gpu {
         b: DevPtr,
         n: usize,
     ) -> Result<(), DeviceError> {
+        // SAFETY: forwarded from the caller's contract.
+        unsafe { self.launch_combine(dtype, op, dst, Some(also), a, b, n) }
+    }
+
+    /// `combine_<op>_<dtype>(dst, a, b, n)`, or with `also` `combine2_<op>_<dtype>(dst, also, a,
+    /// b, n)`.
+    ///
+    /// # Safety
+    /// As for [`Gpu::combine2_at`] (with `also`) or [`Gpu::combine_at`] (without).
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn launch_combine(
+        &self,
+        dtype: DType,
+        op: ReduceOp,
+        dst: DevPtr,
+        also: Option<DevPtr>,
+        a: DevPtr,
+        b: DevPtr,
+        n: usize,
+    ) -> Result<(), DeviceError> {
         self.check()?;
         if n == 0 {
             return Ok(());
         }
+        let kernel = if also.is_some() {
+            "combine2"
+        } else {
+            "combine"
+        };
         let f = self.func(&format!(
-            "combine2_{}_{}",
+            "{kernel}_{}_{}",
             pairwise_name(op),
             cu_type(dtype)
         ))?;
         let n64 = n as u64;
         let mut l = self.stream.launch_builder(&f);
-        l.arg(&dst).arg(&also).arg(&a).arg(&b).arg(&n64);
-        // SAFETY: the caller guarantees the four ranges; the grid-stride loop stays below `n`.
-        unsafe { l.launch(Self::cfg(n)) }.map_err(driver("launching combine2"))?;
+        l.arg(&dst);
+        if let Some(also) = &also {
+            l.arg(also);
+        }
+        l.arg(&a).arg(&b).arg(&n64);
+        // SAFETY: the caller guarantees every range; the grid-stride loop stays below `n`.
+        unsafe { l.launch(Self::cfg(n)) }.map_err(driver(&format!("launching {kernel}")))?;
         Ok(())
     }
 
