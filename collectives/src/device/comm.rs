@@ -451,8 +451,6 @@ impl<S: Stream> Core<S> {
         })
     }
 
-    /// Create this rank's receive FIFO for `recv_edge`, exchange connect infos, attach to the next
-    /// rank's FIFO. Returns the links and the send edge's kind and tcp connections.
     /// Bytes of one slot of this rank's device edges: the configured device slice, else the
     /// stream's choice, else the host slice; rounded up to 64 bytes.
     /// Every rank must come to the same figure (their plans slice alike), so it depends on the
@@ -473,6 +471,8 @@ impl<S: Stream> Core<S> {
             .next_multiple_of(64)
     }
 
+    /// Create this rank's receive FIFO for `recv_edge`, exchange connect infos, attach to the next
+    /// rank's FIFO. Returns the links and the send edge's kind and tcp connections.
     fn build(
         &self,
         comm: &Communicator,

@@ -362,7 +362,9 @@ unsafe fn run_op<S: Stream>(
     // scratch of a slot is the link's own device memory, one slot's worth per slot, used only
     // by the work of the op holding that slot (the same rules keep it free). A
     // combine writes to `store` or `slot`, never to an operand it only reads, except in place
-    // where `store == local` exactly (the kernel reads each element before writing it).
+    // where `store == local` exactly (the kernel reads each element before writing it). The
+    // one-pass forms write `store` and `slot`, which never overlap: one is the caller's buffer,
+    // the other the link's memory.
     unsafe {
         match (incoming, local) {
             (Some(b), Some(a)) => {
