@@ -424,10 +424,10 @@ impl Gpu {
         if n == 0 {
             return Ok(());
         }
-        let kernel = if also.is_some() {
-            "combine2"
+        let (kernel, what) = if also.is_some() {
+            ("combine2", "launching combine2")
         } else {
-            "combine"
+            ("combine", "launching combine")
         };
         let f = self.func(&format!(
             "{kernel}_{}_{}",
@@ -442,7 +442,7 @@ impl Gpu {
         }
         l.arg(&a).arg(&b).arg(&n64);
         // SAFETY: the caller guarantees every range; the grid-stride loop stays below `n`.
-        unsafe { l.launch(Self::cfg(n)) }.map_err(driver(&format!("launching {kernel}")))?;
+        unsafe { l.launch(Self::cfg(n)) }.map_err(driver(what))?;
         Ok(())
     }
 
