@@ -85,6 +85,39 @@ impl std::fmt::Display for StagingMode {
     }
 }
 
+/// How device all-reduces, reduce-scatters and all-gathers move data
+/// (`RINGZERO_DEVICE_ALGO=auto|ring|direct`).
+///
+/// *Direct*: when every rank of a device communicator can map every other rank's buffers (one
+/// node, CUDA IPC, peer access between every pair), each rank reduces its own part of the result
+/// by reading that part of every rank's input, and writes it into every rank's output, in one
+/// kernel; two barriers on a shared-memory board bracket it. Every byte is read once and written
+/// once, where the slot ring reads and writes each slice again in the slots. Ranks that share one
+/// GPU are held to its memory bandwidth, so there the ring can reach only half of what direct can.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum DeviceAlgo {
+    /// Direct where every rank shares one GPU (the bandwidth bound above), else the ring. Between
+    /// distinct GPUs the ring's neighbour-to-neighbour traffic suits PCIe and NVLink alike.
+    #[default]
+    Auto,
+    /// Always the ring.
+    Ring,
+    /// Direct wherever every rank can map every other's buffers (set-up fails with the reason
+    /// where they cannot). A call whose buffers cannot be shared (memory CUDA IPC cannot export)
+    /// still takes the ring, on every rank alike.
+    Direct,
+}
+
+impl std::fmt::Display for DeviceAlgo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DeviceAlgo::Auto => "auto",
+            DeviceAlgo::Ring => "ring",
+            DeviceAlgo::Direct => "direct",
+        })
+    }
+}
+
 /// Which algorithm the latency-bound host collectives run (`RINGZERO_ALGO`,
 /// `RINGZERO_DOUBLING_MAX`, `RINGZERO_HALVING_MAX`): all-reduce, broadcast, reduce and barrier
 /// either go round the ring (`2(n − 1)` or `n − 1` hops) or by a doubling schedule in about
@@ -252,10 +285,13 @@ pub struct Config {
     pub stream_stores_from: usize,
     /// How host staging of device buffers moves bytes (`RINGZERO_STAGING=mapped|copy`).
     pub staging: StagingMode,
+    /// How device all-reduces, reduce-scatters and all-gathers move data
+    /// (`RINGZERO_DEVICE_ALGO=auto|ring|direct`).
+    pub device_algo: DeviceAlgo,
     /// Which algorithm host all-reduces, broadcasts, reduces and barriers run
     /// (`RINGZERO_ALGO=auto|ring|doubling|halving-doubling`, and `RINGZERO_DOUBLING_MAX` and
     /// `RINGZERO_HALVING_MAX` for auto's all-reduce thresholds).
-    /// Device buffers always take the ring.
+    /// Device buffers take the ring, or the direct step ([`Config::device_algo`]).
     pub algo: Algo,
     /// Directory for shared-memory segments (`RINGZERO_SHM_DIR`, default `/dev/shm`).
     pub shm_dir: std::path::PathBuf,
@@ -296,6 +332,7 @@ impl Config {
             tcp_sockets: DEFAULT_TCP_SOCKETS,
             stream_stores_from: DEFAULT_STREAM_STORES_FROM,
             staging: StagingMode::Mapped,
+            device_algo: DeviceAlgo::Auto,
             algo: Algo::default(),
             shm_dir: "/dev/shm".into(),
             flight_entries: crate::flight::DEFAULT_ENTRIES,
@@ -432,6 +469,19 @@ impl Config {
                     return Err(Error::config(
                         "RINGZERO_STAGING",
                         format!("`{v}` is not one of mapped, copy"),
+                    ))
+                }
+            };
+        }
+        if let Some(v) = env("RINGZERO_DEVICE_ALGO") {
+            c.device_algo = match v.trim().to_ascii_lowercase().as_str() {
+                "auto" | "" => DeviceAlgo::Auto,
+                "ring" => DeviceAlgo::Ring,
+                "direct" => DeviceAlgo::Direct,
+                _ => {
+                    return Err(Error::config(
+                        "RINGZERO_DEVICE_ALGO",
+                        format!("`{v}` is not one of auto, ring, direct"),
                     ))
                 }
             };
@@ -832,6 +882,8 @@ mod tests {
         assert!(
             with("RINGZERO_STAGING", "zerocopy").contains("`zerocopy` is not one of mapped, copy")
         );
+        assert!(with("RINGZERO_DEVICE_ALGO", "tree")
+            .contains("`tree` is not one of auto, ring, direct"));
         assert!(with("RINGZERO_MASTER_PORT", "99999").contains("RINGZERO_MASTER_PORT"));
         assert!(with("RINGZERO_FLIGHT_ENTRIES", "-1").contains("RINGZERO_FLIGHT_ENTRIES"));
         assert!(with("RINGZERO_DUMP_DIR", " ").contains("RINGZERO_DUMP_DIR: is empty"));
@@ -865,6 +917,7 @@ mod tests {
             ("RINGZERO_NODE_ID", "fake-1"),
             ("RINGZERO_STREAM_STORES_FROM", "1M"),
             ("RINGZERO_STAGING", "Copy"),
+            ("RINGZERO_DEVICE_ALGO", " Direct"),
             ("RINGZERO_FLIGHT_ENTRIES", "16"),
             ("RINGZERO_DUMP_DIR", "/tmp/rz-dumps"),
             ("RINGZERO_TCP_SOCKETS", " 8"),
@@ -881,6 +934,8 @@ mod tests {
         assert_eq!(c.stream_stores_from, 1 << 20);
         assert_eq!(c.staging, StagingMode::Copy);
         assert_eq!(Config::new(0, 1, "x", 1).staging, StagingMode::Mapped);
+        assert_eq!(c.device_algo, DeviceAlgo::Direct);
+        assert_eq!(Config::new(0, 1, "x", 1).device_algo, DeviceAlgo::Auto);
         assert_eq!(c.timeout, Duration::from_millis(2500));
         assert_eq!(c.slice_bytes, 65536);
         assert_eq!(c.device_slice_bytes, Some(8 << 20));

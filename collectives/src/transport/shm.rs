@@ -174,7 +174,7 @@ impl Segment {
 }
 
 /// Whether process `pid` is alive (not gone, not a zombie).
-fn pid_alive(pid: u32) -> bool {
+pub(crate) fn pid_alive(pid: u32) -> bool {
     if pid == 0 || pid == std::process::id() {
         return true;
     }

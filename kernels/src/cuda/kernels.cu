@@ -220,6 +220,76 @@ DIVIDE(int, int)
 DIVIDE(i64, i64)
 DIVIDE(u8, u32)
 
+// Up to 8 addresses, passed by value (the direct all-reduce's inputs or outputs, one per rank).
+struct Ptrs8 { u64 p[8]; };
+
+template <typename T, typename D>
+__device__ __forceinline__ T divided(T x, int ranks) {
+    return Num<T>::down((typename Num<T>::W)((D)Num<T>::up(x) / (D)ranks));
+}
+
+// The direct step of a node whose ranks all map each other's buffers: r = ins[0] OP ins[1] OP ...
+// OP ins[nin-1], in that order and rounded to T after every operation (as the ring and the CPU
+// kernels round), divided by `ranks` when it is not zero (average), and written to every outs[j]
+// in the same pass. Every input is read once and every output written once, which is what lets
+// ranks sharing one GPU reach the memory-bandwidth bound a slot ring cannot (it reads and writes
+// each slice again in the slots). An output may equal an input (in place): each thread reads all
+// of its elements before it writes any. 16 bytes per load and store when every address is aligned.
+template <typename T, typename Op, typename D>
+__device__ __forceinline__ void gather_body(Ptrs8 ins, u32 nin, Ptrs8 outs, u32 nout, u64 n,
+                                            int ranks) {
+    const u64 per = sizeof(Vec16) / sizeof(T);
+    const u64 first = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    u64 any = 0;
+    for (u32 k = 0; k < nin; ++k) any |= ins.p[k];
+    for (u32 j = 0; j < nout; ++j) any |= outs.p[j];
+    u64 done = 0;
+    if ((any & 15) == 0) {
+        const u64 vecs = n / per;
+        for (u64 v = first; v < vecs; v += stride) {
+            Vec16 r = ((const Vec16 *)ins.p[0])[v];
+            T *rs = (T *)&r;
+            for (u32 k = 1; k < nin; ++k) {
+                Vec16 x = ((const Vec16 *)ins.p[k])[v];
+                const T *xs = (const T *)&x;
+#pragma unroll
+                for (u64 e = 0; e < per; ++e) rs[e] = apply<T, Op>(rs[e], xs[e]);
+            }
+            if (ranks) {
+#pragma unroll
+                for (u64 e = 0; e < per; ++e) rs[e] = divided<T, D>(rs[e], ranks);
+            }
+            for (u32 j = 0; j < nout; ++j) ((Vec16 *)outs.p[j])[v] = r;
+        }
+        done = vecs * per;
+    }
+    for (u64 i = done + first; i < n; i += stride) {
+        T r = ((const T *)ins.p[0])[i];
+        for (u32 k = 1; k < nin; ++k) r = apply<T, Op>(r, ((const T *)ins.p[k])[i]);
+        if (ranks) r = divided<T, D>(r, ranks);
+        for (u32 j = 0; j < nout; ++j) ((T *)outs.p[j])[i] = r;
+    }
+}
+
+#define GATHER(OP, NAME, T, D)                                                                   \
+    extern "C" __global__ void gather_##NAME##_##T(Ptrs8 ins, u32 nin, Ptrs8 outs, u32 nout,     \
+                                                   u64 n, int ranks) {                           \
+        gather_body<T, OP, D>(ins, nin, outs, nout, n, ranks);                                   \
+    }
+#define GATHERS(T, D)                                                                            \
+    GATHER(Sum, sum, T, D)                                                                       \
+    GATHER(Prod, prod, T, D)                                                                     \
+    GATHER(Min, min, T, D)                                                                       \
+    GATHER(Max, max, T, D)
+GATHERS(float, float)
+GATHERS(double, double)
+GATHERS(f16, float)
+GATHERS(bf16, float)
+GATHERS(int, int)
+GATHERS(i64, i64)
+GATHERS(u8, u32)
+
 // Casts between the float training types.
 #define CAST(A, B)                                                                               \
     extern "C" __global__ void cast_##A##_##B(const A *src, B *dst, u64 n) {                    \

@@ -8,11 +8,12 @@
 //! recorded by cudarc on the context and returned by the next call here (`check_err`).
 
 use std::collections::HashMap;
+use std::mem::ManuallyDrop;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DriverError, LaunchConfig,
-    PushKernelArg,
+    result, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DriverError,
+    LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::{CompileOptions, Ptx};
 
@@ -101,6 +102,7 @@ pub fn kernel_names() -> Vec<String> {
             v.push(format!("reduce_{op}_{t}"));
             v.push(format!("combine_{op}_{t}"));
             v.push(format!("combine2_{op}_{t}"));
+            v.push(format!("gather_{op}_{t}"));
         }
         v.push(format!("divide_{t}"));
     }
@@ -145,8 +147,13 @@ pub struct Gpu {
 }
 
 /// A device buffer of `len` elements of `dtype`.
+///
+/// The memory comes from a plain `cuMemAlloc`, not cudarc's stream-ordered pool: CUDA IPC can
+/// export only such memory, and the direct collectives of ranks that share a node
+/// ([`Gpu::share_of`]) write straight into each other's buffers. It is freed with `cuMemFree` on
+/// Drop, after the context's queued work has completed.
 pub struct DeviceBuffer {
-    buf: CudaSlice<u8>,
+    buf: ManuallyDrop<CudaSlice<u8>>,
     dtype: DType,
     len: usize,
 }
@@ -167,6 +174,22 @@ impl DeviceBuffer {
     /// Bytes.
     pub fn bytes(&self) -> usize {
         self.len * self.dtype.size()
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        // SAFETY: the slice is taken exactly once, here, and the field is not used afterwards.
+        let slice = unsafe { ManuallyDrop::take(&mut self.buf) };
+        let ctx = slice.stream().context().clone();
+        // `leak` waits for the work cudarc tracked on the slice and gives up its ownership.
+        let ptr = slice.leak();
+        // Kernels and copies queued on raw addresses (the collectives) are not tracked by the
+        // slice: the whole context finishes before the memory goes.
+        ctx.record_err(ctx.synchronize());
+        // SAFETY: `ptr` came from cuMemAlloc in `ctx` (Gpu::alloc), is freed exactly once, and no
+        // queued work uses it any more.
+        ctx.record_err(unsafe { result::free_sync(ptr) });
     }
 }
 
@@ -239,11 +262,25 @@ impl Gpu {
     /// allocate zero bytes, and a rank's part of a collective may be empty.
     pub fn alloc(&self, dtype: DType, len: usize) -> Result<DeviceBuffer, DeviceError> {
         self.check()?;
-        let buf = self
-            .stream
-            .alloc_zeros::<u8>(len.max(1) * dtype.size())
-            .map_err(driver("allocating device memory"))?;
-        Ok(DeviceBuffer { buf, dtype, len })
+        let bytes = len.max(1) * dtype.size();
+        self.ctx
+            .bind_to_thread()
+            .map_err(driver("binding the context"))?;
+        // SAFETY: the context is current on this thread and `bytes` is not zero.
+        let ptr = unsafe { result::malloc_sync(bytes) }
+            .map_err(driver("allocating device memory (cuMemAlloc)"))?;
+        // SAFETY: `ptr` is a live allocation of `bytes` bytes of this context that nothing else
+        // owns; the slice takes it over, and DeviceBuffer's Drop frees it (never cudarc's).
+        let slice = unsafe { self.stream.upgrade_device_ptr::<u8>(ptr, bytes) };
+        let mut buf = DeviceBuffer {
+            buf: ManuallyDrop::new(slice),
+            dtype,
+            len,
+        };
+        self.stream
+            .memset_zeros(&mut *buf.buf)
+            .map_err(driver("zeroing device memory"))?;
+        Ok(buf)
     }
 
     /// Host → device, into a new buffer.
@@ -258,18 +295,18 @@ impl Gpu {
         if bytes.is_empty() {
             return self.alloc(dtype, 0);
         }
-        let buf = self
-            .copy
-            .clone_htod(bytes)
+        let mut buf = self.alloc(dtype, bytes.len() / dtype.size())?;
+        // The zeroing was queued on the compute stream: the copy stream waits for it.
+        self.stream
+            .synchronize()
+            .map_err(driver("zeroing device memory"))?;
+        self.copy
+            .memcpy_htod(bytes, &mut *buf.buf)
             .map_err(driver("copying host to device"))?;
         self.copy
             .synchronize()
             .map_err(driver("copying host to device"))?;
-        Ok(DeviceBuffer {
-            buf,
-            dtype,
-            len: bytes.len() / dtype.size(),
-        })
+        Ok(buf)
     }
 
     /// Device → host (waits for the kernels queued before it).
@@ -286,7 +323,7 @@ impl Gpu {
             return Ok(()); // (an empty buffer's one element of memory is not its content)
         }
         self.stream
-            .memcpy_dtoh(&src.buf, out)
+            .memcpy_dtoh(&*src.buf, out)
             .map_err(driver("copying device to host"))?;
         self.stream
             .synchronize()
@@ -299,7 +336,7 @@ impl Gpu {
         self.check()?;
         same(dst, src, "copy")?;
         self.stream
-            .memcpy_dtod(&src.buf, &mut dst.buf)
+            .memcpy_dtod(&*src.buf, &mut *dst.buf)
             .map_err(driver("copying device to device"))
     }
 
@@ -360,7 +397,7 @@ impl Gpu {
         let f = self.func(&format!("reduce_{name}_{}", cu_type(dst.dtype)))?;
         let n = dst.len as u64;
         let mut b = self.stream.launch_builder(&f);
-        b.arg(&mut dst.buf).arg(&src.buf).arg(&n);
+        b.arg(&mut *dst.buf).arg(&*src.buf).arg(&n);
         // SAFETY: the kernel reads `n` elements of `src` and writes `n` of `dst`; both buffers
         // hold exactly `n` elements of the kernel's dtype (checked by `same`), and the grid-stride
         // loop stays below `n`.
@@ -377,7 +414,7 @@ impl Gpu {
         let f = self.func(&format!("divide_{}", cu_type(buf.dtype)))?;
         let (n, r) = (buf.len as u64, ranks as i32);
         let mut b = self.stream.launch_builder(&f);
-        b.arg(&mut buf.buf).arg(&n).arg(&r);
+        b.arg(&mut *buf.buf).arg(&n).arg(&r);
         // SAFETY: `n` elements of the kernel's dtype, grid-stride bounded by `n`.
         unsafe { b.launch(Self::cfg(buf.len)) }.map_err(driver("launching divide"))?;
         Ok(())
@@ -402,7 +439,7 @@ impl Gpu {
         let f = self.func(&name)?;
         let n = src.len as u64;
         let mut b = self.stream.launch_builder(&f);
-        b.arg(&src.buf).arg(&mut dst.buf).arg(&n);
+        b.arg(&*src.buf).arg(&mut *dst.buf).arg(&n);
         // SAFETY: both buffers hold `n` elements of the types the kernel's name states.
         unsafe { b.launch(Self::cfg(src.len)) }.map_err(driver("launching cast"))?;
         Ok(())
@@ -423,7 +460,7 @@ impl Gpu {
         let f = self.float_kernel("scale", buf.dtype)?;
         let n = buf.len as u64;
         let mut b = self.stream.launch_builder(&f);
-        b.arg(&mut buf.buf).arg(&s).arg(&n);
+        b.arg(&mut *buf.buf).arg(&s).arg(&n);
         // SAFETY: `n` elements of the kernel's dtype, grid-stride bounded by `n`.
         unsafe { b.launch(Self::cfg(buf.len)) }.map_err(driver("launching scale"))?;
         Ok(())
@@ -439,7 +476,7 @@ impl Gpu {
             .map_err(driver("allocating the norm"))?;
         let n = x.len as u64;
         let mut b = self.stream.launch_builder(&f);
-        b.arg(&x.buf).arg(&s).arg(&n).arg(&mut out);
+        b.arg(&*x.buf).arg(&s).arg(&n).arg(&mut out);
         // SAFETY: reads `n` elements of `x`; block size is BLOCK = 256, the size of the kernel's
         // shared tree; writes one f64 to `out`, which holds one.
         unsafe { b.launch(Self::cfg(x.len)) }.map_err(driver("launching sq_norm"))?;
@@ -460,7 +497,7 @@ impl Gpu {
             .map_err(driver("allocating the flag"))?;
         let n = x.len as u64;
         let mut b = self.stream.launch_builder(&f);
-        b.arg(&x.buf).arg(&n).arg(&mut flag);
+        b.arg(&*x.buf).arg(&n).arg(&mut flag);
         // SAFETY: reads `n` elements of `x`, writes at most one u32 to `flag`, which holds one.
         unsafe { b.launch(Self::cfg(x.len)) }.map_err(driver("launching nonfinite"))?;
         let v = self
@@ -518,18 +555,18 @@ impl Gpu {
         let n64 = n as u64;
         let mut null = None;
         let mut b = self.stream.launch_builder(&f);
-        b.arg(&mut master.buf);
+        b.arg(&mut *master.buf);
         match params {
-            Some(p) => b.arg(&mut p.buf),
+            Some(p) => b.arg(&mut *p.buf),
             None => {
                 // A null device pointer: the kernel skips the 16-bit write.
                 null = Some(0u64);
                 b.arg(null.as_ref().unwrap())
             }
         };
-        b.arg(&grads.buf)
-            .arg(&mut m.buf)
-            .arg(&mut v.buf)
+        b.arg(&*grads.buf)
+            .arg(&mut *m.buf)
+            .arg(&mut *v.buf)
             .arg(&n64)
             .arg(&h.lr)
             .arg(&h.beta1)

@@ -37,6 +37,23 @@ fn sys_err(op: &str) -> impl Fn(result::DriverError) -> DeviceError + '_ {
     driver(op)
 }
 
+/// Most inputs or outputs of one [`Gpu::gather_at`].
+pub const GATHER_MAX: usize = 8;
+
+/// How another process opens the allocation holding a buffer ([`Gpu::share_of`]; the peer opens
+/// `handle` with [`IpcMapping::open`] and adds `offset`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SharedMemory {
+    /// The allocation's IPC handle.
+    pub handle: [u8; IPC_HANDLE_BYTES],
+    /// The buffer's offset in the allocation.
+    pub offset: u64,
+    /// The allocation's length.
+    pub bytes: usize,
+    /// The allocation's process-wide unique id.
+    pub id: u64,
+}
+
 /// Device memory allocated with `cuMemAlloc`, exportable to other processes.
 pub struct ExportedSlots {
     gpu: Arc<Gpu>,
@@ -444,6 +461,109 @@ impl Gpu {
         // SAFETY: the caller guarantees every range; the grid-stride loop stays below `n`.
         unsafe { l.launch(Self::cfg(n)) }.map_err(driver(what))?;
         Ok(())
+    }
+
+    /// Queue `outs[j][..n] = ins[0][..n] op ins[1][..n] op … op ins[k-1][..n]` for every `j`, in
+    /// one pass: the inputs combined in order (rounded to `dtype` after each operation, as
+    /// [`Gpu::combine_at`] rounds), divided by `ranks` when it is given (`Avg` combines as `Sum`),
+    /// and the one result written to every output. With one input it copies to every output.
+    ///
+    /// # Safety
+    /// Every range must be live device-addressable memory of `n` elements of `dtype` until the
+    /// work completes (see [`Gpu::mark`]). An output may equal an input; otherwise no two ranges
+    /// that are written overlap any other range.
+    pub unsafe fn gather_at(
+        &self,
+        dtype: DType,
+        op: ReduceOp,
+        outs: &[DevPtr],
+        ins: &[DevPtr],
+        n: usize,
+        ranks: Option<usize>,
+    ) -> Result<(), DeviceError> {
+        self.check()?;
+        let fits = |v: &[DevPtr]| (1..=GATHER_MAX).contains(&v.len());
+        if !fits(outs) || !fits(ins) {
+            return Err(DeviceError::Invalid(format!(
+                "gather: {} inputs and {} outputs; each must be 1 to {GATHER_MAX}",
+                ins.len(),
+                outs.len()
+            )));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let ranks = match ranks {
+            None => 0i32,
+            Some(r) => i32::try_from(r)
+                .map_err(|_| DeviceError::Invalid(format!("gather: cannot divide by {r} ranks")))?,
+        };
+        let f = self.func(&format!("gather_{}_{}", pairwise_name(op), cu_type(dtype)))?;
+        let pack = |v: &[DevPtr]| {
+            let mut a = [0u64; GATHER_MAX];
+            a[..v.len()].copy_from_slice(v);
+            a
+        };
+        let (ip, op_) = (pack(ins), pack(outs));
+        let (nin, nout, n64) = (ins.len() as u32, outs.len() as u32, n as u64);
+        let mut l = self.stream.launch_builder(&f);
+        l.arg(&ip)
+            .arg(&nin)
+            .arg(&op_)
+            .arg(&nout)
+            .arg(&n64)
+            .arg(&ranks);
+        // SAFETY: the caller guarantees every range; `[u64; 8]` has the layout of the kernel's
+        // `Ptrs8` (eight 8-byte words, 8-byte aligned), and the kernel reads only the first
+        // `nin`/`nout` of them and stays below `n` elements.
+        unsafe { l.launch(Self::cfg(n)) }.map_err(driver("launching gather"))?;
+        Ok(())
+    }
+
+    /// How another process reaches the memory at `ptr`: the IPC handle of the allocation holding
+    /// it, `ptr`'s offset in that allocation, the allocation's length, and its process-wide
+    /// unique buffer id (a freed and reallocated buffer at the same address gets a new id, so a
+    /// peer that caches its mapping by id never writes into memory that was freed). Fails for
+    /// memory IPC cannot export (from a stream-ordered pool, host memory, managed memory).
+    pub fn share_of(&self, ptr: DevPtr) -> Result<SharedMemory, DeviceError> {
+        self.check()?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(sys_err("binding the context"))?;
+        let (mut base, mut bytes): (DevPtr, usize) = (0, 0);
+        // SAFETY: valid out-pointers; the driver checks that `ptr` is a device address.
+        unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut bytes, ptr) }
+            .result()
+            .map_err(sys_err(
+                "finding the allocation of a buffer (cuMemGetAddressRange)",
+            ))?;
+        let mut id: u64 = 0;
+        // SAFETY: BUFFER_ID is a u64 attribute and `id` a valid out-pointer to one.
+        unsafe {
+            sys::cuPointerGetAttribute(
+                (&mut id as *mut u64).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_BUFFER_ID,
+                ptr,
+            )
+        }
+        .result()
+        .map_err(sys_err("reading a buffer's id (cuPointerGetAttribute)"))?;
+        let mut h = sys::CUipcMemHandle {
+            reserved: [0; IPC_HANDLE_BYTES],
+        };
+        // SAFETY: `base` is the base of a live allocation of this context (the driver just said
+        // so) and `h` is a valid out-pointer; the driver refuses memory it cannot export.
+        unsafe { sys::cuIpcGetMemHandle(&mut h, base) }
+            .result()
+            .map_err(sys_err(
+            "exporting a buffer (cuIpcGetMemHandle: only plain cuMemAlloc memory can be shared)",
+        ))?;
+        Ok(SharedMemory {
+            handle: h.reserved.map(|c| c as u8),
+            offset: ptr - base,
+            bytes,
+            id,
+        })
     }
 
     /// Queue copies of `bytes` from `src` to both `dst` and `also` in one pass (one read).

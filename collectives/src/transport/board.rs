@@ -1,0 +1,574 @@
+//! The node board: one shared-memory file every rank of a device communicator maps, with one
+//! record per rank, through which ranks that write straight into each other's buffers (the direct
+//! collectives, `device::direct`) agree on each call and wait for one another.
+//!
+//! Layout of the file (offsets in bytes):
+//! ```text
+//! 0      magic, version, ranks, abort flag (who + 1), reason length, reason (up to 960 bytes)
+//! 1024   record of rank 0, 1024 bytes:
+//!          0    phase: seq × 4 + step, the last step this rank finished (release store)
+//!          8    pid
+//!          12   closed: 1 once the rank dropped its end
+//!          64   the rank's [`Entry`] for the call (written before step 1 is published)
+//!          512  its [`Verdict`] after step 2 (written before step 2 is published)
+//! 2048   record of rank 1, ...
+//! ```
+//! A call's steps on every rank: publish the entry and step 1, wait until every rank has; read the
+//! others' entries; publish a verdict and step 2, wait; do the work; publish step 3, wait. A rank
+//! rewrites its entry only after every rank has published step 3 of the call before — that is,
+//! after every rank has read it — and its verdict only after every rank has published step 2 of
+//! the call before, so no read is ever torn.
+//!
+//! A waiting rank notices, at least every `HEALTH_EVERY`: the abort flag (any rank that fails
+//! raises it with its reason), a rank whose process died (its pid, as the shm transport checks
+//! it) and a rank that dropped its end while its process lives on (the closed flag).
+
+use std::fs::OpenOptions;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use bytemuck::{Pod, Zeroable};
+use memmap2::MmapMut;
+
+use super::shm::pid_alive;
+use crate::error::{Error, Result};
+use crate::wire::Fingerprint;
+
+const MAGIC: u64 = u64::from_le_bytes(*b"RZBOARD1");
+const VERSION: u32 = 1;
+const OFF_MAGIC: usize = 0;
+const OFF_VERSION: usize = 8;
+const OFF_RANKS: usize = 12;
+const OFF_ABORT: usize = 16;
+const OFF_REASON_LEN: usize = 20;
+const OFF_REASON: usize = 64;
+const REASON_MAX: usize = 960;
+const HEAD: usize = 1024;
+const RECORD: usize = 1024;
+const R_PHASE: usize = 0;
+const R_PID: usize = 8;
+const R_CLOSED: usize = 12;
+const R_ENTRY: usize = 64;
+const R_VERDICT: usize = 512;
+
+/// How other ranks open a buffer of this rank (see `Stream::share`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct ShareRecord {
+    /// The allocation's handle.
+    pub handle: [u8; 64],
+    /// The buffer's offset in it.
+    pub offset: u64,
+    /// The allocation's bytes.
+    pub bytes: u64,
+    /// The allocation's unique id (a reallocated buffer at the same address has another).
+    pub id: u64,
+}
+
+/// Bytes of an [`Entry`]'s or a [`Verdict`]'s note.
+pub const NOTE_BYTES: usize = 192;
+
+/// What a rank posts when it enters a call (step 1).
+#[derive(Clone, Copy, Pod, Zeroable)]
+#[repr(C)]
+pub struct Entry {
+    /// The call.
+    pub fp: Fingerprint,
+    /// 1 when this rank can take the direct step for this call (its buffers are shared below).
+    pub direct: u32,
+    /// 1 when `src` is set.
+    pub has_src: u32,
+    /// 1 when `dst` is set.
+    pub has_dst: u32,
+    /// Zero.
+    pub _pad: u32,
+    /// The buffer the others read.
+    pub src: ShareRecord,
+    /// The buffer the others write.
+    pub dst: ShareRecord,
+    /// Why not direct (NUL-padded text).
+    pub note: [u8; NOTE_BYTES],
+}
+const _: () = assert!(std::mem::size_of::<Entry>() <= R_VERDICT - R_ENTRY);
+
+/// What a rank posts after opening the others' buffers (step 2).
+#[derive(Clone, Copy, Pod, Zeroable)]
+#[repr(C)]
+pub struct Verdict {
+    /// 1 when it opened every buffer it needs.
+    pub ok: u32,
+    /// Zero.
+    pub _pad: u32,
+    /// Why not (NUL-padded text).
+    pub note: [u8; NOTE_BYTES],
+}
+const _: () = assert!(R_VERDICT + std::mem::size_of::<Verdict>() <= RECORD);
+
+/// Why a wait on the board ended without every rank getting there.
+#[derive(Debug)]
+pub enum Stall {
+    /// No progress within the deadline; the first rank still missing.
+    Timeout {
+        /// The rank.
+        rank: usize,
+    },
+    /// A rank's process exited or it dropped its end.
+    Lost {
+        /// The rank.
+        rank: usize,
+        /// What was seen.
+        detail: String,
+    },
+    /// A rank raised the abort flag.
+    Aborted {
+        /// Its reason.
+        reason: String,
+    },
+    /// The caller's own check failed (an abort on this rank).
+    Check(Error),
+}
+
+/// One rank's view of the board.
+pub struct Board {
+    map: MmapMut,
+    path: PathBuf,
+    ranks: usize,
+    rank: usize,
+    /// Whether this end still has to unlink the file.
+    unlink: bool,
+}
+
+impl Board {
+    /// Create the board for `ranks` ranks in `dir` (rank 0 does, then shares the path).
+    pub fn create(dir: &Path, name: &str, ranks: usize, rank: usize) -> Result<Board> {
+        let path = dir.join(name);
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&path)
+            .map_err(|e| Error::io(format!("creating the node board {}", path.display()), e))?;
+        let total = HEAD + ranks * RECORD;
+        if let Err(e) = file.set_len(total as u64) {
+            let _ = std::fs::remove_file(&path);
+            return Err(Error::io("sizing the node board", e));
+        }
+        // SAFETY: the file was just created by us with O_EXCL and sized; it is shared only with
+        // the other ranks through the protocol in the module docs (atomics, and plain bytes read
+        // only after an acquire load that orders them).
+        let map = match unsafe { MmapMut::map_mut(&file) } {
+            Ok(m) => m,
+            Err(e) => {
+                let _ = std::fs::remove_file(&path);
+                return Err(Error::io("mapping the node board", e));
+            }
+        };
+        let b = Board {
+            map,
+            path,
+            ranks,
+            rank,
+            unlink: true,
+        };
+        b.u64(OFF_MAGIC).store(MAGIC, Ordering::Relaxed);
+        b.u32(OFF_VERSION).store(VERSION, Ordering::Relaxed);
+        b.u32(OFF_RANKS).store(ranks as u32, Ordering::Release);
+        b.join();
+        Ok(b)
+    }
+
+    /// Map the board rank 0 created at `path`.
+    pub fn attach(path: &Path, ranks: usize, rank: usize) -> Result<Board> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|e| Error::io(format!("opening the node board {}", path.display()), e))?;
+        let len = file
+            .metadata()
+            .map_err(|e| Error::io("reading the node board's size", e))?
+            .len() as usize;
+        if len != HEAD + ranks * RECORD {
+            return Err(Error::Protocol {
+                peer: "rank 0".into(),
+                detail: format!(
+                    "the node board {} has {len} bytes, {} were expected for {ranks} ranks",
+                    path.display(),
+                    HEAD + ranks * RECORD
+                ),
+            });
+        }
+        // SAFETY: as in `create`; the length was just checked against the layout.
+        let map = unsafe { MmapMut::map_mut(&file) }
+            .map_err(|e| Error::io("mapping the node board", e))?;
+        let b = Board {
+            map,
+            path: path.to_path_buf(),
+            ranks,
+            rank,
+            unlink: false,
+        };
+        let (magic, version, n) = (
+            b.u64(OFF_MAGIC).load(Ordering::Acquire),
+            b.u32(OFF_VERSION).load(Ordering::Relaxed),
+            b.u32(OFF_RANKS).load(Ordering::Relaxed),
+        );
+        if magic != MAGIC || version != VERSION || n as usize != ranks {
+            return Err(Error::Protocol {
+                peer: "rank 0".into(),
+                detail: format!(
+                    "{} is not a node board of version {VERSION} for {ranks} ranks",
+                    path.display()
+                ),
+            });
+        }
+        b.join();
+        Ok(b)
+    }
+
+    /// The file's path (what rank 0 shares).
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Remove the file once every rank has mapped it (rank 0; dropping does it otherwise).
+    pub fn unlink(&mut self) {
+        if std::mem::take(&mut self.unlink) {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+
+    fn join(&self) {
+        let r = self.rank * RECORD + HEAD;
+        self.u32(r + R_PID)
+            .store(std::process::id(), Ordering::Release);
+    }
+
+    fn u64(&self, off: usize) -> &AtomicU64 {
+        assert!(off % 8 == 0 && off + 8 <= self.map.len());
+        // SAFETY: in bounds and 8-byte aligned (the mapping is page-aligned); shared memory is
+        // accessed only through atomics at these offsets.
+        unsafe { &*(self.map.as_ptr().add(off) as *const AtomicU64) }
+    }
+
+    fn u32(&self, off: usize) -> &AtomicU32 {
+        assert!(off % 4 == 0 && off + 4 <= self.map.len());
+        // SAFETY: as for `u64`.
+        unsafe { &*(self.map.as_ptr().add(off) as *const AtomicU32) }
+    }
+
+    fn record(&self, rank: usize) -> usize {
+        HEAD + rank * RECORD
+    }
+
+    /// Write `value` at `off` (this rank's own record; no other rank reads it until the phase
+    /// store that follows).
+    fn put<T: Pod>(&self, off: usize, value: &T) {
+        let bytes = bytemuck::bytes_of(value);
+        assert!(off + bytes.len() <= self.map.len());
+        // SAFETY: in bounds; only this rank writes its record, and the other ranks read these
+        // bytes only after the release store of the phase that follows (see the module docs), so
+        // no access races with this copy. The pointer comes from the mapping's base, which is
+        // writable shared memory.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                bytes.as_ptr(),
+                self.map.as_ptr().add(off) as *mut u8,
+                bytes.len(),
+            )
+        };
+    }
+
+    fn get<T: Pod>(&self, off: usize) -> T {
+        let n = std::mem::size_of::<T>();
+        assert!(off + n <= self.map.len());
+        let mut v = T::zeroed();
+        // SAFETY: in bounds; the caller has seen, with an acquire load, the phase published after
+        // these bytes were written, and the writer does not rewrite them until this rank has
+        // published a later phase.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.map.as_ptr().add(off),
+                bytemuck::bytes_of_mut(&mut v).as_mut_ptr(),
+                n,
+            )
+        };
+        v
+    }
+
+    fn phase(seq: u64, step: u64) -> u64 {
+        seq * 4 + step
+    }
+
+    /// Post this rank's entry for call `seq` and finish step 1.
+    pub fn enter(&self, seq: u64, entry: &Entry) {
+        let r = self.record(self.rank);
+        self.put(r + R_ENTRY, entry);
+        self.u64(r + R_PHASE)
+            .store(Self::phase(seq, 1), Ordering::Release);
+    }
+
+    /// Post this rank's verdict for call `seq` and finish step 2.
+    pub fn decide(&self, seq: u64, verdict: &Verdict) {
+        let r = self.record(self.rank);
+        self.put(r + R_VERDICT, verdict);
+        self.u64(r + R_PHASE)
+            .store(Self::phase(seq, 2), Ordering::Release);
+    }
+
+    /// Finish step 3 of call `seq`.
+    pub fn done(&self, seq: u64) {
+        let r = self.record(self.rank);
+        self.u64(r + R_PHASE)
+            .store(Self::phase(seq, 3), Ordering::Release);
+    }
+
+    /// `rank`'s entry (after a wait for step 1 of this call has returned).
+    pub fn entry(&self, rank: usize) -> Entry {
+        self.get(self.record(rank) + R_ENTRY)
+    }
+
+    /// `rank`'s verdict (after a wait for step 2 of this call has returned).
+    pub fn verdict(&self, rank: usize) -> Verdict {
+        self.get(self.record(rank) + R_VERDICT)
+    }
+
+    /// Wait until every rank has finished `step` of call `seq`: no progress for `timeout` is a
+    /// [`Stall::Timeout`]; `check` runs at every health check (this rank's own abort).
+    pub fn wait(
+        &self,
+        seq: u64,
+        step: u64,
+        timeout: Duration,
+        mut check: impl FnMut() -> Result<()>,
+    ) -> std::result::Result<(), Stall> {
+        let want = Self::phase(seq, step);
+        let mut waiter = super::wait::Waiter::backoff();
+        let (mut last, mut health) = (Instant::now(), Instant::now());
+        let mut missing = 0;
+        loop {
+            let before = missing;
+            while missing < self.ranks
+                && self
+                    .u64(self.record(missing) + R_PHASE)
+                    .load(Ordering::Acquire)
+                    >= want
+            {
+                missing += 1;
+            }
+            if missing == self.ranks {
+                return Ok(());
+            }
+            if missing != before {
+                last = Instant::now();
+                waiter.progressed();
+            }
+            if health.elapsed() >= crate::ring::engine::HEALTH_EVERY {
+                health = Instant::now();
+                check().map_err(Stall::Check)?;
+                self.health()?;
+            }
+            if last.elapsed() >= timeout {
+                return Err(Stall::Timeout { rank: missing });
+            }
+            waiter.idle(timeout);
+        }
+    }
+
+    /// The abort flag, then every other rank's process and closed flag.
+    fn health(&self) -> std::result::Result<(), Stall> {
+        if let Some(reason) = self.aborted() {
+            return Err(Stall::Aborted { reason });
+        }
+        for q in (0..self.ranks).filter(|&q| q != self.rank) {
+            let r = self.record(q);
+            let pid = self.u32(r + R_PID).load(Ordering::Acquire);
+            if !pid_alive(pid) {
+                return Err(Stall::Lost {
+                    rank: q,
+                    detail: format!("rank {q}'s process (pid {pid}) has exited"),
+                });
+            }
+            if self.u32(r + R_CLOSED).load(Ordering::Acquire) != 0 {
+                return Err(Stall::Lost {
+                    rank: q,
+                    detail: format!("rank {q} closed its device communicator"),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Raise the abort flag with `reason` (the first reason stays).
+    pub fn abort(&self, reason: &str) {
+        let who = self.rank as u32 + 1;
+        if self
+            .u32(OFF_ABORT)
+            .compare_exchange(0, u32::MAX, Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+        {
+            return;
+        }
+        let b = reason.as_bytes();
+        let n = b.len().min(REASON_MAX);
+        let mut text = [0u8; REASON_MAX];
+        text[..n].copy_from_slice(&b[..n]);
+        self.put(OFF_REASON, &text);
+        self.u32(OFF_REASON_LEN).store(n as u32, Ordering::Relaxed);
+        // Published last: readers see the reason once they see who.
+        self.u32(OFF_ABORT).store(who, Ordering::Release);
+    }
+
+    /// Who raised the abort flag and why, once one has (and finished writing the reason).
+    pub fn aborted(&self) -> Option<String> {
+        let who = self.u32(OFF_ABORT).load(Ordering::Acquire);
+        if who == 0 || who == u32::MAX {
+            return None;
+        }
+        let n = (self.u32(OFF_REASON_LEN).load(Ordering::Relaxed) as usize).min(REASON_MAX);
+        let text: [u8; REASON_MAX] = self.get(OFF_REASON);
+        Some(format!(
+            "rank {} aborted: {}",
+            who - 1,
+            String::from_utf8_lossy(&text[..n])
+        ))
+    }
+}
+
+impl Drop for Board {
+    fn drop(&mut self) {
+        let r = self.record(self.rank);
+        self.u32(r + R_CLOSED).store(1, Ordering::Release);
+        self.unlink();
+    }
+}
+
+/// `s` as NUL-padded note text.
+pub fn note(s: &str) -> [u8; NOTE_BYTES] {
+    let mut b = [0u8; NOTE_BYTES];
+    let n = s.len().min(NOTE_BYTES);
+    b[..n].copy_from_slice(&s.as_bytes()[..n]);
+    b
+}
+
+/// A note's text.
+pub fn note_text(b: &[u8; NOTE_BYTES]) -> String {
+    let end = b.iter().position(|&c| c == 0).unwrap_or(b.len());
+    String::from_utf8_lossy(&b[..end]).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ring::Collective;
+
+    fn entry(count: usize) -> Entry {
+        let mut e = Entry::zeroed();
+        e.fp = Fingerprint::new(Collective::AllReduce, None, None, count);
+        e.direct = 1;
+        e.src.offset = count as u64;
+        e
+    }
+
+    fn boards(n: usize) -> Vec<Board> {
+        let dir = std::env::temp_dir();
+        let name = format!(
+            "ringzero-board-test-{}-{}",
+            std::process::id(),
+            rand::random::<u32>()
+        );
+        let first = Board::create(&dir, &name, n, 0).unwrap();
+        let path = first.path().to_path_buf();
+        let mut v = vec![first];
+        for r in 1..n {
+            v.push(Board::attach(&path, n, r).unwrap());
+        }
+        v[0].unlink();
+        assert!(!path.exists(), "unlinked once every rank mapped it");
+        v
+    }
+
+    #[test]
+    fn every_rank_sees_the_others_entries_after_each_step() {
+        let b = boards(3);
+        let short = Duration::from_millis(200);
+        for seq in 0..3u64 {
+            for (r, x) in b.iter().enumerate() {
+                // Not all there yet: rank 2 has not entered.
+                if r == 2 {
+                    assert!(matches!(
+                        b[0].wait(seq, 1, short, || Ok(())),
+                        Err(Stall::Timeout { rank: 2 })
+                    ));
+                }
+                x.enter(seq, &entry(100 * seq as usize + r));
+            }
+            for x in &b {
+                x.wait(seq, 1, short, || Ok(())).unwrap();
+                for q in 0..3 {
+                    assert_eq!(x.entry(q).src.offset, 100 * seq + q as u64);
+                }
+            }
+            for (r, x) in b.iter().enumerate() {
+                let mut v = Verdict::zeroed();
+                v.ok = (r != 1) as u32;
+                v.note = note("cannot open");
+                x.decide(seq, &v);
+            }
+            for x in &b {
+                x.wait(seq, 2, short, || Ok(())).unwrap();
+                assert_eq!(x.verdict(1).ok, 0);
+                assert_eq!(note_text(&x.verdict(1).note), "cannot open");
+                x.done(seq);
+            }
+            for x in &b {
+                x.wait(seq, 3, short, || Ok(())).unwrap();
+            }
+        }
+    }
+
+    #[test]
+    fn an_abort_a_closed_rank_and_the_callers_check_end_a_wait_early() {
+        let mut b = boards(3);
+        let long = Duration::from_secs(30);
+        b[1].abort("device error");
+        b[2].abort("second reason, ignored");
+        let t = Instant::now();
+        match b[0].wait(0, 1, long, || Ok(())) {
+            Err(Stall::Aborted { reason }) => assert_eq!(reason, "rank 1 aborted: device error"),
+            other => panic!("{other:?}"),
+        }
+        assert!(t.elapsed() < Duration::from_secs(5));
+        let c = boards(2);
+        let mut c = c.into_iter();
+        let (c0, c1) = (c.next().unwrap(), c.next().unwrap());
+        drop(c1);
+        match c0.wait(0, 1, long, || Ok(())) {
+            Err(Stall::Lost { rank: 1, detail }) => assert!(detail.contains("closed"), "{detail}"),
+            other => panic!("{other:?}"),
+        }
+        let e = b.remove(0).wait(0, 1, long, || {
+            Err(Error::Protocol {
+                peer: "me".into(),
+                detail: "stop".into(),
+            })
+        });
+        assert!(matches!(e, Err(Stall::Check(_))), "{e:?}");
+    }
+
+    #[test]
+    fn a_board_of_another_size_is_refused() {
+        let dir = std::env::temp_dir();
+        let name = format!(
+            "ringzero-board-size-{}-{}",
+            std::process::id(),
+            rand::random::<u32>()
+        );
+        let b = Board::create(&dir, &name, 2, 0).unwrap();
+        let e = Board::attach(b.path(), 3, 1).err().unwrap().to_string();
+        assert!(e.contains("were expected for 3 ranks"), "{e}");
+    }
+}
