@@ -341,11 +341,13 @@ fn bad_device_calls_are_refused_and_mismatched_calls_name_both() {
 
 /// The host stream, except that once `hang` is set every copy it is given never completes: what
 /// a peer write through a broken P2P path looks like to the engine (the driver accepts the copy,
-/// its event never fires).
-struct HangingCopies {
-    inner: HostStream,
-    hang: bool,
-    hung: std::sync::atomic::AtomicBool,
+/// its event never fires). With `refuse_share` it cannot share its buffers (as a GPU cannot
+/// share memory from a stream-ordered pool).
+pub(crate) struct HangingCopies {
+    pub(crate) inner: HostStream,
+    pub(crate) hang: bool,
+    pub(crate) hung: std::sync::atomic::AtomicBool,
+    pub(crate) refuse_share: bool,
 }
 
 impl ringzero::Stream for HangingCopies {
@@ -435,6 +437,29 @@ impl ringzero::Stream for HangingCopies {
         // SAFETY: forwarded contract.
         unsafe { self.inner.read(dst, src) }
     }
+    unsafe fn gather(
+        &self,
+        dtype: DType,
+        op: ReduceOp,
+        outs: &[u64],
+        ins: &[u64],
+        n: usize,
+        ranks: Option<usize>,
+    ) -> Result<(), ringzero::device::DeviceError> {
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.gather(dtype, op, outs, ins, n, ranks) }
+    }
+    fn share(
+        &self,
+        addr: u64,
+    ) -> Result<ringzero::device::stream::Share, ringzero::device::DeviceError> {
+        if self.refuse_share {
+            return Err(ringzero::device::DeviceError::Invalid(
+                "this memory cannot be exported".into(),
+            ));
+        }
+        self.inner.share(addr)
+    }
 }
 
 /// A rank whose probe copy never completes makes every rank's set-up fail within the probe
@@ -448,6 +473,7 @@ fn a_probe_copy_that_never_completes_fails_set_up_on_every_rank_naming_the_stuck
             inner: HostStream::new(),
             hang: rank == 1,
             hung: Default::default(),
+            refuse_share: false,
         };
         match DeviceComm::new(&comm, stream) {
             Ok(_) => panic!("rank {rank}: set-up succeeded over a stuck copy"),

@@ -6,6 +6,7 @@ mod bench;
 mod checkpoint;
 mod common;
 mod device;
+mod direct;
 mod doubling;
 mod failures;
 mod flight;

@@ -962,6 +962,7 @@ impl Inner {
                     bytes_received: a.bytes_received + l.counters.bytes_received,
                     frames_sent: a.frames_sent + l.counters.frames_sent,
                     bytes_staged: a.bytes_staged + l.counters.bytes_staged,
+                    bytes_direct: a.bytes_direct + l.counters.bytes_direct,
                 })
         })
     }

@@ -9,8 +9,8 @@ pub use queued::Queued;
 use std::time::Duration;
 
 use ringzero::{
-    chunk, Algo, Collective, Communicator, Config, DType, DeviceComm, Element, HostStream,
-    ReduceOp, Result, StagingMode, TransportPref,
+    chunk, Algo, Collective, Communicator, Config, DType, DeviceAlgo, DeviceComm, Element,
+    HostStream, ReduceOp, Result, StagingMode, TransportPref,
 };
 
 /// A port that was free a moment ago.
@@ -41,6 +41,8 @@ pub struct Opts {
     pub algo: Option<Algo>,
     /// `Config::device_slice_bytes` (None: the stream's choice, else `slice_bytes`).
     pub device_slice_bytes: Option<usize>,
+    /// `Config::device_algo`.
+    pub device_algo: DeviceAlgo,
 }
 
 impl Default for Opts {
@@ -56,6 +58,7 @@ impl Default for Opts {
             tcp_sockets: 1,
             algo: None,
             device_slice_bytes: None,
+            device_algo: DeviceAlgo::Auto,
         }
     }
 }
@@ -70,6 +73,7 @@ pub fn config(rank: usize, n: usize, port: u16, o: &Opts) -> Config {
     c.staging = o.staging;
     c.dump_dir = o.dump_dir.clone();
     c.tcp_sockets = o.tcp_sockets;
+    c.device_algo = o.device_algo;
     if let Some(b) = o.stream_stores_from {
         c.stream_stores_from = b;
     }

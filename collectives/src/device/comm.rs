@@ -169,6 +169,8 @@ pub(super) struct Core<S: Stream> {
     rank: usize,
     size: usize,
     edges: Vec<Edge>,
+    /// Why all-reduces, reduce-scatters and all-gathers run directly, where they do.
+    direct_why: Option<String>,
     state: Mutex<DevState>,
     /// The last calls, dumped when the communicator fails or closes.
     flight: Recorder,
@@ -190,6 +192,7 @@ impl<S: Stream> DeviceComm<S> {
             rank,
             size,
             edges: Vec::new(),
+            direct_why: None,
             state: Mutex::new(DevState::new(None)),
         };
         if size > 1 {
@@ -205,6 +208,13 @@ impl<S: Stream> DeviceComm<S> {
     /// This rank's two device edges (receive edge first), with the transport and why.
     pub fn edges(&self) -> &[Edge] {
         &self.core.edges
+    }
+
+    /// Why this communicator's all-reduces, reduce-scatters and all-gathers run directly (every
+    /// rank reads and writes the others' buffers; `RINGZERO_DEVICE_ALGO`), or `None` where they
+    /// go round the ring like every other collective.
+    pub fn direct(&self) -> Option<&str> {
+        self.core.direct_why.as_deref()
     }
 
     /// Payload bytes this rank's device links have moved (read between calls: waits for an
@@ -425,6 +435,7 @@ impl<S: Stream> Core<S> {
                     tracing::info!(target: "ringzero::topology", rank, "device edge {e}");
                 }
                 self.edges = vec![recv_edge, send_edge];
+                links.direct = self.direct_setup(comm, &infos)?;
                 self.state
                     .get_mut()
                     .unwrap_or_else(|p| p.into_inner())
@@ -449,6 +460,109 @@ impl<S: Stream> Core<S> {
             peer: format!("rank {prev}"),
             detail: "device edges failed their start-up probe twice".into(),
         })
+    }
+
+    /// Decide whether this communicator's all-reduces, reduce-scatters and all-gathers run
+    /// directly ([`super::direct`]) and, if so, set up the node board: rank 0 creates it, every
+    /// rank maps it, rank 0 unlinks it. Every rank comes to the same answer from the same
+    /// all-gathered records.
+    fn direct_setup(
+        &mut self,
+        comm: &Communicator,
+        infos: &[DeviceInfo],
+    ) -> Result<Option<super::direct::Direct>> {
+        use crate::config::DeviceAlgo;
+        use crate::transport::board::Board;
+        let (rank, size) = (self.rank, self.size);
+        let algo = self.cfg.device_algo;
+        if algo == DeviceAlgo::Ring {
+            return Ok(None);
+        }
+        // Whom this rank can map: the same GPU, a GPU it has peer access to, or (host stream)
+        // a rank of this process.
+        let me = &infos[rank];
+        let mut reach = [0u8; 64];
+        for (q, o) in infos.iter().enumerate().take(64) {
+            let ok = match (me.has_uuid, o.has_uuid) {
+                (1, 1) => me.uuid == o.uuid || self.stream.can_access_peer(&o.uuid) == Ok(true),
+                (0, 0) => me.pid == o.pid,
+                _ => false,
+            };
+            reach[q] = ok as u8;
+        }
+        let node = {
+            use sha2::Digest;
+            let h = sha2::Sha256::digest(self.cfg.node_id.as_bytes());
+            let mut b = [0u8; 32];
+            b.copy_from_slice(&h);
+            b
+        };
+        let mut rec = [0u8; 96];
+        rec[..32].copy_from_slice(&node);
+        rec[32..].copy_from_slice(&reach);
+        let all = comm.all_gather_bytes(&rec)?;
+        let of = |r: usize| &all[r * 96..(r + 1) * 96];
+        let why_not = if size > super::stream::GATHER_MAX {
+            Some(format!(
+                "{size} ranks; the direct step takes at most {}",
+                super::stream::GATHER_MAX
+            ))
+        } else if self.cfg.p2p_disable {
+            Some("RINGZERO_P2P_DISABLE=1 forbids peer access".into())
+        } else if let Some(r) = (0..size).find(|&r| of(r)[..32] != node[..]) {
+            Some(format!("rank {r} is on another node"))
+        } else {
+            (0..size)
+                .flat_map(|r| (0..size).map(move |q| (r, q)))
+                .find(|&(r, q)| of(r)[32 + q] == 0)
+                .map(|(r, q)| {
+                    format!(
+                        "rank {r} ({}) cannot map rank {q}'s ({}) memory",
+                        untext(&infos[r].name),
+                        untext(&infos[q].name)
+                    )
+                })
+        };
+        let one_gpu = infos
+            .iter()
+            .all(|i| i.has_uuid == 1 && i.uuid == infos[0].uuid);
+        let why = match (algo, why_not) {
+            (DeviceAlgo::Direct, Some(w)) => {
+                return Err(Error::config(
+                    "RINGZERO_DEVICE_ALGO",
+                    format!("`direct` needs every rank to map every other rank's buffers: {w}"),
+                ))
+            }
+            (_, Some(_)) => return Ok(None),
+            (DeviceAlgo::Auto, None) if !one_gpu => return Ok(None),
+            (DeviceAlgo::Auto, None) => format!(
+                "direct: all {size} ranks share {}, so each reduces its chunk of every rank's \
+                 input and writes it into every output in one pass (RINGZERO_DEVICE_ALGO=ring \
+                 for the slot ring)",
+                untext(&me.name)
+            ),
+            (_, None) => format!(
+                "direct (RINGZERO_DEVICE_ALGO=direct): every rank maps every other rank's \
+                 buffers ({})",
+                untext(&me.name)
+            ),
+        };
+        let mut board = if rank == 0 {
+            let name = crate::connect::segment_name(&self.cfg, 0, 0, "board");
+            let b = Board::create(&self.cfg.shm_dir, &name, size, rank)?;
+            comm.all_gather_bytes(&path_text(b.path())?)?;
+            b
+        } else {
+            let paths = comm.all_gather_bytes(&[0u8; 128])?;
+            let path = untext(&paths[..128]);
+            Board::attach(std::path::Path::new(&path), size, rank)?
+        };
+        // Every rank has mapped it.
+        comm.all_gather_bytes(&[1u8])?;
+        board.unlink();
+        tracing::info!(target: "ringzero::topology", rank, "device collectives: {why}");
+        self.direct_why = Some(why);
+        Ok(Some(super::direct::Direct::new(board, rank, size)))
     }
 
     /// Bytes of one slot of this rank's device edges: the configured device slice, else the
@@ -593,6 +707,7 @@ impl<S: Stream> Core<S> {
                 next,
                 prev,
                 counters: Counters::default(),
+                direct: None,
             },
             (kind, sockets),
         ))
@@ -853,8 +968,22 @@ impl<S: Stream> Core<S> {
         let bytes = (count.total * dtype.size()) as u64;
         self.flight.begin(seq, &fp, in_place, bytes, counters(st));
         let r = match st.links.as_mut() {
-            // SAFETY: forwarded from the caller.
-            Some(links) => unsafe { device_engine::run(&self.stream, links, &call, bufs) },
+            Some(links) => {
+                let direct = match links.direct.as_mut() {
+                    // SAFETY: forwarded from the caller; the sizes were checked above.
+                    Some(d) => unsafe { d.run(&self.stream, &call, coll, count.total, bufs) },
+                    None => Ok(None),
+                };
+                match direct {
+                    Ok(Some(bytes)) => {
+                        links.counters.bytes_direct += bytes;
+                        Ok(())
+                    }
+                    // SAFETY: forwarded from the caller.
+                    Ok(None) => unsafe { device_engine::run(&self.stream, links, &call, bufs) },
+                    Err(e) => Err(e),
+                }
+            }
             None => {
                 // One rank: only the local copy of an out-of-place call.
                 self.local_copy(&call, bufs)

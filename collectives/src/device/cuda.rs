@@ -11,7 +11,7 @@ use ringzero_kernels::device::cuda::Gpu;
 use ringzero_kernels::device::DeviceError;
 use ringzero_kernels::{DType, ReduceOp};
 
-use super::stream::{Exported, Stream};
+use super::stream::{Exported, Share, Stream};
 use crate::transport::device::Addr;
 
 impl Stream for Arc<Gpu> {
@@ -72,6 +72,29 @@ impl Stream for Arc<Gpu> {
     ) -> Result<(), DeviceError> {
         // SAFETY: forwarded from the caller's contract.
         unsafe { self.divide_at(dtype, dst, n, ranks) }
+    }
+
+    unsafe fn gather(
+        &self,
+        dtype: DType,
+        op: ReduceOp,
+        outs: &[Addr],
+        ins: &[Addr],
+        n: usize,
+        ranks: Option<usize>,
+    ) -> Result<(), DeviceError> {
+        // SAFETY: forwarded from the caller's contract.
+        unsafe { self.gather_at(dtype, op, outs, ins, n, ranks) }
+    }
+
+    fn share(&self, addr: Addr) -> Result<Share, DeviceError> {
+        let m = self.share_of(addr)?;
+        Ok(Share {
+            handle: m.handle,
+            offset: m.offset,
+            bytes: m.bytes as u64,
+            id: m.id,
+        })
     }
 
     unsafe fn copy(&self, dst: Addr, src: Addr, bytes: usize) -> Result<(), DeviceError> {

@@ -16,6 +16,7 @@
 pub mod comm;
 #[cfg(feature = "cuda")]
 mod cuda;
+pub mod direct;
 pub mod stream;
 
 pub use comm::DeviceComm;

@@ -21,6 +21,16 @@ use crate::transport::device::Addr;
 /// Exported device memory: its address, its 64-byte IPC handle, and its owner.
 pub type Exported = (Addr, [u8; 64], Box<dyn Any + Send>);
 
+/// How another rank opens a buffer ([`Stream::share`]): it opens `handle` with
+/// [`Stream::open_exported`] for `bytes` and adds `offset`.
+pub type Share = crate::transport::board::ShareRecord;
+
+/// Most ranks of one direct step ([`Stream::gather`]'s inputs or outputs).
+pub const GATHER_MAX: usize = 8;
+
+/// The host stream's handles start with this, then the pid: its memory is plain addresses.
+const HOST_HANDLE: &[u8; 8] = b"RZHOSTMM";
+
 /// A device's queue of work on addresses.
 pub trait Stream: Send + Sync {
     /// Completes when the work queued before it has.
@@ -105,6 +115,31 @@ pub trait Stream: Send + Sync {
         n: usize,
         ranks: usize,
     ) -> Result<(), DeviceError>;
+
+    /// Queue `outs[j][..n] = ins[0][..n] op ins[1][..n] op … op ins[k-1][..n]` for every `j`:
+    /// the inputs combined in order, rounded to `dtype` after each operation as
+    /// [`Stream::combine`] rounds (`Avg` combines as `Sum`), divided by `ranks` when it is given,
+    /// and the one result written to every output; with one input, a copy to every output. At
+    /// most [`GATHER_MAX`] of each.
+    ///
+    /// # Safety
+    /// Every range must be device-addressable memory of `n` elements of `dtype`, live until the
+    /// work completes. An output may equal an input; otherwise no range that is written overlaps
+    /// another range.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn gather(
+        &self,
+        dtype: DType,
+        op: ReduceOp,
+        outs: &[Addr],
+        ins: &[Addr],
+        n: usize,
+        ranks: Option<usize>,
+    ) -> Result<(), DeviceError>;
+
+    /// How another rank reaches the buffer at `addr`, or why it cannot (memory the device cannot
+    /// export).
+    fn share(&self, addr: Addr) -> Result<Share, DeviceError>;
 
     /// Queue a copy of `bytes` from `src` to `dst`.
     ///
@@ -312,6 +347,62 @@ impl Stream for HostStream {
         }))
     }
 
+    unsafe fn gather(
+        &self,
+        dtype: DType,
+        op: ReduceOp,
+        outs: &[Addr],
+        ins: &[Addr],
+        n: usize,
+        ranks: Option<usize>,
+    ) -> Result<(), DeviceError> {
+        let fits = |v: &[Addr]| (1..=GATHER_MAX).contains(&v.len());
+        if !fits(outs) || !fits(ins) {
+            return Err(DeviceError::Invalid(format!(
+                "gather: {} inputs and {} outputs; each must be 1 to {GATHER_MAX}",
+                ins.len(),
+                outs.len()
+            )));
+        }
+        let len = n * dtype.size();
+        if len == 0 {
+            return Ok(());
+        }
+        let (outs, ins) = (outs.to_vec(), ins.to_vec());
+        self.push(Box::new(move || {
+            // The result goes to scratch first: an output may be one of the inputs.
+            // SAFETY: the caller of `gather` keeps every range live until this job completes.
+            let mut acc = unsafe { bytes(ins[0], len) }.to_vec();
+            for &b in &ins[1..] {
+                // SAFETY: as above.
+                cpu::reduce_into(dtype, op.pairwise(), &mut acc, unsafe { bytes(b, len) })
+                    .map_err(|e| e.to_string())?;
+            }
+            if let Some(r) = ranks {
+                cpu::divide(dtype, &mut acc, r).map_err(|e| e.to_string())?;
+            }
+            for &o in &outs {
+                // SAFETY: as above; `acc` is this job's own memory.
+                unsafe { bytes_mut(o, len) }.copy_from_slice(&acc);
+            }
+            Ok(())
+        }))
+    }
+
+    /// Host memory is shared as its address, with this process's pid: only ranks of this
+    /// process (threads) can open it.
+    fn share(&self, addr: Addr) -> Result<Share, DeviceError> {
+        let mut handle = [0u8; 64];
+        handle[..8].copy_from_slice(HOST_HANDLE);
+        handle[8..12].copy_from_slice(&std::process::id().to_le_bytes());
+        Ok(Share {
+            handle,
+            offset: addr,
+            bytes: 0,
+            id: 0,
+        })
+    }
+
     fn mark(&self) -> Result<u64, DeviceError> {
         Ok(self.queued.load(Ordering::Relaxed))
     }
@@ -366,14 +457,26 @@ impl Stream for HostStream {
         ))
     }
 
+    /// Opens what [`Stream::share`] gave in this process (base 0: the offset is the address).
     fn open_exported(
         &self,
-        _handle: &[u8; 64],
+        handle: &[u8; 64],
         _bytes: usize,
     ) -> Result<(Addr, Box<dyn Any + Send>), DeviceError> {
-        Err(DeviceError::Invalid(
-            "host buffers cannot open CUDA IPC memory".into(),
-        ))
+        if &handle[..8] != HOST_HANDLE {
+            return Err(DeviceError::Invalid(
+                "host buffers cannot open CUDA IPC memory".into(),
+            ));
+        }
+        let pid = u32::from_le_bytes(handle[8..12].try_into().expect("4 bytes"));
+        if pid != std::process::id() {
+            return Err(DeviceError::Invalid(format!(
+                "host-stream memory of process {pid} cannot be opened in process {}: only ranks \
+                 of one process share host buffers",
+                std::process::id()
+            )));
+        }
+        Ok((0, Box::new(())))
     }
 
     unsafe fn read(&self, dst: &mut [u8], src: Addr) -> Result<(), DeviceError> {

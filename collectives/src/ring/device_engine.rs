@@ -41,6 +41,8 @@ pub struct DevLinks {
     pub prev: usize,
     /// Byte counters (payload bytes, per link).
     pub counters: Counters,
+    /// The direct collectives' board and mappings, where every rank maps every other's buffers.
+    pub(crate) direct: Option<crate::device::direct::Direct>,
 }
 
 impl super::engine::TellAbort for DevLinks {
@@ -54,6 +56,9 @@ impl DevLinks {
     pub fn abort(&mut self, reason: &str) {
         self.tx.abort(reason);
         self.rx.abort(reason);
+        if let Some(d) = &self.direct {
+            d.abort(reason);
+        }
     }
 }
 

@@ -171,6 +171,9 @@ pub struct Counters {
     /// Bytes copied between device scratch and host staging slots (explicit-copy staging,
     /// `RINGZERO_STAGING=copy`; both directions).
     pub bytes_staged: u64,
+    /// Bytes this rank's direct steps wrote into other ranks' buffers (device communicators
+    /// whose ranks all map each other's buffers, `RINGZERO_DEVICE_ALGO`).
+    pub bytes_direct: u64,
 }
 
 /// A rank's two ring links and how it waits on them.

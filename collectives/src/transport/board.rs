@@ -5,19 +5,22 @@
 //! Layout of the file (offsets in bytes):
 //! ```text
 //! 0      magic, version, ranks, abort flag (who + 1), reason length, reason (up to 960 bytes)
-//! 1024   record of rank 0, 1024 bytes:
-//!          0    phase: seq × 4 + step, the last step this rank finished (release store)
-//!          8    pid
-//!          12   closed: 1 once the rank dropped its end
-//!          64   the rank's [`Entry`] for the call (written before step 1 is published)
-//!          512  its [`Verdict`] after step 2 (written before step 2 is published)
-//! 2048   record of rank 1, ...
+//! 1024   record of rank 0, 2048 bytes:
+//!          0     phase: seq × 4 + step, the last step this rank finished (release store)
+//!          8     pid
+//!          12    closed: 1 once the rank dropped its end
+//!          64    the rank's [`Entry`] for even calls, 512: for odd calls (written before step 1
+//!                is published)
+//!          1024  its [`Verdict`] after step 2 (written before step 2 is published)
+//! 3072   record of rank 1, ...
 //! ```
 //! A call's steps on every rank: publish the entry and step 1, wait until every rank has; read the
-//! others' entries; publish a verdict and step 2, wait; do the work; publish step 3, wait. A rank
-//! rewrites its entry only after every rank has published step 3 of the call before — that is,
-//! after every rank has read it — and its verdict only after every rank has published step 2 of
-//! the call before, so no read is ever torn.
+//! others' entries; then either stop there (the call goes round the ring) or publish a verdict
+//! and step 2, wait; do the work; publish step 3, wait. Entries alternate between two places by
+//! the call's parity: a rank writes the entry of call `s + 2` only after every rank has published
+//! step 1 of call `s + 1`, which each does only after reading the entries of call `s`. A verdict
+//! is rewritten only in a later call's step 2, after every rank has entered that call, which each
+//! does only after reading the verdicts before. So no read is ever torn or overtaken.
 //!
 //! A waiting rank notices, at least every `HEALTH_EVERY`: the abort flag (any rank that fails
 //! raises it with its reason), a rank whose process died (its pid, as the shm transport checks
@@ -46,12 +49,12 @@ const OFF_REASON_LEN: usize = 20;
 const OFF_REASON: usize = 64;
 const REASON_MAX: usize = 960;
 const HEAD: usize = 1024;
-const RECORD: usize = 1024;
+const RECORD: usize = 2048;
 const R_PHASE: usize = 0;
 const R_PID: usize = 8;
 const R_CLOSED: usize = 12;
-const R_ENTRY: usize = 64;
-const R_VERDICT: usize = 512;
+const R_ENTRY: [usize; 2] = [64, 512];
+const R_VERDICT: usize = 1024;
 
 /// How other ranks open a buffer of this rank (see `Stream::share`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
@@ -91,7 +94,8 @@ pub struct Entry {
     /// Why not direct (NUL-padded text).
     pub note: [u8; NOTE_BYTES],
 }
-const _: () = assert!(std::mem::size_of::<Entry>() <= R_VERDICT - R_ENTRY);
+const _: () = assert!(std::mem::size_of::<Entry>() <= R_ENTRY[1] - R_ENTRY[0]);
+const _: () = assert!(R_ENTRY[1] + std::mem::size_of::<Entry>() <= R_VERDICT);
 
 /// What a rank posts after opening the others' buffers (step 2).
 #[derive(Clone, Copy, Pod, Zeroable)]
@@ -306,7 +310,7 @@ impl Board {
     /// Post this rank's entry for call `seq` and finish step 1.
     pub fn enter(&self, seq: u64, entry: &Entry) {
         let r = self.record(self.rank);
-        self.put(r + R_ENTRY, entry);
+        self.put(r + R_ENTRY[(seq % 2) as usize], entry);
         self.u64(r + R_PHASE)
             .store(Self::phase(seq, 1), Ordering::Release);
     }
@@ -326,9 +330,9 @@ impl Board {
             .store(Self::phase(seq, 3), Ordering::Release);
     }
 
-    /// `rank`'s entry (after a wait for step 1 of this call has returned).
-    pub fn entry(&self, rank: usize) -> Entry {
-        self.get(self.record(rank) + R_ENTRY)
+    /// `rank`'s entry for call `seq` (after a wait for its step 1 has returned).
+    pub fn entry(&self, seq: u64, rank: usize) -> Entry {
+        self.get(self.record(rank) + R_ENTRY[(seq % 2) as usize])
     }
 
     /// `rank`'s verdict (after a wait for step 2 of this call has returned).
@@ -509,7 +513,7 @@ mod tests {
             for x in &b {
                 x.wait(seq, 1, short, || Ok(())).unwrap();
                 for q in 0..3 {
-                    assert_eq!(x.entry(q).src.offset, 100 * seq + q as u64);
+                    assert_eq!(x.entry(seq, q).src.offset, 100 * seq + q as u64);
                 }
             }
             for (r, x) in b.iter().enumerate() {
@@ -528,6 +532,22 @@ mod tests {
                 x.wait(seq, 3, short, || Ok(())).unwrap();
             }
         }
+    }
+
+    /// A rank that finds everyone entered may run ahead into the next call (a ring call has no
+    /// later step to hold it) before a slower rank has read its entry: the slower rank still
+    /// reads the entry of the call it is in.
+    #[test]
+    fn a_rank_running_ahead_does_not_overwrite_the_entry_a_slower_rank_reads() {
+        let b = boards(2);
+        let short = Duration::from_millis(200);
+        b[0].enter(0, &entry(10));
+        b[1].enter(0, &entry(11));
+        b[0].wait(0, 1, short, || Ok(())).unwrap();
+        b[0].enter(1, &entry(20));
+        b[1].wait(0, 1, short, || Ok(())).unwrap();
+        assert_eq!(b[1].entry(0, 0).src.offset, 10);
+        assert_eq!(b[1].entry(1, 0).src.offset, 20);
     }
 
     #[test]

@@ -1,0 +1,480 @@
+//! The direct collectives: ranks that can all map each other's buffers (one node, CUDA IPC, peer
+//! access between every pair; on the host stream, ranks that are threads of one process) run an
+//! all-reduce, reduce-scatter or all-gather as one kernel per rank instead of a ring of slots.
+//!
+//! Rank `r` owns chunk `r` of the result ([`chunk`], as the ring's reduce-scatter does). In an
+//! all-reduce it reads chunk `r` of every rank's input, combines them in rank order, and writes
+//! the result into chunk `r` of every rank's output, in one pass ([`Stream::gather`]): every
+//! input byte is read once and every output byte written once, which is the memory-bandwidth
+//! bound of ranks that share one GPU, where the slot ring reads and writes each slice a second
+//! time in the slots. A reduce-scatter writes only its own output; an all-gather copies its own
+//! chunk into every output.
+//!
+//! Each call takes three steps on the node board ([`Board`]), every rank alike:
+//! 1. wait for this rank's earlier device work (its input is complete, its output free), then
+//!    post the call's fingerprint and how to open its buffers ([`Stream::share`]); wait for every
+//!    rank. A rank that called something else fails the call on every rank, naming both calls. A
+//!    call that is not one of the three, or whose buffers some rank cannot share, takes the ring
+//!    on every rank (nothing has been written yet);
+//! 2. open the others' buffers (mappings are kept, keyed by the allocation's unique id, so a
+//!    training loop opens each buffer once); post whether that worked; wait. If any rank could
+//!    not, every rank takes the ring;
+//! 3. queue the kernel, wait for it, post step 3; wait until every rank has, so no rank returns
+//!    while another still writes into its output.
+//!
+//! What is pure — which chunk a rank reads from whom and writes to whom — is [`part`], apart from
+//! the board and the device.
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use bytemuck::Zeroable;
+use ringzero_kernels::ReduceOp;
+
+use super::stream::{Share, Stream, GATHER_MAX};
+use crate::error::{Error, Result};
+use crate::ring::device_engine::DevBufs;
+use crate::ring::engine::Call;
+use crate::ring::{chunk, Collective};
+use crate::transport::board::{note, note_text, Board, Entry, Stall, Verdict};
+use crate::transport::device::{Addr, Keep};
+use crate::transport::wait::Waiter;
+
+/// Mappings of one rank's buffers kept open (the oldest is closed when a new one would exceed
+/// this): enough for a training loop's buffers, few enough that memory a peer freed is not held
+/// for long (an open IPC mapping keeps the exporter's allocation alive).
+const MAPS_PER_RANK: usize = 8;
+
+/// Which of a rank's buffers the other ranks use in a direct `coll`: (they read its input,
+/// they write its output); `None` where the collective has no direct form.
+pub fn roles(coll: Collective) -> Option<(bool, bool)> {
+    match coll {
+        Collective::AllReduce => Some((true, true)),
+        Collective::ReduceScatter => Some((true, false)),
+        Collective::AllGather => Some((false, true)),
+        _ => None,
+    }
+}
+
+/// A place in some rank's buffer: its input (`src`) or its output (`dst`), at an element offset.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Place {
+    /// Whose buffer.
+    pub rank: usize,
+    /// The output (else the input).
+    pub dst: bool,
+    /// Element offset in that buffer.
+    pub at: usize,
+}
+
+/// One rank's part of a direct call: it combines `ins` (in order) and writes the result to every
+/// place of `outs`, `elems` elements each.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Part {
+    /// Read, in this order.
+    pub ins: Vec<Place>,
+    /// Written.
+    pub outs: Vec<Place>,
+    /// Elements of each.
+    pub elems: usize,
+}
+
+/// Rank `rank`'s part of a direct `coll` of `count` elements (the whole buffer's count, as the
+/// ring takes it) over `n` ranks. Pure. `None` where `coll` has no direct form.
+pub fn part(coll: Collective, n: usize, rank: usize, count: usize, in_place: bool) -> Option<Part> {
+    roles(coll)?;
+    let c = chunk(count, n, rank);
+    let all = |dst: bool| {
+        (0..n)
+            .map(|q| Place {
+                rank: q,
+                dst,
+                at: c.start,
+            })
+            .collect::<Vec<_>>()
+    };
+    // Out of place, a reduce-scatter's output and an all-gather's input hold only this rank's
+    // chunk; in place they are the chunk's range of the one buffer.
+    let own = if in_place { c.start } else { 0 };
+    let (ins, outs) = match coll {
+        Collective::AllReduce => (all(false), all(true)),
+        Collective::ReduceScatter => (
+            all(false),
+            vec![Place {
+                rank,
+                dst: true,
+                at: own,
+            }],
+        ),
+        _ => {
+            let mut outs = all(true);
+            if in_place {
+                // This rank's chunk is already where it belongs.
+                outs.retain(|p| p.rank != rank);
+            }
+            (
+                vec![Place {
+                    rank,
+                    dst: false,
+                    at: own,
+                }],
+                outs,
+            )
+        }
+    };
+    Some(Part {
+        ins,
+        outs,
+        elems: c.len(),
+    })
+}
+
+/// A mapping of another rank's allocation.
+struct Mapping {
+    id: u64,
+    handle: [u8; 64],
+    base: Addr,
+    _keep: Keep,
+}
+
+/// A device communicator's direct side: the board and the mappings of the other ranks' buffers.
+pub(crate) struct Direct {
+    board: Board,
+    rank: usize,
+    ranks: usize,
+    maps: Vec<VecDeque<Mapping>>,
+}
+
+impl Direct {
+    /// Over `board`, for `rank` of `ranks`.
+    pub(crate) fn new(board: Board, rank: usize, ranks: usize) -> Direct {
+        Direct {
+            board,
+            rank,
+            ranks,
+            maps: (0..ranks).map(|_| VecDeque::new()).collect(),
+        }
+    }
+
+    /// Tell every rank this one fails (they see it at their next wait).
+    pub(crate) fn abort(&self, reason: &str) {
+        self.board.abort(reason);
+    }
+
+    /// Run `call` (a `coll` of `count` elements) on the board. `Ok(Some(bytes))` when it ran
+    /// directly, with the bytes this rank wrote into other ranks' buffers; `Ok(None)` when every
+    /// rank takes the ring for it instead.
+    ///
+    /// # Safety
+    /// As for [`crate::ring::device_engine::run`]: the addresses in `bufs` are memory of
+    /// `stream`'s device of the lengths given (checked against the call), not used by anything
+    /// else until this returns.
+    pub(crate) unsafe fn run<S: Stream>(
+        &mut self,
+        stream: &S,
+        call: &Call,
+        coll: Collective,
+        count: usize,
+        bufs: DevBufs,
+    ) -> Result<Option<u64>> {
+        let (seq, fp) = (call.seq, call.fp);
+        let what = fp.to_string();
+        let in_place = matches!(bufs, DevBufs::One { .. });
+        let (src, dst) = match bufs {
+            DevBufs::Split { input, output, .. } => (input, output),
+            DevBufs::One { buf, .. } => (buf, buf),
+        };
+        let part = part(coll, self.ranks, self.rank, count, in_place).filter(|_| count > 0);
+        // Step 1.
+        let mut entry = Entry::zeroed();
+        entry.fp = fp;
+        if let Some((read, written)) = part.as_ref().and(roles(coll)) {
+            // Peers may read this rank's input and write its output from now on.
+            self.drain(stream, call, "the work queued before the call")?;
+            let shared = (|| -> std::result::Result<(), String> {
+                if read {
+                    entry.src = stream.share(src).map_err(|e| e.to_string())?;
+                    entry.has_src = 1;
+                }
+                if written {
+                    entry.dst = stream.share(dst).map_err(|e| e.to_string())?;
+                    entry.has_dst = 1;
+                }
+                Ok(())
+            })();
+            match shared {
+                Ok(()) => entry.direct = 1,
+                Err(why) => entry.note = note(&format!("rank {}: {why}", self.rank)),
+            }
+        }
+        self.board.enter(seq, &entry);
+        self.wait(call, 1, "enter the call")?;
+        let entries: Vec<Entry> = (0..self.ranks).map(|q| self.board.entry(seq, q)).collect();
+        if let Some(q) = (0..self.ranks).find(|&q| entries[q].fp != fp) {
+            return Err(Error::Mismatch {
+                seq,
+                rank: self.rank,
+                ours: what,
+                peer: q,
+                theirs: format!("{} (seq {seq})", entries[q].fp),
+            });
+        }
+        let Some(part) = part else {
+            return Ok(None);
+        };
+        if let Some(q) = (0..self.ranks).find(|&q| entries[q].direct == 0) {
+            tracing::debug!(target: "ringzero::device", rank = self.rank, seq,
+                "{what}: the ring, not direct: {}", note_text(&entries[q].note));
+            return Ok(None);
+        }
+        // Step 2.
+        let es = call.dtype.size();
+        let need = part.elems * es;
+        let mut verdict = Verdict::zeroed();
+        let places = match self.places(stream, &entries, &part, es, need, src, dst) {
+            Ok(p) => {
+                verdict.ok = 1;
+                Some(p)
+            }
+            Err(why) => {
+                verdict.note = note(&format!("rank {}: {why}", self.rank));
+                None
+            }
+        };
+        self.board.decide(seq, &verdict);
+        self.wait(call, 2, "open the others' buffers")?;
+        if let Some(q) = (0..self.ranks).find(|&q| self.board.verdict(q).ok == 0) {
+            tracing::debug!(target: "ringzero::device", rank = self.rank, seq,
+                "{what}: the ring, not direct: {}", note_text(&self.board.verdict(q).note));
+            return Ok(None);
+        }
+        let (ins, outs) = places.expect("this rank's verdict was ok");
+        // Step 3.
+        let divide = (call.op == ReduceOp::Avg && coll.reduces()).then_some(self.ranks);
+        // SAFETY: every address is this rank's buffer (checked sizes) or another rank's buffer
+        // opened above, `elems` elements inside it (checked against its allocation where the
+        // device reports one); the other ranks are inside this call (step 2) and do not touch
+        // these chunks until every rank has finished step 3. In place, an output equals an
+        // input, which the kernel allows.
+        unsafe { stream.gather(call.dtype, call.op, &outs, &ins, part.elems, divide) }.map_err(
+            |e| Error::Device {
+                context: format!("{what} seq {seq}: the direct step"),
+                source: e,
+            },
+        )?;
+        self.drain(stream, call, "the direct step")?;
+        self.board.done(seq);
+        self.wait(call, 3, "finish writing into this rank's buffers")?;
+        let to_peers = part.outs.iter().filter(|p| p.rank != self.rank).count();
+        Ok(Some((to_peers * need) as u64))
+    }
+
+    /// The addresses of `part`'s inputs and outputs, opening the other ranks' buffers.
+    #[allow(clippy::too_many_arguments)]
+    fn places<S: Stream>(
+        &mut self,
+        stream: &S,
+        entries: &[Entry],
+        part: &Part,
+        es: usize,
+        need: usize,
+        src: Addr,
+        dst: Addr,
+    ) -> std::result::Result<(Vec<Addr>, Vec<Addr>), String> {
+        if part.ins.len() > GATHER_MAX || part.outs.len() > GATHER_MAX {
+            return Err(format!("more than {GATHER_MAX} ranks"));
+        }
+        let mut addr = |p: &Place| -> std::result::Result<Addr, String> {
+            let off = (p.at * es) as u64;
+            if p.rank == self.rank {
+                return Ok(if p.dst { dst } else { src } + off);
+            }
+            let e = &entries[p.rank];
+            let (has, share) = if p.dst {
+                (e.has_dst, &e.dst)
+            } else {
+                (e.has_src, &e.src)
+            };
+            if has == 0 {
+                return Err(format!("rank {} shared no buffer for this", p.rank));
+            }
+            // Bounds, where the device reports the allocation's size (the host stream does not).
+            if share.bytes != 0 && share.offset + off + need as u64 > share.bytes {
+                return Err(format!(
+                    "rank {}'s buffer ends before the {need} bytes at {}",
+                    p.rank,
+                    share.offset + off
+                ));
+            }
+            Ok(self.open(stream, p.rank, share)? + share.offset + off)
+        };
+        let ins = part
+            .ins
+            .iter()
+            .map(&mut addr)
+            .collect::<std::result::Result<_, _>>()?;
+        let outs = part
+            .outs
+            .iter()
+            .map(&mut addr)
+            .collect::<std::result::Result<_, _>>()?;
+        Ok((ins, outs))
+    }
+
+    /// The base address of `rank`'s allocation `share`, opened once and kept.
+    fn open<S: Stream>(
+        &mut self,
+        stream: &S,
+        rank: usize,
+        share: &Share,
+    ) -> std::result::Result<Addr, String> {
+        let maps = &mut self.maps[rank];
+        if let Some(m) = maps
+            .iter()
+            .find(|m| m.id == share.id && m.handle == share.handle)
+        {
+            return Ok(m.base);
+        }
+        let (base, keep) = stream
+            .open_exported(&share.handle, share.bytes as usize)
+            .map_err(|e| format!("opening rank {rank}'s buffer: {e}"))?;
+        if maps.len() == MAPS_PER_RANK {
+            // No queued work uses it: every earlier call completed before it returned.
+            maps.pop_front();
+        }
+        maps.push_back(Mapping {
+            id: share.id,
+            handle: share.handle,
+            base,
+            _keep: keep,
+        });
+        Ok(base)
+    }
+
+    /// Wait for every rank to finish `step` of the call.
+    fn wait(&self, call: &Call, step: u64, doing: &str) -> Result<()> {
+        let what = call.fp.to_string();
+        self.board
+            .wait(call.seq, step, call.timeout, || call.abort.check(call))
+            .map_err(|s| match s {
+                Stall::Timeout { rank } => Error::Timeout {
+                    op: what,
+                    seq: call.seq,
+                    peer: rank,
+                    waiting: format!(
+                        "rank {rank} to {doing} (direct step {step} on the node board)"
+                    ),
+                    after: call.timeout,
+                },
+                Stall::Lost { rank, detail } => Error::PeerLost {
+                    op: what,
+                    seq: call.seq,
+                    peer: rank,
+                    detail,
+                },
+                Stall::Aborted { reason } => Error::Aborted {
+                    op: what,
+                    seq: call.seq,
+                    reason,
+                },
+                Stall::Check(e) => e,
+            })
+    }
+
+    /// Wait until everything queued on `stream` so far has completed.
+    fn drain<S: Stream>(&self, stream: &S, call: &Call, work: &str) -> Result<()> {
+        let dev = |e| Error::Device {
+            context: format!("{} seq {}: {work}", call.fp, call.seq),
+            source: e,
+        };
+        let m = stream.mark().map_err(dev)?;
+        let (start, mut waiter) = (Instant::now(), Waiter::backoff());
+        while !stream.done(&m).map_err(dev)? {
+            if start.elapsed() >= call.timeout {
+                return Err(Error::Timeout {
+                    op: call.fp.to_string(),
+                    seq: call.seq,
+                    peer: self.rank,
+                    waiting: format!("this rank's device ({}) to finish {work}", stream.name()),
+                    after: call.timeout,
+                });
+            }
+            call.abort.check(call)?;
+            waiter.idle(call.timeout);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every element of every rank's result is written exactly once, by the rank that owns its
+    /// chunk, from every rank's input (reductions) or from the owner's input (all-gather).
+    #[test]
+    fn the_parts_cover_every_output_once_and_read_what_they_must() {
+        for n in 1..=GATHER_MAX {
+            for count in [0, 1, 7, 64, 1001] {
+                for in_place in [false, true] {
+                    for coll in [
+                        Collective::AllReduce,
+                        Collective::ReduceScatter,
+                        Collective::AllGather,
+                    ] {
+                        // (rank written, element) → times written.
+                        let mut written = std::collections::HashMap::new();
+                        for r in 0..n {
+                            let p = part(coll, n, r, count, in_place).unwrap();
+                            let c = chunk(count, n, r);
+                            assert_eq!(p.elems, c.len());
+                            assert!(p.ins.len() <= GATHER_MAX && p.outs.len() <= GATHER_MAX);
+                            match coll {
+                                Collective::AllGather => {
+                                    let own = if in_place { c.start } else { 0 };
+                                    assert_eq!(
+                                        p.ins,
+                                        vec![Place {
+                                            rank: r,
+                                            dst: false,
+                                            at: own
+                                        }]
+                                    );
+                                }
+                                _ => {
+                                    let from: Vec<usize> = p.ins.iter().map(|x| x.rank).collect();
+                                    assert_eq!(from, (0..n).collect::<Vec<_>>(), "rank order");
+                                    assert!(p.ins.iter().all(|x| !x.dst && x.at == c.start));
+                                }
+                            }
+                            for o in &p.outs {
+                                assert!(o.dst);
+                                // Where the element lands in the global index space.
+                                let global = match coll {
+                                    Collective::ReduceScatter if !in_place => o.at + c.start,
+                                    _ => o.at,
+                                };
+                                for e in global..global + p.elems {
+                                    *written.entry((o.rank, e)).or_insert(0) += 1;
+                                }
+                            }
+                        }
+                        for ((q, e), k) in &written {
+                            assert_eq!(*k, 1, "{coll} n={n} rank {q} element {e} written {k}×");
+                        }
+                        let expect: usize = match coll {
+                            Collective::AllReduce => n * count,
+                            Collective::ReduceScatter => count,
+                            // In place each rank's own chunk is already there.
+                            _ if in_place => (n - 1) * count,
+                            _ => n * count,
+                        };
+                        assert_eq!(written.len(), expect, "{coll} n={n} count={count}");
+                    }
+                }
+            }
+        }
+        assert!(part(Collective::Broadcast { root: 0 }, 2, 0, 10, false).is_none());
+        assert!(roles(Collective::ReduceScatterV).is_none());
+    }
+}
