@@ -63,6 +63,8 @@ fi
 if [ -e "$CUDA_MPS_PIPE_DIRECTORY/control" ]; then
     for n in 2 4; do
         bench "mps-cuda_ipc-n$n" timeout -k 5 120 $B bench $A -n "$n"
+        # The slot ring beside the direct step auto takes on one GPU, in the same session.
+        bench "mps-ring-cuda_ipc-n$n" RINGZERO_DEVICE_ALGO=ring timeout -k 5 120 $B bench $A -n "$n"
     done
     bench "mps-staging-mapped-n2" RINGZERO_P2P_DISABLE=1 timeout -k 5 120 $B bench $A -n 2
 else

@@ -31,7 +31,7 @@ fn device_comm(comm: &Communicator) -> DeviceComm<HostStream> {
 #[test]
 fn every_collective_dtype_and_op_with_direct_steps_matches_the_reference() {
     for n in [2, 3, 4] {
-        threads(n, &direct(), |rank, comm| {
+        threads(n, &direct(), |_, comm| {
             let comm = comm.unwrap();
             let mut dc = device_comm(&comm);
             let why = dc.direct().expect("direct was asked for").to_string();

@@ -120,7 +120,12 @@ pub fn checks(gpu: &Gpu) -> Vec<Row> {
     }
     for d in dtypes {
         rows.push(row(format!("combine2/copy2 {d}"), two_destinations(gpu, d)));
+        rows.push(row(format!("gather {d}"), gather_check(gpu, d)));
     }
+    rows.push(row(
+        "share (IPC export of buffers)".into(),
+        share_check(gpu),
+    ));
     for (from, to) in [
         (DType::F32, DType::F16),
         (DType::F32, DType::BF16),
@@ -197,6 +202,102 @@ fn two_destinations(gpu: &Gpu, d: DType) -> Result<Option<String>, DeviceError> 
         }
     }
     Ok(None)
+}
+
+/// The direct collectives' kernel: three inputs combined in order (every op; `Avg` divided by 3)
+/// into two poisoned outputs and, in place, into the first input; one input copied to two
+/// outputs. Aligned ranges and ranges one element in, bit-exact against the CPU kernels.
+fn gather_check(gpu: &Gpu, d: DType) -> Result<Option<String>, DeviceError> {
+    let es = d.size();
+    for (k, &n) in SIZES.iter().enumerate() {
+        let ins: Vec<Vec<u8>> = (0..3)
+            .map(|j| random(d, n, 500 + 10 * k as u64 + j))
+            .collect();
+        let dins = ins
+            .iter()
+            .map(|x| gpu.upload(d, x))
+            .collect::<Result<Vec<_>, _>>()?;
+        for skip in [0, 1.min(n - 1)] {
+            let m = n - skip;
+            let at = |buf: &DeviceBuffer| gpu.ptr_of(buf) + (skip * es) as u64;
+            for op in ReduceOp::ALL {
+                let outs = [poisoned(gpu, d, n)?, poisoned(gpu, d, n)?];
+                // The in-place output: a fresh copy of input 0, read and written.
+                let first = gpu.upload(d, &ins[0])?;
+                let ranks = (op == ReduceOp::Avg).then_some(3);
+                let i_addr = [at(&first), at(&dins[1]), at(&dins[2])];
+                let o_addr = [at(&outs[0]), at(&outs[1]), at(&first)];
+                // SAFETY: six live buffers of `n` elements, each range `m` elements from element
+                // `skip`; the one output that equals an input is the same range exactly;
+                // `download` below waits for the kernel.
+                unsafe { gpu.gather_at(d, op, &o_addr, &i_addr, m, ranks)? };
+                let mut want = ins[0][skip * es..].to_vec();
+                for x in &ins[1..] {
+                    cpu::reduce_into(d, op.pairwise(), &mut want, &x[skip * es..])
+                        .expect("lengths");
+                }
+                if let Some(r) = ranks {
+                    cpu::divide(d, &mut want, r).expect("layout");
+                }
+                for (name, buf) in [("out0", &outs[0]), ("out1", &outs[1]), ("in place", &first)] {
+                    let got = download(gpu, buf)?;
+                    if name != "in place" && got[..skip * es].iter().any(|&x| x != 0xA5) {
+                        return Ok(Some(format!(
+                            "gather {op} n={m}: {name} written before element {skip}"
+                        )));
+                    }
+                    if let Some(i) = first_diff(&got[skip * es..], &want, es) {
+                        return Ok(Some(format!(
+                            "gather {op} n={m} from element {skip}: {name}[{i}] differs"
+                        )));
+                    }
+                }
+            }
+            let outs = [poisoned(gpu, d, n)?, poisoned(gpu, d, n)?];
+            // SAFETY: as above, one input and two outputs.
+            unsafe {
+                gpu.gather_at(
+                    d,
+                    ReduceOp::Sum,
+                    &[at(&outs[0]), at(&outs[1])],
+                    &[at(&dins[0])],
+                    m,
+                    None,
+                )?
+            };
+            for buf in &outs {
+                let got = download(gpu, buf)?;
+                if let Some(i) = first_diff(&got[skip * es..], &ins[0][skip * es..], es) {
+                    return Ok(Some(format!(
+                        "gather (copy) n={m} from element {skip}: element {i} differs"
+                    )));
+                }
+            }
+        }
+    }
+    Ok(None)
+}
+
+/// Buffers from [`Gpu::alloc`] can be exported over CUDA IPC (the direct collectives open each
+/// other's buffers): the handle, the offset inside the allocation, its size, and a buffer id
+/// that differs between allocations.
+fn share_check(gpu: &Gpu) -> Result<Option<String>, DeviceError> {
+    let a = gpu.alloc(DType::F32, 1 << 20)?;
+    let b = gpu.upload(DType::F32, &[0u8; 4096])?;
+    let sa = gpu.share_of(gpu.ptr_of(&a) + 4096)?;
+    let sb = gpu.share_of(gpu.ptr_of(&b))?;
+    Ok(if sa.offset != 4096 || sa.bytes < a.bytes() {
+        Some(format!(
+            "offset {} and allocation of {} bytes for 4096 into a {}-byte buffer",
+            sa.offset,
+            sa.bytes,
+            a.bytes()
+        ))
+    } else if sa.id == sb.id || sa.handle == sb.handle {
+        Some("two buffers share an id or an IPC handle".into())
+    } else {
+        None
+    })
 }
 
 fn host_cast(from: DType, to: DType, src: &[u8]) -> Vec<u8> {

@@ -83,10 +83,13 @@ pub fn rank_main(comm: &Communicator, device: usize, bench: bool) -> Vec<Row> {
     let n = comm.size();
     let tcp = comm.config().transport == ringzero_collectives::TransportPref::Tcp;
     let staged = comm.config().p2p_disable && !tcp;
+    let ring = comm.config().device_algo == ringzero_collectives::DeviceAlgo::Ring;
     let label = if tcp {
         "tcp"
     } else if staged {
         "staging"
+    } else if ring {
+        "cuda_ipc-ring"
     } else {
         "cuda_ipc"
     };
@@ -123,6 +126,15 @@ pub fn rank_main(comm: &Communicator, device: usize, bench: bool) -> Vec<Row> {
         check: format!("{label} n={n} edges"),
         pass: dc.edges().iter().all(|e| e.kind == want),
         detail: edges.join("; "),
+    });
+    // Ranks sharing one GPU over cuda_ipc take the direct step unless told to take the ring.
+    let direct_expected = !tcp && !staged && !ring;
+    rows.push(Row {
+        check: format!("{label} n={n} algorithm"),
+        pass: dc.direct().is_some() == direct_expected,
+        detail: dc
+            .direct()
+            .map_or_else(|| "the slot ring".to_string(), str::to_string),
     });
     let mut seed = 0;
     for coll in [
@@ -179,7 +191,11 @@ pub fn rank_main(comm: &Communicator, device: usize, bench: bool) -> Vec<Row> {
     rows.push(Row {
         check: format!("{label} n={n} bytes moved"),
         pass: sent > 0 && dc.edges().iter().all(|e| e.kind == want),
-        detail: format!("{sent} payload bytes sent, every one over {want}"),
+        detail: format!(
+            "{sent} payload bytes sent, every one over {want}; {} written straight into \
+             other ranks' buffers by direct steps",
+            dc.counters().bytes_direct
+        ),
     });
     // tcp over loopback has no target next to a device copy: its checks are exactness only.
     if bench && !tcp {
@@ -250,6 +266,11 @@ fn bandwidth(dc: &mut DeviceComm<Arc<Gpu>>, gpu: &Arc<Gpu>, staged: bool) -> Res
     let secs = t.elapsed().as_secs_f64() / iters as f64;
     let busbw = bytes as f64 / secs / 1e9 * 2.0 * (n - 1) as f64 / n as f64;
     let nf = n as f64;
+    let algo = if dc.direct().is_some() {
+        "direct"
+    } else {
+        "ring"
+    };
     let (label, base_name, bound, bound_rule, target) = if staged {
         (
             "staging",
@@ -268,7 +289,7 @@ fn bandwidth(dc: &mut DeviceComm<Arc<Gpu>>, gpu: &Arc<Gpu>, staged: bool) -> Res
         )
     };
     Ok(Row {
-        check: format!("{label} n={n} all_reduce 256 MiB"),
+        check: format!("{label} n={n} all_reduce 256 MiB ({algo})"),
         pass: busbw >= target * bound,
         detail: format!(
             "busbw {busbw:.1} GB/s = {:.0}% of what {n} ranks sharing one GPU allow \

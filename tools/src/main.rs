@@ -563,6 +563,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             for (ranks, mode) in [
                 (2usize, DevMode::Ipc),
                 (4, DevMode::Ipc),
+                (2, DevMode::IpcRing),
                 (2, DevMode::Staging),
                 (4, DevMode::Staging),
                 (2, DevMode::Tcp),
@@ -572,7 +573,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 eprintln!(
                     "ringzero gpu-check: collectives on device buffers, {ranks} processes, {}...",
                     match mode {
-                        DevMode::Ipc => "auto (cuda_ipc)",
+                        DevMode::Ipc => "auto (cuda_ipc; direct on one GPU)",
+                        DevMode::IpcRing => "cuda_ipc, RINGZERO_DEVICE_ALGO=ring",
                         DevMode::Staging => "RINGZERO_P2P_DISABLE=1",
                         DevMode::Tcp => {
                             "RINGZERO_TRANSPORT=tcp RINGZERO_TCP_SOCKETS=2 (pinned tcp staging)"
@@ -694,6 +696,8 @@ fn under_launcher() -> bool {
 #[derive(Clone, Copy, Debug)]
 enum DevMode {
     Ipc,
+    /// cuda_ipc with `RINGZERO_DEVICE_ALGO=ring`: the slot ring where auto takes the direct step.
+    IpcRing,
     Staging,
     Tcp,
     /// cuda_ipc, rank 1 kills itself mid all-reduce.
@@ -714,6 +718,7 @@ fn gpu_collectives(
         "{} n={ranks}",
         match mode {
             DevMode::Ipc | DevMode::IpcKill => "cuda_ipc",
+            DevMode::IpcRing => "cuda_ipc-ring",
             DevMode::Staging | DevMode::StagingKill => "staging",
             DevMode::Tcp => "tcp",
         }
@@ -778,6 +783,15 @@ fn gpu_collectives(
             ),
             // The tcp run's edges stripe every frame over two connections (pinned staging parts).
             ("RINGZERO_TCP_SOCKETS".to_string(), "2".to_string()),
+            (
+                "RINGZERO_DEVICE_ALGO".to_string(),
+                if matches!(mode, DevMode::IpcRing) {
+                    "ring"
+                } else {
+                    "auto"
+                }
+                .to_string(),
+            ),
         ],
         grace: Duration::from_secs(5),
         dump_dir: dumps.clone().map(|path| launch::DumpDir {

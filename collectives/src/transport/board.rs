@@ -252,14 +252,14 @@ impl Board {
     }
 
     fn u64(&self, off: usize) -> &AtomicU64 {
-        assert!(off % 8 == 0 && off + 8 <= self.map.len());
+        assert!(off.is_multiple_of(8) && off + 8 <= self.map.len());
         // SAFETY: in bounds and 8-byte aligned (the mapping is page-aligned); shared memory is
         // accessed only through atomics at these offsets.
         unsafe { &*(self.map.as_ptr().add(off) as *const AtomicU64) }
     }
 
     fn u32(&self, off: usize) -> &AtomicU32 {
-        assert!(off % 4 == 0 && off + 4 <= self.map.len());
+        assert!(off.is_multiple_of(4) && off + 4 <= self.map.len());
         // SAFETY: as for `u64`.
         unsafe { &*(self.map.as_ptr().add(off) as *const AtomicU32) }
     }

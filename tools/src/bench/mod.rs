@@ -234,9 +234,16 @@ pub fn run_device<D: device::BenchDev>(
             done += 1;
             progress(done, total);
         };
-        rows.extend(device::sweep(
-            comm, dc, op, &a.sweep, &transport, &mut tick,
-        )?);
+        // Ranks that map each other's buffers run these three by the direct step, not over the
+        // ring's edges: the rows say so.
+        let direct =
+            dc.direct().is_some() && ringzero_collectives::device::direct::roles(op).is_some();
+        let how = if direct {
+            "direct".to_string()
+        } else {
+            transport.clone()
+        };
+        rows.extend(device::sweep(comm, dc, op, &a.sweep, &how, &mut tick)?);
     }
     let mut header = header(comm, a, &probe, device_name);
     header.device_edges = dc
