@@ -502,10 +502,22 @@ fn a_probe_copy_that_never_completes_fails_set_up_on_every_rank_naming_the_stuck
 /// call waits for them, and every result is exact.
 #[test]
 fn async_device_collectives_run_on_the_proxy_thread_in_order() {
+    async_in_order(ringzero::DeviceAlgo::Auto);
+}
+
+/// The same with the direct step (all-reduce, reduce-scatter and all-gather on the board, the
+/// rest round the ring, all in submission order).
+#[test]
+fn async_direct_device_collectives_run_on_the_proxy_thread_in_order() {
+    async_in_order(ringzero::DeviceAlgo::Direct);
+}
+
+fn async_in_order(device_algo: ringzero::DeviceAlgo) {
     let n = 3;
     let submitted = std::sync::Barrier::new(n);
     let o = Opts {
         slice_bytes: 1024,
+        device_algo,
         ..Opts::default()
     };
     threads(n, &o, |rank, comm| {
@@ -573,6 +585,12 @@ fn async_device_collectives_run_on_the_proxy_thread_in_order() {
         let (_, got) = shift.wait().unwrap();
         assert_eq!(got, vec![((rank + n - 1) % n) as f32; 50], "rank {rank}");
         bar.wait().unwrap();
+        let direct = dc.counters().bytes_direct;
+        assert_eq!(
+            direct > 0,
+            device_algo == ringzero::DeviceAlgo::Direct,
+            "rank {rank}: {direct} bytes written directly"
+        );
     });
 }
 

@@ -497,11 +497,15 @@ impl<S: Stream> Core<S> {
             b.copy_from_slice(&h);
             b
         };
-        let mut rec = [0u8; 96];
+        // A GPU's receive edge must have stayed cuda_ipc: one the start-up probe rebuilt as host
+        // staging found peer copies broken, and the direct step is peer copies too.
+        let ipc_ok = me.has_uuid == 0 || self.edges[0].kind == TransportKind::CudaIpc;
+        let mut rec = [0u8; 97];
         rec[..32].copy_from_slice(&node);
-        rec[32..].copy_from_slice(&reach);
+        rec[32..96].copy_from_slice(&reach);
+        rec[96] = ipc_ok as u8;
         let all = comm.all_gather_bytes(&rec)?;
-        let of = |r: usize| &all[r * 96..(r + 1) * 96];
+        let of = |r: usize| &all[r * 97..(r + 1) * 97];
         let why_not = if size > super::stream::GATHER_MAX {
             Some(format!(
                 "{size} ranks; the direct step takes at most {}",
@@ -511,6 +515,12 @@ impl<S: Stream> Core<S> {
             Some("RINGZERO_P2P_DISABLE=1 forbids peer access".into())
         } else if let Some(r) = (0..size).find(|&r| of(r)[..32] != node[..]) {
             Some(format!("rank {r} is on another node"))
+        } else if let Some(r) = (0..size).find(|&r| of(r)[96] == 0) {
+            Some(format!(
+                "rank {r}'s edge from rank {} is not cuda_ipc (peer copies failed its start-up \
+                 probe or are not possible)",
+                (r + size - 1) % size
+            ))
         } else {
             (0..size)
                 .flat_map(|r| (0..size).map(move |q| (r, q)))
