@@ -478,13 +478,19 @@ impl<S: Stream> Core<S> {
         if algo == DeviceAlgo::Ring {
             return Ok(None);
         }
-        // Whom this rank can map: the same GPU, a GPU it has peer access to, or (host stream)
-        // a rank of this process.
+        // Whom this rank can map: a rank of another process on the same GPU or on a GPU it has
+        // peer access to (CUDA IPC opens no handle of its own process), or (host stream) a rank
+        // of this process.
         let me = &infos[rank];
         let mut reach = [0u8; 64];
         for (q, o) in infos.iter().enumerate().take(64) {
             let ok = match (me.has_uuid, o.has_uuid) {
-                (1, 1) => me.uuid == o.uuid || self.stream.can_access_peer(&o.uuid) == Ok(true),
+                (1, 1) => {
+                    q == rank
+                        || (me.pid != o.pid
+                            && (me.uuid == o.uuid
+                                || self.stream.can_access_peer(&o.uuid) == Ok(true)))
+                }
                 (0, 0) => me.pid == o.pid,
                 _ => false,
             };
