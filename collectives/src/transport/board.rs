@@ -595,6 +595,26 @@ mod tests {
         assert!(matches!(e, Err(Stall::Check(_))), "{e:?}");
     }
 
+    /// A rank whose process has exited (here: rank 1's record carries the pid of a child that
+    /// has been reaped) is named within a health check, not at the deadline.
+    #[test]
+    fn a_rank_whose_process_exited_is_named_at_once() {
+        let b = boards(2);
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        child.wait().unwrap();
+        b[1].u32(b[1].record(1) + R_PID).store(pid, Ordering::Release);
+        b[0].enter(0, &entry(1));
+        let t = Instant::now();
+        match b[0].wait(0, 1, Duration::from_secs(30), || Ok(())) {
+            Err(Stall::Lost { rank: 1, detail }) => {
+                assert!(detail.contains(&format!("pid {pid}")), "{detail}")
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(t.elapsed() < Duration::from_secs(5));
+    }
+
     #[test]
     fn a_board_of_another_size_is_refused() {
         let dir = std::env::temp_dir();
