@@ -27,7 +27,6 @@
 //! it) and a rank that dropped its end while its process lives on (the closed flag).
 
 use std::fs::OpenOptions;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -147,19 +146,7 @@ pub struct Board {
 impl Board {
     /// Create the board for `ranks` ranks in `dir` (rank 0 does, then shares the path).
     pub fn create(dir: &Path, name: &str, ranks: usize, rank: usize) -> Result<Board> {
-        let path = dir.join(name);
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&path)
-            .map_err(|e| Error::io(format!("creating the node board {}", path.display()), e))?;
-        let total = HEAD + ranks * RECORD;
-        if let Err(e) = file.set_len(total as u64) {
-            let _ = std::fs::remove_file(&path);
-            return Err(Error::io("sizing the node board", e));
-        }
+        let (file, path) = super::shm::create_segment(dir, name, HEAD + ranks * RECORD)?;
         // SAFETY: the file was just created by us with O_EXCL and sized; it is shared only with
         // the other ranks through the protocol in the module docs (atomics, and plain bytes read
         // only after an acquire load that orders them).
@@ -603,7 +590,8 @@ mod tests {
         let mut child = std::process::Command::new("true").spawn().unwrap();
         let pid = child.id();
         child.wait().unwrap();
-        b[1].u32(b[1].record(1) + R_PID).store(pid, Ordering::Release);
+        b[1].u32(b[1].record(1) + R_PID)
+            .store(pid, Ordering::Release);
         b[0].enter(0, &entry(1));
         let t = Instant::now();
         match b[0].wait(0, 1, Duration::from_secs(30), || Ok(())) {

@@ -193,6 +193,48 @@ pub(crate) fn pid_alive(pid: u32) -> bool {
     }
 }
 
+/// Create `dir/name` (mode 0600, failing if it exists) with `total` bytes reserved up front, so
+/// a too-small `/dev/shm` fails here with a clear error instead of a SIGBUS later. On error the
+/// file is gone.
+pub(crate) fn create_segment(
+    dir: &Path,
+    name: &str,
+    total: usize,
+) -> Result<(std::fs::File, PathBuf)> {
+    let path = dir.join(name);
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&path)
+        .map_err(|e| Error::io(format!("creating shm segment {}", path.display()), e))?;
+    match rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, total as u64) {
+        Ok(()) => {}
+        Err(rustix::io::Errno::OPNOTSUPP) => {
+            if let Err(e) = file.set_len(total as u64) {
+                let _ = std::fs::remove_file(&path);
+                return Err(Error::io("sizing shm segment", e));
+            }
+        }
+        Err(e) => {
+            let _ = std::fs::remove_file(&path);
+            let free = rustix::fs::statvfs(dir)
+                .map(|s| s.f_bavail * s.f_frsize)
+                .unwrap_or(0);
+            return Err(Error::Io {
+                    context: format!("reserving {total} bytes for shm segment {}", path.display()),
+                    detail: format!(
+                        "{e} ({} has {free} bytes free; a container's default /dev/shm is often 64 MB: raise it \
+                         (docker --shm-size), lower RINGZERO_SLICE_BYTES/RINGZERO_SLOTS, or set RINGZERO_SHM_DISABLE=1)",
+                        dir.display()
+                    ),
+                });
+        }
+    }
+    Ok((file, path))
+}
+
 /// The receiving end: owns (creates) the segment.
 pub struct ShmRecv {
     seg: Segment,
@@ -250,36 +292,7 @@ impl ShmRecv {
     }
 
     fn create_with(dir: &Path, name: &str, geo: Geometry, peer: usize) -> Result<ShmRecv> {
-        let path = dir.join(name);
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&path)
-            .map_err(|e| Error::io(format!("creating shm segment {}", path.display()), e))?;
-        let total = geo.total();
-        match rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, total as u64) {
-            Ok(()) => {}
-            Err(rustix::io::Errno::OPNOTSUPP) => {
-                file.set_len(total as u64)
-                    .map_err(|e| Error::io("sizing shm segment", e))?;
-            }
-            Err(e) => {
-                let _ = std::fs::remove_file(&path);
-                let free = rustix::fs::statvfs(dir)
-                    .map(|s| s.f_bavail * s.f_frsize)
-                    .unwrap_or(0);
-                return Err(Error::Io {
-                    context: format!("reserving {total} bytes for shm segment {}", path.display()),
-                    detail: format!(
-                        "{e} ({} has {free} bytes free; a container's default /dev/shm is often 64 MB: raise it \
-                         (docker --shm-size), lower RINGZERO_SLICE_BYTES/RINGZERO_SLOTS, or set RINGZERO_SHM_DISABLE=1)",
-                        dir.display()
-                    ),
-                });
-            }
-        }
+        let (file, path) = create_segment(dir, name, geo.total())?;
         // SAFETY: the file was just created by us with O_EXCL and sized; it is shared only with
         // the peer process through the protocol described in the module docs, and every access
         // to memory the peer may write goes through atomics or happens after an acquire load
