@@ -171,6 +171,9 @@ pub(super) struct Core<S: Stream> {
     edges: Vec<Edge>,
     /// Why all-reduces, reduce-scatters and all-gathers run directly, where they do.
     direct_why: Option<String>,
+    /// Some rank's start-up probe failed, so some edge is rebuilt as host staging: every rank
+    /// slices as `RINGZERO_P2P_DISABLE=1` does, so that edge's slots in `/dev/shm` stay small.
+    staged_fallback: bool,
     state: Mutex<DevState>,
     /// The last calls, dumped when the communicator fails or closes.
     flight: Recorder,
@@ -193,6 +196,7 @@ impl<S: Stream> DeviceComm<S> {
             size,
             edges: Vec::new(),
             direct_why: None,
+            staged_fallback: false,
             state: Mutex::new(DevState::new(None)),
         };
         if size > 1 {
@@ -443,6 +447,8 @@ impl<S: Stream> Core<S> {
                 return Ok(());
             }
             drop(links);
+            // Every rank saw the same findings: all slice alike on the rebuilt links.
+            self.staged_fallback = true;
             let finding_text = finding_of(rank);
             recv_edge = topology::after_probe(
                 &self.cfg,
@@ -582,16 +588,18 @@ impl<S: Stream> Core<S> {
     }
 
     /// Bytes of one slot of this rank's device edges: the configured device slice, else the
-    /// stream's choice, else the host slice; rounded up to 64 bytes.
+    /// stream's choice (capped as for host staging when P2P is disabled or some edge fell back
+    /// to it), else the host slice; rounded up to 64 bytes.
     /// Every rank must come to the same figure (their plans slice alike), so it depends on the
-    /// configuration and the kind of device only, never on one edge's transport.
+    /// configuration, the kind of device and the all-gathered probe findings only, never on one
+    /// edge's transport.
     fn slot_bytes(&self) -> usize {
         let staged = crate::config::DEFAULT_GPU_STAGED_SLICE_BYTES;
         self.cfg
             .device_slice_bytes
             .or_else(|| {
                 let b = self.stream.slice_bytes()?;
-                Some(if self.cfg.p2p_disable {
+                Some(if self.cfg.p2p_disable || self.staged_fallback {
                     b.min(staged)
                 } else {
                     b
