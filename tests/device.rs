@@ -505,7 +505,7 @@ fn async_device_collectives_run_on_the_proxy_thread_in_order() {
     async_in_order(ringzero::DeviceAlgo::Auto);
 }
 
-/// The same with the direct step (all-reduce, reduce-scatter and all-gather on the board, the
+/// The same with the direct step (all-reduce, reduce-scatter, all-gather, broadcast and reduce on the board, the
 /// rest round the ring, all in submission order).
 #[test]
 fn async_direct_device_collectives_run_on_the_proxy_thread_in_order() {

@@ -85,7 +85,7 @@ impl std::fmt::Display for StagingMode {
     }
 }
 
-/// How device all-reduces, reduce-scatters and all-gathers move data
+/// How device all-reduces, reduce-scatters, all-gathers, broadcasts and reduces move data
 /// (`RINGZERO_DEVICE_ALGO=auto|ring|direct`).
 ///
 /// *Direct*: when every rank of a device communicator can map every other rank's buffers (one
@@ -285,7 +285,7 @@ pub struct Config {
     pub stream_stores_from: usize,
     /// How host staging of device buffers moves bytes (`RINGZERO_STAGING=mapped|copy`).
     pub staging: StagingMode,
-    /// How device all-reduces, reduce-scatters and all-gathers move data
+    /// How device all-reduces, reduce-scatters, all-gathers, broadcasts and reduces move data
     /// (`RINGZERO_DEVICE_ALGO=auto|ring|direct`).
     pub device_algo: DeviceAlgo,
     /// Which algorithm host all-reduces, broadcasts, reduces and barriers run

@@ -169,7 +169,7 @@ pub(super) struct Core<S: Stream> {
     rank: usize,
     size: usize,
     edges: Vec<Edge>,
-    /// Why all-reduces, reduce-scatters and all-gathers run directly, where they do.
+    /// Why all-reduces, reduce-scatters, all-gathers, broadcasts and reduces run directly, where they do.
     direct_why: Option<String>,
     /// Some rank's start-up probe failed, so some edge is rebuilt as host staging: every rank
     /// slices as `RINGZERO_P2P_DISABLE=1` does, so that edge's slots in `/dev/shm` stay small.
@@ -214,9 +214,9 @@ impl<S: Stream> DeviceComm<S> {
         &self.core.edges
     }
 
-    /// Why this communicator's all-reduces, reduce-scatters and all-gathers run directly (every
-    /// rank reads and writes the others' buffers; `RINGZERO_DEVICE_ALGO`), or `None` where they
-    /// go round the ring like every other collective.
+    /// Why this communicator's all-reduces, reduce-scatters, all-gathers, broadcasts and reduces
+    /// run directly (every rank reads and writes the others' buffers; `RINGZERO_DEVICE_ALGO`),
+    /// or `None` where they go round the ring like every other collective.
     pub fn direct(&self) -> Option<&str> {
         self.core.direct_why.as_deref()
     }
@@ -468,7 +468,7 @@ impl<S: Stream> Core<S> {
         })
     }
 
-    /// Decide whether this communicator's all-reduces, reduce-scatters and all-gathers run
+    /// Decide whether this communicator's all-reduces, reduce-scatters, all-gathers, broadcasts and reduces run
     /// directly ([`super::direct`]) and, if so, set up the node board: rank 0 creates it, every
     /// rank maps it, rank 0 unlinks it. Every rank comes to the same answer from the same
     /// all-gathered records.

@@ -1,6 +1,7 @@
 //! The direct collectives: ranks that can all map each other's buffers (one node, CUDA IPC, peer
 //! access between every pair; on the host stream, ranks that are threads of one process) run an
-//! all-reduce, reduce-scatter or all-gather as one kernel per rank instead of a ring of slots.
+//! all-reduce, reduce-scatter, all-gather, broadcast or reduce as one kernel per rank instead of a
+//! ring of slots.
 //!
 //! Rank `r` owns chunk `r` of the result ([`chunk`], as the ring's reduce-scatter does). In an
 //! all-reduce it reads chunk `r` of every rank's input, combines them in rank order, and writes
@@ -8,13 +9,14 @@
 //! input byte is read once and every output byte written once, which is the memory-bandwidth
 //! bound of ranks that share one GPU, where the slot ring reads and writes each slice a second
 //! time in the slots. A reduce-scatter writes only its own output; an all-gather copies its own
-//! chunk into every output.
+//! chunk into every output; a broadcast copies chunk `r` of the root's input into every output;
+//! a reduce combines chunk `r` of every input into the root's output.
 //!
 //! Each call takes three steps on the node board ([`Board`]), every rank alike:
 //! 1. wait for this rank's earlier device work (its input is complete, its output free), then
 //!    post the call's fingerprint and how to open its buffers ([`Stream::share`]); wait for every
 //!    rank. A rank that called something else fails the call on every rank, naming both calls. A
-//!    call that is not one of the three, or whose buffers some rank cannot share, takes the ring
+//!    call without a direct form, or whose buffers some rank cannot share, takes the ring
 //!    on every rank (nothing has been written yet);
 //! 2. open the others' buffers (mappings are kept, keyed by the allocation's unique id, so a
 //!    training loop opens each buffer once); post whether that worked; wait. If any rank could
@@ -45,15 +47,30 @@ use crate::transport::wait::Waiter;
 /// for long (an open IPC mapping keeps the exporter's allocation alive).
 const MAPS_PER_RANK: usize = 8;
 
-/// Which of a rank's buffers the other ranks use in a direct `coll`: (they read its input,
-/// they write its output); `None` where the collective has no direct form.
-pub fn roles(coll: Collective) -> Option<(bool, bool)> {
-    match coll {
-        Collective::AllReduce => Some((true, true)),
-        Collective::ReduceScatter => Some((true, false)),
-        Collective::AllGather => Some((false, true)),
-        _ => None,
-    }
+/// Whether `coll` has a direct form (all-reduce, reduce-scatter, all-gather, broadcast, reduce).
+pub fn has_direct_form(coll: Collective) -> bool {
+    matches!(
+        coll,
+        Collective::AllReduce
+            | Collective::ReduceScatter
+            | Collective::AllGather
+            | Collective::Broadcast { .. }
+            | Collective::Reduce { .. }
+    )
+}
+
+/// Which of `rank`'s buffers the other ranks use in a direct `coll`: (they read its input, they
+/// write its output); `None` where the collective has no direct form.
+pub fn roles(coll: Collective, rank: usize, in_place: bool) -> Option<(bool, bool)> {
+    Some(match coll {
+        Collective::AllReduce => (true, true),
+        Collective::ReduceScatter => (true, false),
+        Collective::AllGather => (false, true),
+        // In place the root's buffer already holds what it broadcasts.
+        Collective::Broadcast { root } => (rank == root, !(in_place && rank == root)),
+        Collective::Reduce { root } => (true, rank == root),
+        _ => return None,
+    })
 }
 
 /// A place in some rank's buffer: its input (`src`) or its output (`dst`), at an element offset.
@@ -82,17 +99,16 @@ pub struct Part {
 /// Rank `rank`'s part of a direct `coll` of `count` elements (the whole buffer's count, as the
 /// ring takes it) over `n` ranks. Pure. `None` where `coll` has no direct form.
 pub fn part(coll: Collective, n: usize, rank: usize, count: usize, in_place: bool) -> Option<Part> {
-    roles(coll)?;
+    if !has_direct_form(coll) {
+        return None;
+    }
     let c = chunk(count, n, rank);
-    let all = |dst: bool| {
-        (0..n)
-            .map(|q| Place {
-                rank: q,
-                dst,
-                at: c.start,
-            })
-            .collect::<Vec<_>>()
+    let at = |q: usize, dst: bool| Place {
+        rank: q,
+        dst,
+        at: c.start,
     };
+    let all = |dst: bool| (0..n).map(|q| at(q, dst)).collect::<Vec<_>>();
     // Out of place, a reduce-scatter's output and an all-gather's input hold only this rank's
     // chunk; in place they are the chunk's range of the one buffer.
     let own = if in_place { c.start } else { 0 };
@@ -106,7 +122,7 @@ pub fn part(coll: Collective, n: usize, rank: usize, count: usize, in_place: boo
                 at: own,
             }],
         ),
-        _ => {
+        Collective::AllGather => {
             let mut outs = all(true);
             if in_place {
                 // This rank's chunk is already where it belongs.
@@ -121,6 +137,15 @@ pub fn part(coll: Collective, n: usize, rank: usize, count: usize, in_place: boo
                 outs,
             )
         }
+        Collective::Broadcast { root } => {
+            let mut outs = all(true);
+            if in_place {
+                outs.retain(|p| p.rank != root);
+            }
+            (vec![at(root, false)], outs)
+        }
+        Collective::Reduce { root } => (all(false), vec![at(root, true)]),
+        _ => unreachable!("has_direct_form"),
     };
     Some(Part {
         ins,
@@ -188,7 +213,7 @@ impl Direct {
         // Step 1.
         let mut entry = Entry::zeroed();
         entry.fp = fp;
-        if let Some((read, written)) = part.as_ref().and(roles(coll)) {
+        if let Some((read, written)) = part.as_ref().and(roles(coll, self.rank, in_place)) {
             // Peers may read this rank's input and write its output from now on.
             self.drain(stream, call, "the work queued before the call")?;
             let shared = (|| -> std::result::Result<(), String> {
@@ -411,16 +436,19 @@ mod tests {
     use super::*;
 
     /// Every element of every rank's result is written exactly once, by the rank that owns its
-    /// chunk, from every rank's input (reductions) or from the owner's input (all-gather).
+    /// chunk, from every rank's input (reductions) or from the one input that holds it.
     #[test]
     fn the_parts_cover_every_output_once_and_read_what_they_must() {
         for n in 1..=GATHER_MAX {
             for count in [0, 1, 7, 64, 1001] {
                 for in_place in [false, true] {
+                    let root = n / 2;
                     for coll in [
                         Collective::AllReduce,
                         Collective::ReduceScatter,
                         Collective::AllGather,
+                        Collective::Broadcast { root },
+                        Collective::Reduce { root },
                     ] {
                         // (rank written, element) → times written.
                         let mut written = std::collections::HashMap::new();
@@ -441,14 +469,31 @@ mod tests {
                                         }]
                                     );
                                 }
+                                Collective::Broadcast { root } => {
+                                    assert_eq!(
+                                        p.ins,
+                                        vec![Place {
+                                            rank: root,
+                                            dst: false,
+                                            at: c.start
+                                        }]
+                                    );
+                                }
                                 _ => {
                                     let from: Vec<usize> = p.ins.iter().map(|x| x.rank).collect();
                                     assert_eq!(from, (0..n).collect::<Vec<_>>(), "rank order");
                                     assert!(p.ins.iter().all(|x| !x.dst && x.at == c.start));
                                 }
                             }
+                            // A rank reads another's input only where that rank shares it.
+                            for i in &p.ins {
+                                assert!(roles(coll, i.rank, in_place).unwrap().0 || i.rank == r);
+                            }
                             for o in &p.outs {
                                 assert!(o.dst);
+                                if o.rank != r {
+                                    assert!(roles(coll, o.rank, in_place).unwrap().1);
+                                }
                                 // Where the element lands in the global index space.
                                 let global = match coll {
                                     Collective::ReduceScatter if !in_place => o.at + c.start,
@@ -464,8 +509,9 @@ mod tests {
                         }
                         let expect: usize = match coll {
                             Collective::AllReduce => n * count,
-                            Collective::ReduceScatter => count,
-                            // In place each rank's own chunk is already there.
+                            Collective::ReduceScatter | Collective::Reduce { .. } => count,
+                            // In place the rank's own chunk (all-gather), the root's buffer
+                            // (broadcast) is already there.
                             _ if in_place => (n - 1) * count,
                             _ => n * count,
                         };
@@ -474,7 +520,8 @@ mod tests {
                 }
             }
         }
-        assert!(part(Collective::Broadcast { root: 0 }, 2, 0, 10, false).is_none());
-        assert!(roles(Collective::ReduceScatterV).is_none());
+        assert!(part(Collective::RingShift, 2, 0, 10, false).is_none());
+        assert!(roles(Collective::ReduceScatterV, 0, false).is_none());
+        assert!(!has_direct_form(Collective::Barrier));
     }
 }

@@ -234,10 +234,10 @@ pub fn run_device<D: device::BenchDev>(
             done += 1;
             progress(done, total);
         };
-        // Ranks that map each other's buffers run these three by the direct step, not over the
+        // Ranks that map each other's buffers run these by the direct step, not over the
         // ring's edges: the rows say so.
         let direct =
-            dc.direct().is_some() && ringzero_collectives::device::direct::roles(op).is_some();
+            dc.direct().is_some() && ringzero_collectives::device::direct::has_direct_form(op);
         let how = if direct {
             "direct".to_string()
         } else {
