@@ -91,7 +91,7 @@ impl std::fmt::Display for StagingMode {
 /// *Direct*: when every rank of a device communicator can map every other rank's buffers (one
 /// node, CUDA IPC, peer access between every pair), each rank reduces its own part of the result
 /// by reading that part of every rank's input, and writes it into every rank's output, in one
-/// kernel; two barriers on a shared-memory board bracket it. Every byte is read once and written
+/// kernel; the ranks agree on each call and wait for each other on a shared-memory board. Every byte is read once and written
 /// once, where the slot ring reads and writes each slice again in the slots. Ranks that share one
 /// GPU are held to its memory bandwidth, so there the ring can reach only half of what direct can.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
