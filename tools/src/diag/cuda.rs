@@ -673,8 +673,15 @@ pub fn ring_rank(devices: [usize; 2]) -> ProbeResult {
                 ProbeStatus::OK,
                 Some(busbw),
                 format!(
-                    "edge rank {} → {rank}: {:?} ({}); 64 MiB f32 all-reduce exact",
-                    edge.from, edge.kind, edge.reason
+                    "edge rank {} → {rank}: {:?} ({}); 64 MiB f32 all-reduce exact, by {}",
+                    edge.from,
+                    edge.kind,
+                    edge.reason,
+                    if dc.direct().is_some() {
+                        "the direct step (RINGZERO_DEVICE_ALGO)"
+                    } else {
+                        "the ring"
+                    }
                 ),
             ),
         };
