@@ -94,6 +94,9 @@ impl std::fmt::Display for StagingMode {
 /// kernel; the ranks agree on each call and wait for each other on a shared-memory board. Every byte is read once and written
 /// once, where the slot ring reads and writes each slice again in the slots. Ranks that share one
 /// GPU are held to its memory bandwidth, so there the ring can reach only half of what direct can.
+///
+/// Both give every rank bit-identical results. The direct step combines the ranks' values in rank
+/// order and the ring in ring order, so float sums may differ between the two in rounding.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum DeviceAlgo {
     /// Direct where every rank shares one GPU (the bandwidth bound above), else the ring. Between
