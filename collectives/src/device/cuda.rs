@@ -14,9 +14,6 @@ use ringzero_kernels::{DType, ReduceOp};
 use super::stream::{Exported, Share, Stream};
 use crate::transport::device::Addr;
 
-// One limit for the kernel and for the engine that fills its arguments.
-const _: () = assert!(raw::GATHER_MAX == super::stream::GATHER_MAX);
-
 impl Stream for Arc<Gpu> {
     type Marker = Marker;
 

@@ -26,7 +26,7 @@ pub type Exported = (Addr, [u8; 64], Box<dyn Any + Send>);
 pub type Share = crate::transport::board::ShareRecord;
 
 /// Most ranks of one direct step ([`Stream::gather`]'s inputs or outputs).
-pub const GATHER_MAX: usize = 8;
+pub use ringzero_kernels::device::GATHER_MAX;
 
 /// The host stream's handles start with this, then the pid: its memory is plain addresses.
 const HOST_HANDLE: &[u8; 8] = b"RZHOSTMM";
@@ -356,14 +356,7 @@ impl Stream for HostStream {
         n: usize,
         ranks: Option<usize>,
     ) -> Result<(), DeviceError> {
-        let fits = |v: &[Addr]| (1..=GATHER_MAX).contains(&v.len());
-        if !fits(outs) || !fits(ins) {
-            return Err(DeviceError::Invalid(format!(
-                "gather: {} inputs and {} outputs; each must be 1 to {GATHER_MAX}",
-                ins.len(),
-                outs.len()
-            )));
-        }
+        ringzero_kernels::device::check_gather(ins.len(), outs.len())?;
         let len = n * dtype.size();
         if len == 0 {
             return Ok(());

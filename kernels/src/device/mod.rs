@@ -66,3 +66,19 @@ pub fn cuda_devices() -> Result<usize, DeviceError> {
         ))
     }
 }
+
+/// Most inputs or outputs of one gather (the direct collectives' one-pass kernel: one per rank).
+pub const GATHER_MAX: usize = 8;
+
+/// Refuse a gather whose input or output count is not 1 to [`GATHER_MAX`] (every device's gather
+/// checks this before it queues anything).
+pub fn check_gather(ins: usize, outs: usize) -> Result<(), DeviceError> {
+    let fits = |k: usize| (1..=GATHER_MAX).contains(&k);
+    if fits(ins) && fits(outs) {
+        Ok(())
+    } else {
+        Err(DeviceError::Invalid(format!(
+            "gather: {ins} inputs and {outs} outputs; each must be 1 to {GATHER_MAX}"
+        )))
+    }
+}

@@ -24,7 +24,7 @@ use std::sync::Arc;
 use cudarc::driver::{result, sys, CudaEvent, PushKernelArg};
 
 use super::{cu_type, driver, Gpu};
-use crate::device::DeviceError;
+use crate::device::{DeviceError, GATHER_MAX};
 use crate::{DType, ReduceOp};
 
 /// A device address (valid in the process and context that produced it).
@@ -36,9 +36,6 @@ pub const IPC_HANDLE_BYTES: usize = 64;
 fn sys_err(op: &str) -> impl Fn(result::DriverError) -> DeviceError + '_ {
     driver(op)
 }
-
-/// Most inputs or outputs of one [`Gpu::gather_at`].
-pub const GATHER_MAX: usize = 8;
 
 /// How another process opens the allocation holding a buffer ([`Gpu::share_of`]; the peer opens
 /// `handle` with [`IpcMapping::open`] and adds `offset`).
@@ -482,14 +479,7 @@ impl Gpu {
         ranks: Option<usize>,
     ) -> Result<(), DeviceError> {
         self.check()?;
-        let fits = |v: &[DevPtr]| (1..=GATHER_MAX).contains(&v.len());
-        if !fits(outs) || !fits(ins) {
-            return Err(DeviceError::Invalid(format!(
-                "gather: {} inputs and {} outputs; each must be 1 to {GATHER_MAX}",
-                ins.len(),
-                outs.len()
-            )));
-        }
+        crate::device::check_gather(ins.len(), outs.len())?;
         if n == 0 {
             return Ok(());
         }
