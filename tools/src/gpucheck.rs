@@ -492,6 +492,28 @@ pub fn bench(gpu: &Gpu) -> Result<Vec<Row>, DeviceError> {
             0.9,
         );
     }
+    // The direct step's kernel as one rank of 2 and of 4 on one GPU runs it in a 256 MiB f32
+    // all-reduce: chunk r of every input combined and written to every output.
+    for ranks in [2usize, 4] {
+        let m = n / ranks;
+        let mut bufs = Vec::with_capacity(2 * ranks);
+        for k in 0..2 * ranks {
+            bufs.push(gpu.upload(DType::F32, &random(DType::F32, m, 10 + k as u64))?);
+        }
+        let addrs: Vec<_> = bufs.iter().map(|b| gpu.ptr_of(b)).collect();
+        let (ins, outs) = addrs.split_at(ranks);
+        let ms = gpu.time(reps, || {
+            // SAFETY: `2·ranks` distinct live buffers of `m` f32 each, kept until `time`
+            // returns, which waits for the kernels.
+            unsafe { gpu.gather_at(DType::F32, ReduceOp::Sum, outs, ins, m, None) }
+        })?;
+        add(
+            format!("bench gather sum f32 {ranks}→{ranks}"),
+            (2 * ranks * m * 4) as f64,
+            ms,
+            0.9,
+        );
+    }
     let h = AdamW::default();
     let d = DType::BF16;
     let mut master = gpu.upload(DType::F32, &random(DType::F32, n, 5))?;

@@ -110,6 +110,9 @@ enum Cmd {
         /// Skip the micro-benchmarks.
         #[arg(long)]
         no_bench: bool,
+        /// Only the kernels (and their micro-benchmarks): skip the collectives on device buffers.
+        #[arg(long)]
+        kernels_only: bool,
     },
     /// One rank of gpu-check's collective checks (run by `gpu-check` under the launcher).
     #[command(hide = true)]
@@ -539,6 +542,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             device,
             json,
             no_bench,
+            kernels_only,
         } => {
             use ringzero_tools::gpucheck;
             let gpu = ringzero_kernels::device::cuda::Gpu::open(device)
@@ -560,7 +564,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     }),
                 }
             }
-            for (ranks, mode) in [
+            let runs = [
                 (2usize, DevMode::Ipc),
                 (4, DevMode::Ipc),
                 (2, DevMode::IpcRing),
@@ -569,7 +573,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 (2, DevMode::Tcp),
                 (4, DevMode::IpcKill),
                 (4, DevMode::StagingKill),
-            ] {
+            ];
+            for (ranks, mode) in runs.into_iter().filter(|_| !kernels_only) {
                 eprintln!(
                     "ringzero gpu-check: collectives on device buffers, {ranks} processes, {}...",
                     match mode {

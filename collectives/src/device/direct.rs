@@ -210,12 +210,14 @@ impl Direct {
             DevBufs::One { buf, .. } => (buf, buf),
         };
         let part = part(coll, self.ranks, self.rank, count, in_place).filter(|_| count > 0);
+        let mut clock = Clock::start();
         // Step 1.
         let mut entry = Entry::zeroed();
         entry.fp = fp;
         if let Some((read, written)) = part.as_ref().and(roles(coll, self.rank, in_place)) {
             // Peers may read this rank's input and write its output from now on.
             self.drain(stream, call, "the work queued before the call")?;
+            clock.lap("drain");
             let shared = (|| -> std::result::Result<(), String> {
                 if read {
                     entry.src = stream.share(src).map_err(|e| e.to_string())?;
@@ -232,8 +234,10 @@ impl Direct {
                 Err(why) => entry.note = note(&format!("rank {}: {why}", self.rank)),
             }
         }
+        clock.lap("share");
         self.board.enter(seq, &entry);
         self.wait(call, 1, "enter the call")?;
+        clock.lap("step 1");
         let entries: Vec<Entry> = (0..self.ranks).map(|q| self.board.entry(seq, q)).collect();
         if let Some(q) = (0..self.ranks).find(|&q| entries[q].fp != fp) {
             return Err(Error::Mismatch {
@@ -266,8 +270,10 @@ impl Direct {
                 None
             }
         };
+        clock.lap("open");
         self.board.decide(seq, &verdict);
         self.wait(call, 2, "open the others' buffers")?;
+        clock.lap("step 2");
         if let Some(q) = (0..self.ranks).find(|&q| self.board.verdict(q).ok == 0) {
             tracing::debug!(target: "ringzero::device", rank = self.rank, seq,
                 "{what}: the ring, not direct: {}", note_text(&self.board.verdict(q).note));
@@ -287,9 +293,14 @@ impl Direct {
                 source: e,
             },
         )?;
+        clock.lap("launch");
         self.drain(stream, call, "the direct step")?;
+        clock.lap("kernel");
         self.board.done(seq);
         self.wait(call, 3, "finish writing into this rank's buffers")?;
+        clock.lap("step 3");
+        tracing::trace!(target: "ringzero::direct", rank = self.rank, seq,
+            "{what}: {} elements per part, µs {}", part.elems, clock.laps);
         let to_peers = part.outs.iter().filter(|p| p.rank != self.rank).count();
         Ok(Some((to_peers * need) as u64))
     }
@@ -413,7 +424,7 @@ impl Direct {
             source: e,
         };
         let m = stream.mark().map_err(dev)?;
-        let (start, mut waiter) = (Instant::now(), Waiter::backoff());
+        let (start, mut waiter) = (Instant::now(), Waiter::device());
         while !stream.done(&m).map_err(dev)? {
             if start.elapsed() >= call.timeout {
                 return Err(Error::Timeout {
@@ -428,6 +439,36 @@ impl Direct {
             waiter.idle(call.timeout);
         }
         Ok(())
+    }
+}
+
+/// Where a direct call spends its time, for `RINGZERO_LOG=ringzero::direct=trace`: microseconds
+/// per phase, measured only when that level is on.
+struct Clock {
+    last: Option<Instant>,
+    laps: String,
+}
+
+impl Clock {
+    fn start() -> Clock {
+        let on = tracing::enabled!(target: "ringzero::direct", tracing::Level::TRACE);
+        Clock {
+            last: on.then(Instant::now),
+            laps: String::new(),
+        }
+    }
+
+    fn lap(&mut self, phase: &str) {
+        use std::fmt::Write;
+        if let Some(last) = &mut self.last {
+            let now = Instant::now();
+            let _ = write!(
+                self.laps,
+                " {phase} {:.1}",
+                (now - *last).as_secs_f64() * 1e6
+            );
+            *last = now;
+        }
     }
 }
 

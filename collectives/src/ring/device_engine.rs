@@ -161,7 +161,7 @@ unsafe fn run_ops<S: Stream>(
 ) -> Result<()> {
     let what = call.fp.to_string();
     let mut pending: VecDeque<Pending<S::Marker>> = VecDeque::new();
-    let mut waiter = Waiter::backoff();
+    let mut waiter = Waiter::device();
     for op in &call.plan.ops {
         // SAFETY: forwarded from the caller.
         unsafe {

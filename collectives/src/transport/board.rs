@@ -337,7 +337,7 @@ impl Board {
         mut check: impl FnMut() -> Result<()>,
     ) -> std::result::Result<(), Stall> {
         let want = Self::phase(seq, step);
-        let mut waiter = super::wait::Waiter::backoff();
+        let mut waiter = super::wait::Waiter::device();
         let (mut last, mut health) = (Instant::now(), Instant::now());
         let mut missing = 0;
         loop {

@@ -21,10 +21,17 @@ const YIELD_FOR: Duration = Duration::from_micros(200);
 const NAP: Duration = Duration::from_micros(50);
 const POLL_CAP: Duration = Duration::from_millis(10);
 
+/// How long a [`Waiter::device`] yields before it naps: a kernel over hundreds of MiB runs for
+/// hundreds of microseconds, and a nap overshoots by its timer slack (50 µs or more), which on a
+/// one-kernel collective is time the caller sees. Yielding still gives the core to any rank
+/// that shares it.
+const DEVICE_YIELD_FOR: Duration = Duration::from_millis(5);
+
 /// Sleeps between attempts; see the module docs.
 pub struct Waiter {
     poll: Option<(Poll, Events)>,
     idle_since: Option<Instant>,
+    yield_for: Duration,
 }
 
 impl Waiter {
@@ -44,6 +51,7 @@ impl Waiter {
         Ok(Waiter {
             poll,
             idle_since: None,
+            yield_for: YIELD_FOR,
         })
     }
 
@@ -53,6 +61,17 @@ impl Waiter {
         Waiter {
             poll: None,
             idle_since: None,
+            yield_for: YIELD_FOR,
+        }
+    }
+
+    /// A waiter for one piece of device work, or for peers finishing theirs (the direct step):
+    /// as [`Waiter::backoff`], but yielding for milliseconds before it naps, so a wait on a
+    /// kernel ends within microseconds of the kernel.
+    pub fn device() -> Waiter {
+        Waiter {
+            yield_for: DEVICE_YIELD_FOR,
+            ..Waiter::backoff()
         }
     }
 
@@ -70,7 +89,7 @@ impl Waiter {
         let idle = self.idle_since.get_or_insert_with(Instant::now).elapsed();
         if idle < SPIN_FOR {
             std::hint::spin_loop();
-        } else if idle < YIELD_FOR {
+        } else if idle < self.yield_for {
             std::thread::yield_now();
         } else {
             std::thread::sleep(NAP.min(max));

@@ -242,33 +242,51 @@ __device__ __forceinline__ void gather_body(Ptrs8 ins, u32 nin, Ptrs8 outs, u32 
     const u64 first = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     const u64 stride = (u64)gridDim.x * blockDim.x;
     u64 any = 0;
-    for (u32 k = 0; k < nin; ++k) any |= ins.p[k];
-    for (u32 j = 0; j < nout; ++j) any |= outs.p[j];
+#pragma unroll
+    for (u32 k = 0; k < 8; ++k) any |= (k < nin ? ins.p[k] : 0) | (k < nout ? outs.p[k] : 0);
     u64 done = 0;
     if ((any & 15) == 0) {
         const u64 vecs = n / per;
         for (u64 v = first; v < vecs; v += stride) {
-            Vec16 r = ((const Vec16 *)ins.p[0])[v];
-            T *rs = (T *)&r;
-            for (u32 k = 1; k < nin; ++k) {
-                Vec16 x = ((const Vec16 *)ins.p[k])[v];
-                const T *xs = (const T *)&x;
+            // Every load is issued before the first is used (unrolled over the 8 slots with
+            // constant indices, which also keeps the pointers in registers, not a local copy of
+            // the parameter), so one thread has all of its inputs in flight at once.
+            Vec16 x[8];
 #pragma unroll
-                for (u64 e = 0; e < per; ++e) rs[e] = apply<T, Op>(rs[e], xs[e]);
+            for (u32 k = 0; k < 8; ++k)
+                if (k < nin) x[k] = ((const Vec16 *)ins.p[k])[v];
+            T *rs = (T *)&x[0];
+#pragma unroll
+            for (u32 k = 1; k < 8; ++k) {
+                if (k < nin) {
+                    const T *xs = (const T *)&x[k];
+#pragma unroll
+                    for (u64 e = 0; e < per; ++e) rs[e] = apply<T, Op>(rs[e], xs[e]);
+                }
             }
             if (ranks) {
 #pragma unroll
                 for (u64 e = 0; e < per; ++e) rs[e] = divided<T, D>(rs[e], ranks);
             }
-            for (u32 j = 0; j < nout; ++j) ((Vec16 *)outs.p[j])[v] = r;
+#pragma unroll
+            for (u32 j = 0; j < 8; ++j)
+                if (j < nout) ((Vec16 *)outs.p[j])[v] = x[0];
         }
         done = vecs * per;
     }
     for (u64 i = done + first; i < n; i += stride) {
-        T r = ((const T *)ins.p[0])[i];
-        for (u32 k = 1; k < nin; ++k) r = apply<T, Op>(r, ((const T *)ins.p[k])[i]);
+        T x[8];
+#pragma unroll
+        for (u32 k = 0; k < 8; ++k)
+            if (k < nin) x[k] = ((const T *)ins.p[k])[i];
+        T r = x[0];
+#pragma unroll
+        for (u32 k = 1; k < 8; ++k)
+            if (k < nin) r = apply<T, Op>(r, x[k]);
         if (ranks) r = divided<T, D>(r, ranks);
-        for (u32 j = 0; j < nout; ++j) ((T *)outs.p[j])[i] = r;
+#pragma unroll
+        for (u32 j = 0; j < 8; ++j)
+            if (j < nout) ((T *)outs.p[j])[i] = r;
     }
 }
 
