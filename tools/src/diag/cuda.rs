@@ -513,11 +513,22 @@ fn staging(name: &str, a: usize) -> Result<ProbeResult, String> {
     let d2h = g
         .time(3, || unsafe { g.copy_at(hp, dp2, COPY_BYTES) })
         .map_err(e)?;
+    // Both ways at once, as host staging moves bytes: into `dev` from a second pinned buffer
+    // while `dev2` goes out to `host` (checked again below).
+    let mut other = vec![0u8; COPY_BYTES];
+    // SAFETY: as for `host`; `reg2` drops before `other`.
+    let reg2 =
+        unsafe { raw::HostRegistration::new(&g, other.as_mut_ptr(), COPY_BYTES) }.map_err(e)?;
+    let hp2 = reg2.device_ptr(other.as_ptr()).map_err(e)?;
+    // SAFETY: four distinct live ranges of COPY_BYTES; the call drains both streams.
+    let both = unsafe { g.time_both_ways(dp, hp2, hp, dp2, COPY_BYTES, 3) }.map_err(e)?;
+    drop(reg2);
     drop(reg);
     let bad_out = mismatch(2000, &host).map(|b| format!("cuda:{a} → host: {b}"));
-    let (i, o) = (
+    let (i, o, b) = (
         COPY_BYTES as f64 / (h2d * 1e-3) / 1e9,
         COPY_BYTES as f64 / (d2h * 1e-3) / 1e9,
+        COPY_BYTES as f64 / (both * 1e-3) / 1e9,
     );
     let gbs = Some(i.min(o));
     Ok(match bad_in.or(bad_out) {
@@ -527,7 +538,7 @@ fn staging(name: &str, a: usize) -> Result<ProbeResult, String> {
             ProbeStatus::OK,
             gbs,
             format!(
-                "pinned host → cuda:{a} {i:.1} GB/s, cuda:{a} → host {o:.1} GB/s; {} MiB each way, every byte checked",
+                "pinned host → cuda:{a} {i:.1} GB/s, cuda:{a} → host {o:.1} GB/s, both at once {b:.1} GB/s each way; {} MiB each way, every byte checked",
                 COPY_BYTES >> 20
             ),
         ),

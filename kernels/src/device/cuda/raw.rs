@@ -684,6 +684,53 @@ impl Gpu {
         .map_err(driver("copying between devices"))
     }
 
+    /// Milliseconds per pair of copies of `bytes` running at once, one each way across the
+    /// host link: `from_host → to_dev` on the compute stream and `from_dev → to_host` on the copy
+    /// stream (one untimed pair first, then `reps`, timed on the host clock from idle streams to
+    /// both drained). What host staging moves, since its ranks send and receive at once: a PCIe
+    /// link gives each direction less while the other runs than either alone.
+    ///
+    /// # Safety
+    /// The four ranges must be live device-addressable memory (device, or mapped pinned host) of
+    /// `bytes` bytes until this returns, and must not overlap.
+    pub unsafe fn time_both_ways(
+        &self,
+        to_dev: DevPtr,
+        from_host: DevPtr,
+        to_host: DevPtr,
+        from_dev: DevPtr,
+        bytes: usize,
+        reps: usize,
+    ) -> Result<f64, DeviceError> {
+        self.check()?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(driver("binding the context"))?;
+        let sync = || -> Result<(), DeviceError> {
+            self.stream.synchronize().map_err(driver("synchronizing"))?;
+            self.copy.synchronize().map_err(driver("synchronizing"))
+        };
+        let pair = || -> Result<(), DeviceError> {
+            // SAFETY: the caller guarantees the four ranges until this function returns, and
+            // it drains both streams before returning; both streams belong to this context.
+            unsafe {
+                result::memcpy_dtod_async(to_dev, from_host, bytes, self.stream.cu_stream())
+                    .map_err(driver("copying host to device"))?;
+                result::memcpy_dtod_async(to_host, from_dev, bytes, self.copy.cu_stream())
+                    .map_err(driver("copying device to host"))
+            }
+        };
+        sync()?;
+        pair()?;
+        sync()?;
+        let start = std::time::Instant::now();
+        for _ in 0..reps.max(1) {
+            pair()?;
+        }
+        sync()?;
+        Ok(start.elapsed().as_secs_f64() * 1e3 / reps.max(1) as f64)
+    }
+
     /// Host bytes into device memory at `dst` (waits).
     ///
     /// # Safety
