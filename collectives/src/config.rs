@@ -28,11 +28,32 @@ pub const DEFAULT_SLICE_BYTES: usize = 512 * 1024;
 /// 512 KiB slices, 25 with 4 MiB and 77 with 16 MiB (no MPS), and 195 with 4 MiB, 294 with 16 MiB
 /// and 330 with 64 MiB under MPS (docs/gpu-verification.md).
 pub const DEFAULT_GPU_SLICE_BYTES: usize = 16 << 20;
-/// The same when `RINGZERO_P2P_DISABLE=1` stages every device edge inside a node through
-/// `/dev/shm` (slots × slice bytes of it per edge, page-locked): a smaller slice keeps that within a
-/// container's 64 MB default. Host staging ran at 11–13 GB/s busbw with 4 MiB slices (2 processes,
-/// 4 to 256 MiB): the PCIe link bounds it, not the per-slice costs.
+/// The same when `RINGZERO_P2P_DISABLE=1` (or a failed start-up probe) stages every device edge
+/// inside a node through `/dev/shm`, which takes slots × slice bytes of it per edge, page-locked.
+/// Larger slices run faster: on an H100 with 2 processes under MPS, all-reduce busbw at 256 MiB
+/// was 13.5 GB/s with 1 MiB slices, 15.6 with 4 MiB and 17.7 with 16 MiB (4 processes: 7.9, 8.6,
+/// 10.2). So staging takes [`LARGE_GPU_STAGED_SLICE_BYTES`] when every rank's shm directory has
+/// room for twice what the communicator's FIFOs need at that size, and this otherwise (a
+/// container's default /dev/shm is often 64 MB); see [`staged_slice_bytes`].
 pub const DEFAULT_GPU_STAGED_SLICE_BYTES: usize = 4 << 20;
+/// Host staging's slice where the shm directory has room (see [`DEFAULT_GPU_STAGED_SLICE_BYTES`]).
+pub const LARGE_GPU_STAGED_SLICE_BYTES: usize = 16 << 20;
+
+/// Host staging's slice for a communicator of `ranks` ranks with `slots` slots per link, when
+/// the emptiest shm directory among its ranks has `room` bytes free: the large slice when `room`
+/// holds every rank's receive FIFO at that size twice over (ranks of other jobs and later
+/// communicators need some too), else the default.
+pub fn staged_slice_bytes(room: u64, ranks: usize, slots: usize) -> usize {
+    let need = (ranks as u64)
+        .saturating_mul(slots as u64)
+        .saturating_mul(LARGE_GPU_STAGED_SLICE_BYTES as u64);
+    if room / 2 >= need {
+        LARGE_GPU_STAGED_SLICE_BYTES
+    } else {
+        DEFAULT_GPU_STAGED_SLICE_BYTES
+    }
+}
+
 /// Default slots per link (at least 2: see the ring schedule's deadlock test).
 pub const DEFAULT_SLOTS: usize = 4;
 /// Default TCP connections per ring edge.
@@ -785,6 +806,20 @@ mod tests {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
         Config::from_lookup(&|k| m.get(k).cloned())
+    }
+
+    #[test]
+    fn staging_takes_large_slices_only_where_every_shm_dir_has_room_twice_over() {
+        let (small, large) = (DEFAULT_GPU_STAGED_SLICE_BYTES, LARGE_GPU_STAGED_SLICE_BYTES);
+        let mib = 1u64 << 20;
+        // 2 ranks × 4 slots × 16 MiB = 128 MiB of FIFOs: 256 MiB free is enough, a byte less not.
+        assert_eq!(staged_slice_bytes(256 * mib, 2, 4), large);
+        assert_eq!(staged_slice_bytes(256 * mib - 1, 2, 4), small);
+        // A container's default 64 MB /dev/shm, an unreadable directory (0), many ranks.
+        assert_eq!(staged_slice_bytes(64_000_000, 2, 4), small);
+        assert_eq!(staged_slice_bytes(0, 2, 4), small);
+        assert_eq!(staged_slice_bytes(64 << 30, 8, 4), large);
+        assert_eq!(staged_slice_bytes(u64::MAX, usize::MAX, usize::MAX), small);
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! [`DeviceComm`]: collectives on device buffers, set up through a host [`Communicator`].
 //!
 //! Set-up, all of it over the host communicator's own collectives (every rank takes part):
-//! 1. every rank all-gathers a [`DeviceInfo`] record (its device's UUID, name, pid);
+//! 1. every rank all-gathers a [`DeviceInfo`] record (its device's UUID, name, pid, and the free
+//!    space of its shm directory);
 //! 2. each rank chooses the transport of the edge it *receives* on ([`topology::choose_device`]),
 //!    creates that FIFO (an shm staging segment mapped into its device, or device slots from
 //!    `cuMemAlloc` with an shm control block) and all-gathers a [`ConnectInfo`] record;
@@ -52,8 +53,10 @@ pub struct DeviceInfo {
     pub pid: u32,
     /// Device name (`cuda:0`, `host`), NUL-padded.
     pub name: [u8; 24],
+    /// Bytes free in the rank's shm directory (host staging sizes its slots by the least).
+    pub shm_free: u64,
 }
-const _: () = assert!(std::mem::size_of::<DeviceInfo>() == 48);
+const _: () = assert!(std::mem::size_of::<DeviceInfo>() == 56);
 
 /// How to attach to a rank's receive FIFO (fixed size, all-gathered).
 #[derive(Clone, Copy, Pod, Zeroable)]
@@ -174,6 +177,8 @@ pub(super) struct Core<S: Stream> {
     /// Some rank's start-up probe failed, so some edge is rebuilt as host staging: every rank
     /// slices as `RINGZERO_P2P_DISABLE=1` does, so that edge's slots in `/dev/shm` stay small.
     staged_fallback: bool,
+    /// The least free space in any rank's shm directory at set-up (sizes host staging's slots).
+    shm_room: u64,
     state: Mutex<DevState>,
     /// The last calls, dumped when the communicator fails or closes.
     flight: Recorder,
@@ -197,6 +202,7 @@ impl<S: Stream> DeviceComm<S> {
             edges: Vec::new(),
             direct_why: None,
             staged_fallback: false,
+            shm_room: 0,
             state: Mutex::new(DevState::new(None)),
         };
         if size > 1 {
@@ -355,8 +361,12 @@ impl<S: Stream> Core<S> {
             has_uuid: self.stream.identity().is_some() as u32,
             pid: std::process::id(),
             name: text(&self.stream.name()),
+            shm_free: rustix::fs::statvfs(&self.cfg.shm_dir)
+                .map(|s| s.f_bavail.saturating_mul(s.f_frsize))
+                .unwrap_or(0),
         };
         let infos: Vec<DeviceInfo> = comm.all_gather_records(&me)?;
+        self.shm_room = infos.iter().map(|i| i.shm_free).min().unwrap_or(0);
         let p = &infos[prev];
         let host_edges = comm.edges();
         let host_recv = host_edges
@@ -589,12 +599,12 @@ impl<S: Stream> Core<S> {
 
     /// Bytes of one slot of this rank's device edges: the configured device slice, else the
     /// stream's choice (capped as for host staging when P2P is disabled or some edge fell back
-    /// to it), else the host slice; rounded up to 64 bytes.
+    /// to it: [`crate::config::staged_slice_bytes`]), else the host slice; rounded up to 64 bytes.
     /// Every rank must come to the same figure (their plans slice alike), so it depends on the
-    /// configuration, the kind of device and the all-gathered probe findings only, never on one
-    /// edge's transport.
+    /// configuration, the kind of device and what was all-gathered (probe findings, the least
+    /// free shm space) only, never on one edge's transport.
     fn slot_bytes(&self) -> usize {
-        let staged = crate::config::DEFAULT_GPU_STAGED_SLICE_BYTES;
+        let staged = crate::config::staged_slice_bytes(self.shm_room, self.size, self.cfg.slots);
         self.cfg
             .device_slice_bytes
             .or_else(|| {
