@@ -4,7 +4,9 @@
 //! (edge-triggered: the engine only sleeps after a read or write returned `WouldBlock`, so no
 //! readiness is ever missed). Otherwise (shared memory on at least one side) it backs off by time
 //! since the last progress: spin 20 µs, yield until 200 µs, then nap 50 µs at a time, so ranks sharing
-//! a core give way to each other and an idle rank costs almost nothing.
+//! a core give way to each other and an idle rank costs almost nothing. Waits paced by a device
+//! ([`Waiter::device`]: a kernel, or peers finishing theirs) yield for 5 ms before napping, since a
+//! nap's overshoot would land on every long kernel's collective.
 //! Every sleep is short (≤ 10 ms) so the engine can check deadlines and peer health.
 
 use std::time::{Duration, Instant};
