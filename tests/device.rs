@@ -342,12 +342,13 @@ fn bad_device_calls_are_refused_and_mismatched_calls_name_both() {
 /// The host stream, except that once `hang` is set every copy it is given never completes: what
 /// a peer write through a broken P2P path looks like to the engine (the driver accepts the copy,
 /// its event never fires). With `refuse_share` it cannot share its buffers (as a GPU cannot
-/// share memory from a stream-ordered pool).
+/// share memory from a stream-ordered pool). It counts the copy pairs the engine queues.
 pub(crate) struct HangingCopies {
     pub(crate) inner: HostStream,
     pub(crate) hang: bool,
     pub(crate) hung: std::sync::atomic::AtomicBool,
     pub(crate) refuse_share: bool,
+    pub(crate) pairs: std::sync::atomic::AtomicUsize,
 }
 
 impl ringzero::Stream for HangingCopies {
@@ -390,6 +391,27 @@ impl ringzero::Stream for HangingCopies {
         }
         // SAFETY: forwarded contract.
         unsafe { self.inner.copy(dst, src, bytes) }
+    }
+    unsafe fn copy_pair(
+        &self,
+        a: u64,
+        a_src: u64,
+        a_bytes: usize,
+        b: u64,
+        b_also: Option<u64>,
+        b_src: u64,
+        b_bytes: usize,
+    ) -> Result<(), ringzero::device::DeviceError> {
+        if self.hang {
+            self.hung.store(true, std::sync::atomic::Ordering::SeqCst);
+            return Ok(());
+        }
+        self.pairs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        // SAFETY: forwarded contract.
+        unsafe {
+            self.inner
+                .copy_pair(a, a_src, a_bytes, b, b_also, b_src, b_bytes)
+        }
     }
     fn mark(&self) -> Result<(u64, bool), ringzero::device::DeviceError> {
         Ok((
@@ -474,6 +496,7 @@ fn a_probe_copy_that_never_completes_fails_set_up_on_every_rank_naming_the_stuck
             hang: rank == 1,
             hung: Default::default(),
             refuse_share: false,
+            pairs: Default::default(),
         };
         match DeviceComm::new(&comm, stream) {
             Ok(_) => panic!("rank {rank}: set-up succeeded over a stuck copy"),
@@ -639,5 +662,62 @@ fn async_device_calls_refuse_bad_arguments_and_report_mismatches() {
         assert!(e.to_string().contains("all_reduce"), "rank {rank}: {e}");
         let later = dc.all_reduce_async(vec![1.0f32; 10], ReduceOp::Sum).wait();
         assert!(later.is_err(), "rank {rank}: a call after the failure ran");
+    });
+}
+
+/// A slice's last receive and the next slice's first send are queued as one piece of work
+/// (`Stream::copy_pair`) whenever a slot at the next rank is free at once, so a link staged in
+/// host memory carries both directions at once: an all-reduce on 2 ranks pairs some, with exact
+/// results, and a reduce-scatter (no receive-only step) never does.
+#[test]
+fn a_slices_last_receive_and_the_next_slices_first_send_are_queued_together() {
+    let o = Opts {
+        slice_bytes: 1024,
+        ..Opts::default()
+    };
+    threads(2, &o, |rank, comm| {
+        let comm = comm.unwrap();
+        let stream = HangingCopies {
+            inner: HostStream::new(),
+            hang: false,
+            hung: Default::default(),
+            refuse_share: false,
+            pairs: Default::default(),
+        };
+        let mut dc = DeviceComm::new(&comm, stream).unwrap();
+        let count = 20_000; // f32: 10 slices of 1 KiB per chunk
+        let send: Vec<f32> = (0..count).map(|i| (i % 97 + rank) as f32).collect();
+        let mut run = |coll: Collective, out: &mut [f32]| {
+            let bufs = ringzero::ring::device_engine::DevBufs::Split {
+                input: send.as_ptr() as u64,
+                input_bytes: send.len() * 4,
+                output: out.as_mut_ptr() as u64,
+                output_bytes: out.len() * 4,
+            };
+            // SAFETY: both are live host memory of the lengths given (the host stream's
+            // addresses), untouched until the call returns.
+            unsafe { dc.run_raw(coll, DType::F32, ReduceOp::Sum, count, bufs) }.unwrap();
+            dc.stream().pairs.load(std::sync::atomic::Ordering::SeqCst)
+        };
+        let mut out = vec![0f32; count];
+        let pairs = run(Collective::AllReduce, &mut out);
+        for (i, x) in out.iter().enumerate() {
+            assert_eq!(*x, (2 * (i % 97) + 1) as f32, "rank {rank}: element {i}");
+        }
+        assert!(pairs > 0, "rank {rank}: no copy pair queued");
+        let mut part = vec![0f32; count / 2];
+        let after = run(Collective::ReduceScatter, &mut part);
+        let base = rank * count / 2;
+        for (i, x) in part.iter().enumerate() {
+            assert_eq!(
+                *x,
+                (2 * ((base + i) % 97) + 1) as f32,
+                "rank {rank}: element {i}"
+            );
+        }
+        assert_eq!(
+            after, pairs,
+            "rank {rank}: a reduce-scatter has no receive-only step to pair"
+        );
     });
 }

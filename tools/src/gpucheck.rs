@@ -119,7 +119,10 @@ pub fn checks(gpu: &Gpu) -> Vec<Row> {
         }
     }
     for d in dtypes {
-        rows.push(row(format!("combine2/copy2 {d}"), two_destinations(gpu, d)));
+        rows.push(row(
+            format!("combine2/copy2/copy_pair {d}"),
+            two_destinations(gpu, d),
+        ));
         rows.push(row(format!("gather {d}"), gather_check(gpu, d)));
     }
     rows.push(row(
@@ -155,9 +158,10 @@ pub fn checks(gpu: &Gpu) -> Vec<Row> {
     rows
 }
 
-/// The ring's one-pass kernels: `combine2` (`dst = also = a op b`, every op) and `copy2`
-/// (`dst = also = src`), both destinations poisoned first, on 16-byte-aligned ranges (the vector
-/// path) and on ranges one element in (the element-by-element path).
+/// The ring's one-pass kernels: `combine2` (`dst = also = a op b`, every op), `copy2`
+/// (`dst = also = src`) and `copy_pair` (two unrelated copies, the second to one or two places),
+/// every destination poisoned first, on 16-byte-aligned ranges (the vector path) and on ranges
+/// one element in (the element-by-element path).
 fn two_destinations(gpu: &Gpu, d: DType) -> Result<Option<String>, DeviceError> {
     let es = d.size();
     for (k, &n) in SIZES.iter().enumerate() {
@@ -197,6 +201,52 @@ fn two_destinations(gpu: &Gpu, d: DType) -> Result<Option<String>, DeviceError> 
                     return Ok(Some(format!(
                         "copy2 n={m} from element {skip}: {name}[{i}] differs"
                     )));
+                }
+            }
+            // copy_pair: `a` into one buffer and `b` into two (then into one), in one launch;
+            // the second copy one element shorter so the two ranges differ in length.
+            let mb = m.saturating_sub(1);
+            for with_also in [true, false] {
+                let (x, y, z) = (
+                    poisoned(gpu, d, n)?,
+                    poisoned(gpu, d, n)?,
+                    poisoned(gpu, d, n)?,
+                );
+                // SAFETY: five distinct live buffers of `n` elements; every range starts at
+                // element `skip` and ends inside them; `download` waits for the kernel.
+                unsafe {
+                    gpu.copy_pair_at(
+                        at(&x),
+                        at(&da),
+                        m * es,
+                        at(&y),
+                        with_also.then(|| at(&z)),
+                        at(&db),
+                        mb * es,
+                    )?
+                };
+                let checks = [
+                    ("a", &x, &a, m),
+                    ("b", &y, &b, mb),
+                    ("b_also", &z, &b, if with_also { mb } else { 0 }),
+                ];
+                for (name, buf, want, len) in checks {
+                    let got = download(gpu, buf)?;
+                    let end = (skip + len) * es;
+                    if got[..skip * es]
+                        .iter()
+                        .chain(&got[end..])
+                        .any(|&v| v != 0xA5)
+                    {
+                        return Ok(Some(format!(
+                            "copy_pair n={m}: {name} written outside its range from element {skip}"
+                        )));
+                    }
+                    if let Some(i) = first_diff(&got[skip * es..end], &want[skip * es..end], es) {
+                        return Ok(Some(format!(
+                            "copy_pair n={m} from element {skip}: {name}[{i}] differs"
+                        )));
+                    }
                 }
             }
         }

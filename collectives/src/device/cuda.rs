@@ -63,6 +63,20 @@ impl Stream for Arc<Gpu> {
         unsafe { self.copy2_at(dst, also, src, bytes) }
     }
 
+    unsafe fn copy_pair(
+        &self,
+        a: Addr,
+        a_src: Addr,
+        a_bytes: usize,
+        b: Addr,
+        b_also: Option<Addr>,
+        b_src: Addr,
+        b_bytes: usize,
+    ) -> Result<(), DeviceError> {
+        // SAFETY: forwarded from the caller's contract, which is the kernel's.
+        unsafe { self.copy_pair_at(a, a_src, a_bytes, b, b_also, b_src, b_bytes) }
+    }
+
     unsafe fn divide(
         &self,
         dtype: DType,

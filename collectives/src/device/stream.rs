@@ -104,6 +104,36 @@ pub trait Stream: Send + Sync {
         }
     }
 
+    /// Queue two unrelated copies as one piece of work: `a_bytes` from `a_src` to `a`, and
+    /// `b_bytes` from `b_src` to `b` and, when given, to `b_also`. The ring queues a slice's last
+    /// receive (a slot into the output) and the next slice's first send (a chunk into the next
+    /// rank's slot) this way, so a link staged in host memory carries both directions at once
+    /// instead of one after the other. By default the copies run one after the other; a device
+    /// may do them in one pass.
+    ///
+    /// # Safety
+    /// As for [`Stream::copy`], for every range; no written range overlaps any other.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn copy_pair(
+        &self,
+        a: Addr,
+        a_src: Addr,
+        a_bytes: usize,
+        b: Addr,
+        b_also: Option<Addr>,
+        b_src: Addr,
+        b_bytes: usize,
+    ) -> Result<(), DeviceError> {
+        // SAFETY: the caller's contract covers every copy.
+        unsafe {
+            self.copy(a, a_src, a_bytes)?;
+            match b_also {
+                Some(also) => self.copy2(b, also, b_src, b_bytes),
+                None => self.copy(b, b_src, b_bytes),
+            }
+        }
+    }
+
     /// Queue `dst[..n] /= ranks`.
     ///
     /// # Safety

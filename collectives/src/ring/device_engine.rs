@@ -162,19 +162,22 @@ unsafe fn run_ops<S: Stream>(
     let what = call.fp.to_string();
     let mut pending: VecDeque<Pending<S::Marker>> = VecDeque::new();
     let mut waiter = Waiter::device();
-    for op in &call.plan.ops {
+    let ops = &call.plan.ops;
+    let mut i = 0;
+    while i < ops.len() {
+        let mut w = Work {
+            stream,
+            links: &mut *links,
+            call,
+            bufs: &bufs,
+            what: &what,
+            pending: &mut pending,
+            waiter: &mut waiter,
+        };
         // SAFETY: forwarded from the caller.
-        unsafe {
-            run_op(
-                stream,
-                links,
-                call,
-                op,
-                &bufs,
-                &what,
-                &mut pending,
-                &mut waiter,
-            )?
+        i += match ops.get(i + 1).filter(|b| pairs(&ops[i], b)) {
+            Some(b) => unsafe { w.run_pair(&ops[i], b) }?,
+            None => unsafe { w.run_op(&ops[i]) }.map(|()| 1)?,
         };
     }
     // Drain: every marker completes, every frame is posted (and has left this process: tcp
@@ -249,202 +252,329 @@ fn retire<S: Stream>(
     Ok(any)
 }
 
-#[allow(clippy::too_many_arguments)]
-unsafe fn run_op<S: Stream>(
-    stream: &S,
-    links: &mut DevLinks,
-    call: &Call,
-    op: &Op,
-    bufs: &DevBufs,
-    what: &str,
-    pending: &mut VecDeque<Pending<S::Marker>>,
-    waiter: &mut Waiter,
-) -> Result<()> {
-    let es = call.dtype.size();
-    let bytes = op.elems * es;
-    let (in_seq, in_fp) = call.expected();
-    let expect = Expect {
-        seq: in_seq,
-        step: op.step.wrapping_sub(1),
-        slice: op.slice,
-        fp: in_fp,
-        len: bytes,
-    };
-    let (prev, next, seq, rank) = (links.prev, links.next, call.seq, call.rank);
-    let rx_err = |e| link_err(e, what, in_seq, prev, rank, Some(&in_fp));
-    let tx_err = |e| link_err(e, what, seq, next, rank, Some(&call.fp));
-    if op.send && bytes > links.tx.slot_bytes() {
-        return Err(Error::InvalidArgument {
-            op: what.into(),
-            msg: format!(
-                "a slice of {bytes} bytes exceeds the {}-byte device slot",
-                links.tx.slot_bytes()
-            ),
-        });
+/// Whether ops `a` and `b` (adjacent in the plan) are a slice's last receive — a frame copied
+/// into the output, nothing sent — and the next slice's first send — a local chunk into the next
+/// rank's slot, nothing received. Their copies are unrelated, so they can be queued as one piece
+/// of work ([`Stream::copy_pair`]): on a link staged in host memory the first is host→device and
+/// the second device→host, and one after the other they would leave each direction idle half
+/// the time (all-reduce and in-place all-gather on 2 ranks are mostly such steps).
+fn pairs(a: &Op, b: &Op) -> bool {
+    a.recv
+        && !a.send
+        && a.local.is_none()
+        && a.store.is_some()
+        && !a.finalize
+        && !b.recv
+        && b.send
+        && b.local.is_some()
+        && !b.finalize
+}
+
+/// One call's engine state, borrowed for one op (or pair of ops).
+struct Work<'a, S: Stream> {
+    stream: &'a S,
+    links: &'a mut DevLinks,
+    call: &'a Call<'a>,
+    bufs: &'a DevBufs,
+    what: &'a str,
+    pending: &'a mut VecDeque<Pending<S::Marker>>,
+    waiter: &'a mut Waiter,
+}
+
+impl<S: Stream> Work<'_, S> {
+    /// Refuse a slice larger than the next rank's slots.
+    fn check_slot(&self, op: &Op) -> Result<()> {
+        let bytes = op.elems * self.call.dtype.size();
+        if op.send && bytes > self.links.tx.slot_bytes() {
+            return Err(Error::InvalidArgument {
+                op: self.what.into(),
+                msg: format!(
+                    "a slice of {bytes} bytes exceeds the {}-byte device slot",
+                    self.links.tx.slot_bytes()
+                ),
+            });
+        }
+        Ok(())
     }
 
-    // Wait for the incoming frame and an outgoing slot, retiring finished work meanwhile.
-    let mut last = Instant::now();
-    let mut last_health = Instant::now();
-    let mut incoming: Option<Addr> = None;
-    let mut slot: Option<Addr> = None;
-    loop {
-        let mut moved = retire(stream, links, call, what, pending)?;
-        moved |= links.tx.progress().map_err(tx_err)?;
-        if op.recv && incoming.is_none() {
-            incoming = links.rx.peek(&expect).map_err(rx_err)?;
-            moved |= incoming.is_some();
-        }
-        let have_in = !op.recv || incoming.is_some();
-        if op.send && have_in && slot.is_none() {
-            slot = links.tx.reserve().map_err(tx_err)?;
-            moved |= slot.is_some();
-        }
-        if have_in && (!op.send || slot.is_some()) {
-            break;
-        }
-        let now = Instant::now();
-        if moved {
-            last = now;
-            waiter.progressed();
-            continue;
-        }
-        if now.duration_since(last) >= call.timeout {
-            return Err(op_timeout(
-                call,
-                what,
-                &expect,
-                have_in,
-                prev,
-                next,
-                "device slot",
-            ));
-        }
-        if now.duration_since(last_health) >= HEALTH_EVERY {
-            last_health = now;
-            call.abort.check(call)?;
-            links.rx.health().map_err(rx_err)?;
-            links.tx.health().map_err(tx_err)?;
-        }
-        waiter.idle(call.timeout);
-    }
-    waiter.progressed();
-
-    // Queue the arithmetic.
-    let plan = call.plan;
-    let at = |loc: &Loc| -> Addr {
-        let start = match *bufs {
+    /// The device address of `loc` in the caller's buffers.
+    fn at(&self, loc: &Loc) -> Addr {
+        let plan = self.call.plan;
+        let start = match *self.bufs {
             DevBufs::Split { input, output, .. } => match loc.buf {
                 super::schedule::Buf::Input => input,
                 super::schedule::Buf::Output => output,
             },
             DevBufs::One { buf, .. } => buf,
         };
-        start + ((loc.range.start - base(plan, loc.buf)) * es) as u64
-    };
-    let local = op.local.as_ref().map(at);
-    let store = op.store.as_ref().map(at);
-    // Explicit-copy staging: a kernel never touches a host slot. An incoming slot a kernel
-    // combines from is first copied to device scratch; a combine whose result only goes to the
-    // next rank writes device scratch, which is then copied into the slot. (Plain copies to or
-    // from a slot are copies already.)
-    let stage_in = match (incoming, local) {
-        (Some(sl), Some(_)) => links.rx.scratch(sl),
-        _ => None,
-    };
-    let stage_out = match (incoming, local, store, slot) {
-        (Some(_), Some(_), None, Some(sl)) => links.tx.scratch(sl),
-        _ => None,
-    };
-    let finalize = op.finalize && call.op == ReduceOp::Avg && call.n > 1;
-    let dev = |e| Error::Device {
-        context: format!("{what} seq {seq}: queueing work on {}", stream.name()),
-        source: e,
-    };
-    // SAFETY (all queued work below): the user's ranges come from the caller's contract and
-    // `check_sizes`; `incoming` is a slot this rank holds until the work's marker completes;
-    // `slot` is reserved at the next rank and published only after the marker completes; the
-    // scratch of a slot is the link's own device memory, one slot's worth per slot, used only
-    // by the work of the op holding that slot (the same rules keep it free). A
-    // combine writes to `store` or `slot`, never to an operand it only reads, except in place
-    // where `store == local` exactly (the kernel reads each element before writing it). The
-    // one-pass forms write `store` and `slot`, which never overlap: one is the caller's buffer,
-    // the other the link's memory.
-    unsafe {
-        match (incoming, local) {
-            (Some(b), Some(a)) => {
-                let b = match stage_in {
-                    Some(scr) => {
-                        stream.copy(scr, b, bytes).map_err(dev)?;
-                        links.counters.bytes_staged += bytes as u64;
-                        scr
-                    }
-                    None => b,
-                };
-                let dst = store.or(stage_out).or(slot);
-                // Kept and sent: one pass writes both, unless an average must be divided
-                // first or explicit-copy staging keeps kernels off the host slot.
-                let both = match (store, slot) {
-                    (Some(st), Some(sl)) if !finalize && links.tx.scratch(sl).is_none() => {
-                        Some((st, sl))
-                    }
-                    _ => None,
-                };
-                if let Some((st, sl)) = both {
-                    stream
-                        .combine2(call.dtype, call.op, st, sl, a, b, op.elems)
-                        .map_err(dev)?;
-                } else if let Some(dst) = dst {
-                    stream
-                        .combine(call.dtype, call.op, dst, a, b, op.elems)
-                        .map_err(dev)?;
-                    if finalize {
-                        stream
-                            .divide(call.dtype, dst, op.elems, call.n)
-                            .map_err(dev)?;
-                    }
-                    if let (Some(st), Some(sl)) = (store.or(stage_out), slot) {
-                        stream.copy(sl, st, bytes).map_err(dev)?;
-                        if stage_out.is_some() {
-                            links.counters.bytes_staged += bytes as u64;
-                        }
-                    }
-                }
+        start + ((loc.range.start - base(plan, loc.buf)) * self.call.dtype.size()) as u64
+    }
+
+    /// Run one op: wait for what it needs, queue its work.
+    ///
+    /// # Safety
+    /// As for [`run`].
+    unsafe fn run_op(&mut self, op: &Op) -> Result<()> {
+        self.check_slot(op)?;
+        let (incoming, slot) = self.acquire(op)?;
+        // SAFETY: forwarded from the caller.
+        unsafe { self.queue(op, incoming, slot) }
+    }
+
+    /// Run `a`, and `b` with it as one piece of work when a slot at the next rank is free at
+    /// once (never waiting for one: the slot may be freed only by work `a` releases). Returns
+    /// how many of the two ops ran.
+    ///
+    /// # Safety
+    /// As for [`run`]; [`pairs`]`(a, b)`.
+    unsafe fn run_pair(&mut self, a: &Op, b: &Op) -> Result<usize> {
+        self.check_slot(b)?;
+        let (incoming, _) = self.acquire(a)?;
+        let incoming = incoming.expect("a receiving op waits for its frame");
+        let (next, rank, seq) = (self.links.next, self.call.rank, self.call.seq);
+        let slot = if self.links.rx.scratch(incoming).is_none() {
+            self.links
+                .tx
+                .reserve()
+                .map_err(|e| link_err(e, self.what, seq, next, rank, Some(&self.call.fp)))?
+        } else {
+            None
+        };
+        let Some(sl) = slot.filter(|&sl| self.links.tx.scratch(sl).is_none()) else {
+            // SAFETY: forwarded from the caller.
+            unsafe { self.queue(a, Some(incoming), None) }?;
+            return match slot {
+                // Reserved already (explicit-copy staging): `b` takes that slot.
+                Some(sl) => unsafe { self.queue(b, None, Some(sl)) }.map(|()| 2),
+                None => Ok(1),
+            };
+        };
+        let es = self.call.dtype.size();
+        let (a_bytes, b_bytes) = (a.elems * es, b.elems * es);
+        let a_dst = self.at(a.store.as_ref().expect("pairs: a stores"));
+        let b_src = self.at(b.local.as_ref().expect("pairs: b has a local operand"));
+        let keep = b
+            .store
+            .as_ref()
+            .map(|l| self.at(l))
+            .filter(|&st| st != b_src);
+        let dev = |e| Error::Device {
+            context: format!(
+                "{} seq {seq}: queueing work on {}",
+                self.what,
+                self.stream.name()
+            ),
+            source: e,
+        };
+        // SAFETY: `incoming` is a slot this rank holds and `sl` one reserved at the next rank,
+        // both until the marker below completes; the user's ranges come from the caller's
+        // contract and `check_sizes`. The written ranges — `a`'s place in the output, the
+        // slot, `b`'s kept copy — are the caller's memory or the link's, and `a` and `b` are
+        // different slices, so none overlaps another.
+        unsafe {
+            self.stream
+                .copy_pair(a_dst, incoming, a_bytes, sl, keep, b_src, b_bytes)
+                .map_err(dev)?
+        };
+        let marker = self.stream.mark().map_err(dev)?;
+        self.links.rx.consume();
+        self.links.counters.bytes_received += a_bytes as u64;
+        self.pending.push_back(Pending {
+            marker,
+            post: Some(FrameHeader::data(
+                seq,
+                b.step,
+                b.slice,
+                self.call.fp,
+                b_bytes,
+            )),
+            release: true,
+        });
+        Ok(2)
+    }
+
+    /// Wait for `op`'s incoming frame and outgoing slot, retiring finished work meanwhile.
+    fn acquire(&mut self, op: &Op) -> Result<(Option<Addr>, Option<Addr>)> {
+        let (stream, call, what) = (self.stream, self.call, self.what);
+        let (links, pending, waiter) = (&mut *self.links, &mut *self.pending, &mut *self.waiter);
+        let es = call.dtype.size();
+        let bytes = op.elems * es;
+        let (in_seq, in_fp) = call.expected();
+        let expect = Expect {
+            seq: in_seq,
+            step: op.step.wrapping_sub(1),
+            slice: op.slice,
+            fp: in_fp,
+            len: bytes,
+        };
+        let (prev, next, seq, rank) = (links.prev, links.next, call.seq, call.rank);
+        let rx_err = |e| link_err(e, what, in_seq, prev, rank, Some(&in_fp));
+        let tx_err = |e| link_err(e, what, seq, next, rank, Some(&call.fp));
+
+        // Wait for the incoming frame and an outgoing slot, retiring finished work meanwhile.
+        let mut last = Instant::now();
+        let mut last_health = Instant::now();
+        let mut incoming: Option<Addr> = None;
+        let mut slot: Option<Addr> = None;
+        loop {
+            let mut moved = retire(stream, links, call, what, pending)?;
+            moved |= links.tx.progress().map_err(tx_err)?;
+            if op.recv && incoming.is_none() {
+                incoming = links.rx.peek(&expect).map_err(rx_err)?;
+                moved |= incoming.is_some();
             }
-            (Some(v), None) | (None, Some(v)) => {
-                // Kept and forwarded: one pass reads `v` once, unless explicit-copy staging
-                // keeps kernels off a host slot at either end.
-                let kernels_may = slot.is_some_and(|sl| links.tx.scratch(sl).is_none())
-                    && incoming.is_none_or(|i| links.rx.scratch(i).is_none());
-                let keep = store.filter(|&st| st != v);
-                match (keep, slot) {
-                    (Some(st), Some(sl)) if kernels_may => {
-                        stream.copy2(st, sl, v, bytes).map_err(dev)?;
-                    }
-                    _ => {
-                        if let Some(st) = keep {
-                            stream.copy(st, v, bytes).map_err(dev)?;
-                        }
-                        if let Some(sl) = slot {
-                            stream.copy(sl, v, bytes).map_err(dev)?;
-                        }
-                    }
-                }
+            let have_in = !op.recv || incoming.is_some();
+            if op.send && have_in && slot.is_none() {
+                slot = links.tx.reserve().map_err(tx_err)?;
+                moved |= slot.is_some();
             }
-            (None, None) => {}
+            if have_in && (!op.send || slot.is_some()) {
+                break;
+            }
+            let now = Instant::now();
+            if moved {
+                last = now;
+                waiter.progressed();
+                continue;
+            }
+            if now.duration_since(last) >= call.timeout {
+                return Err(op_timeout(
+                    call,
+                    what,
+                    &expect,
+                    have_in,
+                    prev,
+                    next,
+                    "device slot",
+                ));
+            }
+            if now.duration_since(last_health) >= HEALTH_EVERY {
+                last_health = now;
+                call.abort.check(call)?;
+                links.rx.health().map_err(rx_err)?;
+                links.tx.health().map_err(tx_err)?;
+            }
+            waiter.idle(call.timeout);
         }
+        waiter.progressed();
+        Ok((incoming, slot))
     }
-    let marker = stream.mark().map_err(dev)?;
-    if op.recv {
-        links.rx.consume();
-        links.counters.bytes_received += bytes as u64;
+
+    /// Queue `op`'s work, given its incoming frame and outgoing slot.
+    ///
+    /// # Safety
+    /// As for [`run`]; `incoming` is the frame `op` receives (held), `slot` the slot it sends
+    /// into (reserved).
+    unsafe fn queue(&mut self, op: &Op, incoming: Option<Addr>, slot: Option<Addr>) -> Result<()> {
+        let local = op.local.as_ref().map(|l| self.at(l));
+        let store = op.store.as_ref().map(|l| self.at(l));
+        let (stream, call, what) = (self.stream, self.call, self.what);
+        let (links, pending) = (&mut *self.links, &mut *self.pending);
+        let es = call.dtype.size();
+        let bytes = op.elems * es;
+        let seq = call.seq;
+        // Explicit-copy staging: a kernel never touches a host slot. An incoming slot a kernel
+        // combines from is first copied to device scratch; a combine whose result only goes to the
+        // next rank writes device scratch, which is then copied into the slot. (Plain copies to or
+        // from a slot are copies already.)
+        let stage_in = match (incoming, local) {
+            (Some(sl), Some(_)) => links.rx.scratch(sl),
+            _ => None,
+        };
+        let stage_out = match (incoming, local, store, slot) {
+            (Some(_), Some(_), None, Some(sl)) => links.tx.scratch(sl),
+            _ => None,
+        };
+        let finalize = op.finalize && call.op == ReduceOp::Avg && call.n > 1;
+        let dev = |e| Error::Device {
+            context: format!("{what} seq {seq}: queueing work on {}", stream.name()),
+            source: e,
+        };
+        // SAFETY (all queued work below): the user's ranges come from the caller's contract and
+        // `check_sizes`; `incoming` is a slot this rank holds until the work's marker completes;
+        // `slot` is reserved at the next rank and published only after the marker completes; the
+        // scratch of a slot is the link's own device memory, one slot's worth per slot, used only
+        // by the work of the op holding that slot (the same rules keep it free). A
+        // combine writes to `store` or `slot`, never to an operand it only reads, except in place
+        // where `store == local` exactly (the kernel reads each element before writing it). The
+        // one-pass forms write `store` and `slot`, which never overlap: one is the caller's buffer,
+        // the other the link's memory.
+        unsafe {
+            match (incoming, local) {
+                (Some(b), Some(a)) => {
+                    let b = match stage_in {
+                        Some(scr) => {
+                            stream.copy(scr, b, bytes).map_err(dev)?;
+                            links.counters.bytes_staged += bytes as u64;
+                            scr
+                        }
+                        None => b,
+                    };
+                    let dst = store.or(stage_out).or(slot);
+                    // Kept and sent: one pass writes both, unless an average must be divided
+                    // first or explicit-copy staging keeps kernels off the host slot.
+                    let both = match (store, slot) {
+                        (Some(st), Some(sl)) if !finalize && links.tx.scratch(sl).is_none() => {
+                            Some((st, sl))
+                        }
+                        _ => None,
+                    };
+                    if let Some((st, sl)) = both {
+                        stream
+                            .combine2(call.dtype, call.op, st, sl, a, b, op.elems)
+                            .map_err(dev)?;
+                    } else if let Some(dst) = dst {
+                        stream
+                            .combine(call.dtype, call.op, dst, a, b, op.elems)
+                            .map_err(dev)?;
+                        if finalize {
+                            stream
+                                .divide(call.dtype, dst, op.elems, call.n)
+                                .map_err(dev)?;
+                        }
+                        if let (Some(st), Some(sl)) = (store.or(stage_out), slot) {
+                            stream.copy(sl, st, bytes).map_err(dev)?;
+                            if stage_out.is_some() {
+                                links.counters.bytes_staged += bytes as u64;
+                            }
+                        }
+                    }
+                }
+                (Some(v), None) | (None, Some(v)) => {
+                    // Kept and forwarded: one pass reads `v` once, unless explicit-copy staging
+                    // keeps kernels off a host slot at either end.
+                    let kernels_may = slot.is_some_and(|sl| links.tx.scratch(sl).is_none())
+                        && incoming.is_none_or(|i| links.rx.scratch(i).is_none());
+                    let keep = store.filter(|&st| st != v);
+                    match (keep, slot) {
+                        (Some(st), Some(sl)) if kernels_may => {
+                            stream.copy2(st, sl, v, bytes).map_err(dev)?;
+                        }
+                        _ => {
+                            if let Some(st) = keep {
+                                stream.copy(st, v, bytes).map_err(dev)?;
+                            }
+                            if let Some(sl) = slot {
+                                stream.copy(sl, v, bytes).map_err(dev)?;
+                            }
+                        }
+                    }
+                }
+                (None, None) => {}
+            }
+        }
+        let marker = stream.mark().map_err(dev)?;
+        if op.recv {
+            links.rx.consume();
+            links.counters.bytes_received += bytes as u64;
+        }
+        pending.push_back(Pending {
+            marker,
+            post: op
+                .send
+                .then(|| FrameHeader::data(seq, op.step, op.slice, call.fp, bytes)),
+            release: op.recv,
+        });
+        Ok(())
     }
-    pending.push_back(Pending {
-        marker,
-        post: op
-            .send
-            .then(|| FrameHeader::data(seq, op.step, op.slice, call.fp, bytes)),
-        release: op.recv,
-    });
-    Ok(())
 }

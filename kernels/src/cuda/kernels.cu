@@ -166,6 +166,50 @@ extern "C" __global__ void copy2(u8 *dst, u8 *also, const u8 *src, u64 bytes) {
     }
 }
 
+// Two unrelated copies in one launch: a[..a_bytes] from a_src, and b[..b_bytes] (and `b_also`
+// when it is not null) from b_src. The ring's last all-gather step of a slice (a received slot
+// into the output, host→device when the slot is staged in host memory) and the first step of the
+// next slice (this rank's chunk into the next rank's slot, device→host) run together, so a staged
+// link carries both directions at once instead of one after the other. The threads split the two
+// ranges' 16-byte vectors between them when every address is aligned, else their bytes.
+extern "C" __global__ void copy_pair(u8 *a, const u8 *a_src, u64 a_bytes, u8 *b, u8 *b_also,
+                                     const u8 *b_src, u64 b_bytes) {
+    const u64 first = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    const bool aligned =
+        ((((u64)a | (u64)a_src | (u64)b | (u64)b_also | (u64)b_src) & 15) == 0);
+    const u64 unit = aligned ? sizeof(Vec16) : 1;
+    const u64 na = a_bytes / unit, nb = b_bytes / unit;
+    for (u64 i = first; i < na + nb; i += stride) {
+        if (aligned) {
+            if (i < na) {
+                ((Vec16 *)a)[i] = ((const Vec16 *)a_src)[i];
+            } else {
+                const u64 j = i - na;
+                Vec16 x = ((const Vec16 *)b_src)[j];
+                ((Vec16 *)b)[j] = x;
+                if (b_also) ((Vec16 *)b_also)[j] = x;
+            }
+        } else if (i < na) {
+            a[i] = a_src[i];
+        } else {
+            const u64 j = i - na;
+            u8 x = b_src[j];
+            b[j] = x;
+            if (b_also) b_also[j] = x;
+        }
+    }
+    // The aligned path's tails (fewer than 16 bytes each).
+    if (aligned) {
+        for (u64 i = na * unit + first; i < a_bytes; i += stride) a[i] = a_src[i];
+        for (u64 j = nb * unit + first; j < b_bytes; j += stride) {
+            u8 x = b_src[j];
+            b[j] = x;
+            if (b_also) b_also[j] = x;
+        }
+    }
+}
+
 // dst = dst OP src.
 #define REDUCE(OP, NAME, T)                                                                      \
     extern "C" __global__ void reduce_##NAME##_##T(T *dst, const T *src, u64 n) {                \

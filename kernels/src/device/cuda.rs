@@ -115,6 +115,7 @@ pub fn kernel_names() -> Vec<String> {
         v.push(format!("cast_{a}_{b}"));
     }
     v.push("copy2".to_string());
+    v.push("copy_pair".to_string());
     for t in floats {
         for k in ["scale", "sq_norm", "nonfinite", "adamw"] {
             v.push(format!("{k}_{t}"));

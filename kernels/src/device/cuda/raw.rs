@@ -581,6 +581,45 @@ impl Gpu {
         Ok(())
     }
 
+    /// Queue two unrelated copies in one kernel: `a_bytes` from `a_src` to `a`, and `b_bytes`
+    /// from `b_src` to `b` and, when given, to `b_also` (so a host-staged link carries both
+    /// directions at once).
+    ///
+    /// # Safety
+    /// Every range must be live device-addressable memory of its length until the work
+    /// completes; no written range may overlap any other range.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn copy_pair_at(
+        &self,
+        a: DevPtr,
+        a_src: DevPtr,
+        a_bytes: usize,
+        b: DevPtr,
+        b_also: Option<DevPtr>,
+        b_src: DevPtr,
+        b_bytes: usize,
+    ) -> Result<(), DeviceError> {
+        self.check()?;
+        if a_bytes + b_bytes == 0 {
+            return Ok(());
+        }
+        let f = self.func("copy_pair")?;
+        let (ab, bb, also) = (a_bytes as u64, b_bytes as u64, b_also.unwrap_or(0));
+        let mut l = self.stream.launch_builder(&f);
+        l.arg(&a)
+            .arg(&a_src)
+            .arg(&ab)
+            .arg(&b)
+            .arg(&also)
+            .arg(&b_src)
+            .arg(&bb);
+        // SAFETY: the caller guarantees the ranges; the grid-stride loops stay below each
+        // range's length, and a null `b_also` is never written.
+        unsafe { l.launch(Self::cfg((a_bytes + b_bytes).div_ceil(16))) }
+            .map_err(driver("launching copy_pair"))?;
+        Ok(())
+    }
+
     /// Queue `dst[..n] /= ranks` (the end of an average).
     ///
     /// # Safety
