@@ -12,6 +12,13 @@
 //! `j + 1`'s frame, and up to `slots` frames per link are in flight: copies, kernels and the
 //! neighbours' work on consecutive slices overlap.
 //!
+//! One exception to one op at a time: a slice's last receive (a frame copied into the output,
+//! nothing sent) and the next slice's first send (a local chunk copied into the next rank's slot)
+//! are queued as one piece of work ([`Stream::copy_pair`]) when a slot is free at once. On a link
+//! staged in host memory the first is host→device and the second device→host; queued one after
+//! the other on the one stream, with the neighbours in step, each direction of the PCIe link sat
+//! idle for a third of a 2-rank all-reduce (the H100 run: 74 % of what the link allows).
+//!
 //! Deadlines and peer health are as in the host engine: nothing waits more than the call's
 //! timeout without progress, and the error names the collective, its sequence number, the peer and
 //! what was awaited.
