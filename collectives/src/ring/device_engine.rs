@@ -336,10 +336,25 @@ impl<S: Stream> Work<'_, S> {
     /// As for [`run`]; [`pairs`]`(a, b)`.
     unsafe fn run_pair(&mut self, a: &Op, b: &Op) -> Result<usize> {
         self.check_slot(b)?;
+        let es = self.call.dtype.size();
+        let (a_bytes, b_bytes) = (a.elems * es, b.elems * es);
+        let a_dst = self.at(a.store.as_ref().expect("pairs: a stores"));
+        let b_src = self.at(b.local.as_ref().expect("pairs: b has a local operand"));
+        let keep = b
+            .store
+            .as_ref()
+            .map(|l| self.at(l))
+            .filter(|&st| st != b_src);
+        // One launch runs both copies at once: `b` must not read or write what `a` writes (a
+        // ring's first send reads this rank's own data, never what it received; checked, not
+        // assumed).
+        let overlap = |x: Addr, y: Addr, n: usize| x < y + n as u64 && y < x + a_bytes as u64;
+        let independent =
+            !overlap(a_dst, b_src, b_bytes) && keep.is_none_or(|k| !overlap(a_dst, k, b_bytes));
         let (incoming, _) = self.acquire(a)?;
         let incoming = incoming.expect("a receiving op waits for its frame");
         let (next, rank, seq) = (self.links.next, self.call.rank, self.call.seq);
-        let slot = if self.links.rx.scratch(incoming).is_none() {
+        let slot = if independent && self.links.rx.scratch(incoming).is_none() {
             self.links
                 .tx
                 .reserve()
@@ -356,15 +371,6 @@ impl<S: Stream> Work<'_, S> {
                 None => Ok(1),
             };
         };
-        let es = self.call.dtype.size();
-        let (a_bytes, b_bytes) = (a.elems * es, b.elems * es);
-        let a_dst = self.at(a.store.as_ref().expect("pairs: a stores"));
-        let b_src = self.at(b.local.as_ref().expect("pairs: b has a local operand"));
-        let keep = b
-            .store
-            .as_ref()
-            .map(|l| self.at(l))
-            .filter(|&st| st != b_src);
         let dev = |e| Error::Device {
             context: format!(
                 "{} seq {seq}: queueing work on {}",
@@ -376,8 +382,8 @@ impl<S: Stream> Work<'_, S> {
         // SAFETY: `incoming` is a slot this rank holds and `sl` one reserved at the next rank,
         // both until the marker below completes; the user's ranges come from the caller's
         // contract and `check_sizes`. The written ranges — `a`'s place in the output, the
-        // slot, `b`'s kept copy — are the caller's memory or the link's, and `a` and `b` are
-        // different slices, so none overlaps another.
+        // slot, `b`'s kept copy — are the caller's memory or the link's; `a`'s overlaps none of
+        // `b`'s (checked above), and the slots are the links' own memory.
         unsafe {
             self.stream
                 .copy_pair(a_dst, incoming, a_bytes, sl, keep, b_src, b_bytes)
