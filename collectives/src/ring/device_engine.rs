@@ -263,8 +263,8 @@ fn retire<S: Stream>(
 /// into the output, nothing sent — and the next slice's first send — a local chunk into the next
 /// rank's slot, nothing received. Their copies are unrelated, so they can be queued as one piece
 /// of work ([`Stream::copy_pair`]): on a link staged in host memory the first is host→device and
-/// the second device→host, and one after the other they would leave each direction idle half
-/// the time (all-reduce and in-place all-gather on 2 ranks are mostly such steps).
+/// the second device→host, and one after the other each would leave the other direction idle
+/// (all-reduce and in-place all-gather on 2 ranks are mostly such steps).
 fn pairs(a: &Op, b: &Op) -> bool {
     a.recv
         && !a.send
