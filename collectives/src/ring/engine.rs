@@ -469,6 +469,32 @@ impl<'a> Lane<'a> {
     }
 }
 
+impl Lane<'_> {
+    /// Which directions still have frames to move: an op left in the current call (at or
+    /// after the cursor) or in a later one. A send counts until the link has flushed it.
+    fn needs(&self) -> Needs {
+        let Some((call, _)) = self.calls.get(self.at.call) else {
+            return Needs {
+                rx: false,
+                tx: false,
+            };
+        };
+        let later = &self.calls[self.at.call + 1..];
+        let left = |from: usize, send: bool| {
+            let of = |o: &Op| if send { o.send } else { o.recv };
+            call.plan
+                .ops
+                .get(from..)
+                .is_some_and(|ops| ops.iter().any(of))
+                || later.iter().any(|(c, _)| c.plan.ops.iter().any(of))
+        };
+        Needs {
+            rx: left(self.at.recv_at, false),
+            tx: left(self.at.send_at, true) || !self.links.tx.flushed(),
+        }
+    }
+}
+
 /// Where a lane is: its current call, and the index in that call's ops at or after which its
 /// next send op and its next receive op are.
 #[derive(Default)]
@@ -548,8 +574,9 @@ pub fn run_lanes(lanes: &mut [Lane], timeout: Duration, abort: &AbortFlag) -> Re
             }
             Tick::Check => {
                 for lane in lanes.iter_mut() {
+                    let needs = lane.needs();
                     if let Some((call, _)) = lane.calls.get(lane.at.call) {
-                        health(lane.links, call, &call.fp.to_string())?;
+                        health_of(lane.links, call, &call.fp.to_string(), needs)?;
                     }
                 }
             }
@@ -666,17 +693,43 @@ fn lane_timeout(lane: &mut Lane) -> Error {
 
 /// The abort flag and both peers' health, for `call` on `links`.
 fn health(links: &mut Links, call: &Call, what: &str) -> Result<()> {
+    health_of(links, call, what, Needs::BOTH)
+}
+
+/// Which directions of a link pair a wait still has frames to move on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Needs {
+    /// Frames are still to come from the previous rank.
+    rx: bool,
+    /// Frames are still to go to the next rank.
+    tx: bool,
+}
+
+impl Needs {
+    const BOTH: Needs = Needs { rx: true, tx: true };
+}
+
+/// The abort flag and the peers' health, for `call` on `links`. A peer that is gone from a
+/// direction `needs` has no more frames on is no failure of this wait: a rank whose part of the
+/// call is done may drop its communicator, or exit, while its neighbour still sends to the
+/// other side (a lane's receives from the previous rank end before its sends to the next one).
+/// An abort is a failure either way.
+fn health_of(links: &mut Links, call: &Call, what: &str, needs: Needs) -> Result<()> {
     call.abort.check(call)?;
     let (in_seq, in_fp) = call.expected();
     let (prev, next) = (links.prev, links.next);
-    links
-        .rx
-        .health()
-        .map_err(|e| link_err(e, what, in_seq, prev, call.rank, Some(&in_fp)))?;
-    links
-        .tx
-        .health()
-        .map_err(|e| link_err(e, what, call.seq, next, call.rank, Some(&call.fp)))
+    let gone_unneeded = |r: &std::result::Result<(), LinkError>, need: bool| {
+        !need && matches!(r, Err(LinkError::Lost(_)))
+    };
+    let rx = links.rx.health();
+    if !gone_unneeded(&rx, needs.rx) {
+        rx.map_err(|e| link_err(e, what, in_seq, prev, call.rank, Some(&in_fp)))?;
+    }
+    let tx = links.tx.health();
+    if gone_unneeded(&tx, needs.tx) {
+        return Ok(());
+    }
+    tx.map_err(|e| link_err(e, what, call.seq, next, call.rank, Some(&call.fp)))
 }
 
 /// What a wait does after one round.
@@ -914,4 +967,115 @@ fn apply(
         (None, None) => {}
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ring::schedule::plan_p2p;
+    use crate::ring::Collective;
+    use crate::transport::shm::{ShmRecv, ShmSend};
+
+    const SLOTS: usize = 2;
+    const SLOT_BYTES: usize = 4096;
+
+    /// A FIFO from rank `from` to rank `to` in this process: its two ends.
+    fn fifo(from: usize, to: usize) -> (Box<dyn SendLink>, Box<dyn RecvLink>) {
+        let name = format!(
+            "ringzero-lanes-{}-{from}-{to}-{}",
+            std::process::id(),
+            rand::random::<u32>()
+        );
+        let rx = ShmRecv::create(&std::env::temp_dir(), &name, SLOTS, SLOT_BYTES, from).unwrap();
+        let tx = ShmSend::attach(rx.path(), SLOTS, SLOT_BYTES, to).unwrap();
+        (Box::new(tx), Box::new(rx))
+    }
+
+    fn fp(count: usize) -> Fingerprint {
+        Fingerprint::new(Collective::SendRecv, Some(DType::U8), None, count)
+    }
+
+    fn call<'a>(plan: &'a Plan, rank: usize, fp: Fingerprint, abort: &'a AbortFlag) -> Call<'a> {
+        Call {
+            plan,
+            fp,
+            seq: 1,
+            dtype: DType::U8,
+            op: ReduceOp::Sum,
+            n: 3,
+            rank,
+            timeout: Duration::from_secs(10),
+            stream_stores: false,
+            abort,
+            incoming: None,
+        }
+    }
+
+    /// A ring of three in one process: rank 0 sends rank 1 a short message and drops its links
+    /// at once; rank 1 sends rank 2 a message many times its FIFO, which rank 2 starts reading
+    /// only later. Rank 1's receive from rank 0 is over long before its send ends, and rank
+    /// 2's link to rank 0 carries nothing: the peers that left are no failure (they were, as
+    /// "rank 0 closed its end of the link", before a lane's health looked only at the
+    /// directions it still had frames on).
+    #[test]
+    fn a_peer_that_left_after_its_part_fails_no_lane_that_needs_nothing_more_from_it() {
+        let (short, long) = (100usize, 16 * SLOT_BYTES + 7);
+        let (tx01, rx01) = fifo(0, 1);
+        let (tx12, rx12) = fifo(1, 2);
+        let (tx20, rx20) = fifo(2, 0);
+        let mut l0 = Links::new(tx01, rx20, 1, 2).unwrap();
+        let mut l1 = Links::new(tx12, rx01, 2, 0).unwrap();
+        let mut l2 = Links::new(tx20, rx12, 0, 1).unwrap();
+        let abort = [
+            AbortFlag::default(),
+            AbortFlag::default(),
+            AbortFlag::default(),
+        ];
+        let msg0: Vec<u8> = (0..short).map(|i| (i * 7) as u8).collect();
+        let msg1: Vec<u8> = (0..long).map(|i| (i * 13 + 5) as u8).collect();
+        let mut got1 = vec![0u8; short];
+        let mut got2 = vec![0u8; long];
+        let (p0, p1, p2) = (
+            plan_p2p(Some(short), None, SLOT_BYTES),
+            plan_p2p(Some(long), Some(short), SLOT_BYTES),
+            plan_p2p(None, Some(long), SLOT_BYTES),
+        );
+        let wait = Duration::from_secs(10);
+        std::thread::scope(|s| {
+            let r0 = s.spawn(|| {
+                let c = call(&p0, 0, fp(short), &abort[0]);
+                let b = Bufs::Split {
+                    input: &msg0,
+                    output: &mut [],
+                };
+                let r = run_lanes(&mut [Lane::new(&mut l0, vec![(c, b)])], wait, &abort[0]);
+                drop(l0);
+                r
+            });
+            let r2 = s.spawn(|| {
+                // Long enough for several of rank 1's health checks after rank 0 has gone.
+                std::thread::sleep(Duration::from_millis(300));
+                let c = call(&p2, 2, fp(long), &abort[2]);
+                let b = Bufs::Split {
+                    input: &[],
+                    output: &mut got2,
+                };
+                run_lanes(&mut [Lane::new(&mut l2, vec![(c, b)])], wait, &abort[2])
+            });
+            let c = Call {
+                incoming: Some((1, fp(short))),
+                ..call(&p1, 1, fp(long), &abort[1])
+            };
+            let b = Bufs::Split {
+                input: &msg1,
+                output: &mut got1,
+            };
+            let r1 = run_lanes(&mut [Lane::new(&mut l1, vec![(c, b)])], wait, &abort[1]);
+            r0.join().unwrap().expect("rank 0");
+            r1.expect("rank 1");
+            r2.join().unwrap().expect("rank 2");
+        });
+        assert_eq!(got1, msg0);
+        assert_eq!(got2, msg1);
+    }
 }
