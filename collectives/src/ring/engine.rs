@@ -364,11 +364,20 @@ pub fn run(links: &mut Links, call: &Call, mut bufs: Bufs) -> Result<()> {
     let what = call.fp.to_string();
     let es = call.dtype.size();
     check_sizes(call, &bufs, &what)?;
-    let ran = call
-        .plan
-        .ops
-        .iter()
-        .try_for_each(|op| run_op(links, call, op, &mut bufs, &what, es));
+    // A direction is needed up to its last op (a broadcast's relay ends sending, with the
+    // root done and perhaps gone).
+    let ops = &call.plan.ops;
+    let (last_recv, last_send) = (
+        ops.iter().rposition(|o| o.recv),
+        ops.iter().rposition(|o| o.send),
+    );
+    let ran = ops.iter().enumerate().try_for_each(|(i, op)| {
+        let needs = Needs {
+            rx: last_recv.is_some_and(|l| i <= l),
+            tx: last_send.is_some_and(|l| i <= l),
+        };
+        run_op(links, call, (op, needs), &mut bufs, &what, es)
+    });
     if call.stream_stores {
         // The caller (or another thread it hands the buffer to) must see every streamed store.
         cpu::stream_fence();
@@ -471,7 +480,7 @@ impl<'a> Lane<'a> {
 
 impl Lane<'_> {
     /// Which directions still have frames to move: an op left in the current call (at or
-    /// after the cursor) or in a later one. A send counts until the link has flushed it.
+    /// after the cursor) or in a later one.
     fn needs(&self) -> Needs {
         let Some((call, _)) = self.calls.get(self.at.call) else {
             return Needs {
@@ -490,7 +499,7 @@ impl Lane<'_> {
         };
         Needs {
             rx: left(self.at.recv_at, false),
-            tx: left(self.at.send_at, true) || !self.links.tx.flushed(),
+            tx: left(self.at.send_at, true),
         }
     }
 }
@@ -633,7 +642,7 @@ fn step_lane(lane: &mut Lane) -> Result<bool> {
                 .is_some()
             {
                 // Ready: run_op finds its slot at once.
-                run_op(links, call, op, bufs, &what, es)?;
+                run_op(links, call, (op, Needs::BOTH), bufs, &what, es)?;
                 cur.send_at += 1;
                 ran = true;
             }
@@ -645,7 +654,7 @@ fn step_lane(lane: &mut Lane) -> Result<bool> {
                 .peek(&e)
                 .map_err(|err| link_err(err, &what, e.seq, prev, rank, Some(&e.fp)))?;
             if ready.is_some() {
-                run_op(links, call, op, bufs, &what, es)?;
+                run_op(links, call, (op, Needs::BOTH), bufs, &what, es)?;
                 cur.recv_at += 1;
                 ran = true;
             }
@@ -691,11 +700,6 @@ fn lane_timeout(lane: &mut Lane) -> Error {
     )
 }
 
-/// The abort flag and both peers' health, for `call` on `links`.
-fn health(links: &mut Links, call: &Call, what: &str) -> Result<()> {
-    health_of(links, call, what, Needs::BOTH)
-}
-
 /// Which directions of a link pair a wait still has frames to move on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Needs {
@@ -713,7 +717,7 @@ impl Needs {
 /// direction `needs` has no more frames on is no failure of this wait: a rank whose part of the
 /// call is done may drop its communicator, or exit, while its neighbour still sends to the
 /// other side (a lane's receives from the previous rank end before its sends to the next one).
-/// An abort is a failure either way.
+/// Frames a link has not flushed yet still need their peer. An abort is a failure either way.
 fn health_of(links: &mut Links, call: &Call, what: &str, needs: Needs) -> Result<()> {
     call.abort.check(call)?;
     let (in_seq, in_fp) = call.expected();
@@ -726,7 +730,7 @@ fn health_of(links: &mut Links, call: &Call, what: &str, needs: Needs) -> Result
         rx.map_err(|e| link_err(e, what, in_seq, prev, call.rank, Some(&in_fp)))?;
     }
     let tx = links.tx.health();
-    if gone_unneeded(&tx, needs.tx) {
+    if gone_unneeded(&tx, needs.tx || !links.tx.flushed()) {
         return Ok(());
     }
     tx.map_err(|e| link_err(e, what, call.seq, next, call.rank, Some(&call.fp)))
@@ -778,11 +782,11 @@ impl Patience {
     }
 
     /// One round of waiting on one call's `links` (see [`Patience::tick`]): fails with
-    /// `timed_out()` at the deadline, runs the health checks when due, then lets the links'
-    /// waiter back off. `Ok`: go round again.
+    /// `timed_out()` at the deadline, runs the health checks of the directions it `needs`
+    /// when due, then lets the links' waiter back off. `Ok`: go round again.
     fn round(
         &mut self,
-        links: &mut Links,
+        (links, needs): (&mut Links, Needs),
         call: &Call,
         what: &str,
         moved: bool,
@@ -794,7 +798,7 @@ impl Patience {
                 return Ok(());
             }
             Tick::TimedOut => return Err(timed_out()),
-            Tick::Check => health(links, call, what)?,
+            Tick::Check => health_of(links, call, what, needs)?,
             Tick::Idle => {}
         }
         links.waiter.idle(call.timeout);
@@ -802,10 +806,12 @@ impl Patience {
     }
 }
 
+/// Run `op` of `call` once its frame and slot are there; while it waits, a peer gone from a
+/// direction it no longer `needs` is no failure (see [`health_of`]).
 fn run_op(
     links: &mut Links,
     call: &Call,
-    op: &Op,
+    (op, needs): (&Op, Needs),
     bufs: &mut Bufs,
     what: &str,
     es: usize,
@@ -826,7 +832,7 @@ fn run_op(
         if have_in && have_out {
             break;
         }
-        patience.round(links, call, what, moved, || {
+        patience.round((links, needs), call, what, moved, || {
             op_timeout(call, what, &expect, have_in, prev, next, "slot")
         })?;
     }
@@ -1015,10 +1021,17 @@ mod tests {
     /// at once; rank 1 sends rank 2 a message many times its FIFO, which rank 2 starts reading
     /// only later. Rank 1's receive from rank 0 is over long before its send ends, and rank
     /// 2's link to rank 0 carries nothing: the peers that left are no failure (they were, as
-    /// "rank 0 closed its end of the link", before a lane's health looked only at the
-    /// directions it still had frames on).
+    /// "rank 0 closed its end of the link", before the health checks looked only at the
+    /// directions still to move frames). Rank 1 runs its call as a lane ([`run_lanes`]: the
+    /// ring messages of an all-to-all) or as a ring call ([`run`]: a broadcast's relay, whose
+    /// last ops forward what the finished root sent).
     #[test]
-    fn a_peer_that_left_after_its_part_fails_no_lane_that_needs_nothing_more_from_it() {
+    fn a_peer_that_left_after_its_part_fails_no_wait_that_needs_nothing_more_from_it() {
+        ring_of_three_where_rank_0_leaves_early(true);
+        ring_of_three_where_rank_0_leaves_early(false);
+    }
+
+    fn ring_of_three_where_rank_0_leaves_early(lanes: bool) {
         let (short, long) = (100usize, 16 * SLOT_BYTES + 7);
         let (tx01, rx01) = fifo(0, 1);
         let (tx12, rx12) = fifo(1, 2);
@@ -1070,9 +1083,13 @@ mod tests {
                 input: &msg1,
                 output: &mut got1,
             };
-            let r1 = run_lanes(&mut [Lane::new(&mut l1, vec![(c, b)])], wait, &abort[1]);
+            let r1 = if lanes {
+                run_lanes(&mut [Lane::new(&mut l1, vec![(c, b)])], wait, &abort[1])
+            } else {
+                run(&mut l1, &c, b)
+            };
             r0.join().unwrap().expect("rank 0");
-            r1.expect("rank 1");
+            r1.unwrap_or_else(|e| panic!("rank 1 (lanes: {lanes}): {e}"));
             r2.join().unwrap().expect("rank 2");
         });
         assert_eq!(got1, msg0);
