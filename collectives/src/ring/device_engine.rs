@@ -28,7 +28,9 @@ use std::time::Instant;
 
 use ringzero_kernels::ReduceOp;
 
-use super::engine::{base, link_err, op_timeout, Call, Counters, HEALTH_EVERY};
+use super::engine::{
+    base, gone_unneeded, link_err, op_timeout, Call, Counters, LastOps, Needs, HEALTH_EVERY,
+};
 use super::schedule::{Loc, Op};
 use crate::device::stream::Stream;
 use crate::error::{Error, Result};
@@ -170,6 +172,7 @@ unsafe fn run_ops<S: Stream>(
     let mut pending: VecDeque<Pending<S::Marker>> = VecDeque::new();
     let mut waiter = Waiter::device();
     let ops = &call.plan.ops;
+    let last = LastOps::of(call.plan);
     let mut i = 0;
     while i < ops.len() {
         let mut w = Work {
@@ -180,6 +183,7 @@ unsafe fn run_ops<S: Stream>(
             what: &what,
             pending: &mut pending,
             waiter: &mut waiter,
+            needs: last.needs(i),
         };
         // SAFETY: forwarded from the caller.
         i += match ops.get(i + 1).filter(|b| pairs(&ops[i], b)) {
@@ -286,6 +290,9 @@ struct Work<'a, S: Stream> {
     what: &'a str,
     pending: &'a mut VecDeque<Pending<S::Marker>>,
     waiter: &'a mut Waiter,
+    /// What this op (or pair) and the ops after it still move: a peer gone from a direction
+    /// with nothing left on it fails no wait (see `engine::health_of`).
+    needs: Needs,
 }
 
 impl<S: Stream> Work<'_, S> {
@@ -464,8 +471,16 @@ impl<S: Stream> Work<'_, S> {
             if now.duration_since(last_health) >= HEALTH_EVERY {
                 last_health = now;
                 call.abort.check(call)?;
-                links.rx.health().map_err(rx_err)?;
-                links.tx.health().map_err(tx_err)?;
+                let rx = links.rx.health();
+                if !gone_unneeded(&rx, self.needs.rx) {
+                    rx.map_err(rx_err)?;
+                }
+                // Frames queued but not yet posted, or not yet flushed, still need the next rank.
+                let posting = pending.iter().any(|p| p.post.is_some()) || !links.tx.flushed();
+                let tx = links.tx.health();
+                if !gone_unneeded(&tx, self.needs.tx || posting) {
+                    tx.map_err(tx_err)?;
+                }
             }
             waiter.idle(call.timeout);
         }

@@ -364,20 +364,13 @@ pub fn run(links: &mut Links, call: &Call, mut bufs: Bufs) -> Result<()> {
     let what = call.fp.to_string();
     let es = call.dtype.size();
     check_sizes(call, &bufs, &what)?;
-    // A direction is needed up to its last op (a broadcast's relay ends sending, with the
-    // root done and perhaps gone).
-    let ops = &call.plan.ops;
-    let (last_recv, last_send) = (
-        ops.iter().rposition(|o| o.recv),
-        ops.iter().rposition(|o| o.send),
-    );
-    let ran = ops.iter().enumerate().try_for_each(|(i, op)| {
-        let needs = Needs {
-            rx: last_recv.is_some_and(|l| i <= l),
-            tx: last_send.is_some_and(|l| i <= l),
-        };
-        run_op(links, call, (op, needs), &mut bufs, &what, es)
-    });
+    let last = LastOps::of(call.plan);
+    let ran = call
+        .plan
+        .ops
+        .iter()
+        .enumerate()
+        .try_for_each(|(i, op)| run_op(links, call, (op, last.needs(i)), &mut bufs, &what, es));
     if call.stream_stores {
         // The caller (or another thread it hands the buffer to) must see every streamed store.
         cpu::stream_fence();
@@ -702,15 +695,46 @@ fn lane_timeout(lane: &mut Lane) -> Error {
 
 /// Which directions of a link pair a wait still has frames to move on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Needs {
+pub(crate) struct Needs {
     /// Frames are still to come from the previous rank.
-    rx: bool,
+    pub(crate) rx: bool,
     /// Frames are still to go to the next rank.
-    tx: bool,
+    pub(crate) tx: bool,
 }
 
 impl Needs {
-    const BOTH: Needs = Needs { rx: true, tx: true };
+    pub(crate) const BOTH: Needs = Needs { rx: true, tx: true };
+}
+
+/// Where a plan's last receiving op and its last sending op are: each direction is needed up
+/// to its last op (a broadcast's relay ends sending, its root done and perhaps gone).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct LastOps {
+    recv: Option<usize>,
+    send: Option<usize>,
+}
+
+impl LastOps {
+    pub(crate) fn of(plan: &Plan) -> LastOps {
+        LastOps {
+            recv: plan.ops.iter().rposition(|o| o.recv),
+            send: plan.ops.iter().rposition(|o| o.send),
+        }
+    }
+
+    /// What op `at` and the ops after it still move.
+    pub(crate) fn needs(self, at: usize) -> Needs {
+        Needs {
+            rx: self.recv.is_some_and(|l| at <= l),
+            tx: self.send.is_some_and(|l| at <= l),
+        }
+    }
+}
+
+/// Whether a health check's result `r` is the peer gone from a direction nothing more is
+/// `needed` on: no failure (see [`health_of`]).
+pub(crate) fn gone_unneeded(r: &std::result::Result<(), LinkError>, needed: bool) -> bool {
+    !needed && matches!(r, Err(LinkError::Lost(_)))
 }
 
 /// The abort flag and the peers' health, for `call` on `links`. A peer that is gone from a
@@ -722,9 +746,6 @@ fn health_of(links: &mut Links, call: &Call, what: &str, needs: Needs) -> Result
     call.abort.check(call)?;
     let (in_seq, in_fp) = call.expected();
     let (prev, next) = (links.prev, links.next);
-    let gone_unneeded = |r: &std::result::Result<(), LinkError>, need: bool| {
-        !need && matches!(r, Err(LinkError::Lost(_)))
-    };
     let rx = links.rx.health();
     if !gone_unneeded(&rx, needs.rx) {
         rx.map_err(|e| link_err(e, what, in_seq, prev, call.rank, Some(&in_fp)))?;
