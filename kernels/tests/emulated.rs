@@ -15,8 +15,10 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::sync::OnceLock;
 
+use half::{bf16, f16};
+use ringzero_kernels::cpu::{self, AdamW, Float};
 use ringzero_kernels::device::cuda::cu_type;
-use ringzero_kernels::{cpu, DType, ReduceOp};
+use ringzero_kernels::{DType, ReduceOp};
 
 /// Grid shapes (blocks, threads per block): a grid-stride of 1, 15 and 128.
 const GRIDS: [(u32, u32); 3] = [(1, 1), (3, 5), (2, 64)];
@@ -49,6 +51,23 @@ type Gather = unsafe extern "C" fn(
     u32,
     u64,
     c_int,
+) -> c_int;
+type Cast =
+    unsafe extern "C" fn(*const c_char, c_uint, c_uint, *const c_void, *mut c_void, u64) -> c_int;
+type Scale = unsafe extern "C" fn(*const c_char, c_uint, c_uint, *mut c_void, f32, u64) -> c_int;
+type Nonfinite =
+    unsafe extern "C" fn(*const c_char, c_uint, c_uint, *const c_void, u64, *mut u32) -> c_int;
+type Adamw = unsafe extern "C" fn(
+    *const c_char,
+    c_uint,
+    c_uint,
+    *mut f32,
+    *mut c_void,
+    *const c_void,
+    *mut f32,
+    *mut f32,
+    u64,
+    *const f32,
 ) -> c_int;
 type Divide = unsafe extern "C" fn(*const c_char, c_uint, c_uint, *mut c_void, u64, c_int) -> c_int;
 
@@ -162,10 +181,10 @@ fn values(dtype: DType, n: usize, seed: u64) -> Vec<u8> {
             .collect(),
         DType::F64 => (0..n).flat_map(|i| small(i).to_le_bytes()).collect(),
         DType::F16 => (0..n)
-            .flat_map(|i| half::f16::from_f64(small(i)).to_le_bytes())
+            .flat_map(|i| f16::from_f64(small(i)).to_le_bytes())
             .collect(),
         DType::BF16 => (0..n)
-            .flat_map(|i| half::bf16::from_f64(small(i)).to_le_bytes())
+            .flat_map(|i| bf16::from_f64(small(i)).to_le_bytes())
             .collect(),
         DType::I32 | DType::I64 | DType::U8 => noise(n * dtype.size(), seed ^ 0x5EED),
     }
@@ -495,4 +514,232 @@ fn an_unknown_kernel_name_is_refused_by_the_harness() {
         )
     };
     assert_eq!(rc, -1);
+}
+
+/// Values of `T` from `n` random bit patterns of its width: every exponent, subnormals, zeros
+/// of both signs and infinities; NaNs (whose payloads the device's `cvt` and the CPU's
+/// conversions need not agree on) replaced by 1.5.
+fn any_floats<T: Float + bytemuck::Pod>(n: usize, seed: u64) -> Vec<T> {
+    let es = std::mem::size_of::<T>();
+    let raw = noise(n * es, seed);
+    bytemuck::cast_slice::<u8, T>(&raw)
+        .iter()
+        .map(|&x| {
+            let mut w = [0f32; 1];
+            T::widen(&[x], &mut w);
+            if w[0].is_nan() {
+                let mut r = [x];
+                T::narrow(&[1.5], &mut r);
+                r[0]
+            } else {
+                x
+            }
+        })
+        .collect()
+}
+
+/// `n` values of `T` in [-2, 2) (see [`values`]).
+fn small_floats<T: Float + bytemuck::Pod>(n: usize, seed: u64) -> Vec<T> {
+    let f: Vec<f32> = bytemuck::cast_slice::<u8, f32>(&values(DType::F32, n, seed)).to_vec();
+    let mut out = vec![T::zeroed(); n];
+    T::narrow(&f, &mut out);
+    out
+}
+
+fn float_kernels<T: Float + bytemuck::Pod>(lib: &libloading::Library, name: &str) {
+    let (cast, scale, nonfinite, adamw): (Cast, Scale, Nonfinite, Adamw) = (
+        sym(lib, "emu_cast"),
+        sym(lib, "emu_scale"),
+        sym(lib, "emu_nonfinite"),
+        sym(lib, "emu_adamw"),
+    );
+    let c = |k: &str| CString::new(format!("{k}_{name}")).unwrap();
+    let bytes = |x: &[T]| bytemuck::cast_slice::<T, u8>(x).to_vec();
+    for &n in &COUNTS {
+        for &(grid, block) in &GRIDS[1..] {
+            let what = format!("{name}, n={n}, grid {grid}x{block}");
+            // Casts both ways (f32 → T over every f32 exponent, T → f32 over every T pattern).
+            if name != "float" {
+                let wide = any_floats::<f32>(n, n as u64);
+                let mut want = vec![T::zeroed(); n];
+                cpu::cast(&wide, &mut want);
+                let mut got = Buf::new(n * std::mem::size_of::<T>(), 0);
+                let mut src = Buf::with(bytemuck::cast_slice(&wide), 0);
+                let k = CString::new(format!("cast_float_{name}")).unwrap();
+                // SAFETY: `src` holds n f32, `got` n T.
+                let rc = unsafe {
+                    cast(
+                        k.as_ptr(),
+                        grid,
+                        block,
+                        src.ptr().cast(),
+                        got.ptr().cast(),
+                        n as u64,
+                    )
+                };
+                assert_eq!(rc, 0, "cast_float_{name}: no such kernel");
+                same(got.bytes(), &bytes(&want), || format!("cast f32 → {what}"));
+                assert!(got.guards_intact(), "cast f32 → {what}: outside");
+
+                let narrow = any_floats::<T>(n, n as u64 + 1);
+                let mut want = vec![0f32; n];
+                cpu::cast(&narrow, &mut want);
+                let mut got = Buf::new(n * 4, 0);
+                let mut src = Buf::with(&bytes(&narrow), 0);
+                let k = CString::new(format!("cast_{name}_float")).unwrap();
+                // SAFETY: as above.
+                let rc = unsafe {
+                    cast(
+                        k.as_ptr(),
+                        grid,
+                        block,
+                        src.ptr().cast(),
+                        got.ptr().cast(),
+                        n as u64,
+                    )
+                };
+                assert_eq!(rc, 0, "cast_{name}_float: no such kernel");
+                same(got.bytes(), bytemuck::cast_slice(&want), || {
+                    format!("cast {what} → f32")
+                });
+                assert!(got.guards_intact(), "cast {what} → f32: outside");
+            }
+
+            // Scale by a factor that is not a power of two (rounding happens).
+            let x = small_floats::<T>(n, n as u64 + 2);
+            let mut want = x.clone();
+            cpu::scale(&mut want, 0.3);
+            let mut b = Buf::with(&bytes(&x), 0);
+            // SAFETY: the buffer holds n T.
+            let rc = unsafe {
+                scale(
+                    c("scale").as_ptr(),
+                    grid,
+                    block,
+                    b.ptr().cast(),
+                    0.3,
+                    n as u64,
+                )
+            };
+            assert_eq!(rc, 0, "scale_{name}: no such kernel");
+            same(b.bytes(), &bytes(&want), || format!("scale {what}"));
+            assert!(b.guards_intact(), "scale {what}: outside");
+
+            // Non-finite: none, then one infinity at the end (the tail of a grid stride).
+            for poison_last in [false, true] {
+                let mut x = small_floats::<T>(n, n as u64 + 3);
+                if poison_last {
+                    T::narrow(&[f32::INFINITY], &mut x[n - 1..]);
+                }
+                let mut flag = 0u32;
+                let mut b = Buf::with(&bytes(&x), 0);
+                // SAFETY: the buffer holds n T; `flag` is a live u32.
+                let rc = unsafe {
+                    nonfinite(
+                        c("nonfinite").as_ptr(),
+                        grid,
+                        block,
+                        b.ptr().cast(),
+                        n as u64,
+                        &mut flag,
+                    )
+                };
+                assert_eq!(rc, 0, "nonfinite_{name}: no such kernel");
+                assert_eq!(
+                    flag != 0,
+                    !cpu::all_finite(&x),
+                    "nonfinite {what}, inf last: {poison_last}"
+                );
+                assert_eq!(flag != 0, poison_last, "nonfinite {what}");
+            }
+
+            // One AdamW step, with and without 16-bit parameters written back.
+            let h = AdamW::default();
+            // A constant step: `step_scalars` must give what `adamw_mixed` computes at run time.
+            let t = 3u64;
+            let (bc1, bc2, decay) = h.step_scalars(t);
+            let k = [h.lr, h.beta1, h.beta2, h.eps, decay, bc1, bc2, 0.5f32];
+            for with_params in [false, true] {
+                let master0: Vec<f32> = small_floats::<f32>(n, n as u64 + 4);
+                let grads = small_floats::<T>(n, n as u64 + 5);
+                let m0: Vec<f32> = small_floats::<f32>(n, n as u64 + 6)
+                    .iter()
+                    .map(|x| x / 16.0)
+                    .collect();
+                let v0: Vec<f32> = small_floats::<f32>(n, n as u64 + 7)
+                    .iter()
+                    .map(|x| x * x / 64.0)
+                    .collect();
+                let (mut master, mut m, mut v) = (master0.clone(), m0.clone(), v0.clone());
+                let mut params = vec![T::zeroed(); n];
+                cpu::adamw_mixed(
+                    &h,
+                    t,
+                    &mut master,
+                    with_params.then_some(&mut params[..]),
+                    &grads,
+                    &mut m,
+                    &mut v,
+                    0.5,
+                );
+
+                let f32s = |x: &[f32]| Buf::with(bytemuck::cast_slice(x), 0);
+                let (mut gm, mut gmom, mut gv) = (f32s(&master0), f32s(&m0), f32s(&v0));
+                let mut gp = Buf::new(n * std::mem::size_of::<T>(), 0);
+                let mut gg = Buf::with(&bytes(&grads), 0);
+                let pp = if with_params {
+                    gp.ptr().cast()
+                } else {
+                    std::ptr::null_mut()
+                };
+                // SAFETY: every buffer holds n elements of its type; a null `params` is skipped.
+                let rc = unsafe {
+                    adamw(
+                        c("adamw").as_ptr(),
+                        grid,
+                        block,
+                        gm.ptr().cast(),
+                        pp,
+                        gg.ptr().cast(),
+                        gmom.ptr().cast(),
+                        gv.ptr().cast(),
+                        n as u64,
+                        k.as_ptr(),
+                    )
+                };
+                assert_eq!(rc, 0, "adamw_{name}: no such kernel");
+                let w = format!("adamw {what}, params {with_params}");
+                same(gm.bytes(), bytemuck::cast_slice(&master), || {
+                    format!("{w}: master")
+                });
+                same(gmom.bytes(), bytemuck::cast_slice(&m), || format!("{w}: m"));
+                same(gv.bytes(), bytemuck::cast_slice(&v), || format!("{w}: v"));
+                if with_params {
+                    same(gp.bytes(), &bytes(&params), || format!("{w}: params"));
+                } else {
+                    assert!(
+                        gp.bytes().iter().all(|&b| b == POISON),
+                        "{w}: params written"
+                    );
+                }
+                assert!(
+                    gm.guards_intact()
+                        && gp.guards_intact()
+                        && gmom.guards_intact()
+                        && gv.guards_intact(),
+                    "{w}: outside"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn casts_scale_nonfinite_and_adamw_match_the_cpu_kernels() {
+    let Some(lib) = lib_for("casts_scale_nonfinite_and_adamw_match_the_cpu_kernels") else {
+        return;
+    };
+    float_kernels::<f32>(lib, "float");
+    float_kernels::<f16>(lib, "f16");
+    float_kernels::<bf16>(lib, "bf16");
 }

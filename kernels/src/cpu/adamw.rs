@@ -38,6 +38,34 @@ impl Default for AdamW {
     }
 }
 
+impl AdamW {
+    /// Step `t`'s bias corrections, `1 − β₁ᵗ` and `1 − β₂ᵗ`, and the decoupled decay factor
+    /// `1 − lr·weight_decay`: the scalars every AdamW kernel (CPU and device) takes. Each power
+    /// is taken by repeated squaring in `f32`, every rounding fixed, so all paths get the same
+    /// bits: `powi`'s precision is unspecified, and LLVM folds a constant `t` differently from
+    /// a run-time one (one ulp apart at `t = 3` for β₂ = 0.999).
+    pub fn step_scalars(&self, t: u64) -> (f32, f32, f32) {
+        (
+            1.0 - pow_f32(self.beta1, t),
+            1.0 - pow_f32(self.beta2, t),
+            1.0 - self.lr * self.weight_decay,
+        )
+    }
+}
+
+/// `b` to the power `e`, by squaring, rounding to `f32` after each multiplication.
+fn pow_f32(mut b: f32, mut e: u64) -> f32 {
+    let mut r = 1.0f32;
+    while e > 0 {
+        if e & 1 == 1 {
+            r *= b;
+        }
+        b *= b;
+        e >>= 1;
+    }
+    r
+}
+
 /// One AdamW step (`t` counts from 1) over equally long slices.
 ///
 /// # Panics
@@ -55,9 +83,7 @@ pub fn adamw_step(
         params.len() == grads.len() && m.len() == grads.len() && v.len() == grads.len(),
         "adamw_step: slice lengths differ"
     );
-    let bc1 = 1.0 - h.beta1.powi(t.min(i32::MAX as u64) as i32);
-    let bc2 = 1.0 - h.beta2.powi(t.min(i32::MAX as u64) as i32);
-    let decay = 1.0 - h.lr * h.weight_decay;
+    let (bc1, bc2, decay) = h.step_scalars(t);
     let (b1, b2, lr, eps) = (h.beta1, h.beta2, h.lr, h.eps);
     for (((p, &g), m), v) in params
         .iter_mut()

@@ -549,10 +549,7 @@ impl Gpu {
             }
         }
         let f = self.float_kernel("adamw", grads.dtype)?;
-        let ti = t.min(i32::MAX as u64) as i32;
-        let bc1 = 1.0 - h.beta1.powi(ti);
-        let bc2 = 1.0 - h.beta2.powi(ti);
-        let decay = 1.0 - h.lr * h.weight_decay;
+        let (bc1, bc2, decay) = h.step_scalars(t);
         let n64 = n as u64;
         let mut null = None;
         let mut b = self.stream.launch_builder(&f);

@@ -2,7 +2,8 @@
 // kernels/tests/emulated.rs can check their index arithmetic against the CPU kernels without a
 // GPU. A launch runs every thread of the grid, one after another: each kernel walks its range
 // with a grid-stride loop and its threads touch disjoint elements, so the order cannot change
-// the result (sq_norm_*, whose block tree needs __syncthreads, compiles but is not launched).
+// the result (sq_norm_*, whose block tree needs __syncthreads, compiles but is not launched:
+// gpu-check covers it on the device).
 // The GPU check (`ringzero gpu-check`) runs the same kernels on the device.
 #include <cmath>
 #include <cstdint>
@@ -117,6 +118,58 @@ int emu_gather(const char *name, unsigned grid, unsigned block, const u64 *ins, 
         return 0;                                                                                \
     }
     EACH_TYPE(TRY)
+#undef TRY
+    return -1;
+}
+
+int emu_cast(const char *name, unsigned grid, unsigned block, const void *src, void *dst, u64 n) {
+#define TRY(A, B)                                                                                \
+    if (!strcmp(name, "cast_" #A "_" #B)) {                                                      \
+        launch(grid, block, [&] { cast_##A##_##B((const A *)src, (B *)dst, n); });               \
+        return 0;                                                                                \
+    }
+    TRY(float, f16) TRY(float, bf16) TRY(f16, float) TRY(bf16, float)
+#undef TRY
+    return -1;
+}
+
+#define EACH_FLOAT(X) X(float) X(f16) X(bf16)
+
+int emu_scale(const char *name, unsigned grid, unsigned block, void *buf, float s, u64 n) {
+#define TRY(T)                                                                                   \
+    if (!strcmp(name, "scale_" #T)) {                                                            \
+        launch(grid, block, [&] { scale_##T((T *)buf, s, n); });                                 \
+        return 0;                                                                                \
+    }
+    EACH_FLOAT(TRY)
+#undef TRY
+    return -1;
+}
+
+int emu_nonfinite(const char *name, unsigned grid, unsigned block, const void *x, u64 n,
+                  u32 *flag) {
+#define TRY(T)                                                                                   \
+    if (!strcmp(name, "nonfinite_" #T)) {                                                        \
+        launch(grid, block, [&] { nonfinite_##T((const T *)x, n, flag); });                      \
+        return 0;                                                                                \
+    }
+    EACH_FLOAT(TRY)
+#undef TRY
+    return -1;
+}
+
+// AdamW's scalars in the kernel's order: lr, b1, b2, eps, decay, bc1, bc2, grad_scale.
+int emu_adamw(const char *name, unsigned grid, unsigned block, float *master, void *params,
+              const void *grads, float *m, float *v, u64 n, const float *k) {
+#define TRY(T)                                                                                   \
+    if (!strcmp(name, "adamw_" #T)) {                                                            \
+        launch(grid, block, [&] {                                                                \
+            adamw_##T(master, (T *)params, (const T *)grads, m, v, n, k[0], k[1], k[2], k[3],     \
+                      k[4], k[5], k[6], k[7]);                                                   \
+        });                                                                                      \
+        return 0;                                                                                \
+    }
+    EACH_FLOAT(TRY)
 #undef TRY
     return -1;
 }
