@@ -546,6 +546,33 @@ fn small_floats<T: Float + bytemuck::Pod>(n: usize, seed: u64) -> Vec<T> {
     out
 }
 
+/// Run cast kernel `k` on `src` (its elements: as many as `want` holds) and compare with `want`.
+fn check_cast(cast: Cast, (k, grid, block): (&str, u32, u32), src: &[u8], want: &[u8]) {
+    let n = if k.ends_with("_float") {
+        want.len() / 4
+    } else {
+        src.len() / 4
+    };
+    let mut got = Buf::new(want.len(), 0);
+    let mut src = Buf::with(src, 0);
+    let name = CString::new(k).unwrap();
+    // SAFETY: `src` and `got` hold `n` elements of the kernel's source and destination types.
+    let rc = unsafe {
+        cast(
+            name.as_ptr(),
+            grid,
+            block,
+            src.ptr().cast(),
+            got.ptr().cast(),
+            n as u64,
+        )
+    };
+    let what = format!("{k}, n={n}, grid {grid}x{block}");
+    assert_eq!(rc, 0, "{what}: no such kernel");
+    same(got.bytes(), want, || what.clone());
+    assert!(got.guards_intact(), "{what}: outside");
+}
+
 fn float_kernels<T: Float + bytemuck::Pod>(lib: &libloading::Library, name: &str) {
     let (cast, scale, nonfinite, adamw): (Cast, Scale, Nonfinite, Adamw) = (
         sym(lib, "emu_cast"),
@@ -563,46 +590,24 @@ fn float_kernels<T: Float + bytemuck::Pod>(lib: &libloading::Library, name: &str
                 let wide = any_floats::<f32>(n, n as u64);
                 let mut want = vec![T::zeroed(); n];
                 cpu::cast(&wide, &mut want);
-                let mut got = Buf::new(n * std::mem::size_of::<T>(), 0);
-                let mut src = Buf::with(bytemuck::cast_slice(&wide), 0);
-                let k = CString::new(format!("cast_float_{name}")).unwrap();
-                // SAFETY: `src` holds n f32, `got` n T.
-                let rc = unsafe {
-                    cast(
-                        k.as_ptr(),
-                        grid,
-                        block,
-                        src.ptr().cast(),
-                        got.ptr().cast(),
-                        n as u64,
-                    )
-                };
-                assert_eq!(rc, 0, "cast_float_{name}: no such kernel");
-                same(got.bytes(), &bytes(&want), || format!("cast f32 → {what}"));
-                assert!(got.guards_intact(), "cast f32 → {what}: outside");
+                let k = format!("cast_float_{name}");
+                check_cast(
+                    cast,
+                    (&k, grid, block),
+                    bytemuck::cast_slice(&wide),
+                    &bytes(&want),
+                );
 
                 let narrow = any_floats::<T>(n, n as u64 + 1);
                 let mut want = vec![0f32; n];
                 cpu::cast(&narrow, &mut want);
-                let mut got = Buf::new(n * 4, 0);
-                let mut src = Buf::with(&bytes(&narrow), 0);
-                let k = CString::new(format!("cast_{name}_float")).unwrap();
-                // SAFETY: as above.
-                let rc = unsafe {
-                    cast(
-                        k.as_ptr(),
-                        grid,
-                        block,
-                        src.ptr().cast(),
-                        got.ptr().cast(),
-                        n as u64,
-                    )
-                };
-                assert_eq!(rc, 0, "cast_{name}_float: no such kernel");
-                same(got.bytes(), bytemuck::cast_slice(&want), || {
-                    format!("cast {what} → f32")
-                });
-                assert!(got.guards_intact(), "cast {what} → f32: outside");
+                let k = format!("cast_{name}_float");
+                check_cast(
+                    cast,
+                    (&k, grid, block),
+                    &bytes(&narrow),
+                    bytemuck::cast_slice(&want),
+                );
             }
 
             // Scale by a factor that is not a power of two (rounding happens).
