@@ -469,9 +469,7 @@ impl<'a> Lane<'a> {
             at: Cursor::default(),
         }
     }
-}
 
-impl Lane<'_> {
     /// Which directions still have frames to move: an op left in the current call (at or
     /// after the cursor) or in a later one.
     fn needs(&self) -> Needs {
