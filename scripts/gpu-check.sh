@@ -67,6 +67,10 @@ if [ -e "$CUDA_MPS_PIPE_DIRECTORY/control" ]; then
         bench "mps-ring-cuda_ipc-n$n" RINGZERO_DEVICE_ALGO=ring timeout -k 5 120 $B bench $A -n "$n"
     done
     bench "mps-staging-mapped-n2" RINGZERO_P2P_DISABLE=1 timeout -k 5 120 $B bench $A -n 2
+    # The copy pair (a slice's last receive with the next slice's first send) against none, in
+    # the same session: what it is worth where the two directions of a staged link take turns.
+    bench "mps-staging-nopairs-n2" RINGZERO_P2P_DISABLE=1 RINGZERO_DEVICE_COPY_PAIRS=off \
+        timeout -k 5 120 $B bench $A -n 2
 else
     unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
     echo "== no MPS: gpu-check's ranks time-slice the GPU"

@@ -671,8 +671,16 @@ fn async_device_calls_refuse_bad_arguments_and_report_mismatches() {
 /// results, and a reduce-scatter (no receive-only step) never does.
 #[test]
 fn a_slices_last_receive_and_the_next_slices_first_send_are_queued_together() {
+    // And with `RINGZERO_DEVICE_COPY_PAIRS=off`, never: the same results from single copies.
+    for pair in [true, false] {
+        slice_and_next_slice_paired(pair);
+    }
+}
+
+fn slice_and_next_slice_paired(pair: bool) {
     let o = Opts {
         slice_bytes: 1024,
+        device_copy_pairs: pair,
         ..Opts::default()
     };
     threads(2, &o, |rank, comm| {
@@ -704,7 +712,7 @@ fn a_slices_last_receive_and_the_next_slices_first_send_are_queued_together() {
         for (i, x) in out.iter().enumerate() {
             assert_eq!(*x, (2 * (i % 97) + 1) as f32, "rank {rank}: element {i}");
         }
-        assert!(pairs > 0, "rank {rank}: no copy pair queued");
+        assert_eq!(pairs > 0, pair, "rank {rank}: {pairs} copy pairs queued");
         let mut part = vec![0f32; count / 2];
         let after = run(Collective::ReduceScatter, &mut part);
         let base = rank * count / 2;

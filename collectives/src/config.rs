@@ -312,6 +312,10 @@ pub struct Config {
     /// How device all-reduces, reduce-scatters, all-gathers, broadcasts and reduces move data
     /// (`RINGZERO_DEVICE_ALGO=auto|ring|direct`).
     pub device_algo: DeviceAlgo,
+    /// Whether the device ring queues a slice's last receive and the next slice's first send
+    /// as one copy-pair kernel where it can (`RINGZERO_DEVICE_COPY_PAIRS=on|off`; on by
+    /// default; off for comparing the two on the same machine).
+    pub device_copy_pairs: bool,
     /// Which algorithm host all-reduces, broadcasts, reduces and barriers run
     /// (`RINGZERO_ALGO=auto|ring|doubling|halving-doubling`, and `RINGZERO_DOUBLING_MAX` and
     /// `RINGZERO_HALVING_MAX` for auto's all-reduce thresholds).
@@ -357,6 +361,7 @@ impl Config {
             stream_stores_from: DEFAULT_STREAM_STORES_FROM,
             staging: StagingMode::Mapped,
             device_algo: DeviceAlgo::Auto,
+            device_copy_pairs: true,
             algo: Algo::default(),
             shm_dir: "/dev/shm".into(),
             flight_entries: crate::flight::DEFAULT_ENTRIES,
@@ -506,6 +511,18 @@ impl Config {
                     return Err(Error::config(
                         "RINGZERO_DEVICE_ALGO",
                         format!("`{v}` is not one of auto, ring, direct"),
+                    ))
+                }
+            };
+        }
+        if let Some(v) = env("RINGZERO_DEVICE_COPY_PAIRS") {
+            c.device_copy_pairs = match v.trim().to_ascii_lowercase().as_str() {
+                "on" | "1" | "" => true,
+                "off" | "0" => false,
+                _ => {
+                    return Err(Error::config(
+                        "RINGZERO_DEVICE_COPY_PAIRS",
+                        format!("`{v}` is not one of on, off"),
                     ))
                 }
             };
@@ -922,6 +939,8 @@ mod tests {
         );
         assert!(with("RINGZERO_DEVICE_ALGO", "tree")
             .contains("`tree` is not one of auto, ring, direct"));
+        assert!(with("RINGZERO_DEVICE_COPY_PAIRS", "sometimes")
+            .contains("`sometimes` is not one of on, off"));
         assert!(with("RINGZERO_MASTER_PORT", "99999").contains("RINGZERO_MASTER_PORT"));
         assert!(with("RINGZERO_FLIGHT_ENTRIES", "-1").contains("RINGZERO_FLIGHT_ENTRIES"));
         assert!(with("RINGZERO_DUMP_DIR", " ").contains("RINGZERO_DUMP_DIR: is empty"));
@@ -956,6 +975,7 @@ mod tests {
             ("RINGZERO_STREAM_STORES_FROM", "1M"),
             ("RINGZERO_STAGING", "Copy"),
             ("RINGZERO_DEVICE_ALGO", " Direct"),
+            ("RINGZERO_DEVICE_COPY_PAIRS", "Off"),
             ("RINGZERO_FLIGHT_ENTRIES", "16"),
             ("RINGZERO_DUMP_DIR", "/tmp/rz-dumps"),
             ("RINGZERO_TCP_SOCKETS", " 8"),
@@ -974,6 +994,8 @@ mod tests {
         assert_eq!(Config::new(0, 1, "x", 1).staging, StagingMode::Mapped);
         assert_eq!(c.device_algo, DeviceAlgo::Direct);
         assert_eq!(Config::new(0, 1, "x", 1).device_algo, DeviceAlgo::Auto);
+        assert!(!c.device_copy_pairs);
+        assert!(Config::new(0, 1, "x", 1).device_copy_pairs);
         assert_eq!(c.timeout, Duration::from_millis(2500));
         assert_eq!(c.slice_bytes, 65536);
         assert_eq!(c.device_slice_bytes, Some(8 << 20));

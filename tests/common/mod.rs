@@ -43,6 +43,8 @@ pub struct Opts {
     pub device_slice_bytes: Option<usize>,
     /// `Config::device_algo`.
     pub device_algo: DeviceAlgo,
+    /// `Config::device_copy_pairs`.
+    pub device_copy_pairs: bool,
 }
 
 impl Default for Opts {
@@ -59,6 +61,7 @@ impl Default for Opts {
             algo: None,
             device_slice_bytes: None,
             device_algo: DeviceAlgo::Auto,
+            device_copy_pairs: true,
         }
     }
 }
@@ -74,6 +77,7 @@ pub fn config(rank: usize, n: usize, port: u16, o: &Opts) -> Config {
     c.dump_dir = o.dump_dir.clone();
     c.tcp_sockets = o.tcp_sockets;
     c.device_algo = o.device_algo;
+    c.device_copy_pairs = o.device_copy_pairs;
     if let Some(b) = o.stream_stores_from {
         c.stream_stores_from = b;
     }

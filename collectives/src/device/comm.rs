@@ -742,6 +742,7 @@ impl<S: Stream> Core<S> {
                 prev,
                 counters: Counters::default(),
                 direct: None,
+                pair_copies: cfg.device_copy_pairs,
             },
             (kind, sockets),
         ))

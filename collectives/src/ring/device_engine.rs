@@ -52,6 +52,9 @@ pub struct DevLinks {
     pub counters: Counters,
     /// The direct collectives' board and mappings, where every rank maps every other's buffers.
     pub(crate) direct: Option<crate::device::direct::Direct>,
+    /// Whether unrelated adjacent copies may run as one kernel ([`pairs`];
+    /// `Config::device_copy_pairs`).
+    pub pair_copies: bool,
 }
 
 impl super::engine::TellAbort for DevLinks {
@@ -173,6 +176,7 @@ unsafe fn run_ops<S: Stream>(
     let mut waiter = Waiter::device();
     let ops = &call.plan.ops;
     let last = LastOps::of(call.plan);
+    let pair_copies = links.pair_copies;
     let mut i = 0;
     while i < ops.len() {
         let mut w = Work {
@@ -186,7 +190,7 @@ unsafe fn run_ops<S: Stream>(
             needs: last.needs(i),
         };
         // SAFETY: forwarded from the caller.
-        i += match ops.get(i + 1).filter(|b| pairs(&ops[i], b)) {
+        i += match ops.get(i + 1).filter(|b| pair_copies && pairs(&ops[i], b)) {
             Some(b) => unsafe { w.run_pair(&ops[i], b) }?,
             None => unsafe { w.run_op(&ops[i]) }.map(|()| 1)?,
         };
