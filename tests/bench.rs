@@ -309,9 +309,18 @@ fn the_device_sweep_checks_every_variant_and_catches_corruption() {
         }
         assert_eq!(r.header.device_edges.len(), 2);
         assert_eq!(r.header.device, "host-stream");
+        // The device ring's set-up: the host stream slices as the host does (1 KiB here).
+        assert_eq!(
+            r.header.device_ring.as_deref(),
+            Some(
+                "slices of 1024 B, 4 slots per edge, copy pairs on (RINGZERO_DEVICE_COPY_PAIRS), \
+                 host staging mapped (RINGZERO_STAGING)"
+            )
+        );
         let text = bench::text(r);
         assert!(!text.contains("n/a"), "every variant has its line: {text}");
         assert!(text.contains("# device buffers"), "{text}");
+        assert!(text.contains("# device ring: slices of 1024 B"), "{text}");
     }
 }
 

@@ -227,6 +227,13 @@ impl<S: Stream> DeviceComm<S> {
         self.core.direct_why.as_deref()
     }
 
+    /// Bytes of one slice on the device ring's edges (and of each of their slots): every rank's
+    /// figure is the same ([`Config::device_slice_bytes`](crate::Config::device_slice_bytes), or
+    /// the stream's choice).
+    pub fn slice_bytes(&self) -> usize {
+        self.core.slot_bytes()
+    }
+
     /// Payload bytes this rank's device links have moved (read between calls: waits for an
     /// asynchronous call in progress).
     pub fn counters(&self) -> Counters {

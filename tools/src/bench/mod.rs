@@ -197,6 +197,7 @@ fn header(comm: &Communicator, a: &BenchArgs, probe: &probe::Probe, device: Stri
                 comm.config().algo
             )
         },
+        device_ring: None,
     }
 }
 
@@ -246,6 +247,18 @@ pub fn run_device<D: device::BenchDev>(
         rows.extend(device::sweep(comm, dc, op, &a.sweep, &how, &mut tick)?);
     }
     let mut header = header(comm, a, &probe, device_name);
+    let cfg = comm.config();
+    header.device_ring = Some(format!(
+        "slices of {} B, {} slots per edge, copy pairs {} (RINGZERO_DEVICE_COPY_PAIRS), host \
+         staging {} (RINGZERO_STAGING)",
+        dc.slice_bytes(),
+        cfg.slots,
+        if cfg.device_copy_pairs { "on" } else { "off" },
+        match cfg.staging {
+            ringzero_collectives::StagingMode::Mapped => "mapped",
+            ringzero_collectives::StagingMode::Copy => "copy",
+        }
+    ));
     header.device_edges = dc
         .edges()
         .iter()

@@ -51,6 +51,10 @@ pub struct Header {
     /// Which model each row's prediction uses.
     #[serde(default)]
     pub model: String,
+    /// How the device ring is set up (device buffers only): slice bytes, slots, the copy pair,
+    /// host staging's mode.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_ring: Option<String>,
 }
 
 /// A device communicator's edge in the header.
@@ -143,6 +147,9 @@ pub fn header_text(h: &Header) -> String {
             connections(e.sockets),
             e.reason
         );
+    }
+    if let Some(r) = &h.device_ring {
+        s += &format!("# device ring: {r}\n");
     }
     if !h.device_edges.is_empty() {
         s += "# device buffers: the model below is the host links'; rows carry no prediction\n";
