@@ -1,12 +1,14 @@
 //! The device kernels' source run on the host: `tests/emu/launch.cpp` compiles
 //! `src/cuda/kernels.cu` with the host C++ compiler (F16C for the f16 conversions the device does
-//! with `cvt.rn`) and runs every thread of a launch one after another, and each data-moving
-//! kernel is checked here against the CPU kernels, bit for bit, on several grid shapes (one
-//! thread; strides of 15 and 128), aligned and misaligned ranges, with poisoned bytes around
-//! every output. So a kernel's index arithmetic — the 16-byte vector path, its tails, the split
-//! of a `copy_pair` launch between its two copies — is checked on every CI run, not only when a
-//! GPU is lent (`ringzero gpu-check` runs the same kernels on the device). Without a C++
-//! compiler the tests print SKIPPED and why.
+//! with `cvt.rn`) and runs every thread of a launch one after another (the squared norm's, whose
+//! threads cooperate, as host threads of a block at a barrier), and every kernel is checked here
+//! against the CPU kernels, bit for bit (the norm, summed in another order, to f64 rounding), on
+//! several grid shapes (one thread; strides of 15 and 128), aligned and misaligned ranges, with
+//! poisoned bytes around every output. So a kernel's index arithmetic — the 16-byte vector path,
+//! its tails, the split of a `copy_pair` launch between its two copies, a block's tree — is
+//! checked on every CI run, not only when a GPU is lent (`ringzero gpu-check` runs the same
+//! kernels on the device, where speed and the device's own arithmetic are checked). Without a
+//! C++ compiler the tests print SKIPPED and why.
 
 #![cfg(feature = "cuda")]
 
@@ -69,6 +71,8 @@ type Adamw = unsafe extern "C" fn(
     u64,
     *const f32,
 ) -> c_int;
+type SqNorm =
+    unsafe extern "C" fn(*const c_char, c_uint, c_uint, *const c_void, f32, u64, *mut f64) -> c_int;
 type Divide = unsafe extern "C" fn(*const c_char, c_uint, c_uint, *mut c_void, u64, c_int) -> c_int;
 
 /// The compiled kernels, or why there are none.
@@ -80,7 +84,13 @@ fn emulator() -> Result<&'static libloading::Library, String> {
         let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
             .join(format!("ringzero-kernels-emu-{}.so", std::process::id()));
         let run = Command::new(&cxx)
-            .args(["-O1", "-std=c++17", "-mf16c", "-ffp-contract=off"])
+            .args([
+                "-O1",
+                "-std=c++17",
+                "-mf16c",
+                "-ffp-contract=off",
+                "-pthread",
+            ])
             .args(["-shared", "-fPIC", "-Wno-unknown-pragmas", "-o"])
             .arg(&out)
             .arg(&src)
@@ -747,4 +757,46 @@ fn casts_scale_nonfinite_and_adamw_match_the_cpu_kernels() {
     float_kernels::<f32>(lib, "float");
     float_kernels::<f16>(lib, "f16");
     float_kernels::<bf16>(lib, "bf16");
+}
+
+#[test]
+fn the_squared_norm_adds_every_blocks_tree_once() {
+    let Some(lib) = lib_for("the_squared_norm_adds_every_blocks_tree_once") else {
+        return;
+    };
+    let sq_norm: SqNorm = sym(lib, "emu_sq_norm");
+    fn one<T: Float + bytemuck::Pod>(sq_norm: SqNorm, name: &str) {
+        // Block sizes the kernel's tree takes (the device launches 256), grids of one to three.
+        for &(grid, block) in &[(1u32, 256u32), (3, 256), (2, 64), (1, 1)] {
+            for &n in &[1usize, 3, 1023, 4099, 70_001] {
+                let x = small_floats::<T>(n, n as u64 * 11 + u64::from(block));
+                let want = cpu::sq_norm(&x, 0.75);
+                let mut b = Buf::with(bytemuck::cast_slice(&x), 0);
+                let mut got = 0f64;
+                let k = CString::new(format!("sq_norm_{name}")).unwrap();
+                // SAFETY: the buffer holds n T; `got` is a live f64 holding 0.
+                let rc = unsafe {
+                    sq_norm(
+                        k.as_ptr(),
+                        grid,
+                        block,
+                        b.ptr().cast(),
+                        0.75,
+                        n as u64,
+                        &mut got,
+                    )
+                };
+                assert_eq!(rc, 0, "sq_norm_{name}: no such kernel");
+                // Summed in another order than the CPU's: equal to f64 rounding, not bit for bit.
+                let what = format!("sq_norm_{name} n={n}, grid {grid}x{block}");
+                assert!(
+                    (got - want).abs() <= 1e-12 * want.abs(),
+                    "{what}: {got} against {want}"
+                );
+            }
+        }
+    }
+    one::<f32>(sq_norm, "float");
+    one::<f16>(sq_norm, "f16");
+    one::<bf16>(sq_norm, "bf16");
 }

@@ -2,13 +2,17 @@
 // kernels/tests/emulated.rs can check their index arithmetic against the CPU kernels without a
 // GPU. A launch runs every thread of the grid, one after another: each kernel walks its range
 // with a grid-stride loop and its threads touch disjoint elements, so the order cannot change
-// the result (sq_norm_*, whose block tree needs __syncthreads, compiles but is not launched:
-// gpu-check covers it on the device).
+// the result. The one kernel whose threads cooperate (sq_norm_*: a shared-memory tree per block
+// with __syncthreads) runs each block's threads as host threads meeting at a barrier instead.
 // The GPU check (`ringzero gpu-check`) runs the same kernels on the device.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <condition_variable>
 #include <immintrin.h>
+#include <mutex>
+#include <thread>
+#include <vector>
 
 using std::isfinite;
 using std::sqrt;
@@ -17,8 +21,30 @@ using std::sqrt;
 #define __global__
 #define __device__
 #define __forceinline__ inline
-#define __shared__ static thread_local
-#define __syncthreads()
+// Shared by a block's threads; blocks run one after another, and one cooperative launch at a
+// time (`launch_block_threads`).
+#define __shared__ static
+#define __syncthreads() block_barrier->wait()
+
+// __syncthreads for one block's host threads.
+struct Barrier {
+    std::mutex m;
+    std::condition_variable cv;
+    unsigned n, waiting = 0, generation = 0;
+    explicit Barrier(unsigned n) : n(n) {}
+    void wait() {
+        std::unique_lock<std::mutex> lock(m);
+        unsigned gen = generation;
+        if (++waiting == n) {
+            waiting = 0;
+            ++generation;
+            cv.notify_all();
+        } else {
+            cv.wait(lock, [&] { return generation != gen; });
+        }
+    }
+};
+static Barrier *block_barrier = nullptr;
 
 struct Dim {
     unsigned x;
@@ -59,6 +85,29 @@ template <typename F> static void launch(unsigned grid, unsigned block, F body) 
             threadIdx.x = t;
             body();
         }
+    }
+}
+
+// Run `body` as a `grid` × `block` launch whose block's threads run at once, as host threads
+// (for kernels that synchronise within a block); one such launch at a time.
+template <typename F> static void launch_block_threads(unsigned grid, unsigned block, F body) {
+    static std::mutex one;
+    std::lock_guard<std::mutex> only(one);
+    for (unsigned g = 0; g < grid; ++g) {
+        Barrier bar(block);
+        block_barrier = &bar;
+        std::vector<std::thread> threads;
+        for (unsigned t = 0; t < block; ++t) {
+            threads.emplace_back([&, g, t] {
+                gridDim.x = grid;
+                blockDim.x = block;
+                blockIdx.x = g;
+                threadIdx.x = t;
+                body();
+            });
+        }
+        for (auto &th : threads) th.join();
+        block_barrier = nullptr;
     }
 }
 
@@ -167,6 +216,20 @@ int emu_adamw(const char *name, unsigned grid, unsigned block, float *master, vo
             adamw_##T(master, (T *)params, (const T *)grads, m, v, n, k[0], k[1], k[2], k[3],     \
                       k[4], k[5], k[6], k[7]);                                                   \
         });                                                                                      \
+        return 0;                                                                                \
+    }
+    EACH_FLOAT(TRY)
+#undef TRY
+    return -1;
+}
+
+// `out` must hold 0.0 before the call (the kernel adds each block's sum to it).
+int emu_sq_norm(const char *name, unsigned grid, unsigned block, const void *x, float s, u64 n,
+                double *out) {
+    if (block == 0 || block > 256 || (block & (block - 1))) return -2; // the kernel's tree
+#define TRY(T)                                                                                   \
+    if (!strcmp(name, "sq_norm_" #T)) {                                                          \
+        launch_block_threads(grid, block, [&] { sq_norm_##T((const T *)x, s, n, out); });        \
         return 0;                                                                                \
     }
     EACH_FLOAT(TRY)
