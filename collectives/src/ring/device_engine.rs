@@ -52,8 +52,9 @@ pub struct DevLinks {
     pub counters: Counters,
     /// The direct collectives' board and mappings, where every rank maps every other's buffers.
     pub(crate) direct: Option<crate::device::direct::Direct>,
-    /// Whether unrelated adjacent copies may run as one kernel ([`pairs`];
-    /// `Config::device_copy_pairs`).
+    /// Whether a slice's last receive and the next slice's first send, unrelated plain copies,
+    /// may run as one kernel ([`Stream::copy_pair`];
+    /// [`Config::device_copy_pairs`](crate::Config::device_copy_pairs)).
     pub pair_copies: bool,
 }
 
