@@ -297,7 +297,20 @@ fn the_device_sweep_checks_every_variant_and_catches_corruption() {
                 u64::from(corrupt.is_some() && rank1_checks),
                 "{row:?}"
             );
-            assert_eq!(row.predicted_us, None);
+            // Thread ranks of a host stream share one memory: all-reduce rows are set against
+            // copy·(n−1)/n² (not over tcp, whose bound is not the memory's).
+            let bounded =
+                row.op == "all_reduce" && transport == TransportPref::Shm && row.bytes > 0;
+            assert_eq!(row.predicted_us.is_some(), bounded, "{row:?}");
+            assert_eq!(row.efficiency.is_some(), bounded, "{row:?}");
+            if let (Some(p), Some(e)) = (row.predicted_us, row.efficiency) {
+                let busbw_at_bound = 2.0 * 2.0 / 3.0 * row.bytes as f64 / (p * 1e3);
+                let bound = r.header.device_bound.clone().unwrap();
+                let (rule, gbs) = (bound.rule, bound.busbw_gbs);
+                assert_eq!(rule, "copy·(n−1)/n²");
+                assert!((busbw_at_bound - gbs).abs() <= 1e-9 * gbs, "{row:?} {gbs}");
+                assert!((e - p / row.time_us).abs() <= 1e-12, "{row:?}");
+            }
             assert_eq!(
                 row.transport,
                 if transport == TransportPref::Shm {
@@ -317,10 +330,44 @@ fn the_device_sweep_checks_every_variant_and_catches_corruption() {
                  host staging mapped (RINGZERO_STAGING)"
             )
         );
+        let base = r
+            .header
+            .device_baseline
+            .expect("a host stream's copy baseline");
+        assert!(base.copy_gbs > 0.0 && base.pinned_gbs.is_none(), "{base:?}");
+        assert_eq!(
+            base.bytes,
+            1 << 20,
+            "the sweep's largest size, at least 1 MiB"
+        );
+        let b = base.copy_gbs * 2.0 / 9.0;
+        match transport {
+            TransportPref::Shm => assert_eq!(
+                r.header.device_bound,
+                Some(bench::report::DeviceBound {
+                    rule: "copy·(n−1)/n²".into(),
+                    busbw_gbs: b
+                })
+            ),
+            _ => assert_eq!(r.header.device_bound, None),
+        }
         let text = bench::text(r);
         assert!(!text.contains("n/a"), "every variant has its line: {text}");
-        assert!(text.contains("# device buffers"), "{text}");
         assert!(text.contains("# device ring: slices of 1024 B"), "{text}");
+        assert!(
+            text.contains("# device baseline (rank 0 alone, 1048576 B)"),
+            "{text}"
+        );
+        assert_eq!(
+            text.contains("# device bound: all_reduce busbw ≤ copy·(n−1)/n²"),
+            transport == TransportPref::Shm,
+            "{text}"
+        );
+        assert_eq!(
+            text.contains("# device buffers: the model below is the host links'"),
+            transport != TransportPref::Shm,
+            "{text}"
+        );
     }
 }
 

@@ -11,11 +11,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use ringzero_collectives::{Collective, Communicator, DeviceComm, TransportKind};
-use ringzero_kernels::device::cuda::raw::HostRegistration;
 use ringzero_kernels::device::cuda::Gpu;
 use ringzero_kernels::{DType, ReduceOp};
 
-use crate::bench::device::exact_result;
+use crate::bench::device::{exact_result, BenchDev};
 use crate::bench::exact::{decode as from_bytes, encode as to_bytes, reference, value};
 use crate::gpucheck::Row;
 
@@ -241,35 +240,18 @@ fn bandwidth(
     let bytes = elems * 4;
     let send = gpu.alloc(DType::F32, elems).map_err(e)?;
     let mut recv = gpu.alloc(DType::F32, elems).map_err(e)?;
-    // The baseline, measured here and now, by rank 0 alone.
+    // The baseline, measured here and now, by rank 0 alone (the bench's: `BenchDev::baseline`).
     // Host staging: the one-way pinned copy, and each direction's rate while both run at once
     // (what its ranks get, since each sends and receives at the same time).
     let (mut base_gbs, mut both_gbs) = (0.0, 0.0);
     if dc.rank() == 0 {
+        let b = gpu.baseline(bytes, staged)?;
         base_gbs = if staged {
-            let (mut host, mut back) = (vec![0u8; bytes], vec![0u8; bytes]);
-            // SAFETY: `host` and `back` outlive their registrations (dropped at the end of this
-            // block, before them).
-            let reg = unsafe { HostRegistration::new(gpu, host.as_mut_ptr(), bytes) }.map_err(e)?;
-            let reg2 =
-                unsafe { HostRegistration::new(gpu, back.as_mut_ptr(), bytes) }.map_err(e)?;
-            let hp = reg.device_ptr(host.as_ptr()).map_err(e)?;
-            let hp2 = reg2.device_ptr(back.as_ptr()).map_err(e)?;
-            let (dp, dp2) = (gpu.ptr_of(&recv), gpu.ptr_of(&send));
-            // SAFETY: both ranges are live for `bytes` bytes until the timing's final sync.
-            let ms = gpu
-                .time(5, || unsafe { gpu.copy_at(dp, hp, bytes) })
-                .map_err(e)?;
-            // SAFETY: four distinct live ranges of `bytes`; the call drains both streams.
-            let ms2 = unsafe { gpu.time_both_ways(dp, hp, hp2, dp2, bytes, 5) }.map_err(e)?;
-            drop((reg, reg2));
-            both_gbs = bytes as f64 / (ms2 * 1e-3) / 1e9;
-            bytes as f64 / (ms * 1e-3) / 1e9
+            b.pinned_gbs.unwrap_or(0.0)
         } else {
-            let mut dst = gpu.alloc(DType::F32, elems).map_err(e)?;
-            let ms = gpu.time(5, || gpu.copy(&mut dst, &send)).map_err(e)?;
-            2.0 * bytes as f64 / (ms * 1e-3) / 1e9
+            b.copy_gbs
         };
+        both_gbs = b.both_ways_gbs.unwrap_or(0.0);
     }
     dc.barrier().map_err(|x| x.to_string())?;
     let iters = 5;

@@ -179,6 +179,8 @@ pub(super) struct Core<S: Stream> {
     staged_fallback: bool,
     /// The least free space in any rank's shm directory at set-up (sizes host staging's slots).
     shm_room: u64,
+    /// Every rank's buffers are in one device's memory ([`DeviceComm::one_device`]).
+    one_device: bool,
     state: Mutex<DevState>,
     /// The last calls, dumped when the communicator fails or closes.
     flight: Recorder,
@@ -203,6 +205,7 @@ impl<S: Stream> DeviceComm<S> {
             direct_why: None,
             staged_fallback: false,
             shm_room: 0,
+            one_device: true,
             state: Mutex::new(DevState::new(None)),
         };
         if size > 1 {
@@ -225,6 +228,14 @@ impl<S: Stream> DeviceComm<S> {
     /// or `None` where they go round the ring like every other collective.
     pub fn direct(&self) -> Option<&str> {
         self.core.direct_why.as_deref()
+    }
+
+    /// Whether every rank's buffers are in one device's memory — one GPU all ranks share, or a
+    /// host stream whose ranks are threads of one process — so that every byte any rank reads
+    /// or writes shares that memory's bandwidth (what a benchmark's bound must assume). A
+    /// one-rank communicator is on one device.
+    pub fn one_device(&self) -> bool {
+        self.core.one_device
     }
 
     /// Bytes of one slice on the device ring's edges (and of each of their slots): every rank's
@@ -374,6 +385,14 @@ impl<S: Stream> Core<S> {
         };
         let infos: Vec<DeviceInfo> = comm.all_gather_records(&me)?;
         self.shm_room = infos.iter().map(|i| i.shm_free).min().unwrap_or(0);
+        self.one_device = infos.iter().all(|i| {
+            i.has_uuid == me.has_uuid
+                && if me.has_uuid == 1 {
+                    i.uuid == me.uuid
+                } else {
+                    i.pid == me.pid
+                }
+        });
         let p = &infos[prev];
         let host_edges = comm.edges();
         let host_recv = host_edges

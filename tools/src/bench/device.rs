@@ -12,7 +12,9 @@ use std::sync::Arc;
 use ringzero_collectives::{
     Collective, Communicator, DType, DeviceComm, DeviceMemory, HostStream, ReduceOp, Result, Stream,
 };
+use ringzero_kernels::device::cuda::raw::HostRegistration;
 use ringzero_kernels::device::cuda::{DeviceBuffer, Gpu};
+use serde::{Deserialize, Serialize};
 
 use super::exact::{self, decode, encode, value};
 use super::sweep::{row, timed, wrong, Row, SweepArgs};
@@ -26,7 +28,28 @@ pub trait BenchDev: Stream + Sized {
     fn make(&self, dtype: DType, vals: &[f64]) -> std::result::Result<Self::Buf, String>;
     /// Its contents.
     fn contents(&self, b: &Self::Buf) -> std::result::Result<Vec<f64>, String>;
+    /// Copy rates measured now on `bytes` (see [`Baseline`]); the pinned host↔device ones too
+    /// when `staged`, where the device has such copies.
+    fn baseline(&self, bytes: usize, staged: bool) -> std::result::Result<Baseline, String>;
 }
+
+/// What the device's memory and its link to the host move, measured by one rank alone: the
+/// yardsticks device collectives are set against (`ringzero bench --device`, `gpu-check`).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Baseline {
+    /// Bytes per copy.
+    pub bytes: usize,
+    /// A copy within the device's memory, GB/s counted as bytes read plus bytes written.
+    pub copy_gbs: f64,
+    /// A pinned host→device copy alone, GB/s (GPUs, when asked for).
+    pub pinned_gbs: Option<f64>,
+    /// Each direction's rate while a pinned host→device and a device→host copy run at once,
+    /// GB/s (GPUs, when asked for): what host staging gets, every rank sending and receiving.
+    pub both_ways_gbs: Option<f64>,
+}
+
+/// Copies timed for a baseline (after one untimed).
+const BASELINE_REPS: usize = 5;
 
 /// Host memory for the host stream: 8-byte aligned, typed by `dtype`.
 pub struct HostBuf {
@@ -54,6 +77,22 @@ unsafe impl DeviceMemory<HostStream> for HostBuf {
 
 impl BenchDev for HostStream {
     type Buf = HostBuf;
+    fn baseline(&self, bytes: usize, _staged: bool) -> std::result::Result<Baseline, String> {
+        let (src, mut dst) = (vec![1u8; bytes], vec![0u8; bytes]);
+        dst.copy_from_slice(&src);
+        let t = std::time::Instant::now();
+        for _ in 0..BASELINE_REPS {
+            dst.copy_from_slice(std::hint::black_box(&src));
+        }
+        let secs = t.elapsed().as_secs_f64() / BASELINE_REPS as f64;
+        std::hint::black_box(&dst);
+        Ok(Baseline {
+            bytes,
+            copy_gbs: 2.0 * bytes as f64 / secs / 1e9,
+            pinned_gbs: None,
+            both_ways_gbs: None,
+        })
+    }
     fn make(&self, dtype: DType, vals: &[f64]) -> std::result::Result<HostBuf, String> {
         let bytes = encode(dtype, vals);
         let mut words = vec![0u64; bytes.len().div_ceil(8)];
@@ -75,6 +114,48 @@ impl BenchDev for HostStream {
 
 impl BenchDev for Arc<Gpu> {
     type Buf = DeviceBuffer;
+    fn baseline(&self, bytes: usize, staged: bool) -> std::result::Result<Baseline, String> {
+        // The CUDA device's own methods (the `Stream` trait has a `copy` of its own).
+        let gpu: &Gpu = self;
+        let e = |x: ringzero_kernels::device::DeviceError| x.to_string();
+        let gbs = |b: usize, ms: f64| b as f64 / (ms * 1e-3) / 1e9;
+        let elems = bytes / 4;
+        let bytes = elems * 4;
+        let src = gpu.alloc(DType::F32, elems).map_err(e)?;
+        let mut dst = gpu.alloc(DType::F32, elems).map_err(e)?;
+        let ms = gpu
+            .time(BASELINE_REPS, || gpu.copy(&mut dst, &src))
+            .map_err(e)?;
+        let mut b = Baseline {
+            bytes,
+            copy_gbs: gbs(2 * bytes, ms),
+            pinned_gbs: None,
+            both_ways_gbs: None,
+        };
+        if staged {
+            let (mut host, mut back) = (vec![0u8; bytes], vec![0u8; bytes]);
+            // SAFETY: `host` and `back` outlive their registrations (dropped at the end of this
+            // block, before them).
+            let reg =
+                unsafe { HostRegistration::new(self, host.as_mut_ptr(), bytes) }.map_err(e)?;
+            let reg2 =
+                unsafe { HostRegistration::new(self, back.as_mut_ptr(), bytes) }.map_err(e)?;
+            let hp = reg.device_ptr(host.as_ptr()).map_err(e)?;
+            let hp2 = reg2.device_ptr(back.as_ptr()).map_err(e)?;
+            let (dp, dp2) = (gpu.ptr_of(&dst), gpu.ptr_of(&src));
+            // SAFETY: both ranges are live for `bytes` bytes until the timing's final sync.
+            let ms = gpu
+                .time(BASELINE_REPS, || unsafe { gpu.copy_at(dp, hp, bytes) })
+                .map_err(e)?;
+            // SAFETY: four distinct live ranges of `bytes`; the call drains both streams.
+            let ms2 =
+                unsafe { gpu.time_both_ways(dp, hp, hp2, dp2, bytes, BASELINE_REPS) }.map_err(e)?;
+            drop((reg, reg2));
+            b.pinned_gbs = Some(gbs(bytes, ms));
+            b.both_ways_gbs = Some(gbs(bytes, ms2));
+        }
+        Ok(b)
+    }
     fn make(&self, dtype: DType, vals: &[f64]) -> std::result::Result<DeviceBuffer, String> {
         self.upload(dtype, &encode(dtype, vals))
             .map_err(|e| e.to_string())

@@ -198,7 +198,74 @@ fn header(comm: &Communicator, a: &BenchArgs, probe: &probe::Probe, device: Stri
             )
         },
         device_ring: None,
+        device_baseline: None,
+        device_bound: None,
     }
+}
+
+/// The device's copy rates, measured by rank 0 alone (the others wait) on the sweep's largest
+/// size (1 to 256 MiB) and shared with every rank, and the all-reduce bound they give where every
+/// rank is on one device and no edge is tcp: ranks sharing one device's memory read every input
+/// and write every output at least once, 2·n·S bytes, so busbw = 2(n−1)/n·S/t ≤
+/// copy·(n−1)/n²; over host staging every byte a rank sends crosses the one host link twice
+/// while every rank sends and receives, so busbw ≤ (each direction's rate with both at once)/n.
+/// A baseline that cannot be measured is said on stderr and leaves both out.
+fn device_bound<D: device::BenchDev>(
+    comm: &Communicator,
+    dc: &ringzero_collectives::DeviceComm<D>,
+    a: &BenchArgs,
+) -> Result<(Option<device::Baseline>, Option<report::DeviceBound>)> {
+    use ringzero_collectives::TransportKind;
+    let kinds: Vec<TransportKind> = dc.edges().iter().map(|e| e.kind).collect();
+    let staged = kinds.contains(&TransportKind::Shm);
+    let bytes = a
+        .sweep
+        .sizes
+        .iter()
+        .copied()
+        .max()
+        .unwrap_or(0)
+        .clamp(1 << 20, 256 << 20);
+    comm.barrier()?;
+    // [copy, pinned, both ways]; NaN: none. Rank 0's, broadcast so every rank's rows agree.
+    let mut v = [f64::NAN; 3];
+    if comm.rank() == 0 {
+        match dc.stream().baseline(bytes, staged) {
+            Ok(b) => {
+                v = [
+                    b.copy_gbs,
+                    b.pinned_gbs.unwrap_or(f64::NAN),
+                    b.both_ways_gbs.unwrap_or(f64::NAN),
+                ]
+            }
+            Err(e) => eprintln!("ringzero bench: no device baseline ({e}); rows carry no bound"),
+        }
+    }
+    comm.broadcast_in_place(&mut v, 0)?;
+    if v[0].is_nan() {
+        return Ok((None, None));
+    }
+    let some = |x: f64| (!x.is_nan()).then_some(x);
+    let b = device::Baseline {
+        bytes: bytes / 4 * 4,
+        copy_gbs: v[0],
+        pinned_gbs: some(v[1]),
+        both_ways_gbs: some(v[2]),
+    };
+    let n = dc.size() as f64;
+    let bound = if dc.size() < 2 || !dc.one_device() || kinds.contains(&TransportKind::Tcp) {
+        None
+    } else if let (true, Some(w)) = (staged, b.both_ways_gbs) {
+        Some(("(each way with both at once)/n", w / n))
+    } else {
+        // (A host stream's "staging" is host memory: the copy bound.)
+        Some(("copy·(n−1)/n²", b.copy_gbs * (n - 1.0) / (n * n)))
+    }
+    .map(|(rule, busbw_gbs)| report::DeviceBound {
+        rule: rule.into(),
+        busbw_gbs,
+    });
+    Ok((Some(b), bound))
 }
 
 /// [`run`] on device buffers through `dc` (the device and its stream `device` names). α and β
@@ -227,6 +294,7 @@ pub fn run_device<D: device::BenchDev>(
              gather, scatter) run on host buffers only: left out of the device sweep"
         );
     }
+    let (baseline, bound) = device_bound(comm, dc, a)?;
     let total = ops.len() * a.sweep.sizes.len();
     let mut done = 0;
     let mut rows = Vec::new();
@@ -244,7 +312,19 @@ pub fn run_device<D: device::BenchDev>(
         } else {
             transport.clone()
         };
-        rows.extend(device::sweep(comm, dc, op, &a.sweep, &how, &mut tick)?);
+        let mut got = device::sweep(comm, dc, op, &a.sweep, &how, &mut tick)?;
+        if let (Collective::AllReduce, Some(report::DeviceBound { busbw_gbs: gbs, .. })) =
+            (op, &bound)
+        {
+            for r in got.iter_mut().filter(|r| r.bytes > 0) {
+                // The time at the bound: busbw = 2(n−1)/n · bytes / t.
+                let n = r.ranks as f64;
+                let t_us = 2.0 * (n - 1.0) / n * r.bytes as f64 / (gbs * 1e9) * 1e6;
+                r.predicted_us = Some(t_us);
+                r.efficiency = Some(t_us / r.time_us);
+            }
+        }
+        rows.extend(got);
     }
     let mut header = header(comm, a, &probe, device_name);
     let cfg = comm.config();
@@ -259,6 +339,8 @@ pub fn run_device<D: device::BenchDev>(
             ringzero_collectives::StagingMode::Copy => "copy",
         }
     ));
+    header.device_baseline = baseline;
+    header.device_bound = bound;
     header.device_edges = dc
         .edges()
         .iter()

@@ -55,6 +55,23 @@ pub struct Header {
     /// host staging's mode.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_ring: Option<String>,
+    /// The device's copy rates measured at the start by rank 0 alone (device buffers only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_baseline: Option<super::device::Baseline>,
+    /// The all-reduce bus bandwidth the ranks' shared device allows, derived from the baseline
+    /// (where every rank is on one device and no edge is tcp). The all-reduce rows'
+    /// `predicted_us` is the time at this bound, `efficiency` predicted / measured.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_bound: Option<DeviceBound>,
+}
+
+/// An all-reduce bus bandwidth bound for ranks sharing one device.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct DeviceBound {
+    /// How it follows from the baseline (`copy·(n−1)/n²`, `(each way with both at once)/n`).
+    pub rule: String,
+    /// Its value, GB/s of busbw.
+    pub busbw_gbs: f64,
 }
 
 /// A device communicator's edge in the header.
@@ -151,8 +168,36 @@ pub fn header_text(h: &Header) -> String {
     if let Some(r) = &h.device_ring {
         s += &format!("# device ring: {r}\n");
     }
-    if !h.device_edges.is_empty() {
-        s += "# device buffers: the model below is the host links'; rows carry no prediction\n";
+    if let Some(b) = &h.device_baseline {
+        s += &format!(
+            "# device baseline (rank 0 alone, {} B): copy {:.1} GB/s (read + written){}\n",
+            b.bytes,
+            b.copy_gbs,
+            match (b.pinned_gbs, b.both_ways_gbs) {
+                (Some(p), Some(w)) => format!(
+                    "; pinned host→device {p:.1} GB/s alone, {w:.1} GB/s each way with both \
+                     directions at once"
+                ),
+                _ => String::new(),
+            }
+        );
+    }
+    match &h.device_bound {
+        Some(DeviceBound {
+            rule,
+            busbw_gbs: gbs,
+        }) => {
+            s += &format!(
+                "# device bound: all_reduce busbw ≤ {rule} = {gbs:.1} GB/s for {} ranks sharing \
+                 one device; all_reduce rows' pred(us) is the time at it, eff = pred / measured; \
+                 other rows carry no prediction (the model below is the host links')\n",
+                h.ranks
+            );
+        }
+        None if !h.device_edges.is_empty() => {
+            s += "# device buffers: the model below is the host links'; rows carry no prediction\n";
+        }
+        None => {}
     }
     s += &format!(
         "# model: α = {:.2} us per step, β = {:.2} GB/s per link (slowest edge); baselines: memcpy in \
