@@ -40,7 +40,7 @@ PY
 bench() {  # label, then env assignments and bench arguments
     local label=$1; shift
     echo "== $label"
-    env "$@" --json "$out/bench-$label.json" | grep -E '^ +[0-9]|edge|rror' || status=1
+    env "$@" --json "$out/bench-$label.json" | grep -E '^ +[0-9]|edge|rror|device (baseline|bound|ring)' || status=1
 }
 B=target/release/ringzero
 A="all-reduce --device cuda -b 4M -e 256M -f 4 --iters 10 --warmup 3"
