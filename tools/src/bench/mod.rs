@@ -270,7 +270,8 @@ fn device_bound<D: device::BenchDev>(
 
 /// [`run`] on device buffers through `dc` (the device and its stream `device` names). α and β
 /// are still measured on the host links (the header's model) and predict no device row; the
-/// all-reduce rows are set against [`device_bound`]'s bound where there is one.
+/// all-reduce rows are set against the bound for ranks sharing one device, where there is one
+/// (`Header::device_bound`).
 /// Collectives device buffers do not support are left out, and rank 0 says so on stderr.
 pub fn run_device<D: device::BenchDev>(
     comm: &Communicator,
