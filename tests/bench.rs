@@ -297,18 +297,29 @@ fn the_device_sweep_checks_every_variant_and_catches_corruption() {
                 u64::from(corrupt.is_some() && rank1_checks),
                 "{row:?}"
             );
-            // Thread ranks of a host stream share one memory: all-reduce rows are set against
-            // copy·(n−1)/n² (not over tcp, whose bound is not the memory's).
-            let bounded =
-                row.op == "all_reduce" && transport == TransportPref::Shm && row.bytes > 0;
+            // Thread ranks of a host stream share one memory: every row is set against the
+            // bytes its collective must move through it (not over tcp, whose bound is not the
+            // memory's). On 3 ranks, copy c: all-reduce (4/3)·c/6; reduce-scatter (2/3)·c/4;
+            // all-gather (2/3)·c/4, in place (2/3)·c/3; broadcast c/4, in place c/3; reduce c/4.
+            let bounded = transport == TransportPref::Shm && row.bytes > 0;
             assert_eq!(row.predicted_us.is_some(), bounded, "{row:?}");
             assert_eq!(row.efficiency.is_some(), bounded, "{row:?}");
             if let (Some(p), Some(e)) = (row.predicted_us, row.efficiency) {
-                let busbw_at_bound = 2.0 * 2.0 / 3.0 * row.bytes as f64 / (p * 1e3);
-                let bound = r.header.device_bound.clone().unwrap();
-                let (rule, gbs) = (bound.rule, bound.busbw_gbs);
-                assert_eq!(rule, "copy·(n−1)/n²");
-                assert!((busbw_at_bound - gbs).abs() <= 1e-9 * gbs, "{row:?} {gbs}");
+                let c = r.header.device_baseline.unwrap().copy_gbs;
+                let (factor, bound) = match (row.op.as_str(), row.inplace) {
+                    ("all_reduce", _) => (4.0 / 3.0, 4.0 / 3.0 * c / 6.0),
+                    ("reduce_scatter" | "reduce_scatter_v", _) => (2.0 / 3.0, 2.0 / 3.0 * c / 4.0),
+                    ("all_gather", false) => (2.0 / 3.0, 2.0 / 3.0 * c / 4.0),
+                    ("all_gather", true) => (2.0 / 3.0, 2.0 / 3.0 * c / 3.0),
+                    ("broadcast", false) | ("reduce", _) => (1.0, c / 4.0),
+                    ("broadcast", true) => (1.0, c / 3.0),
+                    _ => panic!("no bound expected: {row:?}"),
+                };
+                let busbw_at_pred = factor * row.bytes as f64 / (p * 1e3);
+                assert!(
+                    (busbw_at_pred - bound).abs() <= 1e-9 * bound,
+                    "{row:?} {bound}"
+                );
                 assert!((e - p / row.time_us).abs() <= 1e-12, "{row:?}");
             }
             assert_eq!(
@@ -340,16 +351,17 @@ fn the_device_sweep_checks_every_variant_and_catches_corruption() {
             1 << 20,
             "the sweep's largest size, at least 1 MiB"
         );
-        let b = base.copy_gbs * 2.0 / 9.0;
-        match transport {
-            TransportPref::Shm => assert_eq!(
-                r.header.device_bound,
-                Some(bench::report::DeviceBound {
-                    rule: "copy·(n−1)/n²".into(),
-                    busbw_gbs: b
-                })
-            ),
-            _ => assert_eq!(r.header.device_bound, None),
+        match (transport, &r.header.device_bound) {
+            (TransportPref::Shm, Some(b)) => {
+                assert_eq!((b.limit.as_str(), b.gbs), ("memory", base.copy_gbs));
+                let want = base.copy_gbs * 2.0 / 9.0; // copy·(n−1)/n² on 3 ranks
+                assert!(
+                    (b.all_reduce_busbw_gbs - want).abs() <= 1e-9 * want,
+                    "{b:?}"
+                );
+            }
+            (TransportPref::Shm, None) => panic!("thread ranks on shm share one memory: a bound"),
+            (_, b) => assert_eq!(*b, None, "no bound over tcp"),
         }
         let text = bench::text(r);
         assert!(!text.contains("n/a"), "every variant has its line: {text}");
@@ -359,7 +371,7 @@ fn the_device_sweep_checks_every_variant_and_catches_corruption() {
             "{text}"
         );
         assert_eq!(
-            text.contains("# device bound: all_reduce busbw ≤ copy·(n−1)/n²"),
+            text.contains("# device bound: the 3 ranks share one device's memory"),
             transport == TransportPref::Shm,
             "{text}"
         );

@@ -204,17 +204,15 @@ fn header(comm: &Communicator, a: &BenchArgs, probe: &probe::Probe, device: Stri
 }
 
 /// The device's copy rates, measured by rank 0 alone (the others wait) on the sweep's largest
-/// size (1 to 256 MiB) and shared with every rank, and the all-reduce bound they give where every
-/// rank is on one device and no edge is tcp: ranks sharing one device's memory read every input
-/// and write every output at least once, 2·n·S bytes, so busbw = 2(n−1)/n·S/t ≤
-/// copy·(n−1)/n²; over host staging every byte a rank sends crosses the one host link twice
-/// while every rank sends and receives, so busbw ≤ (each direction's rate with both at once)/n.
-/// A baseline that cannot be measured is said on stderr and leaves both out.
+/// size (1 to 256 MiB) and shared with every rank, and what limits the rows where every rank is
+/// on one device and no edge is tcp: that device's memory, or over host staging the one host
+/// link ([`theory::device_bound_gbs`] gives each collective's bound). A baseline that cannot be
+/// measured is said on stderr and leaves both out.
 fn device_bound<D: device::BenchDev>(
     comm: &Communicator,
     dc: &ringzero_collectives::DeviceComm<D>,
     a: &BenchArgs,
-) -> Result<(Option<device::Baseline>, Option<report::DeviceBound>)> {
+) -> Result<(Option<device::Baseline>, Option<theory::DeviceLimit>)> {
     use ringzero_collectives::TransportKind;
     let kinds: Vec<TransportKind> = dc.edges().iter().map(|e| e.kind).collect();
     let staged = kinds.contains(&TransportKind::Shm);
@@ -252,25 +250,20 @@ fn device_bound<D: device::BenchDev>(
         pinned_gbs: some(v[1]),
         both_ways_gbs: some(v[2]),
     };
-    let n = dc.size() as f64;
-    let bound = if dc.size() < 2 || !dc.one_device() || kinds.contains(&TransportKind::Tcp) {
+    let limit = if dc.size() < 2 || !dc.one_device() || kinds.contains(&TransportKind::Tcp) {
         None
     } else if let (true, Some(w)) = (staged, b.both_ways_gbs) {
-        Some(("(each way with both at once)/n", w / n))
+        Some(theory::DeviceLimit::Staged(w))
     } else {
-        // (A host stream's "staging" is host memory: the copy bound.)
-        Some(("copy·(n−1)/n²", b.copy_gbs * (n - 1.0) / (n * n)))
-    }
-    .map(|(rule, busbw_gbs)| report::DeviceBound {
-        rule: rule.into(),
-        busbw_gbs,
-    });
-    Ok((Some(b), bound))
+        // (A host stream's "staging" is host memory: the memory bound.)
+        Some(theory::DeviceLimit::Memory(b.copy_gbs))
+    };
+    Ok((Some(b), limit))
 }
 
 /// [`run`] on device buffers through `dc` (the device and its stream `device` names). α and β
 /// are still measured on the host links (the header's model) and predict no device row; the
-/// all-reduce rows are set against the bound for ranks sharing one device, where there is one
+/// rows are set against the bound for ranks sharing one device, where there is one
 /// (`Header::device_bound`).
 /// Collectives device buffers do not support are left out, and rank 0 says so on stderr.
 pub fn run_device<D: device::BenchDev>(
@@ -296,7 +289,7 @@ pub fn run_device<D: device::BenchDev>(
              gather, scatter) run on host buffers only: left out of the device sweep"
         );
     }
-    let (baseline, bound) = device_bound(comm, dc, a)?;
+    let (baseline, limit) = device_bound(comm, dc, a)?;
     let total = ops.len() * a.sweep.sizes.len();
     let mut done = 0;
     let mut rows = Vec::new();
@@ -315,16 +308,15 @@ pub fn run_device<D: device::BenchDev>(
             transport.clone()
         };
         let mut got = device::sweep(comm, dc, op, &a.sweep, &how, &mut tick)?;
-        if let (Collective::AllReduce, Some(report::DeviceBound { busbw_gbs: gbs, .. })) =
-            (op, &bound)
-        {
-            for r in got.iter_mut().filter(|r| r.bytes > 0) {
-                // The time at the bound: busbw = 2(n−1)/n · bytes / t.
-                let n = r.ranks as f64;
-                let t_us = 2.0 * (n - 1.0) / n * r.bytes as f64 / (gbs * 1e9) * 1e6;
-                r.predicted_us = Some(t_us);
-                r.efficiency = Some(t_us / r.time_us);
-            }
+        for r in got.iter_mut().filter(|r| r.bytes > 0) {
+            let Some(gbs) = limit.and_then(|l| theory::device_bound_gbs(op, r.ranks, r.inplace, l))
+            else {
+                continue;
+            };
+            // The time at the bound: busbw = factor · bytes / t.
+            let t_us = theory::busbw_factor(op, r.ranks) * r.bytes as f64 / (gbs * 1e9) * 1e6;
+            r.predicted_us = Some(t_us);
+            r.efficiency = Some(t_us / r.time_us);
         }
         rows.extend(got);
     }
@@ -342,7 +334,23 @@ pub fn run_device<D: device::BenchDev>(
         }
     ));
     header.device_baseline = baseline;
-    header.device_bound = bound;
+    header.device_bound = limit.map(|l| {
+        let (name, gbs) = match l {
+            theory::DeviceLimit::Memory(c) => ("memory", c),
+            theory::DeviceLimit::Staged(w) => ("staging", w),
+        };
+        report::DeviceBound {
+            limit: name.into(),
+            gbs,
+            all_reduce_busbw_gbs: theory::device_bound_gbs(
+                Collective::AllReduce,
+                dc.size(),
+                false,
+                l,
+            )
+            .unwrap_or(0.0),
+        }
+    });
     header.device_edges = dc
         .edges()
         .iter()

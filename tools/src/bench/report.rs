@@ -58,20 +58,23 @@ pub struct Header {
     /// The device's copy rates measured at the start by rank 0 alone (device buffers only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_baseline: Option<super::device::Baseline>,
-    /// The all-reduce bus bandwidth the ranks' shared device allows, derived from the baseline
-    /// (where every rank is on one device and no edge is tcp). The all-reduce rows'
-    /// `predicted_us` is the time at this bound, `efficiency` predicted / measured.
+    /// What bounds the device rows where every rank is on one device and no edge is tcp
+    /// (see [`super::theory::device_bound_gbs`]): each row's `predicted_us` is the time at its
+    /// bound, `efficiency` predicted / measured.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_bound: Option<DeviceBound>,
 }
 
-/// An all-reduce bus bandwidth bound for ranks sharing one device.
+/// The limit device rows are set against, for ranks sharing one device.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct DeviceBound {
-    /// How it follows from the baseline (`copy·(n−1)/n²`, `(each way with both at once)/n`).
-    pub rule: String,
-    /// Its value, GB/s of busbw.
-    pub busbw_gbs: f64,
+    /// `memory` (the one device's memory, at the baseline's copy rate) or `staging` (the one
+    /// host link, each direction's rate while both run).
+    pub limit: String,
+    /// That rate, GB/s.
+    pub gbs: f64,
+    /// The all-reduce's busbw bound it gives, GB/s.
+    pub all_reduce_busbw_gbs: f64,
 }
 
 /// A device communicator's edge in the header.
@@ -183,15 +186,27 @@ pub fn header_text(h: &Header) -> String {
         );
     }
     match &h.device_bound {
-        Some(DeviceBound {
-            rule,
-            busbw_gbs: gbs,
-        }) => {
+        Some(b) => {
+            let family = if b.limit == "staging" {
+                format!(
+                    "the {} ranks share one host link ({:.1} GB/s each way with both at once = w): \
+                     busbw ≤ w/n (all_reduce, reduce_scatter, all_gather), w/(n−1) (broadcast, \
+                     reduce)",
+                    h.ranks, b.gbs
+                )
+            } else {
+                format!(
+                    "the {} ranks share one device's memory (copy {:.1} GB/s): busbw ≤ \
+                     factor·copy/T, T the bytes reading every input and writing every output once \
+                     move, in sizes (all_reduce 2n; reduce_scatter, reduce n+1; all_gather, \
+                     broadcast n+1, n in place)",
+                    h.ranks, b.gbs
+                )
+            };
             s += &format!(
-                "# device bound: all_reduce busbw ≤ {rule} = {gbs:.1} GB/s for {} ranks sharing \
-                 one device; all_reduce rows' pred(us) is the time at it, eff = pred / measured; \
-                 other rows carry no prediction (the model below is the host links')\n",
-                h.ranks
+                "# device bound: {family}; all_reduce {:.1} GB/s. pred(us) is the time at a \
+                 row's bound, eff = pred / measured (the model below is the host links')\n",
+                b.all_reduce_busbw_gbs
             );
         }
         None if !h.device_edges.is_empty() => {

@@ -62,6 +62,65 @@ pub fn busbw_factor(op: Collective, n: usize) -> f64 {
     }
 }
 
+/// What bounds device collectives whose ranks all share one device (`ringzero bench --device`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum DeviceLimit {
+    /// The one device's memory, copying at this many GB/s (read + written).
+    Memory(f64),
+    /// Host staging: the one host link, each direction at this many GB/s while both run.
+    Staged(f64),
+}
+
+/// The bus bandwidth `op` (`inplace` or not) can reach on `n` ranks under `limit`, or `None`
+/// for collectives it does not cover.
+///
+/// - `Memory(copy)`: every input byte is read and every output byte written at least once, all
+///   through the one memory, so t ≥ T·S/copy with T (in units of the size S): all-reduce 2n;
+///   reduce-scatter and reduce n + 1 (n inputs read, S written); all-gather and broadcast n + 1
+///   out of place (S read, n outputs written), n in place (a rank's own part is already there).
+/// - `Staged(w)`: every byte a rank sends leaves its device through the one link and comes back
+///   through it: all-reduce, reduce-scatter and all-gather send busbw·t per rank with every rank
+///   sending, so busbw ≤ w/n; a broadcast or reduce moves S through each of n − 1 ranks, so
+///   busbw ≤ w/(n − 1).
+pub fn device_bound_gbs(
+    op: Collective,
+    n: usize,
+    inplace: bool,
+    limit: DeviceLimit,
+) -> Option<f64> {
+    if n < 2 {
+        return None;
+    }
+    let nf = n as f64;
+    match limit {
+        DeviceLimit::Memory(copy) => {
+            let traffic = match op {
+                Collective::AllReduce => 2.0 * nf,
+                Collective::ReduceScatter
+                | Collective::ReduceScatterV
+                | Collective::Reduce { .. } => nf + 1.0,
+                Collective::AllGather | Collective::Broadcast { .. } => {
+                    if inplace {
+                        nf
+                    } else {
+                        nf + 1.0
+                    }
+                }
+                _ => return None,
+            };
+            Some(busbw_factor(op, n) * copy / traffic)
+        }
+        DeviceLimit::Staged(w) => match op {
+            Collective::AllReduce
+            | Collective::ReduceScatter
+            | Collective::ReduceScatterV
+            | Collective::AllGather => Some(w / nf),
+            Collective::Broadcast { .. } | Collective::Reduce { .. } => Some(w / (nf - 1.0)),
+            _ => None,
+        },
+    }
+}
+
 /// Algorithm bandwidth in GB/s.
 pub fn algbw_gbs(bytes: usize, time_us: f64) -> f64 {
     if time_us <= 0.0 {
@@ -147,6 +206,57 @@ mod tests {
         assert_eq!(busbw_factor(Collective::Broadcast { root: 0 }, 8), 1.0);
         assert_eq!(busbw_factor(Collective::AllReduce, 2), 1.0);
         assert_eq!(algbw_gbs(10, 0.0), 0.0);
+    }
+
+    #[test]
+    fn device_bounds_match_hand_computed_values() {
+        let close = |a: Option<f64>, b: f64| a.is_some_and(|a| (a - b).abs() < 1e-9);
+        let (bc, rd) = (
+            Collective::Broadcast { root: 0 },
+            Collective::Reduce { root: 1 },
+        );
+        // One memory copying 3000 GB/s, 4 ranks: all-reduce 3000·3/16 = 562.5 (the H100's
+        // shared-memory bound); reduce-scatter 0.75·3000/5 = 450; broadcast 3000/5, in place /4.
+        let m = DeviceLimit::Memory(3000.0);
+        assert!(close(
+            device_bound_gbs(Collective::AllReduce, 4, false, m),
+            562.5
+        ));
+        assert!(close(
+            device_bound_gbs(Collective::AllReduce, 4, true, m),
+            562.5
+        ));
+        assert!(close(
+            device_bound_gbs(Collective::ReduceScatter, 4, true, m),
+            450.0
+        ));
+        assert!(close(
+            device_bound_gbs(Collective::AllGather, 4, false, m),
+            450.0
+        ));
+        assert!(close(
+            device_bound_gbs(Collective::AllGather, 4, true, m),
+            562.5
+        ));
+        assert!(close(device_bound_gbs(bc, 4, false, m), 600.0));
+        assert!(close(device_bound_gbs(bc, 4, true, m), 750.0));
+        assert!(close(device_bound_gbs(rd, 4, true, m), 600.0));
+        // One host link at 48 GB/s each way with both at once: w/n, or w/(n−1) for the chains.
+        let w = DeviceLimit::Staged(48.0);
+        assert!(close(
+            device_bound_gbs(Collective::AllReduce, 2, false, w),
+            24.0
+        ));
+        assert!(close(
+            device_bound_gbs(Collective::AllGather, 4, true, w),
+            12.0
+        ));
+        assert!(close(device_bound_gbs(bc, 4, false, w), 16.0));
+        assert!(close(device_bound_gbs(rd, 3, false, w), 24.0));
+        // None for one rank, and for what the device sweep does not run.
+        assert_eq!(device_bound_gbs(Collective::AllReduce, 1, false, m), None);
+        assert_eq!(device_bound_gbs(Collective::RingShift, 4, false, m), None);
+        assert_eq!(device_bound_gbs(Collective::AllToAll, 4, false, w), None);
     }
 
     #[test]
