@@ -225,8 +225,9 @@ fn device_bound<D: device::BenchDev>(
         .unwrap_or(0)
         .clamp(1 << 20, 256 << 20);
     comm.barrier()?;
-    // [copy, pinned, both ways]; NaN: none. Rank 0's, broadcast so every rank's rows agree.
-    let mut v = [f64::NAN; 3];
+    // [copy, pinned, both ways, bytes]; NaN: none. Rank 0's, broadcast so every rank's rows
+    // agree.
+    let mut v = [f64::NAN; 4];
     if comm.rank() == 0 {
         match dc.stream().baseline(bytes, staged) {
             Ok(b) => {
@@ -234,6 +235,7 @@ fn device_bound<D: device::BenchDev>(
                     b.copy_gbs,
                     b.pinned_gbs.unwrap_or(f64::NAN),
                     b.both_ways_gbs.unwrap_or(f64::NAN),
+                    b.bytes as f64,
                 ]
             }
             Err(e) => eprintln!("ringzero bench: no device baseline ({e}); rows carry no bound"),
@@ -245,7 +247,7 @@ fn device_bound<D: device::BenchDev>(
     }
     let some = |x: f64| (!x.is_nan()).then_some(x);
     let b = device::Baseline {
-        bytes: bytes / 4 * 4,
+        bytes: v[3] as usize,
         copy_gbs: v[0],
         pinned_gbs: some(v[1]),
         both_ways_gbs: some(v[2]),
