@@ -298,12 +298,12 @@ fn the_device_sweep_checks_every_variant_and_catches_corruption() {
                 "{row:?}"
             );
             // Thread ranks of a host stream share one memory: every row is set against the
-            // bytes its collective must move through it (not over tcp, whose bound is not the
-            // memory's). On 3 ranks, copy c: all-reduce (4/3)·c/6; reduce-scatter (2/3)·c/4;
-            // all-gather (2/3)·c/4, in place (2/3)·c/3; broadcast c/4, in place c/3; reduce c/4.
-            let bounded = transport == TransportPref::Shm && row.bytes > 0;
-            assert_eq!(row.predicted_us.is_some(), bounded, "{row:?}");
-            assert_eq!(row.efficiency.is_some(), bounded, "{row:?}");
+            // bytes its collective must move through it. On 3 ranks, copy c: all-reduce
+            // (4/3)·c/6; reduce-scatter (2/3)·c/4; all-gather (2/3)·c/4, in place (2/3)·c/3;
+            // broadcast c/4, in place c/3; reduce c/4. Over tcp the ring's links bound them
+            // instead: busbw ≤ β, the slowest edge's measured rate, for every collective.
+            assert_eq!(row.predicted_us.is_some(), row.bytes > 0, "{row:?}");
+            assert_eq!(row.efficiency.is_some(), row.bytes > 0, "{row:?}");
             if let (Some(p), Some(e)) = (row.predicted_us, row.efficiency) {
                 let c = r.header.device_baseline.unwrap().copy_gbs;
                 let (factor, bound) = match (row.op.as_str(), row.inplace) {
@@ -314,6 +314,14 @@ fn the_device_sweep_checks_every_variant_and_catches_corruption() {
                     ("broadcast", false) | ("reduce", _) => (1.0, c / 4.0),
                     ("broadcast", true) => (1.0, c / 3.0),
                     _ => panic!("no bound expected: {row:?}"),
+                };
+                let bound = match transport {
+                    TransportPref::Shm => {
+                        assert_eq!(row.beta_gbs, None, "{row:?}");
+                        bound
+                    }
+                    // β measured at this row's size, in place or not as the row.
+                    _ => row.beta_gbs.expect("a links-bound row carries its β"),
                 };
                 let busbw_at_pred = factor * row.bytes as f64 / (p * 1e3);
                 assert!(
@@ -361,7 +369,13 @@ fn the_device_sweep_checks_every_variant_and_catches_corruption() {
                 );
             }
             (TransportPref::Shm, None) => panic!("thread ranks on shm share one memory: a bound"),
-            (_, b) => assert_eq!(*b, None, "no bound over tcp"),
+            (_, Some(b)) => {
+                // Over tcp: the device ring's links, shifting the baseline's bytes.
+                assert_eq!(b.limit, "links");
+                assert!(b.gbs > 0.0 && b.gbs.is_finite(), "{b:?}");
+                assert_eq!(b.all_reduce_busbw_gbs, b.gbs);
+            }
+            (_, None) => panic!("over tcp the ring's links bound the rows"),
         }
         let text = bench::text(r);
         assert!(!text.contains("n/a"), "every variant has its line: {text}");
@@ -376,9 +390,13 @@ fn the_device_sweep_checks_every_variant_and_catches_corruption() {
             "{text}"
         );
         assert_eq!(
-            text.contains("# device buffers: the model below is the host links'"),
+            text.contains("# device bound: the ring's links (β: the slowest edge's rate while"),
             transport != TransportPref::Shm,
             "{text}"
+        );
+        assert!(
+            !text.contains("# device buffers: the model below is the host links'"),
+            "every row has a bound: {text}"
         );
     }
 }

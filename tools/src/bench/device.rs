@@ -220,6 +220,41 @@ fn call<D: BenchDev>(
     }
 }
 
+/// The ring's slowest edge, GB/s: every rank shifts `count` elements of `dtype` to the next
+/// rank through `dc` at once (in place or not, so the working set matches the rows it is set
+/// against), timed as the rows are (`warmup` untimed calls, then `iters` after a barrier), the
+/// slowest rank's mean time counting. What bounds ring collectives whose ranks do not share one device
+/// (or whose edges include tcp): [`super::theory::DeviceLimit::Links`].
+pub fn ring_links<D: BenchDev>(
+    comm: &Communicator,
+    dc: &mut DeviceComm<D>,
+    (dtype, count): (DType, usize),
+    inplace: bool,
+    (warmup, iters): (usize, usize),
+) -> Result<f64> {
+    let (count, iters) = (count.max(1), iters.max(1));
+    let recv_len = if inplace { 0 } else { count };
+    let (mut send, mut recv) = buffers(dc, dtype, (vec![1.0; count], vec![0.0; recv_len]))?;
+    let mut shift = |send: &mut D::Buf, recv: &mut D::Buf| {
+        if inplace {
+            dc.ring_shift_in_place(send)
+        } else {
+            dc.ring_shift(send, recv)
+        }
+    };
+    for _ in 0..warmup {
+        shift(&mut send, &mut recv)?;
+    }
+    comm.barrier()?;
+    let t = std::time::Instant::now();
+    for _ in 0..iters {
+        shift(&mut send, &mut recv)?;
+    }
+    let mut slowest = [t.elapsed().as_secs_f64() / iters as f64];
+    comm.all_reduce_in_place(&mut slowest, ReduceOp::Max)?;
+    Ok((count * dtype.size()) as f64 / slowest[0] / 1e9)
+}
+
 /// Buffers holding `send` and `recv` as `dtype`.
 fn buffers<D: BenchDev>(
     dc: &DeviceComm<D>,

@@ -204,13 +204,15 @@ fn header(comm: &Communicator, a: &BenchArgs, probe: &probe::Probe, device: Stri
 }
 
 /// The device's copy rates, measured by rank 0 alone (the others wait) on the sweep's largest
-/// size (1 to 256 MiB) and shared with every rank, and what limits the rows where every rank is
-/// on one device and no edge is tcp: that device's memory, or over host staging the one host
-/// link ([`theory::device_bound_gbs`] gives each collective's bound). A baseline that cannot be
-/// measured is said on stderr and leaves both out.
+/// size (1 to 256 MiB) and shared with every rank, and what limits the rows: where every rank is
+/// on one device and no edge is tcp, that device's memory, or over host staging the one host
+/// link; otherwise the ring's links, the slowest edge's rate with every rank shifting that size
+/// to the next at once ([`device::ring_links`]; [`theory::device_bound_gbs`] gives each
+/// collective's bound). A baseline that cannot be measured is said on stderr and leaves it out,
+/// and the bounds that need it.
 fn device_bound<D: device::BenchDev>(
     comm: &Communicator,
-    dc: &ringzero_collectives::DeviceComm<D>,
+    dc: &mut ringzero_collectives::DeviceComm<D>,
     a: &BenchArgs,
 ) -> Result<(Option<device::Baseline>, Option<theory::DeviceLimit>)> {
     use ringzero_collectives::TransportKind;
@@ -252,8 +254,13 @@ fn device_bound<D: device::BenchDev>(
         pinned_gbs: some(v[1]),
         both_ways_gbs: some(v[2]),
     };
-    let limit = if dc.size() < 2 || !dc.one_device() || kinds.contains(&TransportKind::Tcp) {
+    let limit = if dc.size() < 2 {
         None
+    } else if !dc.one_device() || kinds.contains(&TransportKind::Tcp) {
+        let count = b.bytes / a.sweep.dtype.size();
+        let timing = (a.sweep.warmup, a.sweep.iters);
+        let beta = device::ring_links(comm, dc, (a.sweep.dtype, count), false, timing)?;
+        Some(theory::DeviceLimit::Links(beta))
     } else if let (true, Some(w)) = (staged, b.both_ways_gbs) {
         Some(theory::DeviceLimit::Staged(w))
     } else {
@@ -265,8 +272,9 @@ fn device_bound<D: device::BenchDev>(
 
 /// [`run`] on device buffers through `dc` (the device and its stream `device` names). α and β
 /// are still measured on the host links (the header's model) and predict no device row; the
-/// rows are set against the bound for ranks sharing one device, where there is one
-/// (`Header::device_bound`).
+/// rows are set against the device's bound (`Header::device_bound`): ranks sharing one device
+/// against its memory or host link, others against the device ring's links (rows the direct
+/// step runs between devices get none).
 /// Collectives device buffers do not support are left out, and rank 0 says so on stderr.
 pub fn run_device<D: device::BenchDev>(
     comm: &Communicator,
@@ -292,6 +300,8 @@ pub fn run_device<D: device::BenchDev>(
         );
     }
     let (baseline, limit) = device_bound(comm, dc, a)?;
+    // The links' rate per (elements shifted, in place), measured when a row first needs it.
+    let mut links: Vec<((usize, bool), f64)> = Vec::new();
     let total = ops.len() * a.sweep.sizes.len();
     let mut done = 0;
     let mut rows = Vec::new();
@@ -311,7 +321,36 @@ pub fn run_device<D: device::BenchDev>(
         };
         let mut got = device::sweep(comm, dc, op, &a.sweep, &how, &mut tick)?;
         for r in got.iter_mut().filter(|r| r.bytes > 0) {
-            let Some(gbs) = limit.and_then(|l| theory::device_bound_gbs(op, r.ranks, r.inplace, l))
+            let row_limit = match limit {
+                // The direct step does not go over the ring's links: they bound nothing there.
+                Some(theory::DeviceLimit::Links(_)) if direct => None,
+                // The links carrying what one link carries in this row's call (busbw's factor
+                // times its count, as the host model's β), in place or not as the row.
+                Some(theory::DeviceLimit::Links(_)) => {
+                    let per_link =
+                        (theory::busbw_factor(op, r.ranks) * r.count as f64).round() as usize;
+                    let key = (per_link, r.inplace);
+                    let beta = match links.iter().find(|(k, _)| *k == key) {
+                        Some(&(_, beta)) => beta,
+                        None => {
+                            let beta = device::ring_links(
+                                comm,
+                                dc,
+                                (a.sweep.dtype, per_link),
+                                r.inplace,
+                                (a.sweep.warmup, a.sweep.iters),
+                            )?;
+                            links.push((key, beta));
+                            beta
+                        }
+                    };
+                    r.beta_gbs = Some(beta);
+                    Some(theory::DeviceLimit::Links(beta))
+                }
+                l => l,
+            };
+            let Some(gbs) =
+                row_limit.and_then(|l| theory::device_bound_gbs(op, r.ranks, r.inplace, l))
             else {
                 continue;
             };
@@ -340,6 +379,7 @@ pub fn run_device<D: device::BenchDev>(
         let (name, gbs) = match l {
             theory::DeviceLimit::Memory(c) => ("memory", c),
             theory::DeviceLimit::Staged(w) => ("staging", w),
+            theory::DeviceLimit::Links(beta) => ("links", beta),
         };
         report::DeviceBound {
             limit: name.into(),

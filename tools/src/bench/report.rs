@@ -58,18 +58,20 @@ pub struct Header {
     /// The device's copy rates measured at the start by rank 0 alone (device buffers only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_baseline: Option<super::device::Baseline>,
-    /// What bounds the device rows where every rank is on one device and no edge is tcp
-    /// (see [`super::theory::device_bound_gbs`]): each row's `predicted_us` is the time at its
-    /// bound, `efficiency` predicted / measured.
+    /// What bounds the device rows (see [`super::theory::device_bound_gbs`]): each row's
+    /// `predicted_us` is the time at its bound, `efficiency` predicted / measured.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_bound: Option<DeviceBound>,
 }
 
-/// The limit device rows are set against, for ranks sharing one device.
+/// The limit device rows are set against.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct DeviceBound {
-    /// `memory` (the one device's memory, at the baseline's copy rate) or `staging` (the one
-    /// host link, each direction's rate while both run).
+    /// For ranks sharing one device with no tcp edge, `memory` (the one device's memory, at the
+    /// baseline's copy rate) or `staging` (the one host link, each direction's rate while both
+    /// run); otherwise `links` (the device ring's slowest edge while every rank sends to the next
+    /// at once: here out of place on the baseline's bytes; each row carries its own size's, in
+    /// its `beta_gbs`).
     pub limit: String,
     /// That rate, GB/s.
     pub gbs: f64,
@@ -187,7 +189,20 @@ pub fn header_text(h: &Header) -> String {
     }
     match &h.device_bound {
         Some(b) => {
-            let family = if b.limit == "staging" {
+            let family = if b.limit == "links" {
+                format!(
+                    "the ring's links (β: the slowest edge's rate while every rank shifts what \
+                     one link carries in a row's call, busbw's factor × its bytes, to the next \
+                     through the device ring at once, in place or not as the row, timed as the \
+                     rows: its β column; {:.1} GB/s at {} B): busbw ≤ β for every ring \
+                     collective where links do not share what carries them (NVLink); where \
+                     they do (host memory, one PCIe switch) a broadcast or reduce, which \
+                     leaves one link idle, can pass it: eff over 100 % says so. Rows the \
+                     direct step runs carry none",
+                    b.gbs,
+                    h.device_baseline.map_or(0, |x| x.bytes)
+                )
+            } else if b.limit == "staging" {
                 format!(
                     "the {} ranks share one host link ({:.1} GB/s each way with both at once = w): \
                      busbw ≤ w/n (all_reduce, reduce_scatter, all_gather), w/(n−1) (broadcast, \

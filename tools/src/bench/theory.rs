@@ -62,13 +62,17 @@ pub fn busbw_factor(op: Collective, n: usize) -> f64 {
     }
 }
 
-/// What bounds device collectives whose ranks all share one device (`ringzero bench --device`).
+/// What bounds device collectives (`ringzero bench --device`): for ranks sharing one device,
+/// that device's memory or its one host link; otherwise the ring's own links.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum DeviceLimit {
     /// The one device's memory, copying at this many GB/s (read + written).
     Memory(f64),
     /// Host staging: the one host link, each direction at this many GB/s while both run.
     Staged(f64),
+    /// The ring's links, the slowest edge moving this many GB/s while every rank sends to the
+    /// next at once (one device per rank, or tcp edges).
+    Links(f64),
 }
 
 /// The bus bandwidth `op` (`inplace` or not) can reach on `n` ranks under `limit`, or `None`
@@ -82,6 +86,9 @@ pub enum DeviceLimit {
 ///   through it: all-reduce, reduce-scatter and all-gather send busbw·t per rank with every rank
 ///   sending, so busbw ≤ w/n; a broadcast or reduce moves S through each of n − 1 ranks, so
 ///   busbw ≤ w/(n − 1).
+/// - `Links(β)`: a ring collective moves busbw·t bytes over every link (that is how busbw is
+///   defined: all-reduce 2(n−1)/n·S, reduce-scatter and all-gather (n−1)/n·S, a pipelined
+///   broadcast or reduce S), so busbw ≤ β for each.
 pub fn device_bound_gbs(
     op: Collective,
     n: usize,
@@ -116,6 +123,15 @@ pub fn device_bound_gbs(
             | Collective::ReduceScatterV
             | Collective::AllGather => Some(w / nf),
             Collective::Broadcast { .. } | Collective::Reduce { .. } => Some(w / (nf - 1.0)),
+            _ => None,
+        },
+        DeviceLimit::Links(beta) => match op {
+            Collective::AllReduce
+            | Collective::ReduceScatter
+            | Collective::ReduceScatterV
+            | Collective::AllGather
+            | Collective::Broadcast { .. }
+            | Collective::Reduce { .. } => Some(beta),
             _ => None,
         },
     }
@@ -253,6 +269,21 @@ mod tests {
         ));
         assert!(close(device_bound_gbs(bc, 4, false, w), 16.0));
         assert!(close(device_bound_gbs(rd, 3, false, w), 24.0));
+        // The ring's links at 20 GB/s: busbw ≤ 20 for every ring collective, in place or not.
+        let l = DeviceLimit::Links(20.0);
+        for op in [
+            Collective::AllReduce,
+            Collective::ReduceScatter,
+            Collective::ReduceScatterV,
+            Collective::AllGather,
+            bc,
+            rd,
+        ] {
+            for inplace in [false, true] {
+                assert!(close(device_bound_gbs(op, 3, inplace, l), 20.0), "{op:?}");
+            }
+        }
+        assert_eq!(device_bound_gbs(Collective::AllToAll, 3, false, l), None);
         // None for one rank, and for what the device sweep does not run.
         assert_eq!(device_bound_gbs(Collective::AllReduce, 1, false, m), None);
         assert_eq!(device_bound_gbs(Collective::RingShift, 4, false, m), None);
