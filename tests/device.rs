@@ -342,20 +342,40 @@ fn bad_device_calls_are_refused_and_mismatched_calls_name_both() {
 /// The host stream, except that once `hang` is set every copy it is given never completes: what
 /// a peer write through a broken P2P path looks like to the engine (the driver accepts the copy,
 /// its event never fires). With `refuse_share` it cannot share its buffers (as a GPU cannot
-/// share memory from a stream-ordered pool). It counts the copy pairs the engine queues.
+/// share memory from a stream-ordered pool). It counts the copy pairs the engine queues. With
+/// `slow_ms`, a slow device: every marker completes that long after it was made, and every copy
+/// lands that long after it was queued (on a thread of its own), into the caller's memory.
 pub(crate) struct HangingCopies {
     pub(crate) inner: HostStream,
     pub(crate) hang: bool,
     pub(crate) hung: std::sync::atomic::AtomicBool,
     pub(crate) refuse_share: bool,
     pub(crate) pairs: std::sync::atomic::AtomicUsize,
+    /// Milliseconds a slow device takes (0: not slow); set after set-up, whose probe would time
+    /// out on a slow device.
+    pub(crate) slow_ms: std::sync::atomic::AtomicU64,
+    /// Slow copies not landed yet.
+    pub(crate) late: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl HangingCopies {
+    fn slow(&self) -> Option<std::time::Duration> {
+        match self.slow_ms.load(std::sync::atomic::Ordering::SeqCst) {
+            0 => None,
+            ms => Some(std::time::Duration::from_millis(ms)),
+        }
+    }
 }
 
 impl ringzero::Stream for HangingCopies {
-    /// The host stream's marker, and whether a hung copy was queued before it.
-    type Marker = (u64, bool);
+    /// The host stream's marker, whether a hung copy was queued before it, and when it was made.
+    type Marker = (u64, bool, std::time::Instant);
     fn name(&self) -> String {
         "host (copies hang)".into()
+    }
+    fn memory_outlives_work(&self) -> bool {
+        // A hung copy never touches memory (a GPU's would be held by the buffers it uses).
+        self.hang
     }
     unsafe fn combine(
         &self,
@@ -389,6 +409,20 @@ impl ringzero::Stream for HangingCopies {
             self.hung.store(true, std::sync::atomic::Ordering::SeqCst);
             return Ok(());
         }
+        if let Some(d) = self.slow() {
+            use std::sync::atomic::Ordering::SeqCst;
+            self.late.fetch_add(1, SeqCst);
+            let late = self.late.clone();
+            let (dst, src) = (dst as usize, src as usize);
+            std::thread::spawn(move || {
+                std::thread::sleep(d);
+                // SAFETY: the stream's contract keeps both ranges live until the copy has
+                // completed, which `done` reports only after this (what the tests check).
+                unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
+                late.fetch_sub(1, SeqCst);
+            });
+            return Ok(());
+        }
         // SAFETY: forwarded contract.
         unsafe { self.inner.copy(dst, src, bytes) }
     }
@@ -413,14 +447,21 @@ impl ringzero::Stream for HangingCopies {
                 .copy_pair(a, a_src, a_bytes, b, b_also, b_src, b_bytes)
         }
     }
-    fn mark(&self) -> Result<(u64, bool), ringzero::device::DeviceError> {
+    fn mark(&self) -> Result<(u64, bool, std::time::Instant), ringzero::device::DeviceError> {
         Ok((
             self.inner.mark()?,
             self.hung.load(std::sync::atomic::Ordering::SeqCst),
+            std::time::Instant::now(),
         ))
     }
-    fn done(&self, m: &(u64, bool)) -> Result<bool, ringzero::device::DeviceError> {
-        Ok(!m.1 && self.inner.done(&m.0)?)
+    fn done(
+        &self,
+        m: &(u64, bool, std::time::Instant),
+    ) -> Result<bool, ringzero::device::DeviceError> {
+        let slow_done = self.slow().is_none_or(|d| {
+            m.2.elapsed() >= d && self.late.load(std::sync::atomic::Ordering::SeqCst) == 0
+        });
+        Ok(!m.1 && slow_done && self.inner.done(&m.0)?)
     }
     unsafe fn map_host(
         &self,
@@ -497,6 +538,8 @@ fn a_probe_copy_that_never_completes_fails_set_up_on_every_rank_naming_the_stuck
             hung: Default::default(),
             refuse_share: false,
             pairs: Default::default(),
+            slow_ms: Default::default(),
+            late: Default::default(),
         };
         match DeviceComm::new(&comm, stream) {
             Ok(_) => panic!("rank {rank}: set-up succeeded over a stuck copy"),
@@ -677,6 +720,113 @@ fn a_slices_last_receive_and_the_next_slices_first_send_are_queued_together() {
     }
 }
 
+/// A device communicator on a stream that turns slow (`slow` per piece of work) once set up.
+fn slow_device(comm: &Communicator, slow: std::time::Duration) -> DeviceComm<HangingCopies> {
+    let stream = HangingCopies {
+        inner: HostStream::new(),
+        hang: false,
+        hung: Default::default(),
+        refuse_share: false,
+        pairs: Default::default(),
+        slow_ms: Default::default(),
+        late: Default::default(),
+    };
+    let dc = DeviceComm::new(comm, stream).unwrap();
+    let ms = u64::try_from(slow.as_millis()).unwrap();
+    dc.stream()
+        .slow_ms
+        .store(ms, std::sync::atomic::Ordering::SeqCst);
+    dc
+}
+
+/// An out-of-place f32 sum all-reduce of `send` into `recv` on `dc`'s raw addresses.
+fn raw_all_reduce(
+    dc: &mut DeviceComm<HangingCopies>,
+    send: &[f32],
+    recv: &mut [f32],
+) -> Result<(), Error> {
+    let bufs = ringzero::ring::device_engine::DevBufs::Split {
+        input: send.as_ptr() as u64,
+        input_bytes: send.len() * 4,
+        output: recv.as_mut_ptr() as u64,
+        output_bytes: recv.len() * 4,
+    };
+    // SAFETY: both are live host memory of the lengths given (the host stream's addresses),
+    // borrowed for the whole call.
+    unsafe {
+        dc.run_raw(
+            Collective::AllReduce,
+            DType::F32,
+            ReduceOp::Sum,
+            send.len(),
+            bufs,
+        )
+    }
+}
+
+/// A call that fails while work it queued still runs returns only once that work has ended: a
+/// host stream's work reads and writes the caller's memory, which may be freed the moment the
+/// call returns. One rank: the out-of-place call's local copy outlasts the deadline.
+#[test]
+fn a_failed_call_returns_only_once_the_host_work_it_queued_has_written_its_output() {
+    let (deadline, slow) = (
+        std::time::Duration::from_millis(200),
+        std::time::Duration::from_millis(1500),
+    );
+    let o = Opts {
+        timeout: deadline,
+        ..Opts::default()
+    };
+    threads(1, &o, |_, comm| {
+        let comm = comm.unwrap();
+        let mut dc = slow_device(&comm, slow);
+        // Leaked: had the call returned early, the late copy would still write into them.
+        let send: &'static [f32] = Box::leak((0..4096).map(|i| i as f32).collect());
+        let recv: &'static mut [f32] = Box::leak(vec![0f32; 4096].into_boxed_slice());
+        let t = std::time::Instant::now();
+        let e = raw_all_reduce(&mut dc, send, recv).unwrap_err();
+        let took = t.elapsed();
+        assert!(matches!(e, Error::Timeout { .. }), "{e}");
+        assert!(e.to_string().contains("the local copy"), "{e}");
+        assert!(
+            took >= slow,
+            "returned after {took:?}, with its copy still to land"
+        );
+        assert_eq!(recv, send, "the copy had landed when the call returned");
+    });
+}
+
+/// The same on the ring, 2 ranks: every piece of device work outlasts the deadline, the call
+/// fails on both ranks, and neither returns before the work it queued has ended.
+#[test]
+fn a_ring_call_that_fails_returns_only_once_its_queued_host_work_has_ended() {
+    let (deadline, slow) = (
+        std::time::Duration::from_millis(300),
+        std::time::Duration::from_millis(1500),
+    );
+    let o = Opts {
+        timeout: deadline,
+        ..Opts::default()
+    };
+    threads(2, &o, |rank, comm| {
+        let comm = comm.unwrap();
+        let mut dc = slow_device(&comm, slow);
+        let send: &'static [f32] = Box::leak(vec![1f32; 4096].into_boxed_slice());
+        let recv: &'static mut [f32] = Box::leak(vec![0f32; 4096].into_boxed_slice());
+        let t = std::time::Instant::now();
+        let e = raw_all_reduce(&mut dc, send, recv).unwrap_err();
+        let took = t.elapsed();
+        assert!(
+            took >= slow,
+            "rank {rank}: returned after {took:?} ({e}), with its work still running"
+        );
+        assert!(
+            took < std::time::Duration::from_secs(15),
+            "rank {rank}: {took:?}"
+        );
+    });
+}
+
 fn slice_and_next_slice_paired(pair: bool) {
     let o = Opts {
         slice_bytes: 1024,
@@ -691,6 +841,8 @@ fn slice_and_next_slice_paired(pair: bool) {
             hung: Default::default(),
             refuse_share: false,
             pairs: Default::default(),
+            slow_ms: Default::default(),
+            late: Default::default(),
         };
         let mut dc = DeviceComm::new(&comm, stream).unwrap();
         let count = 20_000; // f32: 10 slices of 1 KiB per chunk

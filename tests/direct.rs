@@ -275,6 +275,8 @@ fn a_rank_that_cannot_share_its_buffers_sends_every_rank_round_the_ring() {
             hung: Default::default(),
             refuse_share: rank == 2,
             pairs: Default::default(),
+            slow_ms: Default::default(),
+            late: Default::default(),
         };
         let mut dc = DeviceComm::new(&comm, stream).unwrap();
         assert!(dc.direct().is_some());

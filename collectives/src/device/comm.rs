@@ -1090,6 +1090,9 @@ impl<S: Stream> Core<S> {
                 source: e,
             })? {
                 if start.elapsed() >= call.timeout {
+                    // The copy still writes the caller's output: where that memory would not
+                    // outlive it, it ends before the error is returned.
+                    super::stream::settle(&self.stream, &m, std::time::Duration::ZERO);
                     return Err(Error::Timeout {
                         op: call.fp.to_string(),
                         seq: call.seq,

@@ -25,6 +25,13 @@ impl Stream for Arc<Gpu> {
         Some(crate::config::DEFAULT_GPU_SLICE_BYTES)
     }
 
+    fn memory_outlives_work(&self) -> bool {
+        // A DeviceBuffer (the only caller memory a GPU collective takes) synchronizes its
+        // context before cuMemFree, so a failing call may return at its deadline: a hung peer
+        // copy must not hold it longer.
+        true
+    }
+
     unsafe fn combine(
         &self,
         dtype: DType,

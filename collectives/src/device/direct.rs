@@ -425,9 +425,16 @@ impl Direct {
         };
         let m = stream.mark().map_err(dev)?;
         let (start, mut waiter) = (Instant::now(), Waiter::device());
+        let stop = |e: Error| {
+            // The work still reads and writes the caller's buffers (and, by the direct step,
+            // other ranks'): it ends before the error is returned where that memory would not
+            // outlive it.
+            super::stream::settle(stream, &m, call.timeout.saturating_sub(start.elapsed()));
+            Err(e)
+        };
         while !stream.done(&m).map_err(dev)? {
             if start.elapsed() >= call.timeout {
-                return Err(Error::Timeout {
+                return stop(Error::Timeout {
                     op: call.fp.to_string(),
                     seq: call.seq,
                     peer: self.rank,
@@ -435,7 +442,9 @@ impl Direct {
                     after: call.timeout,
                 });
             }
-            call.abort.check(call)?;
+            if let Err(e) = call.abort.check(call) {
+                return stop(e);
+            }
             waiter.idle(call.timeout);
         }
         Ok(())

@@ -28,6 +28,33 @@ pub type Share = crate::transport::board::ShareRecord;
 /// Most ranks of one direct step ([`Stream::gather`]'s inputs or outputs).
 pub use ringzero_kernels::device::GATHER_MAX;
 
+/// Wait until the work queued on `stream` before `m` has ended (completed or failed). On a
+/// stream whose memory outlives its work ([`Stream::memory_outlives_work`]) the wait gives up at
+/// `deadline`; on any other the caller's memory is still in use, so it goes on (saying so once)
+/// until the work ends, which such a stream's work always does. Whether it ended.
+pub(crate) fn settle<S: Stream>(stream: &S, m: &S::Marker, deadline: std::time::Duration) -> bool {
+    let start = std::time::Instant::now();
+    let bounded = stream.memory_outlives_work();
+    let mut waiter = crate::transport::wait::Waiter::backoff();
+    let mut said = false;
+    while let Ok(false) = stream.done(m) {
+        if start.elapsed() >= deadline {
+            if bounded {
+                return false;
+            }
+            if !said {
+                said = true;
+                tracing::warn!(target: "ringzero::device",
+                    "{}: work queued before a failure is still running after {:.1}s; waiting for \
+                     it to end before returning, since it reads and writes the caller's memory",
+                    stream.name(), deadline.as_secs_f64());
+            }
+        }
+        waiter.idle(deadline);
+    }
+    true
+}
+
 /// The host stream's handles start with this, then the pid: its memory is plain addresses.
 const HOST_HANDLE: &[u8; 8] = b"RZHOSTMM";
 
@@ -43,6 +70,17 @@ pub trait Stream: Send + Sync {
     /// names none (`RINGZERO_DEVICE_SLICE_BYTES`); `None`: the host path's `slice_bytes`.
     fn slice_bytes(&self) -> Option<usize> {
         None
+    }
+
+    /// Whether the memory this stream's work touches stays valid until that work has ended,
+    /// even once the caller has let go of it: true for CUDA, whose buffers synchronize their
+    /// context before they are freed. False (the default) for host memory, which may be freed
+    /// and handed out again the moment a call returns: there a call that fails waits for the
+    /// work it queued to end before it returns, past its deadline if need be ([`settle`]), so
+    /// such a stream's work must always end by itself (it only touches memory, it never waits
+    /// on another rank).
+    fn memory_outlives_work(&self) -> bool {
+        false
     }
 
     /// Queue `dst[..n] = a[..n] op b[..n]` (`Avg` combines as `Sum`). `dst` may equal `a`.

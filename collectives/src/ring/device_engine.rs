@@ -146,19 +146,18 @@ pub unsafe fn run<S: Stream>(
     let r = unsafe { run_ops(stream, links, call, bufs) };
     if r.is_err() {
         // Work queued before the error still reads and writes the user's buffers and the slots:
-        // let it finish (within the deadline) before the caller may free or unmap them.
+        // let it finish before the caller may free or unmap them (within the deadline where
+        // the device keeps its memory alive until then).
         quiesce(stream, call.timeout);
     }
     r
 }
 
-/// Wait until everything queued on `stream` has completed, failed, or `timeout` has passed.
+/// Wait until everything queued on `stream` has ended; on a stream whose memory outlives its
+/// work, at most `timeout` ([`crate::device::stream::settle`]).
 fn quiesce<S: Stream>(stream: &S, timeout: std::time::Duration) {
-    let Ok(m) = stream.mark() else { return };
-    let start = Instant::now();
-    let mut waiter = Waiter::backoff();
-    while matches!(stream.done(&m), Ok(false)) && start.elapsed() < timeout {
-        waiter.idle(timeout);
+    if let Ok(m) = stream.mark() {
+        crate::device::stream::settle(stream, &m, timeout);
     }
 }
 
