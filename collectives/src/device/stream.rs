@@ -76,7 +76,7 @@ pub trait Stream: Send + Sync {
     /// even once the caller has let go of it: true for CUDA, whose buffers synchronize their
     /// context before they are freed. False (the default) for host memory, which may be freed
     /// and handed out again the moment a call returns: there a call that fails waits for the
-    /// work it queued to end before it returns, past its deadline if need be ([`settle`]), so
+    /// work it queued to end before it returns, past its deadline if need be, so
     /// such a stream's work must always end by itself (it only touches memory, it never waits
     /// on another rank).
     fn memory_outlives_work(&self) -> bool {
