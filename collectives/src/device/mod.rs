@@ -17,9 +17,11 @@ pub mod comm;
 #[cfg(feature = "cuda")]
 mod cuda;
 pub mod direct;
+pub mod optim;
 pub mod stream;
 
 pub use comm::DeviceComm;
+pub use optim::{AdamAt, TrainStream};
 pub use ringzero_kernels::device::DeviceError;
 pub use stream::{HostStream, Stream};
 

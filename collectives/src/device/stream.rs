@@ -310,6 +310,14 @@ impl HostStream {
         }
     }
 
+    /// Queue `f` (what the optimizer's work on this stream runs, `super::optim`).
+    pub(super) fn push_job(
+        &self,
+        f: impl FnOnce() -> Result<(), String> + Send + 'static,
+    ) -> Result<(), DeviceError> {
+        self.push(Box::new(f))
+    }
+
     fn push(&self, job: Job) -> Result<(), DeviceError> {
         self.queued.fetch_add(1, Ordering::Relaxed);
         self.jobs

@@ -20,6 +20,7 @@ use cudarc::nvrtc::{CompileOptions, Ptx};
 use super::DeviceError;
 use crate::{DType, ReduceOp};
 
+pub mod optim;
 pub mod raw;
 
 /// The kernels' source, embedded in the binary.
@@ -423,27 +424,16 @@ impl Gpu {
 
     /// Cast `src` into `dst` (f32 ↔ f16/bf16), rounding to nearest even.
     pub fn cast(&self, src: &DeviceBuffer, dst: &mut DeviceBuffer) -> Result<(), DeviceError> {
-        self.check()?;
         if src.len != dst.len {
             return Err(DeviceError::Invalid(format!(
                 "cast: {} elements into {}",
                 src.len, dst.len
             )));
         }
-        let name = format!("cast_{}_{}", cu_type(src.dtype), cu_type(dst.dtype));
-        if !kernel_names().contains(&name) {
-            return Err(DeviceError::Invalid(format!(
-                "cast {} → {} is not supported (f32 ↔ f16/bf16)",
-                src.dtype, dst.dtype
-            )));
-        }
-        let f = self.func(&name)?;
-        let n = src.len as u64;
-        let mut b = self.stream.launch_builder(&f);
-        b.arg(&*src.buf).arg(&mut *dst.buf).arg(&n);
-        // SAFETY: both buffers hold `n` elements of the types the kernel's name states.
-        unsafe { b.launch(Self::cfg(src.len)) }.map_err(driver("launching cast"))?;
-        Ok(())
+        let (s, d) = (self.ptr_of(src), self.ptr_of(dst));
+        // SAFETY: both buffers hold `len` elements of their dtypes, are distinct (one is borrowed
+        // mutably) and are freed only after the context's work (DeviceBuffer's Drop).
+        unsafe { self.cast_at(src.dtype, s, dst.dtype, d, src.len) }
     }
 
     fn float_kernel(&self, k: &str, d: DType) -> Result<CudaFunction, DeviceError> {
@@ -469,43 +459,14 @@ impl Gpu {
 
     /// Σ (x·s)² in f64 (waits for the result).
     pub fn sq_norm(&self, x: &DeviceBuffer, s: f32) -> Result<f64, DeviceError> {
-        self.check()?;
-        let f = self.float_kernel("sq_norm", x.dtype)?;
-        let mut out = self
-            .stream
-            .alloc_zeros::<f64>(1)
-            .map_err(driver("allocating the norm"))?;
-        let n = x.len as u64;
-        let mut b = self.stream.launch_builder(&f);
-        b.arg(&*x.buf).arg(&s).arg(&n).arg(&mut out);
-        // SAFETY: reads `n` elements of `x`; block size is BLOCK = 256, the size of the kernel's
-        // shared tree; writes one f64 to `out`, which holds one.
-        unsafe { b.launch(Self::cfg(x.len)) }.map_err(driver("launching sq_norm"))?;
-        let v = self
-            .stream
-            .clone_dtoh(&out)
-            .map_err(driver("reading the norm"))?;
-        Ok(v[0])
+        // SAFETY: the buffer holds `len` elements of its dtype.
+        unsafe { self.sq_norm_at(x.dtype, self.ptr_of(x), x.len, s) }
     }
 
     /// Whether every element is finite (waits for the result).
     pub fn all_finite(&self, x: &DeviceBuffer) -> Result<bool, DeviceError> {
-        self.check()?;
-        let f = self.float_kernel("nonfinite", x.dtype)?;
-        let mut flag = self
-            .stream
-            .alloc_zeros::<u32>(1)
-            .map_err(driver("allocating the flag"))?;
-        let n = x.len as u64;
-        let mut b = self.stream.launch_builder(&f);
-        b.arg(&*x.buf).arg(&n).arg(&mut flag);
-        // SAFETY: reads `n` elements of `x`, writes at most one u32 to `flag`, which holds one.
-        unsafe { b.launch(Self::cfg(x.len)) }.map_err(driver("launching nonfinite"))?;
-        let v = self
-            .stream
-            .clone_dtoh(&flag)
-            .map_err(driver("reading the flag"))?;
-        Ok(v[0] == 0)
+        // SAFETY: the buffer holds `len` elements of its dtype.
+        unsafe { self.all_finite_at(x.dtype, self.ptr_of(x), x.len) }
     }
 
     /// One fused AdamW step: fp32 `master`, `m`, `v`; gradients in `grads`' dtype; `params` (same
@@ -548,37 +509,16 @@ impl Gpu {
                 )));
             }
         }
-        let f = self.float_kernel("adamw", grads.dtype)?;
-        let (bc1, bc2, decay) = h.step_scalars(t);
-        let n64 = n as u64;
-        let mut null = None;
-        let mut b = self.stream.launch_builder(&f);
-        b.arg(&mut *master.buf);
-        match params {
-            Some(p) => b.arg(&mut *p.buf),
-            None => {
-                // A null device pointer: the kernel skips the 16-bit write.
-                null = Some(0u64);
-                b.arg(null.as_ref().unwrap())
-            }
+        let at = optim::AdamAt {
+            master: self.ptr_of(master),
+            params: params.map(|p| self.ptr_of(p)),
+            grads: self.ptr_of(grads),
+            m: self.ptr_of(m),
+            v: self.ptr_of(v),
         };
-        b.arg(&*grads.buf)
-            .arg(&mut *m.buf)
-            .arg(&mut *v.buf)
-            .arg(&n64)
-            .arg(&h.lr)
-            .arg(&h.beta1)
-            .arg(&h.beta2)
-            .arg(&h.eps)
-            .arg(&decay)
-            .arg(&bc1)
-            .arg(&bc2)
-            .arg(&grad_scale);
-        // SAFETY: every buffer holds `n` elements of the type the kernel expects (checked above);
-        // `params` is either such a buffer or null, which the kernel tests before writing.
-        unsafe { b.launch(Self::cfg(n)) }.map_err(driver("launching adamw"))?;
-        let _ = null;
-        Ok(())
+        // SAFETY: every buffer holds `n` elements of the type the kernel expects (checked above)
+        // and they are distinct (all but `grads` are borrowed mutably).
+        unsafe { self.adamw_at(h, t, grads.dtype, at, n, grad_scale) }
     }
 }
 

@@ -1,0 +1,418 @@
+//! [`TrainStream`]: the optimizer's work on a [`Stream`]'s memory — casts, the squared norm, the
+//! finiteness check, AdamW and uploads — which a ZeRO engine on device buffers needs beyond the
+//! collectives' copies and reductions. The host stream runs the CPU kernels
+//! (`ringzero_kernels::cpu`), a GPU the NVRTC kernels, which compute the same bits (the norm
+//! aside: the GPU sums it in a tree).
+
+use std::any::Any;
+
+use half::{bf16, f16};
+use ringzero_kernels::cpu::{self, AdamW, Float};
+use ringzero_kernels::DType;
+
+use super::stream::{HostStream, Stream};
+use super::DeviceError;
+use crate::transport::device::Addr;
+
+/// The ranges of one AdamW step, `n` elements each: fp32 `master`, `m` and `v`; gradients (and
+/// parameters, if any) in the step's dtype.
+#[derive(Clone, Copy, Debug)]
+pub struct AdamAt {
+    /// fp32 master weights (updated).
+    pub master: Addr,
+    /// Parameters in the gradients' dtype, written from the master; `None` where the master is
+    /// the parameters (f32).
+    pub params: Option<Addr>,
+    /// Gradients.
+    pub grads: Addr,
+    /// First moment (f32, updated).
+    pub m: Addr,
+    /// Second moment (f32, updated).
+    pub v: Addr,
+}
+
+/// The optimizer's work on a stream's memory (see the module docs). Queued work runs in stream
+/// order with the collectives'; the calls that return a value wait for the work queued before.
+pub trait TrainStream: Stream {
+    /// `bytes` of zeroed memory of this device that its work can address, and its owner, which
+    /// frees it on Drop (after this stream's work has ended: drop it only then).
+    fn alloc(&self, bytes: usize) -> Result<(Addr, Box<dyn Any + Send>), DeviceError> {
+        self.scratch(bytes)
+    }
+
+    /// Copy `src` into the memory at `dst`, after the work queued before; returns once it is
+    /// there.
+    ///
+    /// # Safety
+    /// `dst..dst + src.len()` must be live memory of this device, not used by queued work.
+    unsafe fn write(&self, dst: Addr, src: &[u8]) -> Result<(), DeviceError>;
+
+    /// Queue `dst[..n] = src[..n]` converted from `from` to `to` (f32, f16, bf16; to nearest
+    /// even).
+    ///
+    /// # Safety
+    /// Both ranges must be live memory of this device of `n` elements of their types until the
+    /// work completes, and must not overlap.
+    unsafe fn cast(
+        &self,
+        from: DType,
+        src: Addr,
+        to: DType,
+        dst: Addr,
+        n: usize,
+    ) -> Result<(), DeviceError>;
+
+    /// Σ (x·s)² in f64 over `n` elements of `dtype` at `x`, after the work queued before.
+    ///
+    /// # Safety
+    /// `x` must be live memory of this device of `n` elements of `dtype`.
+    unsafe fn sq_norm(&self, dtype: DType, x: Addr, n: usize, s: f32) -> Result<f64, DeviceError>;
+
+    /// Whether the `n` elements of `dtype` at `x` are all finite, after the work queued before.
+    ///
+    /// # Safety
+    /// As for [`TrainStream::sq_norm`].
+    unsafe fn all_finite(&self, dtype: DType, x: Addr, n: usize) -> Result<bool, DeviceError>;
+
+    /// Queue one AdamW step (`h` at step `t`) on `n` elements, gradients multiplied by
+    /// `grad_scale` first (`ringzero_kernels::cpu::adamw_mixed`'s arithmetic).
+    ///
+    /// # Safety
+    /// Every range of `at` must be live memory of this device of `n` elements of its type until
+    /// the work completes, none overlapping another.
+    unsafe fn adamw(
+        &self,
+        h: &AdamW,
+        t: u64,
+        dtype: DType,
+        at: AdamAt,
+        n: usize,
+        grad_scale: f32,
+    ) -> Result<(), DeviceError>;
+}
+
+fn not_float(what: &str, d: DType) -> DeviceError {
+    DeviceError::Invalid(format!(
+        "{what}: {d} is not a training float type (f32, f16, bf16)"
+    ))
+}
+
+/// `n` elements of `T` at host address `a`.
+///
+/// # Safety
+/// The range must be live host memory of `n` elements of `T`, aligned, not written meanwhile.
+unsafe fn at<'a, T>(a: Addr, n: usize) -> &'a [T] {
+    if n == 0 {
+        return &[];
+    }
+    // SAFETY: guaranteed by the caller.
+    unsafe { std::slice::from_raw_parts(a as usize as *const T, n) }
+}
+
+/// `n` elements of `T` at host address `a`, writable.
+///
+/// # Safety
+/// The range must be live host memory of `n` elements of `T`, aligned, not otherwise borrowed.
+unsafe fn at_mut<'a, T>(a: Addr, n: usize) -> &'a mut [T] {
+    if n == 0 {
+        return &mut [];
+    }
+    // SAFETY: guaranteed by the caller.
+    unsafe { std::slice::from_raw_parts_mut(a as usize as *mut T, n) }
+}
+
+fn aligned(a: Addr, d: DType, what: &str) -> Result<(), DeviceError> {
+    if a % d.size() as u64 == 0 {
+        Ok(())
+    } else {
+        Err(DeviceError::Invalid(format!(
+            "{what}: address {a:#x} is not aligned to {d}"
+        )))
+    }
+}
+
+/// `x` widened from `T`, then `f` on the `f32`s — each float type's form of one operation.
+macro_rules! by_float {
+    ($d:expr, $what:expr, $T:ident => $body:expr) => {
+        match $d {
+            DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            DType::F16 => {
+                type $T = f16;
+                $body
+            }
+            DType::BF16 => {
+                type $T = bf16;
+                $body
+            }
+            other => Err(not_float($what, other)),
+        }
+    };
+}
+
+/// `dst = src` as `B` from `A`.
+///
+/// # Safety
+/// As for [`TrainStream::cast`].
+unsafe fn cast_typed<A: Float, B: Float>(src: Addr, dst: Addr, n: usize) {
+    // SAFETY: forwarded.
+    unsafe { cpu::cast(at::<A>(src, n), at_mut::<B>(dst, n)) }
+}
+
+impl HostStream {
+    /// Wait for the work queued so far (it always ends: host jobs only touch memory).
+    fn finish(&self) -> Result<(), DeviceError> {
+        let m = self.mark()?;
+        let mut waiter = crate::transport::wait::Waiter::backoff();
+        while !self.done(&m)? {
+            waiter.idle(std::time::Duration::from_millis(1));
+        }
+        Ok(())
+    }
+}
+
+impl TrainStream for HostStream {
+    unsafe fn write(&self, dst: Addr, src: &[u8]) -> Result<(), DeviceError> {
+        self.finish()?;
+        // SAFETY: the caller guarantees the destination, which no queued work uses.
+        unsafe { at_mut::<u8>(dst, src.len()) }.copy_from_slice(src);
+        Ok(())
+    }
+
+    unsafe fn cast(
+        &self,
+        from: DType,
+        src: Addr,
+        to: DType,
+        dst: Addr,
+        n: usize,
+    ) -> Result<(), DeviceError> {
+        aligned(src, from, "cast")?;
+        aligned(dst, to, "cast")?;
+        let f: unsafe fn(Addr, Addr, usize) = by_float!(from, "cast", A => by_float!(to, "cast", B => Ok(cast_typed::<A, B> as unsafe fn(Addr, Addr, usize))))?;
+        self.push_job(move || {
+            // SAFETY: the caller keeps both ranges live until this job has run.
+            unsafe { f(src, dst, n) };
+            Ok(())
+        })
+    }
+
+    unsafe fn sq_norm(&self, dtype: DType, x: Addr, n: usize, s: f32) -> Result<f64, DeviceError> {
+        aligned(x, dtype, "sq_norm")?;
+        self.finish()?;
+        // SAFETY: the caller guarantees the range; the queue is empty.
+        by_float!(dtype, "sq_norm", T => Ok(cpu::sq_norm(unsafe { at::<T>(x, n) }, s)))
+    }
+
+    unsafe fn all_finite(&self, dtype: DType, x: Addr, n: usize) -> Result<bool, DeviceError> {
+        aligned(x, dtype, "all_finite")?;
+        self.finish()?;
+        // SAFETY: as for `sq_norm`.
+        by_float!(dtype, "all_finite", T => Ok(cpu::all_finite(unsafe { at::<T>(x, n) })))
+    }
+
+    unsafe fn adamw(
+        &self,
+        h: &AdamW,
+        t: u64,
+        dtype: DType,
+        a: AdamAt,
+        n: usize,
+        grad_scale: f32,
+    ) -> Result<(), DeviceError> {
+        for (x, d) in [(a.master, DType::F32), (a.grads, dtype), (a.m, DType::F32)] {
+            aligned(x, d, "adamw")?;
+        }
+        aligned(a.v, DType::F32, "adamw")?;
+        if let Some(p) = a.params {
+            aligned(p, dtype, "adamw")?;
+        }
+        let h = *h;
+        by_float!(dtype, "adamw", T => self.push_job(move || {
+            // SAFETY: the caller keeps every range live and apart until this job has run.
+            unsafe {
+                cpu::adamw_mixed::<T>(
+                    &h,
+                    t,
+                    at_mut(a.master, n),
+                    a.params.map(|p| at_mut(p, n)),
+                    at(a.grads, n),
+                    at_mut(a.m, n),
+                    at_mut(a.v, n),
+                    grad_scale,
+                )
+            };
+            Ok(())
+        }))
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod gpu {
+    use std::sync::Arc;
+
+    use ringzero_kernels::cpu::AdamW;
+    use ringzero_kernels::device::cuda::{optim, Gpu};
+    use ringzero_kernels::DType;
+
+    use super::{AdamAt, TrainStream};
+    use crate::device::stream::Stream;
+    use crate::device::DeviceError;
+    use crate::transport::device::Addr;
+
+    impl TrainStream for Arc<Gpu> {
+        unsafe fn write(&self, dst: Addr, src: &[u8]) -> Result<(), DeviceError> {
+            // The upload goes after the work queued before it.
+            let m = self.mark()?;
+            while !self.done(&m)? {
+                std::thread::yield_now();
+            }
+            // SAFETY: forwarded from the caller's contract.
+            unsafe { self.write_at(dst, src) }
+        }
+
+        unsafe fn cast(
+            &self,
+            from: DType,
+            src: Addr,
+            to: DType,
+            dst: Addr,
+            n: usize,
+        ) -> Result<(), DeviceError> {
+            // SAFETY: forwarded from the caller's contract, which is the kernel's.
+            unsafe { self.cast_at(from, src, to, dst, n) }
+        }
+
+        unsafe fn sq_norm(
+            &self,
+            dtype: DType,
+            x: Addr,
+            n: usize,
+            s: f32,
+        ) -> Result<f64, DeviceError> {
+            // SAFETY: forwarded from the caller's contract.
+            unsafe { self.sq_norm_at(dtype, x, n, s) }
+        }
+
+        unsafe fn all_finite(&self, dtype: DType, x: Addr, n: usize) -> Result<bool, DeviceError> {
+            // SAFETY: forwarded from the caller's contract.
+            unsafe { self.all_finite_at(dtype, x, n) }
+        }
+
+        unsafe fn adamw(
+            &self,
+            h: &AdamW,
+            t: u64,
+            dtype: DType,
+            a: AdamAt,
+            n: usize,
+            grad_scale: f32,
+        ) -> Result<(), DeviceError> {
+            let at = optim::AdamAt {
+                master: a.master,
+                params: a.params,
+                grads: a.grads,
+                m: a.m,
+                v: a.v,
+            };
+            // SAFETY: forwarded from the caller's contract, which is the kernel's.
+            unsafe { self.adamw_at(h, t, dtype, at, n, grad_scale) }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn addr<T>(x: &[T]) -> Addr {
+        x.as_ptr() as usize as Addr
+    }
+
+    /// The address of memory the stream writes (a pointer that may write).
+    fn addr_mut<T>(x: &mut [T]) -> Addr {
+        x.as_mut_ptr() as usize as Addr
+    }
+
+    #[test]
+    fn the_host_streams_optimizer_work_is_the_cpu_kernels_on_its_addresses() {
+        let s = HostStream::new();
+        let x: Vec<f32> = (0..1000).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
+        let mut b = vec![bf16::ZERO; x.len()];
+        let mut back = vec![0f32; x.len()];
+        // SAFETY: every range is a live, aligned vector of the length and type given, untouched
+        // until the stream has finished (the norm below waits for it).
+        unsafe {
+            s.cast(DType::F32, addr(&x), DType::BF16, addr_mut(&mut b), x.len())
+                .unwrap();
+            s.cast(
+                DType::BF16,
+                addr(&b),
+                DType::F32,
+                addr_mut(&mut back),
+                x.len(),
+            )
+            .unwrap();
+            let norm = s.sq_norm(DType::F32, addr(&back), back.len(), 0.5).unwrap();
+            let mut want_b = vec![bf16::ZERO; x.len()];
+            cpu::cast(&x, &mut want_b);
+            assert_eq!(b, want_b);
+            let mut want = vec![0f32; x.len()];
+            cpu::cast(&want_b, &mut want);
+            assert_eq!(back, want);
+            assert_eq!(norm, cpu::sq_norm(&want, 0.5));
+            assert!(s.all_finite(DType::BF16, addr(&b), b.len()).unwrap());
+            b[17] = bf16::INFINITY;
+            assert!(!s.all_finite(DType::BF16, addr(&b), b.len()).unwrap());
+        }
+        // AdamW on 16-bit parameters with an fp32 master, against the CPU kernel.
+        let h = AdamW::default();
+        let n = 333;
+        let grads: Vec<f16> = (0..n)
+            .map(|i| f16::from_f32(i as f32 * 0.01 - 1.0))
+            .collect();
+        let (mut master, mut m, mut v) = (vec![0.5f32; n], vec![0.1f32; n], vec![0.2f32; n]);
+        let mut params = vec![f16::ZERO; n];
+        let (mut w_master, mut w_m, mut w_v) = (master.clone(), m.clone(), v.clone());
+        let mut w_params = params.clone();
+        let at = AdamAt {
+            master: addr_mut(&mut master),
+            params: Some(addr_mut(&mut params)),
+            grads: addr(&grads),
+            m: addr_mut(&mut m),
+            v: addr_mut(&mut v),
+        };
+        // SAFETY: as above.
+        unsafe { s.adamw(&h, 3, DType::F16, at, n, 0.25) }.unwrap();
+        s.finish().unwrap();
+        cpu::adamw_mixed(
+            &h,
+            3,
+            &mut w_master,
+            Some(&mut w_params),
+            &grads,
+            &mut w_m,
+            &mut w_v,
+            0.25,
+        );
+        assert_eq!((&master, &params), (&w_master, &w_params));
+        assert_eq!((&m, &v), (&w_m, &w_v));
+        // An upload lands after the work queued before it.
+        let mut dst = vec![0u8; 8];
+        // SAFETY: `dst` is live and used by no queued work.
+        unsafe { s.write(addr_mut(&mut dst), &[1, 2, 3, 4, 5, 6, 7, 8]) }.unwrap();
+        assert_eq!(dst, [1, 2, 3, 4, 5, 6, 7, 8]);
+        // Bad input is refused before anything is queued.
+        // SAFETY: refused before any access.
+        unsafe {
+            let e = s.sq_norm(DType::I32, addr(&x), 4, 1.0).unwrap_err();
+            assert!(e.to_string().contains("not a training float type"), "{e}");
+            let e = s
+                .cast(DType::F32, addr(&x) + 2, DType::BF16, addr_mut(&mut b), 4)
+                .unwrap_err();
+            assert!(e.to_string().contains("not aligned to f32"), "{e}");
+        }
+    }
+}

@@ -1,0 +1,173 @@
+//! The optimizer's kernels on device addresses: casts, the squared norm, the finiteness check and
+//! AdamW, queued on the compute stream like the collectives' kernels (`raw`). The buffer forms
+//! on [`Gpu`] (`cast`, `sq_norm`, `all_finite`, `adamw`) check their buffers and call these; a
+//! ZeRO engine on device memory calls these on ranges of its buckets.
+
+use cudarc::driver::PushKernelArg;
+
+use super::raw::DevPtr;
+use super::{cu_type, driver, kernel_names, DeviceError, Gpu};
+use crate::DType;
+
+/// The ranges of one AdamW step, `n` elements each: fp32 `master`, `m` and `v`, gradients (and
+/// parameters, if any) in the step's dtype.
+#[derive(Clone, Copy, Debug)]
+pub struct AdamAt {
+    /// fp32 master weights (updated).
+    pub master: DevPtr,
+    /// Parameters in the gradients' dtype, written from the master; `None` where the master is
+    /// the parameters (f32).
+    pub params: Option<DevPtr>,
+    /// Gradients.
+    pub grads: DevPtr,
+    /// First moment (f32, updated).
+    pub m: DevPtr,
+    /// Second moment (f32, updated).
+    pub v: DevPtr,
+}
+
+impl Gpu {
+    /// Queue `dst[..n] = src[..n]` converted from `from` to `to` (f32 ↔ f16/bf16, to nearest
+    /// even).
+    ///
+    /// # Safety
+    /// `src` and `dst` must be live device-addressable memory of `n` elements of `from` and `to`
+    /// until the work completes, and must not overlap.
+    pub unsafe fn cast_at(
+        &self,
+        from: DType,
+        src: DevPtr,
+        to: DType,
+        dst: DevPtr,
+        n: usize,
+    ) -> Result<(), DeviceError> {
+        self.check()?;
+        let name = format!("cast_{}_{}", cu_type(from), cu_type(to));
+        if !kernel_names().contains(&name) {
+            return Err(DeviceError::Invalid(format!(
+                "cast {from} → {to} is not supported (f32 ↔ f16/bf16)"
+            )));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.func(&name)?;
+        let n64 = n as u64;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&src).arg(&dst).arg(&n64);
+        // SAFETY: the caller guarantees both ranges; grid-stride bounded by `n`.
+        unsafe { b.launch(Self::cfg(n)) }.map_err(driver("launching cast"))?;
+        Ok(())
+    }
+
+    /// Σ (x·s)² over `n` elements of `dtype` at `x`, in f64, once the work queued before has
+    /// completed (waits for the result).
+    ///
+    /// # Safety
+    /// `x` must be live device-addressable memory of `n` elements of `dtype`.
+    pub unsafe fn sq_norm_at(
+        &self,
+        dtype: DType,
+        x: DevPtr,
+        n: usize,
+        s: f32,
+    ) -> Result<f64, DeviceError> {
+        self.check()?;
+        let f = self.float_kernel("sq_norm", dtype)?;
+        if n == 0 {
+            return Ok(0.0);
+        }
+        let mut out = self
+            .stream
+            .alloc_zeros::<f64>(1)
+            .map_err(driver("allocating the norm"))?;
+        let n64 = n as u64;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&x).arg(&s).arg(&n64).arg(&mut out);
+        // SAFETY: reads `n` elements at `x` (the caller's range); block size is BLOCK = 256, the
+        // size of the kernel's shared tree; writes one f64 to `out`, which holds one.
+        unsafe { b.launch(Self::cfg(n)) }.map_err(driver("launching sq_norm"))?;
+        let v = self
+            .stream
+            .clone_dtoh(&out)
+            .map_err(driver("reading the norm"))?;
+        Ok(v[0])
+    }
+
+    /// Whether all `n` elements of `dtype` at `x` are finite, once the work queued before has
+    /// completed (waits for the result).
+    ///
+    /// # Safety
+    /// `x` must be live device-addressable memory of `n` elements of `dtype`.
+    pub unsafe fn all_finite_at(
+        &self,
+        dtype: DType,
+        x: DevPtr,
+        n: usize,
+    ) -> Result<bool, DeviceError> {
+        self.check()?;
+        let f = self.float_kernel("nonfinite", dtype)?;
+        if n == 0 {
+            return Ok(true);
+        }
+        let mut flag = self
+            .stream
+            .alloc_zeros::<u32>(1)
+            .map_err(driver("allocating the flag"))?;
+        let n64 = n as u64;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&x).arg(&n64).arg(&mut flag);
+        // SAFETY: reads `n` elements at `x`, writes at most one u32 to `flag`, which holds one.
+        unsafe { b.launch(Self::cfg(n)) }.map_err(driver("launching nonfinite"))?;
+        let v = self
+            .stream
+            .clone_dtoh(&flag)
+            .map_err(driver("reading the flag"))?;
+        Ok(v[0] == 0)
+    }
+
+    /// Queue one fused AdamW step (`h` at step `t`) on `n` elements: gradients (and parameters)
+    /// in `dtype`, multiplied by `grad_scale` first.
+    ///
+    /// # Safety
+    /// Every range of `at` must be live device-addressable memory of `n` elements of its type
+    /// until the work completes, none overlapping another.
+    pub unsafe fn adamw_at(
+        &self,
+        h: &crate::cpu::AdamW,
+        t: u64,
+        dtype: DType,
+        at: AdamAt,
+        n: usize,
+        grad_scale: f32,
+    ) -> Result<(), DeviceError> {
+        self.check()?;
+        let f = self.float_kernel("adamw", dtype)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let (bc1, bc2, decay) = h.step_scalars(t);
+        // A null pointer: the kernel skips the parameter write.
+        let params: DevPtr = at.params.unwrap_or(0);
+        let n64 = n as u64;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&at.master)
+            .arg(&params)
+            .arg(&at.grads)
+            .arg(&at.m)
+            .arg(&at.v)
+            .arg(&n64)
+            .arg(&h.lr)
+            .arg(&h.beta1)
+            .arg(&h.beta2)
+            .arg(&h.eps)
+            .arg(&decay)
+            .arg(&bc1)
+            .arg(&bc2)
+            .arg(&grad_scale);
+        // SAFETY: the caller guarantees every range (`params` is such a range or null, which the
+        // kernel tests before writing); grid-stride bounded by `n`.
+        unsafe { b.launch(Self::cfg(n)) }.map_err(driver("launching adamw"))?;
+        Ok(())
+    }
+}
