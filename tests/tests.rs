@@ -19,3 +19,4 @@ mod rsv;
 mod split;
 mod threads;
 mod zero;
+mod zero_device;

@@ -137,7 +137,8 @@ pub(crate) fn baseline_on<T: Float>(
         for (b, gb) in g.iter().enumerate() {
             sq[0] += sq_norm(&gb[part.owned(b, comm.rank())], inv);
         }
-        comm.all_reduce_in_place(&mut sq, ReduceOp::Sum).unwrap();
+        comm.all_reduce_in_place_with(&mut sq, ReduceOp::Sum, Algo::Ring)
+            .unwrap();
         let clip = c.clip_norm.map_or(1.0, |c| {
             ((c as f64) / (sq[0].sqrt() + 1e-6)).min(1.0) as f32
         });
@@ -364,6 +365,14 @@ fn counters<T: Float>(p: Precision) {
         assert_eq!(part.numel(), 37 + 5 + 130 + 3);
         let names: Vec<&str> = sp.iter().map(|s| s.name.as_str()).collect();
         let sz = std::mem::size_of::<T>();
+        let b0 = comm.counters().bytes_sent;
+        comm.all_reduce_in_place_with(&mut [0f64], ReduceOp::Sum, Algo::Ring)
+            .unwrap();
+        let norm_bytes = (comm.counters().bytes_sent - b0) as usize;
+        assert!(
+            norm_bytes <= 2 * 8,
+            "a one-element ring all-reduce: {norm_bytes} B"
+        );
         for stage in 0..=3u8 {
             let mut e = Engine::<T>::new(&comm, &sp, &init, cfg_in(p, stage, None)).unwrap();
             let m = e.memory();
@@ -404,10 +413,12 @@ fn counters<T: Float>(p: Precision) {
             }
             assert!(matches!(e.step().unwrap(), StepOutcome::Stepped { .. }));
             let sent = comm.counters().bytes_sent - before;
-            // A one-element all-reduce (the norm, the overflow flag) goes by recursive
-            // doubling: each rank sends it once per round, log2 n rounds on 4 ranks.
+            // The overflow flag's one-byte all-reduce goes by recursive doubling: each rank
+            // sends it once per round, log2 n rounds on 4 ranks. The norm's goes round the
+            // ring (the device engine's order), which moves its one f64 from rank to rank:
+            // what this rank sends of it is measured on the same collective.
             let small = |bytes: usize| n.ilog2() as usize * bytes;
-            let extra = small(8) + if p == Precision::Fp16 { small(1) } else { 0 };
+            let extra = norm_bytes + if p == Precision::Fp16 { small(1) } else { 0 };
             let volume = comm_elements_per_step(padded as f64, n, stage);
             assert_eq!(
                 sent as usize,

@@ -252,6 +252,82 @@ fn node_major<K: PartialEq>(node_of: &[K]) -> Vec<usize> {
     order
 }
 
+/// Check `cfg` for an engine of `T` parameters sharded over `n` of `world` ranks, and lay the
+/// parameters out: the partition and every bucket's initial fp32 values (`init(param index,
+/// element index)`, zero in the padding).
+pub(crate) fn layout<T: Float>(
+    cfg: &ZeroConfig,
+    specs: &[ParamSpec],
+    init: &dyn Fn(usize, usize) -> f32,
+    n: usize,
+    world: usize,
+) -> Result<(Partition, Vec<Vec<f32>>), ZeroError> {
+    cfg.validate()?;
+    if cfg.precision.dtype() != T::DTYPE {
+        return Err(ZeroError::Config(format!(
+            "the config asks for {} parameters but the engine was created for {}",
+            cfg.precision,
+            T::DTYPE
+        )));
+    }
+    if let (Some(mb), Some(tb)) = (cfg.micro_batch, cfg.train_batch) {
+        if mb * cfg.accumulation_steps * world != tb {
+            return Err(ZeroError::Config(format!(
+                "train_batch_size {tb} != train_micro_batch_size_per_gpu {mb} × \
+                 gradient_accumulation_steps {} × world size {world}",
+                cfg.accumulation_steps
+            )));
+        }
+    }
+    let part =
+        Partition::new(specs, n, cfg.bucket_elems).map_err(|e| ZeroError::Config(e.to_string()))?;
+    let mut full: Vec<Vec<f32>> = part.buckets.iter().map(|b| vec![0f32; b.len]).collect();
+    for (i, s) in part.slots.iter().enumerate() {
+        for (k, x) in full[s.bucket][s.offset..s.offset + s.len]
+            .iter_mut()
+            .enumerate()
+        {
+            *x = init(i, k);
+        }
+    }
+    Ok((part, full))
+}
+
+/// Refuse a step (nothing changed) before every parameter's gradient is in (`pushed`), or at the
+/// accumulation `boundary` while a bucket is still gathered (`gathered(bucket)`).
+pub(crate) fn ready_to_step(
+    part: &Partition,
+    pushed: &[bool],
+    boundary: bool,
+    gathered: impl Fn(usize) -> bool,
+) -> Result<(), ZeroError> {
+    let missing: Vec<&str> = (0..pushed.len())
+        .filter(|&i| !pushed[i])
+        .map(|i| part.specs[i].name.as_str())
+        .collect();
+    if !missing.is_empty() {
+        return Err(ZeroError::MissingGrads(missing.join(", ")));
+    }
+    if boundary {
+        let held: Vec<String> = (0..part.buckets.len())
+            .filter(|&b| gathered(b))
+            .map(|b| {
+                let p = part.buckets[b].params[0];
+                format!("`{}`", part.specs[p].name)
+            })
+            .collect();
+        if !held.is_empty() {
+            return Err(ZeroError::StillGathered(held.join(", ")));
+        }
+    }
+    Ok(())
+}
+
+/// The factor gradients are multiplied by so that their global norm is at most `clip_norm`.
+pub(crate) fn clip_factor(clip_norm: Option<f32>, grad_norm: f64) -> f32 {
+    clip_norm.map_or(1.0, |c| ((c as f64) / (grad_norm + 1e-6)).min(1.0) as f32)
+}
+
 impl<'c, T: Float> Engine<'c, T> {
     /// An engine for `specs` on `comm`, every parameter element initialised by `init(param index,
     /// element index)` (the same function on every rank, so no broadcast is needed; with 16-bit
@@ -344,36 +420,9 @@ impl<'c, T: Float> Engine<'c, T> {
         init: &dyn Fn(usize, usize) -> f32,
         cfg: ZeroConfig,
     ) -> Result<Engine<'c, T>, ZeroError> {
-        cfg.validate()?;
-        if cfg.precision.dtype() != T::DTYPE {
-            return Err(ZeroError::Config(format!(
-                "the config asks for {} parameters but the engine was created for {}",
-                cfg.precision,
-                T::DTYPE
-            )));
-        }
         let (n, rank) = (comm.size(), comm.rank());
         let world = n * replicas.map_or(1, |r| r.size());
-        if let (Some(mb), Some(tb)) = (cfg.micro_batch, cfg.train_batch) {
-            if mb * cfg.accumulation_steps * world != tb {
-                return Err(ZeroError::Config(format!(
-                    "train_batch_size {tb} != train_micro_batch_size_per_gpu {mb} × \
-                     gradient_accumulation_steps {} × world size {world}",
-                    cfg.accumulation_steps
-                )));
-            }
-        }
-        let part = Partition::new(specs, n, cfg.bucket_elems)
-            .map_err(|e| ZeroError::Config(e.to_string()))?;
-        let mut full: Vec<Vec<f32>> = part.buckets.iter().map(|b| vec![0f32; b.len]).collect();
-        for (i, s) in part.slots.iter().enumerate() {
-            for (k, x) in full[s.bucket][s.offset..s.offset + s.len]
-                .iter_mut()
-                .enumerate()
-            {
-                *x = init(i, k);
-            }
-        }
+        let (part, full) = layout::<T>(&cfg, specs, init, n, world)?;
         let stage = cfg.stage;
         let nb = part.buckets.len();
         // The range of bucket b this rank updates: everything in stage 0, the owned range else.
@@ -668,26 +717,10 @@ impl<'c, T: Float> Engine<'c, T> {
     /// End a micro-step; at the accumulation boundary, reduce gradients, check for overflow, clip,
     /// run AdamW on what this rank owns and share the result.
     pub fn step(&mut self) -> Result<StepOutcome, ZeroError> {
-        let missing: Vec<&str> = (0..self.pushed.len())
-            .filter(|&i| !self.pushed[i])
-            .map(|i| self.part.specs[i].name.as_str())
-            .collect();
-        if !missing.is_empty() {
-            return Err(ZeroError::MissingGrads(missing.join(", ")));
-        }
         let boundary = self.micro + 1 == self.cfg.accumulation_steps;
-        if boundary {
-            let held: Vec<String> = (0..self.gathered.len())
-                .filter(|&b| self.gathered[b].is_some())
-                .map(|b| {
-                    let p = self.part.buckets[b].params[0];
-                    format!("`{}`", self.part.specs[p].name)
-                })
-                .collect();
-            if !held.is_empty() {
-                return Err(ZeroError::StillGathered(held.join(", ")));
-            }
-        }
+        ready_to_step(&self.part, &self.pushed, boundary, |b| {
+            self.gathered[b].is_some()
+        })?;
         self.pushed.iter_mut().for_each(|p| *p = false);
         self.micro += 1;
         // Reduce-scatters still in flight belong to this micro-step.
@@ -789,15 +822,15 @@ impl<'c, T: Float> Engine<'c, T> {
                 return Ok(self.skip());
             }
         }
-        self.comm.all_reduce_in_place(&mut sq, ReduceOp::Sum)?;
+        // In the ring's order, as the device engine's collectives sum it, so that both engines
+        // compute the same norm (and clip alike).
+        self.comm
+            .all_reduce_in_place_with(&mut sq, ReduceOp::Sum, Algo::Ring)?;
         let grad_norm = sq[0].sqrt();
         if !grad_norm.is_finite() {
             return Ok(self.skip());
         }
-        let clip = self
-            .cfg
-            .clip_norm
-            .map_or(1.0, |c| ((c as f64) / (grad_norm + 1e-6)).min(1.0) as f32);
+        let clip = clip_factor(self.cfg.clip_norm, grad_norm);
         self.t += 1;
         let h = self.cfg.adamw;
         for b in 0..nb {

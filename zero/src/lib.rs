@@ -17,6 +17,7 @@
 
 pub mod checkpoint;
 pub mod config;
+pub mod device;
 pub mod engine;
 pub mod mem;
 pub mod partition;
@@ -24,6 +25,7 @@ pub mod scaler;
 
 pub use checkpoint::{Checkpoint, Meta as CheckpointMeta};
 pub use config::{LossScaling, Precision, ZeroConfig, ZeroConfigBuilder};
+pub use device::DeviceEngine;
 pub use engine::{hybrid_groups, CommWait, Engine, Memory, StepOutcome, ZeroError};
 pub use partition::{ParamSpec, Partition};
 pub use scaler::LossScaler;

@@ -282,6 +282,11 @@ impl<S: Stream> DeviceComm<S> {
         })
     }
 
+    /// The deadline every wait of this communicator has (`RINGZERO_TIMEOUT`).
+    pub fn timeout(&self) -> std::time::Duration {
+        self.core.cfg.timeout
+    }
+
     /// The stream (device) the buffers live on.
     pub fn stream(&self) -> &S {
         &self.core.stream

@@ -122,7 +122,7 @@ unsafe fn at_mut<'a, T>(a: Addr, n: usize) -> &'a mut [T] {
 }
 
 fn aligned(a: Addr, d: DType, what: &str) -> Result<(), DeviceError> {
-    if a % d.size() as u64 == 0 {
+    if a.is_multiple_of(d.size() as u64) {
         Ok(())
     } else {
         Err(DeviceError::Invalid(format!(

@@ -1,0 +1,236 @@
+//! The ZeRO engine on device memory ([`DeviceEngine`] over a `DeviceComm` on the host stream:
+//! the device engine's collectives, the optimizer's work queued on the stream) against the host
+//! [`Engine`] on the same data: bit for bit, every stage and precision, clipped or not, with
+//! gradient accumulation; fp16 overflow; bad input refused with nothing changed.
+
+use half::{bf16, f16};
+use ringzero::kernels::cpu::{cast, Float};
+use ringzero::{Communicator, DeviceComm, HostStream, TransportPref};
+use ringzero_zero::{
+    DeviceEngine, Engine, LossScaling, Precision, StepOutcome, ZeroConfig, ZeroError,
+};
+
+use crate::common::{threads, Opts};
+use crate::zero::{cfg_in, grad, init, specs};
+
+fn narrow<T: Float>(x: &[f32]) -> Vec<T> {
+    let mut out = vec![T::default(); x.len()];
+    cast(x, &mut out);
+    out
+}
+
+/// What one training run gives: every step's outcome, each parameter's final values (widened
+/// from `T`) and the consolidated fp32 masters.
+type Run = (Vec<StepOutcome>, Vec<Vec<f32>>, Vec<(String, Vec<f32>)>);
+
+/// The gradients of one micro-step (scaled by `scale`, in `T`), from the parameters' values.
+fn grads_of<T: Float>(values: &[Vec<f32>], rank: usize, micro: usize, scale: f32) -> Vec<Vec<T>> {
+    values
+        .iter()
+        .enumerate()
+        .map(|(i, v)| {
+            let g: Vec<f32> = grad(v, rank, micro, i).iter().map(|x| x * scale).collect();
+            narrow(&g)
+        })
+        .collect()
+}
+
+fn host_run<T: Float>(comm: &Communicator, c: ZeroConfig, micro_steps: usize) -> Run {
+    let sp = specs();
+    let names: Vec<&str> = sp.iter().map(|s| s.name.as_str()).collect();
+    let mut e = Engine::<T>::new(comm, &sp, &init, c).unwrap();
+    let mut outs = Vec::new();
+    for t in 0..micro_steps {
+        e.gather(&names).unwrap();
+        let values: Vec<Vec<f32>> = names.iter().map(|n| e.param_f32(n).unwrap()).collect();
+        e.release(&names).unwrap();
+        for (n, g) in names
+            .iter()
+            .zip(grads_of::<T>(&values, comm.rank(), t, e.loss_scale()))
+        {
+            e.push_grad(n, &g).unwrap();
+        }
+        outs.push(e.step().unwrap());
+    }
+    e.gather(&names).unwrap();
+    let values = names.iter().map(|n| e.param_f32(n).unwrap()).collect();
+    e.release(&names).unwrap();
+    (outs, values, e.consolidate().unwrap())
+}
+
+fn device_run<T: Float>(comm: &Communicator, c: ZeroConfig, micro_steps: usize) -> Run {
+    let sp = specs();
+    let names: Vec<&str> = sp.iter().map(|s| s.name.as_str()).collect();
+    let mut dc = DeviceComm::new(comm, HostStream::new()).unwrap();
+    let mut e = DeviceEngine::<_, T>::new(&mut dc, &sp, &init, c).unwrap();
+    let mut outs = Vec::new();
+    for t in 0..micro_steps {
+        e.gather(&names).unwrap();
+        let values: Vec<Vec<f32>> = names.iter().map(|n| e.param_to_host(n).unwrap()).collect();
+        e.release(&names).unwrap();
+        for (n, g) in names
+            .iter()
+            .zip(grads_of::<T>(&values, comm.rank(), t, e.loss_scale()))
+        {
+            e.push_grad(n, &g).unwrap();
+        }
+        outs.push(e.step().unwrap());
+    }
+    e.gather(&names).unwrap();
+    let values = names.iter().map(|n| e.param_to_host(n).unwrap()).collect();
+    e.release(&names).unwrap();
+    (outs, values, e.consolidate().unwrap())
+}
+
+fn parity<T: Float>(p: Precision, accumulation: &[usize]) {
+    for n in 1..=3 {
+        let o = Opts {
+            transport: if n == 2 {
+                TransportPref::Tcp
+            } else {
+                TransportPref::Shm
+            },
+            ..Opts::default()
+        };
+        threads(n, &o, |rank, comm| {
+            let comm = comm.unwrap();
+            for &acc in accumulation {
+                for clip in [None, Some(0.5)] {
+                    for stage in 0..=3 {
+                        let c = ZeroConfig {
+                            accumulation_steps: acc,
+                            ..cfg_in(p, stage, clip)
+                        };
+                        let want = host_run::<T>(&comm, c.clone(), 3 * acc);
+                        let got = device_run::<T>(&comm, c, 3 * acc);
+                        let what = format!(
+                            "{p} n={n} rank {rank} stage {stage} clip {clip:?} accumulation {acc}"
+                        );
+                        assert_eq!(got.0, want.0, "{what}: step outcomes");
+                        for (i, (g, w)) in got.1.iter().zip(&want.1).enumerate() {
+                            let (g, w): (Vec<u32>, Vec<u32>) = (
+                                g.iter().map(|x| x.to_bits()).collect(),
+                                w.iter().map(|x| x.to_bits()).collect(),
+                            );
+                            assert_eq!(g, w, "{what}: parameter {i}");
+                        }
+                        assert_eq!(got.2, want.2, "{what}: consolidated masters");
+                    }
+                }
+            }
+        });
+    }
+}
+
+#[test]
+fn the_device_engine_matches_the_host_engine_bit_for_bit_in_fp32() {
+    parity::<f32>(Precision::Fp32, &[1, 2]);
+}
+
+#[test]
+fn the_device_engine_matches_the_host_engine_bit_for_bit_in_bf16_and_fp16() {
+    parity::<bf16>(Precision::Bf16, &[1]);
+    parity::<f16>(Precision::Fp16, &[1, 2]);
+}
+
+/// An inf on one rank's gradient skips the step on every rank, halves the loss scale and
+/// changes no weight.
+#[test]
+fn an_fp16_overflow_on_one_rank_skips_the_device_step_everywhere() {
+    threads(3, &Opts::default(), |rank, comm| {
+        let comm = comm.unwrap();
+        let sp = specs();
+        for stage in 0..=3u8 {
+            let c = ZeroConfig {
+                loss_scaling: LossScaling {
+                    initial_scale_power: 10,
+                    hysteresis: 1,
+                    ..LossScaling::default()
+                },
+                ..cfg_in(Precision::Fp16, stage, Some(1.0))
+            };
+            let mut dc = DeviceComm::new(&comm, HostStream::new()).unwrap();
+            let mut e = DeviceEngine::<_, f16>::new(&mut dc, &sp, &init, c).unwrap();
+            let before = e.consolidate().unwrap();
+            for s in &sp {
+                let mut g = vec![0.1 * e.loss_scale(); s.numel()];
+                if rank == 1 && s.name == "w2" {
+                    g[77] = f32::INFINITY;
+                }
+                e.push_grad(&s.name, &narrow::<f16>(&g)).unwrap();
+            }
+            assert_eq!(
+                e.step().unwrap(),
+                StepOutcome::Skipped { loss_scale: 512.0 },
+                "stage {stage} rank {rank}"
+            );
+            assert_eq!((e.steps(), e.skipped_steps()), (0, 1));
+            assert_eq!(before, e.consolidate().unwrap(), "stage {stage}");
+            for s in &sp {
+                e.push_grad(&s.name, &narrow::<f16>(&vec![0.1 * 512.0; s.numel()]))
+                    .unwrap();
+            }
+            assert!(matches!(e.step().unwrap(), StepOutcome::Stepped { .. }));
+            for (_, w) in e.consolidate().unwrap() {
+                assert!(w.iter().all(|x| x.is_finite()), "stage {stage}");
+            }
+        }
+    });
+}
+
+#[test]
+fn bad_input_to_the_device_engine_is_refused_and_changes_nothing() {
+    threads(2, &Opts::default(), |_, comm| {
+        let comm = comm.unwrap();
+        let sp = specs();
+        let mut dc = DeviceComm::new(&comm, HostStream::new()).unwrap();
+        let mut e =
+            DeviceEngine::<_, f32>::new(&mut dc, &sp, &init, cfg_in(Precision::Fp32, 3, None))
+                .unwrap();
+        let before = e.consolidate().unwrap();
+        let b1 = vec![0.5f32; 5];
+        assert!(matches!(
+            e.push_grad("nope", &b1),
+            Err(ZeroError::UnknownParam(n)) if n == "nope"
+        ));
+        assert!(matches!(
+            e.push_grad("w1", &b1),
+            Err(ZeroError::GradLength {
+                got: 5,
+                want: 37,
+                ..
+            })
+        ));
+        let e16 = e.push_grad("b1", &vec![bf16::ZERO; 5]).unwrap_err();
+        assert!(e16.to_string().contains("is bf16 but"), "{e16}");
+        e.push_grad("b1", &b1).unwrap();
+        assert!(matches!(
+            e.push_grad("b1", &b1),
+            Err(ZeroError::GradTwice(n)) if n == "b1"
+        ));
+        assert!(matches!(e.step(), Err(ZeroError::MissingGrads(_))));
+        assert!(matches!(
+            e.param_addr("w1"),
+            Err(ZeroError::NotGathered(n)) if n == "w1"
+        ));
+        e.gather(&["w1"]).unwrap();
+        assert!(matches!(
+            e.gather(&["w1"]),
+            Err(ZeroError::AlreadyGathered(n)) if n == "w1"
+        ));
+        assert_eq!(e.param_to_host("w1").unwrap().len(), 37);
+        assert!(matches!(e.release(&["b2"]), Err(ZeroError::NotGathered(_))));
+        e.release(&["w1"]).unwrap();
+        assert_eq!(before, e.consolidate().unwrap());
+        // Hybrid sharding is the host engine's.
+        drop(e);
+        let c = ZeroConfig {
+            shard_size: Some(2),
+            ..cfg_in(Precision::Fp32, 3, None)
+        };
+        let err = DeviceEngine::<_, f32>::new(&mut dc, &sp, &init, c)
+            .err()
+            .expect("refused");
+        assert!(err.to_string().contains("host buffers only"), "{err}");
+    });
+}

@@ -1,0 +1,658 @@
+//! [`DeviceEngine`]: the ZeRO engine with parameters, gradients and optimizer state in device
+//! memory, communicating through a [`DeviceComm`] — a trainer on GPUs keeps everything on the
+//! GPU (`DeviceComm<Arc<Gpu>>`), and `DeviceComm<HostStream>` runs the same code on the host
+//! (how CI tests it).
+//!
+//! It follows [`crate::Engine`] step for step — the same partition, the same collectives in the
+//! same order, the optimizer's kernels on the same ranges ([`TrainStream`]) — so on the host
+//! stream it ends bit-identical to the host engine, every stage and precision (tested). On a GPU
+//! the kernels compute the same bits, except the squared norm (summed in a tree), so with
+//! gradient clipping the parameters may differ from the host engine's in the last bit.
+//!
+//! What it does not do (yet): overlap communication with backward (`overlap_comm`: every
+//! reduce-scatter runs when its bucket fills, on the calling thread), stage-3 prefetch
+//! (`prefetch` is accepted and does nothing), hybrid sharding, checkpoints (consolidate the fp32
+//! weights with [`DeviceEngine::consolidate`]) and the `allgather_bucket_size` pieces (each
+//! bucket is all-gathered in one call).
+
+use std::any::Any;
+use std::marker::PhantomData;
+use std::time::Instant;
+
+use ringzero_collectives::{
+    AdamAt, DType, DeviceComm, DeviceMemory, Error, ReduceOp, Stream, TrainStream,
+};
+use ringzero_kernels::cpu::{cast, Float};
+use ringzero_kernels::DeviceError;
+
+use crate::config::ZeroConfig;
+use crate::engine::{clip_factor, layout, ready_to_step, Memory, StepOutcome, ZeroError};
+use crate::partition::{ParamSpec, Partition};
+use crate::scaler::LossScaler;
+
+/// An allocation of the engine's stream holding `elems` elements of `dtype`.
+struct DevVec {
+    addr: u64,
+    elems: usize,
+    dtype: DType,
+    _keep: Box<dyn Any + Send>,
+}
+
+// SAFETY: `addr` starts an allocation of at least `elems × dtype.size()` bytes that the engine's
+// stream made (`TrainStream::alloc`) and `_keep` owns, so it is live while the DevVec is. DevVecs
+// are private to the engine, which hands them only to its own communicator, whose stream made
+// them.
+unsafe impl<S: Stream> DeviceMemory<S> for DevVec {
+    fn dtype(&self) -> DType {
+        self.dtype
+    }
+    fn elems(&self) -> usize {
+        self.elems
+    }
+    fn addr(&self, _: &S) -> u64 {
+        self.addr
+    }
+    fn addr_mut(&mut self, _: &S) -> u64 {
+        self.addr
+    }
+}
+
+impl DevVec {
+    /// The address of element `i`.
+    fn at(&self, i: usize) -> u64 {
+        debug_assert!(i <= self.elems);
+        self.addr + (i * self.dtype.size()) as u64
+    }
+}
+
+fn dev(context: String) -> impl FnOnce(DeviceError) -> ZeroError {
+    move |source| ZeroError::Comm(Error::Device { context, source })
+}
+
+/// The ZeRO engine on one rank, its model states in device memory (see the module docs); the
+/// API of [`crate::Engine`], with device buffers where that takes host slices.
+pub struct DeviceEngine<'c, S: TrainStream, T: Float = f32> {
+    comm: &'c mut DeviceComm<S>,
+    cfg: ZeroConfig,
+    part: Partition,
+    rank: usize,
+    /// Per bucket: the whole bucket (stages 0–2) or this rank's shard (stage 3), in `T`.
+    params: Vec<DevVec>,
+    /// fp32 master weights (16-bit `T` only): the range this rank updates.
+    master: Vec<Option<DevVec>>,
+    /// Stage 3: whole buckets gathered for compute.
+    gathered: Vec<Option<DevVec>>,
+    /// Per bucket: the whole bucket (stages 0–1) or this rank's shard (stages 2–3), in `T`.
+    grads: Vec<DevVec>,
+    /// Stages 2–3: a bucket's gradients while backward fills it.
+    staging: Vec<Option<DevVec>>,
+    pushed: Vec<bool>,
+    m: Vec<DevVec>,
+    v: Vec<DevVec>,
+    /// Zeros, as many bytes as the largest gradient buffer (gradients are cleared from it).
+    zeros: DevVec,
+    scaler: LossScaler,
+    micro: usize,
+    t: u64,
+    skipped: u64,
+    _t: PhantomData<T>,
+}
+
+impl<'c, S: TrainStream, T: Float> DeviceEngine<'c, S, T> {
+    /// An engine for `specs` on `comm`, every parameter element initialised by `init(param index,
+    /// element index)` (the same function on every rank), as [`crate::Engine::new`]. Hybrid
+    /// sharding (`mics_shard_size`) is refused: it runs on host buffers only.
+    pub fn new(
+        comm: &'c mut DeviceComm<S>,
+        specs: &[ParamSpec],
+        init: &dyn Fn(usize, usize) -> f32,
+        cfg: ZeroConfig,
+    ) -> Result<DeviceEngine<'c, S, T>, ZeroError> {
+        let (n, rank) = (comm.size(), comm.rank());
+        if cfg.shard_size.is_some() {
+            return Err(ZeroError::Config(
+                "hybrid sharding (mics_shard_size) runs on host buffers only (Engine::new_hybrid)"
+                    .into(),
+            ));
+        }
+        let (part, full) = layout::<T>(&cfg, specs, init, n, n)?;
+        let stage = cfg.stage;
+        let nb = part.buckets.len();
+        let upd = |b: usize| {
+            if stage == 0 {
+                0..part.buckets[b].len
+            } else {
+                part.owned(b, rank)
+            }
+        };
+        let s = comm.stream();
+        let alloc = |dtype: DType, elems: usize| alloc(s, dtype, elems);
+        let upload = |x: &[f32], as_t: bool| -> Result<DevVec, ZeroError> {
+            let (d, bytes) = if as_t {
+                let mut out = vec![T::default(); x.len()];
+                cast(x, &mut out);
+                (T::DTYPE, bytemuck::cast_slice::<T, u8>(&out).to_vec())
+            } else {
+                (DType::F32, bytemuck::cast_slice::<f32, u8>(x).to_vec())
+            };
+            let v = alloc(d, x.len())?;
+            // SAFETY: `v` is a fresh allocation of the stream of `x.len()` elements of `d`,
+            // which no work uses yet.
+            unsafe { s.write(v.addr, &bytes) }
+                .map_err(dev("uploading the initial values".into()))?;
+            Ok(v)
+        };
+        let mut params = Vec::with_capacity(nb);
+        let mut master = Vec::with_capacity(nb);
+        let (mut grads, mut m, mut v) = (Vec::new(), Vec::new(), Vec::new());
+        let mut longest = 0;
+        for (b, bucket) in full.iter().enumerate() {
+            params.push(if stage == 3 {
+                upload(&bucket[part.owned(b, rank)], true)?
+            } else {
+                upload(bucket, true)?
+            });
+            master.push(if T::IS_F32 {
+                None
+            } else {
+                Some(upload(&bucket[upd(b)], false)?)
+            });
+            let g = if stage >= 2 {
+                part.owned(b, rank).len()
+            } else {
+                part.buckets[b].len
+            };
+            longest = longest.max(g);
+            grads.push(alloc(T::DTYPE, g)?);
+            m.push(alloc(DType::F32, upd(b).len())?);
+            v.push(alloc(DType::F32, upd(b).len())?);
+        }
+        let zeros = alloc(T::DTYPE, longest)?;
+        Ok(DeviceEngine {
+            rank,
+            params,
+            master,
+            gathered: (0..nb).map(|_| None).collect(),
+            grads,
+            staging: (0..nb).map(|_| None).collect(),
+            pushed: vec![false; specs.len()],
+            m,
+            v,
+            zeros,
+            scaler: LossScaler::new(cfg.precision, cfg.loss_scaling),
+            micro: 0,
+            t: 0,
+            skipped: 0,
+            part,
+            cfg,
+            comm,
+            _t: PhantomData,
+        })
+    }
+
+    /// The layout.
+    pub fn partition(&self) -> &Partition {
+        &self.part
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ZeroConfig {
+        &self.cfg
+    }
+
+    /// Optimizer steps taken (skipped ones not counted).
+    pub fn steps(&self) -> u64 {
+        self.t
+    }
+
+    /// Optimizer steps skipped on overflow.
+    pub fn skipped_steps(&self) -> u64 {
+        self.skipped
+    }
+
+    /// The factor to multiply the loss by before backward (1 unless fp16).
+    pub fn loss_scale(&self) -> f32 {
+        self.scaler.scale()
+    }
+
+    fn index(&self, name: &str) -> Result<usize, ZeroError> {
+        self.part
+            .index(name)
+            .ok_or_else(|| ZeroError::UnknownParam(name.to_string()))
+    }
+
+    /// Where parameter `name`'s current values (`T`, its element count) are in device memory,
+    /// for the trainer's kernels: valid until the next [`DeviceEngine::step`] (stage 3: until
+    /// [`DeviceEngine::release`], and only while gathered). Work reading it must have completed
+    /// before either.
+    pub fn param_addr(&self, name: &str) -> Result<(u64, usize), ZeroError> {
+        let s = self.part.slots[self.index(name)?];
+        let bucket = if self.cfg.stage == 3 {
+            self.gathered[s.bucket]
+                .as_ref()
+                .ok_or_else(|| ZeroError::NotGathered(name.to_string()))?
+        } else {
+            &self.params[s.bucket]
+        };
+        Ok((bucket.at(s.offset), s.len))
+    }
+
+    /// Parameter `name`'s current values, copied to the host and widened to `f32` (stage 3:
+    /// only while gathered).
+    pub fn param_to_host(&self, name: &str) -> Result<Vec<f32>, ZeroError> {
+        let (addr, len) = self.param_addr(name)?;
+        let mut raw = vec![T::default(); len];
+        // SAFETY: `addr` holds `len` elements of `T` of the stream's memory (param_addr).
+        unsafe { self.stream().read(bytemuck::cast_slice_mut(&mut raw), addr) }
+            .map_err(dev(format!("reading parameter `{name}`")))?;
+        let mut out = vec![0f32; len];
+        cast(&raw, &mut out);
+        Ok(out)
+    }
+
+    fn stream(&self) -> &S {
+        self.comm.stream()
+    }
+
+    /// Wait for the work queued on the stream (before temporaries it uses are dropped, or a
+    /// caller's buffer is let go).
+    fn sync(&self, what: &str) -> Result<(), ZeroError> {
+        let s = self.stream();
+        let m = s.mark().map_err(dev(what.into()))?;
+        let (start, deadline) = (Instant::now(), self.comm.timeout());
+        while !s.done(&m).map_err(dev(what.into()))? {
+            if start.elapsed() >= deadline && s.memory_outlives_work() {
+                return Err(ZeroError::Comm(Error::Device {
+                    context: what.into(),
+                    source: DeviceError::Invalid(format!(
+                        "{}'s work did not complete within {:.1}s",
+                        s.name(),
+                        deadline.as_secs_f64()
+                    )),
+                }));
+            }
+            std::thread::yield_now();
+        }
+        Ok(())
+    }
+
+    /// Stage 3: start gathering the buckets holding `names` ahead of [`DeviceEngine::gather`].
+    /// Accepted for [`crate::Engine`]'s API and does nothing here (every gather runs when asked).
+    pub fn prefetch(&mut self, names: &[&str]) -> Result<(), ZeroError> {
+        self.buckets_of(names).map(|_| ())
+    }
+
+    /// Stage 3: all-gather the buckets holding `names` so they can be read. A no-op in stages
+    /// 0–2. Gathering something already gathered is an error, and nothing is gathered then.
+    pub fn gather(&mut self, names: &[&str]) -> Result<(), ZeroError> {
+        let buckets = self.buckets_of(names)?;
+        if self.cfg.stage != 3 {
+            return Ok(());
+        }
+        for (b, name) in &buckets {
+            if self.gathered[*b].is_some() {
+                return Err(ZeroError::AlreadyGathered(name.clone()));
+            }
+        }
+        for (b, _) in buckets {
+            let mut full = alloc(self.stream(), T::DTYPE, self.part.buckets[b].len)?;
+            self.comm.all_gather(&self.params[b], &mut full)?;
+            self.gathered[b] = Some(full);
+        }
+        Ok(())
+    }
+
+    /// Stage 3: drop the gathered buckets holding `names` (work reading them must have
+    /// completed). A no-op in stages 0–2.
+    pub fn release(&mut self, names: &[&str]) -> Result<(), ZeroError> {
+        let buckets = self.buckets_of(names)?;
+        if self.cfg.stage != 3 {
+            return Ok(());
+        }
+        for (b, name) in &buckets {
+            if self.gathered[*b].is_none() {
+                return Err(ZeroError::NotGathered(name.clone()));
+            }
+        }
+        self.sync("releasing gathered parameters")?;
+        for (b, _) in buckets {
+            self.gathered[b] = None;
+        }
+        Ok(())
+    }
+
+    fn buckets_of(&self, names: &[&str]) -> Result<Vec<(usize, String)>, ZeroError> {
+        let mut out: Vec<(usize, String)> = Vec::new();
+        for n in names {
+            let b = self.part.slots[self.index(n)?].bucket;
+            if !out.iter().any(|(x, _)| *x == b) {
+                out.push((b, n.to_string()));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Add this micro-step's gradient of `name`, a device buffer of the parameter's length in
+    /// `T` (already multiplied by [`DeviceEngine::loss_scale`] under fp16); returns once it has
+    /// been added, so the buffer is free again. In stages 2–3 a bucket is reduce-scattered as
+    /// soon as all its gradients are in.
+    pub fn push_grad<B: DeviceMemory<S> + ?Sized>(
+        &mut self,
+        name: &str,
+        grad: &B,
+    ) -> Result<(), ZeroError> {
+        let i = self.index(name)?;
+        let s = self.part.slots[i];
+        if grad.elems() != s.len {
+            return Err(ZeroError::GradLength {
+                name: name.into(),
+                got: grad.elems(),
+                want: s.len,
+            });
+        }
+        if grad.dtype() != T::DTYPE {
+            return Err(ZeroError::NotNow {
+                call: "push_grad",
+                why: format!(
+                    "the gradient of `{name}` is {} but the engine's parameters are {}",
+                    grad.dtype(),
+                    T::DTYPE
+                ),
+            });
+        }
+        if self.pushed[i] {
+            return Err(ZeroError::GradTwice(name.into()));
+        }
+        let b = s.bucket;
+        let blen = self.part.buckets[b].len;
+        if self.cfg.stage >= 2 && self.staging[b].is_none() {
+            self.staging[b] = Some(alloc(self.stream(), T::DTYPE, blen)?);
+        }
+        let dst = match &self.staging[b] {
+            Some(full) if self.cfg.stage >= 2 => full.at(s.offset),
+            _ => self.grads[b].at(s.offset),
+        };
+        let src = grad.addr(self.stream());
+        // SAFETY: `dst` is `s.len` elements of `T` inside the engine's bucket buffer, `src` the
+        // caller's `s.len` elements (checked), borrowed until the sync below; an in-place sum.
+        unsafe {
+            self.stream()
+                .combine(T::DTYPE, ReduceOp::Sum, dst, dst, src, s.len)
+        }
+        .map_err(dev(format!("adding the gradient of `{name}`")))?;
+        self.sync("adding a gradient")?;
+        self.pushed[i] = true;
+        if self.cfg.stage >= 2 && self.part.buckets[b].params.iter().all(|&p| self.pushed[p]) {
+            let full = self.staging[b].take().expect("filled above");
+            let mut shard = alloc(self.stream(), T::DTYPE, blen / self.part.world)?;
+            self.comm.reduce_scatter(&full, &mut shard, ReduceOp::Avg)?;
+            let g = self.grads[b].addr;
+            // SAFETY: `grads[b]` and `shard` both hold the owned range's elements of `T`.
+            unsafe {
+                self.stream()
+                    .combine(T::DTYPE, ReduceOp::Sum, g, g, shard.addr, shard.elems)
+            }
+            .map_err(dev("accumulating a reduced gradient shard".into()))?;
+            self.sync("accumulating a reduced gradient shard")?;
+        }
+        Ok(())
+    }
+
+    /// End a micro-step; at the accumulation boundary, reduce gradients, check for overflow,
+    /// clip, run AdamW on what this rank owns and share the result (as [`crate::Engine::step`]).
+    pub fn step(&mut self) -> Result<StepOutcome, ZeroError> {
+        let boundary = self.micro + 1 == self.cfg.accumulation_steps;
+        ready_to_step(&self.part, &self.pushed, boundary, |b| {
+            self.gathered[b].is_some()
+        })?;
+        self.pushed.iter_mut().for_each(|p| *p = false);
+        self.micro += 1;
+        if !boundary {
+            return Ok(StepOutcome::Accumulated);
+        }
+        self.micro = 0;
+        let (stage, n) = (self.cfg.stage, self.part.world);
+        let nb = self.part.buckets.len();
+        // Stage 1: this rank's averaged gradient range per bucket (the others keep it in grads).
+        let mut red: Vec<Option<DevVec>> = (0..nb).map(|_| None).collect();
+        for (b, r) in red.iter_mut().enumerate() {
+            match stage {
+                0 => self
+                    .comm
+                    .all_reduce_in_place(&mut self.grads[b], ReduceOp::Avg)?,
+                1 => {
+                    let mut shard = alloc(self.stream(), T::DTYPE, self.part.buckets[b].len / n)?;
+                    self.comm
+                        .reduce_scatter(&self.grads[b], &mut shard, ReduceOp::Avg)?;
+                    *r = Some(shard);
+                }
+                _ => {}
+            }
+        }
+        let outcome = self.update(&red).and_then(|o| self.finish_step(o));
+        // `red` goes now: the work reading it ends first, whatever happened.
+        let synced = self.sync("the optimizer step");
+        let outcome = outcome?;
+        synced?;
+        Ok(outcome)
+    }
+
+    /// Clear the gradients and (stages 1–2, after an optimizer step) all-gather the updated
+    /// parameters.
+    fn finish_step(&mut self, outcome: StepOutcome) -> Result<StepOutcome, ZeroError> {
+        for g in &self.grads {
+            // SAFETY: `zeros` holds at least as many bytes as any gradient buffer.
+            unsafe {
+                self.stream()
+                    .copy(g.addr, self.zeros.addr, g.elems * T::DTYPE.size())
+            }
+            .map_err(dev("clearing the gradients".into()))?;
+        }
+        let stage = self.cfg.stage;
+        if matches!(outcome, StepOutcome::Stepped { .. }) && (stage == 1 || stage == 2) {
+            for p in &mut self.params {
+                self.comm.all_gather_in_place(p)?;
+            }
+        }
+        Ok(outcome)
+    }
+
+    /// One value all-reduced over the ranks (`op`), through a one-element device buffer.
+    fn all_reduce_scalar<E: ringzero_kernels::Element>(
+        &mut self,
+        x: E,
+        op: ReduceOp,
+    ) -> Result<E, ZeroError> {
+        let mut buf = alloc(self.stream(), E::DTYPE, 1)?;
+        // SAFETY: `buf` is a fresh allocation of one `E`, used by no work.
+        unsafe { self.stream().write(buf.addr, bytemuck::bytes_of(&x)) }
+            .map_err(dev("uploading a scalar".into()))?;
+        self.comm.all_reduce_in_place(&mut buf, op)?;
+        let mut out = E::zeroed();
+        // SAFETY: `buf` holds one `E`.
+        unsafe {
+            self.stream()
+                .read(bytemuck::bytes_of_mut(&mut out), buf.addr)
+        }
+        .map_err(dev("reading a scalar".into()))?;
+        Ok(out)
+    }
+
+    /// The optimizer half of a boundary step, on reduced gradients (stage 1: `red`).
+    fn update(&mut self, red: &[Option<DevVec>]) -> Result<StepOutcome, ZeroError> {
+        let (stage, rank) = (self.cfg.stage, self.rank);
+        let nb = self.part.buckets.len();
+        // This rank's averaged gradient range of each bucket: (address, elements).
+        let src: Vec<(u64, usize)> = (0..nb)
+            .map(|b| match (stage, &red[b]) {
+                (1, Some(r)) => (r.addr, r.elems),
+                (0, _) => {
+                    let o = self.part.owned(b, rank);
+                    (self.grads[b].at(o.start), o.len())
+                }
+                _ => (self.grads[b].addr, self.grads[b].elems),
+            })
+            .collect();
+        let s = self.comm.stream();
+        let mut local_overflow = false;
+        if self.scaler.checks_overflow() {
+            for &(a, len) in &src {
+                // SAFETY: `len` elements of `T` of the engine's buffers at `a`.
+                let ok = unsafe { s.all_finite(T::DTYPE, a, len) }
+                    .map_err(dev("checking the gradients for overflow".into()))?;
+                local_overflow |= !ok;
+            }
+        }
+        let inv = 1.0 / (self.scaler.scale() * self.cfg.accumulation_steps as f32);
+        let mut sq = 0f64;
+        for &(a, len) in &src {
+            // SAFETY: as above.
+            sq += unsafe { s.sq_norm(T::DTYPE, a, len, inv) }
+                .map_err(dev("the gradients' squared norm".into()))?;
+        }
+        if self.scaler.checks_overflow()
+            && self.all_reduce_scalar(local_overflow as u8, ReduceOp::Max)? != 0
+        {
+            return Ok(self.skip());
+        }
+        let grad_norm = self.all_reduce_scalar(sq, ReduceOp::Sum)?.sqrt();
+        if !grad_norm.is_finite() {
+            return Ok(self.skip());
+        }
+        let clip = clip_factor(self.cfg.clip_norm, grad_norm);
+        self.t += 1;
+        let h = self.cfg.adamw;
+        for (b, red) in red.iter().enumerate() {
+            // The stretch of `params[b]` this rank updates.
+            let range = match stage {
+                0 | 3 => 0..self.params[b].elems,
+                _ => self.part.owned(b, rank),
+            };
+            let p = self.params[b].at(range.start);
+            let grads = match red {
+                Some(r) => r.addr,
+                None => self.grads[b].addr,
+            };
+            let at = AdamAt {
+                master: self.master[b].as_ref().map_or(p, |x| x.addr),
+                params: self.master[b].as_ref().map(|_| p),
+                grads,
+                m: self.m[b].addr,
+                v: self.v[b].addr,
+            };
+            // SAFETY: every range holds `range.len()` elements of its type in the engine's
+            // buffers (the update range's master and moments, the reduced gradient range, the
+            // parameters' stretch), apart from each other (an f32 master is the parameters).
+            unsafe {
+                self.stream()
+                    .adamw(&h, self.t, T::DTYPE, at, range.len(), inv * clip)
+            }
+            .map_err(dev("the AdamW step".into()))?;
+        }
+        self.scaler.update(false);
+        Ok(StepOutcome::Stepped { grad_norm })
+    }
+
+    fn skip(&mut self) -> StepOutcome {
+        self.skipped += 1;
+        self.scaler.update(true);
+        StepOutcome::Skipped {
+            loss_scale: self.scaler.scale(),
+        }
+    }
+
+    /// Every parameter's fp32 master values, assembled from all ranks' shards and copied to the
+    /// host (a collective: call it on every rank). In the specs' order.
+    pub fn consolidate(&mut self) -> Result<Vec<(String, Vec<f32>)>, ZeroError> {
+        let (stage, n) = (self.cfg.stage, self.part.world);
+        let mut full: Vec<Vec<f32>> = Vec::with_capacity(self.part.buckets.len());
+        for b in 0..self.part.buckets.len() {
+            let len = self.part.buckets[b].len;
+            let mut out = alloc(self.stream(), DType::F32, len)?;
+            match (&self.master[b], stage) {
+                // Stage 0 keeps the whole master (16-bit) or the whole parameters (f32).
+                (Some(m), 0) => self.copy(&mut out, m, len)?,
+                (None, 0) => self.copy(&mut out, &self.params[b], len)?,
+                (Some(m), _) => self.comm.all_gather(m, &mut out)?,
+                (None, 3) => self.comm.all_gather(&self.params[b], &mut out)?,
+                (None, _) => {
+                    let own = self.part.owned(b, self.rank);
+                    let mine = alloc(self.stream(), DType::F32, len / n)?;
+                    // SAFETY: the owned range of the f32 bucket into a buffer of its length.
+                    unsafe {
+                        self.stream()
+                            .copy(mine.addr, self.params[b].at(own.start), own.len() * 4)
+                    }
+                    .map_err(dev("copying the owned parameters".into()))?;
+                    // (The copy is queued before the all-gather, which returns once its work
+                    // is done.)
+                    self.comm.all_gather(&mine, &mut out)?;
+                }
+            }
+            let mut host = vec![0f32; len];
+            // SAFETY: `out` holds `len` f32s.
+            unsafe {
+                self.stream()
+                    .read(bytemuck::cast_slice_mut(&mut host), out.addr)
+            }
+            .map_err(dev("reading the consolidated weights".into()))?;
+            full.push(host);
+        }
+        Ok(self
+            .part
+            .slots
+            .iter()
+            .zip(&self.part.specs)
+            .map(|(s, p)| {
+                (
+                    p.name.clone(),
+                    full[s.bucket][s.offset..s.offset + s.len].to_vec(),
+                )
+            })
+            .collect())
+    }
+
+    /// `len` f32s of `src` into `dst`, waited for.
+    fn copy(&self, dst: &mut DevVec, src: &DevVec, len: usize) -> Result<(), ZeroError> {
+        // SAFETY: both hold at least `len` f32s (whole buckets of f32).
+        unsafe { self.stream().copy(dst.addr, src.addr, len * 4) }
+            .map_err(dev("copying the master weights".into()))?;
+        self.sync("copying the master weights")
+    }
+
+    /// Bytes held now, by category (as [`crate::Engine::memory`]).
+    pub fn memory(&self) -> Memory {
+        let sz = std::mem::size_of::<T>();
+        let elems = |v: &[DevVec]| v.iter().map(|x| x.elems).sum::<usize>();
+        let held = |v: &[Option<DevVec>]| v.iter().flatten().map(|x| x.elems).sum::<usize>();
+        Memory {
+            params: elems(&self.params) * sz,
+            grads: elems(&self.grads) * sz,
+            optimizer: (elems(&self.m) + elems(&self.v) + held(&self.master)) * 4,
+            comm_buffers: (held(&self.staging) + held(&self.gathered)) * sz,
+        }
+    }
+}
+
+impl<S: TrainStream, T: Float> Drop for DeviceEngine<'_, S, T> {
+    fn drop(&mut self) {
+        // The buffers go with the engine: the work using them ends first.
+        if let Err(e) = self.sync("dropping the engine") {
+            tracing::warn!(target: "ringzero::zero", "{e}");
+        }
+    }
+}
+
+/// `elems` zeroed elements of `dtype` on `s`.
+fn alloc<S: TrainStream>(s: &S, dtype: DType, elems: usize) -> Result<DevVec, ZeroError> {
+    let bytes = (elems * dtype.size()).max(64);
+    let (addr, keep) = s
+        .alloc(bytes)
+        .map_err(dev(format!("allocating {bytes} bytes")))?;
+    Ok(DevVec {
+        addr,
+        elems,
+        dtype,
+        _keep: keep,
+    })
+}
