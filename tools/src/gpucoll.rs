@@ -196,6 +196,7 @@ pub fn rank_main(comm: &Communicator, device: usize, bench: bool) -> Vec<Row> {
             dc.counters().bytes_direct
         ),
     });
+    rows.push(crate::gpuzero::check(comm, &mut dc, &gpu, label));
     // tcp over loopback has no target next to a device copy: its checks are exactness only.
     if bench && !tcp {
         match bandwidth(&mut dc, &gpu, staged, ring) {

@@ -13,6 +13,7 @@ pub mod demo;
 pub mod diag;
 pub mod gpucheck;
 pub mod gpucoll;
+pub mod gpuzero;
 pub mod launch;
 
 /// splitmix64's finaliser: a well-spread hash of a seed, for reproducible pseudo-random inputs

@@ -12,7 +12,8 @@
 //! - [`checkpoint`]: one safetensors shard per rank and a `meta.json` commit marker, loaded at any
 //!   world size, stage or precision (resharded by parameter name), and consolidated offline.
 //!
-//! Not yet here: the engine runs on host buffers only.
+//! - [`device`]: [`DeviceEngine`], the same engine with its model states in device memory over a
+//!   `DeviceComm` (GPUs, or the host stream).
 #![deny(missing_docs)]
 
 pub mod checkpoint;
