@@ -65,9 +65,16 @@ fn device_run<T: Float>(comm: &Communicator, c: ZeroConfig, micro_steps: usize) 
     let mut e = DeviceEngine::<_, T>::new(&mut dc, &sp, &init, c).unwrap();
     let mut outs = Vec::new();
     for t in 0..micro_steps {
-        e.gather(&names).unwrap();
-        let values: Vec<Vec<f32>> = names.iter().map(|n| e.param_to_host(n).unwrap()).collect();
-        e.release(&names).unwrap();
+        // Layer by layer, each prefetching the next (a no-op unless stage 3 with prefetch on).
+        let mut values = Vec::new();
+        for (i, n) in names.iter().enumerate() {
+            e.gather(&[n]).unwrap();
+            if let Some(next) = names.get(i + 1) {
+                e.prefetch(&[next]).unwrap();
+            }
+            values.push(e.param_to_host(n).unwrap());
+            e.release(&[n]).unwrap();
+        }
         for (n, g) in names
             .iter()
             .zip(grads_of::<T>(&values, comm.rank(), t, e.loss_scale()))
@@ -95,16 +102,20 @@ fn parity<T: Float>(p: Precision, accumulation: &[usize]) {
         threads(n, &o, |rank, comm| {
             let comm = comm.unwrap();
             for &acc in accumulation {
-                for clip in [None, Some(0.5)] {
+                for (clip, overlap) in [(None, false), (Some(0.5), false), (Some(0.5), true)] {
                     for stage in 0..=3 {
+                        // Overlap: reduce-scatters and (stage 3) prefetches on the proxy thread.
                         let c = ZeroConfig {
                             accumulation_steps: acc,
+                            overlap_comm: overlap,
+                            prefetch_elems: if overlap { 100 } else { 0 },
                             ..cfg_in(p, stage, clip)
                         };
                         let want = host_run::<T>(&comm, c.clone(), 3 * acc);
                         let got = device_run::<T>(&comm, c, 3 * acc);
                         let what = format!(
-                            "{p} n={n} rank {rank} stage {stage} clip {clip:?} accumulation {acc}"
+                            "{p} n={n} rank {rank} stage {stage} clip {clip:?} accumulation \
+                             {acc} overlap {overlap}"
                         );
                         assert_eq!(got.0, want.0, "{what}: step outcomes");
                         for (i, (g, w)) in got.1.iter().zip(&want.1).enumerate() {
@@ -175,6 +186,45 @@ fn an_fp16_overflow_on_one_rank_skips_the_device_step_everywhere() {
                 assert!(w.iter().all(|x| x.is_finite()), "stage {stage}");
             }
         }
+    });
+}
+
+/// Prefetch is real: the next buckets are in flight (counted as communication buffers, bounded by
+/// `prefetch_elems`), and `gather` takes them.
+#[test]
+fn device_prefetch_is_real_and_bounded() {
+    threads(2, &Opts::default(), |_, comm| {
+        let comm = comm.unwrap();
+        let sp = specs();
+        let part =
+            ringzero_zero::Partition::new(&sp, 2, cfg_in(Precision::Fp32, 3, None).bucket_elems)
+                .unwrap();
+        let (b1, b2) = (part.slots[0].bucket, part.slots[2].bucket);
+        assert_ne!(b1, b2, "w1 and w2 in different buckets");
+        // Room for w1's bucket (the whole bucket and the shard copy it gathers from), not more.
+        let len = part.buckets[b1].len;
+        let c = ZeroConfig {
+            prefetch_elems: len + len / 2,
+            ..cfg_in(Precision::Fp32, 3, None)
+        };
+        let mut dc = DeviceComm::new(&comm, HostStream::new()).unwrap();
+        let mut e = DeviceEngine::<_, f32>::new(&mut dc, &sp, &init, c).unwrap();
+        assert_eq!(e.memory().comm_buffers, 0);
+        e.prefetch(&["w1", "w2"]).unwrap();
+        assert_eq!(
+            e.memory().comm_buffers,
+            4 * (len + len / 2),
+            "only w1's bucket flies"
+        );
+        e.gather(&["w1"]).unwrap();
+        assert_eq!(
+            e.memory().comm_buffers,
+            4 * len,
+            "the prefetched bucket, now gathered"
+        );
+        assert_eq!(e.param_to_host("w1").unwrap()[5], init(0, 5));
+        e.release(&["w1"]).unwrap();
+        assert_eq!(e.memory().comm_buffers, 0);
     });
 }
 

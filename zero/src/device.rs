@@ -9,18 +9,18 @@
 //! the kernels compute the same bits, except the squared norm (summed in a tree), so with
 //! gradient clipping the parameters may differ from the host engine's in the last bit.
 //!
-//! What it does not do (yet): overlap communication with backward (`overlap_comm`: every
-//! reduce-scatter runs when its bucket fills, on the calling thread), stage-3 prefetch
-//! (`prefetch` is accepted and does nothing), hybrid sharding, checkpoints (consolidate the fp32
-//! weights with [`DeviceEngine::consolidate`]) and the `allgather_bucket_size` pieces (each
-//! bucket is all-gathered in one call).
+//! With `overlap_comm` a full bucket's reduce-scatter, and with `stage3_prefetch_bucket_size` a
+//! prefetched bucket's all-gather, run on the communicator's proxy thread while the trainer goes
+//! on. What it does not do (yet): hybrid sharding, checkpoints (consolidate the fp32 weights with
+//! [`DeviceEngine::consolidate`]) and the `allgather_bucket_size` pieces (each bucket is
+//! all-gathered in one call).
 
 use std::any::Any;
 use std::marker::PhantomData;
 use std::time::Instant;
 
 use ringzero_collectives::{
-    AdamAt, DType, DeviceComm, DeviceMemory, Error, ReduceOp, Stream, TrainStream,
+    AdamAt, DType, DeviceComm, DeviceMemory, Error, ReduceOp, Stream, TrainStream, Work,
 };
 use ringzero_kernels::cpu::{cast, Float};
 use ringzero_kernels::DeviceError;
@@ -65,13 +65,16 @@ impl DevVec {
     }
 }
 
+/// Collectives on the proxy thread per bucket, with the elements they hold.
+type InFlight = Vec<Option<(Work<(DevVec, DevVec)>, usize)>>;
+
 fn dev(context: String) -> impl FnOnce(DeviceError) -> ZeroError {
     move |source| ZeroError::Comm(Error::Device { context, source })
 }
 
 /// The ZeRO engine on one rank, its model states in device memory (see the module docs); the
 /// API of [`crate::Engine`], with device buffers where that takes host slices.
-pub struct DeviceEngine<'c, S: TrainStream, T: Float = f32> {
+pub struct DeviceEngine<'c, S: TrainStream + 'static, T: Float = f32> {
     comm: &'c mut DeviceComm<S>,
     cfg: ZeroConfig,
     part: Partition,
@@ -82,10 +85,14 @@ pub struct DeviceEngine<'c, S: TrainStream, T: Float = f32> {
     master: Vec<Option<DevVec>>,
     /// Stage 3: whole buckets gathered for compute.
     gathered: Vec<Option<DevVec>>,
+    /// Stage 3: prefetches in flight (a copy of the shard, the whole bucket).
+    inflight: InFlight,
     /// Per bucket: the whole bucket (stages 0–1) or this rank's shard (stages 2–3), in `T`.
     grads: Vec<DevVec>,
     /// Stages 2–3: a bucket's gradients while backward fills it.
     staging: Vec<Option<DevVec>>,
+    /// Stages 2–3 with `overlap_comm`: reduce-scatters in flight (the bucket, the shard).
+    pending: InFlight,
     pushed: Vec<bool>,
     m: Vec<DevVec>,
     v: Vec<DevVec>,
@@ -98,7 +105,7 @@ pub struct DeviceEngine<'c, S: TrainStream, T: Float = f32> {
     _t: PhantomData<T>,
 }
 
-impl<'c, S: TrainStream, T: Float> DeviceEngine<'c, S, T> {
+impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
     /// An engine for `specs` on `comm`, every parameter element initialised by `init(param index,
     /// element index)` (the same function on every rank), as [`crate::Engine::new`]. Hybrid
     /// sharding (`mics_shard_size`) is refused: it runs on host buffers only.
@@ -173,8 +180,10 @@ impl<'c, S: TrainStream, T: Float> DeviceEngine<'c, S, T> {
             params,
             master,
             gathered: (0..nb).map(|_| None).collect(),
+            inflight: (0..nb).map(|_| None).collect(),
             grads,
             staging: (0..nb).map(|_| None).collect(),
+            pending: (0..nb).map(|_| None).collect(),
             pushed: vec![false; specs.len()],
             m,
             v,
@@ -276,10 +285,40 @@ impl<'c, S: TrainStream, T: Float> DeviceEngine<'c, S, T> {
         Ok(())
     }
 
-    /// Stage 3: start gathering the buckets holding `names` ahead of [`DeviceEngine::gather`].
-    /// Accepted for [`crate::Engine`]'s API and does nothing here (every gather runs when asked).
+    /// Stage 3: start all-gathering the buckets holding `names` on the proxy thread, so a later
+    /// [`DeviceEngine::gather`] finds them ready; at most `prefetch_elems` elements are in flight
+    /// (the rest is left for `gather`). A no-op in stages 0–2 and when `prefetch_elems` is 0.
+    /// Like every collective, prefetches must be issued in the same order on every rank.
     pub fn prefetch(&mut self, names: &[&str]) -> Result<(), ZeroError> {
-        self.buckets_of(names).map(|_| ())
+        let buckets = self.buckets_of(names)?;
+        if self.cfg.stage != 3 || self.cfg.prefetch_elems == 0 {
+            return Ok(());
+        }
+        let mut flying: usize = self.inflight.iter().flatten().map(|(_, e)| e).sum();
+        for (b, _) in buckets {
+            let len = self.part.buckets[b].len;
+            if self.gathered[b].is_some() || self.inflight[b].is_some() {
+                continue;
+            }
+            if flying + len > self.cfg.prefetch_elems {
+                break;
+            }
+            // The proxy thread owns what it gathers from: a copy of the shard, queued before.
+            let shard = &self.params[b];
+            let copy = alloc(self.stream(), T::DTYPE, shard.elems)?;
+            // SAFETY: both hold the shard's elements of `T`; the all-gather that reads the copy
+            // is queued after it on the same stream.
+            unsafe {
+                self.stream()
+                    .copy(copy.addr, shard.addr, shard.elems * T::DTYPE.size())
+            }
+            .map_err(dev("copying a shard to prefetch".into()))?;
+            let full = alloc(self.stream(), T::DTYPE, len)?;
+            let held = len + copy.elems;
+            self.inflight[b] = Some((self.comm.all_gather_async(copy, full), held));
+            flying += held;
+        }
+        Ok(())
     }
 
     /// Stage 3: all-gather the buckets holding `names` so they can be read. A no-op in stages
@@ -295,8 +334,14 @@ impl<'c, S: TrainStream, T: Float> DeviceEngine<'c, S, T> {
             }
         }
         for (b, _) in buckets {
-            let mut full = alloc(self.stream(), T::DTYPE, self.part.buckets[b].len)?;
-            self.comm.all_gather(&self.params[b], &mut full)?;
+            let full = match self.inflight[b].take() {
+                Some((w, _)) => w.wait()?.1,
+                None => {
+                    let mut full = alloc(self.stream(), T::DTYPE, self.part.buckets[b].len)?;
+                    self.comm.all_gather(&self.params[b], &mut full)?;
+                    full
+                }
+            };
             self.gathered[b] = Some(full);
         }
         Ok(())
@@ -385,17 +430,30 @@ impl<'c, S: TrainStream, T: Float> DeviceEngine<'c, S, T> {
         if self.cfg.stage >= 2 && self.part.buckets[b].params.iter().all(|&p| self.pushed[p]) {
             let full = self.staging[b].take().expect("filled above");
             let mut shard = alloc(self.stream(), T::DTYPE, blen / self.part.world)?;
-            self.comm.reduce_scatter(&full, &mut shard, ReduceOp::Avg)?;
-            let g = self.grads[b].addr;
-            // SAFETY: `grads[b]` and `shard` both hold the owned range's elements of `T`.
-            unsafe {
-                self.stream()
-                    .combine(T::DTYPE, ReduceOp::Sum, g, g, shard.addr, shard.elems)
+            if self.cfg.overlap_comm {
+                let held = full.elems + shard.elems;
+                self.pending[b] = Some((
+                    self.comm.reduce_scatter_async(full, shard, ReduceOp::Avg),
+                    held,
+                ));
+            } else {
+                self.comm.reduce_scatter(&full, &mut shard, ReduceOp::Avg)?;
+                self.accumulate(b, &shard)?;
             }
-            .map_err(dev("accumulating a reduced gradient shard".into()))?;
-            self.sync("accumulating a reduced gradient shard")?;
         }
         Ok(())
+    }
+
+    /// Add a reduced gradient `shard` into bucket `b`'s owned gradients (waited for).
+    fn accumulate(&self, b: usize, shard: &DevVec) -> Result<(), ZeroError> {
+        let g = self.grads[b].addr;
+        // SAFETY: `grads[b]` and `shard` both hold the owned range's elements of `T`.
+        unsafe {
+            self.stream()
+                .combine(T::DTYPE, ReduceOp::Sum, g, g, shard.addr, shard.elems)
+        }
+        .map_err(dev("accumulating a reduced gradient shard".into()))?;
+        self.sync("accumulating a reduced gradient shard")
     }
 
     /// End a micro-step; at the accumulation boundary, reduce gradients, check for overflow,
@@ -407,10 +465,23 @@ impl<'c, S: TrainStream, T: Float> DeviceEngine<'c, S, T> {
         })?;
         self.pushed.iter_mut().for_each(|p| *p = false);
         self.micro += 1;
+        // Reduce-scatters still in flight belong to this micro-step.
+        for b in 0..self.pending.len() {
+            if let Some((w, _)) = self.pending[b].take() {
+                let (_full, shard) = w.wait()?;
+                self.accumulate(b, &shard)?;
+            }
+        }
         if !boundary {
             return Ok(StepOutcome::Accumulated);
         }
         self.micro = 0;
+        // Prefetches of pre-step values would go stale: finish and drop them.
+        for f in &mut self.inflight {
+            if let Some((w, _)) = f.take() {
+                w.wait()?;
+            }
+        }
         let (stage, n) = (self.cfg.stage, self.part.world);
         let nb = self.part.buckets.len();
         // Stage 1: this rank's averaged gradient range per bucket (the others keep it in grads).
@@ -625,16 +696,21 @@ impl<'c, S: TrainStream, T: Float> DeviceEngine<'c, S, T> {
         let sz = std::mem::size_of::<T>();
         let elems = |v: &[DevVec]| v.iter().map(|x| x.elems).sum::<usize>();
         let held = |v: &[Option<DevVec>]| v.iter().flatten().map(|x| x.elems).sum::<usize>();
+        let flying = |v: &InFlight| v.iter().flatten().map(|(_, e)| e).sum::<usize>();
         Memory {
             params: elems(&self.params) * sz,
             grads: elems(&self.grads) * sz,
             optimizer: (elems(&self.m) + elems(&self.v) + held(&self.master)) * 4,
-            comm_buffers: (held(&self.staging) + held(&self.gathered)) * sz,
+            comm_buffers: (held(&self.staging)
+                + held(&self.gathered)
+                + flying(&self.inflight)
+                + flying(&self.pending))
+                * sz,
         }
     }
 }
 
-impl<S: TrainStream, T: Float> Drop for DeviceEngine<'_, S, T> {
+impl<S: TrainStream + 'static, T: Float> Drop for DeviceEngine<'_, S, T> {
     fn drop(&mut self) {
         // The buffers go with the engine: the work using them ends first.
         if let Err(e) = self.sync("dropping the engine") {
