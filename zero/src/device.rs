@@ -26,7 +26,9 @@ use ringzero_kernels::cpu::{cast, Float};
 use ringzero_kernels::DeviceError;
 
 use crate::config::ZeroConfig;
-use crate::engine::{clip_factor, layout, ready_to_step, Memory, StepOutcome, ZeroError};
+use crate::engine::{
+    clip_factor, layout, ready_to_step, update_range, Memory, StepOutcome, ZeroError,
+};
 use crate::partition::{ParamSpec, Partition};
 use crate::scaler::LossScaler;
 
@@ -125,13 +127,7 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
         let (part, full) = layout::<T>(&cfg, specs, init, n, n)?;
         let stage = cfg.stage;
         let nb = part.buckets.len();
-        let upd = |b: usize| {
-            if stage == 0 {
-                0..part.buckets[b].len
-            } else {
-                part.owned(b, rank)
-            }
-        };
+        let upd = |b: usize| update_range(&part, stage, rank, b);
         let s = comm.stream();
         let alloc = |dtype: DType, elems: usize| alloc(s, dtype, elems);
         let upload = |x: &[f32], as_t: bool| -> Result<DevVec, ZeroError> {

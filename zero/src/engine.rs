@@ -323,6 +323,20 @@ pub(crate) fn ready_to_step(
     Ok(())
 }
 
+/// The range of bucket `b` that `rank` updates: everything in stage 0, its owned range else.
+pub(crate) fn update_range(
+    part: &Partition,
+    stage: u8,
+    rank: usize,
+    b: usize,
+) -> std::ops::Range<usize> {
+    if stage == 0 {
+        0..part.buckets[b].len
+    } else {
+        part.owned(b, rank)
+    }
+}
+
 /// The factor gradients are multiplied by so that their global norm is at most `clip_norm`.
 pub(crate) fn clip_factor(clip_norm: Option<f32>, grad_norm: f64) -> f32 {
     clip_norm.map_or(1.0, |c| ((c as f64) / (grad_norm + 1e-6)).min(1.0) as f32)
@@ -426,13 +440,7 @@ impl<'c, T: Float> Engine<'c, T> {
         let stage = cfg.stage;
         let nb = part.buckets.len();
         // The range of bucket b this rank updates: everything in stage 0, the owned range else.
-        let upd = |b: usize| {
-            if stage == 0 {
-                0..part.buckets[b].len
-            } else {
-                part.owned(b, rank)
-            }
-        };
+        let upd = |b: usize| update_range(&part, stage, rank, b);
         let master: Vec<Vec<f32>> = if T::IS_F32 {
             vec![Vec::new(); nb]
         } else {
@@ -485,15 +493,6 @@ impl<'c, T: Float> Engine<'c, T> {
             part,
             cfg,
         })
-    }
-
-    /// The range of bucket `b` this rank updates: everything in stage 0, the owned range else.
-    fn update_range(&self, b: usize) -> std::ops::Range<usize> {
-        if self.cfg.stage == 0 {
-            0..self.part.buckets[b].len
-        } else {
-            self.part.owned(b, self.rank)
-        }
     }
 
     /// The layout.

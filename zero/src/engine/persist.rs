@@ -8,20 +8,224 @@
 //! is also agreed over the replicas (one byte per shard group), and ranks of a group that
 //! succeeded while another failed return [`ZeroError::ReplicaFailed`] naming that group.
 
+use std::borrow::Cow;
 use std::path::Path;
 
 use ringzero_kernels::cpu::{cast, Float};
 
-use super::{Engine, ZeroError};
+use super::{update_range, Engine, ZeroError};
+use crate::checkpoint::ScalerState;
 use crate::checkpoint::{self, plan, Checkpoint, Meta, ParamMeta, ShardMeta, FORMAT};
-use crate::config::Precision;
+use crate::config::{Precision, ZeroConfig};
+use crate::partition::Partition;
 
 /// A checkpoint read for this rank: its metadata and, per bucket, master and moments of the range
 /// this rank updates.
-type Staged = (Meta, Vec<[Vec<f32>; 3]>);
+pub(crate) type Staged = (Meta, Vec<[Vec<f32>; 3]>);
 
 /// Payload of one agreement record: a shard's size (8 bytes) and SHA-256 (32).
-type Payload = [u8; 40];
+pub(crate) type Payload = [u8; 40];
+
+/// What saving and loading need from an engine (the host engine's and the device engine's
+/// state live in different memories; the format and the protocol are one).
+pub(crate) trait Persist {
+    /// The layout.
+    fn part(&self) -> &Partition;
+    /// The configuration.
+    fn cfg(&self) -> &ZeroConfig;
+    /// This rank in the shard group.
+    fn rank(&self) -> usize;
+    /// Whether this rank writes its shard (hybrid sharding: the first replica's group only).
+    fn writes(&self) -> bool {
+        true
+    }
+    /// Optimizer steps taken, steps skipped, the loss scaler's state.
+    fn progress(&self) -> (u64, u64, Option<ScalerState>);
+    /// Master, first and second moment of the range of bucket `b` this rank owns.
+    fn own_states(&self, b: usize) -> Result<[Cow<'_, [f32]>; 3], ZeroError>;
+    /// One agreement round: every rank's success (with a payload) or failure. Returns every
+    /// rank's payload when all succeeded; this rank's own error when it failed; else
+    /// [`ZeroError::PeerFailed`] naming the ranks that failed.
+    fn agree(
+        &mut self,
+        local: Result<Payload, ZeroError>,
+        what: &str,
+    ) -> Result<Vec<Payload>, ZeroError>;
+}
+
+/// Refuse `call` inside an accumulation window (`micro` > 0), while gradients are being pushed
+/// (`pushed`), and (for a load, which `replaces` the parameters) while a bucket is gathered or
+/// in flight (`busy`).
+pub(crate) fn between_steps(
+    part: &Partition,
+    cfg: &ZeroConfig,
+    (micro, pushed, busy): (usize, &[bool], Option<usize>),
+    call: &'static str,
+    replaces: bool,
+) -> Result<(), ZeroError> {
+    let not_now = |why: String| Err(ZeroError::NotNow { call, why });
+    if micro != 0 {
+        return not_now(format!(
+            "inside an accumulation window (micro-step {} of {}); call it after the optimizer \
+             step",
+            micro + 1,
+            cfg.accumulation_steps
+        ));
+    }
+    if let Some(i) = pushed.iter().position(|&p| p) {
+        return not_now(format!(
+            "gradients of this micro-step are being pushed (`{}` is in); call it after the \
+             optimizer step",
+            part.specs[i].name
+        ));
+    }
+    if let (true, Some(b)) = (replaces, busy) {
+        let p = part.buckets[b].params[0];
+        return not_now(format!(
+            "`{}` is gathered or being prefetched; release it first",
+            part.specs[p].name
+        ));
+    }
+    Ok(())
+}
+
+/// Save `e`'s state into `dir` (see [`Engine::save_checkpoint`]), once the caller has checked
+/// that it is between steps.
+pub(crate) fn save<E: Persist>(
+    e: &mut E,
+    dir: &Path,
+    client_state: serde_json::Value,
+) -> Result<(), ZeroError> {
+    let writes = e.writes();
+    let skip = || Ok([0u8; 40]);
+    let prepared = if writes {
+        checkpoint::prepare_dir(dir).map(|()| [0u8; 40])
+    } else {
+        skip()
+    };
+    e.agree(
+        prepared,
+        "save_checkpoint: preparing the directory; nothing was written",
+    )?;
+    let (n, rank) = (e.part().world, e.rank());
+    let written = if writes {
+        (|| {
+            let states = (0..e.part().buckets.len())
+                .map(|b| e.own_states(b))
+                .collect::<Result<Vec<_>, _>>()?;
+            let refs: Vec<[&[f32]; 3]> =
+                states.iter().map(|[a, b, c]| [&**a, &**b, &**c]).collect();
+            checkpoint::write_shard(dir, rank, n, &refs)
+        })()
+        .map(|(bytes, sum)| {
+            let mut p = [0u8; 40];
+            p[..8].copy_from_slice(&bytes.to_le_bytes());
+            p[8..].copy_from_slice(&sum);
+            p
+        })
+    } else {
+        skip()
+    };
+    let shards = e.agree(
+        written,
+        "save_checkpoint: writing the shards; the checkpoint was not committed",
+    )?;
+    let committed = if rank == 0 && writes {
+        let (step, skipped, scaler) = e.progress();
+        let (part, cfg) = (e.part(), e.cfg());
+        let meta = Meta {
+            format: FORMAT,
+            world: n,
+            stage: cfg.stage,
+            precision: cfg.precision.to_string(),
+            bucket_elems: cfg.bucket_elems,
+            params: part
+                .specs
+                .iter()
+                .map(|p| ParamMeta {
+                    name: p.name.clone(),
+                    shape: p.shape.clone(),
+                })
+                .collect(),
+            buckets: part.buckets.iter().map(|b| b.len).collect(),
+            step,
+            skipped,
+            scaler,
+            client_state,
+            shards: shards
+                .iter()
+                .enumerate()
+                .map(|(r, p)| ShardMeta {
+                    file: checkpoint::shard_file(r, n),
+                    bytes: u64::from_le_bytes(p[..8].try_into().expect("8 bytes")),
+                    sha256: checkpoint::hex(&p[8..]),
+                })
+                .collect(),
+        };
+        checkpoint::write_meta(dir, &meta).map(|()| [0u8; 40])
+    } else {
+        Ok([0u8; 40])
+    };
+    e.agree(
+        committed,
+        "save_checkpoint: committing meta.json; the checkpoint was not committed",
+    )?;
+    Ok(())
+}
+
+/// This rank's part of the checkpoint in `dir` (per bucket, the three states of the range it
+/// updates: all of it in stage 0), read once every rank has read its own.
+pub(crate) fn read_agreed<E: Persist>(e: &mut E, dir: &Path) -> Result<Staged, ZeroError> {
+    let read = (|| {
+        let mut ck = Checkpoint::open(dir)?;
+        let part = e.part();
+        if let Some(why) = plan::mismatch(ck.partition(), part) {
+            return Err(checkpoint::err(dir, why));
+        }
+        let states = (0..part.buckets.len())
+            .map(|b| ck.read_range(part, b, update_range(part, e.cfg().stage, e.rank(), b)))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok((ck.meta().clone(), states))
+    })();
+    e.agree(
+        read.as_ref().map(|_| [0u8; 40]).map_err(Clone::clone),
+        "load_checkpoint: reading the checkpoint; nothing was changed",
+    )?;
+    Ok(read.expect("agreed above"))
+}
+
+/// Whether a checkpoint's scaler state resumes here: fp16 to fp16.
+pub(crate) fn resumes_scaler(meta: &Meta) -> bool {
+    meta.precision == Precision::Fp16.to_string()
+}
+
+impl<T: Float> Persist for &Engine<'_, T> {
+    fn part(&self) -> &Partition {
+        &self.part
+    }
+    fn cfg(&self) -> &ZeroConfig {
+        &self.cfg
+    }
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn writes(&self) -> bool {
+        self.replicas.is_none_or(|r| r.rank() == 0)
+    }
+    fn progress(&self) -> (u64, u64, Option<ScalerState>) {
+        (self.t, self.skipped, self.scaler.state())
+    }
+    fn own_states(&self, b: usize) -> Result<[Cow<'_, [f32]>; 3], ZeroError> {
+        Ok(Engine::own_states(self, b).map(Cow::Borrowed))
+    }
+    fn agree(
+        &mut self,
+        local: Result<Payload, ZeroError>,
+        what: &str,
+    ) -> Result<Vec<Payload>, ZeroError> {
+        Engine::agree(self, local, what)
+    }
+}
 
 impl<T: Float> Engine<'_, T> {
     /// Save this engine's state into `dir` (a collective: every rank calls it with the same
@@ -37,79 +241,8 @@ impl<T: Float> Engine<'_, T> {
         dir: impl AsRef<Path>,
         client_state: serde_json::Value,
     ) -> Result<(), ZeroError> {
-        let dir = dir.as_ref();
         self.between_steps("save_checkpoint", false)?;
-        // Hybrid sharding: the first replica's shard group writes; the others take part in
-        // every agreement, so all learn the outcome.
-        let writes = self.replicas.is_none_or(|r| r.rank() == 0);
-        let skip = || Ok([0u8; 40]);
-        let prepared = if writes {
-            checkpoint::prepare_dir(dir).map(|()| [0u8; 40])
-        } else {
-            skip()
-        };
-        self.agree(
-            prepared,
-            "save_checkpoint: preparing the directory; nothing was written",
-        )?;
-        let n = self.part.world;
-        let states: Vec<[&[f32]; 3]> = (0..self.part.buckets.len())
-            .map(|b| self.own_states(b))
-            .collect();
-        let written = if writes {
-            checkpoint::write_shard(dir, self.rank, n, &states).map(|(bytes, sum)| {
-                let mut p = [0u8; 40];
-                p[..8].copy_from_slice(&bytes.to_le_bytes());
-                p[8..].copy_from_slice(&sum);
-                p
-            })
-        } else {
-            skip()
-        };
-        let shards = self.agree(
-            written,
-            "save_checkpoint: writing the shards; the checkpoint was not committed",
-        )?;
-        let committed = if self.rank == 0 && writes {
-            let meta = Meta {
-                format: FORMAT,
-                world: n,
-                stage: self.cfg.stage,
-                precision: self.cfg.precision.to_string(),
-                bucket_elems: self.cfg.bucket_elems,
-                params: self
-                    .part
-                    .specs
-                    .iter()
-                    .map(|p| ParamMeta {
-                        name: p.name.clone(),
-                        shape: p.shape.clone(),
-                    })
-                    .collect(),
-                buckets: self.part.buckets.iter().map(|b| b.len).collect(),
-                step: self.t,
-                skipped: self.skipped,
-                scaler: self.scaler.state(),
-                client_state,
-                shards: shards
-                    .iter()
-                    .enumerate()
-                    .map(|(r, p)| ShardMeta {
-                        file: checkpoint::shard_file(r, n),
-                        bytes: u64::from_le_bytes(p[..8].try_into().expect("8 bytes")),
-                        sha256: checkpoint::hex(&p[8..]),
-                    })
-                    .collect(),
-            };
-            checkpoint::write_meta(dir, &meta).map(|()| [0u8; 40])
-        } else {
-            Ok([0u8; 40])
-        };
-        self.agree(
-            committed,
-            "save_checkpoint: committing meta.json; the checkpoint was not committed",
-        )?;
-        Ok(())
+        save(&mut &*self, dir.as_ref(), client_state)
     }
 
     /// Load the state saved in `dir` (a collective). The checkpoint may come from another world
@@ -123,14 +256,8 @@ impl<T: Float> Engine<'_, T> {
     /// Call it between optimizer steps with nothing gathered. When it fails on any rank, no rank
     /// changes anything.
     pub fn load_checkpoint(&mut self, dir: impl AsRef<Path>) -> Result<Meta, ZeroError> {
-        let dir = dir.as_ref();
         self.between_steps("load_checkpoint", true)?;
-        let read = self.read_checkpoint(dir);
-        self.agree(
-            read.as_ref().map(|_| [0u8; 40]).map_err(Clone::clone),
-            "load_checkpoint: reading the checkpoint; nothing was changed",
-        )?;
-        let (meta, states) = read.expect("agreed above");
+        let (meta, states) = read_agreed(&mut &*self, dir.as_ref())?;
         let stage = self.cfg.stage;
         for (b, [master, m, v]) in states.into_iter().enumerate() {
             let range = match stage {
@@ -150,7 +277,7 @@ impl<T: Float> Engine<'_, T> {
         }
         self.t = meta.step;
         self.skipped = meta.skipped;
-        if let (Some(s), true) = (meta.scaler, meta.precision == Precision::Fp16.to_string()) {
+        if let (Some(s), true) = (meta.scaler, resumes_scaler(&meta)) {
             self.scaler.restore(s);
         }
         if stage == 1 || stage == 2 {
@@ -159,18 +286,6 @@ impl<T: Float> Engine<'_, T> {
             }
         }
         Ok(meta)
-    }
-
-    /// This rank's part of the checkpoint: per bucket, the three states of its update range.
-    fn read_checkpoint(&self, dir: &Path) -> Result<Staged, ZeroError> {
-        let mut ck = Checkpoint::open(dir)?;
-        if let Some(why) = plan::mismatch(ck.partition(), &self.part) {
-            return Err(checkpoint::err(dir, why));
-        }
-        let states = (0..self.part.buckets.len())
-            .map(|b| ck.read_range(&self.part, b, self.update_range(b)))
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok((ck.meta().clone(), states))
     }
 
     /// Master, first and second moment of the range of bucket `b` this rank owns.
@@ -204,32 +319,15 @@ impl<T: Float> Engine<'_, T> {
     /// Refuse `call` inside an accumulation window, while gradients are being pushed, and (for a
     /// load, which replaces the parameters) while anything is gathered or in flight.
     fn between_steps(&self, call: &'static str, replaces: bool) -> Result<(), ZeroError> {
-        let not_now = |why: String| Err(ZeroError::NotNow { call, why });
-        if self.micro != 0 {
-            return not_now(format!(
-                "inside an accumulation window (micro-step {} of {}); call it after the \
-                 optimizer step",
-                self.micro + 1,
-                self.cfg.accumulation_steps
-            ));
-        }
-        if let Some(i) = self.pushed.iter().position(|&p| p) {
-            return not_now(format!(
-                "gradients of this micro-step are being pushed (`{}` is in); call it after the \
-                 optimizer step",
-                self.part.specs[i].name
-            ));
-        }
         let busy = (0..self.gathered.len())
             .find(|&b| self.gathered[b].is_some() || self.inflight[b].is_some());
-        if let (true, Some(b)) = (replaces, busy) {
-            let p = self.part.buckets[b].params[0];
-            return not_now(format!(
-                "`{}` is gathered or being prefetched; release it first",
-                self.part.specs[p].name
-            ));
-        }
-        Ok(())
+        between_steps(
+            &self.part,
+            &self.cfg,
+            (self.micro, &self.pushed, busy),
+            call,
+            replaces,
+        )
     }
 
     /// One agreement round: every rank's success (with a payload) or failure. Returns every
