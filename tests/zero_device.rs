@@ -35,36 +35,48 @@ fn grads_of<T: Float>(values: &[Vec<f32>], rank: usize, micro: usize, scale: f32
         .collect()
 }
 
-fn host_run<T: Float>(comm: &Communicator, c: ZeroConfig, micro_steps: usize) -> Run {
+/// `count` micro-steps from micro-step `from` on the host engine (the data of `rank`).
+fn host_steps<T: Float>(
+    e: &mut Engine<'_, T>,
+    rank: usize,
+    from: usize,
+    count: usize,
+) -> Vec<StepOutcome> {
     let sp = specs();
     let names: Vec<&str> = sp.iter().map(|s| s.name.as_str()).collect();
-    let mut e = Engine::<T>::new(comm, &sp, &init, c).unwrap();
     let mut outs = Vec::new();
-    for t in 0..micro_steps {
-        e.gather(&names).unwrap();
-        let values: Vec<Vec<f32>> = names.iter().map(|n| e.param_f32(n).unwrap()).collect();
-        e.release(&names).unwrap();
+    for t in from..from + count {
+        let mut values = Vec::new();
+        for (i, n) in names.iter().enumerate() {
+            e.gather(&[n]).unwrap();
+            if let Some(next) = names.get(i + 1) {
+                e.prefetch(&[next]).unwrap();
+            }
+            values.push(e.param_f32(n).unwrap());
+            e.release(&[n]).unwrap();
+        }
         for (n, g) in names
             .iter()
-            .zip(grads_of::<T>(&values, comm.rank(), t, e.loss_scale()))
+            .zip(grads_of::<T>(&values, rank, t, e.loss_scale()))
         {
             e.push_grad(n, &g).unwrap();
         }
         outs.push(e.step().unwrap());
     }
-    e.gather(&names).unwrap();
-    let values = names.iter().map(|n| e.param_f32(n).unwrap()).collect();
-    e.release(&names).unwrap();
-    (outs, values, e.consolidate().unwrap())
+    outs
 }
 
-fn device_run<T: Float>(comm: &Communicator, c: ZeroConfig, micro_steps: usize) -> Run {
+/// [`host_steps`] on the device engine.
+fn device_steps<T: Float>(
+    e: &mut DeviceEngine<'_, HostStream, T>,
+    rank: usize,
+    from: usize,
+    count: usize,
+) -> Vec<StepOutcome> {
     let sp = specs();
     let names: Vec<&str> = sp.iter().map(|s| s.name.as_str()).collect();
-    let mut dc = DeviceComm::new(comm, HostStream::new()).unwrap();
-    let mut e = DeviceEngine::<_, T>::new(&mut dc, &sp, &init, c).unwrap();
     let mut outs = Vec::new();
-    for t in 0..micro_steps {
+    for t in from..from + count {
         // Layer by layer, each prefetching the next (a no-op unless stage 3 with prefetch on).
         let mut values = Vec::new();
         for (i, n) in names.iter().enumerate() {
@@ -77,16 +89,44 @@ fn device_run<T: Float>(comm: &Communicator, c: ZeroConfig, micro_steps: usize) 
         }
         for (n, g) in names
             .iter()
-            .zip(grads_of::<T>(&values, comm.rank(), t, e.loss_scale()))
+            .zip(grads_of::<T>(&values, rank, t, e.loss_scale()))
         {
             e.push_grad(n, &g).unwrap();
         }
         outs.push(e.step().unwrap());
     }
+    outs
+}
+
+fn host_values<T: Float>(e: &mut Engine<'_, T>) -> Vec<Vec<f32>> {
+    let sp = specs();
+    let names: Vec<&str> = sp.iter().map(|s| s.name.as_str()).collect();
+    e.gather(&names).unwrap();
+    let values = names.iter().map(|n| e.param_f32(n).unwrap()).collect();
+    e.release(&names).unwrap();
+    values
+}
+
+fn device_values<T: Float>(e: &mut DeviceEngine<'_, HostStream, T>) -> Vec<Vec<f32>> {
+    let sp = specs();
+    let names: Vec<&str> = sp.iter().map(|s| s.name.as_str()).collect();
     e.gather(&names).unwrap();
     let values = names.iter().map(|n| e.param_to_host(n).unwrap()).collect();
     e.release(&names).unwrap();
-    (outs, values, e.consolidate().unwrap())
+    values
+}
+
+fn host_run<T: Float>(comm: &Communicator, c: ZeroConfig, micro_steps: usize) -> Run {
+    let mut e = Engine::<T>::new(comm, &specs(), &init, c).unwrap();
+    let outs = host_steps(&mut e, comm.rank(), 0, micro_steps);
+    (outs, host_values(&mut e), e.consolidate().unwrap())
+}
+
+fn device_run<T: Float>(comm: &Communicator, c: ZeroConfig, micro_steps: usize) -> Run {
+    let mut dc = DeviceComm::new(comm, HostStream::new()).unwrap();
+    let mut e = DeviceEngine::<_, T>::new(&mut dc, &specs(), &init, c).unwrap();
+    let outs = device_steps(&mut e, comm.rank(), 0, micro_steps);
+    (outs, device_values(&mut e), e.consolidate().unwrap())
 }
 
 fn parity<T: Float>(p: Precision, accumulation: &[usize]) {
@@ -225,6 +265,73 @@ fn device_prefetch_is_real_and_bounded() {
         assert_eq!(e.param_to_host("w1").unwrap()[5], init(0, 5));
         e.release(&["w1"]).unwrap();
         assert_eq!(e.memory().comm_buffers, 0);
+    });
+}
+
+/// A checkpoint saved by either engine loads into the other, at another stage (and precision
+/// where the states allow it): the consolidated weights agree, and one more step on both gives
+/// the same parameters (masters, moments and the step count all came across).
+#[test]
+fn checkpoints_move_between_the_device_and_the_host_engine() {
+    let root = crate::common::fresh_dir("zero-device-ckpt");
+    threads(2, &Opts::default(), |rank, comm| {
+        let comm = comm.unwrap();
+        let sp = specs();
+        for (k, (stage_a, stage_b)) in [(1u8, 3u8), (3, 0), (2, 2), (0, 1)].into_iter().enumerate()
+        {
+            let (ca, cb) = (
+                cfg_in(Precision::Bf16, stage_a, Some(0.5)),
+                cfg_in(Precision::Bf16, stage_b, Some(0.5)),
+            );
+            // Device → host.
+            let dir = root.join(format!("d2h-{k}"));
+            let mut dc = DeviceComm::new(&comm, HostStream::new()).unwrap();
+            let mut d = DeviceEngine::<_, bf16>::new(&mut dc, &sp, &init, ca.clone()).unwrap();
+            device_steps(&mut d, rank, 0, 2);
+            d.save_checkpoint(&dir, serde_json::json!({"k": k}))
+                .unwrap();
+            let mut h = Engine::<bf16>::new(&comm, &sp, &init, cb.clone()).unwrap();
+            let meta = h.load_checkpoint(&dir).unwrap();
+            assert_eq!(
+                (meta.step, meta.client_state["k"].as_u64()),
+                (2, Some(k as u64))
+            );
+            assert_eq!(
+                h.consolidate().unwrap(),
+                d.consolidate().unwrap(),
+                "case {k}"
+            );
+            assert_eq!(
+                host_steps(&mut h, rank, 2, 1),
+                device_steps(&mut d, rank, 2, 1)
+            );
+            assert_eq!(
+                host_values(&mut h),
+                device_values(&mut d),
+                "case {k} after a step"
+            );
+            drop(d);
+            // Host → device.
+            let dir = root.join(format!("h2d-{k}"));
+            h.save_checkpoint(&dir, serde_json::Value::Null).unwrap();
+            let mut d = DeviceEngine::<_, bf16>::new(&mut dc, &sp, &init, ca).unwrap();
+            d.load_checkpoint(&dir).unwrap();
+            assert_eq!(d.steps(), 3);
+            assert_eq!(
+                h.consolidate().unwrap(),
+                d.consolidate().unwrap(),
+                "case {k}"
+            );
+            assert_eq!(
+                host_steps(&mut h, rank, 3, 1),
+                device_steps(&mut d, rank, 3, 1)
+            );
+            assert_eq!(
+                host_values(&mut h),
+                device_values(&mut d),
+                "case {k} after a step"
+            );
+        }
     });
 }
 

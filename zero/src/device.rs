@@ -11,8 +11,8 @@
 //!
 //! With `overlap_comm` a full bucket's reduce-scatter, and with `stage3_prefetch_bucket_size` a
 //! prefetched bucket's all-gather, run on the communicator's proxy thread while the trainer goes
-//! on. What it does not do (yet): hybrid sharding, checkpoints (consolidate the fp32 weights with
-//! [`DeviceEngine::consolidate`]) and the `allgather_bucket_size` pieces (each bucket is
+//! on. Checkpoints are the host engine's format (either engine loads the other's). What it does
+//! not do (yet): hybrid sharding and the `allgather_bucket_size` pieces (each bucket is
 //! all-gathered in one call).
 
 use std::any::Any;
@@ -31,6 +31,8 @@ use crate::engine::{
 };
 use crate::partition::{ParamSpec, Partition};
 use crate::scaler::LossScaler;
+
+mod persist;
 
 /// An allocation of the engine's stream holding `elems` elements of `dtype`.
 struct DevVec {

@@ -43,7 +43,7 @@ use crate::config::ZeroConfig;
 use crate::partition::{ParamSpec, Partition};
 use crate::scaler::LossScaler;
 
-mod persist;
+pub(crate) mod persist;
 
 /// Errors of the engine: bad input (nothing changed) or a failed collective.
 #[derive(Debug, Clone, thiserror::Error)]

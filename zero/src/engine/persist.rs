@@ -194,6 +194,30 @@ pub(crate) fn read_agreed<E: Persist>(e: &mut E, dir: &Path) -> Result<Staged, Z
     Ok(read.expect("agreed above"))
 }
 
+/// The outcome of an agreement round from this rank's `local` result and every rank's record in
+/// `all` (a success byte, then the payload): this rank's error, else [`ZeroError::PeerFailed`]
+/// naming the ranks that failed, else every rank's payload.
+pub(crate) fn agreed(
+    local: Result<Payload, ZeroError>,
+    all: &[u8],
+    n: usize,
+    what: &str,
+) -> Result<Vec<Payload>, ZeroError> {
+    let rec = all.len() / n;
+    local?;
+    let failed: Vec<usize> = (0..n).filter(|&r| all[r * rec] == 0).collect();
+    if !failed.is_empty() {
+        return Err(ZeroError::PeerFailed {
+            what: what.to_string(),
+            ranks: failed,
+        });
+    }
+    Ok(all
+        .chunks_exact(rec)
+        .map(|c| c[1..].try_into().expect("record size"))
+        .collect())
+}
+
 /// Whether a checkpoint's scaler state resumes here: fp16 to fp16.
 pub(crate) fn resumes_scaler(meta: &Meta) -> bool {
     meta.precision == Precision::Fp16.to_string()
@@ -358,13 +382,7 @@ impl<T: Float> Engine<'_, T> {
             }
             None => Vec::new(),
         };
-        local?;
-        if !failed.is_empty() {
-            return Err(ZeroError::PeerFailed {
-                what: what.to_string(),
-                ranks: failed,
-            });
-        }
+        let payloads = agreed(local, &all, n, what)?;
         let groups: Vec<usize> = (0..groups.len()).filter(|&k| groups[k] == 0).collect();
         if !groups.is_empty() {
             return Err(ZeroError::ReplicaFailed {
@@ -372,9 +390,6 @@ impl<T: Float> Engine<'_, T> {
                 replicas: groups,
             });
         }
-        Ok(all
-            .chunks_exact(REC)
-            .map(|c| c[1..].try_into().expect("record size"))
-            .collect())
+        Ok(payloads)
     }
 }
