@@ -26,11 +26,9 @@ use ringzero_kernels::cpu::{cast, Float};
 use ringzero_kernels::DeviceError;
 
 use crate::config::ZeroConfig;
-use crate::engine::{
-    clip_factor, layout, ready_to_step, update_range, Memory, StepOutcome, ZeroError,
-};
+use crate::engine::{Memory, StepOutcome, ZeroError};
+use crate::ledger::{clip_factor, layout, update_range, Ledger};
 use crate::partition::{ParamSpec, Partition};
-use crate::scaler::LossScaler;
 
 mod persist;
 
@@ -80,9 +78,8 @@ fn dev(context: String) -> impl FnOnce(DeviceError) -> ZeroError {
 /// API of [`crate::Engine`], with device buffers where that takes host slices.
 pub struct DeviceEngine<'c, S: TrainStream + 'static, T: Float = f32> {
     comm: &'c mut DeviceComm<S>,
-    cfg: ZeroConfig,
-    part: Partition,
-    rank: usize,
+    /// The layout, the configuration and the step's bookkeeping.
+    led: Ledger,
     /// Per bucket: the whole bucket (stages 0–2) or this rank's shard (stage 3), in `T`.
     params: Vec<DevVec>,
     /// fp32 master weights (16-bit `T` only): the range this rank updates.
@@ -97,15 +94,10 @@ pub struct DeviceEngine<'c, S: TrainStream + 'static, T: Float = f32> {
     staging: Vec<Option<DevVec>>,
     /// Stages 2–3 with `overlap_comm`: reduce-scatters in flight (the bucket, the shard).
     pending: InFlight,
-    pushed: Vec<bool>,
     m: Vec<DevVec>,
     v: Vec<DevVec>,
     /// Zeros, as many bytes as the largest gradient buffer (gradients are cleared from it).
     zeros: DevVec,
-    scaler: LossScaler,
-    micro: usize,
-    t: u64,
-    skipped: u64,
     _t: PhantomData<T>,
 }
 
@@ -174,7 +166,6 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
         }
         let zeros = alloc(T::DTYPE, longest)?;
         Ok(DeviceEngine {
-            rank,
             params,
             master,
             gathered: (0..nb).map(|_| None).collect(),
@@ -182,16 +173,10 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
             grads,
             staging: (0..nb).map(|_| None).collect(),
             pending: (0..nb).map(|_| None).collect(),
-            pushed: vec![false; specs.len()],
             m,
             v,
             zeros,
-            scaler: LossScaler::new(cfg.precision, cfg.loss_scaling),
-            micro: 0,
-            t: 0,
-            skipped: 0,
-            part,
-            cfg,
+            led: Ledger::new(part, cfg, rank),
             comm,
             _t: PhantomData,
         })
@@ -199,33 +184,27 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
 
     /// The layout.
     pub fn partition(&self) -> &Partition {
-        &self.part
+        &self.led.part
     }
 
     /// The configuration.
     pub fn config(&self) -> &ZeroConfig {
-        &self.cfg
+        &self.led.cfg
     }
 
     /// Optimizer steps taken (skipped ones not counted).
     pub fn steps(&self) -> u64 {
-        self.t
+        self.led.t
     }
 
     /// Optimizer steps skipped on overflow.
     pub fn skipped_steps(&self) -> u64 {
-        self.skipped
+        self.led.skipped
     }
 
     /// The factor to multiply the loss by before backward (1 unless fp16).
     pub fn loss_scale(&self) -> f32 {
-        self.scaler.scale()
-    }
-
-    fn index(&self, name: &str) -> Result<usize, ZeroError> {
-        self.part
-            .index(name)
-            .ok_or_else(|| ZeroError::UnknownParam(name.to_string()))
+        self.led.scaler.scale()
     }
 
     /// Where parameter `name`'s current values (`T`, its element count) are in device memory,
@@ -233,8 +212,8 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
     /// [`DeviceEngine::release`], and only while gathered). Work reading it must have completed
     /// before either.
     pub fn param_addr(&self, name: &str) -> Result<(u64, usize), ZeroError> {
-        let s = self.part.slots[self.index(name)?];
-        let bucket = if self.cfg.stage == 3 {
+        let s = self.led.part.slots[self.led.index(name)?];
+        let bucket = if self.led.cfg.stage == 3 {
             self.gathered[s.bucket]
                 .as_ref()
                 .ok_or_else(|| ZeroError::NotGathered(name.to_string()))?
@@ -288,17 +267,17 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
     /// (the rest is left for `gather`). A no-op in stages 0–2 and when `prefetch_elems` is 0.
     /// Like every collective, prefetches must be issued in the same order on every rank.
     pub fn prefetch(&mut self, names: &[&str]) -> Result<(), ZeroError> {
-        let buckets = self.buckets_of(names)?;
-        if self.cfg.stage != 3 || self.cfg.prefetch_elems == 0 {
+        let buckets = self.led.buckets_of(names)?;
+        if self.led.cfg.stage != 3 || self.led.cfg.prefetch_elems == 0 {
             return Ok(());
         }
         let mut flying: usize = self.inflight.iter().flatten().map(|(_, e)| e).sum();
         for (b, _) in buckets {
-            let len = self.part.buckets[b].len;
+            let len = self.led.part.buckets[b].len;
             if self.gathered[b].is_some() || self.inflight[b].is_some() {
                 continue;
             }
-            if flying + len > self.cfg.prefetch_elems {
+            if flying + len > self.led.cfg.prefetch_elems {
                 break;
             }
             // The proxy thread owns what it gathers from: a copy of the shard, queued before.
@@ -322,8 +301,8 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
     /// Stage 3: all-gather the buckets holding `names` so they can be read. A no-op in stages
     /// 0–2. Gathering something already gathered is an error, and nothing is gathered then.
     pub fn gather(&mut self, names: &[&str]) -> Result<(), ZeroError> {
-        let buckets = self.buckets_of(names)?;
-        if self.cfg.stage != 3 {
+        let buckets = self.led.buckets_of(names)?;
+        if self.led.cfg.stage != 3 {
             return Ok(());
         }
         for (b, name) in &buckets {
@@ -335,7 +314,7 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
             let full = match self.inflight[b].take() {
                 Some((w, _)) => w.wait()?.1,
                 None => {
-                    let mut full = alloc(self.stream(), T::DTYPE, self.part.buckets[b].len)?;
+                    let mut full = alloc(self.stream(), T::DTYPE, self.led.part.buckets[b].len)?;
                     self.comm.all_gather(&self.params[b], &mut full)?;
                     full
                 }
@@ -348,8 +327,8 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
     /// Stage 3: drop the gathered buckets holding `names` (work reading them must have
     /// completed). A no-op in stages 0–2.
     pub fn release(&mut self, names: &[&str]) -> Result<(), ZeroError> {
-        let buckets = self.buckets_of(names)?;
-        if self.cfg.stage != 3 {
+        let buckets = self.led.buckets_of(names)?;
+        if self.led.cfg.stage != 3 {
             return Ok(());
         }
         for (b, name) in &buckets {
@@ -364,17 +343,6 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
         Ok(())
     }
 
-    fn buckets_of(&self, names: &[&str]) -> Result<Vec<(usize, String)>, ZeroError> {
-        let mut out: Vec<(usize, String)> = Vec::new();
-        for n in names {
-            let b = self.part.slots[self.index(n)?].bucket;
-            if !out.iter().any(|(x, _)| *x == b) {
-                out.push((b, n.to_string()));
-            }
-        }
-        Ok(out)
-    }
-
     /// Add this micro-step's gradient of `name`, a device buffer of the parameter's length in
     /// `T` (already multiplied by [`DeviceEngine::loss_scale`] under fp16); returns once it has
     /// been added, so the buffer is free again. In stages 2–3 a bucket is reduce-scattered as
@@ -384,15 +352,7 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
         name: &str,
         grad: &B,
     ) -> Result<(), ZeroError> {
-        let i = self.index(name)?;
-        let s = self.part.slots[i];
-        if grad.elems() != s.len {
-            return Err(ZeroError::GradLength {
-                name: name.into(),
-                got: grad.elems(),
-                want: s.len,
-            });
-        }
+        let (i, s) = self.led.check_push(name, grad.elems())?;
         if grad.dtype() != T::DTYPE {
             return Err(ZeroError::NotNow {
                 call: "push_grad",
@@ -403,16 +363,13 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
                 ),
             });
         }
-        if self.pushed[i] {
-            return Err(ZeroError::GradTwice(name.into()));
-        }
         let b = s.bucket;
-        let blen = self.part.buckets[b].len;
-        if self.cfg.stage >= 2 && self.staging[b].is_none() {
+        let blen = self.led.part.buckets[b].len;
+        if self.led.cfg.stage >= 2 && self.staging[b].is_none() {
             self.staging[b] = Some(alloc(self.stream(), T::DTYPE, blen)?);
         }
         let dst = match &self.staging[b] {
-            Some(full) if self.cfg.stage >= 2 => full.at(s.offset),
+            Some(full) if self.led.cfg.stage >= 2 => full.at(s.offset),
             _ => self.grads[b].at(s.offset),
         };
         let src = grad.addr(self.stream());
@@ -424,11 +381,11 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
         }
         .map_err(dev(format!("adding the gradient of `{name}`")))?;
         self.sync("adding a gradient")?;
-        self.pushed[i] = true;
-        if self.cfg.stage >= 2 && self.part.buckets[b].params.iter().all(|&p| self.pushed[p]) {
+        self.led.pushed[i] = true;
+        if self.led.cfg.stage >= 2 && self.led.bucket_full(b) {
             let full = self.staging[b].take().expect("filled above");
-            let mut shard = alloc(self.stream(), T::DTYPE, blen / self.part.world)?;
-            if self.cfg.overlap_comm {
+            let mut shard = alloc(self.stream(), T::DTYPE, blen / self.led.part.world)?;
+            if self.led.cfg.overlap_comm {
                 let held = full.elems + shard.elems;
                 self.pending[b] = Some((
                     self.comm.reduce_scatter_async(full, shard, ReduceOp::Avg),
@@ -457,12 +414,8 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
     /// End a micro-step; at the accumulation boundary, reduce gradients, check for overflow,
     /// clip, run AdamW on what this rank owns and share the result (as [`crate::Engine::step`]).
     pub fn step(&mut self) -> Result<StepOutcome, ZeroError> {
-        let boundary = self.micro + 1 == self.cfg.accumulation_steps;
-        ready_to_step(&self.part, &self.pushed, boundary, |b| {
-            self.gathered[b].is_some()
-        })?;
-        self.pushed.iter_mut().for_each(|p| *p = false);
-        self.micro += 1;
+        let gathered = &self.gathered;
+        let boundary = self.led.end_micro_step(|b| gathered[b].is_some())?;
         // Reduce-scatters still in flight belong to this micro-step.
         for b in 0..self.pending.len() {
             if let Some((w, _)) = self.pending[b].take() {
@@ -473,15 +426,15 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
         if !boundary {
             return Ok(StepOutcome::Accumulated);
         }
-        self.micro = 0;
+        self.led.micro = 0;
         // Prefetches of pre-step values would go stale: finish and drop them.
         for f in &mut self.inflight {
             if let Some((w, _)) = f.take() {
                 w.wait()?;
             }
         }
-        let (stage, n) = (self.cfg.stage, self.part.world);
-        let nb = self.part.buckets.len();
+        let (stage, n) = (self.led.cfg.stage, self.led.part.world);
+        let nb = self.led.part.buckets.len();
         // Stage 1: this rank's averaged gradient range per bucket (the others keep it in grads).
         let mut red: Vec<Option<DevVec>> = (0..nb).map(|_| None).collect();
         for (b, r) in red.iter_mut().enumerate() {
@@ -490,7 +443,8 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
                     .comm
                     .all_reduce_in_place(&mut self.grads[b], ReduceOp::Avg)?,
                 1 => {
-                    let mut shard = alloc(self.stream(), T::DTYPE, self.part.buckets[b].len / n)?;
+                    let mut shard =
+                        alloc(self.stream(), T::DTYPE, self.led.part.buckets[b].len / n)?;
                     self.comm
                         .reduce_scatter(&self.grads[b], &mut shard, ReduceOp::Avg)?;
                     *r = Some(shard);
@@ -517,7 +471,7 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
             }
             .map_err(dev("clearing the gradients".into()))?;
         }
-        let stage = self.cfg.stage;
+        let stage = self.led.cfg.stage;
         if matches!(outcome, StepOutcome::Stepped { .. }) && (stage == 1 || stage == 2) {
             for p in &mut self.params {
                 self.comm.all_gather_in_place(p)?;
@@ -549,14 +503,14 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
 
     /// The optimizer half of a boundary step, on reduced gradients (stage 1: `red`).
     fn update(&mut self, red: &[Option<DevVec>]) -> Result<StepOutcome, ZeroError> {
-        let (stage, rank) = (self.cfg.stage, self.rank);
-        let nb = self.part.buckets.len();
+        let (stage, rank) = (self.led.cfg.stage, self.led.rank);
+        let nb = self.led.part.buckets.len();
         // This rank's averaged gradient range of each bucket: (address, elements).
         let src: Vec<(u64, usize)> = (0..nb)
             .map(|b| match (stage, &red[b]) {
                 (1, Some(r)) => (r.addr, r.elems),
                 (0, _) => {
-                    let o = self.part.owned(b, rank);
+                    let o = self.led.part.owned(b, rank);
                     (self.grads[b].at(o.start), o.len())
                 }
                 _ => (self.grads[b].addr, self.grads[b].elems),
@@ -564,7 +518,7 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
             .collect();
         let s = self.comm.stream();
         let mut local_overflow = false;
-        if self.scaler.checks_overflow() {
+        if self.led.scaler.checks_overflow() {
             for &(a, len) in &src {
                 // SAFETY: `len` elements of `T` of the engine's buffers at `a`.
                 let ok = unsafe { s.all_finite(T::DTYPE, a, len) }
@@ -572,30 +526,30 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
                 local_overflow |= !ok;
             }
         }
-        let inv = 1.0 / (self.scaler.scale() * self.cfg.accumulation_steps as f32);
+        let inv = 1.0 / (self.led.scaler.scale() * self.led.cfg.accumulation_steps as f32);
         let mut sq = 0f64;
         for &(a, len) in &src {
             // SAFETY: as above.
             sq += unsafe { s.sq_norm(T::DTYPE, a, len, inv) }
                 .map_err(dev("the gradients' squared norm".into()))?;
         }
-        if self.scaler.checks_overflow()
+        if self.led.scaler.checks_overflow()
             && self.all_reduce_scalar(local_overflow as u8, ReduceOp::Max)? != 0
         {
-            return Ok(self.skip());
+            return Ok(self.led.skip());
         }
         let grad_norm = self.all_reduce_scalar(sq, ReduceOp::Sum)?.sqrt();
         if !grad_norm.is_finite() {
-            return Ok(self.skip());
+            return Ok(self.led.skip());
         }
-        let clip = clip_factor(self.cfg.clip_norm, grad_norm);
-        self.t += 1;
-        let h = self.cfg.adamw;
+        let clip = clip_factor(self.led.cfg.clip_norm, grad_norm);
+        self.led.t += 1;
+        let h = self.led.cfg.adamw;
         for (b, red) in red.iter().enumerate() {
             // The stretch of `params[b]` this rank updates.
             let range = match stage {
                 0 | 3 => 0..self.params[b].elems,
-                _ => self.part.owned(b, rank),
+                _ => self.led.part.owned(b, rank),
             };
             let p = self.params[b].at(range.start);
             let grads = match red {
@@ -614,29 +568,21 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
             // parameters' stretch), apart from each other (an f32 master is the parameters).
             unsafe {
                 self.stream()
-                    .adamw(&h, self.t, T::DTYPE, at, range.len(), inv * clip)
+                    .adamw(&h, self.led.t, T::DTYPE, at, range.len(), inv * clip)
             }
             .map_err(dev("the AdamW step".into()))?;
         }
-        self.scaler.update(false);
+        self.led.scaler.update(false);
         Ok(StepOutcome::Stepped { grad_norm })
-    }
-
-    fn skip(&mut self) -> StepOutcome {
-        self.skipped += 1;
-        self.scaler.update(true);
-        StepOutcome::Skipped {
-            loss_scale: self.scaler.scale(),
-        }
     }
 
     /// Every parameter's fp32 master values, assembled from all ranks' shards and copied to the
     /// host (a collective: call it on every rank). In the specs' order.
     pub fn consolidate(&mut self) -> Result<Vec<(String, Vec<f32>)>, ZeroError> {
-        let (stage, n) = (self.cfg.stage, self.part.world);
-        let mut full: Vec<Vec<f32>> = Vec::with_capacity(self.part.buckets.len());
-        for b in 0..self.part.buckets.len() {
-            let len = self.part.buckets[b].len;
+        let (stage, n) = (self.led.cfg.stage, self.led.part.world);
+        let mut full: Vec<Vec<f32>> = Vec::with_capacity(self.led.part.buckets.len());
+        for b in 0..self.led.part.buckets.len() {
+            let len = self.led.part.buckets[b].len;
             let mut out = alloc(self.stream(), DType::F32, len)?;
             match (&self.master[b], stage) {
                 // Stage 0 keeps the whole master (16-bit) or the whole parameters (f32).
@@ -645,7 +591,7 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
                 (Some(m), _) => self.comm.all_gather(m, &mut out)?,
                 (None, 3) => self.comm.all_gather(&self.params[b], &mut out)?,
                 (None, _) => {
-                    let own = self.part.owned(b, self.rank);
+                    let own = self.led.part.owned(b, self.led.rank);
                     let mine = alloc(self.stream(), DType::F32, len / n)?;
                     // SAFETY: the owned range of the f32 bucket into a buffer of its length.
                     unsafe {
@@ -668,10 +614,11 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
             full.push(host);
         }
         Ok(self
+            .led
             .part
             .slots
             .iter()
-            .zip(&self.part.specs)
+            .zip(&self.led.part.specs)
             .map(|(s, p)| {
                 (
                     p.name.clone(),

@@ -40,8 +40,8 @@ use ringzero_collectives::{Algo, Communicator, ReduceOp, Work};
 use ringzero_kernels::cpu::{adamw_mixed, all_finite, cast, reduce_into_typed, sq_norm, Float};
 
 use crate::config::ZeroConfig;
+use crate::ledger::{clip_factor, layout, update_range, Ledger};
 use crate::partition::{ParamSpec, Partition};
-use crate::scaler::LossScaler;
 
 pub(crate) mod persist;
 
@@ -179,9 +179,8 @@ pub struct Engine<'c, T: Float = f32> {
     /// Hybrid sharding: the ranks that hold the same shard in the other shard groups (see
     /// [`Engine::new_hybrid`]).
     replicas: Option<&'c Communicator>,
-    cfg: ZeroConfig,
-    part: Partition,
-    rank: usize,
+    /// The layout, the configuration and the step's bookkeeping.
+    led: Ledger,
     /// Per bucket: the whole bucket (stages 0–2) or this rank's shard (stage 3).
     params: Vec<Vec<T>>,
     /// fp32 master weights (16-bit `T` only; empty for f32): whole buckets in stage 0, owned shards
@@ -197,13 +196,8 @@ pub struct Engine<'c, T: Float = f32> {
     staging: Vec<Option<Vec<T>>>,
     /// Stages 2–3 with `overlap_comm`: reduce-scatters in flight, with the elements they hold.
     pending: InFlight<T>,
-    pushed: Vec<bool>,
     m: Vec<Vec<f32>>,
     v: Vec<Vec<f32>>,
-    scaler: LossScaler,
-    micro: usize,
-    t: u64,
-    skipped: u64,
     wait: CommWait,
 }
 
@@ -250,96 +244,6 @@ fn node_major<K: PartialEq>(node_of: &[K]) -> Vec<usize> {
     let mut order: Vec<usize> = (0..node_of.len()).collect();
     order.sort_by_key(|&r| (first[r], r));
     order
-}
-
-/// Check `cfg` for an engine of `T` parameters sharded over `n` of `world` ranks, and lay the
-/// parameters out: the partition and every bucket's initial fp32 values (`init(param index,
-/// element index)`, zero in the padding).
-pub(crate) fn layout<T: Float>(
-    cfg: &ZeroConfig,
-    specs: &[ParamSpec],
-    init: &dyn Fn(usize, usize) -> f32,
-    n: usize,
-    world: usize,
-) -> Result<(Partition, Vec<Vec<f32>>), ZeroError> {
-    cfg.validate()?;
-    if cfg.precision.dtype() != T::DTYPE {
-        return Err(ZeroError::Config(format!(
-            "the config asks for {} parameters but the engine was created for {}",
-            cfg.precision,
-            T::DTYPE
-        )));
-    }
-    if let (Some(mb), Some(tb)) = (cfg.micro_batch, cfg.train_batch) {
-        if mb * cfg.accumulation_steps * world != tb {
-            return Err(ZeroError::Config(format!(
-                "train_batch_size {tb} != train_micro_batch_size_per_gpu {mb} × \
-                 gradient_accumulation_steps {} × world size {world}",
-                cfg.accumulation_steps
-            )));
-        }
-    }
-    let part =
-        Partition::new(specs, n, cfg.bucket_elems).map_err(|e| ZeroError::Config(e.to_string()))?;
-    let mut full: Vec<Vec<f32>> = part.buckets.iter().map(|b| vec![0f32; b.len]).collect();
-    for (i, s) in part.slots.iter().enumerate() {
-        for (k, x) in full[s.bucket][s.offset..s.offset + s.len]
-            .iter_mut()
-            .enumerate()
-        {
-            *x = init(i, k);
-        }
-    }
-    Ok((part, full))
-}
-
-/// Refuse a step (nothing changed) before every parameter's gradient is in (`pushed`), or at the
-/// accumulation `boundary` while a bucket is still gathered (`gathered(bucket)`).
-pub(crate) fn ready_to_step(
-    part: &Partition,
-    pushed: &[bool],
-    boundary: bool,
-    gathered: impl Fn(usize) -> bool,
-) -> Result<(), ZeroError> {
-    let missing: Vec<&str> = (0..pushed.len())
-        .filter(|&i| !pushed[i])
-        .map(|i| part.specs[i].name.as_str())
-        .collect();
-    if !missing.is_empty() {
-        return Err(ZeroError::MissingGrads(missing.join(", ")));
-    }
-    if boundary {
-        let held: Vec<String> = (0..part.buckets.len())
-            .filter(|&b| gathered(b))
-            .map(|b| {
-                let p = part.buckets[b].params[0];
-                format!("`{}`", part.specs[p].name)
-            })
-            .collect();
-        if !held.is_empty() {
-            return Err(ZeroError::StillGathered(held.join(", ")));
-        }
-    }
-    Ok(())
-}
-
-/// The range of bucket `b` that `rank` updates: everything in stage 0, its owned range else.
-pub(crate) fn update_range(
-    part: &Partition,
-    stage: u8,
-    rank: usize,
-    b: usize,
-) -> std::ops::Range<usize> {
-    if stage == 0 {
-        0..part.buckets[b].len
-    } else {
-        part.owned(b, rank)
-    }
-}
-
-/// The factor gradients are multiplied by so that their global norm is at most `clip_norm`.
-pub(crate) fn clip_factor(clip_norm: Option<f32>, grad_norm: f64) -> f32 {
-    clip_norm.map_or(1.0, |c| ((c as f64) / (grad_norm + 1e-6)).min(1.0) as f32)
 }
 
 impl<'c, T: Float> Engine<'c, T> {
@@ -474,7 +378,6 @@ impl<'c, T: Float> Engine<'c, T> {
         Ok(Engine {
             comm,
             replicas,
-            rank,
             params,
             master,
             gathered: (0..nb).map(|_| None).collect(),
@@ -482,42 +385,36 @@ impl<'c, T: Float> Engine<'c, T> {
             grads,
             staging: (0..nb).map(|_| None).collect(),
             pending: (0..nb).map(|_| None).collect(),
-            pushed: vec![false; specs.len()],
             m: moments.clone(),
             v: moments,
-            scaler: LossScaler::new(cfg.precision, cfg.loss_scaling),
-            micro: 0,
-            t: 0,
-            skipped: 0,
             wait: CommWait::default(),
-            part,
-            cfg,
+            led: Ledger::new(part, cfg, rank),
         })
     }
 
     /// The layout.
     pub fn partition(&self) -> &Partition {
-        &self.part
+        &self.led.part
     }
 
     /// The configuration.
     pub fn config(&self) -> &ZeroConfig {
-        &self.cfg
+        &self.led.cfg
     }
 
     /// Optimizer steps taken (skipped ones not counted).
     pub fn steps(&self) -> u64 {
-        self.t
+        self.led.t
     }
 
     /// Optimizer steps skipped on overflow.
     pub fn skipped_steps(&self) -> u64 {
-        self.skipped
+        self.led.skipped
     }
 
     /// The factor to multiply the loss by before backward (1 unless fp16).
     pub fn loss_scale(&self) -> f32 {
-        self.scaler.scale()
+        self.led.scaler.scale()
     }
 
     /// Time spent waiting on communication so far.
@@ -525,16 +422,10 @@ impl<'c, T: Float> Engine<'c, T> {
         self.wait
     }
 
-    fn index(&self, name: &str) -> Result<usize, ZeroError> {
-        self.part
-            .index(name)
-            .ok_or_else(|| ZeroError::UnknownParam(name.to_string()))
-    }
-
     /// The current values of parameter `name` in `T` (stage 3: only while gathered).
     pub fn param(&self, name: &str) -> Result<&[T], ZeroError> {
-        let s = self.part.slots[self.index(name)?];
-        let bucket = if self.cfg.stage == 3 {
+        let s = self.led.part.slots[self.led.index(name)?];
+        let bucket = if self.led.cfg.stage == 3 {
             self.gathered[s.bucket]
                 .as_deref()
                 .ok_or_else(|| ZeroError::NotGathered(name.to_string()))?
@@ -557,17 +448,17 @@ impl<'c, T: Float> Engine<'c, T> {
     /// rest is left for `gather`). A no-op in stages 0–2 and when `prefetch_elems` is 0. Like every
     /// collective, prefetches must be issued in the same order on every rank.
     pub fn prefetch(&mut self, names: &[&str]) -> Result<(), ZeroError> {
-        let buckets = self.buckets_of(names)?;
-        if self.cfg.stage != 3 || self.cfg.prefetch_elems == 0 {
+        let buckets = self.led.buckets_of(names)?;
+        if self.led.cfg.stage != 3 || self.led.cfg.prefetch_elems == 0 {
             return Ok(());
         }
         let mut flying: usize = self.inflight.iter().flatten().map(|(_, e)| e).sum();
         for (b, _) in buckets {
-            let len = self.part.buckets[b].len;
+            let len = self.led.part.buckets[b].len;
             if self.gathered[b].is_some() || self.inflight[b].is_some() {
                 continue;
             }
-            if flying + len > self.cfg.prefetch_elems {
+            if flying + len > self.led.cfg.prefetch_elems {
                 break;
             }
             let shard = self.params[b].clone();
@@ -582,8 +473,8 @@ impl<'c, T: Float> Engine<'c, T> {
     /// where one is in flight). A no-op in stages 0–2. Gathering something already gathered is an
     /// error, and nothing is gathered then.
     pub fn gather(&mut self, names: &[&str]) -> Result<(), ZeroError> {
-        let buckets = self.buckets_of(names)?;
-        if self.cfg.stage != 3 {
+        let buckets = self.led.buckets_of(names)?;
+        if self.led.cfg.stage != 3 {
             return Ok(());
         }
         for (b, name) in &buckets {
@@ -597,7 +488,7 @@ impl<'c, T: Float> Engine<'c, T> {
             let full = match self.inflight[b].take() {
                 Some((w, _)) => w.wait(),
                 None => {
-                    let mut full = vec![T::default(); self.part.buckets[b].len];
+                    let mut full = vec![T::default(); self.led.part.buckets[b].len];
                     self.comm
                         .all_gather(&self.params[b], &mut full)
                         .map(|()| full)
@@ -617,8 +508,8 @@ impl<'c, T: Float> Engine<'c, T> {
 
     /// Stage 3: drop the gathered buckets holding `names`. A no-op in stages 0–2.
     pub fn release(&mut self, names: &[&str]) -> Result<(), ZeroError> {
-        let buckets = self.buckets_of(names)?;
-        if self.cfg.stage != 3 {
+        let buckets = self.led.buckets_of(names)?;
+        if self.led.cfg.stage != 3 {
             return Ok(());
         }
         for (b, name) in &buckets {
@@ -630,17 +521,6 @@ impl<'c, T: Float> Engine<'c, T> {
             self.gathered[b] = None;
         }
         Ok(())
-    }
-
-    fn buckets_of(&self, names: &[&str]) -> Result<Vec<(usize, String)>, ZeroError> {
-        let mut out: Vec<(usize, String)> = Vec::new();
-        for n in names {
-            let b = self.part.slots[self.index(n)?].bucket;
-            if !out.iter().any(|(x, _)| *x == b) {
-                out.push((b, n.to_string()));
-            }
-        }
-        Ok(out)
     }
 
     /// Add this micro-step's gradient of `name` (already multiplied by [`Engine::loss_scale`]
@@ -674,35 +554,24 @@ impl<'c, T: Float> Engine<'c, T> {
         len: usize,
         add: impl FnOnce(&mut [T]),
     ) -> Result<(), ZeroError> {
-        let i = self.index(name)?;
-        let s = self.part.slots[i];
-        if len != s.len {
-            return Err(ZeroError::GradLength {
-                name: name.into(),
-                got: len,
-                want: s.len,
-            });
-        }
-        if self.pushed[i] {
-            return Err(ZeroError::GradTwice(name.into()));
-        }
-        let blen = self.part.buckets[s.bucket].len;
-        let dst = if self.cfg.stage >= 2 {
+        let (i, s) = self.led.check_push(name, len)?;
+        let blen = self.led.part.buckets[s.bucket].len;
+        let dst = if self.led.cfg.stage >= 2 {
             self.staging[s.bucket].get_or_insert_with(|| vec![T::default(); blen])
         } else {
             &mut self.grads[s.bucket]
         };
         add(&mut dst[s.offset..s.offset + s.len]);
-        self.pushed[i] = true;
+        self.led.pushed[i] = true;
         let b = s.bucket;
-        if self.cfg.stage >= 2 && self.part.buckets[b].params.iter().all(|&p| self.pushed[p]) {
+        if self.led.cfg.stage >= 2 && self.led.bucket_full(b) {
             let full = self.staging[b].take().expect("filled above");
             let t0 = Instant::now();
-            if self.cfg.overlap_comm {
-                let held = full.len() + full.len() / self.part.world;
+            if self.led.cfg.overlap_comm {
+                let held = full.len() + full.len() / self.led.part.world;
                 self.pending[b] = Some((self.comm.reduce_scatter_async(full, ReduceOp::Avg), held));
             } else {
-                let mut shard = vec![T::default(); blen / self.part.world];
+                let mut shard = vec![T::default(); blen / self.led.part.world];
                 let r = self.comm.reduce_scatter(&full, &mut shard, ReduceOp::Avg);
                 self.wait.reduce += t0.elapsed();
                 r?;
@@ -716,12 +585,8 @@ impl<'c, T: Float> Engine<'c, T> {
     /// End a micro-step; at the accumulation boundary, reduce gradients, check for overflow, clip,
     /// run AdamW on what this rank owns and share the result.
     pub fn step(&mut self) -> Result<StepOutcome, ZeroError> {
-        let boundary = self.micro + 1 == self.cfg.accumulation_steps;
-        ready_to_step(&self.part, &self.pushed, boundary, |b| {
-            self.gathered[b].is_some()
-        })?;
-        self.pushed.iter_mut().for_each(|p| *p = false);
-        self.micro += 1;
+        let gathered = &self.gathered;
+        let boundary = self.led.end_micro_step(|b| gathered[b].is_some())?;
         // Reduce-scatters still in flight belong to this micro-step.
         let t0 = Instant::now();
         for b in 0..self.pending.len() {
@@ -735,15 +600,15 @@ impl<'c, T: Float> Engine<'c, T> {
             self.wait.reduce += t0.elapsed();
             return Ok(StepOutcome::Accumulated);
         }
-        self.micro = 0;
+        self.led.micro = 0;
         // Prefetches of pre-step values would go stale: finish and drop them.
         for f in &mut self.inflight {
             if let Some((w, _)) = f.take() {
                 w.wait()?;
             }
         }
-        let (stage, n) = (self.cfg.stage, self.part.world);
-        let nb = self.part.buckets.len();
+        let (stage, n) = (self.led.cfg.stage, self.led.part.world);
+        let nb = self.led.part.buckets.len();
         // Reduce what is not reduced yet; `red[b]` is this rank's averaged gradient range in
         // stage 1 (stages 0 and 2–3 keep it in `grads`).
         let mut red: Vec<Vec<T>> = vec![Vec::new(); nb];
@@ -758,7 +623,7 @@ impl<'c, T: Float> Engine<'c, T> {
                     Algo::Ring,
                 )?,
                 1 => {
-                    *r = vec![T::default(); self.part.buckets[b].len / n];
+                    *r = vec![T::default(); self.led.part.buckets[b].len / n];
                     self.comm.reduce_scatter(&self.grads[b], r, ReduceOp::Avg)?;
                 }
                 _ => {}
@@ -794,11 +659,11 @@ impl<'c, T: Float> Engine<'c, T> {
 
     /// The optimizer half of a boundary step, on reduced gradients.
     fn update(&mut self, red: &[Vec<T>]) -> Result<StepOutcome, ZeroError> {
-        let (stage, rank) = (self.cfg.stage, self.rank);
-        let nb = self.part.buckets.len();
+        let (stage, rank) = (self.led.cfg.stage, self.led.rank);
+        let nb = self.led.part.buckets.len();
         // This rank's averaged gradient range of bucket b (stage 0: the owned range, for the norm).
         let owned: Vec<std::ops::Range<usize>> =
-            (0..nb).map(|b| self.part.owned(b, rank)).collect();
+            (0..nb).map(|b| self.led.part.owned(b, rank)).collect();
         // This rank's reduced gradient range of bucket b, borrowed (no copy).
         let owned_grad = |grads: &'_ [Vec<T>], b: usize| -> std::ops::Range<usize> {
             if stage == 0 {
@@ -808,17 +673,17 @@ impl<'c, T: Float> Engine<'c, T> {
             }
         };
         let src: &[Vec<T>] = if stage == 1 { red } else { &self.grads };
-        let local_overflow = self.scaler.checks_overflow()
+        let local_overflow = self.led.scaler.checks_overflow()
             && (0..nb).any(|b| !all_finite(&src[b][owned_grad(src, b)]));
-        let inv = 1.0 / (self.scaler.scale() * self.cfg.accumulation_steps as f32);
+        let inv = 1.0 / (self.led.scaler.scale() * self.led.cfg.accumulation_steps as f32);
         let mut sq = [(0..nb)
             .map(|b| sq_norm(&src[b][owned_grad(src, b)], inv))
             .sum::<f64>()];
-        if self.scaler.checks_overflow() {
+        if self.led.scaler.checks_overflow() {
             let mut flag = [local_overflow as u8];
             self.comm.all_reduce_in_place(&mut flag, ReduceOp::Max)?;
             if flag[0] != 0 {
-                return Ok(self.skip());
+                return Ok(self.led.skip());
             }
         }
         // In the ring's order, as the device engine's collectives sum it, so that both engines
@@ -827,11 +692,11 @@ impl<'c, T: Float> Engine<'c, T> {
             .all_reduce_in_place_with(&mut sq, ReduceOp::Sum, Algo::Ring)?;
         let grad_norm = sq[0].sqrt();
         if !grad_norm.is_finite() {
-            return Ok(self.skip());
+            return Ok(self.led.skip());
         }
-        let clip = clip_factor(self.cfg.clip_norm, grad_norm);
-        self.t += 1;
-        let h = self.cfg.adamw;
+        let clip = clip_factor(self.led.cfg.clip_norm, grad_norm);
+        self.led.t += 1;
+        let h = self.led.cfg.adamw;
         for b in 0..nb {
             // The stretch of `params[b]` this rank updates, and its gradient.
             let range = match stage {
@@ -848,7 +713,7 @@ impl<'c, T: Float> Engine<'c, T> {
                 let master: &mut [f32] = bytemuck::cast_slice_mut(p);
                 adamw_mixed::<T>(
                     &h,
-                    self.t,
+                    self.led.t,
                     master,
                     None,
                     grad,
@@ -859,7 +724,7 @@ impl<'c, T: Float> Engine<'c, T> {
             } else {
                 adamw_mixed(
                     &h,
-                    self.t,
+                    self.led.t,
                     &mut self.master[b],
                     Some(p),
                     grad,
@@ -869,29 +734,21 @@ impl<'c, T: Float> Engine<'c, T> {
                 );
             }
         }
-        self.scaler.update(false);
+        self.led.scaler.update(false);
         Ok(StepOutcome::Stepped { grad_norm })
-    }
-
-    fn skip(&mut self) -> StepOutcome {
-        self.skipped += 1;
-        self.scaler.update(true);
-        StepOutcome::Skipped {
-            loss_scale: self.scaler.scale(),
-        }
     }
 
     /// Stages 1–2: all-gather bucket b's updated parameters, in pieces of at most
     /// `allgather_elems` elements per call.
     fn gather_updated(&mut self, b: usize) -> Result<(), ZeroError> {
-        let n = self.part.world;
-        let shard = self.part.buckets[b].len / n;
-        let piece = (self.cfg.allgather_elems / n).max(1);
+        let n = self.led.part.world;
+        let shard = self.led.part.buckets[b].len / n;
+        let piece = (self.led.cfg.allgather_elems / n).max(1);
         if shard <= piece {
             self.comm.all_gather_in_place(&mut self.params[b])?;
             return Ok(());
         }
-        let own = self.part.owned(b, self.rank);
+        let own = self.led.part.owned(b, self.led.rank);
         let mut start = 0;
         while start < shard {
             let len = piece.min(shard - start);
@@ -910,16 +767,17 @@ impl<'c, T: Float> Engine<'c, T> {
     /// Every parameter's fp32 master values, assembled from all ranks' shards (a collective: call
     /// it on every rank). In name order of the specs.
     pub fn consolidate(&self) -> Result<Vec<(String, Vec<f32>)>, ZeroError> {
-        let (stage, n) = (self.cfg.stage, self.part.world);
-        let mut full: Vec<Vec<f32>> = Vec::with_capacity(self.part.buckets.len());
-        for b in 0..self.part.buckets.len() {
-            let len = self.part.buckets[b].len;
+        let (stage, n) = (self.led.cfg.stage, self.led.part.world);
+        let mut full: Vec<Vec<f32>> = Vec::with_capacity(self.led.part.buckets.len());
+        for b in 0..self.led.part.buckets.len() {
+            let len = self.led.part.buckets[b].len;
             let mine: Vec<f32> = if !T::IS_F32 {
                 self.master[b].clone()
             } else if stage == 3 {
                 bytemuck::cast_slice(&self.params[b]).to_vec()
             } else {
-                bytemuck::cast_slice(&self.params[b][self.part.owned(b, self.rank)]).to_vec()
+                bytemuck::cast_slice(&self.params[b][self.led.part.owned(b, self.led.rank)])
+                    .to_vec()
             };
             if stage == 0 && !T::IS_F32 {
                 full.push(mine);
@@ -931,10 +789,11 @@ impl<'c, T: Float> Engine<'c, T> {
             full.push(out);
         }
         Ok(self
+            .led
             .part
             .slots
             .iter()
-            .zip(&self.part.specs)
+            .zip(&self.led.part.specs)
             .map(|(s, p)| {
                 (
                     p.name.clone(),

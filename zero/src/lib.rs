@@ -20,6 +20,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod device;
 pub mod engine;
+mod ledger;
 pub mod mem;
 pub mod partition;
 pub mod scaler;

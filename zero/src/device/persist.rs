@@ -17,25 +17,25 @@ use crate::partition::Partition;
 
 impl<S: TrainStream + 'static, T: Float> Persist for DeviceEngine<'_, S, T> {
     fn part(&self) -> &Partition {
-        &self.part
+        &self.led.part
     }
     fn cfg(&self) -> &ZeroConfig {
-        &self.cfg
+        &self.led.cfg
     }
     fn rank(&self) -> usize {
-        self.rank
+        self.led.rank
     }
     fn progress(&self) -> (u64, u64, Option<ScalerState>) {
-        (self.t, self.skipped, self.scaler.state())
+        (self.led.t, self.led.skipped, self.led.scaler.state())
     }
     fn own_states(&self, b: usize) -> Result<[Cow<'_, [f32]>; 3], ZeroError> {
-        let own = self.part.owned(b, self.rank);
+        let own = self.led.part.owned(b, self.led.rank);
         // Which buffers hold whole buckets (the owned range at its offset) rather than the owned
         // range alone: the master and moments in stage 0, f32 parameters outside stage 3.
-        let whole_state = self.cfg.stage == 0;
+        let whole_state = self.led.cfg.stage == 0;
         let (master, whole_master) = match &self.master[b] {
             Some(m) => (m, whole_state),
-            None => (&self.params[b], self.cfg.stage != 3),
+            None => (&self.params[b], self.led.cfg.stage != 3),
         };
         let read = |v: &DevVec, whole: bool| -> Result<Cow<'_, [f32]>, ZeroError> {
             let at = if whole { v.at(own.start) } else { v.addr };
@@ -58,7 +58,7 @@ impl<S: TrainStream + 'static, T: Float> Persist for DeviceEngine<'_, S, T> {
         what: &str,
     ) -> Result<Vec<Payload>, ZeroError> {
         const REC: usize = 1 + std::mem::size_of::<Payload>();
-        let n = self.part.world;
+        let n = self.led.part.world;
         let mut mine = [0u8; REC];
         if let Ok(p) = &local {
             mine[0] = 1;
@@ -85,9 +85,9 @@ impl<S: TrainStream + 'static, T: Float> DeviceEngine<'_, S, T> {
         let busy = (0..self.gathered.len())
             .find(|&b| self.gathered[b].is_some() || self.inflight[b].is_some());
         persist::between_steps(
-            &self.part,
-            &self.cfg,
-            (self.micro, &self.pushed, busy),
+            &self.led.part,
+            &self.led.cfg,
+            (self.led.micro, &self.led.pushed, busy),
             call,
             replaces,
         )
@@ -109,10 +109,10 @@ impl<S: TrainStream + 'static, T: Float> DeviceEngine<'_, S, T> {
     pub fn load_checkpoint(&mut self, dir: impl AsRef<Path>) -> Result<Meta, ZeroError> {
         self.between_steps("load_checkpoint", true)?;
         let (meta, states) = persist::read_agreed(self, dir.as_ref())?;
-        let (stage, rank) = (self.cfg.stage, self.rank);
+        let (stage, rank) = (self.led.cfg.stage, self.led.rank);
         for (b, [master, m, v]) in states.into_iter().enumerate() {
             let range = match stage {
-                1 | 2 => self.part.owned(b, rank),
+                1 | 2 => self.led.part.owned(b, rank),
                 _ => 0..self.params[b].elems,
             };
             let p = self.params[b].at(range.start);
@@ -137,10 +137,10 @@ impl<S: TrainStream + 'static, T: Float> DeviceEngine<'_, S, T> {
             up(self.m[b].addr, &m)?;
             up(self.v[b].addr, &v)?;
         }
-        self.t = meta.step;
-        self.skipped = meta.skipped;
+        self.led.t = meta.step;
+        self.led.skipped = meta.skipped;
         if let (Some(s), true) = (meta.scaler, persist::resumes_scaler(&meta)) {
-            self.scaler.restore(s);
+            self.led.scaler.restore(s);
         }
         if stage == 1 || stage == 2 {
             for p in &mut self.params {

@@ -13,10 +13,11 @@ use std::path::Path;
 
 use ringzero_kernels::cpu::{cast, Float};
 
-use super::{update_range, Engine, ZeroError};
+use super::{Engine, ZeroError};
 use crate::checkpoint::ScalerState;
 use crate::checkpoint::{self, plan, Checkpoint, Meta, ParamMeta, ShardMeta, FORMAT};
 use crate::config::{Precision, ZeroConfig};
+use crate::ledger::update_range;
 use crate::partition::Partition;
 
 /// A checkpoint read for this rank: its metadata and, per bucket, master and moments of the range
@@ -225,19 +226,19 @@ pub(crate) fn resumes_scaler(meta: &Meta) -> bool {
 
 impl<T: Float> Persist for &Engine<'_, T> {
     fn part(&self) -> &Partition {
-        &self.part
+        &self.led.part
     }
     fn cfg(&self) -> &ZeroConfig {
-        &self.cfg
+        &self.led.cfg
     }
     fn rank(&self) -> usize {
-        self.rank
+        self.led.rank
     }
     fn writes(&self) -> bool {
         self.replicas.is_none_or(|r| r.rank() == 0)
     }
     fn progress(&self) -> (u64, u64, Option<ScalerState>) {
-        (self.t, self.skipped, self.scaler.state())
+        (self.led.t, self.led.skipped, self.led.scaler.state())
     }
     fn own_states(&self, b: usize) -> Result<[Cow<'_, [f32]>; 3], ZeroError> {
         Ok(Engine::own_states(self, b).map(Cow::Borrowed))
@@ -282,10 +283,10 @@ impl<T: Float> Engine<'_, T> {
     pub fn load_checkpoint(&mut self, dir: impl AsRef<Path>) -> Result<Meta, ZeroError> {
         self.between_steps("load_checkpoint", true)?;
         let (meta, states) = read_agreed(&mut &*self, dir.as_ref())?;
-        let stage = self.cfg.stage;
+        let stage = self.led.cfg.stage;
         for (b, [master, m, v]) in states.into_iter().enumerate() {
             let range = match stage {
-                1 | 2 => self.part.owned(b, self.rank),
+                1 | 2 => self.led.part.owned(b, self.led.rank),
                 _ => 0..self.params[b].len(),
             };
             let p = &mut self.params[b][range];
@@ -299,13 +300,13 @@ impl<T: Float> Engine<'_, T> {
             self.m[b] = m;
             self.v[b] = v;
         }
-        self.t = meta.step;
-        self.skipped = meta.skipped;
+        self.led.t = meta.step;
+        self.led.skipped = meta.skipped;
         if let (Some(s), true) = (meta.scaler, resumes_scaler(&meta)) {
-            self.scaler.restore(s);
+            self.led.scaler.restore(s);
         }
         if stage == 1 || stage == 2 {
-            for b in 0..self.part.buckets.len() {
+            for b in 0..self.led.part.buckets.len() {
                 self.gather_updated(b)?;
             }
         }
@@ -314,10 +315,10 @@ impl<T: Float> Engine<'_, T> {
 
     /// Master, first and second moment of the range of bucket `b` this rank owns.
     fn own_states(&self, b: usize) -> [&[f32]; 3] {
-        let own = self.part.owned(b, self.rank);
+        let own = self.led.part.owned(b, self.led.rank);
         // Stage 0 keeps whole buckets; the other stages keep only the owned range.
         let cut = |v: &[f32]| -> std::ops::Range<usize> {
-            if self.cfg.stage == 0 {
+            if self.led.cfg.stage == 0 {
                 own.clone()
             } else {
                 0..v.len()
@@ -325,7 +326,7 @@ impl<T: Float> Engine<'_, T> {
         };
         let master: &[f32] = if T::IS_F32 {
             let p: &[f32] = bytemuck::cast_slice(&self.params[b]);
-            if self.cfg.stage == 3 {
+            if self.led.cfg.stage == 3 {
                 p
             } else {
                 &p[own.clone()]
@@ -346,9 +347,9 @@ impl<T: Float> Engine<'_, T> {
         let busy = (0..self.gathered.len())
             .find(|&b| self.gathered[b].is_some() || self.inflight[b].is_some());
         between_steps(
-            &self.part,
-            &self.cfg,
-            (self.micro, &self.pushed, busy),
+            &self.led.part,
+            &self.led.cfg,
+            (self.led.micro, &self.led.pushed, busy),
             call,
             replaces,
         )
@@ -363,7 +364,7 @@ impl<T: Float> Engine<'_, T> {
         what: &str,
     ) -> Result<Vec<Payload>, ZeroError> {
         const REC: usize = 1 + std::mem::size_of::<Payload>();
-        let n = self.part.world;
+        let n = self.led.part.world;
         let mut mine = [0u8; REC];
         if let Ok(p) = &local {
             mine[0] = 1;

@@ -1,0 +1,198 @@
+//! What the host engine ([`crate::Engine`]) and the device engine ([`crate::DeviceEngine`])
+//! share: the layout and its checks, and the [`Ledger`] of a run — partition, configuration,
+//! which gradients are in, where the accumulation window stands, the step counters and the loss
+//! scaler — with the bookkeeping both do alike. Where the model states live and how the
+//! collectives run is each engine's own.
+
+use ringzero_kernels::cpu::Float;
+
+use crate::config::ZeroConfig;
+use crate::engine::{StepOutcome, ZeroError};
+use crate::partition::{ParamSpec, Partition, Slot};
+use crate::scaler::LossScaler;
+
+/// The bookkeeping of one engine (see the module docs).
+pub(crate) struct Ledger {
+    pub(crate) part: Partition,
+    pub(crate) cfg: ZeroConfig,
+    pub(crate) rank: usize,
+    /// Per parameter: whether this micro-step's gradient is in.
+    pub(crate) pushed: Vec<bool>,
+    /// Micro-steps done in the current accumulation window.
+    pub(crate) micro: usize,
+    /// Optimizer steps taken.
+    pub(crate) t: u64,
+    /// Optimizer steps skipped on overflow.
+    pub(crate) skipped: u64,
+    pub(crate) scaler: LossScaler,
+}
+
+impl Ledger {
+    /// A fresh run of `part` under `cfg` on `rank`.
+    pub(crate) fn new(part: Partition, cfg: ZeroConfig, rank: usize) -> Ledger {
+        Ledger {
+            pushed: vec![false; part.specs.len()],
+            scaler: LossScaler::new(cfg.precision, cfg.loss_scaling),
+            micro: 0,
+            t: 0,
+            skipped: 0,
+            part,
+            cfg,
+            rank,
+        }
+    }
+
+    /// The index of parameter `name`.
+    pub(crate) fn index(&self, name: &str) -> Result<usize, ZeroError> {
+        self.part
+            .index(name)
+            .ok_or_else(|| ZeroError::UnknownParam(name.to_string()))
+    }
+
+    /// The buckets holding `names`, each once, with the first name that led to it.
+    pub(crate) fn buckets_of(&self, names: &[&str]) -> Result<Vec<(usize, String)>, ZeroError> {
+        let mut out: Vec<(usize, String)> = Vec::new();
+        for n in names {
+            let b = self.part.slots[self.index(n)?].bucket;
+            if !out.iter().any(|(x, _)| *x == b) {
+                out.push((b, n.to_string()));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Check a gradient of `len` elements for `name` (known, the right length, not in yet):
+    /// its index and slot.
+    pub(crate) fn check_push(&self, name: &str, len: usize) -> Result<(usize, Slot), ZeroError> {
+        let i = self.index(name)?;
+        let s = self.part.slots[i];
+        if len != s.len {
+            return Err(ZeroError::GradLength {
+                name: name.into(),
+                got: len,
+                want: s.len,
+            });
+        }
+        if self.pushed[i] {
+            return Err(ZeroError::GradTwice(name.into()));
+        }
+        Ok((i, s))
+    }
+
+    /// Whether every gradient of bucket `b` is in.
+    pub(crate) fn bucket_full(&self, b: usize) -> bool {
+        self.part.buckets[b].params.iter().all(|&p| self.pushed[p])
+    }
+
+    /// End a micro-step in the books, once every gradient is in and (at the accumulation
+    /// boundary) nothing is gathered (`gathered(bucket)`): whether it is the boundary.
+    pub(crate) fn end_micro_step(
+        &mut self,
+        gathered: impl Fn(usize) -> bool,
+    ) -> Result<bool, ZeroError> {
+        let boundary = self.micro + 1 == self.cfg.accumulation_steps;
+        ready_to_step(&self.part, &self.pushed, boundary, gathered)?;
+        self.pushed.iter_mut().for_each(|p| *p = false);
+        self.micro += 1;
+        Ok(boundary)
+    }
+
+    /// Count a skipped step (an overflow) and give its outcome.
+    pub(crate) fn skip(&mut self) -> StepOutcome {
+        self.skipped += 1;
+        self.scaler.update(true);
+        StepOutcome::Skipped {
+            loss_scale: self.scaler.scale(),
+        }
+    }
+}
+
+/// Check `cfg` for an engine of `T` parameters sharded over `n` of `world` ranks, and lay the
+/// parameters out: the partition and every bucket's initial fp32 values (`init(param index,
+/// element index)`, zero in the padding).
+pub(crate) fn layout<T: Float>(
+    cfg: &ZeroConfig,
+    specs: &[ParamSpec],
+    init: &dyn Fn(usize, usize) -> f32,
+    n: usize,
+    world: usize,
+) -> Result<(Partition, Vec<Vec<f32>>), ZeroError> {
+    cfg.validate()?;
+    if cfg.precision.dtype() != T::DTYPE {
+        return Err(ZeroError::Config(format!(
+            "the config asks for {} parameters but the engine was created for {}",
+            cfg.precision,
+            T::DTYPE
+        )));
+    }
+    if let (Some(mb), Some(tb)) = (cfg.micro_batch, cfg.train_batch) {
+        if mb * cfg.accumulation_steps * world != tb {
+            return Err(ZeroError::Config(format!(
+                "train_batch_size {tb} != train_micro_batch_size_per_gpu {mb} × \
+                 gradient_accumulation_steps {} × world size {world}",
+                cfg.accumulation_steps
+            )));
+        }
+    }
+    let part =
+        Partition::new(specs, n, cfg.bucket_elems).map_err(|e| ZeroError::Config(e.to_string()))?;
+    let mut full: Vec<Vec<f32>> = part.buckets.iter().map(|b| vec![0f32; b.len]).collect();
+    for (i, s) in part.slots.iter().enumerate() {
+        for (k, x) in full[s.bucket][s.offset..s.offset + s.len]
+            .iter_mut()
+            .enumerate()
+        {
+            *x = init(i, k);
+        }
+    }
+    Ok((part, full))
+}
+
+/// Refuse a step (nothing changed) before every parameter's gradient is in (`pushed`), or at the
+/// accumulation `boundary` while a bucket is still gathered (`gathered(bucket)`).
+fn ready_to_step(
+    part: &Partition,
+    pushed: &[bool],
+    boundary: bool,
+    gathered: impl Fn(usize) -> bool,
+) -> Result<(), ZeroError> {
+    let missing: Vec<&str> = (0..pushed.len())
+        .filter(|&i| !pushed[i])
+        .map(|i| part.specs[i].name.as_str())
+        .collect();
+    if !missing.is_empty() {
+        return Err(ZeroError::MissingGrads(missing.join(", ")));
+    }
+    if boundary {
+        let held: Vec<String> = (0..part.buckets.len())
+            .filter(|&b| gathered(b))
+            .map(|b| {
+                let p = part.buckets[b].params[0];
+                format!("`{}`", part.specs[p].name)
+            })
+            .collect();
+        if !held.is_empty() {
+            return Err(ZeroError::StillGathered(held.join(", ")));
+        }
+    }
+    Ok(())
+}
+
+/// The range of bucket `b` that `rank` updates: everything in stage 0, its owned range else.
+pub(crate) fn update_range(
+    part: &Partition,
+    stage: u8,
+    rank: usize,
+    b: usize,
+) -> std::ops::Range<usize> {
+    if stage == 0 {
+        0..part.buckets[b].len
+    } else {
+        part.owned(b, rank)
+    }
+}
+
+/// The factor gradients are multiplied by so that their global norm is at most `clip_norm`.
+pub(crate) fn clip_factor(clip_norm: Option<f32>, grad_norm: f64) -> f32 {
+    clip_norm.map_or(1.0, |c| ((c as f64) / (grad_norm + 1e-6)).min(1.0) as f32)
+}
