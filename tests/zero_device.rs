@@ -35,9 +35,69 @@ fn grads_of<T: Float>(values: &[Vec<f32>], rank: usize, micro: usize, scale: f32
         .collect()
 }
 
-/// `count` micro-steps from micro-step `from` on the host engine (the data of `rank`).
-fn host_steps<T: Float>(
-    e: &mut Engine<'_, T>,
+/// What the training loops below ask of either engine.
+trait Trains<T> {
+    fn gather(&mut self, names: &[&str]);
+    fn prefetch(&mut self, names: &[&str]);
+    fn release(&mut self, names: &[&str]);
+    fn value(&self, name: &str) -> Vec<f32>;
+    fn push(&mut self, name: &str, g: &[T]);
+    fn step(&mut self) -> StepOutcome;
+    fn loss_scale(&self) -> f32;
+}
+
+impl<T: Float> Trains<T> for Engine<'_, T> {
+    fn gather(&mut self, names: &[&str]) {
+        Engine::gather(self, names).unwrap()
+    }
+    fn prefetch(&mut self, names: &[&str]) {
+        Engine::prefetch(self, names).unwrap()
+    }
+    fn release(&mut self, names: &[&str]) {
+        Engine::release(self, names).unwrap()
+    }
+    fn value(&self, name: &str) -> Vec<f32> {
+        self.param_f32(name).unwrap()
+    }
+    fn push(&mut self, name: &str, g: &[T]) {
+        self.push_grad(name, g).unwrap()
+    }
+    fn step(&mut self) -> StepOutcome {
+        Engine::step(self).unwrap()
+    }
+    fn loss_scale(&self) -> f32 {
+        Engine::loss_scale(self)
+    }
+}
+
+impl<T: Float> Trains<T> for DeviceEngine<'_, HostStream, T> {
+    fn gather(&mut self, names: &[&str]) {
+        DeviceEngine::gather(self, names).unwrap()
+    }
+    fn prefetch(&mut self, names: &[&str]) {
+        DeviceEngine::prefetch(self, names).unwrap()
+    }
+    fn release(&mut self, names: &[&str]) {
+        DeviceEngine::release(self, names).unwrap()
+    }
+    fn value(&self, name: &str) -> Vec<f32> {
+        self.param_to_host(name).unwrap()
+    }
+    fn push(&mut self, name: &str, g: &[T]) {
+        self.push_grad(name, g).unwrap()
+    }
+    fn step(&mut self) -> StepOutcome {
+        DeviceEngine::step(self).unwrap()
+    }
+    fn loss_scale(&self) -> f32 {
+        DeviceEngine::loss_scale(self)
+    }
+}
+
+/// `count` micro-steps from micro-step `from` (the data of `rank`): layer by layer, each
+/// prefetching the next (a no-op unless stage 3 with prefetch on), then every gradient.
+fn train<T: Float>(
+    e: &mut impl Trains<T>,
     rank: usize,
     from: usize,
     count: usize,
@@ -48,85 +108,45 @@ fn host_steps<T: Float>(
     for t in from..from + count {
         let mut values = Vec::new();
         for (i, n) in names.iter().enumerate() {
-            e.gather(&[n]).unwrap();
+            e.gather(&[n]);
             if let Some(next) = names.get(i + 1) {
-                e.prefetch(&[next]).unwrap();
+                e.prefetch(&[next]);
             }
-            values.push(e.param_f32(n).unwrap());
-            e.release(&[n]).unwrap();
+            values.push(e.value(n));
+            e.release(&[n]);
         }
         for (n, g) in names
             .iter()
             .zip(grads_of::<T>(&values, rank, t, e.loss_scale()))
         {
-            e.push_grad(n, &g).unwrap();
+            e.push(n, &g);
         }
-        outs.push(e.step().unwrap());
+        outs.push(e.step());
     }
     outs
 }
 
-/// [`host_steps`] on the device engine.
-fn device_steps<T: Float>(
-    e: &mut DeviceEngine<'_, HostStream, T>,
-    rank: usize,
-    from: usize,
-    count: usize,
-) -> Vec<StepOutcome> {
+/// Every parameter's values now (gathered and released again).
+fn values<T: Float>(e: &mut impl Trains<T>) -> Vec<Vec<f32>> {
     let sp = specs();
     let names: Vec<&str> = sp.iter().map(|s| s.name.as_str()).collect();
-    let mut outs = Vec::new();
-    for t in from..from + count {
-        // Layer by layer, each prefetching the next (a no-op unless stage 3 with prefetch on).
-        let mut values = Vec::new();
-        for (i, n) in names.iter().enumerate() {
-            e.gather(&[n]).unwrap();
-            if let Some(next) = names.get(i + 1) {
-                e.prefetch(&[next]).unwrap();
-            }
-            values.push(e.param_to_host(n).unwrap());
-            e.release(&[n]).unwrap();
-        }
-        for (n, g) in names
-            .iter()
-            .zip(grads_of::<T>(&values, rank, t, e.loss_scale()))
-        {
-            e.push_grad(n, &g).unwrap();
-        }
-        outs.push(e.step().unwrap());
-    }
-    outs
-}
-
-fn host_values<T: Float>(e: &mut Engine<'_, T>) -> Vec<Vec<f32>> {
-    let sp = specs();
-    let names: Vec<&str> = sp.iter().map(|s| s.name.as_str()).collect();
-    e.gather(&names).unwrap();
-    let values = names.iter().map(|n| e.param_f32(n).unwrap()).collect();
-    e.release(&names).unwrap();
-    values
-}
-
-fn device_values<T: Float>(e: &mut DeviceEngine<'_, HostStream, T>) -> Vec<Vec<f32>> {
-    let sp = specs();
-    let names: Vec<&str> = sp.iter().map(|s| s.name.as_str()).collect();
-    e.gather(&names).unwrap();
-    let values = names.iter().map(|n| e.param_to_host(n).unwrap()).collect();
-    e.release(&names).unwrap();
+    e.gather(&names);
+    let values = names.iter().map(|n| e.value(n)).collect();
+    e.release(&names);
     values
 }
 
 fn host_run<T: Float>(comm: &Communicator, c: ZeroConfig, micro_steps: usize) -> Run {
     let mut e = Engine::<T>::new(comm, &specs(), &init, c).unwrap();
-    let outs = host_steps(&mut e, comm.rank(), 0, micro_steps);
-    (outs, host_values(&mut e), e.consolidate().unwrap())
+    let outs = train(&mut e, comm.rank(), 0, micro_steps);
+    (outs, values(&mut e), e.consolidate().unwrap())
 }
 
 fn device_run<T: Float>(comm: &Communicator, c: ZeroConfig, micro_steps: usize) -> Run {
     let mut dc = DeviceComm::new(comm, HostStream::new()).unwrap();
     let mut e = DeviceEngine::<_, T>::new(&mut dc, &specs(), &init, c).unwrap();
-    let outs = device_steps(&mut e, comm.rank(), 0, micro_steps);
-    (outs, device_values(&mut e), e.consolidate().unwrap())
+    let outs = train(&mut e, comm.rank(), 0, micro_steps);
+    (outs, values(&mut e), e.consolidate().unwrap())
 }
 
 fn parity<T: Float>(p: Precision, accumulation: &[usize]) {
@@ -287,7 +307,7 @@ fn checkpoints_move_between_the_device_and_the_host_engine() {
             let dir = root.join(format!("d2h-{k}"));
             let mut dc = DeviceComm::new(&comm, HostStream::new()).unwrap();
             let mut d = DeviceEngine::<_, bf16>::new(&mut dc, &sp, &init, ca.clone()).unwrap();
-            device_steps(&mut d, rank, 0, 2);
+            train(&mut d, rank, 0, 2);
             d.save_checkpoint(&dir, serde_json::json!({"k": k}))
                 .unwrap();
             let mut h = Engine::<bf16>::new(&comm, &sp, &init, cb.clone()).unwrap();
@@ -301,15 +321,8 @@ fn checkpoints_move_between_the_device_and_the_host_engine() {
                 d.consolidate().unwrap(),
                 "case {k}"
             );
-            assert_eq!(
-                host_steps(&mut h, rank, 2, 1),
-                device_steps(&mut d, rank, 2, 1)
-            );
-            assert_eq!(
-                host_values(&mut h),
-                device_values(&mut d),
-                "case {k} after a step"
-            );
+            assert_eq!(train(&mut h, rank, 2, 1), train(&mut d, rank, 2, 1));
+            assert_eq!(values(&mut h), values(&mut d), "case {k} after a step");
             drop(d);
             // Host → device.
             let dir = root.join(format!("h2d-{k}"));
@@ -322,15 +335,8 @@ fn checkpoints_move_between_the_device_and_the_host_engine() {
                 d.consolidate().unwrap(),
                 "case {k}"
             );
-            assert_eq!(
-                host_steps(&mut h, rank, 3, 1),
-                device_steps(&mut d, rank, 3, 1)
-            );
-            assert_eq!(
-                host_values(&mut h),
-                device_values(&mut d),
-                "case {k} after a step"
-            );
+            assert_eq!(train(&mut h, rank, 3, 1), train(&mut d, rank, 3, 1));
+            assert_eq!(values(&mut h), values(&mut d), "case {k} after a step");
         }
     });
 }

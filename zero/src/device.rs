@@ -267,19 +267,14 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
     /// (the rest is left for `gather`). A no-op in stages 0–2 and when `prefetch_elems` is 0.
     /// Like every collective, prefetches must be issued in the same order on every rank.
     pub fn prefetch(&mut self, names: &[&str]) -> Result<(), ZeroError> {
-        let buckets = self.led.buckets_of(names)?;
-        if self.led.cfg.stage != 3 || self.led.cfg.prefetch_elems == 0 {
-            return Ok(());
-        }
-        let mut flying: usize = self.inflight.iter().flatten().map(|(_, e)| e).sum();
-        for (b, _) in buckets {
-            let len = self.led.part.buckets[b].len;
-            if self.gathered[b].is_some() || self.inflight[b].is_some() {
-                continue;
-            }
-            if flying + len > self.led.cfg.prefetch_elems {
-                break;
-            }
+        let flying: usize = self.inflight.iter().flatten().map(|(_, e)| e).sum();
+        let (gathered, inflight) = (&self.gathered, &self.inflight);
+        let start = self.led.to_prefetch(
+            names,
+            |b| gathered[b].is_some() || inflight[b].is_some(),
+            flying,
+        )?;
+        for (b, held) in start {
             // The proxy thread owns what it gathers from: a copy of the shard, queued before.
             let shard = &self.params[b];
             let copy = alloc(self.stream(), T::DTYPE, shard.elems)?;
@@ -290,10 +285,8 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
                     .copy(copy.addr, shard.addr, shard.elems * T::DTYPE.size())
             }
             .map_err(dev("copying a shard to prefetch".into()))?;
-            let full = alloc(self.stream(), T::DTYPE, len)?;
-            let held = len + copy.elems;
+            let full = alloc(self.stream(), T::DTYPE, self.led.part.buckets[b].len)?;
             self.inflight[b] = Some((self.comm.all_gather_async(copy, full), held));
-            flying += held;
         }
         Ok(())
     }
@@ -301,16 +294,11 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
     /// Stage 3: all-gather the buckets holding `names` so they can be read. A no-op in stages
     /// 0–2. Gathering something already gathered is an error, and nothing is gathered then.
     pub fn gather(&mut self, names: &[&str]) -> Result<(), ZeroError> {
-        let buckets = self.led.buckets_of(names)?;
-        if self.led.cfg.stage != 3 {
+        let gathered = &self.gathered;
+        let Some(buckets) = self.led.to_gather(names, |b| gathered[b].is_some())? else {
             return Ok(());
-        }
-        for (b, name) in &buckets {
-            if self.gathered[*b].is_some() {
-                return Err(ZeroError::AlreadyGathered(name.clone()));
-            }
-        }
-        for (b, _) in buckets {
+        };
+        for b in buckets {
             let full = match self.inflight[b].take() {
                 Some((w, _)) => w.wait()?.1,
                 None => {
@@ -327,17 +315,12 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
     /// Stage 3: drop the gathered buckets holding `names` (work reading them must have
     /// completed). A no-op in stages 0–2.
     pub fn release(&mut self, names: &[&str]) -> Result<(), ZeroError> {
-        let buckets = self.led.buckets_of(names)?;
-        if self.led.cfg.stage != 3 {
+        let gathered = &self.gathered;
+        let Some(buckets) = self.led.to_release(names, |b| gathered[b].is_some())? else {
             return Ok(());
-        }
-        for (b, name) in &buckets {
-            if self.gathered[*b].is_none() {
-                return Err(ZeroError::NotGathered(name.clone()));
-            }
-        }
+        };
         self.sync("releasing gathered parameters")?;
-        for (b, _) in buckets {
+        for b in buckets {
             self.gathered[b] = None;
         }
         Ok(())

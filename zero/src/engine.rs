@@ -448,23 +448,17 @@ impl<'c, T: Float> Engine<'c, T> {
     /// rest is left for `gather`). A no-op in stages 0–2 and when `prefetch_elems` is 0. Like every
     /// collective, prefetches must be issued in the same order on every rank.
     pub fn prefetch(&mut self, names: &[&str]) -> Result<(), ZeroError> {
-        let buckets = self.led.buckets_of(names)?;
-        if self.led.cfg.stage != 3 || self.led.cfg.prefetch_elems == 0 {
-            return Ok(());
-        }
-        let mut flying: usize = self.inflight.iter().flatten().map(|(_, e)| e).sum();
-        for (b, _) in buckets {
-            let len = self.led.part.buckets[b].len;
-            if self.gathered[b].is_some() || self.inflight[b].is_some() {
-                continue;
-            }
-            if flying + len > self.led.cfg.prefetch_elems {
-                break;
-            }
+        let flying: usize = self.inflight.iter().flatten().map(|(_, e)| e).sum();
+        let (gathered, inflight) = (&self.gathered, &self.inflight);
+        let start = self.led.to_prefetch(
+            names,
+            |b| gathered[b].is_some() || inflight[b].is_some(),
+            flying,
+        )?;
+        for (b, held) in start {
             let shard = self.params[b].clone();
-            let held = len + shard.len();
+            let len = self.led.part.buckets[b].len;
             self.inflight[b] = Some((self.comm.all_gather_async(shard, len), held));
-            flying += held;
         }
         Ok(())
     }
@@ -473,18 +467,13 @@ impl<'c, T: Float> Engine<'c, T> {
     /// where one is in flight). A no-op in stages 0–2. Gathering something already gathered is an
     /// error, and nothing is gathered then.
     pub fn gather(&mut self, names: &[&str]) -> Result<(), ZeroError> {
-        let buckets = self.led.buckets_of(names)?;
-        if self.led.cfg.stage != 3 {
+        let gathered = &self.gathered;
+        let Some(buckets) = self.led.to_gather(names, |b| gathered[b].is_some())? else {
             return Ok(());
-        }
-        for (b, name) in &buckets {
-            if self.gathered[*b].is_some() {
-                return Err(ZeroError::AlreadyGathered(name.clone()));
-            }
-        }
+        };
         let t0 = Instant::now();
         let mut out = Ok(());
-        for (b, _) in buckets {
+        for b in buckets {
             let full = match self.inflight[b].take() {
                 Some((w, _)) => w.wait(),
                 None => {
@@ -508,16 +497,11 @@ impl<'c, T: Float> Engine<'c, T> {
 
     /// Stage 3: drop the gathered buckets holding `names`. A no-op in stages 0–2.
     pub fn release(&mut self, names: &[&str]) -> Result<(), ZeroError> {
-        let buckets = self.led.buckets_of(names)?;
-        if self.led.cfg.stage != 3 {
+        let gathered = &self.gathered;
+        let Some(buckets) = self.led.to_release(names, |b| gathered[b].is_some())? else {
             return Ok(());
-        }
-        for (b, name) in &buckets {
-            if self.gathered[*b].is_none() {
-                return Err(ZeroError::NotGathered(name.clone()));
-            }
-        }
-        for (b, _) in buckets {
+        };
+        for b in buckets {
             self.gathered[b] = None;
         }
         Ok(())

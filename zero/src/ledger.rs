@@ -97,6 +97,74 @@ impl Ledger {
         Ok(boundary)
     }
 
+    /// Stage 3: the buckets holding `names` to gather (`None` in stages 0–2, where gathering is
+    /// a no-op), refused when one is gathered already (`gathered(bucket)`).
+    pub(crate) fn to_gather(
+        &self,
+        names: &[&str],
+        gathered: impl Fn(usize) -> bool,
+    ) -> Result<Option<Vec<usize>>, ZeroError> {
+        self.stage3(names, |b| !gathered(b), ZeroError::AlreadyGathered)
+    }
+
+    /// Stage 3: the buckets holding `names` to release (`None` in stages 0–2), refused when one
+    /// is not gathered.
+    pub(crate) fn to_release(
+        &self,
+        names: &[&str],
+        gathered: impl Fn(usize) -> bool,
+    ) -> Result<Option<Vec<usize>>, ZeroError> {
+        self.stage3(names, gathered, ZeroError::NotGathered)
+    }
+
+    /// The buckets holding `names` when every one is `ready`, else `refuse` naming the first
+    /// that is not; `None` outside stage 3.
+    fn stage3(
+        &self,
+        names: &[&str],
+        ready: impl Fn(usize) -> bool,
+        refuse: fn(String) -> ZeroError,
+    ) -> Result<Option<Vec<usize>>, ZeroError> {
+        let buckets = self.buckets_of(names)?;
+        if self.cfg.stage != 3 {
+            return Ok(None);
+        }
+        match buckets.iter().find(|(b, _)| !ready(*b)) {
+            Some((_, name)) => Err(refuse(name.clone())),
+            None => Ok(Some(buckets.into_iter().map(|(b, _)| b).collect())),
+        }
+    }
+
+    /// Stage 3 with prefetch on: the buckets holding `names` to start prefetching, in order,
+    /// skipping those gathered or in flight (`busy(bucket)`) and stopping before the elements in
+    /// flight (`flying` now, each bucket adding its length and its shard's) would pass
+    /// `prefetch_elems`; with the elements each will hold.
+    pub(crate) fn to_prefetch(
+        &self,
+        names: &[&str],
+        busy: impl Fn(usize) -> bool,
+        mut flying: usize,
+    ) -> Result<Vec<(usize, usize)>, ZeroError> {
+        let buckets = self.buckets_of(names)?;
+        let mut out = Vec::new();
+        if self.cfg.stage != 3 || self.cfg.prefetch_elems == 0 {
+            return Ok(out);
+        }
+        for (b, _) in buckets {
+            let len = self.part.buckets[b].len;
+            if busy(b) {
+                continue;
+            }
+            if flying + len > self.cfg.prefetch_elems {
+                break;
+            }
+            let held = len + len / self.part.world;
+            out.push((b, held));
+            flying += held;
+        }
+        Ok(out)
+    }
+
     /// Count a skipped step (an overflow) and give its outcome.
     pub(crate) fn skip(&mut self) -> StepOutcome {
         self.skipped += 1;

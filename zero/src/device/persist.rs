@@ -9,24 +9,14 @@ use ringzero_collectives::{DType, TrainStream};
 use ringzero_kernels::cpu::Float;
 
 use super::{alloc, dev, DevVec, DeviceEngine};
-use crate::checkpoint::{Meta, ScalerState};
-use crate::config::ZeroConfig;
+use crate::checkpoint::Meta;
 use crate::engine::persist::{self, Payload, Persist};
 use crate::engine::ZeroError;
-use crate::partition::Partition;
+use crate::ledger::Ledger;
 
 impl<S: TrainStream + 'static, T: Float> Persist for DeviceEngine<'_, S, T> {
-    fn part(&self) -> &Partition {
-        &self.led.part
-    }
-    fn cfg(&self) -> &ZeroConfig {
-        &self.led.cfg
-    }
-    fn rank(&self) -> usize {
-        self.led.rank
-    }
-    fn progress(&self) -> (u64, u64, Option<ScalerState>) {
-        (self.led.t, self.led.skipped, self.led.scaler.state())
+    fn led(&self) -> &Ledger {
+        &self.led
     }
     fn own_states(&self, b: usize) -> Result<[Cow<'_, [f32]>; 3], ZeroError> {
         let own = self.led.part.owned(b, self.led.rank);
@@ -57,13 +47,9 @@ impl<S: TrainStream + 'static, T: Float> Persist for DeviceEngine<'_, S, T> {
         local: Result<Payload, ZeroError>,
         what: &str,
     ) -> Result<Vec<Payload>, ZeroError> {
-        const REC: usize = 1 + std::mem::size_of::<Payload>();
+        const REC: usize = persist::REC;
         let n = self.led.part.world;
-        let mut mine = [0u8; REC];
-        if let Ok(p) = &local {
-            mine[0] = 1;
-            mine[1..].copy_from_slice(p);
-        }
+        let mine = persist::record(&local);
         let send = alloc(self.stream(), DType::U8, REC)?;
         let mut recv = alloc(self.stream(), DType::U8, REC * n)?;
         // SAFETY: a fresh allocation of REC bytes, used by no work.

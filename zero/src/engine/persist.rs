@@ -17,7 +17,7 @@ use super::{Engine, ZeroError};
 use crate::checkpoint::ScalerState;
 use crate::checkpoint::{self, plan, Checkpoint, Meta, ParamMeta, ShardMeta, FORMAT};
 use crate::config::{Precision, ZeroConfig};
-use crate::ledger::update_range;
+use crate::ledger::{update_range, Ledger};
 use crate::partition::Partition;
 
 /// A checkpoint read for this rank: its metadata and, per bucket, master and moments of the range
@@ -30,18 +30,29 @@ pub(crate) type Payload = [u8; 40];
 /// What saving and loading need from an engine (the host engine's and the device engine's
 /// state live in different memories; the format and the protocol are one).
 pub(crate) trait Persist {
+    /// The engine's bookkeeping.
+    fn led(&self) -> &Ledger;
     /// The layout.
-    fn part(&self) -> &Partition;
+    fn part(&self) -> &Partition {
+        &self.led().part
+    }
     /// The configuration.
-    fn cfg(&self) -> &ZeroConfig;
+    fn cfg(&self) -> &ZeroConfig {
+        &self.led().cfg
+    }
     /// This rank in the shard group.
-    fn rank(&self) -> usize;
+    fn rank(&self) -> usize {
+        self.led().rank
+    }
     /// Whether this rank writes its shard (hybrid sharding: the first replica's group only).
     fn writes(&self) -> bool {
         true
     }
     /// Optimizer steps taken, steps skipped, the loss scaler's state.
-    fn progress(&self) -> (u64, u64, Option<ScalerState>);
+    fn progress(&self) -> (u64, u64, Option<ScalerState>) {
+        let l = self.led();
+        (l.t, l.skipped, l.scaler.state())
+    }
     /// Master, first and second moment of the range of bucket `b` this rank owns.
     fn own_states(&self, b: usize) -> Result<[Cow<'_, [f32]>; 3], ZeroError>;
     /// One agreement round: every rank's success (with a payload) or failure. Returns every
@@ -195,6 +206,19 @@ pub(crate) fn read_agreed<E: Persist>(e: &mut E, dir: &Path) -> Result<Staged, Z
     Ok(read.expect("agreed above"))
 }
 
+/// Bytes of one agreement record: a success byte, then the payload.
+pub(crate) const REC: usize = 1 + std::mem::size_of::<Payload>();
+
+/// This rank's agreement record for `local`.
+pub(crate) fn record(local: &Result<Payload, ZeroError>) -> [u8; REC] {
+    let mut mine = [0u8; REC];
+    if let Ok(p) = local {
+        mine[0] = 1;
+        mine[1..].copy_from_slice(p);
+    }
+    mine
+}
+
 /// The outcome of an agreement round from this rank's `local` result and every rank's record in
 /// `all` (a success byte, then the payload): this rank's error, else [`ZeroError::PeerFailed`]
 /// naming the ranks that failed, else every rank's payload.
@@ -225,20 +249,11 @@ pub(crate) fn resumes_scaler(meta: &Meta) -> bool {
 }
 
 impl<T: Float> Persist for &Engine<'_, T> {
-    fn part(&self) -> &Partition {
-        &self.led.part
-    }
-    fn cfg(&self) -> &ZeroConfig {
-        &self.led.cfg
-    }
-    fn rank(&self) -> usize {
-        self.led.rank
+    fn led(&self) -> &Ledger {
+        &self.led
     }
     fn writes(&self) -> bool {
         self.replicas.is_none_or(|r| r.rank() == 0)
-    }
-    fn progress(&self) -> (u64, u64, Option<ScalerState>) {
-        (self.led.t, self.led.skipped, self.led.scaler.state())
     }
     fn own_states(&self, b: usize) -> Result<[Cow<'_, [f32]>; 3], ZeroError> {
         Ok(Engine::own_states(self, b).map(Cow::Borrowed))
@@ -363,13 +378,8 @@ impl<T: Float> Engine<'_, T> {
         local: Result<Payload, ZeroError>,
         what: &str,
     ) -> Result<Vec<Payload>, ZeroError> {
-        const REC: usize = 1 + std::mem::size_of::<Payload>();
         let n = self.led.part.world;
-        let mut mine = [0u8; REC];
-        if let Ok(p) = &local {
-            mine[0] = 1;
-            mine[1..].copy_from_slice(p);
-        }
+        let mine = record(&local);
         let mut all = vec![0u8; REC * n];
         self.comm.all_gather(&mine, &mut all)?;
         let failed: Vec<usize> = (0..n).filter(|&r| all[r * REC] == 0).collect();
