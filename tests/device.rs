@@ -343,8 +343,8 @@ fn bad_device_calls_are_refused_and_mismatched_calls_name_both() {
 /// a peer write through a broken P2P path looks like to the engine (the driver accepts the copy,
 /// its event never fires). With `refuse_share` it cannot share its buffers (as a GPU cannot
 /// share memory from a stream-ordered pool). It counts the copy pairs the engine queues. With
-/// `slow_ms`, a slow device: every marker completes that long after it was made, and every copy
-/// lands that long after it was queued (on a thread of its own), into the caller's memory.
+/// `slow_ms`, a slow device: every copy and gather lands that long after it was queued (on a
+/// thread of its own), into the caller's memory, and no marker completes while one is due.
 pub(crate) struct HangingCopies {
     pub(crate) inner: HostStream,
     pub(crate) hang: bool,
@@ -368,8 +368,8 @@ impl HangingCopies {
 }
 
 impl ringzero::Stream for HangingCopies {
-    /// The host stream's marker, whether a hung copy was queued before it, and when it was made.
-    type Marker = (u64, bool, std::time::Instant);
+    /// The host stream's marker, and whether a hung copy was queued before it.
+    type Marker = (u64, bool);
     fn name(&self) -> String {
         "host (copies hang)".into()
     }
@@ -447,20 +447,14 @@ impl ringzero::Stream for HangingCopies {
                 .copy_pair(a, a_src, a_bytes, b, b_also, b_src, b_bytes)
         }
     }
-    fn mark(&self) -> Result<(u64, bool, std::time::Instant), ringzero::device::DeviceError> {
+    fn mark(&self) -> Result<(u64, bool), ringzero::device::DeviceError> {
         Ok((
             self.inner.mark()?,
             self.hung.load(std::sync::atomic::Ordering::SeqCst),
-            std::time::Instant::now(),
         ))
     }
-    fn done(
-        &self,
-        m: &(u64, bool, std::time::Instant),
-    ) -> Result<bool, ringzero::device::DeviceError> {
-        let slow_done = self.slow().is_none_or(|d| {
-            m.2.elapsed() >= d && self.late.load(std::sync::atomic::Ordering::SeqCst) == 0
-        });
+    fn done(&self, m: &(u64, bool)) -> Result<bool, ringzero::device::DeviceError> {
+        let slow_done = self.late.load(std::sync::atomic::Ordering::SeqCst) == 0;
         Ok(!m.1 && slow_done && self.inner.done(&m.0)?)
     }
     unsafe fn map_host(
@@ -509,6 +503,36 @@ impl ringzero::Stream for HangingCopies {
         n: usize,
         ranks: Option<usize>,
     ) -> Result<(), ringzero::device::DeviceError> {
+        if let Some(d) = self.slow() {
+            // The direct step's kernel, landing late: the inputs combined in order into every
+            // output (as the host stream's gather does), on a thread of its own.
+            use std::sync::atomic::Ordering::SeqCst;
+            self.late.fetch_add(1, SeqCst);
+            let late = self.late.clone();
+            let (outs, ins) = (outs.to_vec(), ins.to_vec());
+            std::thread::spawn(move || {
+                std::thread::sleep(d);
+                let len = n * dtype.size();
+                let at = |a: u64| a as usize as *mut u8;
+                // SAFETY: the stream's contract keeps every range live until the work has
+                // completed, which `done` reports only after this (what the tests check).
+                let mut acc = unsafe { std::slice::from_raw_parts(at(ins[0]), len) }.to_vec();
+                for &i in &ins[1..] {
+                    // SAFETY: as above.
+                    let x = unsafe { std::slice::from_raw_parts(at(i), len) };
+                    ringzero::kernels::cpu::reduce_into(dtype, op.pairwise(), &mut acc, x).unwrap();
+                }
+                if let Some(r) = ranks {
+                    ringzero::kernels::cpu::divide(dtype, &mut acc, r).unwrap();
+                }
+                for &o in &outs {
+                    // SAFETY: as above.
+                    unsafe { std::ptr::copy(acc.as_ptr(), at(o), len) };
+                }
+                late.fetch_sub(1, SeqCst);
+            });
+            return Ok(());
+        }
         // SAFETY: forwarded contract.
         unsafe { self.inner.gather(dtype, op, outs, ins, n, ranks) }
     }
@@ -721,7 +745,10 @@ fn a_slices_last_receive_and_the_next_slices_first_send_are_queued_together() {
 }
 
 /// A device communicator on a stream that turns slow (`slow` per piece of work) once set up.
-fn slow_device(comm: &Communicator, slow: std::time::Duration) -> DeviceComm<HangingCopies> {
+pub(crate) fn slow_device(
+    comm: &Communicator,
+    slow: std::time::Duration,
+) -> DeviceComm<HangingCopies> {
     let stream = HangingCopies {
         inner: HostStream::new(),
         hang: false,

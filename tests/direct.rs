@@ -300,3 +300,50 @@ fn a_rank_that_cannot_share_its_buffers_sends_every_rank_round_the_ring() {
         assert!(c.bytes_sent > 0, "rank {rank}");
     });
 }
+
+/// A rank whose direct step's kernel lands after the others' deadline: no rank returns while it
+/// may still write into that rank's buffers. Rank 1's kernel writes its chunk of every output
+/// 1.5 s late, the deadline is 0.3 s: rank 0, done with its own part, waits for it (and returns
+/// its full, right result); rank 1 fails by timeout, and returns only once its late writes have
+/// landed.
+#[test]
+fn no_rank_returns_while_another_may_still_write_its_buffers() {
+    let slow = std::time::Duration::from_millis(1500);
+    let o = Opts {
+        timeout: std::time::Duration::from_millis(300),
+        ..direct()
+    };
+    threads(2, &o, |rank, comm| {
+        let comm = comm.unwrap();
+        let mut dc = if rank == 1 {
+            crate::device::slow_device(&comm, slow)
+        } else {
+            crate::device::slow_device(&comm, std::time::Duration::ZERO)
+        };
+        assert!(dc.direct().is_some());
+        // Leaked: had a call returned early, the late kernel would still write into them.
+        let send: &'static [i64] = Box::leak(vec![rank as i64 + 1; 4096].into_boxed_slice());
+        let out: &'static mut [i64] = Box::leak(vec![0i64; 4096].into_boxed_slice());
+        let bufs = ringzero::ring::device_engine::DevBufs::Split {
+            input: send.as_ptr() as u64,
+            input_bytes: send.len() * 8,
+            output: out.as_mut_ptr() as u64,
+            output_bytes: out.len() * 8,
+        };
+        let t = std::time::Instant::now();
+        // SAFETY: both are live host memory of the lengths given (leaked), borrowed for the call.
+        let r = unsafe { dc.run_raw(Collective::AllReduce, DType::I64, ReduceOp::Sum, 4096, bufs) };
+        let took = t.elapsed();
+        assert!(took >= slow, "rank {rank}: returned after {took:?} ({r:?})");
+        match rank {
+            0 => {
+                r.unwrap();
+                assert!(
+                    out.iter().all(|&v| v == 3),
+                    "rank 0: rank 1's chunk had landed"
+                );
+            }
+            _ => assert!(matches!(r, Err(Error::Timeout { .. })), "{r:?}"),
+        }
+    });
+}

@@ -272,32 +272,59 @@ impl Direct {
         };
         clock.lap("open");
         self.board.decide(seq, &verdict);
-        self.wait(call, 2, "open the others' buffers")?;
-        clock.lap("step 2");
-        if let Some(q) = (0..self.ranks).find(|&q| self.board.verdict(q).ok == 0) {
-            tracing::debug!(target: "ringzero::device", rank = self.rank, seq,
-                "{what}: the ring, not direct: {}", note_text(&self.board.verdict(q).note));
+        // From here the others may read and write this rank's buffers (once they see every
+        // verdict ok): whatever happens, this rank returns only after publishing step 3 and
+        // seeing that no other rank still may (`Board::settle`).
+        let outcome = (|| -> Result<bool> {
+            self.wait(call, 2, "open the others' buffers")?;
+            clock.lap("step 2");
+            if let Some(q) = (0..self.ranks).find(|&q| !self.board.verdict_ok(q)) {
+                tracing::debug!(target: "ringzero::device", rank = self.rank, seq,
+                    "{what}: the ring, not direct: {}", note_text(&self.board.verdict_note(q)));
+                return Ok(false);
+            }
+            let (ins, outs) = places.expect("this rank's verdict was ok");
+            // Step 3.
+            let divide = (call.op == ReduceOp::Avg && coll.reduces()).then_some(self.ranks);
+            // SAFETY: every address is this rank's buffer (checked sizes) or another rank's
+            // buffer opened above, `elems` elements inside it (checked against its allocation
+            // where the device reports one); the other ranks are inside this call (step 2) and do
+            // not let their buffers go until every rank that may write them has finished (step
+            // 3, `Board::settle`). In place, an output equals an input, which the kernel allows.
+            unsafe { stream.gather(call.dtype, call.op, &outs, &ins, part.elems, divide) }
+                .map_err(|e| Error::Device {
+                    context: format!("{what} seq {seq}: the direct step"),
+                    source: e,
+                })?;
+            clock.lap("launch");
+            self.drain(stream, call, "the direct step")?;
+            clock.lap("kernel");
+            Ok(true)
+        })();
+        if outcome.is_err() {
+            self.board.retract();
+        }
+        // This rank writes no more (its drain waited for its kernel, or it never launched one).
+        self.board.done(seq);
+        let settled = if stream.memory_outlives_work() {
+            // Device memory stays valid while another rank's mapping writes it: the usual
+            // bounded wait.
+            match &outcome {
+                Ok(_) => self.wait(call, 3, "finish writing into this rank's buffers"),
+                Err(_) => self.board.settle(seq, Some(call.timeout)).map_err(|s| {
+                    self.stalled(call, 3, "finish writing into this rank's buffers", s)
+                }),
+            }
+        } else {
+            // Host memory: no return while another rank may still write it.
+            self.board
+                .settle(seq, None)
+                .map_err(|s| self.stalled(call, 3, "finish writing into this rank's buffers", s))
+        };
+        if !outcome? {
             return Ok(None);
         }
-        let (ins, outs) = places.expect("this rank's verdict was ok");
-        // Step 3.
-        let divide = (call.op == ReduceOp::Avg && coll.reduces()).then_some(self.ranks);
-        // SAFETY: every address is this rank's buffer (checked sizes) or another rank's buffer
-        // opened above, `elems` elements inside it (checked against its allocation where the
-        // device reports one); the other ranks are inside this call (step 2) and do not touch
-        // these chunks until every rank has finished step 3. In place, an output equals an
-        // input, which the kernel allows.
-        unsafe { stream.gather(call.dtype, call.op, &outs, &ins, part.elems, divide) }.map_err(
-            |e| Error::Device {
-                context: format!("{what} seq {seq}: the direct step"),
-                source: e,
-            },
-        )?;
-        clock.lap("launch");
-        self.drain(stream, call, "the direct step")?;
-        clock.lap("kernel");
-        self.board.done(seq);
-        self.wait(call, 3, "finish writing into this rank's buffers")?;
+        settled?;
         clock.lap("step 3");
         tracing::trace!(target: "ringzero::direct", rank = self.rank, seq,
             "{what}: {} elements per part, µs {}", part.elems, clock.laps);
@@ -389,32 +416,35 @@ impl Direct {
 
     /// Wait for every rank to finish `step` of the call.
     fn wait(&self, call: &Call, step: u64, doing: &str) -> Result<()> {
-        let what = call.fp.to_string();
         self.board
             .wait(call.seq, step, call.timeout, || call.abort.check(call))
-            .map_err(|s| match s {
-                Stall::Timeout { rank } => Error::Timeout {
-                    op: what,
-                    seq: call.seq,
-                    peer: rank,
-                    waiting: format!(
-                        "rank {rank} to {doing} (direct step {step} on the node board)"
-                    ),
-                    after: call.timeout,
-                },
-                Stall::Lost { rank, detail } => Error::PeerLost {
-                    op: what,
-                    seq: call.seq,
-                    peer: rank,
-                    detail,
-                },
-                Stall::Aborted { reason } => Error::Aborted {
-                    op: what,
-                    seq: call.seq,
-                    reason,
-                },
-                Stall::Check(e) => e,
-            })
+            .map_err(|s| self.stalled(call, step, doing, s))
+    }
+
+    /// The error of a wait on the board for `step` that ended with `stall`.
+    fn stalled(&self, call: &Call, step: u64, doing: &str, stall: Stall) -> Error {
+        let what = call.fp.to_string();
+        match stall {
+            Stall::Timeout { rank } => Error::Timeout {
+                op: what,
+                seq: call.seq,
+                peer: rank,
+                waiting: format!("rank {rank} to {doing} (direct step {step} on the node board)"),
+                after: call.timeout,
+            },
+            Stall::Lost { rank, detail } => Error::PeerLost {
+                op: what,
+                seq: call.seq,
+                peer: rank,
+                detail,
+            },
+            Stall::Aborted { reason } => Error::Aborted {
+                op: what,
+                seq: call.seq,
+                reason,
+            },
+            Stall::Check(e) => e,
+        }
     }
 
     /// Wait until everything queued on `stream` so far has completed.

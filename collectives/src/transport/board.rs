@@ -9,6 +9,8 @@
 //!          0     phase: seq × 4 + step, the last step this rank finished (release store)
 //!          8     pid
 //!          12    closed: 1 once the rank dropped its end
+//!          16    ok: the verdict's flag (1 when it may write), set at step 2, retracted (0) by
+//!                a rank that fails after it
 //!          64    the rank's [`Entry`] for even calls, 512: for odd calls (written before step 1
 //!                is published)
 //!          1024  its [`Verdict`] after step 2 (written before step 2 is published)
@@ -21,6 +23,15 @@
 //! step 1 of call `s + 1`, which each does only after reading the entries of call `s`. A verdict
 //! is rewritten only in a later call's step 2, after every rank has entered that call, which each
 //! does only after reading the verdicts before. So no read is ever torn or overtaken.
+//!
+//! Once a rank has published an ok verdict, the others may read its input and write its output
+//! as soon as they see every verdict ok, so it must not return (and let its buffers go) while one
+//! of them may still do so. Every rank that published a verdict therefore publishes step 3 once
+//! it will write no more (its work ended, or it will not write at all), and a rank that fails
+//! after step 2 first retracts its flag (so a rank that has not read it yet will not write) and
+//! then waits for every rank that may have read it ([`Board::settle`]). The flag, the phases and
+//! the loads in between are sequentially consistent: a rank that sees another still before
+//! step 2 after retracting knows that rank will read the retraction.
 //!
 //! A waiting rank notices, at least every `HEALTH_EVERY`: the abort flag (any rank that fails
 //! raises it with its reason), a rank whose process died (its pid, as the shm transport checks
@@ -52,6 +63,7 @@ const RECORD: usize = 2048;
 const R_PHASE: usize = 0;
 const R_PID: usize = 8;
 const R_CLOSED: usize = 12;
+const R_OK: usize = 16;
 const R_ENTRY: [usize; 2] = [64, 512];
 const R_VERDICT: usize = 1024;
 
@@ -306,15 +318,24 @@ impl Board {
     pub fn decide(&self, seq: u64, verdict: &Verdict) {
         let r = self.record(self.rank);
         self.put(r + R_VERDICT, verdict);
+        self.u32(r + R_OK).store(verdict.ok, Ordering::SeqCst);
         self.u64(r + R_PHASE)
-            .store(Self::phase(seq, 2), Ordering::Release);
+            .store(Self::phase(seq, 2), Ordering::SeqCst);
     }
 
-    /// Finish step 3 of call `seq`.
+    /// Take back this rank's ok verdict (it fails after step 2): a rank that reads the verdicts
+    /// from now on takes the ring instead of writing into this rank's buffers.
+    pub fn retract(&self) {
+        let r = self.record(self.rank);
+        self.u32(r + R_OK).store(0, Ordering::SeqCst);
+    }
+
+    /// Finish step 3 of call `seq`: this rank writes into no other rank's buffers for it any
+    /// more.
     pub fn done(&self, seq: u64) {
         let r = self.record(self.rank);
         self.u64(r + R_PHASE)
-            .store(Self::phase(seq, 3), Ordering::Release);
+            .store(Self::phase(seq, 3), Ordering::SeqCst);
     }
 
     /// `rank`'s entry for call `seq` (after a wait for its step 1 has returned).
@@ -322,9 +343,68 @@ impl Board {
         self.get(self.record(rank) + R_ENTRY[(seq % 2) as usize])
     }
 
-    /// `rank`'s verdict (after a wait for step 2 of this call has returned).
-    pub fn verdict(&self, rank: usize) -> Verdict {
-        self.get(self.record(rank) + R_VERDICT)
+    /// Whether `rank`'s verdict lets the others write (after a wait for step 2 of this call has
+    /// returned; 0 once retracted).
+    pub fn verdict_ok(&self, rank: usize) -> bool {
+        self.u32(self.record(rank) + R_OK).load(Ordering::SeqCst) != 0
+    }
+
+    /// Why `rank`'s verdict is not ok (after a wait for step 2 of this call has returned).
+    pub fn verdict_note(&self, rank: usize) -> [u8; NOTE_BYTES] {
+        let off = self.record(rank) + R_VERDICT + std::mem::offset_of!(Verdict, note);
+        self.get(off)
+    }
+
+    /// After this rank published step 3 of call `seq` (and, failing, retracted its verdict):
+    /// wait until no other rank may still write into its buffers for that call — each has
+    /// published step 3, or had not published step 2 when this rank looked (it will read the
+    /// retraction), or is gone. With a `deadline` (device memory that outlives the work) a
+    /// rank still writing then is a [`Stall::Timeout`]; without one (host memory) the wait
+    /// lasts as long as the others' writes, which always end.
+    pub fn settle(&self, seq: u64, deadline: Option<Duration>) -> std::result::Result<(), Stall> {
+        let (decided, done) = (Self::phase(seq, 2), Self::phase(seq, 3));
+        let mut waiter = super::wait::Waiter::device();
+        let start = Instant::now();
+        let mut health = Instant::now();
+        let max = deadline.unwrap_or(crate::ring::engine::HEALTH_EVERY);
+        loop {
+            let writing = (0..self.ranks).filter(|&q| q != self.rank).find(|&q| {
+                let p = self.u64(self.record(q) + R_PHASE).load(Ordering::SeqCst);
+                p >= decided && p < done
+            });
+            let Some(q) = writing else {
+                return Ok(());
+            };
+            if health.elapsed() >= crate::ring::engine::HEALTH_EVERY {
+                health = Instant::now();
+                if let Some(lost) = self.gone(q) {
+                    return Err(lost);
+                }
+            }
+            if deadline.is_some_and(|d| start.elapsed() >= d) {
+                return Err(Stall::Timeout { rank: q });
+            }
+            waiter.idle(max);
+        }
+    }
+
+    /// Whether rank `q`'s process exited or it dropped its end.
+    fn gone(&self, q: usize) -> Option<Stall> {
+        let r = self.record(q);
+        let pid = self.u32(r + R_PID).load(Ordering::Acquire);
+        if !pid_alive(pid) {
+            return Some(Stall::Lost {
+                rank: q,
+                detail: format!("rank {q}'s process (pid {pid}) has exited"),
+            });
+        }
+        if self.u32(r + R_CLOSED).load(Ordering::Acquire) != 0 {
+            return Some(Stall::Lost {
+                rank: q,
+                detail: format!("rank {q} closed its device communicator"),
+            });
+        }
+        None
     }
 
     /// Wait until every rank has finished `step` of call `seq`: no progress for `timeout` is a
@@ -381,23 +461,13 @@ impl Board {
         if let Some(reason) = self.aborted() {
             return Err(Stall::Aborted { reason });
         }
-        for q in (0..self.ranks).filter(|&q| q != self.rank) {
-            let r = self.record(q);
-            let pid = self.u32(r + R_PID).load(Ordering::Acquire);
-            if !pid_alive(pid) {
-                return Err(Stall::Lost {
-                    rank: q,
-                    detail: format!("rank {q}'s process (pid {pid}) has exited"),
-                });
-            }
-            if self.u32(r + R_CLOSED).load(Ordering::Acquire) != 0 {
-                return Err(Stall::Lost {
-                    rank: q,
-                    detail: format!("rank {q} closed its device communicator"),
-                });
-            }
+        match (0..self.ranks)
+            .filter(|&q| q != self.rank)
+            .find_map(|q| self.gone(q))
+        {
+            Some(lost) => Err(lost),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     /// Raise the abort flag with `reason` (the first reason stays).
@@ -518,8 +588,8 @@ mod tests {
             }
             for x in &b {
                 x.wait(seq, 2, short, || Ok(())).unwrap();
-                assert_eq!(x.verdict(1).ok, 0);
-                assert_eq!(note_text(&x.verdict(1).note), "cannot open");
+                assert!(!x.verdict_ok(1) && x.verdict_ok(0));
+                assert_eq!(note_text(&x.verdict_note(1)), "cannot open");
                 x.done(seq);
             }
             for x in &b {
