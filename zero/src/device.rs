@@ -96,8 +96,6 @@ pub struct DeviceEngine<'c, S: TrainStream + 'static, T: Float = f32> {
     pending: InFlight,
     m: Vec<DevVec>,
     v: Vec<DevVec>,
-    /// Zeros, as many bytes as the largest gradient buffer (gradients are cleared from it).
-    zeros: DevVec,
     _t: PhantomData<T>,
 }
 
@@ -142,7 +140,6 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
         let mut params = Vec::with_capacity(nb);
         let mut master = Vec::with_capacity(nb);
         let (mut grads, mut m, mut v) = (Vec::new(), Vec::new(), Vec::new());
-        let mut longest = 0;
         for (b, bucket) in full.iter().enumerate() {
             params.push(if stage == 3 {
                 upload(&bucket[part.owned(b, rank)], true)?
@@ -159,12 +156,10 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
             } else {
                 part.buckets[b].len
             };
-            longest = longest.max(g);
             grads.push(alloc(T::DTYPE, g)?);
             m.push(alloc(DType::F32, upd(b).len())?);
             v.push(alloc(DType::F32, upd(b).len())?);
         }
-        let zeros = alloc(T::DTYPE, longest)?;
         Ok(DeviceEngine {
             params,
             master,
@@ -175,7 +170,6 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
             pending: (0..nb).map(|_| None).collect(),
             m,
             v,
-            zeros,
             led: Ledger::new(part, cfg, rank),
             comm,
             _t: PhantomData,
@@ -447,12 +441,9 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
     /// parameters.
     fn finish_step(&mut self, outcome: StepOutcome) -> Result<StepOutcome, ZeroError> {
         for g in &self.grads {
-            // SAFETY: `zeros` holds at least as many bytes as any gradient buffer.
-            unsafe {
-                self.stream()
-                    .copy(g.addr, self.zeros.addr, g.elems * T::DTYPE.size())
-            }
-            .map_err(dev("clearing the gradients".into()))?;
+            // SAFETY: the engine's gradient buffer of `elems` elements of `T`.
+            unsafe { self.stream().zero(g.addr, g.elems * T::DTYPE.size()) }
+                .map_err(dev("clearing the gradients".into()))?;
         }
         let stage = self.led.cfg.stage;
         if matches!(outcome, StepOutcome::Stepped { .. }) && (stage == 1 || stage == 2) {

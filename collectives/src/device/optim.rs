@@ -47,6 +47,12 @@ pub trait TrainStream: Stream {
     /// `dst..dst + src.len()` must be live memory of this device, not used by queued work.
     unsafe fn write(&self, dst: Addr, src: &[u8]) -> Result<(), DeviceError>;
 
+    /// Queue zeroing `bytes` at `dst`.
+    ///
+    /// # Safety
+    /// The range must be live memory of this device until the work completes.
+    unsafe fn zero(&self, dst: Addr, bytes: usize) -> Result<(), DeviceError>;
+
     /// Queue `dst[..n] = src[..n]` converted from `from` to `to` (f32, f16, bf16; to nearest
     /// even).
     ///
@@ -174,6 +180,14 @@ impl HostStream {
 }
 
 impl TrainStream for HostStream {
+    unsafe fn zero(&self, dst: Addr, bytes: usize) -> Result<(), DeviceError> {
+        self.push_job(move || {
+            // SAFETY: the caller keeps the range live until this job has run.
+            unsafe { at_mut::<u8>(dst, bytes) }.fill(0);
+            Ok(())
+        })
+    }
+
     unsafe fn write(&self, dst: Addr, src: &[u8]) -> Result<(), DeviceError> {
         self.finish()?;
         // SAFETY: the caller guarantees the destination, which no queued work uses.
@@ -263,6 +277,11 @@ mod gpu {
     use crate::transport::device::Addr;
 
     impl TrainStream for Arc<Gpu> {
+        unsafe fn zero(&self, dst: Addr, bytes: usize) -> Result<(), DeviceError> {
+            // SAFETY: forwarded from the caller's contract.
+            unsafe { self.zero_at(dst, bytes) }
+        }
+
         unsafe fn write(&self, dst: Addr, src: &[u8]) -> Result<(), DeviceError> {
             // The upload goes after the work queued before it.
             let m = self.mark()?;
@@ -399,11 +418,15 @@ mod tests {
         );
         assert_eq!((&master, &params), (&w_master, &w_params));
         assert_eq!((&m, &v), (&w_m, &w_v));
-        // An upload lands after the work queued before it.
+        // An upload lands after the work queued before it; a zeroing is queued.
         let mut dst = vec![0u8; 8];
         // SAFETY: `dst` is live and used by no queued work.
         unsafe { s.write(addr_mut(&mut dst), &[1, 2, 3, 4, 5, 6, 7, 8]) }.unwrap();
         assert_eq!(dst, [1, 2, 3, 4, 5, 6, 7, 8]);
+        // SAFETY: as above; `finish` waits for the job.
+        unsafe { s.zero(addr_mut(&mut dst) + 2, 4) }.unwrap();
+        s.finish().unwrap();
+        assert_eq!(dst, [1, 2, 0, 0, 0, 0, 7, 8]);
         // Bad input is refused before anything is queued.
         // SAFETY: refused before any access.
         unsafe {

@@ -27,6 +27,24 @@ pub struct AdamAt {
 }
 
 impl Gpu {
+    /// Queue zeroing `bytes` at `dst`.
+    ///
+    /// # Safety
+    /// The range must be live device memory of this context until the work completes.
+    pub unsafe fn zero_at(&self, dst: DevPtr, bytes: usize) -> Result<(), DeviceError> {
+        self.check()?;
+        if bytes == 0 {
+            return Ok(());
+        }
+        // The raw call does not make the context current itself (see `copy_at`).
+        self.ctx
+            .bind_to_thread()
+            .map_err(driver("binding the context"))?;
+        // SAFETY: the caller guarantees the range; the stream belongs to this context.
+        unsafe { cudarc::driver::result::memset_d8_async(dst, 0, bytes, self.stream.cu_stream()) }
+            .map_err(driver("zeroing device memory"))
+    }
+
     /// Queue `dst[..n] = src[..n]` converted from `from` to `to` (f32 ↔ f16/bf16, to nearest
     /// even).
     ///
