@@ -276,15 +276,23 @@ fn device_prefetch_is_real_and_bounded() {
             4 * (len + len / 2),
             "only w1's bucket flies"
         );
+        // Buffers given back are kept for the next micro-step (counted as communication
+        // buffers, by capacity: the largest bucket, or its shard).
+        let cap = part.buckets.iter().map(|b| b.len).max().unwrap();
         e.gather(&["w1"]).unwrap();
         assert_eq!(
             e.memory().comm_buffers,
-            4 * len,
-            "the prefetched bucket, now gathered"
+            4 * (len + cap / 2),
+            "the prefetched bucket, now gathered, and the kept shard copy"
         );
         assert_eq!(e.param_to_host("w1").unwrap()[5], init(0, 5));
         e.release(&["w1"]).unwrap();
-        assert_eq!(e.memory().comm_buffers, 0);
+        assert_eq!(e.memory().comm_buffers, 4 * (cap + cap / 2), "both kept");
+        // Gathering another bucket takes the kept buffer: nothing more is held.
+        e.gather(&["w2"]).unwrap();
+        let w2 = part.buckets[b2].len;
+        assert_eq!(e.memory().comm_buffers, 4 * (w2 + cap / 2));
+        assert_eq!(e.param_to_host("w2").unwrap()[7], init(2, 7));
     });
 }
 

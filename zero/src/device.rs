@@ -70,6 +70,70 @@ impl DevVec {
 /// Collectives on the proxy thread per bucket, with the elements they hold.
 type InFlight = Vec<Option<(Work<(DevVec, DevVec)>, usize)>>;
 
+/// Buffers of one capacity (`cap` elements of `dtype`) kept after use, at most `keep` of them,
+/// for temporaries the engine needs again every micro-step (a bucket's gradients while backward
+/// fills it, a gathered bucket, a reduced shard): on a GPU an allocation is a driver call, a
+/// free waits for the whole device, and under the direct step a new buffer is a new IPC mapping
+/// in every peer.
+struct Spares {
+    dtype: DType,
+    cap: usize,
+    keep: usize,
+    free: Vec<DevVec>,
+}
+
+impl Spares {
+    fn new(dtype: DType, cap: usize, keep: usize) -> Spares {
+        Spares {
+            dtype,
+            cap,
+            keep,
+            free: Vec::new(),
+        }
+    }
+
+    /// A buffer of `elems` (at most `cap`) elements; zeroed where `zeroed` (a new one is).
+    fn take<S: TrainStream>(
+        &mut self,
+        s: &S,
+        elems: usize,
+        zeroed: bool,
+    ) -> Result<DevVec, ZeroError> {
+        assert!(
+            elems <= self.cap,
+            "{elems} elements in buffers of {}",
+            self.cap
+        );
+        let mut v = match self.free.pop() {
+            Some(v) => {
+                if zeroed {
+                    // SAFETY: a kept buffer of `cap ≥ elems` elements, no longer used by work
+                    // queued before (it was given back once that work had ended).
+                    unsafe { s.zero(v.addr, elems * self.dtype.size()) }
+                        .map_err(dev("clearing a kept buffer".into()))?;
+                }
+                v
+            }
+            None => alloc(s, self.dtype, self.cap)?,
+        };
+        v.elems = elems;
+        Ok(v)
+    }
+
+    /// Keep `v` (taken from here, its work ended) for later, or free it when enough are kept.
+    fn give(&mut self, mut v: DevVec) {
+        if self.free.len() < self.keep {
+            v.elems = self.cap;
+            self.free.push(v);
+        }
+    }
+
+    /// Elements held by the kept buffers.
+    fn held(&self) -> usize {
+        self.free.len() * self.cap
+    }
+}
+
 fn dev(context: String) -> impl FnOnce(DeviceError) -> ZeroError {
     move |source| ZeroError::Comm(Error::Device { context, source })
 }
@@ -96,6 +160,12 @@ pub struct DeviceEngine<'c, S: TrainStream + 'static, T: Float = f32> {
     pending: InFlight,
     m: Vec<DevVec>,
     v: Vec<DevVec>,
+    /// Kept bucket-sized buffers (staging, gathered buckets) and shard-sized ones (reduced
+    /// shards, prefetch copies).
+    buckets: Spares,
+    shards: Spares,
+    /// A small buffer for the one-element all-reduces (the norm, the overflow flag).
+    scalar: Option<DevVec>,
     _t: PhantomData<T>,
 }
 
@@ -160,7 +230,17 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
             m.push(alloc(DType::F32, upd(b).len())?);
             v.push(alloc(DType::F32, upd(b).len())?);
         }
+        let cap = part.buckets.iter().map(|b| b.len).max().unwrap_or(0);
+        // Two bucket buffers in steady state (one filling while one reduces, or a gathered
+        // bucket and a prefetched one); a reduced shard per bucket (stage 1 keeps them all
+        // through the step).
+        let buckets = Spares::new(T::DTYPE, cap, 2);
+        let shards = Spares::new(T::DTYPE, cap / n, nb + 1);
+        let scalar = Some(alloc(DType::F64, 1)?);
         Ok(DeviceEngine {
+            buckets,
+            shards,
+            scalar,
             params,
             master,
             gathered: (0..nb).map(|_| None).collect(),
@@ -271,7 +351,7 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
         for (b, held) in start {
             // The proxy thread owns what it gathers from: a copy of the shard, queued before.
             let shard = &self.params[b];
-            let copy = alloc(self.stream(), T::DTYPE, shard.elems)?;
+            let copy = self.shards.take(self.comm.stream(), shard.elems, false)?;
             // SAFETY: both hold the shard's elements of `T`; the all-gather that reads the copy
             // is queued after it on the same stream.
             unsafe {
@@ -279,7 +359,8 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
                     .copy(copy.addr, shard.addr, shard.elems * T::DTYPE.size())
             }
             .map_err(dev("copying a shard to prefetch".into()))?;
-            let full = alloc(self.stream(), T::DTYPE, self.led.part.buckets[b].len)?;
+            let len = self.led.part.buckets[b].len;
+            let full = self.buckets.take(self.comm.stream(), len, false)?;
             self.inflight[b] = Some((self.comm.all_gather_async(copy, full), held));
         }
         Ok(())
@@ -294,9 +375,14 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
         };
         for b in buckets {
             let full = match self.inflight[b].take() {
-                Some((w, _)) => w.wait()?.1,
+                Some((w, _)) => {
+                    let (copy, full) = w.wait()?;
+                    self.shards.give(copy);
+                    full
+                }
                 None => {
-                    let mut full = alloc(self.stream(), T::DTYPE, self.led.part.buckets[b].len)?;
+                    let len = self.led.part.buckets[b].len;
+                    let mut full = self.buckets.take(self.comm.stream(), len, false)?;
                     self.comm.all_gather(&self.params[b], &mut full)?;
                     full
                 }
@@ -315,7 +401,9 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
         };
         self.sync("releasing gathered parameters")?;
         for b in buckets {
-            self.gathered[b] = None;
+            if let Some(full) = self.gathered[b].take() {
+                self.buckets.give(full);
+            }
         }
         Ok(())
     }
@@ -343,7 +431,7 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
         let b = s.bucket;
         let blen = self.led.part.buckets[b].len;
         if self.led.cfg.stage >= 2 && self.staging[b].is_none() {
-            self.staging[b] = Some(alloc(self.stream(), T::DTYPE, blen)?);
+            self.staging[b] = Some(self.buckets.take(self.comm.stream(), blen, true)?);
         }
         let dst = match &self.staging[b] {
             Some(full) if self.led.cfg.stage >= 2 => full.at(s.offset),
@@ -361,7 +449,9 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
         self.led.pushed[i] = true;
         if self.led.cfg.stage >= 2 && self.led.bucket_full(b) {
             let full = self.staging[b].take().expect("filled above");
-            let mut shard = alloc(self.stream(), T::DTYPE, blen / self.led.part.world)?;
+            let mut shard =
+                self.shards
+                    .take(self.comm.stream(), blen / self.led.part.world, false)?;
             if self.led.cfg.overlap_comm {
                 let held = full.elems + shard.elems;
                 self.pending[b] = Some((
@@ -371,6 +461,8 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
             } else {
                 self.comm.reduce_scatter(&full, &mut shard, ReduceOp::Avg)?;
                 self.accumulate(b, &shard)?;
+                self.buckets.give(full);
+                self.shards.give(shard);
             }
         }
         Ok(())
@@ -396,8 +488,10 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
         // Reduce-scatters still in flight belong to this micro-step.
         for b in 0..self.pending.len() {
             if let Some((w, _)) = self.pending[b].take() {
-                let (_full, shard) = w.wait()?;
+                let (full, shard) = w.wait()?;
                 self.accumulate(b, &shard)?;
+                self.buckets.give(full);
+                self.shards.give(shard);
             }
         }
         if !boundary {
@@ -405,9 +499,11 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
         }
         self.led.micro = 0;
         // Prefetches of pre-step values would go stale: finish and drop them.
-        for f in &mut self.inflight {
+        for f in self.inflight.iter_mut() {
             if let Some((w, _)) = f.take() {
-                w.wait()?;
+                let (copy, full) = w.wait()?;
+                self.shards.give(copy);
+                self.buckets.give(full);
             }
         }
         let (stage, n) = (self.led.cfg.stage, self.led.part.world);
@@ -420,8 +516,8 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
                     .comm
                     .all_reduce_in_place(&mut self.grads[b], ReduceOp::Avg)?,
                 1 => {
-                    let mut shard =
-                        alloc(self.stream(), T::DTYPE, self.led.part.buckets[b].len / n)?;
+                    let len = self.led.part.buckets[b].len / n;
+                    let mut shard = self.shards.take(self.comm.stream(), len, false)?;
                     self.comm
                         .reduce_scatter(&self.grads[b], &mut shard, ReduceOp::Avg)?;
                     *r = Some(shard);
@@ -430,8 +526,11 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
             }
         }
         let outcome = self.update(&red).and_then(|o| self.finish_step(o));
-        // `red` goes now: the work reading it ends first, whatever happened.
+        // `red` goes back now: the work reading it ends first, whatever happened.
         let synced = self.sync("the optimizer step");
+        if synced.is_ok() {
+            red.into_iter().flatten().for_each(|r| self.shards.give(r));
+        }
         let outcome = outcome?;
         synced?;
         Ok(outcome)
@@ -460,19 +559,30 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
         x: E,
         op: ReduceOp,
     ) -> Result<E, ZeroError> {
-        let mut buf = alloc(self.stream(), E::DTYPE, 1)?;
-        // SAFETY: `buf` is a fresh allocation of one `E`, used by no work.
-        unsafe { self.stream().write(buf.addr, bytemuck::bytes_of(&x)) }
-            .map_err(dev("uploading a scalar".into()))?;
-        self.comm.all_reduce_in_place(&mut buf, op)?;
-        let mut out = E::zeroed();
-        // SAFETY: `buf` holds one `E`.
-        unsafe {
-            self.stream()
-                .read(bytemuck::bytes_of_mut(&mut out), buf.addr)
-        }
-        .map_err(dev("reading a scalar".into()))?;
-        Ok(out)
+        // The kept 8-byte buffer, as one `E` (at most 8 bytes: f64 or u8 here).
+        assert!(E::DTYPE.size() <= 8);
+        let mut buf = self
+            .scalar
+            .take()
+            .expect("the scalar buffer is put back after each use");
+        buf.dtype = E::DTYPE;
+        let r = (|| {
+            // SAFETY: `buf` holds 8 bytes and no queued work uses it (each use ends in a read,
+            // which waits for the stream).
+            unsafe { self.stream().write(buf.addr, bytemuck::bytes_of(&x)) }
+                .map_err(dev("uploading a scalar".into()))?;
+            self.comm.all_reduce_in_place(&mut buf, op)?;
+            let mut out = E::zeroed();
+            // SAFETY: `buf` holds one `E`.
+            unsafe {
+                self.stream()
+                    .read(bytemuck::bytes_of_mut(&mut out), buf.addr)
+            }
+            .map_err(dev("reading a scalar".into()))?;
+            Ok(out)
+        })();
+        self.scalar = Some(buf);
+        r
     }
 
     /// The optimizer half of a boundary step, on reduced gradients (stage 1: `red`).
@@ -623,7 +733,9 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
             comm_buffers: (held(&self.staging)
                 + held(&self.gathered)
                 + flying(&self.inflight)
-                + flying(&self.pending))
+                + flying(&self.pending)
+                + self.buckets.held()
+                + self.shards.held())
                 * sz,
         }
     }
