@@ -349,6 +349,57 @@ fn checkpoints_move_between_the_device_and_the_host_engine() {
     });
 }
 
+/// Hybrid sharding on device communicators (four thread ranks, two groups of two): bit for bit
+/// the host engine's hybrid sharding, every stage; a checkpoint the device groups save loads
+/// into the host groups; replicas holding different shards are refused on every rank.
+#[test]
+fn device_hybrid_sharding_matches_the_host_engines() {
+    let root = crate::common::fresh_dir("zero-device-hybrid");
+    threads(4, &Opts::default(), |rank, world| {
+        let world = world.unwrap();
+        let (shard, rep) = ringzero_zero::hybrid_groups(&world, 2).unwrap();
+        let mut ds = DeviceComm::new(&shard, HostStream::new()).unwrap();
+        let mut dr = DeviceComm::new(&rep, HostStream::new()).unwrap();
+        let sp = specs();
+        for (k, stage) in (0..=3u8).enumerate() {
+            let c = ZeroConfig {
+                shard_size: Some(2),
+                ..cfg_in(Precision::Bf16, stage, Some(0.5))
+            };
+            let mut h = Engine::<bf16>::new_hybrid(&shard, &rep, &sp, &init, c.clone()).unwrap();
+            let mut d =
+                DeviceEngine::<_, bf16>::new_hybrid(&mut ds, &mut dr, &sp, &init, c.clone())
+                    .unwrap();
+            assert_eq!(
+                train(&mut h, rank, 0, 3),
+                train(&mut d, rank, 0, 3),
+                "stage {stage}"
+            );
+            assert_eq!(values(&mut h), values(&mut d), "stage {stage}");
+            let dir = root.join(format!("stage{k}"));
+            d.save_checkpoint(&dir, serde_json::Value::Null).unwrap();
+            let mut h2 = Engine::<bf16>::new_hybrid(&shard, &rep, &sp, &init, c).unwrap();
+            assert_eq!(h2.load_checkpoint(&dir).unwrap().step, 3);
+            assert_eq!(h2.consolidate().unwrap(), d.consolidate().unwrap());
+        }
+        // Replicas holding different shards: shard groups {0,1} and {2,3} but replica groups
+        // {0,3} and {1,2} (colors by rank parity, ordered so 0 and 3 pair).
+        let bad = world
+            .split(Some(u32::from(rank == 0 || rank == 3)), rank as u32)
+            .unwrap()
+            .unwrap();
+        let mut db = DeviceComm::new(&bad, HostStream::new()).unwrap();
+        let c = cfg_in(Precision::Fp32, 2, None);
+        let e = DeviceEngine::<_, f32>::new_hybrid(&mut ds, &mut db, &sp, &init, c)
+            .err()
+            .expect("refused");
+        assert!(
+            e.to_string().contains("hybrid sharding"),
+            "rank {rank}: {e}"
+        );
+    });
+}
+
 #[test]
 fn bad_input_to_the_device_engine_is_refused_and_changes_nothing() {
     threads(2, &Opts::default(), |_, comm| {
@@ -393,15 +444,18 @@ fn bad_input_to_the_device_engine_is_refused_and_changes_nothing() {
         assert!(matches!(e.release(&["b2"]), Err(ZeroError::NotGathered(_))));
         e.release(&["w1"]).unwrap();
         assert_eq!(before, e.consolidate().unwrap());
-        // Hybrid sharding is the host engine's.
+        // A config that shards over groups is not for `new`.
         drop(e);
         let c = ZeroConfig {
-            shard_size: Some(2),
+            shard_size: Some(1),
             ..cfg_in(Precision::Fp32, 3, None)
         };
         let err = DeviceEngine::<_, f32>::new(&mut dc, &sp, &init, c)
             .err()
             .expect("refused");
-        assert!(err.to_string().contains("host buffers only"), "{err}");
+        assert!(
+            err.to_string().contains("DeviceEngine::new_hybrid"),
+            "{err}"
+        );
     });
 }

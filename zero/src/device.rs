@@ -11,9 +11,9 @@
 //!
 //! With `overlap_comm` a full bucket's reduce-scatter, and with `stage3_prefetch_bucket_size` a
 //! prefetched bucket's all-gather, run on the communicator's proxy thread while the trainer goes
-//! on. Checkpoints are the host engine's format (either engine loads the other's). What it does
-//! not do (yet): hybrid sharding and the `allgather_bucket_size` pieces (each bucket is
-//! all-gathered in one call).
+//! on. Checkpoints are the host engine's format (either engine loads the other's), and hybrid
+//! sharding runs over two device communicators ([`DeviceEngine::new_hybrid`]). What it does not
+//! do (yet): the `allgather_bucket_size` pieces (each bucket is all-gathered in one call).
 
 use std::any::Any;
 use std::marker::PhantomData;
@@ -27,7 +27,7 @@ use ringzero_kernels::DeviceError;
 
 use crate::config::ZeroConfig;
 use crate::engine::{Memory, StepOutcome, ZeroError};
-use crate::ledger::{clip_factor, layout, update_range, Ledger};
+use crate::ledger::{clip_factor, hybrid, layout, update_range, Ledger};
 use crate::partition::{ParamSpec, Partition};
 
 mod persist;
@@ -142,6 +142,8 @@ fn dev(context: String) -> impl FnOnce(DeviceError) -> ZeroError {
 /// API of [`crate::Engine`], with device buffers where that takes host slices.
 pub struct DeviceEngine<'c, S: TrainStream + 'static, T: Float = f32> {
     comm: &'c mut DeviceComm<S>,
+    /// Hybrid sharding: the ranks that hold the same shard in the other shard groups.
+    replicas: Option<&'c mut DeviceComm<S>>,
     /// The layout, the configuration and the step's bookkeeping.
     led: Ledger,
     /// Per bucket: the whole bucket (stages 0–2) or this rank's shard (stage 3), in `T`.
@@ -171,22 +173,57 @@ pub struct DeviceEngine<'c, S: TrainStream + 'static, T: Float = f32> {
 
 impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
     /// An engine for `specs` on `comm`, every parameter element initialised by `init(param index,
-    /// element index)` (the same function on every rank), as [`crate::Engine::new`]. Hybrid
-    /// sharding (`mics_shard_size`) is refused: it runs on host buffers only.
+    /// element index)` (the same function on every rank), as [`crate::Engine::new`].
     pub fn new(
         comm: &'c mut DeviceComm<S>,
         specs: &[ParamSpec],
         init: &dyn Fn(usize, usize) -> f32,
         cfg: ZeroConfig,
     ) -> Result<DeviceEngine<'c, S, T>, ZeroError> {
-        let (n, rank) = (comm.size(), comm.rank());
-        if cfg.shard_size.is_some() {
-            return Err(ZeroError::Config(
-                "hybrid sharding (mics_shard_size) runs on host buffers only (Engine::new_hybrid)"
-                    .into(),
-            ));
+        if let Some(s) = cfg.shard_size.filter(|&s| s != comm.size()) {
+            return Err(ZeroError::Config(format!(
+                "the config shards over groups of {s} ranks (mics_shard_size) but \
+                 DeviceEngine::new shards over all {} ranks of its communicator: build device \
+                 communicators on ringzero_zero::hybrid_groups' two and the engine with \
+                 DeviceEngine::new_hybrid",
+                comm.size()
+            )));
         }
-        let (part, full) = layout::<T>(&cfg, specs, init, n, n)?;
+        Self::build(comm, None, specs, init, cfg)
+    }
+
+    /// Hybrid sharding, as [`crate::Engine::new_hybrid`]: model states sharded over `shard`
+    /// and replicated over `replicas` (device communicators on the two that
+    /// [`crate::hybrid_groups`] splits off), gradients averaged over `replicas` once per
+    /// optimizer step. Every rank of `replicas` must hold the same shard (checked; every rank
+    /// fails alike if not).
+    pub fn new_hybrid(
+        shard: &'c mut DeviceComm<S>,
+        replicas: &'c mut DeviceComm<S>,
+        specs: &[ParamSpec],
+        init: &dyn Fn(usize, usize) -> f32,
+        cfg: ZeroConfig,
+    ) -> Result<DeviceEngine<'c, S, T>, ZeroError> {
+        hybrid::shard_size_matches(&cfg, shard.size())?;
+        let mine = hybrid::record(shard.rank(), shard.size());
+        let all = all_gather_host(replicas, &mine)?;
+        let odd = hybrid::disagreement(mine, &all, replicas.rank());
+        // Every shard group learns whether any of its ranks' replica groups disagreed.
+        let bad = all_gather_host(shard, &[u8::from(odd.is_some())])?;
+        hybrid::verdict(odd, bad.into_iter().max().unwrap_or(0))?;
+        Self::build(shard, Some(replicas), specs, init, cfg)
+    }
+
+    fn build(
+        comm: &'c mut DeviceComm<S>,
+        replicas: Option<&'c mut DeviceComm<S>>,
+        specs: &[ParamSpec],
+        init: &dyn Fn(usize, usize) -> f32,
+        cfg: ZeroConfig,
+    ) -> Result<DeviceEngine<'c, S, T>, ZeroError> {
+        let (n, rank) = (comm.size(), comm.rank());
+        let world = n * replicas.as_ref().map_or(1, |r| r.size());
+        let (part, full) = layout::<T>(&cfg, specs, init, n, world)?;
         let stage = cfg.stage;
         let nb = part.buckets.len();
         let upd = |b: usize| update_range(&part, stage, rank, b);
@@ -252,6 +289,7 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
             v,
             led: Ledger::new(part, cfg, rank),
             comm,
+            replicas,
             _t: PhantomData,
         })
     }
@@ -525,6 +563,18 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
                 _ => {}
             }
         }
+        if let Some(rep) = self.replicas.as_deref_mut() {
+            // Hybrid sharding: the shard group's average, averaged over the replicas (every
+            // replica ends bit-identical, so each computes the same norm and update below).
+            let reduced: Vec<&mut DevVec> = if stage == 1 {
+                red.iter_mut().flatten().collect()
+            } else {
+                self.grads.iter_mut().collect()
+            };
+            for g in reduced {
+                rep.all_reduce_in_place(g, ReduceOp::Avg)?;
+            }
+        }
         let outcome = self.update(&red).and_then(|o| self.finish_step(o));
         // `red` goes back now: the work reading it ends first, whatever happened.
         let synced = self.sync("the optimizer step");
@@ -762,4 +812,27 @@ fn alloc<S: TrainStream>(s: &S, dtype: DType, elems: usize) -> Result<DevVec, Ze
         dtype,
         _keep: keep,
     })
+}
+
+/// Every rank's `mine` (the same length on every rank) over `dc`, on the host: staged through
+/// device buffers of `dc`'s stream.
+fn all_gather_host<S: TrainStream + 'static, E: ringzero_kernels::Element>(
+    dc: &mut DeviceComm<S>,
+    mine: &[E],
+) -> Result<Vec<E>, ZeroError> {
+    let n = dc.size();
+    let send = alloc(dc.stream(), E::DTYPE, mine.len())?;
+    let mut recv = alloc(dc.stream(), E::DTYPE, mine.len() * n)?;
+    // SAFETY: a fresh allocation of `mine.len()` elements of `E`, used by no work.
+    unsafe { dc.stream().write(send.addr, bytemuck::cast_slice(mine)) }
+        .map_err(dev("uploading a record".into()))?;
+    dc.all_gather(&send, &mut recv)?;
+    let mut all = vec![E::zeroed(); mine.len() * n];
+    // SAFETY: `recv` holds `mine.len() × n` elements of `E`.
+    unsafe {
+        dc.stream()
+            .read(bytemuck::cast_slice_mut(&mut all), recv.addr)
+    }
+    .map_err(dev("reading the records".into()))?;
+    Ok(all)
 }

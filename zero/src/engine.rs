@@ -40,7 +40,7 @@ use ringzero_collectives::{Algo, Communicator, ReduceOp, Work};
 use ringzero_kernels::cpu::{adamw_mixed, all_finite, cast, reduce_into_typed, sq_norm, Float};
 
 use crate::config::ZeroConfig;
-use crate::ledger::{clip_factor, layout, update_range, Ledger};
+use crate::ledger::{clip_factor, hybrid, layout, update_range, Ledger};
 use crate::partition::{ParamSpec, Partition};
 
 pub(crate) mod persist;
@@ -288,46 +288,15 @@ impl<'c, T: Float> Engine<'c, T> {
         init: &dyn Fn(usize, usize) -> f32,
         cfg: ZeroConfig,
     ) -> Result<Engine<'c, T>, ZeroError> {
-        if let Some(s) = cfg.shard_size.filter(|&s| s != shard.size()) {
-            return Err(ZeroError::Config(format!(
-                "the config shards over groups of {s} ranks (mics_shard_size) but the shard \
-                 communicator has {} ranks",
-                shard.size()
-            )));
-        }
-        let mine = [shard.rank() as i64, shard.size() as i64];
+        hybrid::shard_size_matches(&cfg, shard.size())?;
+        let mine = hybrid::record(shard.rank(), shard.size());
         let mut all = vec![0i64; 2 * replicas.size()];
         replicas.all_gather(&mine, &mut all)?;
-        let odd = all
-            .chunks_exact(2)
-            .enumerate()
-            .find(|(_, c)| c[..] != mine[..])
-            .map(|(k, c)| {
-                format!(
-                    "hybrid sharding: replica {k} holds shard rank {} of {} but this rank (replica \
-                     {}) holds shard rank {} of {}; every rank of `replicas` must hold the same \
-                     shard",
-                    c[0],
-                    c[1],
-                    replicas.rank(),
-                    mine[0],
-                    mine[1]
-                )
-            });
+        let odd = hybrid::disagreement(mine, &all, replicas.rank());
         // Every shard group learns whether any of its ranks' replica groups disagreed.
         let mut bad = [u8::from(odd.is_some())];
         shard.all_reduce_in_place(&mut bad, ReduceOp::Max)?;
-        match (odd, bad[0]) {
-            (Some(why), _) => return Err(ZeroError::Config(why)),
-            (None, 0) => {}
-            (None, _) => {
-                return Err(ZeroError::Config(
-                    "hybrid sharding: another rank of this shard group found its replicas \
-                     holding different shards (its error says which)"
-                        .into(),
-                ))
-            }
-        }
+        hybrid::verdict(odd, bad[0])?;
         Self::build(shard, Some(replicas), specs, init, cfg)
     }
 

@@ -264,3 +264,56 @@ pub(crate) fn update_range(
 pub(crate) fn clip_factor(clip_norm: Option<f32>, grad_norm: f64) -> f32 {
     clip_norm.map_or(1.0, |c| ((c as f64) / (grad_norm + 1e-6)).min(1.0) as f32)
 }
+
+/// Hybrid sharding's construction checks, the same for both engines: every rank of a replica
+/// group must hold the same shard (the same rank of shard groups of the same size).
+pub(crate) mod hybrid {
+    use crate::config::ZeroConfig;
+    use crate::engine::ZeroError;
+
+    /// Refuse a config whose `mics_shard_size` is not the shard group's size.
+    pub(crate) fn shard_size_matches(cfg: &ZeroConfig, size: usize) -> Result<(), ZeroError> {
+        match cfg.shard_size.filter(|&s| s != size) {
+            Some(s) => Err(ZeroError::Config(format!(
+                "the config shards over groups of {s} ranks (mics_shard_size) but the shard \
+                 communicator has {size} ranks"
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// What a rank tells its replicas: its shard rank and the shard group's size.
+    pub(crate) fn record(rank: usize, size: usize) -> [i64; 2] {
+        [rank as i64, size as i64]
+    }
+
+    /// Why the replicas' records (`all`, all-gathered) disagree with this rank's (`mine`,
+    /// replica `me`), if they do.
+    pub(crate) fn disagreement(mine: [i64; 2], all: &[i64], me: usize) -> Option<String> {
+        all.chunks_exact(2)
+            .enumerate()
+            .find(|(_, c)| c[..] != mine[..])
+            .map(|(k, c)| {
+                format!(
+                    "hybrid sharding: replica {k} holds shard rank {} of {} but this rank (replica \
+                     {me}) holds shard rank {} of {}; every rank of `replicas` must hold the same \
+                     shard",
+                    c[0], c[1], mine[0], mine[1]
+                )
+            })
+    }
+
+    /// This rank's finding (`odd`) and whether any rank of its shard group had one (`bad`, the
+    /// group's max): every rank of the group fails alike.
+    pub(crate) fn verdict(odd: Option<String>, bad: u8) -> Result<(), ZeroError> {
+        match (odd, bad) {
+            (Some(why), _) => Err(ZeroError::Config(why)),
+            (None, 0) => Ok(()),
+            (None, _) => Err(ZeroError::Config(
+                "hybrid sharding: another rank of this shard group found its replicas holding \
+                 different shards (its error says which)"
+                    .into(),
+            )),
+        }
+    }
+}

@@ -8,7 +8,7 @@ use std::path::Path;
 use ringzero_collectives::{DType, TrainStream};
 use ringzero_kernels::cpu::Float;
 
-use super::{alloc, dev, DevVec, DeviceEngine};
+use super::{all_gather_host, dev, DevVec, DeviceEngine};
 use crate::checkpoint::Meta;
 use crate::engine::persist::{self, Payload, Persist};
 use crate::engine::ZeroError;
@@ -42,25 +42,24 @@ impl<S: TrainStream + 'static, T: Float> Persist for DeviceEngine<'_, S, T> {
             read(&self.v[b], whole_state)?,
         ])
     }
+    fn writes(&self) -> bool {
+        self.replicas.as_ref().is_none_or(|r| r.rank() == 0)
+    }
     fn agree(
         &mut self,
         local: Result<Payload, ZeroError>,
         what: &str,
     ) -> Result<Vec<Payload>, ZeroError> {
-        const REC: usize = persist::REC;
         let n = self.led.part.world;
-        let mine = persist::record(&local);
-        let send = alloc(self.stream(), DType::U8, REC)?;
-        let mut recv = alloc(self.stream(), DType::U8, REC * n)?;
-        // SAFETY: a fresh allocation of REC bytes, used by no work.
-        unsafe { self.stream().write(send.addr, &mine) }
-            .map_err(dev("uploading an agreement record".into()))?;
-        self.comm.all_gather(&send, &mut recv)?;
-        let mut all = vec![0u8; REC * n];
-        // SAFETY: `recv` holds REC × n bytes.
-        unsafe { self.stream().read(&mut all, recv.addr) }
-            .map_err(dev("reading the agreement records".into()))?;
-        persist::agreed(local, &all, n, what)
+        let all = all_gather_host(self.comm, &persist::record(&local))?;
+        // Hybrid sharding: then every shard group's verdict, before any rank returns.
+        let groups = match self.replicas.as_deref_mut() {
+            Some(rep) => all_gather_host(rep, &[u8::from(persist::all_succeeded(&all, n))])?,
+            None => Vec::new(),
+        };
+        let payloads = persist::agreed(local, &all, n, what)?;
+        persist::replicas_agreed(&groups, what)?;
+        Ok(payloads)
     }
 }
 

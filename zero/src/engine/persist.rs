@@ -243,6 +243,27 @@ pub(crate) fn agreed(
         .collect())
 }
 
+/// Hybrid sharding: after a round in this shard group succeeded, every shard group's verdict
+/// (`groups`, one byte each, all-gathered over the replicas; empty without hybrid sharding):
+/// [`ZeroError::ReplicaFailed`] naming the groups that failed.
+pub(crate) fn replicas_agreed(groups: &[u8], what: &str) -> Result<(), ZeroError> {
+    let failed: Vec<usize> = (0..groups.len()).filter(|&k| groups[k] == 0).collect();
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        Err(ZeroError::ReplicaFailed {
+            what: what.to_string(),
+            replicas: failed,
+        })
+    }
+}
+
+/// Whether every rank's record in `all` says it succeeded.
+pub(crate) fn all_succeeded(all: &[u8], n: usize) -> bool {
+    let rec = all.len() / n;
+    (0..n).all(|r| all[r * rec] != 0)
+}
+
 /// Whether a checkpoint's scaler state resumes here: fp16 to fp16.
 pub(crate) fn resumes_scaler(meta: &Meta) -> bool {
     meta.precision == Precision::Fp16.to_string()
@@ -394,13 +415,7 @@ impl<T: Float> Engine<'_, T> {
             None => Vec::new(),
         };
         let payloads = agreed(local, &all, n, what)?;
-        let groups: Vec<usize> = (0..groups.len()).filter(|&k| groups[k] == 0).collect();
-        if !groups.is_empty() {
-            return Err(ZeroError::ReplicaFailed {
-                what: what.to_string(),
-                replicas: groups,
-            });
-        }
+        replicas_agreed(&groups, what)?;
         Ok(payloads)
     }
 }
