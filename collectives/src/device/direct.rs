@@ -306,20 +306,17 @@ impl Direct {
         }
         // This rank writes no more (its drain waited for its kernel, or it never launched one).
         self.board.done(seq);
-        let settled = if stream.memory_outlives_work() {
-            // Device memory stays valid while another rank's mapping writes it: the usual
-            // bounded wait.
-            match &outcome {
-                Ok(_) => self.wait(call, 3, "finish writing into this rank's buffers"),
-                Err(_) => self.board.settle(seq, Some(call.timeout)).map_err(|s| {
-                    self.stalled(call, 3, "finish writing into this rank's buffers", s)
-                }),
-            }
-        } else {
+        let doing = "finish writing into this rank's buffers";
+        let settled = match (stream.memory_outlives_work(), &outcome) {
+            // Device memory stays valid while another rank's mapping writes it: after the
+            // direct step, the usual bounded wait; after the ring's verdict or a failure, none.
+            (true, Ok(true)) => self.wait(call, 3, doing),
+            (true, _) => Ok(()),
             // Host memory: no return while another rank may still write it.
-            self.board
-                .settle(seq, None)
-                .map_err(|s| self.stalled(call, 3, "finish writing into this rank's buffers", s))
+            (false, _) => self
+                .board
+                .settle(seq)
+                .map_err(|s| self.stalled(call, 3, doing, s)),
         };
         if !outcome? {
             return Ok(None);

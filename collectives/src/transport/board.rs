@@ -358,15 +358,14 @@ impl Board {
     /// After this rank published step 3 of call `seq` (and, failing, retracted its verdict):
     /// wait until no other rank may still write into its buffers for that call — each has
     /// published step 3, or had not published step 2 when this rank looked (it will read the
-    /// retraction), or is gone. With a `deadline` (device memory that outlives the work) a
-    /// rank still writing then is a [`Stall::Timeout`]; without one (host memory) the wait
-    /// lasts as long as the others' writes, which always end.
-    pub fn settle(&self, seq: u64, deadline: Option<Duration>) -> std::result::Result<(), Stall> {
+    /// retraction), or is gone ([`Stall::Lost`]). No deadline: host memory must outlive the
+    /// others' writes, and those always end (every rank that published a verdict publishes
+    /// step 3 once it writes no more).
+    pub fn settle(&self, seq: u64) -> std::result::Result<(), Stall> {
         let (decided, done) = (Self::phase(seq, 2), Self::phase(seq, 3));
         let mut waiter = super::wait::Waiter::device();
-        let start = Instant::now();
         let mut health = Instant::now();
-        let max = deadline.unwrap_or(crate::ring::engine::HEALTH_EVERY);
+        let every = crate::ring::engine::HEALTH_EVERY;
         loop {
             let writing = (0..self.ranks).filter(|&q| q != self.rank).find(|&q| {
                 let p = self.u64(self.record(q) + R_PHASE).load(Ordering::SeqCst);
@@ -375,16 +374,13 @@ impl Board {
             let Some(q) = writing else {
                 return Ok(());
             };
-            if health.elapsed() >= crate::ring::engine::HEALTH_EVERY {
+            if health.elapsed() >= every {
                 health = Instant::now();
                 if let Some(lost) = self.gone(q) {
                     return Err(lost);
                 }
             }
-            if deadline.is_some_and(|d| start.elapsed() >= d) {
-                return Err(Stall::Timeout { rank: q });
-            }
-            waiter.idle(max);
+            waiter.idle(every);
         }
     }
 

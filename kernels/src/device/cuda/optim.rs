@@ -32,14 +32,10 @@ impl Gpu {
     /// # Safety
     /// The range must be live device memory of this context until the work completes.
     pub unsafe fn zero_at(&self, dst: DevPtr, bytes: usize) -> Result<(), DeviceError> {
-        self.check()?;
         if bytes == 0 {
-            return Ok(());
+            return self.check();
         }
-        // The raw call does not make the context current itself (see `copy_at`).
-        self.ctx
-            .bind_to_thread()
-            .map_err(driver("binding the context"))?;
+        self.for_raw_calls()?;
         // SAFETY: the caller guarantees the range; the stream belongs to this context.
         unsafe { cudarc::driver::result::memset_d8_async(dst, 0, bytes, self.stream.cu_stream()) }
             .map_err(driver("zeroing device memory"))

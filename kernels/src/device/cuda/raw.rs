@@ -658,18 +658,23 @@ impl Gpu {
         src: DevPtr,
         bytes: usize,
     ) -> Result<(), DeviceError> {
-        self.check()?;
         if bytes == 0 {
-            return Ok(());
+            return self.check();
         }
-        // The raw call does not make the context current itself, and the calling thread may be
-        // a communicator's proxy thread that has never used this device.
-        self.ctx
-            .bind_to_thread()
-            .map_err(driver("binding the context"))?;
+        self.for_raw_calls()?;
         // SAFETY: the caller guarantees both ranges; the stream belongs to this context.
         unsafe { result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }
             .map_err(driver("copying device to device"))
+    }
+
+    /// Before a raw driver call on the compute stream: no earlier error, and this device's
+    /// context current on the calling thread (the raw calls do not make it current themselves,
+    /// and the thread may be a communicator's proxy thread that has never used this device).
+    pub(super) fn for_raw_calls(&self) -> Result<(), DeviceError> {
+        self.check()?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(driver("binding the context"))
     }
 
     /// Let this device's context address `peer`'s memory (`cuCtxEnablePeerAccess`); enabling it
