@@ -184,6 +184,31 @@ fn device_edges_report_host_staging_and_why_and_move_the_ring_volume() {
                             0,
                             "mapped staging copies nothing"
                         );
+                        // All-to-all: each block goes its distance round the ring, 1 + 2 hops
+                        // for n = 3: (n−1)/2 of the buffer over every link, in place or not.
+                        let send: Vec<f32> =
+                            (0..count).map(|i| (i + rank * count) as f32).collect();
+                        for in_place in [false, true] {
+                            let before = dc.counters().bytes_sent;
+                            let mut recv = vec![0.0f32; count];
+                            if in_place {
+                                recv.copy_from_slice(&send);
+                                dc.all_to_all_in_place(&mut recv[..]).unwrap();
+                            } else {
+                                dc.all_to_all(&send[..], &mut recv[..]).unwrap();
+                            }
+                            let b = count / n;
+                            for (i, v) in recv.iter().enumerate() {
+                                let (q, e) = (i / b, i % b);
+                                assert_eq!(*v, (q * count + rank * b + e) as f32, "element {i}");
+                            }
+                            let sent = dc.counters().bytes_sent - before;
+                            assert_eq!(
+                                sent as usize,
+                                (n - 1) * count / 2 * 4,
+                                "in place {in_place}"
+                            );
+                        }
                     })
                 })
                 .collect();
@@ -319,6 +344,39 @@ fn bad_device_calls_are_refused_and_mismatched_calls_name_both() {
         assert!(e.to_string().contains("recv has 4 elements, 10"), "{e}");
         let e = dc.ring_shift(&send[..], &mut b[..]).unwrap_err();
         assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+        // All-to-all: one block per rank, send and recv alike; nothing is written.
+        let (odd, mut odd_out) = ([1.0f32; 9], [5.0f32; 9]);
+        let e = dc.all_to_all(&odd[..], &mut odd_out[..]).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("9 elements, not a multiple of the world size 2"),
+            "{e}"
+        );
+        let e = dc.all_to_all_in_place(&mut odd_out[..]).unwrap_err();
+        assert!(
+            e.to_string().contains("not a multiple of the world size 2"),
+            "{e}"
+        );
+        assert_eq!(odd_out, [5.0; 9], "a refused all-to-all wrote its buffer");
+        let e = dc.all_to_all(&send[..], &mut b[..]).unwrap_err();
+        assert!(e.to_string().contains("recv has 4 elements, 10"), "{e}");
+        // Raw calls of what device buffers cannot run are refused by name.
+        let none = ringzero::ring::device_engine::DevBufs::One { buf: 0, bytes: 0 };
+        // SAFETY: refused before any address is used.
+        let e = unsafe {
+            dc.run_raw(
+                Collective::Gather { root: 0 },
+                DType::F32,
+                ReduceOp::Sum,
+                0,
+                none,
+            )
+        }
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("gather runs on host buffers only"),
+            "{e}"
+        );
         // Refused calls used no sequence number: the ranks are still in step.
         let mut out = vec![0.0f32; 10];
         dc.all_reduce(&send[..], &mut out[..], ReduceOp::Sum)

@@ -106,6 +106,37 @@ fn a_direct_all_reduce_writes_its_chunk_into_every_other_rank_and_sends_no_frame
     });
 }
 
+/// A direct all-to-all pulls every block into the rank's own output: no frame, nothing written
+/// into another rank's buffer; in place it sends from the communicator's kept copy.
+#[test]
+fn a_direct_all_to_all_pulls_its_blocks_and_writes_no_other_rank() {
+    let n = 3;
+    let b = 10_007usize;
+    threads(n, &direct(), |rank, comm| {
+        let comm = comm.unwrap();
+        let mut dc = device_comm(&comm);
+        let send: Vec<f32> = (0..n * b).map(|i| (i + rank * n * b) as f32).collect();
+        let before = dc.counters();
+        for in_place in [false, true, true] {
+            let mut recv = vec![0.0f32; n * b];
+            if in_place {
+                recv.copy_from_slice(&send);
+                dc.all_to_all_in_place(&mut recv[..]).unwrap();
+            } else {
+                dc.all_to_all(&send[..], &mut recv[..]).unwrap();
+            }
+            for (i, v) in recv.iter().enumerate() {
+                let (q, e) = (i / b, i % b);
+                assert_eq!(*v, (q * n * b + rank * b + e) as f32, "element {i}");
+            }
+        }
+        let after = dc.counters();
+        assert_eq!(after.bytes_sent, before.bytes_sent, "went round the ring");
+        assert_eq!(after.frames_sent, before.frames_sent);
+        assert_eq!(after.bytes_direct, before.bytes_direct, "wrote into a peer");
+    });
+}
+
 /// Auto keeps the ring on the host stream (direct is for ranks sharing one GPU); `ring` keeps it
 /// everywhere; `direct` where peers may not map each other is refused at set-up with the reason.
 #[test]

@@ -169,13 +169,8 @@ pub trait Colls {
     fn ring_shift<T: Element>(&mut self, s: &[T], r: &mut [T]) -> Result<()>;
     fn ring_shift_in_place<T: Element>(&mut self, b: &mut [T]) -> Result<()>;
     fn barrier(&mut self) -> Result<()>;
-    /// Host communicators only; the device communicator has no all-to-all, and says so.
-    fn all_to_all<T: Element>(&mut self, _s: &[T], _r: &mut [T]) -> Result<()> {
-        Err(no_all_to_all())
-    }
-    fn all_to_all_in_place<T: Element>(&mut self, _b: &mut [T]) -> Result<()> {
-        Err(no_all_to_all())
-    }
+    fn all_to_all<T: Element>(&mut self, s: &[T], r: &mut [T]) -> Result<()>;
+    fn all_to_all_in_place<T: Element>(&mut self, b: &mut [T]) -> Result<()>;
     /// Host communicators only, as all-to-all.
     fn send_recv<T: Element>(&mut self, _s: &[T], _r: &mut [T], _peer: usize) -> Result<()> {
         Err(ringzero::Error::InvalidArgument {
@@ -225,13 +220,6 @@ pub fn part_count(count: usize, r: usize) -> usize {
 /// Where rank `from`'s block for rank `to` starts in its all-to-all-v send buffer.
 fn pair_offset(count: usize, from: usize, to: usize) -> usize {
     (0..to).map(|j| pair_count(count, from, j)).sum()
-}
-
-fn no_all_to_all() -> ringzero::Error {
-    ringzero::Error::InvalidArgument {
-        op: "all_to_all".into(),
-        msg: "this communicator has no all-to-all (host communicators only)".into(),
-    }
 }
 
 /// Forward every [`Colls`] method to the inherent method of the same name on `$ty` (by path, so
@@ -322,17 +310,17 @@ macro_rules! forward_colls {
             fn barrier(&mut self) -> Result<()> {
                 <$ty>::barrier(self)
             }
+            fn all_to_all<T: Element>(&mut self, s: &[T], r: &mut [T]) -> Result<()> {
+                <$ty>::all_to_all(self, s, r)
+            }
+            fn all_to_all_in_place<T: Element>(&mut self, b: &mut [T]) -> Result<()> {
+                <$ty>::all_to_all_in_place(self, b)
+            }
         }
     };
 }
 
 forward_colls!(&Communicator, Communicator;
-    fn all_to_all<T: Element>(&mut self, s: &[T], r: &mut [T]) -> Result<()> {
-        Communicator::all_to_all(self, s, r)
-    }
-    fn all_to_all_in_place<T: Element>(&mut self, b: &mut [T]) -> Result<()> {
-        Communicator::all_to_all_in_place(self, b)
-    }
     fn send_recv<T: Element>(&mut self, s: &[T], r: &mut [T], peer: usize) -> Result<()> {
         Communicator::send_recv(self, s, r, peer)
     }
@@ -624,11 +612,10 @@ pub fn round_count(coll: Collective, n: usize, count: usize) -> usize {
     }
 }
 
-/// [`all_collectives`] and the host-only calls (all-to-all, send/recv, the pairwise collectives).
+/// [`all_collectives`] and the host-only calls (send/recv, the pairwise collectives).
 pub fn host_collectives(root: usize) -> [Collective; 14] {
     let a = all_collectives(root);
     let host = [
-        Collective::AllToAll,
         Collective::SendRecv,
         Collective::AllToAllV,
         Collective::AllGatherV,
@@ -638,7 +625,8 @@ pub fn host_collectives(root: usize) -> [Collective; 14] {
     std::array::from_fn(|i| a.get(i).copied().unwrap_or_else(|| host[i - a.len()]))
 }
 
-pub fn all_collectives(root: usize) -> [Collective; 8] {
+/// The collectives both communicators run: on device buffers, every one they have.
+pub fn all_collectives(root: usize) -> [Collective; 9] {
     [
         Collective::AllReduce,
         Collective::ReduceScatter,
@@ -648,5 +636,6 @@ pub fn all_collectives(root: usize) -> [Collective; 8] {
         Collective::Reduce { root },
         Collective::Barrier,
         Collective::RingShift,
+        Collective::AllToAll,
     ]
 }

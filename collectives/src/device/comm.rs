@@ -182,6 +182,9 @@ pub(super) struct Core<S: Stream> {
     /// Every rank's buffers are in one device's memory ([`DeviceComm::one_device`]).
     one_device: bool,
     state: Mutex<DevState>,
+    /// Device memory an in-place all-to-all sends from (a copy of the caller's buffer), kept
+    /// for the next one: address, bytes, owner. Used only under `state`'s lock.
+    send_copy: Mutex<Option<Kept>>,
     /// The last calls, dumped when the communicator fails or closes.
     flight: Recorder,
     /// Raised by [`DeviceComm::abort`] from any thread; the running call sees it.
@@ -189,6 +192,9 @@ pub(super) struct Core<S: Stream> {
 }
 
 type DevState = crate::ring::engine::RingState<DevLinks>;
+
+/// Device memory a communicator keeps: its address, its bytes, its owner (which frees it).
+type Kept = (Addr, usize, Box<dyn Any + Send>);
 
 impl<S: Stream> DeviceComm<S> {
     /// Connect the ring for `stream`'s buffers. Every rank of `comm` must call this together.
@@ -207,6 +213,7 @@ impl<S: Stream> DeviceComm<S> {
             shm_room: 0,
             one_device: true,
             state: Mutex::new(DevState::new(None)),
+            send_copy: Mutex::new(None),
         };
         if size > 1 {
             core.connect(comm)?;
@@ -997,6 +1004,7 @@ impl<S: Stream> Core<S> {
         count: Count,
         bufs: DevBufs,
     ) -> Result<()> {
+        super::device_form(coll, count.total, self.size)?;
         let mut st = self.lock();
         let st = &mut *st;
         let fp = Fingerprint::new(coll, Some(dtype), Some(op), count.total);
@@ -1004,6 +1012,27 @@ impl<S: Stream> Core<S> {
         let seq = st.seq;
         crate::ring::engine::refuse(st.failed.as_ref(), &self.abort, &fp, seq)?;
         let slot_bytes = self.slot_bytes();
+        let caller_in_place = matches!(bufs, DevBufs::One { .. });
+        // An in-place all-to-all overwrites blocks before it has sent them (the ring and the
+        // direct pulls alike): it sends from a copy.
+        let (bufs, copied) = match bufs {
+            DevBufs::One { buf, bytes } if coll == Collective::AllToAll && self.size > 1 => {
+                // SAFETY: forwarded from the caller (`buf` holds `bytes`).
+                match unsafe { self.copy_to_send(buf, bytes) } {
+                    Ok(input) => {
+                        let split = DevBufs::Split {
+                            input,
+                            input_bytes: bytes,
+                            output: buf,
+                            output_bytes: bytes,
+                        };
+                        (split, Ok(()))
+                    }
+                    Err(e) => (bufs, Err(e)),
+                }
+            }
+            b => (b, Ok(())),
+        };
         let in_place = matches!(bufs, DevBufs::One { .. });
         let p = plan(PlanArgs {
             coll,
@@ -1032,8 +1061,9 @@ impl<S: Stream> Core<S> {
         st.seq += 1;
         let counters = |st: &DevState| st.links.as_ref().map(|l| l.counters).unwrap_or_default();
         let bytes = (count.total * dtype.size()) as u64;
-        self.flight.begin(seq, &fp, in_place, bytes, counters(st));
-        let r = match st.links.as_mut() {
+        self.flight
+            .begin(seq, &fp, caller_in_place, bytes, counters(st));
+        let r = copied.and_then(|()| match st.links.as_mut() {
             Some(links) => {
                 let direct = match links.direct.as_mut() {
                     // SAFETY: forwarded from the caller; the sizes were checked above.
@@ -1054,7 +1084,7 @@ impl<S: Stream> Core<S> {
                 // One rank: only the local copy of an out-of-place call.
                 self.local_copy(&call, bufs)
             }
-        };
+        });
         self.flight.end(&r, counters(st));
         if let Err(e) = &r {
             if !matches!(e, Error::InvalidArgument { .. }) {
@@ -1063,6 +1093,31 @@ impl<S: Stream> Core<S> {
             }
         }
         r
+    }
+
+    /// Queue a copy of the `bytes` at `buf` into the kept send copy (grown when too small);
+    /// its address. Called under the state lock, which keeps it this call's alone: every call
+    /// that used it has completed its device work.
+    ///
+    /// # Safety
+    /// `buf` holds `bytes` of memory of this communicator's device.
+    unsafe fn copy_to_send(&self, buf: Addr, bytes: usize) -> Result<Addr> {
+        let mut kept = self.send_copy.lock().unwrap_or_else(|p| p.into_inner());
+        if kept.as_ref().is_none_or(|k| k.1 < bytes) {
+            // The old copy goes first: no queued work uses it (see above).
+            *kept = None;
+            let (addr, owner) = self.stream.scratch(bytes).map_err(dev_err(
+                "allocating device memory for an in-place all-to-all's send copy",
+            ))?;
+            *kept = Some((addr, bytes, owner));
+        }
+        let addr = kept.as_ref().expect("kept above").0;
+        // SAFETY: `addr` holds at least `bytes` of this device's memory that nothing else uses
+        // (above); `buf` holds `bytes` by the caller's contract; they are distinct allocations.
+        unsafe { self.stream.copy(addr, buf, bytes) }.map_err(dev_err(
+            "copying an in-place all-to-all's buffer to send from",
+        ))?;
+        Ok(addr)
     }
 
     fn local_copy(&self, call: &Call, bufs: DevBufs) -> Result<()> {

@@ -1,7 +1,7 @@
 //! The direct collectives: ranks that can all map each other's buffers (one node, CUDA IPC, peer
 //! access between every pair; on the host stream, ranks that are threads of one process) run an
 //! all-reduce, reduce-scatter, all-gather, broadcast or reduce as one kernel per rank instead of a
-//! ring of slots.
+//! ring of slots, and an all-to-all as one copy per block.
 //!
 //! Rank `r` owns chunk `r` of the result ([`chunk`], as the ring's reduce-scatter does). In an
 //! all-reduce it reads chunk `r` of every rank's input, combines them in rank order, and writes
@@ -10,7 +10,9 @@
 //! bound of ranks that share one GPU, where the slot ring reads and writes each slice a second
 //! time in the slots. A reduce-scatter writes only its own output; an all-gather copies its own
 //! chunk into every output; a broadcast copies chunk `r` of the root's input into every output;
-//! a reduce combines chunk `r` of every input into the root's output.
+//! a reduce combines chunk `r` of every input into the root's output. An all-to-all pulls: rank
+//! `r` copies block `r` of every rank's input into its own output, so no rank writes another's
+//! buffer (the ring moves each block up to n − 1 hops instead).
 //!
 //! Each call takes three steps on the node board ([`Board`]), every rank alike:
 //! 1. wait for this rank's earlier device work (its input is complete, its output free), then
@@ -47,7 +49,8 @@ use crate::transport::wait::Waiter;
 /// for long (an open IPC mapping keeps the exporter's allocation alive).
 const MAPS_PER_RANK: usize = 8;
 
-/// Whether `coll` has a direct form (all-reduce, reduce-scatter, all-gather, broadcast, reduce).
+/// Whether `coll` has a direct form (all-reduce, reduce-scatter, all-gather, broadcast, reduce,
+/// all-to-all).
 pub fn has_direct_form(coll: Collective) -> bool {
     matches!(
         coll,
@@ -56,6 +59,7 @@ pub fn has_direct_form(coll: Collective) -> bool {
             | Collective::AllGather
             | Collective::Broadcast { .. }
             | Collective::Reduce { .. }
+            | Collective::AllToAll
     )
 }
 
@@ -69,6 +73,8 @@ pub fn roles(coll: Collective, rank: usize, in_place: bool) -> Option<(bool, boo
         // In place the root's buffer already holds what it broadcasts.
         Collective::Broadcast { root } => (rank == root, !(in_place && rank == root)),
         Collective::Reduce { root } => (true, rank == root),
+        // Out of place only: every rank pulls into its own output.
+        Collective::AllToAll if !in_place => (true, false),
         _ => return None,
     })
 }
@@ -84,8 +90,8 @@ pub struct Place {
     pub at: usize,
 }
 
-/// One rank's part of a direct call: it combines `ins` (in order) and writes the result to every
-/// place of `outs`, `elems` elements each.
+/// One piece of a rank's part in a direct call: it combines `ins` (in order) and writes the
+/// result to every place of `outs`, `elems` elements each.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Part {
     /// Read, in this order.
@@ -97,11 +103,38 @@ pub struct Part {
 }
 
 /// Rank `rank`'s part of a direct `coll` of `count` elements (the whole buffer's count, as the
-/// ring takes it) over `n` ranks. Pure. `None` where `coll` has no direct form.
-pub fn part(coll: Collective, n: usize, rank: usize, count: usize, in_place: bool) -> Option<Part> {
-    if !has_direct_form(coll) {
-        return None;
+/// ring takes it) over `n` ranks, in pieces run one after the other: one piece for the
+/// reductions and their kin, one per block for an all-to-all (out of place, `count` a multiple
+/// of `n`). Pure. `None` where `coll` has no direct form.
+pub fn parts(
+    coll: Collective,
+    n: usize,
+    rank: usize,
+    count: usize,
+    in_place: bool,
+) -> Option<Vec<Part>> {
+    roles(coll, rank, in_place)?;
+    if coll == Collective::AllToAll {
+        // Block `rank` of rank q's input into block q of this rank's output, starting with the
+        // next rank's so that ranks on different devices read from different peers at once.
+        let b = count / n;
+        let place = |rank, dst, at| Place { rank, dst, at };
+        return Some(
+            (0..n)
+                .map(|k| (rank + 1 + k) % n)
+                .map(|q| Part {
+                    ins: vec![place(q, false, rank * b)],
+                    outs: vec![place(rank, true, q * b)],
+                    elems: b,
+                })
+                .collect(),
+        );
     }
+    part(coll, n, rank, count, in_place).map(|p| vec![p])
+}
+
+/// The one piece of a reduction's (or its kin's) direct part: see [`parts`].
+fn part(coll: Collective, n: usize, rank: usize, count: usize, in_place: bool) -> Option<Part> {
     let c = chunk(count, n, rank);
     let at = |q: usize, dst: bool| Place {
         rank: q,
@@ -145,7 +178,7 @@ pub fn part(coll: Collective, n: usize, rank: usize, count: usize, in_place: boo
             (vec![at(root, false)], outs)
         }
         Collective::Reduce { root } => (all(false), vec![at(root, true)]),
-        _ => unreachable!("has_direct_form"),
+        _ => unreachable!("roles: {coll} has no direct form"),
     };
     Some(Part {
         ins,
@@ -209,12 +242,12 @@ impl Direct {
             DevBufs::Split { input, output, .. } => (input, output),
             DevBufs::One { buf, .. } => (buf, buf),
         };
-        let part = part(coll, self.ranks, self.rank, count, in_place).filter(|_| count > 0);
+        let parts = parts(coll, self.ranks, self.rank, count, in_place).filter(|_| count > 0);
         let mut clock = Clock::start();
         // Step 1.
         let mut entry = Entry::zeroed();
         entry.fp = fp;
-        if let Some((read, written)) = part.as_ref().and(roles(coll, self.rank, in_place)) {
+        if let Some((read, written)) = parts.as_ref().and(roles(coll, self.rank, in_place)) {
             // Peers may read this rank's input and write its output from now on.
             self.drain(stream, call, "the work queued before the call")?;
             clock.lap("drain");
@@ -248,7 +281,7 @@ impl Direct {
                 theirs: format!("{} (seq {seq})", entries[q].fp),
             });
         }
-        let Some(part) = part else {
+        let Some(parts) = parts else {
             return Ok(None);
         };
         if let Some(q) = (0..self.ranks).find(|&q| entries[q].direct == 0) {
@@ -258,9 +291,12 @@ impl Direct {
         }
         // Step 2.
         let es = call.dtype.size();
-        let need = part.elems * es;
         let mut verdict = Verdict::zeroed();
-        let places = match self.places(stream, &entries, &part, es, need, src, dst) {
+        let places = parts
+            .iter()
+            .map(|part| self.places(stream, &entries, part, es, src, dst))
+            .collect::<std::result::Result<Vec<_>, _>>();
+        let places = match places {
             Ok(p) => {
                 verdict.ok = 1;
                 Some(p)
@@ -283,19 +319,24 @@ impl Direct {
                     "{what}: the ring, not direct: {}", note_text(&self.board.verdict_note(q)));
                 return Ok(false);
             }
-            let (ins, outs) = places.expect("this rank's verdict was ok");
             // Step 3.
             let divide = (call.op == ReduceOp::Avg && coll.reduces()).then_some(self.ranks);
-            // SAFETY: every address is this rank's buffer (checked sizes) or another rank's
-            // buffer opened above, `elems` elements inside it (checked against its allocation
-            // where the device reports one); the other ranks are inside this call (step 2) and do
-            // not let their buffers go until every rank that may write them has finished (step
-            // 3, `Board::settle`). In place, an output equals an input, which the kernel allows.
-            unsafe { stream.gather(call.dtype, call.op, &outs, &ins, part.elems, divide) }
-                .map_err(|e| Error::Device {
-                    context: format!("{what} seq {seq}: the direct step"),
-                    source: e,
-                })?;
+            for (part, (ins, outs)) in parts
+                .iter()
+                .zip(places.expect("this rank's verdict was ok"))
+            {
+                // SAFETY: every address is this rank's buffer (checked sizes) or another rank's
+                // buffer opened above, `elems` elements inside it (checked against its
+                // allocation where the device reports one); the other ranks are inside this
+                // call (step 2) and do not let their buffers go until every rank that may write
+                // them has finished (step 3, `Board::settle`). In place, an output equals an
+                // input, which the kernel allows.
+                unsafe { stream.gather(call.dtype, call.op, &outs, &ins, part.elems, divide) }
+                    .map_err(|e| Error::Device {
+                        context: format!("{what} seq {seq}: the direct step"),
+                        source: e,
+                    })?;
+            }
             clock.lap("launch");
             self.drain(stream, call, "the direct step")?;
             clock.lap("kernel");
@@ -324,23 +365,25 @@ impl Direct {
         settled?;
         clock.lap("step 3");
         tracing::trace!(target: "ringzero::direct", rank = self.rank, seq,
-            "{what}: {} elements per part, µs {}", part.elems, clock.laps);
-        let to_peers = part.outs.iter().filter(|p| p.rank != self.rank).count();
-        Ok(Some((to_peers * need) as u64))
+            "{what}: {} pieces of {} elements, µs {}", parts.len(), parts[0].elems, clock.laps);
+        let to_peers = parts
+            .iter()
+            .map(|p| p.outs.iter().filter(|o| o.rank != self.rank).count() * p.elems * es)
+            .sum::<usize>();
+        Ok(Some(to_peers as u64))
     }
 
     /// The addresses of `part`'s inputs and outputs, opening the other ranks' buffers.
-    #[allow(clippy::too_many_arguments)]
     fn places<S: Stream>(
         &mut self,
         stream: &S,
         entries: &[Entry],
         part: &Part,
         es: usize,
-        need: usize,
         src: Addr,
         dst: Addr,
     ) -> std::result::Result<(Vec<Addr>, Vec<Addr>), String> {
+        let need = part.elems * es;
         if part.ins.len() > GATHER_MAX || part.outs.len() > GATHER_MAX {
             return Err(format!("more than {GATHER_MAX} ranks"));
         }
@@ -530,7 +573,9 @@ mod tests {
                         // (rank written, element) → times written.
                         let mut written = std::collections::HashMap::new();
                         for r in 0..n {
-                            let p = part(coll, n, r, count, in_place).unwrap();
+                            let mut ps = parts(coll, n, r, count, in_place).unwrap();
+                            assert_eq!(ps.len(), 1, "{coll}: one piece");
+                            let p = ps.pop().unwrap();
                             let c = chunk(count, n, r);
                             assert_eq!(p.elems, c.len());
                             assert!(p.ins.len() <= GATHER_MAX && p.outs.len() <= GATHER_MAX);
@@ -597,8 +642,48 @@ mod tests {
                 }
             }
         }
-        assert!(part(Collective::RingShift, 2, 0, 10, false).is_none());
+        assert!(parts(Collective::RingShift, 2, 0, 10, false).is_none());
         assert!(roles(Collective::ReduceScatterV, 0, false).is_none());
         assert!(!has_direct_form(Collective::Barrier));
+    }
+
+    /// A direct all-to-all: every rank writes only its own output, each block exactly once, from
+    /// block `rank` of the rank the block is named after; in place it takes the ring.
+    #[test]
+    fn an_all_to_all_pulls_every_block_once_into_its_own_output() {
+        let c = Collective::AllToAll;
+        for n in 1..=GATHER_MAX {
+            for b in [0, 1, 5] {
+                for r in 0..n {
+                    let ps = parts(c, n, r, n * b, false).unwrap();
+                    let mut from: Vec<usize> = ps.iter().map(|p| p.ins[0].rank).collect();
+                    for p in &ps {
+                        let q = p.ins[0].rank;
+                        assert_eq!(p.elems, b);
+                        assert_eq!(
+                            p.ins,
+                            vec![Place {
+                                rank: q,
+                                dst: false,
+                                at: r * b
+                            }]
+                        );
+                        assert_eq!(
+                            p.outs,
+                            vec![Place {
+                                rank: r,
+                                dst: true,
+                                at: q * b
+                            }]
+                        );
+                        assert!(roles(c, q, false).unwrap().0, "rank {q} shares its input");
+                    }
+                    from.sort_unstable();
+                    assert_eq!(from, (0..n).collect::<Vec<_>>(), "n={n} rank {r}");
+                    assert_eq!(roles(c, r, false), Some((true, false)));
+                }
+            }
+            assert!(parts(c, n, 0, n, true).is_none());
+        }
     }
 }

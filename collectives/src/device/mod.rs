@@ -108,6 +108,42 @@ fn same_dtype(c: Collective, a: DType, b: DType) -> Result<()> {
     }
 }
 
+/// Refuse what device buffers cannot run: the calls between pairs of ranks (send/recv and the
+/// pairwise collectives), which need links the device ring does not have, and an all-to-all
+/// that does not split into one block per rank.
+pub(crate) fn device_form(c: Collective, count: usize, n: usize) -> Result<()> {
+    match c {
+        Collective::AllToAll => whole_blocks(count, n),
+        Collective::SendRecv => Err(bad(
+            c,
+            "send/recv run on host buffers only (Communicator::send, recv, send_recv)".into(),
+        )),
+        c if c.is_pairwise() => Err(bad(
+            c,
+            format!(
+                "{} runs on host buffers only (Communicator::{})",
+                c.name(),
+                c.name()
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// Refuse an all-to-all of `count` elements that does not split into one block per rank.
+fn whole_blocks(count: usize, n: usize) -> Result<()> {
+    if count.is_multiple_of(n) {
+        return Ok(());
+    }
+    Err(bad(
+        Collective::AllToAll,
+        format!(
+            "the buffer has {count} elements, not a multiple of the world size {n} (every rank \
+             sends each rank one block of equal size)"
+        ),
+    ))
+}
+
 /// What a v-collective without its counts gets.
 fn v_needs_counts() -> Error {
     bad(
@@ -196,25 +232,15 @@ impl<S: Stream> DeviceComm<S> {
             Collective::Reduce { .. } => Ok(send.1),
             Collective::Barrier => Ok(0),
             Collective::ReduceScatterV => Err(v_needs_counts()),
-            Collective::AllToAll => Err(bad(
-                c,
-                "all-to-all runs on host buffers only (Communicator::all_to_all)".into(),
-            )),
-            Collective::SendRecv => Err(bad(
-                c,
-                "send/recv run on host buffers only (Communicator::send, recv, send_recv)".into(),
-            )),
-            Collective::AllToAllV
+            Collective::AllToAll => {
+                need(c, "recv", recv.1, send.1)?;
+                whole_blocks(send.1, self.size()).map(|_| send.1)
+            }
+            Collective::SendRecv
+            | Collective::AllToAllV
             | Collective::AllGatherV
             | Collective::Gather { .. }
-            | Collective::Scatter { .. } => Err(bad(
-                c,
-                format!(
-                    "{} runs on host buffers only (Communicator::{})",
-                    c.name(),
-                    c.name()
-                ),
-            )),
+            | Collective::Scatter { .. } => device_form(c, send.1, self.size()).map(|_| 0),
         }
     }
 
@@ -240,6 +266,7 @@ impl<S: Stream> DeviceComm<S> {
     ) -> Result<()> {
         self.check_root(c)?;
         let (dtype, n) = dims(buf);
+        device_form(c, n, self.size())?;
         let bufs = one(self.stream(), buf);
         // SAFETY: `buf` is borrowed exclusively for the whole call.
         unsafe { self.run_raw(c, dtype, op, n, bufs) }
@@ -396,6 +423,30 @@ impl<S: Stream> DeviceComm<S> {
         self.in_place(Collective::RingShift, ReduceOp::Sum, buf)
     }
 
+    /// All-to-all: block `j` of `send` goes to rank `j`, and block `i` of `recv` comes from
+    /// rank `i` (`send` and `recv` hold the same number of elements, a multiple of the world
+    /// size; a block is that number over the world size). A rank's own block is copied locally.
+    ///
+    /// Ranks that map each other's buffers (see [`DeviceComm::direct`]) pull: each copies block
+    /// `rank` of every rank's `send` into its `recv`, reading and writing each byte once. Over
+    /// the ring's edges (cuda_ipc slots, host staging, tcp) each block travels its distance hop
+    /// by hop, as NCCL's rings cannot and its peer-to-peer sends do: every link carries (n−1)/2
+    /// of the buffer, n/2 times what direct pairs would move, and all links are busy at once.
+    pub fn all_to_all<B: DeviceMemory<S> + ?Sized>(
+        &mut self,
+        send: &B,
+        recv: &mut B,
+    ) -> Result<()> {
+        self.out_of_place(Collective::AllToAll, ReduceOp::Sum, send, recv)
+    }
+
+    /// In-place [`DeviceComm::all_to_all`]: `buf`'s blocks are sent from a copy (device memory
+    /// the communicator keeps for the next in-place call, as large as the largest `buf`), then
+    /// replaced by the blocks received.
+    pub fn all_to_all_in_place<B: DeviceMemory<S> + ?Sized>(&mut self, buf: &mut B) -> Result<()> {
+        self.in_place(Collective::AllToAll, ReduceOp::Sum, buf)
+    }
+
     /// Return only once every rank has entered the barrier (and the device work queued by
     /// earlier calls has completed).
     pub fn barrier(&mut self) -> Result<()> {
@@ -491,6 +542,14 @@ impl<S: Stream + 'static> DeviceComm<S> {
             unsafe { core.execute(c, send.dtype(), op, count, bufs) }?;
             Ok((send, recv))
         })
+    }
+
+    /// All-to-all of `send` into `recv` ([`DeviceComm::all_to_all`]); returns both.
+    pub fn all_to_all_async<B>(&self, send: B, recv: B) -> Work<(B, B)>
+    where
+        B: DeviceMemory<S> + Send + 'static,
+    {
+        self.submit_split(Collective::AllToAll, ReduceOp::Sum, send, recv)
     }
 
     /// Send `send` to the next rank and receive the previous rank's into `recv`; returns both.

@@ -53,9 +53,11 @@ pub enum Collective {
     /// busy at once: the streaming probe of `ringzero bench`, and ring attention's exchange).
     RingShift,
     /// Rank `r` sends block `j` of its input to rank `j` and ends with block `r` of every rank's
-    /// input, in rank order. A ring has no schedule for it: the communicator exchanges a block
-    /// with every other rank at once (the neighbours' over the ring's links, the others' over
-    /// each pair's), each planned by [`plan_p2p`].
+    /// input, in rank order. The host communicator exchanges a block with every other rank at
+    /// once (the neighbours' over the ring's links, the others' over each pair's), each planned
+    /// by [`plan_p2p`]. Device communicators, whose only links are the ring's, run [`plan`]'s
+    /// store-and-forward ring: each block travels its distance hop by hop, (n−1)/2 of the
+    /// buffer over every link (n/2 times what direct pairs move), out of place only.
     AllToAll,
     /// Point-to-point: one rank's send matched by another rank's receive. Not a collective: only
     /// the two ranks take part, over links of their own, and the frames of each direction carry
@@ -367,6 +369,10 @@ pub fn plan(a: PlanArgs) -> Plan {
         a.counts.is_none() || coll == Collective::ReduceScatterV,
         "plan: counts given to {coll}"
     );
+    assert!(
+        coll != Collective::AllToAll || ((n == 1 || !in_place) && count.is_multiple_of(n)),
+        "plan: an all-to-all is planned out of place on a multiple of the {n} ranks (count {count})"
+    );
     // The v-variant is the reduce-scatter over parts of the given sizes.
     let coll = match coll {
         Collective::ReduceScatterV => Collective::ReduceScatter,
@@ -491,8 +497,8 @@ pub fn plan(a: PlanArgs) -> Plan {
         }
         // The pairwise collectives plan each message like this (`plan_p2p` is the same frames).
         Collective::ReduceScatterV => unreachable!("planned as a reduce-scatter"),
+        Collective::AllToAll => all_to_all(&mut p, n, r, count / n, se),
         Collective::RingShift
-        | Collective::AllToAll
         | Collective::SendRecv
         | Collective::AllToAllV
         | Collective::AllGatherV
@@ -543,6 +549,64 @@ pub fn plan(a: PlanArgs) -> Plan {
         }
     }
     p
+}
+
+/// The ring all-to-all of rank `r` of `n`, blocks of `block` elements, into `p` (out of place).
+///
+/// Each block travels from its sender to its receiver hop by hop down the ring, as on a conveyor
+/// belt: every link carries one frame per *tick*. Blocks go out farthest first: in *phase* `d`
+/// (from `n − 1` down to 1) a rank puts its block for rank `r + d` on the belt, and every rank
+/// forwards what it receives until the block has gone `d` hops, when its receiver keeps it. A
+/// phase's block leaves its last hop just as the next phase's goes out, so the belt never stands
+/// idle: `n(n−1)/2` frames per slice on every link. Every op either receives frame `t` and sends
+/// frame `t + 1` (a forward), receives and keeps, or puts a new block out right after a keep,
+/// so no rank is more than one frame ahead of what it has received, as in the other rings (two
+/// slots per link suffice). A rank's own block is a local copy. Slice-major, as the other rings:
+/// slice `j` of every block, then slice `j + 1`. Steps count ticks within a slice from 1.
+fn all_to_all(p: &mut Plan, n: usize, r: usize, block: usize, se: usize) {
+    let slices = block.div_ceil(se).max(1);
+    let ring = |x: usize| x % n;
+    let loc = |buf: Buf, b: usize, s: &Range<usize>| Loc {
+        buf,
+        range: b * block + s.start..b * block + s.end,
+    };
+    let op = |step: usize, j: usize, s: &Range<usize>| Op {
+        step: step as u32,
+        slice: j as u32,
+        elems: s.len(),
+        recv: false,
+        local: None,
+        store: None,
+        finalize: false,
+        send: false,
+    };
+    for j in 0..slices {
+        let s = split(0..block, slices, j);
+        let mut own = op(0, j, &s);
+        own.local = Some(loc(Buf::Input, r, &s));
+        own.store = Some(loc(Buf::Output, r, &s));
+        p.ops.push(own);
+        // Tick t: frame t leaves on every link (step t + 1); rank r's comes from r − 1.
+        let mut t = 0;
+        for d in (1..n).rev() {
+            let mut out = op(t + 1, j, &s);
+            out.local = Some(loc(Buf::Input, ring(r + d), &s));
+            out.send = true;
+            p.ops.push(out);
+            for hop in 1..=d {
+                // The frame of tick t has now gone `hop` hops: from rank r − hop.
+                let mut o = op(t + 2, j, &s);
+                o.recv = true;
+                if hop < d {
+                    o.send = true;
+                } else {
+                    o.store = Some(loc(Buf::Output, ring(r + n - d), &s));
+                }
+                p.ops.push(o);
+                t += 1;
+            }
+        }
+    }
 }
 
 /// The plan of one rank's point-to-point call with one peer: send `send` elements to it, receive

@@ -7,22 +7,40 @@ use super::*;
 use proptest::prelude::*;
 use std::collections::VecDeque;
 
-/// A symbolic value: how many times each rank's input went into it, and whether it was finalized.
+/// A symbolic value: how many times each rank's input went into it, whether it was finalized,
+/// and (the all-to-all, whose inputs are told apart by position) which element of its sender's
+/// input it is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Val {
     from: [u8; 8],
     finals: u8,
+    at: u32,
 }
 
 const GARBAGE: Val = Val {
     from: [99; 8],
     finals: 0,
+    at: u32::MAX,
 };
 
 fn unit(r: usize) -> Val {
     let mut from = [0; 8];
     from[r] = 1;
-    Val { from, finals: 0 }
+    Val {
+        from,
+        finals: 0,
+        at: 0,
+    }
+}
+
+/// Element `i` of rank `r`'s input: [`unit`], told apart by position where the collective moves
+/// elements between positions.
+fn seed(coll: Collective, r: usize, i: usize) -> Val {
+    let at = if coll == Collective::AllToAll { i } else { 0 };
+    Val {
+        at: at as u32,
+        ..unit(r)
+    }
 }
 
 fn combine(a: Val, b: Val) -> Val {
@@ -30,6 +48,8 @@ fn combine(a: Val, b: Val) -> Val {
     Val {
         from,
         finals: a.finals + b.finals,
+        // Values of different positions never meet in a reduction.
+        at: if a.at == b.at { a.at } else { u32::MAX },
     }
 }
 
@@ -84,7 +104,9 @@ fn simulate_with(
     let mut input: Vec<Vec<Val>> = Vec::new();
     let mut out: Vec<Vec<Val>> = Vec::new();
     for (r, p) in plans.iter().enumerate() {
-        let inp = vec![unit(r); p.input_len];
+        let inp: Vec<Val> = (0..p.input_len)
+            .map(|i| seed(coll, r, p.input_base + i))
+            .collect();
         if in_place {
             // The one buffer: the input region holds this rank's data, the rest is garbage.
             let mut buf = vec![GARBAGE; p.output_len];
@@ -209,6 +231,7 @@ fn all_ones(n: usize) -> Val {
     Val {
         from,
         finals: u8::from(n > 1),
+        at: 0,
     }
 }
 
@@ -256,11 +279,19 @@ fn check(coll: Collective, n: usize, count: usize, se: usize, in_place: bool, or
                 let want = unit((r + n - 1) % n);
                 assert!(out.iter().all(|v| *v == want), "rank {r}: {out:?}");
             }
+            // Block q holds rank q's block r, in order.
+            Collective::AllToAll => {
+                let b = count / n;
+                for (i, v) in out.iter().enumerate() {
+                    let (q, e) = (i / b, i % b);
+                    assert_eq!(*v, seed(coll, q, r * b + e), "rank {r} element {i}");
+                }
+            }
             other => unreachable!("{other} is not a ring collective ([`collectives`] lists them)"),
         }
         if !in_place {
             assert!(
-                sim.input[r].iter().all(|v| *v == unit(r)),
+                (0..sim.input[r].len()).all(|i| sim.input[r][i] == seed(coll, r, i)),
                 "rank {r} input modified"
             );
         }
@@ -285,6 +316,8 @@ fn check(coll: Collective, n: usize, count: usize, se: usize, in_place: bool, or
             }
             Collective::Barrier => 0,
             Collective::RingShift => count,
+            // Each block goes its distance, 1 to n − 1 hops: n(n−1)/2 blocks per link.
+            Collective::AllToAll => (n - 1) * count / 2,
             other => unreachable!("{other} is not a ring collective ([`collectives`] lists them)"),
         };
         assert_eq!(
@@ -318,7 +351,18 @@ fn collectives(n: usize, root: usize) -> Vec<Collective> {
         Collective::Reduce { root },
         Collective::Barrier,
         Collective::RingShift,
+        Collective::AllToAll,
     ]
+}
+
+/// The (count, in place) `coll` is planned with for a case of `count`: a barrier moves nothing;
+/// an all-to-all runs out of place on whole blocks.
+fn fit(coll: Collective, n: usize, count: usize, in_place: bool) -> (usize, bool) {
+    match coll {
+        Collective::Barrier => (0, in_place),
+        Collective::AllToAll => (count - count % n, false),
+        _ => (count, in_place),
+    }
 }
 
 #[test]
@@ -328,11 +372,7 @@ fn every_collective_small_cases_round_robin() {
             for se in [1, 3, 1000] {
                 for in_place in [false, true] {
                     for coll in collectives(n, n / 2) {
-                        let count = if coll == Collective::Barrier {
-                            0
-                        } else {
-                            count
-                        };
+                        let (count, in_place) = fit(coll, n, count, in_place);
                         check(coll, n, count, se, in_place, &(0..n).collect::<Vec<_>>());
                     }
                 }
@@ -376,11 +416,11 @@ proptest! {
         se in 1usize..50,
         in_place: bool,
         root in 0usize..8,
-        which in 0usize..7,
+        which in 0usize..8,
         order in proptest::collection::vec(0usize..8, 1..40),
     ) {
         let coll = collectives(n, root)[which];
-        let count = if coll == Collective::Barrier { 0 } else { count };
+        let (count, in_place) = fit(coll, n, count, in_place);
         check(coll, n, count, se, in_place, &order);
     }
 }
