@@ -66,6 +66,10 @@ if [ -e "$CUDA_MPS_PIPE_DIRECTORY/control" ]; then
         # The slot ring beside the direct step auto takes on one GPU, in the same session.
         bench "mps-ring-cuda_ipc-n$n" RINGZERO_DEVICE_ALGO=ring timeout -k 5 120 $B bench $A -n "$n"
     done
+    # All-to-all on 4 ranks: the direct pulls against the store-and-forward ring.
+    A2A="all-to-all --device cuda -b 16M -e 256M -f 4 --iters 10 --warmup 3 -n 4"
+    bench "mps-a2a-cuda_ipc-n4" timeout -k 5 120 $B bench $A2A
+    bench "mps-a2a-ring-cuda_ipc-n4" RINGZERO_DEVICE_ALGO=ring timeout -k 5 120 $B bench $A2A
     bench "mps-staging-mapped-n2" RINGZERO_P2P_DISABLE=1 timeout -k 5 120 $B bench $A -n 2
     # The copy pair (a slice's last receive with the next slice's first send) against none, in
     # the same session: what it is worth where the two directions of a staged link take turns.

@@ -144,6 +144,7 @@ pub fn rank_main(comm: &Communicator, device: usize, bench: bool) -> Vec<Row> {
         Collective::Broadcast { root: n - 1 },
         Collective::Reduce { root: n - 1 },
         Collective::RingShift,
+        Collective::AllToAll,
         Collective::Barrier,
     ] {
         let mut fail = None;

@@ -205,9 +205,10 @@ fn call<D: BenchDev>(
             let counts = super::sweep::balanced(dc.size(), send.elems());
             dc.reduce_scatter_v_in_place(send, &counts, redop)
         }
+        (Collective::AllToAll, false) => dc.all_to_all(send, recv),
+        (Collective::AllToAll, true) => dc.all_to_all_in_place(send),
         (
-            Collective::AllToAll
-            | Collective::SendRecv
+            Collective::SendRecv
             | Collective::AllToAllV
             | Collective::AllGatherV
             | Collective::Gather { .. }
@@ -278,6 +279,7 @@ pub fn exact_result<D: BenchDev>(
     (dt, redop, seed): (DType, ReduceOp, usize),
 ) -> Result<Option<(Vec<f64>, Vec<f64>)>> {
     let (r, n) = (dc.rank(), dc.size());
+    let count = exact::round_count(op, n, count);
     let mine = |i: usize| value(dt, redop, r, i, seed);
     let vals = exact::inputs(op, inplace, n, r, count, mine);
     let (mut send, mut recv) = buffers(dc, dt, vals)?;
@@ -327,7 +329,7 @@ pub fn sweep<D: BenchDev>(
     let es = a.dtype.size();
     let mut rows = Vec::new();
     for &size in &a.sizes {
-        let count = size / es;
+        let count = exact::round_count(op, n, size / es);
         let bytes = count * es;
         for inplace in [false, true] {
             let wrong = check(dc, op, a, count, inplace)?;

@@ -28,10 +28,10 @@ pub struct BenchArgs {
     pub probe_bytes: usize,
 }
 
-/// Whether `op` runs on device buffers (`DeviceComm`): the ring's collectives do; all-to-all,
-/// send/recv and the pairwise collectives are host-only.
+/// Whether `op` runs on device buffers (`DeviceComm`): the ring's collectives and all-to-all
+/// do; send/recv and the pairwise collectives are host-only.
 pub fn on_device(op: Collective) -> bool {
-    !matches!(op, Collective::AllToAll | Collective::SendRecv) && !op.is_pairwise()
+    op != Collective::SendRecv && !op.is_pairwise()
 }
 
 /// Parse an op name: `all-reduce` (or `all_reduce`, `allreduce`), ..., or `all`.
@@ -295,8 +295,8 @@ pub fn run_device<D: device::BenchDev>(
     let ops: Vec<Collective> = a.ops.iter().copied().filter(|&op| on_device(op)).collect();
     if ops.len() < a.ops.len() && comm.rank() == 0 {
         eprintln!(
-            "all-to-all, send-recv and the pairwise collectives (all-to-all-v, all-gather-v, \
-             gather, scatter) run on host buffers only: left out of the device sweep"
+            "send-recv and the pairwise collectives (all-to-all-v, all-gather-v, gather, \
+             scatter) run on host buffers only: left out of the device sweep"
         );
     }
     let (baseline, limit) = device_bound(comm, dc, a)?;

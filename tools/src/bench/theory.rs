@@ -81,14 +81,18 @@ pub enum DeviceLimit {
 /// - `Memory(copy)`: every input byte is read and every output byte written at least once, all
 ///   through the one memory, so t ≥ T·S/copy with T (in units of the size S): all-reduce 2n;
 ///   reduce-scatter and reduce n + 1 (n inputs read, S written); all-gather and broadcast n + 1
-///   out of place (S read, n outputs written), n in place (a rank's own part is already there).
+///   out of place (S read, n outputs written), n in place (a rank's own part is already there);
+///   all-to-all 2n out of place (n inputs read, n outputs written), 2(n − 1) in place (a rank's
+///   own block may stay where it is; ringzero's in-place form copies it all first, which this
+///   bound does not excuse).
 /// - `Staged(w)`: every byte a rank sends leaves its device through the one link and comes back
 ///   through it: all-reduce, reduce-scatter and all-gather send busbw·t per rank with every rank
-///   sending, so busbw ≤ w/n; a broadcast or reduce moves S through each of n − 1 ranks, so
-///   busbw ≤ w/(n − 1).
+///   sending, so busbw ≤ w/n (all-to-all too: (n−1)/n·S leaves each rank and comes back); a
+///   broadcast or reduce moves S through each of n − 1 ranks, so busbw ≤ w/(n − 1).
 /// - `Links(β)`: a ring collective moves busbw·t bytes over every link (that is how busbw is
 ///   defined: all-reduce 2(n−1)/n·S, reduce-scatter and all-gather (n−1)/n·S, a pipelined
-///   broadcast or reduce S), so busbw ≤ β for each.
+///   broadcast or reduce S), so busbw ≤ β for each. An all-to-all's blocks each go their
+///   distance round a one-way ring, (n−1)/2·S over every link: busbw = (n−1)/n·S/t ≤ 2β/n.
 pub fn device_bound_gbs(
     op: Collective,
     n: usize,
@@ -113,6 +117,8 @@ pub fn device_bound_gbs(
                         nf + 1.0
                     }
                 }
+                Collective::AllToAll if inplace => 2.0 * (nf - 1.0),
+                Collective::AllToAll => 2.0 * nf,
                 _ => return None,
             };
             Some(busbw_factor(op, n) * copy / traffic)
@@ -121,7 +127,8 @@ pub fn device_bound_gbs(
             Collective::AllReduce
             | Collective::ReduceScatter
             | Collective::ReduceScatterV
-            | Collective::AllGather => Some(w / nf),
+            | Collective::AllGather
+            | Collective::AllToAll => Some(w / nf),
             Collective::Broadcast { .. } | Collective::Reduce { .. } => Some(w / (nf - 1.0)),
             _ => None,
         },
@@ -132,6 +139,7 @@ pub fn device_bound_gbs(
             | Collective::AllGather
             | Collective::Broadcast { .. }
             | Collective::Reduce { .. } => Some(beta),
+            Collective::AllToAll => Some(2.0 * beta / nf),
             _ => None,
         },
     }
@@ -283,11 +291,18 @@ mod tests {
                 assert!(close(device_bound_gbs(op, 3, inplace, l), 20.0), "{op:?}");
             }
         }
-        assert_eq!(device_bound_gbs(Collective::AllToAll, 3, false, l), None);
+        // All-to-all: one memory, 4 ranks: 0.75·3000/8 = 281.25 (in place 0.75·3000/6 = 375);
+        // one host link w/n = 12; a one-way ring of 4 links at 20 GB/s: 2·20/4 = 10.
+        let a2a = Collective::AllToAll;
+        assert!(close(device_bound_gbs(a2a, 4, false, m), 281.25));
+        assert!(close(device_bound_gbs(a2a, 4, true, m), 375.0));
+        assert!(close(device_bound_gbs(a2a, 4, false, w), 12.0));
+        assert!(close(device_bound_gbs(a2a, 4, true, l), 10.0));
+        assert!(close(device_bound_gbs(a2a, 2, false, l), 20.0));
         // None for one rank, and for what the device sweep does not run.
         assert_eq!(device_bound_gbs(Collective::AllReduce, 1, false, m), None);
         assert_eq!(device_bound_gbs(Collective::RingShift, 4, false, m), None);
-        assert_eq!(device_bound_gbs(Collective::AllToAll, 4, false, w), None);
+        assert_eq!(device_bound_gbs(Collective::AllToAllV, 4, false, w), None);
     }
 
     #[test]
