@@ -26,7 +26,7 @@
 //! 3. queue the kernel, wait for it, post step 3; wait until every rank has, so no rank returns
 //!    while another still writes into its output.
 //!
-//! What is pure — which chunk a rank reads from whom and writes to whom — is [`part`], apart from
+//! What is pure — which chunk a rank reads from whom and writes to whom — is [`parts`], apart from
 //! the board and the device.
 
 use std::collections::VecDeque;
