@@ -278,13 +278,14 @@ fn the_device_sweep_checks_every_variant_and_catches_corruption() {
             "broadcast",
             "reduce",
             "all_to_all",
+            "all_gather_v",
             "reduce_scatter_v",
         ]
         .iter()
         .flat_map(|o| [(o.to_string(), false), (o.to_string(), true)])
         .collect();
         assert_eq!(variants, want);
-        assert_eq!(r.rows.len(), 7 * 4 * 2);
+        assert_eq!(r.rows.len(), 8 * 4 * 2);
         for row in &r.rows {
             // Rank 1 holds a checked result unless its part is empty (or it is not the root).
             let rank1_checks = match row.op.as_str() {
@@ -313,8 +314,8 @@ fn the_device_sweep_checks_every_variant_and_catches_corruption() {
                 let (factor, bound) = match (row.op.as_str(), row.inplace) {
                     ("all_reduce", _) => (4.0 / 3.0, 4.0 / 3.0 * c / 6.0),
                     ("reduce_scatter" | "reduce_scatter_v", _) => (2.0 / 3.0, 2.0 / 3.0 * c / 4.0),
-                    ("all_gather", false) => (2.0 / 3.0, 2.0 / 3.0 * c / 4.0),
-                    ("all_gather", true) => (2.0 / 3.0, 2.0 / 3.0 * c / 3.0),
+                    ("all_gather" | "all_gather_v", false) => (2.0 / 3.0, 2.0 / 3.0 * c / 4.0),
+                    ("all_gather" | "all_gather_v", true) => (2.0 / 3.0, 2.0 / 3.0 * c / 3.0),
                     ("broadcast", false) | ("reduce", _) => (1.0, c / 4.0),
                     ("broadcast", true) => (1.0, c / 3.0),
                     ("all_to_all", false) => (2.0 / 3.0, 2.0 / 3.0 * c / 6.0),

@@ -360,6 +360,42 @@ fn bad_device_calls_are_refused_and_mismatched_calls_name_both() {
         assert_eq!(odd_out, [5.0; 9], "a refused all-to-all wrote its buffer");
         let e = dc.all_to_all(&send[..], &mut b[..]).unwrap_err();
         assert!(e.to_string().contains("recv has 4 elements, 10"), "{e}");
+        // All-gather-v: one count per rank, adding up to recv; send is this rank's part.
+        let mut ten = [7.0f32; 10];
+        let e = dc
+            .all_gather_v(&send[..4], &mut ten[..], &[4, 4, 2])
+            .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("3 entries but the communicator has 2 ranks"),
+            "{e}"
+        );
+        let e = dc
+            .all_gather_v(&send[..4], &mut ten[..], &[4, 5])
+            .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("counts add up to 9 elements but recv has 10"),
+            "{e}"
+        );
+        let e = dc
+            .all_gather_v(&send[..3], &mut ten[..], &[4, 6])
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("send has 3 elements but counts"),
+            "{e}"
+        );
+        let e = dc.all_gather_v_in_place(&mut ten[..], &[4, 4]).unwrap_err();
+        assert!(e.to_string().contains("but buf has 10"), "{e}");
+        assert_eq!(ten, [7.0; 10], "a refused all-gather-v wrote its buffer");
+        let none = ringzero::ring::device_engine::DevBufs::One { buf: 0, bytes: 0 };
+        // SAFETY: refused before any address is used.
+        let e = unsafe { dc.run_raw(Collective::AllGatherV, DType::F32, ReduceOp::Sum, 0, none) }
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("call DeviceComm::all_gather_v"),
+            "{e}"
+        );
         // Raw calls of what device buffers cannot run are refused by name.
         let none = ringzero::ring::device_engine::DevBufs::One { buf: 0, bytes: 0 };
         // SAFETY: refused before any address is used.
@@ -691,6 +727,10 @@ fn async_in_order(device_algo: ringzero::DeviceAlgo) {
         let part = vec![-1.0f32; counts[rank]];
         let rsv = dc.reduce_scatter_v_async(vec![1.0f32; 100], part, &counts, ReduceOp::Sum);
         let shift = dc.ring_shift_async(vec![rank as f32; 50], vec![-1.0f32; 50]);
+        let agv =
+            dc.all_gather_v_async(vec![rank as f32; counts[rank]], vec![-1.0f32; 100], &counts);
+        let a2a_send: Vec<f32> = (0..n * 7).map(|i| (rank * 100 + i) as f32).collect();
+        let a2a = dc.all_to_all_async(a2a_send, vec![-1.0f32; n * 7]);
         let bar = dc.barrier_async();
         // A blocking call after them runs after them.
         let mut last = vec![1.0f32; count];
@@ -732,6 +772,14 @@ fn async_in_order(device_algo: ringzero::DeviceAlgo) {
         assert_eq!(part, vec![n as f32; counts[rank]], "rank {rank}");
         let (_, got) = shift.wait().unwrap();
         assert_eq!(got, vec![((rank + n - 1) % n) as f32; 50], "rank {rank}");
+        let (_, all) = agv.wait().unwrap();
+        let want: Vec<f32> = (0..n).flat_map(|q| vec![q as f32; counts[q]]).collect();
+        assert_eq!(all, want, "rank {rank}");
+        let (_, got) = a2a.wait().unwrap();
+        let want: Vec<f32> = (0..n * 7)
+            .map(|i| ((i / 7) * 100 + rank * 7 + i % 7) as f32)
+            .collect();
+        assert_eq!(got, want, "rank {rank}");
         bar.wait().unwrap();
         let direct = dc.counters().bytes_direct;
         assert_eq!(
@@ -770,6 +818,19 @@ fn async_device_calls_refuse_bad_arguments_and_report_mismatches() {
         let rsv = dc.reduce_scatter_v_async(vec![1.0f32; 4], vec![0.0; 1], &[2, 2], ReduceOp::Sum);
         let e = rsv.wait().unwrap_err().to_string();
         assert!(e.contains("recv has 1 elements but counts"), "{e}");
+        // All-gather-v: the counts split recv, and send is this rank's part.
+        let agv = dc.all_gather_v_async(vec![1.0f32; 2], vec![0.0; 4], &[2, 1]);
+        let e = agv.wait().unwrap_err().to_string();
+        assert!(
+            e.contains("counts add up to 3 elements but recv has 4"),
+            "{e}"
+        );
+        let agv = dc.all_gather_v_async(vec![1.0f32; 3], vec![0.0; 4], &[2, 2]);
+        let e = agv.wait().unwrap_err().to_string();
+        assert!(e.contains("send has 3 elements but counts"), "{e}");
+        let a2a = dc.all_to_all_async(vec![1.0f32; 5], vec![0.0; 5]);
+        let e = a2a.wait().unwrap_err().to_string();
+        assert!(e.contains("not a multiple of the world size 2"), "{e}");
         let ok = dc
             .all_reduce_async(vec![1.0f32; 10], ReduceOp::Sum)
             .wait()

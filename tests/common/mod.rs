@@ -199,6 +199,13 @@ pub trait Colls {
     fn all_gather_v<T: Element>(&mut self, s: &[T], r: &mut [T], counts: &[usize]) -> Result<()> {
         self.host()?.all_gather_v(s, r, counts)
     }
+    /// The host communicator has no in-place all-gather-v: by default, the out-of-place call
+    /// sending a copy of this rank's part.
+    fn all_gather_v_in_place<T: Element>(&mut self, b: &mut [T], counts: &[usize]) -> Result<()> {
+        let at: usize = counts[..self.rank()].iter().sum();
+        let send = b[at..at + counts[self.rank()]].to_vec();
+        self.all_gather_v(&send, b, counts)
+    }
     fn gather<T: Element>(&mut self, s: &[T], r: &mut [T], root: usize) -> Result<()> {
         self.host()?.gather(s, r, root)
     }
@@ -328,7 +335,14 @@ forward_colls!(&Communicator, Communicator;
         Ok(self)
     }
 );
-forward_colls!(DeviceComm<HostStream>, DeviceComm<HostStream>);
+forward_colls!(DeviceComm<HostStream>, DeviceComm<HostStream>;
+    fn all_gather_v<T: Element>(&mut self, s: &[T], r: &mut [T], counts: &[usize]) -> Result<()> {
+        DeviceComm::all_gather_v(self, s, r, counts)
+    }
+    fn all_gather_v_in_place<T: Element>(&mut self, b: &mut [T], counts: &[usize]) -> Result<()> {
+        DeviceComm::all_gather_v_in_place(self, b, counts)
+    }
+);
 
 /// Run `case` on `comm` with the right element type; returns what this rank ends with.
 pub fn run_case<C: Colls>(comm: &mut C, c: &Case) -> Result<Vec<f64>> {
@@ -460,7 +474,7 @@ fn run_typed<T: TestElem, C: Colls>(comm: &mut C, c: &Case) -> Result<Vec<f64>> 
                 out
             }
         },
-        // The pairwise collectives have no in-place form: `in_place` runs them the same.
+        // All-to-all-v, gather and scatter have no in-place form: `in_place` runs them the same.
         (Collective::AllToAllV, _) => {
             let sends: Vec<usize> = (0..n).map(|j| pair_count(count, r, j)).collect();
             let recvs: Vec<usize> = (0..n).map(|q| pair_count(count, q, r)).collect();
@@ -469,11 +483,17 @@ fn run_typed<T: TestElem, C: Colls>(comm: &mut C, c: &Case) -> Result<Vec<f64>> 
             comm.all_to_all_v(&send, &sends, &mut out, &recvs)?;
             out
         }
-        (Collective::AllGatherV, _) => {
+        (Collective::AllGatherV, in_place) => {
             let counts: Vec<usize> = (0..n).map(|q| part_count(count, q)).collect();
             let send: Vec<T> = (0..counts[r]).map(mine).collect();
             let mut out = garbage(counts.iter().sum());
-            comm.all_gather_v(&send, &mut out, &counts)?;
+            if in_place {
+                let at: usize = counts[..r].iter().sum();
+                out[at..at + counts[r]].copy_from_slice(&send);
+                comm.all_gather_v_in_place(&mut out, &counts)?;
+            } else {
+                comm.all_gather_v(&send, &mut out, &counts)?;
+            }
             out
         }
         (Collective::Gather { root }, _) => {
@@ -612,13 +632,12 @@ pub fn round_count(coll: Collective, n: usize, count: usize) -> usize {
     }
 }
 
-/// [`all_collectives`] and the host-only calls (send/recv, the pairwise collectives).
+/// [`all_collectives`] and the host-only calls (send/recv, all-to-all-v, gather, scatter).
 pub fn host_collectives(root: usize) -> [Collective; 14] {
     let a = all_collectives(root);
     let host = [
         Collective::SendRecv,
         Collective::AllToAllV,
-        Collective::AllGatherV,
         Collective::Gather { root },
         Collective::Scatter { root },
     ];
@@ -626,7 +645,7 @@ pub fn host_collectives(root: usize) -> [Collective; 14] {
 }
 
 /// The collectives both communicators run: on device buffers, every one they have.
-pub fn all_collectives(root: usize) -> [Collective; 9] {
+pub fn all_collectives(root: usize) -> [Collective; 10] {
     [
         Collective::AllReduce,
         Collective::ReduceScatter,
@@ -637,5 +656,6 @@ pub fn all_collectives(root: usize) -> [Collective; 9] {
         Collective::Barrier,
         Collective::RingShift,
         Collective::AllToAll,
+        Collective::AllGatherV,
     ]
 }

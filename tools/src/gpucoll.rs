@@ -145,6 +145,7 @@ pub fn rank_main(comm: &Communicator, device: usize, bench: bool) -> Vec<Row> {
         Collective::Reduce { root: n - 1 },
         Collective::RingShift,
         Collective::AllToAll,
+        Collective::AllGatherV,
         Collective::Barrier,
     ] {
         let mut fail = None;

@@ -327,8 +327,8 @@ impl<S: Stream> DeviceComm<S> {
         count: usize,
         bufs: DevBufs,
     ) -> Result<()> {
-        if coll == Collective::ReduceScatterV {
-            return Err(super::v_needs_counts());
+        if matches!(coll, Collective::ReduceScatterV | Collective::AllGatherV) {
+            return Err(super::v_needs_counts(coll));
         }
         // SAFETY: forwarded from the caller.
         unsafe { self.run_counted(coll, dtype, op, count.into(), bufs) }

@@ -118,7 +118,7 @@ pub(crate) fn device_form(c: Collective, count: usize, n: usize) -> Result<()> {
             c,
             "send/recv run on host buffers only (Communicator::send, recv, send_recv)".into(),
         )),
-        c if c.is_pairwise() => Err(bad(
+        c if c.is_pairwise() && c != Collective::AllGatherV => Err(bad(
             c,
             format!(
                 "{} runs on host buffers only (Communicator::{})",
@@ -144,11 +144,11 @@ fn whole_blocks(count: usize, n: usize) -> Result<()> {
     ))
 }
 
-/// What a v-collective without its counts gets.
-fn v_needs_counts() -> Error {
+/// What a v-collective (`c`) without its counts gets.
+fn v_needs_counts(c: Collective) -> Error {
     bad(
-        Collective::ReduceScatterV,
-        "takes a count per rank: call DeviceComm::reduce_scatter_v".into(),
+        c,
+        format!("takes a count per rank: call DeviceComm::{}", c.name()),
     )
 }
 
@@ -231,14 +231,13 @@ impl<S: Stream> DeviceComm<S> {
             }
             Collective::Reduce { .. } => Ok(send.1),
             Collective::Barrier => Ok(0),
-            Collective::ReduceScatterV => Err(v_needs_counts()),
+            Collective::ReduceScatterV | Collective::AllGatherV => Err(v_needs_counts(c)),
             Collective::AllToAll => {
                 need(c, "recv", recv.1, send.1)?;
                 whole_blocks(send.1, self.size()).map(|_| send.1)
             }
             Collective::SendRecv
             | Collective::AllToAllV
-            | Collective::AllGatherV
             | Collective::Gather { .. }
             | Collective::Scatter { .. } => device_form(c, send.1, self.size()).map(|_| 0),
         }
@@ -323,15 +322,7 @@ impl<S: Stream> DeviceComm<S> {
         counts: &[usize],
         op: ReduceOp,
     ) -> Result<()> {
-        let c = Collective::ReduceScatterV;
-        same_dtype(c, send.dtype(), recv.dtype())?;
-        let at = offsets(c, ("counts", counts), self.size(), ("send", send.elems()))?;
-        own_part(c, ("recv", recv.elems()), counts, self.rank())?;
-        let bufs = split(self.stream(), send, recv);
-        let count = Count::parts(at[counts.len()], counts);
-        // SAFETY: `send` and `recv` are borrowed (shared and exclusive, so distinct) for the
-        // whole call, and are memory of this stream by the DeviceMemory impl.
-        unsafe { self.run_counted(c, send.dtype(), op, count, bufs) }
+        self.split_v(Collective::ReduceScatterV, op, send, recv, counts)
     }
 
     /// In-place [`DeviceComm::reduce_scatter_v`]: this rank's part of `buf` is overwritten with
@@ -342,13 +333,70 @@ impl<S: Stream> DeviceComm<S> {
         counts: &[usize],
         op: ReduceOp,
     ) -> Result<()> {
-        let c = Collective::ReduceScatterV;
+        self.one_v(Collective::ReduceScatterV, op, buf, counts)
+    }
+
+    /// An out-of-place v-collective `c` ([`v_total`] checks the buffers).
+    fn split_v<B: DeviceMemory<S> + ?Sized>(
+        &mut self,
+        c: Collective,
+        op: ReduceOp,
+        send: &B,
+        recv: &mut B,
+        counts: &[usize],
+    ) -> Result<()> {
+        let total = v_total(
+            c,
+            (dims(send), dims(recv)),
+            counts,
+            (self.rank(), self.size()),
+        )?;
+        let bufs = split(self.stream(), send, recv);
+        // SAFETY: `send` and `recv` are borrowed (shared and exclusive, so distinct) for the
+        // whole call, and are memory of this stream by the DeviceMemory impl.
+        unsafe { self.run_counted(c, send.dtype(), op, Count::parts(total, counts), bufs) }
+    }
+
+    /// An in-place v-collective `c`: `counts` add up to `buf`'s length.
+    fn one_v<B: DeviceMemory<S> + ?Sized>(
+        &mut self,
+        c: Collective,
+        op: ReduceOp,
+        buf: &mut B,
+        counts: &[usize],
+    ) -> Result<()> {
         let at = offsets(c, ("counts", counts), self.size(), ("buf", buf.elems()))?;
         let dtype = buf.dtype();
         let bufs = one(self.stream(), buf);
         let count = Count::parts(at[counts.len()], counts);
         // SAFETY: `buf` is borrowed exclusively for the whole call.
         unsafe { self.run_counted(c, dtype, op, count, bufs) }
+    }
+
+    /// All-gather with a part per rank: every rank ends with every rank's part in `recv`, rank
+    /// `i`'s `counts[i]` elements after the parts of the ranks before it (`counts`, one per rank
+    /// and the same on every rank, add up to `recv`'s length; `send` holds `counts[rank]`). The
+    /// rules are [`crate::Communicator::all_gather_v`]'s. The all-gather's ring over those parts
+    /// (the host communicator sends to every rank directly instead): each step moves one part a
+    /// hop, so a step takes as long as the largest part's slice, and parts of very different
+    /// sizes leave links idle.
+    pub fn all_gather_v<B: DeviceMemory<S> + ?Sized>(
+        &mut self,
+        send: &B,
+        recv: &mut B,
+        counts: &[usize],
+    ) -> Result<()> {
+        self.split_v(Collective::AllGatherV, ReduceOp::Sum, send, recv, counts)
+    }
+
+    /// In-place [`DeviceComm::all_gather_v`]: this rank's part of `buf` (where `counts` put it)
+    /// is sent; every other part is overwritten.
+    pub fn all_gather_v_in_place<B: DeviceMemory<S> + ?Sized>(
+        &mut self,
+        buf: &mut B,
+        counts: &[usize],
+    ) -> Result<()> {
+        self.one_v(Collective::AllGatherV, ReduceOp::Sum, buf, counts)
     }
 
     /// Every rank ends with every rank's chunk of `recv` (this rank contributes `send`).
@@ -514,34 +562,23 @@ impl<S: Stream + 'static> DeviceComm<S> {
     pub fn reduce_scatter_v_async<B>(
         &self,
         send: B,
-        mut recv: B,
+        recv: B,
         counts: &[usize],
         op: ReduceOp,
     ) -> Work<(B, B)>
     where
         B: DeviceMemory<S> + Send + 'static,
     {
-        let c = Collective::ReduceScatterV;
-        let checked = same_dtype(c, send.dtype(), recv.dtype())
-            .and_then(|()| offsets(c, ("counts", counts), self.size(), ("send", send.elems())))
-            .and_then(|at| {
-                own_part(c, ("recv", recv.elems()), counts, self.rank())?;
-                Ok(at[counts.len()])
-            });
-        let total = match checked {
-            Ok(total) => total,
-            Err(e) => return Work::failed(e),
-        };
-        let counts = counts.to_vec();
-        self.submit(move |core| {
-            let bufs = split(&core.stream, &send, &mut recv);
-            let count = Count::parts(total, &counts);
-            // SAFETY: the job owns both buffers (distinct values, so distinct memory) until the
-            // call returns, and the engine returns only once the device work touching them has
-            // completed.
-            unsafe { core.execute(c, send.dtype(), op, count, bufs) }?;
-            Ok((send, recv))
-        })
+        self.submit_v(Collective::ReduceScatterV, op, send, recv, counts)
+    }
+
+    /// All-gather of every rank's part (`send`, `counts[rank]` elements) into `recv`, as
+    /// [`DeviceComm::all_gather_v`]; returns both.
+    pub fn all_gather_v_async<B>(&self, send: B, recv: B, counts: &[usize]) -> Work<(B, B)>
+    where
+        B: DeviceMemory<S> + Send + 'static,
+    {
+        self.submit_v(Collective::AllGatherV, ReduceOp::Sum, send, recv, counts)
     }
 
     /// All-to-all of `send` into `recv` ([`DeviceComm::all_to_all`]); returns both.
@@ -609,6 +646,61 @@ impl<S: Stream + 'static> DeviceComm<S> {
             Ok((send, recv))
         })
     }
+}
+
+impl<S: Stream + 'static> DeviceComm<S> {
+    /// An out-of-place v-collective `c` on owned buffers ([`v_total`] checks them).
+    fn submit_v<B>(
+        &self,
+        c: Collective,
+        op: ReduceOp,
+        send: B,
+        mut recv: B,
+        counts: &[usize],
+    ) -> Work<(B, B)>
+    where
+        B: DeviceMemory<S> + Send + 'static,
+    {
+        let total = match v_total(
+            c,
+            (dims(&send), dims(&recv)),
+            counts,
+            (self.rank(), self.size()),
+        ) {
+            Ok(total) => total,
+            Err(e) => return Work::failed(e),
+        };
+        let counts = counts.to_vec();
+        self.submit(move |core| {
+            let bufs = split(&core.stream, &send, &mut recv);
+            let count = Count::parts(total, &counts);
+            // SAFETY: the job owns both buffers (distinct values, so distinct memory) until the
+            // call returns, and the engine returns only once the device work touching them has
+            // completed.
+            unsafe { core.execute(c, send.dtype(), op, count, bufs) }?;
+            Ok((send, recv))
+        })
+    }
+}
+
+/// The elements of an out-of-place v-collective `c` whose buffers are `(send, recv)` (element
+/// type, length), or why `counts` do not fit them: a reduce-scatter-v splits `send` into the
+/// parts and leaves this rank's in `recv`; an all-gather-v the other way round. The rules are
+/// the host communicator's.
+fn v_total(
+    c: Collective,
+    (send, recv): ((DType, usize), (DType, usize)),
+    counts: &[usize],
+    (rank, n): (usize, usize),
+) -> Result<usize> {
+    same_dtype(c, send.0, recv.0)?;
+    let (whole, part) = match c {
+        Collective::ReduceScatterV => (("send", send.1), ("recv", recv.1)),
+        _ => (("recv", recv.1), ("send", send.1)),
+    };
+    let at = offsets(c, ("counts", counts), n, whole)?;
+    own_part(c, part, counts, rank)?;
+    Ok(at[counts.len()])
 }
 
 /// The device address of an in-place call's buffer.

@@ -69,7 +69,9 @@ pub enum Collective {
     /// number.
     AllToAllV,
     /// All-gather of parts of different sizes (`MPI_Allgatherv`): every rank sends its part to
-    /// every other rank.
+    /// every other rank. The host communicator sends it over the point-to-point links, as the
+    /// others here; device communicators run the all-gather's ring over the given parts
+    /// ([`PlanArgs::counts`]), as [`Collective::ReduceScatterV`] runs the reduce-scatter's.
     AllGatherV,
     /// The root ends with every rank's buffer, in rank order (`MPI_Gather`).
     Gather {
@@ -284,8 +286,9 @@ pub struct PlanArgs<'a> {
     /// One buffer for input and output.
     pub in_place: bool,
     /// Elements of each rank's chunk, where they are given (`n` of them, adding up to `count`)
-    /// rather than balanced by [`chunk`]: [`Collective::ReduceScatterV`]'s parts. `None` for
-    /// every other collective.
+    /// rather than balanced by [`chunk`]: [`Collective::ReduceScatterV`]'s and
+    /// [`Collective::AllGatherV`]'s parts (which both need them). `None` for every other
+    /// collective.
     pub counts: Option<&'a [usize]>,
 }
 
@@ -365,17 +368,20 @@ pub fn plan(a: PlanArgs) -> Plan {
         ..
     } = a;
     assert!(n > 0 && r < n, "plan: rank {r} of {n}");
-    assert!(
-        a.counts.is_none() || coll == Collective::ReduceScatterV,
-        "plan: counts given to {coll}"
+    let v = matches!(coll, Collective::ReduceScatterV | Collective::AllGatherV);
+    assert_eq!(
+        a.counts.is_some(),
+        v,
+        "plan: counts are given to the v-collectives and to them only ({coll})"
     );
     assert!(
         coll != Collective::AllToAll || ((n == 1 || !in_place) && count.is_multiple_of(n)),
         "plan: an all-to-all is planned out of place on a multiple of the {n} ranks (count {count})"
     );
-    // The v-variant is the reduce-scatter over parts of the given sizes.
+    // The v-variants are the ring's over parts of the given sizes.
     let coll = match coll {
         Collective::ReduceScatterV => Collective::ReduceScatter,
+        Collective::AllGatherV => Collective::AllGather,
         c => c,
     };
     let chunks = Chunks::new(count, n, a.counts);
@@ -496,12 +502,13 @@ pub fn plan(a: PlanArgs) -> Plan {
             }
         }
         // The pairwise collectives plan each message like this (`plan_p2p` is the same frames).
-        Collective::ReduceScatterV => unreachable!("planned as a reduce-scatter"),
+        Collective::ReduceScatterV | Collective::AllGatherV => {
+            unreachable!("planned as the ring's collective over the given parts")
+        }
         Collective::AllToAll => all_to_all(&mut p, n, r, count / n, se),
         Collective::RingShift
         | Collective::SendRecv
         | Collective::AllToAllV
-        | Collective::AllGatherV
         | Collective::Gather { .. }
         | Collective::Scatter { .. } => {
             // Send slice j before receiving slice j into the same place: in place works too.

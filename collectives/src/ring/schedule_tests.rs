@@ -112,7 +112,13 @@ fn simulate_with(
             let mut buf = vec![GARBAGE; p.output_len];
             for i in 0..p.input_len {
                 let g = p.input_base + i;
-                if coll == Collective::AllGather && !chunk(count, n, r).contains(&g) {
+                let own = match counts {
+                    Some(c) => c[..r].iter().sum::<usize>()..c[..=r].iter().sum(),
+                    None => chunk(count, n, r),
+                };
+                if matches!(coll, Collective::AllGather | Collective::AllGatherV)
+                    && !own.contains(&g)
+                {
                     continue;
                 }
                 buf[g - p.output_base] = unit(r);
@@ -609,6 +615,42 @@ proptest! {
                 prop_assert!(out.iter().all(|v| *v == all_ones(n)), "rank {}: {:?}", r, out);
             }
             let want = if n == 1 { 0 } else { count - counts[r] };
+            prop_assert_eq!(sim.sent_elems[r], want, "rank {} elements sent", r);
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+    /// All-gather-v: every rank ends with every part, of any size (empty ones included), each
+    /// where its counts put it; each rank sends every part but the next rank's, as the balanced
+    /// all-gather does.
+    #[test]
+    fn all_gather_v_gathers_parts_of_any_size(
+        counts in proptest::collection::vec(prop_oneof![Just(0usize), 0usize..60], 1..=8),
+        se in 1usize..40,
+        in_place: bool,
+        order in proptest::collection::vec(0usize..8, 1..40),
+    ) {
+        let n = counts.len();
+        let count: usize = counts.iter().sum();
+        let sim = simulate_with(
+            Collective::AllGatherV,
+            n,
+            (count, Some(&counts)),
+            se,
+            in_place,
+            2,
+            &order,
+        );
+        let owner = |g: usize| (0..n).find(|&q| counts[..=q].iter().sum::<usize>() > g).unwrap();
+        for r in 0..n {
+            let out = &sim.out[r];
+            prop_assert_eq!(out.len(), count);
+            for (g, v) in out.iter().enumerate() {
+                prop_assert_eq!(*v, unit(owner(g)), "rank {} element {}", r, g);
+            }
+            let want = if n == 1 { 0 } else { count - counts[(r + 1) % n] };
             prop_assert_eq!(sim.sent_elems[r], want, "rank {} elements sent", r);
         }
     }

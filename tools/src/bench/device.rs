@@ -205,12 +205,19 @@ fn call<D: BenchDev>(
             let counts = super::sweep::balanced(dc.size(), send.elems());
             dc.reduce_scatter_v_in_place(send, &counts, redop)
         }
+        (Collective::AllGatherV, false) => {
+            let counts = super::sweep::balanced(dc.size(), recv.elems());
+            dc.all_gather_v(send, recv, &counts)
+        }
+        (Collective::AllGatherV, true) => {
+            let counts = super::sweep::balanced(dc.size(), recv.elems());
+            dc.all_gather_v_in_place(recv, &counts)
+        }
         (Collective::AllToAll, false) => dc.all_to_all(send, recv),
         (Collective::AllToAll, true) => dc.all_to_all_in_place(send),
         (
             Collective::SendRecv
             | Collective::AllToAllV
-            | Collective::AllGatherV
             | Collective::Gather { .. }
             | Collective::Scatter { .. },
             _,

@@ -28,10 +28,10 @@ pub struct BenchArgs {
     pub probe_bytes: usize,
 }
 
-/// Whether `op` runs on device buffers (`DeviceComm`): the ring's collectives and all-to-all
-/// do; send/recv and the pairwise collectives are host-only.
+/// Whether `op` runs on device buffers (`DeviceComm`): the ring's collectives, all-gather-v
+/// and all-to-all do; send/recv, all-to-all-v, gather and scatter are host-only.
 pub fn on_device(op: Collective) -> bool {
-    op != Collective::SendRecv && !op.is_pairwise()
+    op != Collective::SendRecv && (!op.is_pairwise() || op == Collective::AllGatherV)
 }
 
 /// Parse an op name: `all-reduce` (or `all_reduce`, `allreduce`), ..., or `all`.
@@ -295,8 +295,8 @@ pub fn run_device<D: device::BenchDev>(
     let ops: Vec<Collective> = a.ops.iter().copied().filter(|&op| on_device(op)).collect();
     if ops.len() < a.ops.len() && comm.rank() == 0 {
         eprintln!(
-            "send-recv and the pairwise collectives (all-to-all-v, all-gather-v, gather, \
-             scatter) run on host buffers only: left out of the device sweep"
+            "send-recv, all-to-all-v, gather and scatter run on host buffers only: left out of \
+             the device sweep"
         );
     }
     let (baseline, limit) = device_bound(comm, dc, a)?;

@@ -110,7 +110,7 @@ pub fn device_bound_gbs(
                 Collective::ReduceScatter
                 | Collective::ReduceScatterV
                 | Collective::Reduce { .. } => nf + 1.0,
-                Collective::AllGather | Collective::Broadcast { .. } => {
+                Collective::AllGather | Collective::AllGatherV | Collective::Broadcast { .. } => {
                     if inplace {
                         nf
                     } else {
@@ -128,6 +128,7 @@ pub fn device_bound_gbs(
             | Collective::ReduceScatter
             | Collective::ReduceScatterV
             | Collective::AllGather
+            | Collective::AllGatherV
             | Collective::AllToAll => Some(w / nf),
             Collective::Broadcast { .. } | Collective::Reduce { .. } => Some(w / (nf - 1.0)),
             _ => None,
@@ -137,6 +138,7 @@ pub fn device_bound_gbs(
             | Collective::ReduceScatter
             | Collective::ReduceScatterV
             | Collective::AllGather
+            | Collective::AllGatherV
             | Collective::Broadcast { .. }
             | Collective::Reduce { .. } => Some(beta),
             Collective::AllToAll => Some(2.0 * beta / nf),
@@ -303,6 +305,16 @@ mod tests {
         assert_eq!(device_bound_gbs(Collective::AllReduce, 1, false, m), None);
         assert_eq!(device_bound_gbs(Collective::RingShift, 4, false, m), None);
         assert_eq!(device_bound_gbs(Collective::AllToAllV, 4, false, w), None);
+        // All-gather-v (the sweep's balanced parts) is bounded as the all-gather.
+        for limit in [m, w, l] {
+            for inplace in [false, true] {
+                let (v, ag) = (Collective::AllGatherV, Collective::AllGather);
+                assert_eq!(
+                    device_bound_gbs(v, 4, inplace, limit),
+                    device_bound_gbs(ag, 4, inplace, limit)
+                );
+            }
+        }
     }
 
     #[test]
