@@ -24,6 +24,7 @@ fn worker_entry() {
         "all" => all_collectives_scenario(),
         "kill" => kill_scenario(false),
         "kill-device" => kill_scenario(true),
+        "kill-device-a2a" => kill_a2a_scenario(),
         other => {
             eprintln!("unknown scenario {other}");
             2
@@ -99,6 +100,30 @@ fn kill_scenario(device: bool) -> i32 {
             return 3;
         }
         buf.fill(1.0);
+    }
+    println!("rank {} finished without noticing", comm.rank());
+    0
+}
+
+/// Rank 1 kills itself while the ranks run device all-to-alls, whose blocks the ring forwards
+/// hop by hop: the others must fail, naming the collective.
+fn kill_a2a_scenario() -> i32 {
+    let comm = Communicator::from_env().expect("init");
+    let mut dc = ringzero::DeviceComm::new(&comm, ringzero::HostStream::new()).expect("device");
+    if comm.rank() == 1 {
+        std::thread::spawn(|| {
+            std::thread::sleep(Duration::from_millis(300));
+            let me = rustix::process::getpid();
+            let _ = rustix::process::kill_process(me, rustix::process::Signal::KILL);
+        });
+    }
+    let send = vec![comm.rank() as f32; 1 << 20];
+    let mut recv = vec![0f32; 1 << 20];
+    for i in 0..100_000 {
+        if let Err(e) = dc.all_to_all(&send[..], &mut recv[..]) {
+            println!("rank {} failed in iteration {i}: {e}", comm.rank());
+            return 3;
+        }
     }
     println!("rank {} finished without noticing", comm.rank());
     0
@@ -335,4 +360,29 @@ fn a_rank_killed_mid_device_all_reduce_over_staging_fails_every_other_rank() {
 #[test]
 fn a_rank_killed_mid_device_all_reduce_over_tcp_fails_every_other_rank() {
     killed_rank_is_noticed_in(1, &[("RINGZERO_TRANSPORT", "tcp")], "kill-device");
+}
+
+#[test]
+fn a_rank_killed_mid_device_all_to_all_fails_every_other_rank() {
+    let t = Instant::now();
+    // A long deadline: the survivors must notice the death itself, not time out.
+    let env = [("RINGZERO_TRANSPORT", "shm"), ("RINGZERO_TIMEOUT", "60")];
+    let (o, lines) = run(4, 1, "kill-device-a2a", &env, Duration::from_secs(30));
+    assert_eq!(o.first_failure, Some(1), "{lines:#?}");
+    for r in [0, 2, 3] {
+        let e = &o.exits[r];
+        assert!(!e.killed_by_launcher, "rank {r} did not notice\n{lines:#?}");
+        assert_eq!(e.status.code(), Some(3), "rank {r}: {lines:#?}");
+        assert!(
+            lines.iter().any(|(q, l)| *q == r
+                && l.contains("failed in iteration")
+                && l.contains("all_to_all")),
+            "{lines:#?}"
+        );
+    }
+    assert!(
+        t.elapsed() < Duration::from_secs(20),
+        "took {:?}",
+        t.elapsed()
+    );
 }
