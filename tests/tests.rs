@@ -6,6 +6,7 @@ mod bench;
 mod checkpoint;
 mod common;
 mod device;
+mod device_p2p;
 mod direct;
 mod doubling;
 mod failures;

@@ -21,7 +21,7 @@ use crate::work::{Work, Worker};
 
 mod doubling;
 mod nonblocking;
-mod pairs;
+pub(crate) mod pairs;
 mod pairwise;
 use pairs::Pair;
 pub use pairs::{P2p, P2pOwned};
@@ -209,6 +209,11 @@ impl Communicator {
     /// for its tcp edges).
     pub(crate) fn data_ip(&self) -> Option<std::net::IpAddr> {
         self.inner.data_ip
+    }
+
+    /// What a device communicator keeps of this one to connect its point-to-point pairs later.
+    pub(crate) fn host_peers(&self) -> HostPeers {
+        HostPeers(self.inner.clone())
     }
 
     /// Byte counters of this rank's links since creation (including the setup barrier's frames,
@@ -762,6 +767,41 @@ impl Communicator {
     /// Wait until every asynchronous collective submitted so far has finished.
     fn wait_async_idle(&self) {
         self.worker.wait_idle();
+    }
+}
+
+/// A device communicator's hold on its host communicator: the host's point-to-point links, over
+/// which two ranks trade how to reach each other's device FIFOs when their first device
+/// point-to-point call meets, and where each rank is.
+pub(crate) struct HostPeers(Arc<Inner>);
+
+impl HostPeers {
+    /// Send `send` to `peer` and receive `recv` from it, over the host's point-to-point links
+    /// (connected by the pair's first call).
+    pub(crate) fn exchange(&self, send: &[u8], recv: &mut [u8], peer: usize) -> Result<()> {
+        self.0
+            .send_recv_batch(&mut [P2p::Send(send, peer), P2p::Recv(recv, peer)])
+    }
+
+    /// How host frames from `peer` to this rank travel (shm on one node, else tcp) and why: the
+    /// ring's choice ([`crate::topology::choose`]) for that pair.
+    pub(crate) fn edge_from(&self, peer: usize) -> Result<Edge> {
+        let node = self
+            .0
+            .peers
+            .get()
+            .and_then(|p| p.get(peer))
+            .map(|p| p.node.clone())
+            .ok_or_else(|| Error::Protocol {
+                peer: format!("rank {peer}"),
+                detail: "this communicator does not know where its peers are".into(),
+            })?;
+        crate::topology::choose(&self.0.cfg, peer, &node, self.0.rank)
+    }
+
+    /// [`Communicator::data_ip`].
+    pub(crate) fn data_ip(&self) -> Option<std::net::IpAddr> {
+        self.0.data_ip
     }
 }
 

@@ -133,7 +133,7 @@ impl<T> P2pOwned<T> {
 
 /// Refuse a point-to-point call whose messages (send or not, peer) name a peer that is not
 /// another rank of an `n`-rank communicator, before anything moves.
-pub(super) fn check_peers(
+pub(crate) fn check_peers(
     n: usize,
     rank: usize,
     msgs: impl ExactSizeIterator<Item = (bool, usize)>,

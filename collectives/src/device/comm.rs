@@ -16,6 +16,7 @@
 //! [`DeviceComm::edges`].
 
 use std::any::Any;
+use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -24,7 +25,7 @@ use bytemuck::{Pod, Zeroable};
 use ringzero_kernels::{DType, ReduceOp};
 
 use super::stream::Stream;
-use crate::comm::{AbortHandle, Communicator};
+use crate::comm::{AbortHandle, Communicator, HostPeers};
 use crate::config::{Config, StagingMode};
 use crate::error::{Error, Result};
 use crate::flight::{FlightRecord, Recorder};
@@ -87,7 +88,7 @@ fn kind_code(k: TransportKind) -> u32 {
     }
 }
 
-fn text<const N: usize>(s: &str) -> [u8; N] {
+pub(super) fn text<const N: usize>(s: &str) -> [u8; N] {
     let mut b = [0u8; N];
     let n = s.len().min(N);
     b[..n].copy_from_slice(&s.as_bytes()[..n]);
@@ -105,7 +106,7 @@ fn path_text(p: &std::path::Path) -> Result<[u8; 128]> {
     Ok(text(&s))
 }
 
-fn untext(b: &[u8]) -> String {
+pub(super) fn untext(b: &[u8]) -> String {
     let end = b.iter().position(|&c| c == 0).unwrap_or(b.len());
     String::from_utf8_lossy(&b[..end]).into_owned()
 }
@@ -115,7 +116,7 @@ const PROBE_DEADLINE: Duration = Duration::from_secs(5);
 /// Bytes a probe moves (or the slot size, if smaller).
 const PROBE_BYTES: usize = 64 * 1024;
 /// Bytes of a probe finding in the all-gathered record.
-const FINDING_BYTES: usize = 192;
+pub(super) const FINDING_BYTES: usize = 192;
 
 /// The byte at offset `i` of a probe from rank `from`: never zero, differs between neighbours.
 pub fn probe_pattern(from: usize, len: usize) -> Vec<u8> {
@@ -168,15 +169,15 @@ pub struct DeviceComm<S: Stream> {
 /// What the calling thread and the proxy thread share.
 pub(super) struct Core<S: Stream> {
     pub(super) stream: S,
-    cfg: Config,
-    rank: usize,
-    size: usize,
+    pub(super) cfg: Config,
+    pub(super) rank: usize,
+    pub(super) size: usize,
     edges: Vec<Edge>,
     /// Why all-reduces, reduce-scatters, all-gathers, broadcasts and reduces run directly, where they do.
     direct_why: Option<String>,
     /// Some rank's start-up probe failed, so some edge is rebuilt as host staging: every rank
     /// slices as `RINGZERO_P2P_DISABLE=1` does, so that edge's slots in `/dev/shm` stay small.
-    staged_fallback: bool,
+    pub(super) staged_fallback: bool,
     /// The least free space in any rank's shm directory at set-up (sizes host staging's slots).
     shm_room: u64,
     /// Every rank's buffers are in one device's memory ([`DeviceComm::one_device`]).
@@ -186,9 +187,15 @@ pub(super) struct Core<S: Stream> {
     /// for the next one: address, bytes, owner. Used only under `state`'s lock.
     send_copy: Mutex<Option<Kept>>,
     /// The last calls, dumped when the communicator fails or closes.
-    flight: Recorder,
+    pub(super) flight: Recorder,
     /// Raised by [`DeviceComm::abort`] from any thread; the running call sees it.
-    abort: AbortFlag,
+    pub(super) abort: AbortFlag,
+    /// The host communicator's point-to-point links, to connect device pairs (None: one rank).
+    pub(super) host: Option<HostPeers>,
+    /// Every rank's device, as all-gathered at set-up.
+    pub(super) infos: Vec<DeviceInfo>,
+    /// Device links of this rank with each peer it has met in a point-to-point call.
+    pub(super) pairs: Mutex<BTreeMap<usize, super::pairs::DevPair>>,
 }
 
 type DevState = crate::ring::engine::RingState<DevLinks>;
@@ -214,6 +221,9 @@ impl<S: Stream> DeviceComm<S> {
             one_device: true,
             state: Mutex::new(DevState::new(None)),
             send_copy: Mutex::new(None),
+            host: (size > 1).then(|| comm.host_peers()),
+            infos: Vec::new(),
+            pairs: Mutex::new(BTreeMap::new()),
         };
         if size > 1 {
             core.connect(comm)?;
@@ -351,6 +361,16 @@ impl<S: Stream> DeviceComm<S> {
         unsafe { self.core.execute(coll, dtype, op, count, bufs) }
     }
 
+    /// The state the calling thread and the proxy thread share.
+    pub(super) fn core(&self) -> &Core<S> {
+        &self.core
+    }
+
+    /// Wait until the asynchronous calls submitted so far have run.
+    pub(super) fn wait_async(&self) {
+        self.worker.wait_idle();
+    }
+
     /// Queue `f` for the proxy thread.
     pub(super) fn submit<R: Send + 'static>(
         &self,
@@ -373,11 +393,12 @@ impl<S: Stream> Drop for DeviceComm<S> {
 }
 
 impl<S: Stream> Core<S> {
-    fn abort(&self, reason: &str) {
+    pub(super) fn abort(&self, reason: &str) {
         crate::ring::engine::abort(&self.state, &self.abort, self.rank, reason, &self.flight);
+        self.tell_pairs(&format!("rank {}: {reason}", self.rank));
     }
 
-    fn lock(&self) -> MutexGuard<'_, DevState> {
+    pub(super) fn lock(&self) -> MutexGuard<'_, DevState> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -405,7 +426,6 @@ impl<S: Stream> Core<S> {
                     i.pid == me.pid
                 }
         });
-        let p = &infos[prev];
         let host_edges = comm.edges();
         let host_recv = host_edges
             .iter()
@@ -415,26 +435,8 @@ impl<S: Stream> Core<S> {
                 peer: format!("rank {prev}"),
                 detail: "the host communicator has no edge from it".into(),
             })?;
-        let same_gpu = me.has_uuid == 1 && p.has_uuid == 1 && me.uuid == p.uuid;
-        let peer_access = if me.has_uuid == 0 || p.has_uuid == 0 {
-            Err(format!(
-                "{} and {} are not both GPUs",
-                untext(&me.name),
-                untext(&p.name)
-            ))
-        } else if same_gpu {
-            Ok(true)
-        } else {
-            self.stream.can_access_peer(&p.uuid)
-        };
-        let peer = DevicePeer {
-            host_edge: host_recv,
-            mine: untext(&me.name),
-            theirs: untext(&p.name),
-            same_gpu,
-            peer_access,
-            mps: same_gpu.then(topology::mps_control).flatten(),
-        };
+        let peer = self.device_peer(&me, &infos[prev], host_recv);
+        self.infos = infos.clone();
         let mut recv_edge = topology::choose_device(&self.cfg, &peer)?;
         // 2–4, at most twice: a failed cuda_ipc probe rebuilds that edge as host staging.
         const ROUNDS: u64 = 2;
@@ -514,6 +516,36 @@ impl<S: Stream> Core<S> {
             peer: format!("rank {prev}"),
             detail: "device edges failed their start-up probe twice".into(),
         })
+    }
+
+    /// What this rank (`me`) knows of the rank `p` whose device frames reach it, with the host
+    /// communicator's edge between the two.
+    pub(super) fn device_peer(
+        &self,
+        me: &DeviceInfo,
+        p: &DeviceInfo,
+        host_edge: Edge,
+    ) -> DevicePeer {
+        let same_gpu = me.has_uuid == 1 && p.has_uuid == 1 && me.uuid == p.uuid;
+        let peer_access = if me.has_uuid == 0 || p.has_uuid == 0 {
+            Err(format!(
+                "{} and {} are not both GPUs",
+                untext(&me.name),
+                untext(&p.name)
+            ))
+        } else if same_gpu {
+            Ok(true)
+        } else {
+            self.stream.can_access_peer(&p.uuid)
+        };
+        DevicePeer {
+            host_edge,
+            mine: untext(&me.name),
+            theirs: untext(&p.name),
+            same_gpu,
+            peer_access,
+            mps: same_gpu.then(topology::mps_control).flatten(),
+        }
     }
 
     /// Decide whether this communicator's all-reduces, reduce-scatters, all-gathers, broadcasts and reduces run
@@ -641,7 +673,7 @@ impl<S: Stream> Core<S> {
     /// Every rank must come to the same figure (their plans slice alike), so it depends on the
     /// configuration, the kind of device and what was all-gathered (probe findings, the least
     /// free shm space) only, never on one edge's transport.
-    fn slot_bytes(&self) -> usize {
+    pub(super) fn slot_bytes(&self) -> usize {
         let staged = crate::config::staged_slice_bytes(self.shm_room, self.size, self.cfg.slots);
         self.cfg
             .device_slice_bytes
@@ -666,21 +698,31 @@ impl<S: Stream> Core<S> {
         prev: usize,
         next: usize,
     ) -> Result<(DevLinks, (TransportKind, usize))> {
+        let name = crate::connect::segment_name(&self.cfg, prev, self.rank, "dev");
+        let (rx, info) = self.open_rx(comm.data_ip(), recv_edge, prev, &name)?;
+        let all: Vec<ConnectInfo> = comm.all_gather_records(&info)?;
+        self.join(rx, recv_edge, prev, (&all[next], next))
+    }
+
+    /// This rank's receive FIFO from `from` for `recv_edge` (shm segment `name`), or for a tcp
+    /// edge a listener on `ip`; and how the sender attaches to it.
+    pub(super) fn open_rx(
+        &self,
+        ip: Option<std::net::IpAddr>,
+        recv_edge: &Edge,
+        from: usize,
+        name: &str,
+    ) -> Result<(Rx, ConnectInfo)> {
         let cfg = &self.cfg;
         let (slots, slot_bytes) = (cfg.slots, self.slot_bytes());
-        let name = crate::connect::segment_name(cfg, prev, self.rank, "dev");
         let mut info = ConnectInfo::zeroed();
         info.slots = slots as u32;
         info.slot_bytes = slot_bytes as u64;
         info.kind = kind_code(recv_edge.kind);
         info.sockets = recv_edge.sockets as u32;
-        enum Rx {
-            Ready(Box<dyn DevRecvLink>),
-            Listen(std::net::TcpListener),
-        }
         let rx = match recv_edge.kind {
             TransportKind::Shm => {
-                let ctl = ShmRecv::create(&cfg.shm_dir, &name, slots, slot_bytes, prev)?;
+                let ctl = ShmRecv::create(&cfg.shm_dir, name, slots, slot_bytes, from)?;
                 let (map, len) = ctl.mapping();
                 let slot0 = ctl.slot_addr(0).expect("data segment");
                 // SAFETY: the mapping lives in `ctl`; the FifoRecv drops `keep` (the registration)
@@ -699,7 +741,7 @@ impl<S: Stream> Core<S> {
                     .stream
                     .export(slots * slot_bytes)
                     .map_err(dev_err("allocating the device slots"))?;
-                let ctl = ShmRecv::create_control(&cfg.shm_dir, &name, slots, slot_bytes, prev)?;
+                let ctl = ShmRecv::create_control(&cfg.shm_dir, name, slots, slot_bytes, from)?;
                 info.ipc = handle;
                 info.path = path_text(ctl.path())?;
                 Rx::Ready(Box::new(FifoRecv::new(
@@ -712,8 +754,8 @@ impl<S: Stream> Core<S> {
             TransportKind::Tcp => {
                 // A connection of its own (the host communicator's carries host frames), on the
                 // address the host data connections use.
-                let ip = comm.data_ip().ok_or_else(|| Error::Protocol {
-                    peer: format!("rank {prev}"),
+                let ip = ip.ok_or_else(|| Error::Protocol {
+                    peer: format!("rank {from}"),
                     detail: "a tcp device edge without a host data address".into(),
                 })?;
                 let l = std::net::TcpListener::bind((ip, 0))
@@ -725,8 +767,21 @@ impl<S: Stream> Core<S> {
                 Rx::Listen(l)
             }
         };
-        let all: Vec<ConnectInfo> = comm.all_gather_records(&info)?;
-        let theirs = all[next];
+        Ok((rx, info))
+    }
+
+    /// Finish `rx` (accepting the sender's connections for a tcp edge) while attaching to the
+    /// receive FIFO of `to` that `theirs` describes: the links, and the send edge's kind and tcp
+    /// connections.
+    pub(super) fn join(
+        &self,
+        rx: Rx,
+        recv_edge: &Edge,
+        from: usize,
+        (theirs, to): (&ConnectInfo, usize),
+    ) -> Result<(DevLinks, (TransportKind, usize))> {
+        let cfg = &self.cfg;
+        let (slots, slot_bytes) = (cfg.slots, self.slot_bytes());
         let path = std::path::PathBuf::from(untext(&theirs.path));
         let (t_slots, t_bytes) = (theirs.slots as usize, theirs.slot_bytes as usize);
         let me = crate::bootstrap::Identity {
@@ -743,12 +798,12 @@ impl<S: Stream> Core<S> {
                         None,
                         Some(sc.spawn(move || -> Result<tcp::TcpRecv> {
                             let wires =
-                                tcp::accept_wires(&l, &me, prev, recv_edge.sockets, cfg.timeout)?;
-                            tcp::TcpRecv::over(wires, prev, slots, slot_bytes)
+                                tcp::accept_wires(&l, &me, from, recv_edge.sockets, cfg.timeout)?;
+                            tcp::TcpRecv::over(wires, from, slots, slot_bytes)
                         })),
                     ),
                 };
-                let tx = self.attach(&theirs, &path, t_slots, t_bytes, next, &me);
+                let tx = self.attach(theirs, &path, t_slots, t_bytes, to, &me);
                 let rx: Box<dyn DevRecvLink> = match (ready, accept) {
                     (Some(r), _) => r,
                     (None, Some(h)) => {
@@ -776,8 +831,8 @@ impl<S: Stream> Core<S> {
             DevLinks {
                 tx,
                 rx,
-                next,
-                prev,
+                next: to,
+                prev: from,
                 counters: Counters::default(),
                 direct: None,
                 pair_copies: cfg.device_copy_pairs,
@@ -1197,6 +1252,12 @@ impl Probe {
 
 /// A send link and its transport.
 type SendSide = (Box<dyn DevSendLink>, TransportKind);
+
+/// A receive FIFO being set up: ready, or (tcp) waiting for the sender's connections.
+pub(super) enum Rx {
+    Ready(Box<dyn DevRecvLink>),
+    Listen(std::net::TcpListener),
+}
 
 fn dev_err(what: &str) -> impl Fn(ringzero_kernels::device::DeviceError) -> Error + '_ {
     move |e| Error::Device {

@@ -18,6 +18,7 @@ pub mod comm;
 mod cuda;
 pub mod direct;
 pub mod optim;
+mod pairs;
 pub mod stream;
 
 pub use comm::DeviceComm;

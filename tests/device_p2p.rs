@@ -1,0 +1,208 @@
+//! Point-to-point on device buffers ([`DeviceComm::send`], `recv`, `send_recv`): pairs of ranks
+//! that are not ring neighbours, both directions, over host staging (mapped and explicit
+//! copies) and tcp device links, with the host as the device (the GPU check runs them on GPUs).
+
+use ringzero::{
+    DType, DeviceComm, Error, HostStream, ReduceOp, StagingMode, TransportKind, TransportPref,
+};
+
+use crate::common::{threads, Opts};
+
+fn device_comm(comm: &ringzero::Communicator) -> DeviceComm<HostStream> {
+    DeviceComm::new(comm, HostStream::new())
+        .unwrap_or_else(|e| panic!("rank {}: device comm: {e}", comm.rank()))
+}
+
+/// What rank `from` sends in message `k`: `len` elements that tell sender, message and
+/// position apart.
+fn msg(from: usize, k: usize, len: usize) -> Vec<f32> {
+    (0..len)
+        .map(|i| (from * 1_000_000 + k * 10_000 + i % 9_973) as f32)
+        .collect()
+}
+
+/// A 4-stage pipeline, forward and back: stage r sends activations to r + 1 and gradients to
+/// r − 1 (the ring reaches r + 1 only, one way), then every rank swaps with the rank across
+/// (0↔2, 1↔3: no ring edge at all) by `send_recv`, messages of several slots each way; and ranks
+/// 0 and 3 trade several messages in a row, which each direction numbers. Every element checked.
+#[test]
+fn a_pipeline_forward_and_back_and_swaps_across_the_ring_arrive_exactly() {
+    for (transport, staging, want) in [
+        (TransportPref::Shm, StagingMode::Mapped, TransportKind::Shm),
+        (TransportPref::Shm, StagingMode::Copy, TransportKind::Shm),
+        (TransportPref::Tcp, StagingMode::Mapped, TransportKind::Tcp),
+    ] {
+        let o = Opts {
+            transport,
+            staging,
+            slice_bytes: 1024,
+            ..Opts::default()
+        };
+        let n = 4;
+        threads(n, &o, |r, comm| {
+            let comm = comm.unwrap();
+            let mut dc = device_comm(&comm);
+            let len = 3001;
+            // Forward: activations 0 → 1 → 2 → 3, each stage adding its rank.
+            let mut act = vec![0f32; len];
+            if r > 0 {
+                dc.recv(&mut act[..], r - 1).unwrap();
+                assert_eq!(act, msg(r - 1, 0, len), "rank {r}: activations");
+            }
+            if r + 1 < n {
+                dc.send(&msg(r, 0, len)[..], r + 1).unwrap();
+            }
+            // Backward: gradients 3 → 2 → 1 → 0, against the ring.
+            let mut grad = vec![0f32; len + 7];
+            if r + 1 < n {
+                dc.recv(&mut grad[..], r + 1).unwrap();
+                assert_eq!(grad, msg(r + 1, 1, len + 7), "rank {r}: gradients");
+            }
+            if r > 0 {
+                dc.send(&msg(r, 1, len + 7)[..], r - 1).unwrap();
+            }
+            // Across: 0↔2 and 1↔3 swap at once, counts differing by direction.
+            let peer = r ^ 2;
+            let mut got = vec![0f32; 5000 + peer];
+            dc.send_recv(&msg(r, 2, 5000 + r)[..], &mut got[..], peer)
+                .unwrap();
+            assert_eq!(got, msg(peer, 2, 5000 + peer), "rank {r}: swap");
+            // Several messages in a row between 0 and 3, small enough to be in flight at once.
+            if r == 0 || r == 3 {
+                let other = 3 - r;
+                if r == 0 {
+                    for k in 0..3 {
+                        dc.send(&msg(r, 10 + k, 100)[..], other).unwrap();
+                    }
+                } else {
+                    for k in 0..3 {
+                        let mut b = vec![0f32; 100];
+                        dc.recv(&mut b[..], other).unwrap();
+                        assert_eq!(b, msg(other, 10 + k, 100), "message {k}");
+                    }
+                }
+            }
+            // Collectives still run in step around the point-to-point calls.
+            let mut all = vec![1f32; 1000];
+            dc.all_reduce_in_place(&mut all[..], ReduceOp::Sum).unwrap();
+            assert!(all.iter().all(|&v| v == n as f32));
+            // The pairs say how they are linked.
+            let [from, to] = dc.pair_edges(peer).expect("connected");
+            assert_eq!((from.from, from.to, to.from, to.to), (peer, r, r, peer));
+            assert!(from.kind == want && to.kind == want, "{from} / {to}");
+            assert!(dc.pair_edges(r).is_none());
+        });
+    }
+}
+
+/// Bad peers are refused by name and change nothing; a receive expecting another count fails
+/// with both calls named, on both ranks, and the communicator refuses later calls.
+#[test]
+fn bad_device_point_to_point_calls_are_refused_and_mismatches_name_both() {
+    threads(3, &Opts::default(), |r, comm| {
+        let comm = comm.unwrap();
+        let mut dc = device_comm(&comm);
+        let e = dc.send(&[1f32; 4][..], r).unwrap_err();
+        assert!(e.to_string().contains("is this rank"), "{e}");
+        let e = dc.recv(&mut [0f32; 4][..], 3).unwrap_err();
+        assert!(e.to_string().contains("not a rank of this 3-rank"), "{e}");
+        assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+        // Refused calls used nothing: a collective still runs in step.
+        let mut b = vec![1f32; 10];
+        dc.all_reduce_in_place(&mut b[..], ReduceOp::Sum).unwrap();
+        assert_eq!(b, vec![3.0; 10]);
+        match r {
+            0 => {
+                // The send may land in rank 2's slots before rank 2 looks at it; the mismatch
+                // then reaches this rank as rank 2's abort, at its next wait on the pair.
+                let _ = dc.send(&[1f32; 8][..], 2);
+                let e = dc.recv(&mut [0f32; 8][..], 2).unwrap_err();
+                assert!(e.to_string().contains("rank 2"), "{e}");
+            }
+            2 => {
+                let e = dc.recv(&mut [0f32; 9][..], 0).unwrap_err();
+                let t = e.to_string();
+                assert!(
+                    t.contains("count=8") && t.contains("count=9"),
+                    "both calls named: {t}"
+                );
+            }
+            _ => {}
+        }
+        if r != 1 {
+            let e = dc.send(&[1f32; 8][..], 1).unwrap_err();
+            assert!(!matches!(e, Error::InvalidArgument { .. }), "{e}");
+        }
+    });
+}
+
+/// Every element type crosses a pair both ways, bit for bit (messages of one element, of a
+/// part of a slot and of several slots; 1 → 0 runs against the ring's direction on 3 ranks).
+#[test]
+fn every_element_type_crosses_a_device_pair_exactly() {
+    threads(
+        3,
+        &Opts {
+            slice_bytes: 1024,
+            ..Opts::default()
+        },
+        |r, comm| {
+            let comm = comm.unwrap();
+            let mut dc = device_comm(&comm);
+            for (k, d) in DType::ALL.into_iter().enumerate() {
+                let len = [1, 255, 4099][k % 3];
+                let bytes: Vec<u8> = (0..len * d.size())
+                    .map(|i| (i * 7 + r) as u8 % 120)
+                    .collect();
+                match r {
+                    0 => {
+                        let mut got = vec![0u8; bytes.len()];
+                        send_recv_bytes(&mut dc, d, &bytes, &mut got, 1);
+                        let want: Vec<u8> = (0..len * d.size())
+                            .map(|i| (i * 7 + 1) as u8 % 120)
+                            .collect();
+                        assert_eq!(got, want, "{d}");
+                    }
+                    1 => {
+                        let mut got = vec![0u8; bytes.len()];
+                        send_recv_bytes(&mut dc, d, &bytes, &mut got, 0);
+                    }
+                    _ => {}
+                }
+            }
+        },
+    );
+}
+
+/// `send_recv` of raw bytes viewed as `d`'s elements (u8 buffers of whole elements).
+fn send_recv_bytes(
+    dc: &mut DeviceComm<HostStream>,
+    d: DType,
+    send: &[u8],
+    recv: &mut [u8],
+    peer: usize,
+) {
+    use half::{bf16, f16};
+    fn elems<T: bytemuck::Pod>(b: &[u8]) -> Vec<T> {
+        b.chunks_exact(std::mem::size_of::<T>())
+            .map(bytemuck::pod_read_unaligned)
+            .collect()
+    }
+    macro_rules! go {
+        ($t:ty) => {{
+            let s: Vec<$t> = elems(send);
+            let mut g: Vec<$t> = elems(recv);
+            dc.send_recv(&s[..], &mut g[..], peer).unwrap();
+            recv.copy_from_slice(bytemuck::cast_slice(&g));
+        }};
+    }
+    match d {
+        DType::F32 => go!(f32),
+        DType::F64 => go!(f64),
+        DType::F16 => go!(f16),
+        DType::BF16 => go!(bf16),
+        DType::I32 => go!(i32),
+        DType::I64 => go!(i64),
+        DType::U8 => go!(u8),
+    }
+}
