@@ -206,3 +206,69 @@ fn send_recv_bytes(
         DType::U8 => go!(u8),
     }
 }
+
+/// Asynchronous point-to-point on owned buffers: ranks pair up (0↔1, 2↔3) and each queues a send
+/// to its partner then a receive from it, then an exchange with the rank across (0↔2, 1↔3),
+/// then a blocking collective, which runs after them; a bad peer fails its `Work` at once.
+/// (A pair's first call is a rendezvous, as on the host: had every rank's first call gone to
+/// the rank before it, each would wait for that rank to turn to it.)
+#[test]
+fn async_device_point_to_point_runs_on_the_proxy_thread_in_order() {
+    let o = Opts {
+        slice_bytes: 1024,
+        ..Opts::default()
+    };
+    let n = 4;
+    threads(n, &o, |r, comm| {
+        let comm = comm.unwrap();
+        let mut dc = device_comm(&comm);
+        let partner = r ^ 1;
+        // Small enough to sit in the partner's slots until it receives.
+        let sent = dc.send_async(msg(r, 0, 600), partner);
+        let got = dc.recv_async(vec![0f32; 600], partner);
+        let swap = dc.send_recv_async(msg(r, 1, 3000), vec![0f32; 3000], r ^ 2);
+        let mut all = vec![1f32; 100];
+        dc.all_reduce_in_place(&mut all[..], ReduceOp::Sum).unwrap();
+        assert!(sent.is_done() && got.is_done() && swap.is_done());
+        assert_eq!(sent.wait().unwrap(), msg(r, 0, 600));
+        assert_eq!(got.wait().unwrap(), msg(partner, 0, 600), "rank {r}");
+        assert_eq!(swap.wait().unwrap().1, msg(r ^ 2, 1, 3000), "rank {r}");
+        let e = dc.recv_async(vec![0f32; 1], r).wait().unwrap_err();
+        assert!(e.to_string().contains("is this rank"), "{e}");
+    });
+}
+
+/// `connect_peers` connects a rank's pairs all at once: afterwards every rank's first message
+/// may go to the rank before it while it receives from the rank after (a cycle, which first
+/// calls alone would wait in until the deadline), and a second `connect_peers` is free.
+#[test]
+fn connected_peers_need_no_rendezvous_even_in_a_cycle() {
+    for transport in [TransportPref::Shm, TransportPref::Tcp] {
+        let o = Opts {
+            transport,
+            slice_bytes: 1024,
+            ..Opts::default()
+        };
+        let n = 4;
+        threads(n, &o, |r, comm| {
+            let comm = comm.unwrap();
+            let mut dc = device_comm(&comm);
+            let (before, after) = ((r + n - 1) % n, (r + 1) % n);
+            if let Err(e) = dc.connect_peers(&[after, before, after]) {
+                panic!("RANK {r}: {e}");
+            }
+            let (e0, e1) = (
+                dc.pair_edges(before).unwrap(),
+                dc.pair_edges(after).unwrap(),
+            );
+            assert_eq!((e0[0].from, e1[1].to), (before, after));
+            dc.connect_peers(&[before]).unwrap();
+            let sent = dc.send_async(msg(r, 0, 600), before);
+            let got = dc.recv_async(vec![0f32; 600], after);
+            assert_eq!(got.wait().unwrap(), msg(after, 0, 600), "rank {r}");
+            sent.wait().unwrap();
+            let e = dc.connect_peers(&[r]).unwrap_err();
+            assert!(e.to_string().contains("is this rank"), "{e}");
+        });
+    }
+}

@@ -776,11 +776,15 @@ impl Communicator {
 pub(crate) struct HostPeers(Arc<Inner>);
 
 impl HostPeers {
-    /// Send `send` to `peer` and receive `recv` from it, over the host's point-to-point links
-    /// (connected by the pair's first call).
-    pub(crate) fn exchange(&self, send: &[u8], recv: &mut [u8], peer: usize) -> Result<()> {
-        self.0
-            .send_recv_batch(&mut [P2p::Send(send, peer), P2p::Recv(recv, peer)])
+    /// Run `msgs` as one batch over the host's point-to-point links (the pairs not connected yet
+    /// connect at once: [`Communicator::send_recv_batch`]).
+    pub(crate) fn exchange_all(&self, msgs: &mut [P2p<'_, u8>]) -> Result<()> {
+        let peers = msgs.iter().map(|m| match m {
+            P2p::Send(_, p) => (true, *p),
+            P2p::Recv(_, p) => (false, *p),
+        });
+        pairs::check_peers(self.0.size, self.0.rank, peers)?;
+        self.0.send_recv_batch(msgs)
     }
 
     /// How host frames from `peer` to this rank travel (shm on one node, else tcp) and why: the

@@ -198,7 +198,7 @@ pub(super) struct Core<S: Stream> {
     pub(super) pairs: Mutex<BTreeMap<usize, super::pairs::DevPair>>,
 }
 
-type DevState = crate::ring::engine::RingState<DevLinks>;
+pub(super) type DevState = crate::ring::engine::RingState<DevLinks>;
 
 /// Device memory a communicator keeps: its address, its bytes, its owner (which frees it).
 type Kept = (Addr, usize, Box<dyn Any + Send>);
@@ -1145,6 +1145,7 @@ impl<S: Stream> Core<S> {
             if !matches!(e, Error::InvalidArgument { .. }) {
                 tracing::error!(target: "ringzero::device", rank = self.rank, "{e}");
                 crate::ring::engine::fail(st, self.rank, e, &self.flight);
+                self.tell_pairs(&format!("rank {}: {e}", self.rank));
             }
         }
         r

@@ -16,12 +16,12 @@
 //! every pair, whether peer copies are trusted), and there is no batch of messages to several
 //! peers at once; one call moves at most one message each way.
 
-use bytemuck::Zeroable;
 use ringzero_kernels::{DType, ReduceOp};
 
 use super::comm::{text, untext, ConnectInfo, Core, DeviceComm, FINDING_BYTES};
 use super::stream::Stream;
 use super::DeviceMemory;
+use crate::comm::P2p;
 use crate::error::{Error, Result};
 use crate::ring::device_engine::{self, DevBufs, DevLinks};
 use crate::ring::engine::Call;
@@ -30,6 +30,7 @@ use crate::topology::{self, Edge};
 use crate::transport::device::Addr;
 use crate::transport::TransportKind;
 use crate::wire::Fingerprint;
+use crate::work::Work;
 
 /// This rank's device links with one peer, and how many messages each direction has carried.
 pub(crate) struct DevPair {
@@ -44,7 +45,9 @@ impl<S: Stream> DeviceComm<S> {
     /// Send `buf` to rank `peer`, which receives it with [`DeviceComm::recv`] (or
     /// [`DeviceComm::send_recv`]) of the same element type and count: the host
     /// [`crate::Communicator::send`]'s rules, on device buffers (see the module docs for how the
-    /// pair connects). A send returns once its last slice is in the peer's slots, which may be
+    /// pair connects). The pair's first call is a rendezvous: both ranks must reach a call with
+    /// each other before either goes on (ranks whose first calls form a cycle — each sending to
+    /// the rank before it — wait on each other until the deadline). A send returns once its last slice is in the peer's slots, which may be
     /// before the peer receives it (while the message fits `RINGZERO_SLOTS` slices); two ranks
     /// that each send the other more than that before receiving wait until the deadline, so
     /// exchange with [`DeviceComm::send_recv`].
@@ -89,11 +92,108 @@ impl<S: Stream> DeviceComm<S> {
         unsafe { self.core().p2p(peer, send.dtype(), Some(s), Some(r)) }
     }
 
+    /// Connect this rank's device links with each of `peers` it has not met yet, now and all at
+    /// once, instead of at each pair's first call: every one of them must call this (or a
+    /// point-to-point call with this rank) too. Connecting them together never waits in a
+    /// cycle, so ranks whose first calls would form one (each sending to the rank before it)
+    /// can call this first with the ranks they will talk to.
+    pub fn connect_peers(&mut self, peers: &[usize]) -> Result<()> {
+        check(self, &peers.iter().map(|&p| (true, p)).collect::<Vec<_>>())?;
+        self.wait_async();
+        let core = self.core();
+        let fp = Fingerprint::new(Collective::SendRecv, None, None, 0);
+        let mut st = core.lock();
+        crate::ring::engine::refuse(st.failed.as_ref(), &core.abort, &fp, 0)?;
+        let mut pairs = core.pairs.lock().unwrap_or_else(|p| p.into_inner());
+        let mut missing: Vec<usize> = peers
+            .iter()
+            .copied()
+            .filter(|p| !pairs.contains_key(p))
+            .collect();
+        missing.sort_unstable();
+        missing.dedup();
+        if missing.is_empty() {
+            return Ok(());
+        }
+        match core.connect_pairs(&missing) {
+            Ok(made) => {
+                pairs.extend(made);
+                Ok(())
+            }
+            Err(e) => {
+                drop(pairs);
+                core.fail(&mut st, &e);
+                Err(e)
+            }
+        }
+    }
+
     /// The device edges with `peer` (from it, then to it) once a point-to-point call has
     /// connected them, with the transport and why; `None` before.
     pub fn pair_edges(&self, peer: usize) -> Option<[Edge; 2]> {
         let pairs = self.core().pairs.lock().unwrap_or_else(|p| p.into_inner());
         pairs.get(&peer).map(|p| p.edges.clone())
+    }
+}
+
+/// Asynchronous forms: owned buffers, driven by the proxy thread in submission order with the
+/// collectives (see [`DeviceComm`]); bad peers fail the `Work` at once.
+impl<S: Stream + 'static> DeviceComm<S> {
+    /// [`DeviceComm::send`] of an owned buffer; returns it once sent.
+    pub fn send_async<B>(&self, buf: B, peer: usize) -> Work<B>
+    where
+        B: DeviceMemory<S> + Send + 'static,
+    {
+        if let Err(e) = check(self, &[(true, peer)]) {
+            return Work::failed(e);
+        }
+        self.submit(move |core| {
+            let s = (buf.addr(&core.stream), buf.elems());
+            // SAFETY: the job owns `buf` until the call returns, and the engine returns only
+            // once the device work reading it has completed.
+            unsafe { core.p2p(peer, buf.dtype(), Some(s), None) }?;
+            Ok(buf)
+        })
+    }
+
+    /// [`DeviceComm::recv`] into an owned buffer (its length the count expected); returns it
+    /// filled.
+    pub fn recv_async<B>(&self, mut buf: B, peer: usize) -> Work<B>
+    where
+        B: DeviceMemory<S> + Send + 'static,
+    {
+        if let Err(e) = check(self, &[(false, peer)]) {
+            return Work::failed(e);
+        }
+        self.submit(move |core| {
+            let (dtype, elems) = (buf.dtype(), buf.elems());
+            let r = (buf.addr_mut(&core.stream), elems);
+            // SAFETY: the job owns `buf` until the call returns, and the engine returns only
+            // once the device work writing it has completed.
+            unsafe { core.p2p(peer, dtype, None, Some(r)) }?;
+            Ok(buf)
+        })
+    }
+
+    /// [`DeviceComm::send_recv`] on owned buffers; returns both.
+    pub fn send_recv_async<B>(&self, send: B, mut recv: B, peer: usize) -> Work<(B, B)>
+    where
+        B: DeviceMemory<S> + Send + 'static,
+    {
+        let checked = check(self, &[(true, peer), (false, peer)])
+            .and_then(|()| super::same_dtype(Collective::SendRecv, send.dtype(), recv.dtype()));
+        if let Err(e) = checked {
+            return Work::failed(e);
+        }
+        self.submit(move |core| {
+            let s = (send.addr(&core.stream), send.elems());
+            let r = (recv.addr_mut(&core.stream), recv.elems());
+            // SAFETY: the job owns both buffers (distinct values, so distinct memory) until
+            // the call returns, and the engine returns only once the device work touching them
+            // has completed.
+            unsafe { core.p2p(peer, send.dtype(), Some(s), Some(r)) }?;
+            Ok((send, recv))
+        })
     }
 }
 
@@ -123,17 +223,10 @@ impl<S: Stream> Core<S> {
         crate::ring::engine::refuse(st.failed.as_ref(), &self.abort, &fp_of(first), 0)?;
         let mut pairs = self.pairs.lock().unwrap_or_else(|p| p.into_inner());
         let r = (|| -> Result<()> {
-            let pair = match pairs.entry(peer) {
-                std::collections::btree_map::Entry::Occupied(o) => o.into_mut(),
-                std::collections::btree_map::Entry::Vacant(v) => {
-                    let pair = self.connect_pair(peer)?;
-                    for e in &pair.edges {
-                        tracing::info!(target: "ringzero::topology", rank = self.rank,
-                            "device point-to-point edge {e}");
-                    }
-                    v.insert(pair)
-                }
-            };
+            if !pairs.contains_key(&peer) {
+                pairs.extend(self.connect_pairs(&[peer])?);
+            }
+            let pair = pairs.get_mut(&peer).expect("connected above");
             let plan = plan_p2p(
                 send.map(|m| m.1),
                 recv.map(|m| m.1),
@@ -170,15 +263,22 @@ impl<S: Stream> Core<S> {
             pair.received += u64::from(recv.is_some());
             Ok(())
         })();
+        drop(pairs);
         if let Err(e) = &r {
-            if !matches!(e, Error::InvalidArgument { .. }) {
-                tracing::error!(target: "ringzero::device", rank = self.rank, "{e}");
-                crate::ring::engine::fail(&mut st, self.rank, e, &self.flight);
-                let why = format!("rank {}: {e}", self.rank);
-                pairs.values_mut().for_each(|p| p.links.abort(&why));
-            }
+            self.fail(&mut st, e);
         }
         r
+    }
+
+    /// Fail the communicator after `e` (a refused argument fails nothing): every later call
+    /// refuses, and the ring's neighbours and every connected peer are told.
+    fn fail(&self, st: &mut super::comm::DevState, e: &Error) {
+        if matches!(e, Error::InvalidArgument { .. }) {
+            return;
+        }
+        tracing::error!(target: "ringzero::device", rank = self.rank, "{e}");
+        crate::ring::engine::fail(st, self.rank, e, &self.flight);
+        self.tell_pairs(&format!("rank {}: {e}", self.rank));
     }
 
     /// Tell every connected peer that this rank aborts.
@@ -187,49 +287,75 @@ impl<S: Stream> Core<S> {
         pairs.values_mut().for_each(|p| p.links.abort(why));
     }
 
-    /// Build this rank's device links with `peer`, which is doing the same: its receive FIFO from
-    /// the peer, chosen as a ring edge's, then the connect infos traded over the host's
-    /// point-to-point links, then the attach to the peer's FIFO.
-    fn connect_pair(&self, peer: usize) -> Result<DevPair> {
+    /// Build this rank's device links with each of `peers` (distinct, none connected yet), each
+    /// of which is doing the same with this rank: its receive FIFOs, chosen as ring edges are,
+    /// then every connect info traded at once over the host's point-to-point links (a batch,
+    /// which connects the host pairs without waiting in a cycle), then the attaches, in
+    /// ascending peer order (a tcp pair accepts and connects at once, so two ranks meet there
+    /// whatever else they connect: the lowest pair not yet joined can always go on).
+    pub(super) fn connect_pairs(&self, peers: &[usize]) -> Result<Vec<(usize, DevPair)>> {
         let host = self.host.as_ref().ok_or_else(|| Error::Protocol {
-            peer: format!("rank {peer}"),
+            peer: format!("rank {}", peers.first().copied().unwrap_or(0)),
             detail: "a one-rank device communicator has no peers".into(),
         })?;
+        let mut peers = peers.to_vec();
+        peers.sort_unstable();
         let me = &self.infos[self.rank];
-        let dp = self.device_peer(me, &self.infos[peer], host.edge_from(peer)?);
-        let mut recv_edge = topology::choose_device(&self.cfg, &dp)?;
-        if self.staged_fallback && recv_edge.kind == TransportKind::CudaIpc {
-            // The ring's start-up probe found peer copies broken somewhere: not trusted here.
-            let why = "the ring's start-up probe found peer copies broken";
-            recv_edge = topology::after_probe(&self.cfg, recv_edge, Some(why))?;
+        let mut opened = Vec::with_capacity(peers.len());
+        for &peer in &peers {
+            let dp = self.device_peer(me, &self.infos[peer], host.edge_from(peer)?);
+            let mut recv_edge = topology::choose_device(&self.cfg, &dp)?;
+            if self.staged_fallback && recv_edge.kind == TransportKind::CudaIpc {
+                // The ring's start-up probe found peer copies broken somewhere: not trusted.
+                let why = "the ring's start-up probe found peer copies broken";
+                recv_edge = topology::after_probe(&self.cfg, recv_edge, Some(why))?;
+            }
+            let name = crate::connect::segment_name(&self.cfg, peer, self.rank, "devp2p");
+            let (rx, info) = self.open_rx(host.data_ip(), &recv_edge, peer, &name)?;
+            let mut record = bytemuck::bytes_of(&info).to_vec();
+            record.extend_from_slice(&text::<FINDING_BYTES>(&recv_edge.reason));
+            opened.push((rx, recv_edge, record));
         }
-        let name = crate::connect::segment_name(&self.cfg, peer, self.rank, "devp2p");
-        let (rx, info) = self.open_rx(host.data_ip(), &recv_edge, peer, &name)?;
-        let mut theirs = ConnectInfo::zeroed();
-        host.exchange(
-            bytemuck::bytes_of(&info),
-            bytemuck::bytes_of_mut(&mut theirs),
-            peer,
-        )?;
-        let mut their_reason = [0u8; FINDING_BYTES];
-        host.exchange(
-            &text::<FINDING_BYTES>(&recv_edge.reason),
-            &mut their_reason,
-            peer,
-        )?;
-        let (links, (kind, sockets)) = self.join(rx, &recv_edge, peer, (&theirs, peer))?;
-        let send_edge = Edge {
-            from: self.rank,
-            to: peer,
-            kind,
-            reason: untext(&their_reason),
-            sockets,
-        };
-        Ok(DevPair {
-            links,
-            sent: 0,
-            received: 0,
-            edges: [recv_edge, send_edge],
-        })
+        let size = std::mem::size_of::<ConnectInfo>() + FINDING_BYTES;
+        let mut theirs = vec![vec![0u8; size]; peers.len()];
+        let mut msgs: Vec<P2p<'_, u8>> = opened
+            .iter()
+            .zip(&peers)
+            .map(|((_, _, record), &p)| P2p::Send(record.as_slice(), p))
+            .collect();
+        msgs.extend(
+            theirs
+                .iter_mut()
+                .zip(&peers)
+                .map(|(b, &p)| P2p::Recv(b.as_mut_slice(), p)),
+        );
+        host.exchange_all(&mut msgs)?;
+        let mut made = Vec::with_capacity(peers.len());
+        for ((rx, recv_edge, _), (peer, record)) in
+            opened.into_iter().zip(peers.iter().zip(&theirs))
+        {
+            let (info, reason) = record.split_at(std::mem::size_of::<ConnectInfo>());
+            let info: ConnectInfo = bytemuck::pod_read_unaligned(info);
+            let (links, (kind, sockets)) = self.join(rx, &recv_edge, *peer, (&info, *peer))?;
+            let send_edge = Edge {
+                from: self.rank,
+                to: *peer,
+                kind,
+                reason: untext(reason),
+                sockets,
+            };
+            let pair = DevPair {
+                links,
+                sent: 0,
+                received: 0,
+                edges: [recv_edge, send_edge],
+            };
+            for e in &pair.edges {
+                tracing::info!(target: "ringzero::topology", rank = self.rank,
+                    "device point-to-point edge {e}");
+            }
+            made.push((*peer, pair));
+        }
+        Ok(made)
     }
 }
