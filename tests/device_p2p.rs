@@ -254,9 +254,8 @@ fn connected_peers_need_no_rendezvous_even_in_a_cycle() {
             let comm = comm.unwrap();
             let mut dc = device_comm(&comm);
             let (before, after) = ((r + n - 1) % n, (r + 1) % n);
-            if let Err(e) = dc.connect_peers(&[after, before, after]) {
-                panic!("RANK {r}: {e}");
-            }
+            dc.connect_peers(&[after, before, after])
+                .unwrap_or_else(|e| panic!("rank {r}: {e}"));
             let (e0, e1) = (
                 dc.pair_edges(before).unwrap(),
                 dc.pair_edges(after).unwrap(),
