@@ -356,6 +356,18 @@ impl<S: Stream> Core<S> {
             }
             made.push((*peer, pair));
         }
+        // Each side now holds the other's FIFO: say so, and hear it, so that neither returns (and
+        // may close, removing a FIFO's file) before its peer has attached.
+        let ok = [1u8];
+        let mut heard = vec![[0u8]; peers.len()];
+        let mut msgs: Vec<P2p<'_, u8>> = peers.iter().map(|&p| P2p::Send(&ok[..], p)).collect();
+        msgs.extend(
+            heard
+                .iter_mut()
+                .zip(&peers)
+                .map(|(b, &p)| P2p::Recv(&mut b[..], p)),
+        );
+        host.exchange_all(&mut msgs)?;
         Ok(made)
     }
 }
