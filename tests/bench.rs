@@ -238,6 +238,51 @@ fn rows_follow_the_nccl_tests_definitions_and_the_json_parses_back() {
     );
 }
 
+/// Send-recv on device buffers: pairs 0↔1 and 2↔3 over device links of their own, each result
+/// checked (a corrupted one counted), set against the one memory the thread ranks share (each
+/// rank reads its message and writes its partner's: busbw ≤ copy/2n); an odd world is refused.
+#[test]
+fn the_device_sweep_runs_send_recv_between_pairs() {
+    for (corrupt, want) in [(None, 0), (Some(2), 1)] {
+        let reports = threads(4, &Opts::default(), |_, comm| {
+            let comm = comm.unwrap();
+            let mut dc = ringzero::DeviceComm::new(&comm, ringzero::HostStream::new()).unwrap();
+            let mut a = args(corrupt, DType::F32, ReduceOp::Sum);
+            a.ops = bench::parse_ops("send-recv").unwrap();
+            let r = bench::run_device(&comm, &mut dc, &a, "host-stream".into(), &mut |_, _| {});
+            (r.unwrap(), dc.pair_edges(comm.rank() ^ 1).is_some())
+        });
+        let r = &reports[0].0;
+        assert!(reports.iter().all(|x| x.1), "every rank met its partner");
+        assert_eq!(r.rows.len(), 4, "4 sizes, out of place only");
+        let c = r.header.device_baseline.unwrap().copy_gbs;
+        for row in &r.rows {
+            assert_eq!(row.op, "send_recv");
+            assert_eq!(row.wrong, if row.count > 0 { want } else { 0 }, "{row:?}");
+            if let Some(p) = row.predicted_us {
+                let busbw_at_pred = row.bytes as f64 / (p * 1e3);
+                assert!((busbw_at_pred - c / 8.0).abs() <= 1e-9 * c, "{row:?}");
+            }
+            assert_eq!(row.predicted_us.is_some(), row.bytes > 0, "{row:?}");
+        }
+    }
+    let errs = threads(3, &Opts::default(), |_, comm| {
+        let comm = comm.unwrap();
+        let mut dc = ringzero::DeviceComm::new(&comm, ringzero::HostStream::new()).unwrap();
+        let mut a = args(None, DType::F32, ReduceOp::Sum);
+        a.ops = bench::parse_ops("p2p").unwrap();
+        bench::run_device(&comm, &mut dc, &a, "host-stream".into(), &mut |_, _| {})
+            .unwrap_err()
+            .to_string()
+    });
+    for e in errs {
+        assert!(
+            e.contains("run it on an even number of ranks, not 3"),
+            "{e}"
+        );
+    }
+}
+
 /// The same sweep on device buffers (the device engine with the host as its device): every
 /// collective both ways checked exactly, a corrupted result counted, the device edges in the
 /// header.

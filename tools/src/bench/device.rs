@@ -214,17 +214,21 @@ fn call<D: BenchDev>(
             dc.all_gather_v_in_place(recv, &counts)
         }
         (Collective::AllToAll, false) => dc.all_to_all(send, recv),
+        (Collective::SendRecv, false) => match exact::partner(dc.rank(), dc.size()) {
+            None => Ok(()),
+            Some(peer) => dc.send_recv(send, recv, peer),
+        },
         (Collective::AllToAll, true) => dc.all_to_all_in_place(send),
-        (
-            Collective::SendRecv
-            | Collective::AllToAllV
-            | Collective::Gather { .. }
-            | Collective::Scatter { .. },
-            _,
-        ) => Err(ringzero_collectives::Error::InvalidArgument {
+        (Collective::SendRecv, true) => Err(ringzero_collectives::Error::InvalidArgument {
             op: op.name().into(),
-            msg: format!("{} runs on host buffers only (Communicator)", op.name()),
+            msg: "send-recv has no in-place form".into(),
         }),
+        (Collective::AllToAllV | Collective::Gather { .. } | Collective::Scatter { .. }, _) => {
+            Err(ringzero_collectives::Error::InvalidArgument {
+                op: op.name().into(),
+                msg: format!("{} runs on host buffers only (Communicator)", op.name()),
+            })
+        }
     }
 }
 
@@ -338,7 +342,13 @@ pub fn sweep<D: BenchDev>(
     for &size in &a.sizes {
         let count = exact::round_count(op, n, size / es);
         let bytes = count * es;
-        for inplace in [false, true] {
+        // Send-recv has no in-place form (its in-place line reads n/a, as on host buffers).
+        let ways: &[bool] = if op == Collective::SendRecv {
+            &[false]
+        } else {
+            &[false, true]
+        };
+        for &inplace in ways {
             let wrong = check(dc, op, a, count, inplace)?;
             let (in_len, out_len) = exact::lens(op, n, comm.rank(), count);
             let (mut send, mut recv) =

@@ -28,10 +28,10 @@ pub struct BenchArgs {
     pub probe_bytes: usize,
 }
 
-/// Whether `op` runs on device buffers (`DeviceComm`): the ring's collectives, all-gather-v
-/// and all-to-all do; send/recv, all-to-all-v, gather and scatter are host-only.
+/// Whether `op` runs on device buffers (`DeviceComm`): the ring's collectives, all-gather-v,
+/// all-to-all and send-recv do; all-to-all-v, gather and scatter are host-only.
 pub fn on_device(op: Collective) -> bool {
-    op != Collective::SendRecv && (!op.is_pairwise() || op == Collective::AllGatherV)
+    !op.is_pairwise() || op == Collective::AllGatherV
 }
 
 /// Parse an op name: `all-reduce` (or `all_reduce`, `allreduce`), ..., or `all`.
@@ -120,15 +120,7 @@ pub fn run(
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Report> {
     let n = comm.size();
-    if a.ops.contains(&Collective::SendRecv) && !n.is_multiple_of(2) {
-        // A rank left out would count its idle time in the mean over ranks.
-        return Err(ringzero_collectives::Error::InvalidArgument {
-            op: "bench send-recv".into(),
-            msg: format!(
-                "it pairs ranks 0↔1, 2↔3, ...: run it on an even number of ranks, not {n}"
-            ),
-        });
-    }
+    even_for_send_recv(n, a)?;
     let probe = probe::measure(comm, a.probe_bytes)?;
     let transport = transport_summary(comm, &probe);
     let total = a.ops.len() * a.sweep.sizes.len();
@@ -150,6 +142,20 @@ pub fn run(
     }
     let header = header(comm, a, &probe, "host".into());
     Ok(Report { header, rows })
+}
+
+/// Refuse a send-recv sweep on an odd number of ranks.
+fn even_for_send_recv(n: usize, a: &BenchArgs) -> Result<()> {
+    if a.ops.contains(&Collective::SendRecv) && !n.is_multiple_of(2) {
+        // A rank left out would count its idle time in the mean over ranks.
+        return Err(ringzero_collectives::Error::InvalidArgument {
+            op: "bench send-recv".into(),
+            msg: format!(
+                "it pairs ranks 0↔1, 2↔3, ...: run it on an even number of ranks, not {n}"
+            ),
+        });
+    }
+    Ok(())
 }
 
 fn header(comm: &Communicator, a: &BenchArgs, probe: &probe::Probe, device: String) -> Header {
@@ -283,6 +289,7 @@ pub fn run_device<D: device::BenchDev>(
     device_name: String,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Report> {
+    even_for_send_recv(comm.size(), a)?;
     let probe = probe::measure(comm, a.probe_bytes)?;
     let mut kinds: Vec<String> = dc.edges().iter().map(|e| e.kind.to_string()).collect();
     kinds.sort();
@@ -295,8 +302,8 @@ pub fn run_device<D: device::BenchDev>(
     let ops: Vec<Collective> = a.ops.iter().copied().filter(|&op| on_device(op)).collect();
     if ops.len() < a.ops.len() && comm.rank() == 0 {
         eprintln!(
-            "send-recv, all-to-all-v, gather and scatter run on host buffers only: left out of \
-             the device sweep"
+            "all-to-all-v, gather and scatter run on host buffers only: left out of the device \
+             sweep"
         );
     }
     let (baseline, limit) = device_bound(comm, dc, a)?;
@@ -322,8 +329,14 @@ pub fn run_device<D: device::BenchDev>(
         let mut got = device::sweep(comm, dc, op, &a.sweep, &how, &mut tick)?;
         for r in got.iter_mut().filter(|r| r.bytes > 0) {
             let row_limit = match limit {
-                // The direct step does not go over the ring's links: they bound nothing there.
+                // The direct step does not go over the ring's links: they bound nothing there;
+                // nor do they bound what goes over other links (send-recv's pairs).
                 Some(theory::DeviceLimit::Links(_)) if direct => None,
+                Some(l @ theory::DeviceLimit::Links(_))
+                    if theory::device_bound_gbs(op, r.ranks, r.inplace, l).is_none() =>
+                {
+                    None
+                }
                 // The links carrying what one link carries in this row's call (busbw's factor
                 // times its count, as the host model's β), in place or not as the row.
                 Some(theory::DeviceLimit::Links(_)) => {

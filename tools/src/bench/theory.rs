@@ -84,15 +84,18 @@ pub enum DeviceLimit {
 ///   out of place (S read, n outputs written), n in place (a rank's own part is already there);
 ///   all-to-all 2n out of place (n inputs read, n outputs written), 2(n − 1) in place (a rank's
 ///   own block may stay where it is; ringzero's in-place form copies it all first, which this
-///   bound does not excuse).
+///   bound does not excuse); send-recv 2n (each rank reads its message and writes its
+///   partner's).
 /// - `Staged(w)`: every byte a rank sends leaves its device through the one link and comes back
 ///   through it: all-reduce, reduce-scatter and all-gather send busbw·t per rank with every rank
-///   sending, so busbw ≤ w/n (all-to-all too: (n−1)/n·S leaves each rank and comes back); a
+///   sending, so busbw ≤ w/n (all-to-all too: (n−1)/n·S leaves each rank and comes back, and
+///   send-recv: S); a
 ///   broadcast or reduce moves S through each of n − 1 ranks, so busbw ≤ w/(n − 1).
 /// - `Links(β)`: a ring collective moves busbw·t bytes over every link (that is how busbw is
 ///   defined: all-reduce 2(n−1)/n·S, reduce-scatter and all-gather (n−1)/n·S, a pipelined
 ///   broadcast or reduce S), so busbw ≤ β for each. An all-to-all's blocks each go their
 ///   distance round a one-way ring, (n−1)/2·S over every link: busbw = (n−1)/n·S/t ≤ 2β/n.
+///   Send-recv goes over each pair's own links, not the ring's: no bound.
 pub fn device_bound_gbs(
     op: Collective,
     n: usize,
@@ -118,7 +121,8 @@ pub fn device_bound_gbs(
                     }
                 }
                 Collective::AllToAll if inplace => 2.0 * (nf - 1.0),
-                Collective::AllToAll => 2.0 * nf,
+                // Every rank reads its message and writes its partner's.
+                Collective::AllToAll | Collective::SendRecv => 2.0 * nf,
                 _ => return None,
             };
             Some(busbw_factor(op, n) * copy / traffic)
@@ -129,7 +133,8 @@ pub fn device_bound_gbs(
             | Collective::ReduceScatterV
             | Collective::AllGather
             | Collective::AllGatherV
-            | Collective::AllToAll => Some(w / nf),
+            | Collective::AllToAll
+            | Collective::SendRecv => Some(w / nf),
             Collective::Broadcast { .. } | Collective::Reduce { .. } => Some(w / (nf - 1.0)),
             _ => None,
         },
@@ -301,6 +306,12 @@ mod tests {
         assert!(close(device_bound_gbs(a2a, 4, false, w), 12.0));
         assert!(close(device_bound_gbs(a2a, 4, true, l), 10.0));
         assert!(close(device_bound_gbs(a2a, 2, false, l), 20.0));
+        // Send-recv (busbw = algbw): one memory, 4 ranks each reading and writing S: 3000/8;
+        // one host link w/n; no bound from the ring's links.
+        let sr = Collective::SendRecv;
+        assert!(close(device_bound_gbs(sr, 4, false, m), 375.0));
+        assert!(close(device_bound_gbs(sr, 4, false, w), 12.0));
+        assert_eq!(device_bound_gbs(sr, 4, false, l), None);
         // None for one rank, and for what the device sweep does not run.
         assert_eq!(device_bound_gbs(Collective::AllReduce, 1, false, m), None);
         assert_eq!(device_bound_gbs(Collective::RingShift, 4, false, m), None);
