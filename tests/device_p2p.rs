@@ -273,3 +273,28 @@ fn connected_peers_need_no_rendezvous_even_in_a_cycle() {
         });
     }
 }
+
+/// The communicator's counters include the pairs' links: a send of S bytes adds S sent on the
+/// sender, S received on the receiver, and nothing on the ring's edges.
+#[test]
+fn point_to_point_bytes_are_counted() {
+    threads(3, &Opts::default(), |r, comm| {
+        let comm = comm.unwrap();
+        let mut dc = device_comm(&comm);
+        let before = dc.counters();
+        match r {
+            2 => dc.send(&msg(r, 0, 1000)[..], 0).unwrap(),
+            0 => dc.recv(&mut vec![0f32; 1000][..], 2).unwrap(),
+            _ => {}
+        }
+        dc.barrier().unwrap();
+        let (after, d) = (dc.counters(), |a: u64, b: u64| a - b);
+        let sent = d(after.bytes_sent, before.bytes_sent);
+        let received = d(after.bytes_received, before.bytes_received);
+        assert_eq!(
+            (sent, received),
+            [(0, 4000), (0, 0), (4000, 0)][r],
+            "rank {r}"
+        );
+    });
+}

@@ -1001,13 +1001,7 @@ impl Inner {
             st.links
                 .iter()
                 .chain(others.map(|l| &*l))
-                .fold(Counters::default(), |a, l| Counters {
-                    bytes_sent: a.bytes_sent + l.counters.bytes_sent,
-                    bytes_received: a.bytes_received + l.counters.bytes_received,
-                    frames_sent: a.frames_sent + l.counters.frames_sent,
-                    bytes_staged: a.bytes_staged + l.counters.bytes_staged,
-                    bytes_direct: a.bytes_direct + l.counters.bytes_direct,
-                })
+                .fold(Counters::default(), |a, l| a + l.counters)
         })
     }
 

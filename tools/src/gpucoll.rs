@@ -179,7 +179,11 @@ pub fn rank_main(comm: &Communicator, device: usize, bench: bool) -> Vec<Row> {
             check: format!("{label} n={n} {}", coll.name()),
             pass: fail.is_none(),
             detail: fail.unwrap_or_else(|| {
-                let ways = if coll == Collective::SendRecv { "out of place" } else { "both ways" };
+                let ways = if coll == Collective::SendRecv {
+                    "out of place"
+                } else {
+                    "both ways"
+                };
                 format!("{cases} cases (7 dtypes × 5 ops × 3 sizes × {ways}) exact")
             }),
         });

@@ -262,11 +262,12 @@ impl<S: Stream> DeviceComm<S> {
         self.core.slot_bytes()
     }
 
-    /// Payload bytes this rank's device links have moved (read between calls: waits for an
-    /// asynchronous call in progress).
+    /// Payload bytes this rank's device links have moved, the ring's and every point-to-point
+    /// pair's (read between calls: waits for an asynchronous call in progress).
     pub fn counters(&self) -> Counters {
         let st = self.core.lock();
-        st.links.as_ref().map(|l| l.counters).unwrap_or_default()
+        let ring = st.links.as_ref().map(|l| l.counters).unwrap_or_default();
+        self.core.pair_counters() + ring
     }
 
     /// The flight recorder's record of this communicator's last calls: see

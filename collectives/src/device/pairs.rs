@@ -281,6 +281,14 @@ impl<S: Stream> Core<S> {
         self.tell_pairs(&format!("rank {}: {e}", self.rank));
     }
 
+    /// The byte counters of every pair's links together.
+    pub(super) fn pair_counters(&self) -> crate::ring::engine::Counters {
+        let pairs = self.pairs.lock().unwrap_or_else(|p| p.into_inner());
+        pairs
+            .values()
+            .fold(Default::default(), |a, p| a + p.links.counters)
+    }
+
     /// Tell every connected peer that this rank aborts.
     pub(super) fn tell_pairs(&self, why: &str) {
         let mut pairs = self.pairs.lock().unwrap_or_else(|p| p.into_inner());

@@ -176,6 +176,20 @@ pub struct Counters {
     pub bytes_direct: u64,
 }
 
+/// The counts of two sets of links together.
+impl std::ops::Add for Counters {
+    type Output = Counters;
+    fn add(self, o: Counters) -> Counters {
+        Counters {
+            bytes_sent: self.bytes_sent + o.bytes_sent,
+            bytes_received: self.bytes_received + o.bytes_received,
+            frames_sent: self.frames_sent + o.frames_sent,
+            bytes_staged: self.bytes_staged + o.bytes_staged,
+            bytes_direct: self.bytes_direct + o.bytes_direct,
+        }
+    }
+}
+
 /// A rank's two ring links and how it waits on them.
 pub struct Links {
     /// To the next rank.
