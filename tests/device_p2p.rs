@@ -298,3 +298,71 @@ fn point_to_point_bytes_are_counted() {
         );
     });
 }
+
+/// Device all-to-all-v: blocks of every size (empty ones included) arrive where the counts put
+/// them, over each pair's links (the first call connects every pair), on 3 ranks (a rank sits
+/// each round out) and 4; bad counts are refused by name and change nothing; a rank calling
+/// something else is named.
+#[test]
+fn device_all_to_all_v_moves_uneven_blocks_and_refuses_bad_counts() {
+    for n in [3, 4] {
+        let o = Opts {
+            slice_bytes: 1024,
+            ..Opts::default()
+        };
+        threads(n, &o, |r, comm| {
+            let comm = comm.unwrap();
+            let mut dc = device_comm(&comm);
+            // Rank q sends rank j (q·7 + j·300) % 1100 elements.
+            let count = |q: usize, j: usize| (q * 7 + j * 300) % 1100;
+            let sc: Vec<usize> = (0..n).map(|j| count(r, j)).collect();
+            let rc: Vec<usize> = (0..n).map(|q| count(q, r)).collect();
+            let send: Vec<f32> = (0..n)
+                .flat_map(|j| (0..sc[j]).map(move |i| (r * 100_000 + j * 1000 + i) as f32))
+                .collect();
+            for _ in 0..2 {
+                let mut recv = vec![-1f32; rc.iter().sum()];
+                dc.all_to_all_v(&send[..], &sc, &mut recv[..], &rc).unwrap();
+                let want: Vec<f32> = (0..n)
+                    .flat_map(|q| (0..rc[q]).map(move |i| (q * 100_000 + r * 1000 + i) as f32))
+                    .collect();
+                assert_eq!(recv, want, "n={n} rank {r}");
+            }
+            let mut out = vec![5f32; rc.iter().sum()];
+            let mut bad = sc.clone();
+            bad[r] += 1;
+            let e = dc
+                .all_to_all_v(&send[..], &bad, &mut out[..], &rc)
+                .unwrap_err();
+            assert!(e.to_string().contains("send_counts add up to"), "{e}");
+            let e = dc
+                .all_to_all_v(&send[..], &sc, &mut out[..], &rc[..n - 1])
+                .unwrap_err();
+            assert!(
+                e.to_string().contains("entries but the communicator has"),
+                "{e}"
+            );
+            assert!(
+                out.iter().all(|&v| v == 5.0),
+                "a refused call wrote its output"
+            );
+            // The asynchronous form, then a mismatch: rank 0 calls an all-reduce instead.
+            let w = dc.all_to_all_v_async(send.clone(), &sc, vec![0f32; out.len()], &rc);
+            let (_, got) = w.wait().unwrap();
+            assert_eq!(got.len(), out.len());
+            let e = if r == 0 {
+                dc.all_reduce_in_place(&mut out[..], ReduceOp::Sum)
+                    .unwrap_err()
+            } else {
+                dc.all_to_all_v(&send[..], &sc, &mut out[..], &rc)
+                    .unwrap_err()
+            };
+            let t = e.to_string();
+            assert!(!matches!(e, Error::InvalidArgument { .. }), "{t}");
+            if r == 1 {
+                // Rank 1 receives rank 0's announcement: both calls are named.
+                assert!(t.contains("all_to_all_v") && t.contains("all_reduce"), "{t}");
+            }
+        });
+    }
+}

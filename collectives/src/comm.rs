@@ -22,7 +22,7 @@ use crate::work::{Work, Worker};
 mod doubling;
 mod nonblocking;
 pub(crate) mod pairs;
-mod pairwise;
+pub(crate) mod pairwise;
 use pairs::Pair;
 pub use pairs::{P2p, P2pOwned};
 

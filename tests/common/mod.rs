@@ -336,6 +336,15 @@ forward_colls!(&Communicator, Communicator;
     }
 );
 forward_colls!(DeviceComm<HostStream>, DeviceComm<HostStream>;
+    fn all_to_all_v<T: Element>(
+        &mut self,
+        s: &[T],
+        sc: &[usize],
+        r: &mut [T],
+        rc: &[usize],
+    ) -> Result<()> {
+        DeviceComm::all_to_all_v(self, s, sc, r, rc)
+    }
     fn all_gather_v<T: Element>(&mut self, s: &[T], r: &mut [T], counts: &[usize]) -> Result<()> {
         DeviceComm::all_gather_v(self, s, r, counts)
     }
@@ -632,12 +641,12 @@ pub fn round_count(coll: Collective, n: usize, count: usize) -> usize {
     }
 }
 
-/// [`all_collectives`] and the host-only calls (send/recv, all-to-all-v, gather, scatter).
+/// [`all_collectives`] and the calls the shared driver runs on host communicators only (send/recv,
+/// gather, scatter).
 pub fn host_collectives(root: usize) -> [Collective; 14] {
     let a = all_collectives(root);
     let host = [
         Collective::SendRecv,
-        Collective::AllToAllV,
         Collective::Gather { root },
         Collective::Scatter { root },
     ];
@@ -645,7 +654,7 @@ pub fn host_collectives(root: usize) -> [Collective; 14] {
 }
 
 /// The collectives both communicators run: on device buffers, every one they have.
-pub fn all_collectives(root: usize) -> [Collective; 10] {
+pub fn all_collectives(root: usize) -> [Collective; 11] {
     [
         Collective::AllReduce,
         Collective::ReduceScatter,
@@ -657,5 +666,6 @@ pub fn all_collectives(root: usize) -> [Collective; 10] {
         Collective::RingShift,
         Collective::AllToAll,
         Collective::AllGatherV,
+        Collective::AllToAllV,
     ]
 }

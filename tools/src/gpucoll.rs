@@ -147,6 +147,7 @@ pub fn rank_main(comm: &Communicator, device: usize, bench: bool) -> Vec<Row> {
         Collective::AllToAll,
         Collective::AllGatherV,
         Collective::SendRecv,
+        Collective::AllToAllV,
         Collective::Barrier,
     ] {
         let mut fail = None;
@@ -156,8 +157,10 @@ pub fn rank_main(comm: &Communicator, device: usize, bench: bool) -> Vec<Row> {
                 for (count, inplace) in [1usize, 1023, (1 << 20) + 7]
                     .into_iter()
                     .flat_map(|c| [(c, false), (c, true)])
-                    // Send-recv (pairs 0↔1, 2↔3) has no in-place form.
-                    .filter(|&(_, inplace)| !(inplace && coll == Collective::SendRecv))
+                    // Send-recv (pairs 0↔1, 2↔3) and all-to-all-v have no in-place form.
+                    .filter(|&(_, inplace)| {
+                        !(inplace && matches!(coll, Collective::SendRecv | Collective::AllToAllV))
+                    })
                 {
                     seed += 1;
                     cases += 1;
@@ -179,7 +182,7 @@ pub fn rank_main(comm: &Communicator, device: usize, bench: bool) -> Vec<Row> {
             check: format!("{label} n={n} {}", coll.name()),
             pass: fail.is_none(),
             detail: fail.unwrap_or_else(|| {
-                let ways = if coll == Collective::SendRecv {
+                let ways = if matches!(coll, Collective::SendRecv | Collective::AllToAllV) {
                     "out of place"
                 } else {
                     "both ways"

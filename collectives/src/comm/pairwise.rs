@@ -111,26 +111,36 @@ impl Communicator {
     /// sequence number, by its blocking and asynchronous forms alike.
     pub(super) fn all_to_all_v_layout(
         &self,
-        (send_counts, send_len): (&[usize], usize),
-        (recv_counts, recv_len): (&[usize], usize),
+        send: (&[usize], usize),
+        recv: (&[usize], usize),
     ) -> Result<(Vec<usize>, Vec<usize>)> {
-        let c = Collective::AllToAllV;
-        let (n, r) = (self.size(), self.rank());
-        let sd = offsets(c, ("send_counts", send_counts), n, ("send", send_len))?;
-        let rd = offsets(c, ("recv_counts", recv_counts), n, ("recv", recv_len))?;
-        if send_counts[r] != recv_counts[r] {
-            return Err(refused(
-                c,
-                format!(
-                    "send_counts[{r}] is {} but recv_counts[{r}] is {}: this rank's own block is \
-                     copied locally, so they must be equal",
-                    send_counts[r], recv_counts[r]
-                ),
-            ));
-        }
-        Ok((sd, rd))
+        all_to_all_v_layout((self.rank(), self.size()), send, recv)
     }
+}
 
+/// [`Communicator::all_to_all_v_layout`] for rank `r` of `n` (device communicators check alike).
+pub(crate) fn all_to_all_v_layout(
+    (r, n): (usize, usize),
+    (send_counts, send_len): (&[usize], usize),
+    (recv_counts, recv_len): (&[usize], usize),
+) -> Result<(Vec<usize>, Vec<usize>)> {
+    let c = Collective::AllToAllV;
+    let sd = offsets(c, ("send_counts", send_counts), n, ("send", send_len))?;
+    let rd = offsets(c, ("recv_counts", recv_counts), n, ("recv", recv_len))?;
+    if send_counts[r] != recv_counts[r] {
+        return Err(refused(
+            c,
+            format!(
+                "send_counts[{r}] is {} but recv_counts[{r}] is {}: this rank's own block is \
+                 copied locally, so they must be equal",
+                send_counts[r], recv_counts[r]
+            ),
+        ));
+    }
+    Ok((sd, rd))
+}
+
+impl Communicator {
     /// Where each rank's part starts in an all-gather-v's `recv`, or why `counts` do not fit
     /// `send` (this rank's part) and `recv` (lengths in elements).
     pub(super) fn all_gather_v_layout(

@@ -1061,6 +1061,23 @@ impl<S: Stream> Core<S> {
         bufs: DevBufs,
     ) -> Result<()> {
         super::device_form(coll, count.total, self.size)?;
+        // SAFETY: forwarded from the caller.
+        unsafe { self.execute_any(coll, dtype, op, count, bufs) }
+    }
+
+    /// [`Core::execute`] of any collective the ring plans, the pairwise ones included (an empty
+    /// all-to-all-v is one empty frame to the next rank: the call's announcement).
+    ///
+    /// # Safety
+    /// As for [`DeviceComm::run_raw`].
+    pub(super) unsafe fn execute_any(
+        &self,
+        coll: Collective,
+        dtype: DType,
+        op: ReduceOp,
+        count: Count,
+        bufs: DevBufs,
+    ) -> Result<()> {
         let mut st = self.lock();
         let st = &mut *st;
         let fp = Fingerprint::new(coll, Some(dtype), Some(op), count.total);
@@ -1177,7 +1194,7 @@ impl<S: Stream> Core<S> {
         Ok(addr)
     }
 
-    fn local_copy(&self, call: &Call, bufs: DevBufs) -> Result<()> {
+    pub(super) fn local_copy(&self, call: &Call, bufs: DevBufs) -> Result<()> {
         let es = call.dtype.size();
         if let DevBufs::Split { input, output, .. } = bufs {
             for op in &call.plan.ops {

@@ -119,6 +119,10 @@ pub(crate) fn device_form(c: Collective, count: usize, n: usize) -> Result<()> {
             c,
             "send/recv run on host buffers only (Communicator::send, recv, send_recv)".into(),
         )),
+        Collective::AllToAllV => Err(bad(
+            c,
+            "takes counts per pair: call DeviceComm::all_to_all_v".into(),
+        )),
         c if c.is_pairwise() && c != Collective::AllGatherV => Err(bad(
             c,
             format!(

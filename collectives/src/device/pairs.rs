@@ -12,9 +12,12 @@
 //! matched by the peer's next receive whatever else either rank does meanwhile; a receive
 //! expecting another count or element type fails with both calls named.
 //!
+//! All-to-all-v is built on the pairs: the ranks meet pair by pair in the rounds of a
+//! round-robin tournament ([`partner`]), each pair trading its two blocks at once.
+//!
 //! Not done: the pair's links get no start-up probe of their own (the ring's probe decides, for
 //! every pair, whether peer copies are trusted), and there is no batch of messages to several
-//! peers at once; one call moves at most one message each way.
+//! peers at once: one call (and one all-to-all-v round) moves at most one message each way.
 
 use ringzero_kernels::{DType, ReduceOp};
 
@@ -28,6 +31,7 @@ use crate::ring::engine::Call;
 use crate::ring::{plan_p2p, Collective};
 use crate::topology::{self, Edge};
 use crate::transport::device::Addr;
+use crate::transport::wait::Waiter;
 use crate::transport::TransportKind;
 use crate::wire::Fingerprint;
 use crate::work::Work;
@@ -90,6 +94,33 @@ impl<S: Stream> DeviceComm<S> {
         // SAFETY: `send` and `recv` are borrowed (shared and exclusive, so distinct) for the
         // whole call and are memory of this stream by the DeviceMemory impl.
         unsafe { self.core().p2p(peer, send.dtype(), Some(s), Some(r)) }
+    }
+
+    /// All-to-all with a count per pair of ranks (`MPI_Alltoallv`; a mixture of experts'
+    /// dispatch): block `j` of `send` (`send_counts[j]` elements, after the blocks before it)
+    /// goes to rank `j`, and block `i` of `recv` (`recv_counts[i]`) comes from rank `i`. The rules
+    /// are [`crate::Communicator::all_to_all_v`]'s (this rank's own block is copied, so
+    /// `send_counts[rank] == recv_counts[rank]`). The ranks meet pair by pair, in the rounds of a
+    /// round-robin tournament, over the pairs' own device links (connected by the first call,
+    /// all at once), each pair trading its two blocks at once: each rank sends and receives its
+    /// blocks once, none forwarded, one peer at a time.
+    pub fn all_to_all_v<B: DeviceMemory<S> + ?Sized>(
+        &mut self,
+        send: &B,
+        send_counts: &[usize],
+        recv: &mut B,
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        let (sd, rd) = a2av_layout(self, (send, send_counts), (&*recv, recv_counts))?;
+        let (s, r) = (send.addr(self.stream()), recv.addr_mut(self.stream()));
+        self.wait_async();
+        // SAFETY: `send` and `recv` are borrowed (shared and exclusive, so distinct) for the
+        // whole call and are memory of this stream by the DeviceMemory impl; the layout was
+        // checked against their lengths.
+        unsafe {
+            self.core()
+                .all_to_all_v(send.dtype(), (s, &sd, send_counts), (r, &rd, recv_counts))
+        }
     }
 
     /// Connect this rank's device links with each of `peers` it has not met yet, now and all at
@@ -175,6 +206,32 @@ impl<S: Stream + 'static> DeviceComm<S> {
         })
     }
 
+    /// [`DeviceComm::all_to_all_v`] on owned buffers; returns both.
+    pub fn all_to_all_v_async<B>(
+        &self,
+        send: B,
+        send_counts: &[usize],
+        mut recv: B,
+        recv_counts: &[usize],
+    ) -> Work<(B, B)>
+    where
+        B: DeviceMemory<S> + Send + 'static,
+    {
+        let (sd, rd) = match a2av_layout(self, (&send, send_counts), (&recv, recv_counts)) {
+            Ok(l) => l,
+            Err(e) => return Work::failed(e),
+        };
+        let (sc, rc) = (send_counts.to_vec(), recv_counts.to_vec());
+        self.submit(move |core| {
+            let (s, r) = (send.addr(&core.stream), recv.addr_mut(&core.stream));
+            // SAFETY: the job owns both buffers (distinct values, so distinct memory) until the
+            // call returns, and the engine returns only once the device work touching them has
+            // completed; the layout was checked against their lengths.
+            unsafe { core.all_to_all_v(send.dtype(), (s, &sd, &sc), (r, &rd, &rc)) }?;
+            Ok((send, recv))
+        })
+    }
+
     /// [`DeviceComm::send_recv`] on owned buffers; returns both.
     pub fn send_recv_async<B>(&self, send: B, mut recv: B, peer: usize) -> Work<(B, B)>
     where
@@ -197,6 +254,21 @@ impl<S: Stream + 'static> DeviceComm<S> {
     }
 }
 
+/// Where each rank's block starts in an all-to-all-v's `send` and `recv` (elements), or why the
+/// counts or element types do not fit them.
+fn a2av_layout<S: Stream, B: DeviceMemory<S> + ?Sized>(
+    dc: &DeviceComm<S>,
+    (send, sc): (&B, &[usize]),
+    (recv, rc): (&B, &[usize]),
+) -> Result<(Vec<usize>, Vec<usize>)> {
+    super::same_dtype(Collective::AllToAllV, send.dtype(), recv.dtype())?;
+    crate::comm::pairwise::all_to_all_v_layout(
+        (dc.rank(), dc.size()),
+        (sc, send.elems()),
+        (rc, recv.elems()),
+    )
+}
+
 /// Refuse a peer that is not another rank, as the host communicator does.
 fn check<S: Stream>(dc: &DeviceComm<S>, msgs: &[(bool, usize)]) -> Result<()> {
     crate::comm::pairs::check_peers(dc.size(), dc.rank(), msgs.iter().copied())
@@ -216,7 +288,6 @@ impl<S: Stream> Core<S> {
         send: Option<(Addr, usize)>,
         recv: Option<(Addr, usize)>,
     ) -> Result<()> {
-        let es = dtype.size();
         let fp_of = |c| Fingerprint::new(Collective::SendRecv, Some(dtype), None, c);
         let first = send.or(recv).map_or(0, |m| m.1);
         let mut st = self.lock();
@@ -227,40 +298,113 @@ impl<S: Stream> Core<S> {
                 pairs.extend(self.connect_pairs(&[peer])?);
             }
             let pair = pairs.get_mut(&peer).expect("connected above");
-            let plan = plan_p2p(
-                send.map(|m| m.1),
-                recv.map(|m| m.1),
-                (self.slot_bytes() / es).max(1),
-            );
-            let incoming = recv.map(|m| (pair.received, fp_of(m.1)));
-            let (seq, fp) = match send {
-                Some(m) => (pair.sent, fp_of(m.1)),
-                None => incoming.expect("a send or a receive"),
-            };
-            let call = Call {
-                plan: &plan,
-                fp,
-                seq,
-                dtype,
-                op: ReduceOp::Sum,
-                n: 2,
-                rank: self.rank,
-                timeout: self.cfg.timeout,
-                stream_stores: false,
-                abort: &self.abort,
-                incoming,
-            };
-            let bufs = DevBufs::Split {
-                input: send.map_or(0, |m| m.0),
-                input_bytes: send.map_or(0, |m| m.1 * es),
-                output: recv.map_or(0, |m| m.0),
-                output_bytes: recv.map_or(0, |m| m.1 * es),
-            };
-            // SAFETY: forwarded from the caller; `check_sizes` in `run` holds the plan to the
-            // lengths given.
-            unsafe { device_engine::run(&self.stream, &mut pair.links, &call, bufs) }?;
-            pair.sent += u64::from(send.is_some());
-            pair.received += u64::from(recv.is_some());
+            // SAFETY: forwarded from the caller.
+            unsafe { self.run_pair(pair, Collective::SendRecv, dtype, send, recv) }
+        })();
+        drop(pairs);
+        if let Err(e) = &r {
+            self.fail(&mut st, e);
+        }
+        r
+    }
+
+    /// One message each way at most with the peer of `pair`, on its links, as part of `coll`
+    /// (send-recv, or a collective built of pairs): the frames carry `coll` and the message's
+    /// count, and each direction's own sequence number.
+    ///
+    /// # Safety
+    /// As for [`Core::p2p`].
+    unsafe fn run_pair(
+        &self,
+        pair: &mut DevPair,
+        coll: Collective,
+        dtype: DType,
+        send: Option<(Addr, usize)>,
+        recv: Option<(Addr, usize)>,
+    ) -> Result<()> {
+        let es = dtype.size();
+        let fp_of = |c| Fingerprint::new(coll, Some(dtype), None, c);
+        let plan = plan_p2p(
+            send.map(|m| m.1),
+            recv.map(|m| m.1),
+            (self.slot_bytes() / es).max(1),
+        );
+        let incoming = recv.map(|m| (pair.received, fp_of(m.1)));
+        let (seq, fp) = match send {
+            Some(m) => (pair.sent, fp_of(m.1)),
+            None => incoming.expect("a send or a receive"),
+        };
+        let call = Call {
+            plan: &plan,
+            fp,
+            seq,
+            dtype,
+            op: ReduceOp::Sum,
+            n: 2,
+            rank: self.rank,
+            timeout: self.cfg.timeout,
+            stream_stores: false,
+            abort: &self.abort,
+            incoming,
+        };
+        let bufs = DevBufs::Split {
+            input: send.map_or(0, |m| m.0),
+            input_bytes: send.map_or(0, |m| m.1 * es),
+            output: recv.map_or(0, |m| m.0),
+            output_bytes: recv.map_or(0, |m| m.1 * es),
+        };
+        // SAFETY: forwarded from the caller; `check_sizes` in `run` holds the plan to the
+        // lengths given.
+        unsafe { device_engine::run(&self.stream, &mut pair.links, &call, bufs) }?;
+        pair.sent += u64::from(send.is_some());
+        pair.received += u64::from(recv.is_some());
+        Ok(())
+    }
+
+    /// All-to-all-v on device buffers: `send` and `recv` (addresses) with each rank's block at
+    /// `sd[q]`/`rd[q]` elements of `sc[q]`/`rc[q]` (checked by the caller). An empty frame to the
+    /// next rank announces the call (its sequence number and flight entry; a rank that called
+    /// something else fails at once, both calls named); the first call connects every pair at
+    /// once; this rank's own block is a local copy; then the ranks meet pair by pair in the
+    /// rounds of a round-robin tournament ([`partner`]), trading their blocks both ways at once.
+    ///
+    /// # Safety
+    /// The blocks lie in memory of this stream's device, `send`'s not written, `recv`'s not used
+    /// by anything else until this returns.
+    pub(super) unsafe fn all_to_all_v(
+        &self,
+        dtype: DType,
+        (send, sd, sc): (Addr, &[usize], &[usize]),
+        (recv, rd, rc): (Addr, &[usize], &[usize]),
+    ) -> Result<()> {
+        let (n, me, es) = (self.size, self.rank, dtype.size());
+        let c = Collective::AllToAllV;
+        let none = DevBufs::One { buf: 0, bytes: 0 };
+        // SAFETY: no buffer: an empty frame.
+        unsafe { self.execute_any(c, dtype, ReduceOp::Sum, 0.into(), none) }?;
+        let fp = Fingerprint::new(c, Some(dtype), None, sc.iter().sum());
+        let mut st = self.lock();
+        crate::ring::engine::refuse(st.failed.as_ref(), &self.abort, &fp, st.seq)?;
+        let mut pairs = self.pairs.lock().unwrap_or_else(|p| p.into_inner());
+        let r = (|| -> Result<()> {
+            let missing: Vec<usize> = (0..n)
+                .filter(|&q| q != me && !pairs.contains_key(&q))
+                .collect();
+            if !missing.is_empty() {
+                pairs.extend(self.connect_pairs(&missing)?);
+            }
+            let at = |base: Addr, off: usize| base + (off * es) as u64;
+            // SAFETY: both blocks lie in the caller's buffers (the caller's contract).
+            unsafe { self.copy_and_wait(at(recv, rd[me]), at(send, sd[me]), sc[me] * es, &fp) }?;
+            for k in 0..rounds(n) {
+                let Some(q) = partner(n, me, k) else {
+                    continue;
+                };
+                let pair = pairs.get_mut(&q).expect("every pair connected above");
+                let (s, r) = ((at(send, sd[q]), sc[q]), (at(recv, rd[q]), rc[q]));
+                // SAFETY: forwarded from the caller.
+                unsafe { self.run_pair(pair, c, dtype, Some(s), Some(r)) }?;
+            }
             Ok(())
         })();
         drop(pairs);
@@ -268,6 +412,45 @@ impl<S: Stream> Core<S> {
             self.fail(&mut st, e);
         }
         r
+    }
+
+    /// Copy `bytes` from `src` to `dst` on the stream and wait for it, within the deadline.
+    ///
+    /// # Safety
+    /// Both ranges are memory of this stream's device, `dst`'s used by nothing else meanwhile.
+    unsafe fn copy_and_wait(
+        &self,
+        dst: Addr,
+        src: Addr,
+        bytes: usize,
+        fp: &Fingerprint,
+    ) -> Result<()> {
+        let dev = |e| Error::Device {
+            context: format!("{fp}: this rank's own block"),
+            source: e,
+        };
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: forwarded from the caller.
+        unsafe { self.stream.copy(dst, src, bytes) }.map_err(dev)?;
+        let m = self.stream.mark().map_err(dev)?;
+        let (start, mut wait) = (std::time::Instant::now(), Waiter::device());
+        while !self.stream.done(&m).map_err(dev)? {
+            if start.elapsed() >= self.cfg.timeout {
+                // Where the caller's memory would not outlive the copy, it ends first.
+                super::stream::settle(&self.stream, &m, std::time::Duration::ZERO);
+                return Err(Error::Timeout {
+                    op: fp.to_string(),
+                    seq: 0,
+                    peer: self.rank,
+                    waiting: format!("the local copy on {}", self.stream.name()),
+                    after: self.cfg.timeout,
+                });
+            }
+            wait.idle(self.cfg.timeout);
+        }
+        Ok(())
     }
 
     /// Fail the communicator after `e` (a refused argument fails nothing): every later call
@@ -377,5 +560,62 @@ impl<S: Stream> Core<S> {
         );
         host.exchange_all(&mut msgs)?;
         Ok(made)
+    }
+}
+
+/// Rounds of the round-robin tournament on `n` ranks: `n − 1`, or `n` when `n` is odd (each rank
+/// sits one out).
+pub fn rounds(n: usize) -> usize {
+    if n < 2 {
+        0
+    } else {
+        n + n % 2 - 1
+    }
+}
+
+/// Whom rank `r` of `n` meets in round `k` of the round-robin tournament (the circle method:
+/// with `m` the even number of seats, `n` or `n + 1`, the last seat meets `k`, and every other
+/// seat `s` meets `2k − s` modulo `m − 1`), or `None` when it sits the round out (odd `n`). Every
+/// round pairs ranks off, and over [`rounds`] rounds every two ranks meet exactly once. Pure.
+pub fn partner(n: usize, r: usize, k: usize) -> Option<usize> {
+    let m = n + n % 2;
+    let p = if r == m - 1 {
+        k
+    } else if r == k {
+        m - 1
+    } else {
+        (2 * k + (m - 1) - r) % (m - 1)
+    };
+    (p < n).then_some(p)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_round_pairs_ranks_off_and_every_two_meet_once() {
+        for n in 1..=12 {
+            let mut met = std::collections::BTreeSet::new();
+            for k in 0..rounds(n) {
+                let mut busy = vec![false; n];
+                for r in 0..n {
+                    if let Some(p) = partner(n, r, k) {
+                        assert_ne!(p, r, "n={n} round {k}");
+                        assert_eq!(partner(n, p, k), Some(r), "n={n} round {k}: not mutual");
+                        assert!(!busy[r], "n={n} round {k}: rank {r} twice");
+                        busy[r] = true;
+                        assert!(met.insert((r, p)), "n={n}: {r} meets {p} twice");
+                    }
+                }
+                // At most one rank sits a round out, and only when n is odd.
+                assert_eq!(
+                    busy.iter().filter(|b| !**b).count(),
+                    n % 2,
+                    "n={n} round {k}"
+                );
+            }
+            assert_eq!(met.len(), n * (n - 1), "n={n}: every ordered pair once");
+        }
     }
 }

@@ -214,16 +214,22 @@ fn call<D: BenchDev>(
             dc.all_gather_v_in_place(recv, &counts)
         }
         (Collective::AllToAll, false) => dc.all_to_all(send, recv),
+        (Collective::AllToAllV, false) => {
+            let counts = vec![send.elems() / dc.size(); dc.size()];
+            dc.all_to_all_v(send, &counts, recv, &counts)
+        }
         (Collective::SendRecv, false) => match exact::partner(dc.rank(), dc.size()) {
             None => Ok(()),
             Some(peer) => dc.send_recv(send, recv, peer),
         },
         (Collective::AllToAll, true) => dc.all_to_all_in_place(send),
-        (Collective::SendRecv, true) => Err(ringzero_collectives::Error::InvalidArgument {
-            op: op.name().into(),
-            msg: "send-recv has no in-place form".into(),
-        }),
-        (Collective::AllToAllV | Collective::Gather { .. } | Collective::Scatter { .. }, _) => {
+        (Collective::SendRecv | Collective::AllToAllV, true) => {
+            Err(ringzero_collectives::Error::InvalidArgument {
+                op: op.name().into(),
+                msg: format!("{} has no in-place form", op.name()),
+            })
+        }
+        (Collective::Gather { .. } | Collective::Scatter { .. }, _) => {
             Err(ringzero_collectives::Error::InvalidArgument {
                 op: op.name().into(),
                 msg: format!("{} runs on host buffers only (Communicator)", op.name()),
@@ -342,8 +348,9 @@ pub fn sweep<D: BenchDev>(
     for &size in &a.sizes {
         let count = exact::round_count(op, n, size / es);
         let bytes = count * es;
-        // Send-recv has no in-place form (its in-place line reads n/a, as on host buffers).
-        let ways: &[bool] = if op == Collective::SendRecv {
+        // Send-recv and all-to-all-v have no in-place form (their in-place lines read n/a, as on
+        // host buffers).
+        let ways: &[bool] = if matches!(op, Collective::SendRecv | Collective::AllToAllV) {
             &[false]
         } else {
             &[false, true]

@@ -28,10 +28,9 @@ pub struct BenchArgs {
     pub probe_bytes: usize,
 }
 
-/// Whether `op` runs on device buffers (`DeviceComm`): the ring's collectives, all-gather-v,
-/// all-to-all and send-recv do; all-to-all-v, gather and scatter are host-only.
+/// Whether `op` runs on device buffers (`DeviceComm`): everything but gather and scatter does.
 pub fn on_device(op: Collective) -> bool {
-    !op.is_pairwise() || op == Collective::AllGatherV
+    !matches!(op, Collective::Gather { .. } | Collective::Scatter { .. })
 }
 
 /// Parse an op name: `all-reduce` (or `all_reduce`, `allreduce`), ..., or `all`.
@@ -301,10 +300,7 @@ pub fn run_device<D: device::BenchDev>(
     };
     let ops: Vec<Collective> = a.ops.iter().copied().filter(|&op| on_device(op)).collect();
     if ops.len() < a.ops.len() && comm.rank() == 0 {
-        eprintln!(
-            "all-to-all-v, gather and scatter run on host buffers only: left out of the device \
-             sweep"
-        );
+        eprintln!("gather and scatter run on host buffers only: left out of the device sweep");
     }
     let (baseline, limit) = device_bound(comm, dc, a)?;
     // The links' rate per (elements shifted, in place), measured when a row first needs it.

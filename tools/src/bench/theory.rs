@@ -122,7 +122,7 @@ pub fn device_bound_gbs(
                 }
                 Collective::AllToAll if inplace => 2.0 * (nf - 1.0),
                 // Every rank reads its message and writes its partner's.
-                Collective::AllToAll | Collective::SendRecv => 2.0 * nf,
+                Collective::AllToAll | Collective::AllToAllV | Collective::SendRecv => 2.0 * nf,
                 _ => return None,
             };
             Some(busbw_factor(op, n) * copy / traffic)
@@ -134,6 +134,7 @@ pub fn device_bound_gbs(
             | Collective::AllGather
             | Collective::AllGatherV
             | Collective::AllToAll
+            | Collective::AllToAllV
             | Collective::SendRecv => Some(w / nf),
             Collective::Broadcast { .. } | Collective::Reduce { .. } => Some(w / (nf - 1.0)),
             _ => None,
@@ -315,7 +316,20 @@ mod tests {
         // None for one rank, and for what the device sweep does not run.
         assert_eq!(device_bound_gbs(Collective::AllReduce, 1, false, m), None);
         assert_eq!(device_bound_gbs(Collective::RingShift, 4, false, m), None);
-        assert_eq!(device_bound_gbs(Collective::AllToAllV, 4, false, w), None);
+        assert_eq!(
+            device_bound_gbs(Collective::Gather { root: 0 }, 4, false, w),
+            None
+        );
+        // All-to-all-v (the sweep's equal blocks) is bounded as the all-to-all, except by the
+        // ring's links, which its pairs do not use.
+        let a2av = Collective::AllToAllV;
+        for limit in [m, w] {
+            assert_eq!(
+                device_bound_gbs(a2av, 4, false, limit),
+                device_bound_gbs(a2a, 4, false, limit)
+            );
+        }
+        assert_eq!(device_bound_gbs(a2av, 4, false, l), None);
         // All-gather-v (the sweep's balanced parts) is bounded as the all-gather.
         for limit in [m, w, l] {
             for inplace in [false, true] {
