@@ -283,6 +283,9 @@ fn the_device_sweep_runs_send_recv_between_pairs() {
     }
 }
 
+/// The device collectives that go over pairs of ranks and have no in-place form.
+const ONE_WAY: [&str; 3] = ["all_to_all_v", "gather", "scatter"];
+
 /// The same sweep on device buffers (the device engine with the host as its device): every
 /// collective both ways checked exactly, a corrupted result counted, the device edges in the
 /// header.
@@ -326,18 +329,21 @@ fn the_device_sweep_checks_every_variant_and_catches_corruption() {
             "all_to_all_v",
             "all_gather_v",
             "reduce_scatter_v",
+            "gather",
+            "scatter",
         ]
         .iter()
         .flat_map(|o| [(o.to_string(), false), (o.to_string(), true)])
-        // All-to-all-v has no in-place form.
-        .filter(|(o, inplace)| o != "all_to_all_v" || !inplace)
+        // All-to-all-v, gather and scatter have no in-place form.
+        .filter(|(o, inplace)| !inplace || !ONE_WAY.contains(&o.as_str()))
         .collect();
         assert_eq!(variants, want);
-        assert_eq!(r.rows.len(), 8 * 4 * 2 + 4);
+        assert_eq!(r.rows.len(), 8 * 4 * 2 + 3 * 4);
         for row in &r.rows {
             // Rank 1 holds a checked result unless its part is empty (or it is not the root).
             let rank1_checks = match row.op.as_str() {
-                "reduce" => false,
+                // The root is rank 0.
+                "reduce" | "gather" => false,
                 "reduce_scatter" | "reduce_scatter_v" => {
                     !ringzero::chunk(row.count, 3, 1).is_empty()
                 }
@@ -355,9 +361,10 @@ fn the_device_sweep_checks_every_variant_and_catches_corruption() {
             // (2/3)·c/4. Over tcp the ring's links bound them instead: busbw ≤ β, the slowest
             // edge's measured rate, for every ring collective, and 2β/3 for the all-to-all,
             // whose blocks go 1 or 2 hops.
-            // All-to-all-v's pairs do not use the ring's links: over tcp it has no bound.
-            let bounded =
-                row.bytes > 0 && (transport == TransportPref::Shm || row.op != "all_to_all_v");
+            // All-to-all-v, gather and scatter go over pairs, not the ring's links: over tcp
+            // they have no bound.
+            let pairs = ONE_WAY.contains(&row.op.as_str());
+            let bounded = row.bytes > 0 && (transport == TransportPref::Shm || !pairs);
             assert_eq!(row.predicted_us.is_some(), bounded, "{row:?}");
             assert_eq!(row.efficiency.is_some(), bounded, "{row:?}");
             if let (Some(p), Some(e)) = (row.predicted_us, row.efficiency) {
@@ -370,6 +377,7 @@ fn the_device_sweep_checks_every_variant_and_catches_corruption() {
                     ("broadcast", false) | ("reduce", _) => (1.0, c / 4.0),
                     ("broadcast", true) => (1.0, c / 3.0),
                     ("all_to_all" | "all_to_all_v", false) => (2.0 / 3.0, 2.0 / 3.0 * c / 6.0),
+                    ("gather" | "scatter", false) => (2.0 / 3.0, 2.0 / 3.0 * c / 2.0),
                     ("all_to_all", true) => (2.0 / 3.0, 2.0 / 3.0 * c / 4.0),
                     _ => panic!("no bound expected: {row:?}"),
                 };
@@ -443,8 +451,9 @@ fn the_device_sweep_checks_every_variant_and_catches_corruption() {
             (_, None) => panic!("over tcp the ring's links bound the rows"),
         }
         let text = bench::text(r);
-        // Every variant has its line; all-to-all-v's in-place column alone reads n/a.
-        assert_eq!(text.matches("n/a").count(), 4, "{text}");
+        // Every variant has its line; only the in-place columns of all-to-all-v, gather and
+        // scatter read n/a.
+        assert_eq!(text.matches("n/a").count(), 3 * 4, "{text}");
         assert!(text.contains("# device ring: slices of 1024 B"), "{text}");
         assert!(
             text.contains("# device baseline (rank 0 alone, 1048576 B)"),

@@ -409,10 +409,7 @@ fn bad_device_calls_are_refused_and_mismatched_calls_name_both() {
             )
         }
         .unwrap_err();
-        assert!(
-            e.to_string().contains("gather runs on host buffers only"),
-            "{e}"
-        );
+        assert!(e.to_string().contains("call DeviceComm::gather"), "{e}");
         // Refused calls used no sequence number: the ranks are still in step.
         let mut out = vec![0.0f32; 10];
         dc.all_reduce(&send[..], &mut out[..], ReduceOp::Sum)

@@ -361,8 +361,55 @@ fn device_all_to_all_v_moves_uneven_blocks_and_refuses_bad_counts() {
             assert!(!matches!(e, Error::InvalidArgument { .. }), "{t}");
             if r == 1 {
                 // Rank 1 receives rank 0's announcement: both calls are named.
-                assert!(t.contains("all_to_all_v") && t.contains("all_reduce"), "{t}");
+                assert!(
+                    t.contains("all_to_all_v") && t.contains("all_reduce"),
+                    "{t}"
+                );
             }
         });
     }
+}
+
+/// Device gather and scatter: bad roots and a root's buffer of the wrong length are refused by
+/// name and change nothing; a gather and a scatter through a non-zero root arrive exactly, twice
+/// (the second call needs no connect).
+#[test]
+fn device_gather_and_scatter_refuse_bad_input_and_move_blocks() {
+    threads(3, &Opts::default(), |r, comm| {
+        let comm = comm.unwrap();
+        let mut dc = device_comm(&comm);
+        let mut out = [7f32; 30];
+        let e = dc.gather(&[1f32; 10][..], &mut out[..], 3).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("root 3 is not a rank of this 3-rank"),
+            "{e}"
+        );
+        if r == 1 {
+            let e = dc.gather(&[1f32; 10][..], &mut out[..29], 1).unwrap_err();
+            assert!(
+                e.to_string()
+                    .contains("recv has 29 elements but the root moves 3 × 10"),
+                "{e}"
+            );
+            let e = dc.scatter(&out[..29], &mut [0f32; 10][..], 1).unwrap_err();
+            assert!(e.to_string().contains("send has 29 elements"), "{e}");
+        }
+        assert!(
+            out.iter().all(|&v| v == 7.0),
+            "a refused call wrote its buffer"
+        );
+        for _ in 0..2 {
+            let mine = msg(r, 3, 10);
+            let mut all = if r == 1 { vec![0f32; 30] } else { Vec::new() };
+            dc.gather(&mine[..], &mut all[..], 1).unwrap();
+            if r == 1 {
+                let want: Vec<f32> = (0..3).flat_map(|q| msg(q, 3, 10)).collect();
+                assert_eq!(all, want);
+            }
+            let mut part = vec![0f32; 10];
+            dc.scatter(&all[..], &mut part[..], 1).unwrap();
+            assert_eq!(part, msg(r, 3, 10), "rank {r}: its block back");
+        }
+    });
 }

@@ -336,6 +336,12 @@ forward_colls!(&Communicator, Communicator;
     }
 );
 forward_colls!(DeviceComm<HostStream>, DeviceComm<HostStream>;
+    fn gather<T: Element>(&mut self, s: &[T], r: &mut [T], root: usize) -> Result<()> {
+        DeviceComm::gather(self, s, r, root)
+    }
+    fn scatter<T: Element>(&mut self, s: &[T], r: &mut [T], root: usize) -> Result<()> {
+        DeviceComm::scatter(self, s, r, root)
+    }
     fn all_to_all_v<T: Element>(
         &mut self,
         s: &[T],
@@ -641,20 +647,16 @@ pub fn round_count(coll: Collective, n: usize, count: usize) -> usize {
     }
 }
 
-/// [`all_collectives`] and the calls the shared driver runs on host communicators only (send/recv,
-/// gather, scatter).
+/// [`all_collectives`] and send/recv, which the shared driver runs on host communicators only
+/// (device point-to-point has tests of its own).
 pub fn host_collectives(root: usize) -> [Collective; 14] {
     let a = all_collectives(root);
-    let host = [
-        Collective::SendRecv,
-        Collective::Gather { root },
-        Collective::Scatter { root },
-    ];
+    let host = [Collective::SendRecv];
     std::array::from_fn(|i| a.get(i).copied().unwrap_or_else(|| host[i - a.len()]))
 }
 
 /// The collectives both communicators run: on device buffers, every one they have.
-pub fn all_collectives(root: usize) -> [Collective; 11] {
+pub fn all_collectives(root: usize) -> [Collective; 13] {
     [
         Collective::AllReduce,
         Collective::ReduceScatter,
@@ -667,5 +669,7 @@ pub fn all_collectives(root: usize) -> [Collective; 11] {
         Collective::AllToAll,
         Collective::AllGatherV,
         Collective::AllToAllV,
+        Collective::Gather { root },
+        Collective::Scatter { root },
     ]
 }

@@ -49,6 +49,17 @@ fn one(
         }))
 }
 
+/// Whether `coll` runs out of place only (the collectives over pairs of ranks).
+fn one_way(coll: Collective) -> bool {
+    matches!(
+        coll,
+        Collective::SendRecv
+            | Collective::AllToAllV
+            | Collective::Gather { .. }
+            | Collective::Scatter { .. }
+    )
+}
+
 /// Four asynchronous all-reduces queued back to back (the proxy thread drives them, using the GPU
 /// from a thread that did not create its context), each checked exactly.
 fn async_all_reduce(dc: &DeviceComm<Arc<Gpu>>, gpu: &Arc<Gpu>, seed: usize) -> Result<(), String> {
@@ -148,6 +159,8 @@ pub fn rank_main(comm: &Communicator, device: usize, bench: bool) -> Vec<Row> {
         Collective::AllGatherV,
         Collective::SendRecv,
         Collective::AllToAllV,
+        Collective::Gather { root: n - 1 },
+        Collective::Scatter { root: 0 },
         Collective::Barrier,
     ] {
         let mut fail = None;
@@ -157,10 +170,9 @@ pub fn rank_main(comm: &Communicator, device: usize, bench: bool) -> Vec<Row> {
                 for (count, inplace) in [1usize, 1023, (1 << 20) + 7]
                     .into_iter()
                     .flat_map(|c| [(c, false), (c, true)])
-                    // Send-recv (pairs 0↔1, 2↔3) and all-to-all-v have no in-place form.
-                    .filter(|&(_, inplace)| {
-                        !(inplace && matches!(coll, Collective::SendRecv | Collective::AllToAllV))
-                    })
+                    // Send-recv (pairs 0↔1, 2↔3), all-to-all-v, gather and scatter have no
+                    // in-place form.
+                    .filter(|&(_, inplace)| !(inplace && one_way(coll)))
                 {
                     seed += 1;
                     cases += 1;
@@ -182,7 +194,7 @@ pub fn rank_main(comm: &Communicator, device: usize, bench: bool) -> Vec<Row> {
             check: format!("{label} n={n} {}", coll.name()),
             pass: fail.is_none(),
             detail: fail.unwrap_or_else(|| {
-                let ways = if matches!(coll, Collective::SendRecv | Collective::AllToAllV) {
+                let ways = if one_way(coll) {
                     "out of place"
                 } else {
                     "both ways"

@@ -123,13 +123,9 @@ pub(crate) fn device_form(c: Collective, count: usize, n: usize) -> Result<()> {
             c,
             "takes counts per pair: call DeviceComm::all_to_all_v".into(),
         )),
-        c if c.is_pairwise() && c != Collective::AllGatherV => Err(bad(
+        Collective::Gather { .. } | Collective::Scatter { .. } => Err(bad(
             c,
-            format!(
-                "{} runs on host buffers only (Communicator::{})",
-                c.name(),
-                c.name()
-            ),
+            format!("takes a root's blocks: call DeviceComm::{}", c.name()),
         )),
         _ => Ok(()),
     }

@@ -123,6 +123,45 @@ impl<S: Stream> DeviceComm<S> {
         }
     }
 
+    /// Gather (`MPI_Gather`): the root's `recv` ends with every rank's `send`, in rank order
+    /// (`size()` blocks of `send`'s length, which every rank shares); `recv` is written only on
+    /// the root (pass an empty buffer elsewhere). The rules are
+    /// [`crate::Communicator::gather`]'s. Each rank sends its block to the root over their pair's
+    /// own device links; the root takes them in rank order.
+    pub fn gather<B: DeviceMemory<S> + ?Sized>(
+        &mut self,
+        send: &B,
+        recv: &mut B,
+        root: usize,
+    ) -> Result<()> {
+        let c = Collective::Gather { root };
+        rooted_check(self, c, (send, "send"), (&*recv, "recv"))?;
+        let (s, r) = (send.addr(self.stream()), recv.addr_mut(self.stream()));
+        self.wait_async();
+        // SAFETY: `send` and `recv` are borrowed (shared and exclusive, so distinct) for the
+        // whole call and are memory of this stream by the DeviceMemory impl; the root's `recv`
+        // holds `size()` blocks (checked).
+        unsafe { self.core().rooted(c, send.dtype(), send.elems(), (s, r)) }
+    }
+
+    /// Scatter (`MPI_Scatter`): rank `i`'s `recv` ends with block `i` of the root's `send`
+    /// (`size()` blocks of `recv`'s length, which every rank shares); `send` is read only on the
+    /// root (pass an empty buffer elsewhere). The rules are [`crate::Communicator::scatter`]'s.
+    /// The root sends each rank its block over their pair's own device links, in rank order.
+    pub fn scatter<B: DeviceMemory<S> + ?Sized>(
+        &mut self,
+        send: &B,
+        recv: &mut B,
+        root: usize,
+    ) -> Result<()> {
+        let c = Collective::Scatter { root };
+        rooted_check(self, c, (&*recv, "recv"), (send, "send"))?;
+        let (s, r) = (send.addr(self.stream()), recv.addr_mut(self.stream()));
+        self.wait_async();
+        // SAFETY: as for `gather`, the root's `send` holding `size()` blocks (checked).
+        unsafe { self.core().rooted(c, recv.dtype(), recv.elems(), (s, r)) }
+    }
+
     /// Connect this rank's device links with each of `peers` it has not met yet, now and all at
     /// once, instead of at each pair's first call: every one of them must call this (or a
     /// point-to-point call with this rank) too. Connecting them together never waits in a
@@ -269,6 +308,41 @@ fn a2av_layout<S: Stream, B: DeviceMemory<S> + ?Sized>(
     )
 }
 
+/// Refuse a gather or scatter (`c`) whose root is no rank, whose buffers' element types differ,
+/// or whose root's whole buffer (`whole`) is not `size()` times the block (`block`), as the host
+/// communicator does.
+fn rooted_check<S: Stream, B: DeviceMemory<S> + ?Sized>(
+    dc: &DeviceComm<S>,
+    c: Collective,
+    (block, block_name): (&B, &str),
+    (whole, whole_name): (&B, &str),
+) -> Result<()> {
+    let root = c.root().expect("gather and scatter have a root");
+    let n = dc.size();
+    if root >= n {
+        return Err(Error::InvalidArgument {
+            op: c.name().into(),
+            msg: format!("root {root} is not a rank of this {n}-rank communicator"),
+        });
+    }
+    if dc.rank() != root {
+        return Ok(());
+    }
+    super::same_dtype(c, block.dtype(), whole.dtype())?;
+    if block.elems().checked_mul(n) != Some(whole.elems()) {
+        return Err(Error::InvalidArgument {
+            op: c.name().into(),
+            msg: format!(
+                "{whole_name} has {} elements but the root moves {n} × {} (the world size times \
+                 {block_name}'s length)",
+                whole.elems(),
+                block.elems()
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// Refuse a peer that is not another rank, as the host communicator does.
 fn check<S: Stream>(dc: &DeviceComm<S>, msgs: &[(bool, usize)]) -> Result<()> {
     crate::comm::pairs::check_peers(dc.size(), dc.rank(), msgs.iter().copied())
@@ -404,6 +478,84 @@ impl<S: Stream> Core<S> {
                 let (s, r) = ((at(send, sd[q]), sc[q]), (at(recv, rd[q]), rc[q]));
                 // SAFETY: forwarded from the caller.
                 unsafe { self.run_pair(pair, c, dtype, Some(s), Some(r)) }?;
+            }
+            Ok(())
+        })();
+        drop(pairs);
+        if let Err(e) = &r {
+            self.fail(&mut st, e);
+        }
+        r
+    }
+
+    /// Gather or scatter (`c`) of blocks of `block` elements: `send` and `recv` (addresses)
+    /// as [`DeviceComm::gather`] and [`DeviceComm::scatter`] describe them (checked by the
+    /// caller). An empty frame on the ring announces the call; the first call connects the root
+    /// with every rank; the root copies its own block and then moves every other rank's over
+    /// their pair, in rank order.
+    ///
+    /// # Safety
+    /// The buffers are memory of this stream's device holding what the collective reads and
+    /// writes on this rank, the written one used by nothing else until this returns.
+    pub(super) unsafe fn rooted(
+        &self,
+        c: Collective,
+        dtype: DType,
+        block: usize,
+        (send, recv): (Addr, Addr),
+    ) -> Result<()> {
+        let (n, me, es) = (self.size, self.rank, dtype.size());
+        let root = c.root().expect("gather and scatter have a root");
+        let gather = matches!(c, Collective::Gather { .. });
+        let none = DevBufs::One { buf: 0, bytes: 0 };
+        // SAFETY: no buffer: an empty frame.
+        unsafe { self.execute_any(c, dtype, ReduceOp::Sum, 0.into(), none) }?;
+        let fp = Fingerprint::new(c, Some(dtype), None, block);
+        let mut st = self.lock();
+        crate::ring::engine::refuse(st.failed.as_ref(), &self.abort, &fp, st.seq)?;
+        let mut pairs = self.pairs.lock().unwrap_or_else(|p| p.into_inner());
+        let r = (|| -> Result<()> {
+            let peers: Vec<usize> = if me == root {
+                (0..n).filter(|&q| q != me).collect()
+            } else {
+                vec![root]
+            };
+            let missing: Vec<usize> = peers
+                .iter()
+                .copied()
+                .filter(|q| !pairs.contains_key(q))
+                .collect();
+            if !missing.is_empty() {
+                pairs.extend(self.connect_pairs(&missing)?);
+            }
+            let at = |base: Addr, q: usize| base + (q * block * es) as u64;
+            let msg = |a: Addr| Some((a, block));
+            if me != root {
+                let pair = pairs.get_mut(&root).expect("connected above");
+                let (s, r) = if gather {
+                    (msg(send), None)
+                } else {
+                    (None, msg(recv))
+                };
+                // SAFETY: forwarded from the caller.
+                return unsafe { self.run_pair(pair, c, dtype, s, r) };
+            }
+            let (dst, src) = if gather {
+                (at(recv, me), send)
+            } else {
+                (recv, at(send, me))
+            };
+            // SAFETY: both blocks lie in the caller's buffers (the caller's contract).
+            unsafe { self.copy_and_wait(dst, src, block * es, &fp) }?;
+            for q in peers {
+                let pair = pairs.get_mut(&q).expect("connected above");
+                let (s, r) = if gather {
+                    (None, msg(at(recv, q)))
+                } else {
+                    (msg(at(send, q)), None)
+                };
+                // SAFETY: forwarded from the caller.
+                unsafe { self.run_pair(pair, c, dtype, s, r) }?;
             }
             Ok(())
         })();

@@ -223,18 +223,18 @@ fn call<D: BenchDev>(
             Some(peer) => dc.send_recv(send, recv, peer),
         },
         (Collective::AllToAll, true) => dc.all_to_all_in_place(send),
-        (Collective::SendRecv | Collective::AllToAllV, true) => {
-            Err(ringzero_collectives::Error::InvalidArgument {
-                op: op.name().into(),
-                msg: format!("{} has no in-place form", op.name()),
-            })
-        }
-        (Collective::Gather { .. } | Collective::Scatter { .. }, _) => {
-            Err(ringzero_collectives::Error::InvalidArgument {
-                op: op.name().into(),
-                msg: format!("{} runs on host buffers only (Communicator)", op.name()),
-            })
-        }
+        (Collective::Gather { root }, false) => dc.gather(send, recv, root),
+        (Collective::Scatter { root }, false) => dc.scatter(send, recv, root),
+        (
+            Collective::SendRecv
+            | Collective::AllToAllV
+            | Collective::Gather { .. }
+            | Collective::Scatter { .. },
+            true,
+        ) => Err(ringzero_collectives::Error::InvalidArgument {
+            op: op.name().into(),
+            msg: format!("{} has no in-place form", op.name()),
+        }),
     }
 }
 
@@ -348,9 +348,15 @@ pub fn sweep<D: BenchDev>(
     for &size in &a.sizes {
         let count = exact::round_count(op, n, size / es);
         let bytes = count * es;
-        // Send-recv and all-to-all-v have no in-place form (their in-place lines read n/a, as on
-        // host buffers).
-        let ways: &[bool] = if matches!(op, Collective::SendRecv | Collective::AllToAllV) {
+        // Send-recv, all-to-all-v, gather and scatter have no in-place form (their in-place
+        // lines read n/a, as on host buffers).
+        let ways: &[bool] = if matches!(
+            op,
+            Collective::SendRecv
+                | Collective::AllToAllV
+                | Collective::Gather { .. }
+                | Collective::Scatter { .. }
+        ) {
             &[false]
         } else {
             &[false, true]

@@ -28,11 +28,6 @@ pub struct BenchArgs {
     pub probe_bytes: usize,
 }
 
-/// Whether `op` runs on device buffers (`DeviceComm`): everything but gather and scatter does.
-pub fn on_device(op: Collective) -> bool {
-    !matches!(op, Collective::Gather { .. } | Collective::Scatter { .. })
-}
-
 /// Parse an op name: `all-reduce` (or `all_reduce`, `allreduce`), ..., or `all`.
 pub fn parse_ops(s: &str) -> std::result::Result<Vec<Collective>, String> {
     let norm: String = s
@@ -298,10 +293,7 @@ pub fn run_device<D: device::BenchDev>(
     } else {
         kinds.join("+")
     };
-    let ops: Vec<Collective> = a.ops.iter().copied().filter(|&op| on_device(op)).collect();
-    if ops.len() < a.ops.len() && comm.rank() == 0 {
-        eprintln!("gather and scatter run on host buffers only: left out of the device sweep");
-    }
+    let ops = a.ops.clone();
     let (baseline, limit) = device_bound(comm, dc, a)?;
     // The links' rate per (elements shifted, in place), measured when a row first needs it.
     let mut links: Vec<((usize, bool), f64)> = Vec::new();

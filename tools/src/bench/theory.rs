@@ -85,11 +85,11 @@ pub enum DeviceLimit {
 ///   all-to-all 2n out of place (n inputs read, n outputs written), 2(n − 1) in place (a rank's
 ///   own block may stay where it is; ringzero's in-place form copies it all first, which this
 ///   bound does not excuse); send-recv 2n (each rank reads its message and writes its
-///   partner's).
+///   partner's); gather and scatter 2 (every block read and written once, S the root's buffer).
 /// - `Staged(w)`: every byte a rank sends leaves its device through the one link and comes back
 ///   through it: all-reduce, reduce-scatter and all-gather send busbw·t per rank with every rank
 ///   sending, so busbw ≤ w/n (all-to-all too: (n−1)/n·S leaves each rank and comes back, and
-///   send-recv: S); a
+///   send-recv: S); gather and scatter move (n−1)/n·S one way through it, busbw ≤ w; a
 ///   broadcast or reduce moves S through each of n − 1 ranks, so busbw ≤ w/(n − 1).
 /// - `Links(β)`: a ring collective moves busbw·t bytes over every link (that is how busbw is
 ///   defined: all-reduce 2(n−1)/n·S, reduce-scatter and all-gather (n−1)/n·S, a pipelined
@@ -123,6 +123,8 @@ pub fn device_bound_gbs(
                 Collective::AllToAll if inplace => 2.0 * (nf - 1.0),
                 // Every rank reads its message and writes its partner's.
                 Collective::AllToAll | Collective::AllToAllV | Collective::SendRecv => 2.0 * nf,
+                // Every block read once and written once: the root's whole buffer twice.
+                Collective::Gather { .. } | Collective::Scatter { .. } => 2.0,
                 _ => return None,
             };
             Some(busbw_factor(op, n) * copy / traffic)
@@ -136,6 +138,8 @@ pub fn device_bound_gbs(
             | Collective::AllToAll
             | Collective::AllToAllV
             | Collective::SendRecv => Some(w / nf),
+            // (n−1)/n·S crosses the link one way (into the root's device, or out of it).
+            Collective::Gather { .. } | Collective::Scatter { .. } => Some(w),
             Collective::Broadcast { .. } | Collective::Reduce { .. } => Some(w / (nf - 1.0)),
             _ => None,
         },
@@ -316,10 +320,15 @@ mod tests {
         // None for one rank, and for what the device sweep does not run.
         assert_eq!(device_bound_gbs(Collective::AllReduce, 1, false, m), None);
         assert_eq!(device_bound_gbs(Collective::RingShift, 4, false, m), None);
-        assert_eq!(
-            device_bound_gbs(Collective::Gather { root: 0 }, 4, false, w),
-            None
-        );
+        // Gather and scatter: 0.75·3000/2 through one memory, w through the host link.
+        for g in [
+            Collective::Gather { root: 0 },
+            Collective::Scatter { root: 3 },
+        ] {
+            assert!(close(device_bound_gbs(g, 4, false, m), 1125.0));
+            assert!(close(device_bound_gbs(g, 4, false, w), 48.0));
+            assert_eq!(device_bound_gbs(g, 4, false, l), None);
+        }
         // All-to-all-v (the sweep's equal blocks) is bounded as the all-to-all, except by the
         // ring's links, which its pairs do not use.
         let a2av = Collective::AllToAllV;
