@@ -8,9 +8,14 @@ use ringzero::{
 
 use crate::common::{threads, Opts};
 
-fn device_comm(comm: &ringzero::Communicator) -> DeviceComm<HostStream> {
-    DeviceComm::new(comm, HostStream::new())
-        .unwrap_or_else(|e| panic!("rank {}: device comm: {e}", comm.rank()))
+/// Run `body` on `n` thread ranks, each with a device communicator on the host stream.
+fn ranks(n: usize, o: &Opts, body: impl Fn(usize, &mut DeviceComm<HostStream>) + Sync) {
+    threads(n, o, |r, comm| {
+        let comm = comm.unwrap();
+        let mut dc = DeviceComm::new(&comm, HostStream::new())
+            .unwrap_or_else(|e| panic!("rank {r}: device comm: {e}"));
+        body(r, &mut dc);
+    });
 }
 
 /// What rank `from` sends in message `k`: `len` elements that tell sender, message and
@@ -39,9 +44,7 @@ fn a_pipeline_forward_and_back_and_swaps_across_the_ring_arrive_exactly() {
             ..Opts::default()
         };
         let n = 4;
-        threads(n, &o, |r, comm| {
-            let comm = comm.unwrap();
-            let mut dc = device_comm(&comm);
+        ranks(n, &o, |r, dc| {
             let len = 3001;
             // Forward: activations 0 → 1 → 2 → 3, each stage adding its rank.
             let mut act = vec![0f32; len];
@@ -99,9 +102,7 @@ fn a_pipeline_forward_and_back_and_swaps_across_the_ring_arrive_exactly() {
 /// with both calls named, on both ranks, and the communicator refuses later calls.
 #[test]
 fn bad_device_point_to_point_calls_are_refused_and_mismatches_name_both() {
-    threads(3, &Opts::default(), |r, comm| {
-        let comm = comm.unwrap();
-        let mut dc = device_comm(&comm);
+    ranks(3, &Opts::default(), |r, dc| {
         let e = dc.send(&[1f32; 4][..], r).unwrap_err();
         assert!(e.to_string().contains("is this rank"), "{e}");
         let e = dc.recv(&mut [0f32; 4][..], 3).unwrap_err();
@@ -140,15 +141,13 @@ fn bad_device_point_to_point_calls_are_refused_and_mismatches_name_both() {
 /// part of a slot and of several slots; 1 → 0 runs against the ring's direction on 3 ranks).
 #[test]
 fn every_element_type_crosses_a_device_pair_exactly() {
-    threads(
+    ranks(
         3,
         &Opts {
             slice_bytes: 1024,
             ..Opts::default()
         },
-        |r, comm| {
-            let comm = comm.unwrap();
-            let mut dc = device_comm(&comm);
+        |r, dc| {
             for (k, d) in DType::ALL.into_iter().enumerate() {
                 let len = [1, 255, 4099][k % 3];
                 let bytes: Vec<u8> = (0..len * d.size())
@@ -157,7 +156,7 @@ fn every_element_type_crosses_a_device_pair_exactly() {
                 match r {
                     0 => {
                         let mut got = vec![0u8; bytes.len()];
-                        send_recv_bytes(&mut dc, d, &bytes, &mut got, 1);
+                        send_recv_bytes(dc, d, &bytes, &mut got, 1);
                         let want: Vec<u8> = (0..len * d.size())
                             .map(|i| (i * 7 + 1) as u8 % 120)
                             .collect();
@@ -165,7 +164,7 @@ fn every_element_type_crosses_a_device_pair_exactly() {
                     }
                     1 => {
                         let mut got = vec![0u8; bytes.len()];
-                        send_recv_bytes(&mut dc, d, &bytes, &mut got, 0);
+                        send_recv_bytes(dc, d, &bytes, &mut got, 0);
                     }
                     _ => {}
                 }
@@ -219,9 +218,7 @@ fn async_device_point_to_point_runs_on_the_proxy_thread_in_order() {
         ..Opts::default()
     };
     let n = 4;
-    threads(n, &o, |r, comm| {
-        let comm = comm.unwrap();
-        let mut dc = device_comm(&comm);
+    ranks(n, &o, |r, dc| {
         let partner = r ^ 1;
         // Small enough to sit in the partner's slots until it receives.
         let sent = dc.send_async(msg(r, 0, 600), partner);
@@ -252,9 +249,7 @@ fn connected_peers_need_no_rendezvous_even_in_a_cycle() {
             ..Opts::default()
         };
         let n = 4;
-        threads(n, &o, |r, comm| {
-            let comm = comm.unwrap();
-            let mut dc = device_comm(&comm);
+        ranks(n, &o, |r, dc| {
             let (before, after) = ((r + n - 1) % n, (r + 1) % n);
             dc.connect_peers(&[after, before, after])
                 .unwrap_or_else(|e| panic!("rank {r}: {e}"));
@@ -278,9 +273,7 @@ fn connected_peers_need_no_rendezvous_even_in_a_cycle() {
 /// sender, S received on the receiver, and nothing on the ring's edges.
 #[test]
 fn point_to_point_bytes_are_counted() {
-    threads(3, &Opts::default(), |r, comm| {
-        let comm = comm.unwrap();
-        let mut dc = device_comm(&comm);
+    ranks(3, &Opts::default(), |r, dc| {
         let before = dc.counters();
         match r {
             2 => dc.send(&msg(r, 0, 1000)[..], 0).unwrap(),
@@ -310,9 +303,7 @@ fn device_all_to_all_v_moves_uneven_blocks_and_refuses_bad_counts() {
             slice_bytes: 1024,
             ..Opts::default()
         };
-        threads(n, &o, |r, comm| {
-            let comm = comm.unwrap();
-            let mut dc = device_comm(&comm);
+        ranks(n, &o, |r, dc| {
             // Rank q sends rank j (q·7 + j·300) % 1100 elements.
             let count = |q: usize, j: usize| (q * 7 + j * 300) % 1100;
             let sc: Vec<usize> = (0..n).map(|j| count(r, j)).collect();
@@ -375,9 +366,7 @@ fn device_all_to_all_v_moves_uneven_blocks_and_refuses_bad_counts() {
 /// (the second call needs no connect).
 #[test]
 fn device_gather_and_scatter_refuse_bad_input_and_move_blocks() {
-    threads(3, &Opts::default(), |r, comm| {
-        let comm = comm.unwrap();
-        let mut dc = device_comm(&comm);
+    ranks(3, &Opts::default(), |r, dc| {
         let mut out = [7f32; 30];
         let e = dc.gather(&[1f32; 10][..], &mut out[..], 3).unwrap_err();
         assert!(

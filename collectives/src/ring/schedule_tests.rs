@@ -577,12 +577,15 @@ proptest! {
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
-    /// Reduce-scatter-v: parts of any size (empty ones included) are each reduced exactly once
-    /// per rank and end on their owner, the rest of an in-place buffer untouched; each rank
-    /// sends every part but its own, as the balanced reduce-scatter does.
+    /// The v-collectives, parts of any size (empty ones included). Reduce-scatter-v: each part
+    /// is reduced exactly once per rank and ends on its owner, the rest of an in-place buffer
+    /// untouched; each rank sends every part but its own. All-gather-v: every rank ends with
+    /// every part where its counts put it; each rank sends every part but the next rank's. As
+    /// the balanced forms do.
     #[test]
-    fn reduce_scatter_v_reduces_parts_of_any_size(
+    fn v_collectives_handle_parts_of_any_size(
         counts in proptest::collection::vec(prop_oneof![Just(0usize), 0usize..60], 1..=8),
+        gather: bool,
         se in 1usize..40,
         in_place: bool,
         order in proptest::collection::vec(0usize..8, 1..40),
@@ -592,19 +595,18 @@ proptest! {
         let at: Vec<usize> = std::iter::once(0)
             .chain(counts.iter().scan(0, |a, &k| { *a += k; Some(*a) }))
             .collect();
-        let sim = simulate_with(
-            Collective::ReduceScatterV,
-            n,
-            (count, Some(&counts)),
-            se,
-            in_place,
-            2,
-            &order,
-        );
+        let coll = if gather { Collective::AllGatherV } else { Collective::ReduceScatterV };
+        let sim = simulate_with(coll, n, (count, Some(&counts)), se, in_place, 2, &order);
+        let owner = |g: usize| (0..n).find(|&q| at[q + 1] > g).unwrap();
         for r in 0..n {
             let own = at[r]..at[r + 1];
             let out = &sim.out[r];
-            if in_place {
+            if gather {
+                prop_assert_eq!(out.len(), count);
+                for (g, v) in out.iter().enumerate() {
+                    prop_assert_eq!(*v, unit(owner(g)), "rank {} element {}", r, g);
+                }
+            } else if in_place {
                 prop_assert_eq!(out.len(), count);
                 for (g, v) in out.iter().enumerate() {
                     let want = if own.contains(&g) { all_ones(n) } else { unit(r) };
@@ -614,43 +616,8 @@ proptest! {
                 prop_assert_eq!(out.len(), own.len());
                 prop_assert!(out.iter().all(|v| *v == all_ones(n)), "rank {}: {:?}", r, out);
             }
-            let want = if n == 1 { 0 } else { count - counts[r] };
-            prop_assert_eq!(sim.sent_elems[r], want, "rank {} elements sent", r);
-        }
-    }
-}
-
-proptest! {
-    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
-    /// All-gather-v: every rank ends with every part, of any size (empty ones included), each
-    /// where its counts put it; each rank sends every part but the next rank's, as the balanced
-    /// all-gather does.
-    #[test]
-    fn all_gather_v_gathers_parts_of_any_size(
-        counts in proptest::collection::vec(prop_oneof![Just(0usize), 0usize..60], 1..=8),
-        se in 1usize..40,
-        in_place: bool,
-        order in proptest::collection::vec(0usize..8, 1..40),
-    ) {
-        let n = counts.len();
-        let count: usize = counts.iter().sum();
-        let sim = simulate_with(
-            Collective::AllGatherV,
-            n,
-            (count, Some(&counts)),
-            se,
-            in_place,
-            2,
-            &order,
-        );
-        let owner = |g: usize| (0..n).find(|&q| counts[..=q].iter().sum::<usize>() > g).unwrap();
-        for r in 0..n {
-            let out = &sim.out[r];
-            prop_assert_eq!(out.len(), count);
-            for (g, v) in out.iter().enumerate() {
-                prop_assert_eq!(*v, unit(owner(g)), "rank {} element {}", r, g);
-            }
-            let want = if n == 1 { 0 } else { count - counts[(r + 1) % n] };
+            let kept = if gather { counts[(r + 1) % n] } else { counts[r] };
+            let want = if n == 1 { 0 } else { count - kept };
             prop_assert_eq!(sim.sent_elems[r], want, "rank {} elements sent", r);
         }
     }
