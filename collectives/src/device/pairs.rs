@@ -19,6 +19,8 @@
 //! every pair, whether peer copies are trusted), and there is no batch of messages to several
 //! peers at once: one call (and one all-to-all-v round) moves at most one message each way.
 
+use std::collections::BTreeMap;
+
 use ringzero_kernels::{DType, ReduceOp};
 
 use super::comm::{text, untext, ConnectInfo, Core, DeviceComm, FINDING_BYTES};
@@ -170,32 +172,8 @@ impl<S: Stream> DeviceComm<S> {
     pub fn connect_peers(&mut self, peers: &[usize]) -> Result<()> {
         check(self, &peers.iter().map(|&p| (true, p)).collect::<Vec<_>>())?;
         self.wait_async();
-        let core = self.core();
         let fp = Fingerprint::new(Collective::SendRecv, None, None, 0);
-        let mut st = core.lock();
-        crate::ring::engine::refuse(st.failed.as_ref(), &core.abort, &fp, 0)?;
-        let mut pairs = core.pairs.lock().unwrap_or_else(|p| p.into_inner());
-        let mut missing: Vec<usize> = peers
-            .iter()
-            .copied()
-            .filter(|p| !pairs.contains_key(p))
-            .collect();
-        missing.sort_unstable();
-        missing.dedup();
-        if missing.is_empty() {
-            return Ok(());
-        }
-        match core.connect_pairs(&missing) {
-            Ok(made) => {
-                pairs.extend(made);
-                Ok(())
-            }
-            Err(e) => {
-                drop(pairs);
-                core.fail(&mut st, &e);
-                Err(e)
-            }
-        }
+        self.core().on_pairs(&fp, peers, |_| Ok(()))
     }
 
     /// The device edges with `peer` (from it, then to it) once a point-to-point call has
@@ -364,17 +342,38 @@ impl<S: Stream> Core<S> {
     ) -> Result<()> {
         let fp_of = |c| Fingerprint::new(Collective::SendRecv, Some(dtype), None, c);
         let first = send.or(recv).map_or(0, |m| m.1);
-        let mut st = self.lock();
-        crate::ring::engine::refuse(st.failed.as_ref(), &self.abort, &fp_of(first), 0)?;
-        let mut pairs = self.pairs.lock().unwrap_or_else(|p| p.into_inner());
-        let r = (|| -> Result<()> {
-            if !pairs.contains_key(&peer) {
-                pairs.extend(self.connect_pairs(&[peer])?);
-            }
-            let pair = pairs.get_mut(&peer).expect("connected above");
+        self.on_pairs(&fp_of(first), &[peer], |pairs| {
+            let pair = pairs.get_mut(&peer).expect("connected");
             // SAFETY: forwarded from the caller.
             unsafe { self.run_pair(pair, Collective::SendRecv, dtype, send, recv) }
-        })();
+        })
+    }
+
+    /// Run `f` on the pairs, with `peers` connected first (those not yet, all at once), the
+    /// communicator's state held: refused once it has failed (`fp` names the call), failed by
+    /// any error `f` or the connect returns (every connected peer told).
+    fn on_pairs(
+        &self,
+        fp: &Fingerprint,
+        peers: &[usize],
+        f: impl FnOnce(&mut BTreeMap<usize, DevPair>) -> Result<()>,
+    ) -> Result<()> {
+        let mut st = self.lock();
+        crate::ring::engine::refuse(st.failed.as_ref(), &self.abort, fp, st.seq)?;
+        let mut pairs = self.pairs.lock().unwrap_or_else(|p| p.into_inner());
+        let mut missing: Vec<usize> = peers
+            .iter()
+            .copied()
+            .filter(|p| !pairs.contains_key(p))
+            .collect();
+        missing.sort_unstable();
+        missing.dedup();
+        let connected = if missing.is_empty() {
+            Ok(())
+        } else {
+            self.connect_pairs(&missing).map(|made| pairs.extend(made))
+        };
+        let r = connected.and_then(|()| f(&mut pairs));
         drop(pairs);
         if let Err(e) = &r {
             self.fail(&mut st, e);
@@ -457,16 +456,8 @@ impl<S: Stream> Core<S> {
         // SAFETY: no buffer: an empty frame.
         unsafe { self.execute_any(c, dtype, ReduceOp::Sum, 0.into(), none) }?;
         let fp = Fingerprint::new(c, Some(dtype), None, sc.iter().sum());
-        let mut st = self.lock();
-        crate::ring::engine::refuse(st.failed.as_ref(), &self.abort, &fp, st.seq)?;
-        let mut pairs = self.pairs.lock().unwrap_or_else(|p| p.into_inner());
-        let r = (|| -> Result<()> {
-            let missing: Vec<usize> = (0..n)
-                .filter(|&q| q != me && !pairs.contains_key(&q))
-                .collect();
-            if !missing.is_empty() {
-                pairs.extend(self.connect_pairs(&missing)?);
-            }
+        let others: Vec<usize> = (0..n).filter(|&q| q != me).collect();
+        self.on_pairs(&fp, &others, |pairs| {
             let at = |base: Addr, off: usize| base + (off * es) as u64;
             // SAFETY: both blocks lie in the caller's buffers (the caller's contract).
             unsafe { self.copy_and_wait(at(recv, rd[me]), at(send, sd[me]), sc[me] * es, &fp) }?;
@@ -474,18 +465,13 @@ impl<S: Stream> Core<S> {
                 let Some(q) = partner(n, me, k) else {
                     continue;
                 };
-                let pair = pairs.get_mut(&q).expect("every pair connected above");
+                let pair = pairs.get_mut(&q).expect("every pair connected");
                 let (s, r) = ((at(send, sd[q]), sc[q]), (at(recv, rd[q]), rc[q]));
                 // SAFETY: forwarded from the caller.
                 unsafe { self.run_pair(pair, c, dtype, Some(s), Some(r)) }?;
             }
             Ok(())
-        })();
-        drop(pairs);
-        if let Err(e) = &r {
-            self.fail(&mut st, e);
-        }
-        r
+        })
     }
 
     /// Gather or scatter (`c`) of blocks of `block` elements: `send` and `recv` (addresses)
@@ -511,27 +497,16 @@ impl<S: Stream> Core<S> {
         // SAFETY: no buffer: an empty frame.
         unsafe { self.execute_any(c, dtype, ReduceOp::Sum, 0.into(), none) }?;
         let fp = Fingerprint::new(c, Some(dtype), None, block);
-        let mut st = self.lock();
-        crate::ring::engine::refuse(st.failed.as_ref(), &self.abort, &fp, st.seq)?;
-        let mut pairs = self.pairs.lock().unwrap_or_else(|p| p.into_inner());
-        let r = (|| -> Result<()> {
-            let peers: Vec<usize> = if me == root {
-                (0..n).filter(|&q| q != me).collect()
-            } else {
-                vec![root]
-            };
-            let missing: Vec<usize> = peers
-                .iter()
-                .copied()
-                .filter(|q| !pairs.contains_key(q))
-                .collect();
-            if !missing.is_empty() {
-                pairs.extend(self.connect_pairs(&missing)?);
-            }
+        let peers: Vec<usize> = if me == root {
+            (0..n).filter(|&q| q != me).collect()
+        } else {
+            vec![root]
+        };
+        self.on_pairs(&fp, &peers, |pairs| {
             let at = |base: Addr, q: usize| base + (q * block * es) as u64;
             let msg = |a: Addr| Some((a, block));
             if me != root {
-                let pair = pairs.get_mut(&root).expect("connected above");
+                let pair = pairs.get_mut(&root).expect("connected");
                 let (s, r) = if gather {
                     (msg(send), None)
                 } else {
@@ -547,8 +522,8 @@ impl<S: Stream> Core<S> {
             };
             // SAFETY: both blocks lie in the caller's buffers (the caller's contract).
             unsafe { self.copy_and_wait(dst, src, block * es, &fp) }?;
-            for q in peers {
-                let pair = pairs.get_mut(&q).expect("connected above");
+            for &q in &peers {
+                let pair = pairs.get_mut(&q).expect("connected");
                 let (s, r) = if gather {
                     (None, msg(at(recv, q)))
                 } else {
@@ -558,12 +533,7 @@ impl<S: Stream> Core<S> {
                 unsafe { self.run_pair(pair, c, dtype, s, r) }?;
             }
             Ok(())
-        })();
-        drop(pairs);
-        if let Err(e) = &r {
-            self.fail(&mut st, e);
-        }
-        r
+        })
     }
 
     /// Copy `bytes` from `src` to `dst` on the stream and wait for it, within the deadline.
