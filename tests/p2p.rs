@@ -429,13 +429,16 @@ fn pair_and_pairwise_links_stripe_large_frames_over_three_connections() {
         transport: TransportPref::Tcp,
         slice_bytes: 256 << 10,
         tcp_sockets: 3,
+        // All-gather-v pairwise whatever its size and the nodes.
+        algo: Some(ringzero::Algo::Doubling),
         ..Opts::default()
     };
     threads(n, &o, |_, comm| {
         let comm = comm.unwrap();
         exchange_with_neighbour(&comm, 200_000);
         for coll in crate::common::host_collectives(1) {
-            if coll.is_pairwise() || coll == ringzero::Collective::AllToAll {
+            use ringzero::Collective::{AllGatherV, AllToAll};
+            if coll.is_pairwise() || coll == AllToAll || coll == AllGatherV {
                 crate::common::check_case(
                     &comm,
                     &crate::common::Case {

@@ -182,6 +182,11 @@ fn bad_arguments_are_refused_and_change_nothing() {
             ),
         );
         refused(
+            comm.all_gather_v_in_place(&mut recv, &[1, 2, 2])
+                .unwrap_err(),
+            "counts add up to 5 elements but buf has 6",
+        );
+        refused(
             comm.gather(&send[..2], &mut recv, 3).unwrap_err(),
             "root 3 is not a rank of this 3-rank communicator",
         );
@@ -344,4 +349,89 @@ fn a_ring_collective_against_a_pairwise_one_fails_at_once_naming_both() {
             }
         }
     }
+}
+
+/// Across nodes, all-gather-v runs pairwise up to `pairwise_max` bytes of result and round the
+/// ring above it; on one node, pairwise at every size. Both exact, out of place and in place,
+/// with empty parts and parts of many slices, over shm and tcp (two fake nodes of two ranks
+/// each). Which one ran shows in the bytes sent (the counters of every link): the pairwise form
+/// sends this rank's part to each other rank, the ring every part but the next rank's.
+#[test]
+fn across_nodes_all_gather_v_goes_pairwise_up_to_the_threshold_and_round_the_ring_above() {
+    let n = 4;
+    let small = [3usize, 0, 7, 1000]; // 4040 bytes of f32
+    let large = [300usize, 0, 1, 2000]; // 9204 bytes
+    for nodes in [1, 2] {
+        let o = Opts {
+            transport: TransportPref::Auto,
+            nodes,
+            slice_bytes: 1024,
+            algo: Some(Algo::Auto {
+                doubling_max: 0,
+                halving_max: 0,
+                pairwise_max: 4096,
+            }),
+            ..Opts::default()
+        };
+        threads(n, &o, |r, comm| {
+            let comm = comm.unwrap();
+            assert_eq!(comm.nodes(), nodes);
+            let part = |q: usize, k: usize| (0..k).map(move |i| (q * 100_000 + i) as f32);
+            for (counts, ring) in [(small, false), (large, nodes > 1)] {
+                let total: usize = counts.iter().sum();
+                let want: Vec<f32> = (0..n).flat_map(|q| part(q, counts[q])).collect();
+                let at: usize = counts[..r].iter().sum();
+                for in_place in [false, true] {
+                    let before = comm.counters().bytes_sent;
+                    let mut all = vec![-1f32; total];
+                    if in_place {
+                        all[at..at + counts[r]].copy_from_slice(&want[at..at + counts[r]]);
+                        comm.all_gather_v_in_place(&mut all, &counts).unwrap();
+                    } else {
+                        let mine: Vec<f32> = part(r, counts[r]).collect();
+                        comm.all_gather_v(&mine, &mut all, &counts).unwrap();
+                    }
+                    let how = format!("{nodes} nodes, rank {r} ring={ring} in_place={in_place}");
+                    assert_eq!(all, want, "{how}");
+                    let sent = comm.counters().bytes_sent - before;
+                    let by_ring = 4 * (total - counts[(r + 1) % n]) as u64;
+                    let by_pairs = 4 * (counts[r] * (n - 1)) as u64;
+                    assert_eq!(sent, if ring { by_ring } else { by_pairs }, "{how}");
+                }
+            }
+        });
+    }
+}
+
+/// On the ring, ranks that split the same total differently fail at the first frame, both
+/// splits named (the counts' digest is in the fingerprint); nothing waits for the deadline.
+#[test]
+fn ring_all_gather_v_with_counts_the_ranks_disagree_on_fails_at_once_naming_both() {
+    let o = Opts {
+        timeout: Duration::from_secs(20),
+        algo: Some(Algo::Ring),
+        ..Opts::default()
+    };
+    let t = Instant::now();
+    let errs = threads(3, &o, |r, comm| {
+        let comm = comm.unwrap();
+        let counts = if r == 1 { [1, 3, 2] } else { [2, 2, 2] };
+        let mut all = vec![0f32; 6];
+        let e = comm
+            .all_gather_v(&vec![1f32; counts[r]], &mut all, &counts)
+            .unwrap_err();
+        e.to_string()
+    });
+    assert!(
+        t.elapsed() < Duration::from_secs(10),
+        "a mismatch must not wait for the deadline: {errs:?}"
+    );
+    let named = errs.iter().filter(|e| {
+        let calls: Vec<&str> = e
+            .match_indices("all_gather_v(f32, count=6, counts#")
+            .map(|(at, _)| e[at..].split(')').next().unwrap_or(""))
+            .collect();
+        calls.len() == 2 && calls[0] != calls[1]
+    });
+    assert!(named.count() >= 1, "both splits named: {errs:?}");
 }

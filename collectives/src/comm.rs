@@ -199,6 +199,12 @@ impl Communicator {
         &self.inner.cfg
     }
 
+    /// How many nodes its ranks run on (distinct node ids, `RINGZERO_NODE_ID` or the host's
+    /// identity; fake nodes of `ringzero launch --nodes` count apart).
+    pub fn nodes(&self) -> usize {
+        self.inner.nodes()
+    }
+
     /// This rank's two ring edges (receive edge first, then send edge) with the transport each
     /// uses and why. Empty for a one-rank world.
     pub fn edges(&self) -> &[Edge] {
@@ -1058,6 +1064,16 @@ impl Inner {
 
     /// A ring collective, or its doubling schedule where the configured algorithm picks that
     /// for this size ([`Inner::execute_by`]).
+    /// [`Communicator::nodes`]: 1 before the ranks have told each other where they run (or on
+    /// one rank).
+    fn nodes(&self) -> usize {
+        self.peers.get().map_or(1, |peers| {
+            let nodes: std::collections::BTreeSet<&str> =
+                peers.iter().map(|p| p.node.as_str()).collect();
+            nodes.len()
+        })
+    }
+
     fn execute(
         &self,
         coll: Collective,

@@ -67,6 +67,8 @@ pub const DEFAULT_DOUBLING_MAX: usize = 64 << 10;
 /// Default largest all-reduce (bytes) that `auto` runs by halving-doubling (above
 /// [`DEFAULT_DOUBLING_MAX`]).
 pub const DEFAULT_HALVING_MAX: usize = 256 << 10;
+/// Default largest all-gather-v (bytes of the whole result) that `auto` runs pairwise.
+pub const DEFAULT_PAIRWISE_MAX: usize = 512 << 10;
 /// Default master port when a launcher gives none.
 pub const DEFAULT_PORT: u16 = 29500;
 
@@ -143,10 +145,11 @@ impl std::fmt::Display for DeviceAlgo {
 }
 
 /// Which algorithm the latency-bound host collectives run (`RINGZERO_ALGO`,
-/// `RINGZERO_DOUBLING_MAX`, `RINGZERO_HALVING_MAX`): all-reduce, broadcast, reduce and barrier
-/// either go round the ring (`2(n − 1)` or `n − 1` hops) or by a doubling schedule in about
-/// `log2 n` rounds (recursive doubling and halving-doubling, binomial trees, a dissemination
-/// barrier: see `ring::doubling`).
+/// `RINGZERO_DOUBLING_MAX`, `RINGZERO_HALVING_MAX`, `RINGZERO_PAIRWISE_MAX`): all-reduce,
+/// broadcast, reduce and barrier either go round the ring (`2(n − 1)` or `n − 1` hops) or by a
+/// doubling schedule in about `log2 n` rounds (recursive doubling and halving-doubling, binomial
+/// trees, a dissemination barrier: see `ring::doubling`); all-gather-v either goes round the
+/// ring (`n − 1` hops) or sends every part straight to every rank in one step (pairwise).
 ///
 /// Every rank must choose alike: a rank whose choice differs fails at the first frame with both
 /// calls named. Each gives every rank of an all-reduce bit-identical results; recursive doubling
@@ -166,11 +169,18 @@ pub enum Algo {
         /// The largest all-reduce, in bytes, run by halving-doubling (those up to
         /// `doubling_max` excepted).
         halving_max: usize,
+        /// The largest all-gather-v, in bytes of the whole result, run pairwise (one step,
+        /// every part straight to every rank) on ranks that span several nodes; larger ones go
+        /// round the ring, which crosses each node's boundary once where the pairs cross it
+        /// for every pair of ranks on two nodes (`m(n − m)/n` of the result leaves a node of
+        /// `m` ranks, against the ring's `(n − 1)/n`). On one node the two move the same bytes
+        /// and measured alike, so all-gather-v runs pairwise there at every size.
+        pairwise_max: usize,
     },
     /// The ring at every size (bandwidth-optimal; the order the reduce-scatter uses too).
     Ring,
     /// The whole-buffer doubling schedules at every size, broadcast and reduce by binomial tree
-    /// included.
+    /// included, and all-gather-v pairwise (one step) at every size.
     Doubling,
     /// The all-reduce by halving-doubling at every size; everything else on the ring.
     HalvingDoubling,
@@ -181,6 +191,7 @@ impl Default for Algo {
         Algo::Auto {
             doubling_max: DEFAULT_DOUBLING_MAX,
             halving_max: DEFAULT_HALVING_MAX,
+            pairwise_max: DEFAULT_PAIRWISE_MAX,
         }
     }
 }
@@ -197,6 +208,7 @@ impl Algo {
             Algo::Auto {
                 doubling_max,
                 halving_max,
+                ..
             } => match coll {
                 _ if n == 2 => None,
                 Collective::AllReduce if bytes <= doubling_max => Some(Schedule::Doubling),
@@ -209,6 +221,18 @@ impl Algo {
             Algo::HalvingDoubling => Some(Schedule::HalvingDoubling),
         };
         s.filter(|s| s.has(coll))
+    }
+
+    /// Whether an all-gather-v of `bytes` (the whole result) on `n` ranks on `nodes` nodes runs
+    /// pairwise (every part straight to every rank, one step) rather than round the ring. Two
+    /// ranks take the ring under `auto`, where both are one exchange and the ring needs no
+    /// links of its own.
+    pub fn gathers_v_pairwise(self, bytes: usize, n: usize, nodes: usize) -> bool {
+        match self {
+            Algo::Auto { pairwise_max, .. } => n > 2 && (nodes < 2 || bytes <= pairwise_max),
+            Algo::Doubling => n > 1,
+            Algo::Ring | Algo::HalvingDoubling => false,
+        }
     }
 }
 
@@ -236,13 +260,16 @@ impl std::fmt::Display for Algo {
             Algo::Auto {
                 doubling_max,
                 halving_max,
+                pairwise_max,
             } => {
                 write!(f, "auto (all-reduce by doubling up to {doubling_max} B, ")?;
                 if halving_max > doubling_max {
                     write!(f, "by halving-doubling up to {halving_max} B, ")?;
                 }
-                f.write_str(
-                    "ring above; barrier by dissemination; broadcast and reduce on the ring)",
+                write!(
+                    f,
+                    "ring above; barrier by dissemination; broadcast and reduce on the ring; \
+                     all-gather-v pairwise, across nodes up to {pairwise_max} B, ring above)"
                 )
             }
             Algo::Ring => f.write_str("ring"),
@@ -316,9 +343,9 @@ pub struct Config {
     /// as one copy-pair kernel where it can (`RINGZERO_DEVICE_COPY_PAIRS=on|off`; on by
     /// default; off for comparing the two on the same machine).
     pub device_copy_pairs: bool,
-    /// Which algorithm host all-reduces, broadcasts, reduces and barriers run
-    /// (`RINGZERO_ALGO=auto|ring|doubling|halving-doubling`, and `RINGZERO_DOUBLING_MAX` and
-    /// `RINGZERO_HALVING_MAX` for auto's all-reduce thresholds).
+    /// Which algorithm host all-reduces, broadcasts, reduces, barriers and all-gather-vs run
+    /// (`RINGZERO_ALGO=auto|ring|doubling|halving-doubling`, and `RINGZERO_DOUBLING_MAX`,
+    /// `RINGZERO_HALVING_MAX` and `RINGZERO_PAIRWISE_MAX` for auto's thresholds).
     /// Device buffers take the ring, or the direct step ([`Config::device_algo`]).
     pub algo: Algo,
     /// Directory for shared-memory segments (`RINGZERO_SHM_DIR`, default `/dev/shm`).
@@ -771,8 +798,8 @@ pub fn default_node_id() -> String {
     format!("{host}/{}", boot.trim())
 }
 
-/// `RINGZERO_ALGO`, and `RINGZERO_DOUBLING_MAX` and `RINGZERO_HALVING_MAX` (auto's thresholds
-/// only).
+/// `RINGZERO_ALGO`, and `RINGZERO_DOUBLING_MAX`, `RINGZERO_HALVING_MAX` and
+/// `RINGZERO_PAIRWISE_MAX` (auto's thresholds only).
 fn algo(env: &dyn Fn(&str) -> Option<String>) -> Result<Algo> {
     let size = |var: &'static str| -> Result<Option<usize>> {
         env(var)
@@ -782,9 +809,10 @@ fn algo(env: &dyn Fn(&str) -> Option<String>) -> Result<Algo> {
             })
             .transpose()
     };
-    let (dmax, hmax) = (
+    let (dmax, hmax, pmax) = (
         size("RINGZERO_DOUBLING_MAX")?,
         size("RINGZERO_HALVING_MAX")?,
+        size("RINGZERO_PAIRWISE_MAX")?,
     );
     let algo = env("RINGZERO_ALGO").unwrap_or_default();
     let fixed = match algo.parse::<Algo>() {
@@ -792,6 +820,7 @@ fn algo(env: &dyn Fn(&str) -> Option<String>) -> Result<Algo> {
             return Ok(Algo::Auto {
                 doubling_max: dmax.unwrap_or(DEFAULT_DOUBLING_MAX),
                 halving_max: hmax.unwrap_or(DEFAULT_HALVING_MAX),
+                pairwise_max: pmax.unwrap_or(DEFAULT_PAIRWISE_MAX),
             })
         }
         Ok(fixed) => fixed,
@@ -800,6 +829,7 @@ fn algo(env: &dyn Fn(&str) -> Option<String>) -> Result<Algo> {
     let set = [
         ("RINGZERO_DOUBLING_MAX", dmax),
         ("RINGZERO_HALVING_MAX", hmax),
+        ("RINGZERO_PAIRWISE_MAX", pmax),
     ];
     if let Some((var, _)) = set.iter().find(|(_, v)| v.is_some()) {
         return Err(Error::config(
@@ -1073,8 +1103,34 @@ mod tests {
             Algo::Auto {
                 doubling_max: 1 << 20,
                 halving_max: 0,
+                pairwise_max: DEFAULT_PAIRWISE_MAX,
             }
         );
+        let agv = |a: Algo, bytes, n| a.gathers_v_pairwise(bytes, n, 2);
+        assert!(agv(auto, DEFAULT_PAIRWISE_MAX, 3));
+        assert!(!agv(auto, DEFAULT_PAIRWISE_MAX + 1, 3));
+        assert!(
+            auto.gathers_v_pairwise(1 << 30, 3, 1),
+            "one node: pairwise at every size"
+        );
+        assert!(
+            !agv(auto, 4, 2),
+            "two ranks: one exchange either way, the ring's"
+        );
+        assert!(agv(Algo::Doubling, 1 << 30, 2));
+        assert!(
+            !agv(Algo::Doubling, 4, 1),
+            "one rank has nothing to exchange"
+        );
+        assert!(!agv(Algo::Ring, 4, 8));
+        assert!(!Algo::Ring.gathers_v_pairwise(4, 8, 1));
+        assert!(!agv(Algo::HalvingDoubling, 4, 8));
+        let pmax = algo(&[("RINGZERO_PAIRWISE_MAX", "0")]).unwrap();
+        assert!(!agv(pmax, 1, 8) && agv(pmax, 0, 8), "{pmax}");
+        let e = algo(&[("RINGZERO_ALGO", "ring"), ("RINGZERO_PAIRWISE_MAX", "1M")])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("RINGZERO_PAIRWISE_MAX: sets where"), "{e}");
         let e = algo(&[("RINGZERO_HALVING_MAX", "big")])
             .unwrap_err()
             .to_string();

@@ -145,7 +145,8 @@ impl fmt::Display for Fingerprint {
         if let Some(r) = coll.root() {
             write!(f, ", root={r}")?;
         }
-        if coll == Collective::ReduceScatterV && self.root != u32::MAX {
+        let v = matches!(coll, Collective::ReduceScatterV | Collective::AllGatherV);
+        if v && self.root != u32::MAX {
             write!(f, ", counts#{:08x}", self.root)?;
         }
         match self.algo {

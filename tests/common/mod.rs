@@ -45,6 +45,9 @@ pub struct Opts {
     pub device_algo: DeviceAlgo,
     /// `Config::device_copy_pairs`.
     pub device_copy_pairs: bool,
+    /// Fake nodes the ranks are spread over in rank order (`Config::node_id`; 1: the host's
+    /// own). Ranks on different nodes talk over tcp with `TransportPref::Auto`.
+    pub nodes: usize,
 }
 
 impl Default for Opts {
@@ -62,6 +65,7 @@ impl Default for Opts {
             device_slice_bytes: None,
             device_algo: DeviceAlgo::Auto,
             device_copy_pairs: true,
+            nodes: 1,
         }
     }
 }
@@ -83,6 +87,9 @@ pub fn config(rank: usize, n: usize, port: u16, o: &Opts) -> Config {
     }
     if let Some(a) = o.algo {
         c.algo = a;
+    }
+    if o.nodes > 1 {
+        c.node_id = format!("test-node-{}", rank * o.nodes / n);
     }
     c
 }
@@ -199,12 +206,8 @@ pub trait Colls {
     fn all_gather_v<T: Element>(&mut self, s: &[T], r: &mut [T], counts: &[usize]) -> Result<()> {
         self.host()?.all_gather_v(s, r, counts)
     }
-    /// The host communicator has no in-place all-gather-v: by default, the out-of-place call
-    /// sending a copy of this rank's part.
     fn all_gather_v_in_place<T: Element>(&mut self, b: &mut [T], counts: &[usize]) -> Result<()> {
-        let at: usize = counts[..self.rank()].iter().sum();
-        let send = b[at..at + counts[self.rank()]].to_vec();
-        self.all_gather_v(&send, b, counts)
+        self.host()?.all_gather_v_in_place(b, counts)
     }
     fn gather<T: Element>(&mut self, s: &[T], r: &mut [T], root: usize) -> Result<()> {
         self.host()?.gather(s, r, root)

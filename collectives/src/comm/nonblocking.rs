@@ -219,7 +219,8 @@ impl Communicator {
         };
         self.submit(move |inner| {
             let send = bytemuck::cast_slice(&send);
-            inner.all_gather_v(T::DTYPE, send, bytemuck::cast_slice_mut(&mut out), &at)?;
+            let out_bytes = bytemuck::cast_slice_mut(&mut out);
+            inner.all_gather_v(inner.cfg.algo, T::DTYPE, Some(send), out_bytes, &at)?;
             Ok(out)
         })
     }

@@ -1,5 +1,6 @@
 //! Collectives over the point-to-point links: all-to-all with a count per pair of ranks,
-//! all-gather of parts of different sizes, gather and scatter.
+//! all-gather of parts of different sizes (small ones: larger ones go round the ring, see
+//! [`Algo::gathers_v_pairwise`](crate::Algo::gathers_v_pairwise)), gather and scatter.
 //!
 //! A ring has no schedule for these (their messages differ per pair of ranks, or all meet at
 //! one root), so each rank exchanges one message each way with every peer concerned, all at once:
@@ -23,7 +24,7 @@ use super::{offsets, own_part, refused, Communicator, Inner, State};
 use crate::bootstrap::Role;
 use crate::error::Result;
 use crate::ring::engine::{self, Bufs, Lane, Links};
-use crate::ring::{plan, plan_p2p, Collective, Plan, PlanArgs};
+use crate::ring::{plan, plan_p2p, Collective, Count, Plan, PlanArgs};
 use crate::wire::Fingerprint;
 
 /// This rank's message to and from one peer in a pairwise collective. Either may be absent; an
@@ -64,21 +65,67 @@ impl Communicator {
     /// All-gather of parts of different sizes (`MPI_Allgatherv`; gathering per-rank results of
     /// varying length, or shards that do not split evenly): rank `i` contributes `counts[i]`
     /// elements (`send` holds this rank's), and `recv` (the sum of `counts`) ends with every
-    /// rank's part in rank order, on every rank.
+    /// rank's part in rank order, on every rank. Parts may be empty.
     ///
-    /// Every rank sends its part to every other rank at once over the point-to-point links
-    /// (see [`Communicator::all_to_all_v`]): each sends and receives what a ring's all-gather
-    /// moves. [`Communicator::all_gather`] is the ring's form for balanced chunks.
+    /// Two algorithms, chosen alike on every rank from the result's size (`counts` are the same
+    /// everywhere) by [`Algo::gathers_v_pairwise`](crate::Algo::gathers_v_pairwise)
+    /// (`RINGZERO_PAIRWISE_MAX`, 512 KiB by default, on three ranks or more):
+    /// - *pairwise*, small results: every rank sends its part to every other rank at once over
+    ///   the point-to-point links (see [`Communicator::all_to_all_v`]), one step;
+    /// - *the ring*, larger ones: the all-gather's ring over the given parts, `n − 1` pipelined
+    ///   hops over the links every collective uses (as [`Communicator::reduce_scatter_v`] runs
+    ///   the reduce-scatter's). Its busiest link carries no more than the pairwise form's
+    ///   busiest rank sends, and ranks that pass different counts fail at the first frame
+    ///   (the counts' digest is in the call's fingerprint).
+    ///
+    /// [`Communicator::all_gather`] is the form for balanced chunks.
     pub fn all_gather_v<T: Element>(
         &self,
         send: &[T],
         recv: &mut [T],
         counts: &[usize],
     ) -> Result<()> {
+        self.all_gather_v_with(send, recv, counts, self.inner.cfg.algo)
+    }
+
+    /// In-place [`Communicator::all_gather_v`]: this rank's part of `buf` (`counts[rank]`
+    /// elements after the parts of the ranks before it) is sent, every other part is
+    /// overwritten.
+    pub fn all_gather_v_in_place<T: Element>(&self, buf: &mut [T], counts: &[usize]) -> Result<()> {
+        self.all_gather_v_in_place_with(buf, counts, self.inner.cfg.algo)
+    }
+
+    /// [`Communicator::all_gather_v`] as `algo` chooses, whatever `RINGZERO_ALGO` says
+    /// ([`Algo::Ring`](crate::Algo::Ring): the ring; [`Algo::Doubling`](crate::Algo::Doubling):
+    /// the pairs). Every rank must make the same choice: ranks that differ fail at the first
+    /// frame, both calls named.
+    pub fn all_gather_v_with<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        counts: &[usize],
+        algo: crate::Algo,
+    ) -> Result<()> {
         let at = self.all_gather_v_layout(send.len(), (counts, recv.len()))?;
         self.wait_async_idle();
         let (send, recv) = (bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv));
-        self.inner.all_gather_v(T::DTYPE, send, recv, &at)
+        self.inner
+            .all_gather_v(algo, T::DTYPE, Some(send), recv, &at)
+    }
+
+    /// [`Communicator::all_gather_v_in_place`] as `algo` chooses (see
+    /// [`Communicator::all_gather_v_with`]).
+    pub fn all_gather_v_in_place_with<T: Element>(
+        &self,
+        buf: &mut [T],
+        counts: &[usize],
+        algo: crate::Algo,
+    ) -> Result<()> {
+        let c = Collective::AllGatherV;
+        let at = offsets(c, ("counts", counts), self.size(), ("buf", buf.len()))?;
+        self.wait_async_idle();
+        let buf = bytemuck::cast_slice_mut(buf);
+        self.inner.all_gather_v(algo, T::DTYPE, None, buf, &at)
     }
 
     /// Gather (`MPI_Gather`): the root's `recv` (`size()` times `send.len()` elements) ends with
@@ -200,25 +247,49 @@ impl Inner {
         // Counts differ by rank: the call as a whole has none (every rank records the same call).
         let fp = Fingerprint::new(c, Some(dtype), None, usize::MAX);
         let bytes = send.len() as u64;
-        self.pairwise((fp, dtype), bytes, Some((block(r), own)), None, ex)
+        self.pairwise((fp, dtype), (bytes, false), Some((block(r), own)), None, ex)
     }
 
     /// [`Communicator::all_gather_v`] on bytes of `dtype`, the parts at offsets `at` (in
-    /// elements) of `recv`.
+    /// elements) of `recv`; in place (this rank's part of `recv` is sent) where `send` is
+    /// `None`. Pairwise or round the ring, as `algo` says.
     pub(super) fn all_gather_v(
         &self,
+        algo: crate::Algo,
         dtype: DType,
-        send: &[u8],
+        send: Option<&[u8]>,
         recv: &mut [u8],
         at: &[usize],
     ) -> Result<()> {
-        let es = dtype.size();
-        let recvs = split_mut(recv, at, es);
-        let (own, ex) = from_every_peer(recvs, self.rank, |_| Some(send));
+        let (c, r, es) = (Collective::AllGatherV, self.rank, dtype.size());
         let total = at[at.len() - 1];
-        let fp = Fingerprint::new(Collective::AllGatherV, Some(dtype), None, total);
-        let bytes = (total * es) as u64;
-        self.pairwise((fp, dtype), bytes, Some((send, own)), None, ex)
+        let bytes = total * es;
+        if !algo.gathers_v_pairwise(bytes, self.size, self.nodes()) {
+            let counts: Vec<usize> = at.windows(2).map(|w| w[1] - w[0]).collect();
+            let count = Count::parts(total, &counts);
+            let (bufs, in_place) = match send {
+                Some(input) => (
+                    Bufs::Split {
+                        input,
+                        output: recv,
+                    },
+                    false,
+                ),
+                None => (Bufs::One(recv), true),
+            };
+            return self.execute(c, Some(dtype), ReduceOp::Sum, count, in_place, bufs);
+        }
+        let mut recvs = split_mut(recv, at, es);
+        let (send, local) = match send {
+            Some(send) => (send, true),
+            // In place: this rank's part is what it sends, and nothing is copied locally.
+            None => (&*std::mem::take(&mut recvs[r]), false),
+        };
+        let (own, ex) = from_every_peer(recvs, r, |_| Some(send));
+        let fp = Fingerprint::new(c, Some(dtype), None, total);
+        let local = local.then_some((send, own));
+        let recorded = (bytes as u64, local.is_none());
+        self.pairwise((fp, dtype), recorded, local, None, ex)
     }
 
     /// [`Communicator::gather`] on bytes of `dtype` (checked by
@@ -249,7 +320,7 @@ impl Inner {
         let fp = Fingerprint::new(c, Some(dtype), None, count);
         // The flight record's size is the root's whole buffer, as for the bench.
         let bytes = n.saturating_mul(send.len()) as u64;
-        self.pairwise((fp, dtype), bytes, local, None, ex)
+        self.pairwise((fp, dtype), (bytes, false), local, None, ex)
     }
 
     /// [`Communicator::scatter`] on bytes of `dtype` (checked by
@@ -285,7 +356,7 @@ impl Inner {
             (None, vec![from_root])
         };
         let fp = Fingerprint::new(c, Some(dtype), None, count);
-        self.pairwise((fp, dtype), bytes, local, None, ex)
+        self.pairwise((fp, dtype), (bytes, false), local, None, ex)
     }
 
     /// [`Communicator::all_to_all`] on bytes (`count` elements of `dtype`, a multiple of the
@@ -323,7 +394,7 @@ impl Inner {
             .collect();
         let fp = Fingerprint::new(Collective::AllToAll, Some(dtype), None, count);
         let bytes = (count * es) as u64;
-        self.pairwise((fp, dtype), bytes, Some((blk(r), own)), ring, ex)
+        self.pairwise((fp, dtype), (bytes, false), Some((blk(r), own)), ring, ex)
     }
 
     /// Run a pairwise collective fingerprinted `fp` as a whole: take the next sequence number,
@@ -342,7 +413,7 @@ impl Inner {
     fn pairwise(
         &self,
         (fp, dtype): (Fingerprint, DType),
-        bytes: u64,
+        (bytes, in_place): (u64, bool),
         local: Option<(&[u8], &mut [u8])>,
         ring: Option<(&[u8], &mut [u8])>,
         ex: Vec<Exchange<'_>>,
@@ -362,7 +433,7 @@ impl Inner {
         let mut st = self.lock();
         let seq = st.seq;
         engine::refuse(st.failed.as_ref(), &self.abort, &fp, seq)?;
-        self.recorded(&mut st, &fp, false, bytes, |st| {
+        self.recorded(&mut st, &fp, in_place, bytes, |st| {
             if let Some((from, to)) = local {
                 to.copy_from_slice(from);
             }

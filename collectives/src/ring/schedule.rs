@@ -142,15 +142,13 @@ impl Collective {
         }
     }
 
-    /// Whether this is one of the pairwise collectives (over each pair's own links, not a ring:
-    /// all-to-all-v, all-gather-v, gather, scatter).
+    /// Whether this collective always runs pairwise (over each pair's own links, not a ring:
+    /// all-to-all-v, gather, scatter). All-gather-v runs pairwise only up to a size
+    /// ([`Algo::gathers_v_pairwise`](crate::Algo::gathers_v_pairwise)), round the ring above it.
     pub fn is_pairwise(self) -> bool {
         matches!(
             self,
-            Collective::AllToAllV
-                | Collective::AllGatherV
-                | Collective::Gather { .. }
-                | Collective::Scatter { .. }
+            Collective::AllToAllV | Collective::Gather { .. } | Collective::Scatter { .. }
         )
     }
 
