@@ -47,8 +47,8 @@ fn a_corrupted_result_is_counted_and_a_clean_run_counts_nothing() {
         );
         assert_eq!(
             r.rows.len(),
-            7 * 4 * 2 + 4 * 4,
-            "7 ring ops × 4 sizes × (out of place, in place), 4 pairwise ops × 4 sizes"
+            8 * 4 * 2 + 3 * 4,
+            "8 ops × 4 sizes × (out of place, in place), 3 with no in-place form × 4 sizes"
         );
         for row in &r.rows {
             // Rank 1 holds a checked result unless its part is empty (or it is not the root).
@@ -171,9 +171,12 @@ fn rows_follow_the_nccl_tests_definitions_and_the_json_parses_back() {
         let (alpha_us, beta_gbs) = (row.alpha_us.unwrap(), row.beta_gbs.unwrap());
         assert!(alpha_us > 0.0 && beta_gbs > 0.0, "{row:?}");
         let m = bench::theory::Model { alpha_us, beta_gbs };
+        // Two ranks on one node: the ring, but for the collectives that always run pairwise.
+        let algo = bench::theory::runs(ringzero::Algo::default(), op, row.bytes, (2, 1));
+        assert_eq!(row.algo, algo.name(), "{row:?}");
         assert_eq!(
             row.predicted_us,
-            bench::theory::predict_us(op, Algo::Ring, 2, row.bytes, m)
+            bench::theory::predict_us(op, algo, 2, row.bytes, m)
         );
         assert_eq!(
             row.efficiency,
@@ -193,10 +196,13 @@ fn rows_follow_the_nccl_tests_definitions_and_the_json_parses_back() {
         assert!((row.algbw_gbs - bench::theory::algbw_gbs(row.bytes, row.time_us)).abs() < 1e-12);
         assert!((row.busbw_gbs - row.algbw_gbs * bench::theory::busbw_factor(op, 2)).abs() < 1e-12);
         // Two ranks: every all-reduce goes round the ring under `auto`.
-        assert_eq!(row.algo, "ring", "{row:?}");
+        let algo = bench::theory::runs(ringzero::Algo::default(), op, row.bytes, (2, 1));
+        let pairwise = op.is_pairwise();
+        assert_eq!(algo, if pairwise { Algo::Pairwise } else { Algo::Ring });
+        assert_eq!(row.algo, algo.name(), "{row:?}");
         let pred = bench::theory::predict_us(
             op,
-            Algo::Ring,
+            algo,
             2,
             row.bytes,
             bench::theory::Model {
@@ -476,6 +482,7 @@ fn lines_name_and_model_the_schedule_auto_picked() {
         algo: Some(ringzero::Algo::Auto {
             doubling_max: 1024,
             halving_max: 8192,
+            pairwise_max: ringzero::config::DEFAULT_PAIRWISE_MAX,
         }),
         ..Opts::default()
     };
@@ -528,7 +535,7 @@ fn algorithms_side_by_side_each_get_a_checked_line_and_the_fastest_is_named() {
     let reports = threads(4, &Opts::default(), |_, comm| {
         let comm = comm.unwrap();
         let mut a = args(None, DType::F32, ReduceOp::Sum);
-        a.ops = ["all-reduce", "broadcast", "all-gather"]
+        a.ops = ["all-reduce", "broadcast", "all-gather", "all-gather-v"]
             .iter()
             .flat_map(|o| bench::parse_ops(o).unwrap())
             .collect();
@@ -557,6 +564,9 @@ fn algorithms_side_by_side_each_get_a_checked_line_and_the_fastest_is_named() {
         // Halving-doubling has no broadcast: the ring's is not run twice.
         assert_eq!(algos("broadcast", bytes), ["ring", "doubling"]);
         assert_eq!(algos("all_gather", bytes), ["ring"]);
+        // All-gather-v: the ring, and the pairs (doubling's choice; halving-doubling's is the
+        // ring, not run twice).
+        assert_eq!(algos("all_gather_v", bytes), ["ring", "pairwise"]);
     }
     assert!(r.rows.iter().all(|x| x.wrong == 0), "{:?}", r.rows);
     assert_eq!(r.rows.iter().filter(|x| x.op == "all_reduce").count(), 12);
@@ -567,10 +577,15 @@ fn algorithms_side_by_side_each_get_a_checked_line_and_the_fastest_is_named() {
         .lines()
         .filter(|l| l.starts_with("# fastest: "))
         .collect();
-    assert_eq!(fastest.len(), 2, "all-reduce and broadcast: {text}");
+    assert_eq!(
+        fastest.len(),
+        3,
+        "all-reduce, broadcast and all-gather-v: {text}"
+    );
     assert!(
         text.contains("# suggests: RINGZERO_DOUBLING_MAX=")
-            && text.contains(" RINGZERO_HALVING_MAX="),
+            && text.contains(" RINGZERO_HALVING_MAX=")
+            && text.contains("# suggests: RINGZERO_PAIRWISE_MAX="),
         "{text}"
     );
 }

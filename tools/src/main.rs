@@ -300,10 +300,11 @@ struct BenchCli {
     #[arg(long, default_value = "auto")]
     device: String,
     /// Algorithms to set side by side (comma-separated: ring, doubling, halving-doubling, auto):
-    /// all-reduce, broadcast and reduce run each size by each in turn, a line per schedule, and
-    /// the report says which was fastest at each size and, for the all-reduce, where to set
-    /// RINGZERO_DOUBLING_MAX and RINGZERO_HALVING_MAX on these links. Without it every call runs
-    /// what RINGZERO_ALGO picks.
+    /// all-reduce, broadcast, reduce and all-gather-v (doubling: pairwise) run each size by each
+    /// in turn, a line per schedule, and the report says which was fastest at each size and, for
+    /// the all-reduce, where to set RINGZERO_DOUBLING_MAX and RINGZERO_HALVING_MAX on these
+    /// links (for the all-gather-v, RINGZERO_PAIRWISE_MAX). Without it every call runs what
+    /// RINGZERO_ALGO picks.
     #[arg(long, value_delimiter = ',')]
     algos: Vec<ringzero_collectives::Algo>,
     /// Write the report as JSON to this file.

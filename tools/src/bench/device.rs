@@ -369,9 +369,15 @@ pub fn sweep<D: BenchDev>(
             let (time_us, wrong) = timed(comm, a, wrong, || {
                 call(dc, op, a.redop, inplace, &mut send, &mut recv)
             })?;
-            // Device buffers always take the ring.
+            // Device buffers take the ring (or the direct step, which the row does not tell
+            // apart), but for the collectives that always run pairwise.
+            let algo = if op.is_pairwise() {
+                Algo::Pairwise
+            } else {
+                Algo::Ring
+            };
             rows.push(row(
-                (op, Algo::Ring),
+                (op, algo),
                 a,
                 n,
                 bytes,

@@ -339,7 +339,7 @@ pub fn table(op: &str, rows: &[Row]) -> String {
 }
 
 /// The fastest algorithm at each size (out of place, where there is such a row), and for the
-/// all-reduce the `auto` thresholds they suggest.
+/// all-reduce and the all-gather-v the `auto` thresholds they suggest.
 fn fastest(op: &str, rows: &[Row], algos: &[&str]) -> String {
     let mut sizes: Vec<usize> = rows.iter().map(|r| r.bytes).collect();
     sizes.sort_unstable();
@@ -366,7 +366,23 @@ fn fastest(op: &str, rows: &[Row], algos: &[&str]) -> String {
         s += " (the smallest sizes' run of doubling wins, then of halving-doubling wins; \
               measured here, on these ranks)\n";
     }
+    if op == "all_gather_v" && algos.contains(&"pairwise") && algos.contains(&"ring") {
+        let pmax = leading_run(&winners, "pairwise");
+        s += &format!(
+            "# suggests: RINGZERO_PAIRWISE_MAX={pmax} (the smallest sizes' run of pairwise wins; \
+             measured here, on these ranks)\n"
+        );
+    }
     s
+}
+
+/// The last size of the leading run of `algo`'s wins (0 when the first size went to another).
+fn leading_run(winners: &[(usize, &str)], algo: &str) -> usize {
+    winners
+        .iter()
+        .take_while(|(_, a)| *a == algo)
+        .last()
+        .map_or(0, |(b, _)| *b)
 }
 
 /// `auto`'s thresholds from the fastest algorithm per size (ascending): doubling up to the last
@@ -412,5 +428,11 @@ mod tests {
         // Halving-doubling wins from the start.
         assert_eq!(w(&[(4, h), (8, h), (16, d)]), (0, 8));
         assert_eq!(w(&[]), (0, 0));
+        let p = "pairwise";
+        assert_eq!(
+            super::leading_run(&[(4, p), (8, p), (16, r), (32, p)], p),
+            8
+        );
+        assert_eq!(super::leading_run(&[(4, r), (8, p)], p), 0);
     }
 }

@@ -116,7 +116,8 @@ fn sweep_typed<T: Element>(
     let n = comm.size();
     let mut rows = Vec::new();
     let own = [comm.config().algo];
-    let choices = if a.algos.is_empty() || !doubling::has_schedule(op) {
+    let compares = doubling::has_schedule(op) || op == Collective::AllGatherV;
+    let choices = if a.algos.is_empty() || !compares {
         &own[..]
     } else {
         &a.algos[..]
@@ -128,7 +129,7 @@ fn sweep_typed<T: Element>(
         // once for each schedule they come to.
         let mut ran = Vec::new();
         for &choice in choices {
-            let algo = choice.schedule(op, bytes, n).map_or(Algo::Ring, Algo::By);
+            let algo = theory::runs(choice, op, bytes, (n, comm.nodes()));
             if ran.contains(&algo) {
                 continue;
             }
@@ -401,7 +402,11 @@ fn run<T: Element>(
         }
         (Collective::AllGatherV, false) => {
             let counts = balanced(comm.size(), recv.len());
-            comm.all_gather_v(send, recv, &counts)
+            comm.all_gather_v_with(send, recv, &counts, algo)
+        }
+        (Collective::AllGatherV, true) => {
+            let counts = balanced(comm.size(), recv.len());
+            comm.all_gather_v_in_place_with(recv, &counts, algo)
         }
         (Collective::ReduceScatterV, false) => {
             let counts = balanced(comm.size(), send.len());
@@ -416,7 +421,6 @@ fn run<T: Element>(
         (
             Collective::SendRecv
             | Collective::AllToAllV
-            | Collective::AllGatherV
             | Collective::Gather { .. }
             | Collective::Scatter { .. },
             true,

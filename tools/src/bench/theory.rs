@@ -18,14 +18,17 @@
 use ringzero_collectives::ring::doubling;
 use ringzero_collectives::{Collective, Schedule};
 
-/// How a collective moves: round the ring (every collective), or by a doubling schedule (an
-/// all-reduce, broadcast or reduce that `ringzero::Algo` picks it for).
+/// How a collective moves: round the ring, by a doubling schedule (an all-reduce, broadcast or
+/// reduce that `ringzero::Algo` picks it for), or pairwise (every message straight to its
+/// rank in one step: all-to-all-v, gather, scatter, and a small all-gather-v).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Algo {
-    /// The ring's schedule (or the pairwise exchange of the collectives that have no ring).
+    /// The ring's schedule.
     Ring,
     /// A doubling schedule ([`doubling`]).
     By(Schedule),
+    /// The pairwise exchange, one step.
+    Pairwise,
 }
 
 impl Algo {
@@ -35,7 +38,23 @@ impl Algo {
             Algo::Ring => "ring",
             Algo::By(Schedule::Doubling) => "doubling",
             Algo::By(Schedule::HalvingDoubling) => "halving-doubling",
+            Algo::Pairwise => "pairwise",
         }
+    }
+}
+
+/// How `op` of `bytes` on `n` ranks over `nodes` nodes runs on host buffers when the
+/// communicator's algorithm choice is `choice`.
+pub fn runs(
+    choice: ringzero_collectives::Algo,
+    op: Collective,
+    bytes: usize,
+    (n, nodes): (usize, usize),
+) -> Algo {
+    match op {
+        Collective::AllGatherV if choice.gathers_v_pairwise(bytes, n, nodes) => Algo::Pairwise,
+        op if op.is_pairwise() => Algo::Pairwise,
+        _ => choice.schedule(op, bytes, n).map_or(Algo::Ring, Algo::By),
     }
 }
 
@@ -56,6 +75,7 @@ pub fn busbw_factor(op: Collective, n: usize) -> f64 {
         Collective::ReduceScatter
         | Collective::ReduceScatterV
         | Collective::AllGather
+        | Collective::AllGatherV
         | Collective::AllToAll => (n - 1.0) / n,
         op if op.is_pairwise() => (n - 1.0) / n,
         _ => 1.0,
@@ -173,15 +193,13 @@ pub fn busbw_gbs(op: Collective, n: usize, bytes: usize, time_us: f64) -> f64 {
 /// Ring steps of a collective on `n` ranks (rounds, for recursive doubling).
 pub fn steps(op: Collective, algo: Algo, n: usize) -> usize {
     let hops = n.saturating_sub(1);
-    if let Algo::By(s) = algo {
-        return doubling::depth(s, op, n);
-    }
-    match op {
-        Collective::AllReduce => 2 * hops,
-        // One message each way between two ranks; the pairwise collectives send all theirs at
-        // once.
-        Collective::SendRecv => 1,
-        op if op.is_pairwise() => 1,
+    match (algo, op) {
+        (Algo::By(s), _) => doubling::depth(s, op, n),
+        // The pairwise collectives send all their messages at once.
+        (Algo::Pairwise, _) => 1,
+        (_, Collective::AllReduce) => 2 * hops,
+        // One message each way between two ranks.
+        (_, Collective::SendRecv) => 1,
         _ => hops,
     }
 }
@@ -195,16 +213,19 @@ pub fn bytes_per_link(op: Collective, algo: Algo, n: usize, bytes: usize) -> f64
         return doubling::volume(sched, op, n) * bytes as f64;
     }
     let (s, n) = (bytes as f64, n as f64);
+    if algo == Algo::Pairwise {
+        // Each rank moves its messages through itself (the root, for gather and scatter),
+        // driven by one engine thread: they count as one link.
+        return (n - 1.0) / n * s;
+    }
     match op {
         Collective::AllReduce => 2.0 * (n - 1.0) / n * s,
-        // All-to-all: n − 1 exchanges of one block (s/n), each over its own link. The pairwise
-        // collectives move as much through each rank (the root, for gather and scatter), which
-        // one engine thread drives: they count as one link.
+        // All-to-all: n − 1 exchanges of one block (s/n), each over its own link.
         Collective::ReduceScatter
         | Collective::ReduceScatterV
         | Collective::AllGather
+        | Collective::AllGatherV
         | Collective::AllToAll => (n - 1.0) / n * s,
-        op if op.is_pairwise() => (n - 1.0) / n * s,
         Collective::RingShift => s,
         _ => s,
     }
