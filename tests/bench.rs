@@ -589,3 +589,44 @@ fn algorithms_side_by_side_each_get_a_checked_line_and_the_fastest_is_named() {
         "{text}"
     );
 }
+
+/// Across nodes the all-to-all's model counts the busiest node's link, not one ring link: two
+/// fake nodes of two thread ranks (tcp between them), so each node's link carries 2·2/4 = 1 of
+/// the buffer, where a ring link carries 3/4. The all-gather, a ring, keeps its ring link.
+#[test]
+fn across_nodes_the_all_to_all_model_counts_the_busiest_nodes_link() {
+    let o = Opts {
+        transport: TransportPref::Auto,
+        nodes: 2,
+        ..Opts::default()
+    };
+    let reports = threads(4, &o, |_, comm| {
+        let comm = comm.unwrap();
+        assert_eq!(comm.ranks_per_node(), [2, 2]);
+        let mut a = args(None, DType::F32, ReduceOp::Sum);
+        a.ops = ["all-to-all", "all-gather"]
+            .iter()
+            .flat_map(|o| bench::parse_ops(o).unwrap())
+            .collect();
+        a.sweep.sizes = vec![1 << 16];
+        a.sweep.model_per_row = false;
+        bench::run(&comm, &a, &mut |_, _| {}).unwrap()
+    });
+    let r = &reports[0];
+    let m = bench::theory::Model {
+        alpha_us: r.header.alpha_us,
+        beta_gbs: r.header.beta_gbs,
+    };
+    for row in &r.rows {
+        assert_eq!(row.wrong, 0, "{row:?}");
+        let op = bench::parse_ops(&row.op.replace('_', "-")).unwrap()[0];
+        let link = if op == ringzero::Collective::AllToAll {
+            row.bytes as f64
+        } else {
+            0.75 * row.bytes as f64
+        };
+        let want = 3.0 * m.alpha_us + link / (m.beta_gbs * 1e3);
+        let got = row.predicted_us.unwrap();
+        assert!((got - want).abs() < 1e-6 * want, "{row:?}: want {want}");
+    }
+}

@@ -205,6 +205,22 @@ impl Communicator {
         self.inner.nodes()
     }
 
+    /// How many ranks run on each node, nodes in the order of their lowest rank (`[size()]`
+    /// on one node).
+    pub fn ranks_per_node(&self) -> Vec<usize> {
+        let Some(peers) = self.inner.peers.get() else {
+            return vec![self.size()];
+        };
+        let mut seen: Vec<(&str, usize)> = Vec::new();
+        for p in peers {
+            match seen.iter_mut().find(|(node, _)| *node == p.node) {
+                Some((_, k)) => *k += 1,
+                None => seen.push((&p.node, 1)),
+            }
+        }
+        seen.into_iter().map(|(_, k)| k).collect()
+    }
+
     /// This rank's two ring edges (receive edge first, then send edge) with the transport each
     /// uses and why. Empty for a one-rank world.
     pub fn edges(&self) -> &[Edge] {
@@ -1066,7 +1082,7 @@ impl Inner {
     /// for this size ([`Inner::execute_by`]).
     /// [`Communicator::nodes`]: 1 before the ranks have told each other where they run (or on
     /// one rank).
-    fn nodes(&self) -> usize {
+    pub(crate) fn nodes(&self) -> usize {
         self.peers.get().map_or(1, |peers| {
             let nodes: std::collections::BTreeSet<&str> =
                 peers.iter().map(|p| p.node.as_str()).collect();

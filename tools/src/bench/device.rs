@@ -379,7 +379,7 @@ pub fn sweep<D: BenchDev>(
             rows.push(row(
                 (op, algo),
                 a,
-                n,
+                &[n],
                 bytes,
                 count,
                 transport,

@@ -178,7 +178,7 @@ fn size_row<T: Element>(
     Ok(row(
         (op, algo),
         a,
-        n,
+        &comm.ranks_per_node(),
         bytes,
         count,
         transport,
@@ -297,7 +297,7 @@ pub fn timed_with_model(
 pub fn row(
     (op, algo): (Collective, Algo),
     a: &SweepArgs,
-    n: usize,
+    per_node: &[usize],
     bytes: usize,
     count: usize,
     transport: &str,
@@ -306,7 +306,8 @@ pub fn row(
     inplace: bool,
     model: Option<Model>,
 ) -> Row {
-    let predicted_us = model.and_then(|m| theory::predict_us(op, algo, n, bytes, m));
+    let n: usize = per_node.iter().sum();
+    let predicted_us = model.and_then(|m| theory::predict_us_on(op, algo, per_node, bytes, m));
     let model = model.filter(|_| predicted_us.is_some());
     Row {
         op: op.name().to_string(),

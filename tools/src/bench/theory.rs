@@ -231,14 +231,45 @@ pub fn bytes_per_link(op: Collective, algo: Algo, n: usize, bytes: usize) -> f64
     }
 }
 
-/// Predicted time in µs (None for a one-rank world, where there is nothing to predict).
+/// Predicted time in µs (None for a one-rank world, where there is nothing to predict), the
+/// ranks on one node.
 pub fn predict_us(op: Collective, algo: Algo, n: usize, bytes: usize, m: Model) -> Option<f64> {
+    predict_us_on(op, algo, &[n], bytes, m)
+}
+
+/// [`predict_us`] for ranks spread over nodes (`per_node`: how many on each): a collective
+/// whose every pair of ranks exchanges directly must also get its share through the busiest
+/// node's link ([`node_link_bytes`]), which can be more than one ring link carries.
+pub fn predict_us_on(
+    op: Collective,
+    algo: Algo,
+    per_node: &[usize],
+    bytes: usize,
+    m: Model,
+) -> Option<f64> {
+    let n: usize = per_node.iter().sum();
     if n < 2 || m.beta_gbs <= 0.0 {
         return None;
     }
     // β GB/s = β·10³ bytes per µs.
-    let link = bytes_per_link(op, algo, n, bytes);
+    let link = bytes_per_link(op, algo, n, bytes).max(node_link_bytes(op, algo, per_node, bytes));
     Some(steps(op, algo, n) as f64 * m.alpha_us + link / (m.beta_gbs * 1e3))
+}
+
+/// Bytes the busiest node's link carries each way when every pair of ranks exchanges directly
+/// (all-to-all, all-to-all-v, and all-gather-v by pairs): a node of `m` of the `n` ranks sends
+/// each of its ranks' blocks (S/n each) to the `n − m` ranks elsewhere, `m(n − m)/n · S`, where
+/// a ring crosses each node boundary once. 0 on one node, and for collectives that go round the
+/// ring (whose links [`bytes_per_link`] already counts) or meet at one root.
+pub fn node_link_bytes(op: Collective, algo: Algo, per_node: &[usize], bytes: usize) -> f64 {
+    let n: usize = per_node.iter().sum();
+    let direct = matches!(op, Collective::AllToAll | Collective::AllToAllV)
+        || (op == Collective::AllGatherV && algo == Algo::Pairwise);
+    if per_node.len() < 2 || !direct || n == 0 {
+        return 0.0;
+    }
+    let worst = per_node.iter().map(|&m| m * (n - m)).max().unwrap_or(0);
+    worst as f64 / n as f64 * bytes as f64
 }
 
 /// Predicted over measured time.
@@ -259,6 +290,32 @@ mod tests {
         assert!((algbw_gbs(8 << 20, 1000.0) - 8.388608).abs() < 1e-9);
         // all-reduce on 4 ranks: factor 1.5; reduce-scatter: 0.75; broadcast: 1.
         assert!((busbw_gbs(Collective::AllReduce, 4, 8 << 20, 1000.0) - 12.582912).abs() < 1e-9);
+        // Across nodes: two nodes of 4, an 8 MB all-to-all: each node's link carries 4·4/8 = 2
+        // times it (16 MB), not a ring link's 7/8; one node of 8 sends nothing out.
+        let (a2a, ag) = (Collective::AllToAll, Collective::AllGather);
+        assert_eq!(node_link_bytes(a2a, Algo::Ring, &[4, 4], 8_000_000), 16e6);
+        assert_eq!(node_link_bytes(a2a, Algo::Ring, &[8], 8_000_000), 0.0);
+        assert_eq!(node_link_bytes(a2a, Algo::Ring, &[6, 2], 8_000_000), 12e6);
+        let agv = Collective::AllGatherV;
+        assert_eq!(
+            node_link_bytes(agv, Algo::Pairwise, &[2, 2], 4_000_000),
+            4e6
+        );
+        assert_eq!(node_link_bytes(agv, Algo::Ring, &[2, 2], 4_000_000), 0.0);
+        assert_eq!(node_link_bytes(ag, Algo::Ring, &[4, 4], 8_000_000), 0.0);
+        let m = Model {
+            alpha_us: 10.0,
+            beta_gbs: 1.0,
+        };
+        // 7 steps · 10 µs + 16 MB at 1 GB/s (16 000 µs), where one node would give 7 000 µs.
+        assert_eq!(
+            predict_us_on(a2a, Algo::Ring, &[4, 4], 8_000_000, m),
+            Some(16_070.0)
+        );
+        assert_eq!(
+            predict_us_on(a2a, Algo::Ring, &[8], 8_000_000, m),
+            predict_us(a2a, Algo::Ring, 8, 8_000_000, m)
+        );
         assert!((busbw_gbs(Collective::ReduceScatter, 4, 8 << 20, 1000.0) - 6.291456).abs() < 1e-9);
         assert_eq!(busbw_factor(Collective::Broadcast { root: 0 }, 8), 1.0);
         assert_eq!(busbw_factor(Collective::AllReduce, 2), 1.0);
