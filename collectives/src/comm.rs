@@ -798,6 +798,11 @@ impl Communicator {
 pub(crate) struct HostPeers(Arc<Inner>);
 
 impl HostPeers {
+    /// [`Communicator::nodes`].
+    pub(crate) fn nodes(&self) -> usize {
+        self.0.nodes()
+    }
+
     /// Run `msgs` as one batch over the host's point-to-point links (the pairs not connected yet
     /// connect at once: [`Communicator::send_recv_batch`]).
     pub(crate) fn exchange_all(&self, msgs: &mut [P2p<'_, u8>]) -> Result<()> {

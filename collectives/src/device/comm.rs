@@ -1061,6 +1061,12 @@ impl<S: Stream> Core<S> {
         bufs: DevBufs,
     ) -> Result<()> {
         super::device_form(coll, count.total, self.size)?;
+        if let (Collective::AllToAll, DevBufs::Split { .. }) = (coll, &bufs) {
+            if self.host.as_ref().is_some_and(|h| h.nodes() > 1) && self.size > 2 {
+                // SAFETY: forwarded from the caller.
+                return unsafe { self.all_to_all_by_pairs(dtype, count.total, bufs) };
+            }
+        }
         // SAFETY: forwarded from the caller.
         unsafe { self.execute_any(coll, dtype, op, count, bufs) }
     }
@@ -1078,10 +1084,37 @@ impl<S: Stream> Core<S> {
         count: Count,
         bufs: DevBufs,
     ) -> Result<()> {
-        let mut st = self.lock();
-        let st = &mut *st;
         let fp = Fingerprint::new(coll, Some(dtype), Some(op), count.total);
         let fp = count.parts.map_or(fp, |c| fp.with_counts(c));
+        // SAFETY: forwarded from the caller.
+        unsafe { self.execute_as(fp, coll, dtype, op, count, bufs) }
+    }
+
+    /// The announcement of a collective over the pairs, fingerprinted `fp`: one empty frame to
+    /// the next rank and one from the previous (all-to-all-v's plan for no elements), which
+    /// takes the call's sequence number and flight entry.
+    pub(super) fn announce(&self, fp: Fingerprint, dtype: DType) -> Result<()> {
+        let none = DevBufs::One { buf: 0, bytes: 0 };
+        let c = Collective::AllToAllV;
+        // SAFETY: no buffer: an empty frame each way.
+        unsafe { self.execute_as(fp, c, dtype, ReduceOp::Sum, 0.into(), none) }
+    }
+
+    /// [`Core::execute_any`] with the frames and the flight entry fingerprinted `fp`.
+    ///
+    /// # Safety
+    /// As for [`DeviceComm::run_raw`].
+    unsafe fn execute_as(
+        &self,
+        fp: Fingerprint,
+        coll: Collective,
+        dtype: DType,
+        op: ReduceOp,
+        count: Count,
+        bufs: DevBufs,
+    ) -> Result<()> {
+        let mut st = self.lock();
+        let st = &mut *st;
         let seq = st.seq;
         crate::ring::engine::refuse(st.failed.as_ref(), &self.abort, &fp, seq)?;
         let slot_bytes = self.slot_bytes();

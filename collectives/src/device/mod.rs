@@ -481,6 +481,10 @@ impl<S: Stream> DeviceComm<S> {
     /// the ring's edges (cuda_ipc slots, host staging, tcp) each block travels its distance hop
     /// by hop, as NCCL's rings cannot and its peer-to-peer sends do: every link carries (n−1)/2
     /// of the buffer, n/2 times what direct pairs would move, and all links are busy at once.
+    /// Ranks on several nodes exchange over device links of each pair's own instead (as
+    /// [`DeviceComm::all_to_all_v`] does, connected by the first such call), where the ring
+    /// would carry every block that crosses between nodes, and every one that wraps round
+    /// within a node, through the one ring edge out of each node.
     pub fn all_to_all<B: DeviceMemory<S> + ?Sized>(
         &mut self,
         send: &B,

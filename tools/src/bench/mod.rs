@@ -300,6 +300,7 @@ pub fn run_device<D: device::BenchDev>(
     let total = ops.len() * a.sweep.sizes.len();
     let mut done = 0;
     let mut rows = Vec::new();
+    let per_node = comm.ranks_per_node();
     for &op in &ops {
         let mut tick = || {
             done += 1;
@@ -351,7 +352,7 @@ pub fn run_device<D: device::BenchDev>(
                 l => l,
             };
             let Some(gbs) =
-                row_limit.and_then(|l| theory::device_bound_gbs(op, r.ranks, r.inplace, l))
+                row_limit.and_then(|l| theory::device_bound_on(op, &per_node, r.inplace, l))
             else {
                 continue;
             };

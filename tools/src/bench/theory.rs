@@ -177,6 +177,28 @@ pub fn device_bound_gbs(
     }
 }
 
+/// [`device_bound_gbs`] for ranks spread over nodes (`per_node`: how many on each). Across
+/// nodes an out-of-place device all-to-all runs over the pairs, so under `Links(β)` the
+/// busiest node's link bounds it: `m(n − m)/n · S` through a link of β for a node of `m`
+/// ranks, so busbw = (n − 1)/n · S/t ≤ (n − 1)·β / (m(n − m)). Everything else as on one node.
+pub fn device_bound_on(
+    op: Collective,
+    per_node: &[usize],
+    inplace: bool,
+    limit: DeviceLimit,
+) -> Option<f64> {
+    let n: usize = per_node.iter().sum();
+    let worst = per_node.iter().map(|&m| m * (n - m)).max().unwrap_or(0);
+    match limit {
+        DeviceLimit::Links(beta)
+            if op == Collective::AllToAll && !inplace && per_node.len() > 1 && n > 2 =>
+        {
+            Some((n - 1) as f64 * beta / worst as f64)
+        }
+        _ => device_bound_gbs(op, n, inplace, limit),
+    }
+}
+
 /// Algorithm bandwidth in GB/s.
 pub fn algbw_gbs(bytes: usize, time_us: f64) -> f64 {
     if time_us <= 0.0 {
@@ -325,6 +347,15 @@ mod tests {
     #[test]
     fn device_bounds_match_hand_computed_values() {
         let close = |a: Option<f64>, b: f64| a.is_some_and(|a| (a - b).abs() < 1e-9);
+        let (a2a, ag) = (Collective::AllToAll, Collective::AllGather);
+        // The device all-to-all across two nodes of 4 goes over the pairs: 7β/16, where the
+        // ring's one-way store-and-forward allows 2β/8; in place (the ring) and one node keep
+        // the ring's bound.
+        let links = DeviceLimit::Links(1.6);
+        assert!(close(device_bound_on(a2a, &[4, 4], false, links), 0.7));
+        assert!(close(device_bound_on(a2a, &[4, 4], true, links), 0.4));
+        assert!(close(device_bound_on(a2a, &[8], false, links), 0.4));
+        assert_eq!(device_bound_on(ag, &[4, 4], false, links), Some(1.6));
         let (bc, rd) = (
             Collective::Broadcast { root: 0 },
             Collective::Reduce { root: 1 },
