@@ -447,6 +447,26 @@ fn across_nodes_a_device_all_to_all_goes_over_the_pairs() {
                     == 2,
                 "{calls:?}"
             );
+            if nodes == 1 {
+                return;
+            }
+            // Rank 0 calls the all-to-all, the others an all-to-all-v of the same blocks: the
+            // announcements name both calls, and every rank fails.
+            let counts = [block; 4];
+            let e = if r == 0 {
+                dc.all_to_all(&send[..], &mut recv[..]).unwrap_err()
+            } else {
+                dc.all_to_all_v(&send[..], &counts, &mut recv[..], &counts)
+                    .unwrap_err()
+            };
+            let t = e.to_string();
+            assert!(!matches!(e, Error::InvalidArgument { .. }), "{t}");
+            if r == 1 {
+                assert!(
+                    t.contains("all_to_all(") && t.contains("all_to_all_v("),
+                    "{t}"
+                );
+            }
         });
     }
 }
