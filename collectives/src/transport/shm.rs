@@ -363,6 +363,23 @@ impl ShmRecv {
     }
 }
 
+/// Why a sender could not open rank `peer`'s segment (the peer created it before telling the
+/// sender its path). A missing file has two causes that look alike from here: the peer has
+/// already dropped its communicator (it failed, or left), removing the file; or the two ranks
+/// see different `/dev/shm`s though they share a node id.
+fn attach_failure(e: &std::io::Error, peer: usize) -> String {
+    let shared = "ranks that share a node id must share /dev/shm (different containers?); set \
+                  RINGZERO_SHM_DISABLE=1 or distinct RINGZERO_NODE_ID values";
+    if e.kind() == std::io::ErrorKind::NotFound {
+        format!(
+            "{e} — rank {peer} made it and has removed it: it has dropped its communicator \
+             (look for its own error first), or {shared}"
+        )
+    } else {
+        format!("{e} — {shared}")
+    }
+}
+
 impl ShmSend {
     /// Map the segment rank `peer` created at `path`, check it, and unlink it.
     pub fn attach(path: &Path, slots: usize, slot_bytes: usize, peer: usize) -> Result<ShmSend> {
@@ -397,10 +414,7 @@ impl ShmSend {
             .open(path)
             .map_err(|e| Error::Io {
                 context: format!("opening rank {peer}'s shm segment {}", path.display()),
-                detail: format!(
-                "{e} — ranks that share a node id must share /dev/shm (different containers?); \
-                 set RINGZERO_SHM_DISABLE=1 or distinct RINGZERO_NODE_ID values"
-            ),
+                detail: attach_failure(&e, peer),
             })?;
         let len = file
             .metadata()
@@ -762,6 +776,21 @@ mod tests {
     use super::*;
     use crate::ring::Collective;
     use crate::wire::Fingerprint;
+
+    #[test]
+    fn a_missing_segment_names_both_causes_and_the_peer() {
+        let path = std::env::temp_dir().join(format!("ringzero-absent-{}", std::process::id()));
+        let e = ShmSend::attach(&path, 2, 64, 3)
+            .err()
+            .expect("no such file")
+            .to_string();
+        assert!(
+            e.contains("opening rank 3's shm segment")
+                && e.contains("rank 3 made it and has removed it")
+                && e.contains("must share /dev/shm"),
+            "{e}"
+        );
+    }
 
     fn fp() -> Fingerprint {
         Fingerprint::new(
