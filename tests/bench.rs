@@ -495,10 +495,7 @@ fn lines_name_and_model_the_schedule_auto_picked() {
         bench::run(&comm, &a, &mut |_, _| {}).unwrap()
     });
     let r = &reports[0];
-    let m = bench::theory::Model {
-        alpha_us: r.header.alpha_us,
-        beta_gbs: r.header.beta_gbs,
-    };
+    let m = start_model(r);
     let by = |s| Algo::By(s);
     for (bytes, algo) in [
         (1024, by(ringzero::Schedule::Doubling)),
@@ -613,10 +610,7 @@ fn across_nodes_the_all_to_all_model_counts_the_busiest_nodes_link() {
         bench::run(&comm, &a, &mut |_, _| {}).unwrap()
     });
     let r = &reports[0];
-    let m = bench::theory::Model {
-        alpha_us: r.header.alpha_us,
-        beta_gbs: r.header.beta_gbs,
-    };
+    let m = start_model(r);
     for row in &r.rows {
         assert_eq!(row.wrong, 0, "{row:?}");
         let op = bench::parse_ops(&row.op.replace('_', "-")).unwrap()[0];
@@ -628,5 +622,13 @@ fn across_nodes_the_all_to_all_model_counts_the_busiest_nodes_link() {
         let want = 3.0 * m.alpha_us + link / (m.beta_gbs * 1e3);
         let got = row.predicted_us.unwrap();
         assert!((got - want).abs() < 1e-6 * want, "{row:?}: want {want}");
+    }
+}
+
+/// The model measured once at the start of a run (the header's), as `--model start` uses it.
+fn start_model(r: &Report) -> bench::theory::Model {
+    bench::theory::Model {
+        alpha_us: r.header.alpha_us,
+        beta_gbs: r.header.beta_gbs,
     }
 }

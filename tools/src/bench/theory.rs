@@ -188,12 +188,11 @@ pub fn device_bound_on(
     limit: DeviceLimit,
 ) -> Option<f64> {
     let n: usize = per_node.iter().sum();
-    let worst = per_node.iter().map(|&m| m * (n - m)).max().unwrap_or(0);
     match limit {
         DeviceLimit::Links(beta)
             if op == Collective::AllToAll && !inplace && per_node.len() > 1 && n > 2 =>
         {
-            Some((n - 1) as f64 * beta / worst as f64)
+            Some(busbw_factor(op, n) * beta / busiest_node_share(per_node))
         }
         _ => device_bound_gbs(op, n, inplace, limit),
     }
@@ -284,14 +283,24 @@ pub fn predict_us_on(
 /// a ring crosses each node boundary once. 0 on one node, and for collectives that go round the
 /// ring (whose links [`bytes_per_link`] already counts) or meet at one root.
 pub fn node_link_bytes(op: Collective, algo: Algo, per_node: &[usize], bytes: usize) -> f64 {
-    let n: usize = per_node.iter().sum();
     let direct = matches!(op, Collective::AllToAll | Collective::AllToAllV)
         || (op == Collective::AllGatherV && algo == Algo::Pairwise);
-    if per_node.len() < 2 || !direct || n == 0 {
+    if per_node.len() < 2 || !direct {
         return 0.0;
     }
+    busiest_node_share(per_node) * bytes as f64
+}
+
+/// The share of a buffer that leaves the busiest node when every pair of ranks trades a block
+/// of `1/n` of it: `m(n − m)/n` for a node of `m` of the `n` ranks (0 for an empty world).
+fn busiest_node_share(per_node: &[usize]) -> f64 {
+    let n: usize = per_node.iter().sum();
     let worst = per_node.iter().map(|&m| m * (n - m)).max().unwrap_or(0);
-    worst as f64 / n as f64 * bytes as f64
+    if n == 0 {
+        0.0
+    } else {
+        worst as f64 / n as f64
+    }
 }
 
 /// Predicted over measured time.
