@@ -403,10 +403,10 @@ fn device_gather_and_scatter_refuse_bad_input_and_move_blocks() {
     });
 }
 
-/// On ranks that span nodes, an out-of-place device all-to-all runs over the pairs (one
-/// exchange per pair, as all-to-all-v does), where one node keeps the ring: the pairs are
-/// connected afterwards only across nodes. Exact either way, in place (the ring, from the kept
-/// copy) too, and the flight record names the call `all_to_all`.
+/// On ranks that span nodes, a device all-to-all runs over the pairs (one exchange per pair,
+/// as all-to-all-v does; in place from the kept copy), where one node keeps the ring: the pairs
+/// are connected after the first call only across nodes. Exact either way, in place and out of
+/// place, and the flight record names the call `all_to_all`.
 #[test]
 fn across_nodes_a_device_all_to_all_goes_over_the_pairs() {
     let n = 4;
@@ -421,18 +421,18 @@ fn across_nodes_a_device_all_to_all_goes_over_the_pairs() {
             let block = 3001;
             let send: Vec<f32> = (0..n).flat_map(|q| msg(r, q, block)).collect();
             let want: Vec<f32> = (0..n).flat_map(|q| msg(q, r, block)).collect();
-            let mut recv = vec![-1f32; n * block];
-            dc.all_to_all(&send[..], &mut recv[..]).unwrap();
-            assert_eq!(recv, want, "{nodes} nodes, rank {r}");
+            let mut buf = send.clone();
+            dc.all_to_all_in_place(&mut buf[..]).unwrap();
+            assert_eq!(buf, want, "{nodes} nodes, rank {r}, in place");
             let paired = (0..n).filter(|&q| q != r && dc.pair_edges(q).is_some());
             assert_eq!(
                 paired.count(),
                 if nodes > 1 { n - 1 } else { 0 },
                 "rank {r}"
             );
-            let mut buf = send.clone();
-            dc.all_to_all_in_place(&mut buf[..]).unwrap();
-            assert_eq!(buf, want, "{nodes} nodes, rank {r}, in place");
+            let mut recv = vec![-1f32; n * block];
+            dc.all_to_all(&send[..], &mut recv[..]).unwrap();
+            assert_eq!(recv, want, "{nodes} nodes, rank {r}");
             let calls: Vec<String> = dc
                 .flight_record()
                 .entries

@@ -1061,11 +1061,12 @@ impl<S: Stream> Core<S> {
         bufs: DevBufs,
     ) -> Result<()> {
         super::device_form(coll, count.total, self.size)?;
-        if let (Collective::AllToAll, DevBufs::Split { .. }) = (coll, &bufs) {
-            if self.host.as_ref().is_some_and(|h| h.nodes() > 1) && self.size > 2 {
-                // SAFETY: forwarded from the caller.
-                return unsafe { self.all_to_all_by_pairs(dtype, count.total, bufs) };
-            }
+        if coll == Collective::AllToAll
+            && self.size > 2
+            && self.host.as_ref().is_some_and(|h| h.nodes() > 1)
+        {
+            // SAFETY: forwarded from the caller.
+            return unsafe { self.all_to_all_by_pairs(dtype, count.total, bufs) };
         }
         // SAFETY: forwarded from the caller.
         unsafe { self.execute_any(coll, dtype, op, count, bufs) }
@@ -1208,7 +1209,7 @@ impl<S: Stream> Core<S> {
     ///
     /// # Safety
     /// `buf` holds `bytes` of memory of this communicator's device.
-    unsafe fn copy_to_send(&self, buf: Addr, bytes: usize) -> Result<Addr> {
+    pub(super) unsafe fn copy_to_send(&self, buf: Addr, bytes: usize) -> Result<Addr> {
         let mut kept = self.send_copy.lock().unwrap_or_else(|p| p.into_inner());
         if kept.as_ref().is_none_or(|k| k.1 < bytes) {
             // The old copy goes first: no queued work uses it (see above).

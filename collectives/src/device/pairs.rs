@@ -454,8 +454,9 @@ impl<S: Stream> Core<S> {
         unsafe { self.exchange_blocks(Collective::AllToAllV, dtype, send, recv) }
     }
 
-    /// An out-of-place all-to-all (`count` elements of `dtype` in `bufs`, a multiple of the
-    /// world size: checked by the caller) as an all-to-all-v of equal blocks over the pairs:
+    /// An all-to-all (`count` elements of `dtype` in `bufs`, a multiple of the world size:
+    /// checked by the caller; in place it sends from the kept copy, as the ring does) as an
+    /// all-to-all-v of equal blocks over the pairs:
     /// what ranks on several nodes run, where the ring's store-and-forward would carry every
     /// block that crosses between nodes, and every block that wraps round within one, over the
     /// one ring edge out of each node (on two emulated nodes of 4 ranks, 1.7× the pairs' time).
@@ -470,16 +471,25 @@ impl<S: Stream> Core<S> {
     ) -> Result<()> {
         let c = Collective::AllToAll;
         let (n, es) = (self.size, dtype.size());
-        let DevBufs::Split {
-            input,
-            input_bytes,
-            output,
-            output_bytes,
-        } = bufs
-        else {
-            unreachable!("the caller passes split buffers");
-        };
         let need = count.saturating_mul(es);
+        let (input, input_bytes, output, output_bytes) = match bufs {
+            DevBufs::Split {
+                input,
+                input_bytes,
+                output,
+                output_bytes,
+            } => (input, input_bytes, output, output_bytes),
+            DevBufs::One { buf, bytes } if bytes >= need => {
+                // Under the state lock, as every call that uses the kept copy; a failure fails
+                // the communicator (the peers would otherwise wait for this rank's call).
+                let mut st = self.lock();
+                // SAFETY: `buf` holds at least `need` bytes (checked) by the caller's contract.
+                let copy = unsafe { self.copy_to_send(buf, need) };
+                let input = copy.inspect_err(|e| self.fail(&mut st, e))?;
+                (input, need, buf, bytes)
+            }
+            DevBufs::One { bytes, .. } => (0, bytes, 0, bytes),
+        };
         if input_bytes < need || output_bytes < need {
             return Err(Error::InvalidArgument {
                 op: Fingerprint::new(c, Some(dtype), None, count).to_string(),
