@@ -1,5 +1,6 @@
 //! Collectives over the point-to-point links: all-to-all with a count per pair of ranks,
-//! all-gather of parts of different sizes (small ones: larger ones go round the ring, see
+//! all-gather of parts of different sizes (on one node, and small ones across nodes: larger
+//! ones go round the ring there, see
 //! [`Algo::gathers_v_pairwise`](crate::Algo::gathers_v_pairwise)), gather and scatter.
 //!
 //! A ring has no schedule for these (their messages differ per pair of ranks, or all meet at
@@ -68,15 +69,17 @@ impl Communicator {
     /// rank's part in rank order, on every rank. Parts may be empty.
     ///
     /// Two algorithms, chosen alike on every rank from the result's size (`counts` are the same
-    /// everywhere) by [`Algo::gathers_v_pairwise`](crate::Algo::gathers_v_pairwise)
-    /// (`RINGZERO_PAIRWISE_MAX`, 512 KiB by default, on three ranks or more):
-    /// - *pairwise*, small results: every rank sends its part to every other rank at once over
-    ///   the point-to-point links (see [`Communicator::all_to_all_v`]), one step;
-    /// - *the ring*, larger ones: the all-gather's ring over the given parts, `n − 1` pipelined
+    /// everywhere) and the number of nodes by
+    /// [`Algo::gathers_v_pairwise`](crate::Algo::gathers_v_pairwise):
+    /// - *pairwise* on one node (three ranks or more), and for results up to
+    ///   `RINGZERO_PAIRWISE_MAX` (512 KiB by default) across nodes: every rank sends its part to
+    ///   every other rank at once over the point-to-point links (see
+    ///   [`Communicator::all_to_all_v`]), one step;
+    /// - *the ring* otherwise: the all-gather's ring over the given parts, `n − 1` pipelined
     ///   hops over the links every collective uses (as [`Communicator::reduce_scatter_v`] runs
-    ///   the reduce-scatter's). Its busiest link carries no more than the pairwise form's
-    ///   busiest rank sends, and ranks that pass different counts fail at the first frame
-    ///   (the counts' digest is in the call's fingerprint).
+    ///   the reduce-scatter's), crossing each node's boundary once where the pairs cross it
+    ///   for every pair of ranks on two nodes; ranks that pass different counts fail at the
+    ///   first frame (the counts' digest is in the call's fingerprint).
     ///
     /// [`Communicator::all_gather`] is the form for balanced chunks.
     pub fn all_gather_v<T: Element>(
