@@ -1072,12 +1072,11 @@ impl<S: Stream> Core<S> {
         unsafe { self.execute_any(coll, dtype, op, count, bufs) }
     }
 
-    /// [`Core::execute`] of any collective the ring plans, the pairwise ones included (an empty
-    /// all-to-all-v is one empty frame to the next rank: the call's announcement).
+    /// [`Core::execute`] once the call's form is checked: the direct step or the ring.
     ///
     /// # Safety
     /// As for [`DeviceComm::run_raw`].
-    pub(super) unsafe fn execute_any(
+    unsafe fn execute_any(
         &self,
         coll: Collective,
         dtype: DType,
@@ -1091,9 +1090,10 @@ impl<S: Stream> Core<S> {
         unsafe { self.execute_as(fp, coll, dtype, op, count, bufs) }
     }
 
-    /// The announcement of a collective over the pairs, fingerprinted `fp`: one empty frame to
-    /// the next rank and one from the previous (all-to-all-v's plan for no elements), which
-    /// takes the call's sequence number and flight entry.
+    /// The announcement of a collective over the pairs (all-to-all-v, gather, scatter, an
+    /// all-to-all across nodes), fingerprinted `fp`: one empty frame to the next rank and one
+    /// from the previous (the pairwise plan for no elements), which takes the call's sequence
+    /// number and flight entry, so a rank in another call meets it at once.
     pub(super) fn announce(&self, fp: Fingerprint, dtype: DType) -> Result<()> {
         let none = DevBufs::One { buf: 0, bytes: 0 };
         let c = Collective::AllToAllV;

@@ -556,9 +556,7 @@ impl<S: Stream> Core<S> {
         let (n, me, es) = (self.size, self.rank, dtype.size());
         let root = c.root().expect("gather and scatter have a root");
         let gather = matches!(c, Collective::Gather { .. });
-        let none = DevBufs::One { buf: 0, bytes: 0 };
-        // SAFETY: no buffer: an empty frame.
-        unsafe { self.execute_any(c, dtype, ReduceOp::Sum, 0.into(), none) }?;
+        self.announce(Fingerprint::new(c, Some(dtype), None, 0), dtype)?;
         let fp = Fingerprint::new(c, Some(dtype), None, block);
         let peers: Vec<usize> = if me == root {
             (0..n).filter(|&q| q != me).collect()
