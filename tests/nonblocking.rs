@@ -187,3 +187,161 @@ fn bad_async_arguments_fail_at_once_and_take_no_sequence_number() {
         assert_eq!(seqs, [0, 1], "rank {r}");
     });
 }
+
+/// Values of message `m` from `src` to `dst` (exact in f64).
+fn posted_message(src: usize, dst: usize, m: usize, count: usize) -> Vec<f64> {
+    (0..count)
+        .map(|i| ((i * 3 + src * 29 + dst * 13 + m * 7) % 89) as f64)
+        .collect()
+}
+
+#[test]
+fn posted_point_to_point_calls_are_independent_across_peers_and_directions() {
+    // Messages far larger than the links' slots (4 × 4 KiB): no send can finish before its
+    // receive runs, so each pattern below completes only if a rank's queued calls move at once.
+    let big = 20_000;
+    for transport in [ringzero::TransportPref::Shm, ringzero::TransportPref::Tcp] {
+        let o = Opts {
+            transport,
+            timeout: std::time::Duration::from_secs(10),
+            ..Opts::default()
+        };
+        threads(4, &o, |r, comm| {
+            let comm = comm.unwrap();
+            let n = 4;
+            let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+            // 1. The pairs' first calls, around the ring: receive from the previous rank, then
+            //    send to the next (every rank's first call waits on a rank waiting on another).
+            let got = comm.recv_async(vec![-1f64; big], prev);
+            let sent = comm.send_async(posted_message(r, next, 0, big), next);
+            assert_eq!(
+                got.wait().unwrap(),
+                posted_message(prev, r, 0, big),
+                "{transport:?} rank {r}"
+            );
+            sent.wait().unwrap();
+            // 2. Each rank of a pair sends the other a large message before receiving.
+            let peer = r ^ 1;
+            let sent = comm.send_async(posted_message(r, peer, 1, big + r), peer);
+            let got = comm.recv_async(vec![-1f64; big + peer], peer);
+            sent.wait().unwrap();
+            assert_eq!(got.wait().unwrap(), posted_message(peer, r, 1, big + peer));
+            // 3. Every receive posted first, then every send, each its own call; then a
+            //    collective, queued behind them.
+            let others: Vec<usize> = (0..n).filter(|&q| q != r).collect();
+            let recvs: Vec<_> = others
+                .iter()
+                .map(|&q| (q, comm.recv_async(vec![-1f64; big + q], q)))
+                .collect();
+            let sends: Vec<_> = others
+                .iter()
+                .map(|&q| comm.send_async(posted_message(r, q, 2, big + r), q))
+                .collect();
+            let sum = comm.all_reduce_async(vec![r as f64; 3], ReduceOp::Sum);
+            for (q, w) in recvs {
+                assert_eq!(
+                    w.wait().unwrap(),
+                    posted_message(q, r, 2, big + q),
+                    "{q}→{r}"
+                );
+            }
+            sends.into_iter().for_each(|w| drop(w.wait().unwrap()));
+            assert_eq!(sum.wait().unwrap(), vec![6.0; 3]);
+        });
+    }
+}
+
+#[test]
+fn a_posted_call_that_cannot_finish_fails_every_call_of_its_session() {
+    use std::time::{Duration, Instant};
+    let o = Opts {
+        timeout: Duration::from_secs(2),
+        ..Opts::default()
+    };
+    // Rank 2 never calls: rank 0's receive from it fails at the deadline, naming it, and so does
+    // the send to rank 1 posted beside it, which rank 1 never receives; rank 0's exchange with
+    // rank 1 posted first completes. The communicator refuses what comes after.
+    let errs = threads(3, &o, |r, comm| {
+        let comm = comm.unwrap();
+        match r {
+            0 => {
+                let t = Instant::now();
+                let swap = comm.send_recv_async(vec![1f32; 3], vec![0f32; 3], 1);
+                let stuck = comm.recv_async(vec![0f32; 5], 2);
+                let unread = comm.send_async(vec![1f32; 1 << 16], 1);
+                assert_eq!(swap.wait().unwrap().1, [2.0; 3]);
+                let e = stuck.wait().unwrap_err().to_string();
+                let e2 = unread.wait().unwrap_err().to_string();
+                assert!(t.elapsed() < Duration::from_secs(12), "{:?}", t.elapsed());
+                let later = comm.send(&[1f32], 1).unwrap_err().to_string();
+                Some((e, e2, later))
+            }
+            1 => {
+                let swap = comm.send_recv_async(vec![2f32; 3], vec![0f32; 3], 0);
+                assert_eq!(swap.wait().unwrap().1, [1.0; 3]);
+                std::thread::sleep(Duration::from_secs(5));
+                None
+            }
+            _ => {
+                std::thread::sleep(Duration::from_secs(5));
+                None
+            }
+        }
+    });
+    let (e, e2, later) = errs[0].clone().unwrap();
+    assert!(e.contains("rank 2"), "{e}");
+    assert_eq!(
+        e, e2,
+        "every call of the session fails with the session's error"
+    );
+    assert!(
+        later.contains("an earlier error") && later.contains(&e),
+        "the communicator failed with it: {later}"
+    );
+
+    // Connected, then rank 1 stops receiving: a posted send larger than the slots names it,
+    // the message and where it waits.
+    let errs = threads(2, &o, |r, comm| {
+        let comm = comm.unwrap();
+        if r == 0 {
+            comm.send(&[1u8; 10], 1).unwrap();
+            let e = comm.send_async(vec![1u8; 1 << 20], 1).wait().unwrap_err();
+            Some(e.to_string())
+        } else {
+            comm.recv(&mut [0u8; 10], 0).unwrap();
+            std::thread::sleep(Duration::from_secs(4));
+            None
+        }
+    });
+    let e = errs[0].as_ref().unwrap();
+    assert!(
+        e.contains("seq 1") && e.contains("to rank 1") && e.contains("a free slot at rank 1"),
+        "{e}"
+    );
+
+    // A watchdog aborts rank 1 while rank 0's posted receive waits: it fails long before the
+    // deadline, naming the abort.
+    let o = Opts {
+        timeout: Duration::from_secs(30),
+        ..Opts::default()
+    };
+    let errs = threads(2, &o, |r, comm| {
+        let comm = comm.unwrap();
+        if r == 0 {
+            comm.send(&[1u8; 10], 1).unwrap();
+            let t = Instant::now();
+            let e = comm.recv_async(vec![0u8; 10], 1).wait().unwrap_err();
+            assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+            e.to_string()
+        } else {
+            comm.recv(&mut [0u8; 10], 0).unwrap();
+            std::thread::sleep(Duration::from_millis(300));
+            comm.abort("watchdog");
+            String::new()
+        }
+    });
+    assert!(
+        errs[0].contains("rank 1 aborted") && errs[0].contains("watchdog"),
+        "{errs:?}"
+    );
+}

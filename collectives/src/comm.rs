@@ -23,6 +23,7 @@ mod doubling;
 mod nonblocking;
 pub(crate) mod pairs;
 pub(crate) mod pairwise;
+mod posted;
 use pairs::Pair;
 pub use pairs::{P2p, P2pOwned};
 
@@ -56,7 +57,7 @@ pub use pairs::{P2p, P2pOwned};
 /// ```
 pub struct Communicator {
     inner: Arc<Inner>,
-    worker: Worker,
+    worker: Worker<posted::Posted>,
 }
 
 struct Inner {

@@ -1,6 +1,5 @@
 //! Handles of asynchronous collectives, and the worker thread that runs them.
 
-use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
 
 use crate::error::{Error, Result};
@@ -47,20 +46,85 @@ impl<T> Work<T> {
 
 type Job = Box<dyn FnOnce() + Send>;
 
+/// What a posted call's session runs on: the first call, its ticket, and the queue behind it.
+type Session<P> = Box<dyn FnOnce(P, Ticket, &Feed<'_, P>) + Send>;
+
+/// One entry of a worker's queue.
+enum Task<P> {
+    /// Run the job.
+    Run(Job),
+    /// A posted call (`P`): the first of a run of them starts a session, which takes the ones
+    /// queued right behind it through a [`Feed`] as it goes (their own sessions are dropped).
+    Post(P, Session<P>),
+}
+
+/// The queue of a worker and whether it is closed.
+struct Queue<P> {
+    tasks: std::collections::VecDeque<Task<P>>,
+    closed: bool,
+}
+
 /// A communicator's worker (proxy) thread: runs submitted collectives one at a time, in the order
 /// submitted, while the caller goes on. Started at the first submission.
-pub(crate) struct Worker {
+///
+/// Posted calls (`P`; the host communicator's asynchronous point-to-point calls) are the
+/// exception: a run of them in the queue is one session, which starts with the first and takes
+/// each one queued right behind it as it comes, even while the earlier ones still move, so they
+/// complete in whatever order their peers allow. A job queued after them waits for the session
+/// to end, and the session ends only once none is queued behind it.
+pub(crate) struct Worker<P: Send + 'static = std::convert::Infallible> {
     name: String,
-    jobs: Mutex<Option<mpsc::Sender<Job>>>,
-    /// Jobs submitted and not yet finished.
+    queue: Arc<(Mutex<Queue<P>>, Condvar)>,
+    started: std::sync::Once,
+    /// Jobs and posted calls submitted and not yet finished.
     pending: Arc<(Mutex<usize>, Condvar)>,
 }
 
-impl Worker {
-    pub(crate) fn new(name: String) -> Worker {
+/// A posted call's share of [`Worker::wait_idle`]'s count: the session drops it once the call
+/// has finished (its `Work` filled).
+pub(crate) struct Ticket(Arc<(Mutex<usize>, Condvar)>);
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        let (count, cv) = &*self.0;
+        *count.lock().unwrap_or_else(|p| p.into_inner()) -= 1;
+        cv.notify_all();
+    }
+}
+
+/// A session's view of the queue behind it.
+pub(crate) struct Feed<'w, P> {
+    queue: &'w (Mutex<Queue<P>>, Condvar),
+    pending: &'w Arc<(Mutex<usize>, Condvar)>,
+}
+
+impl<P> Feed<'_, P> {
+    /// The posted call at the front of the queue, taken off it; `None` when the queue is empty
+    /// or a job comes first.
+    pub(crate) fn next(&self) -> Option<(P, Ticket)> {
+        let mut q = self.queue.0.lock().unwrap_or_else(|p| p.into_inner());
+        if !matches!(q.tasks.front(), Some(Task::Post(..))) {
+            return None;
+        }
+        match q.tasks.pop_front() {
+            Some(Task::Post(p, _)) => Some((p, Ticket(self.pending.clone()))),
+            _ => unreachable!("the front is a posted call"),
+        }
+    }
+}
+
+impl<P: Send + 'static> Worker<P> {
+    pub(crate) fn new(name: String) -> Worker<P> {
         Worker {
             name,
-            jobs: Mutex::new(None),
+            queue: Arc::new((
+                Mutex::new(Queue {
+                    tasks: Default::default(),
+                    closed: false,
+                }),
+                Condvar::new(),
+            )),
+            started: std::sync::Once::new(),
             pending: Arc::new((Mutex::new(0), Condvar::new())),
         }
     }
@@ -72,29 +136,57 @@ impl Worker {
     ) -> Work<R> {
         let work = Work::new();
         let slot = work.slot.clone();
-        let pending = self.pending.clone();
-        *pending.0.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+        let ticket = self.ticket();
         let job: Job = Box::new(move || {
             let r = f();
             *slot.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
             slot.1.notify_all();
-            let (count, cv) = &*pending;
-            *count.lock().unwrap_or_else(|p| p.into_inner()) -= 1;
-            cv.notify_all();
+            drop(ticket);
         });
-        let mut jobs = self.jobs.lock().unwrap_or_else(|p| p.into_inner());
-        let sender = jobs.get_or_insert_with(|| {
-            let (tx, rx) = mpsc::channel::<Job>();
+        self.push(Task::Run(job));
+        work
+    }
+
+    /// Queue posted call `p`, made by `make` from the function that fills the returned
+    /// [`Work`]; a session runs it (with those queued right behind it) through `session`,
+    /// which must call that function once `p` has finished, then drop its ticket.
+    pub(crate) fn post<R: Send + 'static>(
+        &self,
+        make: impl FnOnce(Box<dyn FnOnce(Result<R>) + Send>) -> P,
+        session: impl FnOnce(P, Ticket, &Feed<'_, P>) + Send + 'static,
+    ) -> Work<R> {
+        let work = Work::new();
+        let slot = work.slot.clone();
+        let fill: Box<dyn FnOnce(Result<R>) + Send> = Box::new(move |r| {
+            *slot.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
+            slot.1.notify_all();
+        });
+        let p = make(fill);
+        *self.pending.0.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+        self.push(Task::Post(p, Box::new(session)));
+        work
+    }
+
+    /// Count one more task pending: dropped, the ticket counts it done.
+    fn ticket(&self) -> Ticket {
+        *self.pending.0.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+        Ticket(self.pending.clone())
+    }
+
+    fn push(&self, task: Task<P>) {
+        self.started.call_once(|| {
+            let (queue, pending) = (self.queue.clone(), self.pending.clone());
             std::thread::Builder::new()
                 .name(self.name.clone())
-                .spawn(move || rx.into_iter().for_each(|job| job()))
+                .spawn(move || run_queue(&queue, &pending))
                 .expect("spawning a ringzero worker thread");
-            tx
         });
-        if let Err(mpsc::SendError(job)) = sender.send(job) {
-            job(); // the thread is gone (cannot happen while we hold the sender); run inline
-        }
-        work
+        let (q, cv) = &*self.queue;
+        q.lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .tasks
+            .push_back(task);
+        cv.notify_all();
     }
 
     /// Wait until every job submitted so far has finished (each is bounded by the engine's
@@ -109,7 +201,45 @@ impl Worker {
 
     /// Let the thread end after the jobs already queued, and wait for them.
     pub(crate) fn stop(&self) {
-        self.jobs.lock().unwrap_or_else(|p| p.into_inner()).take();
+        self.close();
         self.wait_idle();
+    }
+
+    fn close(&self) {
+        let (q, cv) = &*self.queue;
+        q.lock().unwrap_or_else(|p| p.into_inner()).closed = true;
+        cv.notify_all();
+    }
+}
+
+impl<P: Send + 'static> Drop for Worker<P> {
+    /// The thread ends once the queue is empty.
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+/// The worker thread: take the queue's tasks in order until it is closed and empty.
+fn run_queue<P>(queue: &(Mutex<Queue<P>>, Condvar), pending: &Arc<(Mutex<usize>, Condvar)>) {
+    loop {
+        let task = {
+            let mut q = queue.0.lock().unwrap_or_else(|p| p.into_inner());
+            loop {
+                if let Some(t) = q.tasks.pop_front() {
+                    break t;
+                }
+                if q.closed {
+                    return;
+                }
+                q = queue.1.wait(q).unwrap_or_else(|p| p.into_inner());
+            }
+        };
+        match task {
+            Task::Run(job) => job(),
+            Task::Post(p, session) => {
+                let feed = Feed { queue, pending };
+                session(p, Ticket(pending.clone()), &feed);
+            }
+        }
     }
 }

@@ -1,7 +1,9 @@
 //! The asynchronous forms of the host communicator's calls: each takes owned buffers, queues
 //! the call on the communicator's worker thread and returns a [`Work`] that gives the buffers
-//! back. Calls run one at a time in the order submitted, and a blocking call waits for the
-//! asynchronous ones before it, so every rank's order stays its program order.
+//! back. Collectives run one at a time in the order submitted, and a blocking call waits for the
+//! asynchronous ones before it, so every rank's order stays its program order. Point-to-point
+//! calls queued one after another are the exception: they move at once, each as its link allows
+//! (see `comm/posted.rs`).
 //!
 //! Bad arguments fail the `Work` at once, before the call is queued: it takes no sequence
 //! number and changes nothing. Errors from the run (a peer's mismatch, a timeout, an abort)
@@ -9,7 +11,8 @@
 
 use ringzero_kernels::{Element, ReduceOp};
 
-use super::pairs::{check_peers, P2p, P2pOwned};
+use super::pairs::{check_peers, P2pOwned};
+use super::posted::Posted;
 use super::{offsets, refused, same_len, Communicator};
 use crate::error::Result;
 use crate::ring::engine::Bufs;
@@ -271,11 +274,13 @@ impl Communicator {
         })
     }
 
-    /// Asynchronous [`Communicator::send`]: the buffer comes back once the message has left
-    /// (or is held by the link: see `send`). Calls run in program order on the worker, as a
-    /// blocking `send` would, so two ranks that each `send_async` the other a large message
-    /// before `recv_async` wait on each other just the same: exchange with
-    /// [`Communicator::send_recv_async`] or [`Communicator::send_recv_batch_async`].
+    /// Asynchronous [`Communicator::send`] (`MPI_Isend`): the buffer comes back once the
+    /// message has left (or is held by the link: see `send`). Point-to-point calls queued one
+    /// after another are independent: each message moves as soon as its link allows, even while
+    /// one queued before it waits, so two ranks that each `send_async` the other a large message
+    /// before `recv_async`, or that `recv_async` from one neighbour before `send_async` to the
+    /// other, complete. Messages to one peer keep their order; a collective queued after them
+    /// waits for them; the `Work` completes once this message has moved.
     pub fn send_async<T: Element>(&self, buf: Vec<T>, peer: usize) -> Work<Vec<T>> {
         self.p2p_async(vec![P2pOwned::Send(buf, peer)], |mut m| match m.pop() {
             Some(P2pOwned::Send(b, _)) => b,
@@ -283,7 +288,8 @@ impl Communicator {
         })
     }
 
-    /// Asynchronous [`Communicator::recv`] into `buf` (its length the count expected).
+    /// Asynchronous [`Communicator::recv`] (`MPI_Irecv`) into `buf` (its length the count
+    /// expected); independent of the calls queued beside it, as for [`Communicator::send_async`].
     pub fn recv_async<T: Element>(&self, buf: Vec<T>, peer: usize) -> Work<Vec<T>> {
         self.p2p_async(vec![P2pOwned::Recv(buf, peer)], |mut m| match m.pop() {
             Some(P2pOwned::Recv(b, _)) => b,
@@ -317,20 +323,21 @@ impl Communicator {
         self.p2p_async(msgs, |m| m)
     }
 
-    /// Queue a point-to-point call on `msgs`; the `Work` gives back `finish(msgs)`.
+    /// Post a point-to-point call on `msgs` (see `comm/posted.rs`: posted calls move at once,
+    /// whatever else is posted); the `Work` gives back `finish(msgs)`.
     fn p2p_async<T: Element, R: Send + 'static>(
         &self,
-        mut msgs: Vec<P2pOwned<T>>,
+        msgs: Vec<P2pOwned<T>>,
         finish: impl FnOnce(Vec<P2pOwned<T>>) -> R + Send + 'static,
     ) -> Work<R> {
         if let Err(e) = check_peers(self.size(), self.rank(), msgs.iter().map(P2pOwned::peer)) {
             return Work::failed(e);
         }
-        self.submit(move |inner| {
-            let mut borrowed: Vec<P2p<'_, T>> = msgs.iter_mut().map(P2pOwned::as_p2p).collect();
-            inner.send_recv_batch(&mut borrowed)?;
-            Ok(finish(msgs))
-        })
+        let inner = self.inner.clone();
+        self.worker.post(
+            |fill| Posted::new(msgs, move |r, msgs| fill(r.map(|()| finish(msgs)))),
+            move |first, ticket, feed| inner.run_posted(first, ticket, feed),
+        )
     }
 
     /// Queue ring collective `c` in place on `buf`; the `Work` gives `buf` back.

@@ -121,14 +121,6 @@ impl<T> P2pOwned<T> {
             P2pOwned::Recv(_, p) => (false, *p),
         }
     }
-
-    /// The message on a borrowed buffer.
-    pub(super) fn as_p2p(&mut self) -> P2p<'_, T> {
-        match self {
-            P2pOwned::Send(b, p) => P2p::Send(b, *p),
-            P2pOwned::Recv(b, p) => P2p::Recv(b, *p),
-        }
-    }
 }
 
 /// Refuse a point-to-point call whose messages (send or not, peer) name a peer that is not

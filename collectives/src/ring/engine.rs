@@ -681,6 +681,76 @@ fn step_lane(lane: &mut Lane) -> Result<bool> {
     Ok(moved)
 }
 
+/// One direction of one message of a posted point-to-point call (the asynchronous forms, which
+/// run as they can, each direction of each pair on its own: `comm/posted.rs`): run whatever of
+/// `call`'s plan, which only sends or only receives, can go now from op `at` on (a send while a
+/// slot is free, a receive while its frame is there), moving `at` past each. Whether anything
+/// moved (the link's earlier frames included); the message is done once `at` reaches the plan's
+/// end. `what` names the call in errors.
+pub(crate) fn step_one_way(
+    links: &mut Links,
+    call: &Call,
+    bufs: &mut Bufs,
+    at: &mut usize,
+    what: &str,
+) -> Result<bool> {
+    let es = call.dtype.size();
+    let (prev, next, rank) = (links.prev, links.next, call.rank);
+    let mut moved = links
+        .tx
+        .progress()
+        .map_err(|e| link_err(e, what, call.seq, next, rank, Some(&call.fp)))?;
+    while let Some(op) = call.plan.ops.get(*at) {
+        debug_assert!(
+            op.send != op.recv,
+            "a posted message's op only sends or receives"
+        );
+        let ready = if op.send {
+            links
+                .tx
+                .reserve(op.elems * es)
+                .map_err(|e| link_err(e, what, call.seq, next, rank, Some(&call.fp)))?
+                .is_some()
+        } else {
+            let e = expect(call, op, es);
+            links
+                .rx
+                .peek(&e)
+                .map_err(|err| link_err(err, what, e.seq, prev, rank, Some(&e.fp)))?
+                .is_some()
+        };
+        if !ready {
+            break;
+        }
+        run_op(links, call, (op, Needs::BOTH), bufs, what, es)?;
+        *at += 1;
+        moved = true;
+    }
+    Ok(moved)
+}
+
+/// The abort flag and the peer's health for a posted message (see [`step_one_way`]) still
+/// moving in direction `send`.
+pub(crate) fn one_way_health(links: &mut Links, call: &Call, what: &str, send: bool) -> Result<()> {
+    health_of(
+        links,
+        call,
+        what,
+        Needs {
+            rx: !send,
+            tx: send,
+        },
+    )
+}
+
+/// The timeout of a posted message waiting at op `at` (see [`step_one_way`]): a receive names
+/// the frame and its sender, a send the slot at the receiver.
+pub(crate) fn one_way_timeout(links: &Links, call: &Call, what: &str, at: usize) -> Error {
+    let op = &call.plan.ops[at];
+    let e = expect(call, op, call.dtype.size());
+    op_timeout(call, what, &e, op.send, links.prev, links.next, "slot")
+}
+
 /// The timeout of a lane's current call: a missing frame names the sender; else the send waits
 /// for a slot at the receiver.
 fn lane_timeout(lane: &mut Lane) -> Error {
@@ -770,7 +840,7 @@ fn health_of(links: &mut Links, call: &Call, what: &str, needs: Needs) -> Result
 }
 
 /// What a wait does after one round.
-enum Tick {
+pub(crate) enum Tick {
     /// Something moved: the deadline restarts; go round at once.
     Moved,
     /// Nothing moved for the whole timeout: fail.
@@ -782,13 +852,13 @@ enum Tick {
 }
 
 /// The clock of one wait on a call's links: progress restarts the deadline.
-struct Patience {
+pub(crate) struct Patience {
     last: Instant,
     last_health: Instant,
 }
 
 impl Patience {
-    fn new() -> Patience {
+    pub(crate) fn new() -> Patience {
         let now = Instant::now();
         Patience {
             last: now,
@@ -798,7 +868,7 @@ impl Patience {
 
     /// After a round that `moved` something or not: progress restarts the deadline; with none
     /// for `timeout` the wait fails; every [`HEALTH_EVERY`] the health checks are due.
-    fn tick(&mut self, moved: bool, timeout: Duration) -> Tick {
+    pub(crate) fn tick(&mut self, moved: bool, timeout: Duration) -> Tick {
         let now = Instant::now();
         if moved {
             self.last = now;
