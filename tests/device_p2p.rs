@@ -447,6 +447,17 @@ fn across_nodes_a_device_all_to_all_goes_over_the_pairs() {
                     == 2,
                 "{calls:?}"
             );
+            // Each entry spans the whole call, pairs included: its size, and at least the
+            // other ranks' blocks sent and received (the ring forwards more).
+            let whole = (n * block * 4) as u64;
+            let theirs = ((n - 1) * block * 4) as u64;
+            for e in dc.flight_record().entries.iter() {
+                if e.call.starts_with("all_to_all(f32") {
+                    assert_eq!(e.bytes, whole, "{nodes} nodes, rank {r}: {e:?}");
+                    assert!(e.sent >= theirs && e.received >= theirs, "{nodes}: {e:?}");
+                    assert_eq!(e.state, ringzero::CallState::Done, "{e:?}");
+                }
+            }
             if nodes == 1 {
                 return;
             }

@@ -1087,27 +1087,39 @@ impl<S: Stream> Core<S> {
         let fp = Fingerprint::new(coll, Some(dtype), Some(op), count.total);
         let fp = count.parts.map_or(fp, |c| fp.with_counts(c));
         // SAFETY: forwarded from the caller.
-        unsafe { self.execute_as(fp, coll, dtype, op, count, bufs) }
+        unsafe { self.execute_as((fp, None), coll, dtype, op, count, bufs) }
     }
 
     /// The announcement of a collective over the pairs (all-to-all-v, gather, scatter, an
     /// all-to-all across nodes), fingerprinted `fp`: one empty frame to the next rank and one
     /// from the previous (the pairwise plan for no elements), which takes the call's sequence
-    /// number and flight entry, so a rank in another call meets it at once.
-    pub(super) fn announce(&self, fp: Fingerprint, dtype: DType) -> Result<()> {
+    /// number, so a rank in another call meets it at once. It opens the call's flight entry
+    /// (`bytes` its size), which stays open, counting the pairs' bytes too, until
+    /// [`Core::end_announced`] closes it after the pairs have moved the data (closed at once if
+    /// the announcement fails).
+    pub(super) fn announce(&self, fp: Fingerprint, dtype: DType, bytes: u64) -> Result<()> {
         let none = DevBufs::One { buf: 0, bytes: 0 };
         let c = Collective::AllToAllV;
         // SAFETY: no buffer: an empty frame each way.
-        unsafe { self.execute_as(fp, c, dtype, ReduceOp::Sum, 0.into(), none) }
+        unsafe { self.execute_as((fp, Some(bytes)), c, dtype, ReduceOp::Sum, 0.into(), none) }
     }
 
-    /// [`Core::execute_any`] with the frames and the flight entry fingerprinted `fp`.
+    /// Close the flight entry that [`Core::announce`] opened, with the call's result `r`.
+    pub(super) fn end_announced(&self, r: &Result<()>) {
+        let st = self.lock();
+        let ring = st.links.as_ref().map(|l| l.counters).unwrap_or_default();
+        self.flight.end(r, ring + self.pair_counters());
+    }
+
+    /// [`Core::execute_any`] with the frames and the flight entry fingerprinted `fp`; with
+    /// `announced` (the call's size in bytes), the announcement of a call over the pairs, whose
+    /// entry stays open on success ([`Core::announce`]).
     ///
     /// # Safety
     /// As for [`DeviceComm::run_raw`].
     unsafe fn execute_as(
         &self,
-        fp: Fingerprint,
+        (fp, announced): (Fingerprint, Option<u64>),
         coll: Collective,
         dtype: DType,
         op: ReduceOp,
@@ -1166,8 +1178,15 @@ impl<S: Stream> Core<S> {
         };
         device_engine::check_sizes(&call, &bufs)?;
         st.seq += 1;
-        let counters = |st: &DevState| st.links.as_ref().map(|l| l.counters).unwrap_or_default();
-        let bytes = (count.total * dtype.size()) as u64;
+        // An announced call's entry counts the pairs' bytes too (they move them).
+        let counters = |st: &DevState| {
+            let ring = st.links.as_ref().map(|l| l.counters).unwrap_or_default();
+            match announced {
+                Some(_) => ring + self.pair_counters(),
+                None => ring,
+            }
+        };
+        let bytes = announced.unwrap_or((count.total * dtype.size()) as u64);
         self.flight
             .begin(seq, &fp, caller_in_place, bytes, counters(st));
         let r = copied.and_then(|()| match st.links.as_mut() {
@@ -1192,7 +1211,9 @@ impl<S: Stream> Core<S> {
                 self.local_copy(&call, bufs)
             }
         });
-        self.flight.end(&r, counters(st));
+        if announced.is_none() || r.is_err() {
+            self.flight.end(&r, counters(st));
+        }
         if let Err(e) = &r {
             if !matches!(e, Error::InvalidArgument { .. }) {
                 tracing::error!(target: "ringzero::device", rank = self.rank, "{e}");

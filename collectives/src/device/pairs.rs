@@ -517,10 +517,12 @@ impl<S: Stream> Core<S> {
     ) -> Result<()> {
         let (n, me, es) = (self.size, self.rank, dtype.size());
         // The announcement, under `c`'s name, so a rank in another call meets it at once.
-        self.announce(Fingerprint::new(c, Some(dtype), None, 0), dtype)?;
+        // Its flight entry's size is what this rank sends, as the host's all-to-all-v's.
+        let bytes = (sc.iter().sum::<usize>() * es) as u64;
+        self.announce(Fingerprint::new(c, Some(dtype), None, 0), dtype, bytes)?;
         let fp = Fingerprint::new(c, Some(dtype), None, sc.iter().sum());
         let others: Vec<usize> = (0..n).filter(|&q| q != me).collect();
-        self.on_pairs(&fp, &others, |pairs| {
+        let r = self.on_pairs(&fp, &others, |pairs| {
             let at = |base: Addr, off: usize| base + (off * es) as u64;
             // SAFETY: both blocks lie in the caller's buffers (the caller's contract).
             unsafe { self.copy_and_wait(at(recv, rd[me]), at(send, sd[me]), sc[me] * es, &fp) }?;
@@ -534,7 +536,9 @@ impl<S: Stream> Core<S> {
                 unsafe { self.run_pair(pair, c, dtype, Some(s), Some(r)) }?;
             }
             Ok(())
-        })
+        });
+        self.end_announced(&r);
+        r
     }
 
     /// Gather or scatter (`c`) of blocks of `block` elements: `send` and `recv` (addresses)
@@ -556,14 +560,16 @@ impl<S: Stream> Core<S> {
         let (n, me, es) = (self.size, self.rank, dtype.size());
         let root = c.root().expect("gather and scatter have a root");
         let gather = matches!(c, Collective::Gather { .. });
-        self.announce(Fingerprint::new(c, Some(dtype), None, 0), dtype)?;
+        // The flight entry's size is the root's whole buffer, as the host's.
+        let bytes = (n * block * es) as u64;
+        self.announce(Fingerprint::new(c, Some(dtype), None, 0), dtype, bytes)?;
         let fp = Fingerprint::new(c, Some(dtype), None, block);
         let peers: Vec<usize> = if me == root {
             (0..n).filter(|&q| q != me).collect()
         } else {
             vec![root]
         };
-        self.on_pairs(&fp, &peers, |pairs| {
+        let r = self.on_pairs(&fp, &peers, |pairs| {
             let at = |base: Addr, q: usize| base + (q * block * es) as u64;
             let msg = |a: Addr| Some((a, block));
             if me != root {
@@ -594,7 +600,9 @@ impl<S: Stream> Core<S> {
                 unsafe { self.run_pair(pair, c, dtype, s, r) }?;
             }
             Ok(())
-        })
+        });
+        self.end_announced(&r);
+        r
     }
 
     /// Copy `bytes` from `src` to `dst` on the stream and wait for it, within the deadline.
