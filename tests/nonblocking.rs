@@ -345,3 +345,85 @@ fn a_posted_call_that_cannot_finish_fails_every_call_of_its_session() {
         "{errs:?}"
     );
 }
+
+#[test]
+fn posted_calls_in_any_interleaving_arrive_exact_and_in_order() {
+    // Every rank posts, for every other rank, three messages to it and three from it (sizes from
+    // empty to several times the slots), in an order drawn per seed: each peer's sends in
+    // order and its receives in order, but the peers and the directions shuffled together, now
+    // and then several in one batch. Only then does it wait, in another drawn order.
+    let n = 4;
+    let count = |src: usize, dst: usize, m: usize, seed: u64| -> usize {
+        [0, 1, 700, 5000, 20_000][(src * 7 + dst * 3 + m + seed as usize) % 5]
+    };
+    for (seed, transport) in [
+        (1u64, ringzero::TransportPref::Shm),
+        (2, ringzero::TransportPref::Shm),
+        (3, ringzero::TransportPref::Tcp),
+    ] {
+        let o = Opts {
+            transport,
+            timeout: std::time::Duration::from_secs(10),
+            ..Opts::default()
+        };
+        threads(n, &o, |r, comm| {
+            let comm = comm.unwrap();
+            let mut rng = seed * 1_000_003 + r as u64 * 7919;
+            let mut draw = |k: usize| {
+                rng = rng
+                    .wrapping_mul(6_364_136_223_846_793_005)
+                    .wrapping_add(1_442_695_040_888_963_407);
+                ((rng >> 33) as usize) % k
+            };
+            // What is left to post: (peer, is a send, next message index).
+            let mut left: Vec<(usize, bool, usize)> = (0..n)
+                .filter(|&q| q != r)
+                .flat_map(|q| [(q, true, 0), (q, false, 0)])
+                .collect();
+            let mut works = Vec::new();
+            while !left.is_empty() {
+                let batch = 1 + draw(3);
+                let mut msgs = Vec::new();
+                let mut what = Vec::new();
+                for _ in 0..batch {
+                    if left.is_empty() {
+                        break;
+                    }
+                    let i = draw(left.len());
+                    let (q, send, m) = left[i];
+                    if send {
+                        let c = count(r, q, m, seed);
+                        msgs.push(P2pOwned::Send(posted_message(r, q, m, c), q));
+                    } else {
+                        let c = count(q, r, m, seed);
+                        msgs.push(P2pOwned::Recv(vec![-1f64; c], q));
+                    }
+                    what.push((q, send, m));
+                    if m == 2 {
+                        left.swap_remove(i);
+                    } else {
+                        left[i].2 += 1;
+                    }
+                }
+                works.push((comm.send_recv_batch_async(msgs), what));
+            }
+            while !works.is_empty() {
+                let (w, what) = works.swap_remove(draw(works.len()));
+                let got = w.wait().unwrap();
+                for (msg, (q, send, m)) in got.into_iter().zip(what) {
+                    match msg {
+                        P2pOwned::Recv(b, p) => {
+                            assert!(!send && p == q);
+                            let want = posted_message(q, r, m, count(q, r, m, seed));
+                            assert_eq!(b, want, "seed {seed}: {q}→{r} #{m}");
+                        }
+                        P2pOwned::Send(_, p) => assert!(send && p == q),
+                    }
+                }
+            }
+            let mut x = [1i32];
+            comm.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
+            assert_eq!(x, [n as i32]);
+        });
+    }
+}
