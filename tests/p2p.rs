@@ -454,3 +454,65 @@ fn pair_and_pairwise_links_stripe_large_frames_over_three_connections() {
         }
     });
 }
+
+#[test]
+fn first_calls_that_form_a_cycle_meet() {
+    // Every rank's first call sends to the rank before it, then receives from the one after:
+    // each first call waits on a rank whose own first call waits on another. A rank that waits
+    // to connect connects those who call it meanwhile, so the cycle meets (the messages fit the
+    // links' slots, so each send returns before its receive, as `MPI_Send` of a small message).
+    for transport in [TransportPref::Shm, TransportPref::Tcp] {
+        let o = Opts {
+            transport,
+            timeout: Duration::from_secs(10),
+            ..Opts::default()
+        };
+        let t = Instant::now();
+        threads(4, &o, |r, comm| {
+            let comm = comm.unwrap();
+            let (prev, next) = ((r + 3) % 4, (r + 1) % 4);
+            comm.send(&message(r, prev, 0, 100), prev).unwrap();
+            let mut got = vec![0f64; 100];
+            comm.recv(&mut got, next).unwrap();
+            assert_eq!(got, message(next, r, 0, 100), "{transport:?} rank {r}");
+            let mut x = [1i32];
+            comm.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
+            assert_eq!(x, [4]);
+        });
+        assert!(
+            t.elapsed() < Duration::from_secs(8),
+            "{transport:?}: {:?}",
+            t.elapsed()
+        );
+    }
+}
+
+#[test]
+fn a_stale_caller_does_not_fail_a_first_call() {
+    // Rank 2's first call with rank 0 gives up before rank 0 makes any: its connection waits,
+    // stale, at rank 0's listener. Rank 0's first call with rank 1 then tries to connect the
+    // waiting caller too (it might be a cycle's); that fails, and the call goes on.
+    let o = Opts {
+        timeout: Duration::from_secs(2),
+        ..Opts::default()
+    };
+    let out = threads(3, &o, |r, comm| {
+        let comm = comm.unwrap();
+        match r {
+            2 => {
+                let e = comm.send(&[1f32], 0).unwrap_err().to_string();
+                assert!(e.contains("rank 0"), "{e}");
+                std::thread::sleep(Duration::from_secs(3));
+                None
+            }
+            _ => {
+                std::thread::sleep(Duration::from_millis(2500));
+                let mut got = [0f32; 2];
+                comm.send_recv(&[r as f32; 2], &mut got, 1 - r).unwrap();
+                Some(got)
+            }
+        }
+    });
+    assert_eq!(out[0], Some([1.0; 2]));
+    assert_eq!(out[1], Some([0.0; 2]));
+}

@@ -153,6 +153,18 @@ impl PeerListener {
     }
 }
 
+impl PeerListener {
+    /// The ranks whose connections of `role` wait to be taken: ranks connecting to this one.
+    pub(crate) fn waiting(&self, role: Role) -> Vec<usize> {
+        let by_rank = self.inbox.by_rank.lock().unwrap_or_else(|p| p.into_inner());
+        by_rank
+            .iter()
+            .filter(|((_, r), q)| *r == role && !q.is_empty())
+            .map(|((rank, _), _)| *rank)
+            .collect()
+    }
+}
+
 impl Drop for PeerListener {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);

@@ -265,6 +265,12 @@ impl Inner {
     /// (each connect waits for the peer's; one by one in ascending rank order could not wait in
     /// a cycle either, only longer); the new links by peer.
     ///
+    /// Point-to-point links (`Role::Data`) also serve: a rank that dials this one while it
+    /// waits (its own first call with this rank) is connected too, and its links returned with
+    /// the others, so first calls that form a cycle (every rank sending to the one before it)
+    /// meet instead of waiting on each other until the deadline. Connecting to such a caller
+    /// may fail (it gave up, its connection is stale) without failing this call.
+    ///
     /// With `watch`, the ring's incoming link is watched meanwhile: a collective's ranks connect
     /// after agreeing on the call, but a rank that fails after that (its watchdog aborts it, its
     /// neighbour dies) never comes to connect, and says so only on the ring. A peer's abort or
@@ -290,45 +296,53 @@ impl Inner {
         let what = fp.to_string();
         let mut seen = None;
         let made: Vec<_> = std::thread::scope(|s| {
-            let hs: Vec<_> = missing
-                .iter()
-                .map(|&peer| {
-                    let what = &what;
-                    let h = s.spawn(move || {
-                        connect::connect_pair(
-                            &self.cfg,
-                            (peer, role),
-                            &addrs[peer],
-                            listener,
-                            &self.abort,
-                            what,
-                        )
-                    });
-                    (peer, h)
+            let connect = |peer: usize| {
+                let what = &what;
+                s.spawn(move || {
+                    connect::connect_pair(
+                        &self.cfg,
+                        (peer, role),
+                        &addrs[peer],
+                        listener,
+                        &self.abort,
+                        what,
+                    )
                 })
-                .collect();
-            while let Some(w) = watch.as_mut() {
-                if hs.iter().all(|(_, h)| h.is_finished()) {
+            };
+            // (peer, asked for, its thread)
+            let mut hs: Vec<_> = missing.iter().map(|&p| (p, true, connect(p))).collect();
+            let serves = role == Role::Data;
+            while watch.is_some() || serves {
+                if hs.iter().all(|(_, _, h)| h.is_finished()) {
                     break;
                 }
-                if let Err(e) = w.check(&missing) {
-                    let e = link_err(e, &what, w.seq, w.ring.prev, self.rank, Some(fp));
-                    // The connecting threads wait on the abort flag.
-                    self.abort.raise(e.to_string());
-                    seen = Some(e);
-                    break;
+                if let Some(w) = watch.as_mut() {
+                    if let Err(e) = w.check(&missing) {
+                        let e = link_err(e, &what, w.seq, w.ring.prev, self.rank, Some(fp));
+                        // The connecting threads wait on the abort flag.
+                        self.abort.raise(e.to_string());
+                        seen = Some(e);
+                        break;
+                    }
+                }
+                if serves {
+                    for caller in listener.waiting(role) {
+                        if !have.contains_key(&caller) && hs.iter().all(|(p, _, _)| *p != caller) {
+                            hs.push((caller, false, connect(caller)));
+                        }
+                    }
                 }
                 std::thread::sleep(WATCH_EVERY);
             }
             hs.into_iter()
-                .map(|(peer, h)| {
+                .map(|(peer, asked, h)| {
                     let r = h.join().unwrap_or_else(|_| {
                         Err(Error::Io {
                             context: format!("connecting to rank {peer}"),
                             detail: "the connecting thread panicked".into(),
                         })
                     });
-                    (peer, r)
+                    (peer, asked, r)
                 })
                 .collect()
         });
@@ -339,15 +353,23 @@ impl Inner {
             Role::Pairwise => "pairwise",
             _ => "point-to-point",
         };
-        made.into_iter()
-            .map(|(peer, r)| {
-                let (links, edges) = r?;
-                for e in &edges {
-                    tracing::info!(target: "ringzero::topology", rank = self.rank, peer, "{kind} {e}");
+        let mut out = Vec::with_capacity(made.len());
+        for (peer, asked, r) in made {
+            let (links, edges) = match r {
+                Ok(made) => made,
+                Err(e) if asked => return Err(e),
+                Err(e) => {
+                    tracing::warn!(target: "ringzero::topology", rank = self.rank, peer,
+                        "rank {peer} was connecting to this rank, but joining it failed: {e}");
+                    continue;
                 }
-                Ok((peer, links))
-            })
-            .collect()
+            };
+            for e in &edges {
+                tracing::info!(target: "ringzero::topology", rank = self.rank, peer, "{kind} {e}");
+            }
+            out.push((peer, links));
+        }
+        Ok(out)
     }
 
     /// Run connected peers' messages: each peer's `i`-th send and `i`-th receive form its `i`-th

@@ -131,6 +131,9 @@ struct Connecting {
     thread: Connector,
     sent: u64,
     received: u64,
+    /// Started because the peer was connecting to this rank, not for a message: a failure is
+    /// no error of the session.
+    served: bool,
 }
 
 /// The state of one session: its calls, each peer's messages, the pairs connecting and those
@@ -187,6 +190,7 @@ impl Inner {
                 self.take(s, pairs, p, t)?;
                 moved = true;
             }
+            moved |= self.serve(s, pairs)?;
             moved |= self.joined(s, pairs)?;
             moved |= self.step(s, pairs)?;
             if s.flows.is_empty() && s.connecting.is_empty() {
@@ -251,6 +255,7 @@ impl Inner {
                         thread,
                         sent: 0,
                         received: 0,
+                        served: false,
                     },
                 );
             }
@@ -258,6 +263,7 @@ impl Inner {
                 Some(pair) => (&mut pair.sent, &mut pair.received),
                 None => {
                     let c = s.connecting.get_mut(&m.peer).expect("connecting above");
+                    c.served = false;
                     (&mut c.sent, &mut c.received)
                 }
             };
@@ -321,6 +327,31 @@ impl Inner {
             .map_err(|e| Error::io(format!("starting to connect to rank {peer}"), e))
     }
 
+    /// Start connecting to every rank that is connecting to this one and has no pair yet (its
+    /// first call with this rank waits for that, and may be what this session's calls wait
+    /// for in turn); whether any.
+    fn serve(self: &Arc<Self>, s: &mut Session, pairs: &BTreeMap<usize, Pair>) -> Result<bool> {
+        let Some(listener) = &self.peer_listener else {
+            return Ok(false);
+        };
+        let mut any = false;
+        for caller in listener.waiting(Role::Data) {
+            if pairs.contains_key(&caller) || s.connecting.contains_key(&caller) {
+                continue;
+            }
+            let thread = self.connect_thread(caller)?;
+            let c = Connecting {
+                thread,
+                sent: 0,
+                received: 0,
+                served: true,
+            };
+            s.connecting.insert(caller, c);
+            any = true;
+        }
+        Ok(any)
+    }
+
     /// Make pairs of the connections that have finished; whether any did.
     fn joined(&self, s: &mut Session, pairs: &mut BTreeMap<usize, Pair>) -> Result<bool> {
         let done: Vec<usize> = s
@@ -331,12 +362,21 @@ impl Inner {
             .collect();
         for peer in &done {
             let c = s.connecting.remove(peer).expect("listed above");
-            let (links, edges) = c.thread.join().unwrap_or_else(|_| {
+            let joined = c.thread.join().unwrap_or_else(|_| {
                 Err(Error::Io {
                     context: format!("connecting to rank {peer}"),
                     detail: "the connecting thread panicked".into(),
                 })
-            })?;
+            });
+            let (links, edges) = match joined {
+                Ok(made) => made,
+                Err(e) if c.served => {
+                    tracing::warn!(target: "ringzero::topology", rank = self.rank, peer,
+                        "rank {peer} was connecting to this rank, but joining it failed: {e}");
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
             for e in &edges {
                 tracing::info!(target: "ringzero::topology", rank = self.rank, peer, "point-to-point {e}");
             }
