@@ -58,7 +58,9 @@ impl Communicator {
     /// their own, so they mix freely with collectives. The pair's first call (whichever of the
     /// three each rank makes) connects those links straight between the two ranks (same
     /// handshake and shm/tcp choice as the ring; rank 0's store is not needed), and both ranks
-    /// must reach it before either goes on; later calls need no rendezvous. Messages from one
+    /// must reach it before either goes on (a rank waiting there connects the ranks that call it
+    /// meanwhile too, so first calls that form a cycle — every rank sending to the one before
+    /// it — meet); later calls need no rendezvous. Messages from one
     /// rank to another arrive in the order they were sent. Like `MPI_Send`, a send may return
     /// before the receiver has called `recv` (while the message fits the link's `RINGZERO_SLOTS`
     /// × `RINGZERO_SLICE_BYTES`), or wait for it: two ranks that each send the other a large

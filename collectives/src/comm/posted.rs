@@ -7,8 +7,9 @@
 //! send before their receives. So a run of posted calls at the front of the worker's queue is one
 //! session (see [`crate::work::Worker`]): every message joins a queue per peer and direction as
 //! it is posted, even while earlier ones still move, and each direction of each pair moves as its
-//! link allows. A pair not yet connected connects on a thread of its own meanwhile, so first
-//! calls that form a cycle meet too. Messages to one peer keep their order, as do messages from
+//! link allows. A pair not yet connected connects on a thread of its own meanwhile, as does
+//! any rank found connecting to this one (its first call may be what this session's wait on),
+//! so first calls that form a cycle meet too. Messages to one peer keep their order, as do messages from
 //! one, and each is numbered and matched as if sent alone, so the peer may use any form; each
 //! call's `Work` completes as soon as its own messages have. A collective queued behind them
 //! waits for the session to end, which it does once nothing is queued behind it and every
