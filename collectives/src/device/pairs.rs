@@ -53,10 +53,12 @@ impl<S: Stream> DeviceComm<S> {
     /// [`crate::Communicator::send`]'s rules, on device buffers (see the module docs for how the
     /// pair connects). The pair's first call is a rendezvous: both ranks must reach a call with
     /// each other before either goes on (ranks whose first calls form a cycle — each sending to
-    /// the rank before it — wait on each other until the deadline). A send returns once its last slice is in the peer's slots, which may be
-    /// before the peer receives it (while the message fits `RINGZERO_SLOTS` slices); two ranks
-    /// that each send the other more than that before receiving wait until the deadline, so
-    /// exchange with [`DeviceComm::send_recv`].
+    /// the rank before it — wait on each other until the deadline: connect them first with
+    /// [`DeviceComm::connect_peers`]). A send returns once its last slice is in the peer's
+    /// slots, which may be before the peer receives it (while the message fits `RINGZERO_SLOTS`
+    /// slices); two ranks that each send the other more than that before receiving wait until
+    /// the deadline, so exchange with [`DeviceComm::send_recv`]. Unlike the host
+    /// communicator's, the asynchronous forms run in order on the proxy thread, as these do.
     pub fn send<B: DeviceMemory<S> + ?Sized>(&mut self, buf: &B, peer: usize) -> Result<()> {
         check(self, &[(true, peer)])?;
         let s = (buf.addr(self.stream()), buf.elems());
