@@ -138,7 +138,10 @@ impl<P: Send + 'static> Worker<P> {
         let slot = work.slot.clone();
         let ticket = self.ticket();
         let job: Job = Box::new(move || {
-            let r = f();
+            // A panic is a bug, but the caller waiting on the `Work` hears of it as an error
+            // (and the thread lives on for the calls queued behind).
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
+                .unwrap_or_else(|p| Err(panicked(p.as_ref())));
             *slot.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
             slot.1.notify_all();
             drop(ticket);
@@ -238,8 +241,90 @@ fn run_queue<P>(queue: &(Mutex<Queue<P>>, Condvar), pending: &Arc<(Mutex<usize>,
             Task::Run(job) => job(),
             Task::Post(p, session) => {
                 let feed = Feed { queue, pending };
-                session(p, Ticket(pending.clone()), &feed);
+                // A session that panics drops its calls, which then fail their `Work`s
+                // (`Posted`'s owner sees to that); the thread lives on.
+                let run =
+                    std::panic::AssertUnwindSafe(|| session(p, Ticket(pending.clone()), &feed));
+                if let Err(p) = std::panic::catch_unwind(run) {
+                    tracing::error!(target: "ringzero::comm", "{}", panicked(p.as_ref()));
+                }
             }
         }
+    }
+}
+
+/// The error a panicking asynchronous call returns.
+pub(crate) fn panicked(p: &(dyn std::any::Any + Send)) -> Error {
+    let msg = p
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic".into());
+    Error::Io {
+        context: "running an asynchronous call on the worker thread".into(),
+        detail: format!("it panicked (a bug in ringzero): {msg}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::mpsc;
+
+    #[test]
+    fn a_panicking_job_fails_its_work_and_the_worker_goes_on() {
+        let w: Worker = Worker::new("test-worker".into());
+        let bad = w.submit(|| -> Result<u32> { panic!("boom") });
+        let good = w.submit(|| Ok(7u32));
+        let e = bad.wait().unwrap_err().to_string();
+        assert!(e.contains("panicked") && e.contains("boom"), "{e}");
+        assert_eq!(good.wait().unwrap(), 7);
+        w.stop();
+    }
+
+    #[test]
+    fn a_session_takes_the_posts_queued_right_behind_it_and_no_further() {
+        // Posts carry a number; a session records what it took, and finishes them in reverse.
+        let w: Worker<(u32, Box<dyn FnOnce(Result<u32>) + Send>)> = Worker::new("t".into());
+        let (gate_tx, gate) = mpsc::channel::<()>();
+        let (seen_tx, seen) = mpsc::channel::<Vec<u32>>();
+        // Hold the worker until everything is queued.
+        let held = w.submit(move || {
+            gate.recv().unwrap();
+            Ok(())
+        });
+        let post = |k: u32| {
+            let seen_tx = seen_tx.clone();
+            w.post(
+                move |fill| (k, fill),
+                move |first, ticket, feed| {
+                    let mut took = vec![(first, ticket)];
+                    while let Some(more) = feed.next() {
+                        took.push(more);
+                    }
+                    seen_tx
+                        .send(took.iter().map(|((k, _), _)| *k).collect())
+                        .unwrap();
+                    for ((k, fill), ticket) in took.into_iter().rev() {
+                        fill(Ok(k * 10));
+                        drop(ticket);
+                    }
+                },
+            )
+        };
+        let (a, b) = (post(1), post(2));
+        let job = w.submit(|| Ok(0u32));
+        let c = post(3);
+        gate_tx.send(()).unwrap();
+        held.wait().unwrap();
+        assert_eq!(
+            seen.recv().unwrap(),
+            [1, 2],
+            "the job behind them ends the run"
+        );
+        assert_eq!(seen.recv().unwrap(), [3]);
+        assert_eq!([a, b, job, c].map(|w| w.wait().unwrap()), [10, 20, 0, 30]);
+        w.wait_idle();
+        w.stop();
     }
 }

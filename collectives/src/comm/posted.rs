@@ -95,6 +95,19 @@ struct Job {
     ticket: Option<Ticket>,
 }
 
+impl Drop for Job {
+    /// A job dropped unfinished (its session panicked) fails its `Work`, so no caller waits
+    /// forever.
+    fn drop(&mut self) {
+        if self.fill.is_some() {
+            self.finish(Err(Error::Io {
+                context: "running a posted point-to-point call".into(),
+                detail: "its session ended without finishing it (a bug in ringzero)".into(),
+            }));
+        }
+    }
+}
+
 impl Job {
     /// Fill the call's `Work` with `r`, then count it done; a no-op once done.
     fn finish(&mut self, r: Result<()>) {
