@@ -285,7 +285,8 @@ mod tests {
     #[test]
     fn a_session_takes_the_posts_queued_right_behind_it_and_no_further() {
         // Posts carry a number; a session records what it took, and finishes them in reverse.
-        let w: Worker<(u32, Box<dyn FnOnce(Result<u32>) + Send>)> = Worker::new("t".into());
+        type Numbered = (u32, Box<dyn FnOnce(Result<u32>) + Send>);
+        let w: Worker<Numbered> = Worker::new("t".into());
         let (gate_tx, gate) = mpsc::channel::<()>();
         let (seen_tx, seen) = mpsc::channel::<Vec<u32>>();
         // Hold the worker until everything is queued.
