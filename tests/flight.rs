@@ -155,3 +155,48 @@ fn a_healthy_job_leaves_consistent_records_and_the_recorder_is_readable_live() {
     assert_eq!(r.exit_code, 0);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn a_point_to_point_message_never_sent_is_named_with_both_sides_counts() {
+    // Rank 1 sends rank 0 one message of the two rank 0 receives (the second blocking, the
+    // first posted), then goes on to a collective rank 0 never reaches. The records show the
+    // traffic per peer, and the join names the missing message and what rank 1 did instead.
+    let dir = fresh_dir("flight-p2p");
+    threads(2, &opts(&dir, Duration::from_secs(2)), |rank, comm| {
+        let comm = comm.unwrap();
+        if rank == 0 {
+            let first = comm.recv_async(vec![0f32; 10], 1).wait().unwrap();
+            assert_eq!(first, [1.0; 10]);
+            let mut second = [0f32; 10];
+            comm.recv(&mut second, 1).unwrap_err();
+            let rec = comm.flight_record();
+            let t = &rec.p2p[0];
+            assert_eq!((t.peer, t.sent, t.received), (1, 0, 1), "{rec:?}");
+            assert!(
+                t.pending[0].call.starts_with("send_recv(f32, count=10)"),
+                "{t:?}"
+            );
+            assert!(!t.pending[0].send && t.pending[0].seq == 1, "{t:?}");
+        } else {
+            comm.send(&[1f32; 10], 0).unwrap();
+            all_reduce(&comm).unwrap_err();
+        }
+    });
+    let r = joined(&dir);
+    let f = r.groups[0]
+        .findings
+        .iter()
+        .find(|f| f.kind == FindingKind::P2P_WAIT)
+        .unwrap_or_else(|| panic!("{}", flight::text(&r)));
+    assert_eq!(f.ranks, [0, 1]);
+    assert!(
+        f.text
+            .contains("its receive #1 send_recv(f32, count=10) with rank 1")
+            && f.text.contains("it had sent 1 message(s) to rank 0")
+            && f.text.contains("all_reduce"),
+        "{}",
+        f.text
+    );
+    assert_eq!(r.exit_code, 2);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -5,7 +5,9 @@
 //! - an *entry* is one collective call: its sequence number, what was called (the fingerprint
 //!   every rank must agree on), when it started, how long it ran, what moved, how it ended;
 //! - a *record* is one communicator's entries with who it is (job, rank, size, edges) and its
-//!   first failure: what one rank knows about a hang or a crash;
+//!   first failure: what one rank knows about a hang or a crash; it also keeps the host
+//!   communicator's point-to-point traffic per peer (messages finished each way, and the ones
+//!   started and not finished), which are not entries: their numbers are each pair's own;
 //! - a *dump* is a record written as JSON to `RINGZERO_DUMP_DIR` as
 //!   `ringzero-flight-<comm>-rank<R>.json`: at the first failure (or [`abort`]), and again when
 //!   the communicator is dropped, failed or not. A rank that left the ring cleanly while the
@@ -75,6 +77,33 @@ pub struct FlightEntry {
     pub error: Option<String>,
 }
 
+/// A point-to-point message that started (a blocking call's, or a posted one) and has not
+/// finished.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PendingMsg {
+    /// A send (else a receive).
+    pub send: bool,
+    /// Its number in its direction of the pair: the peer's matching message has the same.
+    pub seq: u64,
+    /// What it is: `send_recv(f32, count=100)`.
+    pub call: String,
+    /// When it started, microseconds since the Unix epoch.
+    pub start_unix_us: u64,
+}
+
+/// This rank's point-to-point traffic with one peer.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct PeerTraffic {
+    /// The peer.
+    pub peer: usize,
+    /// Messages to the peer that finished (numbered from 0 in order).
+    pub sent: u64,
+    /// Messages from the peer that finished.
+    pub received: u64,
+    /// Messages started and not finished, oldest first.
+    pub pending: Vec<PendingMsg>,
+}
+
 /// What one rank's communicator knows: who it is, its last calls, and its first failure.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct FlightRecord {
@@ -107,6 +136,10 @@ pub struct FlightRecord {
     pub dropped: u64,
     /// The last calls, oldest first.
     pub entries: Vec<FlightEntry>,
+    /// Point-to-point traffic per peer (not entries: their numbers are each pair's own), by
+    /// peer. Records written before it existed read as none.
+    #[serde(default)]
+    pub p2p: Vec<PeerTraffic>,
 }
 
 impl FlightRecord {
@@ -130,6 +163,18 @@ struct Inner {
     running: Option<(Instant, Counters)>,
     /// Where the dump went, once written.
     dumped: Option<PathBuf>,
+    /// Point-to-point traffic by peer: finished counts and the messages started, their
+    /// fingerprints binary until a record is taken.
+    p2p: std::collections::BTreeMap<usize, Traffic>,
+}
+
+/// One peer's traffic as kept (see [`PeerTraffic`]).
+#[derive(Default)]
+struct Traffic {
+    sent: u64,
+    received: u64,
+    /// (send, seq, fingerprint, start)
+    pending: Vec<(bool, u64, Fingerprint, u64)>,
 }
 
 /// An entry as kept: the fingerprint stays binary until a record is taken, so recording costs a
@@ -164,6 +209,7 @@ impl Recorder {
             closed: false,
             dropped: 0,
             entries: Vec::new(),
+            p2p: Vec::new(),
         };
         Recorder {
             dir: cfg.dump_dir.clone(),
@@ -173,6 +219,7 @@ impl Recorder {
                 entries: VecDeque::new(),
                 running: None,
                 dumped: None,
+                p2p: Default::default(),
             }),
         }
     }
@@ -241,6 +288,28 @@ impl Recorder {
         }
     }
 
+    /// A point-to-point message with `peer` starts: message `seq` of its direction, `fp`.
+    pub(crate) fn p2p_started(&self, peer: usize, send: bool, seq: u64, fp: &Fingerprint) {
+        if self.cap == 0 {
+            return;
+        }
+        let mut g = self.lock();
+        let t = g.p2p.entry(peer).or_default();
+        t.pending.push((send, seq, *fp, now_us()));
+    }
+
+    /// Message `seq` of a direction with `peer` finished.
+    pub(crate) fn p2p_finished(&self, peer: usize, send: bool, seq: u64) {
+        if self.cap == 0 {
+            return;
+        }
+        let mut g = self.lock();
+        let t = g.p2p.entry(peer).or_default();
+        t.pending.retain(|m| (m.0, m.1) != (send, seq));
+        let done = if send { &mut t.sent } else { &mut t.received };
+        *done = (*done).max(seq + 1);
+    }
+
     /// The record as it stands.
     pub(crate) fn snapshot(&self) -> FlightRecord {
         let g = self.lock();
@@ -296,6 +365,25 @@ fn snapshot(g: &Inner) -> FlightRecord {
         .map(|s| FlightEntry {
             call: s.fp.to_string(),
             ..s.entry.clone()
+        })
+        .collect();
+    rec.p2p = g
+        .p2p
+        .iter()
+        .map(|(&peer, t)| PeerTraffic {
+            peer,
+            sent: t.sent,
+            received: t.received,
+            pending: t
+                .pending
+                .iter()
+                .map(|&(send, seq, fp, start_unix_us)| PendingMsg {
+                    send,
+                    seq,
+                    call: fp.to_string(),
+                    start_unix_us,
+                })
+                .collect(),
         })
         .collect();
     if let (Some((t, _)), Some(last)) = (g.running, rec.entries.last_mut()) {

@@ -58,7 +58,7 @@ pub use config::{Algo, Config, DeviceAlgo, StagingMode, TransportPref};
 pub type AllReduceAlgo = Algo;
 pub use device::{AdamAt, DeviceComm, DeviceMemory, HostStream, Stream, TrainStream};
 pub use error::{Error, Result};
-pub use flight::{CallState, FlightEntry, FlightRecord};
+pub use flight::{CallState, FlightEntry, FlightRecord, PeerTraffic, PendingMsg};
 pub use ring::doubling::Schedule;
 pub use ring::engine::Counters;
 pub use ring::{chunk, Collective};

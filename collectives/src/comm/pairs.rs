@@ -70,7 +70,8 @@ impl Communicator {
     /// A receiver expecting another count or element type fails with an [`Error::Mismatch`]
     /// naming both calls; a peer that never makes its call fails this one at the deadline; any
     /// error aborts the communicator, as a collective's does. Point-to-point calls are not
-    /// entries of the flight record (its sequence numbers are the collectives').
+    /// entries of the flight record (its sequence numbers are the collectives'); its `p2p`
+    /// keeps each peer's traffic instead: messages finished each way, and those pending.
     pub fn send<T: Element>(&self, buf: &[T], peer: usize) -> Result<()> {
         self.send_recv_batch(&mut [P2p::Send(buf, peer)])
     }
@@ -225,21 +226,50 @@ impl Inner {
         recv: Option<&mut [u8]>,
     ) -> Result<()> {
         let es = dtype.size();
-        self.connect_pairs(pairs, std::iter::once(peer), fp)?;
-        let pair = pairs.get_mut(&peer).expect("connected above");
-        let slice_elems = (self.cfg.slice_bytes / es).max(1);
-        let plan = plan_p2p(
-            send.map(|b| b.len() / es),
-            recv.as_ref().map(|b| b.len() / es),
-            slice_elems,
-        );
-        let (sent, received) = (pair.sent, pair.received);
-        pair.sent += u64::from(send.is_some());
-        pair.received += u64::from(recv.is_some());
         let fp_of = |c| Fingerprint::new(Collective::SendRecv, Some(dtype), None, c);
-        let call = self.p2p_call(&plan, (&fp_of, dtype), (send, sent), (recv, received));
-        let mut lane = [Lane::new(&mut pair.links, vec![call])];
-        engine::run_lanes(&mut lane, self.cfg.timeout, &self.abort)
+        // Recorded from before the connect, which is where a first call waits for its peer.
+        let (sent, received) = pairs.get(&peer).map_or((0, 0), |p| (p.sent, p.received));
+        let msgs: Vec<(usize, bool, u64, Fingerprint)> = [
+            send.map(|b| (peer, true, sent, fp_of(b.len() / es))),
+            recv.as_ref()
+                .map(|b| (peer, false, received, fp_of(b.len() / es))),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        self.tracked(&msgs, || {
+            self.connect_pairs(pairs, std::iter::once(peer), fp)?;
+            let pair = pairs.get_mut(&peer).expect("connected above");
+            let slice_elems = (self.cfg.slice_bytes / es).max(1);
+            let plan = plan_p2p(
+                send.map(|b| b.len() / es),
+                recv.as_ref().map(|b| b.len() / es),
+                slice_elems,
+            );
+            pair.sent += u64::from(send.is_some());
+            pair.received += u64::from(recv.is_some());
+            let call = self.p2p_call(&plan, (&fp_of, dtype), (send, sent), (recv, received));
+            let mut lane = [Lane::new(&mut pair.links, vec![call])];
+            engine::run_lanes(&mut lane, self.cfg.timeout, &self.abort)
+        })
+    }
+
+    /// Run `run` with point-to-point messages `msgs` (peer, a send, its number, what it is)
+    /// pending in the flight record, finished there if it succeeds (a failed run leaves them
+    /// pending: what the rank was waiting for).
+    pub(super) fn tracked(
+        &self,
+        msgs: &[(usize, bool, u64, Fingerprint)],
+        run: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
+        for (peer, send, seq, fp) in msgs {
+            self.flight.p2p_started(*peer, *send, *seq, fp);
+        }
+        run()?;
+        for (peer, send, seq, _) in msgs {
+            self.flight.p2p_finished(*peer, *send, *seq);
+        }
+        Ok(())
     }
 
     /// Connect this rank's point-to-point links with each of `peers` it has none with yet.
@@ -401,6 +431,7 @@ impl Inner {
             })
             .collect();
         let mut lanes = Vec::with_capacity(by_peer.len());
+        let mut msgs = Vec::new();
         let peers: Vec<usize> = by_peer.keys().copied().collect();
         let peer_msgs = by_peer.into_values().zip(&plans);
         for (pair, ((sends, recvs), plans)) in pairs_of(pairs, &peers).into_iter().zip(peer_msgs) {
@@ -408,6 +439,16 @@ impl Inner {
             let (sent, received) = (pair.sent, pair.received);
             pair.sent += sends.len() as u64;
             pair.received += recvs.len() as u64;
+            let peer = pair.links.next;
+            let numbered = |bufs: &[&[u8]], base: u64, send: bool| {
+                (base..)
+                    .zip(bufs.iter().map(|b| fp_of(b.len() / es)))
+                    .map(move |(seq, fp)| (peer, send, seq, fp))
+                    .collect::<Vec<_>>()
+            };
+            msgs.extend(numbered(&sends, sent, true));
+            let recv_lens: Vec<&[u8]> = recvs.iter().map(|b| &b[..]).collect();
+            msgs.extend(numbered(&recv_lens, received, false));
             let (mut sends, mut recvs) = (sends.into_iter(), recvs.into_iter());
             let calls = plans
                 .iter()
@@ -424,7 +465,9 @@ impl Inner {
                 .collect();
             lanes.push(Lane::new(&mut pair.links, calls));
         }
-        engine::run_lanes(&mut lanes, self.cfg.timeout, &self.abort)
+        self.tracked(&msgs, || {
+            engine::run_lanes(&mut lanes, self.cfg.timeout, &self.abort)
+        })
     }
 
     /// One call of `plan` over one pair of links: the message it sends (its sequence number in

@@ -12,7 +12,9 @@
 //!    or failed elsewhere without entering the call the others waited in;
 //! 4. **LATE**: a rank entered the call after another rank had already failed in it (or long
 //!    after the first rank entered): the others timed out waiting for it;
-//! 5. **FIRST_ERROR**: the earliest error by the clock; the later ones are usually its echo.
+//! 5. **P2P_WAIT**: a rank waited on a point-to-point message (its record's `p2p`) that its
+//!    peer never started, or started as another call;
+//! 6. **FIRST_ERROR**: the earliest error by the clock; the later ones are usually its echo.
 //!
 //! The analysis is a pure function of the records ([`analyse`]), tested on records written by
 //! real failing jobs and on hand-made ones.
@@ -35,6 +37,9 @@ pub enum FindingKind {
     NEVER_CALLED,
     /// A rank entered the call late.
     LATE,
+    /// A rank waited on a point-to-point message its peer never started (or started as
+    /// another).
+    P2P_WAIT,
     /// The earliest error.
     FIRST_ERROR,
     /// Every rank recorded the same calls and none failed.
@@ -356,7 +361,10 @@ fn group(job_id: String, comm: String, rs: &[&FlightRecord]) -> Group {
         }
     }
 
-    // 5. The earliest error by the clock.
+    // 5. Point-to-point messages a rank waited on that its peer never started.
+    findings.extend(p2p_waits(&by_rank, t0));
+
+    // 6. The earliest error by the clock.
     if let Some((rank, e)) = by_rank
         .iter()
         .flat_map(|(rank, r)| r.entries.iter().map(move |e| (*rank, e)))
@@ -433,6 +441,80 @@ fn group(job_id: String, comm: String, rs: &[&FlightRecord]) -> Group {
         ranks,
         findings,
     }
+}
+
+/// For every message a rank's record shows pending (a receive waiting for its frames, a send for
+/// the receiver), what the peer's record says of its side: never started (the peer's count of
+/// that direction is below it and nothing is pending there), or started as another call.
+fn p2p_waits(by_rank: &BTreeMap<usize, &FlightRecord>, t0: u64) -> Vec<Finding> {
+    let mut out = Vec::new();
+    for (&rank, r) in by_rank {
+        for t in &r.p2p {
+            let Some(theirs) = by_rank.get(&t.peer) else {
+                continue; // NO_RECORD says it
+            };
+            let back = theirs.p2p.iter().find(|b| b.peer == rank);
+            for m in &t.pending {
+                let (verb, other, did, dir, done) = if m.send {
+                    (
+                        "send",
+                        "receive",
+                        "received",
+                        "from",
+                        back.map_or(0, |b| b.received),
+                    )
+                } else {
+                    ("receive", "send", "sent", "to", back.map_or(0, |b| b.sent))
+                };
+                let matching = back.and_then(|b| {
+                    b.pending
+                        .iter()
+                        .find(|x| x.send != m.send && x.seq == m.seq)
+                });
+                let peer = t.peer;
+                let text = match matching {
+                    // Said once, from the receiver's side.
+                    Some(x) if x.call != m.call && !m.send => format!(
+                        "rank {rank}'s {verb} #{} {} with rank {peer} meets rank {peer}'s {other} \
+                         #{} {}: the two disagree (count or type)",
+                        m.seq, m.call, x.seq, x.call
+                    ),
+                    Some(_) => continue, // both sides are in it: a link or a deadline, not a gap
+                    None if done > m.seq => continue, // the peer finished its side
+                    None => {
+                        let last = theirs.entries.last().map_or(String::new(), |e| {
+                            format!(
+                                "; its last collective was seq {} {} ({})",
+                                e.seq,
+                                e.call,
+                                state_word(e.state)
+                            )
+                        });
+                        let after = match (&theirs.failure, theirs.closed) {
+                            (Some(why), _) => format!("; it failed: {why}"),
+                            (None, true) => "; it closed its communicator".into(),
+                            (None, false) => String::new(),
+                        };
+                        format!(
+                            "rank {rank} waited from {} on its {verb} #{} {} with rank {peer}, \
+                             which never started the matching {other}: it had {did} {done} \
+                             message(s) {dir} rank {rank}{last}{after}",
+                            rel(m.start_unix_us, t0),
+                            m.seq,
+                            m.call,
+                        )
+                    }
+                };
+                out.push(Finding {
+                    kind: FindingKind::P2P_WAIT,
+                    ranks: vec![rank, peer],
+                    seq: None,
+                    text,
+                });
+            }
+        }
+    }
+    out
 }
 
 fn state_word(s: CallState) -> &'static str {
@@ -522,6 +604,7 @@ mod tests {
             closed: true,
             dropped: 0,
             entries,
+            p2p: vec![],
         }
     }
 
@@ -646,6 +729,49 @@ mod tests {
         ];
         let rep = analyse("d", &recs);
         assert_eq!(rep.groups[0].findings[0].kind, FindingKind::LATE);
+        assert_eq!(rep.exit_code, 1);
+    }
+
+    #[test]
+    fn point_to_point_sides_that_disagree_are_named_and_matching_ones_are_not() {
+        use ringzero_collectives::{PeerTraffic, PendingMsg};
+        let pending = |send, seq, call: &str| PendingMsg {
+            send,
+            seq,
+            call: call.into(),
+            start_unix_us: 10,
+        };
+        let traffic = |peer, msgs| PeerTraffic {
+            peer,
+            sent: 2,
+            received: 2,
+            pending: msgs,
+        };
+        let entries = || vec![entry(0, AR, 0, 5, CallState::Done)];
+        let (mut a, mut b) = (rec(0, 2, entries()), rec(1, 2, entries()));
+        // Rank 0 receives #2 of 8 elements while rank 1 sends #2 of 9: named. Rank 0's send #2
+        // meets rank 1's receive #2 of the same call: both are in it, nothing to say.
+        let (r8, r9) = ("send_recv(f32, count=8)", "send_recv(f32, count=9)");
+        a.p2p = vec![traffic(
+            1,
+            vec![pending(false, 2, r8), pending(true, 2, r8)],
+        )];
+        b.p2p = vec![traffic(
+            0,
+            vec![pending(true, 2, r9), pending(false, 2, r8)],
+        )];
+        let rep = analyse("d", &[a, b]);
+        let p2p: Vec<&Finding> = rep.groups[0]
+            .findings
+            .iter()
+            .filter(|f| f.kind == FindingKind::P2P_WAIT)
+            .collect();
+        assert_eq!(p2p.len(), 1, "{:?}", rep.groups[0].findings);
+        assert!(p2p[0].text.contains("disagree"), "{p2p:?}");
+        assert!(
+            p2p[0].text.contains(r8) && p2p[0].text.contains(r9),
+            "{p2p:?}"
+        );
         assert_eq!(rep.exit_code, 1);
     }
 }
