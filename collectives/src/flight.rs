@@ -288,26 +288,36 @@ impl Recorder {
         }
     }
 
-    /// A point-to-point message with `peer` starts: message `seq` of its direction, `fp`.
-    pub(crate) fn p2p_started(&self, peer: usize, send: bool, seq: u64, fp: &Fingerprint) {
-        if self.cap == 0 {
+    /// Point-to-point messages start: (peer, a send, its number in its direction, what it is).
+    pub(crate) fn p2p_started(&self, msgs: &[(usize, bool, u64, Fingerprint)]) {
+        if self.cap == 0 || msgs.is_empty() {
             return;
         }
+        let now = now_us();
         let mut g = self.lock();
-        let t = g.p2p.entry(peer).or_default();
-        t.pending.push((send, seq, *fp, now_us()));
+        for &(peer, send, seq, fp) in msgs {
+            g.p2p
+                .entry(peer)
+                .or_default()
+                .pending
+                .push((send, seq, fp, now));
+        }
     }
 
-    /// Message `seq` of a direction with `peer` finished.
-    pub(crate) fn p2p_finished(&self, peer: usize, send: bool, seq: u64) {
+    /// Point-to-point messages finished: (peer, a send, its number), as started.
+    pub(crate) fn p2p_finished(&self, msgs: impl IntoIterator<Item = (usize, bool, u64)>) {
         if self.cap == 0 {
             return;
         }
         let mut g = self.lock();
-        let t = g.p2p.entry(peer).or_default();
-        t.pending.retain(|m| (m.0, m.1) != (send, seq));
-        let done = if send { &mut t.sent } else { &mut t.received };
-        *done = (*done).max(seq + 1);
+        for (peer, send, seq) in msgs {
+            let t = g.p2p.entry(peer).or_default();
+            if let Some(i) = t.pending.iter().position(|m| (m.0, m.1) == (send, seq)) {
+                t.pending.remove(i);
+            }
+            let done = if send { &mut t.sent } else { &mut t.received };
+            *done = (*done).max(seq + 1);
+        }
     }
 
     /// The record as it stands.

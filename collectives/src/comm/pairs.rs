@@ -229,15 +229,23 @@ impl Inner {
         let fp_of = |c| Fingerprint::new(Collective::SendRecv, Some(dtype), None, c);
         // Recorded from before the connect, which is where a first call waits for its peer.
         let (sent, received) = pairs.get(&peer).map_or((0, 0), |p| (p.sent, p.received));
-        let msgs: Vec<(usize, bool, u64, Fingerprint)> = [
-            send.map(|b| (peer, true, sent, fp_of(b.len() / es))),
-            recv.as_ref()
-                .map(|b| (peer, false, received, fp_of(b.len() / es))),
-        ]
-        .into_iter()
-        .flatten()
-        .collect();
-        self.tracked(&msgs, || {
+        let s = send.map(|b| (peer, true, sent, fp_of(b.len() / es)));
+        let r = recv
+            .as_ref()
+            .map(|b| (peer, false, received, fp_of(b.len() / es)));
+        let (both, one);
+        let msgs: &[_] = match (s, r) {
+            (Some(s), Some(r)) => {
+                both = [s, r];
+                &both
+            }
+            (Some(m), None) | (None, Some(m)) => {
+                one = [m];
+                &one
+            }
+            (None, None) => &[],
+        };
+        self.tracked(msgs, || {
             self.connect_pairs(pairs, std::iter::once(peer), fp)?;
             let pair = pairs.get_mut(&peer).expect("connected above");
             let slice_elems = (self.cfg.slice_bytes / es).max(1);
@@ -262,13 +270,10 @@ impl Inner {
         msgs: &[(usize, bool, u64, Fingerprint)],
         run: impl FnOnce() -> Result<()>,
     ) -> Result<()> {
-        for (peer, send, seq, fp) in msgs {
-            self.flight.p2p_started(*peer, *send, *seq, fp);
-        }
+        self.flight.p2p_started(msgs);
         run()?;
-        for (peer, send, seq, _) in msgs {
-            self.flight.p2p_finished(*peer, *send, *seq);
-        }
+        self.flight
+            .p2p_finished(msgs.iter().map(|&(p, send, seq, _)| (p, send, seq)));
         Ok(())
     }
 

@@ -284,7 +284,7 @@ impl Inner {
             let count = m.len / es;
             let seq = if m.send { sent } else { received };
             let fp = Fingerprint::new(Collective::SendRecv, Some(p.dtype), None, count);
-            self.flight.p2p_started(m.peer, m.send, *seq, &fp);
+            self.flight.p2p_started(&[(m.peer, m.send, *seq, fp)]);
             let msg = Msg {
                 job,
                 dtype: p.dtype,
@@ -428,7 +428,7 @@ impl Inner {
                     if m.at < m.plan.ops.len() {
                         break;
                     }
-                    self.flight.p2p_finished(*peer, send, m.seq);
+                    self.flight.p2p_finished([(*peer, send, m.seq)]);
                     let job = &mut jobs[m.job];
                     queue.pop_front();
                     job.left -= 1;
