@@ -36,6 +36,9 @@ use crate::work::{Feed, Ticket};
 #[cfg(doc)]
 use super::Communicator;
 
+/// How often a session looks for ranks connecting to this one ([`Inner::serve`]).
+const SERVE_EVERY: std::time::Duration = std::time::Duration::from_millis(2);
+
 /// One posted call: its messages, and what fills its `Work` (which owns their buffers).
 pub(crate) struct Posted {
     dtype: DType,
@@ -198,13 +201,18 @@ impl Inner {
     ) -> Result<()> {
         let mut patience = Patience::new();
         let mut waiter = Waiter::backoff();
+        let mut served_at = std::time::Instant::now() - SERVE_EVERY;
         loop {
             let mut moved = false;
             while let Some((p, t)) = feed.next() {
                 self.take(s, pairs, p, t)?;
                 moved = true;
             }
-            moved |= self.serve(s, pairs)?;
+            // The listener is asked every few milliseconds, not on every spin of the wait.
+            if served_at.elapsed() >= SERVE_EVERY {
+                served_at = std::time::Instant::now();
+                moved |= self.serve(s, pairs)?;
+            }
             moved |= self.joined(s, pairs)?;
             moved |= self.step(s, pairs)?;
             if s.flows.is_empty() && s.connecting.is_empty() {
