@@ -481,3 +481,118 @@ fn across_nodes_a_device_all_to_all_goes_over_the_pairs() {
         });
     }
 }
+
+/// Posted device point-to-point (the asynchronous forms) never waits on itself: every rank
+/// posts its receive from the rank before it, then its send to the rank after (each message
+/// several times what the slots hold, so no send fits before its receive starts), as its
+/// pairs' very first calls — a cycle that calls run one at a time wait in until the deadline.
+/// Then, on the pairs now connected, the other way round, and two ranks each posting a large
+/// send before their receive. Every element checked, over shm (mapped and explicit-copy
+/// staging) and tcp device links.
+#[test]
+fn posted_device_calls_complete_in_a_cycle_of_first_calls_and_both_ways() {
+    for (transport, staging, want) in [
+        (TransportPref::Shm, StagingMode::Mapped, TransportKind::Shm),
+        (TransportPref::Shm, StagingMode::Copy, TransportKind::Shm),
+        (TransportPref::Tcp, StagingMode::Mapped, TransportKind::Tcp),
+    ] {
+        let o = Opts {
+            transport,
+            staging,
+            slice_bytes: 1024,
+            timeout: std::time::Duration::from_secs(20),
+            ..Opts::default()
+        };
+        let n = 4;
+        ranks(n, &o, |r, dc| {
+            let (prev, next) = ((r + n - 1) % n, (r + 1) % n);
+            let len = 3001; // 12 KB: three times the four 1 KiB slots
+            let got = dc.recv_async(vec![0f32; len], prev);
+            let sent = dc.send_async(msg(r, 0, len), next);
+            assert_eq!(got.wait().unwrap(), msg(prev, 0, len), "rank {r}: ring");
+            assert_eq!(sent.wait().unwrap(), msg(r, 0, len), "rank {r}: sent back");
+            // The other way round on the same pairs, posted in the same order.
+            let got = dc.recv_async(vec![0f32; len + 1], next);
+            let sent = dc.send_async(msg(r, 1, len + 1), prev);
+            assert_eq!(got.wait().unwrap(), msg(next, 1, len + 1), "rank {r}: back");
+            sent.wait().unwrap();
+            // Both sends of a pair first, each larger than the slots.
+            let partner = r ^ 1;
+            let sent = dc.send_async(msg(r, 2, 5000), partner);
+            let got = dc.recv_async(vec![0f32; 5000], partner);
+            let swap = dc.send_recv_async(msg(r, 3, 700), vec![0f32; 700], partner);
+            assert_eq!(got.wait().unwrap(), msg(partner, 2, 5000), "rank {r}: swap");
+            assert_eq!(swap.wait().unwrap().1, msg(partner, 3, 700), "rank {r}");
+            sent.wait().unwrap();
+            // A collective after them runs in step.
+            let mut all = vec![1f32; 100];
+            dc.all_reduce_in_place(&mut all[..], ReduceOp::Sum).unwrap();
+            assert!(all.iter().all(|&v| v == n as f32));
+            for peer in [prev, next, partner] {
+                let [from, to] = dc.pair_edges(peer).expect("connected");
+                assert!(from.kind == want && to.kind == want, "{from} / {to}");
+            }
+        });
+    }
+}
+
+/// A posted call and a blocking one meet: the same messages, numbered alike, whichever form
+/// each rank uses, on a pair's first call and later ones.
+#[test]
+fn posted_and_blocking_device_calls_meet() {
+    let o = Opts {
+        slice_bytes: 1024,
+        ..Opts::default()
+    };
+    ranks(2, &o, |r, dc| {
+        let other = 1 - r;
+        for k in 0..3 {
+            let len = 1500 + k;
+            if r == 0 {
+                let got = dc.recv_async(vec![0f32; len], other);
+                let sent = dc.send_async(msg(r, k, len), other);
+                assert_eq!(got.wait().unwrap(), msg(other, k, len), "message {k}");
+                sent.wait().unwrap();
+            } else {
+                let mut b = vec![0f32; len];
+                dc.send_recv(&msg(r, k, len)[..], &mut b[..], other)
+                    .unwrap();
+                assert_eq!(b, msg(other, k, len), "message {k}");
+            }
+        }
+    });
+}
+
+/// A posted receive whose sender never sends fails at the deadline, naming the peer and the
+/// message; every call of the session fails with it, and later calls are refused.
+#[test]
+fn a_posted_device_receive_that_never_comes_times_out_naming_the_peer() {
+    let o = Opts {
+        slice_bytes: 1024,
+        timeout: std::time::Duration::from_millis(1500),
+        ..Opts::default()
+    };
+    ranks(2, &o, |r, dc| {
+        if r == 1 {
+            // Connect the pair (a message each way), then go quiet past rank 0's deadline.
+            let got = dc.recv_async(vec![0f32; 10], 0);
+            dc.send_async(msg(r, 0, 10), 0).wait().unwrap();
+            got.wait().unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(2500));
+            return;
+        }
+        let got = dc.recv_async(vec![0f32; 10], 1);
+        dc.send_async(msg(r, 0, 10), 1).wait().unwrap();
+        got.wait().unwrap();
+        let start = std::time::Instant::now();
+        let waits = dc.recv_async(vec![0f32; 64], 1);
+        let e = waits.wait().unwrap_err();
+        let took = start.elapsed();
+        let s = e.to_string();
+        assert!(matches!(e, Error::Timeout { .. }), "{s}");
+        assert!(s.contains("rank 1") && s.contains("send_recv"), "{s}");
+        assert!(took < std::time::Duration::from_secs(5), "took {took:?}");
+        let e = dc.send_async(msg(r, 1, 4), 1).wait().unwrap_err();
+        assert!(e.to_string().contains("rank 1"), "refused: {e}");
+    });
+}

@@ -835,6 +835,36 @@ impl HostPeers {
     pub(crate) fn data_ip(&self) -> Option<std::net::IpAddr> {
         self.0.data_ip
     }
+
+    /// A worker of its own that runs point-to-point calls on these links as the asynchronous
+    /// forms do ([`Communicator::send_recv_batch_async`]: posted, so they never wait on each
+    /// other in a cycle), for a device communicator's posted session to trade connect infos
+    /// without waiting on its peers' turns.
+    pub(crate) fn poster(&self, name: String) -> HostPoster {
+        HostPoster {
+            inner: self.0.clone(),
+            worker: Worker::new(name),
+        }
+    }
+}
+
+/// Posted point-to-point calls on a communicator's host links from a thread of their own
+/// ([`HostPeers::poster`]).
+pub(crate) struct HostPoster {
+    inner: Arc<Inner>,
+    worker: Worker<posted::Posted>,
+}
+
+impl HostPoster {
+    /// Post `msgs` as one call ([`Communicator::send_recv_batch_async`]'s rules, peers checked
+    /// by the caller): the `Work` gives them back, receives filled.
+    pub(crate) fn post(&self, msgs: Vec<P2pOwned<u8>>) -> Work<Vec<P2pOwned<u8>>> {
+        let inner = self.inner.clone();
+        self.worker.post(
+            |fill| posted::Posted::new(msgs, move |r, msgs| fill(r.map(|()| msgs))),
+            move |first, ticket, feed| inner.run_posted(first, ticket, feed),
+        )
+    }
 }
 
 impl Drop for Communicator {

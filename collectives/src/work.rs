@@ -92,6 +92,62 @@ impl Drop for Ticket {
     }
 }
 
+/// A posted call in a session: how many of its messages are still moving, what fills its
+/// `Work` (taken when it does) and its ticket (dropped then).
+pub(crate) struct PostedJob {
+    left: usize,
+    fill: Option<Box<dyn FnOnce(Result<()>) + Send>>,
+    ticket: Option<Ticket>,
+}
+
+impl PostedJob {
+    /// A call of `left` messages (one of none is done at once).
+    pub(crate) fn new(
+        left: usize,
+        fill: Box<dyn FnOnce(Result<()>) + Send>,
+        ticket: Ticket,
+    ) -> PostedJob {
+        let mut j = PostedJob {
+            left,
+            fill: Some(fill),
+            ticket: Some(ticket),
+        };
+        if left == 0 {
+            j.finish(Ok(()));
+        }
+        j
+    }
+
+    /// One more of its messages has moved; the last finishes the call.
+    pub(crate) fn one_done(&mut self) {
+        self.left = self.left.saturating_sub(1);
+        if self.left == 0 {
+            self.finish(Ok(()));
+        }
+    }
+
+    /// Fill the call's `Work` with `r`, then count it done; a no-op once done.
+    pub(crate) fn finish(&mut self, r: Result<()>) {
+        if let Some(fill) = self.fill.take() {
+            fill(r);
+        }
+        self.ticket.take();
+    }
+}
+
+impl Drop for PostedJob {
+    /// A job dropped unfinished (its session panicked) fails its `Work`, so no caller waits
+    /// forever.
+    fn drop(&mut self) {
+        if self.fill.is_some() {
+            self.finish(Err(Error::Io {
+                context: "running a posted point-to-point call".into(),
+                detail: "its session ended without finishing it (a bug in ringzero)".into(),
+            }));
+        }
+    }
+}
+
 /// A session's view of the queue behind it.
 pub(crate) struct Feed<'w, P> {
     queue: &'w (Mutex<Queue<P>>, Condvar),

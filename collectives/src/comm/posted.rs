@@ -31,7 +31,7 @@ use crate::ring::{plan_p2p, Collective, Plan};
 use crate::topology::Edge;
 use crate::transport::wait::Waiter;
 use crate::wire::Fingerprint;
-use crate::work::{Feed, Ticket};
+use crate::work::{Feed, PostedJob, Ticket};
 
 #[cfg(doc)]
 use super::Communicator;
@@ -90,37 +90,6 @@ impl Posted {
     }
 }
 
-/// A posted call in a session: how many of its messages are still moving, and what fills its
-/// `Work` (taken when it does).
-struct Job {
-    left: usize,
-    fill: Option<Box<dyn FnOnce(Result<()>) + Send>>,
-    ticket: Option<Ticket>,
-}
-
-impl Drop for Job {
-    /// A job dropped unfinished (its session panicked) fails its `Work`, so no caller waits
-    /// forever.
-    fn drop(&mut self) {
-        if self.fill.is_some() {
-            self.finish(Err(Error::Io {
-                context: "running a posted point-to-point call".into(),
-                detail: "its session ended without finishing it (a bug in ringzero)".into(),
-            }));
-        }
-    }
-}
-
-impl Job {
-    /// Fill the call's `Work` with `r`, then count it done; a no-op once done.
-    fn finish(&mut self, r: Result<()>) {
-        if let Some(fill) = self.fill.take() {
-            fill(r);
-        }
-        self.ticket.take();
-    }
-}
-
 /// One direction of one message in a session: its job, its one-way plan and where it is.
 struct Msg {
     job: usize,
@@ -157,7 +126,7 @@ struct Connecting {
 /// whose links have frames to flush.
 #[derive(Default)]
 struct Session {
-    jobs: Vec<Job>,
+    jobs: Vec<PostedJob>,
     flows: BTreeMap<usize, Flow>,
     connecting: BTreeMap<usize, Connecting>,
     unflushed: BTreeSet<usize>,
@@ -257,13 +226,8 @@ impl Inner {
         ticket: Ticket,
     ) -> Result<()> {
         let job = s.jobs.len();
-        s.jobs.push(Job {
-            left: p.msgs.len(),
-            fill: Some(p.fill),
-            ticket: Some(ticket),
-        });
+        s.jobs.push(PostedJob::new(p.msgs.len(), p.fill, ticket));
         if p.msgs.is_empty() {
-            s.jobs[job].finish(Ok(()));
             return Ok(());
         }
         let es = p.dtype.size();
@@ -437,12 +401,8 @@ impl Inner {
                         break;
                     }
                     self.flight.p2p_finished([(*peer, send, m.seq)]);
-                    let job = &mut jobs[m.job];
+                    jobs[m.job].one_done();
                     queue.pop_front();
-                    job.left -= 1;
-                    if job.left == 0 {
-                        job.finish(Ok(()));
-                    }
                     if send {
                         unflushed.insert(*peer);
                     }

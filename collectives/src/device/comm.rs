@@ -25,7 +25,7 @@ use bytemuck::{Pod, Zeroable};
 use ringzero_kernels::{DType, ReduceOp};
 
 use super::stream::Stream;
-use crate::comm::{AbortHandle, Communicator, HostPeers};
+use crate::comm::{AbortHandle, Communicator, HostPeers, HostPoster};
 use crate::config::{Config, StagingMode};
 use crate::error::{Error, Result};
 use crate::flight::{FlightRecord, Recorder};
@@ -160,10 +160,12 @@ pub fn judge_probe(expected: &[u8], seen: &[u8]) -> Option<String> {
 /// Asynchronous calls on owned buffers (`all_reduce_async(buf, op)`) return a [`Work`] at once
 /// and are driven by the communicator's proxy thread, in the order submitted, while the caller
 /// goes on (queueing its own kernels, for example); a blocking call waits for the asynchronous
-/// ones submitted before it, so every rank sees the same order.
+/// ones submitted before it, so every rank sees the same order. Point-to-point calls queued one
+/// after another are the exception: they are posted, each message moving as its link allows
+/// ([`DeviceComm::send_async`]).
 pub struct DeviceComm<S: Stream> {
     core: Arc<Core<S>>,
-    worker: Worker,
+    worker: Worker<super::posted::DevPosted>,
 }
 
 /// What the calling thread and the proxy thread share.
@@ -196,6 +198,8 @@ pub(super) struct Core<S: Stream> {
     pub(super) infos: Vec<DeviceInfo>,
     /// Device links of this rank with each peer it has met in a point-to-point call.
     pub(super) pairs: Mutex<BTreeMap<usize, super::pairs::DevPair>>,
+    /// Posted host calls, for posted device calls to connect pairs (None: one rank).
+    pub(super) poster: Option<HostPoster>,
 }
 
 pub(super) type DevState = crate::ring::engine::RingState<DevLinks>;
@@ -224,6 +228,10 @@ impl<S: Stream> DeviceComm<S> {
             host: (size > 1).then(|| comm.host_peers()),
             infos: Vec::new(),
             pairs: Mutex::new(BTreeMap::new()),
+            poster: (size > 1).then(|| {
+                comm.host_peers()
+                    .poster(format!("ringzero-device-connect-{rank}"))
+            }),
         };
         if size > 1 {
             core.connect(comm)?;
@@ -365,6 +373,16 @@ impl<S: Stream> DeviceComm<S> {
     /// The state the calling thread and the proxy thread share.
     pub(super) fn core(&self) -> &Core<S> {
         &self.core
+    }
+
+    /// The same, to move to the proxy thread.
+    pub(super) fn core_arc(&self) -> Arc<Core<S>> {
+        self.core.clone()
+    }
+
+    /// The proxy thread's queue.
+    pub(super) fn worker(&self) -> &Worker<super::posted::DevPosted> {
+        &self.worker
     }
 
     /// Wait until the asynchronous calls submitted so far have run.
@@ -702,7 +720,7 @@ impl<S: Stream> Core<S> {
         let name = crate::connect::segment_name(&self.cfg, prev, self.rank, "dev");
         let (rx, info) = self.open_rx(comm.data_ip(), recv_edge, prev, &name)?;
         let all: Vec<ConnectInfo> = comm.all_gather_records(&info)?;
-        self.join(rx, recv_edge, prev, (&all[next], next))
+        self.join(rx, prev, (&all[next], next))
     }
 
     /// This rank's receive FIFO from `from` for `recv_edge` (shm segment `name`), or for a tcp
@@ -765,81 +783,97 @@ impl<S: Stream> Core<S> {
                     .local_addr()
                     .map_err(|e| Error::io("device data listener address", e))?;
                 info.path = text(&addr.to_string());
-                Rx::Listen(l)
+                // Accepting starts now, on a thread of its own, so that the sender's connect
+                // completes whenever it comes, whatever this rank is doing meanwhile (a posted
+                // session connecting several pairs never waits on a peer's turn). The thread
+                // gives up at the deadline if the sender never comes.
+                let (secret, job_id, rank) = (cfg.secret.clone(), cfg.job_id.clone(), self.rank);
+                let (sockets, timeout) = (recv_edge.sockets, cfg.timeout);
+                let accept = std::thread::Builder::new()
+                    .name(format!("ringzero-accept-{rank}-{from}"))
+                    .spawn(move || -> Result<tcp::TcpRecv> {
+                        let me = crate::bootstrap::Identity {
+                            secret: &secret,
+                            job_id: &job_id,
+                            rank: rank as u32,
+                        };
+                        let wires = tcp::accept_wires(&l, &me, from, sockets, timeout)?;
+                        tcp::TcpRecv::over(wires, from, slots, slot_bytes)
+                    })
+                    .map_err(|e| Error::io("starting a device data accept thread", e))?;
+                Rx::Accepting(accept)
             }
         };
         Ok((rx, info))
     }
 
-    /// Finish `rx` (accepting the sender's connections for a tcp edge) while attaching to the
-    /// receive FIFO of `to` that `theirs` describes: the links, and the send edge's kind and tcp
-    /// connections.
+    /// Attach to the receive FIFO of `to` that `theirs` describes, then finish `rx` (a tcp
+    /// edge's accept, running since [`Core::open_rx`]): the links, and the send edge's kind and
+    /// tcp connections. Neither step waits on the peer's turn: its FIFO exists (or its accept
+    /// runs) since it sent `theirs`.
     pub(super) fn join(
         &self,
         rx: Rx,
-        recv_edge: &Edge,
         from: usize,
         (theirs, to): (&ConnectInfo, usize),
     ) -> Result<(DevLinks, (TransportKind, usize))> {
-        let cfg = &self.cfg;
-        let (slots, slot_bytes) = (cfg.slots, self.slot_bytes());
+        let (tx, kind) = self.attach_to(theirs, to)?;
+        let rx = self.finish_rx(rx)?;
+        Ok((
+            self.links(tx, rx, from, to),
+            (kind, sent_sockets(theirs, kind)),
+        ))
+    }
+
+    /// Attach to the receive FIFO of `to` that `theirs` describes (for tcp, connect to its
+    /// accepting listener): the send link and its transport.
+    pub(super) fn attach_to(&self, theirs: &ConnectInfo, to: usize) -> Result<SendSide> {
         let path = std::path::PathBuf::from(untext(&theirs.path));
         let (t_slots, t_bytes) = (theirs.slots as usize, theirs.slot_bytes as usize);
         let me = crate::bootstrap::Identity {
-            secret: &cfg.secret,
-            job_id: &cfg.job_id,
+            secret: &self.cfg.secret,
+            job_id: &self.cfg.job_id,
             rank: self.rank as u32,
         };
-        // Both directions at once: a tcp connect waits for the peer's accept.
-        let (rx, tx): (Box<dyn DevRecvLink>, Result<SendSide>) =
-            std::thread::scope(|sc| -> Result<_> {
-                let (ready, accept) = match rx {
-                    Rx::Ready(r) => (Some(r), None),
-                    Rx::Listen(l) => (
-                        None,
-                        Some(sc.spawn(move || -> Result<tcp::TcpRecv> {
-                            let wires =
-                                tcp::accept_wires(&l, &me, from, recv_edge.sockets, cfg.timeout)?;
-                            tcp::TcpRecv::over(wires, from, slots, slot_bytes)
-                        })),
-                    ),
-                };
-                let tx = self.attach(theirs, &path, t_slots, t_bytes, to, &me);
-                let rx: Box<dyn DevRecvLink> = match (ready, accept) {
-                    (Some(r), _) => r,
-                    (None, Some(h)) => {
-                        let mut t = h.join().map_err(|_| Error::Io {
-                            context: "accepting a device data connection".into(),
-                            detail: "accept thread panicked".into(),
-                        })??;
-                        let (ptr, len, stride) = t.staging();
-                        // SAFETY: the staging is an anonymous mapping owned by `t`, which the
-                        // TcpDevRecv keeps (and drops after `keep`); moving `t` does not move it.
-                        let (dev, keep) = unsafe { self.stream.map_host(ptr, len) }
-                            .map_err(dev_err("mapping the tcp receive slots into the device"))?;
-                        Box::new(TcpDevRecv::new(t, dev, stride, keep))
-                    }
-                    (None, None) => unreachable!("one of the two is set"),
-                };
-                Ok((rx, tx))
-            })?;
-        let (tx, kind) = tx?;
-        let sockets = match kind {
-            TransportKind::Tcp => theirs.sockets as usize,
-            _ => 0,
+        self.attach(theirs, &path, t_slots, t_bytes, to, &me)
+    }
+
+    /// The receive link of `rx`, waiting for a tcp edge's accept to end (within the deadline
+    /// its thread keeps).
+    pub(super) fn finish_rx(&self, rx: Rx) -> Result<Box<dyn DevRecvLink>> {
+        let h = match rx {
+            Rx::Ready(r) => return Ok(r),
+            Rx::Accepting(h) => h,
         };
-        Ok((
-            DevLinks {
-                tx,
-                rx,
-                next: to,
-                prev: from,
-                counters: Counters::default(),
-                direct: None,
-                pair_copies: cfg.device_copy_pairs,
-            },
-            (kind, sockets),
-        ))
+        let mut t = h.join().map_err(|_| Error::Io {
+            context: "accepting a device data connection".into(),
+            detail: "accept thread panicked".into(),
+        })??;
+        let (ptr, len, stride) = t.staging();
+        // SAFETY: the staging is an anonymous mapping owned by `t`, which the TcpDevRecv keeps
+        // (and drops after `keep`); moving `t` does not move it.
+        let (dev, keep) = unsafe { self.stream.map_host(ptr, len) }
+            .map_err(dev_err("mapping the tcp receive slots into the device"))?;
+        Ok(Box::new(TcpDevRecv::new(t, dev, stride, keep)))
+    }
+
+    /// The links of a pair of FIFO ends: `tx` to `to`, `rx` from `from`.
+    pub(super) fn links(
+        &self,
+        tx: Box<dyn DevSendLink>,
+        rx: Box<dyn DevRecvLink>,
+        from: usize,
+        to: usize,
+    ) -> DevLinks {
+        DevLinks {
+            tx,
+            rx,
+            next: to,
+            prev: from,
+            counters: Counters::default(),
+            direct: None,
+            pair_copies: self.cfg.device_copy_pairs,
+        }
     }
 
     /// Device scratch of `bytes` for a host-staging link when `RINGZERO_STAGING=copy`.
@@ -1330,7 +1364,26 @@ type SendSide = (Box<dyn DevSendLink>, TransportKind);
 /// A receive FIFO being set up: ready, or (tcp) waiting for the sender's connections.
 pub(super) enum Rx {
     Ready(Box<dyn DevRecvLink>),
-    Listen(std::net::TcpListener),
+    /// The thread accepting the sender's tcp connections.
+    Accepting(std::thread::JoinHandle<Result<tcp::TcpRecv>>),
+}
+
+impl Rx {
+    /// Whether [`Core::finish_rx`] would return without waiting.
+    pub(super) fn is_ready(&self) -> bool {
+        match self {
+            Rx::Ready(_) => true,
+            Rx::Accepting(h) => h.is_finished(),
+        }
+    }
+}
+
+/// How many tcp connections a send edge of `kind` to the FIFO `theirs` describes has.
+pub(super) fn sent_sockets(theirs: &ConnectInfo, kind: TransportKind) -> usize {
+    match kind {
+        TransportKind::Tcp => theirs.sockets as usize,
+        _ => 0,
+    }
 }
 
 fn dev_err(what: &str) -> impl Fn(ringzero_kernels::device::DeviceError) -> Error + '_ {

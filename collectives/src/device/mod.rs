@@ -19,6 +19,7 @@ mod cuda;
 pub mod direct;
 pub mod optim;
 mod pairs;
+mod posted;
 pub mod stream;
 
 pub use comm::DeviceComm;

@@ -10,23 +10,26 @@
 //! communicator's own point-to-point links, so no other rank takes part. Later calls need no
 //! rendezvous. Each direction numbers its messages (a frame's sequence number), so a message is
 //! matched by the peer's next receive whatever else either rank does meanwhile; a receive
-//! expecting another count or element type fails with both calls named.
+//! expecting another count or element type fails with both calls named. The asynchronous forms
+//! are posted calls, moved by the proxy thread as their links allow (`device/posted.rs`), their
+//! pairs connected there without waiting on a peer's turn.
 //!
 //! All-to-all-v is built on the pairs: the ranks meet pair by pair in the rounds of a
 //! round-robin tournament ([`partner`]), each pair trading its two blocks at once.
 //!
 //! Not done: the pair's links get no start-up probe of their own (the ring's probe decides, for
-//! every pair, whether peer copies are trusted), and there is no batch of messages to several
-//! peers at once: one call (and one all-to-all-v round) moves at most one message each way.
+//! every pair, whether peer copies are trusted), and a blocking call moves at most one message
+//! each way (posted calls to several peers move at once).
 
 use std::collections::BTreeMap;
 
 use ringzero_kernels::{DType, ReduceOp};
 
+use super::comm::Rx;
 use super::comm::{text, untext, ConnectInfo, Core, DeviceComm, FINDING_BYTES};
 use super::stream::Stream;
 use super::DeviceMemory;
-use crate::comm::P2p;
+use crate::comm::{HostPeers, P2p};
 use crate::error::{Error, Result};
 use crate::ring::device_engine::{self, DevBufs, DevLinks};
 use crate::ring::engine::Call;
@@ -40,9 +43,9 @@ use crate::work::Work;
 
 /// This rank's device links with one peer, and how many messages each direction has carried.
 pub(crate) struct DevPair {
-    links: DevLinks,
-    sent: u64,
-    received: u64,
+    pub(super) links: DevLinks,
+    pub(super) sent: u64,
+    pub(super) received: u64,
     /// From the peer to this rank, then from this rank to the peer.
     edges: [Edge; 2],
 }
@@ -57,8 +60,8 @@ impl<S: Stream> DeviceComm<S> {
     /// [`DeviceComm::connect_peers`]). A send returns once its last slice is in the peer's
     /// slots, which may be before the peer receives it (while the message fits `RINGZERO_SLOTS`
     /// slices); two ranks that each send the other more than that before receiving wait until
-    /// the deadline, so exchange with [`DeviceComm::send_recv`]. Unlike the host
-    /// communicator's, the asynchronous forms run in order on the proxy thread, as these do.
+    /// the deadline, so exchange with [`DeviceComm::send_recv`] — or post the calls
+    /// ([`DeviceComm::send_async`]), which neither waits in program order nor on a first call.
     pub fn send<B: DeviceMemory<S> + ?Sized>(&mut self, buf: &B, peer: usize) -> Result<()> {
         check(self, &[(true, peer)])?;
         let s = (buf.addr(self.stream()), buf.elems());
@@ -186,10 +189,18 @@ impl<S: Stream> DeviceComm<S> {
     }
 }
 
-/// Asynchronous forms: owned buffers, driven by the proxy thread in submission order with the
-/// collectives (see [`DeviceComm`]); bad peers fail the `Work` at once.
+/// Asynchronous forms: owned buffers, driven by the proxy thread (see [`DeviceComm`]): the
+/// point-to-point calls are posted (`device/posted.rs`), all-to-all-v runs in submission order
+/// with the collectives; bad peers fail the `Work` at once.
 impl<S: Stream + 'static> DeviceComm<S> {
-    /// [`DeviceComm::send`] of an owned buffer; returns it once sent.
+    /// [`DeviceComm::send`] of an owned buffer (`MPI_Isend`); returns it once sent (its device
+    /// work complete, the message in the peer's slots or read). Point-to-point calls queued
+    /// one after another are *posted*: each message moves as soon as its link allows, even
+    /// while one queued before it waits, so `recv_async` from one neighbour before `send_async`
+    /// to the other, or two ranks that each `send_async` the other more than its slots hold
+    /// before `recv_async`, complete — first calls included (the pairs connect within the
+    /// session). Messages to one peer keep their order; a collective queued after them waits
+    /// for them.
     pub fn send_async<B>(&self, buf: B, peer: usize) -> Work<B>
     where
         B: DeviceMemory<S> + Send + 'static,
@@ -197,32 +208,19 @@ impl<S: Stream + 'static> DeviceComm<S> {
         if let Err(e) = check(self, &[(true, peer)]) {
             return Work::failed(e);
         }
-        self.submit(move |core| {
-            let s = (buf.addr(&core.stream), buf.elems());
-            // SAFETY: the job owns `buf` until the call returns, and the engine returns only
-            // once the device work reading it has completed.
-            unsafe { core.p2p(peer, buf.dtype(), Some(s), None) }?;
-            Ok(buf)
-        })
+        self.post_p2p(vec![(true, peer, buf)], one)
     }
 
-    /// [`DeviceComm::recv`] into an owned buffer (its length the count expected); returns it
-    /// filled.
-    pub fn recv_async<B>(&self, mut buf: B, peer: usize) -> Work<B>
+    /// [`DeviceComm::recv`] into an owned buffer (its length the count expected;
+    /// `MPI_Irecv`), posted as [`DeviceComm::send_async`] is; returns it filled.
+    pub fn recv_async<B>(&self, buf: B, peer: usize) -> Work<B>
     where
         B: DeviceMemory<S> + Send + 'static,
     {
         if let Err(e) = check(self, &[(false, peer)]) {
             return Work::failed(e);
         }
-        self.submit(move |core| {
-            let (dtype, elems) = (buf.dtype(), buf.elems());
-            let r = (buf.addr_mut(&core.stream), elems);
-            // SAFETY: the job owns `buf` until the call returns, and the engine returns only
-            // once the device work writing it has completed.
-            unsafe { core.p2p(peer, dtype, None, Some(r)) }?;
-            Ok(buf)
-        })
+        self.post_p2p(vec![(false, peer, buf)], one)
     }
 
     /// [`DeviceComm::all_to_all_v`] on owned buffers; returns both.
@@ -251,8 +249,9 @@ impl<S: Stream + 'static> DeviceComm<S> {
         })
     }
 
-    /// [`DeviceComm::send_recv`] on owned buffers; returns both.
-    pub fn send_recv_async<B>(&self, send: B, mut recv: B, peer: usize) -> Work<(B, B)>
+    /// [`DeviceComm::send_recv`] on owned buffers, posted as [`DeviceComm::send_async`] is;
+    /// returns both.
+    pub fn send_recv_async<B>(&self, send: B, recv: B, peer: usize) -> Work<(B, B)>
     where
         B: DeviceMemory<S> + Send + 'static,
     {
@@ -261,16 +260,19 @@ impl<S: Stream + 'static> DeviceComm<S> {
         if let Err(e) = checked {
             return Work::failed(e);
         }
-        self.submit(move |core| {
-            let s = (send.addr(&core.stream), send.elems());
-            let r = (recv.addr_mut(&core.stream), recv.elems());
-            // SAFETY: the job owns both buffers (distinct values, so distinct memory) until
-            // the call returns, and the engine returns only once the device work touching them
-            // has completed.
-            unsafe { core.p2p(peer, send.dtype(), Some(s), Some(r)) }?;
-            Ok((send, recv))
+        self.post_p2p(vec![(true, peer, send), (false, peer, recv)], |b| {
+            let mut b = b.into_iter();
+            match (b.next(), b.next()) {
+                (Some(s), Some(r)) => (s, r),
+                _ => unreachable!("two buffers in, two out"),
+            }
         })
     }
+}
+
+/// The one buffer of a one-message call.
+fn one<B>(mut b: Vec<B>) -> B {
+    b.pop().expect("one buffer in, one out")
 }
 
 /// Where each rank's block starts in an all-to-all-v's `send` and `recv` (elements), or why the
@@ -648,7 +650,7 @@ impl<S: Stream> Core<S> {
 
     /// Fail the communicator after `e` (a refused argument fails nothing): every later call
     /// refuses, and the ring's neighbours and every connected peer are told.
-    fn fail(&self, st: &mut super::comm::DevState, e: &Error) {
+    pub(super) fn fail(&self, st: &mut super::comm::DevState, e: &Error) {
         if matches!(e, Error::InvalidArgument { .. }) {
             return;
         }
@@ -684,24 +686,11 @@ impl<S: Stream> Core<S> {
         })?;
         let mut peers = peers.to_vec();
         peers.sort_unstable();
-        let me = &self.infos[self.rank];
         let mut opened = Vec::with_capacity(peers.len());
         for &peer in &peers {
-            let dp = self.device_peer(me, &self.infos[peer], host.edge_from(peer)?);
-            let mut recv_edge = topology::choose_device(&self.cfg, &dp)?;
-            if self.staged_fallback && recv_edge.kind == TransportKind::CudaIpc {
-                // The ring's start-up probe found peer copies broken somewhere: not trusted.
-                let why = "the ring's start-up probe found peer copies broken";
-                recv_edge = topology::after_probe(&self.cfg, recv_edge, Some(why))?;
-            }
-            let name = crate::connect::segment_name(&self.cfg, peer, self.rank, "devp2p");
-            let (rx, info) = self.open_rx(host.data_ip(), &recv_edge, peer, &name)?;
-            let mut record = bytemuck::bytes_of(&info).to_vec();
-            record.extend_from_slice(&text::<FINDING_BYTES>(&recv_edge.reason));
-            opened.push((rx, recv_edge, record));
+            opened.push(self.open_pair(host, peer)?);
         }
-        let size = std::mem::size_of::<ConnectInfo>() + FINDING_BYTES;
-        let mut theirs = vec![vec![0u8; size]; peers.len()];
+        let mut theirs = vec![vec![0u8; RECORD_BYTES]; peers.len()];
         let mut msgs: Vec<P2p<'_, u8>> = opened
             .iter()
             .zip(&peers)
@@ -715,30 +704,12 @@ impl<S: Stream> Core<S> {
         );
         host.exchange_all(&mut msgs)?;
         let mut made = Vec::with_capacity(peers.len());
-        for ((rx, recv_edge, _), (peer, record)) in
+        for ((rx, recv_edge, _), (&peer, record)) in
             opened.into_iter().zip(peers.iter().zip(&theirs))
         {
-            let (info, reason) = record.split_at(std::mem::size_of::<ConnectInfo>());
-            let info: ConnectInfo = bytemuck::pod_read_unaligned(info);
-            let (links, (kind, sockets)) = self.join(rx, &recv_edge, *peer, (&info, *peer))?;
-            let send_edge = Edge {
-                from: self.rank,
-                to: *peer,
-                kind,
-                reason: untext(reason),
-                sockets,
-            };
-            let pair = DevPair {
-                links,
-                sent: 0,
-                received: 0,
-                edges: [recv_edge, send_edge],
-            };
-            for e in &pair.edges {
-                tracing::info!(target: "ringzero::topology", rank = self.rank,
-                    "device point-to-point edge {e}");
-            }
-            made.push((*peer, pair));
+            let (info, reason) = read_record(record);
+            let (links, (kind, sockets)) = self.join(rx, peer, (&info, peer))?;
+            made.push((peer, self.pair(links, recv_edge, (kind, sockets), reason)));
         }
         // Each side now holds the other's FIFO: say so, and hear it, so that neither returns (and
         // may close, removing a FIFO's file) before its peer has attached.
@@ -754,6 +725,62 @@ impl<S: Stream> Core<S> {
         host.exchange_all(&mut msgs)?;
         Ok(made)
     }
+
+    /// Open this rank's receive FIFO from `peer`, its transport chosen as a ring edge's: the
+    /// FIFO's end, the edge and why, and the record that tells `peer` how to reach it
+    /// ([`RECORD_BYTES`]: the connect info, then the reason).
+    pub(super) fn open_pair(&self, host: &HostPeers, peer: usize) -> Result<(Rx, Edge, Vec<u8>)> {
+        let me = &self.infos[self.rank];
+        let dp = self.device_peer(me, &self.infos[peer], host.edge_from(peer)?);
+        let mut recv_edge = topology::choose_device(&self.cfg, &dp)?;
+        if self.staged_fallback && recv_edge.kind == TransportKind::CudaIpc {
+            // The ring's start-up probe found peer copies broken somewhere: not trusted.
+            let why = "the ring's start-up probe found peer copies broken";
+            recv_edge = topology::after_probe(&self.cfg, recv_edge, Some(why))?;
+        }
+        let name = crate::connect::segment_name(&self.cfg, peer, self.rank, "devp2p");
+        let (rx, info) = self.open_rx(host.data_ip(), &recv_edge, peer, &name)?;
+        let mut record = bytemuck::bytes_of(&info).to_vec();
+        record.extend_from_slice(&text::<FINDING_BYTES>(&recv_edge.reason));
+        Ok((rx, recv_edge, record))
+    }
+
+    /// The pair with `peer` over `links`: its receive edge, and the send edge's kind, tcp
+    /// connections and the reason `peer` gave (logged once).
+    pub(super) fn pair(
+        &self,
+        links: DevLinks,
+        recv_edge: Edge,
+        (kind, sockets): (TransportKind, usize),
+        reason: String,
+    ) -> DevPair {
+        let send_edge = Edge {
+            from: self.rank,
+            to: links.next,
+            kind,
+            reason,
+            sockets,
+        };
+        for e in [&recv_edge, &send_edge] {
+            tracing::info!(target: "ringzero::topology", rank = self.rank,
+                "device point-to-point edge {e}");
+        }
+        DevPair {
+            links,
+            sent: 0,
+            received: 0,
+            edges: [recv_edge, send_edge],
+        }
+    }
+}
+
+/// Bytes of the record a rank sends a peer it connects a pair with ([`Core::open_pair`]).
+pub(super) const RECORD_BYTES: usize = std::mem::size_of::<ConnectInfo>() + FINDING_BYTES;
+
+/// The connect info and the reason in a peer's record ([`RECORD_BYTES`] long).
+pub(super) fn read_record(record: &[u8]) -> (ConnectInfo, String) {
+    let (info, reason) = record.split_at(std::mem::size_of::<ConnectInfo>());
+    (bytemuck::pod_read_unaligned(info), untext(reason))
 }
 
 /// Rounds of the round-robin tournament on `n` ranks: `n − 1`, or `n` when `n` is odd (each rank

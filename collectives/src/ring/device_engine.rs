@@ -36,7 +36,7 @@ use crate::device::stream::Stream;
 use crate::error::{Error, Result};
 use crate::transport::device::{Addr, DevRecvLink, DevSendLink};
 use crate::transport::wait::Waiter;
-use crate::wire::{Expect, FrameHeader};
+use crate::wire::{Expect, Fingerprint, FrameHeader};
 
 /// A rank's two device ring links.
 pub struct DevLinks {
@@ -102,6 +102,8 @@ struct Pending<M> {
     marker: M,
     post: Option<FrameHeader>,
     release: bool,
+    /// Which posted point-to-point message queued it ([`step_one_way`]); 0 in a collective.
+    tag: u64,
 }
 
 /// Refuse buffers smaller than the plan needs.
@@ -203,7 +205,13 @@ unsafe fn run_ops<S: Stream>(
             .tx
             .progress()
             .map_err(|e| link_err(e, &what, call.seq, links.next, call.rank, Some(&call.fp)))?;
-        if retire(stream, links, call, &what, &mut pending)? || sent {
+        if retire(
+            stream,
+            links,
+            (&what, call.seq, call.rank, Some(&call.fp)),
+            &mut pending,
+        )? || sent
+        {
             last = Instant::now();
             waiter.progressed();
             continue;
@@ -230,18 +238,21 @@ unsafe fn run_ops<S: Stream>(
     Ok(())
 }
 
+/// What a link error is reported as: the call's name, its sequence number, this rank and its
+/// fingerprint.
+type ErrAt<'a> = (&'a str, u64, usize, Option<&'a Fingerprint>);
+
 /// Publish frames and release slots whose work has completed, in order. Whether any did.
 fn retire<S: Stream>(
     stream: &S,
     links: &mut DevLinks,
-    call: &Call,
-    what: &str,
+    (what, seq, rank, fp): ErrAt<'_>,
     pending: &mut VecDeque<Pending<S::Marker>>,
 ) -> Result<bool> {
     let mut any = false;
     while let Some(p) = pending.front() {
         let done = stream.done(&p.marker).map_err(|e| Error::Device {
-            context: format!("{what} seq {}: on {}", call.seq, stream.name()),
+            context: format!("{what} seq {seq}: on {}", stream.name()),
             source: e,
         })?;
         if !done {
@@ -252,7 +263,7 @@ fn retire<S: Stream>(
             links
                 .tx
                 .post(&h)
-                .map_err(|e| link_err(e, what, call.seq, links.next, call.rank, Some(&call.fp)))?;
+                .map_err(|e| link_err(e, what, seq, links.next, rank, fp))?;
             links.counters.bytes_sent += h.len;
             links.counters.frames_sent += 1;
         }
@@ -260,11 +271,130 @@ fn retire<S: Stream>(
             links
                 .rx
                 .release()
-                .map_err(|e| link_err(e, what, call.seq, links.prev, call.rank, Some(&call.fp)))?;
+                .map_err(|e| link_err(e, what, seq, links.prev, rank, fp))?;
         }
         any = true;
     }
     Ok(any)
+}
+
+/// The device work that posted point-to-point messages on one pair's links have queued and
+/// that has not completed yet, oldest first ([`step_one_way`], [`Inflight::retire`]).
+pub(crate) struct Inflight<M>(VecDeque<Pending<M>>);
+
+impl<M> Default for Inflight<M> {
+    fn default() -> Self {
+        Inflight(VecDeque::new())
+    }
+}
+
+impl<M> Inflight<M> {
+    /// Whether work queued for the message tagged `tag` has still to complete.
+    pub(crate) fn holds(&self, tag: u64) -> bool {
+        self.0.iter().any(|p| p.tag == tag)
+    }
+
+    /// Whether nothing is left to complete.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Whether a frame is still to be published to the peer.
+    pub(crate) fn posting(&self) -> bool {
+        self.0.iter().any(|p| p.post.is_some())
+    }
+}
+
+impl<M> Inflight<M> {
+    /// Publish the frames and release the slots whose work has completed, in order, on `links`
+    /// (errors name `what`, this `rank` and the entry's message); whether any did.
+    pub(crate) fn retire<S: Stream<Marker = M>>(
+        &mut self,
+        stream: &S,
+        links: &mut DevLinks,
+        what: &str,
+        rank: usize,
+    ) -> Result<bool> {
+        let seq = self.0.front().map_or(0, |p| p.tag >> 1);
+        retire(stream, links, (what, seq, rank, None), &mut self.0)
+    }
+}
+
+/// One direction of one posted point-to-point message (the asynchronous forms, which run as
+/// they can, each direction of each pair on its own: `device/posted.rs`): queue whatever of
+/// `call`'s plan, which only sends or only receives, can go now from op `at` on — a send while
+/// a slot at the peer is free, a receive while its frame is there — moving `at` past each, its
+/// work tagged `tag` in `inflight` (retired by [`Inflight::retire`]: the message is done once
+/// `at` is at the plan's end and `inflight` holds nothing of `tag`). Never waits. Whether
+/// anything was queued. `what` names the call in errors.
+///
+/// # Safety
+/// As for [`run`], for as long as `inflight` holds work of `tag`; [`check_sizes`] passed.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn step_one_way<S: Stream>(
+    stream: &S,
+    links: &mut DevLinks,
+    call: &Call,
+    bufs: &DevBufs,
+    at: &mut usize,
+    (inflight, tag): (&mut Inflight<S::Marker>, u64),
+    what: &str,
+) -> Result<bool> {
+    let es = call.dtype.size();
+    let (prev, next, rank) = (links.prev, links.next, call.rank);
+    let mut moved = false;
+    let mut waiter = Waiter::device();
+    while let Some(op) = call.plan.ops.get(*at) {
+        debug_assert!(
+            op.send != op.recv,
+            "a posted message's op only sends or receives"
+        );
+        let (incoming, slot) = if op.send {
+            let slot = links
+                .tx
+                .reserve()
+                .map_err(|e| link_err(e, what, call.seq, next, rank, Some(&call.fp)))?;
+            match slot {
+                Some(sl) => (None, Some(sl)),
+                None => break,
+            }
+        } else {
+            let (seq, fp) = call.expected();
+            let e = Expect {
+                seq,
+                step: op.step.wrapping_sub(1),
+                slice: op.slice,
+                fp,
+                len: op.elems * es,
+            };
+            match links
+                .rx
+                .peek(&e)
+                .map_err(|err| link_err(err, what, seq, prev, rank, Some(&fp)))?
+            {
+                Some(a) => (Some(a), None),
+                None => break,
+            }
+        };
+        let mut w = Work {
+            stream,
+            links: &mut *links,
+            call,
+            bufs,
+            what,
+            pending: &mut inflight.0,
+            waiter: &mut waiter,
+            needs: LastOps::of(call.plan).needs(*at),
+        };
+        w.check_slot(op)?;
+        // SAFETY: forwarded from the caller; `incoming` is the frame this op receives (held
+        // until its work's marker completes), `slot` the one it sends into (reserved).
+        unsafe { w.queue(op, incoming, slot) }?;
+        inflight.0.back_mut().expect("queue pushes one").tag = tag;
+        *at += 1;
+        moved = true;
+    }
+    Ok(moved)
 }
 
 /// Whether ops `a` and `b` (adjacent in the plan) are a slice's last receive — a frame copied
@@ -413,6 +543,7 @@ impl<S: Stream> Work<'_, S> {
                 b_bytes,
             )),
             release: true,
+            tag: 0,
         });
         Ok(2)
     }
@@ -441,7 +572,7 @@ impl<S: Stream> Work<'_, S> {
         let mut incoming: Option<Addr> = None;
         let mut slot: Option<Addr> = None;
         loop {
-            let mut moved = retire(stream, links, call, what, pending)?;
+            let mut moved = retire(stream, links, (what, seq, rank, Some(&call.fp)), pending)?;
             moved |= links.tx.progress().map_err(tx_err)?;
             if op.recv && incoming.is_none() {
                 incoming = links.rx.peek(&expect).map_err(rx_err)?;
@@ -606,6 +737,7 @@ impl<S: Stream> Work<'_, S> {
                 .send
                 .then(|| FrameHeader::data(seq, op.step, op.slice, call.fp, bytes)),
             release: op.recv,
+            tag: 0,
         });
         Ok(())
     }
