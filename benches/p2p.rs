@@ -1,38 +1,65 @@
 //! A two-rank exchange (each rank sends the other `S` bytes and receives as many) over shm, as
 //! thread ranks of this process: blocking `send_recv` against the posted pair `send_async` +
-//! `recv_async` (each its own call, moving at once: `comm/posted.rs`). The same bytes move; the
-//! difference is what posting costs (the worker thread, a session per exchange).
+//! `recv_async` (each its own call, moving at once: `comm/posted.rs`), on host buffers and on
+//! device buffers of the host stream (`DeviceComm<HostStream>`: the device engine, its pairs'
+//! staging links and `device/posted.rs`). The same bytes move; the difference is what posting
+//! costs (the worker or proxy thread, a session per exchange).
 
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use ringzero::{Communicator, Config, TransportPref};
+use ringzero::{Communicator, Config, DeviceComm, HostStream, TransportPref};
 
 /// How an exchange is made.
 #[derive(Clone, Copy, Debug)]
 enum Form {
     Blocking,
     Posted,
+    DeviceBlocking,
+    DevicePosted,
 }
 
-/// One exchange of `send` for `recv` with `peer` in `form`; the buffers come back.
-fn exchange(
-    comm: &Communicator,
-    form: Form,
-    (send, mut recv): (Vec<f32>, Vec<f32>),
-    peer: usize,
-) -> (Vec<f32>, Vec<f32>) {
-    match form {
-        Form::Blocking => {
-            comm.send_recv(&send, &mut recv, peer).unwrap();
-            (send, recv)
+/// One rank: its communicator, and the device one on it for the device forms.
+struct Rank {
+    comm: Communicator,
+    dev: Option<DeviceComm<HostStream>>,
+}
+
+impl Rank {
+    fn new(cfg: Config, form: Form) -> Rank {
+        let comm = Communicator::init(cfg).unwrap();
+        let dev = matches!(form, Form::DeviceBlocking | Form::DevicePosted)
+            .then(|| DeviceComm::new(&comm, HostStream::new()).unwrap());
+        Rank { comm, dev }
+    }
+
+    /// One exchange of `send` for `recv` with `peer` in `form`; the buffers come back.
+    fn exchange(
+        &mut self,
+        form: Form,
+        (send, mut recv): (Vec<f32>, Vec<f32>),
+        peer: usize,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let (comm, dev) = (&self.comm, self.dev.as_mut());
+        match (form, dev) {
+            (Form::Blocking, _) => comm.send_recv(&send, &mut recv, peer).unwrap(),
+            (Form::Posted, _) => {
+                let s = comm.send_async(send, peer);
+                let r = comm.recv_async(recv, peer);
+                return (s.wait().unwrap(), r.wait().unwrap());
+            }
+            (Form::DeviceBlocking, Some(dc)) => {
+                dc.send_recv(&send[..], &mut recv[..], peer).unwrap()
+            }
+            (Form::DevicePosted, Some(dc)) => {
+                let s = dc.send_async(send, peer);
+                let r = dc.recv_async(recv, peer);
+                return (s.wait().unwrap(), r.wait().unwrap());
+            }
+            (_, None) => unreachable!("device forms make a device communicator"),
         }
-        Form::Posted => {
-            let s = comm.send_async(send, peer);
-            let r = comm.recv_async(recv, peer);
-            (s.wait().unwrap(), r.wait().unwrap())
-        }
+        (send, recv)
     }
 }
 
@@ -43,7 +70,12 @@ fn forms(c: &mut Criterion) {
     for bytes in [4usize << 10, 1 << 20, 16 << 20] {
         let elems = bytes / 4;
         g.throughput(Throughput::Bytes(2 * bytes as u64));
-        for form in [Form::Blocking, Form::Posted] {
+        for form in [
+            Form::Blocking,
+            Form::Posted,
+            Form::DeviceBlocking,
+            Form::DevicePosted,
+        ] {
             let port = std::net::TcpListener::bind("127.0.0.1:0")
                 .unwrap()
                 .local_addr()
@@ -57,15 +89,15 @@ fn forms(c: &mut Criterion) {
             let (go, orders) = mpsc::channel::<u64>();
             let c1 = cfg(1);
             let peer = std::thread::spawn(move || {
-                let comm = Communicator::init(c1).unwrap();
+                let mut me = Rank::new(c1, form);
                 let mut bufs = (vec![1.0f32; elems], vec![0.0f32; elems]);
                 for k in orders {
                     for _ in 0..k {
-                        bufs = exchange(&comm, form, bufs, 0);
+                        bufs = me.exchange(form, bufs, 0);
                     }
                 }
             });
-            let comm = Communicator::init(cfg(0)).unwrap();
+            let mut me = Rank::new(cfg(0), form);
             let mut bufs = (vec![2.0f32; elems], vec![0.0f32; elems]);
             let label = format!("{form:?}").to_lowercase();
             g.bench_with_input(BenchmarkId::new(label, bytes), &bytes, |b, _| {
@@ -73,7 +105,7 @@ fn forms(c: &mut Criterion) {
                     go.send(k).unwrap();
                     let t = Instant::now();
                     for _ in 0..k {
-                        bufs = exchange(&comm, form, std::mem::take(&mut bufs), 1);
+                        bufs = me.exchange(form, std::mem::take(&mut bufs), 1);
                     }
                     t.elapsed()
                 })
