@@ -25,6 +25,7 @@ fn worker_entry() {
         "kill" => kill_scenario(false),
         "kill-device" => kill_scenario(true),
         "kill-device-a2a" => kill_a2a_scenario(),
+        "kill-device-p2p" => kill_p2p_scenario(),
         other => {
             eprintln!("unknown scenario {other}");
             2
@@ -126,6 +127,37 @@ fn kill_a2a_scenario() -> i32 {
         }
     }
     println!("rank {} finished without noticing", comm.rank());
+    0
+}
+
+/// Rank 1 kills itself while the ranks pass 1 MiB messages round the ring with posted device
+/// calls (`recv_async` from the rank before, `send_async` to the rank after): its neighbours
+/// must fail, naming the call, and rank 3, which never talks to it, must hear of it from them.
+fn kill_p2p_scenario() -> i32 {
+    let comm = Communicator::from_env().expect("init");
+    let dc = ringzero::DeviceComm::new(&comm, ringzero::HostStream::new()).expect("device");
+    let (r, n) = (comm.rank(), comm.size());
+    if r == 1 {
+        std::thread::spawn(|| {
+            std::thread::sleep(Duration::from_millis(300));
+            let me = rustix::process::getpid();
+            let _ = rustix::process::kill_process(me, rustix::process::Signal::KILL);
+        });
+    }
+    let (prev, next) = ((r + n - 1) % n, (r + 1) % n);
+    let (mut send, mut recv) = (vec![r as f32; 1 << 18], vec![0f32; 1 << 18]);
+    for i in 0..100_000 {
+        let got = dc.recv_async(recv, prev);
+        let sent = dc.send_async(send, next);
+        match (got.wait(), sent.wait()) {
+            (Ok(g), Ok(s)) => (recv, send) = (g, s),
+            (Err(e), _) | (_, Err(e)) => {
+                println!("rank {r} failed in iteration {i}: {e}");
+                return 3;
+            }
+        }
+    }
+    println!("rank {r} finished without noticing");
     0
 }
 
@@ -364,20 +396,41 @@ fn a_rank_killed_mid_device_all_reduce_over_tcp_fails_every_other_rank() {
 
 #[test]
 fn a_rank_killed_mid_device_all_to_all_fails_every_other_rank() {
+    survivors_fail("kill-device-a2a", &[&["all_to_all"]; 3]);
+}
+
+#[test]
+fn a_rank_killed_mid_posted_device_point_to_point_fails_every_other_rank() {
+    // Rank 2 waits on rank 1's message; ranks 0 and 3 may wait on each other's, and hear of
+    // the death through their neighbours' aborts: every error names the message waited on and
+    // carries the root cause.
+    let (call, cause) = ("send_recv(f32, count=262144)", "lost peer rank 1");
+    let names: [&[&str]; 3] = [
+        &[call, cause],
+        &[call, "from rank 1", cause],
+        &[call, cause],
+    ];
+    survivors_fail("kill-device-p2p", &names);
+}
+
+/// Rank 1 of 4 dies in `scenario`: every other rank fails, on its own (not killed by the
+/// launcher) and well within the deadline, the error of rank 0, 2 and 3 naming each of
+/// `names[0]`, `[1]` and `[2]`.
+fn survivors_fail(scenario: &str, names: &[&[&str]; 3]) {
     let t = Instant::now();
     // A long deadline: the survivors must notice the death itself, not time out.
     let env = [("RINGZERO_TRANSPORT", "shm"), ("RINGZERO_TIMEOUT", "60")];
-    let (o, lines) = run(4, 1, "kill-device-a2a", &env, Duration::from_secs(30));
+    let (o, lines) = run(4, 1, scenario, &env, Duration::from_secs(30));
     assert_eq!(o.first_failure, Some(1), "{lines:#?}");
-    for r in [0, 2, 3] {
+    for (r, names) in [0, 2, 3].into_iter().zip(names) {
         let e = &o.exits[r];
         assert!(!e.killed_by_launcher, "rank {r} did not notice\n{lines:#?}");
         assert_eq!(e.status.code(), Some(3), "rank {r}: {lines:#?}");
         assert!(
             lines.iter().any(|(q, l)| *q == r
                 && l.contains("failed in iteration")
-                && l.contains("all_to_all")),
-            "{lines:#?}"
+                && names.iter().all(|w| l.contains(w))),
+            "rank {r} names {names:?}: {lines:#?}"
         );
     }
     assert!(

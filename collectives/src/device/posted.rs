@@ -506,14 +506,20 @@ impl<S: Stream> Core<S> {
     }
 
     /// The abort flag, and the health of every connected peer a message or unfinished work
-    /// still needs.
+    /// still needs. A failure seen on a direction with no message waiting (a peer's abort) is
+    /// named after the session's first waiting message, which it stops.
     fn check(&self, s: &mut Session<S::Marker>, pairs: &mut Pairs) -> Result<()> {
+        let first = s
+            .flows
+            .values()
+            .find_map(|f| f.recvs.front().or(f.sends.front()));
+        let name = |m: Option<&Msg>, peer: usize, done: u64| match m.or(first) {
+            Some(m) => (m.what.clone(), m.seq),
+            None => (format!("send_recv with rank {peer}"), done),
+        };
         if let Some(reason) = self.abort.reason() {
-            return Err(Error::Aborted {
-                op: "send_recv".into(),
-                seq: 0,
-                reason,
-            });
+            let (op, seq) = name(None, self.rank, 0);
+            return Err(Error::Aborted { op, seq, reason });
         }
         for peer in s.used.clone() {
             let pair = pairs.get_mut(&peer).expect("a used pair is connected");
@@ -521,19 +527,16 @@ impl<S: Stream> Core<S> {
             let recv = flow.and_then(|f| f.recvs.front());
             let send = flow.and_then(|f| f.sends.front());
             let posting = s.inflight.get(&peer).is_some_and(Inflight::posting);
-            let what = |m: Option<&Msg>| {
-                m.map_or_else(|| format!("send_recv with rank {peer}"), |m| m.what.clone())
-            };
             let rx = pair.links.rx.health();
             if !gone_unneeded(&rx, recv.is_some()) {
-                let seq = recv.map_or(pair.received, |m| m.seq);
-                rx.map_err(|e| link_err(e, &what(recv), seq, peer, self.rank, None))?;
+                let (what, seq) = name(recv, peer, pair.received);
+                rx.map_err(|e| link_err(e, &what, seq, peer, self.rank, None))?;
             }
             let tx = pair.links.tx.health();
             let needed = send.is_some() || posting || !pair.links.tx.flushed();
             if !gone_unneeded(&tx, needed) {
-                let seq = send.map_or(pair.sent, |m| m.seq);
-                tx.map_err(|e| link_err(e, &what(send), seq, peer, self.rank, None))?;
+                let (what, seq) = name(send, peer, pair.sent);
+                tx.map_err(|e| link_err(e, &what, seq, peer, self.rank, None))?;
             }
         }
         Ok(())
