@@ -596,3 +596,64 @@ fn a_posted_device_receive_that_never_comes_times_out_naming_the_peer() {
         assert!(e.to_string().contains("rank 1"), "refused: {e}");
     });
 }
+
+/// A batch of posted messages to and from several peers (torch's `batch_isend_irecv`) as the
+/// pairs' first call: every rank receives from both neighbours and sends to both at once, in one
+/// call, messages larger than the slots and of two element types; the messages come back in the
+/// order given. An empty batch is done at once; a bad peer fails the batch and moves nothing.
+#[test]
+fn a_posted_device_batch_moves_every_message_of_it_at_once() {
+    use ringzero::DeviceP2p;
+    for transport in [TransportPref::Shm, TransportPref::Tcp] {
+        let o = Opts {
+            transport,
+            slice_bytes: 1024,
+            ..Opts::default()
+        };
+        let n = 3;
+        ranks(n, &o, |r, dc| {
+            let (prev, next) = ((r + n - 1) % n, (r + 1) % n);
+            let e = dc
+                .send_recv_batch_async(vec![DeviceP2p::Send(vec![1f32; 4], n)])
+                .wait()
+                .unwrap_err();
+            assert!(e.to_string().contains("not a rank of this 3-rank"), "{e}");
+            assert!(dc
+                .send_recv_batch_async::<Vec<f32>>(vec![])
+                .wait()
+                .unwrap()
+                .is_empty());
+            let msgs = vec![
+                DeviceP2p::Recv(vec![0f32; 2000], prev),
+                DeviceP2p::Recv(vec![0f32; 2001], next),
+                DeviceP2p::Send(msg(r, 0, 2000), next),
+                DeviceP2p::Send(msg(r, 1, 2001), prev),
+            ];
+            let back = dc.send_recv_batch_async(msgs).wait().unwrap();
+            match &back[..] {
+                [DeviceP2p::Recv(a, p0), DeviceP2p::Recv(b, p1), DeviceP2p::Send(c, _), DeviceP2p::Send(_, p3)] =>
+                {
+                    assert_eq!((*p0, *p1, *p3), (prev, next, prev));
+                    assert_eq!(*a, msg(prev, 0, 2000), "rank {r}: from the rank before");
+                    assert_eq!(*b, msg(next, 1, 2001), "rank {r}: from the rank after");
+                    assert_eq!(*c, msg(r, 0, 2000), "rank {r}: a send comes back");
+                }
+                other => panic!("rank {r}: {other:?}"),
+            }
+            // Another element type on the same pairs.
+            let ints: Vec<i64> = (0..3000).map(|i| (r * 100_000 + i) as i64).collect();
+            let msgs = vec![
+                DeviceP2p::Send(ints, next),
+                DeviceP2p::Recv(vec![0i64; 3000], prev),
+            ];
+            let back = dc.send_recv_batch_async(msgs).wait().unwrap();
+            let DeviceP2p::Recv(got, _) = &back[1] else {
+                panic!("a receive comes back second")
+            };
+            assert!(got
+                .iter()
+                .enumerate()
+                .all(|(i, &v)| v == (prev * 100_000 + i) as i64));
+        });
+    }
+}

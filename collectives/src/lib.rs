@@ -56,7 +56,7 @@ pub use config::{Algo, Config, DeviceAlgo, StagingMode, TransportPref};
 /// The name [`Algo`] had while it picked only the all-reduce's algorithm.
 #[deprecated(note = "renamed `Algo`: it picks the broadcast's, reduce's and barrier's too")]
 pub type AllReduceAlgo = Algo;
-pub use device::{AdamAt, DeviceComm, DeviceMemory, HostStream, Stream, TrainStream};
+pub use device::{AdamAt, DeviceComm, DeviceMemory, DeviceP2p, HostStream, Stream, TrainStream};
 pub use error::{Error, Result};
 pub use flight::{CallState, FlightEntry, FlightRecord, PeerTraffic, PendingMsg};
 pub use ring::doubling::Schedule;

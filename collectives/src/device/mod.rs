@@ -24,6 +24,7 @@ pub mod stream;
 
 pub use comm::DeviceComm;
 pub use optim::{AdamAt, TrainStream};
+pub use pairs::DeviceP2p;
 pub use ringzero_kernels::device::DeviceError;
 pub use stream::{HostStream, Stream};
 

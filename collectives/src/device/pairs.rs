@@ -270,6 +270,59 @@ impl<S: Stream + 'static> DeviceComm<S> {
     }
 }
 
+/// One message of [`DeviceComm::send_recv_batch_async`] (torch's `P2POp`), on a buffer it
+/// owns: a send's comes back as it went, a receive's (its length the count expected) filled.
+#[derive(Debug)]
+pub enum DeviceP2p<B> {
+    /// Send the buffer to the rank.
+    Send(B, usize),
+    /// Receive into the buffer from the rank.
+    Recv(B, usize),
+}
+
+impl<S: Stream + 'static> DeviceComm<S> {
+    /// Post `msgs` as one call (torch's `batch_isend_irecv`): each message to or from its own
+    /// peer, moving as its link allows, as [`DeviceComm::send_async`]'s do; the `Work` gives
+    /// the messages back in the order given, receives filled, once every one has moved.
+    /// Messages to one peer (and from one) keep their order. Element types may differ between
+    /// messages, each matched with its peer's. A bad peer fails the `Work` at once and moves
+    /// nothing.
+    pub fn send_recv_batch_async<B>(&self, msgs: Vec<DeviceP2p<B>>) -> Work<Vec<DeviceP2p<B>>>
+    where
+        B: DeviceMemory<S> + Send + 'static,
+    {
+        let peers: Vec<(bool, usize)> = msgs
+            .iter()
+            .map(|m| match m {
+                DeviceP2p::Send(_, p) => (true, *p),
+                DeviceP2p::Recv(_, p) => (false, *p),
+            })
+            .collect();
+        if let Err(e) = check(self, &peers) {
+            return Work::failed(e);
+        }
+        let raw = msgs
+            .into_iter()
+            .map(|m| match m {
+                DeviceP2p::Send(b, p) => (true, p, b),
+                DeviceP2p::Recv(b, p) => (false, p, b),
+            })
+            .collect();
+        self.post_p2p(raw, move |bufs| {
+            bufs.into_iter()
+                .zip(peers)
+                .map(|(b, (send, p))| {
+                    if send {
+                        DeviceP2p::Send(b, p)
+                    } else {
+                        DeviceP2p::Recv(b, p)
+                    }
+                })
+                .collect()
+        })
+    }
+}
+
 /// The one buffer of a one-message call.
 fn one<B>(mut b: Vec<B>) -> B {
     b.pop().expect("one buffer in, one out")
