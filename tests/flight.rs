@@ -200,3 +200,56 @@ fn a_point_to_point_message_never_sent_is_named_with_both_sides_counts() {
     assert_eq!(r.exit_code, 2);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn a_device_point_to_point_message_never_sent_is_named_too() {
+    // As above on device buffers (the host stream): rank 1 sends one of the two messages rank 0
+    // receives (the first posted, the second blocking), then goes on to a device all-reduce
+    // rank 0 never reaches. The device communicator's record keeps its pairs' traffic, and the
+    // join names the missing message in the device group.
+    let dir = fresh_dir("flight-device-p2p");
+    let o = Opts {
+        transport: TransportPref::Shm,
+        ..opts(&dir, Duration::from_secs(2))
+    };
+    threads(2, &o, |rank, comm| {
+        let comm = comm.unwrap();
+        let mut dc = ringzero::DeviceComm::new(&comm, ringzero::HostStream::new()).unwrap();
+        if rank == 0 {
+            let first = dc.recv_async(vec![0f32; 10], 1).wait().unwrap();
+            assert_eq!(first, [1.0; 10]);
+            let mut second = [0f32; 10];
+            dc.recv(&mut second[..], 1).unwrap_err();
+            let rec = dc.flight_record();
+            let t = &rec.p2p[0];
+            assert_eq!((t.peer, t.sent, t.received), (1, 0, 1), "{rec:?}");
+            assert!(!t.pending[0].send && t.pending[0].seq == 1, "{t:?}");
+        } else {
+            dc.send(&[1f32; 10][..], 0).unwrap();
+            let mut b = vec![1f32; 100];
+            dc.all_reduce_in_place(&mut b[..], ReduceOp::Sum)
+                .unwrap_err();
+        }
+    });
+    let r = flight::join(&dir).unwrap();
+    let g = r
+        .groups
+        .iter()
+        .find(|g| g.comm == "device")
+        .unwrap_or_else(|| panic!("{}", flight::text(&r)));
+    let f = g
+        .findings
+        .iter()
+        .find(|f| f.kind == FindingKind::P2P_WAIT)
+        .unwrap_or_else(|| panic!("{}", flight::text(&r)));
+    assert_eq!(f.ranks, [0, 1]);
+    assert!(
+        f.text
+            .contains("its receive #1 send_recv(f32, count=10) with rank 1")
+            && f.text.contains("it had sent 1 message(s) to rank 0")
+            && f.text.contains("all_reduce"),
+        "{}",
+        f.text
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -399,11 +399,28 @@ impl<S: Stream> Core<S> {
     ) -> Result<()> {
         let fp_of = |c| Fingerprint::new(Collective::SendRecv, Some(dtype), None, c);
         let first = send.or(recv).map_or(0, |m| m.1);
+        // The messages are pending in the flight record from before the pair's connect (a
+        // first call that never meets is what a hang shows), finished once they have moved.
+        let (sent, received) = {
+            let pairs = self.pairs.lock().unwrap_or_else(|p| p.into_inner());
+            pairs.get(&peer).map_or((0, 0), |p| (p.sent, p.received))
+        };
+        let msgs: Vec<_> = [
+            send.map(|m| (peer, true, sent, fp_of(m.1))),
+            recv.map(|m| (peer, false, received, fp_of(m.1))),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        self.flight.p2p_started(&msgs);
         self.on_pairs(&fp_of(first), &[peer], |pairs| {
             let pair = pairs.get_mut(&peer).expect("connected");
             // SAFETY: forwarded from the caller.
             unsafe { self.run_pair(pair, Collective::SendRecv, dtype, send, recv) }
-        })
+        })?;
+        self.flight
+            .p2p_finished(msgs.iter().map(|&(p, send, seq, _)| (p, send, seq)));
+        Ok(())
     }
 
     /// Run `f` on the pairs, with `peers` connected first (those not yet, all at once), the

@@ -346,6 +346,7 @@ impl<S: Stream> Core<S> {
                 m.peer
             );
             let msg = Msg { what, ..msg };
+            self.flight.p2p_started(&[(m.peer, m.send, seq, msg.fp())]);
             self.with_call(&msg, |call| device_engine::check_sizes(call, &msg.bufs()))?;
             if m.send {
                 flow.sends.push_back(msg);
@@ -483,6 +484,7 @@ impl<S: Stream> Core<S> {
                     } else {
                         pair.received = m.seq + 1;
                     }
+                    self.flight.p2p_finished([(*peer, m.send, m.seq)]);
                     jobs[m.job].one_done();
                     queue.pop_front();
                 }
