@@ -481,19 +481,7 @@ impl<S: Stream> Core<S> {
             Some(m) => (pair.sent, fp_of(m.1)),
             None => incoming.expect("a send or a receive"),
         };
-        let call = Call {
-            plan: &plan,
-            fp,
-            seq,
-            dtype,
-            op: ReduceOp::Sum,
-            n: 2,
-            rank: self.rank,
-            timeout: self.cfg.timeout,
-            stream_stores: false,
-            abort: &self.abort,
-            incoming,
-        };
+        let call = self.pair_call(&plan, (fp, seq), dtype, incoming);
         let bufs = DevBufs::Split {
             input: send.map_or(0, |m| m.0),
             input_bytes: send.map_or(0, |m| m.1 * es),
@@ -506,6 +494,30 @@ impl<S: Stream> Core<S> {
         pair.sent += u64::from(send.is_some());
         pair.received += u64::from(recv.is_some());
         Ok(())
+    }
+
+    /// The call a pair's `plan` runs as: sending as `fp` numbered `seq` in its direction,
+    /// receiving the peer's message `incoming` (number, fingerprint), if any.
+    pub(super) fn pair_call<'a>(
+        &'a self,
+        plan: &'a crate::ring::Plan,
+        (fp, seq): (Fingerprint, u64),
+        dtype: DType,
+        incoming: Option<(u64, Fingerprint)>,
+    ) -> Call<'a> {
+        Call {
+            plan,
+            fp,
+            seq,
+            dtype,
+            op: ReduceOp::Sum,
+            n: 2,
+            rank: self.rank,
+            timeout: self.cfg.timeout,
+            stream_stores: false,
+            abort: &self.abort,
+            incoming,
+        }
     }
 
     /// All-to-all-v on device buffers: `send` and `recv` (addresses) with each rank's block at

@@ -26,7 +26,7 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 
-use ringzero_kernels::{DType, ReduceOp};
+use ringzero_kernels::DType;
 
 use super::comm::{Core, Rx};
 use super::pairs::{read_record, DevPair, RECORD_BYTES};
@@ -34,12 +34,12 @@ use super::stream::Stream;
 use crate::comm::P2pOwned;
 use crate::error::{Error, Result};
 use crate::ring::device_engine::{self, DevBufs, Inflight};
-use crate::ring::engine::{gone_unneeded, link_err, op_timeout, Call, Patience, Tick};
+use crate::ring::engine::{expect, gone_unneeded, link_err, op_timeout, Call, Patience, Tick};
 use crate::ring::{plan_p2p, Collective, Plan};
 use crate::topology::Edge;
 use crate::transport::device::{Addr, DevSendLink};
 use crate::transport::wait::Waiter;
-use crate::wire::{Expect, Fingerprint};
+use crate::wire::Fingerprint;
 use crate::work::{Feed, PostedJob, Ticket, Work};
 
 use super::{DeviceComm, DeviceMemory};
@@ -558,14 +558,7 @@ impl<S: Stream> Core<S> {
         if let Some((pair, m)) = waiting {
             return self.with_call(m, |call| {
                 let op = &call.plan.ops[m.at];
-                let (seq, fp) = call.expected();
-                let e = Expect {
-                    seq,
-                    step: op.step.wrapping_sub(1),
-                    slice: op.slice,
-                    fp,
-                    len: op.elems * call.dtype.size(),
-                };
+                let e = expect(call, op, call.dtype.size());
                 op_timeout(
                     call,
                     &m.what,
@@ -595,19 +588,12 @@ impl<S: Stream> Core<S> {
     /// the peer's message of that number.
     fn with_call<R>(&self, m: &Msg, f: impl FnOnce(&Call) -> R) -> R {
         let fp = m.fp();
-        let call = Call {
-            plan: &m.plan,
-            fp,
-            seq: m.seq,
-            dtype: m.dtype,
-            op: ReduceOp::Sum,
-            n: 2,
-            rank: self.rank,
-            timeout: self.cfg.timeout,
-            stream_stores: false,
-            abort: &self.abort,
-            incoming: (!m.send).then_some((m.seq, fp)),
-        };
+        let call = self.pair_call(
+            &m.plan,
+            (fp, m.seq),
+            m.dtype,
+            (!m.send).then_some((m.seq, fp)),
+        );
         f(&call)
     }
 }

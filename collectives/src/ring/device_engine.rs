@@ -29,7 +29,7 @@ use std::time::Instant;
 use ringzero_kernels::ReduceOp;
 
 use super::engine::{
-    base, gone_unneeded, link_err, op_timeout, Call, Counters, LastOps, Needs, HEALTH_EVERY,
+    base, expect, gone_unneeded, link_err, op_timeout, Call, Counters, LastOps, Needs, HEALTH_EVERY,
 };
 use super::schedule::{Loc, Op};
 use crate::device::stream::Stream;
@@ -359,18 +359,11 @@ pub(crate) unsafe fn step_one_way<S: Stream>(
                 None => break,
             }
         } else {
-            let (seq, fp) = call.expected();
-            let e = Expect {
-                seq,
-                step: op.step.wrapping_sub(1),
-                slice: op.slice,
-                fp,
-                len: op.elems * es,
-            };
+            let e = expect(call, op, es);
             match links
                 .rx
                 .peek(&e)
-                .map_err(|err| link_err(err, what, seq, prev, rank, Some(&fp)))?
+                .map_err(|err| link_err(err, what, e.seq, prev, rank, Some(&e.fp)))?
             {
                 Some(a) => (Some(a), None),
                 None => break,

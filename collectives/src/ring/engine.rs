@@ -454,8 +454,8 @@ pub fn check_sizes(call: &Call, bufs: &Bufs, what: &str) -> Result<()> {
     Ok(())
 }
 
-/// The frame a receiving `op` of `call` waits for.
-fn expect(call: &Call, op: &Op, es: usize) -> Expect {
+/// The frame a receiving `op` of `call` waits for (elements of `es` bytes).
+pub(crate) fn expect(call: &Call, op: &Op, es: usize) -> Expect {
     let (seq, fp) = call.expected();
     Expect {
         seq,
