@@ -100,8 +100,10 @@ fn forms(c: &mut Criterion) {
             let mut me = Rank::new(cfg(0), form);
             let mut bufs = (vec![2.0f32; elems], vec![0.0f32; elems]);
             let label = format!("{form:?}").to_lowercase();
+            let mut ran = false;
             g.bench_with_input(BenchmarkId::new(label, bytes), &bytes, |b, _| {
                 b.iter_custom(|k| {
+                    ran = true;
                     go.send(k).unwrap();
                     let t = Instant::now();
                     for _ in 0..k {
@@ -110,7 +112,8 @@ fn forms(c: &mut Criterion) {
                     t.elapsed()
                 })
             });
-            assert!(bufs.1.iter().all(|&v| v == 1.0));
+            // A filter (`cargo bench --bench p2p -- device`) may skip a form: nothing moved.
+            assert!(!ran || bufs.1.iter().all(|&v| v == 1.0));
             drop(go);
             peer.join().unwrap();
         }
