@@ -785,10 +785,13 @@ impl<S: Stream> Core<S> {
                 info.path = text(&addr.to_string());
                 // Accepting starts now, on a thread of its own, so that the sender's connect
                 // completes whenever it comes, whatever this rank is doing meanwhile (a posted
-                // session connecting several pairs never waits on a peer's turn). The thread
-                // gives up at the deadline if the sender never comes.
+                // session connecting several pairs never waits on a peer's turn). The sender
+                // comes once the connect infos are traded, which may take most of a deadline of
+                // its own (a set-up all-gather waits on the slowest rank's progress), so the
+                // thread gives up after two deadlines; whoever waits for it ([`Core::finish_rx`])
+                // keeps its own.
                 let (secret, job_id, rank) = (cfg.secret.clone(), cfg.job_id.clone(), self.rank);
-                let (sockets, timeout) = (recv_edge.sockets, cfg.timeout);
+                let (sockets, timeout) = (recv_edge.sockets, cfg.timeout.saturating_mul(2));
                 let accept = std::thread::Builder::new()
                     .name(format!("ringzero-accept-{rank}-{from}"))
                     .spawn(move || -> Result<tcp::TcpRecv> {
@@ -818,7 +821,7 @@ impl<S: Stream> Core<S> {
         (theirs, to): (&ConnectInfo, usize),
     ) -> Result<(DevLinks, (TransportKind, usize))> {
         let (tx, kind) = self.attach_to(theirs, to)?;
-        let rx = self.finish_rx(rx)?;
+        let rx = self.finish_rx(rx, from)?;
         Ok((
             self.links(tx, rx, from, to),
             (kind, sent_sockets(theirs, kind)),
@@ -840,11 +843,24 @@ impl<S: Stream> Core<S> {
 
     /// The receive link of `rx`, waiting for a tcp edge's accept to end (within the deadline
     /// its thread keeps).
-    pub(super) fn finish_rx(&self, rx: Rx) -> Result<Box<dyn DevRecvLink>> {
+    pub(super) fn finish_rx(&self, rx: Rx, from: usize) -> Result<Box<dyn DevRecvLink>> {
         let h = match rx {
             Rx::Ready(r) => return Ok(r),
             Rx::Accepting(h) => h,
         };
+        let (start, mut waiter) = (Instant::now(), Waiter::backoff());
+        while !h.is_finished() {
+            if start.elapsed() >= self.cfg.timeout {
+                return Err(Error::Timeout {
+                    op: "device set-up".into(),
+                    seq: 0,
+                    peer: from,
+                    waiting: format!("rank {from} to connect its device tcp link to this rank"),
+                    after: self.cfg.timeout,
+                });
+            }
+            waiter.idle(self.cfg.timeout);
+        }
         let mut t = h.join().map_err(|_| Error::Io {
             context: "accepting a device data connection".into(),
             detail: "accept thread panicked".into(),

@@ -419,7 +419,7 @@ impl<S: Stream> Core<S> {
                 tx,
                 send: (kind, sockets, reason),
             } if rx.is_ready() => {
-                let rx = self.finish_rx(rx)?;
+                let rx = self.finish_rx(rx, peer)?;
                 let links = self.links(tx, rx, peer, peer);
                 let pair = self.pair(links, edge, (kind, sockets), reason);
                 let work = poster.post(vec![
