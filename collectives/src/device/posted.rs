@@ -23,7 +23,7 @@
 //! leaves, removing a FIFO, before its peer has opened it). Meanwhile the session moves every
 //! other pair's messages, so first calls that form a cycle meet too.
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 
 use ringzero_kernels::DType;
@@ -194,8 +194,9 @@ struct Session<M> {
     connecting: BTreeMap<usize, Phase>,
     /// Each pair's device work queued and not yet retired.
     inflight: BTreeMap<usize, Inflight<M>>,
-    /// Pairs whose links carried something in this session (flushed before it ends).
-    used: BTreeSet<usize>,
+    /// Pairs whose links carried something in this session (flushed before it ends), each with
+    /// the name its errors carry when no message of it is at fault.
+    used: BTreeMap<usize, String>,
 }
 
 impl<M> Default for Session<M> {
@@ -205,7 +206,7 @@ impl<M> Default for Session<M> {
             flows: BTreeMap::new(),
             connecting: BTreeMap::new(),
             inflight: BTreeMap::new(),
-            used: BTreeSet::new(),
+            used: BTreeMap::new(),
         }
     }
 }
@@ -291,7 +292,7 @@ impl<S: Stream> Core<S> {
 
     /// Whether every pair used in the session has retired its work and flushed its frames.
     fn settled(&self, s: &Session<S::Marker>, pairs: &mut Pairs) -> bool {
-        s.used.iter().all(|p| {
+        s.used.keys().all(|p| {
             s.inflight.get(p).is_none_or(Inflight::is_empty)
                 && pairs.get_mut(p).is_none_or(|pair| pair.links.tx.flushed())
         })
@@ -451,7 +452,8 @@ impl<S: Stream> Core<S> {
             let Some(pair) = pairs.get_mut(peer) else {
                 continue; // still connecting
             };
-            used.insert(*peer);
+            used.entry(*peer)
+                .or_insert_with(|| format!("send_recv with rank {peer}"));
             let work = inflight.entry(*peer).or_default();
             for queue in [&mut flow.sends, &mut flow.recvs] {
                 while let Some(m) = queue.front_mut() {
@@ -492,17 +494,16 @@ impl<S: Stream> Core<S> {
         }
         flows.retain(|_, f| !f.sends.is_empty() || !f.recvs.is_empty());
         // Pairs whose messages are all queued still retire their work and push out frames.
-        for peer in used.iter() {
+        for (peer, what) in used.iter() {
             let pair = pairs.get_mut(peer).expect("a used pair is connected");
-            let what = format!("send_recv with rank {peer}");
             if let Some(work) = inflight.get_mut(peer) {
-                moved |= work.retire(&self.stream, &mut pair.links, &what, self.rank)?;
+                moved |= work.retire(&self.stream, &mut pair.links, what, self.rank)?;
             }
             moved |= pair
                 .links
                 .tx
                 .progress()
-                .map_err(|e| link_err(e, &what, pair.sent, *peer, self.rank, None))?;
+                .map_err(|e| link_err(e, what, pair.sent, *peer, self.rank, None))?;
         }
         Ok(moved)
     }
@@ -523,7 +524,7 @@ impl<S: Stream> Core<S> {
             let (op, seq) = name(None, self.rank, 0);
             return Err(Error::Aborted { op, seq, reason });
         }
-        for peer in s.used.clone() {
+        for peer in s.used.keys().copied().collect::<Vec<_>>() {
             let pair = pairs.get_mut(&peer).expect("a used pair is connected");
             let flow = s.flows.get(&peer);
             let recv = flow.and_then(|f| f.recvs.front());
@@ -570,7 +571,7 @@ impl<S: Stream> Core<S> {
                 )
             });
         }
-        let peer = s.used.iter().next().copied().unwrap_or(self.rank);
+        let peer = s.used.keys().next().copied().unwrap_or(self.rank);
         Error::Timeout {
             op: format!("send_recv with rank {peer}"),
             seq: 0,
