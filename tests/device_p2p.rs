@@ -657,3 +657,39 @@ fn a_posted_device_batch_moves_every_message_of_it_at_once() {
         });
     }
 }
+
+/// `abort` from another thread ends a posted session waiting on a message that never comes
+/// within a few tens of milliseconds, not at the deadline, and fails the call with the reason.
+#[test]
+fn abort_ends_a_posted_device_session_at_once() {
+    let o = Opts {
+        slice_bytes: 1024,
+        timeout: std::time::Duration::from_secs(20),
+        ..Opts::default()
+    };
+    ranks(2, &o, |r, dc| {
+        // Connect the pair first.
+        let w = dc.send_recv_async(msg(r, 0, 10), vec![0f32; 10], 1 - r);
+        assert_eq!(w.wait().unwrap().1, msg(1 - r, 0, 10));
+        if r == 1 {
+            // Alive and quiet (a rank that leaves is seen as gone, not waited for).
+            std::thread::sleep(std::time::Duration::from_millis(1500));
+            return;
+        }
+        let h = dc.abort_handle();
+        let waits = dc.recv_async(vec![0f32; 64], 1);
+        let start = std::time::Instant::now();
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            h.abort("the test's watchdog");
+        });
+        let e = waits.wait().unwrap_err();
+        t.join().unwrap();
+        assert!(e.to_string().contains("the test's watchdog"), "{e}");
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(5),
+            "{:?}",
+            start.elapsed()
+        );
+    });
+}
