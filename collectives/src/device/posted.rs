@@ -526,9 +526,11 @@ impl<S: Stream> Core<S> {
         }
         for peer in s.used.keys().copied().collect::<Vec<_>>() {
             let pair = pairs.get_mut(&peer).expect("a used pair is connected");
+            // The first message each way that still needs the link (one whose ops are all
+            // queued only waits for this rank's device).
             let flow = s.flows.get(&peer);
-            let recv = flow.and_then(|f| f.recvs.front());
-            let send = flow.and_then(|f| f.sends.front());
+            let recv = flow.and_then(|f| f.recvs.iter().find(|m| m.at < m.plan.ops.len()));
+            let send = flow.and_then(|f| f.sends.iter().find(|m| m.at < m.plan.ops.len()));
             let posting = s.inflight.get(&peer).is_some_and(Inflight::posting);
             let rx = pair.links.rx.health();
             if !gone_unneeded(&rx, recv.is_some()) {
