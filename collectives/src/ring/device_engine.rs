@@ -102,7 +102,7 @@ struct Pending<M> {
     marker: M,
     post: Option<FrameHeader>,
     release: bool,
-    /// Which posted point-to-point message queued it ([`step_one_way`]); 0 in a collective.
+    /// Which posted point-to-point message queued it ([`step_one_way`]); unused in a collective.
     tag: u64,
 }
 
@@ -303,9 +303,7 @@ impl<M> Inflight<M> {
     pub(crate) fn posting(&self) -> bool {
         self.0.iter().any(|p| p.post.is_some())
     }
-}
 
-impl<M> Inflight<M> {
     /// Publish the frames and release the slots whose work has completed, in order, on `links`
     /// (errors name `what`, this `rank` and the entry's message); whether any did.
     pub(crate) fn retire<S: Stream<Marker = M>>(
@@ -330,7 +328,6 @@ impl<M> Inflight<M> {
 ///
 /// # Safety
 /// As for [`run`], for as long as `inflight` holds work of `tag`; [`check_sizes`] passed.
-#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn step_one_way<S: Stream>(
     stream: &S,
     links: &mut DevLinks,
