@@ -488,17 +488,34 @@ fn across_nodes_a_device_all_to_all_goes_over_the_pairs() {
 /// pairs' very first calls — a cycle that calls run one at a time wait in until the deadline.
 /// Then, on the pairs now connected, the other way round, and two ranks each posting a large
 /// send before their receive. Every element checked, over shm (mapped and explicit-copy
-/// staging) and tcp device links.
+/// staging) and tcp device links (of one connection and of three).
 #[test]
 fn posted_device_calls_complete_in_a_cycle_of_first_calls_and_both_ways() {
-    for (transport, staging, want) in [
-        (TransportPref::Shm, StagingMode::Mapped, TransportKind::Shm),
-        (TransportPref::Shm, StagingMode::Copy, TransportKind::Shm),
-        (TransportPref::Tcp, StagingMode::Mapped, TransportKind::Tcp),
+    for (transport, staging, want, tcp_sockets) in [
+        (
+            TransportPref::Shm,
+            StagingMode::Mapped,
+            TransportKind::Shm,
+            1,
+        ),
+        (TransportPref::Shm, StagingMode::Copy, TransportKind::Shm, 1),
+        (
+            TransportPref::Tcp,
+            StagingMode::Mapped,
+            TransportKind::Tcp,
+            1,
+        ),
+        (
+            TransportPref::Tcp,
+            StagingMode::Mapped,
+            TransportKind::Tcp,
+            3,
+        ),
     ] {
         let o = Opts {
             transport,
             staging,
+            tcp_sockets,
             slice_bytes: 1024,
             timeout: std::time::Duration::from_secs(20),
             ..Opts::default()
@@ -531,6 +548,9 @@ fn posted_device_calls_complete_in_a_cycle_of_first_calls_and_both_ways() {
             for peer in [prev, next, partner] {
                 let [from, to] = dc.pair_edges(peer).expect("connected");
                 assert!(from.kind == want && to.kind == want, "{from} / {to}");
+                if want == TransportKind::Tcp {
+                    assert_eq!((from.sockets, to.sockets), (tcp_sockets, tcp_sockets));
+                }
             }
         });
     }
