@@ -738,40 +738,19 @@ fn posted_device_calls_in_any_interleaving_arrive_exact_and_in_order() {
             ..Opts::default()
         };
         ranks(n, &o, |r, dc| {
-            let mut rng = seed * 1_000_003 + r as u64 * 7919;
-            let mut draw = |k: usize| {
-                rng = rng
-                    .wrapping_mul(6_364_136_223_846_793_005)
-                    .wrapping_add(1_442_695_040_888_963_407);
-                ((rng >> 33) as usize) % k
-            };
-            // What is left to post: (peer, is a send, next message index).
-            let mut left: Vec<(usize, bool, usize)> = (0..n)
-                .filter(|&q| q != r)
-                .flat_map(|q| [(q, true, 0), (q, false, 0)])
-                .collect();
+            let mut draw = crate::common::drawer(seed, r);
             let mut works = Vec::new();
-            while !left.is_empty() {
-                let mut msgs = Vec::new();
-                let mut what = Vec::new();
-                for _ in 0..1 + draw(3) {
-                    if left.is_empty() {
-                        break;
-                    }
-                    let i = draw(left.len());
-                    let (q, send, m) = left[i];
-                    msgs.push(if send {
-                        DeviceP2p::Send(msg(r, q * 10 + m, count(r, q, m, seed)), q)
-                    } else {
-                        DeviceP2p::Recv(vec![-1f32; count(q, r, m, seed)], q)
-                    });
-                    what.push((q, send, m));
-                    if m == 2 {
-                        left.swap_remove(i);
-                    } else {
-                        left[i].2 += 1;
-                    }
-                }
+            for what in crate::common::drawn_posts(n, r, &mut draw) {
+                let msgs = what
+                    .iter()
+                    .map(|&(q, send, m)| {
+                        if send {
+                            DeviceP2p::Send(msg(r, q * 10 + m, count(r, q, m, seed)), q)
+                        } else {
+                            DeviceP2p::Recv(vec![-1f32; count(q, r, m, seed)], q)
+                        }
+                    })
+                    .collect();
                 works.push((dc.send_recv_batch_async(msgs), what));
             }
             while !works.is_empty() {

@@ -676,3 +676,48 @@ pub fn all_collectives(root: usize) -> [Collective; 13] {
         Collective::Scatter { root },
     ]
 }
+
+/// A deterministic draw in `0..k` per call, from an LCG seeded by `seed` and `rank`.
+pub fn drawer(seed: u64, rank: usize) -> impl FnMut(usize) -> usize {
+    let mut rng = seed * 1_000_003 + rank as u64 * 7919;
+    move |k: usize| {
+        rng = rng
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        ((rng >> 33) as usize) % k
+    }
+}
+
+/// The posted calls of the drawn-interleaving tests, for rank `r` of `n`: three messages to and
+/// three from every other rank, as (peer, a send, message index), each peer's sends in order and
+/// its receives in order but the peers and directions shuffled together by `draw`, in batches of
+/// one to three.
+pub fn drawn_posts(
+    n: usize,
+    r: usize,
+    draw: &mut impl FnMut(usize) -> usize,
+) -> Vec<Vec<(usize, bool, usize)>> {
+    // What is left to post: (peer, is a send, next message index).
+    let mut left: Vec<(usize, bool, usize)> = (0..n)
+        .filter(|&q| q != r)
+        .flat_map(|q| [(q, true, 0), (q, false, 0)])
+        .collect();
+    let mut batches = Vec::new();
+    while !left.is_empty() {
+        let mut batch = Vec::new();
+        for _ in 0..1 + draw(3) {
+            if left.is_empty() {
+                break;
+            }
+            let i = draw(left.len());
+            batch.push(left[i]);
+            if left[i].2 == 2 {
+                left.swap_remove(i);
+            } else {
+                left[i].2 += 1;
+            }
+        }
+        batches.push(batch);
+    }
+    batches
+}
