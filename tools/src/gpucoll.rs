@@ -6,23 +6,47 @@
 //! `RINGZERO_P2P_DISABLE=1`, which must move every byte through staging); then all-reduce bus
 //! bandwidth at 256 MiB next to a device-to-device copy (cuda_ipc) or a pinned host→device copy
 //! (staging) measured in the same run.
+//!
+//! The same checks run on the host stream (`ringzero gpu-check --host-stream`: the device engine
+//! with the host as its device, host staging on every edge), so that their own logic is tested
+//! by `cargo test` on a machine without a GPU before a GPU session depends on it.
 
-use std::sync::Arc;
 use std::time::Instant;
 
-use ringzero_collectives::{Collective, Communicator, DeviceComm, TransportKind};
+use ringzero_collectives::{
+    Collective, Communicator, DeviceComm, HostStream, TrainStream, TransportKind,
+};
 use ringzero_kernels::device::cuda::Gpu;
 use ringzero_kernels::{DType, ReduceOp};
 
 use crate::bench::device::{exact_result, BenchDev};
-use crate::bench::exact::{decode as from_bytes, encode as to_bytes, reference, value};
+use crate::bench::exact::{reference, value};
 use crate::gpucheck::Row;
+
+/// A device the checks run on: a GPU, or the host stream.
+pub trait CheckDev: BenchDev + TrainStream + 'static {}
+impl<D: BenchDev + TrainStream + 'static> CheckDev for D {}
+
+/// How a collective run checks ([`rank_main`]).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RunOpts {
+    /// Also measure all-reduce bandwidth at 256 MiB.
+    pub bench: bool,
+    /// Counts 1, 1023 and 4099 instead of 1, 1023 and 2^20+7 (a dry run's, whose launcher sets
+    /// small slices so that the larger count still takes several).
+    pub quick: bool,
+}
+
+/// Counts of every collective check.
+fn counts(quick: bool) -> [usize; 3] {
+    [1, 1023, if quick { 4099 } else { (1 << 20) + 7 }]
+}
 
 type Check = Result<Option<String>, String>;
 
 /// One collective on exact inputs (the bench's `#wrong` check): the first wrong element, if any.
-fn one(
-    dc: &mut DeviceComm<Arc<Gpu>>,
+fn one<D: CheckDev>(
+    dc: &mut DeviceComm<D>,
     coll: Collective,
     inplace: bool,
     d: DType,
@@ -62,21 +86,21 @@ fn one_way(coll: Collective) -> bool {
 
 /// Four asynchronous all-reduces queued back to back (the proxy thread drives them, using the GPU
 /// from a thread that did not create its context), each checked exactly.
-fn async_all_reduce(dc: &DeviceComm<Arc<Gpu>>, gpu: &Arc<Gpu>, seed: usize) -> Result<(), String> {
+fn async_all_reduce<D: CheckDev>(dc: &DeviceComm<D>, seed: usize) -> Result<(), String>
+where
+    D::Buf: Send,
+{
     let (r, n) = (dc.rank(), dc.size());
     let (d, op, count) = (DType::F32, ReduceOp::Sum, (1usize << 20) + 7);
-    let e = |x: ringzero_kernels::device::DeviceError| x.to_string();
     let mut works = Vec::new();
     for k in 0..4 {
         let input: Vec<f64> = (0..count).map(|i| value(d, op, r, i, seed + k)).collect();
-        let buf = gpu.upload(d, &to_bytes(d, &input)).map_err(e)?;
-        works.push(dc.all_reduce_async(buf, op));
+        works.push(dc.all_reduce_async(dc.stream().make(d, &input)?, op));
     }
     for (k, w) in works.into_iter().enumerate() {
-        let out = w.wait().map_err(|x| x.to_string())?;
-        let mut bytes = vec![0u8; out.bytes()];
-        gpu.download(&out, &mut bytes).map_err(e)?;
-        let got = from_bytes(d, &bytes);
+        let got = dc
+            .stream()
+            .contents(&w.wait().map_err(|x| x.to_string())?)?;
         if let Some(i) = (0..count).find(|&i| got[i] != reference(d, op, n, i, seed + k)) {
             return Err(format!(
                 "rank {r}: async all_reduce #{k}: element {i} is {} but should be {}",
@@ -92,64 +116,121 @@ fn async_all_reduce(dc: &DeviceComm<Arc<Gpu>>, gpu: &Arc<Gpu>, seed: usize) -> R
 /// its send to the rank after, each message more than the pair's slots hold (so no send fits
 /// before its receive starts), and the other way round; on pairs the earlier checks may not have
 /// connected (a first call within the proxy's session). Each message checked exactly.
-fn posted_ring(dc: &DeviceComm<Arc<Gpu>>, gpu: &Arc<Gpu>, seed: usize) -> Result<(), String> {
+fn posted_ring<D: CheckDev>(dc: &DeviceComm<D>, seed: usize) -> Result<(), String>
+where
+    D::Buf: Send,
+{
     let (r, n) = (dc.rank(), dc.size());
     let (d, op) = (DType::F32, ReduceOp::Sum);
     let count = dc.slice_bytes() * 5 / 4 + 7;
-    let e = |x: ringzero_kernels::device::DeviceError| x.to_string();
-    let upload = |rank: usize, k: usize| -> Result<_, String> {
-        let v: Vec<f64> = (0..count)
+    let values = |rank: usize, k: usize| -> Vec<f64> {
+        (0..count)
             .map(|i| value(d, op, rank, i, seed + k))
-            .collect();
-        gpu.upload(d, &to_bytes(d, &v)).map_err(e)
+            .collect()
     };
     let (prev, next) = ((r + n - 1) % n, (r + 1) % n);
     for (k, (from, to)) in [(prev, next), (next, prev)].into_iter().enumerate() {
-        let got = dc.recv_async(gpu.alloc(d, count).map_err(e)?, from);
-        let sent = dc.send_async(upload(r, k)?, to);
+        let got = dc.recv_async(dc.stream().zeros(d, count)?, from);
+        let sent = dc.send_async(dc.stream().make(d, &values(r, k))?, to);
         let out = got.wait().map_err(|x| x.to_string())?;
         sent.wait().map_err(|x| x.to_string())?;
-        let mut bytes = vec![0u8; out.bytes()];
-        gpu.download(&out, &mut bytes).map_err(e)?;
-        let got = from_bytes(d, &bytes);
-        if let Some(i) = (0..count).find(|&i| got[i] != value(d, op, from, i, seed + k)) {
+        let got = dc.stream().contents(&out)?;
+        let want = values(from, k);
+        if let Some(i) = (0..count).find(|&i| got[i] != want[i]) {
             return Err(format!(
                 "rank {r}: posted message #{k} from rank {from}: element {i} is {} but should be {}",
-                got[i],
-                value(d, op, from, i, seed + k)
+                got[i], want[i]
             ));
         }
     }
     Ok(())
 }
 
-/// Run every check on this rank; rank 0's rows are the report.
-pub fn rank_main(comm: &Communicator, device: usize, bench: bool) -> Vec<Row> {
-    let n = comm.size();
-    let tcp = comm.config().transport == ringzero_collectives::TransportPref::Tcp;
-    let staged = comm.config().p2p_disable && !tcp;
-    let ring = comm.config().device_algo == ringzero_collectives::DeviceAlgo::Ring;
-    let label = if tcp {
-        "tcp"
-    } else if staged {
-        "staging"
-    } else if ring {
-        "cuda_ipc-ring"
-    } else {
-        "cuda_ipc"
-    };
-    let mut rows = Vec::new();
-    let gpu = match Gpu::open(device) {
-        Ok(g) => g,
-        Err(e) => {
-            return vec![Row {
-                check: format!("{label} n={n} open"),
-                pass: false,
-                detail: e.to_string(),
-            }]
+/// What a run checks for, from the launcher's settings: its rows' label, the transport every
+/// device edge must take and whether the direct step must run.
+struct Expect {
+    /// `cuda_ipc`, `cuda_ipc-ring`, `staging` or `tcp`; `host-stream staging` or
+    /// `host-stream tcp` on the host stream.
+    label: String,
+    want: TransportKind,
+    direct: bool,
+    host: bool,
+    tcp: bool,
+    staged: bool,
+    ring: bool,
+}
+
+impl Expect {
+    /// What `cfg` asks of a run on a GPU, or on the host stream when `host` (host staging on
+    /// every edge but tcp's, never the direct step: the ranks are processes).
+    fn of(cfg: &ringzero_collectives::Config, host: bool) -> Expect {
+        let tcp = cfg.transport == ringzero_collectives::TransportPref::Tcp;
+        let staged = cfg.p2p_disable && !tcp;
+        let ring = cfg.device_algo == ringzero_collectives::DeviceAlgo::Ring;
+        let kind = if tcp {
+            "tcp"
+        } else if staged || host {
+            "staging"
+        } else if ring {
+            "cuda_ipc-ring"
+        } else {
+            "cuda_ipc"
+        };
+        let want = if tcp {
+            TransportKind::Tcp
+        } else if staged || host {
+            TransportKind::Shm
+        } else {
+            TransportKind::CudaIpc
+        };
+        Expect {
+            label: if host {
+                format!("host-stream {kind}")
+            } else {
+                kind.to_string()
+            },
+            want,
+            // Ranks sharing one GPU over cuda_ipc take the direct step unless told to take the
+            // ring.
+            direct: !host && !tcp && !staged && !ring,
+            host,
+            tcp,
+            staged,
+            ring,
         }
+    }
+}
+
+/// Run every check on this rank, on GPU `device` or (`None`) the host stream; rank 0's rows are
+/// the report.
+pub fn rank_main(comm: &Communicator, device: Option<usize>, opts: RunOpts) -> Vec<Row> {
+    let x = Expect::of(comm.config(), device.is_none());
+    let n = comm.size();
+    let fail = |what: &str, e: String| {
+        vec![Row {
+            check: format!("{} n={n} {what}", x.label),
+            pass: false,
+            detail: e,
+        }]
     };
-    let mut dc = match DeviceComm::new(comm, gpu.clone()) {
+    match device {
+        Some(ordinal) => match Gpu::open(ordinal) {
+            Ok(gpu) => run(comm, gpu, &x, opts),
+            Err(e) => fail("open", e.to_string()),
+        },
+        None => run(comm, HostStream::new(), &x, opts),
+    }
+}
+
+/// [`rank_main`] on device `dev`.
+fn run<D: CheckDev>(comm: &Communicator, dev: D, x: &Expect, opts: RunOpts) -> Vec<Row>
+where
+    D::Buf: Send,
+{
+    let n = comm.size();
+    let label = &x.label;
+    let mut rows = Vec::new();
+    let mut dc = match DeviceComm::new(comm, dev) {
         Ok(dc) => dc,
         Err(e) => {
             return vec![Row {
@@ -159,24 +240,16 @@ pub fn rank_main(comm: &Communicator, device: usize, bench: bool) -> Vec<Row> {
             }]
         }
     };
-    let want = if tcp {
-        TransportKind::Tcp
-    } else if staged {
-        TransportKind::Shm
-    } else {
-        TransportKind::CudaIpc
-    };
+    let want = x.want;
     let edges: Vec<String> = dc.edges().iter().map(|e| e.to_string()).collect();
     rows.push(Row {
         check: format!("{label} n={n} edges"),
         pass: dc.edges().iter().all(|e| e.kind == want),
         detail: edges.join("; "),
     });
-    // Ranks sharing one GPU over cuda_ipc take the direct step unless told to take the ring.
-    let direct_expected = !tcp && !staged && !ring;
     rows.push(Row {
         check: format!("{label} n={n} algorithm"),
-        pass: dc.direct().is_some() == direct_expected,
+        pass: dc.direct().is_some() == x.direct,
         detail: dc
             .direct()
             .map_or_else(|| "the slot ring".to_string(), str::to_string),
@@ -202,7 +275,7 @@ pub fn rank_main(comm: &Communicator, device: usize, bench: bool) -> Vec<Row> {
         let mut cases = 0;
         'all: for d in DType::ALL {
             for op in ReduceOp::ALL {
-                for (count, inplace) in [1usize, 1023, (1 << 20) + 7]
+                for (count, inplace) in counts(opts.quick)
                     .into_iter()
                     .flat_map(|c| [(c, false), (c, true)])
                     // Send-recv (pairs 0↔1, 2↔3), all-to-all-v, gather and scatter have no
@@ -234,11 +307,12 @@ pub fn rank_main(comm: &Communicator, device: usize, bench: bool) -> Vec<Row> {
                 } else {
                     "both ways"
                 };
-                format!("{cases} cases (7 dtypes × 5 ops × 3 sizes × {ways}) exact")
+                let [a, b, c] = counts(opts.quick);
+                format!("{cases} cases (7 dtypes × 5 ops × counts {a}, {b}, {c} × {ways}) exact")
             }),
         });
     }
-    let fail = async_all_reduce(&dc, &gpu, seed).err();
+    let fail = async_all_reduce(&dc, seed).err();
     rows.push(Row {
         check: format!("{label} n={n} async all_reduce"),
         pass: fail.is_none(),
@@ -246,7 +320,7 @@ pub fn rank_main(comm: &Communicator, device: usize, bench: bool) -> Vec<Row> {
             "4 f32 sum all-reduces of 2^20+7 queued on the proxy thread, exact".into()
         }),
     });
-    let fail = posted_ring(&dc, &gpu, seed + 4).err();
+    let fail = posted_ring(&dc, seed + 4).err();
     rows.push(Row {
         check: format!("{label} n={n} posted send/recv"),
         pass: fail.is_none(),
@@ -264,10 +338,11 @@ pub fn rank_main(comm: &Communicator, device: usize, bench: bool) -> Vec<Row> {
             dc.counters().bytes_direct
         ),
     });
-    rows.push(crate::gpuzero::check(comm, &mut dc, &gpu, label));
-    // tcp over loopback has no target next to a device copy: its checks are exactness only.
-    if bench && !tcp {
-        match bandwidth(&mut dc, &gpu, staged, ring) {
+    rows.push(crate::gpuzero::check(comm, &mut dc, label));
+    // tcp over loopback has no target next to a device copy, nor has the host stream (a host
+    // copy is no PCIe link): their checks are exactness only.
+    if opts.bench && !x.tcp && !x.host {
+        match bandwidth(&mut dc, x.staged, x.ring) {
             Ok(r) => rows.push(r),
             Err(e) => rows.push(Row {
                 check: format!("{label} n={n} bench"),
@@ -297,24 +372,22 @@ pub fn rank_main(comm: &Communicator, device: usize, bench: bool) -> Vec<Row> {
 /// It passes at 70 % (cuda_ipc) or 80 % (staging) of that bound, and says the percentage of the
 /// plain copy too. With `ring_forced` (cuda_ipc, `RINGZERO_DEVICE_ALGO=ring`, which `auto` does
 /// not take on one GPU) the row is a comparison beside the direct step's and sets no target.
-fn bandwidth(
-    dc: &mut DeviceComm<Arc<Gpu>>,
-    gpu: &Arc<Gpu>,
+fn bandwidth<D: CheckDev>(
+    dc: &mut DeviceComm<D>,
     staged: bool,
     ring_forced: bool,
 ) -> Result<Row, String> {
-    let e = |x: ringzero_kernels::device::DeviceError| x.to_string();
     let n = dc.size();
     let elems = 64usize << 20; // 256 MiB of f32
     let bytes = elems * 4;
-    let send = gpu.alloc(DType::F32, elems).map_err(e)?;
-    let mut recv = gpu.alloc(DType::F32, elems).map_err(e)?;
+    let send = dc.stream().zeros(DType::F32, elems)?;
+    let mut recv = dc.stream().zeros(DType::F32, elems)?;
     // The baseline, measured here and now, by rank 0 alone (the bench's: `BenchDev::baseline`).
     // Host staging: the one-way pinned copy, and each direction's rate while both run at once
     // (what its ranks get, since each sends and receives at the same time).
     let (mut base_gbs, mut both_gbs) = (0.0, 0.0);
     if dc.rank() == 0 {
-        let b = gpu.baseline(bytes, staged)?;
+        let b = dc.stream().baseline(bytes, staged)?;
         base_gbs = if staged {
             b.pinned_gbs.unwrap_or(0.0)
         } else {
@@ -380,37 +453,34 @@ fn bandwidth(
 /// itself SIGKILL in its fourth iteration, mid-ring. The others must fail with an error (a lost
 /// peer or an abort naming it) well before the deadline, never hang. Rank 0's row says how long
 /// after its last completed all-reduce the error came.
-pub fn killed_rank_main(comm: &Communicator, device: usize, victim: usize) -> Vec<Row> {
-    let n = comm.size();
-    let label = if comm.config().p2p_disable {
-        "staging"
-    } else {
-        "cuda_ipc"
+/// On GPU `device`, or (`None`) the host stream.
+pub fn killed_rank_main(comm: &Communicator, device: Option<usize>, victim: usize) -> Vec<Row> {
+    let x = Expect::of(comm.config(), device.is_none());
+    let check = format!("{} n={} rank {victim} killed", x.label, comm.size());
+    let r = match device {
+        Some(ordinal) => Gpu::open(ordinal)
+            .map_err(|e| e.to_string())
+            .and_then(|gpu| killed_rank(comm, gpu, victim)),
+        None => killed_rank(comm, HostStream::new(), victim),
     };
-    let check = format!("{label} n={n} rank {victim} killed");
-    let row = |pass: bool, detail: String| {
-        vec![Row {
-            check: check.clone(),
-            pass,
-            detail,
-        }]
-    };
-    let gpu = match Gpu::open(device) {
-        Ok(g) => g,
-        Err(e) => return row(false, e.to_string()),
-    };
-    let mut dc = match DeviceComm::new(comm, gpu.clone()) {
-        Ok(dc) => dc,
-        Err(e) => return row(false, format!("connect: {e}")),
-    };
+    let (pass, detail) = r.unwrap_or_else(|e| (false, e));
+    vec![Row {
+        check,
+        pass,
+        detail,
+    }]
+}
+
+/// [`killed_rank_main`] on device `dev`: whether the row passes, and its detail.
+fn killed_rank<D: CheckDev>(
+    comm: &Communicator,
+    dev: D,
+    victim: usize,
+) -> Result<(bool, String), String> {
+    let mut dc = DeviceComm::new(comm, dev).map_err(|e| format!("connect: {e}"))?;
     let count = 16 << 20;
-    let bufs = gpu
-        .upload(DType::F32, &vec![0x3Fu8; count * 4])
-        .and_then(|a| Ok((a, gpu.upload(DType::F32, &vec![0u8; count * 4])?)));
-    let (send, mut recv) = match bufs {
-        Ok(b) => b,
-        Err(e) => return row(false, e.to_string()),
-    };
+    let send = dc.stream().make(DType::F32, &vec![1.5; count])?;
+    let mut recv = dc.stream().zeros(DType::F32, count)?;
     let timeout = comm.config().timeout;
     let mut last_ok = Instant::now();
     for i in 0..1000 {
@@ -425,7 +495,7 @@ pub fn killed_rank_main(comm: &Communicator, device: usize, victim: usize) -> Ve
             Ok(()) => last_ok = Instant::now(),
             Err(e) => {
                 let after = last_ok.elapsed();
-                return row(
+                return Ok((
                     after < timeout / 2,
                     format!(
                         "rank {} failed in iteration {i}, {:.2}s after its last all-reduce \
@@ -434,12 +504,12 @@ pub fn killed_rank_main(comm: &Communicator, device: usize, victim: usize) -> Ve
                         after.as_secs_f64(),
                         timeout.as_secs_f64()
                     ),
-                );
+                ));
             }
         }
     }
-    row(
+    Ok((
         false,
         format!("rank {} saw no error in 1000 all-reduces", dc.rank()),
-    )
+    ))
 }

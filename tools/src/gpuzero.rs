@@ -5,15 +5,13 @@
 //! slot ring, or 2 ranks, whose sums have one order); within 1e-3 where the direct step reduces
 //! chunks in rank order on more ranks.
 
-use std::sync::Arc;
-
 use half::{bf16, f16};
 use ringzero_collectives::{Communicator, DeviceComm, DeviceMemory};
 use ringzero_kernels::cpu::{cast, AdamW, Float};
-use ringzero_kernels::device::cuda::{DeviceBuffer, Gpu};
 use ringzero_zero::{DeviceEngine, Engine, LossScaling, ParamSpec, Precision, ZeroConfig};
 
 use crate::gpucheck::Row;
+use crate::gpucoll::CheckDev;
 
 fn specs() -> Vec<ParamSpec> {
     vec![
@@ -100,9 +98,8 @@ fn host<T: Float>(comm: &Communicator, c: ZeroConfig) -> Result<Vec<Vec<f32>>, S
 }
 
 /// The device engine's parameters after [`STEPS`] steps, its gradients uploaded to the GPU.
-fn device<T: Float>(
-    dc: &mut DeviceComm<Arc<Gpu>>,
-    gpu: &Arc<Gpu>,
+fn device<D: CheckDev, T: Float>(
+    dc: &mut DeviceComm<D>,
     c: ZeroConfig,
 ) -> Result<Vec<Vec<f32>>, String> {
     let sp = specs();
@@ -122,10 +119,11 @@ fn device<T: Float>(
             .iter()
             .zip(grads::<T>(&values, rank, t, e.loss_scale()))
         {
-            let buf: DeviceBuffer = gpu
-                .upload(T::DTYPE, bytemuck::cast_slice(&g))
-                .map_err(|x| x.to_string())?;
-            debug_assert_eq!(DeviceMemory::<Arc<Gpu>>::elems(&buf), g.len());
+            let mut wide = vec![0f32; g.len()];
+            T::widen(&g, &mut wide);
+            let vals: Vec<f64> = wide.into_iter().map(f64::from).collect();
+            let buf = e.stream().make(T::DTYPE, &vals)?;
+            debug_assert_eq!(DeviceMemory::<D>::elems(&buf), g.len());
             e.push_grad(n, &buf).map_err(e_)?;
         }
         e.step().map_err(e_)?;
@@ -138,16 +136,15 @@ fn device<T: Float>(
         .map_err(e_)
 }
 
-fn compare<T: Float>(
+fn compare<D: CheckDev, T: Float>(
     comm: &Communicator,
-    dc: &mut DeviceComm<Arc<Gpu>>,
-    gpu: &Arc<Gpu>,
+    dc: &mut DeviceComm<D>,
     p: Precision,
     exact: bool,
 ) -> Result<(), String> {
     for stage in 0..=3u8 {
         let want = host::<T>(comm, cfg(p, stage))?;
-        let got = device::<T>(dc, gpu, cfg(p, stage))?;
+        let got = device::<D, T>(dc, cfg(p, stage))?;
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             for (k, (a, b)) in g.iter().zip(w).enumerate() {
                 let bad = if exact {
@@ -169,17 +166,12 @@ fn compare<T: Float>(
 }
 
 /// The row: every stage and precision on this communicator (`label n=…`).
-pub fn check(
-    comm: &Communicator,
-    dc: &mut DeviceComm<Arc<Gpu>>,
-    gpu: &Arc<Gpu>,
-    label: &str,
-) -> Row {
+pub fn check<D: CheckDev>(comm: &Communicator, dc: &mut DeviceComm<D>, label: &str) -> Row {
     let n = comm.size();
     let exact = dc.direct().is_none() || n <= 2;
-    let r = compare::<f32>(comm, dc, gpu, Precision::Fp32, exact)
-        .and_then(|()| compare::<bf16>(comm, dc, gpu, Precision::Bf16, exact))
-        .and_then(|()| compare::<f16>(comm, dc, gpu, Precision::Fp16, exact));
+    let r = compare::<D, f32>(comm, dc, Precision::Fp32, exact)
+        .and_then(|()| compare::<D, bf16>(comm, dc, Precision::Bf16, exact))
+        .and_then(|()| compare::<D, f16>(comm, dc, Precision::Fp16, exact));
     Row {
         check: format!("{label} n={n} zero device engine"),
         pass: r.is_ok(),

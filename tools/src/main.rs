@@ -111,8 +111,17 @@ enum Cmd {
         #[arg(long)]
         no_bench: bool,
         /// Only the kernels (and their micro-benchmarks): skip the collectives on device buffers.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "host_stream")]
         kernels_only: bool,
+        /// A dry run without a GPU: the collective checks on the host stream (the device engine
+        /// with the host as its device; host staging, tcp, a killed rank), no kernels, no
+        /// bandwidth. It tests the checks themselves.
+        #[arg(long)]
+        host_stream: bool,
+        /// Counts up to 4099 elements in 4 KiB slices instead of up to 2^20+7 in the default
+        /// slices (the dry run's sizes).
+        #[arg(long)]
+        quick: bool,
     },
     /// One rank of gpu-check's collective checks (run by `gpu-check` under the launcher).
     #[command(hide = true)]
@@ -129,6 +138,12 @@ enum Cmd {
         /// Instead of the checks: all-reduce in a loop while this rank kills itself.
         #[arg(long)]
         kill_rank: Option<usize>,
+        /// On the host stream instead of a GPU.
+        #[arg(long)]
+        host_stream: bool,
+        /// The quick counts.
+        #[arg(long)]
+        quick: bool,
     },
     /// Run one diag probe (used by `ringzero diag` in a child process).
     #[command(hide = true)]
@@ -544,27 +559,36 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             json,
             no_bench,
             kernels_only,
+            host_stream,
+            quick,
         } => {
             use ringzero_tools::gpucheck;
-            let gpu = ringzero_kernels::device::cuda::Gpu::open(device)
-                .map_err(|e| anyhow::anyhow!("gpu-check: {e}"))?;
-            let name = gpu.name().unwrap_or_else(|e| e.to_string());
-            eprintln!(
-                "ringzero gpu-check: {name} ({}), checking kernels...",
-                gpu.arch()
-            );
-            let mut rows = gpucheck::checks(&gpu);
-            if !no_bench {
-                eprintln!("ringzero gpu-check: micro-benchmarks...");
-                match gpucheck::bench(&gpu) {
-                    Ok(r) => rows.extend(r),
-                    Err(e) => rows.push(gpucheck::Row {
-                        check: "bench".into(),
-                        pass: false,
-                        detail: e.to_string(),
-                    }),
+            let mut rows = Vec::new();
+            let name = if host_stream {
+                eprintln!("ringzero gpu-check: a dry run on the host stream (no GPU)");
+                "host stream (dry run, no GPU)".to_string()
+            } else {
+                let gpu = ringzero_kernels::device::cuda::Gpu::open(device)
+                    .map_err(|e| anyhow::anyhow!("gpu-check: {e}"))?;
+                let name = gpu.name().unwrap_or_else(|e| e.to_string());
+                eprintln!(
+                    "ringzero gpu-check: {name} ({}), checking kernels...",
+                    gpu.arch()
+                );
+                rows = gpucheck::checks(&gpu);
+                if !no_bench {
+                    eprintln!("ringzero gpu-check: micro-benchmarks...");
+                    match gpucheck::bench(&gpu) {
+                        Ok(r) => rows.extend(r),
+                        Err(e) => rows.push(gpucheck::Row {
+                            check: "bench".into(),
+                            pass: false,
+                            detail: e.to_string(),
+                        }),
+                    }
                 }
-            }
+                name
+            };
             let runs = [
                 (2usize, DevMode::Ipc),
                 (4, DevMode::Ipc),
@@ -575,7 +599,20 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 (4, DevMode::IpcKill),
                 (4, DevMode::StagingKill),
             ];
-            for (ranks, mode) in runs.into_iter().filter(|_| !kernels_only) {
+            // On the host stream auto and RINGZERO_P2P_DISABLE=1 both stage through the host,
+            // and both kills are one: a run of each kind.
+            let on_host = |mode: &DevMode| {
+                !matches!(mode, DevMode::Ipc | DevMode::IpcRing | DevMode::IpcKill)
+            };
+            let runs = runs
+                .into_iter()
+                .filter(|(_, m)| !kernels_only && (!host_stream || on_host(m)));
+            let how = RunHow {
+                host_stream,
+                quick,
+                no_bench,
+            };
+            for (ranks, mode) in runs {
                 eprintln!(
                     "ringzero gpu-check: collectives on device buffers, {ranks} processes, {}...",
                     match mode {
@@ -589,7 +626,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                         DevMode::StagingKill => "host staging, rank 1 killed mid all-reduce",
                     }
                 );
-                rows.extend(gpu_collectives(device, ranks, mode, no_bench));
+                rows.extend(gpu_collectives(device, ranks, mode, how));
             }
             if let Some(path) = json {
                 std::fs::write(&path, serde_json::to_string_pretty(&rows)?)
@@ -607,11 +644,21 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             rows,
             no_bench,
             kill_rank,
+            host_stream,
+            quick,
         } => {
+            use ringzero_tools::gpucoll;
             let comm = join("gpu-collectives", None, None, None)?;
+            let device = (!host_stream).then_some(device);
             let r = match kill_rank {
-                Some(k) => ringzero_tools::gpucoll::killed_rank_main(&comm, device, k),
-                None => ringzero_tools::gpucoll::rank_main(&comm, device, !no_bench),
+                Some(k) => gpucoll::killed_rank_main(&comm, device, k),
+                None => {
+                    let opts = gpucoll::RunOpts {
+                        bench: !no_bench,
+                        quick,
+                    };
+                    gpucoll::rank_main(&comm, device, opts)
+                }
             };
             if comm.rank() == 0 {
                 std::fs::write(&rows, serde_json::to_string(&r)?)
@@ -712,16 +759,27 @@ enum DevMode {
     StagingKill,
 }
 
+/// How gpu-check's collective runs go.
+#[derive(Clone, Copy, Debug)]
+struct RunHow {
+    /// On the host stream (a dry run) instead of a GPU.
+    host_stream: bool,
+    /// The quick counts, in 4 KiB slices.
+    quick: bool,
+    no_bench: bool,
+}
+
 /// gpu-check's collective checks: `ranks` processes on device `device` through the launcher.
 fn gpu_collectives(
     device: usize,
     ranks: usize,
     mode: DevMode,
-    no_bench: bool,
+    how: RunHow,
 ) -> Vec<ringzero_tools::gpucheck::Row> {
     use ringzero_tools::gpucheck::Row;
     let label = format!(
-        "{} n={ranks}",
+        "{}{} n={ranks}",
+        if how.host_stream { "host-stream " } else { "" },
         match mode {
             DevMode::Ipc | DevMode::IpcKill => "cuda_ipc",
             DevMode::IpcRing => "cuda_ipc-ring",
@@ -751,8 +809,14 @@ fn gpu_collectives(
         "--rows".into(),
         rows.clone().into(),
     ];
-    if no_bench {
+    if how.no_bench {
         args.push("--no-bench".into());
+    }
+    if how.host_stream {
+        args.push("--host-stream".into());
+    }
+    if how.quick {
+        args.push("--quick".into());
     }
     if kill {
         args.extend(["--kill-rank".into(), "1".into()]);
@@ -768,37 +832,43 @@ fn gpu_collectives(
             std::process::id()
         ))
     });
+    let mut env = vec![
+        (
+            "RINGZERO_P2P_DISABLE".to_string(),
+            if staged { "1" } else { "0" }.to_string(),
+        ),
+        (
+            "RINGZERO_TRANSPORT".to_string(),
+            if matches!(mode, DevMode::Tcp) {
+                "tcp"
+            } else {
+                "auto"
+            }
+            .to_string(),
+        ),
+        // The tcp run's edges stripe every frame over two connections (pinned staging parts).
+        ("RINGZERO_TCP_SOCKETS".to_string(), "2".to_string()),
+        (
+            "RINGZERO_DEVICE_ALGO".to_string(),
+            if matches!(mode, DevMode::IpcRing) {
+                "ring"
+            } else {
+                "auto"
+            }
+            .to_string(),
+        ),
+    ];
+    if how.quick {
+        // So that the quick counts still take several slices, and the posted messages several
+        // slots.
+        env.push(("RINGZERO_SLICE_BYTES".to_string(), "4096".to_string()));
+    }
     let spec = launch::LaunchSpec {
         ranks,
         nodes: 1,
         program: program.into(),
         args,
-        env: vec![
-            (
-                "RINGZERO_P2P_DISABLE".to_string(),
-                if staged { "1" } else { "0" }.to_string(),
-            ),
-            (
-                "RINGZERO_TRANSPORT".to_string(),
-                if matches!(mode, DevMode::Tcp) {
-                    "tcp"
-                } else {
-                    "auto"
-                }
-                .to_string(),
-            ),
-            // The tcp run's edges stripe every frame over two connections (pinned staging parts).
-            ("RINGZERO_TCP_SOCKETS".to_string(), "2".to_string()),
-            (
-                "RINGZERO_DEVICE_ALGO".to_string(),
-                if matches!(mode, DevMode::IpcRing) {
-                    "ring"
-                } else {
-                    "auto"
-                }
-                .to_string(),
-            ),
-        ],
+        env,
         grace: Duration::from_secs(5),
         dump_dir: dumps.clone().map(|path| launch::DumpDir {
             path,

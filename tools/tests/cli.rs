@@ -644,3 +644,76 @@ fn demo_resumes_exactly_and_ckpt_checks_and_consolidates() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("nowhere: does not exist"));
     std::fs::remove_dir_all(&root).unwrap();
 }
+
+/// `gpu-check --host-stream`: the GPU check's collective runs (host staging on 2 and 4 ranks,
+/// tcp, a rank killed) on the host stream, so that the checks a GPU session depends on are
+/// themselves tested here: every row there, every row passing.
+#[test]
+fn gpu_check_dry_run_on_the_host_stream_passes_every_row() {
+    let json = std::env::temp_dir().join(format!("ringzero-dry-{}.json", std::process::id()));
+    let out = succeeds(
+        ringzero()
+            .args(["gpu-check", "--host-stream", "--quick", "--no-bench"])
+            .arg("--json")
+            .arg(&json),
+    );
+    let rows: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&json);
+    let checks: Vec<&str> = rows.iter().map(|r| r["check"].as_str().unwrap()).collect();
+    let failed: Vec<&serde_json::Value> = rows.iter().filter(|r| r["pass"] != true).collect();
+    assert!(failed.is_empty(), "{failed:#?}\n{out}");
+    let per_run = [
+        "edges",
+        "algorithm",
+        "all_reduce",
+        "reduce_scatter",
+        "reduce_scatter_v",
+        "all_gather",
+        "broadcast",
+        "reduce",
+        "ring_shift",
+        "all_to_all",
+        "all_gather_v",
+        "send_recv",
+        "all_to_all_v",
+        "gather",
+        "scatter",
+        "barrier",
+        "async all_reduce",
+        "posted send/recv",
+        "bytes moved",
+        "zero device engine",
+    ];
+    let mut want: Vec<String> = ["staging n=2", "staging n=4", "tcp n=2"]
+        .iter()
+        .flat_map(|run| {
+            per_run
+                .iter()
+                .map(move |c| format!("host-stream {run} {c}"))
+        })
+        .collect();
+    want.push("host-stream staging n=4 rank 1 killed".into());
+    want.push("host-stream staging n=4 killed rank: diag --flight names it".into());
+    assert_eq!(checks, want, "{out}");
+    assert!(
+        out.contains(&format!("{} passed, 0 failed", want.len())),
+        "{out}"
+    );
+    // The host stream stages every byte through shm (or tcp), and never takes the direct step.
+    for r in &rows {
+        let (check, detail) = (r["check"].as_str().unwrap(), r["detail"].as_str().unwrap());
+        if check.ends_with("algorithm") {
+            assert_eq!(detail, "the slot ring", "{check}");
+        }
+        if check.ends_with("bytes moved") {
+            assert!(detail.contains("; 0 written straight"), "{check}: {detail}");
+        }
+    }
+    // The kernels and bandwidth checks need a GPU: a dry run refuses to be asked for them.
+    let err = fails(ringzero().args(["gpu-check", "--host-stream", "--kernels-only"]));
+    assert!(
+        err.contains("--kernels-only") && err.contains("--host-stream"),
+        "{err}"
+    );
+}

@@ -304,6 +304,12 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
         &self.led.cfg
     }
 
+    /// The stream the engine's work runs on: the device its gradients ([`Self::push_grad`])
+    /// must be made on, while the engine holds the communicator.
+    pub fn stream(&self) -> &S {
+        self.comm.stream()
+    }
+
     /// Optimizer steps taken (skipped ones not counted).
     pub fn steps(&self) -> u64 {
         self.led.t
@@ -346,10 +352,6 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
         let mut out = vec![0f32; len];
         cast(&raw, &mut out);
         Ok(out)
-    }
-
-    fn stream(&self) -> &S {
-        self.comm.stream()
     }
 
     /// Wait for the work queued on the stream (before temporaries it uses are dropped, or a

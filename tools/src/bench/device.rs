@@ -26,6 +26,11 @@ pub trait BenchDev: Stream + Sized {
     type Buf: DeviceMemory<Self>;
     /// A buffer holding `vals` as `dtype`.
     fn make(&self, dtype: DType, vals: &[f64]) -> std::result::Result<Self::Buf, String>;
+    /// A buffer of `elems` elements of `dtype`, to be written before it is read (zeros unless
+    /// the device allocates faster without).
+    fn zeros(&self, dtype: DType, elems: usize) -> std::result::Result<Self::Buf, String> {
+        self.make(dtype, &vec![0.0; elems])
+    }
     /// Its contents.
     fn contents(&self, b: &Self::Buf) -> std::result::Result<Vec<f64>, String>;
     /// Copy rates measured now on `bytes` (see [`Baseline`]); the pinned host↔device ones too
@@ -155,6 +160,9 @@ impl BenchDev for Arc<Gpu> {
             b.both_ways_gbs = Some(gbs(bytes, ms2));
         }
         Ok(b)
+    }
+    fn zeros(&self, dtype: DType, elems: usize) -> std::result::Result<DeviceBuffer, String> {
+        self.alloc(dtype, elems).map_err(|e| e.to_string())
     }
     fn make(&self, dtype: DType, vals: &[f64]) -> std::result::Result<DeviceBuffer, String> {
         self.upload(dtype, &encode(dtype, vals))
