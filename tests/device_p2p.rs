@@ -775,3 +775,91 @@ fn posted_device_calls_in_any_interleaving_arrive_exact_and_in_order() {
         });
     }
 }
+
+/// A rank's host calls go on while its device communicator connects a pair: rank 0 posts its
+/// first device send to rank 1, then joins a host all-reduce (a trainer's loss) that rank 1
+/// calls before it posts the matching receive. The pair's connect trades its records over the
+/// host communicator's links, and must not hold that communicator meanwhile: else rank 0's
+/// all-reduce waits for the connect, which waits for rank 1's receive, which comes after the
+/// all-reduce — until the deadline. Over shm and tcp, and with a second host call (a barrier)
+/// after the pair has connected.
+#[test]
+fn host_collectives_go_on_while_a_device_pair_connects() {
+    for transport in [TransportPref::Shm, TransportPref::Tcp] {
+        let o = Opts {
+            transport,
+            slice_bytes: 1024,
+            timeout: std::time::Duration::from_secs(10),
+            ..Opts::default()
+        };
+        threads(2, &o, |r, comm| {
+            let comm = comm.unwrap();
+            let dc = DeviceComm::new(&comm, HostStream::new()).unwrap();
+            let start = std::time::Instant::now();
+            let mut loss = [r as f32 + 1.0; 3];
+            let len = 3001; // three times the slots: the send waits for the receive
+            if r == 0 {
+                let sent = dc.send_async(msg(0, 0, len), 1);
+                // Let the proxy's session start the pair's connect before the host call.
+                std::thread::sleep(std::time::Duration::from_millis(300));
+                comm.all_reduce_in_place(&mut loss, ReduceOp::Sum).unwrap();
+                sent.wait().unwrap();
+            } else {
+                comm.all_reduce_in_place(&mut loss, ReduceOp::Sum).unwrap();
+                let got = dc.recv_async(vec![0f32; len], 0).wait().unwrap();
+                assert_eq!(got, msg(0, 0, len), "{transport:?}");
+            }
+            assert_eq!(loss, [3.0; 3], "{transport:?}");
+            comm.barrier().unwrap();
+            let took = start.elapsed();
+            assert!(
+                took < std::time::Duration::from_secs(5),
+                "rank {r} over {transport:?}: {took:?} (the deadline is 10 s)"
+            );
+        });
+    }
+}
+
+/// A host collective that fails while the device communicator's connect still trades records
+/// over the host links ends that trade too, at once: rank 0 posts a first device send that
+/// rank 1 never receives, then the two call host all-reduces of different counts. Both
+/// all-reduces fail naming both calls, and rank 0's send fails with the host communicator's
+/// failure, all well before the deadline (the failure no longer waits for the record trade's
+/// own deadline to reach the point-to-point links).
+#[test]
+fn a_failed_host_collective_ends_a_device_connect_in_progress() {
+    let o = Opts {
+        slice_bytes: 1024,
+        timeout: std::time::Duration::from_secs(10),
+        ..Opts::default()
+    };
+    threads(2, &o, |r, comm| {
+        let comm = comm.unwrap();
+        let dc = DeviceComm::new(&comm, HostStream::new()).unwrap();
+        let start = std::time::Instant::now();
+        let sent = (r == 0).then(|| dc.send_async(msg(0, 0, 3001), 1));
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        let mut loss = vec![1f32; 3 + r];
+        let e = comm
+            .all_reduce_in_place(&mut loss, ReduceOp::Sum)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("count=3") && e.contains("count=4"),
+            "rank {r}: {e}"
+        );
+        if let Some(sent) = sent {
+            let e = sent.wait().unwrap_err().to_string();
+            // `send_recv with rank 1 seq 0: communicator aborted: rank 0: collective mismatch..`
+            assert!(
+                e.contains("send_recv with rank 1") && e.contains("count=4"),
+                "{e}"
+            );
+        }
+        let took = start.elapsed();
+        assert!(
+            took < std::time::Duration::from_secs(5),
+            "rank {r}: {took:?} (the deadline is 10 s)"
+        );
+    });
+}

@@ -68,9 +68,13 @@ struct Inner {
     /// The address this rank's data connections use (None for one rank).
     data_ip: Option<std::net::IpAddr>,
     state: Mutex<State>,
-    /// Point-to-point links per peer, connected by the pair's first send or receive. Locked only
-    /// while `state` is held.
+    /// Point-to-point links per peer, connected by the pair's first send or receive. Locked after
+    /// `state` where both are held; a posted session (`comm/posted.rs`) holds it alone, so that
+    /// ring collectives go on meanwhile, which therefore never wait for it (see `pairs_seen`).
     pairs: Mutex<BTreeMap<usize, Pair>>,
+    /// The point-to-point links' counters when `pairs` was last free: what [`Inner::counters`]
+    /// counts for them while a posted session holds it.
+    pairs_seen: Mutex<Counters>,
     /// The pairwise collectives' links per peer (apart from point-to-point's), connected by the
     /// first such collective between the two. Locked only while `state` is held (after `pairs`,
     /// when both are).
@@ -149,6 +153,7 @@ impl Communicator {
             data_ip,
             state: Mutex::new(State::new(links)),
             pairs: Mutex::new(BTreeMap::new()),
+            pairs_seen: Mutex::new(Counters::default()),
             mesh: Mutex::new(BTreeMap::new()),
             mesh_pairs: Mutex::new(Default::default()),
             peers: std::sync::OnceLock::new(),
@@ -1053,14 +1058,28 @@ impl Inner {
         }
     }
 
-    /// Bytes and frames over every link: the ring's and [`Inner::other_links`].
+    /// Bytes and frames over every link: the ring's and [`Inner::other_links`]. The
+    /// point-to-point links count as they were before a posted session that holds them now
+    /// began (a call's flight record then counts the ring's traffic alone); never waits.
     fn counters(&self, st: &State) -> Counters {
-        self.other_links(|others| {
-            st.links
-                .iter()
-                .chain(others.map(|l| &*l))
-                .fold(Counters::default(), |a, l| a + l.counters)
-        })
+        let sum = |links: &mut dyn Iterator<Item = &Links>| {
+            links.fold(Counters::default(), |a, l| a + l.counters)
+        };
+        let pairs = match self.pairs.try_lock() {
+            Ok(pairs) => {
+                let c = sum(&mut pairs.values().map(|p| &p.links));
+                *self.pairs_seen.lock().unwrap_or_else(|p| p.into_inner()) = c;
+                c
+            }
+            Err(std::sync::TryLockError::Poisoned(p)) => {
+                sum(&mut p.into_inner().values().map(|p| &p.links))
+            }
+            Err(std::sync::TryLockError::WouldBlock) => {
+                *self.pairs_seen.lock().unwrap_or_else(|p| p.into_inner())
+            }
+        };
+        let mesh = self.mesh.lock().unwrap_or_else(|p| p.into_inner());
+        sum(&mut st.links.iter().chain(mesh.values())) + pairs
     }
 
     /// Run `f` on every link beside the ring's: point-to-point's pairs and the pairwise
@@ -1105,6 +1124,9 @@ impl Inner {
         }
         tracing::error!(target: "ringzero::comm", rank = self.rank, "{e}");
         engine::fail(st, self.rank, e, &self.flight);
+        // A posted session on another thread (which holds the point-to-point links, waited for
+        // below) ends at the flag rather than at its deadline.
+        self.abort.raise(format!("rank {}: {e}", self.rank));
         self.tell_other_links(&format!("rank {}: {e}", self.rank));
     }
 

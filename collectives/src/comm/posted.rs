@@ -137,19 +137,24 @@ impl Inner {
     /// (see the module docs).
     pub(super) fn run_posted(self: &Arc<Self>, first: Posted, ticket: Ticket, feed: &Feed<Posted>) {
         let fp = Fingerprint::new(Collective::SendRecv, Some(first.dtype), None, 0);
-        let mut st = self.lock();
-        if let Err(e) = engine::refuse(st.failed.as_ref(), &self.abort, &fp, 0) {
+        let refused = engine::refuse(self.lock().failed.as_ref(), &self.abort, &fp, 0);
+        if let Err(e) = refused {
             (first.fill)(Err(e));
             return;
         }
+        // The session holds the point-to-point links only, not the communicator's state: a ring
+        // collective on another thread goes on meanwhile (a device communicator's connect trades
+        // its records here while the trainer all-reduces a loss, which the peer may reach first).
+        // A failure meanwhile elsewhere raises the abort flag, which the session's waits watch.
         let mut pairs = self.pairs.lock().unwrap_or_else(|p| p.into_inner());
         let mut s = Session::default();
         let r = self
             .take(&mut s, &mut pairs, first, ticket)
             .and_then(|()| self.drive(&mut s, &mut pairs, feed));
+        // Released before the state is taken (the state's lock comes first everywhere else).
         drop(pairs);
         if let Err(e) = r {
-            self.fail(&mut st, &e);
+            self.fail(&mut self.lock(), &e);
             // Pairs still connecting give up at the abort flag.
             self.abort.raise(e.to_string());
             for c in std::mem::take(&mut s.connecting).into_values() {
