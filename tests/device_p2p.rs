@@ -776,16 +776,20 @@ fn posted_device_calls_in_any_interleaving_arrive_exact_and_in_order() {
     }
 }
 
-/// A rank's host calls go on while its device communicator connects a pair: rank 0 posts its
-/// first device send to rank 1, then joins a host all-reduce (a trainer's loss) that rank 1
-/// calls before it posts the matching receive. The pair's connect trades its records over the
-/// host communicator's links, and must not hold that communicator meanwhile: else rank 0's
-/// all-reduce waits for the connect, which waits for rank 1's receive, which comes after the
-/// all-reduce — until the deadline. Over shm and tcp, and with a second host call (a barrier)
-/// after the pair has connected.
+/// A rank's host calls go on while its device communicator connects a pair: rank 0 makes its
+/// first device send to rank 1 (posted, or blocking on a thread of its own), then joins a host
+/// all-reduce (a trainer's loss) that rank 1 calls before its matching receive. The pair's
+/// connect trades its records over the host communicator's links, and must not hold that
+/// communicator meanwhile: else rank 0's all-reduce waits for the connect, which waits for rank
+/// 1's receive, which comes after the all-reduce — until the deadline. Over shm and tcp, and
+/// with a second host call (a barrier) after the pair has connected.
 #[test]
 fn host_collectives_go_on_while_a_device_pair_connects() {
-    for transport in [TransportPref::Shm, TransportPref::Tcp] {
+    for (transport, posted) in [
+        (TransportPref::Shm, true),
+        (TransportPref::Tcp, true),
+        (TransportPref::Shm, false),
+    ] {
         let o = Opts {
             transport,
             slice_bytes: 1024,
@@ -794,27 +798,41 @@ fn host_collectives_go_on_while_a_device_pair_connects() {
         };
         threads(2, &o, |r, comm| {
             let comm = comm.unwrap();
-            let dc = DeviceComm::new(&comm, HostStream::new()).unwrap();
+            let mut dc = DeviceComm::new(&comm, HostStream::new()).unwrap();
             let start = std::time::Instant::now();
             let mut loss = [r as f32 + 1.0; 3];
             let len = 3001; // three times the slots: the send waits for the receive
-            if r == 0 {
-                let sent = dc.send_async(msg(0, 0, len), 1);
-                // Let the proxy's session start the pair's connect before the host call.
-                std::thread::sleep(std::time::Duration::from_millis(300));
-                comm.all_reduce_in_place(&mut loss, ReduceOp::Sum).unwrap();
-                sent.wait().unwrap();
-            } else {
-                comm.all_reduce_in_place(&mut loss, ReduceOp::Sum).unwrap();
-                let got = dc.recv_async(vec![0f32; len], 0).wait().unwrap();
-                assert_eq!(got, msg(0, 0, len), "{transport:?}");
+            let all_reduce = |loss: &mut [f32]| {
+                if r == 0 {
+                    // Let the connect start before the host call.
+                    std::thread::sleep(std::time::Duration::from_millis(300));
+                }
+                comm.all_reduce_in_place(loss, ReduceOp::Sum).unwrap();
+            };
+            match (r, posted) {
+                (0, true) => {
+                    let sent = dc.send_async(msg(0, 0, len), 1);
+                    all_reduce(&mut loss);
+                    sent.wait().unwrap();
+                }
+                (0, false) => std::thread::scope(|s| {
+                    let dc = &mut dc;
+                    let sent = s.spawn(move || dc.send(&msg(0, 0, len)[..], 1));
+                    all_reduce(&mut loss);
+                    sent.join().unwrap().unwrap();
+                }),
+                _ => {
+                    all_reduce(&mut loss);
+                    let got = dc.recv_async(vec![0f32; len], 0).wait().unwrap();
+                    assert_eq!(got, msg(0, 0, len), "{transport:?}");
+                }
             }
             assert_eq!(loss, [3.0; 3], "{transport:?}");
             comm.barrier().unwrap();
             let took = start.elapsed();
             assert!(
                 took < std::time::Duration::from_secs(5),
-                "rank {r} over {transport:?}: {took:?} (the deadline is 10 s)"
+                "rank {r} over {transport:?}, posted {posted}: {took:?} (the deadline is 10 s)"
             );
         });
     }

@@ -809,17 +809,6 @@ impl HostPeers {
         self.0.nodes()
     }
 
-    /// Run `msgs` as one batch over the host's point-to-point links (the pairs not connected yet
-    /// connect at once: [`Communicator::send_recv_batch`]).
-    pub(crate) fn exchange_all(&self, msgs: &mut [P2p<'_, u8>]) -> Result<()> {
-        let peers = msgs.iter().map(|m| match m {
-            P2p::Send(_, p) => (true, *p),
-            P2p::Recv(_, p) => (false, *p),
-        });
-        pairs::check_peers(self.0.size, self.0.rank, peers)?;
-        self.0.send_recv_batch(msgs)
-    }
-
     /// How host frames from `peer` to this rank travel (shm on one node, else tcp) and why: the
     /// ring's choice ([`crate::topology::choose`]) for that pair.
     pub(crate) fn edge_from(&self, peer: usize) -> Result<Edge> {
@@ -869,6 +858,33 @@ impl HostPoster {
             |fill| posted::Posted::new(msgs, move |r, msgs| fill(r.map(|()| msgs))),
             move |first, ticket, feed| inner.run_posted(first, ticket, feed),
         )
+    }
+
+    /// Send `sends[i].1` to rank `sends[i].0` and receive `len` bytes from each of those ranks,
+    /// all as one posted call, and wait for it: what each sent, in the same order. (A device
+    /// communicator's blocking connect: like the posted one, it holds the host communicator's
+    /// point-to-point links only, not its state, so host collectives go on meanwhile.)
+    pub(crate) fn exchange(
+        &self,
+        sends: Vec<(usize, Vec<u8>)>,
+        len: usize,
+    ) -> Result<Vec<Vec<u8>>> {
+        let peers = sends.iter().map(|(p, _)| *p).collect::<Vec<_>>();
+        let mut msgs: Vec<P2pOwned<u8>> = sends
+            .into_iter()
+            .map(|(p, b)| P2pOwned::Send(b, p))
+            .collect();
+        msgs.extend(peers.iter().map(|&p| P2pOwned::Recv(vec![0u8; len], p)));
+        let checked = msgs.iter().map(P2pOwned::peer);
+        pairs::check_peers(self.inner.size, self.inner.rank, checked)?;
+        let done = self.post(msgs).wait()?;
+        Ok(done
+            .into_iter()
+            .filter_map(|m| match m {
+                P2pOwned::Recv(b, _) => Some(b),
+                P2pOwned::Send(..) => None,
+            })
+            .collect())
     }
 }
 

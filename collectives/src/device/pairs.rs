@@ -29,7 +29,7 @@ use super::comm::Rx;
 use super::comm::{text, untext, ConnectInfo, Core, DeviceComm, FINDING_BYTES};
 use super::stream::Stream;
 use super::DeviceMemory;
-use crate::comm::{HostPeers, P2p};
+use crate::comm::HostPeers;
 use crate::error::{Error, Result};
 use crate::ring::device_engine::{self, DevBufs, DevLinks};
 use crate::ring::engine::Call;
@@ -772,19 +772,9 @@ impl<S: Stream> Core<S> {
         for &peer in &peers {
             opened.push(self.open_pair(host, peer)?);
         }
-        let mut theirs = vec![vec![0u8; RECORD_BYTES]; peers.len()];
-        let mut msgs: Vec<P2p<'_, u8>> = opened
-            .iter()
-            .zip(&peers)
-            .map(|((_, _, record), &p)| P2p::Send(record.as_slice(), p))
-            .collect();
-        msgs.extend(
-            theirs
-                .iter_mut()
-                .zip(&peers)
-                .map(|(b, &p)| P2p::Recv(b.as_mut_slice(), p)),
-        );
-        host.exchange_all(&mut msgs)?;
+        let poster = self.poster.as_ref().expect("a host implies a poster");
+        let records = opened.iter().map(|(_, _, record)| record.clone());
+        let theirs = poster.exchange(peers.iter().copied().zip(records).collect(), RECORD_BYTES)?;
         let mut made = Vec::with_capacity(peers.len());
         for ((rx, recv_edge, _), (&peer, record)) in
             opened.into_iter().zip(peers.iter().zip(&theirs))
@@ -795,16 +785,7 @@ impl<S: Stream> Core<S> {
         }
         // Each side now holds the other's FIFO: say so, and hear it, so that neither returns (and
         // may close, removing a FIFO's file) before its peer has attached.
-        let ok = [1u8];
-        let mut heard = vec![[0u8]; peers.len()];
-        let mut msgs: Vec<P2p<'_, u8>> = peers.iter().map(|&p| P2p::Send(&ok[..], p)).collect();
-        msgs.extend(
-            heard
-                .iter_mut()
-                .zip(&peers)
-                .map(|(b, &p)| P2p::Recv(&mut b[..], p)),
-        );
-        host.exchange_all(&mut msgs)?;
+        poster.exchange(peers.iter().map(|&p| (p, vec![1u8])).collect(), 1)?;
         Ok(made)
     }
 
