@@ -245,7 +245,8 @@ impl Communicator {
     }
 
     /// Byte counters of this rank's links since creation (including the setup barrier's frames,
-    /// all-to-all's links and point-to-point links once connected).
+    /// all-to-all's links and point-to-point links once connected). Point-to-point traffic of
+    /// asynchronous calls still running on another thread counts once they end.
     pub fn counters(&self) -> Counters {
         let st = self.inner.lock();
         self.inner.counters(&st)
