@@ -245,8 +245,8 @@ impl Communicator {
     }
 
     /// Byte counters of this rank's links since creation (including the setup barrier's frames,
-    /// all-to-all's links and point-to-point links once connected). Point-to-point traffic of
-    /// asynchronous calls still running on another thread counts once they end.
+    /// all-to-all's links and point-to-point links once connected). Waits for point-to-point
+    /// calls running on another thread to finish with the links.
     pub fn counters(&self) -> Counters {
         let st = self.inner.lock();
         self.inner.counters(&st)
@@ -1028,6 +1028,11 @@ pub(crate) fn own_part(
     ))
 }
 
+/// The counters of `links` together.
+fn links_sum<'a>(links: impl Iterator<Item = &'a Links>) -> Counters {
+    links.fold(Counters::default(), |a, l| a + l.counters)
+}
+
 fn same_len(c: Collective, a: usize, b: usize, a_name: &str, b_name: &str) -> Result<()> {
     if a == b {
         Ok(())
@@ -1075,28 +1080,37 @@ impl Inner {
         }
     }
 
-    /// Bytes and frames over every link: the ring's and [`Inner::other_links`]. The
-    /// point-to-point links count as they were before a posted session that holds them now
-    /// began (a call's flight record then counts the ring's traffic alone); never waits.
+    /// Bytes and frames over every link: the ring's and [`Inner::other_links`] (waiting for a
+    /// posted session on another thread to end).
     fn counters(&self, st: &State) -> Counters {
-        let sum = |links: &mut dyn Iterator<Item = &Links>| {
-            links.fold(Counters::default(), |a, l| a + l.counters)
-        };
-        let pairs = match self.pairs.try_lock() {
-            Ok(pairs) => {
-                let c = sum(&mut pairs.values().map(|p| &p.links));
-                *self.pairs_seen.lock().unwrap_or_else(|p| p.into_inner()) = c;
-                c
-            }
-            Err(std::sync::TryLockError::Poisoned(p)) => {
-                sum(&mut p.into_inner().values().map(|p| &p.links))
-            }
+        let pairs = self.pairs.lock().unwrap_or_else(|p| p.into_inner());
+        self.pair_counters(st, pairs)
+    }
+
+    /// [`Inner::counters`] without waiting: while a posted session holds the point-to-point
+    /// links, they count as they were when last free (`pairs_seen`; monotone). A ring call's
+    /// flight record reads these, so that it never waits for a session (whose messages, on
+    /// links of their own, are none of the call's traffic).
+    fn counters_now(&self, st: &State) -> Counters {
+        match self.pairs.try_lock() {
+            Ok(pairs) => self.pair_counters(st, pairs),
+            Err(std::sync::TryLockError::Poisoned(p)) => self.pair_counters(st, p.into_inner()),
             Err(std::sync::TryLockError::WouldBlock) => {
-                *self.pairs_seen.lock().unwrap_or_else(|p| p.into_inner())
+                let seen = *self.pairs_seen.lock().unwrap_or_else(|p| p.into_inner());
+                let mesh = self.mesh.lock().unwrap_or_else(|p| p.into_inner());
+                links_sum(st.links.iter().chain(mesh.values())) + seen
             }
-        };
+        }
+    }
+
+    /// [`Inner::counters`] with the point-to-point links held (`pairs`), which it notes in
+    /// `pairs_seen`.
+    fn pair_counters(&self, st: &State, pairs: MutexGuard<'_, BTreeMap<usize, Pair>>) -> Counters {
+        let seen = links_sum(pairs.values().map(|p| &p.links));
+        *self.pairs_seen.lock().unwrap_or_else(|p| p.into_inner()) = seen;
+        drop(pairs);
         let mesh = self.mesh.lock().unwrap_or_else(|p| p.into_inner());
-        sum(&mut st.links.iter().chain(mesh.values())) + pairs
+        links_sum(st.links.iter().chain(mesh.values())) + seen
     }
 
     /// Run `f` on every link beside the ring's: point-to-point's pairs and the pairwise
@@ -1124,9 +1138,9 @@ impl Inner {
         let seq = st.seq;
         st.seq += 1;
         self.flight
-            .begin(seq, fp, in_place, bytes, self.counters(st));
+            .begin(seq, fp, in_place, bytes, self.counters_now(st));
         let r = run(st);
-        self.flight.end(&r, self.counters(st));
+        self.flight.end(&r, self.counters_now(st));
         if let Err(e) = &r {
             self.fail(st, e);
         }
