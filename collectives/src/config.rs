@@ -357,6 +357,12 @@ pub struct Config {
     /// nowhere, the record is still readable through `flight_record()`). `ringzero launch` sets
     /// one per job.
     pub dump_dir: Option<std::path::PathBuf>,
+    /// Also write every live communicator's flight record there, and go on, when the process
+    /// receives SIGUSR1 (`RINGZERO_DUMP_ON_SIGUSR1=1`; `ringzero launch` sets it, and sends
+    /// SIGUSR1 to every rank when it is interrupted or itself receives SIGUSR1): what each rank
+    /// of a hung job is doing, before any deadline. Off by default: the process's SIGUSR1
+    /// handling is its owner's (Slurm's `--signal`, a trainer's own handler).
+    pub dump_on_sigusr1: bool,
 }
 
 impl Config {
@@ -393,6 +399,7 @@ impl Config {
             shm_dir: "/dev/shm".into(),
             flight_entries: crate::flight::DEFAULT_ENTRIES,
             dump_dir: None,
+            dump_on_sigusr1: false,
         }
     }
 
@@ -581,6 +588,7 @@ impl Config {
             Some(d) => c.dump_dir = Some(d.into()),
             None => {}
         }
+        c.dump_on_sigusr1 = flag(env, "RINGZERO_DUMP_ON_SIGUSR1")?;
         c.validate()?;
         Ok(c)
     }
@@ -588,6 +596,12 @@ impl Config {
     /// Check the values against each other.
     pub fn validate(&self) -> Result<()> {
         let l = &self.launch;
+        if self.dump_on_sigusr1 && self.dump_dir.is_none() {
+            return Err(Error::config(
+                "RINGZERO_DUMP_ON_SIGUSR1",
+                "is set but RINGZERO_DUMP_DIR is not: there is nowhere to write the records",
+            ));
+        }
         if l.world_size == 0 {
             return Err(Error::config("world size", "must be at least 1"));
         }
@@ -1008,9 +1022,24 @@ mod tests {
             ("RINGZERO_DEVICE_COPY_PAIRS", "Off"),
             ("RINGZERO_FLIGHT_ENTRIES", "16"),
             ("RINGZERO_DUMP_DIR", "/tmp/rz-dumps"),
+            ("RINGZERO_DUMP_ON_SIGUSR1", "1"),
             ("RINGZERO_TCP_SOCKETS", " 8"),
         ])
         .unwrap();
+        assert!(c.dump_on_sigusr1);
+        assert!(!Config::new(0, 1, "x", 1).dump_on_sigusr1);
+        // Records on SIGUSR1 need somewhere to go.
+        let e = cfg(&[
+            ("RINGZERO_RANK", "0"),
+            ("RINGZERO_WORLD_SIZE", "1"),
+            ("RINGZERO_DUMP_ON_SIGUSR1", "1"),
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("RINGZERO_DUMP_ON_SIGUSR1") && e.contains("RINGZERO_DUMP_DIR"),
+            "{e}"
+        );
         assert_eq!(c.tcp_sockets, 8);
         assert_eq!(Config::new(0, 1, "x", 1).tcp_sockets, 1);
         assert_eq!(c.flight_entries, 16);

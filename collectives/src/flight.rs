@@ -16,13 +16,16 @@
 //!   that was missing, late or calling something else.
 //!
 //! The recorder has its own lock, held only to copy an entry in or out, so another thread can
-//! read the record of a communicator that is stuck inside a call.
+//! read the record of a communicator that is stuck inside a call. With
+//! `RINGZERO_DUMP_ON_SIGUSR1=1` a thread of the process writes every live communicator's record
+//! when the process receives SIGUSR1, and the communicators go on: a hung job's ranks say what
+//! they are doing without dying (`ringzero launch` sends it to them when interrupted).
 //!
 //! [`abort`]: crate::Communicator::abort
 
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
@@ -153,7 +156,8 @@ impl FlightRecord {
 pub(crate) struct Recorder {
     dir: Option<PathBuf>,
     cap: usize,
-    inner: Mutex<Inner>,
+    /// Shared with the SIGUSR1 watcher's list ([`watch_sigusr1`]), which holds it weakly.
+    inner: Arc<Mutex<Inner>>,
 }
 
 struct Inner {
@@ -211,17 +215,21 @@ impl Recorder {
             entries: Vec::new(),
             p2p: Vec::new(),
         };
-        Recorder {
+        let r = Recorder {
             dir: cfg.dump_dir.clone(),
             cap: cfg.flight_entries,
-            inner: Mutex::new(Inner {
+            inner: Arc::new(Mutex::new(Inner {
                 head,
                 entries: VecDeque::new(),
                 running: None,
                 dumped: None,
                 p2p: Default::default(),
-            }),
+            })),
+        };
+        if let Some(dir) = r.dir.as_ref().filter(|_| cfg.dump_on_sigusr1) {
+            watch_sigusr1(&r.inner, dir);
         }
+        r
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -363,6 +371,67 @@ impl Recorder {
                     "could not write the flight record to {}: {e}", dir.display())
             })
             .ok()
+    }
+}
+
+/// The records written on SIGUSR1: each live recorder that asked, and its directory.
+type Watched = Vec<(Weak<Mutex<Inner>>, PathBuf)>;
+static ON_SIGUSR1: Mutex<Watched> = Mutex::new(Vec::new());
+
+/// Name of the file in a dump directory that says process `pid` writes its records on SIGUSR1
+/// (and survives it): `ringzero launch` signals only the ranks that wrote one.
+pub fn sigusr1_marker(pid: u32) -> String {
+    format!(".ringzero-sigusr1-{pid}")
+}
+
+/// Write `inner`'s record into `dir` whenever the process receives SIGUSR1: start the watching
+/// thread (once per process), list the recorder, and leave the marker in `dir`.
+fn watch_sigusr1(inner: &Arc<Mutex<Inner>>, dir: &Path) {
+    static WATCHER: OnceLock<std::result::Result<(), String>> = OnceLock::new();
+    let started = WATCHER.get_or_init(|| {
+        let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGUSR1])
+            .map_err(|e| e.to_string())?;
+        std::thread::Builder::new()
+            .name("ringzero-flight-sigusr1".into())
+            .spawn(move || {
+                for _ in signals.forever() {
+                    dump_watched();
+                }
+            })
+            .map(drop)
+            .map_err(|e| e.to_string())
+    });
+    if let Err(e) = started {
+        tracing::warn!(target: "ringzero::flight", "cannot watch for SIGUSR1 ({e}): flight \
+            records are written on failure and at close only");
+        return;
+    }
+    let mut watched = ON_SIGUSR1.lock().unwrap_or_else(|p| p.into_inner());
+    watched.retain(|(w, _)| w.strong_count() > 0);
+    watched.push((Arc::downgrade(inner), dir.to_path_buf()));
+    let marker = dir.join(sigusr1_marker(std::process::id()));
+    if let Err(e) = std::fs::create_dir_all(dir).and_then(|()| std::fs::write(&marker, b"")) {
+        tracing::warn!(target: "ringzero::flight", "cannot write {}: {e}", marker.display());
+    }
+}
+
+/// Write the record of every live recorder listed by [`watch_sigusr1`] (SIGUSR1 arrived).
+fn dump_watched() {
+    let live: Vec<(Arc<Mutex<Inner>>, PathBuf)> = ON_SIGUSR1
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .filter_map(|(w, dir)| Some((w.upgrade()?, dir.clone())))
+        .collect();
+    for (inner, dir) in live {
+        let rec = snapshot(&inner.lock().unwrap_or_else(|p| p.into_inner()));
+        match write_atomically(&dir, &rec) {
+            Ok(p) => tracing::info!(target: "ringzero::flight", rank = rec.rank,
+                "SIGUSR1: flight record of the last {} calls written to {}", rec.entries.len(),
+                p.display()),
+            Err(e) => tracing::warn!(target: "ringzero::flight", rank = rec.rank,
+                "SIGUSR1: could not write the flight record to {}: {e}", dir.display()),
+        }
     }
 }
 

@@ -77,11 +77,17 @@ pub struct Outcome {
     pub exits: Vec<RankExit>,
     /// The first rank seen failing, if any.
     pub first_failure: Option<usize>,
+    /// The signal that interrupted the launcher ([`launch_interruptible`]), if one did.
+    pub interrupted: Option<i32>,
 }
 
 impl Outcome {
-    /// The launcher's exit code: 0, or the first failed rank's code (128 + signal if killed).
+    /// The launcher's exit code: 128 + the signal that interrupted it, else 0, or the first
+    /// failed rank's code (128 + signal if killed).
     pub fn exit_code(&self) -> i32 {
+        if let Some(sig) = self.interrupted {
+            return 128 + sig;
+        }
         match self.first_failure {
             None => 0,
             Some(r) => {
@@ -117,6 +123,70 @@ fn say(out: &Output, msg: &str) {
 
 /// Run the job to completion.
 pub fn launch(spec: &LaunchSpec, out: Output) -> std::io::Result<Outcome> {
+    launch_with(spec, out, None)
+}
+
+/// [`launch`] for a process that is the launcher and nothing else (`ringzero launch`): it also
+/// acts on signals. SIGUSR1 asks every rank for its flight records and the job goes on (what a
+/// hung job's ranks are doing, for `ringzero diag --flight`, before any deadline); SIGINT
+/// (Ctrl-C) or SIGTERM asks for them too, gives the ranks up to [`RECORDS_WAIT`] to write them,
+/// then stops the job (a second one kills it at once). Only ranks that said they write records
+/// on SIGUSR1 (a ringzero communicator with `RINGZERO_DUMP_ON_SIGUSR1=1`, which the launcher
+/// sets, leaves a marker in the dump directory) are sent it: its default action kills a process.
+/// The handlers stay installed after the job (the process is about to exit).
+pub fn launch_interruptible(spec: &LaunchSpec, out: Output) -> std::io::Result<Outcome> {
+    use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1};
+    let signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGUSR1])?;
+    launch_with(spec, out, Some(signals))
+}
+
+/// How long an interrupted launcher waits for the ranks' flight records before stopping them.
+pub const RECORDS_WAIT: Duration = Duration::from_secs(2);
+
+/// Send SIGUSR1 to every running rank that writes its flight records on it (its marker is in
+/// `dir`); how many were asked.
+fn ask_for_records(
+    children: &[Child],
+    status: &[Option<(ExitStatus, bool)>],
+    dir: &std::path::Path,
+) -> usize {
+    let mut asked = 0;
+    for (c, s) in children.iter().zip(status) {
+        let marker = dir.join(ringzero_collectives::flight::sigusr1_marker(c.id()));
+        if s.is_some() || !marker.exists() {
+            continue;
+        }
+        if let Some(pid) = rustix::process::Pid::from_raw(c.id() as i32) {
+            asked +=
+                rustix::process::kill_process(pid, rustix::process::Signal::USR1).is_ok() as usize;
+        }
+    }
+    asked
+}
+
+/// Ranks with a record in `dir` taken at or after `since_us` (Unix microseconds).
+fn ranks_recorded_since(dir: &std::path::Path, since_us: u64) -> std::collections::BTreeSet<usize> {
+    ringzero_collectives::flight::read_dir(dir)
+        .map(|recs| {
+            recs.iter()
+                .filter(|r| r.taken_unix_us >= since_us)
+                .map(|r| r.rank)
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn unix_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
+}
+
+fn launch_with(
+    spec: &LaunchSpec,
+    out: Output,
+    mut signals: Option<signal_hook::iterator::Signals>,
+) -> std::io::Result<Outcome> {
     let invalid = |m: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, m);
     if spec.ranks == 0 {
         return Err(invalid("-n must be at least 1".into()));
@@ -183,6 +253,7 @@ pub fn launch(spec: &LaunchSpec, out: Output) -> std::io::Result<Outcome> {
         }
         if let Some(d) = &spec.dump_dir {
             cmd.env("RINGZERO_DUMP_DIR", &d.path);
+            cmd.env("RINGZERO_DUMP_ON_SIGUSR1", "1");
         }
         for (k, v) in &spec.env {
             cmd.env(k, v);
@@ -226,7 +297,62 @@ pub fn launch(spec: &LaunchSpec, out: Output) -> std::io::Result<Outcome> {
     let mut first_failure = None;
     let mut failed_at: Option<Instant> = None;
     let mut termed_at: Option<Instant> = None;
+    // The signal that interrupted the launcher, when, and the records asked for then: (rank
+    // count, Unix microseconds).
+    let mut interrupted: Option<(i32, Instant, usize, u64)> = None;
     while status.iter().any(Option::is_none) {
+        for sig in signals
+            .as_mut()
+            .map(|s| s.pending().collect())
+            .unwrap_or(Vec::new())
+        {
+            let dir = spec.dump_dir.as_ref().map(|d| d.path.as_path());
+            let (since, asked) = (
+                unix_us(),
+                dir.map_or(0, |d| ask_for_records(&children, &status, d)),
+            );
+            let place = dir.map_or("nowhere (no dump directory)".into(), |d| {
+                d.display().to_string()
+            });
+            if sig == signal_hook::consts::SIGUSR1 {
+                say(
+                    &out,
+                    &format!(
+                        "SIGUSR1: asked {asked} of {} ranks for their flight records \
+                    ({place}; `ringzero diag --flight` joins them); the job goes on",
+                        spec.ranks
+                    ),
+                );
+            } else if interrupted.is_none() {
+                say(
+                    &out,
+                    &format!(
+                        "interrupted (signal {sig}): asked {asked} of {} ranks for \
+                    their flight records ({place}), stopping the job",
+                        spec.ranks
+                    ),
+                );
+                interrupted = Some((sig, Instant::now(), asked, since));
+            } else {
+                say(&out, &format!("signal {sig} again: killing every rank"));
+                for (rank, c) in children.iter().enumerate() {
+                    if status[rank].is_none() {
+                        signal_group(c, rustix::process::Signal::KILL);
+                    }
+                }
+            }
+        }
+        // Interrupted: stop the ranks once every rank asked has written its record (or after
+        // the wait); they end as a failed job's survivors do.
+        if let (Some((_, at, asked, since)), None) = (interrupted, termed_at) {
+            let written = spec
+                .dump_dir
+                .as_ref()
+                .map_or(0, |d| ranks_recorded_since(&d.path, since).len());
+            if written >= asked || at.elapsed() >= RECORDS_WAIT {
+                failed_at.get_or_insert_with(Instant::now);
+            }
+        }
         let mut failed_now = Vec::new();
         for (rank, c) in children.iter_mut().enumerate() {
             if status[rank].is_none() {
@@ -238,7 +364,7 @@ pub fn launch(spec: &LaunchSpec, out: Output) -> std::io::Result<Outcome> {
                 }
             }
         }
-        if first_failure.is_none() && !failed_now.is_empty() {
+        if first_failure.is_none() && !failed_now.is_empty() && interrupted.is_none() {
             // The ranks that notice a dead peer exit within milliseconds of it, and one pass may see
             // several exits. Look once more after a moment, then blame a rank that died by a signal
             // (ranks reacting to a failure exit with an error code) before one that exited.
@@ -270,7 +396,13 @@ pub fn launch(spec: &LaunchSpec, out: Output) -> std::io::Result<Outcome> {
             );
         }
         if let (Some(t), None) = (failed_at, termed_at) {
-            if t.elapsed() >= spec.grace {
+            // An interrupted job's ranks had their wait for the records.
+            let grace = if interrupted.is_some() {
+                Duration::ZERO
+            } else {
+                spec.grace
+            };
+            if t.elapsed() >= grace {
                 termed_at = Some(Instant::now());
                 for (rank, c) in children.iter().enumerate() {
                     if status[rank].is_none() {
@@ -318,6 +450,7 @@ pub fn launch(spec: &LaunchSpec, out: Output) -> std::io::Result<Outcome> {
     let outcome = Outcome {
         exits,
         first_failure,
+        interrupted: interrupted.map(|(sig, ..)| sig),
     };
     if let Some(r) = first_failure {
         say(
@@ -328,7 +461,20 @@ pub fn launch(spec: &LaunchSpec, out: Output) -> std::io::Result<Outcome> {
             ),
         );
     }
-    if let Some(d) = &spec.dump_dir {
+    if let (Some(d), Some(sig)) = (&spec.dump_dir, outcome.interrupted) {
+        let ranks = ranks_recorded_since(&d.path, 0);
+        say(
+            &out,
+            &format!(
+                "interrupted by signal {sig}: flight records of {} of {} ranks are in {}: \
+                 `ringzero diag --flight {}` shows what each rank was doing",
+                ranks.len(),
+                spec.ranks,
+                d.path.display(),
+                d.path.display()
+            ),
+        );
+    } else if let Some(d) = &spec.dump_dir {
         if first_failure.is_some() {
             let ranks: std::collections::BTreeSet<usize> =
                 ringzero_collectives::flight::read_dir(&d.path)

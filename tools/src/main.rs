@@ -418,7 +418,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 grace: Duration::from_secs_f64(grace),
                 dump_dir: Some(dump_dir_for_launch(dump_dir)),
             };
-            let outcome = launch::launch(&spec, launch::Output::Inherit)?;
+            let outcome = launch::launch_interruptible(&spec, launch::Output::Inherit)?;
             Ok(ExitCode::from(outcome.exit_code().clamp(0, 255) as u8))
         }
         Cmd::Bench(b) => bench(b),

@@ -717,3 +717,109 @@ fn gpu_check_dry_run_on_the_host_stream_passes_every_row() {
         "{err}"
     );
 }
+
+/// Not a test of its own: the rank program of the hang test below when `RINGZERO_TEST_HANG` is
+/// set. Rank 0 all-reduces; rank 1 never calls (it sleeps), so rank 0 waits in the all-reduce.
+#[test]
+fn hang_rank_entry() {
+    if std::env::var_os("RINGZERO_TEST_HANG").is_none() {
+        return;
+    }
+    let comm = ringzero_collectives::Communicator::from_env().unwrap();
+    if comm.rank() == 0 {
+        let mut v = vec![1f32; 1024];
+        let _ = comm.all_reduce_in_place(&mut v, ringzero_collectives::ReduceOp::Sum);
+    } else {
+        std::thread::sleep(std::time::Duration::from_secs(60));
+    }
+    std::process::exit(0);
+}
+
+/// A hung job's ranks say what they are doing, before any deadline: SIGUSR1 to `ringzero
+/// launch` makes every rank write its flight record and the job goes on; Ctrl-C (SIGINT) does
+/// the same, then stops the job (exit 130) and names the directory, where `ringzero diag
+/// --flight` finds rank 0 waiting in an all-reduce that rank 1 never called.
+#[test]
+fn launch_asks_a_hung_job_for_its_flight_records_on_sigusr1_and_on_ctrl_c() {
+    use std::time::{Duration, Instant};
+    let dir = std::env::temp_dir().join(format!("ringzero-sig-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut job = ringzero()
+        .args(["launch", "-n", "2", "--dump-dir"])
+        .arg(&dir)
+        .arg("--")
+        .arg(std::env::current_exe().unwrap())
+        .args([
+            "hang_rank_entry",
+            "--exact",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .env("RINGZERO_TEST_HANG", "1")
+        .env("RINGZERO_TIMEOUT", "60")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let launcher = rustix::process::Pid::from_raw(job.id() as i32).unwrap();
+    let files = |prefix: &str| -> usize {
+        std::fs::read_dir(&dir).map_or(0, |d| {
+            d.filter(|e| {
+                e.as_ref()
+                    .is_ok_and(|e| e.file_name().to_string_lossy().starts_with(prefix))
+            })
+            .count()
+        })
+    };
+    let until = |what: &str, ok: &dyn Fn() -> bool| {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !ok() {
+            assert!(Instant::now() < deadline, "waited 30 s for {what}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    // Each rank's communicator leaves its marker once it watches for SIGUSR1.
+    until("both ranks' markers", &|| files(".ringzero-sigusr1-") == 2);
+    assert_eq!(
+        files("ringzero-flight-"),
+        0,
+        "no record before it is asked for"
+    );
+    // Rank 0 is then in its all-reduce (or about to be: a record shows it either way).
+    std::thread::sleep(Duration::from_millis(200));
+    rustix::process::kill_process(launcher, rustix::process::Signal::USR1).unwrap();
+    until("both records", &|| files("ringzero-flight-") == 2);
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        job.try_wait().unwrap().is_none(),
+        "the job goes on after SIGUSR1"
+    );
+    rustix::process::kill_process(launcher, rustix::process::Signal::INT).unwrap();
+    let out = job.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(130), "{stderr}");
+    assert!(stderr.contains("SIGUSR1: asked 2 of 2 ranks"), "{stderr}");
+    assert!(
+        stderr.contains("interrupted by signal 2: flight records of 2 of 2 ranks are in"),
+        "{stderr}"
+    );
+    let diag = ringzero()
+        .args(["diag", "--flight"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    let report = String::from_utf8_lossy(&diag.stdout);
+    let rank0 = report.lines().find(|l| l.starts_with("0 ")).unwrap_or("");
+    assert!(
+        rank0.contains("all_reduce(f32, sum, count=1024)") && rank0.contains("running"),
+        "{report}"
+    );
+    // The hang's culprit, named while the job was still up.
+    assert!(
+        report.contains("NEVER_CALLED: rank 1 never called seq 1 all_reduce"),
+        "{report}"
+    );
+    assert_eq!(diag.status.code(), Some(1), "something is off: {report}");
+}
