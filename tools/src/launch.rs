@@ -303,8 +303,8 @@ fn launch_with(
     while status.iter().any(Option::is_none) {
         for sig in signals
             .as_mut()
-            .map(|s| s.pending().collect())
-            .unwrap_or(Vec::new())
+            .map(|s| s.pending().collect::<Vec<_>>())
+            .unwrap_or_default()
         {
             let dir = spec.dump_dir.as_ref().map(|d| d.path.as_path());
             let (since, asked) = (
