@@ -13,6 +13,7 @@ pub mod demo;
 pub mod diag;
 pub mod gpucheck;
 pub mod gpucoll;
+pub mod gpurun;
 pub mod gpuzero;
 pub mod launch;
 
