@@ -227,7 +227,7 @@ impl Recorder {
             })),
         };
         if let Some(dir) = r.dir.as_ref().filter(|_| cfg.dump_on_sigusr1) {
-            watch_sigusr1(&r.inner, dir);
+            watch_sigusr1(&r.inner, dir, &cfg.job_id);
         }
         r
     }
@@ -378,15 +378,31 @@ impl Recorder {
 type Watched = Vec<(Weak<Mutex<Inner>>, PathBuf)>;
 static ON_SIGUSR1: Mutex<Watched> = Mutex::new(Vec::new());
 
-/// Name of the file in a dump directory that says process `pid` writes its records on SIGUSR1
-/// (and survives it): `ringzero launch` signals only the ranks that wrote one.
-pub fn sigusr1_marker(pid: u32) -> String {
-    format!(".ringzero-sigusr1-{pid}")
+/// Name of the file in a dump directory that says process `pid` of job `job` writes its records
+/// on SIGUSR1 (and survives it): `ringzero launch` signals only the ranks that wrote one, so a
+/// marker left by an earlier job whose pid came round again never gets a rank of this one killed.
+/// The job is `RINGZERO_JOB_ID` (a split communicator's id counts up to its first `/`), its
+/// characters other than ASCII letters, digits, `-` and `.` written `_`.
+pub fn sigusr1_marker(job: &str, pid: u32) -> String {
+    let job: String = job
+        .split('/')
+        .next()
+        .unwrap_or_default()
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '.' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    format!(".ringzero-sigusr1-{job}-{pid}")
 }
 
 /// Write `inner`'s record into `dir` whenever the process receives SIGUSR1: start the watching
 /// thread (once per process), list the recorder, and leave the marker in `dir`.
-fn watch_sigusr1(inner: &Arc<Mutex<Inner>>, dir: &Path) {
+fn watch_sigusr1(inner: &Arc<Mutex<Inner>>, dir: &Path, job: &str) {
     static WATCHER: OnceLock<std::result::Result<(), String>> = OnceLock::new();
     let started = WATCHER.get_or_init(|| {
         let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGUSR1])
@@ -409,7 +425,7 @@ fn watch_sigusr1(inner: &Arc<Mutex<Inner>>, dir: &Path) {
     let mut watched = ON_SIGUSR1.lock().unwrap_or_else(|p| p.into_inner());
     watched.retain(|(w, _)| w.strong_count() > 0);
     watched.push((Arc::downgrade(inner), dir.to_path_buf()));
-    let marker = dir.join(sigusr1_marker(std::process::id()));
+    let marker = dir.join(sigusr1_marker(job, std::process::id()));
     if let Err(e) = std::fs::create_dir_all(dir).and_then(|()| std::fs::write(&marker, b"")) {
         tracing::warn!(target: "ringzero::flight", "cannot write {}: {e}", marker.display());
     }
@@ -520,6 +536,24 @@ mod tests {
     use super::*;
     use crate::ring::Collective;
     use ringzero_kernels::{DType, ReduceOp};
+
+    #[test]
+    fn sigusr1_markers_name_the_job_as_a_file_name_can() {
+        assert_eq!(
+            sigusr1_marker("0c3a2b74", 7),
+            ".ringzero-sigusr1-0c3a2b74-7"
+        );
+        // A split communicator's id is its parent's, then `/split...`; explicit configs use
+        // `addr:port`.
+        assert_eq!(
+            sigusr1_marker("0c3a2b74/split1.0", 7),
+            ".ringzero-sigusr1-0c3a2b74-7"
+        );
+        assert_eq!(
+            sigusr1_marker("127.0.0.1:29500", 42),
+            ".ringzero-sigusr1-127.0.0.1_29500-42"
+        );
+    }
 
     fn cfg(entries: usize, dir: Option<PathBuf>) -> Config {
         let mut c = Config::new(1, 3, "127.0.0.1", 1);

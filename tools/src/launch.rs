@@ -148,11 +148,11 @@ pub const RECORDS_WAIT: Duration = Duration::from_secs(2);
 fn ask_for_records(
     children: &[Child],
     status: &[Option<(ExitStatus, bool)>],
-    dir: &std::path::Path,
+    (dir, job): (&std::path::Path, &str),
 ) -> usize {
     let mut asked = 0;
     for (c, s) in children.iter().zip(status) {
-        let marker = dir.join(ringzero_collectives::flight::sigusr1_marker(c.id()));
+        let marker = dir.join(ringzero_collectives::flight::sigusr1_marker(job, c.id()));
         if s.is_some() || !marker.exists() {
             continue;
         }
@@ -309,7 +309,7 @@ fn launch_with(
             let dir = spec.dump_dir.as_ref().map(|d| d.path.as_path());
             let (since, asked) = (
                 unix_us(),
-                dir.map_or(0, |d| ask_for_records(&children, &status, d)),
+                dir.map_or(0, |d| ask_for_records(&children, &status, (d, &job))),
             );
             let place = dir.map_or("nowhere (no dump directory)".into(), |d| {
                 d.display().to_string()
@@ -447,6 +447,13 @@ fn launch_with(
             }
         })
         .collect();
+    // The ranks' SIGUSR1 markers go with them.
+    if let Some(d) = &spec.dump_dir {
+        for c in &children {
+            let marker = ringzero_collectives::flight::sigusr1_marker(&job, c.id());
+            let _ = std::fs::remove_file(d.path.join(marker));
+        }
+    }
     let outcome = Outcome {
         exits,
         first_failure,

@@ -804,6 +804,11 @@ fn launch_asks_a_hung_job_for_its_flight_records_on_sigusr1_and_on_ctrl_c() {
         stderr.contains("interrupted by signal 2: flight records of 2 of 2 ranks are in"),
         "{stderr}"
     );
+    assert_eq!(
+        files(".ringzero-sigusr1-"),
+        0,
+        "the launcher removes its ranks' markers"
+    );
     let diag = ringzero()
         .args(["diag", "--flight"])
         .arg(&dir)
