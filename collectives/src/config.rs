@@ -363,6 +363,10 @@ pub struct Config {
     /// of a hung job is doing, before any deadline. Off by default: the process's SIGUSR1
     /// handling is its owner's (Slurm's `--signal`, a trainer's own handler).
     pub dump_on_sigusr1: bool,
+    /// Write them there on SIGTERM too, then end as SIGTERM ends a process
+    /// (`RINGZERO_DUMP_ON_SIGTERM=1`; `ringzero launch` sets it): a rank that torchrun's agent,
+    /// Slurm or the launcher terminates leaves a record instead of none.
+    pub dump_on_sigterm: bool,
 }
 
 impl Config {
@@ -400,6 +404,7 @@ impl Config {
             flight_entries: crate::flight::DEFAULT_ENTRIES,
             dump_dir: None,
             dump_on_sigusr1: false,
+            dump_on_sigterm: false,
         }
     }
 
@@ -589,6 +594,7 @@ impl Config {
             None => {}
         }
         c.dump_on_sigusr1 = flag(env, "RINGZERO_DUMP_ON_SIGUSR1")?;
+        c.dump_on_sigterm = flag(env, "RINGZERO_DUMP_ON_SIGTERM")?;
         c.validate()?;
         Ok(c)
     }
@@ -596,11 +602,16 @@ impl Config {
     /// Check the values against each other.
     pub fn validate(&self) -> Result<()> {
         let l = &self.launch;
-        if self.dump_on_sigusr1 && self.dump_dir.is_none() {
-            return Err(Error::config(
-                "RINGZERO_DUMP_ON_SIGUSR1",
-                "is set but RINGZERO_DUMP_DIR is not: there is nowhere to write the records",
-            ));
+        for (on, var) in [
+            (self.dump_on_sigusr1, "RINGZERO_DUMP_ON_SIGUSR1"),
+            (self.dump_on_sigterm, "RINGZERO_DUMP_ON_SIGTERM"),
+        ] {
+            if on && self.dump_dir.is_none() {
+                return Err(Error::config(
+                    var,
+                    "is set but RINGZERO_DUMP_DIR is not: there is nowhere to write the records",
+                ));
+            }
         }
         if l.world_size == 0 {
             return Err(Error::config("world size", "must be at least 1"));
@@ -1026,8 +1037,16 @@ mod tests {
             ("RINGZERO_TCP_SOCKETS", " 8"),
         ])
         .unwrap();
-        assert!(c.dump_on_sigusr1);
+        assert!(c.dump_on_sigusr1 && !c.dump_on_sigterm);
         assert!(!Config::new(0, 1, "x", 1).dump_on_sigusr1);
+        let e = cfg(&[
+            ("RINGZERO_RANK", "0"),
+            ("RINGZERO_WORLD_SIZE", "1"),
+            ("RINGZERO_DUMP_ON_SIGTERM", "1"),
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("RINGZERO_DUMP_ON_SIGTERM"), "{e}");
         // Records on SIGUSR1 need somewhere to go.
         let e = cfg(&[
             ("RINGZERO_RANK", "0"),

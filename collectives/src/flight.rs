@@ -19,7 +19,8 @@
 //! read the record of a communicator that is stuck inside a call. With
 //! `RINGZERO_DUMP_ON_SIGUSR1=1` a thread of the process writes every live communicator's record
 //! when the process receives SIGUSR1, and the communicators go on: a hung job's ranks say what
-//! they are doing without dying (`ringzero launch` sends it to them when interrupted).
+//! they are doing without dying (`ringzero launch` sends it to them when interrupted). With
+//! `RINGZERO_DUMP_ON_SIGTERM=1` it writes them on SIGTERM too, then lets the process end.
 //!
 //! [`abort`]: crate::Communicator::abort
 
@@ -156,7 +157,7 @@ impl FlightRecord {
 pub(crate) struct Recorder {
     dir: Option<PathBuf>,
     cap: usize,
-    /// Shared with the SIGUSR1 watcher's list ([`watch_sigusr1`]), which holds it weakly.
+    /// Shared with the signal watcher's list ([`watch_signals`]), which holds it weakly.
     inner: Arc<Mutex<Inner>>,
 }
 
@@ -226,8 +227,9 @@ impl Recorder {
                 p2p: Default::default(),
             })),
         };
-        if let Some(dir) = r.dir.as_ref().filter(|_| cfg.dump_on_sigusr1) {
-            watch_sigusr1(&r.inner, dir, &cfg.job_id);
+        let on = (cfg.dump_on_sigusr1, cfg.dump_on_sigterm);
+        if let Some(dir) = r.dir.as_ref().filter(|_| on.0 || on.1) {
+            watch_signals(&r.inner, dir, &cfg.job_id, on);
         }
         r
     }
@@ -374,9 +376,9 @@ impl Recorder {
     }
 }
 
-/// The records written on SIGUSR1: each live recorder that asked, and its directory.
+/// The records written on SIGUSR1 or SIGTERM: each live recorder that asked, and its directory.
 type Watched = Vec<(Weak<Mutex<Inner>>, PathBuf)>;
-static ON_SIGUSR1: Mutex<Watched> = Mutex::new(Vec::new());
+static ON_SIGNAL: Mutex<Watched> = Mutex::new(Vec::new());
 
 /// Name of the file in a dump directory that says process `pid` of job `job` writes its records
 /// on SIGUSR1 (and survives it): `ringzero launch` signals only the ranks that wrote one, so a
@@ -400,40 +402,61 @@ pub fn sigusr1_marker(job: &str, pid: u32) -> String {
     format!(".ringzero-sigusr1-{job}-{pid}")
 }
 
-/// Write `inner`'s record into `dir` whenever the process receives SIGUSR1: start the watching
-/// thread (once per process), list the recorder, and leave the marker in `dir`.
-fn watch_sigusr1(inner: &Arc<Mutex<Inner>>, dir: &Path, job: &str) {
-    static WATCHER: OnceLock<std::result::Result<(), String>> = OnceLock::new();
+/// Write `inner`'s record into `dir` whenever the process receives SIGUSR1 (`usr1`) or SIGTERM
+/// (`term`, after which the process ends as SIGTERM ends it): start the watching thread (once per
+/// process, for the signals the first recorder to ask asked for), list the recorder, and leave
+/// the SIGUSR1 marker in `dir`.
+fn watch_signals(inner: &Arc<Mutex<Inner>>, dir: &Path, job: &str, (usr1, term): (bool, bool)) {
+    use signal_hook::consts::{SIGTERM, SIGUSR1};
+    static WATCHER: OnceLock<std::result::Result<(bool, bool), String>> = OnceLock::new();
     let started = WATCHER.get_or_init(|| {
-        let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGUSR1])
-            .map_err(|e| e.to_string())?;
+        let wanted = [(usr1, SIGUSR1), (term, SIGTERM)];
+        let sigs: Vec<i32> = wanted.iter().filter(|w| w.0).map(|w| w.1).collect();
+        let mut signals = signal_hook::iterator::Signals::new(sigs).map_err(|e| e.to_string())?;
         std::thread::Builder::new()
-            .name("ringzero-flight-sigusr1".into())
+            .name("ringzero-flight-signals".into())
             .spawn(move || {
-                for _ in signals.forever() {
-                    dump_watched();
+                for sig in signals.forever() {
+                    dump_watched(if sig == SIGTERM { "SIGTERM" } else { "SIGUSR1" });
+                    if sig == SIGTERM {
+                        // As SIGTERM would have, now that the records are written.
+                        let _ = signal_hook::low_level::emulate_default_handler(SIGTERM);
+                        std::process::exit(128 + SIGTERM);
+                    }
                 }
             })
-            .map(drop)
+            .map(|_| (usr1, term))
             .map_err(|e| e.to_string())
     });
-    if let Err(e) = started {
-        tracing::warn!(target: "ringzero::flight", "cannot watch for SIGUSR1 ({e}): flight \
-            records are written on failure and at close only");
-        return;
+    let watching = match started {
+        Ok(w) => *w,
+        Err(e) => {
+            tracing::warn!(target: "ringzero::flight", "cannot watch for signals ({e}): flight \
+                records are written on failure and at close only");
+            return;
+        }
+    };
+    if (usr1 && !watching.0) || (term && !watching.1) {
+        tracing::warn!(target: "ringzero::flight", "this process already watches only for \
+            SIGUSR1: {}, SIGTERM: {} (its first communicator's RINGZERO_DUMP_ON_* settings)",
+            watching.0, watching.1);
     }
-    let mut watched = ON_SIGUSR1.lock().unwrap_or_else(|p| p.into_inner());
+    let mut watched = ON_SIGNAL.lock().unwrap_or_else(|p| p.into_inner());
     watched.retain(|(w, _)| w.strong_count() > 0);
     watched.push((Arc::downgrade(inner), dir.to_path_buf()));
+    drop(watched);
+    if !(usr1 && watching.0) {
+        return;
+    }
     let marker = dir.join(sigusr1_marker(job, std::process::id()));
     if let Err(e) = std::fs::create_dir_all(dir).and_then(|()| std::fs::write(&marker, b"")) {
         tracing::warn!(target: "ringzero::flight", "cannot write {}: {e}", marker.display());
     }
 }
 
-/// Write the record of every live recorder listed by [`watch_sigusr1`] (SIGUSR1 arrived).
-fn dump_watched() {
-    let live: Vec<(Arc<Mutex<Inner>>, PathBuf)> = ON_SIGUSR1
+/// Write the record of every live recorder listed by [`watch_signals`] (`sig` arrived).
+fn dump_watched(sig: &str) {
+    let live: Vec<(Arc<Mutex<Inner>>, PathBuf)> = ON_SIGNAL
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .iter()
@@ -443,10 +466,10 @@ fn dump_watched() {
         let rec = snapshot(&inner.lock().unwrap_or_else(|p| p.into_inner()));
         match write_atomically(&dir, &rec) {
             Ok(p) => tracing::info!(target: "ringzero::flight", rank = rec.rank,
-                "SIGUSR1: flight record of the last {} calls written to {}", rec.entries.len(),
+                "{sig}: flight record of the last {} calls written to {}", rec.entries.len(),
                 p.display()),
             Err(e) => tracing::warn!(target: "ringzero::flight", rank = rec.rank,
-                "SIGUSR1: could not write the flight record to {}: {e}", dir.display()),
+                "{sig}: could not write the flight record to {}: {e}", dir.display()),
         }
     }
 }

@@ -828,3 +828,87 @@ fn launch_asks_a_hung_job_for_its_flight_records_on_sigusr1_and_on_ctrl_c() {
     );
     assert_eq!(diag.status.code(), Some(1), "something is off: {report}");
 }
+
+/// A rank terminated by SIGTERM (the launcher's stop, torchrun's agent, Slurm's time limit)
+/// writes its flight record before it ends: rank 1 of the hung job is sent SIGTERM; its record
+/// is rewritten (taken after the one SIGUSR1 asked for), the job fails with rank 1 first, and
+/// `ringzero diag --flight` no longer says NO_RECORD for it.
+#[test]
+fn a_rank_ended_by_sigterm_leaves_its_flight_record() {
+    use std::time::{Duration, Instant};
+    let dir = std::env::temp_dir().join(format!("ringzero-term-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let job = ringzero()
+        .args(["launch", "-n", "2", "--grace", "1", "--dump-dir"])
+        .arg(&dir)
+        .arg("--")
+        .arg(std::env::current_exe().unwrap())
+        .args([
+            "hang_rank_entry",
+            "--exact",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .env("RINGZERO_TEST_HANG", "1")
+        .env("RINGZERO_TIMEOUT", "60")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let launcher = rustix::process::Pid::from_raw(job.id() as i32).unwrap();
+    let record = |rank: usize| -> Option<serde_json::Value> {
+        let text =
+            std::fs::read_to_string(dir.join(format!("ringzero-flight-host-rank{rank}.json")));
+        serde_json::from_str(&text.ok()?).ok()
+    };
+    let until = |what: &str, ok: &dyn Fn() -> bool| {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !ok() {
+            assert!(Instant::now() < deadline, "waited 30 s for {what}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    let markers = || {
+        std::fs::read_dir(&dir).map_or(0, |d| {
+            d.filter(|e| {
+                e.as_ref().is_ok_and(|e| {
+                    e.file_name()
+                        .to_string_lossy()
+                        .starts_with(".ringzero-sigusr1-")
+                })
+            })
+            .count()
+        })
+    };
+    until("both ranks' markers", &|| markers() == 2);
+    rustix::process::kill_process(launcher, rustix::process::Signal::USR1).unwrap();
+    until("rank 1's record", &|| record(1).is_some());
+    let asked = record(1).unwrap();
+    let taken = |r: &serde_json::Value| r["taken_unix_us"].as_u64().unwrap();
+    let pid = asked["pid"].as_u64().unwrap() as i32;
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(pid).unwrap(),
+        rustix::process::Signal::TERM,
+    )
+    .unwrap();
+    let out = job.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(128 + 15), "{stderr}");
+    assert!(stderr.contains("rank 1 failed (signal 15)"), "{stderr}");
+    let last = record(1).expect("rank 1's record");
+    assert!(taken(&last) > taken(&asked), "rewritten on SIGTERM: {last}");
+    let diag = ringzero()
+        .args(["diag", "--flight"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    let report = String::from_utf8_lossy(&diag.stdout);
+    assert!(!report.contains("NO_RECORD"), "{report}");
+    let rank1 = report.lines().find(|l| l.starts_with("1 ")).unwrap_or("");
+    assert!(
+        rank1.contains("seq 0"),
+        "rank 1 never got past set-up: {report}"
+    );
+}
