@@ -364,8 +364,10 @@ pub struct Config {
     /// handling is its owner's (Slurm's `--signal`, a trainer's own handler).
     pub dump_on_sigusr1: bool,
     /// Write them there on SIGTERM too, then end as SIGTERM ends a process
-    /// (`RINGZERO_DUMP_ON_SIGTERM=1`; `ringzero launch` sets it): a rank that torchrun's agent,
-    /// Slurm or the launcher terminates leaves a record instead of none.
+    /// (`RINGZERO_DUMP_ON_SIGTERM=1`): a rank that torchrun's agent, Slurm or the launcher
+    /// terminates leaves a record instead of none. Off by default, and not set by the launcher:
+    /// it ends the process right after writing, even where the program handles SIGTERM itself
+    /// (its handler still runs, chained, but the process does not outlive the records).
     pub dump_on_sigterm: bool,
 }
 

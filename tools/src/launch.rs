@@ -133,9 +133,10 @@ pub fn launch(spec: &LaunchSpec, out: Output) -> std::io::Result<Outcome> {
 /// then stops the job (a second one kills it at once). Only ranks that said they write records
 /// on SIGUSR1 (a ringzero communicator with `RINGZERO_DUMP_ON_SIGUSR1=1`, which the launcher
 /// sets, leaves a marker in the dump directory) are sent it: its default action kills a process.
-/// The handlers stay installed after the job (the process is about to exit). (Ranks also write
-/// their records on the SIGTERM that stops them, `RINGZERO_DUMP_ON_SIGTERM`, which every launch
-/// sets.)
+/// The handlers stay installed after the job (the process is about to exit). (Ranks write
+/// their records on the SIGTERM that stops them too where `RINGZERO_DUMP_ON_SIGTERM=1` is in
+/// the launcher's environment, which they inherit: it is not set for them, since it ends a
+/// process whose program would handle SIGTERM itself.)
 pub fn launch_interruptible(spec: &LaunchSpec, out: Output) -> std::io::Result<Outcome> {
     use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1};
     let signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGUSR1])?;
@@ -256,7 +257,6 @@ fn launch_with(
         if let Some(d) = &spec.dump_dir {
             cmd.env("RINGZERO_DUMP_DIR", &d.path);
             cmd.env("RINGZERO_DUMP_ON_SIGUSR1", "1");
-            cmd.env("RINGZERO_DUMP_ON_SIGTERM", "1");
         }
         for (k, v) in &spec.env {
             cmd.env(k, v);

@@ -830,7 +830,8 @@ fn launch_asks_a_hung_job_for_its_flight_records_on_sigusr1_and_on_ctrl_c() {
 }
 
 /// A rank terminated by SIGTERM (the launcher's stop, torchrun's agent, Slurm's time limit)
-/// writes its flight record before it ends: rank 1 of the hung job is sent SIGTERM; its record
+/// writes its flight record before it ends where `RINGZERO_DUMP_ON_SIGTERM=1` (the ranks inherit
+/// it from the launcher's environment): rank 1 of the hung job is sent SIGTERM; its record
 /// is rewritten (taken after the one SIGUSR1 asked for), the job fails with rank 1 first, and
 /// `ringzero diag --flight` no longer says NO_RECORD for it.
 #[test]
@@ -852,6 +853,7 @@ fn a_rank_ended_by_sigterm_leaves_its_flight_record() {
         ])
         .env("RINGZERO_TEST_HANG", "1")
         .env("RINGZERO_TIMEOUT", "60")
+        .env("RINGZERO_DUMP_ON_SIGTERM", "1")
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
