@@ -735,67 +735,83 @@ fn hang_rank_entry() {
     std::process::exit(0);
 }
 
+/// `ringzero launch` of two ranks of [`hang_rank_entry`] writing flight records into `dir`
+/// (emptied first), with `env` for the launcher and its ranks.
+fn hung_job(dir: &std::path::Path, env: &[(&str, &str)]) -> std::process::Child {
+    let _ = std::fs::remove_dir_all(dir);
+    let mut cmd = ringzero();
+    cmd.args(["launch", "-n", "2", "--grace", "1", "--dump-dir"])
+        .arg(dir)
+        .arg("--")
+        .arg(std::env::current_exe().unwrap())
+        .args(["hang_rank_entry", "--exact", "--nocapture"])
+        .args(["--test-threads", "1"])
+        .env("RINGZERO_TEST_HANG", "1")
+        .env("RINGZERO_TIMEOUT", "60")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.spawn().unwrap()
+}
+
+/// Files in `dir` whose names start with `prefix`.
+fn files_in(dir: &std::path::Path, prefix: &str) -> usize {
+    std::fs::read_dir(dir).map_or(0, |d| {
+        d.filter(|e| {
+            e.as_ref()
+                .is_ok_and(|e| e.file_name().to_string_lossy().starts_with(prefix))
+        })
+        .count()
+    })
+}
+
+/// Wait (30 s at most) until `ok`.
+fn wait_until(what: &str, ok: &dyn Fn() -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !ok() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "waited 30 s for {what}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
+/// The process `pid` (a rank or the launcher).
+fn signal(pid: u32, sig: rustix::process::Signal) {
+    let pid = rustix::process::Pid::from_raw(pid as i32).unwrap();
+    rustix::process::kill_process(pid, sig).unwrap();
+}
+
 /// A hung job's ranks say what they are doing, before any deadline: SIGUSR1 to `ringzero
 /// launch` makes every rank write its flight record and the job goes on; Ctrl-C (SIGINT) does
 /// the same, then stops the job (exit 130) and names the directory, where `ringzero diag
 /// --flight` finds rank 0 waiting in an all-reduce that rank 1 never called.
 #[test]
 fn launch_asks_a_hung_job_for_its_flight_records_on_sigusr1_and_on_ctrl_c() {
-    use std::time::{Duration, Instant};
+    use rustix::process::Signal;
     let dir = std::env::temp_dir().join(format!("ringzero-sig-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let mut job = ringzero()
-        .args(["launch", "-n", "2", "--dump-dir"])
-        .arg(&dir)
-        .arg("--")
-        .arg(std::env::current_exe().unwrap())
-        .args([
-            "hang_rank_entry",
-            "--exact",
-            "--nocapture",
-            "--test-threads",
-            "1",
-        ])
-        .env("RINGZERO_TEST_HANG", "1")
-        .env("RINGZERO_TIMEOUT", "60")
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let launcher = rustix::process::Pid::from_raw(job.id() as i32).unwrap();
-    let files = |prefix: &str| -> usize {
-        std::fs::read_dir(&dir).map_or(0, |d| {
-            d.filter(|e| {
-                e.as_ref()
-                    .is_ok_and(|e| e.file_name().to_string_lossy().starts_with(prefix))
-            })
-            .count()
-        })
-    };
-    let until = |what: &str, ok: &dyn Fn() -> bool| {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while !ok() {
-            assert!(Instant::now() < deadline, "waited 30 s for {what}");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    };
+    let mut job = hung_job(&dir, &[]);
+    let files = |prefix: &str| files_in(&dir, prefix);
     // Each rank's communicator leaves its marker once it watches for SIGUSR1.
-    until("both ranks' markers", &|| files(".ringzero-sigusr1-") == 2);
+    wait_until("both ranks' markers", &|| files(".ringzero-sigusr1-") == 2);
     assert_eq!(
         files("ringzero-flight-"),
         0,
         "no record before it is asked for"
     );
     // Rank 0 is then in its all-reduce (or about to be: a record shows it either way).
-    std::thread::sleep(Duration::from_millis(200));
-    rustix::process::kill_process(launcher, rustix::process::Signal::USR1).unwrap();
-    until("both records", &|| files("ringzero-flight-") == 2);
-    std::thread::sleep(Duration::from_millis(300));
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    signal(job.id(), Signal::USR1);
+    wait_until("both records", &|| files("ringzero-flight-") == 2);
+    std::thread::sleep(std::time::Duration::from_millis(300));
     assert!(
         job.try_wait().unwrap().is_none(),
         "the job goes on after SIGUSR1"
     );
-    rustix::process::kill_process(launcher, rustix::process::Signal::INT).unwrap();
+    signal(job.id(), Signal::INT);
     let out = job.wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(130), "{stderr}");
@@ -836,64 +852,21 @@ fn launch_asks_a_hung_job_for_its_flight_records_on_sigusr1_and_on_ctrl_c() {
 /// `ringzero diag --flight` no longer says NO_RECORD for it.
 #[test]
 fn a_rank_ended_by_sigterm_leaves_its_flight_record() {
-    use std::time::{Duration, Instant};
+    use rustix::process::Signal;
     let dir = std::env::temp_dir().join(format!("ringzero-term-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let job = ringzero()
-        .args(["launch", "-n", "2", "--grace", "1", "--dump-dir"])
-        .arg(&dir)
-        .arg("--")
-        .arg(std::env::current_exe().unwrap())
-        .args([
-            "hang_rank_entry",
-            "--exact",
-            "--nocapture",
-            "--test-threads",
-            "1",
-        ])
-        .env("RINGZERO_TEST_HANG", "1")
-        .env("RINGZERO_TIMEOUT", "60")
-        .env("RINGZERO_DUMP_ON_SIGTERM", "1")
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let launcher = rustix::process::Pid::from_raw(job.id() as i32).unwrap();
+    let job = hung_job(&dir, &[("RINGZERO_DUMP_ON_SIGTERM", "1")]);
     let record = |rank: usize| -> Option<serde_json::Value> {
-        let text =
-            std::fs::read_to_string(dir.join(format!("ringzero-flight-host-rank{rank}.json")));
-        serde_json::from_str(&text.ok()?).ok()
+        let path = dir.join(format!("ringzero-flight-host-rank{rank}.json"));
+        serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()
     };
-    let until = |what: &str, ok: &dyn Fn() -> bool| {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while !ok() {
-            assert!(Instant::now() < deadline, "waited 30 s for {what}");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    };
-    let markers = || {
-        std::fs::read_dir(&dir).map_or(0, |d| {
-            d.filter(|e| {
-                e.as_ref().is_ok_and(|e| {
-                    e.file_name()
-                        .to_string_lossy()
-                        .starts_with(".ringzero-sigusr1-")
-                })
-            })
-            .count()
-        })
-    };
-    until("both ranks' markers", &|| markers() == 2);
-    rustix::process::kill_process(launcher, rustix::process::Signal::USR1).unwrap();
-    until("rank 1's record", &|| record(1).is_some());
+    wait_until("both ranks' markers", &|| {
+        files_in(&dir, ".ringzero-sigusr1-") == 2
+    });
+    signal(job.id(), Signal::USR1);
+    wait_until("rank 1's record", &|| record(1).is_some());
     let asked = record(1).unwrap();
     let taken = |r: &serde_json::Value| r["taken_unix_us"].as_u64().unwrap();
-    let pid = asked["pid"].as_u64().unwrap() as i32;
-    rustix::process::kill_process(
-        rustix::process::Pid::from_raw(pid).unwrap(),
-        rustix::process::Signal::TERM,
-    )
-    .unwrap();
+    signal(asked["pid"].as_u64().unwrap() as u32, Signal::TERM);
     let out = job.wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(128 + 15), "{stderr}");
