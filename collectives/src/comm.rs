@@ -1084,7 +1084,7 @@ impl Inner {
     /// posted session on another thread to end).
     fn counters(&self, st: &State) -> Counters {
         let pairs = self.pairs.lock().unwrap_or_else(|p| p.into_inner());
-        self.pair_counters(st, pairs)
+        self.with_ring_and_mesh(st, self.note_pairs(pairs))
     }
 
     /// [`Inner::counters`] without waiting: while a posted session holds the point-to-point
@@ -1092,25 +1092,27 @@ impl Inner {
     /// flight record reads these, so that it never waits for a session (whose messages, on
     /// links of their own, are none of the call's traffic).
     fn counters_now(&self, st: &State) -> Counters {
-        match self.pairs.try_lock() {
-            Ok(pairs) => self.pair_counters(st, pairs),
-            Err(std::sync::TryLockError::Poisoned(p)) => self.pair_counters(st, p.into_inner()),
+        let pairs = match self.pairs.try_lock() {
+            Ok(pairs) => self.note_pairs(pairs),
+            Err(std::sync::TryLockError::Poisoned(p)) => self.note_pairs(p.into_inner()),
             Err(std::sync::TryLockError::WouldBlock) => {
-                let seen = *self.pairs_seen.lock().unwrap_or_else(|p| p.into_inner());
-                let mesh = self.mesh.lock().unwrap_or_else(|p| p.into_inner());
-                links_sum(st.links.iter().chain(mesh.values())) + seen
+                *self.pairs_seen.lock().unwrap_or_else(|p| p.into_inner())
             }
-        }
+        };
+        self.with_ring_and_mesh(st, pairs)
     }
 
-    /// [`Inner::counters`] with the point-to-point links held (`pairs`), which it notes in
-    /// `pairs_seen`.
-    fn pair_counters(&self, st: &State, pairs: MutexGuard<'_, BTreeMap<usize, Pair>>) -> Counters {
+    /// The point-to-point links' counters (`pairs` held), noted in `pairs_seen`.
+    fn note_pairs(&self, pairs: MutexGuard<'_, BTreeMap<usize, Pair>>) -> Counters {
         let seen = links_sum(pairs.values().map(|p| &p.links));
         *self.pairs_seen.lock().unwrap_or_else(|p| p.into_inner()) = seen;
-        drop(pairs);
+        seen
+    }
+
+    /// `pairs` (the point-to-point links' counters) with the ring's and the pairwise links'.
+    fn with_ring_and_mesh(&self, st: &State, pairs: Counters) -> Counters {
         let mesh = self.mesh.lock().unwrap_or_else(|p| p.into_inner());
-        links_sum(st.links.iter().chain(mesh.values())) + seen
+        links_sum(st.links.iter().chain(mesh.values())) + pairs
     }
 
     /// Run `f` on every link beside the ring's: point-to-point's pairs and the pairwise
