@@ -779,6 +779,18 @@ fn wait_until(what: &str, ok: &dyn Fn() -> bool) {
     }
 }
 
+/// `ringzero diag --flight dir` (then `dir` is removed): its exit code and its report.
+fn flight_report(dir: &std::path::Path) -> (Option<i32>, String) {
+    let diag = ringzero()
+        .args(["diag", "--flight"])
+        .arg(dir)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_dir_all(dir);
+    let report = String::from_utf8_lossy(&diag.stdout).into_owned();
+    (diag.status.code(), report)
+}
+
 /// The process `pid` (a rank or the launcher).
 fn signal(pid: u32, sig: rustix::process::Signal) {
     let pid = rustix::process::Pid::from_raw(pid as i32).unwrap();
@@ -825,13 +837,7 @@ fn launch_asks_a_hung_job_for_its_flight_records_on_sigusr1_and_on_ctrl_c() {
         0,
         "the launcher removes its ranks' markers"
     );
-    let diag = ringzero()
-        .args(["diag", "--flight"])
-        .arg(&dir)
-        .output()
-        .unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
-    let report = String::from_utf8_lossy(&diag.stdout);
+    let (code, report) = flight_report(&dir);
     let rank0 = report.lines().find(|l| l.starts_with("0 ")).unwrap_or("");
     assert!(
         rank0.contains("all_reduce(f32, sum, count=1024)") && rank0.contains("running"),
@@ -842,7 +848,7 @@ fn launch_asks_a_hung_job_for_its_flight_records_on_sigusr1_and_on_ctrl_c() {
         report.contains("NEVER_CALLED: rank 1 never called seq 1 all_reduce"),
         "{report}"
     );
-    assert_eq!(diag.status.code(), Some(1), "something is off: {report}");
+    assert_eq!(code, Some(1), "something is off: {report}");
 }
 
 /// A rank terminated by SIGTERM (the launcher's stop, torchrun's agent, Slurm's time limit)
@@ -873,13 +879,7 @@ fn a_rank_ended_by_sigterm_leaves_its_flight_record() {
     assert!(stderr.contains("rank 1 failed (signal 15)"), "{stderr}");
     let last = record(1).expect("rank 1's record");
     assert!(taken(&last) > taken(&asked), "rewritten on SIGTERM: {last}");
-    let diag = ringzero()
-        .args(["diag", "--flight"])
-        .arg(&dir)
-        .output()
-        .unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
-    let report = String::from_utf8_lossy(&diag.stdout);
+    let (_, report) = flight_report(&dir);
     assert!(!report.contains("NO_RECORD"), "{report}");
     let rank1 = report.lines().find(|l| l.starts_with("1 ")).unwrap_or("");
     assert!(
