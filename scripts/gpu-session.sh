@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# The GPU check for a short lease: one device call of at most ten minutes, with the most needed
+# checks first and each later step skipped when what is left of the budget cannot hold it.
+# scripts/gpu-check.sh is the whole check (both ways of every bench, with and without MPS); this
+# is its order of importance for a session whose device time is a quarter of an hour.
+#
+#     GPU_BUDGET_S=480 BIN=target/release bash scripts/gpu-session.sh
+#
+# BIN holds `ringzero` and the kernels' `cuda-*` test binary, built on an x86-64 machine:
+#     cargo build --release && cargo test --release --no-run -p ringzero-kernels --test cuda
+# Everything goes to $OUT (or /tmp): log lines with the seconds each step took, gpu-check.json,
+# diag.json, and the benches' JSON in benches.tgz.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+budget=${GPU_BUDGET_S:-480}
+BIN=${BIN:-target/release}
+B=$BIN/ringzero
+out=${OUT:-/tmp}
+mkdir -p "$out/bench"
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
+         $(python3 -c 'import nvidia, os; print(" ".join(os.path.join(p, "cu13", "lib") for p in nvidia.__path__))' 2>/dev/null); do
+    [ -e "$d/libnvrtc.so.13" ] && export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+done
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+status=0
+# step LABEL LIMIT_S CMD...: runs CMD under `timeout LIMIT_S` if that much budget is left.
+step() {
+    local label=$1 limit=$2; shift 2
+    local left=$((budget - SECONDS))
+    if [ "$left" -lt "$limit" ]; then
+        echo "== SKIP $label: ${left} s of the budget left, it may take ${limit} s"
+        return 0
+    fi
+    echo "== $label (at ${SECONDS} s)"
+    local t0=$SECONDS
+    timeout -k 5 "$limit" "$@"
+    local rc=$?
+    echo "== $label: exit $rc after $((SECONDS - t0)) s"
+    [ "$rc" -eq 0 ] || status=1
+}
+bench() {  # label, limit, then env assignments and bench arguments
+    local label=$1 limit=$2; shift 2
+    step "bench $label" "$limit" env "$@" --json "$out/bench/$label.json"
+}
+for t in "$BIN"/cuda-* "$BIN"/deps/cuda-*; do
+    [ -x "$t" ] && [ -f "$t" ] || continue
+    step "kernel tests $t" 60 "$t" --nocapture
+done
+export CUDA_MPS_PIPE_DIRECTORY=/tmp/ringzero-mps CUDA_MPS_LOG_DIRECTORY=/tmp/ringzero-mps-log
+mps=0
+if command -v nvidia-cuda-mps-control >/dev/null && [ ! -e "$CUDA_MPS_PIPE_DIRECTORY/control" ]; then
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    nvidia-cuda-mps-control -d && mps=1 && echo "== MPS daemon started"
+fi
+[ -e "$CUDA_MPS_PIPE_DIRECTORY/control" ] || {
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    echo "== no MPS: ranks time-slice the GPU"
+}
+A="all-reduce --device cuda --iters 10 --warmup 3"
+# 1. Host staging on 2 ranks against its bound, the copy pair on and off, in one MPS session.
+bench staging-n2 60 RINGZERO_P2P_DISABLE=1 $B bench $A -b 64M -e 256M -n 2
+bench staging-nopairs-n2 60 RINGZERO_P2P_DISABLE=1 RINGZERO_DEVICE_COPY_PAIRS=off \
+    $B bench $A -b 64M -e 256M -n 2
+# 2. Every kernel and every collective run (exactness, bandwidth rows, killed ranks).
+step "gpu-check" 330 $B gpu-check --json "$out/gpu-check.json"
+# 3. What has never run on a GPU beyond gpu-check: the all-to-all pull against the ring, the
+# bench's device baseline and bound lines on cuda_ipc, staging on 4 ranks, diag.
+A2A="all-to-all --device cuda -b 16M -e 256M -f 4 --iters 10 --warmup 3 -n 4"
+bench a2a-n4 60 $B bench $A2A
+bench a2a-ring-n4 60 RINGZERO_DEVICE_ALGO=ring $B bench $A2A
+bench cuda_ipc-n2 60 $B bench $A -b 4M -e 256M -n 2
+bench cuda_ipc-n4 60 $B bench $A -b 4M -e 256M -n 4
+bench staging-n4 60 RINGZERO_P2P_DISABLE=1 $B bench $A -b 64M -e 256M -n 4
+step "diag --json" 90 sh -c "$B diag --json > $out/diag.json"
+[ "$mps" = 1 ] && echo quit | nvidia-cuda-mps-control
+tar -C "$out" -czf "$out/benches.tgz" bench && rm -rf "$out/bench"
+echo "== done at ${SECONDS} s, status $status"
+exit $status
