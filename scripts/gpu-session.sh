@@ -4,7 +4,11 @@
 # scripts/gpu-check.sh is the whole check (both ways of every bench, with and without MPS); this
 # is its order of importance for a session whose device time is a quarter of an hour.
 #
-#     GPU_BUDGET_S=480 BIN=target/release bash scripts/gpu-session.sh
+#     GPU_BUDGET_S=480 BIN=target/release bash scripts/gpu-session.sh [staging]
+#
+# With `staging` it runs a follow-up instead: the kernels alone (gpu-check --kernels-only), then
+# host staging on 2 and 4 ranks up to 1 GiB across slice sizes and both staging ways, each bench
+# printing the kernel-on-mapped-memory rate beside the copy engines' both-ways bound.
 #
 # BIN holds `ringzero` and the kernels' `cuda-*` test binary, built on an x86-64 machine:
 #     cargo build --release && cargo test --release --no-run -p ringzero-kernels --test cuda
@@ -57,6 +61,19 @@ fi
     echo "== no MPS: ranks time-slice the GPU"
 }
 A="all-reduce --device cuda --iters 10 --warmup 3"
+if [ "${1:-}" = staging ]; then
+    step "gpu-check --kernels-only" 150 $B gpu-check --kernels-only --json "$out/gpu-check.json"
+    S="$B bench $A -b 16M -e 1G"
+    bench staging-n2 60 RINGZERO_P2P_DISABLE=1 $S -n 2
+    bench staging-32M-n2 60 RINGZERO_P2P_DISABLE=1 RINGZERO_DEVICE_SLICE_BYTES=32M $S -n 2
+    bench staging-copy-n2 60 RINGZERO_P2P_DISABLE=1 RINGZERO_STAGING=copy $S -n 2
+    bench staging-n4 60 RINGZERO_P2P_DISABLE=1 $S -n 4
+    bench staging-32M-n4 60 RINGZERO_P2P_DISABLE=1 RINGZERO_DEVICE_SLICE_BYTES=32M $S -n 4
+    bench staging-8M-8slots-n2 60 RINGZERO_P2P_DISABLE=1 RINGZERO_DEVICE_SLICE_BYTES=8M \
+        RINGZERO_SLOTS=8 $S -n 2
+    bench staging-nopairs-n2 60 RINGZERO_P2P_DISABLE=1 RINGZERO_DEVICE_COPY_PAIRS=off $S -n 2
+    bench staging-n2-again 60 RINGZERO_P2P_DISABLE=1 $S -n 2
+else
 # 1. Host staging on 2 ranks against its bound, the copy pair on and off, in one MPS session.
 bench staging-n2 60 RINGZERO_P2P_DISABLE=1 $B bench $A -b 64M -e 256M -n 2
 bench staging-nopairs-n2 60 RINGZERO_P2P_DISABLE=1 RINGZERO_DEVICE_COPY_PAIRS=off \
@@ -72,6 +89,7 @@ bench cuda_ipc-n2 60 $B bench $A -b 4M -e 256M -n 2
 bench cuda_ipc-n4 60 $B bench $A -b 4M -e 256M -n 4
 bench staging-n4 60 RINGZERO_P2P_DISABLE=1 $B bench $A -b 64M -e 256M -n 4
 step "diag --json" 90 sh -c "$B diag --json > $out/diag.json"
+fi
 [ "$mps" = 1 ] && echo quit | nvidia-cuda-mps-control
 tar -C "$out" -czf "$out/benches.tgz" bench && rm -rf "$out/bench"
 echo "== done at ${SECONDS} s, status $status"

@@ -668,13 +668,14 @@ fn float_kernels<T: Float + bytemuck::Pod>(lib: &libloading::Library, name: &str
                 assert_eq!(flag != 0, poison_last, "nonfinite {what}");
             }
 
-            // One AdamW step, with and without 16-bit parameters written back.
+            // One AdamW step, with and without 16-bit parameters written back, on aligned
+            // arrays (four elements at a time) and on arrays one element off (one at a time).
             let h = AdamW::default();
             // A constant step: `step_scalars` must give what `adamw_mixed` computes at run time.
             let t = 3u64;
             let (bc1, bc2, decay) = h.step_scalars(t);
             let k = [h.lr, h.beta1, h.beta2, h.eps, decay, bc1, bc2, 0.5f32];
-            for with_params in [false, true] {
+            for (with_params, off) in [(false, 0), (true, 0), (true, 1), (false, 1)] {
                 let master0: Vec<f32> = small_floats::<f32>(n, n as u64 + 4);
                 let grads = small_floats::<T>(n, n as u64 + 5);
                 let m0: Vec<f32> = small_floats::<f32>(n, n as u64 + 6)
@@ -698,10 +699,11 @@ fn float_kernels<T: Float + bytemuck::Pod>(lib: &libloading::Library, name: &str
                     0.5,
                 );
 
-                let f32s = |x: &[f32]| Buf::with(bytemuck::cast_slice(x), 0);
+                let f32s = |x: &[f32]| Buf::with(bytemuck::cast_slice(x), 4 * off);
                 let (mut gm, mut gmom, mut gv) = (f32s(&master0), f32s(&m0), f32s(&v0));
-                let mut gp = Buf::new(n * std::mem::size_of::<T>(), 0);
-                let mut gg = Buf::with(&bytes(&grads), 0);
+                let t_off = std::mem::size_of::<T>() * off;
+                let mut gp = Buf::new(n * std::mem::size_of::<T>(), t_off);
+                let mut gg = Buf::with(&bytes(&grads), t_off);
                 let pp = if with_params {
                     gp.ptr().cast()
                 } else {
@@ -723,7 +725,7 @@ fn float_kernels<T: Float + bytemuck::Pod>(lib: &libloading::Library, name: &str
                     )
                 };
                 assert_eq!(rc, 0, "adamw_{name}: no such kernel");
-                let w = format!("adamw {what}, params {with_params}");
+                let w = format!("adamw {what}, params {with_params}, off by {off}");
                 same(gm.bytes(), bytemuck::cast_slice(&master), || {
                     format!("{w}: master")
                 });

@@ -227,9 +227,9 @@ fn device_bound<D: device::BenchDev>(
         .unwrap_or(0)
         .clamp(1 << 20, 256 << 20);
     comm.barrier()?;
-    // [copy, pinned, both ways, bytes]; NaN: none. Rank 0's, broadcast so every rank's rows
-    // agree.
-    let mut v = [f64::NAN; 4];
+    // [copy, pinned, both ways, bytes, kernel both ways]; NaN: none. Rank 0's, broadcast so
+    // every rank's rows agree.
+    let mut v = [f64::NAN; 5];
     if comm.rank() == 0 {
         match dc.stream().baseline(bytes, staged) {
             Ok(b) => {
@@ -238,6 +238,7 @@ fn device_bound<D: device::BenchDev>(
                     b.pinned_gbs.unwrap_or(f64::NAN),
                     b.both_ways_gbs.unwrap_or(f64::NAN),
                     b.bytes as f64,
+                    b.kernel_both_ways_gbs.unwrap_or(f64::NAN),
                 ]
             }
             Err(e) => eprintln!("ringzero bench: no device baseline ({e}); rows carry no bound"),
@@ -253,6 +254,7 @@ fn device_bound<D: device::BenchDev>(
         copy_gbs: v[0],
         pinned_gbs: some(v[1]),
         both_ways_gbs: some(v[2]),
+        kernel_both_ways_gbs: some(v[4]),
     };
     let limit = if dc.size() < 2 {
         None

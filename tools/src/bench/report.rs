@@ -181,7 +181,12 @@ pub fn header_text(h: &Header) -> String {
             match (b.pinned_gbs, b.both_ways_gbs) {
                 (Some(p), Some(w)) => format!(
                     "; pinned host→device {p:.1} GB/s alone, {w:.1} GB/s each way with both \
-                     directions at once"
+                     directions at once{}",
+                    b.kernel_both_ways_gbs
+                        .map(|k| format!(
+                            " ({k:.1} by one kernel on the mapped memory, as mapped staging moves)"
+                        ))
+                        .unwrap_or_default()
                 ),
                 _ => String::new(),
             }
