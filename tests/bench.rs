@@ -456,7 +456,7 @@ fn the_device_sweep_checks_every_variant_and_catches_corruption() {
         assert_eq!(text.matches("n/a").count(), 3 * 4, "{text}");
         assert!(text.contains("# device ring: slices of 1024 B"), "{text}");
         assert!(
-            text.contains("# device baseline (rank 0 alone, 1048576 B)"),
+            text.contains("# device baseline (rank 0 alone, 1048576 B, the fastest of 3 timings)"),
             "{text}"
         );
         assert_eq!(

@@ -175,7 +175,8 @@ pub fn header_text(h: &Header) -> String {
     }
     if let Some(b) = &h.device_baseline {
         s += &format!(
-            "# device baseline (rank 0 alone, {} B): copy {:.1} GB/s (read + written){}\n",
+            "# device baseline (rank 0 alone, {} B, the fastest of 3 timings): copy {:.1} GB/s (read + \
+             written){}\n",
             b.bytes,
             b.copy_gbs,
             match (b.pinned_gbs, b.both_ways_gbs) {
