@@ -59,6 +59,7 @@ pub fn run(a: &GpuCheckArgs) -> Result<(String, Vec<Row>), String> {
         (2, DevMode::IpcRing),
         (2, DevMode::Staging),
         (4, DevMode::Staging),
+        (2, DevMode::StagingCopy),
         (2, DevMode::Tcp),
         (4, DevMode::IpcKill),
         (4, DevMode::StagingKill),
@@ -82,6 +83,7 @@ pub fn run(a: &GpuCheckArgs) -> Result<(String, Vec<Row>), String> {
                 DevMode::Ipc => "auto (cuda_ipc; direct on one GPU)",
                 DevMode::IpcRing => "cuda_ipc, RINGZERO_DEVICE_ALGO=ring",
                 DevMode::Staging => "RINGZERO_P2P_DISABLE=1",
+                DevMode::StagingCopy => "RINGZERO_P2P_DISABLE=1 RINGZERO_STAGING=copy",
                 DevMode::Tcp => {
                     "RINGZERO_TRANSPORT=tcp RINGZERO_TCP_SOCKETS=2 (pinned tcp staging)"
                 }
@@ -101,6 +103,8 @@ enum DevMode {
     /// cuda_ipc with `RINGZERO_DEVICE_ALGO=ring`: the slot ring where auto takes the direct step.
     IpcRing,
     Staging,
+    /// Host staging by explicit copies on the copy lanes (`RINGZERO_STAGING=copy`).
+    StagingCopy,
     Tcp,
     /// cuda_ipc, rank 1 kills itself mid all-reduce.
     IpcKill,
@@ -127,11 +131,15 @@ fn gpu_collectives(device: usize, ranks: usize, mode: DevMode, how: RunHow) -> V
             DevMode::Ipc | DevMode::IpcKill => "cuda_ipc",
             DevMode::IpcRing => "cuda_ipc-ring",
             DevMode::Staging | DevMode::StagingKill => "staging",
+            DevMode::StagingCopy => "staging-copy",
             DevMode::Tcp => "tcp",
         }
     );
     let (staged, kill) = (
-        matches!(mode, DevMode::Staging | DevMode::StagingKill),
+        matches!(
+            mode,
+            DevMode::Staging | DevMode::StagingCopy | DevMode::StagingKill
+        ),
         matches!(mode, DevMode::IpcKill | DevMode::StagingKill),
     );
     let fail = |detail: String| {
@@ -197,6 +205,15 @@ fn gpu_collectives(device: usize, ranks: usize, mode: DevMode, how: RunHow) -> V
                 "ring"
             } else {
                 "auto"
+            }
+            .to_string(),
+        ),
+        (
+            "RINGZERO_STAGING".to_string(),
+            if matches!(mode, DevMode::StagingCopy) {
+                "copy"
+            } else {
+                "mapped"
             }
             .to_string(),
         ),

@@ -685,7 +685,7 @@ fn gpu_check_dry_run_on_the_host_stream_passes_every_row() {
         "bytes moved",
         "zero device engine",
     ];
-    let mut want: Vec<String> = ["staging n=2", "staging n=4", "tcp n=2"]
+    let mut want: Vec<String> = ["staging n=2", "staging n=4", "staging-copy n=2", "tcp n=2"]
         .iter()
         .flat_map(|run| {
             per_run

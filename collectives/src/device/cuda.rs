@@ -11,7 +11,7 @@ use ringzero_kernels::device::cuda::Gpu;
 use ringzero_kernels::device::DeviceError;
 use ringzero_kernels::{DType, ReduceOp};
 
-use super::stream::{Exported, Share, Stream};
+use super::stream::{CopyLane, Exported, Share, Stream};
 use crate::transport::device::Addr;
 
 impl Stream for Arc<Gpu> {
@@ -121,6 +121,25 @@ impl Stream for Arc<Gpu> {
     unsafe fn copy(&self, dst: Addr, src: Addr, bytes: usize) -> Result<(), DeviceError> {
         // SAFETY: forwarded from the caller's contract.
         unsafe { self.copy_at(dst, src, bytes) }
+    }
+
+    unsafe fn copy_on(
+        &self,
+        lane: CopyLane,
+        dst: Addr,
+        src: Addr,
+        bytes: usize,
+    ) -> Result<(), DeviceError> {
+        // SAFETY: forwarded from the caller's contract, which is the copy's.
+        unsafe { self.copy_on_at(lane, dst, src, bytes) }
+    }
+
+    fn lane_after_compute(&self, lane: CopyLane) -> Result<(), DeviceError> {
+        Gpu::lane_after_compute(self, lane)
+    }
+
+    fn compute_after_lane(&self, lane: CopyLane) -> Result<(), DeviceError> {
+        Gpu::compute_after_lane(self, lane)
     }
 
     fn mark(&self) -> Result<Marker, DeviceError> {

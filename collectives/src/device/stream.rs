@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 
+pub use ringzero_kernels::device::CopyLane;
 use ringzero_kernels::device::DeviceError;
 use ringzero_kernels::{cpu, DType, ReduceOp};
 
@@ -215,7 +216,40 @@ pub trait Stream: Send + Sync {
     /// Both ranges live until the work completes; no overlap.
     unsafe fn copy(&self, dst: Addr, src: Addr, bytes: usize) -> Result<(), DeviceError>;
 
-    /// A marker after everything queued so far.
+    /// Queue a copy of `bytes` from `src` to `dst` on copy lane `lane`: after what the lane
+    /// holds and whatever was joined into it ([`Stream::lane_after_compute`]), beside the
+    /// compute order, which does not wait for it unless joined ([`Stream::compute_after_lane`]).
+    /// [`Stream::mark`] covers it. By default a lane is the compute order itself.
+    ///
+    /// # Safety
+    /// As for [`Stream::copy`].
+    unsafe fn copy_on(
+        &self,
+        lane: CopyLane,
+        dst: Addr,
+        src: Addr,
+        bytes: usize,
+    ) -> Result<(), DeviceError> {
+        let _ = lane;
+        // SAFETY: forwarded from the caller.
+        unsafe { self.copy(dst, src, bytes) }
+    }
+
+    /// Make work queued on `lane` from now on wait for everything queued in the compute order
+    /// so far.
+    fn lane_after_compute(&self, lane: CopyLane) -> Result<(), DeviceError> {
+        let _ = lane;
+        Ok(())
+    }
+
+    /// Make work queued in the compute order from now on wait for everything queued on `lane`
+    /// so far.
+    fn compute_after_lane(&self, lane: CopyLane) -> Result<(), DeviceError> {
+        let _ = lane;
+        Ok(())
+    }
+
+    /// A marker after everything queued so far, the copy lanes' work included.
     fn mark(&self) -> Result<Self::Marker, DeviceError>;
 
     /// Whether the work before `m` has completed (an error if any of it failed).
@@ -264,29 +298,34 @@ pub trait Stream: Send + Sync {
 
 type Job = Box<dyn FnOnce() -> Result<(), String> + Send>;
 
-/// The host as an asynchronous device (see the module docs).
+/// The host as an asynchronous device (see the module docs): a worker thread for the compute
+/// order, and one per copy lane once a lane is used, so the engine's joins between them are
+/// exercised for real (a missing one lets a lane's copy race the compute order's work).
 pub struct HostStream {
+    main: Worker,
+    lanes: [std::sync::OnceLock<Worker>; 2],
+    lane_dirty: [std::sync::atomic::AtomicBool; 2],
+    error: Arc<Mutex<Option<String>>>,
+}
+
+/// One worker thread running jobs in the order queued.
+struct Worker {
     jobs: Mutex<mpsc::Sender<Job>>,
     queued: AtomicU64,
-    state: Arc<Progress>,
+    completed: Arc<AtomicU64>,
 }
 
-struct Progress {
-    completed: AtomicU64,
-    error: Mutex<Option<String>>,
-}
+/// How long a join job waits for the other order's work (which is queued before it and always
+/// ends: a panicking job counts as ended) before it fails the stream.
+const JOIN_DEADLINE: std::time::Duration = std::time::Duration::from_secs(120);
 
-impl HostStream {
-    /// Start the worker thread.
-    pub fn new() -> HostStream {
+impl Worker {
+    fn spawn(name: &str, error: Arc<Mutex<Option<String>>>) -> Worker {
         let (tx, rx) = mpsc::channel::<Job>();
-        let state = Arc::new(Progress {
-            completed: AtomicU64::new(0),
-            error: Mutex::new(None),
-        });
-        let st = state.clone();
+        let completed = Arc::new(AtomicU64::new(0));
+        let done = completed.clone();
         std::thread::Builder::new()
-            .name("ringzero-host-stream".into())
+            .name(name.into())
             .spawn(move || {
                 for job in rx {
                     // A panicking job is an error like any other: the worker goes on, so every
@@ -294,19 +333,61 @@ impl HostStream {
                     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job))
                         .unwrap_or_else(|_| Err("a host stream job panicked".into()));
                     if let Err(e) = r {
-                        st.error
+                        error
                             .lock()
                             .unwrap_or_else(|p| p.into_inner())
                             .get_or_insert(e);
                     }
-                    st.completed.fetch_add(1, Ordering::Release);
+                    done.fetch_add(1, Ordering::Release);
                 }
             })
-            .expect("spawning the host stream's worker thread");
-        HostStream {
+            .expect("spawning a host stream worker thread");
+        Worker {
             jobs: Mutex::new(tx),
             queued: AtomicU64::new(0),
-            state,
+            completed,
+        }
+    }
+
+    fn push(&self, job: Job) -> Result<(), DeviceError> {
+        self.queued.fetch_add(1, Ordering::Relaxed);
+        self.jobs
+            .lock()
+            .unwrap()
+            .send(job)
+            .map_err(|_| DeviceError::Invalid("the host stream's worker has stopped".into()))
+    }
+
+    /// Queue on `self` a wait for everything queued on `other` so far.
+    fn after(&self, other: &Worker) -> Result<(), DeviceError> {
+        let (until, done) = (
+            other.queued.load(Ordering::Relaxed),
+            other.completed.clone(),
+        );
+        self.push(Box::new(move || {
+            let start = std::time::Instant::now();
+            while done.load(Ordering::Acquire) < until {
+                if start.elapsed() > JOIN_DEADLINE {
+                    return Err(format!(
+                        "a join waited over {JOIN_DEADLINE:?} for the other order's work"
+                    ));
+                }
+                std::thread::yield_now();
+            }
+            Ok(())
+        }))
+    }
+}
+
+impl HostStream {
+    /// Start the worker thread.
+    pub fn new() -> HostStream {
+        let error = Arc::new(Mutex::new(None));
+        HostStream {
+            main: Worker::spawn("ringzero-host-stream", error.clone()),
+            lanes: Default::default(),
+            lane_dirty: Default::default(),
+            error,
         }
     }
 
@@ -319,12 +400,14 @@ impl HostStream {
     }
 
     fn push(&self, job: Job) -> Result<(), DeviceError> {
-        self.queued.fetch_add(1, Ordering::Relaxed);
-        self.jobs
-            .lock()
-            .unwrap()
-            .send(job)
-            .map_err(|_| DeviceError::Invalid("the host stream's worker has stopped".into()))
+        self.main.push(job)
+    }
+
+    fn lane(&self, lane: CopyLane) -> &Worker {
+        self.lanes[lane.index()].get_or_init(|| {
+            let name = format!("ringzero-host-lane-{lane:?}").to_lowercase();
+            Worker::spawn(&name, self.error.clone())
+        })
     }
 }
 
@@ -472,23 +555,49 @@ impl Stream for HostStream {
         })
     }
 
+    unsafe fn copy_on(
+        &self,
+        lane: CopyLane,
+        dst: Addr,
+        src: Addr,
+        len: usize,
+    ) -> Result<(), DeviceError> {
+        if len == 0 {
+            return Ok(());
+        }
+        self.lane_dirty[lane.index()].store(true, Ordering::Release);
+        self.lane(lane).push(Box::new(move || {
+            // SAFETY: as for `copy`.
+            unsafe { bytes_mut(dst, len).copy_from_slice(bytes(src, len)) };
+            Ok(())
+        }))
+    }
+
+    fn lane_after_compute(&self, lane: CopyLane) -> Result<(), DeviceError> {
+        self.lane(lane).after(&self.main)
+    }
+
+    fn compute_after_lane(&self, lane: CopyLane) -> Result<(), DeviceError> {
+        self.lane_dirty[lane.index()].store(false, Ordering::Release);
+        self.main.after(self.lane(lane))
+    }
+
     fn mark(&self) -> Result<u64, DeviceError> {
-        Ok(self.queued.load(Ordering::Relaxed))
+        for lane in CopyLane::BOTH {
+            if self.lane_dirty[lane.index()].load(Ordering::Acquire) {
+                self.compute_after_lane(lane)?;
+            }
+        }
+        Ok(self.main.queued.load(Ordering::Relaxed))
     }
 
     fn done(&self, m: &u64) -> Result<bool, DeviceError> {
         // Not done while work before the marker still runs, even after a failure: callers wait
         // for completion before they free what that work touches.
-        if self.state.completed.load(Ordering::Acquire) < *m {
+        if self.main.completed.load(Ordering::Acquire) < *m {
             return Ok(false);
         }
-        if let Some(e) = self
-            .state
-            .error
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
-        {
+        if let Some(e) = self.error.lock().unwrap_or_else(|p| p.into_inner()).clone() {
             return Err(DeviceError::Invalid(format!("host stream: {e}")));
         }
         Ok(true)

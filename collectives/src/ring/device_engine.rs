@@ -32,11 +32,12 @@ use super::engine::{
     base, expect, gone_unneeded, link_err, op_timeout, Call, Counters, LastOps, Needs, HEALTH_EVERY,
 };
 use super::schedule::{Loc, Op};
-use crate::device::stream::Stream;
+use crate::device::stream::{CopyLane, Stream};
 use crate::error::{Error, Result};
 use crate::transport::device::{Addr, DevRecvLink, DevSendLink};
 use crate::transport::wait::Waiter;
 use crate::wire::{Expect, Fingerprint, FrameHeader};
+use ringzero_kernels::device::DeviceError;
 
 /// A rank's two device ring links.
 pub struct DevLinks {
@@ -405,6 +406,40 @@ fn pairs(a: &Op, b: &Op) -> bool {
         && !b.finalize
 }
 
+/// Explicit-copy staging cuts a combine into at most this many parts, so its copies in and out
+/// overlap each other and the kernel.
+const STAGED_PARTS: usize = 4;
+
+/// `(first element, elements)` of each part of an `elems`-element combine of `es`-byte elements
+/// (explicit-copy staging) on a link of `slot_bytes` slots: at most [`STAGED_PARTS`], each at
+/// least a [`STAGED_PARTS`]th of a slot (a short op, the tail of a message, stays whole) but the
+/// last, starting at multiples of 64 elements so that the kernels' 16-byte vectors stay aligned.
+fn staged_parts(
+    elems: usize,
+    es: usize,
+    slot_bytes: usize,
+) -> impl Iterator<Item = (usize, usize)> {
+    let min = (slot_bytes / STAGED_PARTS).div_ceil(es.max(1)).max(64);
+    let parts = (elems / min).clamp(1, STAGED_PARTS);
+    let per = elems.div_ceil(parts).next_multiple_of(64);
+    (0..elems)
+        .step_by(per.max(1))
+        .map(move |at| (at, per.min(elems - at)))
+}
+
+/// Order the copy lanes and the compute order after everything queued on any of them: an op
+/// whose copies go on the lanes starts only once every earlier op's work is done with what it
+/// reads and writes.
+fn lanes_after_all<S: Stream>(stream: &S) -> std::result::Result<(), DeviceError> {
+    for lane in CopyLane::BOTH {
+        stream.compute_after_lane(lane)?;
+    }
+    for lane in CopyLane::BOTH {
+        stream.lane_after_compute(lane)?;
+    }
+    Ok(())
+}
+
 /// One call's engine state, borrowed for one op (or pair of ops).
 struct Work<'a, S: Stream> {
     stream: &'a S,
@@ -485,7 +520,7 @@ impl<S: Stream> Work<'_, S> {
         let (incoming, _) = self.acquire(a)?;
         let incoming = incoming.expect("a receiving op waits for its frame");
         let (next, rank, seq) = (self.links.next, self.call.rank, self.call.seq);
-        let slot = if independent && self.links.rx.scratch(incoming).is_none() {
+        let slot = if independent {
             self.links
                 .tx
                 .reserve()
@@ -493,14 +528,9 @@ impl<S: Stream> Work<'_, S> {
         } else {
             None
         };
-        let Some(sl) = slot.filter(|&sl| self.links.tx.scratch(sl).is_none()) else {
+        let Some(sl) = slot else {
             // SAFETY: forwarded from the caller.
-            unsafe { self.queue(a, Some(incoming), None) }?;
-            return match slot {
-                // Reserved already (explicit-copy staging): `b` takes that slot.
-                Some(sl) => unsafe { self.queue(b, None, Some(sl)) }.map(|()| 2),
-                None => Ok(1),
-            };
+            return unsafe { self.queue(a, Some(incoming), None) }.map(|()| 1);
         };
         let dev = |e| Error::Device {
             context: format!(
@@ -510,15 +540,32 @@ impl<S: Stream> Work<'_, S> {
             ),
             source: e,
         };
+        let explicit =
+            self.links.rx.scratch(incoming).is_some() || self.links.tx.scratch(sl).is_some();
         // SAFETY: `incoming` is a slot this rank holds and `sl` one reserved at the next rank,
         // both until the marker below completes; the user's ranges come from the caller's
         // contract and `check_sizes`. The written ranges — `a`'s place in the output, the
         // slot, `b`'s kept copy — are the caller's memory or the link's; `a`'s overlaps none of
         // `b`'s (checked above), and the slots are the links' own memory.
         unsafe {
-            self.stream
-                .copy_pair(a_dst, incoming, a_bytes, sl, keep, b_src, b_bytes)
-                .map_err(dev)?
+            if explicit {
+                // Explicit-copy staging keeps kernels off host slots: the two copies go on the
+                // copy lanes, in and out at once, after everything queued before them.
+                lanes_after_all(self.stream).map_err(dev)?;
+                self.stream
+                    .copy_on(CopyLane::In, a_dst, incoming, a_bytes)
+                    .map_err(dev)?;
+                self.stream
+                    .copy_on(CopyLane::Out, sl, b_src, b_bytes)
+                    .map_err(dev)?;
+                if let Some(k) = keep {
+                    self.stream.copy(k, b_src, b_bytes).map_err(dev)?;
+                }
+            } else {
+                self.stream
+                    .copy_pair(a_dst, incoming, a_bytes, sl, keep, b_src, b_bytes)
+                    .map_err(dev)?
+            }
         };
         let marker = self.stream.mark().map_err(dev)?;
         self.links.rx.consume();
@@ -643,6 +690,14 @@ impl<S: Stream> Work<'_, S> {
             context: format!("{what} seq {seq}: queueing work on {}", stream.name()),
             source: e,
         };
+        // Explicit-copy staging's copies to and from host slots go on the copy lanes: in and
+        // out at once, and a combine's in parts, so that part k + 1 comes in while part k − 1
+        // goes out. Each such op starts after everything queued before it.
+        let staged_in = incoming.is_some_and(|i| links.rx.scratch(i).is_some());
+        let staged_out = slot.is_some_and(|sl| links.tx.scratch(sl).is_some());
+        if staged_in || staged_out {
+            lanes_after_all(stream).map_err(dev)?;
+        }
         // SAFETY (all queued work below): the user's ranges come from the caller's contract and
         // `check_sizes`; `incoming` is a slot this rank holds until the work's marker completes;
         // `slot` is reserved at the next rank and published only after the marker completes; the
@@ -654,15 +709,39 @@ impl<S: Stream> Work<'_, S> {
         // the other the link's memory.
         unsafe {
             match (incoming, local) {
-                (Some(b), Some(a)) => {
-                    let b = match stage_in {
-                        Some(scr) => {
-                            stream.copy(scr, b, bytes).map_err(dev)?;
-                            links.counters.bytes_staged += bytes as u64;
-                            scr
+                (Some(b), Some(a)) if stage_in.is_some() => {
+                    let dst = store.or(stage_out).or(slot);
+                    let out = store.or(stage_out).zip(slot);
+                    for (at, n) in staged_parts(op.elems, es, links.tx.slot_bytes()) {
+                        let (off, len) = ((at * es) as Addr, n * es);
+                        let scr = stage_in.expect("matched") + off;
+                        stream
+                            .copy_on(CopyLane::In, scr, b + off, len)
+                            .map_err(dev)?;
+                        stream.compute_after_lane(CopyLane::In).map_err(dev)?;
+                        if let Some(dst) = dst {
+                            stream
+                                .combine(call.dtype, call.op, dst + off, a + off, scr, n)
+                                .map_err(dev)?;
+                            if finalize {
+                                stream
+                                    .divide(call.dtype, dst + off, n, call.n)
+                                    .map_err(dev)?;
+                            }
                         }
-                        None => b,
-                    };
+                        if let Some((st, sl)) = out {
+                            stream.lane_after_compute(CopyLane::Out).map_err(dev)?;
+                            stream
+                                .copy_on(CopyLane::Out, sl + off, st + off, len)
+                                .map_err(dev)?;
+                        }
+                    }
+                    links.counters.bytes_staged += bytes as u64;
+                    if stage_out.is_some() && out.is_some() {
+                        links.counters.bytes_staged += bytes as u64;
+                    }
+                }
+                (Some(b), Some(a)) => {
                     let dst = store.or(stage_out).or(slot);
                     // Kept and sent: one pass writes both, unless an average must be divided
                     // first or explicit-copy staging keeps kernels off the host slot.
@@ -686,7 +765,12 @@ impl<S: Stream> Work<'_, S> {
                                 .map_err(dev)?;
                         }
                         if let (Some(st), Some(sl)) = (store.or(stage_out), slot) {
-                            stream.copy(sl, st, bytes).map_err(dev)?;
+                            if staged_out {
+                                stream.lane_after_compute(CopyLane::Out).map_err(dev)?;
+                                stream.copy_on(CopyLane::Out, sl, st, bytes).map_err(dev)?;
+                            } else {
+                                stream.copy(sl, st, bytes).map_err(dev)?;
+                            }
                             if stage_out.is_some() {
                                 links.counters.bytes_staged += bytes as u64;
                             }
@@ -702,6 +786,21 @@ impl<S: Stream> Work<'_, S> {
                     match (keep, slot) {
                         (Some(st), Some(sl)) if kernels_may => {
                             stream.copy2(st, sl, v, bytes).map_err(dev)?;
+                        }
+                        _ if staged_in || staged_out => {
+                            // Both copies read `v` only: the one in (from a host slot) and the
+                            // one out (to the next slot) run at once.
+                            if let Some(st) = keep {
+                                let lane = incoming.map(|_| CopyLane::In);
+                                match lane {
+                                    Some(l) => stream.copy_on(l, st, v, bytes),
+                                    None => stream.copy(st, v, bytes),
+                                }
+                                .map_err(dev)?;
+                            }
+                            if let Some(sl) = slot {
+                                stream.copy_on(CopyLane::Out, sl, v, bytes).map_err(dev)?;
+                            }
                         }
                         _ => {
                             if let Some(st) = keep {
@@ -730,5 +829,43 @@ impl<S: Stream> Work<'_, S> {
             tag: 0,
         });
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{staged_parts, STAGED_PARTS};
+
+    #[test]
+    fn staged_parts_cover_an_op_once_in_aligned_parts() {
+        for (elems, es, slot) in [
+            (0usize, 4usize, 1024usize),
+            (1, 4, 1024),
+            (255, 4, 1024),
+            (256, 4, 1024),
+            (1000, 2, 1024),
+            (1024, 4, 4096),
+            (4_194_304, 4, 16 << 20),
+            (4_194_300, 8, 16 << 20),
+            (12_345, 1, 1 << 20),
+        ] {
+            let parts: Vec<_> = staged_parts(elems, es, slot).collect();
+            let mut next = 0;
+            for &(at, n) in &parts {
+                assert_eq!(at, next, "{elems} {es} {slot}: {parts:?}");
+                assert_eq!(at % 64, 0, "{elems} {es} {slot}: {parts:?}");
+                assert!(n > 0, "{elems} {es} {slot}: {parts:?}");
+                next = at + n;
+            }
+            assert_eq!(next, elems, "{elems} {es} {slot}: {parts:?}");
+            assert!(parts.len() <= STAGED_PARTS);
+            // A whole slot's op is cut in full; one under a part's worth stays whole.
+            if elems * es >= slot && elems >= 64 * STAGED_PARTS {
+                assert_eq!(parts.len(), STAGED_PARTS, "{elems} {es} {slot}: {parts:?}");
+            }
+            if elems * es < slot / STAGED_PARTS {
+                assert!(parts.len() <= 1, "{elems} {es} {slot}: {parts:?}");
+            }
+        }
     }
 }

@@ -138,11 +138,17 @@ pub fn cu_type(d: DType) -> &'static str {
     }
 }
 
-/// One CUDA device: its primary context, a compute stream and a copy stream, and the kernels.
+/// One CUDA device: its primary context, a compute stream and a copy stream, the two copy
+/// lanes ([`CopyLane`]), and the kernels.
 pub struct Gpu {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     copy: Arc<CudaStream>,
+    /// The copy lanes' streams, by [`CopyLane::index`].
+    lanes: [Arc<CudaStream>; 2],
+    /// Whether a lane has work the compute stream has not been joined to since ([`Gpu::mark`]
+    /// joins those first, so a marker covers everything queued on the device).
+    lane_dirty: [std::sync::atomic::AtomicBool; 2],
     arch: &'static str,
     module: OnceLock<Result<Arc<CudaModule>, DeviceError>>,
     funcs: Mutex<HashMap<String, CudaFunction>>,
@@ -212,10 +218,14 @@ impl Gpu {
         let arch: &'static str = Box::leak(format!("compute_{major}{minor}").into_boxed_str());
         let stream = ctx.new_stream().map_err(driver("creating a stream"))?;
         let copy = ctx.new_stream().map_err(driver("creating a copy stream"))?;
+        let lane = || ctx.new_stream().map_err(driver("creating a copy lane"));
+        let lanes = [lane()?, lane()?];
         Ok(Arc::new(Gpu {
             ctx,
             stream,
             copy,
+            lanes,
+            lane_dirty: Default::default(),
             arch,
             module: OnceLock::new(),
             funcs: Mutex::new(HashMap::new()),

@@ -26,6 +26,30 @@ impl fmt::Display for Device {
     }
 }
 
+/// A copy lane: an order of copies beside a device's compute order, so host staging's copies in
+/// (host→device) and out (device→host) run at once with each other and with kernels. Work on a
+/// lane waits for the compute order only where it is joined to it, and the other way round.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CopyLane {
+    /// Copies into the device (received slots into scratch or the caller's buffer).
+    In,
+    /// Copies out of it (results into the next rank's slot).
+    Out,
+}
+
+impl CopyLane {
+    /// Both lanes.
+    pub const BOTH: [CopyLane; 2] = [CopyLane::In, CopyLane::Out];
+
+    /// Its index (0, 1).
+    pub fn index(self) -> usize {
+        match self {
+            CopyLane::In => 0,
+            CopyLane::Out => 1,
+        }
+    }
+}
+
 /// Errors of devices: absence, driver calls, kernel compilation, misuse.
 #[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
 pub enum DeviceError {

@@ -19,12 +19,13 @@
 //! Work is queued on the device's compute stream in call order; [`Gpu::mark`] returns a
 //! [`Marker`] that completes when everything queued before it has.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use cudarc::driver::{result, sys, CudaEvent, PushKernelArg};
 
 use super::{cu_type, driver, Gpu};
-use crate::device::{DeviceError, GATHER_MAX};
+use crate::device::{CopyLane, DeviceError, GATHER_MAX};
 use crate::{DType, ReduceOp};
 
 /// A device address (valid in the process and context that produced it).
@@ -372,6 +373,11 @@ impl Gpu {
     /// A marker after everything queued so far.
     pub fn mark(&self) -> Result<Marker, DeviceError> {
         self.check()?;
+        for lane in CopyLane::BOTH {
+            if self.lane_dirty[lane.index()].load(Ordering::Acquire) {
+                self.compute_after_lane(lane)?;
+            }
+        }
         let e = self
             .stream
             .record_event(None)
@@ -665,6 +671,49 @@ impl Gpu {
         // SAFETY: the caller guarantees both ranges; the stream belongs to this context.
         unsafe { result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }
             .map_err(driver("copying device to device"))
+    }
+
+    /// Queue a copy of `bytes` from `src` to `dst` on copy lane `lane`: after what that lane
+    /// holds and whatever was joined into it ([`Gpu::lane_after_compute`]), beside the compute
+    /// stream. [`Gpu::mark`] covers it.
+    ///
+    /// # Safety
+    /// As for [`Gpu::copy_at`].
+    pub unsafe fn copy_on_at(
+        &self,
+        lane: CopyLane,
+        dst: DevPtr,
+        src: DevPtr,
+        bytes: usize,
+    ) -> Result<(), DeviceError> {
+        if bytes == 0 {
+            return self.check();
+        }
+        self.for_raw_calls()?;
+        self.lane_dirty[lane.index()].store(true, Ordering::Release);
+        // SAFETY: the caller guarantees both ranges; the lane's stream belongs to this context.
+        unsafe { result::memcpy_dtod_async(dst, src, bytes, self.lanes[lane.index()].cu_stream()) }
+            .map_err(driver("copying on a copy lane"))
+    }
+
+    /// Make work queued on `lane` from now on wait for everything queued on the compute stream
+    /// so far.
+    pub fn lane_after_compute(&self, lane: CopyLane) -> Result<(), DeviceError> {
+        self.for_raw_calls()?;
+        self.lanes[lane.index()]
+            .join(&self.stream)
+            .map_err(driver("ordering a copy lane after the compute stream"))
+    }
+
+    /// Make work queued on the compute stream from now on wait for everything queued on `lane`
+    /// so far.
+    pub fn compute_after_lane(&self, lane: CopyLane) -> Result<(), DeviceError> {
+        self.for_raw_calls()?;
+        // Cleared first: a copy queued meanwhile by another thread sets it again.
+        self.lane_dirty[lane.index()].store(false, Ordering::Release);
+        self.stream
+            .join(&self.lanes[lane.index()])
+            .map_err(driver("ordering the compute stream after a copy lane"))
     }
 
     /// Before a raw driver call on the compute stream: no earlier error, and this device's
