@@ -75,6 +75,9 @@ if [ -e "$CUDA_MPS_PIPE_DIRECTORY/control" ]; then
     # the same session: what it is worth where the two directions of a staged link take turns.
     bench "mps-staging-nopairs-n2" RINGZERO_P2P_DISABLE=1 RINGZERO_DEVICE_COPY_PAIRS=off \
         timeout -k 5 120 $B bench $A -n 2
+    # Explicit copies on the copy lanes (in and out at once, combines in parts) against mapped.
+    bench "mps-staging-copy-n2" RINGZERO_P2P_DISABLE=1 RINGZERO_STAGING=copy \
+        timeout -k 5 120 $B bench $A -n 2
 else
     unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
     echo "== no MPS: gpu-check's ranks time-slice the GPU"

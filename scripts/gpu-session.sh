@@ -74,10 +74,13 @@ if [ "${1:-}" = staging ]; then
     bench staging-nopairs-n2 60 RINGZERO_P2P_DISABLE=1 RINGZERO_DEVICE_COPY_PAIRS=off $S -n 2
     bench staging-n2-again 60 RINGZERO_P2P_DISABLE=1 $S -n 2
 else
-# 1. Host staging on 2 ranks against its bound, the copy pair on and off, in one MPS session.
+# 1. Host staging on 2 ranks against its bound: the copy pair on and off, and explicit copies,
+# in one MPS session.
 bench staging-n2 60 RINGZERO_P2P_DISABLE=1 $B bench $A -b 64M -e 256M -n 2
 bench staging-nopairs-n2 60 RINGZERO_P2P_DISABLE=1 RINGZERO_DEVICE_COPY_PAIRS=off \
     $B bench $A -b 64M -e 256M -n 2
+# Explicit copies on the copy lanes (session 28) against the mapped kernels just above.
+bench staging-copy-n2 60 RINGZERO_P2P_DISABLE=1 RINGZERO_STAGING=copy $B bench $A -b 64M -e 256M -n 2
 # 2. Every kernel and every collective run (exactness, bandwidth rows, killed ranks).
 step "gpu-check" 330 $B gpu-check --json "$out/gpu-check.json"
 # 3. What has never run on a GPU beyond gpu-check: the all-to-all pull against the ring, the
