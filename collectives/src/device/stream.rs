@@ -698,4 +698,40 @@ mod tests {
             std::thread::yield_now();
         }
     }
+
+    /// Wait for `m` (at most 10 s).
+    fn wait(s: &HostStream, m: &u64) {
+        let start = std::time::Instant::now();
+        while !s.done(m).unwrap() {
+            assert!(start.elapsed() < std::time::Duration::from_secs(10), "never completed");
+            std::thread::yield_now();
+        }
+    }
+
+    #[test]
+    fn copy_lanes_run_apart_and_a_marker_or_a_join_covers_them() {
+        let s = HostStream::new();
+        let len = 64 << 20;
+        let src = vec![5u8; len];
+        let mut a = vec![0u8; len];
+        let mut b = vec![0u8; len];
+        let (src_at, a_at, b_at) = (
+            src.as_ptr() as usize as Addr,
+            a.as_mut_ptr() as usize as Addr,
+            b.as_mut_ptr() as usize as Addr,
+        );
+        // A long copy on the in lane: the compute order does not wait for it by itself.
+        // SAFETY: all three vectors outlive the waits below, which cover the copies.
+        unsafe { s.copy_on(CopyLane::In, a_at, src_at, len) }.unwrap();
+        // The out lane copies what the in lane wrote only once joined through the compute order.
+        s.compute_after_lane(CopyLane::In).unwrap();
+        s.lane_after_compute(CopyLane::Out).unwrap();
+        // SAFETY: as above.
+        unsafe { s.copy_on(CopyLane::Out, b_at, a_at, len) }.unwrap();
+        // The marker joins the dirty out lane first: once done, both copies are.
+        let m = s.mark().unwrap();
+        wait(&s, &m);
+        assert!(a.iter().all(|&x| x == 5), "the in lane's copy");
+        assert!(b.iter().all(|&x| x == 5), "the out lane's copy, after the in lane's");
+    }
 }
