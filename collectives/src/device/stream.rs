@@ -703,7 +703,10 @@ mod tests {
     fn wait(s: &HostStream, m: &u64) {
         let start = std::time::Instant::now();
         while !s.done(m).unwrap() {
-            assert!(start.elapsed() < std::time::Duration::from_secs(10), "never completed");
+            assert!(
+                start.elapsed() < std::time::Duration::from_secs(10),
+                "never completed"
+            );
             std::thread::yield_now();
         }
     }
@@ -732,6 +735,9 @@ mod tests {
         let m = s.mark().unwrap();
         wait(&s, &m);
         assert!(a.iter().all(|&x| x == 5), "the in lane's copy");
-        assert!(b.iter().all(|&x| x == 5), "the out lane's copy, after the in lane's");
+        assert!(
+            b.iter().all(|&x| x == 5),
+            "the out lane's copy, after the in lane's"
+        );
     }
 }

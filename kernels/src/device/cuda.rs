@@ -376,9 +376,13 @@ impl Gpu {
         Ok(ms as f64 / reps.max(1) as f64)
     }
 
-    /// Wait for everything queued.
+    /// Wait for everything queued, on the compute stream and the copy lanes.
     pub fn synchronize(&self) -> Result<(), DeviceError> {
         self.stream.synchronize().map_err(driver("synchronizing"))?;
+        for lane in &self.lanes {
+            lane.synchronize()
+                .map_err(driver("synchronizing a copy lane"))?;
+        }
         self.check()
     }
 
