@@ -23,7 +23,7 @@
 //! copies on the stream's two copy lanes ([`CopyLane`]): into the device on one, out of it on
 //! the other, the compute order between them joined where data passes. Such an op starts once
 //! everything before it has ended; within it the pair's two copies run at once, and a combine
-//! goes in [`STAGED_PARTS`] parts, so that part `k + 1` comes in while part `k − 1` goes out.
+//! goes in 8 parts (`STAGED_PARTS`), so that part `k + 1` comes in while part `k − 1` goes out.
 //! On the H200 one kernel moving both ways over mapped host memory made 29–31 GB/s each way
 //! where the copy engines make 46–50: this is the copy engines' way to both directions at once.
 //!

@@ -139,12 +139,12 @@ pub fn cu_type(d: DType) -> &'static str {
 }
 
 /// One CUDA device: its primary context, a compute stream and a copy stream, the two copy
-/// lanes ([`CopyLane`]), and the kernels.
+/// lanes ([`CopyLane`](super::CopyLane)), and the kernels.
 pub struct Gpu {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     copy: Arc<CudaStream>,
-    /// The copy lanes' streams, by [`CopyLane::index`].
+    /// The copy lanes' streams, by [`CopyLane::index`](super::CopyLane::index).
     lanes: [Arc<CudaStream>; 2],
     /// Whether a lane has work the compute stream has not been joined to since ([`Gpu::mark`]
     /// joins those first, so a marker covers everything queued on the device).
