@@ -5,11 +5,8 @@
 # It builds nothing. It runs every GPU test and micro-benchmark and prints a table last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-# NVRTC (libnvrtc.so.13): the CUDA toolkit's, or the one PyTorch's image carries as a wheel.
-for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
-         $(python3 -c 'import nvidia, os; print(" ".join(os.path.join(p, "cu13", "lib") for p in nvidia.__path__))' 2>/dev/null); do
-    [ -e "$d/libnvrtc.so.13" ] && export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-done
+# NVRTC (libnvrtc.so.13) on LD_LIBRARY_PATH.
+. scripts/nvrtc-path.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 status=0
 # The kernels' cargo tests (NoCuda path, NVRTC compilation) as carried test binaries.

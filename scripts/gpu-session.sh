@@ -21,10 +21,7 @@ BIN=${BIN:-target/release}
 B=$BIN/ringzero
 out=${OUT:-/tmp}
 mkdir -p "$out/bench"
-for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
-         $(python3 -c 'import nvidia, os; print(" ".join(os.path.join(p, "cu13", "lib") for p in nvidia.__path__))' 2>/dev/null); do
-    [ -e "$d/libnvrtc.so.13" ] && export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-done
+. scripts/nvrtc-path.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 status=0
 # step LABEL LIMIT_S CMD...: runs CMD under `timeout LIMIT_S` if that much budget is left.

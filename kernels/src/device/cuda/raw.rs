@@ -664,13 +664,8 @@ impl Gpu {
         src: DevPtr,
         bytes: usize,
     ) -> Result<(), DeviceError> {
-        if bytes == 0 {
-            return self.check();
-        }
-        self.for_raw_calls()?;
-        // SAFETY: the caller guarantees both ranges; the stream belongs to this context.
-        unsafe { result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }
-            .map_err(driver("copying device to device"))
+        // SAFETY: forwarded from the caller.
+        unsafe { self.copy_on_stream(None, dst, src, bytes) }
     }
 
     /// Queue a copy of `bytes` from `src` to `dst` on copy lane `lane`: after what that lane
@@ -686,14 +681,35 @@ impl Gpu {
         src: DevPtr,
         bytes: usize,
     ) -> Result<(), DeviceError> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.copy_on_stream(Some(lane), dst, src, bytes) }
+    }
+
+    /// [`Gpu::copy_at`] on the compute stream (`None`) or [`Gpu::copy_on_at`] on a lane.
+    ///
+    /// # Safety
+    /// As for [`Gpu::copy_at`].
+    unsafe fn copy_on_stream(
+        &self,
+        lane: Option<CopyLane>,
+        dst: DevPtr,
+        src: DevPtr,
+        bytes: usize,
+    ) -> Result<(), DeviceError> {
         if bytes == 0 {
             return self.check();
         }
         self.for_raw_calls()?;
-        self.lane_dirty[lane.index()].store(true, Ordering::Release);
-        // SAFETY: the caller guarantees both ranges; the lane's stream belongs to this context.
-        unsafe { result::memcpy_dtod_async(dst, src, bytes, self.lanes[lane.index()].cu_stream()) }
-            .map_err(driver("copying on a copy lane"))
+        let stream = match lane {
+            Some(l) => {
+                self.lane_dirty[l.index()].store(true, Ordering::Release);
+                &self.lanes[l.index()]
+            }
+            None => &self.stream,
+        };
+        // SAFETY: the caller guarantees both ranges; the stream belongs to this context.
+        unsafe { result::memcpy_dtod_async(dst, src, bytes, stream.cu_stream()) }
+            .map_err(driver("copying device to device"))
     }
 
     /// Make work queued on `lane` from now on wait for everything queued on the compute stream
