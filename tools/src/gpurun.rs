@@ -183,39 +183,31 @@ fn gpu_collectives(device: usize, ranks: usize, mode: DevMode, how: RunHow) -> V
             std::process::id()
         ))
     });
+    // Each knob: its value when `on`, else its default.
+    let knob = |name: &str, on: bool, yes: &str, no: &str| {
+        (name.to_string(), if on { yes } else { no }.to_string())
+    };
     let mut env = vec![
-        (
-            "RINGZERO_P2P_DISABLE".to_string(),
-            if staged { "1" } else { "0" }.to_string(),
-        ),
-        (
-            "RINGZERO_TRANSPORT".to_string(),
-            if matches!(mode, DevMode::Tcp) {
-                "tcp"
-            } else {
-                "auto"
-            }
-            .to_string(),
+        knob("RINGZERO_P2P_DISABLE", staged, "1", "0"),
+        knob(
+            "RINGZERO_TRANSPORT",
+            matches!(mode, DevMode::Tcp),
+            "tcp",
+            "auto",
         ),
         // The tcp run's edges stripe every frame over two connections (pinned staging parts).
-        ("RINGZERO_TCP_SOCKETS".to_string(), "2".to_string()),
-        (
-            "RINGZERO_DEVICE_ALGO".to_string(),
-            if matches!(mode, DevMode::IpcRing) {
-                "ring"
-            } else {
-                "auto"
-            }
-            .to_string(),
+        knob("RINGZERO_TCP_SOCKETS", true, "2", "2"),
+        knob(
+            "RINGZERO_DEVICE_ALGO",
+            matches!(mode, DevMode::IpcRing),
+            "ring",
+            "auto",
         ),
-        (
-            "RINGZERO_STAGING".to_string(),
-            if matches!(mode, DevMode::StagingCopy) {
-                "copy"
-            } else {
-                "mapped"
-            }
-            .to_string(),
+        knob(
+            "RINGZERO_STAGING",
+            matches!(mode, DevMode::StagingCopy),
+            "copy",
+            "mapped",
         ),
     ];
     if how.quick {
