@@ -64,8 +64,9 @@ if [ "${1:-}" = staging ]; then
     bench staging-n2 60 RINGZERO_P2P_DISABLE=1 $S -n 2
     bench staging-32M-n2 60 RINGZERO_P2P_DISABLE=1 RINGZERO_DEVICE_SLICE_BYTES=32M $S -n 2
     bench staging-copy-n2 60 RINGZERO_P2P_DISABLE=1 RINGZERO_STAGING=copy $S -n 2
-    bench staging-n4 60 RINGZERO_P2P_DISABLE=1 $S -n 4
-    bench staging-32M-n4 60 RINGZERO_P2P_DISABLE=1 RINGZERO_DEVICE_SLICE_BYTES=32M $S -n 4
+    # 4 ranks up to 1 GiB take about a minute (57 s on the H200).
+    bench staging-n4 90 RINGZERO_P2P_DISABLE=1 $S -n 4
+    bench staging-32M-n4 90 RINGZERO_P2P_DISABLE=1 RINGZERO_DEVICE_SLICE_BYTES=32M $S -n 4
     bench staging-8M-8slots-n2 60 RINGZERO_P2P_DISABLE=1 RINGZERO_DEVICE_SLICE_BYTES=8M \
         RINGZERO_SLOTS=8 $S -n 2
     bench staging-nopairs-n2 60 RINGZERO_P2P_DISABLE=1 RINGZERO_DEVICE_COPY_PAIRS=off $S -n 2
