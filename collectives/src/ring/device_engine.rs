@@ -718,13 +718,13 @@ impl<S: Stream> Work<'_, S> {
         // one-pass forms write `store` and `slot`, which never overlap: one is the caller's buffer,
         // the other the link's memory.
         unsafe {
-            match (incoming, local) {
-                (Some(b), Some(a)) if stage_in.is_some() => {
+            match (incoming, local, stage_in) {
+                (Some(b), Some(a), Some(scratch)) => {
                     let dst = store.or(stage_out).or(slot);
                     let out = store.or(stage_out).zip(slot);
                     for (at, n) in staged_parts(op.elems, es, links.tx.slot_bytes()) {
                         let (off, len) = ((at * es) as Addr, n * es);
-                        let scr = stage_in.expect("matched") + off;
+                        let scr = scratch + off;
                         stream
                             .copy_on(CopyLane::In, scr, b + off, len)
                             .map_err(dev)?;
@@ -751,7 +751,7 @@ impl<S: Stream> Work<'_, S> {
                         links.counters.bytes_staged += bytes as u64;
                     }
                 }
-                (Some(b), Some(a)) => {
+                (Some(b), Some(a), None) => {
                     let dst = store.or(stage_out).or(slot);
                     // Kept and sent: one pass writes both, unless an average must be divided
                     // first or explicit-copy staging keeps kernels off the host slot.
@@ -787,7 +787,7 @@ impl<S: Stream> Work<'_, S> {
                         }
                     }
                 }
-                (Some(v), None) | (None, Some(v)) => {
+                (Some(v), None, _) | (None, Some(v), _) => {
                     // Kept and forwarded: one pass reads `v` once, unless explicit-copy staging
                     // keeps kernels off a host slot at either end.
                     let kernels_may = slot.is_some_and(|sl| links.tx.scratch(sl).is_none())
@@ -801,10 +801,10 @@ impl<S: Stream> Work<'_, S> {
                             // Both copies read `v` only: the one in (from a host slot) and the
                             // one out (to the next slot) run at once.
                             if let Some(st) = keep {
-                                let lane = incoming.map(|_| CopyLane::In);
-                                match lane {
-                                    Some(l) => stream.copy_on(l, st, v, bytes),
-                                    None => stream.copy(st, v, bytes),
+                                if incoming.is_some() {
+                                    stream.copy_on(CopyLane::In, st, v, bytes)
+                                } else {
+                                    stream.copy(st, v, bytes)
                                 }
                                 .map_err(dev)?;
                             }
@@ -822,7 +822,7 @@ impl<S: Stream> Work<'_, S> {
                         }
                     }
                 }
-                (None, None) => {}
+                (None, None, _) => {}
             }
         }
         let marker = stream.mark().map_err(dev)?;
