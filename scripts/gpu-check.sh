@@ -67,13 +67,13 @@ if [ -e "$CUDA_MPS_PIPE_DIRECTORY/control" ]; then
     A2A="all-to-all --device cuda -b 16M -e 256M -f 4 --iters 10 --warmup 3 -n 4"
     bench "mps-a2a-cuda_ipc-n4" timeout -k 5 120 $B bench $A2A
     bench "mps-a2a-ring-cuda_ipc-n4" RINGZERO_DEVICE_ALGO=ring timeout -k 5 120 $B bench $A2A
-    bench "mps-staging-mapped-n2" RINGZERO_P2P_DISABLE=1 timeout -k 5 120 $B bench $A -n 2
+    bench "mps-staging-n2" RINGZERO_P2P_DISABLE=1 timeout -k 5 120 $B bench $A -n 2
     # The copy pair (a slice's last receive with the next slice's first send) against none, in
     # the same session: what it is worth where the two directions of a staged link take turns.
     bench "mps-staging-nopairs-n2" RINGZERO_P2P_DISABLE=1 RINGZERO_DEVICE_COPY_PAIRS=off \
         timeout -k 5 120 $B bench $A -n 2
-    # Explicit copies on the copy lanes (in and out at once, combines in parts) against mapped.
-    bench "mps-staging-copy-n2" RINGZERO_P2P_DISABLE=1 RINGZERO_STAGING=copy \
+    # Kernels on the mapped slots against the copy lanes (the default).
+    bench "mps-staging-mapped-n2" RINGZERO_P2P_DISABLE=1 RINGZERO_STAGING=mapped \
         timeout -k 5 120 $B bench $A -n 2
 else
     unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY

@@ -6,9 +6,10 @@
 #
 #     GPU_BUDGET_S=480 BIN=target/release bash scripts/gpu-session.sh [staging]
 #
-# With `staging` it runs a follow-up instead: the kernels alone (gpu-check --kernels-only), then
-# host staging on 2 and 4 ranks up to 1 GiB across slice sizes and both staging ways, each bench
-# printing the kernel-on-mapped-memory rate beside the copy engines' both-ways bound.
+# With `staging` it runs a follow-up instead: host staging on 4 ranks both ways (explicit copies,
+# the default, and mapped), the whole gpu-check, then host staging on 2 and 4 ranks up to 1 GiB
+# across slice sizes, each bench printing the kernel-on-mapped-memory rate beside the copy
+# engines' both-ways bound.
 #
 # BIN holds `ringzero` and the kernels' `cuda-*` test binary, built on an x86-64 machine:
 #     cargo build --release && cargo test --release --no-run -p ringzero-kernels --test cuda
@@ -59,26 +60,25 @@ fi
 }
 A="all-reduce --device cuda --iters 10 --warmup 3"
 if [ "${1:-}" = staging ]; then
-    step "gpu-check --kernels-only" 150 $B gpu-check --kernels-only --json "$out/gpu-check.json"
+    M="$B bench $A -b 64M -e 256M"
+    bench staging-n4 60 RINGZERO_P2P_DISABLE=1 $M -n 4
+    bench staging-mapped-n4 60 RINGZERO_P2P_DISABLE=1 RINGZERO_STAGING=mapped $M -n 4
+    step "gpu-check" 330 $B gpu-check --json "$out/gpu-check.json"
     S="$B bench $A -b 16M -e 1G"
-    bench staging-n2 60 RINGZERO_P2P_DISABLE=1 $S -n 2
-    bench staging-32M-n2 60 RINGZERO_P2P_DISABLE=1 RINGZERO_DEVICE_SLICE_BYTES=32M $S -n 2
-    bench staging-copy-n2 60 RINGZERO_P2P_DISABLE=1 RINGZERO_STAGING=copy $S -n 2
-    # 4 ranks up to 1 GiB take about a minute (57 s on the H200).
-    bench staging-n4 90 RINGZERO_P2P_DISABLE=1 $S -n 4
-    bench staging-32M-n4 90 RINGZERO_P2P_DISABLE=1 RINGZERO_DEVICE_SLICE_BYTES=32M $S -n 4
-    bench staging-8M-8slots-n2 60 RINGZERO_P2P_DISABLE=1 RINGZERO_DEVICE_SLICE_BYTES=8M \
-        RINGZERO_SLOTS=8 $S -n 2
-    bench staging-nopairs-n2 60 RINGZERO_P2P_DISABLE=1 RINGZERO_DEVICE_COPY_PAIRS=off $S -n 2
-    bench staging-n2-again 60 RINGZERO_P2P_DISABLE=1 $S -n 2
+    bench staging-1G-n2 60 RINGZERO_P2P_DISABLE=1 $S -n 2
+    # 4 ranks up to 1 GiB take about a minute (57 s on the H200, mapped).
+    bench staging-1G-n4 90 RINGZERO_P2P_DISABLE=1 $S -n 4
+    bench staging-32M-n2 60 RINGZERO_P2P_DISABLE=1 RINGZERO_DEVICE_SLICE_BYTES=32M $M -n 2
+    bench staging-nopairs-n2 60 RINGZERO_P2P_DISABLE=1 RINGZERO_DEVICE_COPY_PAIRS=off $M -n 2
+    bench staging-8slots-n2 60 RINGZERO_P2P_DISABLE=1 RINGZERO_SLOTS=8 $M -n 2
 else
-# 1. Host staging on 2 ranks against its bound: the copy pair on and off, and explicit copies,
-# in one MPS session.
+# 1. Host staging on 2 ranks against its bound: explicit copies (the default) with the copy pair
+# on and off, and mapped, in one MPS session.
 bench staging-n2 60 RINGZERO_P2P_DISABLE=1 $B bench $A -b 64M -e 256M -n 2
 bench staging-nopairs-n2 60 RINGZERO_P2P_DISABLE=1 RINGZERO_DEVICE_COPY_PAIRS=off \
     $B bench $A -b 64M -e 256M -n 2
-# Explicit copies on the copy lanes (session 28) against the mapped kernels just above.
-bench staging-copy-n2 60 RINGZERO_P2P_DISABLE=1 RINGZERO_STAGING=copy $B bench $A -b 64M -e 256M -n 2
+# Kernels on the mapped slots (the default before session 29) against the copy lanes above.
+bench staging-mapped-n2 60 RINGZERO_P2P_DISABLE=1 RINGZERO_STAGING=mapped $B bench $A -b 64M -e 256M -n 2
 # 2. Every kernel and every collective run (exactness, bandwidth rows, killed ranks).
 step "gpu-check" 330 $B gpu-check --json "$out/gpu-check.json"
 # 3. What has never run on a GPU beyond gpu-check: the all-to-all pull against the ring, the

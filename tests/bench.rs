@@ -419,7 +419,7 @@ fn the_device_sweep_checks_every_variant_and_catches_corruption() {
             r.header.device_ring.as_deref(),
             Some(
                 "slices of 1024 B, 4 slots per edge, copy pairs on (RINGZERO_DEVICE_COPY_PAIRS), \
-                 host staging mapped (RINGZERO_STAGING)"
+                 host staging mapped (RINGZERO_STAGING=mapped)"
             )
         );
         let base = r

@@ -165,7 +165,10 @@ fn device_edges_report_host_staging_and_why_and_move_the_ring_volume() {
                             assert_eq!(e.kind, TransportKind::Shm, "{e}");
                             assert_eq!(
                                 e.reason,
-                                format!("{reason}; kernels read and write the mapped slots"),
+                                format!(
+                                    "{reason}; kernels read and write the mapped slots \
+                                     (RINGZERO_STAGING=mapped)"
+                                ),
                                 "{e}"
                             );
                         }
@@ -237,7 +240,7 @@ fn explicit_copy_staging_moves_every_combined_slice_through_device_scratch() {
         for e in dc.edges() {
             assert!(
                 e.reason
-                    .ends_with("; explicit copies through device scratch"),
+                    .ends_with("; explicit copies through device scratch (RINGZERO_STAGING=copy)"),
                 "{e}"
             );
         }
@@ -256,6 +259,55 @@ fn explicit_copy_staging_moves_every_combined_slice_through_device_scratch() {
         let chunk_bytes = (count / n * 4) as u64;
         assert_eq!(dc.counters().bytes_staged, (2 * n as u64 - 3) * chunk_bytes);
     });
+}
+
+/// `RINGZERO_STAGING=auto` (the default) stages by explicit copies where at most two ranks use a
+/// device and by kernels on the mapped slots where more do: here the ranks are threads of one
+/// process, so all of them use its host stream. The edges say which and why, and the staging
+/// counter shows that the copies ran (or did not).
+#[test]
+fn auto_staging_copies_for_two_ranks_on_a_device_and_maps_for_three() {
+    for (n, want) in [(2usize, StagingMode::Copy), (3, StagingMode::Mapped)] {
+        let o = Opts {
+            transport: TransportPref::Shm,
+            staging: StagingMode::Auto,
+            slice_bytes: 4096,
+            ..Opts::default()
+        };
+        threads(n, &o, |_, comm| {
+            let comm = comm.unwrap();
+            let mut dc = device_comm(&comm);
+            let (mode, why) = dc.staging();
+            assert_eq!(mode, want, "{n} ranks: {why}");
+            assert!(
+                why.starts_with(&format!("RINGZERO_STAGING=auto, {n} ranks on this device")),
+                "{why}"
+            );
+            let how = match want {
+                StagingMode::Copy => "explicit copies through device scratch",
+                _ => "kernels read and write the mapped slots",
+            };
+            let why = why.to_string();
+            for e in dc.edges() {
+                assert!(e.reason.ends_with(&format!("; {how} ({why})")), "{e}");
+            }
+            let count = 30_000usize;
+            let send: Vec<f32> = (0..count).map(|i| (i % 5) as f32).collect();
+            let mut recv = vec![0.0f32; count];
+            dc.all_reduce(&send[..], &mut recv[..], ReduceOp::Sum)
+                .unwrap();
+            for (i, v) in recv.iter().enumerate() {
+                assert_eq!(*v, n as f32 * (i % 5) as f32, "element {i}");
+            }
+            // As in the explicit-copy test above: 2n − 3 chunks staged, or none when mapped.
+            let chunk_bytes = (count / n * 4) as u64;
+            let staged = match want {
+                StagingMode::Copy => (2 * n as u64 - 3) * chunk_bytes,
+                _ => 0,
+            };
+            assert_eq!(dc.counters().bytes_staged, staged, "{n} ranks");
+        });
+    }
 }
 
 /// `RINGZERO_DEVICE_SLICE_BYTES` sizes the device edges' frames apart from the host path's

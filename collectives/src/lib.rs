@@ -52,7 +52,7 @@ pub mod wire;
 mod work;
 
 pub use comm::{AbortHandle, Communicator, P2p, P2pOwned};
-pub use config::{Algo, Config, DeviceAlgo, StagingMode, TransportPref};
+pub use config::{Algo, Config, DeviceAlgo, StagingMode, TransportPref, COPY_STAGING_MAX_SHARERS};
 /// The name [`Algo`] had while it picked only the all-reduce's algorithm.
 #[deprecated(note = "renamed `Algo`: it picks the broadcast's, reduce's and barrier's too")]
 pub type AllReduceAlgo = Algo;

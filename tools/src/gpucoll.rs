@@ -149,8 +149,8 @@ where
 /// What a run checks for, from the launcher's settings: its rows' label, the transport every
 /// device edge must take and whether the direct step must run.
 struct Expect {
-    /// `cuda_ipc`, `cuda_ipc-ring`, `staging`, `staging-copy` or `tcp`; `host-stream
-    /// staging`, `host-stream staging-copy` or `host-stream tcp` on the host stream.
+    /// `cuda_ipc`, `cuda_ipc-ring`, `staging`, `staging-mapped`, `staging-copy` or `tcp`;
+    /// `host-stream staging`, `host-stream staging-mapped`, ... on the host stream.
     label: String,
     want: TransportKind,
     direct: bool,
@@ -158,8 +158,9 @@ struct Expect {
     tcp: bool,
     staged: bool,
     ring: bool,
-    /// Host staging by explicit copies (`RINGZERO_STAGING=copy`).
-    copies: bool,
+    /// The staging way forced by `RINGZERO_STAGING` (mapped or copy, for comparison), `None`
+    /// where `auto` picks.
+    forced: Option<StagingMode>,
 }
 
 impl Expect {
@@ -169,13 +170,15 @@ impl Expect {
         let tcp = cfg.transport == ringzero_collectives::TransportPref::Tcp;
         let staged = cfg.p2p_disable && !tcp;
         let ring = cfg.device_algo == ringzero_collectives::DeviceAlgo::Ring;
-        let copies = (staged || host) && !tcp && cfg.staging == StagingMode::Copy;
+        let forced = (cfg.staging != StagingMode::Auto).then_some(cfg.staging);
         let kind = if tcp {
             "tcp"
-        } else if copies {
-            "staging-copy"
         } else if staged || host {
-            "staging"
+            match forced {
+                Some(StagingMode::Mapped) => "staging-mapped",
+                Some(StagingMode::Copy) => "staging-copy",
+                _ => "staging",
+            }
         } else if ring {
             "cuda_ipc-ring"
         } else {
@@ -202,7 +205,7 @@ impl Expect {
             tcp,
             staged,
             ring,
-            copies,
+            forced,
         }
     }
 }
@@ -350,12 +353,12 @@ where
     if opts.bench && !x.tcp && !x.host {
         let comparison = if x.ring {
             Some("the slot ring for comparison, auto takes the direct step here")
-        } else if x.copies {
-            Some("explicit copies for comparison with mapped staging, the default")
+        } else if x.staged && x.forced.is_some() {
+            Some("RINGZERO_STAGING forced, for comparison with auto's pick")
         } else {
             None
         };
-        match bandwidth(&mut dc, (x.staged, x.copies), comparison) {
+        match bandwidth(&mut dc, (x.staged, &x.label), comparison) {
             Ok(r) => rows.push(r),
             Err(e) => rows.push(Row {
                 check: format!("{label} n={n} bench"),
@@ -384,11 +387,11 @@ where
 ///
 /// It passes at 70 % (cuda_ipc) or 80 % (staging) of that bound, and says the percentage of the
 /// plain copy too. A `comparison` (cuda_ipc with `RINGZERO_DEVICE_ALGO=ring`, which `auto` does
-/// not take on one GPU; explicit-copy staging, which is not the default) sets no target, and
+/// not take on one GPU; a staging way forced by `RINGZERO_STAGING`) sets no target, and
 /// says why.
 fn bandwidth<D: CheckDev>(
     dc: &mut DeviceComm<D>,
-    (staged, copies): (bool, bool),
+    (staged, kind): (bool, &str),
     comparison: Option<&str>,
 ) -> Result<Row, String> {
     let n = dc.size();
@@ -422,15 +425,17 @@ fn bandwidth<D: CheckDev>(
     let busbw = bytes as f64 / secs / 1e9 * 2.0 * (n - 1) as f64 / n as f64;
     let nf = n as f64;
     let algo = if dc.direct().is_some() {
-        "direct"
+        "direct".to_string()
+    } else if staged {
+        format!("ring, {} staging", dc.staging().0)
     } else {
-        "ring"
+        "ring".to_string()
     };
     // Host staging moves 2(n−1)/n of the buffer each way per rank, every rank over the one
     // PCIe link at once: busbw ≤ (each direction's rate while both run) / n.
     let (label, base_name, bound, bound_rule, target) = if staged {
         (
-            if copies { "staging-copy" } else { "staging" },
+            kind,
             "one-way pinned host→device copy",
             both_gbs / nf,
             format!("copy both ways at once ({both_gbs:.1} GB/s each way)/n"),

@@ -59,7 +59,7 @@ pub fn run(a: &GpuCheckArgs) -> Result<(String, Vec<Row>), String> {
         (2, DevMode::IpcRing),
         (2, DevMode::Staging),
         (4, DevMode::Staging),
-        (2, DevMode::StagingCopy),
+        (2, DevMode::StagingMapped),
         (2, DevMode::Tcp),
         (4, DevMode::IpcKill),
         (4, DevMode::StagingKill),
@@ -83,7 +83,7 @@ pub fn run(a: &GpuCheckArgs) -> Result<(String, Vec<Row>), String> {
                 DevMode::Ipc => "auto (cuda_ipc; direct on one GPU)",
                 DevMode::IpcRing => "cuda_ipc, RINGZERO_DEVICE_ALGO=ring",
                 DevMode::Staging => "RINGZERO_P2P_DISABLE=1",
-                DevMode::StagingCopy => "RINGZERO_P2P_DISABLE=1 RINGZERO_STAGING=copy",
+                DevMode::StagingMapped => "RINGZERO_P2P_DISABLE=1 RINGZERO_STAGING=mapped",
                 DevMode::Tcp => {
                     "RINGZERO_TRANSPORT=tcp RINGZERO_TCP_SOCKETS=2 (pinned tcp staging)"
                 }
@@ -103,8 +103,9 @@ enum DevMode {
     /// cuda_ipc with `RINGZERO_DEVICE_ALGO=ring`: the slot ring where auto takes the direct step.
     IpcRing,
     Staging,
-    /// Host staging by explicit copies on the copy lanes (`RINGZERO_STAGING=copy`).
-    StagingCopy,
+    /// Host staging by kernels on the mapped slots (`RINGZERO_STAGING=mapped`), beside `auto`'s
+    /// explicit copies on 2 ranks of one GPU.
+    StagingMapped,
     Tcp,
     /// cuda_ipc, rank 1 kills itself mid all-reduce.
     IpcKill,
@@ -131,14 +132,14 @@ fn gpu_collectives(device: usize, ranks: usize, mode: DevMode, how: RunHow) -> V
             DevMode::Ipc | DevMode::IpcKill => "cuda_ipc",
             DevMode::IpcRing => "cuda_ipc-ring",
             DevMode::Staging | DevMode::StagingKill => "staging",
-            DevMode::StagingCopy => "staging-copy",
+            DevMode::StagingMapped => "staging-mapped",
             DevMode::Tcp => "tcp",
         }
     );
     let (staged, kill) = (
         matches!(
             mode,
-            DevMode::Staging | DevMode::StagingCopy | DevMode::StagingKill
+            DevMode::Staging | DevMode::StagingMapped | DevMode::StagingKill
         ),
         matches!(mode, DevMode::IpcKill | DevMode::StagingKill),
     );
@@ -205,9 +206,9 @@ fn gpu_collectives(device: usize, ranks: usize, mode: DevMode, how: RunHow) -> V
         ),
         knob(
             "RINGZERO_STAGING",
-            matches!(mode, DevMode::StagingCopy),
-            "copy",
+            matches!(mode, DevMode::StagingMapped),
             "mapped",
+            "auto",
         ),
     ];
     if how.quick {

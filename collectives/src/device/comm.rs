@@ -116,7 +116,7 @@ const PROBE_DEADLINE: Duration = Duration::from_secs(5);
 /// Bytes a probe moves (or the slot size, if smaller).
 const PROBE_BYTES: usize = 64 * 1024;
 /// Bytes of a probe finding in the all-gathered record.
-pub(super) const FINDING_BYTES: usize = 192;
+pub(super) const FINDING_BYTES: usize = 320;
 
 /// The byte at offset `i` of a probe from rank `from`: never zero, differs between neighbours.
 pub fn probe_pattern(from: usize, len: usize) -> Vec<u8> {
@@ -184,6 +184,8 @@ pub(super) struct Core<S: Stream> {
     shm_room: u64,
     /// Every rank's buffers are in one device's memory ([`DeviceComm::one_device`]).
     one_device: bool,
+    /// How this rank's host-staging links move bytes, and why ([`DeviceComm::staging`]).
+    staging: (StagingMode, String),
     state: Mutex<DevState>,
     /// Device memory an in-place all-to-all sends from (a copy of the caller's buffer), kept
     /// for the next one: address, bytes, owner. Used only under `state`'s lock.
@@ -223,6 +225,7 @@ impl<S: Stream> DeviceComm<S> {
             staged_fallback: false,
             shm_room: 0,
             one_device: true,
+            staging: comm.config().staging.resolve(1),
             state: Mutex::new(DevState::new(None)),
             send_copy: Mutex::new(None),
             host: (size > 1).then(|| comm.host_peers()),
@@ -261,6 +264,14 @@ impl<S: Stream> DeviceComm<S> {
     /// one-rank communicator is on one device.
     pub fn one_device(&self) -> bool {
         self.core.one_device
+    }
+
+    /// How this rank's host-staging links move bytes between its device and their pinned slots
+    /// ([`StagingMode::Mapped`] or [`StagingMode::Copy`], never `Auto`), and why: `auto` picks
+    /// by how many ranks use this rank's GPU ([`StagingMode::resolve`]). Each rank picks for
+    /// itself; the slots are the same either way. It matters only where an edge is staged.
+    pub fn staging(&self) -> (StagingMode, &str) {
+        (self.core.staging.0, &self.core.staging.1)
     }
 
     /// Bytes of one slice on the device ring's edges (and of each of their slots): every rank's
@@ -437,14 +448,18 @@ impl<S: Stream> Core<S> {
         };
         let infos: Vec<DeviceInfo> = comm.all_gather_records(&me)?;
         self.shm_room = infos.iter().map(|i| i.shm_free).min().unwrap_or(0);
-        self.one_device = infos.iter().all(|i| {
+        // On my device: the same GPU, or for the host stream the same process.
+        let mine = |i: &&DeviceInfo| {
             i.has_uuid == me.has_uuid
                 && if me.has_uuid == 1 {
                     i.uuid == me.uuid
                 } else {
                     i.pid == me.pid
                 }
-        });
+        };
+        let sharers = infos.iter().filter(mine).count();
+        self.one_device = sharers == infos.len();
+        self.staging = self.cfg.staging.resolve(sharers);
         let host_edges = comm.edges();
         let host_recv = host_edges
             .iter()
@@ -491,10 +506,14 @@ impl<S: Stream> Core<S> {
             };
             if (0..size).all(|r| !failed(r)) {
                 if recv_edge.kind == TransportKind::Shm {
-                    recv_edge.reason += match self.cfg.staging {
-                        StagingMode::Mapped => "; kernels read and write the mapped slots",
-                        StagingMode::Copy => "; explicit copies through device scratch",
-                    };
+                    recv_edge.reason += &format!(
+                        "; {} ({})",
+                        match self.staging.0 {
+                            StagingMode::Copy => "explicit copies through device scratch",
+                            _ => "kernels read and write the mapped slots",
+                        },
+                        self.staging.1
+                    );
                 }
                 // Learn the reason the next rank gave for our send edge.
                 let reasons = comm.all_gather_bytes(&text::<FINDING_BYTES>(&recv_edge.reason))?;
@@ -892,9 +911,10 @@ impl<S: Stream> Core<S> {
         }
     }
 
-    /// Device scratch of `bytes` for a host-staging link when `RINGZERO_STAGING=copy`.
+    /// Device scratch of `bytes` for a host-staging link where this rank stages by explicit
+    /// copies ([`DeviceComm::staging`]).
     fn staging_scratch(&self, bytes: usize) -> Result<Option<(Addr, Box<dyn Any + Send>)>> {
-        if self.cfg.staging != StagingMode::Copy {
+        if self.staging.0 != StagingMode::Copy {
             return Ok(None);
         }
         self.stream.scratch(bytes).map(Some).map_err(dev_err(

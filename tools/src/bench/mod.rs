@@ -369,14 +369,12 @@ pub fn run_device<D: device::BenchDev>(
     let cfg = comm.config();
     header.device_ring = Some(format!(
         "slices of {} B, {} slots per edge, copy pairs {} (RINGZERO_DEVICE_COPY_PAIRS), host \
-         staging {} (RINGZERO_STAGING)",
+         staging {} ({})",
         dc.slice_bytes(),
         cfg.slots,
         if cfg.device_copy_pairs { "on" } else { "off" },
-        match cfg.staging {
-            ringzero_collectives::StagingMode::Mapped => "mapped",
-            ringzero_collectives::StagingMode::Copy => "copy",
-        }
+        dc.staging().0,
+        dc.staging().1,
     ));
     header.device_baseline = baseline;
     header.device_bound = limit.map(|l| {
