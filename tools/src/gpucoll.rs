@@ -397,7 +397,12 @@ fn bandwidth<D: CheckDev>(
     let n = dc.size();
     let elems = 64usize << 20; // 256 MiB of f32
     let bytes = elems * 4;
-    let send = dc.stream().zeros(DType::F32, elems)?;
+    // Never timed on zeros: small integers, so that every rank's sum is exact and checked below.
+    let value = |rank: usize, i: usize| ((i * 7 + rank) % 251) as f64 - 125.0;
+    let me = dc.rank();
+    let vals: Vec<f64> = (0..elems).map(|i| value(me, i)).collect();
+    let send = dc.stream().make(DType::F32, &vals)?;
+    drop(vals);
     let mut recv = dc.stream().zeros(DType::F32, elems)?;
     // The baseline, measured here and now, by rank 0 alone (the bench's: `BenchDev::baseline`).
     // Host staging: the one-way pinned copy, and each direction's rate while both run at once
@@ -423,6 +428,16 @@ fn bandwidth<D: CheckDev>(
     }
     let secs = t.elapsed().as_secs_f64() / iters as f64;
     let busbw = bytes as f64 / secs / 1e9 * 2.0 * (n - 1) as f64 / n as f64;
+    // The timed result, checked.
+    let got = dc.stream().contents(&recv)?;
+    let want = |i: usize| (0..n).map(|r| value(r, i)).sum::<f64>();
+    if let Some(i) = (0..elems).find(|&i| got[i] != want(i)) {
+        return Err(format!(
+            "the timed all-reduce's element {i} is {} but should be {}",
+            got[i],
+            want(i)
+        ));
+    }
     let nf = n as f64;
     let algo = if dc.direct().is_some() {
         "direct".to_string()

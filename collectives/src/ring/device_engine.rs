@@ -19,15 +19,16 @@
 //! the other on the one stream, with the neighbours in step, each direction of the PCIe link sat
 //! idle for a third of a 2-rank all-reduce (the H100 run: 74 % of what the link allows).
 //!
-//! Explicit-copy staging (`RINGZERO_STAGING=copy`, the default; kernels never touch host slots) puts its
-//! copies on the stream's two copy lanes ([`CopyLane`]): into the device on one, out of it on
-//! the other, the compute order between them joined where data passes. Such an op starts once
-//! everything before it has ended; within it the pair's two copies run at once, and a combine
-//! goes in 8 parts (`STAGED_PARTS`), so that part `k + 1` comes in while part `k − 1` goes out.
-//! On the H200 one kernel moving both ways over mapped host memory made 29–31 GB/s each way
-//! where the copy engines make 46–50: this is the copy engines' way to both directions at once,
-//! and on the H200 it made 2-rank staging 1.18× faster than mapped (22.6 against 19.2 GB/s
-//! busbw at 256 MiB, 90 % of the both-ways bound against 77 %).
+//! Explicit-copy staging (`RINGZERO_STAGING=copy`, and `auto`'s pick where at most 2 ranks use a
+//! GPU; kernels never touch host slots) puts its copies on the stream's two copy lanes
+//! ([`CopyLane`]): into the device on one, out of it on the other, the compute order between
+//! them joined where data passes. Such an op starts once everything before it has ended; within
+//! it the pair's two copies run at once, and a combine goes in 8 parts (`STAGED_PARTS`), so that
+//! part `k + 1` comes in while part `k − 1` goes out. On the H200 one kernel moving both ways
+//! over mapped host memory made 29–31 GB/s each way where the copy engines make 46–50: this is
+//! the copy engines' way to both directions at once, and it made 2-rank staging 1.18× faster
+//! than mapped (22.6 against 19.2 GB/s busbw at 256 MiB, 90 % of the both-ways bound against
+//! 77 %). On 4 ranks of one GPU it was 0.73× of mapped, whose four kernels fill the link.
 //!
 //! Deadlines and peer health are as in the host engine: nothing waits more than the call's
 //! timeout without progress, and the error names the collective, its sequence number, the peer and
