@@ -6,10 +6,10 @@
 #
 #     GPU_BUDGET_S=480 BIN=target/release bash scripts/gpu-session.sh [staging]
 #
-# With `staging` it runs a follow-up instead: host staging on 4 ranks both ways (explicit copies,
-# the default, and mapped), the whole gpu-check, then host staging on 2 and 4 ranks up to 1 GiB
-# across slice sizes, each bench printing the kernel-on-mapped-memory rate beside the copy
-# engines' both-ways bound.
+# With `staging` it runs a follow-up instead: host staging on 3 ranks both ways (what
+# RINGZERO_STAGING=auto's threshold of 2 copying ranks per GPU has not measured), the whole
+# gpu-check, then host staging on 2 and 4 ranks up to 1 GiB and across slice sizes, each bench
+# printing the kernel-on-mapped-memory rate beside the copy engines' both-ways bound.
 #
 # BIN holds `ringzero` and the kernels' `cuda-*` test binary, built on an x86-64 machine:
 #     cargo build --release && cargo test --release --no-run -p ringzero-kernels --test cuda
@@ -61,8 +61,8 @@ fi
 A="all-reduce --device cuda --iters 10 --warmup 3"
 if [ "${1:-}" = staging ]; then
     M="$B bench $A -b 64M -e 256M"
-    bench staging-n4 60 RINGZERO_P2P_DISABLE=1 $M -n 4
-    bench staging-mapped-n4 60 RINGZERO_P2P_DISABLE=1 RINGZERO_STAGING=mapped $M -n 4
+    bench staging-n3 60 RINGZERO_P2P_DISABLE=1 $M -n 3
+    bench staging-copy-n3 60 RINGZERO_P2P_DISABLE=1 RINGZERO_STAGING=copy $M -n 3
     step "gpu-check" 330 $B gpu-check --json "$out/gpu-check.json"
     S="$B bench $A -b 16M -e 1G"
     bench staging-1G-n2 60 RINGZERO_P2P_DISABLE=1 $S -n 2
@@ -72,12 +72,12 @@ if [ "${1:-}" = staging ]; then
     bench staging-nopairs-n2 60 RINGZERO_P2P_DISABLE=1 RINGZERO_DEVICE_COPY_PAIRS=off $M -n 2
     bench staging-8slots-n2 60 RINGZERO_P2P_DISABLE=1 RINGZERO_SLOTS=8 $M -n 2
 else
-# 1. Host staging on 2 ranks against its bound: explicit copies (the default) with the copy pair
-# on and off, and mapped, in one MPS session.
+# 1. Host staging on 2 ranks against its bound: explicit copies (RINGZERO_STAGING=auto's pick
+# for 2 ranks of one GPU) with the copy pair on and off, and mapped, in one MPS session.
 bench staging-n2 60 RINGZERO_P2P_DISABLE=1 $B bench $A -b 64M -e 256M -n 2
 bench staging-nopairs-n2 60 RINGZERO_P2P_DISABLE=1 RINGZERO_DEVICE_COPY_PAIRS=off \
     $B bench $A -b 64M -e 256M -n 2
-# Kernels on the mapped slots (the default before session 29) against the copy lanes above.
+# Kernels on the mapped slots (auto's pick for more than 2 ranks) against the copy lanes above.
 bench staging-mapped-n2 60 RINGZERO_P2P_DISABLE=1 RINGZERO_STAGING=mapped $B bench $A -b 64M -e 256M -n 2
 # 2. Every kernel and every collective run (exactness, bandwidth rows, killed ranks).
 step "gpu-check" 330 $B gpu-check --json "$out/gpu-check.json"
@@ -89,6 +89,8 @@ bench a2a-ring-n4 60 RINGZERO_DEVICE_ALGO=ring $B bench $A2A
 bench cuda_ipc-n2 60 $B bench $A -b 4M -e 256M -n 2
 bench cuda_ipc-n4 60 $B bench $A -b 4M -e 256M -n 4
 bench staging-n4 60 RINGZERO_P2P_DISABLE=1 $B bench $A -b 64M -e 256M -n 4
+# Auto maps on 4 ranks of one GPU; the copy lanes beside it (0.73x on the H200, session 29).
+bench staging-copy-n4 60 RINGZERO_P2P_DISABLE=1 RINGZERO_STAGING=copy $B bench $A -b 64M -e 256M -n 4
 step "diag --json" 90 sh -c "$B diag --json > $out/diag.json"
 fi
 [ "$mps" = 1 ] && echo quit | nvidia-cuda-mps-control
