@@ -91,9 +91,10 @@ pub enum TransportPref {
 /// and the pinned slots.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum StagingMode {
-    /// Each rank picks one of the two others by how many ranks use its GPU
-    /// ([`StagingMode::resolve`]): explicit copies for at most [`COPY_STAGING_MAX_SHARERS`],
-    /// mapped kernels for more.
+    /// Each rank picks one of the two others by its device and how many ranks use it
+    /// ([`StagingMode::resolve`]): explicit copies on a GPU that at most
+    /// [`COPY_STAGING_MAX_SHARERS`] ranks use, mapped kernels otherwise (more ranks, or a device
+    /// without copy engines, such as the host stream).
     #[default]
     Auto,
     /// Kernels read and write the mapped host slots directly (no separate copies). One kernel
@@ -115,17 +116,26 @@ pub enum StagingMode {
 pub const COPY_STAGING_MAX_SHARERS: usize = 2;
 
 impl StagingMode {
-    /// The way a rank whose GPU `sharers` ranks use (itself included) stages, and why.
-    /// [`StagingMode::Auto`] becomes [`StagingMode::Copy`] for at most
-    /// [`COPY_STAGING_MAX_SHARERS`] and [`StagingMode::Mapped`] above; the others stay.
-    pub fn resolve(self, sharers: usize) -> (StagingMode, String) {
-        let why = format!(
-            "RINGZERO_STAGING=auto, {sharers} rank{} on this device (copies for at most \
-             {COPY_STAGING_MAX_SHARERS})",
-            if sharers == 1 { "" } else { "s" }
-        );
+    /// The way a rank stages whose device `sharers` ranks use (itself included), and why; `gpu`
+    /// says whether that device is a GPU, with copy engines beside its kernels (the host stream's
+    /// "copies" are more memcpys on the same cores, 0.5× of mapped on 2 cores).
+    /// [`StagingMode::Auto`] becomes [`StagingMode::Copy`] on a GPU that at most
+    /// [`COPY_STAGING_MAX_SHARERS`] ranks use and [`StagingMode::Mapped`] otherwise; the others
+    /// stay.
+    pub fn resolve(self, sharers: usize, gpu: bool) -> (StagingMode, String) {
+        let why = if gpu {
+            format!(
+                "RINGZERO_STAGING=auto: {sharers} rank{} on this GPU, copies for at most \
+                 {COPY_STAGING_MAX_SHARERS}",
+                if sharers == 1 { "" } else { "s" }
+            )
+        } else {
+            "RINGZERO_STAGING=auto: not a GPU, no copy engines to gain from".to_string()
+        };
         match self {
-            StagingMode::Auto if sharers <= COPY_STAGING_MAX_SHARERS => (StagingMode::Copy, why),
+            StagingMode::Auto if gpu && sharers <= COPY_STAGING_MAX_SHARERS => {
+                (StagingMode::Copy, why)
+            }
             StagingMode::Auto => (StagingMode::Mapped, why),
             forced => (forced, format!("RINGZERO_STAGING={forced}")),
         }
@@ -1253,7 +1263,7 @@ mod tests {
     }
 
     #[test]
-    fn auto_staging_copies_for_at_most_two_ranks_per_gpu_and_maps_above() {
+    fn auto_staging_copies_on_a_gpu_of_at_most_two_ranks_and_maps_otherwise() {
         for (sharers, want) in [
             (1, StagingMode::Copy),
             (2, StagingMode::Copy),
@@ -1261,22 +1271,32 @@ mod tests {
             (4, StagingMode::Mapped),
             (8, StagingMode::Mapped),
         ] {
-            let (got, why) = StagingMode::Auto.resolve(sharers);
+            let (got, why) = StagingMode::Auto.resolve(sharers, true);
             assert_eq!(got, want, "{sharers} sharers: {why}");
             assert_eq!(
                 why,
                 format!(
-                    "RINGZERO_STAGING=auto, {sharers} rank{} on this device (copies for at most 2)",
+                    "RINGZERO_STAGING=auto: {sharers} rank{} on this GPU, copies for at most 2",
                     if sharers == 1 { "" } else { "s" }
                 )
             );
+            // Without copy engines (the host stream) copies are only more memcpys: mapped.
+            assert_eq!(
+                StagingMode::Auto.resolve(sharers, false),
+                (
+                    StagingMode::Mapped,
+                    "RINGZERO_STAGING=auto: not a GPU, no copy engines to gain from".to_string()
+                )
+            );
         }
-        // A forced mode stays whatever the count, and says it was forced.
+        // A forced mode stays whatever the device and count, and says it was forced.
         for forced in [StagingMode::Mapped, StagingMode::Copy] {
             for sharers in [1, 2, 4] {
-                let (got, why) = forced.resolve(sharers);
-                assert_eq!(got, forced);
-                assert_eq!(why, format!("RINGZERO_STAGING={forced}"));
+                for gpu in [true, false] {
+                    let (got, why) = forced.resolve(sharers, gpu);
+                    assert_eq!(got, forced);
+                    assert_eq!(why, format!("RINGZERO_STAGING={forced}"));
+                }
             }
         }
     }

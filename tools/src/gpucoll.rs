@@ -15,6 +15,7 @@ use std::time::Instant;
 
 use ringzero_collectives::{
     Collective, Communicator, DeviceComm, HostStream, StagingMode, TrainStream, TransportKind,
+    COPY_STAGING_MAX_SHARERS,
 };
 use ringzero_kernels::device::cuda::Gpu;
 use ringzero_kernels::{DType, ReduceOp};
@@ -250,10 +251,28 @@ where
         }
     };
     let want = x.want;
-    let edges: Vec<String> = dc.edges().iter().map(|e| e.to_string()).collect();
+    let mut edges: Vec<String> = dc.edges().iter().map(|e| e.to_string()).collect();
+    // A staged run's staging way: the forced one, else auto's pick for this run, where every
+    // rank shares the one GPU (copies for at most 2), or each process is its own host stream
+    // (no copy engines: mapped).
+    let staged = want == TransportKind::Shm;
+    let way = x
+        .forced
+        .unwrap_or(if x.host || n > COPY_STAGING_MAX_SHARERS {
+            StagingMode::Mapped
+        } else {
+            StagingMode::Copy
+        });
+    if staged {
+        edges.push(format!(
+            "staging {} ({}; want {way})",
+            dc.staging().0,
+            dc.staging().1
+        ));
+    }
     rows.push(Row {
         check: format!("{label} n={n} edges"),
-        pass: dc.edges().iter().all(|e| e.kind == want),
+        pass: dc.edges().iter().all(|e| e.kind == want) && (!staged || dc.staging().0 == way),
         detail: edges.join("; "),
     });
     rows.push(Row {

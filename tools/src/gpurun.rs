@@ -59,7 +59,7 @@ pub fn run(a: &GpuCheckArgs) -> Result<(String, Vec<Row>), String> {
         (2, DevMode::IpcRing),
         (2, DevMode::Staging),
         (4, DevMode::Staging),
-        (2, DevMode::StagingMapped),
+        (2, DevMode::StagingOther),
         (2, DevMode::Tcp),
         (4, DevMode::IpcKill),
         (4, DevMode::StagingKill),
@@ -83,7 +83,10 @@ pub fn run(a: &GpuCheckArgs) -> Result<(String, Vec<Row>), String> {
                 DevMode::Ipc => "auto (cuda_ipc; direct on one GPU)",
                 DevMode::IpcRing => "cuda_ipc, RINGZERO_DEVICE_ALGO=ring",
                 DevMode::Staging => "RINGZERO_P2P_DISABLE=1",
-                DevMode::StagingMapped => "RINGZERO_P2P_DISABLE=1 RINGZERO_STAGING=mapped",
+                DevMode::StagingOther if a.host_stream => {
+                    "RINGZERO_P2P_DISABLE=1 RINGZERO_STAGING=copy"
+                }
+                DevMode::StagingOther => "RINGZERO_P2P_DISABLE=1 RINGZERO_STAGING=mapped",
                 DevMode::Tcp => {
                     "RINGZERO_TRANSPORT=tcp RINGZERO_TCP_SOCKETS=2 (pinned tcp staging)"
                 }
@@ -103,9 +106,10 @@ enum DevMode {
     /// cuda_ipc with `RINGZERO_DEVICE_ALGO=ring`: the slot ring where auto takes the direct step.
     IpcRing,
     Staging,
-    /// Host staging by kernels on the mapped slots (`RINGZERO_STAGING=mapped`), beside `auto`'s
-    /// explicit copies on 2 ranks of one GPU.
-    StagingMapped,
+    /// Host staging the way `auto` does not take on 2 ranks, for comparison: kernels on the
+    /// mapped slots on a GPU (`RINGZERO_STAGING=mapped`; auto copies there), explicit copies on
+    /// the host stream (`RINGZERO_STAGING=copy`; auto maps there).
+    StagingOther,
     Tcp,
     /// cuda_ipc, rank 1 kills itself mid all-reduce.
     IpcKill,
@@ -132,14 +136,15 @@ fn gpu_collectives(device: usize, ranks: usize, mode: DevMode, how: RunHow) -> V
             DevMode::Ipc | DevMode::IpcKill => "cuda_ipc",
             DevMode::IpcRing => "cuda_ipc-ring",
             DevMode::Staging | DevMode::StagingKill => "staging",
-            DevMode::StagingMapped => "staging-mapped",
+            DevMode::StagingOther if how.host_stream => "staging-copy",
+            DevMode::StagingOther => "staging-mapped",
             DevMode::Tcp => "tcp",
         }
     );
     let (staged, kill) = (
         matches!(
             mode,
-            DevMode::Staging | DevMode::StagingMapped | DevMode::StagingKill
+            DevMode::Staging | DevMode::StagingOther | DevMode::StagingKill
         ),
         matches!(mode, DevMode::IpcKill | DevMode::StagingKill),
     );
@@ -206,8 +211,8 @@ fn gpu_collectives(device: usize, ranks: usize, mode: DevMode, how: RunHow) -> V
         ),
         knob(
             "RINGZERO_STAGING",
-            matches!(mode, DevMode::StagingMapped),
-            "mapped",
+            matches!(mode, DevMode::StagingOther),
+            if how.host_stream { "copy" } else { "mapped" },
             "auto",
         ),
     ];

@@ -685,19 +685,14 @@ fn gpu_check_dry_run_on_the_host_stream_passes_every_row() {
         "bytes moved",
         "zero device engine",
     ];
-    let mut want: Vec<String> = [
-        "staging n=2",
-        "staging n=4",
-        "staging-mapped n=2",
-        "tcp n=2",
-    ]
-    .iter()
-    .flat_map(|run| {
-        per_run
-            .iter()
-            .map(move |c| format!("host-stream {run} {c}"))
-    })
-    .collect();
+    let mut want: Vec<String> = ["staging n=2", "staging n=4", "staging-copy n=2", "tcp n=2"]
+        .iter()
+        .flat_map(|run| {
+            per_run
+                .iter()
+                .map(move |c| format!("host-stream {run} {c}"))
+        })
+        .collect();
     want.push("host-stream staging n=4 rank 1 killed".into());
     want.push("host-stream staging n=4 killed rank: diag --flight names it".into());
     assert_eq!(checks, want, "{out}");

@@ -213,6 +213,7 @@ impl<S: Stream> DeviceComm<S> {
     /// Connect the ring for `stream`'s buffers. Every rank of `comm` must call this together.
     pub fn new(comm: &Communicator, stream: S) -> Result<DeviceComm<S>> {
         let (rank, size) = (comm.rank(), comm.size());
+        let gpu = stream.identity().is_some();
         let mut core = Core {
             stream,
             flight: Recorder::new(comm.config(), comm.next_device_name(), &[]),
@@ -225,7 +226,7 @@ impl<S: Stream> DeviceComm<S> {
             staged_fallback: false,
             shm_room: 0,
             one_device: true,
-            staging: comm.config().staging.resolve(1),
+            staging: comm.config().staging.resolve(1, gpu),
             state: Mutex::new(DevState::new(None)),
             send_copy: Mutex::new(None),
             host: (size > 1).then(|| comm.host_peers()),
@@ -459,7 +460,7 @@ impl<S: Stream> Core<S> {
         };
         let sharers = infos.iter().filter(mine).count();
         self.one_device = sharers == infos.len();
-        self.staging = self.cfg.staging.resolve(sharers);
+        self.staging = self.cfg.staging.resolve(sharers, me.has_uuid == 1);
         let host_edges = comm.edges();
         let host_recv = host_edges
             .iter()
