@@ -129,6 +129,9 @@ struct RunHow {
 
 /// gpu-check's collective checks: `ranks` processes on device `device` through the launcher.
 fn gpu_collectives(device: usize, ranks: usize, mode: DevMode, how: RunHow) -> Vec<Row> {
+    // The staging way `auto` does not take here ([`DevMode::StagingOther`]).
+    let other_way = if how.host_stream { "copy" } else { "mapped" };
+    let other_label = format!("staging-{other_way}");
     let label = format!(
         "{}{} n={ranks}",
         if how.host_stream { "host-stream " } else { "" },
@@ -136,8 +139,7 @@ fn gpu_collectives(device: usize, ranks: usize, mode: DevMode, how: RunHow) -> V
             DevMode::Ipc | DevMode::IpcKill => "cuda_ipc",
             DevMode::IpcRing => "cuda_ipc-ring",
             DevMode::Staging | DevMode::StagingKill => "staging",
-            DevMode::StagingOther if how.host_stream => "staging-copy",
-            DevMode::StagingOther => "staging-mapped",
+            DevMode::StagingOther => &other_label,
             DevMode::Tcp => "tcp",
         }
     );
@@ -212,7 +214,7 @@ fn gpu_collectives(device: usize, ranks: usize, mode: DevMode, how: RunHow) -> V
         knob(
             "RINGZERO_STAGING",
             matches!(mode, DevMode::StagingOther),
-            if how.host_stream { "copy" } else { "mapped" },
+            other_way,
             "auto",
         ),
     ];
