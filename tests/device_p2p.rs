@@ -881,3 +881,46 @@ fn a_failed_host_collective_ends_a_device_connect_in_progress() {
         );
     });
 }
+
+/// A device pair that fails tells every peer this rank is linked with, not only the ring's
+/// neighbours, so none of them waits for its deadline: on a 4-rank ring (0-1-2-3), ranks 1 and 3
+/// (no ring edge between them) connect a pair; then rank 1's receive from rank 0 mismatches the
+/// count rank 0 sent, which fails rank 1, while rank 3 waits on a message from rank 1 that
+/// never comes. Rank 3 fails with rank 1's abort well before its deadline, and so does rank 0
+/// at its next call with rank 1; rank 1 refuses every later call with its first error.
+#[test]
+fn a_failed_device_pair_ends_every_linked_peers_wait_at_once() {
+    let o = Opts {
+        timeout: std::time::Duration::from_secs(10),
+        ..Opts::default()
+    };
+    ranks(4, &o, |r, dc| {
+        match r {
+            1 => dc.send(&msg(1, 0, 100)[..], 3).unwrap(),
+            3 => dc.recv(&mut vec![0f32; 100][..], 1).unwrap(),
+            _ => {}
+        }
+        let start = std::time::Instant::now();
+        let e = match r {
+            0 => {
+                let _ = dc.send(&[1f32; 8][..], 1);
+                dc.recv(&mut [0f32; 8][..], 1).unwrap_err()
+            }
+            1 => {
+                let e = dc.recv(&mut [0f32; 9][..], 0).unwrap_err();
+                let later = dc.send(&[1f32; 4][..], 3).unwrap_err();
+                assert!(later.to_string().contains("count=9"), "{later}");
+                e
+            }
+            3 => dc.recv(&mut [0f32; 100][..], 1).unwrap_err(),
+            _ => return,
+        };
+        let took = start.elapsed();
+        let t = e.to_string();
+        assert!(t.contains("count=8") && t.contains("count=9"), "rank {r}: {t}");
+        assert!(
+            took < std::time::Duration::from_secs(5),
+            "rank {r} waited {took:?} (the deadline is 10 s): {t}"
+        );
+    });
+}

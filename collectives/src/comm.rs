@@ -13,6 +13,7 @@ use crate::config::{Algo, Config};
 use crate::connect;
 use crate::error::{Error, Result};
 use crate::flight::{FlightRecord, Recorder};
+use crate::ring::failure;
 use crate::ring::engine::{self, AbortFlag, Bufs, Call, Counters, Links};
 use crate::ring::{chunk, plan, Collective, Count, PlanArgs};
 use crate::topology::Edge;
@@ -102,7 +103,7 @@ struct Inner {
     _store: Option<StoreServer>,
 }
 
-type State = engine::RingState<Links>;
+type State = failure::RingState<Links>;
 
 impl Communicator {
     /// Join the job described by the launcher's environment (see [`Config::from_env`]).
@@ -1046,7 +1047,7 @@ fn same_len(c: Collective, a: usize, b: usize, a_name: &str, b_name: &str) -> Re
 
 impl Inner {
     fn abort(&self, reason: &str) {
-        engine::abort(&self.state, &self.abort, self.rank, reason, &self.flight);
+        failure::abort(&self.state, &self.abort, self.rank, reason, &self.flight);
         let _st = self.lock();
         self.tell_other_links(&format!("rank {}: {reason}", self.rank));
     }
@@ -1152,15 +1153,13 @@ impl Inner {
     /// A call failed with `e`: unless it only refused its arguments, fail the communicator and
     /// tell every peer this rank has a link with.
     fn fail(&self, st: &mut State, e: &Error) {
-        if matches!(e, Error::InvalidArgument { .. }) {
-            return;
-        }
-        tracing::error!(target: "ringzero::comm", rank = self.rank, "{e}");
-        engine::fail(st, self.rank, e, &self.flight);
-        // A posted session on another thread (which holds the point-to-point links, waited for
-        // below) ends at the flag rather than at its deadline.
-        self.abort.raise(format!("rank {}: {e}", self.rank));
-        self.tell_other_links(&format!("rank {}: {e}", self.rank));
+        let who = failure::Failing {
+            rank: self.rank,
+            flag: &self.abort,
+            flight: &self.flight,
+            kind: "host",
+        };
+        failure::fail(st, &who, e, |why| self.tell_other_links(why));
     }
 
     /// Tell the peers of the links beside the ring's ([`Inner::other_links`]) that this rank
@@ -1217,7 +1216,7 @@ impl Inner {
         let fp = Fingerprint::new(coll, dtype, Some(op), count.total);
         let fp = count.parts.map_or(fp, |c| fp.with_counts(c));
         let seq = st.seq;
-        engine::refuse(st.failed.as_ref(), &self.abort, &fp, seq)?;
+        failure::refuse(st.failed.as_ref(), &self.abort, &fp, seq)?;
         let slot_bytes = st.links.as_ref().map_or(self.cfg.slice_bytes, |l| {
             l.tx.slot_bytes().min(self.cfg.slice_bytes)
         });

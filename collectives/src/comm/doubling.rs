@@ -19,6 +19,7 @@ use super::pairs::{pairs_of, Watch};
 use super::{refused, Inner, State};
 use crate::error::Result;
 use crate::ring::doubling::{self, Round, Schedule, Take};
+use crate::ring::failure;
 use crate::ring::engine::{self, Bufs, Call, Lane};
 use crate::ring::{plan_p2p, Collective, Loc, Op, Plan};
 use crate::wire::{Expect, Fingerprint};
@@ -60,7 +61,7 @@ impl Inner {
         let rounds = doubling::rounds(sched, coll, self.size, me).expect("checked by the caller");
         let mut st = self.lock();
         let seq = st.seq;
-        engine::refuse(st.failed.as_ref(), &self.abort, &fp, seq)?;
+        failure::refuse(st.failed.as_ref(), &self.abort, &fp, seq)?;
         self.recorded(&mut st, &fp, in_place, bytes as u64, |st| {
             let call = (seq, &fp, dt, op);
             let coll = (sched, coll);

@@ -9,6 +9,7 @@ use super::{Communicator, Inner};
 use crate::bootstrap::Role;
 use crate::connect;
 use crate::error::{Error, Result};
+use crate::ring::failure;
 use crate::ring::engine::{self, link_err, Bufs, Call, Lane, Links};
 use crate::ring::{plan_p2p, Collective, Plan};
 use crate::transport::LinkError;
@@ -186,7 +187,7 @@ impl Inner {
             Msg::Recv(b, _) => fp_of(b),
         };
         let mut st = self.lock();
-        engine::refuse(st.failed.as_ref(), &self.abort, &fp, 0)?;
+        failure::refuse(st.failed.as_ref(), &self.abort, &fp, 0)?;
         let mut pairs = self.pairs.lock().unwrap_or_else(|p| p.into_inner());
         let r = match msgs.as_mut_slice() {
             // `send`, `recv`, `send_recv`: one call with one peer, without the batch's grouping

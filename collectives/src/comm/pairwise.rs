@@ -24,6 +24,7 @@ use super::pairs::{pairs_of, Watch};
 use super::{offsets, own_part, refused, Communicator, Inner, State};
 use crate::bootstrap::Role;
 use crate::error::Result;
+use crate::ring::failure;
 use crate::ring::engine::{self, Bufs, Lane, Links};
 use crate::ring::{plan, plan_p2p, Collective, Count, Plan, PlanArgs};
 use crate::wire::Fingerprint;
@@ -435,7 +436,7 @@ impl Inner {
         };
         let mut st = self.lock();
         let seq = st.seq;
-        engine::refuse(st.failed.as_ref(), &self.abort, &fp, seq)?;
+        failure::refuse(st.failed.as_ref(), &self.abort, &fp, seq)?;
         self.recorded(&mut st, &fp, in_place, bytes, |st| {
             if let Some((from, to)) = local {
                 to.copy_from_slice(from);

@@ -26,6 +26,7 @@ use super::Inner;
 use crate::bootstrap::Role;
 use crate::connect;
 use crate::error::{Error, Result};
+use crate::ring::failure;
 use crate::ring::engine::{self, Bufs, Links, Patience, Tick};
 use crate::ring::{plan_p2p, Collective, Plan};
 use crate::topology::Edge;
@@ -137,7 +138,7 @@ impl Inner {
     /// (see the module docs).
     pub(super) fn run_posted(self: &Arc<Self>, first: Posted, ticket: Ticket, feed: &Feed<Posted>) {
         let fp = Fingerprint::new(Collective::SendRecv, Some(first.dtype), None, 0);
-        let refused = engine::refuse(self.lock().failed.as_ref(), &self.abort, &fp, 0);
+        let refused = failure::refuse(self.lock().failed.as_ref(), &self.abort, &fp, 0);
         if let Err(e) = refused {
             (first.fill)(Err(e));
             return;

@@ -204,7 +204,7 @@ pub(super) struct Core<S: Stream> {
     pub(super) poster: Option<HostPoster>,
 }
 
-pub(super) type DevState = crate::ring::engine::RingState<DevLinks>;
+pub(super) type DevState = crate::ring::failure::RingState<DevLinks>;
 
 /// Device memory a communicator keeps: its address, its bytes, its owner (which frees it).
 type Kept = (Addr, usize, Box<dyn Any + Send>);
@@ -425,7 +425,7 @@ impl<S: Stream> Drop for DeviceComm<S> {
 
 impl<S: Stream> Core<S> {
     pub(super) fn abort(&self, reason: &str) {
-        crate::ring::engine::abort(&self.state, &self.abort, self.rank, reason, &self.flight);
+        crate::ring::failure::abort(&self.state, &self.abort, self.rank, reason, &self.flight);
         self.tell_pairs(&format!("rank {}: {reason}", self.rank));
     }
 
@@ -1200,7 +1200,7 @@ impl<S: Stream> Core<S> {
         let mut st = self.lock();
         let st = &mut *st;
         let seq = st.seq;
-        crate::ring::engine::refuse(st.failed.as_ref(), &self.abort, &fp, seq)?;
+        crate::ring::failure::refuse(st.failed.as_ref(), &self.abort, &fp, seq)?;
         let slot_bytes = self.slot_bytes();
         let caller_in_place = matches!(bufs, DevBufs::One { .. });
         // An in-place all-to-all overwrites blocks before it has sent them (the ring and the
@@ -1286,11 +1286,7 @@ impl<S: Stream> Core<S> {
             self.flight.end(&r, counters(st));
         }
         if let Err(e) = &r {
-            if !matches!(e, Error::InvalidArgument { .. }) {
-                tracing::error!(target: "ringzero::device", rank = self.rank, "{e}");
-                crate::ring::engine::fail(st, self.rank, e, &self.flight);
-                self.tell_pairs(&format!("rank {}: {e}", self.rank));
-            }
+            self.fail(st, e);
         }
         r
     }

@@ -433,7 +433,7 @@ impl<S: Stream> Core<S> {
         f: impl FnOnce(&mut BTreeMap<usize, DevPair>) -> Result<()>,
     ) -> Result<()> {
         let mut st = self.lock();
-        crate::ring::engine::refuse(st.failed.as_ref(), &self.abort, fp, st.seq)?;
+        crate::ring::failure::refuse(st.failed.as_ref(), &self.abort, fp, st.seq)?;
         let mut pairs = self.pairs.lock().unwrap_or_else(|p| p.into_inner());
         let mut missing: Vec<usize> = peers
             .iter()
@@ -733,12 +733,13 @@ impl<S: Stream> Core<S> {
     /// Fail the communicator after `e` (a refused argument fails nothing): every later call
     /// refuses, and the ring's neighbours and every connected peer are told.
     pub(super) fn fail(&self, st: &mut super::comm::DevState, e: &Error) {
-        if matches!(e, Error::InvalidArgument { .. }) {
-            return;
-        }
-        tracing::error!(target: "ringzero::device", rank = self.rank, "{e}");
-        crate::ring::engine::fail(st, self.rank, e, &self.flight);
-        self.tell_pairs(&format!("rank {}: {e}", self.rank));
+        let who = crate::ring::failure::Failing {
+            rank: self.rank,
+            flag: &self.abort,
+            flight: &self.flight,
+            kind: "device",
+        };
+        crate::ring::failure::fail(st, &who, e, |why| self.tell_pairs(why));
     }
 
     /// The byte counters of every pair's links together.

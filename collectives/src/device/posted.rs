@@ -225,7 +225,7 @@ impl<S: Stream> Core<S> {
         let dtype = first.msgs.first().map(|m| m.dtype);
         let fp = Fingerprint::new(Collective::SendRecv, dtype, None, 0);
         let mut st = self.lock();
-        if let Err(e) = crate::ring::engine::refuse(st.failed.as_ref(), &self.abort, &fp, st.seq) {
+        if let Err(e) = crate::ring::failure::refuse(st.failed.as_ref(), &self.abort, &fp, st.seq) {
             (first.fill)(Err(e));
             return;
         }

@@ -70,7 +70,7 @@ pub struct DevLinks {
     pub pair_copies: bool,
 }
 
-impl super::engine::TellAbort for DevLinks {
+impl super::failure::TellAbort for DevLinks {
     fn tell_abort(&mut self, why: &str) {
         self.abort(why);
     }
