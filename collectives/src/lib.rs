@@ -41,6 +41,7 @@ pub mod bootstrap;
 mod comm;
 pub mod config;
 mod connect;
+mod deadline;
 pub mod device;
 pub mod error;
 pub mod flight;

@@ -17,6 +17,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
+use std::time::Instant;
 use std::thread::JoinHandle;
 
 use ringzero_kernels::{DType, Element, ReduceOp};
@@ -174,7 +175,7 @@ impl Inner {
         pairs: &mut BTreeMap<usize, Pair>,
         feed: &Feed<Posted>,
     ) -> Result<()> {
-        let mut patience = Patience::new();
+        let mut patience = Patience::new(Instant::now());
         let mut waiter = Waiter::backoff();
         let mut served_at = std::time::Instant::now() - SERVE_EVERY;
         loop {
@@ -198,14 +199,14 @@ impl Inner {
                 }
                 continue;
             }
-            match patience.tick(moved, self.cfg.timeout) {
+            match patience.tick(Instant::now(), moved, self.cfg.timeout) {
                 Tick::Moved => {
                     waiter.progressed();
                     continue;
                 }
                 // A pair still connecting has its own deadline.
                 Tick::TimedOut if s.connecting.is_empty() => return Err(self.stuck(s, pairs)),
-                Tick::TimedOut => patience = Patience::new(),
+                Tick::TimedOut => patience = Patience::new(Instant::now()),
                 Tick::Check => self.check(s, pairs)?,
                 Tick::Idle => {}
             }

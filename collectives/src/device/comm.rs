@@ -30,6 +30,7 @@ use crate::config::{Config, StagingMode};
 use crate::error::{Error, Result};
 use crate::flight::{FlightRecord, Recorder};
 use crate::ring::device_engine::{self, DevBufs, DevLinks};
+use crate::deadline::Deadline;
 use crate::ring::engine::{AbortFlag, Call, Counters};
 use crate::ring::{chunk, plan, Collective, Count, PlanArgs};
 use crate::topology::{self, DevicePeer, Edge};
@@ -868,9 +869,9 @@ impl<S: Stream> Core<S> {
             Rx::Ready(r) => return Ok(r),
             Rx::Accepting(h) => h,
         };
-        let (start, mut waiter) = (Instant::now(), Waiter::backoff());
+        let (until, mut waiter) = (Deadline::after(Instant::now(), self.cfg.timeout), Waiter::backoff());
         while !h.is_finished() {
-            if start.elapsed() >= self.cfg.timeout {
+            if until.passed(Instant::now()) {
                 return Err(Error::Timeout {
                     op: "device set-up".into(),
                     seq: 0,
@@ -1002,14 +1003,14 @@ impl<S: Stream> Core<S> {
         let seq = u64::MAX - round;
         let what = "device probe";
         let deadline = PROBE_DEADLINE.min(self.cfg.timeout);
-        let start = Instant::now();
+        let until = Deadline::after(Instant::now(), deadline);
         let slot = loop {
             if let Some(a) = links.tx.reserve().map_err(|e| {
                 crate::ring::engine::link_err(e, what, seq, links.next, self.rank, None)
             })? {
                 break a;
             }
-            if start.elapsed() >= deadline {
+            if until.passed(Instant::now()) {
                 return Err(Error::Timeout {
                     op: what.into(),
                     seq,
@@ -1039,9 +1040,9 @@ impl<S: Stream> Core<S> {
         // `src_dev` the `len` registered bytes of `src`, both live until the copy completes.
         unsafe { self.stream.copy(slot, src_dev, len) }.map_err(dev_err(&to))?;
         let copied = self.stream.mark().map_err(dev_err(&to))?;
-        let (copy_start, mut wait) = (Instant::now(), Waiter::backoff());
+        let (copy_until, mut wait) = (Deadline::after(Instant::now(), deadline), Waiter::backoff());
         while !self.stream.done(&copied).map_err(dev_err(&to))? {
-            if copy_start.elapsed() >= deadline {
+            if copy_until.passed(Instant::now()) {
                 // The copy may still write (and read `src`) whenever the device gets to it:
                 // keep everything it touches.
                 std::mem::forget((keep, src));
@@ -1070,7 +1071,7 @@ impl<S: Stream> Core<S> {
             fp,
             len,
         };
-        let start = Instant::now();
+        let until = Deadline::after(Instant::now(), deadline);
         let tx_err = |e, next| crate::ring::engine::link_err(e, what, seq, next, self.rank, None);
         let incoming = loop {
             links.tx.progress().map_err(|e| tx_err(e, links.next))?;
@@ -1079,7 +1080,7 @@ impl<S: Stream> Core<S> {
             })? {
                 break a;
             }
-            if start.elapsed() >= deadline {
+            if until.passed(Instant::now()) {
                 return Ok(Probe::Failed(format!(
                     "no probe frame from rank {} within {:.1}s",
                     links.prev,
@@ -1101,7 +1102,7 @@ impl<S: Stream> Core<S> {
         // Our own probe must have left (tcp) before the finding is all-gathered.
         while !links.tx.flushed() {
             links.tx.progress().map_err(|e| tx_err(e, links.next))?;
-            if start.elapsed() >= deadline {
+            if until.passed(Instant::now()) {
                 return Err(Error::Timeout {
                     op: what.into(),
                     seq,
@@ -1340,25 +1341,16 @@ impl<S: Stream> Core<S> {
                 context: call.fp.to_string(),
                 source: e,
             })?;
-            let (start, mut wait) = (Instant::now(), Waiter::backoff());
-            while !self.stream.done(&m).map_err(|e| Error::Device {
-                context: call.fp.to_string(),
-                source: e,
-            })? {
-                if start.elapsed() >= call.timeout {
-                    // The copy still writes the caller's output: where that memory would not
-                    // outlive it, it ends before the error is returned.
-                    super::stream::settle(&self.stream, &m, std::time::Duration::ZERO);
-                    return Err(Error::Timeout {
-                        op: call.fp.to_string(),
-                        seq: call.seq,
-                        peer: self.rank,
-                        waiting: format!("the local copy on {}", self.stream.name()),
-                        after: call.timeout,
-                    });
-                }
-                wait.idle(call.timeout);
-            }
+            // The copy writes the caller's output: at the deadline it ends first where that
+            // memory would not outlive it.
+            let at = (call.fp.to_string(), call.seq, self.rank);
+            super::stream::wait_local(
+                &self.stream,
+                &m,
+                call.timeout,
+                (&at.0, at.1, at.2),
+                "the local copy",
+            )?;
         }
         Ok(())
     }

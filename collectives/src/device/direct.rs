@@ -37,6 +37,7 @@ use ringzero_kernels::ReduceOp;
 
 use super::stream::{Share, Stream, GATHER_MAX};
 use crate::error::{Error, Result};
+use crate::deadline::Deadline;
 use crate::ring::device_engine::DevBufs;
 use crate::ring::engine::Call;
 use crate::ring::{chunk, Collective};
@@ -494,16 +495,16 @@ impl Direct {
             source: e,
         };
         let m = stream.mark().map_err(dev)?;
-        let (start, mut waiter) = (Instant::now(), Waiter::device());
+        let (until, mut waiter) = (Deadline::after(Instant::now(), call.timeout), Waiter::device());
         let stop = |e: Error| {
             // The work still reads and writes the caller's buffers (and, by the direct step,
             // other ranks'): it ends before the error is returned where that memory would not
             // outlive it.
-            super::stream::settle(stream, &m, call.timeout.saturating_sub(start.elapsed()));
+            super::stream::settle(stream, &m, until.left(Instant::now()));
             Err(e)
         };
         while !stream.done(&m).map_err(dev)? {
-            if start.elapsed() >= call.timeout {
+            if until.passed(Instant::now()) {
                 return stop(Error::Timeout {
                     op: call.fp.to_string(),
                     seq: call.seq,

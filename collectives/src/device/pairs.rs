@@ -36,7 +36,6 @@ use crate::ring::engine::Call;
 use crate::ring::{plan_p2p, Collective};
 use crate::topology::{self, Edge};
 use crate::transport::device::Addr;
-use crate::transport::wait::Waiter;
 use crate::transport::TransportKind;
 use crate::wire::Fingerprint;
 use crate::work::Work;
@@ -712,22 +711,9 @@ impl<S: Stream> Core<S> {
         // SAFETY: forwarded from the caller.
         unsafe { self.stream.copy(dst, src, bytes) }.map_err(dev)?;
         let m = self.stream.mark().map_err(dev)?;
-        let (start, mut wait) = (std::time::Instant::now(), Waiter::device());
-        while !self.stream.done(&m).map_err(dev)? {
-            if start.elapsed() >= self.cfg.timeout {
-                // Where the caller's memory would not outlive the copy, it ends first.
-                super::stream::settle(&self.stream, &m, std::time::Duration::ZERO);
-                return Err(Error::Timeout {
-                    op: fp.to_string(),
-                    seq: 0,
-                    peer: self.rank,
-                    waiting: format!("the local copy on {}", self.stream.name()),
-                    after: self.cfg.timeout,
-                });
-            }
-            wait.idle(self.cfg.timeout);
-        }
-        Ok(())
+        let op = fp.to_string();
+        let at = (op.as_str(), 0, self.rank);
+        super::stream::wait_local(&self.stream, &m, self.cfg.timeout, at, "the local copy")
     }
 
     /// Fail the communicator after `e` (a refused argument fails nothing): every later call

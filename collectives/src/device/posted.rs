@@ -25,6 +25,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
+use std::time::Instant;
 
 use ringzero_kernels::DType;
 
@@ -256,7 +257,7 @@ impl<S: Stream> Core<S> {
         pairs: &mut Pairs,
         feed: &Feed<DevPosted>,
     ) -> Result<()> {
-        let mut patience = Patience::new();
+        let mut patience = Patience::new(Instant::now());
         let mut waiter = Waiter::device();
         loop {
             let mut moved = false;
@@ -274,7 +275,7 @@ impl<S: Stream> Core<S> {
                 }
                 continue;
             }
-            match patience.tick(moved, self.cfg.timeout) {
+            match patience.tick(Instant::now(), moved, self.cfg.timeout) {
                 Tick::Moved => {
                     waiter.progressed();
                     continue;
@@ -282,7 +283,7 @@ impl<S: Stream> Core<S> {
                 // A pair still connecting ends by its own deadlines (the host exchange's, the
                 // accept's).
                 Tick::TimedOut if s.connecting.is_empty() => return Err(self.stuck(s, pairs)),
-                Tick::TimedOut => patience = Patience::new(),
+                Tick::TimedOut => patience = Patience::new(Instant::now()),
                 Tick::Check => self.check(s, pairs)?,
                 Tick::Idle => {}
             }

@@ -34,12 +34,12 @@ pub use ringzero_kernels::device::GATHER_MAX;
 /// `deadline`; on any other the caller's memory is still in use, so it goes on (saying so once)
 /// until the work ends, which such a stream's work always does. Whether it ended.
 pub(crate) fn settle<S: Stream>(stream: &S, m: &S::Marker, deadline: std::time::Duration) -> bool {
-    let start = std::time::Instant::now();
+    let until = crate::deadline::Deadline::after(std::time::Instant::now(), deadline);
     let bounded = stream.memory_outlives_work();
     let mut waiter = crate::transport::wait::Waiter::backoff();
     let mut said = false;
     while let Ok(false) = stream.done(m) {
-        if start.elapsed() >= deadline {
+        if until.passed(std::time::Instant::now()) {
             if bounded {
                 return false;
             }
@@ -54,6 +54,38 @@ pub(crate) fn settle<S: Stream>(stream: &S, m: &S::Marker, deadline: std::time::
         waiter.idle(deadline);
     }
     true
+}
+
+/// Wait, within `timeout`, for this rank's own work queued on `stream` before `m` (a local copy
+/// of call `op` number `seq` on `rank`). At the deadline the work first ends where the caller's
+/// memory would not outlive it ([`settle`]), then the timeout names `what` was waited for.
+pub(crate) fn wait_local<S: Stream>(
+    stream: &S,
+    m: &S::Marker,
+    timeout: std::time::Duration,
+    (op, seq, rank): (&str, u64, usize),
+    what: &str,
+) -> crate::error::Result<()> {
+    let until = crate::deadline::Deadline::after(std::time::Instant::now(), timeout);
+    let mut wait = crate::transport::wait::Waiter::backoff();
+    let dev = |e| crate::error::Error::Device {
+        context: format!("{op}: {what}"),
+        source: e,
+    };
+    while !stream.done(m).map_err(dev)? {
+        if until.passed(std::time::Instant::now()) {
+            settle(stream, m, std::time::Duration::ZERO);
+            return Err(crate::error::Error::Timeout {
+                op: op.into(),
+                seq,
+                peer: rank,
+                waiting: format!("{what} on {}", stream.name()),
+                after: timeout,
+            });
+        }
+        wait.idle(timeout);
+    }
+    Ok(())
 }
 
 /// The host stream's handles start with this, then the pid: its memory is plain addresses.
@@ -365,9 +397,9 @@ impl Worker {
             other.completed.clone(),
         );
         self.push(Box::new(move || {
-            let start = std::time::Instant::now();
+            let join = crate::deadline::Deadline::after(std::time::Instant::now(), JOIN_DEADLINE);
             while done.load(Ordering::Acquire) < until {
-                if start.elapsed() > JOIN_DEADLINE {
+                if join.passed(std::time::Instant::now()) {
                     return Err(format!(
                         "a join waited over {JOIN_DEADLINE:?} for the other order's work"
                     ));

@@ -40,7 +40,7 @@ use std::time::Instant;
 use ringzero_kernels::ReduceOp;
 
 use super::engine::{
-    base, expect, gone_unneeded, link_err, op_timeout, Call, Counters, LastOps, Needs, HEALTH_EVERY,
+    base, expect, gone_unneeded, link_err, op_timeout, Call, Counters, LastOps, Needs, Patience, Tick,
 };
 use super::schedule::{Loc, Op};
 use crate::device::stream::{CopyLane, Stream};
@@ -211,25 +211,25 @@ unsafe fn run_ops<S: Stream>(
     }
     // Drain: every marker completes, every frame is posted (and has left this process: tcp
     // writes from its staging), every slot released.
-    let mut last = Instant::now();
+    let mut patience = Patience::new(Instant::now());
     while !pending.is_empty() || !links.tx.flushed() {
         let sent = links
             .tx
             .progress()
             .map_err(|e| link_err(e, &what, call.seq, links.next, call.rank, Some(&call.fp)))?;
-        if retire(
+        let retired = retire(
             stream,
             links,
             (&what, call.seq, call.rank, Some(&call.fp)),
             &mut pending,
-        )? || sent
-        {
-            last = Instant::now();
+        )? || sent;
+        let tick = patience.tick(Instant::now(), retired, call.timeout);
+        if tick == Tick::Moved {
             waiter.progressed();
             continue;
         }
         call.abort.check(call)?;
-        if last.elapsed() >= call.timeout {
+        if tick == Tick::TimedOut {
             return Err(Error::Timeout {
                 op: what,
                 seq: call.seq,
@@ -617,8 +617,7 @@ impl<S: Stream> Work<'_, S> {
         let tx_err = |e| link_err(e, what, seq, next, rank, Some(&call.fp));
 
         // Wait for the incoming frame and an outgoing slot, retiring finished work meanwhile.
-        let mut last = Instant::now();
-        let mut last_health = Instant::now();
+        let mut patience = Patience::new(Instant::now());
         let mut incoming: Option<Addr> = None;
         let mut slot: Option<Addr> = None;
         loop {
@@ -636,13 +635,12 @@ impl<S: Stream> Work<'_, S> {
             if have_in && (!op.send || slot.is_some()) {
                 break;
             }
-            let now = Instant::now();
-            if moved {
-                last = now;
+            let tick = patience.tick(Instant::now(), moved, call.timeout);
+            if tick == Tick::Moved {
                 waiter.progressed();
                 continue;
             }
-            if now.duration_since(last) >= call.timeout {
+            if tick == Tick::TimedOut {
                 return Err(op_timeout(
                     call,
                     what,
@@ -653,8 +651,7 @@ impl<S: Stream> Work<'_, S> {
                     "device slot",
                 ));
             }
-            if now.duration_since(last_health) >= HEALTH_EVERY {
-                last_health = now;
+            if tick == Tick::Check {
                 call.abort.check(call)?;
                 let rx = links.rx.health();
                 if !gone_unneeded(&rx, self.needs.rx) {

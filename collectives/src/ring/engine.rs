@@ -24,7 +24,7 @@ use crate::transport::wait::Waiter;
 use crate::transport::{LinkError, RecvLink, SendLink};
 use crate::wire::{Expect, Fingerprint, FrameHeader};
 
-pub(crate) const HEALTH_EVERY: Duration = Duration::from_millis(20);
+pub(crate) use crate::deadline::{Patience, Tick};
 
 /// Byte counters of one rank's links.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -101,7 +101,7 @@ impl Links {
         timeout: Duration,
         abort: &AbortFlag,
     ) -> Result<()> {
-        let mut last = Instant::now();
+        let mut patience = Patience::new(Instant::now());
         while !self.tx.flushed() {
             if let Some(reason) = abort.reason() {
                 return Err(Error::Aborted {
@@ -110,16 +110,16 @@ impl Links {
                     reason,
                 });
             }
-            if self
+            let moved = self
                 .tx
                 .progress()
-                .map_err(|e| link_err(e, what, seq, self.next, 0, None))?
-            {
-                last = Instant::now();
+                .map_err(|e| link_err(e, what, seq, self.next, 0, None))?;
+            let tick = patience.tick(Instant::now(), moved, timeout);
+            if tick == Tick::Moved {
                 self.waiter.progressed();
                 continue;
             }
-            if last.elapsed() >= timeout {
+            if tick == Tick::TimedOut {
                 return Err(Error::Timeout {
                     op: what.into(),
                     seq,
@@ -425,7 +425,7 @@ pub fn run_lanes(lanes: &mut [Lane], timeout: Duration, abort: &AbortFlag) -> Re
     }
     // One lane waits on its own poller; several share a backoff.
     let mut shared = Waiter::backoff();
-    let mut patience = Patience::new();
+    let mut patience = Patience::new(Instant::now());
     let ran = loop {
         let mut moved = false;
         let mut pending = false;
@@ -437,7 +437,7 @@ pub fn run_lanes(lanes: &mut [Lane], timeout: Duration, abort: &AbortFlag) -> Re
             break Ok(());
         }
         let single = lanes.len() == 1;
-        match patience.tick(moved, timeout) {
+        match patience.tick(Instant::now(), moved, timeout) {
             Tick::Moved => {
                 if single {
                     lanes[0].links.waiter.progressed();
@@ -706,51 +706,7 @@ fn health_of(links: &mut Links, call: &Call, what: &str, needs: Needs) -> Result
     tx.map_err(|e| link_err(e, what, call.seq, next, call.rank, Some(&call.fp)))
 }
 
-/// What a wait does after one round.
-pub(crate) enum Tick {
-    /// Something moved: the deadline restarts; go round at once.
-    Moved,
-    /// Nothing moved for the whole timeout: fail.
-    TimedOut,
-    /// Time for the health checks, then idle.
-    Check,
-    /// Idle, then go round.
-    Idle,
-}
-
-/// The clock of one wait on a call's links: progress restarts the deadline.
-pub(crate) struct Patience {
-    last: Instant,
-    last_health: Instant,
-}
-
 impl Patience {
-    pub(crate) fn new() -> Patience {
-        let now = Instant::now();
-        Patience {
-            last: now,
-            last_health: now,
-        }
-    }
-
-    /// After a round that `moved` something or not: progress restarts the deadline; with none
-    /// for `timeout` the wait fails; every [`HEALTH_EVERY`] the health checks are due.
-    pub(crate) fn tick(&mut self, moved: bool, timeout: Duration) -> Tick {
-        let now = Instant::now();
-        if moved {
-            self.last = now;
-            return Tick::Moved;
-        }
-        if now.duration_since(self.last) >= timeout {
-            return Tick::TimedOut;
-        }
-        if now.duration_since(self.last_health) >= HEALTH_EVERY {
-            self.last_health = now;
-            return Tick::Check;
-        }
-        Tick::Idle
-    }
-
     /// One round of waiting on one call's `links` (see [`Patience::tick`]): fails with
     /// `timed_out()` at the deadline, runs the health checks of the directions it `needs`
     /// when due, then lets the links' waiter back off. `Ok`: go round again.
@@ -762,7 +718,7 @@ impl Patience {
         moved: bool,
         timed_out: impl FnOnce() -> Error,
     ) -> Result<()> {
-        match self.tick(moved, call.timeout) {
+        match self.tick(Instant::now(), moved, call.timeout) {
             Tick::Moved => {
                 links.waiter.progressed();
                 return Ok(());
@@ -794,7 +750,7 @@ fn run_op(
     let tx_err = |e| link_err(e, what, seq, next, rank, Some(&call.fp));
 
     // Wait until both the incoming frame and an outgoing slot are there.
-    let mut patience = Patience::new();
+    let mut patience = Patience::new(Instant::now());
     loop {
         let moved = links.tx.progress().map_err(tx_err)?;
         let have_in = !op.recv || links.rx.peek(&expect).map_err(rx_err)?.is_some();

@@ -48,6 +48,7 @@ use memmap2::MmapMut;
 use super::shm::pid_alive;
 use crate::error::{Error, Result};
 use crate::wire::Fingerprint;
+use crate::deadline::{Patience, Tick, HEALTH_EVERY};
 
 const MAGIC: u64 = u64::from_le_bytes(*b"RZBOARD1");
 const VERSION: u32 = 1;
@@ -364,8 +365,8 @@ impl Board {
     pub fn settle(&self, seq: u64) -> std::result::Result<(), Stall> {
         let (decided, done) = (Self::phase(seq, 2), Self::phase(seq, 3));
         let mut waiter = super::wait::Waiter::device();
-        let mut health = Instant::now();
-        let every = crate::ring::engine::HEALTH_EVERY;
+        // No deadline (see above): only the health checks are due.
+        let mut health = Patience::new(Instant::now());
         loop {
             let writing = (0..self.ranks).filter(|&q| q != self.rank).find(|&q| {
                 let p = self.u64(self.record(q) + R_PHASE).load(Ordering::SeqCst);
@@ -374,13 +375,12 @@ impl Board {
             let Some(q) = writing else {
                 return Ok(());
             };
-            if health.elapsed() >= every {
-                health = Instant::now();
+            if health.tick(Instant::now(), false, Duration::MAX) == Tick::Check {
                 if let Some(lost) = self.gone(q) {
                     return Err(lost);
                 }
             }
-            waiter.idle(every);
+            waiter.idle(HEALTH_EVERY);
         }
     }
 
@@ -414,7 +414,7 @@ impl Board {
     ) -> std::result::Result<(), Stall> {
         let want = Self::phase(seq, step);
         let mut waiter = super::wait::Waiter::device();
-        let (mut last, mut health) = (Instant::now(), Instant::now());
+        let mut patience = Patience::new(Instant::now());
         let mut missing = 0;
         loop {
             let before = missing;
@@ -429,12 +429,12 @@ impl Board {
             if missing == self.ranks {
                 return Ok(());
             }
-            if missing != before {
-                last = Instant::now();
+            let tick = patience.tick(Instant::now(), missing != before, timeout);
+            if tick == Tick::Moved {
                 waiter.progressed();
+                continue;
             }
-            if health.elapsed() >= crate::ring::engine::HEALTH_EVERY {
-                health = Instant::now();
+            if tick == Tick::Check {
                 check().map_err(Stall::Check)?;
                 if let Err(stall) = self.health() {
                     // A rank that got there and then left (closed its end, exited, aborted a
@@ -445,7 +445,7 @@ impl Board {
                     return if all { Ok(()) } else { Err(stall) };
                 }
             }
-            if last.elapsed() >= timeout {
+            if tick == Tick::TimedOut {
                 return Err(Stall::Timeout { rank: missing });
             }
             waiter.idle(timeout);

@@ -342,7 +342,7 @@ impl ShmRecv {
     /// process has exited — waiting up to `wait` for it. A device-slot owner asks this before it
     /// frees memory the sender may still have mapped.
     pub fn sender_detached_within(&self, wait: Duration) -> bool {
-        let start = Instant::now();
+        let deadline = crate::deadline::Deadline::after(Instant::now(), wait);
         loop {
             let pid = self.seg.atomic_u32(OFF_SEND_PID).load(Ordering::Acquire);
             if pid == 0
@@ -355,7 +355,7 @@ impl ShmRecv {
             {
                 return true;
             }
-            if start.elapsed() >= wait {
+            if deadline.passed(Instant::now()) {
                 return false;
             }
             std::thread::sleep(Duration::from_millis(1));
