@@ -5,6 +5,7 @@ pub mod device_engine;
 pub mod doubling;
 pub mod engine;
 pub mod failure;
+pub mod lanes;
 pub mod schedule;
 
 pub use schedule::{chunk, plan, plan_p2p, split, Buf, Collective, Count, Loc, Op, Plan, PlanArgs};
