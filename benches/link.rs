@@ -5,12 +5,12 @@
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use ringzero::bootstrap::Identity;
-use ringzero::transport::shm::{ShmRecv, ShmSend};
-use ringzero::transport::tcp::{self, TcpRecv, TcpSend};
-use ringzero::transport::{RecvLink, SendLink};
-use ringzero::wire::{Expect, Fingerprint, FrameHeader};
 use ringzero::{Collective, DType};
+use ringzero_collectives::internals::bootstrap::Identity;
+use ringzero_collectives::internals::transport::shm::{ShmRecv, ShmSend};
+use ringzero_collectives::internals::transport::tcp::{self, TcpRecv, TcpSend};
+use ringzero_collectives::internals::transport::{RecvLink, SendLink};
+use ringzero_collectives::internals::wire::{Expect, Fingerprint, FrameHeader};
 
 const SLOTS: usize = 4;
 

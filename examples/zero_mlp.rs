@@ -1,6 +1,7 @@
-//! Embedding the ZeRO engine in your own trainer: a two-layer MLP learning a linear teacher with
+//! Embedding the ZeRO engine in your own trainer: a two-layer MLP learns a fixed linear map with
 //! ZeRO stage 3 in bf16, configured from DeepSpeed-style JSON. The trainer owns forward and
-//! backward; the engine owns parameters, gradients, optimizer state and communication.
+//! backward; the engine owns parameters, gradients, optimizer state and communication. It uses
+//! only the `ringzero` crate, as a program of yours would.
 //!
 //! ```text
 //! cargo build --release --example zero_mlp
@@ -8,9 +9,9 @@
 //! ```
 //! (`ringzero demo` is the full-featured version of this loop: any depth, stage and precision.)
 
+use ringzero::half::bf16;
+use ringzero::zero::{Engine, ParamSpec, StepOutcome, ZeroConfig};
 use ringzero::Communicator;
-use ringzero_tools::demo::{linear, linear_back, Mlp};
-use ringzero_zero::{Engine, StepOutcome, ZeroConfig};
 
 const CONFIG: &str = r#"{
   "zero_optimization": {"stage": 3, "reduce_bucket_size": 2000, "stage3_prefetch_bucket_size": 4000},
@@ -19,40 +20,80 @@ const CONFIG: &str = r#"{
   "optimizer": {"type": "AdamW", "params": {"lr": 0.003, "weight_decay": 0.0}}
 }"#;
 
+const IN: usize = 8;
+const HIDDEN: usize = 32;
+const OUT: usize = 2;
+const BATCH: usize = 16;
+
+/// A reproducible number in [−1, 1) from a seed (every rank computes the same).
+fn uniform(seed: u64) -> f32 {
+    let z = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ (seed >> 29);
+    let z = z.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    ((z >> 40) as f32 / (1u64 << 23) as f32) - 1.0
+}
+
+/// `a · wᵀ + b` for rows of `a` (`inp` wide) and `w` (`out × inp`).
+fn linear(a: &[f32], w: &[f32], b: &[f32], inp: usize, out: usize) -> Vec<f32> {
+    a.chunks(inp)
+        .flat_map(|row| (0..out).map(move |o| b[o] + dot(&w[o * inp..(o + 1) * inp], row)))
+        .collect()
+}
+
+/// The gradients of [`linear`]: (dW, db, dA) from dZ.
+fn linear_back(a: &[f32], w: &[f32], dz: &[f32], inp: usize, out: usize) -> [Vec<f32>; 3] {
+    let (mut dw, mut db, mut da) = (vec![0.0; out * inp], vec![0.0; out], vec![0.0; a.len()]);
+    for (r, row) in a.chunks(inp).enumerate() {
+        for o in 0..out {
+            let g = dz[r * out + o];
+            db[o] += g;
+            for i in 0..inp {
+                dw[o * inp + i] += g * row[i];
+                da[r * inp + i] += g * w[o * inp + i];
+            }
+        }
+    }
+    [dw, db, da]
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let comm = Communicator::from_env()?; // under `ringzero launch`, torchrun, Slurm or mpirun
     let cfg = ZeroConfig::from_json(CONFIG)?;
-    let mlp = Mlp {
-        input: 8,
-        hidden: 32,
-        output: 2,
-        layers: 2,
+    let specs = [
+        ParamSpec::new("w0", &[HIDDEN, IN]),
+        ParamSpec::new("b0", &[HIDDEN]),
+        ParamSpec::new("w1", &[OUT, HIDDEN]),
+        ParamSpec::new("b1", &[OUT]),
+    ];
+    // The same initial values on every rank (a pure function of parameter and element).
+    let init = |p: usize, i: usize| match p {
+        0 | 2 => 0.5 * uniform((p as u64) << 32 | i as u64),
+        _ => 0.0,
     };
-    let init = |p: usize, i: usize| mlp.init(p, i);
-    let mut engine = Engine::<half::bf16>::new(&comm, &mlp.specs(), &init, cfg)?;
-    let teacher = mlp.teacher();
-    let batch = 16;
-    for step in 0..200 {
-        let (x, y) = mlp.batch(&teacher, comm.rank(), step, batch);
-        // Forward: gather layer 0, prefetch layer 1 while computing, release.
+    let mut engine = Engine::<bf16>::new(&comm, &specs, &init, cfg)?;
+    let teacher: Vec<f32> = (0..OUT * IN).map(|i| uniform(1 << 50 | i as u64)).collect();
+    for step in 0..200u64 {
+        // Each rank its own batch: inputs in [−1, 1), targets teacher · x.
+        let seed = (comm.rank() as u64) << 40 | step << 16;
+        let x: Vec<f32> = (0..BATCH * IN).map(|i| uniform(seed | i as u64)).collect();
+        let y = linear(&x, &teacher, &[0.0; OUT], IN, OUT);
+        // Forward: gather layer 0 and prefetch layer 1 while computing, then release.
         engine.gather(&["w0", "b0"])?;
         engine.prefetch(&["w1", "b1"])?;
-        let z0 = linear(
-            &x,
-            &engine.param_f32("w0")?,
-            &engine.param_f32("b0")?,
-            8,
-            32,
-        );
+        let w0 = engine.param_f32("w0")?;
+        let z0 = linear(&x, &w0, &engine.param_f32("b0")?, IN, HIDDEN);
         engine.release(&["w0", "b0"])?;
         let h: Vec<f32> = z0.iter().map(|v| v.max(0.0)).collect();
         engine.gather(&["w1", "b1"])?;
         let w1 = engine.param_f32("w1")?;
-        let out = linear(&h, &w1, &engine.param_f32("b1")?, 32, 2);
+        let out = linear(&h, &w1, &engine.param_f32("b1")?, HIDDEN, OUT);
         engine.release(&["w1", "b1"])?;
-        // Loss 0.5·mean((out − y)²); its gradient, times the loss scale (1 in bf16).
-        let n = (batch * 2) as f32;
-        let loss: f32 = out
+        // Loss 0.5·mean((out − y)²), and its gradient times the loss scale (1 in bf16).
+        let n = (BATCH * OUT) as f32;
+        let loss = out
             .iter()
             .zip(&y)
             .map(|(o, t)| 0.5 * (o - t).powi(2))
@@ -61,18 +102,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let s = engine.loss_scale();
         let d_out: Vec<f32> = out.iter().zip(&y).map(|(o, t)| (o - t) * s / n).collect();
         // Backward, pushing each layer's gradients as soon as they exist.
-        let (dw1, db1, dh) = linear_back(&h, &w1, &d_out, 32, 2);
+        let [dw1, db1, dh] = linear_back(&h, &w1, &d_out, HIDDEN, OUT);
         engine.push_grad_f32("w1", &dw1)?;
         engine.push_grad_f32("b1", &db1)?;
-        engine.gather(&["w0", "b0"])?;
-        let w0 = engine.param_f32("w0")?;
-        engine.release(&["w0", "b0"])?;
         let dz0: Vec<f32> = dh
             .iter()
             .zip(&z0)
             .map(|(g, z)| if *z > 0.0 { *g } else { 0.0 })
             .collect();
-        let (dw0, db0, _) = linear_back(&x, &w0, &dz0, 8, 32);
+        let [dw0, db0, _] = linear_back(&x, &w0, &dz0, IN, HIDDEN);
         engine.push_grad_f32("w0", &dw0)?;
         engine.push_grad_f32("b0", &db0)?;
         let outcome = engine.step()?;

@@ -482,7 +482,7 @@ fn lines_name_and_model_the_schedule_auto_picked() {
         algo: Some(ringzero::Algo::Auto {
             doubling_max: 1024,
             halving_max: 8192,
-            pairwise_max: ringzero::config::DEFAULT_PAIRWISE_MAX,
+            pairwise_max: ringzero_collectives::config::DEFAULT_PAIRWISE_MAX,
         }),
         ..Opts::default()
     };

@@ -452,7 +452,8 @@ fn bad_device_calls_are_refused_and_mismatched_calls_name_both() {
         let e = dc.all_gather_v_in_place(&mut ten[..], &[4, 4]).unwrap_err();
         assert!(e.to_string().contains("but buf has 10"), "{e}");
         assert_eq!(ten, [7.0; 10], "a refused all-gather-v wrote its buffer");
-        let none = ringzero::ring::device_engine::DevBufs::One { buf: 0, bytes: 0 };
+        let none =
+            ringzero_collectives::internals::ring::device_engine::DevBufs::One { buf: 0, bytes: 0 };
         // SAFETY: refused before any address is used.
         let e = unsafe { dc.run_raw(Collective::AllGatherV, DType::F32, ReduceOp::Sum, 0, none) }
             .unwrap_err();
@@ -461,7 +462,8 @@ fn bad_device_calls_are_refused_and_mismatched_calls_name_both() {
             "{e}"
         );
         // Raw calls of what device buffers cannot run are refused by name.
-        let none = ringzero::ring::device_engine::DevBufs::One { buf: 0, bytes: 0 };
+        let none =
+            ringzero_collectives::internals::ring::device_engine::DevBufs::One { buf: 0, bytes: 0 };
         // SAFETY: refused before any address is used.
         let e = unsafe {
             dc.run_raw(
@@ -540,7 +542,7 @@ impl ringzero::Stream for HangingCopies {
         a: u64,
         b: u64,
         n: usize,
-    ) -> Result<(), ringzero::device::DeviceError> {
+    ) -> Result<(), ringzero::kernels::DeviceError> {
         // SAFETY: forwarded contract.
         unsafe { self.inner.combine(dtype, op, dst, a, b, n) }
     }
@@ -550,7 +552,7 @@ impl ringzero::Stream for HangingCopies {
         dst: u64,
         n: usize,
         ranks: usize,
-    ) -> Result<(), ringzero::device::DeviceError> {
+    ) -> Result<(), ringzero::kernels::DeviceError> {
         // SAFETY: forwarded contract.
         unsafe { self.inner.divide(dtype, dst, n, ranks) }
     }
@@ -559,7 +561,7 @@ impl ringzero::Stream for HangingCopies {
         dst: u64,
         src: u64,
         bytes: usize,
-    ) -> Result<(), ringzero::device::DeviceError> {
+    ) -> Result<(), ringzero::kernels::DeviceError> {
         if self.hang {
             self.hung.store(true, std::sync::atomic::Ordering::SeqCst);
             return Ok(());
@@ -590,7 +592,7 @@ impl ringzero::Stream for HangingCopies {
         b_also: Option<u64>,
         b_src: u64,
         b_bytes: usize,
-    ) -> Result<(), ringzero::device::DeviceError> {
+    ) -> Result<(), ringzero::kernels::DeviceError> {
         if self.hang {
             self.hung.store(true, std::sync::atomic::Ordering::SeqCst);
             return Ok(());
@@ -602,13 +604,13 @@ impl ringzero::Stream for HangingCopies {
                 .copy_pair(a, a_src, a_bytes, b, b_also, b_src, b_bytes)
         }
     }
-    fn mark(&self) -> Result<(u64, bool), ringzero::device::DeviceError> {
+    fn mark(&self) -> Result<(u64, bool), ringzero::kernels::DeviceError> {
         Ok((
             self.inner.mark()?,
             self.hung.load(std::sync::atomic::Ordering::SeqCst),
         ))
     }
-    fn done(&self, m: &(u64, bool)) -> Result<bool, ringzero::device::DeviceError> {
+    fn done(&self, m: &(u64, bool)) -> Result<bool, ringzero::kernels::DeviceError> {
         let slow_done = self.late.load(std::sync::atomic::Ordering::SeqCst) == 0;
         Ok(!m.1 && slow_done && self.inner.done(&m.0)?)
     }
@@ -616,14 +618,14 @@ impl ringzero::Stream for HangingCopies {
         &self,
         host: *mut u8,
         bytes: usize,
-    ) -> Result<(u64, Box<dyn std::any::Any + Send>), ringzero::device::DeviceError> {
+    ) -> Result<(u64, Box<dyn std::any::Any + Send>), ringzero::kernels::DeviceError> {
         // SAFETY: forwarded contract.
         unsafe { self.inner.map_host(host, bytes) }
     }
     fn scratch(
         &self,
         bytes: usize,
-    ) -> Result<(u64, Box<dyn std::any::Any + Send>), ringzero::device::DeviceError> {
+    ) -> Result<(u64, Box<dyn std::any::Any + Send>), ringzero::kernels::DeviceError> {
         self.inner.scratch(bytes)
     }
     fn identity(&self) -> Option<[u8; 16]> {
@@ -635,17 +637,18 @@ impl ringzero::Stream for HangingCopies {
     fn export(
         &self,
         bytes: usize,
-    ) -> Result<ringzero::device::stream::Exported, ringzero::device::DeviceError> {
+    ) -> Result<ringzero_collectives::device::stream::Exported, ringzero::kernels::DeviceError>
+    {
         self.inner.export(bytes)
     }
     fn open_exported(
         &self,
         handle: &[u8; 64],
         bytes: usize,
-    ) -> Result<(u64, Box<dyn std::any::Any + Send>), ringzero::device::DeviceError> {
+    ) -> Result<(u64, Box<dyn std::any::Any + Send>), ringzero::kernels::DeviceError> {
         self.inner.open_exported(handle, bytes)
     }
-    unsafe fn read(&self, dst: &mut [u8], src: u64) -> Result<(), ringzero::device::DeviceError> {
+    unsafe fn read(&self, dst: &mut [u8], src: u64) -> Result<(), ringzero::kernels::DeviceError> {
         // SAFETY: forwarded contract.
         unsafe { self.inner.read(dst, src) }
     }
@@ -657,7 +660,7 @@ impl ringzero::Stream for HangingCopies {
         ins: &[u64],
         n: usize,
         ranks: Option<usize>,
-    ) -> Result<(), ringzero::device::DeviceError> {
+    ) -> Result<(), ringzero::kernels::DeviceError> {
         if let Some(d) = self.slow() {
             // The direct step's kernel, landing late: the inputs combined in order into every
             // output (as the host stream's gather does), on a thread of its own.
@@ -694,9 +697,9 @@ impl ringzero::Stream for HangingCopies {
     fn share(
         &self,
         addr: u64,
-    ) -> Result<ringzero::device::stream::Share, ringzero::device::DeviceError> {
+    ) -> Result<ringzero_collectives::device::stream::Share, ringzero::kernels::DeviceError> {
         if self.refuse_share {
-            return Err(ringzero::device::DeviceError::Invalid(
+            return Err(ringzero::kernels::DeviceError::Invalid(
                 "this memory cannot be exported".into(),
             ));
         }
@@ -952,7 +955,7 @@ fn raw_all_reduce(
     send: &[f32],
     recv: &mut [f32],
 ) -> Result<(), Error> {
-    let bufs = ringzero::ring::device_engine::DevBufs::Split {
+    let bufs = ringzero_collectives::internals::ring::device_engine::DevBufs::Split {
         input: send.as_ptr() as u64,
         input_bytes: send.len() * 4,
         output: recv.as_mut_ptr() as u64,
@@ -1055,7 +1058,7 @@ fn slice_and_next_slice_paired(pair: bool) {
         let count = 20_000; // f32: 10 slices of 1 KiB per chunk
         let send: Vec<f32> = (0..count).map(|i| (i % 97 + rank) as f32).collect();
         let mut run = |coll: Collective, out: &mut [f32]| {
-            let bufs = ringzero::ring::device_engine::DevBufs::Split {
+            let bufs = ringzero_collectives::internals::ring::device_engine::DevBufs::Split {
                 input: send.as_ptr() as u64,
                 input_bytes: send.len() * 4,
                 output: out.as_mut_ptr() as u64,

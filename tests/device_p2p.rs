@@ -917,7 +917,10 @@ fn a_failed_device_pair_ends_every_linked_peers_wait_at_once() {
         };
         let took = start.elapsed();
         let t = e.to_string();
-        assert!(t.contains("count=8") && t.contains("count=9"), "rank {r}: {t}");
+        assert!(
+            t.contains("count=8") && t.contains("count=9"),
+            "rank {r}: {t}"
+        );
         assert!(
             took < std::time::Duration::from_secs(5),
             "rank {r} waited {took:?} (the deadline is 10 s): {t}"

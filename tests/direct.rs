@@ -61,7 +61,8 @@ fn every_collective_dtype_and_op_with_direct_steps_matches_the_reference() {
                                     },
                                 );
                                 let after = dc.counters();
-                                let direct_form = ringzero::device::direct::has_direct_form(coll);
+                                let direct_form =
+                                    ringzero_collectives::device::direct::has_direct_form(coll);
                                 if direct_form && count > 0 {
                                     assert_eq!(
                                         after.bytes_sent, before.bytes_sent,
@@ -314,7 +315,7 @@ fn a_rank_that_cannot_share_its_buffers_sends_every_rank_round_the_ring() {
         let send = vec![rank as i64 + 1; 5000];
         let mut out = vec![0i64; 5000];
         for _ in 0..2 {
-            let bufs = ringzero::ring::device_engine::DevBufs::Split {
+            let bufs = ringzero_collectives::internals::ring::device_engine::DevBufs::Split {
                 input: send.as_ptr() as u64,
                 input_bytes: send.len() * 8,
                 output: out.as_mut_ptr() as u64,
@@ -355,7 +356,7 @@ fn no_rank_returns_while_another_may_still_write_its_buffers() {
         // Leaked: had a call returned early, the late kernel would still write into them.
         let send: &'static [i64] = Box::leak(vec![rank as i64 + 1; 4096].into_boxed_slice());
         let out: &'static mut [i64] = Box::leak(vec![0i64; 4096].into_boxed_slice());
-        let bufs = ringzero::ring::device_engine::DevBufs::Split {
+        let bufs = ringzero_collectives::internals::ring::device_engine::DevBufs::Split {
             input: send.as_ptr() as u64,
             input_bytes: send.len() * 8,
             output: out.as_mut_ptr() as u64,

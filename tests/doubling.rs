@@ -122,7 +122,7 @@ fn it_moves_the_whole_buffer_once_per_round_and_auto_switches_at_the_threshold()
         algo: Some(Algo::Auto {
             doubling_max: max,
             halving_max: 0,
-            pairwise_max: ringzero::config::DEFAULT_PAIRWISE_MAX,
+            pairwise_max: ringzero_collectives::config::DEFAULT_PAIRWISE_MAX,
         }),
         ..Opts::default()
     };
@@ -167,7 +167,7 @@ fn halving_doubling_moves_the_rings_bytes_and_auto_takes_it_between_the_threshol
         algo: Some(Algo::Auto {
             doubling_max: dmax,
             halving_max: hmax,
-            pairwise_max: ringzero::config::DEFAULT_PAIRWISE_MAX,
+            pairwise_max: ringzero_collectives::config::DEFAULT_PAIRWISE_MAX,
         }),
         ..Opts::default()
     };

@@ -5,9 +5,9 @@ use std::io::Write;
 use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
-use ringzero::bootstrap::{Identity, Role};
-use ringzero::transport::tcp;
 use ringzero::{Communicator, Error, ReduceOp, TransportPref};
+use ringzero_collectives::internals::bootstrap::{Identity, Role};
+use ringzero_collectives::internals::transport::tcp;
 
 use crate::common::{config, free_port, threads, Opts};
 

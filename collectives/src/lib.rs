@@ -5,11 +5,11 @@
 //!
 //! Map of the crate:
 //! - [`config`]: who this rank is (launcher environment) and the knobs;
-//! - [`bootstrap`]: rank 0's key-value store and the authenticated handshake;
-//! - [`topology`]: which transport each ring edge uses, and why;
-//! - [`transport`]: one link to one peer, one contract, one file per backend (`shm`, `tcp`);
-//! - [`ring`]: the schedule as pure data, and the engine that drives a transport through it;
-//! - [`wire`]: frame headers, fingerprints, bounds checks;
+//! - `bootstrap`: rank 0's key-value store and the authenticated handshake;
+//! - `topology`: which transport each ring edge uses, and why;
+//! - `transport`: one link to one peer, one contract, one file per backend (`shm`, `tcp`);
+//! - `ring`: the schedule as pure data, and the engine that drives a transport through it;
+//! - `wire`: frame headers, fingerprints, bounds checks;
 //! - [`flight`]: the flight recorder: each communicator's last calls, dumped when it fails;
 //! - [`Communicator`]: the public API (with `split` into sub-communicators); [`DeviceComm`]: the
 //!   same ring on device buffers
@@ -36,8 +36,8 @@
 //! ```
 #![deny(missing_docs)]
 
-pub mod atomic_file;
-pub mod bootstrap;
+mod atomic_file;
+mod bootstrap;
 mod comm;
 pub mod config;
 mod connect;
@@ -45,18 +45,46 @@ mod deadline;
 pub mod device;
 pub mod error;
 pub mod flight;
-pub mod ring;
+mod ring;
 mod split;
-pub mod topology;
-pub mod transport;
-pub mod wire;
+mod topology;
+mod transport;
+mod wire;
 mod work;
+
+/// The parts under the communicators, for ringzero's own tools, tests and benches: the ring's
+/// schedule and engine, the transports, the wire format, bootstrap and topology. Not part of the
+/// API: they change with the implementation.
+#[doc(hidden)]
+pub mod internals {
+    /// Atomic file writes.
+    pub mod atomic_file {
+        pub use crate::atomic_file::*;
+    }
+    /// Rendezvous store and handshake.
+    pub mod bootstrap {
+        pub use crate::bootstrap::*;
+    }
+    /// Schedules and engines.
+    pub mod ring {
+        pub use crate::ring::*;
+    }
+    /// Which transport each edge uses.
+    pub mod topology {
+        pub use crate::topology::*;
+    }
+    /// One link to one peer.
+    pub mod transport {
+        pub use crate::transport::*;
+    }
+    /// Frame headers and fingerprints.
+    pub mod wire {
+        pub use crate::wire::*;
+    }
+}
 
 pub use comm::{AbortHandle, Communicator, P2p, P2pOwned};
 pub use config::{Algo, Config, DeviceAlgo, StagingMode, TransportPref, COPY_STAGING_MAX_SHARERS};
-/// The name [`Algo`] had while it picked only the all-reduce's algorithm.
-#[deprecated(note = "renamed `Algo`: it picks the broadcast's, reduce's and barrier's too")]
-pub type AllReduceAlgo = Algo;
 pub use device::{AdamAt, DeviceComm, DeviceMemory, DeviceP2p, HostStream, Stream, TrainStream};
 pub use error::{Error, Result};
 pub use flight::{CallState, FlightEntry, FlightRecord, PeerTraffic, PendingMsg};

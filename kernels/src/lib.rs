@@ -20,7 +20,7 @@ pub mod cpu;
 pub mod device;
 mod dtype;
 
-pub use device::{Device, DeviceError};
+pub use device::{DevPtr, DeviceError};
 pub use dtype::{DType, Element, ReduceOp};
 
 /// Errors raised by kernels: always about the inputs, never about peers.

@@ -19,8 +19,8 @@ use super::pairs::{pairs_of, Watch};
 use super::{refused, Inner, State};
 use crate::error::Result;
 use crate::ring::doubling::{self, Round, Schedule, Take};
-use crate::ring::failure;
 use crate::ring::engine::{self, Bufs, Call, Lane};
+use crate::ring::failure;
 use crate::ring::{plan_p2p, Collective, Loc, Op, Plan};
 use crate::wire::{Expect, Fingerprint};
 

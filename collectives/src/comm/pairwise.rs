@@ -24,8 +24,8 @@ use super::pairs::{pairs_of, Watch};
 use super::{offsets, own_part, refused, Communicator, Inner, State};
 use crate::bootstrap::Role;
 use crate::error::Result;
-use crate::ring::failure;
 use crate::ring::engine::{self, Bufs, Lane, Links};
+use crate::ring::failure;
 use crate::ring::{plan, plan_p2p, Collective, Count, Plan, PlanArgs};
 use crate::wire::Fingerprint;
 

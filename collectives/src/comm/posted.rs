@@ -17,8 +17,8 @@
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
-use std::time::Instant;
 use std::thread::JoinHandle;
+use std::time::Instant;
 
 use ringzero_kernels::{DType, Element, ReduceOp};
 
@@ -27,8 +27,8 @@ use super::Inner;
 use crate::bootstrap::Role;
 use crate::connect;
 use crate::error::{Error, Result};
-use crate::ring::failure;
 use crate::ring::engine::{self, Bufs, Links, Patience, Tick};
+use crate::ring::failure;
 use crate::ring::{plan_p2p, Collective, Plan};
 use crate::topology::Edge;
 use crate::transport::wait::Waiter;

@@ -27,15 +27,15 @@ use ringzero_kernels::{DType, ReduceOp};
 use super::stream::Stream;
 use crate::comm::{AbortHandle, Communicator, HostPeers, HostPoster};
 use crate::config::{Config, StagingMode};
+use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::flight::{FlightRecord, Recorder};
 use crate::ring::device_engine::{self, DevBufs, DevLinks};
-use crate::deadline::Deadline;
 use crate::ring::engine::{AbortFlag, Call, Counters};
 use crate::ring::{chunk, plan, Collective, Count, PlanArgs};
 use crate::topology::{self, DevicePeer, Edge};
 use crate::transport::device::{
-    Addr, DevRecvLink, DevSendLink, FifoRecv, FifoSend, TcpDevRecv, TcpDevSend,
+    DevPtr, DevRecvLink, DevSendLink, FifoRecv, FifoSend, TcpDevRecv, TcpDevSend,
 };
 use crate::transport::shm::{ShmRecv, ShmSend};
 use crate::transport::wait::Waiter;
@@ -208,7 +208,7 @@ pub(super) struct Core<S: Stream> {
 pub(super) type DevState = crate::ring::failure::RingState<DevLinks>;
 
 /// Device memory a communicator keeps: its address, its bytes, its owner (which frees it).
-type Kept = (Addr, usize, Box<dyn Any + Send>);
+type Kept = (DevPtr, usize, Box<dyn Any + Send>);
 
 impl<S: Stream> DeviceComm<S> {
     /// Connect the ring for `stream`'s buffers. Every rank of `comm` must call this together.
@@ -869,7 +869,10 @@ impl<S: Stream> Core<S> {
             Rx::Ready(r) => return Ok(r),
             Rx::Accepting(h) => h,
         };
-        let (until, mut waiter) = (Deadline::after(Instant::now(), self.cfg.timeout), Waiter::backoff());
+        let (until, mut waiter) = (
+            Deadline::after(Instant::now(), self.cfg.timeout),
+            Waiter::backoff(),
+        );
         while !h.is_finished() {
             if until.passed(Instant::now()) {
                 return Err(Error::Timeout {
@@ -915,7 +918,7 @@ impl<S: Stream> Core<S> {
 
     /// Device scratch of `bytes` for a host-staging link where this rank stages by explicit
     /// copies ([`DeviceComm::staging`]).
-    fn staging_scratch(&self, bytes: usize) -> Result<Option<(Addr, Box<dyn Any + Send>)>> {
+    fn staging_scratch(&self, bytes: usize) -> Result<Option<(DevPtr, Box<dyn Any + Send>)>> {
         if self.staging.0 != StagingMode::Copy {
             return Ok(None);
         }
@@ -1298,7 +1301,7 @@ impl<S: Stream> Core<S> {
     ///
     /// # Safety
     /// `buf` holds `bytes` of memory of this communicator's device.
-    pub(super) unsafe fn copy_to_send(&self, buf: Addr, bytes: usize) -> Result<Addr> {
+    pub(super) unsafe fn copy_to_send(&self, buf: DevPtr, bytes: usize) -> Result<DevPtr> {
         let mut kept = self.send_copy.lock().unwrap_or_else(|p| p.into_inner());
         if kept.as_ref().is_none_or(|k| k.1 < bytes) {
             // The old copy goes first: no queued work uses it (see above).

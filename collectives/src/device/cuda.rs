@@ -12,7 +12,7 @@ use ringzero_kernels::device::DeviceError;
 use ringzero_kernels::{DType, ReduceOp};
 
 use super::stream::{CopyLane, Exported, Share, Stream};
-use crate::transport::device::Addr;
+use crate::transport::device::DevPtr;
 
 impl Stream for Arc<Gpu> {
     type Marker = Marker;
@@ -36,9 +36,9 @@ impl Stream for Arc<Gpu> {
         &self,
         dtype: DType,
         op: ReduceOp,
-        dst: Addr,
-        a: Addr,
-        b: Addr,
+        dst: DevPtr,
+        a: DevPtr,
+        b: DevPtr,
         n: usize,
     ) -> Result<(), DeviceError> {
         // SAFETY: forwarded from the caller's contract, which is the kernel's.
@@ -49,10 +49,10 @@ impl Stream for Arc<Gpu> {
         &self,
         dtype: DType,
         op: ReduceOp,
-        dst: Addr,
-        also: Addr,
-        a: Addr,
-        b: Addr,
+        dst: DevPtr,
+        also: DevPtr,
+        a: DevPtr,
+        b: DevPtr,
         n: usize,
     ) -> Result<(), DeviceError> {
         // SAFETY: forwarded from the caller's contract, which is the kernel's.
@@ -61,9 +61,9 @@ impl Stream for Arc<Gpu> {
 
     unsafe fn copy2(
         &self,
-        dst: Addr,
-        also: Addr,
-        src: Addr,
+        dst: DevPtr,
+        also: DevPtr,
+        src: DevPtr,
         bytes: usize,
     ) -> Result<(), DeviceError> {
         // SAFETY: forwarded from the caller's contract, which is the kernel's.
@@ -72,12 +72,12 @@ impl Stream for Arc<Gpu> {
 
     unsafe fn copy_pair(
         &self,
-        a: Addr,
-        a_src: Addr,
+        a: DevPtr,
+        a_src: DevPtr,
         a_bytes: usize,
-        b: Addr,
-        b_also: Option<Addr>,
-        b_src: Addr,
+        b: DevPtr,
+        b_also: Option<DevPtr>,
+        b_src: DevPtr,
         b_bytes: usize,
     ) -> Result<(), DeviceError> {
         // SAFETY: forwarded from the caller's contract, which is the kernel's.
@@ -87,7 +87,7 @@ impl Stream for Arc<Gpu> {
     unsafe fn divide(
         &self,
         dtype: DType,
-        dst: Addr,
+        dst: DevPtr,
         n: usize,
         ranks: usize,
     ) -> Result<(), DeviceError> {
@@ -99,8 +99,8 @@ impl Stream for Arc<Gpu> {
         &self,
         dtype: DType,
         op: ReduceOp,
-        outs: &[Addr],
-        ins: &[Addr],
+        outs: &[DevPtr],
+        ins: &[DevPtr],
         n: usize,
         ranks: Option<usize>,
     ) -> Result<(), DeviceError> {
@@ -108,7 +108,7 @@ impl Stream for Arc<Gpu> {
         unsafe { self.gather_at(dtype, op, outs, ins, n, ranks) }
     }
 
-    fn share(&self, addr: Addr) -> Result<Share, DeviceError> {
+    fn share(&self, addr: DevPtr) -> Result<Share, DeviceError> {
         let m = self.share_of(addr)?;
         Ok(Share {
             handle: m.handle,
@@ -118,7 +118,7 @@ impl Stream for Arc<Gpu> {
         })
     }
 
-    unsafe fn copy(&self, dst: Addr, src: Addr, bytes: usize) -> Result<(), DeviceError> {
+    unsafe fn copy(&self, dst: DevPtr, src: DevPtr, bytes: usize) -> Result<(), DeviceError> {
         // SAFETY: forwarded from the caller's contract.
         unsafe { self.copy_at(dst, src, bytes) }
     }
@@ -126,8 +126,8 @@ impl Stream for Arc<Gpu> {
     unsafe fn copy_on(
         &self,
         lane: CopyLane,
-        dst: Addr,
-        src: Addr,
+        dst: DevPtr,
+        src: DevPtr,
         bytes: usize,
     ) -> Result<(), DeviceError> {
         // SAFETY: forwarded from the caller's contract, which is the copy's.
@@ -154,7 +154,7 @@ impl Stream for Arc<Gpu> {
         &self,
         host: *mut u8,
         bytes: usize,
-    ) -> Result<(Addr, Box<dyn Any + Send>), DeviceError> {
+    ) -> Result<(DevPtr, Box<dyn Any + Send>), DeviceError> {
         // SAFETY: the caller keeps the range mapped until the owner (returned) is dropped.
         let reg = unsafe { HostRegistration::new(self, host, bytes)? };
         let dev = reg.device_ptr(host)?;
@@ -183,7 +183,7 @@ impl Stream for Arc<Gpu> {
         Ok((mem.ptr(), h, Box::new(mem)))
     }
 
-    fn scratch(&self, bytes: usize) -> Result<(Addr, Box<dyn Any + Send>), DeviceError> {
+    fn scratch(&self, bytes: usize) -> Result<(DevPtr, Box<dyn Any + Send>), DeviceError> {
         let mem = ExportedSlots::new(self, bytes, 0)?;
         Ok((mem.ptr(), Box::new(mem)))
     }
@@ -192,12 +192,12 @@ impl Stream for Arc<Gpu> {
         &self,
         handle: &[u8; 64],
         bytes: usize,
-    ) -> Result<(Addr, Box<dyn Any + Send>), DeviceError> {
+    ) -> Result<(DevPtr, Box<dyn Any + Send>), DeviceError> {
         let m = IpcMapping::open(self, handle, bytes)?;
         Ok((m.ptr(), Box::new(m)))
     }
 
-    unsafe fn read(&self, dst: &mut [u8], src: Addr) -> Result<(), DeviceError> {
+    unsafe fn read(&self, dst: &mut [u8], src: DevPtr) -> Result<(), DeviceError> {
         // SAFETY: forwarded from the caller's contract.
         unsafe { self.read_at(dst, src) }
     }

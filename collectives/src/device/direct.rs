@@ -36,13 +36,13 @@ use bytemuck::Zeroable;
 use ringzero_kernels::ReduceOp;
 
 use super::stream::{Share, Stream, GATHER_MAX};
-use crate::error::{Error, Result};
 use crate::deadline::Deadline;
+use crate::error::{Error, Result};
 use crate::ring::device_engine::DevBufs;
 use crate::ring::engine::Call;
 use crate::ring::{chunk, Collective};
 use crate::transport::board::{note, note_text, Board, Entry, Stall, Verdict};
-use crate::transport::device::{Addr, Keep};
+use crate::transport::device::{DevPtr, Keep};
 use crate::transport::wait::Waiter;
 
 /// Mappings of one rank's buffers kept open (the oldest is closed when a new one would exceed
@@ -192,7 +192,7 @@ fn part(coll: Collective, n: usize, rank: usize, count: usize, in_place: bool) -
 struct Mapping {
     id: u64,
     handle: [u8; 64],
-    base: Addr,
+    base: DevPtr,
     _keep: Keep,
 }
 
@@ -381,14 +381,14 @@ impl Direct {
         entries: &[Entry],
         part: &Part,
         es: usize,
-        src: Addr,
-        dst: Addr,
-    ) -> std::result::Result<(Vec<Addr>, Vec<Addr>), String> {
+        src: DevPtr,
+        dst: DevPtr,
+    ) -> std::result::Result<(Vec<DevPtr>, Vec<DevPtr>), String> {
         let need = part.elems * es;
         if part.ins.len() > GATHER_MAX || part.outs.len() > GATHER_MAX {
             return Err(format!("more than {GATHER_MAX} ranks"));
         }
-        let mut addr = |p: &Place| -> std::result::Result<Addr, String> {
+        let mut addr = |p: &Place| -> std::result::Result<DevPtr, String> {
             let off = (p.at * es) as u64;
             if p.rank == self.rank {
                 return Ok(if p.dst { dst } else { src } + off);
@@ -431,7 +431,7 @@ impl Direct {
         stream: &S,
         rank: usize,
         share: &Share,
-    ) -> std::result::Result<Addr, String> {
+    ) -> std::result::Result<DevPtr, String> {
         let maps = &mut self.maps[rank];
         if let Some(m) = maps
             .iter()
@@ -495,7 +495,10 @@ impl Direct {
             source: e,
         };
         let m = stream.mark().map_err(dev)?;
-        let (until, mut waiter) = (Deadline::after(Instant::now(), call.timeout), Waiter::device());
+        let (until, mut waiter) = (
+            Deadline::after(Instant::now(), call.timeout),
+            Waiter::device(),
+        );
         let stop = |e: Error| {
             // The work still reads and writes the caller's buffers (and, by the direct step,
             // other ranks'): it ends before the error is returned where that memory would not

@@ -34,7 +34,7 @@ use crate::comm::{offsets, own_part};
 use crate::error::{Error, Result};
 use crate::ring::device_engine::DevBufs;
 use crate::ring::{Collective, Count};
-use crate::transport::device::Addr;
+use crate::transport::device::DevPtr;
 use crate::work::Work;
 
 /// A buffer a [`Stream`] can address.
@@ -50,9 +50,9 @@ pub unsafe trait DeviceMemory<S: Stream> {
     /// Elements.
     fn elems(&self) -> usize;
     /// Address for reading.
-    fn addr(&self, s: &S) -> Addr;
+    fn addr(&self, s: &S) -> DevPtr;
     /// Address for writing.
-    fn addr_mut(&mut self, s: &S) -> Addr;
+    fn addr_mut(&mut self, s: &S) -> DevPtr;
 }
 
 // SAFETY: a slice's pointer and length describe exactly its elements, which the host stream
@@ -64,11 +64,11 @@ unsafe impl<T: Element> DeviceMemory<HostStream> for [T] {
     fn elems(&self) -> usize {
         self.len()
     }
-    fn addr(&self, _: &HostStream) -> Addr {
-        self.as_ptr() as usize as Addr
+    fn addr(&self, _: &HostStream) -> DevPtr {
+        self.as_ptr() as usize as DevPtr
     }
-    fn addr_mut(&mut self, _: &HostStream) -> Addr {
-        self.as_mut_ptr() as usize as Addr
+    fn addr_mut(&mut self, _: &HostStream) -> DevPtr {
+        self.as_mut_ptr() as usize as DevPtr
     }
 }
 
@@ -85,10 +85,10 @@ unsafe impl DeviceMemory<std::sync::Arc<ringzero_kernels::device::cuda::Gpu>>
     fn elems(&self) -> usize {
         self.len()
     }
-    fn addr(&self, s: &std::sync::Arc<ringzero_kernels::device::cuda::Gpu>) -> Addr {
+    fn addr(&self, s: &std::sync::Arc<ringzero_kernels::device::cuda::Gpu>) -> DevPtr {
         s.ptr_of(self)
     }
-    fn addr_mut(&mut self, s: &std::sync::Arc<ringzero_kernels::device::cuda::Gpu>) -> Addr {
+    fn addr_mut(&mut self, s: &std::sync::Arc<ringzero_kernels::device::cuda::Gpu>) -> DevPtr {
         s.ptr_of(self)
     }
 }
@@ -175,10 +175,10 @@ unsafe impl<T: Element> DeviceMemory<HostStream> for Vec<T> {
     fn elems(&self) -> usize {
         self.len()
     }
-    fn addr(&self, s: &HostStream) -> Addr {
+    fn addr(&self, s: &HostStream) -> DevPtr {
         self.as_slice().addr(s)
     }
-    fn addr_mut(&mut self, s: &HostStream) -> Addr {
+    fn addr_mut(&mut self, s: &HostStream) -> DevPtr {
         self.as_mut_slice().addr_mut(s)
     }
 }

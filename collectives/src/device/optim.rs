@@ -12,23 +12,23 @@ use ringzero_kernels::DType;
 
 use super::stream::{HostStream, Stream};
 use super::DeviceError;
-use crate::transport::device::Addr;
+use crate::transport::device::DevPtr;
 
 /// The ranges of one AdamW step, `n` elements each: fp32 `master`, `m` and `v`; gradients (and
 /// parameters, if any) in the step's dtype.
 #[derive(Clone, Copy, Debug)]
 pub struct AdamAt {
     /// fp32 master weights (updated).
-    pub master: Addr,
+    pub master: DevPtr,
     /// Parameters in the gradients' dtype, written from the master; `None` where the master is
     /// the parameters (f32).
-    pub params: Option<Addr>,
+    pub params: Option<DevPtr>,
     /// Gradients.
-    pub grads: Addr,
+    pub grads: DevPtr,
     /// First moment (f32, updated).
-    pub m: Addr,
+    pub m: DevPtr,
     /// Second moment (f32, updated).
-    pub v: Addr,
+    pub v: DevPtr,
 }
 
 /// The optimizer's work on a stream's memory (see the module docs). Queued work runs in stream
@@ -36,7 +36,7 @@ pub struct AdamAt {
 pub trait TrainStream: Stream {
     /// `bytes` of zeroed memory of this device that its work can address, and its owner, which
     /// frees it on Drop (after this stream's work has ended: drop it only then).
-    fn alloc(&self, bytes: usize) -> Result<(Addr, Box<dyn Any + Send>), DeviceError> {
+    fn alloc(&self, bytes: usize) -> Result<(DevPtr, Box<dyn Any + Send>), DeviceError> {
         self.scratch(bytes)
     }
 
@@ -45,13 +45,13 @@ pub trait TrainStream: Stream {
     ///
     /// # Safety
     /// `dst..dst + src.len()` must be live memory of this device, not used by queued work.
-    unsafe fn write(&self, dst: Addr, src: &[u8]) -> Result<(), DeviceError>;
+    unsafe fn write(&self, dst: DevPtr, src: &[u8]) -> Result<(), DeviceError>;
 
     /// Queue zeroing `bytes` at `dst`.
     ///
     /// # Safety
     /// The range must be live memory of this device until the work completes.
-    unsafe fn zero(&self, dst: Addr, bytes: usize) -> Result<(), DeviceError>;
+    unsafe fn zero(&self, dst: DevPtr, bytes: usize) -> Result<(), DeviceError>;
 
     /// Queue `dst[..n] = src[..n]` converted from `from` to `to` (f32, f16, bf16; to nearest
     /// even).
@@ -62,9 +62,9 @@ pub trait TrainStream: Stream {
     unsafe fn cast(
         &self,
         from: DType,
-        src: Addr,
+        src: DevPtr,
         to: DType,
-        dst: Addr,
+        dst: DevPtr,
         n: usize,
     ) -> Result<(), DeviceError>;
 
@@ -72,13 +72,14 @@ pub trait TrainStream: Stream {
     ///
     /// # Safety
     /// `x` must be live memory of this device of `n` elements of `dtype`.
-    unsafe fn sq_norm(&self, dtype: DType, x: Addr, n: usize, s: f32) -> Result<f64, DeviceError>;
+    unsafe fn sq_norm(&self, dtype: DType, x: DevPtr, n: usize, s: f32)
+        -> Result<f64, DeviceError>;
 
     /// Whether the `n` elements of `dtype` at `x` are all finite, after the work queued before.
     ///
     /// # Safety
     /// As for [`TrainStream::sq_norm`].
-    unsafe fn all_finite(&self, dtype: DType, x: Addr, n: usize) -> Result<bool, DeviceError>;
+    unsafe fn all_finite(&self, dtype: DType, x: DevPtr, n: usize) -> Result<bool, DeviceError>;
 
     /// Queue one AdamW step (`h` at step `t`) on `n` elements, gradients multiplied by
     /// `grad_scale` first (`ringzero_kernels::cpu::adamw_mixed`'s arithmetic).
@@ -107,7 +108,7 @@ fn not_float(what: &str, d: DType) -> DeviceError {
 ///
 /// # Safety
 /// The range must be live host memory of `n` elements of `T`, aligned, not written meanwhile.
-unsafe fn at<'a, T>(a: Addr, n: usize) -> &'a [T] {
+unsafe fn at<'a, T>(a: DevPtr, n: usize) -> &'a [T] {
     if n == 0 {
         return &[];
     }
@@ -119,7 +120,7 @@ unsafe fn at<'a, T>(a: Addr, n: usize) -> &'a [T] {
 ///
 /// # Safety
 /// The range must be live host memory of `n` elements of `T`, aligned, not otherwise borrowed.
-unsafe fn at_mut<'a, T>(a: Addr, n: usize) -> &'a mut [T] {
+unsafe fn at_mut<'a, T>(a: DevPtr, n: usize) -> &'a mut [T] {
     if n == 0 {
         return &mut [];
     }
@@ -127,7 +128,7 @@ unsafe fn at_mut<'a, T>(a: Addr, n: usize) -> &'a mut [T] {
     unsafe { std::slice::from_raw_parts_mut(a as usize as *mut T, n) }
 }
 
-fn aligned(a: Addr, d: DType, what: &str) -> Result<(), DeviceError> {
+fn aligned(a: DevPtr, d: DType, what: &str) -> Result<(), DeviceError> {
     if a.is_multiple_of(d.size() as u64) {
         Ok(())
     } else {
@@ -162,7 +163,7 @@ macro_rules! by_float {
 ///
 /// # Safety
 /// As for [`TrainStream::cast`].
-unsafe fn cast_typed<A: Float, B: Float>(src: Addr, dst: Addr, n: usize) {
+unsafe fn cast_typed<A: Float, B: Float>(src: DevPtr, dst: DevPtr, n: usize) {
     // SAFETY: forwarded.
     unsafe { cpu::cast(at::<A>(src, n), at_mut::<B>(dst, n)) }
 }
@@ -180,7 +181,7 @@ impl HostStream {
 }
 
 impl TrainStream for HostStream {
-    unsafe fn zero(&self, dst: Addr, bytes: usize) -> Result<(), DeviceError> {
+    unsafe fn zero(&self, dst: DevPtr, bytes: usize) -> Result<(), DeviceError> {
         self.push_job(move || {
             // SAFETY: the caller keeps the range live until this job has run.
             unsafe { at_mut::<u8>(dst, bytes) }.fill(0);
@@ -188,7 +189,7 @@ impl TrainStream for HostStream {
         })
     }
 
-    unsafe fn write(&self, dst: Addr, src: &[u8]) -> Result<(), DeviceError> {
+    unsafe fn write(&self, dst: DevPtr, src: &[u8]) -> Result<(), DeviceError> {
         self.finish()?;
         // SAFETY: the caller guarantees the destination, which no queued work uses.
         unsafe { at_mut::<u8>(dst, src.len()) }.copy_from_slice(src);
@@ -198,14 +199,14 @@ impl TrainStream for HostStream {
     unsafe fn cast(
         &self,
         from: DType,
-        src: Addr,
+        src: DevPtr,
         to: DType,
-        dst: Addr,
+        dst: DevPtr,
         n: usize,
     ) -> Result<(), DeviceError> {
         aligned(src, from, "cast")?;
         aligned(dst, to, "cast")?;
-        let f: unsafe fn(Addr, Addr, usize) = by_float!(from, "cast", A => by_float!(to, "cast", B => Ok(cast_typed::<A, B> as unsafe fn(Addr, Addr, usize))))?;
+        let f: unsafe fn(DevPtr, DevPtr, usize) = by_float!(from, "cast", A => by_float!(to, "cast", B => Ok(cast_typed::<A, B> as unsafe fn(DevPtr, DevPtr, usize))))?;
         self.push_job(move || {
             // SAFETY: the caller keeps both ranges live until this job has run.
             unsafe { f(src, dst, n) };
@@ -213,14 +214,20 @@ impl TrainStream for HostStream {
         })
     }
 
-    unsafe fn sq_norm(&self, dtype: DType, x: Addr, n: usize, s: f32) -> Result<f64, DeviceError> {
+    unsafe fn sq_norm(
+        &self,
+        dtype: DType,
+        x: DevPtr,
+        n: usize,
+        s: f32,
+    ) -> Result<f64, DeviceError> {
         aligned(x, dtype, "sq_norm")?;
         self.finish()?;
         // SAFETY: the caller guarantees the range; the queue is empty.
         by_float!(dtype, "sq_norm", T => Ok(cpu::sq_norm(unsafe { at::<T>(x, n) }, s)))
     }
 
-    unsafe fn all_finite(&self, dtype: DType, x: Addr, n: usize) -> Result<bool, DeviceError> {
+    unsafe fn all_finite(&self, dtype: DType, x: DevPtr, n: usize) -> Result<bool, DeviceError> {
         aligned(x, dtype, "all_finite")?;
         self.finish()?;
         // SAFETY: as for `sq_norm`.
@@ -274,15 +281,15 @@ mod gpu {
     use super::{AdamAt, TrainStream};
     use crate::device::stream::Stream;
     use crate::device::DeviceError;
-    use crate::transport::device::Addr;
+    use crate::transport::device::DevPtr;
 
     impl TrainStream for Arc<Gpu> {
-        unsafe fn zero(&self, dst: Addr, bytes: usize) -> Result<(), DeviceError> {
+        unsafe fn zero(&self, dst: DevPtr, bytes: usize) -> Result<(), DeviceError> {
             // SAFETY: forwarded from the caller's contract.
             unsafe { self.zero_at(dst, bytes) }
         }
 
-        unsafe fn write(&self, dst: Addr, src: &[u8]) -> Result<(), DeviceError> {
+        unsafe fn write(&self, dst: DevPtr, src: &[u8]) -> Result<(), DeviceError> {
             // The upload goes after the work queued before it.
             let m = self.mark()?;
             while !self.done(&m)? {
@@ -295,9 +302,9 @@ mod gpu {
         unsafe fn cast(
             &self,
             from: DType,
-            src: Addr,
+            src: DevPtr,
             to: DType,
-            dst: Addr,
+            dst: DevPtr,
             n: usize,
         ) -> Result<(), DeviceError> {
             // SAFETY: forwarded from the caller's contract, which is the kernel's.
@@ -307,7 +314,7 @@ mod gpu {
         unsafe fn sq_norm(
             &self,
             dtype: DType,
-            x: Addr,
+            x: DevPtr,
             n: usize,
             s: f32,
         ) -> Result<f64, DeviceError> {
@@ -315,7 +322,12 @@ mod gpu {
             unsafe { self.sq_norm_at(dtype, x, n, s) }
         }
 
-        unsafe fn all_finite(&self, dtype: DType, x: Addr, n: usize) -> Result<bool, DeviceError> {
+        unsafe fn all_finite(
+            &self,
+            dtype: DType,
+            x: DevPtr,
+            n: usize,
+        ) -> Result<bool, DeviceError> {
             // SAFETY: forwarded from the caller's contract.
             unsafe { self.all_finite_at(dtype, x, n) }
         }
@@ -346,13 +358,13 @@ mod gpu {
 mod tests {
     use super::*;
 
-    fn addr<T>(x: &[T]) -> Addr {
-        x.as_ptr() as usize as Addr
+    fn addr<T>(x: &[T]) -> DevPtr {
+        x.as_ptr() as usize as DevPtr
     }
 
     /// The address of memory the stream writes (a pointer that may write).
-    fn addr_mut<T>(x: &mut [T]) -> Addr {
-        x.as_mut_ptr() as usize as Addr
+    fn addr_mut<T>(x: &mut [T]) -> DevPtr {
+        x.as_mut_ptr() as usize as DevPtr
     }
 
     #[test]

@@ -35,7 +35,7 @@ use crate::ring::device_engine::{self, DevBufs, DevLinks};
 use crate::ring::engine::Call;
 use crate::ring::{plan_p2p, Collective};
 use crate::topology::{self, Edge};
-use crate::transport::device::Addr;
+use crate::transport::device::DevPtr;
 use crate::transport::TransportKind;
 use crate::wire::Fingerprint;
 use crate::work::Work;
@@ -393,8 +393,8 @@ impl<S: Stream> Core<S> {
         &self,
         peer: usize,
         dtype: DType,
-        send: Option<(Addr, usize)>,
-        recv: Option<(Addr, usize)>,
+        send: Option<(DevPtr, usize)>,
+        recv: Option<(DevPtr, usize)>,
     ) -> Result<()> {
         let fp_of = |c| Fingerprint::new(Collective::SendRecv, Some(dtype), None, c);
         let first = send.or(recv).map_or(0, |m| m.1);
@@ -465,8 +465,8 @@ impl<S: Stream> Core<S> {
         pair: &mut DevPair,
         coll: Collective,
         dtype: DType,
-        send: Option<(Addr, usize)>,
-        recv: Option<(Addr, usize)>,
+        send: Option<(DevPtr, usize)>,
+        recv: Option<(DevPtr, usize)>,
     ) -> Result<()> {
         let es = dtype.size();
         let fp_of = |c| Fingerprint::new(coll, Some(dtype), None, c);
@@ -532,8 +532,8 @@ impl<S: Stream> Core<S> {
     pub(super) unsafe fn all_to_all_v(
         &self,
         dtype: DType,
-        send: (Addr, &[usize], &[usize]),
-        recv: (Addr, &[usize], &[usize]),
+        send: (DevPtr, &[usize], &[usize]),
+        recv: (DevPtr, &[usize], &[usize]),
     ) -> Result<()> {
         // SAFETY: forwarded from the caller.
         unsafe { self.exchange_blocks(Collective::AllToAllV, dtype, send, recv) }
@@ -597,8 +597,8 @@ impl<S: Stream> Core<S> {
         &self,
         c: Collective,
         dtype: DType,
-        (send, sd, sc): (Addr, &[usize], &[usize]),
-        (recv, rd, rc): (Addr, &[usize], &[usize]),
+        (send, sd, sc): (DevPtr, &[usize], &[usize]),
+        (recv, rd, rc): (DevPtr, &[usize], &[usize]),
     ) -> Result<()> {
         let (n, me, es) = (self.size, self.rank, dtype.size());
         // The announcement, under `c`'s name, so a rank in another call meets it at once.
@@ -608,7 +608,7 @@ impl<S: Stream> Core<S> {
         let fp = Fingerprint::new(c, Some(dtype), None, sc.iter().sum());
         let others: Vec<usize> = (0..n).filter(|&q| q != me).collect();
         let r = self.on_pairs(&fp, &others, |pairs| {
-            let at = |base: Addr, off: usize| base + (off * es) as u64;
+            let at = |base: DevPtr, off: usize| base + (off * es) as u64;
             // SAFETY: both blocks lie in the caller's buffers (the caller's contract).
             unsafe { self.copy_and_wait(at(recv, rd[me]), at(send, sd[me]), sc[me] * es, &fp) }?;
             for k in 0..rounds(n) {
@@ -640,7 +640,7 @@ impl<S: Stream> Core<S> {
         c: Collective,
         dtype: DType,
         block: usize,
-        (send, recv): (Addr, Addr),
+        (send, recv): (DevPtr, DevPtr),
     ) -> Result<()> {
         let (n, me, es) = (self.size, self.rank, dtype.size());
         let root = c.root().expect("gather and scatter have a root");
@@ -655,8 +655,8 @@ impl<S: Stream> Core<S> {
             vec![root]
         };
         let r = self.on_pairs(&fp, &peers, |pairs| {
-            let at = |base: Addr, q: usize| base + (q * block * es) as u64;
-            let msg = |a: Addr| Some((a, block));
+            let at = |base: DevPtr, q: usize| base + (q * block * es) as u64;
+            let msg = |a: DevPtr| Some((a, block));
             if me != root {
                 let pair = pairs.get_mut(&root).expect("connected");
                 let (s, r) = if gather {
@@ -696,8 +696,8 @@ impl<S: Stream> Core<S> {
     /// Both ranges are memory of this stream's device, `dst`'s used by nothing else meanwhile.
     unsafe fn copy_and_wait(
         &self,
-        dst: Addr,
-        src: Addr,
+        dst: DevPtr,
+        src: DevPtr,
         bytes: usize,
         fp: &Fingerprint,
     ) -> Result<()> {

@@ -38,7 +38,7 @@ use crate::ring::device_engine::{self, DevBufs, Inflight};
 use crate::ring::engine::{expect, gone_unneeded, link_err, op_timeout, Call, Patience, Tick};
 use crate::ring::{plan_p2p, Collective, Plan};
 use crate::topology::Edge;
-use crate::transport::device::{Addr, DevSendLink};
+use crate::transport::device::{DevPtr, DevSendLink};
 use crate::transport::wait::Waiter;
 use crate::wire::Fingerprint;
 use crate::work::{Feed, PostedJob, Ticket, Work};
@@ -57,7 +57,7 @@ pub(crate) struct DevPosted {
 struct DevMsg {
     send: bool,
     peer: usize,
-    addr: Addr,
+    addr: DevPtr,
     dtype: DType,
     elems: usize,
 }
@@ -116,7 +116,7 @@ struct Msg {
     dtype: DType,
     plan: Plan,
     seq: u64,
-    addr: Addr,
+    addr: DevPtr,
     elems: usize,
     at: usize,
     what: String,

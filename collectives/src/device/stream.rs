@@ -17,10 +17,10 @@ pub use ringzero_kernels::device::CopyLane;
 use ringzero_kernels::device::DeviceError;
 use ringzero_kernels::{cpu, DType, ReduceOp};
 
-use crate::transport::device::Addr;
+use crate::transport::device::DevPtr;
 
 /// Exported device memory: its address, its 64-byte IPC handle, and its owner.
-pub type Exported = (Addr, [u8; 64], Box<dyn Any + Send>);
+pub type Exported = (DevPtr, [u8; 64], Box<dyn Any + Send>);
 
 /// How another rank opens a buffer ([`Stream::share`]): it opens `handle` with
 /// [`Stream::open_exported`] for `bytes` and adds `offset`.
@@ -125,9 +125,9 @@ pub trait Stream: Send + Sync {
         &self,
         dtype: DType,
         op: ReduceOp,
-        dst: Addr,
-        a: Addr,
-        b: Addr,
+        dst: DevPtr,
+        a: DevPtr,
+        b: DevPtr,
         n: usize,
     ) -> Result<(), DeviceError>;
 
@@ -143,10 +143,10 @@ pub trait Stream: Send + Sync {
         &self,
         dtype: DType,
         op: ReduceOp,
-        dst: Addr,
-        also: Addr,
-        a: Addr,
-        b: Addr,
+        dst: DevPtr,
+        also: DevPtr,
+        a: DevPtr,
+        b: DevPtr,
         n: usize,
     ) -> Result<(), DeviceError> {
         // SAFETY: the caller's contract covers both calls' ranges.
@@ -163,9 +163,9 @@ pub trait Stream: Send + Sync {
     /// As for [`Stream::copy`], for both destinations, which overlap neither `src` nor each other.
     unsafe fn copy2(
         &self,
-        dst: Addr,
-        also: Addr,
-        src: Addr,
+        dst: DevPtr,
+        also: DevPtr,
+        src: DevPtr,
         bytes: usize,
     ) -> Result<(), DeviceError> {
         // SAFETY: the caller's contract covers both copies.
@@ -187,12 +187,12 @@ pub trait Stream: Send + Sync {
     #[allow(clippy::too_many_arguments)]
     unsafe fn copy_pair(
         &self,
-        a: Addr,
-        a_src: Addr,
+        a: DevPtr,
+        a_src: DevPtr,
         a_bytes: usize,
-        b: Addr,
-        b_also: Option<Addr>,
-        b_src: Addr,
+        b: DevPtr,
+        b_also: Option<DevPtr>,
+        b_src: DevPtr,
         b_bytes: usize,
     ) -> Result<(), DeviceError> {
         // SAFETY: the caller's contract covers every copy.
@@ -212,7 +212,7 @@ pub trait Stream: Send + Sync {
     unsafe fn divide(
         &self,
         dtype: DType,
-        dst: Addr,
+        dst: DevPtr,
         n: usize,
         ranks: usize,
     ) -> Result<(), DeviceError>;
@@ -232,21 +232,21 @@ pub trait Stream: Send + Sync {
         &self,
         dtype: DType,
         op: ReduceOp,
-        outs: &[Addr],
-        ins: &[Addr],
+        outs: &[DevPtr],
+        ins: &[DevPtr],
         n: usize,
         ranks: Option<usize>,
     ) -> Result<(), DeviceError>;
 
     /// How another rank reaches the buffer at `addr`, or why it cannot (memory the device cannot
     /// export).
-    fn share(&self, addr: Addr) -> Result<Share, DeviceError>;
+    fn share(&self, addr: DevPtr) -> Result<Share, DeviceError>;
 
     /// Queue a copy of `bytes` from `src` to `dst`.
     ///
     /// # Safety
     /// Both ranges live until the work completes; no overlap.
-    unsafe fn copy(&self, dst: Addr, src: Addr, bytes: usize) -> Result<(), DeviceError>;
+    unsafe fn copy(&self, dst: DevPtr, src: DevPtr, bytes: usize) -> Result<(), DeviceError>;
 
     /// Queue a copy of `bytes` from `src` to `dst` on copy lane `lane`: after what the lane
     /// holds and whatever was joined into it ([`Stream::lane_after_compute`]), beside the
@@ -258,8 +258,8 @@ pub trait Stream: Send + Sync {
     unsafe fn copy_on(
         &self,
         lane: CopyLane,
-        dst: Addr,
-        src: Addr,
+        dst: DevPtr,
+        src: DevPtr,
         bytes: usize,
     ) -> Result<(), DeviceError> {
         let _ = lane;
@@ -296,11 +296,11 @@ pub trait Stream: Send + Sync {
         &self,
         host: *mut u8,
         bytes: usize,
-    ) -> Result<(Addr, Box<dyn Any + Send>), DeviceError>;
+    ) -> Result<(DevPtr, Box<dyn Any + Send>), DeviceError>;
 
     /// `bytes` of private device memory (staging scratch): its address and its owner, which frees
     /// it on Drop.
-    fn scratch(&self, bytes: usize) -> Result<(Addr, Box<dyn Any + Send>), DeviceError>;
+    fn scratch(&self, bytes: usize) -> Result<(DevPtr, Box<dyn Any + Send>), DeviceError>;
 
     /// This device's identity across processes (a GPU's UUID), if it has one; devices with equal
     /// identities are the same device.
@@ -319,13 +319,13 @@ pub trait Stream: Send + Sync {
         &self,
         handle: &[u8; 64],
         bytes: usize,
-    ) -> Result<(Addr, Box<dyn Any + Send>), DeviceError>;
+    ) -> Result<(DevPtr, Box<dyn Any + Send>), DeviceError>;
 
     /// Wait for queued work, then copy from `src` into host bytes.
     ///
     /// # Safety
     /// `src..src + dst.len()` must be live device-addressable memory.
-    unsafe fn read(&self, dst: &mut [u8], src: Addr) -> Result<(), DeviceError>;
+    unsafe fn read(&self, dst: &mut [u8], src: DevPtr) -> Result<(), DeviceError>;
 }
 
 type Job = Box<dyn FnOnce() -> Result<(), String> + Send>;
@@ -451,7 +451,7 @@ impl Default for HostStream {
 
 /// # Safety
 /// `addr..addr + len` must be live, readable host memory for the returned lifetime.
-unsafe fn bytes<'a>(addr: Addr, len: usize) -> &'a [u8] {
+unsafe fn bytes<'a>(addr: DevPtr, len: usize) -> &'a [u8] {
     if len == 0 {
         return &[];
     }
@@ -461,7 +461,7 @@ unsafe fn bytes<'a>(addr: Addr, len: usize) -> &'a [u8] {
 
 /// # Safety
 /// `addr..addr + len` must be live, writable host memory not otherwise borrowed.
-unsafe fn bytes_mut<'a>(addr: Addr, len: usize) -> &'a mut [u8] {
+unsafe fn bytes_mut<'a>(addr: DevPtr, len: usize) -> &'a mut [u8] {
     if len == 0 {
         return &mut [];
     }
@@ -480,9 +480,9 @@ impl Stream for HostStream {
         &self,
         dtype: DType,
         op: ReduceOp,
-        dst: Addr,
-        a: Addr,
-        b: Addr,
+        dst: DevPtr,
+        a: DevPtr,
+        b: DevPtr,
         n: usize,
     ) -> Result<(), DeviceError> {
         let len = n * dtype.size();
@@ -513,7 +513,7 @@ impl Stream for HostStream {
     unsafe fn divide(
         &self,
         dtype: DType,
-        dst: Addr,
+        dst: DevPtr,
         n: usize,
         ranks: usize,
     ) -> Result<(), DeviceError> {
@@ -527,7 +527,7 @@ impl Stream for HostStream {
         }))
     }
 
-    unsafe fn copy(&self, dst: Addr, src: Addr, len: usize) -> Result<(), DeviceError> {
+    unsafe fn copy(&self, dst: DevPtr, src: DevPtr, len: usize) -> Result<(), DeviceError> {
         if len == 0 {
             return Ok(());
         }
@@ -542,8 +542,8 @@ impl Stream for HostStream {
         &self,
         dtype: DType,
         op: ReduceOp,
-        outs: &[Addr],
-        ins: &[Addr],
+        outs: &[DevPtr],
+        ins: &[DevPtr],
         n: usize,
         ranks: Option<usize>,
     ) -> Result<(), DeviceError> {
@@ -575,7 +575,7 @@ impl Stream for HostStream {
 
     /// Host memory is shared as its address, with this process's pid: only ranks of this
     /// process (threads) can open it.
-    fn share(&self, addr: Addr) -> Result<Share, DeviceError> {
+    fn share(&self, addr: DevPtr) -> Result<Share, DeviceError> {
         let mut handle = [0u8; 64];
         handle[..8].copy_from_slice(HOST_HANDLE);
         handle[8..12].copy_from_slice(&std::process::id().to_le_bytes());
@@ -590,8 +590,8 @@ impl Stream for HostStream {
     unsafe fn copy_on(
         &self,
         lane: CopyLane,
-        dst: Addr,
-        src: Addr,
+        dst: DevPtr,
+        src: DevPtr,
         len: usize,
     ) -> Result<(), DeviceError> {
         if len == 0 {
@@ -639,18 +639,18 @@ impl Stream for HostStream {
         &self,
         host: *mut u8,
         _bytes: usize,
-    ) -> Result<(Addr, Box<dyn Any + Send>), DeviceError> {
-        Ok((host as usize as Addr, Box::new(())))
+    ) -> Result<(DevPtr, Box<dyn Any + Send>), DeviceError> {
+        Ok((host as usize as DevPtr, Box::new(())))
     }
 
-    fn scratch(&self, bytes: usize) -> Result<(Addr, Box<dyn Any + Send>), DeviceError> {
+    fn scratch(&self, bytes: usize) -> Result<(DevPtr, Box<dyn Any + Send>), DeviceError> {
         /// One cache line, so the scratch is aligned for every dtype.
         #[derive(Clone, Copy)]
         #[repr(C, align(64))]
         struct Line([u8; 64]);
         let mem = vec![Line([0; 64]); bytes.div_ceil(64).max(1)].into_boxed_slice();
         // Moving the box into the owner does not move its heap allocation.
-        Ok((mem.as_ptr() as usize as Addr, Box::new(mem)))
+        Ok((mem.as_ptr() as usize as DevPtr, Box::new(mem)))
     }
 
     fn identity(&self) -> Option<[u8; 16]> {
@@ -672,7 +672,7 @@ impl Stream for HostStream {
         &self,
         handle: &[u8; 64],
         _bytes: usize,
-    ) -> Result<(Addr, Box<dyn Any + Send>), DeviceError> {
+    ) -> Result<(DevPtr, Box<dyn Any + Send>), DeviceError> {
         if &handle[..8] != HOST_HANDLE {
             return Err(DeviceError::Invalid(
                 "host buffers cannot open CUDA IPC memory".into(),
@@ -689,7 +689,7 @@ impl Stream for HostStream {
         Ok((0, Box::new(())))
     }
 
-    unsafe fn read(&self, dst: &mut [u8], src: Addr) -> Result<(), DeviceError> {
+    unsafe fn read(&self, dst: &mut [u8], src: DevPtr) -> Result<(), DeviceError> {
         let m = self.mark()?;
         // Bounded: the queue holds only copies and reductions of finite size, which never wait
         // on anything (a failed job still counts as completed). Back off as the engine does, so
@@ -715,7 +715,7 @@ mod tests {
         let src = [7u8; 16];
         let mut dst = [0u8; 16];
         // SAFETY: `src` is live host memory of `dst.len()` bytes.
-        let r = unsafe { s.read(&mut dst, src.as_ptr() as usize as Addr) };
+        let r = unsafe { s.read(&mut dst, src.as_ptr() as usize as DevPtr) };
         let e = r.expect_err("the panic is reported").to_string();
         assert!(e.contains("panicked"), "{e}");
         // The worker survived: later work completes (and the stream stays failed).
@@ -751,9 +751,9 @@ mod tests {
         let mut a = vec![0u8; len];
         let mut b = vec![0u8; len];
         let (src_at, a_at, b_at) = (
-            src.as_ptr() as usize as Addr,
-            a.as_mut_ptr() as usize as Addr,
-            b.as_mut_ptr() as usize as Addr,
+            src.as_ptr() as usize as DevPtr,
+            a.as_mut_ptr() as usize as DevPtr,
+            b.as_mut_ptr() as usize as DevPtr,
         );
         // A long copy on the in lane: the compute order does not wait for it by itself.
         // SAFETY: all three vectors outlive the waits below, which cover the copies.

@@ -40,12 +40,13 @@ use std::time::Instant;
 use ringzero_kernels::ReduceOp;
 
 use super::engine::{
-    base, expect, gone_unneeded, link_err, op_timeout, Call, Counters, LastOps, Needs, Patience, Tick,
+    base, expect, gone_unneeded, link_err, op_timeout, Call, Counters, LastOps, Needs, Patience,
+    Tick,
 };
 use super::schedule::{Loc, Op};
 use crate::device::stream::{CopyLane, Stream};
 use crate::error::{Error, Result};
-use crate::transport::device::{Addr, DevRecvLink, DevSendLink};
+use crate::transport::device::{DevPtr, DevRecvLink, DevSendLink};
 use crate::transport::wait::Waiter;
 use crate::wire::{Expect, Fingerprint, FrameHeader};
 use ringzero_kernels::device::DeviceError;
@@ -93,18 +94,18 @@ pub enum DevBufs {
     /// Out of place.
     Split {
         /// Send buffer.
-        input: Addr,
+        input: DevPtr,
         /// Its bytes.
         input_bytes: usize,
         /// Receive buffer.
-        output: Addr,
+        output: DevPtr,
         /// Its bytes.
         output_bytes: usize,
     },
     /// In place.
     One {
         /// The buffer.
-        buf: Addr,
+        buf: DevPtr,
         /// Its bytes.
         bytes: usize,
     },
@@ -484,7 +485,7 @@ impl<S: Stream> Work<'_, S> {
     }
 
     /// The device address of `loc` in the caller's buffers.
-    fn at(&self, loc: &Loc) -> Addr {
+    fn at(&self, loc: &Loc) -> DevPtr {
         let plan = self.call.plan;
         let start = match *self.bufs {
             DevBufs::Split { input, output, .. } => match loc.buf {
@@ -527,7 +528,7 @@ impl<S: Stream> Work<'_, S> {
         // One launch runs both copies at once: `b` must not read or write what `a` writes (a
         // ring's first send reads this rank's own data, never what it received; checked, not
         // assumed).
-        let overlap = |x: Addr, y: Addr, n: usize| x < y + n as u64 && y < x + a_bytes as u64;
+        let overlap = |x: DevPtr, y: DevPtr, n: usize| x < y + n as u64 && y < x + a_bytes as u64;
         let independent =
             !overlap(a_dst, b_src, b_bytes) && keep.is_none_or(|k| !overlap(a_dst, k, b_bytes));
         let (incoming, _) = self.acquire(a)?;
@@ -599,7 +600,7 @@ impl<S: Stream> Work<'_, S> {
     }
 
     /// Wait for `op`'s incoming frame and outgoing slot, retiring finished work meanwhile.
-    fn acquire(&mut self, op: &Op) -> Result<(Option<Addr>, Option<Addr>)> {
+    fn acquire(&mut self, op: &Op) -> Result<(Option<DevPtr>, Option<DevPtr>)> {
         let (stream, call, what) = (self.stream, self.call, self.what);
         let (links, pending, waiter) = (&mut *self.links, &mut *self.pending, &mut *self.waiter);
         let es = call.dtype.size();
@@ -618,8 +619,8 @@ impl<S: Stream> Work<'_, S> {
 
         // Wait for the incoming frame and an outgoing slot, retiring finished work meanwhile.
         let mut patience = Patience::new(Instant::now());
-        let mut incoming: Option<Addr> = None;
-        let mut slot: Option<Addr> = None;
+        let mut incoming: Option<DevPtr> = None;
+        let mut slot: Option<DevPtr> = None;
         loop {
             let mut moved = retire(stream, links, (what, seq, rank, Some(&call.fp)), pending)?;
             moved |= links.tx.progress().map_err(tx_err)?;
@@ -675,7 +676,12 @@ impl<S: Stream> Work<'_, S> {
     /// # Safety
     /// As for [`run`]; `incoming` is the frame `op` receives (held), `slot` the slot it sends
     /// into (reserved).
-    unsafe fn queue(&mut self, op: &Op, incoming: Option<Addr>, slot: Option<Addr>) -> Result<()> {
+    unsafe fn queue(
+        &mut self,
+        op: &Op,
+        incoming: Option<DevPtr>,
+        slot: Option<DevPtr>,
+    ) -> Result<()> {
         let local = op.local.as_ref().map(|l| self.at(l));
         let store = op.store.as_ref().map(|l| self.at(l));
         let (stream, call, what) = (self.stream, self.call, self.what);
@@ -723,7 +729,7 @@ impl<S: Stream> Work<'_, S> {
                     let dst = store.or(stage_out).or(slot);
                     let out = store.or(stage_out).zip(slot);
                     for (at, n) in staged_parts(op.elems, es, links.tx.slot_bytes()) {
-                        let (off, len) = ((at * es) as Addr, n * es);
+                        let (off, len) = ((at * es) as DevPtr, n * es);
                         let scr = scratch + off;
                         stream
                             .copy_on(CopyLane::In, scr, b + off, len)

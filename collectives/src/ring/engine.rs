@@ -17,10 +17,10 @@ use std::time::{Duration, Instant};
 
 use ringzero_kernels::{cpu, DType, ReduceOp};
 
-use super::schedule::{Buf, Loc, Op, Plan};
-use crate::error::{Error, Result};
 pub use super::failure::AbortFlag;
 pub use super::lanes::{run_lanes, Lane};
+use super::schedule::{Buf, Loc, Op, Plan};
+use crate::error::{Error, Result};
 use crate::transport::wait::Waiter;
 use crate::transport::{LinkError, RecvLink, SendLink};
 use crate::wire::{Expect, Fingerprint, FrameHeader};

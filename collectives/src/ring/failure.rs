@@ -179,4 +179,3 @@ pub(crate) fn refuse(
         reason,
     })
 }
-

@@ -12,8 +12,8 @@ use ringzero_kernels::cpu;
 
 use super::engine::*;
 use super::schedule::{Op, Plan};
-use crate::transport::wait::Waiter;
 use crate::error::{Error, Result};
+use crate::transport::wait::Waiter;
 
 /// One link pair's share of a point-to-point run ([`run_lanes`]): its calls, run one after the
 /// other, each a plan whose sends only read the input and whose receives only write the output.
@@ -253,4 +253,3 @@ fn lane_timeout(lane: &mut Lane) -> Error {
         "slot",
     )
 }
-

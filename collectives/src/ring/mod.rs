@@ -4,7 +4,7 @@
 pub mod device_engine;
 pub mod doubling;
 pub mod engine;
-pub mod failure;
+pub(crate) mod failure;
 pub mod lanes;
 pub mod schedule;
 

@@ -46,9 +46,9 @@ use bytemuck::{Pod, Zeroable};
 use memmap2::MmapMut;
 
 use super::shm::pid_alive;
+use crate::deadline::{Patience, Tick, HEALTH_EVERY};
 use crate::error::{Error, Result};
 use crate::wire::Fingerprint;
-use crate::deadline::{Patience, Tick, HEALTH_EVERY};
 
 const MAGIC: u64 = u64::from_le_bytes(*b"RZBOARD1");
 const VERSION: u32 = 1;

@@ -34,8 +34,7 @@ use super::tcp::{TcpRecv, TcpSend};
 use super::{LinkResult, TransportKind};
 use crate::wire::{Expect, FrameHeader};
 
-/// An address the device's kernels and copies can use.
-pub type Addr = u64;
+pub use ringzero_kernels::DevPtr;
 
 /// The sending half of a device ring edge.
 pub trait DevSendLink: Send {
@@ -45,7 +44,7 @@ pub trait DevSendLink: Send {
     fn slot_bytes(&self) -> usize;
     /// The address of the next free slot, reserved for a frame [`DevSendLink::post`] publishes
     /// later; `None` while every credit is taken. Reservations are posted in order.
-    fn reserve(&mut self) -> LinkResult<Option<Addr>>;
+    fn reserve(&mut self) -> LinkResult<Option<DevPtr>>;
     /// Publish the oldest reserved slot (its bytes are complete).
     fn post(&mut self, header: &FrameHeader) -> LinkResult<()>;
     /// Move posted frames along (tcp: write them from the staging slots). Whether any moved.
@@ -58,7 +57,7 @@ pub trait DevSendLink: Send {
     }
     /// Device scratch standing in for the reserved slot at `slot` (explicit-copy host staging:
     /// a kernel writes its result here and a copy moves it into the slot), if the link has it.
-    fn scratch(&self, _slot: Addr) -> Option<Addr> {
+    fn scratch(&self, _slot: DevPtr) -> Option<DevPtr> {
         None
     }
     /// Whether the peer is still there.
@@ -72,14 +71,14 @@ pub trait DevRecvLink: Send {
     /// The backend.
     fn kind(&self) -> TransportKind;
     /// The address of the next frame not yet consumed, once it has arrived and matches `expect`.
-    fn peek(&mut self, expect: &Expect) -> LinkResult<Option<Addr>>;
+    fn peek(&mut self, expect: &Expect) -> LinkResult<Option<DevPtr>>;
     /// Move past the frame peeked last; its slot stays held until [`DevRecvLink::release`].
     fn consume(&mut self);
     /// Give the oldest held slot back (the kernel reading it has completed).
     fn release(&mut self) -> LinkResult<()>;
     /// Device scratch for the held slot at `slot` (explicit-copy host staging: the slot is copied
     /// here before a kernel reads it), if the link has it.
-    fn scratch(&self, _slot: Addr) -> Option<Addr> {
+    fn scratch(&self, _slot: DevPtr) -> Option<DevPtr> {
         None
     }
     /// Whether the peer is still there.
@@ -97,14 +96,14 @@ pub type Keep = Box<dyn Any + Send>;
 struct DevSlots {
     keep: Keep,
     kind: TransportKind,
-    base: Addr,
+    base: DevPtr,
     slot_bytes: usize,
     /// Scratch base and its owner.
-    scratch: Option<(Addr, Keep)>,
+    scratch: Option<(DevPtr, Keep)>,
 }
 
 impl DevSlots {
-    fn new(kind: TransportKind, base: Addr, slot_bytes: usize, keep: Keep) -> DevSlots {
+    fn new(kind: TransportKind, base: DevPtr, slot_bytes: usize, keep: Keep) -> DevSlots {
         DevSlots {
             keep,
             kind,
@@ -115,12 +114,12 @@ impl DevSlots {
     }
 
     /// The device address of slot `i`.
-    fn addr(&self, i: usize) -> Addr {
+    fn addr(&self, i: usize) -> DevPtr {
         self.base + (i * self.slot_bytes) as u64
     }
 
     /// The scratch of the slot at device address `slot`.
-    fn scratch(&self, slot: Addr) -> Option<Addr> {
+    fn scratch(&self, slot: DevPtr) -> Option<DevPtr> {
         self.scratch.as_ref().map(|(b, _)| b + (slot - self.base))
     }
 }
@@ -135,7 +134,7 @@ pub struct FifoSend {
 
 impl FifoSend {
     /// Wrap `ctl`; slot `i` is at `base + i * slot_bytes` (the FIFO's geometry).
-    pub fn new(ctl: ShmSend, kind: TransportKind, base: Addr, keep: Keep) -> FifoSend {
+    pub fn new(ctl: ShmSend, kind: TransportKind, base: DevPtr, keep: Keep) -> FifoSend {
         let (_, slot_bytes) = ctl.geometry();
         FifoSend {
             dev: DevSlots::new(kind, base, slot_bytes, keep),
@@ -144,7 +143,7 @@ impl FifoSend {
     }
 
     /// Give the link device scratch of one slot per slot (base address and owner), if any.
-    pub fn with_scratch(mut self, scratch: Option<(Addr, Keep)>) -> Self {
+    pub fn with_scratch(mut self, scratch: Option<(DevPtr, Keep)>) -> Self {
         self.dev.scratch = scratch;
         self
     }
@@ -157,13 +156,13 @@ impl DevSendLink for FifoSend {
     fn slot_bytes(&self) -> usize {
         self.dev.slot_bytes
     }
-    fn reserve(&mut self) -> LinkResult<Option<Addr>> {
+    fn reserve(&mut self) -> LinkResult<Option<DevPtr>> {
         Ok(self.ctl.reserve_slot()?.map(|s| self.dev.addr(s)))
     }
     fn post(&mut self, header: &FrameHeader) -> LinkResult<()> {
         self.ctl.post_slot(header)
     }
-    fn scratch(&self, slot: Addr) -> Option<Addr> {
+    fn scratch(&self, slot: DevPtr) -> Option<DevPtr> {
         self.dev.scratch(slot)
     }
     fn health(&mut self) -> LinkResult<()> {
@@ -183,7 +182,7 @@ pub struct FifoRecv {
 
 impl FifoRecv {
     /// Wrap `ctl`; slot `i` is at `base + i * slot_bytes`.
-    pub fn new(ctl: ShmRecv, kind: TransportKind, base: Addr, keep: Keep) -> FifoRecv {
+    pub fn new(ctl: ShmRecv, kind: TransportKind, base: DevPtr, keep: Keep) -> FifoRecv {
         let (_, slot_bytes) = ctl.geometry();
         FifoRecv {
             dev: DevSlots::new(kind, base, slot_bytes, keep),
@@ -192,7 +191,7 @@ impl FifoRecv {
     }
 
     /// Give the link device scratch of one slot per slot (base address and owner), if any.
-    pub fn with_scratch(mut self, scratch: Option<(Addr, Keep)>) -> Self {
+    pub fn with_scratch(mut self, scratch: Option<(DevPtr, Keep)>) -> Self {
         self.dev.scratch = scratch;
         self
     }
@@ -226,7 +225,7 @@ impl DevRecvLink for FifoRecv {
     fn kind(&self) -> TransportKind {
         self.dev.kind
     }
-    fn peek(&mut self, expect: &Expect) -> LinkResult<Option<Addr>> {
+    fn peek(&mut self, expect: &Expect) -> LinkResult<Option<DevPtr>> {
         Ok(self.ctl.peek_slot(expect)?.map(|s| self.dev.addr(s)))
     }
     fn consume(&mut self) {
@@ -235,7 +234,7 @@ impl DevRecvLink for FifoRecv {
     fn release(&mut self) -> LinkResult<()> {
         self.ctl.release_oldest()
     }
-    fn scratch(&self, slot: Addr) -> Option<Addr> {
+    fn scratch(&self, slot: DevPtr) -> Option<DevPtr> {
         self.dev.scratch(slot)
     }
     fn health(&mut self) -> LinkResult<()> {
@@ -253,13 +252,13 @@ pub struct TcpDevSend {
     // `tcp`) is still mapped.
     _keep: Keep,
     tcp: TcpSend,
-    base: Addr,
+    base: DevPtr,
     stride: usize,
 }
 
 impl TcpDevSend {
     /// Wrap `tcp`, whose staging (see [`TcpSend::staging`]) the device sees at `base`.
-    pub fn new(tcp: TcpSend, base: Addr, stride: usize, keep: Keep) -> TcpDevSend {
+    pub fn new(tcp: TcpSend, base: DevPtr, stride: usize, keep: Keep) -> TcpDevSend {
         TcpDevSend {
             _keep: keep,
             tcp,
@@ -276,7 +275,7 @@ impl DevSendLink for TcpDevSend {
     fn slot_bytes(&self) -> usize {
         super::SendLink::slot_bytes(&self.tcp)
     }
-    fn reserve(&mut self) -> LinkResult<Option<Addr>> {
+    fn reserve(&mut self) -> LinkResult<Option<DevPtr>> {
         Ok(self
             .tcp
             .reserve_slot()
@@ -305,13 +304,13 @@ pub struct TcpDevRecv {
     // Declared first so it is dropped first (as for the sender).
     _keep: Keep,
     tcp: TcpRecv,
-    base: Addr,
+    base: DevPtr,
     stride: usize,
 }
 
 impl TcpDevRecv {
     /// Wrap `tcp`, whose slots (see [`TcpRecv::staging`]) the device sees at `base`.
-    pub fn new(tcp: TcpRecv, base: Addr, stride: usize, keep: Keep) -> TcpDevRecv {
+    pub fn new(tcp: TcpRecv, base: DevPtr, stride: usize, keep: Keep) -> TcpDevRecv {
         TcpDevRecv {
             _keep: keep,
             tcp,
@@ -325,7 +324,7 @@ impl DevRecvLink for TcpDevRecv {
     fn kind(&self) -> TransportKind {
         TransportKind::Tcp
     }
-    fn peek(&mut self, expect: &Expect) -> LinkResult<Option<Addr>> {
+    fn peek(&mut self, expect: &Expect) -> LinkResult<Option<DevPtr>> {
         Ok(self
             .tcp
             .peek_slot(expect)?

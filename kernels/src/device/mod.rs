@@ -2,29 +2,12 @@
 //! the driver and NVRTC are loaded at run time, so a machine without them builds, tests and runs
 //! everything host-side and gets [`DeviceError::NoCuda`] when it asks for a GPU).
 
-use std::fmt;
-
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
-/// A device that holds buffers.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
-pub enum Device {
-    /// Host memory, reduced by the CPU kernels in [`crate::cpu`].
-    #[default]
-    Host,
-    /// CUDA device `ordinal`, reduced by the NVRTC kernels in `kernels/src/cuda`.
-    Cuda(usize),
-}
-
-impl fmt::Display for Device {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Device::Host => f.write_str("host"),
-            Device::Cuda(i) => write!(f, "cuda:{i}"),
-        }
-    }
-}
+/// An address the device's kernels and copies use: a device pointer (valid in the process and
+/// context that produced it), or on the host stream a plain host address.
+pub type DevPtr = u64;
 
 /// A copy lane: an order of copies beside a device's compute order, so host staging's copies in
 /// (host→device) and out (device→host) run at once with each other and with kernels. Work on a

@@ -24,7 +24,7 @@
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
-use ringzero_collectives::transport::TransportKind;
+use ringzero_collectives::internals::transport::TransportKind;
 use ringzero_collectives::{Communicator, ReduceOp, Result};
 use serde::Serialize;
 

@@ -11,7 +11,7 @@ use serde::Serialize;
 
 use super::exact;
 use super::theory::{self, Algo, Model};
-use ringzero_collectives::ring::doubling;
+use ringzero_collectives::internals::ring::doubling;
 
 /// What to sweep.
 #[derive(Clone, Debug)]

@@ -15,7 +15,7 @@
 //!   halving-doubling (p the largest power of two ≤ n; 2 S more for the fold);
 //! - efficiency = predicted / measured time (1.0: the implementation runs at the model's limit).
 
-use ringzero_collectives::ring::doubling;
+use ringzero_collectives::internals::ring::doubling;
 use ringzero_collectives::{Collective, Schedule};
 
 /// How a collective moves: round the ring, by a doubling schedule (an all-reduce, broadcast or

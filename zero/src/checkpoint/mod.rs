@@ -27,7 +27,7 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
-use ringzero_collectives::atomic_file::write_atomically;
+use ringzero_collectives::internals::atomic_file::write_atomically;
 use ringzero_kernels::cpu::cast;
 use safetensors::tensor::{Metadata, TensorInfo};
 use safetensors::{Dtype, SafeTensors, View};

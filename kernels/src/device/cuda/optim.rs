@@ -5,8 +5,8 @@
 
 use cudarc::driver::PushKernelArg;
 
-use super::raw::DevPtr;
 use super::{cu_type, driver, kernel_names, DeviceError, Gpu};
+use crate::device::DevPtr;
 use crate::DType;
 
 /// The ranges of one AdamW step, `n` elements each: fp32 `master`, `m` and `v`, gradients (and

@@ -25,11 +25,8 @@ use std::sync::Arc;
 use cudarc::driver::{result, sys, CudaEvent, PushKernelArg};
 
 use super::{cu_type, driver, Gpu};
-use crate::device::{CopyLane, DeviceError, GATHER_MAX};
+use crate::device::{CopyLane, DevPtr, DeviceError, GATHER_MAX};
 use crate::{DType, ReduceOp};
-
-/// A device address (valid in the process and context that produced it).
-pub type DevPtr = u64;
 
 /// Size of a CUDA IPC memory handle.
 pub const IPC_HANDLE_BYTES: usize = 64;

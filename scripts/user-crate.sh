@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Builds the README's first program and examples/zero_mlp.rs as a crate of their own that
+# depends on this checkout by path, as a user's crate does (so they may name only the `ringzero`
+# crate's public API), then runs the README's program on 2 ranks. CI runs it after the tests;
+# it needs `target/release/ringzero` (the README's main command builds it).
+# Usage: scripts/user-crate.sh [DIR]   (DIR: where the crate is written; a temporary one if not)
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+dir=${1:-$(mktemp -d)}
+mkdir -p "$dir/src/bin"
+cat > "$dir/Cargo.toml" <<TOML
+[package]
+name = "ringzero-user-check"
+version = "0.0.0"
+edition = "2021"
+publish = false
+
+[dependencies]
+ringzero = { path = "$root" }
+
+[workspace]
+TOML
+# The README's first Rust block is its trainer program.
+awk '/^```rust/ { inside = 1; next } /^```/ { if (inside) exit } inside' "$root/README.md" \
+    > "$dir/src/main.rs"
+cp "$root/examples/zero_mlp.rs" "$dir/src/bin/zero_mlp.rs"
+cp "$root/Cargo.lock" "$dir/Cargo.lock"
+# The checkout's target directory: the registry crates are built once for both.
+export CARGO_TARGET_DIR="$root/target"
+cargo build --release --manifest-path "$dir/Cargo.toml"
+out=$("$root/target/release/ringzero" launch -n 2 -- "$root/target/release/ringzero-user-check")
+echo "$out"
+# The program learns w = [1, -2, 0.5, 3] (AdamW leaves it within a few hundredths).
+echo "$out" | python3 -c '
+import re, sys
+m = re.search(r"learned w = \[([^]]*)\]", sys.stdin.read())
+w = [float(v) for v in m.group(1).split(",")] if m else []
+ok = len(w) == 4 and all(abs(a - b) < 0.05 for a, b in zip(w, [1, -2, 0.5, 3]))
+sys.exit(0 if ok else "user-crate: the README program did not learn w = [1, -2, 0.5, 3]")
+'
+echo "user-crate: the README program and examples/zero_mlp.rs build as a crate of their own"
