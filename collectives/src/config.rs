@@ -71,6 +71,8 @@ pub const DEFAULT_HALVING_MAX: usize = 256 << 10;
 pub const DEFAULT_PAIRWISE_MAX: usize = 512 << 10;
 /// Default master port when a launcher gives none.
 pub const DEFAULT_PORT: u16 = 29500;
+/// Default number of entries kept per communicator (`RINGZERO_FLIGHT_ENTRIES`).
+pub const DEFAULT_FLIGHT_ENTRIES: usize = 256;
 
 /// Which transport to use on ring edges.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -447,7 +449,7 @@ impl Config {
             device_copy_pairs: true,
             algo: Algo::default(),
             shm_dir: "/dev/shm".into(),
-            flight_entries: crate::flight::DEFAULT_ENTRIES,
+            flight_entries: DEFAULT_FLIGHT_ENTRIES,
             dump_dir: None,
             dump_on_sigusr1: false,
             dump_on_sigterm: false,

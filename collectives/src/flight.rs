@@ -32,15 +32,13 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use serde::{Deserialize, Serialize};
 
 use crate::config::Config;
+use crate::counters::Counters;
 use crate::error::Error;
-use crate::ring::engine::Counters;
 use crate::topology::Edge;
 use crate::wire::Fingerprint;
 
 /// Version of the dump format (`format` in the JSON).
 pub const FORMAT: u32 = 1;
-/// Default number of entries kept per communicator (`RINGZERO_FLIGHT_ENTRIES`).
-pub const DEFAULT_ENTRIES: usize = 256;
 /// Prefix of every dump file's name.
 pub const FILE_PREFIX: &str = "ringzero-flight-";
 

@@ -41,6 +41,7 @@ mod bootstrap;
 mod comm;
 pub mod config;
 mod connect;
+mod counters;
 mod deadline;
 pub mod device;
 pub mod error;
@@ -85,11 +86,11 @@ pub mod internals {
 
 pub use comm::{AbortHandle, Communicator, P2p, P2pOwned};
 pub use config::{Algo, Config, DeviceAlgo, StagingMode, TransportPref, COPY_STAGING_MAX_SHARERS};
+pub use counters::Counters;
 pub use device::{AdamAt, DeviceComm, DeviceMemory, DeviceP2p, HostStream, Stream, TrainStream};
 pub use error::{Error, Result};
 pub use flight::{CallState, FlightEntry, FlightRecord, PeerTraffic, PendingMsg};
 pub use ring::doubling::Schedule;
-pub use ring::engine::Counters;
 pub use ring::{chunk, Collective};
 pub use ringzero_kernels::{DType, Element, ReduceOp};
 pub use topology::Edge;

@@ -7,7 +7,7 @@ use ringzero_kernels::cpu::AdamW;
 use ringzero_kernels::DType;
 use serde_json::{Map, Value};
 
-use crate::engine::ZeroError;
+use crate::error::ZeroError;
 
 /// Parameter and gradient precision (optimizer state is always fp32).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

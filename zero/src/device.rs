@@ -26,9 +26,10 @@ use ringzero_kernels::cpu::{cast, Float};
 use ringzero_kernels::DeviceError;
 
 use crate::config::ZeroConfig;
-use crate::engine::{Memory, StepOutcome, ZeroError};
+use crate::error::ZeroError;
 use crate::ledger::{clip_factor, hybrid, layout, update_range, Ledger};
 use crate::partition::{ParamSpec, Partition};
+use crate::report::{Memory, StepOutcome};
 
 mod persist;
 
@@ -749,19 +750,7 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
             .map_err(dev("reading the consolidated weights".into()))?;
             full.push(host);
         }
-        Ok(self
-            .led
-            .part
-            .slots
-            .iter()
-            .zip(&self.led.part.specs)
-            .map(|(s, p)| {
-                (
-                    p.name.clone(),
-                    full[s.bucket][s.offset..s.offset + s.len].to_vec(),
-                )
-            })
-            .collect())
+        Ok(self.led.part.by_param(&full))
     }
 
     /// `len` f32s of `src` into `dst`, waited for.

@@ -34,7 +34,7 @@
 //! [`crate::scaler`]). In every precision a non-finite global norm also skips the step, so inf/NaN
 //! never reaches the weights.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use ringzero_collectives::{Algo, Communicator, ReduceOp, Work};
 use ringzero_kernels::cpu::{adamw_mixed, all_finite, cast, reduce_into_typed, sq_norm, Float};
@@ -45,130 +45,8 @@ use crate::partition::{ParamSpec, Partition};
 
 pub(crate) mod persist;
 
-/// Errors of the engine: bad input (nothing changed) or a failed collective.
-#[derive(Debug, Clone, thiserror::Error)]
-pub enum ZeroError {
-    /// The configuration cannot work.
-    #[error("ZeRO config: {0}")]
-    Config(String),
-    /// A parameter name the engine does not know.
-    #[error("unknown parameter `{0}`")]
-    UnknownParam(String),
-    /// A gradient of the wrong length.
-    #[error("gradient for `{name}` has {got} elements, the parameter has {want}")]
-    GradLength {
-        /// Parameter.
-        name: String,
-        /// Elements pushed.
-        got: usize,
-        /// Elements expected.
-        want: usize,
-    },
-    /// A gradient pushed twice in one micro-step.
-    #[error("gradient for `{0}` was already pushed in this micro-step")]
-    GradTwice(String),
-    /// `step` before every gradient was pushed.
-    #[error("step: no gradient pushed for {0}")]
-    MissingGrads(String),
-    /// Stage 3: a parameter read while not gathered.
-    #[error("parameter `{0}` is not gathered (stage 3: call gather before reading it)")]
-    NotGathered(String),
-    /// Stage 3: a gather of something already gathered.
-    #[error("parameter `{0}` is already gathered")]
-    AlreadyGathered(String),
-    /// Stage 3: an optimizer step while parameters are still gathered (they would go stale).
-    #[error("step: release {0} before the optimizer step (gathered copies would go stale)")]
-    StillGathered(String),
-    /// A call the engine's state does not allow now (nothing changed).
-    #[error("{call}: {why}")]
-    NotNow {
-        /// The call.
-        call: &'static str,
-        /// Why not, and what to do.
-        why: String,
-    },
-    /// A checkpoint could not be saved or loaded; names the file or directory.
-    #[error("checkpoint {}: {msg}", path.display())]
-    Checkpoint {
-        /// The file or directory at fault.
-        path: std::path::PathBuf,
-        /// What is wrong with it.
-        msg: String,
-    },
-    /// Other ranks failed a step that every rank must pass (their own errors say why).
-    #[error("{what}: rank(s) {ranks:?} failed (see their errors)")]
-    PeerFailed {
-        /// What failed, and what that means for this rank.
-        what: String,
-        /// The ranks that failed.
-        ranks: Vec<usize>,
-    },
-    /// Hybrid sharding: other shard groups failed a step that every rank must pass (their
-    /// ranks' errors say why).
-    #[error("{what}: the shard group(s) of replica(s) {replicas:?} failed (see their errors)")]
-    ReplicaFailed {
-        /// What failed, and what that means for this rank.
-        what: String,
-        /// The failed groups, by their index in this rank's replica communicator.
-        replicas: Vec<usize>,
-    },
-    /// A collective failed.
-    #[error(transparent)]
-    Comm(#[from] ringzero_collectives::Error),
-}
-
-/// Bytes the engine holds, by category.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Memory {
-    /// Parameters in `T` (full, or the owned shards in stage 3).
-    pub params: usize,
-    /// Gradients in `T` (full in stages 0–1, owned shards in 2–3).
-    pub grads: usize,
-    /// Optimizer state: Adam moments, plus fp32 master weights when `T` is 16-bit (full in stage 0,
-    /// owned shards otherwise).
-    pub optimizer: usize,
-    /// Communication buffers held right now (stage 2–3 gradient staging and reduce-scatters in
-    /// flight, stage 3 gathered and prefetching parameters).
-    pub comm_buffers: usize,
-}
-
-impl Memory {
-    /// Model states: params + grads + optimizer (what the paper's formulas count).
-    pub fn model_states(&self) -> usize {
-        self.params + self.grads + self.optimizer
-    }
-}
-
-/// What a call to [`Engine::step`] did.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum StepOutcome {
-    /// A micro-step inside the accumulation window.
-    Accumulated,
-    /// An optimizer step; the global gradient norm before clipping.
-    Stepped {
-        /// Global L2 norm of the averaged (unscaled) gradient.
-        grad_norm: f64,
-    },
-    /// An optimizer step skipped on every rank: a gradient overflowed (or its norm is not
-    /// finite). The loss scale to use from now on.
-    Skipped {
-        /// The new loss scale.
-        loss_scale: f32,
-    },
-}
-
-/// Time the trainer spent waiting on the engine's communication (what prefetch and
-/// `overlap_comm` try to hide).
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct CommWait {
-    /// Inside [`Engine::gather`] (stage 3).
-    pub gather: Duration,
-    /// Inside [`Engine::push_grad`] and [`Engine::step`] on gradient reduction.
-    pub reduce: Duration,
-    /// Inside [`Engine::step`] on the parameter all-gather (stages 1–2) and the norm/overflow
-    /// all-reduces.
-    pub update: Duration,
-}
+pub use crate::error::ZeroError;
+pub use crate::report::{CommWait, Memory, StepOutcome};
 
 /// Background collectives per bucket, with the elements each holds.
 type InFlight<T> = Vec<Option<(Work<Vec<T>>, usize)>>;
@@ -741,19 +619,7 @@ impl<'c, T: Float> Engine<'c, T> {
             self.comm.all_gather(&mine, &mut out)?;
             full.push(out);
         }
-        Ok(self
-            .led
-            .part
-            .slots
-            .iter()
-            .zip(&self.led.part.specs)
-            .map(|(s, p)| {
-                (
-                    p.name.clone(),
-                    full[s.bucket][s.offset..s.offset + s.len].to_vec(),
-                )
-            })
-            .collect())
+        Ok(self.led.part.by_param(&full))
     }
 
     /// Bytes held now, by category.

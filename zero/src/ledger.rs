@@ -7,8 +7,9 @@
 use ringzero_kernels::cpu::Float;
 
 use crate::config::ZeroConfig;
-use crate::engine::{StepOutcome, ZeroError};
+use crate::error::ZeroError;
 use crate::partition::{ParamSpec, Partition, Slot};
+use crate::report::StepOutcome;
 use crate::scaler::LossScaler;
 
 /// The bookkeeping of one engine (see the module docs).
@@ -269,7 +270,7 @@ pub(crate) fn clip_factor(clip_norm: Option<f32>, grad_norm: f64) -> f32 {
 /// group must hold the same shard (the same rank of shard groups of the same size).
 pub(crate) mod hybrid {
     use crate::config::ZeroConfig;
-    use crate::engine::ZeroError;
+    use crate::error::ZeroError;
 
     /// Refuse a config whose `mics_shard_size` is not the shard group's size.
     pub(crate) fn shard_size_matches(cfg: &ZeroConfig, size: usize) -> Result<(), ZeroError> {

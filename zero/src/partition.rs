@@ -84,6 +84,21 @@ pub struct Partition {
 }
 
 impl Partition {
+    /// Every parameter's values cut out of whole buckets (`full[b]` holds bucket `b`), by name in
+    /// the specs' order: how a consolidated model leaves the bucket layout.
+    pub fn by_param(&self, full: &[Vec<f32>]) -> Vec<(String, Vec<f32>)> {
+        self.slots
+            .iter()
+            .zip(&self.specs)
+            .map(|(s, p)| {
+                (
+                    p.name.clone(),
+                    full[s.bucket][s.offset..s.offset + s.len].to_vec(),
+                )
+            })
+            .collect()
+    }
+
     /// Lay out `specs` for `world` ranks in buckets of at most `bucket_elems` elements.
     pub fn new(
         specs: &[ParamSpec],

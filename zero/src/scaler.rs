@@ -7,8 +7,20 @@
 //! left the scale is halved (not below `min_loss_scale`). After `loss_scale_window` consecutive
 //! good steps the scale doubles and the hysteresis is refilled.
 
-use crate::checkpoint::ScalerState;
+use serde::{Deserialize, Serialize};
+
 use crate::config::{LossScaling, Precision};
+
+/// fp16 dynamic loss scaling as saved.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ScalerState {
+    /// The loss scale.
+    pub scale: f32,
+    /// Good steps since the last change.
+    pub good: u32,
+    /// Overflows still absorbed before the scale halves.
+    pub hysteresis_left: u32,
+}
 
 /// The state of loss scaling on one rank (identical on every rank: it only changes on decisions
 /// all ranks agreed on).

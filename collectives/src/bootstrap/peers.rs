@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use super::handshake::{self, Identity, Role};
 use crate::error::{Error, Result};
-use crate::ring::engine::AbortFlag;
+use crate::ring::failure::AbortFlag;
 
 /// Authenticated connections waiting for the call that expects them, by caller rank and role.
 #[derive(Default)]

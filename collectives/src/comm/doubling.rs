@@ -19,8 +19,9 @@ use super::pairs::{pairs_of, Watch};
 use super::{refused, Inner, State};
 use crate::error::Result;
 use crate::ring::doubling::{self, Round, Schedule, Take};
-use crate::ring::engine::{self, Bufs, Call, Lane};
+use crate::ring::engine::{Bufs, Call};
 use crate::ring::failure;
+use crate::ring::lanes::Lane;
 use crate::ring::{plan_p2p, Collective, Loc, Op, Plan};
 use crate::wire::{Expect, Fingerprint};
 
@@ -201,7 +202,7 @@ impl Inner {
                 if let Some((ring, call)) = announce.take() {
                     lanes.push(Lane::new(ring, vec![call]));
                 }
-                engine::run_lanes(&mut lanes, self.cfg.timeout, &self.abort)?;
+                crate::ring::lanes::run_lanes(&mut lanes, self.cfg.timeout, &self.abort)?;
                 continue;
             }
             let got_len = if from.is_some() { rb.len() } else { 0 };
@@ -221,7 +222,7 @@ impl Inner {
             if let Some((ring, call)) = announce.take() {
                 lanes.push(Lane::new(ring, vec![call]));
             }
-            engine::run_lanes(&mut lanes, self.cfg.timeout, &self.abort)?;
+            crate::ring::lanes::run_lanes(&mut lanes, self.cfg.timeout, &self.abort)?;
             drop(lanes);
             let got = &mut theirs.bytes_mut()[..got_len];
             match round.from {
@@ -236,7 +237,7 @@ impl Inner {
         }
         if let Some((ring, call)) = announce {
             // No rounds (not reached with two ranks or more): the announcement alone.
-            engine::run_lanes(
+            crate::ring::lanes::run_lanes(
                 &mut [Lane::new(ring, vec![call])],
                 self.cfg.timeout,
                 &self.abort,

@@ -9,8 +9,9 @@ use super::{Communicator, Inner};
 use crate::bootstrap::Role;
 use crate::connect;
 use crate::error::{Error, Result};
-use crate::ring::engine::{self, link_err, Bufs, Call, Lane, Links};
+use crate::ring::engine::{link_err, Bufs, Call, Links};
 use crate::ring::failure;
+use crate::ring::lanes::Lane;
 use crate::ring::{plan_p2p, Collective, Plan};
 use crate::transport::LinkError;
 use crate::wire::{Expect, Fingerprint};
@@ -259,7 +260,7 @@ impl Inner {
             pair.received += u64::from(recv.is_some());
             let call = self.p2p_call(&plan, (&fp_of, dtype), (send, sent), (recv, received));
             let mut lane = [Lane::new(&mut pair.links, vec![call])];
-            engine::run_lanes(&mut lane, self.cfg.timeout, &self.abort)
+            crate::ring::lanes::run_lanes(&mut lane, self.cfg.timeout, &self.abort)
         })
     }
 
@@ -472,7 +473,7 @@ impl Inner {
             lanes.push(Lane::new(&mut pair.links, calls));
         }
         self.tracked(&msgs, || {
-            engine::run_lanes(&mut lanes, self.cfg.timeout, &self.abort)
+            crate::ring::lanes::run_lanes(&mut lanes, self.cfg.timeout, &self.abort)
         })
     }
 

@@ -24,8 +24,9 @@ use super::pairs::{pairs_of, Watch};
 use super::{offsets, own_part, refused, Communicator, Inner, State};
 use crate::bootstrap::Role;
 use crate::error::Result;
-use crate::ring::engine::{self, Bufs, Lane, Links};
+use crate::ring::engine::{self, Bufs, Links};
 use crate::ring::failure;
+use crate::ring::lanes::Lane;
 use crate::ring::{plan, plan_p2p, Collective, Count, Plan, PlanArgs};
 use crate::wire::Fingerprint;
 
@@ -465,7 +466,7 @@ impl Inner {
                 if let (Some(((s, r), plan)), Some(links)) = (ring.take(), st.links.as_mut()) {
                     let call = self.p2p_call(plan, (&whole, dtype), (Some(s), seq), (Some(r), seq));
                     let lane = Lane::new(links, vec![call]);
-                    engine::run_lanes(&mut [lane], self.cfg.timeout, &self.abort)?;
+                    crate::ring::lanes::run_lanes(&mut [lane], self.cfg.timeout, &self.abort)?;
                 }
                 // The ring has carried this call's frames: what comes next is unknown.
                 let watch = st.links.as_mut().map(|ring| Watch {
@@ -491,7 +492,7 @@ impl Inner {
                     Lane::new(links, vec![call])
                 });
             let mut lanes: Vec<Lane> = ring_lane.into_iter().chain(mesh_lanes).collect();
-            engine::run_lanes(&mut lanes, self.cfg.timeout, &self.abort)
+            crate::ring::lanes::run_lanes(&mut lanes, self.cfg.timeout, &self.abort)
         })
     }
 }

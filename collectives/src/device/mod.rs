@@ -14,12 +14,16 @@
 //! runs and is tested on machines without a GPU).
 
 pub mod comm;
+mod core;
 #[cfg(feature = "cuda")]
 mod cuda;
 pub mod direct;
 pub mod optim;
 mod pairs;
 mod posted;
+mod probe;
+mod records;
+mod setup;
 pub mod stream;
 
 pub use comm::DeviceComm;

@@ -25,8 +25,10 @@ use std::collections::BTreeMap;
 
 use ringzero_kernels::{DType, ReduceOp};
 
-use super::comm::Rx;
-use super::comm::{text, untext, ConnectInfo, Core, DeviceComm, FINDING_BYTES};
+use super::comm::DeviceComm;
+use super::core::Rx;
+use super::core::{Core, DevPair, DevState};
+use super::records::{text, untext, ConnectInfo, FINDING_BYTES};
 use super::stream::Stream;
 use super::DeviceMemory;
 use crate::comm::HostPeers;
@@ -39,15 +41,6 @@ use crate::transport::device::DevPtr;
 use crate::transport::TransportKind;
 use crate::wire::Fingerprint;
 use crate::work::Work;
-
-/// This rank's device links with one peer, and how many messages each direction has carried.
-pub(crate) struct DevPair {
-    pub(super) links: DevLinks,
-    pub(super) sent: u64,
-    pub(super) received: u64,
-    /// From the peer to this rank, then from this rank to the peer.
-    edges: [Edge; 2],
-}
 
 impl<S: Stream> DeviceComm<S> {
     /// Send `buf` to rank `peer`, which receives it with [`DeviceComm::recv`] (or
@@ -718,7 +711,7 @@ impl<S: Stream> Core<S> {
 
     /// Fail the communicator after `e` (a refused argument fails nothing): every later call
     /// refuses, and the ring's neighbours and every connected peer are told.
-    pub(super) fn fail(&self, st: &mut super::comm::DevState, e: &Error) {
+    pub(super) fn fail(&self, st: &mut DevState, e: &Error) {
         let who = crate::ring::failure::Failing {
             rank: self.rank,
             flag: &self.abort,
@@ -729,7 +722,7 @@ impl<S: Stream> Core<S> {
     }
 
     /// The byte counters of every pair's links together.
-    pub(super) fn pair_counters(&self) -> crate::ring::engine::Counters {
+    pub(super) fn pair_counters(&self) -> crate::counters::Counters {
         let pairs = self.pairs.lock().unwrap_or_else(|p| p.into_inner());
         pairs
             .values()

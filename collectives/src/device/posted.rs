@@ -29,8 +29,8 @@ use std::time::Instant;
 
 use ringzero_kernels::DType;
 
-use super::comm::{Core, Rx};
-use super::pairs::{read_record, DevPair, RECORD_BYTES};
+use super::core::{Core, DevMsg, DevPair, DevPosted, Rx};
+use super::pairs::{read_record, RECORD_BYTES};
 use super::stream::Stream;
 use crate::comm::P2pOwned;
 use crate::error::{Error, Result};
@@ -44,23 +44,6 @@ use crate::wire::Fingerprint;
 use crate::work::{Feed, PostedJob, Ticket, Work};
 
 use super::{DeviceComm, DeviceMemory};
-
-/// One posted device call: its messages, and what fills its `Work` (which owns their buffers).
-pub(crate) struct DevPosted {
-    msgs: Vec<DevMsg>,
-    fill: Box<dyn FnOnce(Result<()>) + Send>,
-}
-
-/// One message of a posted device call: a send or a receive, the peer, and its buffer (device
-/// address, element type and elements).
-#[derive(Clone, Copy, Debug)]
-struct DevMsg {
-    send: bool,
-    peer: usize,
-    addr: DevPtr,
-    dtype: DType,
-    elems: usize,
-}
 
 impl<S: Stream + 'static> DeviceComm<S> {
     /// Post a point-to-point call of `msgs` (a send or not, the peer, the buffer; peers checked
@@ -412,7 +395,7 @@ impl<S: Stream> Core<S> {
                 };
                 let (info, reason) = read_record(record);
                 let (tx, kind) = self.attach_to(&info, peer)?;
-                let send = (kind, super::comm::sent_sockets(&info, kind), reason);
+                let send = (kind, super::records::sent_sockets(&info, kind), reason);
                 Advanced::Next(Phase::Accepting { rx, edge, tx, send })
             }
             Phase::Accepting {

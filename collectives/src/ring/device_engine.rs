@@ -88,28 +88,7 @@ impl DevLinks {
     }
 }
 
-/// The user's device buffers: addresses and lengths in bytes.
-#[derive(Clone, Copy, Debug)]
-pub enum DevBufs {
-    /// Out of place.
-    Split {
-        /// Send buffer.
-        input: DevPtr,
-        /// Its bytes.
-        input_bytes: usize,
-        /// Receive buffer.
-        output: DevPtr,
-        /// Its bytes.
-        output_bytes: usize,
-    },
-    /// In place.
-    One {
-        /// The buffer.
-        buf: DevPtr,
-        /// Its bytes.
-        bytes: usize,
-    },
-}
+pub use super::engine::DevBufs;
 
 struct Pending<M> {
     marker: M,

@@ -17,45 +17,38 @@ use std::time::{Duration, Instant};
 
 use ringzero_kernels::{cpu, DType, ReduceOp};
 
-pub use super::failure::AbortFlag;
-pub use super::lanes::{run_lanes, Lane};
+use super::failure::{AbortFlag, TellAbort};
 use super::schedule::{Buf, Loc, Op, Plan};
+pub use crate::counters::Counters;
 use crate::error::{Error, Result};
+use crate::transport::device::DevPtr;
 use crate::transport::wait::Waiter;
 use crate::transport::{LinkError, RecvLink, SendLink};
 use crate::wire::{Expect, Fingerprint, FrameHeader};
 
 pub(crate) use crate::deadline::{Patience, Tick};
 
-/// Byte counters of one rank's links.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Counters {
-    /// Payload bytes sent to the next rank.
-    pub bytes_sent: u64,
-    /// Payload bytes received from the previous rank.
-    pub bytes_received: u64,
-    /// Frames sent.
-    pub frames_sent: u64,
-    /// Bytes copied between device scratch and host staging slots (explicit-copy staging,
-    /// `RINGZERO_STAGING=copy`; both directions).
-    pub bytes_staged: u64,
-    /// Bytes this rank's direct steps wrote into other ranks' buffers (device communicators
-    /// whose ranks all map each other's buffers, `RINGZERO_DEVICE_ALGO`).
-    pub bytes_direct: u64,
-}
-
-/// The counts of two sets of links together.
-impl std::ops::Add for Counters {
-    type Output = Counters;
-    fn add(self, o: Counters) -> Counters {
-        Counters {
-            bytes_sent: self.bytes_sent + o.bytes_sent,
-            bytes_received: self.bytes_received + o.bytes_received,
-            frames_sent: self.frames_sent + o.frames_sent,
-            bytes_staged: self.bytes_staged + o.bytes_staged,
-            bytes_direct: self.bytes_direct + o.bytes_direct,
-        }
-    }
+/// The user's device buffers: addresses and lengths in bytes.
+#[derive(Clone, Copy, Debug)]
+pub enum DevBufs {
+    /// Out of place.
+    Split {
+        /// Send buffer.
+        input: DevPtr,
+        /// Its bytes.
+        input_bytes: usize,
+        /// Receive buffer.
+        output: DevPtr,
+        /// Its bytes.
+        output_bytes: usize,
+    },
+    /// In place.
+    One {
+        /// The buffer.
+        buf: DevPtr,
+        /// Its bytes.
+        bytes: usize,
+    },
 }
 
 /// A rank's two ring links and how it waits on them.
@@ -666,6 +659,7 @@ fn apply(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ring::lanes::{run_lanes, Lane};
     use crate::ring::schedule::plan_p2p;
     use crate::ring::Collective;
     use crate::transport::shm::{ShmRecv, ShmSend};
@@ -782,5 +776,26 @@ mod tests {
         });
         assert_eq!(got1, msg0);
         assert_eq!(got2, msg1);
+    }
+}
+
+/// The abort check of a running call (see [`AbortFlag`]).
+impl AbortFlag {
+    /// An [`Error::Aborted`] for `call` once raised.
+    pub(crate) fn check(&self, call: &Call) -> Result<()> {
+        match self.reason() {
+            None => Ok(()),
+            Some(reason) => Err(Error::Aborted {
+                op: call.fp.to_string(),
+                seq: call.seq,
+                reason,
+            }),
+        }
+    }
+}
+
+impl TellAbort for Links {
+    fn tell_abort(&mut self, why: &str) {
+        self.abort(why);
     }
 }

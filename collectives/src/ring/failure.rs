@@ -17,8 +17,6 @@ use crate::error::{Error, Result};
 use crate::flight::Recorder;
 use crate::wire::Fingerprint;
 
-use super::engine::{Call, Links};
-
 /// A communicator's abort request, raised from any thread (`abort()`), seen by the call in
 /// progress at its next health check (every `HEALTH_EVERY`, 20 ms, of waiting), so a stuck call ends
 /// without waiting for its deadline.
@@ -47,18 +45,6 @@ impl AbortFlag {
             .unwrap_or_else(|p| p.into_inner())
             .clone()
     }
-
-    /// An [`Error::Aborted`] for `call` once raised.
-    pub(crate) fn check(&self, call: &Call) -> Result<()> {
-        match self.reason() {
-            None => Ok(()),
-            Some(reason) => Err(Error::Aborted {
-                op: call.fp.to_string(),
-                seq: call.seq,
-                reason,
-            }),
-        }
-    }
 }
 
 /// A communicator's mutable state (the host `Communicator`'s over [`Links`], a `DeviceComm`'s
@@ -76,12 +62,6 @@ pub(crate) struct RingState<L> {
 pub(crate) trait TellAbort {
     /// Tell both neighbours, with the reason.
     fn tell_abort(&mut self, why: &str);
-}
-
-impl TellAbort for Links {
-    fn tell_abort(&mut self, why: &str) {
-        self.abort(why);
-    }
 }
 
 impl<L: TellAbort> RingState<L> {

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use ringzero_kernels::cpu;
 
 use super::engine::*;
+use super::failure::AbortFlag;
 use super::schedule::{Op, Plan};
 use crate::error::{Error, Result};
 use crate::transport::wait::Waiter;

@@ -619,7 +619,7 @@ fn all_to_all(p: &mut Plan, n: usize, r: usize, block: usize, se: usize) {
 /// [`Collective::RingShift`] slices its buffer (sends are step 0, receives expect step 0), so a
 /// rank's `send` and its peer's `recv` of the same count agree frame by frame whichever call each
 /// made. The sends only read the input and the receives only write the output, so the engine
-/// runs the two directions independently ([`super::engine::run_lanes`]): an exchange never
+/// runs the two directions independently ([`super::lanes::run_lanes`]): an exchange never
 /// waits on itself, whichever calls the peer makes.
 pub fn plan_p2p(send: Option<usize>, recv: Option<usize>, slice_elems: usize) -> Plan {
     let se = slice_elems.max(1);

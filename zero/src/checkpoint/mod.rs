@@ -35,8 +35,9 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::config::Precision;
-use crate::engine::ZeroError;
+use crate::error::ZeroError;
 use crate::partition::{ParamSpec, Partition};
+pub use crate::scaler::ScalerState;
 
 /// The version of the layout above; a checkpoint of another version is refused.
 pub const FORMAT: u32 = 1;
@@ -66,17 +67,6 @@ pub struct ShardMeta {
     pub bytes: u64,
     /// SHA-256 of its contents, in hex.
     pub sha256: String,
-}
-
-/// fp16 dynamic loss scaling as saved.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
-pub struct ScalerState {
-    /// The loss scale.
-    pub scale: f32,
-    /// Good steps since the last change.
-    pub good: u32,
-    /// Overflows still absorbed before the scale halves.
-    pub hysteresis_left: u32,
 }
 
 /// `meta.json`: everything but the tensors.

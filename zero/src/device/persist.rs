@@ -11,7 +11,7 @@ use ringzero_kernels::cpu::Float;
 use super::{all_gather_host, dev, DevVec, DeviceEngine};
 use crate::checkpoint::Meta;
 use crate::engine::persist::{self, Payload, Persist};
-use crate::engine::ZeroError;
+use crate::error::ZeroError;
 use crate::ledger::Ledger;
 
 impl<S: TrainStream + 'static, T: Float> Persist for DeviceEngine<'_, S, T> {

@@ -14,11 +14,11 @@ use std::path::Path;
 use ringzero_kernels::cpu::{cast, Float};
 
 use super::{Engine, ZeroError};
-use crate::checkpoint::ScalerState;
 use crate::checkpoint::{self, plan, Checkpoint, Meta, ParamMeta, ShardMeta, FORMAT};
 use crate::config::{Precision, ZeroConfig};
 use crate::ledger::{update_range, Ledger};
 use crate::partition::Partition;
+use crate::scaler::ScalerState;
 
 /// A checkpoint read for this rank: its metadata and, per bucket, master and moments of the range
 /// this rank updates.
