@@ -1,0 +1,130 @@
+//! The `ringzero` binary's subcommands, one file each, and what several of them share: the
+//! value parsers, joining the launcher's job, and spawning this command line on local ranks.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context;
+use ringzero_collectives::{config::parse_bytes, Communicator};
+use ringzero_tools::launch;
+
+pub(crate) mod bench;
+pub(crate) mod check;
+pub(crate) mod ckpt;
+pub(crate) mod demo;
+pub(crate) mod diag;
+pub(crate) mod gpu;
+pub(crate) mod launch_cmd;
+pub(crate) mod mem;
+
+pub(crate) fn count(s: &str) -> Result<f64, String> {
+    let t = s.trim();
+    let (num, mult) = match t.chars().last() {
+        Some('K' | 'k') => (&t[..t.len() - 1], 1e3),
+        Some('M' | 'm') => (&t[..t.len() - 1], 1e6),
+        Some('B' | 'b' | 'G' | 'g') => (&t[..t.len() - 1], 1e9),
+        Some('T' | 't') => (&t[..t.len() - 1], 1e12),
+        _ => (t, 1.0),
+    };
+    num.parse::<f64>()
+        .ok()
+        .map(|v| v * mult)
+        .filter(|v| v.is_finite() && *v > 0.0)
+        .ok_or_else(|| format!("`{s}` is not a parameter count (e.g. 7.5B, 350M, 1.3e9)"))
+}
+
+pub(crate) fn size(s: &str) -> Result<usize, String> {
+    parse_bytes(s).ok_or_else(|| format!("`{s}` is not a size (e.g. 4096, 64K, 16M)"))
+}
+
+/// `--dump-dir`, else `RINGZERO_DUMP_DIR`, else a fresh directory for this job.
+pub(crate) fn dump_dir_for_launch(flag: Option<std::path::PathBuf>) -> launch::DumpDir {
+    let kept = flag.or_else(|| {
+        std::env::var_os("RINGZERO_DUMP_DIR")
+            .filter(|d| !d.is_empty())
+            .map(Into::into)
+    });
+    match kept {
+        Some(path) => launch::DumpDir {
+            path,
+            remove_on_success: false,
+        },
+        None => launch::DumpDir {
+            path: std::env::temp_dir().join(format!(
+                "ringzero-flight-{}-{:08x}",
+                std::process::id(),
+                rand::random::<u32>()
+            )),
+            remove_on_success: true,
+        },
+    }
+}
+
+/// Whether a launcher (ours, torchrun, Slurm, Open MPI) started this process as a rank.
+pub(crate) fn under_launcher() -> bool {
+    [
+        "RINGZERO_RANK",
+        "RANK",
+        "SLURM_PROCID",
+        "OMPI_COMM_WORLD_RANK",
+    ]
+    .iter()
+    .any(|v| std::env::var_os(v).is_some())
+}
+
+/// Run this same command line on `ranks` local ranks under the launcher (rank 0 reports).
+pub(crate) fn spawn_self(
+    ranks: usize,
+    transport: Option<&str>,
+    tcp_sockets: Option<u16>,
+) -> anyhow::Result<ExitCode> {
+    anyhow::ensure!(ranks >= 1, "-n must be at least 1");
+    let spec = launch::LaunchSpec {
+        ranks,
+        nodes: 1,
+        program: std::env::current_exe()
+            .context("finding this executable")?
+            .into(),
+        args: std::env::args_os().skip(1).collect(),
+        env: transport
+            .iter()
+            .map(|t| ("RINGZERO_TRANSPORT".to_string(), t.to_string()))
+            .chain(tcp_sockets.map(|k| ("RINGZERO_TCP_SOCKETS".to_string(), k.to_string())))
+            .collect(),
+        grace: Duration::from_secs(5),
+        dump_dir: None,
+    };
+    let outcome = launch::launch(&spec, launch::Output::RankZeroPlain)?;
+    Ok(ExitCode::from(outcome.exit_code().clamp(0, 255) as u8))
+}
+
+/// Join the job the launcher started, with `--transport` and `--tcp-sockets` applied.
+pub(crate) fn join(
+    tool: &str,
+    ranks: Option<usize>,
+    transport: Option<&str>,
+    tcp_sockets: Option<u16>,
+) -> anyhow::Result<Communicator> {
+    let mut cfg =
+        ringzero_collectives::Config::from_env().context("reading the launcher environment")?;
+    if let Some(k) = tcp_sockets {
+        cfg.tcp_sockets = k as usize;
+    }
+    if let Some(t) = transport {
+        cfg.transport = match t {
+            "shm" => ringzero_collectives::TransportPref::Shm,
+            "tcp" => ringzero_collectives::TransportPref::Tcp,
+            _ => ringzero_collectives::TransportPref::Auto,
+        };
+    }
+    let comm = Communicator::init(cfg).context("joining the job")?;
+    if let Some(n) = ranks {
+        if n != comm.size() && comm.rank() == 0 {
+            eprintln!(
+                "ringzero {tool}: -n {n} ignored: the launcher started {} ranks",
+                comm.size()
+            );
+        }
+    }
+    Ok(comm)
+}
