@@ -190,12 +190,7 @@ fn bench(comm: &Communicator, d: &DemoCli, mlp: Mlp, zero: &ZeroConfig) -> anyho
         );
         println!(
             "{:>6} {:>9} {:>13} {:>18} {:>18} {:>11}",
-            "stage",
-            "prefetch",
-            "step (ms)",
-            "gather wait (ms)",
-            "reduce wait (ms)",
-            "final loss"
+            "stage", "prefetch", "step (ms)", "gather wait (ms)", "reduce wait (ms)", "final loss"
         );
         for (stage, prefetch, r) in &rows {
             println!(
@@ -235,12 +230,7 @@ fn bench(comm: &Communicator, d: &DemoCli, mlp: Mlp, zero: &ZeroConfig) -> anyho
 
 /// Train, print the loss as it goes, memory against the formula and the checkpoint's timings;
 /// fails unless the loss went down.
-fn train(
-    comm: &Communicator,
-    d: &DemoCli,
-    mlp: Mlp,
-    zero: ZeroConfig,
-) -> anyhow::Result<ExitCode> {
+fn train(comm: &Communicator, d: &DemoCli, mlp: Mlp, zero: ZeroConfig) -> anyhow::Result<ExitCode> {
     let root = comm.rank() == 0;
     if root {
         println!(
