@@ -1,0 +1,271 @@
+//! The receiving half of a tcp link: frames read from the edge's connections into the slots,
+//! reassembled in order.
+
+use std::io::{ErrorKind, IoSlice, Read, Write};
+use std::net::TcpStream;
+
+use super::{LinkError, LinkResult, RecvLink, TransportKind};
+use crate::error::Result;
+use crate::wire::{Expect, FrameHeader, HEADER_LEN, MAX_ABORT_REASON};
+
+use super::*;
+
+/// Receiving half over TCP: a frame's header from wire 0, then its parts from every wire at once
+/// (see [`TcpSend`]).
+pub struct TcpRecv {
+    pub(super) wires: Vec<mio::net::TcpStream>,
+    /// Bytes of the current frame's part received on each wire.
+    part_got: Vec<usize>,
+    peer: usize,
+    addr: String,
+    header: [u8; HEADER_LEN],
+    header_got: usize,
+    checked: Option<FrameHeader>,
+    /// `slots` slots of `slot_bytes` (at least an abort reason's length).
+    payload: Aligned,
+    slot_bytes: usize,
+    slots: usize,
+    /// The oldest slot still held, and how many are held (consumed by the device engine, not yet
+    /// released: the kernel reading them may still run). The host engine holds none.
+    first: usize,
+    held: usize,
+}
+
+impl TcpRecv {
+    /// Wrap an authenticated connection from rank `peer` (one slot: the host engine).
+    pub fn new(s: TcpStream, peer: usize, slot_bytes: usize) -> Result<TcpRecv> {
+        TcpRecv::over(vec![s], peer, 1, slot_bytes)
+    }
+
+    /// Wrap a connection with `slots` receive slots (the device engine: frames arrive into the
+    /// next free slot while kernels still read the ones before it).
+    pub fn with_slots(
+        s: TcpStream,
+        peer: usize,
+        slots: usize,
+        slot_bytes: usize,
+    ) -> Result<TcpRecv> {
+        TcpRecv::over(vec![s], peer, slots, slot_bytes)
+    }
+
+    /// Wrap the connections of one edge from rank `peer`, in the order they carry frames (see
+    /// [`accept_wires`]), with `slots` receive slots.
+    pub fn over(
+        streams: Vec<TcpStream>,
+        peer: usize,
+        slots: usize,
+        slot_bytes: usize,
+    ) -> Result<TcpRecv> {
+        let addr = peer_address(&streams)?;
+        let (slots, slot_bytes) = (slots.max(1), slot_bytes.max(MAX_ABORT_REASON));
+        Ok(TcpRecv {
+            part_got: vec![0; streams.len()],
+            wires: streams.into_iter().map(into_mio).collect::<Result<_>>()?,
+            peer,
+            addr,
+            header: [0; HEADER_LEN],
+            header_got: 0,
+            checked: None,
+            payload: Aligned::new(slots * stride(slot_bytes))?,
+            slot_bytes,
+            slots,
+            first: 0,
+            held: 0,
+        })
+    }
+
+    /// The connections this edge uses.
+    pub fn wires(&self) -> usize {
+        self.wires.len()
+    }
+
+    /// ", connection 2 of 4" where an edge has several.
+    fn wire_name(&self, wire: usize) -> String {
+        match self.wires.len() {
+            1 => String::new(),
+            k => format!(", connection {} of {k}", wire + 1),
+        }
+    }
+
+    /// The receive slots' memory (page-aligned; slot `i` at `i × stride`) and the stride: for a
+    /// device to register.
+    pub fn staging(&mut self) -> (*mut u8, usize, usize) {
+        (
+            self.payload.map.as_mut_ptr(),
+            self.payload.map.len(),
+            stride(self.slot_bytes),
+        )
+    }
+
+    fn current(&self) -> usize {
+        (self.first + self.held) % self.slots
+    }
+
+    /// The next frame's slot and length once it has fully arrived and matches `expect`.
+    fn arrive(&mut self, expect: &Expect) -> LinkResult<Option<(usize, usize)>> {
+        if self.held == self.slots {
+            return Ok(None);
+        }
+        if self.checked.is_none() {
+            if !self.read_header()? {
+                return Ok(None);
+            }
+            let h = FrameHeader::decode(&self.header)?;
+            if !h.is_abort() {
+                // Checked before any payload byte is read: the length cannot exceed what we expect.
+                h.check(expect)?;
+                if expect.len > self.slot_bytes {
+                    return Err(LinkError::Protocol(format!(
+                        "frame of {} bytes exceeds the slot",
+                        expect.len
+                    )));
+                }
+            }
+            self.checked = Some(h);
+        }
+        let h = self.checked.expect("set above");
+        let len = h.len as usize;
+        // An abort's reason follows its header on wire 0; data is striped.
+        let wires = if h.is_abort() { 1 } else { self.wires.len() };
+        let mut all = true;
+        for (i, part) in parts(len, wires).enumerate() {
+            all &= self.read_part(i, part)?;
+        }
+        if !all {
+            return Ok(None);
+        }
+        let at = self.current() * stride(self.slot_bytes);
+        if h.is_abort() {
+            return Err(LinkError::PeerAborted(
+                String::from_utf8_lossy(&self.payload.bytes()[at..at + len]).into_owned(),
+            ));
+        }
+        Ok(Some((self.current(), len)))
+    }
+
+    /// The frame is done with.
+    fn next_frame(&mut self) {
+        self.checked = None;
+        self.header_got = 0;
+        self.part_got.fill(0);
+    }
+
+    /// The device engine's peek: the slot index of the next frame, once it has arrived.
+    pub fn peek_slot(&mut self, expect: &Expect) -> LinkResult<Option<usize>> {
+        Ok(self.arrive(expect)?.map(|(slot, _)| slot))
+    }
+
+    /// Move past the frame peeked last, holding its slot until [`TcpRecv::release_oldest`].
+    pub fn consume(&mut self) {
+        self.next_frame();
+        self.held = (self.held + 1).min(self.slots);
+    }
+
+    /// Free the oldest held slot.
+    pub fn release_oldest(&mut self) -> LinkResult<()> {
+        if self.held == 0 {
+            return Err(LinkError::Io("release without a held slot".into()));
+        }
+        self.first = (self.first + 1) % self.slots;
+        self.held -= 1;
+        Ok(())
+    }
+
+    /// Read the next header from wire 0: Ok(true) once whole, Ok(false) when the socket would
+    /// block.
+    fn read_header(&mut self) -> LinkResult<bool> {
+        while self.header_got < HEADER_LEN {
+            let r = self.wires[0].read(&mut self.header[self.header_got..]);
+            match self.got(0, r)? {
+                Some(n) => self.header_got += n,
+                None => return Ok(false),
+            }
+        }
+        Ok(true)
+    }
+
+    /// Read part `part` of the current frame from `wire` into the current slot: Ok(true) once
+    /// whole, Ok(false) when the socket would block.
+    fn read_part(&mut self, wire: usize, part: std::ops::Range<usize>) -> LinkResult<bool> {
+        let at = self.current() * stride(self.slot_bytes);
+        let (start, end) = (at + part.start, at + part.end);
+        while start + self.part_got[wire] < end {
+            let from = start + self.part_got[wire];
+            let r = self.wires[wire].read(&mut self.payload.bytes_mut()[from..end]);
+            match self.got(wire, r)? {
+                Some(n) => self.part_got[wire] += n,
+                None => return Ok(false),
+            }
+        }
+        Ok(true)
+    }
+
+    /// A read's outcome on `wire`: bytes read, `None` when it would block, or the link lost.
+    fn got(&self, wire: usize, r: std::io::Result<usize>) -> LinkResult<Option<usize>> {
+        match r {
+            Ok(0) => Err(LinkError::Lost(format!(
+                "connection closed by rank {} ({}{})",
+                self.peer,
+                self.addr,
+                self.wire_name(wire)
+            ))),
+            Ok(n) => Ok(Some(n)),
+            Err(e) if e.kind() == ErrorKind::WouldBlock => Ok(None),
+            Err(e) if e.kind() == ErrorKind::Interrupted => Ok(Some(0)),
+            Err(e) => Err(LinkError::Lost(format!(
+                "reading from rank {} ({}{}): {e}",
+                self.peer,
+                self.addr,
+                self.wire_name(wire)
+            ))),
+        }
+    }
+}
+
+impl RecvLink for TcpRecv {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Tcp
+    }
+
+    fn peek(&mut self, expect: &Expect) -> LinkResult<Option<&[u8]>> {
+        Ok(match self.arrive(expect)? {
+            Some((slot, len)) => {
+                let at = slot * stride(self.slot_bytes);
+                Some(&self.payload.bytes()[at..at + len])
+            }
+            None => None,
+        })
+    }
+
+    fn release(&mut self) -> LinkResult<()> {
+        self.next_frame();
+        Ok(())
+    }
+
+    fn health(&mut self) -> LinkResult<()> {
+        for s in &self.wires {
+            if let Ok(Some(e)) | Err(e) = s.take_error() {
+                return Err(LinkError::Lost(format!(
+                    "rank {} ({}): {e}",
+                    self.peer, self.addr
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn abort(&mut self, reason: &str) {
+        // Tell the sender why, on the connections' otherwise unused reverse direction, then stop
+        // writing; the connections close when the link is dropped.
+        let r = &reason.as_bytes()[..reason.len().min(MAX_ABORT_REASON)];
+        let h: [u8; HEADER_LEN] = bytemuck::cast(FrameHeader::abort(r.len()));
+        for s in &mut self.wires {
+            let _ = s.write_vectored(&[IoSlice::new(&h), IoSlice::new(r)]);
+            let _ = s.shutdown(std::net::Shutdown::Write);
+        }
+    }
+
+    fn sockets(&mut self) -> Vec<&mut mio::net::TcpStream> {
+        self.wires.iter_mut().collect()
+    }
+}
