@@ -19,6 +19,7 @@ mod core;
 mod cuda;
 pub mod direct;
 pub mod optim;
+mod pair_links;
 mod pairs;
 mod posted;
 mod probe;
