@@ -15,13 +15,10 @@
 //! sharding runs over two device communicators ([`DeviceEngine::new_hybrid`]). What it does not
 //! do (yet): the `allgather_bucket_size` pieces (each bucket is all-gathered in one call).
 
-use std::any::Any;
 use std::marker::PhantomData;
 use std::time::Instant;
 
-use ringzero_collectives::{
-    AdamAt, DType, DeviceComm, DeviceMemory, Error, ReduceOp, Stream, TrainStream, Work,
-};
+use ringzero_collectives::{AdamAt, DType, DeviceComm, DeviceMemory, Error, ReduceOp, TrainStream};
 use ringzero_kernels::cpu::{cast, Float};
 use ringzero_kernels::DeviceError;
 
@@ -31,113 +28,10 @@ use crate::ledger::{clip_factor, hybrid, layout, update_range, Ledger};
 use crate::partition::{ParamSpec, Partition};
 use crate::report::{Memory, StepOutcome};
 
+mod buffers;
 mod persist;
 
-/// An allocation of the engine's stream holding `elems` elements of `dtype`.
-struct DevVec {
-    addr: u64,
-    elems: usize,
-    dtype: DType,
-    _keep: Box<dyn Any + Send>,
-}
-
-// SAFETY: `addr` starts an allocation of at least `elems × dtype.size()` bytes that the engine's
-// stream made (`TrainStream::alloc`) and `_keep` owns, so it is live while the DevVec is. DevVecs
-// are private to the engine, which hands them only to its own communicator, whose stream made
-// them.
-unsafe impl<S: Stream> DeviceMemory<S> for DevVec {
-    fn dtype(&self) -> DType {
-        self.dtype
-    }
-    fn elems(&self) -> usize {
-        self.elems
-    }
-    fn addr(&self, _: &S) -> u64 {
-        self.addr
-    }
-    fn addr_mut(&mut self, _: &S) -> u64 {
-        self.addr
-    }
-}
-
-impl DevVec {
-    /// The address of element `i`.
-    fn at(&self, i: usize) -> u64 {
-        debug_assert!(i <= self.elems);
-        self.addr + (i * self.dtype.size()) as u64
-    }
-}
-
-/// Collectives on the proxy thread per bucket, with the elements they hold.
-type InFlight = Vec<Option<(Work<(DevVec, DevVec)>, usize)>>;
-
-/// Buffers of one capacity (`cap` elements of `dtype`) kept after use, at most `keep` of them,
-/// for temporaries the engine needs again every micro-step (a bucket's gradients while backward
-/// fills it, a gathered bucket, a reduced shard): on a GPU an allocation is a driver call, a
-/// free waits for the whole device, and under the direct step a new buffer is a new IPC mapping
-/// in every peer.
-struct Spares {
-    dtype: DType,
-    cap: usize,
-    keep: usize,
-    free: Vec<DevVec>,
-}
-
-impl Spares {
-    fn new(dtype: DType, cap: usize, keep: usize) -> Spares {
-        Spares {
-            dtype,
-            cap,
-            keep,
-            free: Vec::new(),
-        }
-    }
-
-    /// A buffer of `elems` (at most `cap`) elements; zeroed where `zeroed` (a new one is).
-    fn take<S: TrainStream>(
-        &mut self,
-        s: &S,
-        elems: usize,
-        zeroed: bool,
-    ) -> Result<DevVec, ZeroError> {
-        assert!(
-            elems <= self.cap,
-            "{elems} elements in buffers of {}",
-            self.cap
-        );
-        let mut v = match self.free.pop() {
-            Some(v) => {
-                if zeroed {
-                    // SAFETY: a kept buffer of `cap ≥ elems` elements, no longer used by work
-                    // queued before (it was given back once that work had ended).
-                    unsafe { s.zero(v.addr, elems * self.dtype.size()) }
-                        .map_err(dev("clearing a kept buffer".into()))?;
-                }
-                v
-            }
-            None => alloc(s, self.dtype, self.cap)?,
-        };
-        v.elems = elems;
-        Ok(v)
-    }
-
-    /// Keep `v` (taken from here, its work ended) for later, or free it when enough are kept.
-    fn give(&mut self, mut v: DevVec) {
-        if self.free.len() < self.keep {
-            v.elems = self.cap;
-            self.free.push(v);
-        }
-    }
-
-    /// Elements held by the kept buffers.
-    fn held(&self) -> usize {
-        self.free.len() * self.cap
-    }
-}
-
-fn dev(context: String) -> impl FnOnce(DeviceError) -> ZeroError {
-    move |source| ZeroError::Comm(Error::Device { context, source })
-}
+use buffers::{all_gather_host, alloc, dev, DevVec, InFlight, Spares};
 
 /// The ZeRO engine on one rank, its model states in device memory (see the module docs); the
 /// API of [`crate::Engine`], with device buffers where that takes host slices.
@@ -789,41 +683,4 @@ impl<S: TrainStream + 'static, T: Float> Drop for DeviceEngine<'_, S, T> {
             tracing::warn!(target: "ringzero::zero", "{e}");
         }
     }
-}
-
-/// `elems` zeroed elements of `dtype` on `s`.
-fn alloc<S: TrainStream>(s: &S, dtype: DType, elems: usize) -> Result<DevVec, ZeroError> {
-    let bytes = (elems * dtype.size()).max(64);
-    let (addr, keep) = s
-        .alloc(bytes)
-        .map_err(dev(format!("allocating {bytes} bytes")))?;
-    Ok(DevVec {
-        addr,
-        elems,
-        dtype,
-        _keep: keep,
-    })
-}
-
-/// Every rank's `mine` (the same length on every rank) over `dc`, on the host: staged through
-/// device buffers of `dc`'s stream.
-fn all_gather_host<S: TrainStream + 'static, E: ringzero_kernels::Element>(
-    dc: &mut DeviceComm<S>,
-    mine: &[E],
-) -> Result<Vec<E>, ZeroError> {
-    let n = dc.size();
-    let send = alloc(dc.stream(), E::DTYPE, mine.len())?;
-    let mut recv = alloc(dc.stream(), E::DTYPE, mine.len() * n)?;
-    // SAFETY: a fresh allocation of `mine.len()` elements of `E`, used by no work.
-    unsafe { dc.stream().write(send.addr, bytemuck::cast_slice(mine)) }
-        .map_err(dev("uploading a record".into()))?;
-    dc.all_gather(&send, &mut recv)?;
-    let mut all = vec![E::zeroed(); mine.len() * n];
-    // SAFETY: `recv` holds `mine.len() × n` elements of `E`.
-    unsafe {
-        dc.stream()
-            .read(bytemuck::cast_slice_mut(&mut all), recv.addr)
-    }
-    .map_err(dev("reading the records".into()))?;
-    Ok(all)
 }
