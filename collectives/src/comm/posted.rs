@@ -441,7 +441,7 @@ impl Inner {
     /// Move message `m` (a send when `send`) on `links` as far as it can go now.
     fn step_msg(&self, links: &mut Links, m: &mut Msg, send: bool) -> Result<bool> {
         self.with_call(m, send, |call, bufs, at, what| {
-            engine::step_one_way(links, call, bufs, at, what)
+            crate::ring::one_way::step_one_way(links, call, bufs, at, what)
         })
     }
 
@@ -454,7 +454,7 @@ impl Inner {
             for (send, queue) in [(true, &mut flow.sends), (false, &mut flow.recvs)] {
                 if let Some(m) = queue.front_mut() {
                     self.with_call(m, send, |call, _, _, what| {
-                        engine::one_way_health(&mut pair.links, call, what, send)
+                        crate::ring::one_way::one_way_health(&mut pair.links, call, what, send)
                     })?;
                 }
             }
@@ -479,7 +479,7 @@ impl Inner {
             };
         };
         self.with_call(m, send, |call, _, at, what| {
-            engine::one_way_timeout(&pair.links, call, what, *at)
+            crate::ring::one_way::one_way_timeout(&pair.links, call, what, *at)
         })
     }
 
