@@ -185,11 +185,58 @@ fn unix_us() -> u64 {
         .map_or(0, |d| d.as_micros() as u64)
 }
 
+/// What every rank of one job shares: the store's port, the job's secret and id, this host.
+struct Job {
+    port: u16,
+    secret: String,
+    id: String,
+    host: String,
+}
+
+/// The job's ranks while they run: each one's exit once seen (and whether the launcher stopped
+/// it), the rank blamed for the failure, and the clock of the stop.
+struct Supervisor {
+    status: Vec<Option<(ExitStatus, bool)>>,
+    first_failure: Option<usize>,
+    failed_at: Option<Instant>,
+    termed_at: Option<Instant>,
+    /// The signal that interrupted the launcher, when, and the records asked for then: (rank
+    /// count, Unix microseconds).
+    interrupted: Option<(i32, Instant, usize, u64)>,
+}
+
 fn launch_with(
     spec: &LaunchSpec,
     out: Output,
     mut signals: Option<signal_hook::iterator::Signals>,
 ) -> std::io::Result<Outcome> {
+    let job = prepare(spec)?;
+    let (mut children, readers) = spawn_ranks(spec, &job, &out)?;
+    let mut sup = Supervisor {
+        status: vec![None; spec.ranks],
+        first_failure: None,
+        failed_at: None,
+        termed_at: None,
+        interrupted: None,
+    };
+    while sup.status.iter().any(Option::is_none) {
+        let pending = signals
+            .as_mut()
+            .map(|s| s.pending().collect::<Vec<_>>())
+            .unwrap_or_default();
+        for sig in pending {
+            sup.on_signal(sig, spec, &job, &children, &out);
+        }
+        sup.records_written(spec);
+        sup.reap(&mut children, &out, spec)?;
+        sup.escalate(&mut children, &out, spec);
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    Ok(finish(spec, &job, &children, readers, sup, &out))
+}
+
+/// Check the spec, pick the store's port and the job's secret and id, make the dump directory.
+fn prepare(spec: &LaunchSpec) -> std::io::Result<Job> {
     let invalid = |m: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, m);
     if spec.ranks == 0 {
         return Err(invalid("-n must be at least 1".into()));
@@ -203,14 +250,11 @@ fn launch_with(
     let port = std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port();
-    let secret: String = rand::random::<[u8; 32]>()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
-    let job: String = rand::random::<[u8; 8]>()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
+    let hex = |b: &[u8]| b.iter().map(|b| format!("{b:02x}")).collect::<String>();
+    let (secret, id) = (
+        hex(&rand::random::<[u8; 32]>()),
+        hex(&rand::random::<[u8; 8]>()),
+    );
     if let Some(d) = &spec.dump_dir {
         std::fs::create_dir_all(&d.path).map_err(|e| {
             std::io::Error::new(
@@ -226,55 +270,73 @@ fn launch_with(
         .nodename()
         .to_string_lossy()
         .into_owned();
+    Ok(Job {
+        port,
+        secret,
+        id,
+        host,
+    })
+}
 
+/// The command that starts `rank`: the program with the launcher environment, in a process
+/// group of its own, ended by SIGTERM if the launcher dies.
+fn rank_command(spec: &LaunchSpec, job: &Job, rank: usize, out: &Output) -> Command {
+    let node = node_of(rank, spec.ranks, spec.nodes);
+    let on_node: Vec<usize> = (0..spec.ranks)
+        .filter(|r| node_of(*r, spec.ranks, spec.nodes) == node)
+        .collect();
+    let local_rank = on_node.iter().position(|r| *r == rank).unwrap();
+    let mut cmd = Command::new(&spec.program);
+    cmd.args(&spec.args)
+        .env("RINGZERO_RANK", rank.to_string())
+        .env("RINGZERO_WORLD_SIZE", spec.ranks.to_string())
+        .env("RINGZERO_LOCAL_RANK", local_rank.to_string())
+        .env("RINGZERO_LOCAL_WORLD_SIZE", on_node.len().to_string())
+        .env("RINGZERO_MASTER_ADDR", "127.0.0.1")
+        .env("RINGZERO_MASTER_PORT", job.port.to_string())
+        .env("RINGZERO_SECRET", &job.secret)
+        .env("RINGZERO_JOB_ID", &job.id)
+        .stdin(Stdio::null());
+    if matches!(out, Output::RankZeroPlain) && rank == 0 {
+        cmd.stdout(Stdio::inherit()).stderr(Stdio::inherit());
+    } else {
+        cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    }
+    if spec.nodes > 1 {
+        cmd.env("RINGZERO_NODE_ID", format!("{}/fake-node-{node}", job.host));
+    }
+    if let Some(d) = &spec.dump_dir {
+        cmd.env("RINGZERO_DUMP_DIR", &d.path);
+        cmd.env("RINGZERO_DUMP_ON_SIGUSR1", "1");
+    }
+    for (k, v) in &spec.env {
+        cmd.env(k, v);
+    }
+    // Each rank leads its own process group, so stopping a rank stops what it started too; and
+    // each rank gets SIGTERM if the launcher dies (Ctrl-C), so no rank outlives the job.
+    cmd.process_group(0);
+    // SAFETY: the closure runs in the child between fork and exec; it makes one prctl system
+    // call, which is async-signal-safe, and allocates nothing.
+    unsafe {
+        cmd.pre_exec(|| {
+            rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::TERM))
+                .map_err(std::io::Error::from)
+        });
+    }
+    cmd
+}
+
+/// Start every rank, with a thread per piped output that prefixes its lines; if one cannot
+/// start, the ones started are killed.
+fn spawn_ranks(
+    spec: &LaunchSpec,
+    job: &Job,
+    out: &Output,
+) -> std::io::Result<(Vec<Child>, Vec<std::thread::JoinHandle<()>>)> {
     let mut children: Vec<Child> = Vec::with_capacity(spec.ranks);
     let mut readers = Vec::new();
     for rank in 0..spec.ranks {
-        let node = node_of(rank, spec.ranks, spec.nodes);
-        let on_node: Vec<usize> = (0..spec.ranks)
-            .filter(|r| node_of(*r, spec.ranks, spec.nodes) == node)
-            .collect();
-        let local_rank = on_node.iter().position(|r| *r == rank).unwrap();
-        let mut cmd = Command::new(&spec.program);
-        cmd.args(&spec.args)
-            .env("RINGZERO_RANK", rank.to_string())
-            .env("RINGZERO_WORLD_SIZE", spec.ranks.to_string())
-            .env("RINGZERO_LOCAL_RANK", local_rank.to_string())
-            .env("RINGZERO_LOCAL_WORLD_SIZE", on_node.len().to_string())
-            .env("RINGZERO_MASTER_ADDR", "127.0.0.1")
-            .env("RINGZERO_MASTER_PORT", port.to_string())
-            .env("RINGZERO_SECRET", &secret)
-            .env("RINGZERO_JOB_ID", &job)
-            .stdin(Stdio::null());
-        if matches!(out, Output::RankZeroPlain) && rank == 0 {
-            cmd.stdout(Stdio::inherit()).stderr(Stdio::inherit());
-        } else {
-            cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
-        }
-        if spec.nodes > 1 {
-            cmd.env("RINGZERO_NODE_ID", format!("{host}/fake-node-{node}"));
-        }
-        if let Some(d) = &spec.dump_dir {
-            cmd.env("RINGZERO_DUMP_DIR", &d.path);
-            cmd.env("RINGZERO_DUMP_ON_SIGUSR1", "1");
-        }
-        for (k, v) in &spec.env {
-            cmd.env(k, v);
-        }
-        // Each rank leads its own process group, so stopping a rank stops what it started too; and
-        // each rank gets SIGTERM if the launcher dies (Ctrl-C), so no rank outlives the job.
-        cmd.process_group(0);
-        // SAFETY: the closure runs in the child between fork and exec; it makes one prctl system
-        // call, which is async-signal-safe, and allocates nothing.
-        unsafe {
-            cmd.pre_exec(|| {
-                rustix::process::set_parent_process_death_signal(Some(
-                    rustix::process::Signal::TERM,
-                ))
-                .map_err(std::io::Error::from)
-            });
-        }
-        let mut child = match cmd.spawn() {
+        let mut child = match rank_command(spec, job, rank, out).spawn() {
             Ok(c) => c,
             Err(e) => {
                 for c in &mut children {
@@ -295,121 +357,137 @@ fn launch_with(
         }
         children.push(child);
     }
+    Ok((children, readers))
+}
 
-    let mut status: Vec<Option<(ExitStatus, bool)>> = vec![None; spec.ranks];
-    let mut first_failure = None;
-    let mut failed_at: Option<Instant> = None;
-    let mut termed_at: Option<Instant> = None;
-    // The signal that interrupted the launcher, when, and the records asked for then: (rank
-    // count, Unix microseconds).
-    let mut interrupted: Option<(i32, Instant, usize, u64)> = None;
-    while status.iter().any(Option::is_none) {
-        for sig in signals
-            .as_mut()
-            .map(|s| s.pending().collect::<Vec<_>>())
-            .unwrap_or_default()
-        {
-            let dir = spec.dump_dir.as_ref().map(|d| d.path.as_path());
-            let (since, asked) = (
-                unix_us(),
-                dir.map_or(0, |d| ask_for_records(&children, &status, (d, &job))),
+impl Supervisor {
+    /// A signal to the launcher: SIGUSR1 asks every rank for its flight record and goes on; the
+    /// first other signal asks for the records and stops the job; a second kills every rank.
+    fn on_signal(
+        &mut self,
+        sig: i32,
+        spec: &LaunchSpec,
+        job: &Job,
+        children: &[Child],
+        out: &Output,
+    ) {
+        let dir = spec.dump_dir.as_ref().map(|d| d.path.as_path());
+        let (since, asked) = (
+            unix_us(),
+            dir.map_or(0, |d| ask_for_records(children, &self.status, (d, &job.id))),
+        );
+        let place = dir.map_or("nowhere (no dump directory)".into(), |d| {
+            d.display().to_string()
+        });
+        if sig == signal_hook::consts::SIGUSR1 {
+            say(
+                out,
+                &format!(
+                    "SIGUSR1: asked {asked} of {} ranks for their flight records \
+                ({place}; `ringzero diag --flight` joins them); the job goes on",
+                    spec.ranks
+                ),
             );
-            let place = dir.map_or("nowhere (no dump directory)".into(), |d| {
-                d.display().to_string()
-            });
-            if sig == signal_hook::consts::SIGUSR1 {
-                say(
-                    &out,
-                    &format!(
-                        "SIGUSR1: asked {asked} of {} ranks for their flight records \
-                    ({place}; `ringzero diag --flight` joins them); the job goes on",
-                        spec.ranks
-                    ),
-                );
-            } else if interrupted.is_none() {
-                say(
-                    &out,
-                    &format!(
-                        "interrupted (signal {sig}): asked {asked} of {} ranks for \
-                    their flight records ({place}), stopping the job",
-                        spec.ranks
-                    ),
-                );
-                interrupted = Some((sig, Instant::now(), asked, since));
-            } else {
-                say(&out, &format!("signal {sig} again: killing every rank"));
-                for (rank, c) in children.iter().enumerate() {
-                    if status[rank].is_none() {
-                        signal_group(c, rustix::process::Signal::KILL);
-                    }
+        } else if self.interrupted.is_none() {
+            say(
+                out,
+                &format!(
+                    "interrupted (signal {sig}): asked {asked} of {} ranks for \
+                their flight records ({place}), stopping the job",
+                    spec.ranks
+                ),
+            );
+            self.interrupted = Some((sig, Instant::now(), asked, since));
+        } else {
+            say(out, &format!("signal {sig} again: killing every rank"));
+            for (rank, c) in children.iter().enumerate() {
+                if self.status[rank].is_none() {
+                    signal_group(c, rustix::process::Signal::KILL);
                 }
             }
         }
-        // Interrupted: stop the ranks once every rank asked has written its record (or after
-        // the wait); they end as a failed job's survivors do.
-        if let (Some((_, at, asked, since)), None) = (interrupted, termed_at) {
+    }
+
+    /// Interrupted: stop the ranks once every rank asked has written its record (or after the
+    /// wait); they end as a failed job's survivors do.
+    fn records_written(&mut self, spec: &LaunchSpec) {
+        if let (Some((_, at, asked, since)), None) = (self.interrupted, self.termed_at) {
             let written = spec
                 .dump_dir
                 .as_ref()
                 .map_or(0, |d| ranks_recorded_since(&d.path, since).len());
             if written >= asked || at.elapsed() >= RECORDS_WAIT {
-                failed_at.get_or_insert_with(Instant::now);
+                self.failed_at.get_or_insert_with(Instant::now);
             }
         }
-        let mut failed_now = Vec::new();
+    }
+
+    /// The ranks that exited since the last look, failed ones listed.
+    fn exited(&mut self, children: &mut [Child], by_launcher: bool) -> std::io::Result<Vec<usize>> {
+        let mut failed = Vec::new();
         for (rank, c) in children.iter_mut().enumerate() {
-            if status[rank].is_none() {
+            if self.status[rank].is_none() {
                 if let Some(s) = c.try_wait()? {
-                    status[rank] = Some((s, termed_at.is_some()));
+                    self.status[rank] = Some((s, by_launcher));
                     if !s.success() {
-                        failed_now.push(rank);
+                        failed.push(rank);
                     }
                 }
             }
         }
-        if first_failure.is_none() && !failed_now.is_empty() && interrupted.is_none() {
-            // The ranks that notice a dead peer exit within milliseconds of it, and one pass may see
-            // several exits. Look once more after a moment, then blame a rank that died by a signal
-            // (ranks reacting to a failure exit with an error code) before one that exited.
-            std::thread::sleep(Duration::from_millis(30));
-            for (rank, c) in children.iter_mut().enumerate() {
-                if status[rank].is_none() {
-                    if let Some(s) = c.try_wait()? {
-                        status[rank] = Some((s, false));
-                        if !s.success() {
-                            failed_now.push(rank);
-                        }
-                    }
-                }
-            }
-            let signalled = failed_now
-                .iter()
-                .copied()
-                .find(|r| status[*r].unwrap().0.signal().is_some());
-            let rank = signalled.unwrap_or(failed_now[0]);
-            first_failure = Some(rank);
-            failed_at = Some(Instant::now());
-            say(
-                &out,
-                &format!(
-                    "rank {rank} failed ({}); giving the other ranks {:.1}s to stop",
-                    describe(status[rank].unwrap().0),
-                    spec.grace.as_secs_f64()
-                ),
-            );
+        Ok(failed)
+    }
+
+    /// Record the ranks that exited; at the first failure (not an interruption), blame one rank
+    /// and start the others' grace period.
+    fn reap(
+        &mut self,
+        children: &mut [Child],
+        out: &Output,
+        spec: &LaunchSpec,
+    ) -> std::io::Result<()> {
+        let mut failed_now = self.exited(children, self.termed_at.is_some())?;
+        if self.first_failure.is_some() || failed_now.is_empty() || self.interrupted.is_some() {
+            return Ok(());
         }
-        if let (Some(t), None) = (failed_at, termed_at) {
+        // The ranks that notice a dead peer exit within milliseconds of it, and one pass may see
+        // several exits. Look once more after a moment, then blame a rank that died by a signal
+        // (ranks reacting to a failure exit with an error code) before one that exited.
+        std::thread::sleep(Duration::from_millis(30));
+        failed_now.extend(self.exited(children, false)?);
+        let signalled = failed_now
+            .iter()
+            .copied()
+            .find(|r| self.status[*r].unwrap().0.signal().is_some());
+        let rank = signalled.unwrap_or(failed_now[0]);
+        self.first_failure = Some(rank);
+        self.failed_at = Some(Instant::now());
+        say(
+            out,
+            &format!(
+                "rank {rank} failed ({}); giving the other ranks {:.1}s to stop",
+                describe(self.status[rank].unwrap().0),
+                spec.grace.as_secs_f64()
+            ),
+        );
+        Ok(())
+    }
+
+    /// After the grace period, SIGTERM to every rank still running; 2 s later, SIGKILL to its
+    /// process group.
+    fn escalate(&mut self, children: &mut [Child], out: &Output, spec: &LaunchSpec) {
+        if let (Some(t), None) = (self.failed_at, self.termed_at) {
             // An interrupted job's ranks had their wait for the records.
-            let grace = if interrupted.is_some() {
+            let grace = if self.interrupted.is_some() {
                 Duration::ZERO
             } else {
                 spec.grace
             };
             if t.elapsed() >= grace {
-                termed_at = Some(Instant::now());
+                self.termed_at = Some(Instant::now());
                 for (rank, c) in children.iter().enumerate() {
-                    if status[rank].is_none() {
-                        say(&out, &format!("terminating rank {rank}"));
+                    if self.status[rank].is_none() {
+                        say(out, &format!("terminating rank {rank}"));
                         if let Some(pid) = rustix::process::Pid::from_raw(c.id() as i32) {
                             let _ =
                                 rustix::process::kill_process(pid, rustix::process::Signal::TERM);
@@ -418,17 +496,28 @@ fn launch_with(
                 }
             }
         }
-        if let Some(t) = termed_at {
+        if let Some(t) = self.termed_at {
             if t.elapsed() >= Duration::from_secs(2) {
                 for (rank, c) in children.iter_mut().enumerate() {
-                    if status[rank].is_none() {
+                    if self.status[rank].is_none() {
                         signal_group(c, rustix::process::Signal::KILL);
                     }
                 }
             }
         }
-        std::thread::sleep(Duration::from_millis(10));
     }
+}
+
+/// Every rank has exited: drain their output, remove their markers, say how the job ended and
+/// where its flight records are (or remove an unneeded dump directory).
+fn finish(
+    spec: &LaunchSpec,
+    job: &Job,
+    children: &[Child],
+    readers: Vec<std::thread::JoinHandle<()>>,
+    sup: Supervisor,
+    out: &Output,
+) -> Outcome {
     // Output still buffered in the pipes is drained; a grandchild that kept a pipe open does not
     // hold the launcher.
     let drain = Instant::now() + Duration::from_secs(2);
@@ -438,7 +527,8 @@ fn launch_with(
     for r in readers.into_iter().filter(|r| r.is_finished()) {
         let _ = r.join();
     }
-    let exits: Vec<RankExit> = status
+    let exits: Vec<RankExit> = sup
+        .status
         .into_iter()
         .enumerate()
         .map(|(rank, s)| {
@@ -452,29 +542,39 @@ fn launch_with(
         .collect();
     // The ranks' SIGUSR1 markers go with them.
     if let Some(d) = &spec.dump_dir {
-        for c in &children {
-            let marker = ringzero_collectives::flight::sigusr1_marker(&job, c.id());
+        for c in children {
+            let marker = ringzero_collectives::flight::sigusr1_marker(&job.id, c.id());
             let _ = std::fs::remove_file(d.path.join(marker));
         }
     }
+    let first_failure = sup.first_failure;
     let outcome = Outcome {
         exits,
         first_failure,
-        interrupted: interrupted.map(|(sig, ..)| sig),
+        interrupted: sup.interrupted.map(|(sig, ..)| sig),
     };
     if let Some(r) = first_failure {
         say(
-            &out,
+            out,
             &format!(
                 "job failed: rank {r} exited first with {}",
                 describe(outcome.exits[r].status)
             ),
         );
     }
-    if let (Some(d), Some(sig)) = (&spec.dump_dir, outcome.interrupted) {
+    if let Some(d) = &spec.dump_dir {
+        tell_records(spec, d, &outcome, out);
+    }
+    outcome
+}
+
+/// Where the flight records of an interrupted or failed job are; a succeeded job's directory
+/// of its own is removed.
+fn tell_records(spec: &LaunchSpec, d: &DumpDir, outcome: &Outcome, out: &Output) {
+    if let Some(sig) = outcome.interrupted {
         let ranks = ranks_recorded_since(&d.path, 0);
         say(
-            &out,
+            out,
             &format!(
                 "interrupted by signal {sig}: flight records of {} of {} ranks are in {}: \
                  `ringzero diag --flight {}` shows what each rank was doing",
@@ -484,30 +584,27 @@ fn launch_with(
                 d.path.display()
             ),
         );
-    } else if let Some(d) = &spec.dump_dir {
-        if first_failure.is_some() {
-            let ranks: std::collections::BTreeSet<usize> =
-                ringzero_collectives::flight::read_dir(&d.path)
-                    .map(|recs| recs.iter().map(|r| r.rank).collect())
-                    .unwrap_or_default();
-            if !ranks.is_empty() {
-                say(
-                    &out,
-                    &format!(
-                        "flight records of {} of {} ranks are in {}: `ringzero diag --flight {}` \
-                         names the rank that broke the job",
-                        ranks.len(),
-                        spec.ranks,
-                        d.path.display(),
-                        d.path.display()
-                    ),
-                );
-            }
-        } else if d.remove_on_success {
-            let _ = std::fs::remove_dir_all(&d.path);
+    } else if outcome.first_failure.is_some() {
+        let ranks: std::collections::BTreeSet<usize> =
+            ringzero_collectives::flight::read_dir(&d.path)
+                .map(|recs| recs.iter().map(|r| r.rank).collect())
+                .unwrap_or_default();
+        if !ranks.is_empty() {
+            say(
+                out,
+                &format!(
+                    "flight records of {} of {} ranks are in {}: `ringzero diag --flight {}` \
+                     names the rank that broke the job",
+                    ranks.len(),
+                    spec.ranks,
+                    d.path.display(),
+                    d.path.display()
+                ),
+            );
         }
+    } else if d.remove_on_success {
+        let _ = std::fs::remove_dir_all(&d.path);
     }
-    Ok(outcome)
 }
 
 fn signal_group(c: &Child, sig: rustix::process::Signal) {

@@ -31,15 +31,11 @@ pub const DEFAULT_SLICE_BYTES: usize = 512 * 1024;
 /// Default largest frame payload on a GPU's device ring edges, unless
 /// `RINGZERO_DEVICE_SLICE_BYTES` says otherwise. Every slice costs a kernel launch, an event and a
 /// host round trip through the control block, and with several processes on one GPU a context
-/// switch. On an H100 with 2 processes on one GPU, all-reduce busbw at 256 MiB was 3.3 GB/s with
-/// 512 KiB slices, 25 with 4 MiB and 77 with 16 MiB (no MPS), and 195 with 4 MiB, 294 with 16 MiB
-/// and 330 with 64 MiB under MPS (docs/gpu-verification.md).
+/// switch, so large slices pay (the sweep over slice sizes: `docs/gpu-verification.md`).
 pub const DEFAULT_GPU_SLICE_BYTES: usize = 16 << 20;
 /// The same when `RINGZERO_P2P_DISABLE=1` (or a failed start-up probe) stages every device edge
 /// inside a node through `/dev/shm`, which takes slots × slice bytes of it per edge, page-locked.
-/// Larger slices run faster: on an H100 with 2 processes under MPS, all-reduce busbw at 256 MiB
-/// was 13.5 GB/s with 1 MiB slices, 15.6 with 4 MiB and 17.7 with 16 MiB (4 processes: 7.9, 8.6,
-/// 10.2). So staging takes [`LARGE_GPU_STAGED_SLICE_BYTES`] when every rank's shm directory has
+/// Larger slices run faster there too (`docs/gpu-verification.md`), so staging takes [`LARGE_GPU_STAGED_SLICE_BYTES`] when every rank's shm directory has
 /// room for twice what the communicator's FIFOs need at that size, and this otherwise (a
 /// container's default /dev/shm is often 64 MB); see [`staged_slice_bytes`].
 pub const DEFAULT_GPU_STAGED_SLICE_BYTES: usize = 4 << 20;

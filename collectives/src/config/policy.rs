@@ -32,21 +32,18 @@ pub enum StagingMode {
     #[default]
     Auto,
     /// Kernels read and write the mapped host slots directly (no separate copies). One kernel
-    /// moving both ways over mapped memory gets about 60 % of what the copy engines move (on the
-    /// H200 29–31 GB/s each way against 46–50), but four ranks' kernels on one GPU together
-    /// come within 8 % of the link (the H200: 4 ranks 10.3 GB/s busbw mapped, 7.5 copy).
+    /// moving both ways over mapped memory gets well under what the copy engines move, but
+    /// several ranks' kernels on one GPU together come close to the link (`docs/gpu.md`).
     Mapped,
     /// Explicit copies on the copy engines: a kernel's result goes to device scratch and is
     /// copied into the host slot; a received slot is copied into device scratch before a kernel
-    /// reads it. The copies into the device and out of it run at once on two copy lanes (on the
-    /// H200, 2 ranks made 22.5 GB/s busbw this way against 19.2 mapped).
+    /// reads it. The copies into the device and out of it run at once on two copy lanes.
     Copy,
 }
 
-/// The most ranks sharing one GPU for which [`StagingMode::Auto`] stages by explicit copies.
-/// Measured on one H200: 2 ranks copy 1.17× of mapped, 4 ranks copy 0.73× of mapped; 3 ranks
-/// (and several GPUs of one rank each) were not measured: one rank per GPU is 2's case with a
-/// link to itself, where one mapped kernel's 60 % of the link is what copies win against.
+/// The most ranks sharing one GPU for which [`StagingMode::Auto`] stages by explicit copies:
+/// with few ranks a mapped kernel leaves the link half idle and the copy engines fill it; with
+/// more, the ranks' kernels fill it together (the measurements: `docs/gpu-verification.md`).
 pub const COPY_STAGING_MAX_SHARERS: usize = 2;
 
 impl StagingMode {

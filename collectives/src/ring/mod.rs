@@ -1,7 +1,9 @@
 //! The ring: the schedule as pure data ([`schedule`]) and the engine that drives a transport
 //! through it ([`engine`]).
 
+pub(crate) mod dev_links;
 pub mod device_engine;
+mod device_work;
 pub mod doubling;
 pub mod engine;
 pub(crate) mod failure;

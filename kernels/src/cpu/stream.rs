@@ -4,14 +4,12 @@
 //! for ownership), so writing a large result moves every byte twice. When a collective's output is
 //! larger than the caches, that read is pure waste: the next thing to touch the output is the
 //! caller, long after the line has been evicted. Non-temporal stores write whole lines to memory
-//! without reading them first and without evicting the working set. On the 2-core EPYC VM this
-//! project develops on, a 64 MiB buffer copied in 512 KiB pieces ran at ~7.7 GB/s with `memcpy`
-//! and ~10.8 GB/s with 16-byte streaming stores; inside the ring the gain is smaller (see
-//! `docs/design-notes.md`, "Streaming stores"), which is why only large outputs use them.
+//! without reading them first and without evicting the working set. Inside the ring the gain is
+//! smaller than in a plain copy, which is why only large outputs use them (the measurements:
+//! `docs/design-notes.md`, "Streaming stores").
 //!
-//! Only copies stream. A reduction that combined into a 4 KiB L1 tile and streamed the tile out ran
-//! 1.3× slower than the plain reduction alone (criterion, 64 MiB f32) and gained no more than
-//! streaming the copies only inside the ring, so it was dropped. Streaming stores are weakly ordered: call [`stream_fence`] before
+//! Only copies stream: a reduction that streams its combined tiles out runs slower than the plain
+//! reduction and gains nothing inside the ring. Streaming stores are weakly ordered: call [`stream_fence`] before
 //! another thread or process may read what they wrote.
 //!
 //! On other architectures the same functions use plain stores.

@@ -30,8 +30,7 @@ pub const KERNELS_CU: &str = include_str!("../cuda/kernels.cu");
 const BLOCK: u32 = 256;
 
 /// Events that [`Gpu::time`] reads elapsed time between. cudarc's default flag
-/// (`CU_EVENT_DISABLE_TIMING`) makes `cuEventElapsedTime` fail with `CUDA_ERROR_INVALID_HANDLE`,
-/// as the first run on an H100 showed.
+/// (`CU_EVENT_DISABLE_TIMING`) makes `cuEventElapsedTime` fail with `CUDA_ERROR_INVALID_HANDLE`.
 const TIMED: cudarc::driver::sys::CUevent_flags =
     cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
 

@@ -65,8 +65,8 @@ const BASELINE_REPS: usize = 5;
 const BASELINE_ROUNDS: usize = 3;
 
 /// The fastest of [`BASELINE_ROUNDS`] timings (milliseconds). A yardstick is what the hardware
-/// can do, and noise only slows it: on the H200 one timing of the host link both ways gave
-/// anything from 46.0 to 50.2 GB/s each way in one session, and a row's share of it moved with it.
+/// can do, and noise only slows it: single timings of one link vary by several percent within a
+/// session, and every row's share of the yardstick would move with them.
 fn fastest<E>(mut time: impl FnMut() -> Result<f64, E>) -> Result<f64, E> {
     let mut best = f64::INFINITY;
     for _ in 0..BASELINE_ROUNDS {
