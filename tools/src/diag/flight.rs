@@ -183,10 +183,20 @@ fn list(ranks: &[usize]) -> String {
     }
 }
 
+/// What one communicator's records say together: every rank's record, every rank's entry at
+/// each sequence number, the furthest sequence number any rank reached, and the time it began.
+struct Joined<'a> {
+    size: usize,
+    by_rank: BTreeMap<usize, &'a FlightRecord>,
+    at: BTreeMap<u64, BTreeMap<usize, &'a FlightEntry>>,
+    frontier: Option<u64>,
+    t0: u64,
+    rs: &'a [&'a FlightRecord],
+}
+
 fn group(job_id: String, comm: String, rs: &[&FlightRecord]) -> Group {
     let size = rs.iter().map(|r| r.size).max().unwrap_or(0);
     let by_rank: BTreeMap<usize, &FlightRecord> = rs.iter().map(|r| (r.rank, *r)).collect();
-    let last = |r: &FlightRecord| r.entries.last().cloned();
     let frontier = by_rank
         .values()
         .filter_map(|r| r.entries.last().map(|e| e.seq))
@@ -202,11 +212,53 @@ fn group(job_id: String, comm: String, rs: &[&FlightRecord]) -> Group {
         .and_then(|s| at.get(&s))
         .and_then(|m| m.values().map(|e| e.start_unix_us).min())
         .unwrap_or(0);
+    let j = Joined {
+        size,
+        by_rank,
+        at,
+        frontier,
+        t0,
+        rs,
+    };
     let mut findings = Vec::new();
+    findings.extend(sizes_disagree(&j));
+    findings.extend(mismatched_calls(&j));
+    findings.extend(missing_ranks(&j));
+    findings.extend(behind_and_late(&j));
+    findings.extend(p2p_waits(&j.by_rank, t0));
+    findings.extend(first_error(&j));
+    if findings.is_empty() {
+        let n = j
+            .by_rank
+            .values()
+            .map(|r| r.entries.len())
+            .max()
+            .unwrap_or(0);
+        findings.push(Finding {
+            kind: FindingKind::CONSISTENT,
+            ranks: vec![],
+            seq: frontier,
+            text: format!("every rank recorded the same calls (the last {n} kept) and none failed"),
+        });
+    }
+    Group {
+        job_id,
+        comm,
+        size,
+        t0_unix_us: t0,
+        ranks: rank_lines(&j),
+        findings,
+    }
+}
 
+/// Records that disagree on the world size come from different runs.
+fn sizes_disagree(j: &Joined) -> Vec<Finding> {
+    let Joined { size, rs, .. } = j;
+    let size = *size;
+    let mut out = Vec::new();
     if rs.iter().any(|r| r.size != size) {
         let sizes: BTreeSet<usize> = rs.iter().map(|r| r.size).collect();
-        findings.push(Finding {
+        out.push(Finding {
             kind: FindingKind::MISMATCH,
             ranks: vec![],
             seq: None,
@@ -216,8 +268,13 @@ fn group(job_id: String, comm: String, rs: &[&FlightRecord]) -> Group {
             ),
         });
     }
+    out
+}
 
-    // 1. Different calls at one sequence number (the first such number).
+/// 1. Different calls at one sequence number (the first such number).
+fn mismatched_calls(j: &Joined) -> Vec<Finding> {
+    let Joined { at, .. } = j;
+    let mut out = Vec::new();
     if let Some((seq, calls)) = at.iter().find_map(|(seq, m)| {
         let mut calls: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
         for (rank, e) in m {
@@ -230,7 +287,7 @@ fn group(job_id: String, comm: String, rs: &[&FlightRecord]) -> Group {
             .iter()
             .map(|(c, rk)| format!("{} called {c}", list(rk)))
             .collect();
-        findings.push(Finding {
+        out.push(Finding {
             kind: FindingKind::MISMATCH,
             ranks,
             seq: Some(seq),
@@ -241,8 +298,20 @@ fn group(job_id: String, comm: String, rs: &[&FlightRecord]) -> Group {
             ),
         });
     }
+    out
+}
 
-    // 2. Ranks without a record, with what the others said about them.
+/// 2. Ranks without a record, with what the others said about them.
+fn missing_ranks(j: &Joined) -> Vec<Finding> {
+    let Joined {
+        size,
+        by_rank,
+        at,
+        frontier,
+        ..
+    } = j;
+    let (size, frontier) = (*size, *frontier);
+    let mut out = Vec::new();
     let missing: Vec<usize> = (0..size).filter(|r| !by_rank.contains_key(r)).collect();
     for m in &missing {
         let needle = format!("peer rank {m}");
@@ -268,22 +337,35 @@ fn group(job_id: String, comm: String, rs: &[&FlightRecord]) -> Group {
         if let Some((_, rank, f)) = witness {
             text += &format!("; the others saw it go: rank {rank}: {f}");
         }
-        findings.push(Finding {
+        out.push(Finding {
             kind: FindingKind::NO_RECORD,
             ranks: vec![*m],
             seq: None,
             text,
         });
     }
+    out
+}
 
-    // 3. Ranks whose last call is older than the frontier.
+/// 3. Ranks whose last call is older than the frontier; 4. late entry into the frontier call.
+fn behind_and_late(j: &Joined) -> Vec<Finding> {
+    let Joined {
+        by_rank,
+        at,
+        frontier,
+        t0,
+        rs,
+        ..
+    } = j;
+    let (frontier, t0) = (*frontier, *t0);
+    let mut out = Vec::new();
     if let Some(f) = frontier {
         let call = at
             .get(&f)
             .and_then(|m| m.values().next())
             .map_or("?".to_string(), |e| e.call.clone());
         let waiting: Vec<usize> = at.get(&f).map_or(vec![], |m| m.keys().copied().collect());
-        for (rank, r) in &by_rank {
+        for (rank, r) in by_rank.iter() {
             let mine = r.entries.last();
             if mine.is_some_and(|e| e.seq >= f) {
                 continue;
@@ -303,7 +385,7 @@ fn group(job_id: String, comm: String, rs: &[&FlightRecord]) -> Group {
                 (None, true) => "; then it closed its communicator".to_string(),
                 (None, false) => String::new(),
             };
-            findings.push(Finding {
+            out.push(Finding {
                 kind: FindingKind::NEVER_CALLED,
                 ranks: vec![*rank],
                 seq: Some(f),
@@ -326,7 +408,7 @@ fn group(job_id: String, comm: String, rs: &[&FlightRecord]) -> Group {
                 let late_after_fail =
                     first_fail.filter(|(q, fe)| *q != rank && e.start_unix_us >= end_us(fe));
                 if let Some((q, fe)) = late_after_fail {
-                    findings.push(Finding {
+                    out.push(Finding {
                         kind: FindingKind::LATE,
                         ranks: vec![*rank],
                         seq: Some(f),
@@ -343,7 +425,7 @@ fn group(job_id: String, comm: String, rs: &[&FlightRecord]) -> Group {
                 } else if let Some((q, fe)) = first_in {
                     let lag = e.start_unix_us.saturating_sub(fe.start_unix_us) as f64;
                     if q != rank && timeout_us > 0.0 && lag >= timeout_us / 2.0 {
-                        findings.push(Finding {
+                        out.push(Finding {
                             kind: FindingKind::LATE,
                             ranks: vec![*rank],
                             seq: Some(f),
@@ -360,11 +442,16 @@ fn group(job_id: String, comm: String, rs: &[&FlightRecord]) -> Group {
             }
         }
     }
+    out
+}
 
-    // 5. Point-to-point messages a rank waited on that its peer never started.
-    findings.extend(p2p_waits(&by_rank, t0));
-
-    // 6. The earliest error by the clock.
+/// 6. The earliest error by the clock (or a failure outside any recorded call).
+fn first_error(j: &Joined) -> Vec<Finding> {
+    let Joined {
+        by_rank, t0, rs, ..
+    } = j;
+    let t0 = *t0;
+    let mut out = Vec::new();
     if let Some((rank, e)) = by_rank
         .iter()
         .flat_map(|(rank, r)| r.entries.iter().map(move |e| (*rank, e)))
@@ -377,7 +464,7 @@ fn group(job_id: String, comm: String, rs: &[&FlightRecord]) -> Group {
         } else {
             ""
         };
-        findings.push(Finding {
+        out.push(Finding {
             kind: FindingKind::FIRST_ERROR,
             ranks: vec![rank],
             seq: Some(e.seq),
@@ -394,24 +481,21 @@ fn group(job_id: String, comm: String, rs: &[&FlightRecord]) -> Group {
         .iter()
         .find_map(|(rank, r)| r.failure.as_ref().map(|f| (*rank, f)))
     {
-        findings.push(Finding {
+        out.push(Finding {
             kind: FindingKind::FIRST_ERROR,
             ranks: vec![rank],
             seq: None,
             text: format!("rank {rank} failed outside a recorded call: {why}"),
         });
     }
-    if findings.is_empty() {
-        let n = by_rank.values().map(|r| r.entries.len()).max().unwrap_or(0);
-        findings.push(Finding {
-            kind: FindingKind::CONSISTENT,
-            ranks: vec![],
-            seq: frontier,
-            text: format!("every rank recorded the same calls (the last {n} kept) and none failed"),
-        });
-    }
+    out
+}
 
-    let ranks = (0..size)
+/// One line per rank: where it ran, its last call, how it ended.
+fn rank_lines(j: &Joined) -> Vec<RankLine> {
+    let last = |r: &FlightRecord| r.entries.last().cloned();
+    let (size, by_rank) = (j.size, &j.by_rank);
+    (0..size)
         .map(|rank| match by_rank.get(&rank) {
             Some(r) => RankLine {
                 rank,
@@ -432,15 +516,7 @@ fn group(job_id: String, comm: String, rs: &[&FlightRecord]) -> Group {
                 closed: false,
             },
         })
-        .collect();
-    Group {
-        job_id,
-        comm,
-        size,
-        t0_unix_us: t0,
-        ranks,
-        findings,
-    }
+        .collect()
 }
 
 /// For every message a rank's record shows pending (a receive waiting for its frames, a send for
