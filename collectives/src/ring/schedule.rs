@@ -402,103 +402,25 @@ pub fn plan(a: PlanArgs) -> Plan {
         output_len,
         in_place,
     };
-    let input = |range: Range<usize>| {
-        Some(Loc {
-            buf: Buf::Input,
-            range,
-        })
-    };
-    // In place, copying a region onto itself is a no-op (`read_from_same`: the value is the local
-    // operand unchanged).
-    let output = |range: Range<usize>, read_from_same: bool| {
-        if in_place && read_from_same {
-            None
-        } else {
-            Some(Loc {
-                buf: Buf::Output,
-                range,
-            })
-        }
-    };
-    let op = |step: usize, slice: usize, range: &Range<usize>| Op {
-        step: step as u32,
-        slice: slice as u32,
-        elems: range.len(),
-        recv: false,
-        local: None,
-        store: None,
-        finalize: false,
-        send: false,
-    };
-
+    let l = Locs { in_place };
     if n == 1 {
         let all = match coll {
             Collective::Barrier => 0..0,
             _ => own.clone(),
         };
         let mut o = op(0, 0, &all);
-        o.local = input(all.clone());
-        o.store = output(all, true);
+        o.local = l.input(all.clone());
+        o.store = l.output(all, true);
         if o.store.is_some() {
             p.ops.push(o);
         }
         return p;
     }
-
-    let ring = |x: isize| x.rem_euclid(n as isize) as usize;
-    let ri = r as isize;
     match coll {
         Collective::ReduceScatter
         | Collective::AllGather
         | Collective::AllReduce
-        | Collective::Barrier => {
-            let slices = chunks.largest().div_ceil(se).max(1);
-            let slice_of = |c: usize, j: usize| split(chunks.get(c), slices, j);
-            for j in 0..slices {
-                let mut step = 0;
-                if matches!(coll, Collective::ReduceScatter | Collective::AllReduce) {
-                    // op k: receive chunk r−k−1 (k ≥ 1), add own input, send it on (k < n−1).
-                    for k in 0..n {
-                        let c = ring(ri - k as isize - 1);
-                        let s = slice_of(c, j);
-                        let mut o = op(step, j, &s);
-                        o.recv = k > 0;
-                        o.local = input(s.clone());
-                        o.send = k < n - 1;
-                        if k == n - 1 {
-                            o.finalize = true;
-                            o.store = output(s, false);
-                            o.send = coll == Collective::AllReduce;
-                        }
-                        p.ops.push(o);
-                        step += 1;
-                    }
-                    // The all-gather's first send was the reduce-scatter's last op (step n − 1).
-                }
-                if matches!(
-                    coll,
-                    Collective::AllGather | Collective::AllReduce | Collective::Barrier
-                ) {
-                    // op k: receive chunk r−k (k ≥ 1), keep it, send it on (k < n−1).
-                    let first = if coll == Collective::AllReduce { 1 } else { 0 };
-                    for k in first..n {
-                        let c = ring(ri - k as isize);
-                        let s = slice_of(c, j);
-                        let mut o = op(step, j, &s);
-                        if k == 0 {
-                            o.local = input(s.clone());
-                            o.store = output(s, true);
-                        } else {
-                            o.recv = true;
-                            o.store = output(s, false);
-                        }
-                        o.send = k < n - 1;
-                        p.ops.push(o);
-                        step += 1;
-                    }
-                }
-            }
-        }
+        | Collective::Barrier => ring_ops(&mut p, &l, coll, &chunks, (n, r), se),
         // The pairwise collectives plan each message like this (`plan_p2p` is the same frames).
         Collective::ReduceScatterV | Collective::AllGatherV => {
             unreachable!("planned as the ring's collective over the given parts")
@@ -508,52 +430,173 @@ pub fn plan(a: PlanArgs) -> Plan {
         | Collective::SendRecv
         | Collective::AllToAllV
         | Collective::Gather { .. }
-        | Collective::Scatter { .. } => {
-            // Send slice j before receiving slice j into the same place: in place works too.
-            let slices = count.div_ceil(se).max(1);
-            for j in 0..slices {
-                let s = split(0..count, slices, j);
-                let mut send = op(0, j, &s);
-                send.send = true;
-                send.local = input(s.clone());
-                let mut recv = op(1, j, &s);
-                recv.recv = true;
-                recv.store = output(s, false);
-                p.ops.push(send);
-                p.ops.push(recv);
-            }
-        }
+        | Collective::Scatter { .. } => exchange_ops(&mut p, &l, count, se),
         Collective::Broadcast { root } | Collective::Reduce { root } => {
-            let reduce = matches!(coll, Collective::Reduce { .. });
-            // Position along the chain: broadcast starts at the root, reduce ends at it.
-            let pos = if reduce {
-                ring(ri - root as isize - 1)
-            } else {
-                ring(ri - root as isize)
-            };
-            let slices = count.div_ceil(se).max(1);
-            for j in 0..slices {
-                let s = split(0..count, slices, j);
-                let mut o = op(pos, j, &s);
-                o.recv = pos > 0;
-                o.send = pos < n - 1;
-                if reduce {
-                    o.local = input(s.clone());
-                    if pos == n - 1 {
-                        o.finalize = true;
-                        o.store = output(s, false);
-                    }
-                } else if pos == 0 {
-                    o.local = input(s.clone());
-                    o.store = output(s, true);
-                } else {
-                    o.store = output(s, false);
-                }
-                p.ops.push(o);
-            }
+            chain_ops(&mut p, &l, coll, root, (n, r), count, se)
         }
     }
     p
+}
+
+/// Where one plan's ops read and write: the caller's input or output, in place or not.
+struct Locs {
+    in_place: bool,
+}
+
+impl Locs {
+    /// `range` of the input.
+    fn input(&self, range: Range<usize>) -> Option<Loc> {
+        Some(Loc {
+            buf: Buf::Input,
+            range,
+        })
+    }
+
+    /// `range` of the output; in place, copying a region onto itself is a no-op
+    /// (`read_from_same`: the value is the local operand unchanged).
+    fn output(&self, range: Range<usize>, read_from_same: bool) -> Option<Loc> {
+        if self.in_place && read_from_same {
+            None
+        } else {
+            Some(Loc {
+                buf: Buf::Output,
+                range,
+            })
+        }
+    }
+}
+
+/// An op at `step` of `slice` over `range`'s elements that does nothing yet.
+fn op(step: usize, slice: usize, range: &Range<usize>) -> Op {
+    Op {
+        step: step as u32,
+        slice: slice as u32,
+        elems: range.len(),
+        recv: false,
+        local: None,
+        store: None,
+        finalize: false,
+        send: false,
+    }
+}
+
+/// The ring's reduce-scatter, all-gather, all-reduce (the two in turn, per slice) and barrier
+/// (an empty all-gather) on rank `r` of `n`, slice-major.
+fn ring_ops(
+    p: &mut Plan,
+    l: &Locs,
+    coll: Collective,
+    chunks: &Chunks,
+    (n, r): (usize, usize),
+    se: usize,
+) {
+    let ring = |x: isize| x.rem_euclid(n as isize) as usize;
+    let ri = r as isize;
+    let slices = chunks.largest().div_ceil(se).max(1);
+    let slice_of = |c: usize, j: usize| split(chunks.get(c), slices, j);
+    for j in 0..slices {
+        let mut step = 0;
+        if matches!(coll, Collective::ReduceScatter | Collective::AllReduce) {
+            // op k: receive chunk r−k−1 (k ≥ 1), add own input, send it on (k < n−1).
+            for k in 0..n {
+                let c = ring(ri - k as isize - 1);
+                let s = slice_of(c, j);
+                let mut o = op(step, j, &s);
+                o.recv = k > 0;
+                o.local = l.input(s.clone());
+                o.send = k < n - 1;
+                if k == n - 1 {
+                    o.finalize = true;
+                    o.store = l.output(s, false);
+                    o.send = coll == Collective::AllReduce;
+                }
+                p.ops.push(o);
+                step += 1;
+            }
+            // The all-gather's first send was the reduce-scatter's last op (step n − 1).
+        }
+        if matches!(
+            coll,
+            Collective::AllGather | Collective::AllReduce | Collective::Barrier
+        ) {
+            // op k: receive chunk r−k (k ≥ 1), keep it, send it on (k < n−1).
+            let first = if coll == Collective::AllReduce { 1 } else { 0 };
+            for k in first..n {
+                let c = ring(ri - k as isize);
+                let s = slice_of(c, j);
+                let mut o = op(step, j, &s);
+                if k == 0 {
+                    o.local = l.input(s.clone());
+                    o.store = l.output(s, true);
+                } else {
+                    o.recv = true;
+                    o.store = l.output(s, false);
+                }
+                o.send = k < n - 1;
+                p.ops.push(o);
+                step += 1;
+            }
+        }
+    }
+}
+
+/// A message each way between two ranks (ring shift, send/recv and the pairwise collectives):
+/// send slice j before receiving slice j into the same place, so in place works too.
+fn exchange_ops(p: &mut Plan, l: &Locs, count: usize, se: usize) {
+    let slices = count.div_ceil(se).max(1);
+    for j in 0..slices {
+        let s = split(0..count, slices, j);
+        let mut send = op(0, j, &s);
+        send.send = true;
+        send.local = l.input(s.clone());
+        let mut recv = op(1, j, &s);
+        recv.recv = true;
+        recv.store = l.output(s, false);
+        p.ops.push(send);
+        p.ops.push(recv);
+    }
+}
+
+/// Broadcast and reduce as a chain along the ring: a broadcast starts at the root, a reduce
+/// ends at it.
+fn chain_ops(
+    p: &mut Plan,
+    l: &Locs,
+    coll: Collective,
+    root: usize,
+    (n, r): (usize, usize),
+    count: usize,
+    se: usize,
+) {
+    let ring = |x: isize| x.rem_euclid(n as isize) as usize;
+    let ri = r as isize;
+    let reduce = matches!(coll, Collective::Reduce { .. });
+    // Position along the chain: broadcast starts at the root, reduce ends at it.
+    let pos = if reduce {
+        ring(ri - root as isize - 1)
+    } else {
+        ring(ri - root as isize)
+    };
+    let slices = count.div_ceil(se).max(1);
+    for j in 0..slices {
+        let s = split(0..count, slices, j);
+        let mut o = op(pos, j, &s);
+        o.recv = pos > 0;
+        o.send = pos < n - 1;
+        if reduce {
+            o.local = l.input(s.clone());
+            if pos == n - 1 {
+                o.finalize = true;
+                o.store = l.output(s, false);
+            }
+        } else if pos == 0 {
+            o.local = l.input(s.clone());
+            o.store = l.output(s, true);
+        } else {
+            o.store = l.output(s, false);
+        }
+        p.ops.push(o);
+    }
 }
 
 /// The ring all-to-all of rank `r` of `n`, blocks of `block` elements, into `p` (out of place).
