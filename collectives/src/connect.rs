@@ -197,24 +197,7 @@ pub(crate) fn connect_pair(
     // maps it. The byte precedes any frame on a tcp link's streams.
     let mut out = out;
     let inc = incoming.wires[0].as_mut().expect("taken above");
-    out.write_all(&[ATTACHED])
-        .and_then(|()| {
-            let mut b = [0u8];
-            inc.read_exact(&mut b)?;
-            match b[0] {
-                ATTACHED => Ok(()),
-                x => Err(std::io::Error::new(
-                    std::io::ErrorKind::InvalidData,
-                    format!("byte {x:#04x} where the attach acknowledgement was expected"),
-                )),
-            }
-        })
-        .map_err(|e| Error::PeerLost {
-            op: what.into(),
-            seq: 0,
-            peer,
-            detail: format!("waiting for rank {peer} to attach to this rank's links: {e}"),
-        })?;
+    both_attached(&mut out, inc, peer, what)?;
     let tx: Box<dyn SendLink> = match shm_tx {
         Some(tx) => Box::new(tx),
         None => Box::new(tcp::TcpSend::over(
@@ -236,6 +219,31 @@ pub(crate) fn connect_pair(
     let send_edge = route.edge(rank, peer);
     let links = Links::new(tx, rx, peer, peer)?;
     Ok((links, vec![recv_edge, send_edge]))
+}
+
+/// Neither side goes on before both have attached: a rank whose calls with the peer end at
+/// once (sends that fit the slots) could otherwise drop its receive segment before the peer maps
+/// it. Each side writes one byte on its first connection and reads the peer's; the byte precedes
+/// any frame on a tcp link's streams.
+fn both_attached(out: &mut TcpStream, inc: &mut TcpStream, peer: usize, what: &str) -> Result<()> {
+    out.write_all(&[ATTACHED])
+        .and_then(|()| {
+            let mut b = [0u8];
+            inc.read_exact(&mut b)?;
+            match b[0] {
+                ATTACHED => Ok(()),
+                x => Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("byte {x:#04x} where the attach acknowledgement was expected"),
+                )),
+            }
+        })
+        .map_err(|e| Error::PeerLost {
+            op: what.into(),
+            seq: 0,
+            peer,
+            detail: format!("waiting for rank {peer} to attach to this rank's links: {e}"),
+        })
 }
 
 /// A pair's incoming connections by index ([`tcp::write_intro`]): the listener hands them over in

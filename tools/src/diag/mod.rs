@@ -460,67 +460,9 @@ fn judge_pair(
 /// The report as text.
 pub fn text(r: &Report) -> String {
     let mut s = String::from("== Host\n");
-    let h = &r.host;
-    let opt = |o: &Option<String>| o.clone().unwrap_or_else(|| "-".into());
-    s += &format!("kernel            {}\n", opt(&h.kernel));
-    s += &format!(
-        "NVIDIA driver     {}\n",
-        h.nvidia_driver
-            .clone()
-            .unwrap_or_else(|| "not loaded".into())
-    );
-    s += &format!(
-        "virtual machine   {}\n",
-        h.virtual_machine
-            .clone()
-            .unwrap_or_else(|| "no sign".into())
-    );
-    s += &format!(
-        "container         {}\n",
-        h.container.clone().unwrap_or_else(|| "no sign".into())
-    );
-    s += &format!(
-        "root              {}\n",
-        h.root.map_or("unknown (fixture)".into(), |r| r.to_string())
-    );
-    s += &format!(
-        "/dev/shm          {}{}\n",
-        h.shm_bytes
-            .map_or("size unknown".into(), |b| format!("{} MiB", b >> 20)),
-        h.shm_free_bytes
-            .map_or(String::new(), |b| format!(", {} MiB free", b >> 20))
-    );
-    s += &format!(
-        "memlock           {}\n",
-        if h.memlock_unlimited {
-            "unlimited".into()
-        } else {
-            h.memlock_bytes
-                .map_or("unknown".into(), |b| format!("{} KiB", b >> 10))
-        }
-    );
-    s += &format!(
-        "IPC namespace     {}\n",
-        match h.private_ipc_namespace {
-            Some(true) => "private (not PID 1's)",
-            Some(false) => "shared with PID 1",
-            None => "unknown",
-        }
-    );
-    s += &format!(
-        "MPS               {}\n",
-        match &h.mps {
-            Some(p) => format!("{p}: processes sharing a GPU run side by side"),
-            None if r.gpus.is_empty() => "not running".into(),
-            None => "not running: processes that share a GPU take turns on it \
-                     (`nvidia-cuda-mps-control -d` runs them side by side)"
-                .into(),
-        }
-    );
-    for f in &r.host_findings {
-        s += &format!("! {f}\n");
-    }
+    s += &host_text(r);
     s += "\n== IOMMU\n";
+    let h = &r.host;
     s += &format!("active            {}\n", h.iommu_active);
     s += &format!(
         "kernel parameters {}\n",
@@ -607,5 +549,72 @@ pub fn text(r: &Report) -> String {
         r.exit_code,
         ["OK", "degraded", "broken"][r.exit_code.clamp(0, 2) as usize]
     );
+    s
+}
+
+/// The host section of [`text`]: kernel, driver, VM and container signs, /dev/shm, memlock, IPC
+/// namespace, MPS, and what was found wrong with them.
+fn host_text(r: &Report) -> String {
+    let mut s = String::new();
+    let h = &r.host;
+    let opt = |o: &Option<String>| o.clone().unwrap_or_else(|| "-".into());
+    s += &format!("kernel            {}\n", opt(&h.kernel));
+    s += &format!(
+        "NVIDIA driver     {}\n",
+        h.nvidia_driver
+            .clone()
+            .unwrap_or_else(|| "not loaded".into())
+    );
+    s += &format!(
+        "virtual machine   {}\n",
+        h.virtual_machine
+            .clone()
+            .unwrap_or_else(|| "no sign".into())
+    );
+    s += &format!(
+        "container         {}\n",
+        h.container.clone().unwrap_or_else(|| "no sign".into())
+    );
+    s += &format!(
+        "root              {}\n",
+        h.root.map_or("unknown (fixture)".into(), |r| r.to_string())
+    );
+    s += &format!(
+        "/dev/shm          {}{}\n",
+        h.shm_bytes
+            .map_or("size unknown".into(), |b| format!("{} MiB", b >> 20)),
+        h.shm_free_bytes
+            .map_or(String::new(), |b| format!(", {} MiB free", b >> 20))
+    );
+    s += &format!(
+        "memlock           {}\n",
+        if h.memlock_unlimited {
+            "unlimited".into()
+        } else {
+            h.memlock_bytes
+                .map_or("unknown".into(), |b| format!("{} KiB", b >> 10))
+        }
+    );
+    s += &format!(
+        "IPC namespace     {}\n",
+        match h.private_ipc_namespace {
+            Some(true) => "private (not PID 1's)",
+            Some(false) => "shared with PID 1",
+            None => "unknown",
+        }
+    );
+    s += &format!(
+        "MPS               {}\n",
+        match &h.mps {
+            Some(p) => format!("{p}: processes sharing a GPU run side by side"),
+            None if r.gpus.is_empty() => "not running".into(),
+            None => "not running: processes that share a GPU take turns on it \
+                     (`nvidia-cuda-mps-control -d` runs them side by side)"
+                .into(),
+        }
+    );
+    for f in &r.host_findings {
+        s += &format!("! {f}\n");
+    }
     s
 }
