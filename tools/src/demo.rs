@@ -263,9 +263,6 @@ pub fn train<T: Float>(
     let names: Vec<[String; 2]> = (0..mlp.layers)
         .map(|l| [format!("w{l}"), format!("b{l}")])
         .collect();
-    let layer = |l: usize| [names[l][0].as_str(), names[l][1].as_str()];
-    // Gather order: forward 0..L, backward L..0.
-    let order: Vec<usize> = (0..mlp.layers).chain((0..mlp.layers).rev()).collect();
     let mut logs = Vec::new();
     let mut peak = 0usize;
     let accum = args.zero.accumulation_steps;
@@ -276,71 +273,9 @@ pub fn train<T: Float>(
         for _ in 0..accum {
             let (x, y) = mlp.batch(&teacher, comm.rank(), micro, args.batch);
             micro += 1;
-            // Forward, keeping each layer's input and pre-activation.
-            let mut acts = vec![x];
-            let mut pre = Vec::new();
-            let mut k = 0;
-            for l in 0..mlp.layers {
-                e.gather(&layer(l))?;
-                if let Some(&next) = order.get(k + 1) {
-                    e.prefetch(&layer(next))?;
-                }
-                k += 1;
-                let (i, o) = mlp.dims(l);
-                let z = linear(
-                    &acts[l],
-                    &e.param_f32(&names[l][0])?,
-                    &e.param_f32(&names[l][1])?,
-                    i,
-                    o,
-                );
-                peak = peak.max(e.memory().comm_buffers);
-                e.release(&layer(l))?;
-                let a = if l + 1 == mlp.layers {
-                    z.clone()
-                } else {
-                    z.iter().map(|v| v.max(0.0)).collect()
-                };
-                pre.push(z);
-                acts.push(a);
-            }
-            let out = &acts[mlp.layers];
-            let denom = (args.batch * mlp.output) as f32;
-            let scale = e.loss_scale();
-            let mut dz: Vec<f32> = out
-                .iter()
-                .zip(&y)
-                .map(|(p, t)| (p - t) * scale / denom)
-                .collect();
-            loss_sum += out
-                .iter()
-                .zip(&y)
-                .map(|(p, t)| 0.5 * ((p - t) as f64).powi(2))
-                .sum::<f64>()
-                / denom as f64;
-            // Backward.
-            for l in (0..mlp.layers).rev() {
-                e.gather(&layer(l))?;
-                if let Some(&next) = order.get(k + 1) {
-                    e.prefetch(&layer(next))?;
-                }
-                k += 1;
-                let (i, o) = mlp.dims(l);
-                let w = e.param_f32(&names[l][0])?;
-                peak = peak.max(e.memory().comm_buffers);
-                e.release(&layer(l))?;
-                let (dw, db, da) = linear_back(&acts[l], &w, &dz, i, o);
-                e.push_grad_f32(&names[l][0], &dw)?;
-                e.push_grad_f32(&names[l][1], &db)?;
-                peak = peak.max(e.memory().comm_buffers);
-                if l > 0 {
-                    dz = da
-                        .iter()
-                        .zip(&pre[l - 1])
-                        .map(|(g, z)| if *z > 0.0 { *g } else { 0.0 })
-                        .collect();
-                }
-            }
+            let (loss, seen) = micro_step(&mut e, mlp, args.batch, (x, y), &names)?;
+            loss_sum += loss;
+            peak = peak.max(seen);
             outcome = e.step()?;
         }
         let mut stats = [loss_sum / accum as f64, t0.elapsed().as_secs_f64()];
@@ -371,6 +306,114 @@ pub fn train<T: Float>(
     };
     let w = e.comm_wait();
     let per = args.steps.max(1) as u32;
+    let (memory, formula, numel) = memory_report(comm, &e, args)?;
+    Ok(DemoReport {
+        steps: logs,
+        mean_step,
+        gather_wait: w.gather / per,
+        reduce_wait: w.reduce / per,
+        memory,
+        formula,
+        numel,
+        peak_comm_buffers: peak,
+        load_time,
+        save_time,
+    })
+}
+
+/// One micro-step's forward and backward through the engine on the batch `(x, y)`: each layer
+/// gathered in turn (the next one in forward-then-backward order prefetched), read, released,
+/// and its gradients pushed as backward reaches it. The loss, and the most communication-buffer
+/// bytes the engine held meanwhile.
+fn micro_step<T: Float>(
+    e: &mut Engine<T>,
+    mlp: Mlp,
+    batch: usize,
+    (x, y): (Vec<f32>, Vec<f32>),
+    names: &[[String; 2]],
+) -> Result<(f64, usize), ZeroError> {
+    let layer = |l: usize| [names[l][0].as_str(), names[l][1].as_str()];
+    // Gather order: forward 0..L, backward L..0.
+    let order: Vec<usize> = (0..mlp.layers).chain((0..mlp.layers).rev()).collect();
+    let mut peak = 0usize;
+    // Forward, keeping each layer's input and pre-activation.
+    let mut acts = vec![x];
+    let mut pre = Vec::new();
+    let mut k = 0;
+    for l in 0..mlp.layers {
+        e.gather(&layer(l))?;
+        if let Some(&next) = order.get(k + 1) {
+            e.prefetch(&layer(next))?;
+        }
+        k += 1;
+        let (i, o) = mlp.dims(l);
+        let z = linear(
+            &acts[l],
+            &e.param_f32(&names[l][0])?,
+            &e.param_f32(&names[l][1])?,
+            i,
+            o,
+        );
+        peak = peak.max(e.memory().comm_buffers);
+        e.release(&layer(l))?;
+        let a = if l + 1 == mlp.layers {
+            z.clone()
+        } else {
+            z.iter().map(|v| v.max(0.0)).collect()
+        };
+        pre.push(z);
+        acts.push(a);
+    }
+    let out = &acts[mlp.layers];
+    let denom = (batch * mlp.output) as f32;
+    let scale = e.loss_scale();
+    let mut dz: Vec<f32> = out
+        .iter()
+        .zip(&y)
+        .map(|(p, t)| (p - t) * scale / denom)
+        .collect();
+    let loss = out
+        .iter()
+        .zip(&y)
+        .map(|(p, t)| 0.5 * ((p - t) as f64).powi(2))
+        .sum::<f64>()
+        / denom as f64;
+    // Backward.
+    for l in (0..mlp.layers).rev() {
+        e.gather(&layer(l))?;
+        if let Some(&next) = order.get(k + 1) {
+            e.prefetch(&layer(next))?;
+        }
+        k += 1;
+        let (i, o) = mlp.dims(l);
+        let w = e.param_f32(&names[l][0])?;
+        peak = peak.max(e.memory().comm_buffers);
+        e.release(&layer(l))?;
+        let (dw, db, da) = linear_back(&acts[l], &w, &dz, i, o);
+        e.push_grad_f32(&names[l][0], &dw)?;
+        e.push_grad_f32(&names[l][1], &db)?;
+        peak = peak.max(e.memory().comm_buffers);
+        if l > 0 {
+            dz = da
+                .iter()
+                .zip(&pre[l - 1])
+                .map(|(g, z)| if *z > 0.0 { *g } else { 0.0 })
+                .collect();
+        }
+    }
+    Ok((loss, peak))
+}
+
+/// Every rank's memory by category, and the paper's formula and element counts to set it
+/// against.
+type MemoryReport = (Vec<Memory>, (f64, f64, f64), (usize, usize));
+
+/// [`MemoryReport`] of `e` (a collective: every rank's memory is all-gathered).
+fn memory_report<T: Float>(
+    comm: &Communicator,
+    e: &Engine<T>,
+    args: &DemoArgs,
+) -> Result<MemoryReport, ZeroError> {
     let mine = e.memory();
     let mut all = vec![0i64; 4 * comm.size()];
     let own = [mine.params, mine.grads, mine.optimizer, mine.comm_buffers].map(|x| x as i64);
@@ -396,18 +439,11 @@ pub fn train<T: Float>(
         if sixteen { K_ADAM } else { 8.0 },
     )
     .map_err(ZeroError::Config)?;
-    Ok(DemoReport {
-        steps: logs,
-        mean_step,
-        gather_wait: w.gather / per,
-        reduce_wait: w.reduce / per,
+    Ok((
         memory,
-        formula: (f.params, f.grads, f.optimizer),
-        numel: (e.partition().numel(), padded),
-        peak_comm_buffers: peak,
-        load_time,
-        save_time,
-    })
+        (f.params, f.grads, f.optimizer),
+        (e.partition().numel(), padded),
+    ))
 }
 
 /// Rank 0's closing text: memory per rank by category against the formula.

@@ -283,63 +283,7 @@ where
             .map_or_else(|| "the slot ring".to_string(), str::to_string),
     });
     let mut seed = 0;
-    for coll in [
-        Collective::AllReduce,
-        Collective::ReduceScatter,
-        Collective::ReduceScatterV,
-        Collective::AllGather,
-        Collective::Broadcast { root: n - 1 },
-        Collective::Reduce { root: n - 1 },
-        Collective::RingShift,
-        Collective::AllToAll,
-        Collective::AllGatherV,
-        Collective::SendRecv,
-        Collective::AllToAllV,
-        Collective::Gather { root: n - 1 },
-        Collective::Scatter { root: 0 },
-        Collective::Barrier,
-    ] {
-        let mut fail = None;
-        let mut cases = 0;
-        'all: for d in DType::ALL {
-            for op in ReduceOp::ALL {
-                for (count, inplace) in counts(opts.quick)
-                    .into_iter()
-                    .flat_map(|c| [(c, false), (c, true)])
-                    // Send-recv (pairs 0↔1, 2↔3), all-to-all-v, gather and scatter have no
-                    // in-place form.
-                    .filter(|&(_, inplace)| !(inplace && one_way(coll)))
-                {
-                    seed += 1;
-                    cases += 1;
-                    match one(&mut dc, coll, inplace, d, op, count, seed) {
-                        Ok(None) => {}
-                        Ok(Some(f)) => {
-                            fail = Some(f);
-                            break 'all;
-                        }
-                        Err(e) => {
-                            fail = Some(e);
-                            break 'all;
-                        }
-                    }
-                }
-            }
-        }
-        rows.push(Row {
-            check: format!("{label} n={n} {}", coll.name()),
-            pass: fail.is_none(),
-            detail: fail.unwrap_or_else(|| {
-                let ways = if one_way(coll) {
-                    "out of place"
-                } else {
-                    "both ways"
-                };
-                let [a, b, c] = counts(opts.quick);
-                format!("{cases} cases (7 dtypes × 5 ops × counts {a}, {b}, {c} × {ways}) exact")
-            }),
-        });
-    }
+    rows.extend(exact_rows(&mut dc, label, opts.quick, &mut seed));
     let fail = async_all_reduce(&dc, seed).err();
     rows.push(Row {
         check: format!("{label} n={n} async all_reduce"),
@@ -385,6 +329,80 @@ where
                 detail: e,
             }),
         }
+    }
+    rows
+}
+
+/// One row per collective: every dtype × op × count, out of place and in place where it has
+/// that form, checked exactly (the first failure ends a collective's cases); `seed` numbers the
+/// cases across calls.
+fn exact_rows<D: CheckDev>(
+    dc: &mut DeviceComm<D>,
+    label: &str,
+    quick: bool,
+    seed: &mut usize,
+) -> Vec<Row>
+where
+    D::Buf: Send,
+{
+    let n = dc.size();
+    let mut rows = Vec::new();
+    for coll in [
+        Collective::AllReduce,
+        Collective::ReduceScatter,
+        Collective::ReduceScatterV,
+        Collective::AllGather,
+        Collective::Broadcast { root: n - 1 },
+        Collective::Reduce { root: n - 1 },
+        Collective::RingShift,
+        Collective::AllToAll,
+        Collective::AllGatherV,
+        Collective::SendRecv,
+        Collective::AllToAllV,
+        Collective::Gather { root: n - 1 },
+        Collective::Scatter { root: 0 },
+        Collective::Barrier,
+    ] {
+        let mut fail = None;
+        let mut cases = 0;
+        'all: for d in DType::ALL {
+            for op in ReduceOp::ALL {
+                for (count, inplace) in counts(quick)
+                    .into_iter()
+                    .flat_map(|c| [(c, false), (c, true)])
+                    // Send-recv (pairs 0↔1, 2↔3), all-to-all-v, gather and scatter have no
+                    // in-place form.
+                    .filter(|&(_, inplace)| !(inplace && one_way(coll)))
+                {
+                    *seed += 1;
+                    cases += 1;
+                    match one(dc, coll, inplace, d, op, count, *seed) {
+                        Ok(None) => {}
+                        Ok(Some(f)) => {
+                            fail = Some(f);
+                            break 'all;
+                        }
+                        Err(e) => {
+                            fail = Some(e);
+                            break 'all;
+                        }
+                    }
+                }
+            }
+        }
+        rows.push(Row {
+            check: format!("{label} n={n} {}", coll.name()),
+            pass: fail.is_none(),
+            detail: fail.unwrap_or_else(|| {
+                let ways = if one_way(coll) {
+                    "out of place"
+                } else {
+                    "both ways"
+                };
+                let [a, b, c] = counts(quick);
+                format!("{cases} cases (7 dtypes × 5 ops × counts {a}, {b}, {c} × {ways}) exact")
+            }),
+        });
     }
     rows
 }
