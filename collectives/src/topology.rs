@@ -177,7 +177,7 @@ pub fn choose_device(cfg: &Config, p: &DevicePeer) -> Result<Edge> {
     }
     if p.same_gpu {
         // Measured on an H100, 2 processes, 256 MiB all-reduce: 80 GB/s busbw without MPS, 307
-        // with it (docs/gpu-verification.md).
+        // with it (docs/gpu-runs/README.md).
         return edge(
             TransportKind::CudaIpc,
             match &p.mps {

@@ -31,11 +31,11 @@ pub const DEFAULT_SLICE_BYTES: usize = 512 * 1024;
 /// Default largest frame payload on a GPU's device ring edges, unless
 /// `RINGZERO_DEVICE_SLICE_BYTES` says otherwise. Every slice costs a kernel launch, an event and a
 /// host round trip through the control block, and with several processes on one GPU a context
-/// switch, so large slices pay (the sweep over slice sizes: `docs/gpu-verification.md`).
+/// switch, so large slices pay (the sweep over slice sizes: `docs/gpu-runs/README.md`).
 pub const DEFAULT_GPU_SLICE_BYTES: usize = 16 << 20;
 /// The same when `RINGZERO_P2P_DISABLE=1` (or a failed start-up probe) stages every device edge
 /// inside a node through `/dev/shm`, which takes slots × slice bytes of it per edge, page-locked.
-/// Larger slices run faster there too (`docs/gpu-verification.md`), so staging takes [`LARGE_GPU_STAGED_SLICE_BYTES`] when every rank's shm directory has
+/// Larger slices run faster there too (`docs/gpu-runs/README.md`), so staging takes [`LARGE_GPU_STAGED_SLICE_BYTES`] when every rank's shm directory has
 /// room for twice what the communicator's FIFOs need at that size, and this otherwise (a
 /// container's default /dev/shm is often 64 MB); see [`staged_slice_bytes`].
 pub const DEFAULT_GPU_STAGED_SLICE_BYTES: usize = 4 << 20;

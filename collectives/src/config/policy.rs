@@ -43,7 +43,7 @@ pub enum StagingMode {
 
 /// The most ranks sharing one GPU for which [`StagingMode::Auto`] stages by explicit copies:
 /// with few ranks a mapped kernel leaves the link half idle and the copy engines fill it; with
-/// more, the ranks' kernels fill it together (the measurements: `docs/gpu-verification.md`).
+/// more, the ranks' kernels fill it together (the measurements: `docs/gpu-runs/README.md`).
 pub const COPY_STAGING_MAX_SHARERS: usize = 2;
 
 impl StagingMode {

@@ -27,7 +27,7 @@
 //! part `k + 1` comes in while part `k − 1` goes out: the copy engines' way to both directions at
 //! once, where one kernel over mapped host memory moves well under what they do. With several
 //! ranks on one GPU their mapped kernels fill the link together instead (`StagingMode`; the
-//! figures per GPU: `docs/gpu-verification.md`).
+//! figures per GPU: `docs/gpu-runs/README.md`).
 //!
 //! Deadlines and peer health are as in the host engine: nothing waits more than the call's
 //! timeout without progress, and the error names the collective, its sequence number, the peer and
