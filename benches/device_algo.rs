@@ -35,7 +35,7 @@ fn pair(
     let c1 = cfg(1);
     let peer = std::thread::spawn(move || {
         let comm = Communicator::init(c1).unwrap();
-        let mut dc = DeviceComm::new(&comm, HostStream::new()).unwrap();
+        let dc = DeviceComm::new(&comm, HostStream::new()).unwrap();
         let send = vec![1.0f32; elems];
         let mut recv = vec![0.0f32; elems];
         finished.send(()).unwrap();
@@ -61,7 +61,7 @@ fn algos(c: &mut Criterion) {
         let elems = (mib << 20) / 4;
         g.throughput(Throughput::Bytes((mib << 20) as u64));
         for algo in [DeviceAlgo::Ring, DeviceAlgo::Direct] {
-            let (comm, mut dc, go, done, peer) = pair(algo, elems);
+            let (comm, dc, go, done, peer) = pair(algo, elems);
             assert_eq!(dc.direct().is_some(), algo == DeviceAlgo::Direct);
             let send = vec![1.0f32; elems];
             let mut recv = vec![0.0f32; elems];

@@ -156,7 +156,7 @@ fn device_edges_report_host_staging_and_why_and_move_the_ring_volume() {
                     cfg.p2p_disable = p2p_disable;
                     s.spawn(move || {
                         let comm = Communicator::init(cfg).unwrap();
-                        let mut dc = device_comm(&comm);
+                        let dc = device_comm(&comm);
                         let edges = dc.edges().to_vec();
                         assert_eq!(edges.len(), 2);
                         assert_eq!(edges[0].to, rank);
@@ -236,7 +236,7 @@ fn explicit_copy_staging_moves_every_combined_slice_through_device_scratch() {
     };
     threads(n, &o, |_, comm| {
         let comm = comm.unwrap();
-        let mut dc = device_comm(&comm);
+        let dc = device_comm(&comm);
         for e in dc.edges() {
             assert!(
                 e.reason
@@ -292,7 +292,7 @@ fn auto_staging_maps_on_the_host_stream_and_a_forced_way_holds() {
         };
         threads(n, &o, |_, comm| {
             let comm = comm.unwrap();
-            let mut dc = device_comm(&comm);
+            let dc = device_comm(&comm);
             let (mode, why) = dc.staging();
             assert_eq!((mode, why), (want, why_want), "{n} ranks, {staging}");
             let how = match want {
@@ -337,7 +337,7 @@ fn device_slices_take_their_own_size_when_one_is_configured() {
         };
         threads(n, &o, |_, comm| {
             let comm = comm.unwrap();
-            let mut dc = device_comm(&comm);
+            let dc = device_comm(&comm);
             let send = vec![1.5f32; count];
             let mut recv = vec![0.0f32; count];
             dc.all_reduce(&send[..], &mut recv[..], ReduceOp::Sum)
@@ -362,7 +362,7 @@ fn tcp_device_edges_say_why_and_move_the_ring_volume() {
     let n = 3;
     threads(n, &o, |_, comm| {
         let comm = comm.unwrap();
-        let mut dc = device_comm(&comm);
+        let dc = device_comm(&comm);
         for e in dc.edges() {
             assert_eq!(e.kind, TransportKind::Tcp, "{e}");
             assert!(e.reason.contains("tcp"), "{e}");
@@ -383,7 +383,7 @@ fn tcp_device_edges_say_why_and_move_the_ring_volume() {
 fn bad_device_calls_are_refused_and_mismatched_calls_name_both() {
     threads(2, &Opts::default(), |rank, comm| {
         let comm = comm.unwrap();
-        let mut dc = device_comm(&comm);
+        let dc = device_comm(&comm);
         let send = [1.0f32; 10];
         let mut short = [0.0f32; 9];
         let e = dc
@@ -770,7 +770,7 @@ fn async_in_order(device_algo: ringzero::DeviceAlgo) {
     };
     threads(n, &o, |rank, comm| {
         let comm = comm.unwrap();
-        let mut dc = device_comm(&comm);
+        let dc = device_comm(&comm);
         let count = 10_000usize;
         let own = dc.chunk_range(count);
         let grads = |k: usize| vec![(rank + k) as f32; count];
@@ -1054,10 +1054,10 @@ fn slice_and_next_slice_paired(pair: bool) {
             slow_ms: Default::default(),
             late: Default::default(),
         };
-        let mut dc = DeviceComm::new(&comm, stream).unwrap();
+        let dc = DeviceComm::new(&comm, stream).unwrap();
         let count = 20_000; // f32: 10 slices of 1 KiB per chunk
         let send: Vec<f32> = (0..count).map(|i| (i % 97 + rank) as f32).collect();
-        let mut run = |coll: Collective, out: &mut [f32]| {
+        let run = |coll: Collective, out: &mut [f32]| {
             let bufs = ringzero_collectives::internals::ring::device_engine::DevBufs::Split {
                 input: send.as_ptr() as u64,
                 input_bytes: send.len() * 4,

@@ -85,7 +85,7 @@ fn a_direct_all_reduce_writes_its_chunk_into_every_other_rank_and_sends_no_frame
     let count = 30_001usize;
     threads(n, &direct(), |rank, comm| {
         let comm = comm.unwrap();
-        let mut dc = device_comm(&comm);
+        let dc = device_comm(&comm);
         let send: Vec<f32> = (0..count).map(|i| (i % 97) as f32 + rank as f32).collect();
         let mut recv = vec![0.0f32; count];
         let before = dc.counters();
@@ -115,7 +115,7 @@ fn a_direct_all_to_all_pulls_its_blocks_and_writes_no_other_rank() {
     let b = 10_007usize;
     threads(n, &direct(), |rank, comm| {
         let comm = comm.unwrap();
-        let mut dc = device_comm(&comm);
+        let dc = device_comm(&comm);
         let send: Vec<f32> = (0..n * b).map(|i| (i + rank * n * b) as f32).collect();
         let before = dc.counters();
         for in_place in [false, true, true] {
@@ -149,7 +149,7 @@ fn auto_and_ring_keep_the_ring_and_an_impossible_direct_is_refused_with_the_reas
         };
         threads(2, &o, |_, comm| {
             let comm = comm.unwrap();
-            let mut dc = device_comm(&comm);
+            let dc = device_comm(&comm);
             assert_eq!(dc.direct(), None, "{algo}");
             let send = [2.0f64; 100];
             let mut out = [0.0f64; 100];
@@ -197,7 +197,7 @@ fn mismatched_direct_calls_fail_at_once_naming_both() {
     };
     threads(2, &o, |rank, comm| {
         let comm = comm.unwrap();
-        let mut dc = device_comm(&comm);
+        let dc = device_comm(&comm);
         let send = vec![1.0f32; 200];
         let mut out = vec![0.0f32; 200];
         let t = Instant::now();
@@ -221,7 +221,7 @@ fn mismatched_direct_calls_fail_at_once_naming_both() {
     });
     threads(2, &o, |rank, comm| {
         let comm = comm.unwrap();
-        let mut dc = device_comm(&comm);
+        let dc = device_comm(&comm);
         let mut buf = vec![1.0f32; 64];
         let t = Instant::now();
         let r = if rank == 0 {
@@ -245,7 +245,7 @@ fn a_missing_or_departed_rank_is_named_by_the_board() {
     };
     threads(3, &o, |rank, comm| {
         let comm = comm.unwrap();
-        let mut dc = device_comm(&comm);
+        let dc = device_comm(&comm);
         let mut buf = vec![1.0f32; 300];
         if rank != 2 {
             let e = dc
@@ -274,7 +274,7 @@ fn a_missing_or_departed_rank_is_named_by_the_board() {
     };
     threads(2, &o, |rank, comm| {
         let comm = comm.unwrap();
-        let mut dc = device_comm(&comm);
+        let dc = device_comm(&comm);
         let mut buf = vec![1.0f32; 300];
         // In step: one call together first.
         dc.all_reduce_in_place(&mut buf[..], ReduceOp::Sum).unwrap();
@@ -310,7 +310,7 @@ fn a_rank_that_cannot_share_its_buffers_sends_every_rank_round_the_ring() {
             slow_ms: Default::default(),
             late: Default::default(),
         };
-        let mut dc = DeviceComm::new(&comm, stream).unwrap();
+        let dc = DeviceComm::new(&comm, stream).unwrap();
         assert!(dc.direct().is_some());
         let send = vec![rank as i64 + 1; 5000];
         let mut out = vec![0i64; 5000];
@@ -347,7 +347,7 @@ fn no_rank_returns_while_another_may_still_write_its_buffers() {
     };
     threads(2, &o, |rank, comm| {
         let comm = comm.unwrap();
-        let mut dc = if rank == 1 {
+        let dc = if rank == 1 {
             crate::device::slow_device(&comm, slow)
         } else {
             crate::device::slow_device(&comm, std::time::Duration::ZERO)

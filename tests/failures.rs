@@ -366,7 +366,7 @@ fn an_abort_handle_ends_a_blocking_device_call_from_another_thread() {
         &both(TransportPref::Shm, Duration::from_secs(30)),
         |rank, comm| {
             let comm = comm.unwrap();
-            let mut dc = ringzero::DeviceComm::new(&comm, ringzero::HostStream::new()).unwrap();
+            let dc = ringzero::DeviceComm::new(&comm, ringzero::HostStream::new()).unwrap();
             let handle = dc.abort_handle();
             let late = handle.clone();
             let mut buf = vec![1f32; 4096];

@@ -201,7 +201,7 @@ fn a_device_point_to_point_message_never_sent_is_named_too() {
     };
     threads(2, &o, |rank, comm| {
         let comm = comm.unwrap();
-        let mut dc = ringzero::DeviceComm::new(&comm, ringzero::HostStream::new()).unwrap();
+        let dc = ringzero::DeviceComm::new(&comm, ringzero::HostStream::new()).unwrap();
         if rank == 0 {
             let first = dc.recv_async(vec![0f32; 10], 1).wait().unwrap();
             assert_eq!(first, [1.0; 10]);

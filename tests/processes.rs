@@ -110,7 +110,7 @@ fn kill_scenario(device: bool) -> i32 {
 /// hop by hop: the others must fail, naming the collective.
 fn kill_a2a_scenario() -> i32 {
     let comm = Communicator::from_env().expect("init");
-    let mut dc = ringzero::DeviceComm::new(&comm, ringzero::HostStream::new()).expect("device");
+    let dc = ringzero::DeviceComm::new(&comm, ringzero::HostStream::new()).expect("device");
     if comm.rank() == 1 {
         std::thread::spawn(|| {
             std::thread::sleep(Duration::from_millis(300));

@@ -153,7 +153,7 @@ fn bad_counts_are_refused_and_change_nothing_on_both_communicators() {
         assert_eq!(out, [-1, -1], "rank {r}: a refused call wrote");
         assert_eq!(buf, [7; 5], "rank {r}: a refused call wrote");
 
-        let mut dc = DeviceComm::new(&comm, HostStream::new()).unwrap();
+        let dc = DeviceComm::new(&comm, HostStream::new()).unwrap();
         let mut dout = vec![-1i64; 2];
         refused(
             dc.reduce_scatter_v(&send[..], &mut dout[..], &[2, 2], ReduceOp::Sum)

@@ -547,7 +547,7 @@ fn killed_rank<D: CheckDev>(
     dev: D,
     victim: usize,
 ) -> Result<(bool, String), String> {
-    let mut dc = DeviceComm::new(comm, dev).map_err(|e| format!("connect: {e}"))?;
+    let dc = DeviceComm::new(comm, dev).map_err(|e| format!("connect: {e}"))?;
     let count = 16 << 20;
     let send = dc.stream().make(DType::F32, &vec![1.5; count])?;
     let mut recv = dc.stream().zeros(DType::F32, count)?;

@@ -36,9 +36,9 @@ use buffers::{all_gather_host, alloc, dev, DevVec, InFlight, Spares};
 /// The ZeRO engine on one rank, its model states in device memory (see the module docs); the
 /// API of [`crate::Engine`], with device buffers where that takes host slices.
 pub struct DeviceEngine<'c, S: TrainStream + 'static, T: Float = f32> {
-    comm: &'c mut DeviceComm<S>,
+    comm: &'c DeviceComm<S>,
     /// Hybrid sharding: the ranks that hold the same shard in the other shard groups.
-    replicas: Option<&'c mut DeviceComm<S>>,
+    replicas: Option<&'c DeviceComm<S>>,
     /// The layout, the configuration and the step's bookkeeping.
     led: Ledger,
     /// Per bucket: the whole bucket (stages 0–2) or this rank's shard (stage 3), in `T`.
@@ -70,7 +70,7 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
     /// An engine for `specs` on `comm`, every parameter element initialised by `init(param index,
     /// element index)` (the same function on every rank), as [`crate::Engine::new`].
     pub fn new(
-        comm: &'c mut DeviceComm<S>,
+        comm: &'c DeviceComm<S>,
         specs: &[ParamSpec],
         init: &dyn Fn(usize, usize) -> f32,
         cfg: ZeroConfig,
@@ -93,8 +93,8 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
     /// optimizer step. Every rank of `replicas` must hold the same shard (checked; every rank
     /// fails alike if not).
     pub fn new_hybrid(
-        shard: &'c mut DeviceComm<S>,
-        replicas: &'c mut DeviceComm<S>,
+        shard: &'c DeviceComm<S>,
+        replicas: &'c DeviceComm<S>,
         specs: &[ParamSpec],
         init: &dyn Fn(usize, usize) -> f32,
         cfg: ZeroConfig,
@@ -110,8 +110,8 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
     }
 
     fn build(
-        comm: &'c mut DeviceComm<S>,
-        replicas: Option<&'c mut DeviceComm<S>>,
+        comm: &'c DeviceComm<S>,
+        replicas: Option<&'c DeviceComm<S>>,
         specs: &[ParamSpec],
         init: &dyn Fn(usize, usize) -> f32,
         cfg: ZeroConfig,
@@ -460,7 +460,7 @@ impl<'c, S: TrainStream + 'static, T: Float> DeviceEngine<'c, S, T> {
                 _ => {}
             }
         }
-        if let Some(rep) = self.replicas.as_deref_mut() {
+        if let Some(rep) = self.replicas {
             // Hybrid sharding: the shard group's average, averaged over the replicas (every
             // replica ends bit-identical, so each computes the same norm and update below).
             let reduced: Vec<&mut DevVec> = if stage == 1 {

@@ -130,9 +130,8 @@ impl<S: Stream> DeviceComm<S> {
         self.core.abort(reason);
     }
 
-    /// A handle that aborts this communicator as [`DeviceComm::abort`] does, from a thread that
-    /// cannot borrow it: the blocking calls hold `&mut self` while they run, so a watchdog takes
-    /// a handle first.
+    /// A handle that aborts this communicator as [`DeviceComm::abort`] does, for a watchdog
+    /// thread that does not own a reference to the communicator.
     pub fn abort_handle(&self) -> AbortHandle
     where
         S: 'static,
@@ -176,7 +175,7 @@ impl<S: Stream> DeviceComm<S> {
     /// The addresses in `bufs` must be memory of this communicator's device, of the lengths
     /// given, not used by anything else until this returns.
     pub unsafe fn run_raw(
-        &mut self,
+        &self,
         coll: Collective,
         dtype: DType,
         op: ReduceOp,
@@ -195,7 +194,7 @@ impl<S: Stream> DeviceComm<S> {
     /// # Safety
     /// As for [`DeviceComm::run_raw`].
     pub(super) unsafe fn run_counted(
-        &mut self,
+        &self,
         coll: Collective,
         dtype: DType,
         op: ReduceOp,

@@ -252,7 +252,7 @@ impl<S: Stream> DeviceComm<S> {
     }
 
     fn out_of_place<B: DeviceMemory<S> + ?Sized>(
-        &mut self,
+        &self,
         c: Collective,
         op: ReduceOp,
         send: &B,
@@ -266,7 +266,7 @@ impl<S: Stream> DeviceComm<S> {
     }
 
     fn in_place<B: DeviceMemory<S> + ?Sized>(
-        &mut self,
+        &self,
         c: Collective,
         op: ReduceOp,
         buf: &mut B,
@@ -281,7 +281,7 @@ impl<S: Stream> DeviceComm<S> {
 
     /// Every rank ends with `op` over every rank's `send`, in `recv`.
     pub fn all_reduce<B: DeviceMemory<S> + ?Sized>(
-        &mut self,
+        &self,
         send: &B,
         recv: &mut B,
         op: ReduceOp,
@@ -291,7 +291,7 @@ impl<S: Stream> DeviceComm<S> {
 
     /// In-place all-reduce.
     pub fn all_reduce_in_place<B: DeviceMemory<S> + ?Sized>(
-        &mut self,
+        &self,
         buf: &mut B,
         op: ReduceOp,
     ) -> Result<()> {
@@ -301,7 +301,7 @@ impl<S: Stream> DeviceComm<S> {
     /// Rank `r` ends with chunk `r` (see [`DeviceComm::chunk_range`]) of `op` over every rank's
     /// `send`.
     pub fn reduce_scatter<B: DeviceMemory<S> + ?Sized>(
-        &mut self,
+        &self,
         send: &B,
         recv: &mut B,
         op: ReduceOp,
@@ -312,7 +312,7 @@ impl<S: Stream> DeviceComm<S> {
     /// In-place reduce-scatter: the reduced chunk [`DeviceComm::chunk_range`]`(buf.elems())` is
     /// written over that part of `buf`; the rest of `buf` is left as it was.
     pub fn reduce_scatter_in_place<B: DeviceMemory<S> + ?Sized>(
-        &mut self,
+        &self,
         buf: &mut B,
         op: ReduceOp,
     ) -> Result<()> {
@@ -324,7 +324,7 @@ impl<S: Stream> DeviceComm<S> {
     /// same on every rank) add up to `send`'s length and `recv` holds `counts[rank]`. The rules
     /// are [`crate::Communicator::reduce_scatter_v`]'s.
     pub fn reduce_scatter_v<B: DeviceMemory<S> + ?Sized>(
-        &mut self,
+        &self,
         send: &B,
         recv: &mut B,
         counts: &[usize],
@@ -336,7 +336,7 @@ impl<S: Stream> DeviceComm<S> {
     /// In-place [`DeviceComm::reduce_scatter_v`]: this rank's part of `buf` is overwritten with
     /// the reduction; the rest of `buf` is left as it was.
     pub fn reduce_scatter_v_in_place<B: DeviceMemory<S> + ?Sized>(
-        &mut self,
+        &self,
         buf: &mut B,
         counts: &[usize],
         op: ReduceOp,
@@ -346,7 +346,7 @@ impl<S: Stream> DeviceComm<S> {
 
     /// An out-of-place v-collective `c` ([`v_total`] checks the buffers).
     fn split_v<B: DeviceMemory<S> + ?Sized>(
-        &mut self,
+        &self,
         c: Collective,
         op: ReduceOp,
         send: &B,
@@ -367,7 +367,7 @@ impl<S: Stream> DeviceComm<S> {
 
     /// An in-place v-collective `c`: `counts` add up to `buf`'s length.
     fn one_v<B: DeviceMemory<S> + ?Sized>(
-        &mut self,
+        &self,
         c: Collective,
         op: ReduceOp,
         buf: &mut B,
@@ -389,7 +389,7 @@ impl<S: Stream> DeviceComm<S> {
     /// hop, so a step takes as long as the largest part's slice, and parts of very different
     /// sizes leave links idle.
     pub fn all_gather_v<B: DeviceMemory<S> + ?Sized>(
-        &mut self,
+        &self,
         send: &B,
         recv: &mut B,
         counts: &[usize],
@@ -400,7 +400,7 @@ impl<S: Stream> DeviceComm<S> {
     /// In-place [`DeviceComm::all_gather_v`]: this rank's part of `buf` (where `counts` put it)
     /// is sent; every other part is overwritten.
     pub fn all_gather_v_in_place<B: DeviceMemory<S> + ?Sized>(
-        &mut self,
+        &self,
         buf: &mut B,
         counts: &[usize],
     ) -> Result<()> {
@@ -408,24 +408,20 @@ impl<S: Stream> DeviceComm<S> {
     }
 
     /// Every rank ends with every rank's chunk of `recv` (this rank contributes `send`).
-    pub fn all_gather<B: DeviceMemory<S> + ?Sized>(
-        &mut self,
-        send: &B,
-        recv: &mut B,
-    ) -> Result<()> {
+    pub fn all_gather<B: DeviceMemory<S> + ?Sized>(&self, send: &B, recv: &mut B) -> Result<()> {
         self.out_of_place(Collective::AllGather, ReduceOp::Sum, send, recv)
     }
 
     /// In-place all-gather: this rank's chunk of `buf` is sent, every other chunk is
     /// overwritten.
-    pub fn all_gather_in_place<B: DeviceMemory<S> + ?Sized>(&mut self, buf: &mut B) -> Result<()> {
+    pub fn all_gather_in_place<B: DeviceMemory<S> + ?Sized>(&self, buf: &mut B) -> Result<()> {
         self.in_place(Collective::AllGather, ReduceOp::Sum, buf)
     }
 
     /// Every rank's `recv` ends with `root`'s `send`. On other ranks `send` is not read (and may
     /// be empty); on the root it must be as long as `recv`.
     pub fn broadcast<B: DeviceMemory<S> + ?Sized>(
-        &mut self,
+        &self,
         send: &B,
         recv: &mut B,
         root: usize,
@@ -435,7 +431,7 @@ impl<S: Stream> DeviceComm<S> {
 
     /// Every rank ends with `root`'s `buf`.
     pub fn broadcast_in_place<B: DeviceMemory<S> + ?Sized>(
-        &mut self,
+        &self,
         buf: &mut B,
         root: usize,
     ) -> Result<()> {
@@ -445,7 +441,7 @@ impl<S: Stream> DeviceComm<S> {
     /// `op` over every rank's `send` into `root`'s `recv` (as long as `send`). On other ranks
     /// `recv` is not written (and may be empty).
     pub fn reduce<B: DeviceMemory<S> + ?Sized>(
-        &mut self,
+        &self,
         send: &B,
         recv: &mut B,
         op: ReduceOp,
@@ -456,7 +452,7 @@ impl<S: Stream> DeviceComm<S> {
 
     /// In-place reduce: `root`'s `buf` receives the result; other ranks' buffers are unchanged.
     pub fn reduce_in_place<B: DeviceMemory<S> + ?Sized>(
-        &mut self,
+        &self,
         buf: &mut B,
         op: ReduceOp,
         root: usize,
@@ -466,16 +462,12 @@ impl<S: Stream> DeviceComm<S> {
 
     /// Send `send` to the next rank and receive the previous rank's buffer into `recv` (same
     /// length on every rank): the ring's raw streaming rate, and ring attention's exchange.
-    pub fn ring_shift<B: DeviceMemory<S> + ?Sized>(
-        &mut self,
-        send: &B,
-        recv: &mut B,
-    ) -> Result<()> {
+    pub fn ring_shift<B: DeviceMemory<S> + ?Sized>(&self, send: &B, recv: &mut B) -> Result<()> {
         self.out_of_place(Collective::RingShift, ReduceOp::Sum, send, recv)
     }
 
     /// In-place [`DeviceComm::ring_shift`].
-    pub fn ring_shift_in_place<B: DeviceMemory<S> + ?Sized>(&mut self, buf: &mut B) -> Result<()> {
+    pub fn ring_shift_in_place<B: DeviceMemory<S> + ?Sized>(&self, buf: &mut B) -> Result<()> {
         self.in_place(Collective::RingShift, ReduceOp::Sum, buf)
     }
 
@@ -492,24 +484,20 @@ impl<S: Stream> DeviceComm<S> {
     /// [`DeviceComm::all_to_all_v`] does, connected by the first such call), where the ring
     /// would carry every block that crosses between nodes, and every one that wraps round
     /// within a node, through the one ring edge out of each node.
-    pub fn all_to_all<B: DeviceMemory<S> + ?Sized>(
-        &mut self,
-        send: &B,
-        recv: &mut B,
-    ) -> Result<()> {
+    pub fn all_to_all<B: DeviceMemory<S> + ?Sized>(&self, send: &B, recv: &mut B) -> Result<()> {
         self.out_of_place(Collective::AllToAll, ReduceOp::Sum, send, recv)
     }
 
     /// In-place [`DeviceComm::all_to_all`]: `buf`'s blocks are sent from a copy (device memory
     /// the communicator keeps for the next in-place call, as large as the largest `buf`), then
     /// replaced by the blocks received.
-    pub fn all_to_all_in_place<B: DeviceMemory<S> + ?Sized>(&mut self, buf: &mut B) -> Result<()> {
+    pub fn all_to_all_in_place<B: DeviceMemory<S> + ?Sized>(&self, buf: &mut B) -> Result<()> {
         self.in_place(Collective::AllToAll, ReduceOp::Sum, buf)
     }
 
     /// Return only once every rank has entered the barrier (and the device work queued by
     /// earlier calls has completed).
-    pub fn barrier(&mut self) -> Result<()> {
+    pub fn barrier(&self) -> Result<()> {
         let none = DevBufs::One { buf: 0, bytes: 0 };
         // SAFETY: no buffer: the barrier moves empty frames only.
         unsafe { self.run_raw(Collective::Barrier, DType::U8, ReduceOp::Sum, 0, none) }

@@ -43,7 +43,7 @@ impl<S: Stream> DeviceComm<S> {
     /// slices); two ranks that each send the other more than that before receiving wait until
     /// the deadline, so exchange with [`DeviceComm::send_recv`] — or post the calls
     /// ([`DeviceComm::send_async`]), which neither waits in program order nor on a first call.
-    pub fn send<B: DeviceMemory<S> + ?Sized>(&mut self, buf: &B, peer: usize) -> Result<()> {
+    pub fn send<B: DeviceMemory<S> + ?Sized>(&self, buf: &B, peer: usize) -> Result<()> {
         check(self, &[(true, peer)])?;
         let s = (buf.addr(self.stream()), buf.elems());
         self.wait_async();
@@ -54,7 +54,7 @@ impl<S: Stream> DeviceComm<S> {
 
     /// Receive into `buf` what rank `peer` sends with [`DeviceComm::send`] (or
     /// [`DeviceComm::send_recv`]); its count and element type must be `buf`'s.
-    pub fn recv<B: DeviceMemory<S> + ?Sized>(&mut self, buf: &mut B, peer: usize) -> Result<()> {
+    pub fn recv<B: DeviceMemory<S> + ?Sized>(&self, buf: &mut B, peer: usize) -> Result<()> {
         check(self, &[(false, peer)])?;
         let (dtype, elems) = (buf.dtype(), buf.elems());
         let r = (buf.addr_mut(self.stream()), elems);
@@ -69,7 +69,7 @@ impl<S: Stream> DeviceComm<S> {
     /// exchanging messages of any size never wait on each other. The counts may differ; each
     /// must match what the peer sends or expects.
     pub fn send_recv<B: DeviceMemory<S> + ?Sized>(
-        &mut self,
+        &self,
         send: &B,
         recv: &mut B,
         peer: usize,
@@ -93,7 +93,7 @@ impl<S: Stream> DeviceComm<S> {
     /// all at once), each pair trading its two blocks at once: each rank sends and receives its
     /// blocks once, none forwarded, one peer at a time.
     pub fn all_to_all_v<B: DeviceMemory<S> + ?Sized>(
-        &mut self,
+        &self,
         send: &B,
         send_counts: &[usize],
         recv: &mut B,
@@ -117,7 +117,7 @@ impl<S: Stream> DeviceComm<S> {
     /// [`crate::Communicator::gather`]'s. Each rank sends its block to the root over their pair's
     /// own device links; the root takes them in rank order.
     pub fn gather<B: DeviceMemory<S> + ?Sized>(
-        &mut self,
+        &self,
         send: &B,
         recv: &mut B,
         root: usize,
@@ -137,7 +137,7 @@ impl<S: Stream> DeviceComm<S> {
     /// root (pass an empty buffer elsewhere). The rules are [`crate::Communicator::scatter`]'s.
     /// The root sends each rank its block over their pair's own device links, in rank order.
     pub fn scatter<B: DeviceMemory<S> + ?Sized>(
-        &mut self,
+        &self,
         send: &B,
         recv: &mut B,
         root: usize,
@@ -155,7 +155,7 @@ impl<S: Stream> DeviceComm<S> {
     /// point-to-point call with this rank) too. Connecting them together never waits in a
     /// cycle, so ranks whose first calls would form one (each sending to the rank before it)
     /// can call this first with the ranks they will talk to.
-    pub fn connect_peers(&mut self, peers: &[usize]) -> Result<()> {
+    pub fn connect_peers(&self, peers: &[usize]) -> Result<()> {
         check(self, &peers.iter().map(|&p| (true, p)).collect::<Vec<_>>())?;
         self.wait_async();
         let fp = Fingerprint::new(Collective::SendRecv, None, None, 0);

@@ -290,7 +290,7 @@ pub fn ring_links<D: BenchDev>(
     let (count, iters) = (count.max(1), iters.max(1));
     let recv_len = if inplace { 0 } else { count };
     let (mut send, mut recv) = buffers(dc, dtype, (vec![1.0; count], vec![0.0; recv_len]))?;
-    let mut shift = |send: &mut D::Buf, recv: &mut D::Buf| {
+    let shift = |send: &mut D::Buf, recv: &mut D::Buf| {
         if inplace {
             dc.ring_shift_in_place(send)
         } else {

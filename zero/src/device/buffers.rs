@@ -135,7 +135,7 @@ pub(super) fn alloc<S: TrainStream>(
 /// Every rank's `mine` (the same length on every rank) over `dc`, on the host: staged through
 /// device buffers of `dc`'s stream.
 pub(super) fn all_gather_host<S: TrainStream + 'static, E: ringzero_kernels::Element>(
-    dc: &mut DeviceComm<S>,
+    dc: &DeviceComm<S>,
     mine: &[E],
 ) -> Result<Vec<E>, ZeroError> {
     let n = dc.size();

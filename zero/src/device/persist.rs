@@ -53,7 +53,7 @@ impl<S: TrainStream + 'static, T: Float> Persist for DeviceEngine<'_, S, T> {
         let n = self.led.part.world;
         let all = all_gather_host(self.comm, &persist::record(&local))?;
         // Hybrid sharding: then every shard group's verdict, before any rank returns.
-        let groups = match self.replicas.as_deref_mut() {
+        let groups = match self.replicas {
             Some(rep) => all_gather_host(rep, &[u8::from(persist::all_succeeded(&all, n))])?,
             None => Vec::new(),
         };

@@ -284,7 +284,7 @@ pub fn ring_rank(devices: [usize; 2]) -> ProbeResult {
         let comm = Communicator::init(cfg).map_err(|x| x.to_string())?;
         let rank = comm.rank();
         let gpu = Gpu::open(devices[rank % 2]).map_err(e)?;
-        let mut dc = DeviceComm::new(&comm, gpu.clone()).map_err(|x| x.to_string())?;
+        let dc = DeviceComm::new(&comm, gpu.clone()).map_err(|x| x.to_string())?;
         let edge = dc
             .edges()
             .iter()
