@@ -3,11 +3,10 @@
 //! retire what completed — publish its frames, release its slots — in order.
 
 use std::collections::VecDeque;
-use std::time::Instant;
 
 use ringzero_kernels::ReduceOp;
 
-use super::engine::{base, gone_unneeded, link_err, op_timeout, Call, Needs, Patience, Tick};
+use super::engine::{base, gone_unneeded, link_err, Call, Needs};
 use super::schedule::{Loc, Op};
 use crate::device::stream::{CopyLane, Stream};
 use crate::error::{Error, Result};
@@ -18,6 +17,7 @@ use ringzero_kernels::device::DeviceError;
 
 use super::dev_links::DevLinks;
 use super::engine::DevBufs;
+use super::op_wait::{self, OpWait};
 
 pub(super) struct Pending<M> {
     pub(super) marker: M,
@@ -268,74 +268,22 @@ impl<S: Stream> Work<'_, S> {
 
     /// Wait for `op`'s incoming frame and outgoing slot, retiring finished work meanwhile.
     pub(super) fn acquire(&mut self, op: &Op) -> Result<(Option<DevPtr>, Option<DevPtr>)> {
-        let (stream, call, what) = (self.stream, self.call, self.what);
-        let (links, pending, waiter) = (&mut *self.links, &mut *self.pending, &mut *self.waiter);
-        let es = call.dtype.size();
-        let bytes = op.elems * es;
-        let (in_seq, in_fp) = call.expected();
-        let expect = Expect {
-            seq: in_seq,
-            step: op.step.wrapping_sub(1),
-            slice: op.slice,
-            fp: in_fp,
-            len: bytes,
+        let call = self.call;
+        let expect = super::engine::expect(call, op, call.dtype.size());
+        let (what, prev, next) = (self.what, self.links.prev, self.links.next);
+        let mut wait = DevWait {
+            work: self,
+            incoming: None,
+            slot: None,
         };
-        let (prev, next, seq, rank) = (links.prev, links.next, call.seq, call.rank);
-        let rx_err = |e| link_err(e, what, in_seq, prev, rank, Some(&in_fp));
-        let tx_err = |e| link_err(e, what, seq, next, rank, Some(&call.fp));
-
-        // Wait for the incoming frame and an outgoing slot, retiring finished work meanwhile.
-        let mut patience = Patience::new(Instant::now());
-        let mut incoming: Option<DevPtr> = None;
-        let mut slot: Option<DevPtr> = None;
-        loop {
-            let mut moved = retire(stream, links, (what, seq, rank, Some(&call.fp)), pending)?;
-            moved |= links.tx.progress().map_err(tx_err)?;
-            if op.recv && incoming.is_none() {
-                incoming = links.rx.peek(&expect).map_err(rx_err)?;
-                moved |= incoming.is_some();
-            }
-            let have_in = !op.recv || incoming.is_some();
-            if op.send && have_in && slot.is_none() {
-                slot = links.tx.reserve().map_err(tx_err)?;
-                moved |= slot.is_some();
-            }
-            if have_in && (!op.send || slot.is_some()) {
-                break;
-            }
-            let tick = patience.tick(Instant::now(), moved, call.timeout);
-            if tick == Tick::Moved {
-                waiter.progressed();
-                continue;
-            }
-            if tick == Tick::TimedOut {
-                return Err(op_timeout(
-                    call,
-                    what,
-                    &expect,
-                    have_in,
-                    prev,
-                    next,
-                    "device slot",
-                ));
-            }
-            if tick == Tick::Check {
-                call.abort.check(call)?;
-                let rx = links.rx.health();
-                if !gone_unneeded(&rx, self.needs.rx) {
-                    rx.map_err(rx_err)?;
-                }
-                // Frames queued but not yet posted, or not yet flushed, still need the next rank.
-                let posting = pending.iter().any(|p| p.post.is_some()) || !links.tx.flushed();
-                let tx = links.tx.health();
-                if !gone_unneeded(&tx, self.needs.tx || posting) {
-                    tx.map_err(tx_err)?;
-                }
-            }
-            waiter.idle(call.timeout);
-        }
-        waiter.progressed();
-        Ok((incoming, slot))
+        op_wait::frame_and_slot(
+            &mut wait,
+            call,
+            op,
+            &expect,
+            (what, prev, next, "device slot"),
+        )?;
+        Ok((wait.incoming, wait.slot))
     }
 
     /// Queue `op`'s work, given its incoming frame and outgoing slot.
@@ -429,6 +377,85 @@ impl<S: Stream> Work<'_, S> {
             tag: 0,
         });
         Ok(())
+    }
+}
+
+/// The device engine's links as one op waits on them ([`op_wait::frame_and_slot`]): finished
+/// work is retired meanwhile, and the frame's and the slot's device addresses are kept.
+struct DevWait<'a, 'w, S: Stream> {
+    work: &'a mut Work<'w, S>,
+    incoming: Option<DevPtr>,
+    slot: Option<DevPtr>,
+}
+
+impl<S: Stream> OpWait for DevWait<'_, '_, S> {
+    fn progress(&mut self) -> Result<bool> {
+        let w = &mut *self.work;
+        let (call, what) = (w.call, w.what);
+        let at = (what, call.seq, call.rank, Some(&call.fp));
+        let retired = retire(w.stream, w.links, at, w.pending)?;
+        let (next, rank) = (w.links.next, call.rank);
+        let sent = w
+            .links
+            .tx
+            .progress()
+            .map_err(|e| link_err(e, what, call.seq, next, rank, Some(&call.fp)))?;
+        Ok(retired || sent)
+    }
+
+    fn frame(&mut self, expect: &Expect) -> Result<(bool, bool)> {
+        if self.incoming.is_some() {
+            return Ok((true, false));
+        }
+        let w = &mut *self.work;
+        let (prev, rank) = (w.links.prev, w.call.rank);
+        self.incoming = w
+            .links
+            .rx
+            .peek(expect)
+            .map_err(|e| link_err(e, w.what, expect.seq, prev, rank, Some(&expect.fp)))?;
+        Ok((self.incoming.is_some(), self.incoming.is_some()))
+    }
+
+    fn slot(&mut self, _bytes: usize) -> Result<(bool, bool)> {
+        if self.slot.is_some() {
+            return Ok((true, false));
+        }
+        let w = &mut *self.work;
+        let (next, call) = (w.links.next, w.call);
+        self.slot = w
+            .links
+            .tx
+            .reserve()
+            .map_err(|e| link_err(e, w.what, call.seq, next, call.rank, Some(&call.fp)))?;
+        Ok((self.slot.is_some(), self.slot.is_some()))
+    }
+
+    fn health(&mut self) -> Result<()> {
+        let w = &mut *self.work;
+        let call = w.call;
+        call.abort.check(call)?;
+        let (in_seq, in_fp) = call.expected();
+        let (prev, next, rank) = (w.links.prev, w.links.next, call.rank);
+        let rx = w.links.rx.health();
+        if !gone_unneeded(&rx, w.needs.rx) {
+            rx.map_err(|e| link_err(e, w.what, in_seq, prev, rank, Some(&in_fp)))?;
+        }
+        // Frames queued but not yet posted, or not yet flushed, still need the next rank.
+        let posting = w.pending.iter().any(|p| p.post.is_some()) || !w.links.tx.flushed();
+        let tx = w.links.tx.health();
+        if !gone_unneeded(&tx, w.needs.tx || posting) {
+            tx.map_err(|e| link_err(e, w.what, call.seq, next, rank, Some(&call.fp)))?;
+        }
+        Ok(())
+    }
+
+    fn progressed(&mut self) {
+        self.work.waiter.progressed();
+    }
+
+    fn idle(&mut self, timeout: std::time::Duration) {
+        self.work.waiter.idle(timeout);
     }
 }
 

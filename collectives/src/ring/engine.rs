@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use ringzero_kernels::{cpu, DType, ReduceOp};
 
 use super::failure::{AbortFlag, TellAbort};
+use super::op_wait::{self, OpWait};
 use super::schedule::{Buf, Loc, Op, Plan};
 pub use crate::counters::Counters;
 use crate::error::{Error, Result};
@@ -391,29 +392,57 @@ pub(super) fn health_of(links: &mut Links, call: &Call, what: &str, needs: Needs
     tx.map_err(|e| link_err(e, what, call.seq, next, call.rank, Some(&call.fp)))
 }
 
-impl Patience {
-    /// One round of waiting on one call's `links` (see [`Patience::tick`]): fails with
-    /// `timed_out()` at the deadline, runs the health checks of the directions it `needs`
-    /// when due, then lets the links' waiter back off. `Ok`: go round again.
-    fn round(
-        &mut self,
-        (links, needs): (&mut Links, Needs),
-        call: &Call,
-        what: &str,
-        moved: bool,
-        timed_out: impl FnOnce() -> Error,
-    ) -> Result<()> {
-        match self.tick(Instant::now(), moved, call.timeout) {
-            Tick::Moved => {
-                links.waiter.progressed();
-                return Ok(());
-            }
-            Tick::TimedOut => return Err(timed_out()),
-            Tick::Check => health_of(links, call, what, needs)?,
-            Tick::Idle => {}
-        }
-        links.waiter.idle(call.timeout);
-        Ok(())
+/// The host engine's links as one op waits on them ([`op_wait::frame_and_slot`]).
+struct HostWait<'a> {
+    links: &'a mut Links,
+    call: &'a Call<'a>,
+    what: &'a str,
+    needs: Needs,
+    /// The frame was there at an earlier look.
+    seen: bool,
+    /// The slot was reserved at an earlier look.
+    held: bool,
+}
+
+impl OpWait for HostWait<'_> {
+    fn progress(&mut self) -> Result<bool> {
+        let (l, c) = (&mut *self.links, self.call);
+        l.tx.progress()
+            .map_err(|e| link_err(e, self.what, c.seq, l.next, c.rank, Some(&c.fp)))
+    }
+
+    fn frame(&mut self, expect: &Expect) -> Result<(bool, bool)> {
+        let (l, c) = (&mut *self.links, self.call);
+        let there =
+            l.rx.peek(expect)
+                .map_err(|e| link_err(e, self.what, expect.seq, l.prev, c.rank, Some(&expect.fp)))?
+                .is_some();
+        let new = there && !self.seen;
+        self.seen |= there;
+        Ok((there, new))
+    }
+
+    fn slot(&mut self, bytes: usize) -> Result<(bool, bool)> {
+        let (l, c) = (&mut *self.links, self.call);
+        let held =
+            l.tx.reserve(bytes)
+                .map_err(|e| link_err(e, self.what, c.seq, l.next, c.rank, Some(&c.fp)))?
+                .is_some();
+        let new = held && !self.held;
+        self.held |= held;
+        Ok((held, new))
+    }
+
+    fn health(&mut self) -> Result<()> {
+        health_of(self.links, self.call, self.what, self.needs)
+    }
+
+    fn progressed(&mut self) {
+        self.links.waiter.progressed();
+    }
+
+    fn idle(&mut self, timeout: Duration) {
+        self.links.waiter.idle(timeout);
     }
 }
 
@@ -435,19 +464,15 @@ pub(super) fn run_op(
     let tx_err = |e| link_err(e, what, seq, next, rank, Some(&call.fp));
 
     // Wait until both the incoming frame and an outgoing slot are there.
-    let mut patience = Patience::new(Instant::now());
-    loop {
-        let moved = links.tx.progress().map_err(tx_err)?;
-        let have_in = !op.recv || links.rx.peek(&expect).map_err(rx_err)?.is_some();
-        let have_out = !op.send || (have_in && links.tx.reserve(bytes).map_err(tx_err)?.is_some());
-        if have_in && have_out {
-            break;
-        }
-        patience.round((links, needs), call, what, moved, || {
-            op_timeout(call, what, &expect, have_in, prev, next, "slot")
-        })?;
-    }
-    links.waiter.progressed();
+    let mut wait = HostWait {
+        links: &mut *links,
+        call,
+        what,
+        needs,
+        seen: false,
+        held: false,
+    };
+    op_wait::frame_and_slot(&mut wait, call, op, &expect, (what, prev, next, "slot"))?;
 
     let incoming: Option<&[u8]> = if op.recv {
         links.rx.peek(&expect).map_err(rx_err)?

@@ -9,6 +9,7 @@ pub mod engine;
 pub(crate) mod failure;
 pub mod lanes;
 pub(crate) mod one_way;
+mod op_wait;
 pub mod schedule;
 
 pub use schedule::{chunk, plan, plan_p2p, split, Buf, Collective, Count, Loc, Op, Plan, PlanArgs};
