@@ -119,18 +119,10 @@ impl Inner {
         op: ReduceOp,
         out_bytes: usize,
     ) -> Call<'a> {
+        let (world, wait) = ((self.size, self.rank), (self.cfg.timeout, &self.abort));
         Call {
-            plan,
-            fp,
-            seq,
-            dtype,
-            op,
-            n: self.size,
-            rank: self.rank,
-            timeout: self.cfg.timeout,
             stream_stores: out_bytes >= self.cfg.stream_stores_from,
-            abort: &self.abort,
-            incoming: None,
+            ..Call::on(plan, (seq, fp), (dtype, op), world, wait)
         }
     }
 

@@ -214,20 +214,9 @@ impl<S: Stream> Core<S> {
             in_place,
             counts: count.parts,
         });
-        let call = Call {
-            plan: &p,
-            fp,
-            seq,
-            dtype,
-            op,
-            n: self.size,
-            rank: self.rank,
-            timeout: self.cfg.timeout,
-            // The device engine's stores are device copies and kernels.
-            stream_stores: false,
-            abort: &self.abort,
-            incoming: None,
-        };
+        // The device engine's stores are device copies and kernels (no streaming stores).
+        let (world, wait) = ((self.size, self.rank), (self.cfg.timeout, &self.abort));
+        let call = Call::on(&p, (seq, fp), (dtype, op), world, wait);
         device_engine::check_sizes(&call, &bufs)?;
         st.seq += 1;
         // An announced call's entry counts the pairs' bytes too (they move them).

@@ -144,18 +144,16 @@ impl<S: Stream> Core<S> {
         dtype: DType,
         incoming: Option<(u64, Fingerprint)>,
     ) -> Call<'a> {
+        let wait = (self.cfg.timeout, &self.abort);
         Call {
-            plan,
-            fp,
-            seq,
-            dtype,
-            op: ReduceOp::Sum,
-            n: 2,
-            rank: self.rank,
-            timeout: self.cfg.timeout,
-            stream_stores: false,
-            abort: &self.abort,
             incoming,
+            ..Call::on(
+                plan,
+                (seq, fp),
+                (dtype, ReduceOp::Sum),
+                (2, self.rank),
+                wait,
+            )
         }
     }
 

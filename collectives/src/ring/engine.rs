@@ -190,7 +190,32 @@ pub struct Call<'a> {
     pub incoming: Option<(u64, Fingerprint)>,
 }
 
-impl Call<'_> {
+impl<'a> Call<'a> {
+    /// A call of `plan` on rank `rank` of `n` (frames numbered `seq` and fingerprinted `fp`
+    /// both ways, plain stores), waiting at most `timeout` without progress and watching
+    /// `abort`: what both communicators build every call from.
+    pub(crate) fn on(
+        plan: &'a Plan,
+        (seq, fp): (u64, Fingerprint),
+        (dtype, op): (DType, ReduceOp),
+        (n, rank): (usize, usize),
+        (timeout, abort): (Duration, &'a AbortFlag),
+    ) -> Call<'a> {
+        Call {
+            plan,
+            fp,
+            seq,
+            dtype,
+            op,
+            n,
+            rank,
+            timeout,
+            stream_stores: false,
+            abort,
+            incoming: None,
+        }
+    }
+
     /// The sequence number and fingerprint of the frames this rank receives.
     pub fn expected(&self) -> (u64, Fingerprint) {
         self.incoming.unwrap_or((self.seq, self.fp))
