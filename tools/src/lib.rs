@@ -11,10 +11,7 @@ pub mod check;
 pub mod ckpt;
 pub mod demo;
 pub mod diag;
-pub mod gpucheck;
-pub mod gpucoll;
-pub mod gpurun;
-pub mod gpuzero;
+pub mod gpu;
 pub mod launch;
 
 /// splitmix64's finaliser: a well-spread hash of a seed, for reproducible pseudo-random inputs

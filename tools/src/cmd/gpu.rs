@@ -42,20 +42,20 @@ pub(crate) fn check(a: GpuCheckCli) -> anyhow::Result<ExitCode> {
         host_stream,
         quick,
     } = a;
-    use ringzero_tools::{gpucheck, gpurun};
-    let args = gpurun::GpuCheckArgs {
+    use ringzero_tools::gpu::{kernels, run};
+    let args = run::GpuCheckArgs {
         device,
         no_bench,
         kernels_only,
         host_stream,
         quick,
     };
-    let (name, rows) = gpurun::run(&args).map_err(|e| anyhow::anyhow!("gpu-check: {e}"))?;
+    let (name, rows) = run::run(&args).map_err(|e| anyhow::anyhow!("gpu-check: {e}"))?;
     if let Some(path) = json {
         std::fs::write(&path, serde_json::to_string_pretty(&rows)?)
             .with_context(|| format!("writing {}", path.display()))?;
     }
-    print!("{}", gpucheck::table(&name, &rows));
+    print!("{}", kernels::table(&name, &rows));
     Ok(if rows.iter().all(|r| r.pass) {
         ExitCode::SUCCESS
     } else {
@@ -96,17 +96,17 @@ pub(crate) fn collectives(a: GpuCollectivesCli) -> anyhow::Result<ExitCode> {
         host_stream,
         quick,
     } = a;
-    use ringzero_tools::gpucoll;
+    use ringzero_tools::gpu::collectives;
     let comm = join("gpu-collectives", None, None, None)?;
     let device = (!host_stream).then_some(device);
     let r = match kill_rank {
-        Some(k) => gpucoll::killed_rank_main(&comm, device, k),
+        Some(k) => collectives::killed_rank_main(&comm, device, k),
         None => {
-            let opts = gpucoll::RunOpts {
+            let opts = collectives::RunOpts {
                 bench: !no_bench,
                 quick,
             };
-            gpucoll::rank_main(&comm, device, opts)
+            collectives::rank_main(&comm, device, opts)
         }
     };
     if comm.rank() == 0 {

@@ -10,8 +10,8 @@ use ringzero_collectives::{Communicator, DeviceComm, DeviceMemory};
 use ringzero_kernels::cpu::{cast, AdamW, Float};
 use ringzero_zero::{DeviceEngine, Engine, LossScaling, ParamSpec, Precision, ZeroConfig};
 
-use crate::gpucheck::Row;
-use crate::gpucoll::CheckDev;
+use crate::gpu::collectives::CheckDev;
+use crate::gpu::kernels::Row;
 
 fn specs() -> Vec<ParamSpec> {
     vec![

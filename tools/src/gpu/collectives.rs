@@ -22,7 +22,7 @@ use ringzero_kernels::{DType, ReduceOp};
 
 use crate::bench::device::{exact_result, BenchDev};
 use crate::bench::exact::{reference, value};
-use crate::gpucheck::Row;
+use crate::gpu::kernels::Row;
 
 /// A device the checks run on: a GPU, or the host stream.
 pub trait CheckDev: BenchDev + TrainStream + 'static {}
@@ -310,7 +310,7 @@ where
             dc.counters().bytes_direct
         ),
     });
-    rows.push(crate::gpuzero::check(comm, &mut dc, label));
+    rows.push(crate::gpu::zero::check(comm, &mut dc, label));
     // tcp over loopback has no target next to a device copy, nor has the host stream (a host
     // copy is no PCIe link): their checks are exactness only.
     if opts.bench && !x.tcp && !x.host {

@@ -1,13 +1,13 @@
 //! `ringzero gpu-check` as a whole: every CUDA kernel against the CPU kernels and their
-//! micro-benchmarks on the GPU ([`crate::gpucheck`]), then the collective runs: the rank program
-//! ([`crate::gpucoll`], `ringzero gpu-collectives`) in processes on the GPU through the launcher,
+//! micro-benchmarks on the GPU ([`crate::gpu::kernels`]), then the collective runs: the rank program
+//! ([`crate::gpu::collectives`], `ringzero gpu-collectives`) in processes on the GPU through the launcher,
 //! one run per transport, plus runs where a rank kills itself. With `--host-stream` the same
 //! collective runs go on the host stream instead, as a dry run without a GPU (`cargo test` runs
 //! it), and the kernels are skipped.
 
 use std::time::Duration;
 
-use crate::gpucheck::{bench, checks, Row};
+use crate::gpu::kernels::{bench, checks, Row};
 use crate::launch;
 
 /// What `ringzero gpu-check` was asked.
