@@ -312,14 +312,8 @@ impl<S: Stream> Core<S> {
             })?;
             // The copy writes the caller's output: at the deadline it ends first where that
             // memory would not outlive it.
-            let at = (call.fp.to_string(), call.seq, self.rank);
-            super::stream::wait_local(
-                &self.stream,
-                &m,
-                call.timeout,
-                (&at.0, at.1, at.2),
-                "the local copy",
-            )?;
+            let at = (&call.fp, call.seq, self.rank);
+            super::stream::wait_local(&self.stream, &m, call.timeout, at, "the local copy")?;
         }
         Ok(())
     }

@@ -349,9 +349,8 @@ impl<S: Stream> Core<S> {
         // SAFETY: forwarded from the caller.
         unsafe { self.stream.copy(dst, src, bytes) }.map_err(dev)?;
         let m = self.stream.mark().map_err(dev)?;
-        let op = fp.to_string();
-        let at = (op.as_str(), 0, self.rank);
-        super::stream::wait_local(&self.stream, &m, self.cfg.timeout, at, "the local copy")
+        let what = "the local copy of this rank's own block";
+        super::stream::wait_local(&self.stream, &m, self.cfg.timeout, (fp, 0, self.rank), what)
     }
 
     /// Fail the communicator after `e` (a refused argument fails nothing): every later call

@@ -57,26 +57,26 @@ pub(crate) fn settle<S: Stream>(stream: &S, m: &S::Marker, deadline: std::time::
 }
 
 /// Wait, within `timeout`, for this rank's own work queued on `stream` before `m` (a local copy
-/// of call `op` number `seq` on `rank`). At the deadline the work first ends where the caller's
+/// of the call fingerprinted `fp`, number `seq`, on `rank`). At the deadline the work first ends where the caller's
 /// memory would not outlive it ([`settle`]), then the timeout names `what` was waited for.
 pub(crate) fn wait_local<S: Stream>(
     stream: &S,
     m: &S::Marker,
     timeout: std::time::Duration,
-    (op, seq, rank): (&str, u64, usize),
+    (fp, seq, rank): (&crate::wire::Fingerprint, u64, usize),
     what: &str,
 ) -> crate::error::Result<()> {
     let until = crate::deadline::Deadline::after(std::time::Instant::now(), timeout);
     let mut wait = crate::transport::wait::Waiter::backoff();
     let dev = |e| crate::error::Error::Device {
-        context: format!("{op}: {what}"),
+        context: format!("{fp}: {what}"),
         source: e,
     };
     while !stream.done(m).map_err(dev)? {
         if until.passed(std::time::Instant::now()) {
             settle(stream, m, std::time::Duration::ZERO);
             return Err(crate::error::Error::Timeout {
-                op: op.into(),
+                op: fp.to_string(),
                 seq,
                 peer: rank,
                 waiting: format!("{what} on {}", stream.name()),
