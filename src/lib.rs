@@ -4,8 +4,8 @@
 //! Open MPI) and runs the collectives on host buffers: reduce-scatter, all-gather, all-reduce,
 //! broadcast, reduce, barrier, all-to-all and point-to-point, over shared memory inside a node
 //! and TCP between nodes. A [`DeviceComm`] runs the same ring on device buffers (CUDA IPC peer
-//! copies, or host staging), set up through a communicator. [`zero::Engine`] and
-//! [`zero::DeviceEngine`] build ZeRO stages 0–3 on them.
+//! copies, or host staging), set up through a communicator. [`zero::Engine`] builds ZeRO stages
+//! 0–3 on them, its model states in host memory or on a GPU.
 //!
 //! ```no_run
 //! use ringzero::{Communicator, ReduceOp};
@@ -37,8 +37,8 @@ pub use half;
 #[doc(inline)]
 pub use ringzero_kernels as kernels;
 
-/// ZeRO stages 0–3 on the communicators (`ringzero-zero`): [`zero::Engine`] on host buffers,
-/// [`zero::DeviceEngine`] on device buffers, [`zero::ZeroConfig`] (a builder or a DeepSpeed-style
-/// JSON file), checkpoints that reshard, and the memory model `ringzero mem` prints.
+/// ZeRO stages 0–3 on the communicators (`ringzero-zero`): [`zero::Engine`] on host or device
+/// memory, [`zero::ZeroConfig`] (a builder or a DeepSpeed-style JSON file), checkpoints that
+/// reshard, and the memory model `ringzero mem` prints.
 #[doc(inline)]
 pub use ringzero_zero as zero;

@@ -46,7 +46,7 @@ fn cfg(p: Precision, stage: u8, bucket: usize) -> ZeroConfig {
 }
 
 /// Optimizer steps `from..to` (the step index picks the data, as a data loader's position would).
-pub(crate) fn run<T: Float>(e: &mut Engine<'_, T>, rank: usize, from: usize, to: usize) {
+pub(crate) fn run<T: Float>(e: &mut Engine<T>, rank: usize, from: usize, to: usize) {
     let sp = specs();
     for t in from..to {
         for (i, s) in sp.iter().enumerate() {
@@ -68,7 +68,7 @@ pub(crate) fn run<T: Float>(e: &mut Engine<'_, T>, rank: usize, from: usize, to:
 type State = (Vec<Vec<u8>>, Vec<(String, Vec<f32>)>);
 
 /// The engine's [`State`] (a collective).
-fn state<T: Float>(e: &mut Engine<'_, T>) -> State {
+fn state<T: Float>(e: &mut Engine<T>) -> State {
     let names: Vec<String> = specs().into_iter().map(|s| s.name).collect();
     let names: Vec<&str> = names.iter().map(|s| s.as_str()).collect();
     e.gather(&names).unwrap();

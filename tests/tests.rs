@@ -20,4 +20,3 @@ mod rsv;
 mod split;
 mod threads;
 mod zero;
-mod zero_device;

@@ -169,7 +169,7 @@ fn train<T: Float>(comm: &Communicator, c: ZeroConfig, steps: usize) -> Vec<Vec<
 
 /// [`train`] on an engine already made, with the data of `data_rank`.
 pub(crate) fn train_engine<T: Float>(
-    mut e: Engine<'_, T>,
+    mut e: Engine<T>,
     data_rank: usize,
     steps: usize,
 ) -> Vec<Vec<T>> {
@@ -304,40 +304,49 @@ fn prefetch_overlap_comm_and_allgather_pieces_change_no_bit() {
     });
 }
 
+/// Prefetch is real: the next buckets are in flight (counted as communication buffers, bounded by
+/// `prefetch_elems`), and `gather` takes them. Buffers given back are kept for the next
+/// micro-step and counted too.
 #[test]
 fn prefetch_is_real_and_bounded() {
     threads(2, &Opts::default(), |_, comm| {
         let comm = comm.unwrap();
         let sp = specs();
+        let part = Partition::new(&sp, 2, BUCKET).unwrap();
+        let (b1, b2) = (part.slots[0].bucket, part.slots[2].bucket);
+        assert_ne!(b1, b2, "w1 and w2 in different buckets");
+        // Room for w1's bucket (the whole bucket and the shard copy it gathers from), not more.
+        let len = part.buckets[b1].len;
         let c = ZeroConfig {
-            prefetch_elems: BUCKET + BUCKET / 2, // one bucket (+ its shard) fits, two do not
+            prefetch_elems: len + len / 2,
             ..cfg(3, None)
         };
         let mut e = Engine::<f32>::new(&comm, &sp, &init, c).unwrap();
-        let part = e.partition().clone();
-        let b_w1 = part.slots[0].bucket;
-        let b_w2 = part.slots[2].bucket;
-        assert_ne!(b_w1, b_w2);
+        assert_eq!(e.memory().comm_buffers, 0);
         e.prefetch(&["w1", "w2"]).unwrap();
-        let len = part.buckets[b_w1].len;
         assert_eq!(
             e.memory().comm_buffers,
             4 * (len + len / 2),
             "only the first bucket is in flight"
         );
-        let before = comm.counters().bytes_sent;
+        // By capacity: the largest bucket, or its shard.
+        let cap = part.buckets.iter().map(|b| b.len).max().unwrap();
         e.gather(&["w1"]).unwrap();
         assert_eq!(
             e.memory().comm_buffers,
-            4 * len,
-            "the prefetch became the gathered copy"
+            4 * (len + cap / 2),
+            "the prefetch became the gathered copy; the shard copy is kept"
         );
-        let _ = before;
         let want: Vec<f32> = (0..37).map(|k| init(0, k)).collect();
         assert_eq!(e.param("w1").unwrap(), &want[..]);
         e.release(&["w1"]).unwrap();
-        // Prefetching a gathered bucket or twice is harmless; the step refuses gathered params.
+        assert_eq!(e.memory().comm_buffers, 4 * (cap + cap / 2), "both kept");
+        // Gathering another bucket takes the kept buffer: nothing more is held.
         e.gather(&["w2"]).unwrap();
+        let w2 = part.buckets[b2].len;
+        assert_eq!(e.memory().comm_buffers, 4 * (w2 + cap / 2));
+        assert_eq!(e.param_f32("w2").unwrap()[7], init(2, 7));
+        // Prefetching a gathered bucket or twice is harmless; the step refuses gathered params.
         e.prefetch(&["w2"]).unwrap();
         for s in &sp {
             e.push_grad_f32(&s.name, &vec![0.5; s.numel()]).unwrap();
@@ -365,16 +374,22 @@ fn counters<T: Float>(p: Precision) {
         assert_eq!(part.numel(), 37 + 5 + 130 + 3);
         let names: Vec<&str> = sp.iter().map(|s| s.name.as_str()).collect();
         let sz = std::mem::size_of::<T>();
-        let b0 = comm.counters().bytes_sent;
-        comm.all_reduce_in_place_with(&mut [0f64], ReduceOp::Sum, Algo::Ring)
-            .unwrap();
-        let norm_bytes = (comm.counters().bytes_sent - b0) as usize;
-        assert!(
-            norm_bytes <= 2 * 8,
-            "a one-element ring all-reduce: {norm_bytes} B"
-        );
         for stage in 0..=3u8 {
             let mut e = Engine::<T>::new(&comm, &sp, &init, cfg_in(p, stage, None)).unwrap();
+            // What the step's one-element all-reduces send (the norm's f64 sum; fp16's one-byte
+            // overflow flag), measured on the same collectives of the engine's communicator.
+            let small = |x: &mut dyn FnMut()| {
+                let b0 = e.comm().counters().bytes_sent;
+                x();
+                (e.comm().counters().bytes_sent - b0) as usize
+            };
+            let norm_bytes = small(&mut || {
+                e.comm().all_reduce_in_place(&mut [0f64], ReduceOp::Sum).unwrap()
+            });
+            let flag_bytes = small(&mut || {
+                e.comm().all_reduce_in_place(&mut [0u8], ReduceOp::Max).unwrap()
+            });
+            assert!(norm_bytes <= 2 * 8, "a one-element all-reduce: {norm_bytes} B");
             let m = e.memory();
             if sz == 2 {
                 // The paper's mixed-precision Adam: 2 + 2 + K(=12) bytes per parameter.
@@ -395,7 +410,7 @@ fn counters<T: Float>(p: Precision) {
                 assert_eq!((m.params, m.grads, m.optimizer), want, "stage {stage}");
             }
             assert_eq!(m.comm_buffers, 0);
-            let before = comm.counters().bytes_sent;
+            let before = e.comm().counters().bytes_sent;
             let passes = if stage == 3 { 2 } else { 1 };
             for _ in 0..passes {
                 e.gather(&names).unwrap();
@@ -412,13 +427,8 @@ fn counters<T: Float>(p: Precision) {
                 e.push_grad_f32(nme, &vec![0.25; sp[i].numel()]).unwrap();
             }
             assert!(matches!(e.step().unwrap(), StepOutcome::Stepped { .. }));
-            let sent = comm.counters().bytes_sent - before;
-            // The overflow flag's one-byte all-reduce goes by recursive doubling: each rank
-            // sends it once per round, log2 n rounds on 4 ranks. The norm's goes round the
-            // ring (the device engine's order), which moves its one f64 from rank to rank:
-            // what this rank sends of it is measured on the same collective.
-            let small = |bytes: usize| n.ilog2() as usize * bytes;
-            let extra = norm_bytes + if p == Precision::Fp16 { small(1) } else { 0 };
+            let sent = e.comm().counters().bytes_sent - before;
+            let extra = norm_bytes + if p == Precision::Fp16 { flag_bytes } else { 0 };
             let volume = comm_elements_per_step(padded as f64, n, stage);
             assert_eq!(
                 sent as usize,
@@ -549,14 +559,16 @@ fn bad_input_is_refused_and_changes_nothing() {
             err.to_string(),
             "gradient for `b1` has 4 elements, the parameter has 5"
         );
-        e.push_grad("b1", &[1.0; 5]).unwrap();
+        let e16 = e.push_grad("b1", &[bf16::ZERO; 5]).unwrap_err();
+        assert!(e16.to_string().contains("is bf16 but"), "{e16}");
+        e.push_grad("b1", &[1.0f32; 5]).unwrap();
         assert!(matches!(
-            e.push_grad("b1", &[1.0; 5]),
+            e.push_grad("b1", &[1.0f32; 5]),
             Err(ZeroError::GradTwice(_))
         ));
         assert!(matches!(e.step(), Err(ZeroError::MissingGrads(m)) if m == "w1, w2, b2"));
         for (nme, len) in [("w1", 37), ("w2", 130), ("b2", 3)] {
-            e.push_grad(nme, &vec![1.0; len]).unwrap();
+            e.push_grad(nme, &vec![1.0f32; len]).unwrap();
         }
         assert!(matches!(e.step().unwrap(), StepOutcome::Stepped { .. }));
         assert_eq!(e.steps(), 1);
@@ -578,7 +590,7 @@ fn accumulation_steps_only_at_the_boundary() {
             let before = e.param("w1").unwrap().to_vec();
             for k in 0..3 {
                 for s in &sp {
-                    e.push_grad(&s.name, &vec![0.1; s.numel()]).unwrap();
+                    e.push_grad(&s.name, &vec![0.1f32; s.numel()]).unwrap();
                 }
                 let out = e.step().unwrap();
                 if k < 2 {

@@ -1,8 +1,7 @@
-//! What the host engine ([`crate::Engine`]) and the device engine ([`crate::DeviceEngine`])
-//! share: the layout and its checks, and the [`Ledger`] of a run — partition, configuration,
-//! which gradients are in, where the accumulation window stands, the step counters and the loss
-//! scaler — with the bookkeeping both do alike. Where the model states live and how the
-//! collectives run is each engine's own.
+//! The engine's bookkeeping, apart from where its model states live: the layout and its
+//! checks, and the [`Ledger`] of a run — partition, configuration, which gradients are in, where
+//! the accumulation window stands, the step counters and the loss scaler. Pure (no memory of a
+//! stream, no collectives), so the rules it keeps are read and tested in one place.
 
 use ringzero_kernels::cpu::Float;
 

@@ -6,19 +6,15 @@
 //!   rank owning one contiguous range of every bucket — pure and property-tested;
 //! - [`config`]: the engine's settings, from a builder or a DeepSpeed-style JSON subset;
 //! - [`scaler`]: fp16 dynamic loss scaling;
-//! - [`engine`]: stages 0–3 in fp32, bf16 and fp16 (fp32 masters), AdamW, clipping, accumulation,
-//!   stage-3 prefetch, memory and wait counters.
-//!
+//! - [`engine`]: [`Engine`], stages 0–3 in fp32, bf16 and fp16 (fp32 masters), AdamW, clipping,
+//!   accumulation, stage-3 prefetch, memory and wait counters — one engine whose model states
+//!   live in the memory of a stream: the host's ([`Engine::new`]) or a GPU's ([`Engine::on`]);
 //! - [`checkpoint`]: one safetensors shard per rank and a `meta.json` commit marker, loaded at any
 //!   world size, stage or precision (resharded by parameter name), and consolidated offline.
-//!
-//! - [`device`]: [`DeviceEngine`], the same engine with its model states in device memory over a
-//!   `DeviceComm` (GPUs, or the host stream).
 #![deny(missing_docs)]
 
 pub mod checkpoint;
 pub mod config;
-pub mod device;
 pub mod engine;
 mod error;
 mod ledger;
@@ -29,7 +25,6 @@ pub mod scaler;
 
 pub use checkpoint::{Checkpoint, Meta as CheckpointMeta};
 pub use config::{LossScaling, Precision, ZeroConfig, ZeroConfigBuilder};
-pub use device::DeviceEngine;
 pub use engine::{hybrid_groups, Engine};
 pub use error::ZeroError;
 pub use partition::{ParamSpec, Partition};

@@ -171,6 +171,23 @@ fn need(c: Collective, what: &str, have: usize, want: usize) -> Result<()> {
     }
 }
 
+// SAFETY: an array's elements lie in one place for as long as it is borrowed, which the host
+// stream (host memory) addresses directly.
+unsafe impl<T: Element, const N: usize> DeviceMemory<HostStream> for [T; N] {
+    fn dtype(&self) -> DType {
+        T::DTYPE
+    }
+    fn elems(&self) -> usize {
+        N
+    }
+    fn addr(&self, s: &HostStream) -> DevPtr {
+        self.as_slice().addr(s)
+    }
+    fn addr_mut(&mut self, s: &HostStream) -> DevPtr {
+        self.as_mut_slice().addr_mut(s)
+    }
+}
+
 // SAFETY: a Vec's pointer and length describe exactly its elements, which the host stream
 // addresses directly; its heap allocation does not move while the Vec is borrowed (or moved).
 unsafe impl<T: Element> DeviceMemory<HostStream> for Vec<T> {

@@ -213,7 +213,7 @@ fn dev_err(what: &str, e: String) -> ringzero_collectives::Error {
 
 /// One call; in place it works on `send` (all-gather: on `recv`), as the host sweep does.
 fn call<D: BenchDev>(
-    dc: &mut DeviceComm<D>,
+    dc: &DeviceComm<D>,
     op: Collective,
     redop: ReduceOp,
     inplace: bool,
@@ -282,7 +282,7 @@ fn call<D: BenchDev>(
 /// (or whose edges include tcp): [`super::theory::DeviceLimit::Links`].
 pub fn ring_links<D: BenchDev>(
     comm: &Communicator,
-    dc: &mut DeviceComm<D>,
+    dc: &DeviceComm<D>,
     (dtype, count): (DType, usize),
     inplace: bool,
     (warmup, iters): (usize, usize),
@@ -326,7 +326,7 @@ fn buffers<D: BenchDev>(
 /// One call of `op` on exact inputs ([`exact::inputs`]): what this rank's result holds and what
 /// it must hold, or `None` where it holds nothing to check (barrier, reduce off the root).
 pub fn exact_result<D: BenchDev>(
-    dc: &mut DeviceComm<D>,
+    dc: &DeviceComm<D>,
     op: Collective,
     inplace: bool,
     count: usize,
@@ -355,7 +355,7 @@ pub fn exact_result<D: BenchDev>(
 
 /// One untimed call on exact inputs: how many elements of this rank's result are wrong.
 fn check<D: BenchDev>(
-    dc: &mut DeviceComm<D>,
+    dc: &DeviceComm<D>,
     op: Collective,
     a: &SweepArgs,
     count: usize,
@@ -373,7 +373,7 @@ fn check<D: BenchDev>(
 /// Sweep `op` over `a.sizes` on device buffers; every rank returns the same rows.
 pub fn sweep<D: BenchDev>(
     comm: &Communicator,
-    dc: &mut DeviceComm<D>,
+    dc: &DeviceComm<D>,
     op: Collective,
     a: &SweepArgs,
     transport: &str,

@@ -47,7 +47,7 @@ type Check = Result<Option<String>, String>;
 
 /// One collective on exact inputs (the bench's `#wrong` check): the first wrong element, if any.
 fn one<D: CheckDev>(
-    dc: &mut DeviceComm<D>,
+    dc: &DeviceComm<D>,
     coll: Collective,
     inplace: bool,
     d: DType,
@@ -240,8 +240,8 @@ where
     let n = comm.size();
     let label = &x.label;
     let mut rows = Vec::new();
-    let mut dc = match DeviceComm::new(comm, dev) {
-        Ok(dc) => dc,
+    let dc = match DeviceComm::new(comm, dev) {
+        Ok(dc) => std::sync::Arc::new(dc),
         Err(e) => {
             return vec![Row {
                 check: format!("{label} n={n} connect"),
@@ -283,7 +283,7 @@ where
             .map_or_else(|| "the slot ring".to_string(), str::to_string),
     });
     let mut seed = 0;
-    rows.extend(exact_rows(&mut dc, label, opts.quick, &mut seed));
+    rows.extend(exact_rows(&dc, label, opts.quick, &mut seed));
     let fail = async_all_reduce(&dc, seed).err();
     rows.push(Row {
         check: format!("{label} n={n} async all_reduce"),
@@ -310,7 +310,7 @@ where
             dc.counters().bytes_direct
         ),
     });
-    rows.push(crate::gpu::zero::check(comm, &mut dc, label));
+    rows.push(crate::gpu::zero::check(comm, &dc, label));
     // tcp over loopback has no target next to a device copy, nor has the host stream (a host
     // copy is no PCIe link): their checks are exactness only.
     if opts.bench && !x.tcp && !x.host {
@@ -321,7 +321,7 @@ where
         } else {
             None
         };
-        match bandwidth(&mut dc, (x.staged, &x.label), comparison) {
+        match bandwidth(&dc, (x.staged, &x.label), comparison) {
             Ok(r) => rows.push(r),
             Err(e) => rows.push(Row {
                 check: format!("{label} n={n} bench"),
@@ -337,7 +337,7 @@ where
 /// that form, checked exactly (the first failure ends a collective's cases); `seed` numbers the
 /// cases across calls.
 fn exact_rows<D: CheckDev>(
-    dc: &mut DeviceComm<D>,
+    dc: &DeviceComm<D>,
     label: &str,
     quick: bool,
     seed: &mut usize,
@@ -427,7 +427,7 @@ where
 /// not take on one GPU; a staging way forced by `RINGZERO_STAGING`) sets no target, and
 /// says why.
 fn bandwidth<D: CheckDev>(
-    dc: &mut DeviceComm<D>,
+    dc: &DeviceComm<D>,
     (staged, kind): (bool, &str),
     comparison: Option<&str>,
 ) -> Result<Row, String> {

@@ -1,14 +1,16 @@
-//! `gpu-check`'s ZeRO row: [`DeviceEngine`] with its model states on the GPU against the host
-//! [`Engine`] on the same data, every stage in fp32, bf16 and fp16 (static loss scale), three
+//! `gpu-check`'s ZeRO row: the [`Engine`] with its model states on the GPU against the same
+//! engine on the host, on the same data, every stage in fp32, bf16 and fp16 (static loss scale), three
 //! optimizer steps, no clipping (the GPU sums the norm in a tree, so a clipped step may differ in
 //! the last bit). Bit for bit where the device collectives reduce in the host ring's order (the
 //! slot ring, or 2 ranks, whose sums have one order); within 1e-3 where the direct step reduces
 //! chunks in rank order on more ranks.
 
+use std::sync::Arc;
+
 use half::{bf16, f16};
 use ringzero_collectives::{Communicator, DeviceComm, DeviceMemory};
 use ringzero_kernels::cpu::{cast, AdamW, Float};
-use ringzero_zero::{DeviceEngine, Engine, LossScaling, ParamSpec, Precision, ZeroConfig};
+use ringzero_zero::{Engine, LossScaling, ParamSpec, Precision, ZeroConfig};
 
 use crate::gpu::collectives::CheckDev;
 use crate::gpu::kernels::Row;
@@ -99,19 +101,19 @@ fn host<T: Float>(comm: &Communicator, c: ZeroConfig) -> Result<Vec<Vec<f32>>, S
 
 /// The device engine's parameters after [`STEPS`] steps, its gradients uploaded to the GPU.
 fn device<D: CheckDev, T: Float>(
-    dc: &mut DeviceComm<D>,
+    dc: &Arc<DeviceComm<D>>,
     c: ZeroConfig,
 ) -> Result<Vec<Vec<f32>>, String> {
     let sp = specs();
     let names: Vec<&str> = sp.iter().map(|s| s.name.as_str()).collect();
     let rank = dc.rank();
     let e_ = |e: ringzero_zero::ZeroError| e.to_string();
-    let mut e = DeviceEngine::<_, T>::new(dc, &sp, &init, c).map_err(e_)?;
+    let mut e = Engine::<T, D>::on(dc.clone(), &sp, &init, c).map_err(e_)?;
     for t in 0..STEPS {
         e.gather(&names).map_err(e_)?;
         let values: Vec<Vec<f32>> = names
             .iter()
-            .map(|n| e.param_to_host(n))
+            .map(|n| e.param_f32(n))
             .collect::<Result<_, _>>()
             .map_err(e_)?;
         e.release(&names).map_err(e_)?;
@@ -131,14 +133,14 @@ fn device<D: CheckDev, T: Float>(
     e.gather(&names).map_err(e_)?;
     names
         .iter()
-        .map(|n| e.param_to_host(n))
+        .map(|n| e.param_f32(n))
         .collect::<Result<_, _>>()
         .map_err(e_)
 }
 
 fn compare<D: CheckDev, T: Float>(
     comm: &Communicator,
-    dc: &mut DeviceComm<D>,
+    dc: &Arc<DeviceComm<D>>,
     p: Precision,
     exact: bool,
 ) -> Result<(), String> {
@@ -166,7 +168,7 @@ fn compare<D: CheckDev, T: Float>(
 }
 
 /// The row: every stage and precision on this communicator (`label n=…`).
-pub fn check<D: CheckDev>(comm: &Communicator, dc: &mut DeviceComm<D>, label: &str) -> Row {
+pub fn check<D: CheckDev>(comm: &Communicator, dc: &Arc<DeviceComm<D>>, label: &str) -> Row {
     let n = comm.size();
     let exact = dc.direct().is_none() || n <= 2;
     let r = compare::<D, f32>(comm, dc, Precision::Fp32, exact)

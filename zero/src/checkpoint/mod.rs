@@ -20,6 +20,7 @@
 //! shards into one file of full fp32 (or 16-bit) weights, one parameter in memory at a time.
 
 pub mod plan;
+pub(crate) mod protocol;
 
 use std::borrow::Cow;
 use std::collections::HashMap;

@@ -1,309 +1,99 @@
-//! Saving and loading the engine's state (the format is in [`crate::checkpoint`]).
-//!
-//! Both are collectives, and all-or-nothing across ranks: every phase that can fail on one rank
-//! (preparing the directory, writing a shard, committing `meta.json`; reading and checking the
-//! shards) ends in an agreement round (an all-gather of one small record per rank), and no rank
-//! goes on, or changes anything, unless every rank succeeded. A failing rank returns its own
-//! error; the others return [`ZeroError::PeerFailed`] naming it. With hybrid sharding each round
-//! is also agreed over the replicas (one byte per shard group), and ranks of a group that
-//! succeeded while another failed return [`ZeroError::ReplicaFailed`] naming that group.
+//! The engine's state leaving and entering its stream's memory: checkpoints (the format in
+//! [`crate::checkpoint`], the all-or-nothing protocol in `checkpoint/protocol.rs`), the states
+//! copied between the stream's memory and the host shard by shard, and [`Engine::consolidate`].
 
 use std::borrow::Cow;
 use std::path::Path;
 
-use ringzero_kernels::cpu::{cast, Float};
+use ringzero_collectives::{DType, TrainStream};
+use ringzero_kernels::cpu::Float;
 
-use super::{Engine, ZeroError};
-use crate::checkpoint::{self, plan, Checkpoint, Meta, ParamMeta, ShardMeta, FORMAT};
-use crate::config::{Precision, ZeroConfig};
-use crate::ledger::{update_range, Ledger};
-use crate::partition::Partition;
-use crate::scaler::ScalerState;
+use super::{all_gather_host, alloc, dev, DevVec, Engine};
+use crate::checkpoint::Meta;
+use crate::checkpoint::protocol::{self as persist, Payload, Persist};
+use crate::error::ZeroError;
+use crate::ledger::Ledger;
 
-/// A checkpoint read for this rank: its metadata and, per bucket, master and moments of the range
-/// this rank updates.
-pub(crate) type Staged = (Meta, Vec<[Vec<f32>; 3]>);
-
-/// Payload of one agreement record: a shard's size (8 bytes) and SHA-256 (32).
-pub(crate) type Payload = [u8; 40];
-
-/// What saving and loading need from an engine (the host engine's and the device engine's
-/// state live in different memories; the format and the protocol are one).
-pub(crate) trait Persist {
-    /// The engine's bookkeeping.
-    fn led(&self) -> &Ledger;
-    /// The layout.
-    fn part(&self) -> &Partition {
-        &self.led().part
-    }
-    /// The configuration.
-    fn cfg(&self) -> &ZeroConfig {
-        &self.led().cfg
-    }
-    /// This rank in the shard group.
-    fn rank(&self) -> usize {
-        self.led().rank
-    }
-    /// Whether this rank writes its shard (hybrid sharding: the first replica's group only).
-    fn writes(&self) -> bool {
-        true
-    }
-    /// Optimizer steps taken, steps skipped, the loss scaler's state.
-    fn progress(&self) -> (u64, u64, Option<ScalerState>) {
-        let l = self.led();
-        (l.t, l.skipped, l.scaler.state())
-    }
-    /// Master, first and second moment of the range of bucket `b` this rank owns.
-    fn own_states(&self, b: usize) -> Result<[Cow<'_, [f32]>; 3], ZeroError>;
-    /// One agreement round: every rank's success (with a payload) or failure. Returns every
-    /// rank's payload when all succeeded; this rank's own error when it failed; else
-    /// [`ZeroError::PeerFailed`] naming the ranks that failed.
-    fn agree(
-        &mut self,
-        local: Result<Payload, ZeroError>,
-        what: &str,
-    ) -> Result<Vec<Payload>, ZeroError>;
-}
-
-/// Refuse `call` inside an accumulation window (`micro` > 0), while gradients are being pushed
-/// (`pushed`), and (for a load, which `replaces` the parameters) while a bucket is gathered or
-/// in flight (`busy`).
-pub(crate) fn between_steps(
-    part: &Partition,
-    cfg: &ZeroConfig,
-    (micro, pushed, busy): (usize, &[bool], Option<usize>),
-    call: &'static str,
-    replaces: bool,
-) -> Result<(), ZeroError> {
-    let not_now = |why: String| Err(ZeroError::NotNow { call, why });
-    if micro != 0 {
-        return not_now(format!(
-            "inside an accumulation window (micro-step {} of {}); call it after the optimizer \
-             step",
-            micro + 1,
-            cfg.accumulation_steps
-        ));
-    }
-    if let Some(i) = pushed.iter().position(|&p| p) {
-        return not_now(format!(
-            "gradients of this micro-step are being pushed (`{}` is in); call it after the \
-             optimizer step",
-            part.specs[i].name
-        ));
-    }
-    if let (true, Some(b)) = (replaces, busy) {
-        let p = part.buckets[b].params[0];
-        return not_now(format!(
-            "`{}` is gathered or being prefetched; release it first",
-            part.specs[p].name
-        ));
-    }
-    Ok(())
-}
-
-/// Save `e`'s state into `dir` (see [`Engine::save_checkpoint`]), once the caller has checked
-/// that it is between steps.
-pub(crate) fn save<E: Persist>(
-    e: &mut E,
-    dir: &Path,
-    client_state: serde_json::Value,
-) -> Result<(), ZeroError> {
-    let writes = e.writes();
-    let skip = || Ok([0u8; 40]);
-    let prepared = if writes {
-        checkpoint::prepare_dir(dir).map(|()| [0u8; 40])
-    } else {
-        skip()
-    };
-    e.agree(
-        prepared,
-        "save_checkpoint: preparing the directory; nothing was written",
-    )?;
-    let (n, rank) = (e.part().world, e.rank());
-    let written = if writes {
-        (|| {
-            let states = (0..e.part().buckets.len())
-                .map(|b| e.own_states(b))
-                .collect::<Result<Vec<_>, _>>()?;
-            let refs: Vec<[&[f32]; 3]> =
-                states.iter().map(|[a, b, c]| [&**a, &**b, &**c]).collect();
-            checkpoint::write_shard(dir, rank, n, &refs)
-        })()
-        .map(|(bytes, sum)| {
-            let mut p = [0u8; 40];
-            p[..8].copy_from_slice(&bytes.to_le_bytes());
-            p[8..].copy_from_slice(&sum);
-            p
-        })
-    } else {
-        skip()
-    };
-    let shards = e.agree(
-        written,
-        "save_checkpoint: writing the shards; the checkpoint was not committed",
-    )?;
-    let committed = if rank == 0 && writes {
-        let (step, skipped, scaler) = e.progress();
-        let (part, cfg) = (e.part(), e.cfg());
-        let meta = Meta {
-            format: FORMAT,
-            world: n,
-            stage: cfg.stage,
-            precision: cfg.precision.to_string(),
-            bucket_elems: cfg.bucket_elems,
-            params: part
-                .specs
-                .iter()
-                .map(|p| ParamMeta {
-                    name: p.name.clone(),
-                    shape: p.shape.clone(),
-                })
-                .collect(),
-            buckets: part.buckets.iter().map(|b| b.len).collect(),
-            step,
-            skipped,
-            scaler,
-            client_state,
-            shards: shards
-                .iter()
-                .enumerate()
-                .map(|(r, p)| ShardMeta {
-                    file: checkpoint::shard_file(r, n),
-                    bytes: u64::from_le_bytes(p[..8].try_into().expect("8 bytes")),
-                    sha256: checkpoint::hex(&p[8..]),
-                })
-                .collect(),
-        };
-        checkpoint::write_meta(dir, &meta).map(|()| [0u8; 40])
-    } else {
-        Ok([0u8; 40])
-    };
-    e.agree(
-        committed,
-        "save_checkpoint: committing meta.json; the checkpoint was not committed",
-    )?;
-    Ok(())
-}
-
-/// This rank's part of the checkpoint in `dir` (per bucket, the three states of the range it
-/// updates: all of it in stage 0), read once every rank has read its own.
-pub(crate) fn read_agreed<E: Persist>(e: &mut E, dir: &Path) -> Result<Staged, ZeroError> {
-    let read = (|| {
-        let mut ck = Checkpoint::open(dir)?;
-        let part = e.part();
-        if let Some(why) = plan::mismatch(ck.partition(), part) {
-            return Err(checkpoint::err(dir, why));
-        }
-        let states = (0..part.buckets.len())
-            .map(|b| ck.read_range(part, b, update_range(part, e.cfg().stage, e.rank(), b)))
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok((ck.meta().clone(), states))
-    })();
-    e.agree(
-        read.as_ref().map(|_| [0u8; 40]).map_err(Clone::clone),
-        "load_checkpoint: reading the checkpoint; nothing was changed",
-    )?;
-    Ok(read.expect("agreed above"))
-}
-
-/// Bytes of one agreement record: a success byte, then the payload.
-pub(crate) const REC: usize = 1 + std::mem::size_of::<Payload>();
-
-/// This rank's agreement record for `local`.
-pub(crate) fn record(local: &Result<Payload, ZeroError>) -> [u8; REC] {
-    let mut mine = [0u8; REC];
-    if let Ok(p) = local {
-        mine[0] = 1;
-        mine[1..].copy_from_slice(p);
-    }
-    mine
-}
-
-/// The outcome of an agreement round from this rank's `local` result and every rank's record in
-/// `all` (a success byte, then the payload): this rank's error, else [`ZeroError::PeerFailed`]
-/// naming the ranks that failed, else every rank's payload.
-pub(crate) fn agreed(
-    local: Result<Payload, ZeroError>,
-    all: &[u8],
-    n: usize,
-    what: &str,
-) -> Result<Vec<Payload>, ZeroError> {
-    let rec = all.len() / n;
-    local?;
-    let failed: Vec<usize> = (0..n).filter(|&r| all[r * rec] == 0).collect();
-    if !failed.is_empty() {
-        return Err(ZeroError::PeerFailed {
-            what: what.to_string(),
-            ranks: failed,
-        });
-    }
-    Ok(all
-        .chunks_exact(rec)
-        .map(|c| c[1..].try_into().expect("record size"))
-        .collect())
-}
-
-/// Hybrid sharding: after a round in this shard group succeeded, every shard group's verdict
-/// (`groups`, one byte each, all-gathered over the replicas; empty without hybrid sharding):
-/// [`ZeroError::ReplicaFailed`] naming the groups that failed.
-pub(crate) fn replicas_agreed(groups: &[u8], what: &str) -> Result<(), ZeroError> {
-    let failed: Vec<usize> = (0..groups.len()).filter(|&k| groups[k] == 0).collect();
-    if failed.is_empty() {
-        Ok(())
-    } else {
-        Err(ZeroError::ReplicaFailed {
-            what: what.to_string(),
-            replicas: failed,
-        })
-    }
-}
-
-/// Whether every rank's record in `all` says it succeeded.
-pub(crate) fn all_succeeded(all: &[u8], n: usize) -> bool {
-    let rec = all.len() / n;
-    (0..n).all(|r| all[r * rec] != 0)
-}
-
-/// Whether a checkpoint's scaler state resumes here: fp16 to fp16.
-pub(crate) fn resumes_scaler(meta: &Meta) -> bool {
-    meta.precision == Precision::Fp16.to_string()
-}
-
-impl<T: Float> Persist for &Engine<'_, T> {
+impl<T: Float, S: TrainStream + 'static> Persist for Engine<T, S> {
     fn led(&self) -> &Ledger {
         &self.led
     }
-    fn writes(&self) -> bool {
-        self.replicas.is_none_or(|r| r.rank() == 0)
-    }
     fn own_states(&self, b: usize) -> Result<[Cow<'_, [f32]>; 3], ZeroError> {
-        Ok(Engine::own_states(self, b).map(Cow::Borrowed))
+        let own = self.led.part.owned(b, self.led.rank);
+        // Which buffers hold whole buckets (the owned range at its offset) rather than the owned
+        // range alone: the master and moments in stage 0, f32 parameters outside stage 3.
+        let whole_state = self.led.cfg.stage == 0;
+        let (master, whole_master) = match &self.master[b] {
+            Some(m) => (m, whole_state),
+            None => (&self.params[b], self.led.cfg.stage != 3),
+        };
+        let read = |v: &DevVec, whole: bool| -> Result<Cow<'_, [f32]>, ZeroError> {
+            let at = if whole { v.at(own.start) } else { v.addr };
+            let mut out = vec![0f32; own.len()];
+            // SAFETY: `v` holds f32s (a master, a moment, or f32 parameters) covering the owned
+            // range from `at`.
+            unsafe { self.stream().read(bytemuck::cast_slice_mut(&mut out), at) }
+                .map_err(dev("reading the optimizer state".into()))?;
+            Ok(Cow::Owned(out))
+        };
+        Ok([
+            read(master, whole_master)?,
+            read(&self.m[b], whole_state)?,
+            read(&self.v[b], whole_state)?,
+        ])
+    }
+    fn writes(&self) -> bool {
+        self.replicas.as_ref().is_none_or(|r| r.rank() == 0)
     }
     fn agree(
         &mut self,
         local: Result<Payload, ZeroError>,
         what: &str,
     ) -> Result<Vec<Payload>, ZeroError> {
-        Engine::agree(self, local, what)
+        let n = self.led.part.world;
+        let all = all_gather_host(&self.comm, &persist::record(&local))?;
+        // Hybrid sharding: then every shard group's verdict, before any rank returns.
+        let groups = match &self.replicas {
+            Some(rep) => all_gather_host(rep, &[u8::from(persist::all_succeeded(&all, n))])?,
+            None => Vec::new(),
+        };
+        let payloads = persist::agreed(local, &all, n, what)?;
+        persist::replicas_agreed(&groups, what)?;
+        Ok(payloads)
     }
 }
 
-impl<T: Float> Engine<'_, T> {
+impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
+    /// Refuse `call` inside an accumulation window, while gradients are being pushed, and (for a
+    /// load) while anything is gathered or in flight.
+    fn between_steps(&self, call: &'static str, replaces: bool) -> Result<(), ZeroError> {
+        let busy = (0..self.gathered.len())
+            .find(|&b| self.gathered[b].is_some() || self.inflight[b].is_some());
+        persist::between_steps(
+            &self.led.part,
+            &self.led.cfg,
+            (self.led.micro, &self.led.pushed, busy),
+            call,
+            replaces,
+        )
+    }
+
     /// Save this engine's state into `dir` (a collective: every rank calls it with the same
     /// directory, on a filesystem all ranks share when they are on several hosts). `dir` must
     /// not hold a checkpoint already. `client_state` is kept as is in `meta.json` and returned by
-    /// [`Engine::load_checkpoint`] (a data loader's position, an epoch, ...).
+    /// [`Engine::load_checkpoint`] (a data loader's position, an epoch, ...). The checkpoint
+    /// loads at any world size, stage, precision or bucket size, on the host or a device.
     ///
     /// Call it between optimizer steps: inside an accumulation window, or once a micro-step's
     /// gradients are being pushed, it is refused and nothing is written. When it fails on any
     /// rank, `meta.json` is not written, so the directory is not a checkpoint.
     pub fn save_checkpoint(
-        &self,
+        &mut self,
         dir: impl AsRef<Path>,
         client_state: serde_json::Value,
     ) -> Result<(), ZeroError> {
         self.between_steps("save_checkpoint", false)?;
-        save(&mut &*self, dir.as_ref(), client_state)
+        persist::save(self, dir.as_ref(), client_state)
     }
 
     /// Load the state saved in `dir` (a collective). The checkpoint may come from another world
@@ -318,104 +108,92 @@ impl<T: Float> Engine<'_, T> {
     /// changes anything.
     pub fn load_checkpoint(&mut self, dir: impl AsRef<Path>) -> Result<Meta, ZeroError> {
         self.between_steps("load_checkpoint", true)?;
-        let (meta, states) = read_agreed(&mut &*self, dir.as_ref())?;
-        let stage = self.led.cfg.stage;
+        let (meta, states) = persist::read_agreed(self, dir.as_ref())?;
+        let (stage, rank) = (self.led.cfg.stage, self.led.rank);
         for (b, [master, m, v]) in states.into_iter().enumerate() {
             let range = match stage {
-                1 | 2 => self.led.part.owned(b, self.led.rank),
-                _ => 0..self.params[b].len(),
+                1 | 2 => self.led.part.owned(b, rank),
+                _ => 0..self.params[b].elems,
             };
-            let p = &mut self.params[b][range];
-            if T::IS_F32 {
-                let p: &mut [f32] = bytemuck::cast_slice_mut(p);
-                p.copy_from_slice(&master);
-            } else {
-                cast(&master, p);
-                self.master[b] = master;
+            let p = self.params[b].at(range.start);
+            let s = self.comm.stream();
+            let up = |dst: u64, x: &[f32]| {
+                // SAFETY: `dst` holds `x.len()` f32s of the engine's buffers (the update range's
+                // master and moments, or f32 parameters), used by no queued work (the stream
+                // is waited for before each write).
+                unsafe { s.write(dst, bytemuck::cast_slice(x)) }
+                    .map_err(dev("uploading the checkpoint's state".into()))
+            };
+            match &self.master[b] {
+                None => up(p, &master)?,
+                Some(mb) => {
+                    up(mb.addr, &master)?;
+                    // SAFETY: the master and the parameters' stretch both hold `range.len()`
+                    // elements (f32 and `T`), apart.
+                    unsafe { s.cast(DType::F32, mb.addr, T::DTYPE, p, range.len()) }
+                        .map_err(dev("rounding the master into the parameters".into()))?;
+                }
             }
-            self.m[b] = m;
-            self.v[b] = v;
+            up(self.m[b].addr, &m)?;
+            up(self.v[b].addr, &v)?;
         }
         self.led.t = meta.step;
         self.led.skipped = meta.skipped;
-        if let (Some(s), true) = (meta.scaler, resumes_scaler(&meta)) {
+        if let (Some(s), true) = (meta.scaler, persist::resumes_scaler(&meta)) {
             self.led.scaler.restore(s);
         }
         if stage == 1 || stage == 2 {
-            for b in 0..self.led.part.buckets.len() {
-                self.gather_updated(b)?;
-            }
+            self.gather_updated()?;
         }
+        self.sync("loading a checkpoint")?;
         Ok(meta)
     }
 
-    /// Master, first and second moment of the range of bucket `b` this rank owns.
-    fn own_states(&self, b: usize) -> [&[f32]; 3] {
-        let own = self.led.part.owned(b, self.led.rank);
-        // Stage 0 keeps whole buckets; the other stages keep only the owned range.
-        let cut = |v: &[f32]| -> std::ops::Range<usize> {
-            if self.led.cfg.stage == 0 {
-                own.clone()
-            } else {
-                0..v.len()
+    /// Every parameter's fp32 master values, assembled from all ranks' shards and copied to the
+    /// host (a collective: call it on every rank). In the specs' order.
+    pub fn consolidate(&self) -> Result<Vec<(String, Vec<f32>)>, ZeroError> {
+        let (stage, n) = (self.led.cfg.stage, self.led.part.world);
+        let mut full: Vec<Vec<f32>> = Vec::with_capacity(self.led.part.buckets.len());
+        for b in 0..self.led.part.buckets.len() {
+            let len = self.led.part.buckets[b].len;
+            let mut out = alloc(self.stream(), DType::F32, len)?;
+            match (&self.master[b], stage) {
+                // Stage 0 keeps the whole master (16-bit) or the whole parameters (f32).
+                (Some(m), 0) => self.copy(&mut out, m, len)?,
+                (None, 0) => self.copy(&mut out, &self.params[b], len)?,
+                (Some(m), _) => self.comm.all_gather(m, &mut out)?,
+                (None, 3) => self.comm.all_gather(&self.params[b], &mut out)?,
+                (None, _) => {
+                    let own = self.led.part.owned(b, self.led.rank);
+                    let mine = alloc(self.stream(), DType::F32, len / n)?;
+                    // SAFETY: the owned range of the f32 bucket into a buffer of its length.
+                    unsafe {
+                        self.stream()
+                            .copy(mine.addr, self.params[b].at(own.start), own.len() * 4)
+                    }
+                    .map_err(dev("copying the owned parameters".into()))?;
+                    // (The copy is queued before the all-gather, which returns once its work
+                    // is done.)
+                    self.comm.all_gather(&mine, &mut out)?;
+                }
             }
-        };
-        let master: &[f32] = if T::IS_F32 {
-            let p: &[f32] = bytemuck::cast_slice(&self.params[b]);
-            if self.led.cfg.stage == 3 {
-                p
-            } else {
-                &p[own.clone()]
+            let mut host = vec![0f32; len];
+            // SAFETY: `out` holds `len` f32s.
+            unsafe {
+                self.stream()
+                    .read(bytemuck::cast_slice_mut(&mut host), out.addr)
             }
-        } else {
-            &self.master[b][cut(&self.master[b])]
-        };
-        [
-            master,
-            &self.m[b][cut(&self.m[b])],
-            &self.v[b][cut(&self.v[b])],
-        ]
+            .map_err(dev("reading the consolidated weights".into()))?;
+            full.push(host);
+        }
+        Ok(self.led.part.by_param(&full))
     }
 
-    /// Refuse `call` inside an accumulation window, while gradients are being pushed, and (for a
-    /// load, which replaces the parameters) while anything is gathered or in flight.
-    fn between_steps(&self, call: &'static str, replaces: bool) -> Result<(), ZeroError> {
-        let busy = (0..self.gathered.len())
-            .find(|&b| self.gathered[b].is_some() || self.inflight[b].is_some());
-        between_steps(
-            &self.led.part,
-            &self.led.cfg,
-            (self.led.micro, &self.led.pushed, busy),
-            call,
-            replaces,
-        )
-    }
-
-    /// One agreement round: every rank's success (with a payload) or failure. Returns every
-    /// rank's payload when all succeeded; this rank's own error when it failed; else
-    /// [`ZeroError::PeerFailed`] naming the ranks that failed.
-    fn agree(
-        &self,
-        local: Result<Payload, ZeroError>,
-        what: &str,
-    ) -> Result<Vec<Payload>, ZeroError> {
-        let n = self.led.part.world;
-        let mine = record(&local);
-        let mut all = vec![0u8; REC * n];
-        self.comm.all_gather(&mine, &mut all)?;
-        let failed: Vec<usize> = (0..n).filter(|&r| all[r * REC] == 0).collect();
-        // Hybrid sharding: then every shard group's verdict, before any rank returns (a rank
-        // that left early would leave its replicas waiting in this round).
-        let groups = match self.replicas {
-            Some(rep) => {
-                let mut v = vec![0u8; rep.size()];
-                rep.all_gather(&[u8::from(failed.is_empty())], &mut v)?;
-                v
-            }
-            None => Vec::new(),
-        };
-        let payloads = agreed(local, &all, n, what)?;
-        replicas_agreed(&groups, what)?;
-        Ok(payloads)
+    /// `len` f32s of `src` into `dst`, waited for.
+    fn copy(&self, dst: &mut DevVec, src: &DevVec, len: usize) -> Result<(), ZeroError> {
+        // SAFETY: both hold at least `len` f32s (whole buckets of f32).
+        unsafe { self.stream().copy(dst.addr, src.addr, len * 4) }
+            .map_err(dev("copying the master weights".into()))?;
+        self.sync("copying the master weights")
     }
 }

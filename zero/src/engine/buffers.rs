@@ -1,4 +1,4 @@
-//! The device engine's buffers: allocations of its stream ([`DevVec`]), the spare buffers it
+//! The engine's buffers: allocations of its stream ([`DevVec`]), the spare buffers it
 //! keeps for the next micro-step ([`Spares`]), and the one host all-gather it needs at set-up.
 
 use std::any::Any;
@@ -9,7 +9,7 @@ use ringzero_kernels::DeviceError;
 use crate::error::ZeroError;
 
 /// An allocation of the engine's stream holding `elems` elements of `dtype`.
-pub(super) struct DevVec {
+pub(crate) struct DevVec {
     pub(super) addr: u64,
     pub(super) elems: usize,
     pub(super) dtype: DType,
@@ -44,14 +44,14 @@ impl DevVec {
 }
 
 /// Collectives on the proxy thread per bucket, with the elements they hold.
-pub(super) type InFlight = Vec<Option<(Work<(DevVec, DevVec)>, usize)>>;
+pub(crate) type InFlight = Vec<Option<(Work<(DevVec, DevVec)>, usize)>>;
 
 /// Buffers of one capacity (`cap` elements of `dtype`) kept after use, at most `keep` of them,
 /// for temporaries the engine needs again every micro-step (a bucket's gradients while backward
 /// fills it, a gathered bucket, a reduced shard): on a GPU an allocation is a driver call, a
 /// free waits for the whole device, and under the direct step a new buffer is a new IPC mapping
 /// in every peer.
-pub(super) struct Spares {
+pub(crate) struct Spares {
     pub(super) dtype: DType,
     pub(super) cap: usize,
     pub(super) keep: usize,
@@ -110,12 +110,12 @@ impl Spares {
     }
 }
 
-pub(super) fn dev(context: String) -> impl FnOnce(DeviceError) -> ZeroError {
+pub(crate) fn dev(context: String) -> impl FnOnce(DeviceError) -> ZeroError {
     move |source| ZeroError::Comm(Error::Device { context, source })
 }
 
 /// `elems` zeroed elements of `dtype` on `s`.
-pub(super) fn alloc<S: TrainStream>(
+pub(crate) fn alloc<S: TrainStream>(
     s: &S,
     dtype: DType,
     elems: usize,
@@ -134,7 +134,7 @@ pub(super) fn alloc<S: TrainStream>(
 
 /// Every rank's `mine` (the same length on every rank) over `dc`, on the host: staged through
 /// device buffers of `dc`'s stream.
-pub(super) fn all_gather_host<S: TrainStream + 'static, E: ringzero_kernels::Element>(
+pub(crate) fn all_gather_host<S: TrainStream + 'static, E: ringzero_kernels::Element>(
     dc: &DeviceComm<S>,
     mine: &[E],
 ) -> Result<Vec<E>, ZeroError> {

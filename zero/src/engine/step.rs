@@ -1,0 +1,347 @@
+//! A micro-step: gradients pushed into their buckets (stages 2–3: reduce-scattered as each
+//! bucket fills), and at the accumulation boundary the reduction, the overflow and norm
+//! agreement, AdamW on what this rank owns, and the all-gather of the updated parameters.
+
+use std::time::Instant;
+
+use ringzero_collectives::{AdamAt, DeviceMemory, ReduceOp, TrainStream};
+use ringzero_kernels::cpu::Float;
+
+use super::{dev, DevVec, Engine};
+use crate::error::ZeroError;
+use crate::ledger::clip_factor;
+use crate::partition::Slot;
+use crate::report::StepOutcome;
+
+impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
+    /// Add this micro-step's gradient of `name`, a device buffer of the parameter's length in
+    /// `T` (already multiplied by [`Engine::loss_scale`] under fp16); returns once it has
+    /// been added, so the buffer is free again. In stages 2–3 a bucket is reduce-scattered as
+    /// soon as all its gradients are in.
+    pub fn push_grad<B: DeviceMemory<S> + ?Sized>(
+        &mut self,
+        name: &str,
+        grad: &B,
+    ) -> Result<(), ZeroError> {
+        let (i, s) = self.led.check_push(name, grad.elems())?;
+        if grad.dtype() != T::DTYPE {
+            return Err(ZeroError::NotNow {
+                call: "push_grad",
+                why: format!(
+                    "the gradient of `{name}` is {} but the engine's parameters are {}",
+                    grad.dtype(),
+                    T::DTYPE
+                ),
+            });
+        }
+        let dst = self.grad_slot(s)?;
+        let src = grad.addr(self.stream());
+        // SAFETY: `dst` is `s.len` elements of `T` inside the engine's bucket buffer, `src` the
+        // caller's `s.len` elements (checked), borrowed until the sync below; an in-place sum.
+        unsafe {
+            self.stream()
+                .combine(T::DTYPE, ReduceOp::Sum, dst, dst, src, s.len)
+        }
+        .map_err(dev(format!("adding the gradient of `{name}`")))?;
+        self.sync("adding a gradient")?;
+        self.pushed(i, s.bucket)
+    }
+
+    /// Where the gradient of the parameter at `s` is summed this micro-step: its bucket's
+    /// staging buffer (stages 2–3, taken when the bucket's first gradient comes) or its
+    /// gradients (stages 0–1).
+    pub(super) fn grad_slot(&mut self, s: Slot) -> Result<u64, ZeroError> {
+        let b = s.bucket;
+        if self.led.cfg.stage < 2 {
+            return Ok(self.grads[b].at(s.offset));
+        }
+        if self.staging[b].is_none() {
+            let blen = self.led.part.buckets[b].len;
+            self.staging[b] = Some(self.buckets.take(self.comm.stream(), blen, true)?);
+        }
+        Ok(self.staging[b].as_ref().expect("taken above").at(s.offset))
+    }
+
+    /// Parameter `i`'s gradient is in (bucket `b`); in stages 2–3 a bucket whose gradients are
+    /// all in is reduce-scattered now (on the proxy thread with `overlap_comm`).
+    pub(super) fn pushed(&mut self, i: usize, b: usize) -> Result<(), ZeroError> {
+        self.led.pushed[i] = true;
+        if self.led.cfg.stage < 2 || !self.led.bucket_full(b) {
+            return Ok(());
+        }
+        let blen = self.led.part.buckets[b].len;
+        let full = self.staging[b].take().expect("filled above");
+        let mut shard = self
+            .shards
+            .take(self.comm.stream(), blen / self.led.part.world, false)?;
+        if self.led.cfg.overlap_comm {
+            let held = full.elems + shard.elems;
+            self.pending[b] = Some((
+                self.comm.reduce_scatter_async(full, shard, ReduceOp::Avg),
+                held,
+            ));
+            return Ok(());
+        }
+        let t0 = Instant::now();
+        let r = self.comm.reduce_scatter(&full, &mut shard, ReduceOp::Avg);
+        self.wait.reduce += t0.elapsed();
+        r?;
+        self.accumulate(b, &shard)?;
+        self.buckets.give(full);
+        self.shards.give(shard);
+        Ok(())
+    }
+
+    /// Add a reduced gradient `shard` into bucket `b`'s owned gradients (waited for).
+    fn accumulate(&self, b: usize, shard: &DevVec) -> Result<(), ZeroError> {
+        let g = self.grads[b].addr;
+        // SAFETY: `grads[b]` and `shard` both hold the owned range's elements of `T`.
+        unsafe {
+            self.stream()
+                .combine(T::DTYPE, ReduceOp::Sum, g, g, shard.addr, shard.elems)
+        }
+        .map_err(dev("accumulating a reduced gradient shard".into()))?;
+        self.sync("accumulating a reduced gradient shard")
+    }
+
+    /// End a micro-step; at the accumulation boundary, reduce gradients, check for overflow,
+    /// clip, run AdamW on what this rank owns and share the result.
+    pub fn step(&mut self) -> Result<StepOutcome, ZeroError> {
+        let gathered = &self.gathered;
+        let boundary = self.led.end_micro_step(|b| gathered[b].is_some())?;
+        let t0 = Instant::now();
+        // Reduce-scatters still in flight belong to this micro-step.
+        for b in 0..self.pending.len() {
+            if let Some((w, _)) = self.pending[b].take() {
+                let (full, shard) = w.wait()?;
+                self.accumulate(b, &shard)?;
+                self.buckets.give(full);
+                self.shards.give(shard);
+            }
+        }
+        if !boundary {
+            self.wait.reduce += t0.elapsed();
+            return Ok(StepOutcome::Accumulated);
+        }
+        self.led.micro = 0;
+        // Prefetches of pre-step values would go stale: finish and drop them.
+        for f in self.inflight.iter_mut() {
+            if let Some((w, _)) = f.take() {
+                let (copy, full) = w.wait()?;
+                self.shards.give(copy);
+                self.buckets.give(full);
+            }
+        }
+        let (stage, n) = (self.led.cfg.stage, self.led.part.world);
+        let nb = self.led.part.buckets.len();
+        // Stage 1: this rank's averaged gradient range per bucket (the others keep it in grads).
+        let mut red: Vec<Option<DevVec>> = (0..nb).map(|_| None).collect();
+        for (b, r) in red.iter_mut().enumerate() {
+            match stage {
+                0 => self
+                    .comm
+                    .all_reduce_in_place(&mut self.grads[b], ReduceOp::Avg)?,
+                1 => {
+                    let len = self.led.part.buckets[b].len / n;
+                    let mut shard = self.shards.take(self.comm.stream(), len, false)?;
+                    self.comm
+                        .reduce_scatter(&self.grads[b], &mut shard, ReduceOp::Avg)?;
+                    *r = Some(shard);
+                }
+                _ => {}
+            }
+        }
+        if let Some(rep) = &self.replicas {
+            // Hybrid sharding: the shard group's average, averaged over the replicas (every
+            // replica ends bit-identical, so each computes the same norm and update below).
+            let reduced: Vec<&mut DevVec> = if stage == 1 {
+                red.iter_mut().flatten().collect()
+            } else {
+                self.grads.iter_mut().collect()
+            };
+            for g in reduced {
+                rep.all_reduce_in_place(g, ReduceOp::Avg)?;
+            }
+        }
+        self.wait.reduce += t0.elapsed();
+        let t1 = Instant::now();
+        let outcome = self.update(&red).and_then(|o| self.finish_step(o));
+        // `red` goes back now: the work reading it ends first, whatever happened.
+        let synced = self.sync("the optimizer step");
+        if synced.is_ok() {
+            red.into_iter().flatten().for_each(|r| self.shards.give(r));
+        }
+        self.wait.update += t1.elapsed();
+        let outcome = outcome?;
+        synced?;
+        Ok(outcome)
+    }
+
+    /// Clear the gradients and (stages 1–2, after an optimizer step) all-gather the updated
+    /// parameters.
+    fn finish_step(&mut self, outcome: StepOutcome) -> Result<StepOutcome, ZeroError> {
+        for g in &self.grads {
+            // SAFETY: the engine's gradient buffer of `elems` elements of `T`.
+            unsafe { self.stream().zero(g.addr, g.elems * T::DTYPE.size()) }
+                .map_err(dev("clearing the gradients".into()))?;
+        }
+        let stage = self.led.cfg.stage;
+        if matches!(outcome, StepOutcome::Stepped { .. }) && (stage == 1 || stage == 2) {
+            self.gather_updated()?;
+        }
+        Ok(outcome)
+    }
+
+    /// Stages 1–2: all-gather every bucket's updated parameters, in pieces of at most
+    /// `allgather_elems` elements per call (each rank's piece copied out of its owned range, the
+    /// gathered pieces copied back to every rank's range).
+    pub(super) fn gather_updated(&mut self) -> Result<(), ZeroError> {
+        let (n, rank) = (self.led.part.world, self.led.rank);
+        let piece = (self.led.cfg.allgather_elems / n).max(1);
+        let sz = T::DTYPE.size();
+        for b in 0..self.params.len() {
+            let shard = self.led.part.buckets[b].len / n;
+            if shard <= piece {
+                self.comm.all_gather_in_place(&mut self.params[b])?;
+                continue;
+            }
+            let own = self.led.part.owned(b, rank);
+            let mut send = self.shards.take(self.comm.stream(), piece, false)?;
+            let mut recv = self.buckets.take(self.comm.stream(), piece * n, false)?;
+            let mut start = 0;
+            let out = (|| {
+                while start < shard {
+                    let len = piece.min(shard - start);
+                    (send.elems, recv.elems) = (len, len * n);
+                    let p = &self.params[b];
+                    let s = self.comm.stream();
+                    // SAFETY: `len` elements of `T` of the owned range into the piece buffer
+                    // (capacity ≥ piece ≥ len); the all-gather below is queued after it.
+                    unsafe { s.copy(send.addr, p.at(own.start + start), len * sz) }
+                        .map_err(dev("copying a piece to all-gather".into()))?;
+                    self.comm.all_gather(&send, &mut recv)?;
+                    for r in 0..n {
+                        // SAFETY: rank r's `len` gathered elements into its range of the bucket
+                        // (r·shard + start + len ≤ the bucket's length).
+                        unsafe { s.copy(p.at(r * shard + start), recv.at(r * len), len * sz) }
+                            .map_err(dev("copying a gathered piece back".into()))?;
+                    }
+                    start += len;
+                }
+                self.sync("all-gathering the updated parameters")
+            })();
+            // The pieces' work ended (or the stream failed and nothing reuses them).
+            self.shards.give(send);
+            self.buckets.give(recv);
+            out?;
+        }
+        Ok(())
+    }
+
+    /// One value all-reduced over the ranks (`op`), through a one-element device buffer.
+    fn all_reduce_scalar<E: ringzero_kernels::Element>(
+        &mut self,
+        x: E,
+        op: ReduceOp,
+    ) -> Result<E, ZeroError> {
+        // The kept 8-byte buffer, as one `E` (at most 8 bytes: f64 or u8 here).
+        assert!(E::DTYPE.size() <= 8);
+        let mut buf = self
+            .scalar
+            .take()
+            .expect("the scalar buffer is put back after each use");
+        buf.dtype = E::DTYPE;
+        let r = (|| {
+            // SAFETY: `buf` holds 8 bytes and no queued work uses it (each use ends in a read,
+            // which waits for the stream).
+            unsafe { self.stream().write(buf.addr, bytemuck::bytes_of(&x)) }
+                .map_err(dev("uploading a scalar".into()))?;
+            self.comm.all_reduce_in_place(&mut buf, op)?;
+            let mut out = E::zeroed();
+            // SAFETY: `buf` holds one `E`.
+            unsafe {
+                self.stream()
+                    .read(bytemuck::bytes_of_mut(&mut out), buf.addr)
+            }
+            .map_err(dev("reading a scalar".into()))?;
+            Ok(out)
+        })();
+        self.scalar = Some(buf);
+        r
+    }
+
+    /// The optimizer half of a boundary step, on reduced gradients (stage 1: `red`).
+    fn update(&mut self, red: &[Option<DevVec>]) -> Result<StepOutcome, ZeroError> {
+        let (stage, rank) = (self.led.cfg.stage, self.led.rank);
+        let nb = self.led.part.buckets.len();
+        // This rank's averaged gradient range of each bucket: (address, elements).
+        let src: Vec<(u64, usize)> = (0..nb)
+            .map(|b| match (stage, &red[b]) {
+                (1, Some(r)) => (r.addr, r.elems),
+                (0, _) => {
+                    let o = self.led.part.owned(b, rank);
+                    (self.grads[b].at(o.start), o.len())
+                }
+                _ => (self.grads[b].addr, self.grads[b].elems),
+            })
+            .collect();
+        let s = self.comm.stream();
+        let mut local_overflow = false;
+        if self.led.scaler.checks_overflow() {
+            for &(a, len) in &src {
+                // SAFETY: `len` elements of `T` of the engine's buffers at `a`.
+                let ok = unsafe { s.all_finite(T::DTYPE, a, len) }
+                    .map_err(dev("checking the gradients for overflow".into()))?;
+                local_overflow |= !ok;
+            }
+        }
+        let inv = 1.0 / (self.led.scaler.scale() * self.led.cfg.accumulation_steps as f32);
+        let mut sq = 0f64;
+        for &(a, len) in &src {
+            // SAFETY: as above.
+            sq += unsafe { s.sq_norm(T::DTYPE, a, len, inv) }
+                .map_err(dev("the gradients' squared norm".into()))?;
+        }
+        if self.led.scaler.checks_overflow()
+            && self.all_reduce_scalar(local_overflow as u8, ReduceOp::Max)? != 0
+        {
+            return Ok(self.led.skip());
+        }
+        let grad_norm = self.all_reduce_scalar(sq, ReduceOp::Sum)?.sqrt();
+        if !grad_norm.is_finite() {
+            return Ok(self.led.skip());
+        }
+        let clip = clip_factor(self.led.cfg.clip_norm, grad_norm);
+        self.led.t += 1;
+        let h = self.led.cfg.adamw;
+        for (b, red) in red.iter().enumerate() {
+            // The stretch of `params[b]` this rank updates.
+            let range = match stage {
+                0 | 3 => 0..self.params[b].elems,
+                _ => self.led.part.owned(b, rank),
+            };
+            let p = self.params[b].at(range.start);
+            let grads = match red {
+                Some(r) => r.addr,
+                None => self.grads[b].addr,
+            };
+            let at = AdamAt {
+                master: self.master[b].as_ref().map_or(p, |x| x.addr),
+                params: self.master[b].as_ref().map(|_| p),
+                grads,
+                m: self.m[b].addr,
+                v: self.v[b].addr,
+            };
+            // SAFETY: every range holds `range.len()` elements of its type in the engine's
+            // buffers (the update range's master and moments, the reduced gradient range, the
+            // parameters' stretch), apart from each other (an f32 master is the parameters).
+            unsafe {
+                self.stream()
+                    .adamw(&h, self.led.t, T::DTYPE, at, range.len(), inv * clip)
+            }
+            .map_err(dev("the AdamW step".into()))?;
+        }
+        self.led.scaler.update(false);
+        Ok(StepOutcome::Stepped { grad_norm })
+    }
+}
