@@ -8,6 +8,7 @@ mod common;
 mod device;
 mod device_p2p;
 mod direct;
+mod deepspeed_configs;
 mod doubling;
 mod failures;
 mod flight;

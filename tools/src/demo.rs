@@ -175,6 +175,8 @@ pub struct StepLog {
     pub outcome: StepOutcome,
     /// Loss scale after the step.
     pub loss_scale: f32,
+    /// The learning rate the step ran at.
+    pub lr: f32,
     /// Wall time of the step on the slowest rank.
     pub time: Duration,
 }
@@ -270,6 +272,7 @@ pub fn train<T: Float>(
         let t0 = Instant::now();
         let mut loss_sum = 0f64;
         let mut outcome = StepOutcome::Accumulated;
+        let lr = e.lr();
         for _ in 0..accum {
             let (x, y) = mlp.batch(&teacher, comm.rank(), micro, args.batch);
             micro += 1;
@@ -286,6 +289,7 @@ pub fn train<T: Float>(
             loss: stats[0],
             outcome,
             loss_scale: e.loss_scale(),
+            lr,
             time: Duration::from_secs_f64(stats[1]),
         };
         on_step(&log);

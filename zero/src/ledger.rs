@@ -25,6 +25,8 @@ pub(crate) struct Ledger {
     /// Optimizer steps skipped on overflow.
     pub(crate) skipped: u64,
     pub(crate) scaler: LossScaler,
+    /// The rate [`crate::Engine::set_lr`] set, used instead of `cfg.adamw.lr`.
+    pub(crate) lr: Option<f32>,
 }
 
 impl Ledger {
@@ -36,9 +38,23 @@ impl Ledger {
             micro: 0,
             t: 0,
             skipped: 0,
+            lr: None,
             part,
             cfg,
             rank,
+        }
+    }
+
+    /// The optimizer's hyper-parameters for optimizer step `k` (1-based): the configured ones,
+    /// the rate set by `set_lr`, or the schedule's.
+    pub(crate) fn hyper(&self, k: u64) -> ringzero_kernels::cpu::AdamW {
+        let mut h = self.cfg.adamw;
+        if let Some(lr) = self.lr {
+            h.lr = lr;
+        }
+        match &self.cfg.scheduler {
+            Some(s) => s.at(k, h),
+            None => h,
         }
     }
 

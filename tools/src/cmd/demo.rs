@@ -6,6 +6,7 @@ use anyhow::Context;
 
 use ringzero_collectives::Communicator;
 use ringzero_tools::demo::{self, DemoArgs, Mlp};
+use ringzero_zero::config::Auto;
 use ringzero_zero::{Precision, StepOutcome, ZeroConfig};
 
 use super::{join, spawn_self, under_launcher};
@@ -132,7 +133,18 @@ fn setup(d: &DemoCli) -> anyhow::Result<(Mlp, ZeroConfig)> {
             }
             let text = std::fs::read_to_string(path)
                 .with_context(|| format!("reading {}", path.display()))?;
-            ZeroConfig::from_json(&text).with_context(|| format!("{}", path.display()))?
+            // "auto" becomes what the demo would use itself, as Hugging Face's Trainer fills it
+            // from its own arguments.
+            let auto = Auto {
+                lr: 3e-3,
+                micro_batch: d.batch,
+                precision: Precision::Bf16,
+                warmup_steps: (d.steps / 10) as u64,
+                total_steps: Some(d.steps as u64),
+                ..Auto::default()
+            };
+            ZeroConfig::from_json_auto(&text, &auto)
+                .with_context(|| format!("{}", path.display()))?
         }
         None => {
             let mut c = ZeroConfig::builder()
@@ -246,9 +258,12 @@ fn train(comm: &Communicator, d: &DemoCli, mlp: Mlp, zero: ZeroConfig) -> anyhow
         for e in comm.edges().iter().filter(|e| e.to == 0) {
             println!("edge {e}");
         }
+        for n in &zero.notes {
+            println!("config: {n}");
+        }
         println!(
-            "{:>6} {:>12} {:>10} {:>10} {:>10}",
-            "step", "loss", "scale", "step ms", ""
+            "{:>6} {:>12} {:>10} {:>10} {:>10} {:>10}",
+            "step", "loss", "scale", "lr", "step ms", ""
         );
     }
     let steps = d.steps;
@@ -277,10 +292,11 @@ fn train(comm: &Communicator, d: &DemoCli, mlp: Mlp, zero: ZeroConfig) -> anyhow
                 _ => "",
             };
             println!(
-                "{:>6} {:>12.6} {:>10} {:>10.3} {:>10}",
+                "{:>6} {:>12.6} {:>10} {:>10.3e} {:>10.3} {:>10}",
                 l.step,
                 l.loss,
                 l.loss_scale,
+                l.lr,
                 l.time.as_secs_f64() * 1e3,
                 what
             );

@@ -165,6 +165,11 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
         let (n, rank) = (comm.size(), comm.rank());
         let world = n * replicas.as_ref().map_or(1, |r| r.size());
         let (part, full) = layout::<T>(&cfg, specs, init, n, world)?;
+        if comm.rank() == 0 && replicas.as_ref().is_none_or(|r| r.rank() == 0) {
+            for note in &cfg.notes {
+                tracing::info!(target: "ringzero::zero", "config: {note}");
+            }
+        }
         let stage = cfg.stage;
         let nb = part.buckets.len();
         let upd = |b: usize| update_range(&part, stage, rank, b);
@@ -277,6 +282,35 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
     /// Optimizer steps skipped on overflow.
     pub fn skipped_steps(&self) -> u64 {
         self.led.skipped
+    }
+
+    /// The learning rate the next optimizer step uses (the configured one, the schedule's, or
+    /// what [`Engine::set_lr`] set).
+    pub fn lr(&self) -> f32 {
+        self.led.hyper(self.led.t + 1).lr
+    }
+
+    /// Use `lr` from the next optimizer step on: a trainer's own schedule, called before each
+    /// step as it likes (every rank must set the same rate). Refused, with nothing changed, for
+    /// a rate that is not a non-negative number, and when the config has a `scheduler` (the two
+    /// would fight: drop one).
+    pub fn set_lr(&mut self, lr: f32) -> Result<(), ZeroError> {
+        if !(lr >= 0.0 && lr.is_finite()) {
+            return Err(ZeroError::NotNow {
+                call: "set_lr",
+                why: format!("the learning rate must be a non-negative number, got {lr}"),
+            });
+        }
+        if self.led.cfg.scheduler.is_some() {
+            return Err(ZeroError::NotNow {
+                call: "set_lr",
+                why: "the config has a scheduler, which sets the rate every step; remove `scheduler` \
+                      from the config to set the rate yourself"
+                    .into(),
+            });
+        }
+        self.led.lr = Some(lr);
+        Ok(())
     }
 
     /// The factor to multiply the loss by before backward (1 unless fp16).

@@ -313,7 +313,7 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
         }
         let clip = clip_factor(self.led.cfg.clip_norm, grad_norm);
         self.led.t += 1;
-        let h = self.led.cfg.adamw;
+        let h = self.led.hyper(self.led.t);
         for (b, red) in red.iter().enumerate() {
             // The stretch of `params[b]` this rank updates.
             let range = match stage {

@@ -5,9 +5,13 @@
 
 use ringzero_kernels::cpu::AdamW;
 use ringzero_kernels::DType;
-use serde_json::{Map, Value};
-
 use crate::error::ZeroError;
+
+mod deepspeed;
+mod schedule;
+
+pub use deepspeed::Auto;
+pub use schedule::{LrSchedule, Warmup};
 
 /// Parameter and gradient precision (optimizer state is always fp32).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -120,6 +124,12 @@ pub struct ZeroConfig {
     /// [`crate::hybrid_groups`] splits off (the plain constructor refuses such a config, so the
     /// setting is never silently dropped).
     pub shard_size: Option<usize>,
+    /// The learning-rate schedule (`scheduler`); `None` keeps `adamw.lr` (or what
+    /// [`crate::Engine::set_lr`] sets).
+    pub scheduler: Option<LrSchedule>,
+    /// What reading a DeepSpeed config noted: keys accepted that change nothing here (and why),
+    /// `"auto"` values and what they became. For the trainer to print once.
+    pub notes: Vec<String>,
 }
 
 impl Default for ZeroConfig {
@@ -138,6 +148,8 @@ impl Default for ZeroConfig {
             micro_batch: None,
             train_batch: None,
             shard_size: None,
+            scheduler: None,
+            notes: Vec::new(),
         }
     }
 }
@@ -211,7 +223,7 @@ impl ZeroConfigBuilder {
     }
 }
 
-fn bad(msg: impl Into<String>) -> ZeroError {
+pub(crate) fn bad(msg: impl Into<String>) -> ZeroError {
     ZeroError::Config(msg.into())
 }
 
@@ -290,197 +302,6 @@ impl ZeroConfig {
         }
         Ok(())
     }
-
-    /// Parse DeepSpeed's JSON config (the subset below); every unknown or unsupported key is an
-    /// error naming it (all of them at once), as is a value of the wrong type.
-    ///
-    /// Supported: `zero_optimization.{stage, reduce_bucket_size, allgather_bucket_size,
-    /// overlap_comm, stage3_prefetch_bucket_size, mics_shard_size}`, `fp16.{enabled, loss_scale,
-    /// initial_scale_power, loss_scale_window, hysteresis, min_loss_scale}`, `bf16.enabled`,
-    /// `gradient_clipping`, `gradient_accumulation_steps`, `optimizer.{type: AdamW,
-    /// params.{lr, betas, eps, weight_decay}}`, `train_micro_batch_size_per_gpu`,
-    /// `train_batch_size`.
-    pub fn from_json(text: &str) -> Result<ZeroConfig, ZeroError> {
-        let v: Value =
-            serde_json::from_str(text).map_err(|e| bad(format!("config is not JSON: {e}")))?;
-        let top = v
-            .as_object()
-            .ok_or_else(|| bad("config must be a JSON object"))?;
-        let mut cfg = ZeroConfig {
-            // DeepSpeed's default when `zero_optimization` is absent.
-            stage: 0,
-            ..ZeroConfig::default()
-        };
-        let mut unknown = Vec::new();
-        let mut fp16 = false;
-        let mut bf16 = false;
-        for (k, val) in top {
-            match k.as_str() {
-                "zero_optimization" => {
-                    for (k2, v2) in obj(k, val)? {
-                        let key = format!("{k}.{k2}");
-                        match k2.as_str() {
-                            "stage" => cfg.stage = uint(&key, v2)?.min(255) as u8,
-                            "reduce_bucket_size" => cfg.bucket_elems = uint(&key, v2)? as usize,
-                            "allgather_bucket_size" => {
-                                cfg.allgather_elems = uint(&key, v2)? as usize
-                            }
-                            "overlap_comm" => cfg.overlap_comm = boolean(&key, v2)?,
-                            "stage3_prefetch_bucket_size" => {
-                                cfg.prefetch_elems = uint(&key, v2)? as usize
-                            }
-                            "mics_shard_size" => cfg.shard_size = shard_size(&key, v2)?,
-                            _ => unknown.push(key),
-                        }
-                    }
-                }
-                "fp16" => {
-                    let l = &mut cfg.loss_scaling;
-                    for (k2, v2) in obj(k, val)? {
-                        let key = format!("{k}.{k2}");
-                        match k2.as_str() {
-                            "enabled" => fp16 = boolean(&key, v2)?,
-                            "loss_scale" => l.loss_scale = num(&key, v2)? as f32,
-                            "initial_scale_power" => {
-                                l.initial_scale_power = uint(&key, v2)?.min(u32::MAX as u64) as u32
-                            }
-                            "loss_scale_window" => {
-                                l.loss_scale_window = uint(&key, v2)?.min(u32::MAX as u64) as u32
-                            }
-                            "hysteresis" => {
-                                l.hysteresis = uint(&key, v2)?.min(u32::MAX as u64) as u32
-                            }
-                            "min_loss_scale" => l.min_loss_scale = num(&key, v2)? as f32,
-                            _ => unknown.push(key),
-                        }
-                    }
-                }
-                "bf16" => {
-                    for (k2, v2) in obj(k, val)? {
-                        let key = format!("{k}.{k2}");
-                        match k2.as_str() {
-                            "enabled" => bf16 = boolean(&key, v2)?,
-                            _ => unknown.push(key),
-                        }
-                    }
-                }
-                "gradient_clipping" => {
-                    let c = num(k, val)?;
-                    cfg.clip_norm = (c != 0.0).then_some(c as f32);
-                }
-                "gradient_accumulation_steps" => cfg.accumulation_steps = uint(k, val)? as usize,
-                "train_micro_batch_size_per_gpu" => cfg.micro_batch = Some(uint(k, val)? as usize),
-                "train_batch_size" => cfg.train_batch = Some(uint(k, val)? as usize),
-                "optimizer" => {
-                    for (k2, v2) in obj(k, val)? {
-                        let key = format!("{k}.{k2}");
-                        match k2.as_str() {
-                            "type" => match v2.as_str() {
-                                Some(t) if t.eq_ignore_ascii_case("adamw") => {}
-                                _ => {
-                                    return Err(bad(format!(
-                                        "{key}: {v2} is not supported (ringzero implements AdamW)"
-                                    )))
-                                }
-                            },
-                            "params" => {
-                                let h = &mut cfg.adamw;
-                                for (k3, v3) in obj(&key, v2)? {
-                                    let key3 = format!("{key}.{k3}");
-                                    match k3.as_str() {
-                                        "lr" => h.lr = num(&key3, v3)? as f32,
-                                        "eps" => h.eps = num(&key3, v3)? as f32,
-                                        "weight_decay" => h.weight_decay = num(&key3, v3)? as f32,
-                                        "betas" => {
-                                            let b = v3
-                                                .as_array()
-                                                .filter(|a| a.len() == 2)
-                                                .ok_or_else(|| {
-                                                    bad(format!(
-                                                        "{key3}: expected two numbers, got {v3}"
-                                                    ))
-                                                })?;
-                                            h.beta1 = num(&key3, &b[0])? as f32;
-                                            h.beta2 = num(&key3, &b[1])? as f32;
-                                        }
-                                        _ => unknown.push(key3),
-                                    }
-                                }
-                            }
-                            _ => unknown.push(key),
-                        }
-                    }
-                }
-                _ => unknown.push(k.clone()),
-            }
-        }
-        if !unknown.is_empty() {
-            unknown.sort();
-            let list: Vec<String> = unknown.iter().map(|k| format!("`{k}`")).collect();
-            return Err(bad(format!(
-                "unknown or unsupported key{} {} (ringzero reads zero_optimization.{{stage, \
-                 reduce_bucket_size, allgather_bucket_size, overlap_comm, \
-                 stage3_prefetch_bucket_size, mics_shard_size}}, fp16.*, bf16.enabled, gradient_clipping, \
-                 gradient_accumulation_steps, optimizer (AdamW), train_batch_size, \
-                 train_micro_batch_size_per_gpu)",
-                if unknown.len() > 1 { "s" } else { "" },
-                list.join(", ")
-            )));
-        }
-        cfg.precision = match (fp16, bf16) {
-            (true, true) => return Err(bad("fp16.enabled and bf16.enabled are both true")),
-            (true, false) => Precision::Fp16,
-            (false, true) => Precision::Bf16,
-            (false, false) => Precision::Fp32,
-        };
-        cfg.validate()?;
-        Ok(cfg)
-    }
-}
-
-fn obj<'a>(key: &str, v: &'a Value) -> Result<&'a Map<String, Value>, ZeroError> {
-    v.as_object()
-        .ok_or_else(|| bad(format!("`{key}` must be an object, got {v}")))
-}
-
-fn boolean(key: &str, v: &Value) -> Result<bool, ZeroError> {
-    v.as_bool()
-        .ok_or_else(|| bad(format!("`{key}` must be true or false, got {v}")))
-}
-
-fn num(key: &str, v: &Value) -> Result<f64, ZeroError> {
-    if v.as_str() == Some("auto") {
-        return Err(bad(format!(
-            "`{key}`: \"auto\" is filled in by the Hugging Face integration; give a number"
-        )));
-    }
-    v.as_f64()
-        .filter(|x| x.is_finite())
-        .ok_or_else(|| bad(format!("`{key}` must be a number, got {v}")))
-}
-
-/// A non-negative integer; DeepSpeed configs often write sizes as `5e8`, so integral floats count.
-fn uint(key: &str, v: &Value) -> Result<u64, ZeroError> {
-    let x = num(key, v)?;
-    if x < 0.0 || x.fract() != 0.0 || x > u64::MAX as f64 {
-        return Err(bad(format!(
-            "`{key}` must be a non-negative integer, got {v}"
-        )));
-    }
-    Ok(x as u64)
-}
-
-/// `mics_shard_size`: a group size of at least 1, or DeepSpeed's -1 for off.
-fn shard_size(key: &str, v: &Value) -> Result<Option<usize>, ZeroError> {
-    if num(key, v)? == -1.0 {
-        return Ok(None);
-    }
-    match uint(key, v) {
-        Ok(s) if s >= 1 => Ok(Some(s as usize)),
-        _ => Err(bad(format!(
-            "`{key}` must be a group size of at least 1 rank, or -1 for no hybrid sharding, got {v}"
-        ))),
-    }
 }
 
 #[cfg(test)]
@@ -554,15 +375,27 @@ mod tests {
     #[test]
     fn unknown_and_bad_keys_are_named() {
         let e = ZeroConfig::from_json(
-            r#"{"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
-                "scheduler": {}, "fp16": {"enabled": true, "auto_cast": true}}"#,
+            r#"{"zero_optimization": {"stage": 2, "overlap_comms": true},
+                "fp16": {"enabled": true, "auto_cst": true}, "stepz_per_print": 1}"#,
         )
         .unwrap_err()
         .to_string();
         assert!(
-            e.contains("unknown or unsupported keys `fp16.auto_cast`, `scheduler`, `zero_optimization.offload_optimizer`"),
+            e.contains("unknown keys `fp16.auto_cst`, `stepz_per_print`, `zero_optimization.overlap_comms`"),
             "{e}"
         );
+        let e = ZeroConfig::from_json(r#"{"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("ZeRO-Offload") && e.contains("\"none\""), "{e}");
+        let e = ZeroConfig::from_json(r#"{"scheduler": {"type": "Cosine"}}"#).unwrap_err().to_string();
+        assert!(e.contains("WarmupLR") && e.contains("set_lr"), "{e}");
+        let e = ZeroConfig::from_json(r#"{"prescale_gradients": true}"#).unwrap_err().to_string();
+        assert!(e.contains("`prescale_gradients` = true is not supported") && e.contains("set it to false"), "{e}");
+        let e = ZeroConfig::from_json(r#"{"optimizer": {"type": "Adam", "params": {"adam_w_mode": false}}}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("Adam with L2 is not implemented"), "{e}");
         let cases = [
             (
                 r#"{"zero_optimization": {"stage": 4}}"#,
@@ -591,8 +424,8 @@ mod tests {
                 "two numbers",
             ),
             (
-                r#"{"optimizer": {"params": {"lr": "auto"}}}"#,
-                "Hugging Face",
+                r#"{"fp16": {"loss_scale": "auto"}}"#,
+                "\"auto\" has no value here",
             ),
             (
                 r#"{"gradient_clipping": -1}"#,

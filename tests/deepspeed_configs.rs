@@ -1,0 +1,139 @@
+//! DeepSpeed configurations as DeepSpeed, Hugging Face transformers and accelerate publish them
+//! (`tests/fixtures/deepspeed/`), read by `ZeroConfig::from_json` and trained with: every one is
+//! accepted, or refused only for ZeRO-Offload with a message that says what to do — and then,
+//! with the offload device set to "none", accepted too. Each drives two ranks for 30 steps of a
+//! least-squares fit, and the loss falls. A scheduler's rate is the one the engine reports.
+
+use std::path::PathBuf;
+
+use half::{bf16, f16};
+use ringzero::kernels::cpu::Float;
+use ringzero_zero::{Engine, ParamSpec, Precision, StepOutcome, ZeroConfig};
+use serde_json::Value;
+
+use crate::common::{threads, Opts};
+
+fn fixtures() -> Vec<(String, String)> {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/deepspeed");
+    let mut out: Vec<(String, String)> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "json"))
+        .map(|p| {
+            let name = p.file_name().unwrap().to_string_lossy().into_owned();
+            (name, std::fs::read_to_string(&p).unwrap())
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// `text` with every `offload_*.device` set to "none".
+fn without_offload(text: &str) -> String {
+    let mut v: Value = serde_json::from_str(text).unwrap();
+    if let Some(z) = v.get_mut("zero_optimization").and_then(Value::as_object_mut) {
+        for k in ["offload_optimizer", "offload_param"] {
+            if let Some(o) = z.get_mut(k).and_then(Value::as_object_mut) {
+                o.insert("device".into(), "none".into());
+            }
+        }
+    }
+    v.to_string()
+}
+
+/// ½‖w − target‖², from the engine's fp32 masters.
+fn loss(e: &Engine<impl Float>, target: &[f32]) -> f64 {
+    let w = &e.consolidate().unwrap()[0].1;
+    w.iter().zip(target).map(|(a, b)| 0.5 * f64::from(a - b).powi(2)).sum()
+}
+
+/// 30 steps of the fit on this rank; the loss before and after, and each rate used with the
+/// optimizer step it was for.
+fn fit<T: Float>(comm: &ringzero::Communicator, cfg: ZeroConfig) -> (f64, f64, Vec<(u64, f32)>) {
+    let target: Vec<f32> = (0..64).map(|i| (i as f32 * 0.37).sin()).collect();
+    let mut e = Engine::<T>::new(comm, &[ParamSpec::new("w", &[64])], &|_, _| 0.0, cfg).unwrap();
+    let first = loss(&e, &target);
+    let mut lrs = Vec::new();
+    for _ in 0..30 {
+        // Skipped (overflowed) steps do not advance the schedule: the step the rate is for.
+        lrs.push((e.steps() + 1, e.lr()));
+        for _ in 0..e.config().accumulation_steps {
+            e.gather(&["w"]).unwrap();
+            let w = e.param_f32("w").unwrap();
+            e.release(&["w"]).unwrap();
+            let scale = e.loss_scale();
+            let g: Vec<f32> = w.iter().zip(&target).map(|(a, b)| (a - b) * scale).collect();
+            e.push_grad_f32("w", &g).unwrap();
+            let _ = e.step().unwrap();
+        }
+    }
+    (first, loss(&e, &target), lrs)
+}
+
+#[test]
+fn published_deepspeed_configs_are_read_and_train() {
+    let all = fixtures();
+    assert!(all.len() >= 8, "{} fixtures", all.len());
+    for (name, text) in all {
+        let text = match ZeroConfig::from_json(&text) {
+            Ok(_) => text,
+            Err(e) => {
+                let e = e.to_string();
+                assert!(
+                    e.contains("ZeRO-Offload") && e.contains("\"none\""),
+                    "{name}: refused for something else: {e}"
+                );
+                without_offload(&text)
+            }
+        };
+        let cfg = ZeroConfig::from_json(&text).unwrap_or_else(|e| panic!("{name}: {e}"));
+        threads(2, &Opts::default(), |_, comm| {
+            let comm = comm.unwrap();
+            let (first, last, lrs) = match cfg.precision {
+                Precision::Fp32 => fit::<f32>(&comm, cfg.clone()),
+                Precision::Bf16 => fit::<bf16>(&comm, cfg.clone()),
+                Precision::Fp16 => fit::<f16>(&comm, cfg.clone()),
+            };
+            assert!(last < first, "{name}: loss {first} → {last}");
+            if let Some(s) = &cfg.scheduler {
+                for &(k, lr) in &lrs {
+                    assert_eq!(lr, s.at(k, cfg.adamw).lr, "{name}: step {k}");
+                }
+            }
+        });
+    }
+}
+
+/// Skipped (overflowed) steps do not advance the schedule, as in DeepSpeed; `set_lr` is a
+/// trainer's own schedule, refused next to a configured one.
+#[test]
+fn the_schedule_advances_with_optimizer_steps_and_set_lr_is_the_trainers_own() {
+    threads(2, &Opts::default(), |_, comm| {
+        let comm = comm.unwrap();
+        let cfg = ZeroConfig::from_json(
+            r#"{"zero_optimization": {"stage": 2}, "fp16": {"enabled": true},
+                "optimizer": {"type": "AdamW", "params": {"lr": 0.5}},
+                "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0,
+                    "warmup_max_lr": 0.01, "warmup_num_steps": 4, "warmup_type": "linear"}}}"#,
+        )
+        .unwrap();
+        let mut e = Engine::<f16>::new(&comm, &[ParamSpec::new("w", &[8])], &|_, _| 0.0, cfg).unwrap();
+        assert_eq!(e.lr(), 0.5, "step 1 runs at the optimizer's rate, as in DeepSpeed");
+        // An overflow: skipped, and the rate stays.
+        e.push_grad_f32("w", &[f32::INFINITY; 8]).unwrap();
+        assert!(matches!(e.step().unwrap(), StepOutcome::Skipped { .. }));
+        assert_eq!(e.lr(), 0.5);
+        e.push_grad_f32("w", &[1.0; 8]).unwrap();
+        assert!(matches!(e.step().unwrap(), StepOutcome::Stepped { .. }));
+        assert_eq!(e.lr(), 0.0, "step 2: warm-up iteration 0");
+        let err = e.set_lr(0.1).unwrap_err().to_string();
+        assert!(err.contains("remove `scheduler`"), "{err}");
+        let mut plain =
+            Engine::<f32>::new(&comm, &[ParamSpec::new("w", &[8])], &|_, _| 0.0, ZeroConfig::default())
+                .unwrap();
+        plain.set_lr(0.25).unwrap();
+        assert_eq!(plain.lr(), 0.25);
+        assert!(plain.set_lr(f32::NAN).is_err());
+        assert_eq!(plain.lr(), 0.25, "a refused rate changes nothing");
+    });
+}

@@ -1,0 +1,560 @@
+//! DeepSpeed's JSON configuration ([`ZeroConfig::from_json`]). Every key of DeepSpeed's
+//! `config-json` reference is one of three things here:
+//! - **read**: it sets what it sets in DeepSpeed;
+//! - **noted**: accepted, with a one-line notice (in [`ZeroConfig::notes`]) that says why it
+//!   changes nothing here — it describes what ringzero always does, or something a trainer does
+//!   itself;
+//! - **refused**: only where honouring it silently would change the results, with a message that
+//!   says what to do.
+//!
+//! `"auto"` values are resolved as Hugging Face's Trainer resolves them, from the trainer's own
+//! arguments ([`Auto`]; its defaults are the Trainer's), and every resolution is noted too. A key
+//! the reference does not know is refused, all of them in one message.
+
+use serde_json::{Map, Value};
+
+use super::schedule::{LrSchedule, Warmup};
+use super::{bad, Precision, ZeroConfig};
+use crate::error::ZeroError;
+
+/// What `"auto"` resolves to: the trainer's own arguments, as Hugging Face's Trainer passes its
+/// `TrainingArguments` (the defaults are the Trainer's).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Auto {
+    /// `optimizer.params.lr`, `scheduler.params.warmup_max_lr` (the Trainer's 5e-5).
+    pub lr: f32,
+    /// `optimizer.params.betas` (0.9, 0.999).
+    pub betas: (f32, f32),
+    /// `optimizer.params.eps` (1e-8).
+    pub eps: f32,
+    /// `optimizer.params.weight_decay` (0).
+    pub weight_decay: f32,
+    /// `gradient_clipping` (1.0).
+    pub clip_norm: f32,
+    /// `gradient_accumulation_steps` (1).
+    pub accumulation_steps: usize,
+    /// `train_micro_batch_size_per_gpu` (8).
+    pub micro_batch: usize,
+    /// The world size, for `train_batch_size` = micro batch × accumulation × world (unknown
+    /// until the engine is made: `None` leaves the batch size unchecked).
+    pub world: Option<usize>,
+    /// `fp16.enabled` / `bf16.enabled` (fp32).
+    pub precision: Precision,
+    /// `scheduler.params.warmup_num_steps` (0).
+    pub warmup_steps: u64,
+    /// `scheduler.params.total_num_steps` (none: a config that needs it says so).
+    pub total_steps: Option<u64>,
+}
+
+impl Default for Auto {
+    fn default() -> Auto {
+        Auto {
+            lr: 5e-5,
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay: 0.0,
+            clip_norm: 1.0,
+            accumulation_steps: 1,
+            micro_batch: 8,
+            world: None,
+            precision: Precision::Fp32,
+            warmup_steps: 0,
+            total_steps: None,
+        }
+    }
+}
+
+/// Keys accepted with a notice: (key, why it changes nothing here). `*` ends a prefix.
+const NOTED: &[(&str, &str)] = &[
+    ("steps_per_print", "ringzero prints nothing per step itself; StepOutcome and comm_wait() give the trainer what to print"),
+    ("wall_clock_breakdown", "the engine always measures its waits: Engine::comm_wait()"),
+    ("memory_breakdown", "the engine always counts its memory: Engine::memory()"),
+    ("zero_allow_untested_optimizer", "every optimizer ringzero has is tested with every stage"),
+    ("zero_force_ds_cpu_optimizer", "ringzero has one optimizer implementation per memory"),
+    ("dump_state", "ringzero dumps no state at start-up"),
+    ("sparse_gradients", "gradients are always dense buffers"),
+    ("flops_profiler", "no profiler integration; profile the trainer"),
+    ("tensorboard", "no monitor integration; the trainer logs"),
+    ("wandb", "no monitor integration; the trainer logs"),
+    ("csv_monitor", "no monitor integration; the trainer logs"),
+    ("comms_logger", "communication is counted by the communicator's counters() and flight record"),
+    ("activation_checkpointing", "activation checkpointing is the trainer's forward"),
+    ("checkpoint", "checkpoints are always the resharding format of save_checkpoint"),
+    ("aio", "the aio settings belong to ZeRO-Infinity's NVMe offload, which ringzero does not have yet"),
+    ("zero_optimization.contiguous_gradients", "buckets are always contiguous buffers"),
+    ("zero_optimization.reduce_scatter", "gradients are always reduce-scattered per bucket (the same average either way)"),
+    ("zero_optimization.allgather_partitions", "updated parameters are always all-gathered per bucket"),
+    ("zero_optimization.round_robin_gradients", "each bucket is reduced whole; there is nothing to interleave"),
+    ("zero_optimization.load_from_fp32_weights", "checkpoints always hold and load the fp32 masters"),
+    ("zero_optimization.elastic_checkpoint", "checkpoints always load at any world size"),
+    ("zero_optimization.sub_group_size", "the optimizer steps one bucket at a time"),
+    ("zero_optimization.stage3_max_live_parameters", "stage 3 keeps exactly what the trainer has gathered and not released"),
+    ("zero_optimization.stage3_max_reuse_distance", "stage 3 releases what the trainer releases"),
+    ("zero_optimization.stage3_param_persistence_threshold", "stage 3 gathers what the trainer asks for, small parameters too"),
+    ("zero_optimization.stage3_gather_16bit_weights_on_model_save", "`ringzero ckpt consolidate --dtype bf16|fp16` writes 16-bit weights from any checkpoint"),
+    ("zero_optimization.stage3_gather_fp16_weights_on_model_save", "`ringzero ckpt consolidate --dtype fp16` writes 16-bit weights from any checkpoint"),
+    ("zero_optimization.ignore_unused_parameters", "every parameter needs a gradient each micro-step (push zeros for an unused one)"),
+    ("zero_optimization.legacy_stage1", "there is one stage-1 implementation"),
+    ("zero_optimization.memory_efficient_linear", "linear layers are the trainer's"),
+    ("zero_optimization.stage3_module_granularity_threshold", "stage 3 gathers by bucket, as the trainer asks"),
+    ("zero_optimization.use_all_reduce_for_fetch_params", "stage 3 gathers with all-gather"),
+    ("zero_optimization.log_trace_cache_warnings", "there is no trace cache"),
+    ("fp16.auto_cast", "inputs are the trainer's to cast"),
+    ("bf16.immediate_grad_update", "gradients are summed into their bucket as they are pushed"),
+    ("optimizer.params.torch_adam", "there is one AdamW implementation per memory, bit-identical between them"),
+    ("optimizer.params.fused", "the AdamW kernels are always fused"),
+];
+
+/// Keys that are fine at one value and refused at any other: (key, the harmless value, why).
+const ONLY_AT: &[(&str, &str, &str)] = &[
+    ("prescale_gradients", "false", "gradients are averaged by the reduce-scatter itself"),
+    ("gradient_predivide_factor", "1", "gradients are averaged by the reduce-scatter itself"),
+    ("communication_data_type", "null", "collectives move the parameters' precision"),
+    ("elasticity.enabled", "false", "the world size is fixed for a run (checkpoints reshard between runs)"),
+    ("amp.enabled", "false", "mixed precision is fp16.enabled or bf16.enabled"),
+    ("fp16.consecutive_hysteresis", "false", "the loss scaler counts hysteresis as DeepSpeed's default does"),
+    ("fp16.fp16_master_weights_and_grads", "false", "master weights are always fp32"),
+    ("zero_optimization.cpu_offload", "false", "ZeRO-Offload is not implemented yet: remove it, or use a stage without offload"),
+    ("zero_optimization.zero_hpz_partition_size", "1", "ZeRO++'s secondary partition is not implemented; use mics_shard_size for hybrid sharding"),
+    ("zero_optimization.zero_quantized_weights", "false", "ZeRO++ weight quantization is not implemented"),
+    ("zero_optimization.zero_quantized_gradients", "false", "ZeRO++ gradient quantization is not implemented"),
+    ("optimizer.params.adam_w_mode", "true", "ringzero's Adam is AdamW (decoupled weight decay); Adam with L2 is not implemented"),
+    ("optimizer.params.bias_correction", "true", "AdamW always corrects its moments' bias"),
+    ("optimizer.params.amsgrad", "false", "AMSGrad is not implemented"),
+];
+
+/// Reading state: the notes so far and the keys nobody knows.
+struct Reader<'a> {
+    auto: &'a Auto,
+    notes: Vec<String>,
+    unknown: Vec<String>,
+}
+
+impl Reader<'_> {
+    /// `v`, or what `"auto"` resolves to (noted).
+    fn auto<'v>(&mut self, key: &str, v: &'v Value, resolved: Value) -> Value {
+        if v.as_str() == Some("auto") {
+            self.notes.push(format!("`{key}`: \"auto\" is {resolved} (from the trainer's arguments)"));
+            resolved
+        } else {
+            v.clone()
+        }
+    }
+
+    /// A key the tables above decide, if they do: noted, or refused unless at its harmless value.
+    fn settled(&mut self, key: &str, v: &Value) -> Result<bool, ZeroError> {
+        if let Some((_, why)) = NOTED.iter().find(|(k, _)| *k == key) {
+            self.notes.push(format!("`{key}` changes nothing here: {why}"));
+            return Ok(true);
+        }
+        if let Some((_, ok, why)) = ONLY_AT.iter().find(|(k, _, _)| *k == key) {
+            let fine = match *ok {
+                "true" => v.as_bool() == Some(true),
+                "false" => v.as_bool() == Some(false),
+                "null" => v.is_null(),
+                n => v.as_f64() == n.parse::<f64>().ok(),
+            };
+            if !fine {
+                return Err(bad(format!("`{key}` = {v} is not supported: {why} (remove it, or set it to {ok})")));
+            }
+            return Ok(true);
+        }
+        Ok(false)
+    }
+}
+
+impl ZeroConfig {
+    /// Read DeepSpeed's JSON config, `"auto"` resolved from the defaults of [`Auto`] (Hugging
+    /// Face's Trainer's); see [`ZeroConfig::from_json_auto`].
+    pub fn from_json(text: &str) -> Result<ZeroConfig, ZeroError> {
+        ZeroConfig::from_json_auto(text, &Auto::default())
+    }
+
+    /// Read DeepSpeed's JSON config, `"auto"` resolved from `auto` (the module docs say what each
+    /// key becomes). What was noted or resolved is in [`ZeroConfig::notes`], for the trainer to
+    /// print once. Unknown keys are refused, all at once, as is a value of the wrong type.
+    pub fn from_json_auto(text: &str, auto: &Auto) -> Result<ZeroConfig, ZeroError> {
+        let v: Value =
+            serde_json::from_str(text).map_err(|e| bad(format!("config is not JSON: {e}")))?;
+        let top = v
+            .as_object()
+            .ok_or_else(|| bad("config must be a JSON object"))?;
+        let mut cfg = ZeroConfig {
+            // DeepSpeed's default when `zero_optimization` is absent.
+            stage: 0,
+            ..ZeroConfig::default()
+        };
+        let mut r = Reader { auto, notes: Vec::new(), unknown: Vec::new() };
+        let (mut fp16, mut bf16) = (None, None);
+        let mut scheduler = None;
+        for (k, val) in top {
+            let k = k.as_str();
+            match k {
+                "zero_optimization" => zero_optimization(&mut r, &mut cfg, val)?,
+                "fp16" => fp16 = Some(half(&mut r, &mut cfg, k, val)?),
+                "bf16" => bf16 = Some(half(&mut r, &mut cfg, k, val)?),
+                "gradient_clipping" => {
+                    let c = num(k, &r.auto(k, val, auto.clip_norm.into()))?;
+                    cfg.clip_norm = (c != 0.0).then_some(c as f32);
+                }
+                "gradient_accumulation_steps" => {
+                    let a = r.auto(k, val, auto.accumulation_steps.into());
+                    cfg.accumulation_steps = uint(k, &a)? as usize;
+                }
+                "train_micro_batch_size_per_gpu" => {
+                    let m = r.auto(k, val, auto.micro_batch.into());
+                    cfg.micro_batch = Some(uint(k, &m)? as usize);
+                }
+                "train_batch_size" => cfg.train_batch = train_batch(&mut r, val)?,
+                "optimizer" => optimizer(&mut r, &mut cfg, val)?,
+                "scheduler" => scheduler = Some(val),
+                "elasticity" | "amp" => for_each(&mut r, k, val, |_, _, _| Ok(false))?,
+                _ => {
+                    if !r.settled(k, val)? {
+                        r.unknown.push(k.to_string());
+                    }
+                }
+            }
+        }
+        if let Some(s) = scheduler {
+            cfg.scheduler = Some(read_scheduler(&mut r, &cfg, s)?);
+        }
+        if !r.unknown.is_empty() {
+            r.unknown.sort();
+            let list: Vec<String> = r.unknown.iter().map(|k| format!("`{k}`")).collect();
+            return Err(bad(format!(
+                "unknown key{} {}: not in DeepSpeed's configuration reference (check the \
+                 spelling; docs/zero.md lists what each key does here)",
+                if r.unknown.len() > 1 { "s" } else { "" },
+                list.join(", ")
+            )));
+        }
+        let auto_half = |x: Option<Option<bool>>, p: Precision| match x {
+            Some(Some(on)) => on,
+            Some(None) => auto.precision == p,
+            None => false,
+        };
+        let (f, b) = (auto_half(fp16, Precision::Fp16), auto_half(bf16, Precision::Bf16));
+        cfg.precision = match (f, b) {
+            (true, true) => return Err(bad("fp16.enabled and bf16.enabled are both true")),
+            (true, false) => Precision::Fp16,
+            (false, true) => Precision::Bf16,
+            (false, false) => Precision::Fp32,
+        };
+        if matches!(fp16, Some(None)) || matches!(bf16, Some(None)) {
+            r.notes.push(format!("`fp16.enabled`/`bf16.enabled`: \"auto\" is {} (from the trainer's arguments)", cfg.precision));
+        }
+        cfg.notes = r.notes;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+}
+
+/// Every `key.k2` of the object `v`, to `read` (which says whether it knew it); the rest go to
+/// the tables, then to the unknown.
+fn for_each(
+    r: &mut Reader<'_>,
+    key: &str,
+    v: &Value,
+    mut read: impl FnMut(&mut Reader<'_>, &str, &Value) -> Result<bool, ZeroError>,
+) -> Result<(), ZeroError> {
+    for (k2, v2) in obj(key, v)? {
+        let full = format!("{key}.{k2}");
+        if !read(r, k2, v2)? && !r.settled(&full, v2)? {
+            r.unknown.push(full);
+        }
+    }
+    Ok(())
+}
+
+fn zero_optimization(r: &mut Reader<'_>, cfg: &mut ZeroConfig, v: &Value) -> Result<(), ZeroError> {
+    // The legacy form: `true` is stage 1, `false` stage 0.
+    if let Some(on) = v.as_bool() {
+        cfg.stage = u8::from(on);
+        r.notes.push(format!("`zero_optimization`: {on} is the legacy form of stage {}", cfg.stage));
+        return Ok(());
+    }
+    let key = "zero_optimization";
+    for_each(r, key, v, |r, k2, v2| {
+        let full = format!("{key}.{k2}");
+        match k2 {
+            "stage" => cfg.stage = uint(&full, v2)?.min(255) as u8,
+            "reduce_bucket_size" => {
+                let x = r.auto(&full, v2, cfg.bucket_elems.into());
+                cfg.bucket_elems = uint(&full, &x)? as usize;
+                if cfg.bucket_elems == 0 {
+                    cfg.bucket_elems = 1;
+                    r.notes.push(format!("`{full}`: 0 puts each parameter in a bucket of its own"));
+                }
+            }
+            "allgather_bucket_size" => cfg.allgather_elems = uint(&full, v2)? as usize,
+            "overlap_comm" => cfg.overlap_comm = boolean(&full, v2)?,
+            "stage3_prefetch_bucket_size" => {
+                let x = r.auto(&full, v2, cfg.prefetch_elems.into());
+                cfg.prefetch_elems = uint(&full, &x)? as usize;
+            }
+            "mics_shard_size" => cfg.shard_size = shard_size(&full, v2)?,
+            "offload_optimizer" | "offload_param" => offload(&full, v2)?,
+            _ => return Ok(false),
+        }
+        Ok(true)
+    })
+}
+
+/// `offload_optimizer` / `offload_param`: only `"device": "none"` (or nothing) is accepted
+/// until ZeRO-Offload lands.
+fn offload(key: &str, v: &Value) -> Result<(), ZeroError> {
+    let device = obj(key, v)?.get("device").and_then(Value::as_str).unwrap_or("none");
+    if device == "none" {
+        return Ok(());
+    }
+    Err(bad(format!(
+        "`{key}.device` = \"{device}\": ZeRO-Offload (optimizer state or parameters in CPU memory \
+         or on NVMe) is not implemented yet; remove `{key}` or set its device to \"none\" to \
+         keep every state on the engine's device"
+    )))
+}
+
+/// `fp16` / `bf16`: whether enabled (`None`: "auto"), the loss-scaling keys into `cfg`.
+fn half(r: &mut Reader<'_>, cfg: &mut ZeroConfig, key: &str, v: &Value) -> Result<Option<bool>, ZeroError> {
+    let mut enabled = Some(false);
+    let l = &mut cfg.loss_scaling;
+    for_each(r, key, v, |_, k2, v2| {
+        let full = format!("{key}.{k2}");
+        match (key, k2) {
+            (_, "enabled") => {
+                enabled = if v2.as_str() == Some("auto") { None } else { Some(boolean(&full, v2)?) }
+            }
+            ("fp16", "loss_scale") => l.loss_scale = num(&full, v2)? as f32,
+            ("fp16", "initial_scale_power") => l.initial_scale_power = small(&full, v2)?,
+            ("fp16", "loss_scale_window") => l.loss_scale_window = small(&full, v2)?,
+            ("fp16", "hysteresis") => l.hysteresis = small(&full, v2)?,
+            ("fp16", "min_loss_scale") => l.min_loss_scale = num(&full, v2)? as f32,
+            _ => return Ok(false),
+        }
+        Ok(true)
+    })?;
+    Ok(enabled)
+}
+
+fn train_batch(r: &mut Reader<'_>, v: &Value) -> Result<Option<usize>, ZeroError> {
+    let key = "train_batch_size";
+    if v.as_str() == Some("auto") {
+        let a = r.auto;
+        let Some(world) = a.world else {
+            r.notes.push(format!("`{key}`: \"auto\" is left open (the world size is not known yet)"));
+            return Ok(None);
+        };
+        let x = a.micro_batch * a.accumulation_steps * world;
+        r.notes.push(format!("`{key}`: \"auto\" is {x} (micro batch × accumulation × world)"));
+        return Ok(Some(x));
+    }
+    Ok(Some(uint(key, v)? as usize))
+}
+
+fn optimizer(r: &mut Reader<'_>, cfg: &mut ZeroConfig, v: &Value) -> Result<(), ZeroError> {
+    let key = "optimizer";
+    let a = r.auto.clone();
+    for_each(r, key, v, |r, k2, v2| {
+        let full = format!("{key}.{k2}");
+        match k2 {
+            // DeepSpeed's `Adam` is AdamW unless `adam_w_mode` is false (refused below).
+            "type" => match v2.as_str() {
+                Some(t) if t.eq_ignore_ascii_case("adamw") || t.eq_ignore_ascii_case("adam") => {}
+                _ => {
+                    return Err(bad(format!(
+                        "`{full}` = {v2} is not implemented: ringzero has AdamW (DeepSpeed's \
+                         `Adam` and `AdamW`); use one of those"
+                    )))
+                }
+            },
+            "params" => {
+                let h = &mut cfg.adamw;
+                for_each(r, &full, v2, |r, k3, v3| {
+                    let key3 = format!("{full}.{k3}");
+                    match k3 {
+                        "lr" => h.lr = num(&key3, &r.auto(&key3, v3, a.lr.into()))? as f32,
+                        "eps" => h.eps = num(&key3, &r.auto(&key3, v3, a.eps.into()))? as f32,
+                        "weight_decay" => {
+                            let w = r.auto(&key3, v3, a.weight_decay.into());
+                            h.weight_decay = num(&key3, &w)? as f32
+                        }
+                        "betas" => {
+                            let b = r.auto(&key3, v3, serde_json::json!([a.betas.0, a.betas.1]));
+                            let b = b.as_array().filter(|x| x.len() == 2).ok_or_else(|| {
+                                bad(format!("`{key3}`: expected two numbers, got {v3}"))
+                            })?;
+                            h.beta1 = num(&key3, &b[0])? as f32;
+                            h.beta2 = num(&key3, &b[1])? as f32;
+                        }
+                        _ => return Ok(false),
+                    }
+                    Ok(true)
+                })?;
+            }
+            _ => return Ok(false),
+        }
+        Ok(true)
+    })
+}
+
+fn read_scheduler(r: &mut Reader<'_>, cfg: &ZeroConfig, v: &Value) -> Result<LrSchedule, ZeroError> {
+    let o = obj("scheduler", v)?;
+    let ty = o.get("type").and_then(Value::as_str).unwrap_or("");
+    let empty = Value::Object(Map::new());
+    let params = o.get("params").unwrap_or(&empty);
+    for k in o.keys().filter(|k| *k != "type" && *k != "params") {
+        r.unknown.push(format!("scheduler.{k}"));
+    }
+    let a = r.auto.clone();
+    let mut got = Map::new();
+    for (k, v) in obj("scheduler.params", params)? {
+        let key = format!("scheduler.params.{k}");
+        let resolved = match k.as_str() {
+            "warmup_min_lr" => 0.0.into(),
+            "warmup_max_lr" => f64::from(cfg.adamw.lr).into(),
+            "warmup_num_steps" => a.warmup_steps.into(),
+            "total_num_steps" => match a.total_steps {
+                Some(t) => t.into(),
+                None if v.as_str() == Some("auto") => {
+                    return Err(bad(format!(
+                        "`{key}`: \"auto\" needs the run's length: pass Auto::total_steps (the \
+                         demo passes --steps), or give a number"
+                    )))
+                }
+                None => Value::Null,
+            },
+            _ => v.clone(),
+        };
+        got.insert(k.clone(), r.auto(&key, v, resolved));
+    }
+    let mut take = |k: &str| got.remove(k);
+    let f = |k: &str, v: Option<Value>, d: f64| -> Result<f64, ZeroError> {
+        v.map_or(Ok(d), |v| num(&format!("scheduler.params.{k}"), &v))
+    };
+    let u = |k: &str, v: Option<Value>, d: u64| -> Result<u64, ZeroError> {
+        v.map_or(Ok(d), |v| uint(&format!("scheduler.params.{k}"), &v))
+    };
+    let warm = |v: Option<Value>| -> Result<Warmup, ZeroError> {
+        match v.as_ref().map(|v| v.as_str()) {
+            None | Some(Some("log")) => Ok(Warmup::Log),
+            Some(Some("linear")) => Ok(Warmup::Linear),
+            _ => Err(bad(format!("`scheduler.params.warmup_type` must be \"log\" or \"linear\", got {}", v.unwrap()))),
+        }
+    };
+    let s = match ty {
+        "WarmupLR" | "WarmupDecayLR" => {
+            let min_lr = f("warmup_min_lr", take("warmup_min_lr"), 0.0)?;
+            let max_lr = f("warmup_max_lr", take("warmup_max_lr"), 0.001)?;
+            let warmup_steps = u("warmup_num_steps", take("warmup_num_steps"), 1000)?.max(2);
+            let warmup = warm(take("warmup_type"))?;
+            r.notes.push(format!(
+                "`scheduler`: {ty} sets nothing before the first step, so step 1 runs at \
+                 optimizer.params.lr ({}), as in DeepSpeed; the warm-up starts at step 2",
+                cfg.adamw.lr
+            ));
+            if ty == "WarmupLR" {
+                LrSchedule::WarmupLr { min_lr, max_lr, warmup_steps, warmup }
+            } else {
+                let total_steps = match take("total_num_steps").filter(|v| !v.is_null()) {
+                    Some(v) => uint("scheduler.params.total_num_steps", &v)?,
+                    None => return Err(bad("`scheduler.params.total_num_steps` is required by WarmupDecayLR")),
+                };
+                LrSchedule::WarmupDecayLr { min_lr, max_lr, warmup_steps, warmup, total_steps }
+            }
+        }
+        "LRRangeTest" => LrSchedule::LrRangeTest {
+            min_lr: f("lr_range_test_min_lr", take("lr_range_test_min_lr"), 1e-3)?,
+            step_size: u("lr_range_test_step_size", take("lr_range_test_step_size"), 2000)?.max(1),
+            step_rate: f("lr_range_test_step_rate", take("lr_range_test_step_rate"), 1.0)?,
+            staircase: take("lr_range_test_staircase").is_some_and(|v| v.as_bool() == Some(true)),
+        },
+        "OneCycle" => {
+            let first = u("cycle_first_step_size", take("cycle_first_step_size"), 2000)?.max(1);
+            let cycle_momentum = take("cycle_momentum").is_none_or(|v| v.as_bool() != Some(false));
+            let min_mom = f("cycle_min_mom", take("cycle_min_mom"), 0.8)?;
+            let max_mom = f("cycle_max_mom", take("cycle_max_mom"), 0.9)?;
+            let decay_mom = f("decay_mom_rate", take("decay_mom_rate"), 0.0)?;
+            for k in ["cycle_first_stair_count", "cycle_second_stair_count"] {
+                if take(k).is_some() {
+                    r.notes.push(format!("`scheduler.params.{k}` changes nothing here: DeepSpeed's OneCycle does not use it either"));
+                }
+            }
+            let second = match take("cycle_second_step_size").filter(|v| !v.is_null()) {
+                Some(v) => uint("scheduler.params.cycle_second_step_size", &v)?.max(1),
+                None => first,
+            };
+            LrSchedule::OneCycle {
+                min_lr: f("cycle_min_lr", take("cycle_min_lr"), 0.0)?,
+                max_lr: f("cycle_max_lr", take("cycle_max_lr"), 0.001)?,
+                decay_lr_rate: f("decay_lr_rate", take("decay_lr_rate"), 0.0)?,
+                first_steps: first,
+                second_steps: second,
+                decay_step_size: u("decay_step_size", take("decay_step_size"), 0)?,
+                momentum: cycle_momentum.then_some((min_mom, max_mom, decay_mom)),
+            }
+        }
+        _ => {
+            return Err(bad(format!(
+                "`scheduler.type` = {:?} is not one of DeepSpeed's WarmupLR, WarmupDecayLR, \
+                 LRRangeTest, OneCycle; for another schedule, drop `scheduler` and call \
+                 Engine::set_lr before each step",
+                o.get("type").cloned().unwrap_or(Value::Null)
+            )))
+        }
+    };
+    drop(take);
+    for k in got.keys() {
+        r.unknown.push(format!("scheduler.params.{k}"));
+    }
+    Ok(s)
+}
+
+fn obj<'a>(key: &str, v: &'a Value) -> Result<&'a Map<String, Value>, ZeroError> {
+    v.as_object()
+        .ok_or_else(|| bad(format!("`{key}` must be an object, got {v}")))
+}
+
+fn boolean(key: &str, v: &Value) -> Result<bool, ZeroError> {
+    v.as_bool()
+        .ok_or_else(|| bad(format!("`{key}` must be true or false, got {v}")))
+}
+
+fn num(key: &str, v: &Value) -> Result<f64, ZeroError> {
+    if v.as_str() == Some("auto") {
+        return Err(bad(format!(
+            "`{key}`: \"auto\" has no value here; give a number"
+        )));
+    }
+    v.as_f64()
+        .filter(|x| x.is_finite())
+        .ok_or_else(|| bad(format!("`{key}` must be a number, got {v}")))
+}
+
+/// A non-negative integer; DeepSpeed configs often write sizes as `5e8`, so integral floats count.
+fn uint(key: &str, v: &Value) -> Result<u64, ZeroError> {
+    let x = num(key, v)?;
+    if x < 0.0 || x.fract() != 0.0 || x > u64::MAX as f64 {
+        return Err(bad(format!(
+            "`{key}` must be a non-negative integer, got {v}"
+        )));
+    }
+    Ok(x as u64)
+}
+
+fn small(key: &str, v: &Value) -> Result<u32, ZeroError> {
+    Ok(uint(key, v)?.min(u32::MAX as u64) as u32)
+}
+
+/// `mics_shard_size`: a group size of at least 1, or DeepSpeed's -1 for off.
+fn shard_size(key: &str, v: &Value) -> Result<Option<usize>, ZeroError> {
+    if num(key, v)? == -1.0 {
+        return Ok(None);
+    }
+    match uint(key, v) {
+        Ok(s) if s >= 1 => Ok(Some(s as usize)),
+        _ => Err(bad(format!(
+            "`{key}` must be a group size of at least 1 rank, or -1 for no hybrid sharding, got {v}"
+        ))),
+    }
+}
