@@ -310,7 +310,7 @@ fn demo_trains_every_stage_and_precision_and_loss_goes_down() {
                 })
                 .count()
         };
-        assert_eq!(numeric(4), 5, "steps 0, 10, 20, 30, 39 printed: {stdout}");
+        assert_eq!(numeric(5), 5, "steps 0, 10, 20, 30, 39 printed: {stdout}");
         assert_eq!(
             numeric(6),
             n.parse::<usize>().unwrap(),
@@ -406,8 +406,21 @@ fn demo_reads_a_deepspeed_config_and_names_bad_keys() {
         stdout.contains("     256 "),
         "initial scale 2^8 printed: {stdout}"
     );
+    // Keys that describe what ringzero always does are accepted, each with its reason printed.
+    let noted = dir.join("noted.json");
+    std::fs::write(&noted, r#"{"zero_optimization": {"stage": 2, "contiguous_gradients": true}, "steps_per_print": 10,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.003}}}"#).unwrap();
+    let stdout = succeeds(
+        ringzero()
+            .args(["demo", "-n", "2", "--steps", "20", "--config"])
+            .arg(&noted),
+    );
+    assert!(
+        stdout.contains("config: `zero_optimization.contiguous_gradients` changes nothing here: buckets are always contiguous"),
+        "{stdout}"
+    );
     let bad = dir.join("bad.json");
-    std::fs::write(&bad, r#"{"zero_optimization": {"stage": 2, "contiguous_gradients": true}, "steps_per_print": 10}"#).unwrap();
+    std::fs::write(&bad, r#"{"zero_optimization": {"stage": 2, "contiguous_gradient": true}, "step_per_print": 10}"#).unwrap();
     for extra in [vec![], vec!["--stage", "1"]] {
         let stderr = fails(
             ringzero()
@@ -417,7 +430,7 @@ fn demo_reads_a_deepspeed_config_and_names_bad_keys() {
         );
         if extra.is_empty() {
             assert!(
-                stderr.contains("`steps_per_print`, `zero_optimization.contiguous_gradients`"),
+                stderr.contains("`step_per_print`, `zero_optimization.contiguous_gradient`"),
                 "{stderr}"
             );
         } else {
@@ -545,14 +558,14 @@ fn demo_resumes_exactly_and_ckpt_checks_and_consolidates() {
         let stderr = String::from_utf8_lossy(&out.stderr).to_string();
         (out.status.success(), stdout, stderr)
     };
-    // (step, loss, scale) of every logged step: the step time differs from run to run.
+    // (step, loss, scale, lr) of every logged step: the step time differs from run to run.
     let losses = |stdout: &str| -> Vec<String> {
         stdout
             .lines()
             .filter_map(|l| {
                 let t: Vec<&str> = l.split_whitespace().collect();
-                (t.len() == 4 && t.iter().all(|x| x.parse::<f64>().is_ok()))
-                    .then(|| t[..3].join(" "))
+                (t.len() == 5 && t.iter().all(|x| x.parse::<f64>().is_ok()))
+                    .then(|| t[..4].join(" "))
             })
             .collect()
     };
