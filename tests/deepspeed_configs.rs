@@ -31,7 +31,10 @@ fn fixtures() -> Vec<(String, String)> {
 /// `text` with every `offload_*.device` set to "none".
 fn without_offload(text: &str) -> String {
     let mut v: Value = serde_json::from_str(text).unwrap();
-    if let Some(z) = v.get_mut("zero_optimization").and_then(Value::as_object_mut) {
+    if let Some(z) = v
+        .get_mut("zero_optimization")
+        .and_then(Value::as_object_mut)
+    {
         for k in ["offload_optimizer", "offload_param"] {
             if let Some(o) = z.get_mut(k).and_then(Value::as_object_mut) {
                 o.insert("device".into(), "none".into());
@@ -44,7 +47,10 @@ fn without_offload(text: &str) -> String {
 /// ½‖w − target‖², from the engine's fp32 masters.
 fn loss(e: &Engine<impl Float>, target: &[f32]) -> f64 {
     let w = &e.consolidate().unwrap()[0].1;
-    w.iter().zip(target).map(|(a, b)| 0.5 * f64::from(a - b).powi(2)).sum()
+    w.iter()
+        .zip(target)
+        .map(|(a, b)| 0.5 * f64::from(a - b).powi(2))
+        .sum()
 }
 
 /// 30 steps of the fit on this rank; the loss before and after, and each rate used with the
@@ -62,7 +68,11 @@ fn fit<T: Float>(comm: &ringzero::Communicator, cfg: ZeroConfig) -> (f64, f64, V
             let w = e.param_f32("w").unwrap();
             e.release(&["w"]).unwrap();
             let scale = e.loss_scale();
-            let g: Vec<f32> = w.iter().zip(&target).map(|(a, b)| (a - b) * scale).collect();
+            let g: Vec<f32> = w
+                .iter()
+                .zip(&target)
+                .map(|(a, b)| (a - b) * scale)
+                .collect();
             e.push_grad_f32("w", &g).unwrap();
             let _ = e.step().unwrap();
         }
@@ -117,8 +127,13 @@ fn the_schedule_advances_with_optimizer_steps_and_set_lr_is_the_trainers_own() {
                     "warmup_max_lr": 0.01, "warmup_num_steps": 4, "warmup_type": "linear"}}}"#,
         )
         .unwrap();
-        let mut e = Engine::<f16>::new(&comm, &[ParamSpec::new("w", &[8])], &|_, _| 0.0, cfg).unwrap();
-        assert_eq!(e.lr(), 0.5, "step 1 runs at the optimizer's rate, as in DeepSpeed");
+        let mut e =
+            Engine::<f16>::new(&comm, &[ParamSpec::new("w", &[8])], &|_, _| 0.0, cfg).unwrap();
+        assert_eq!(
+            e.lr(),
+            0.5,
+            "step 1 runs at the optimizer's rate, as in DeepSpeed"
+        );
         // An overflow: skipped, and the rate stays.
         e.push_grad_f32("w", &[f32::INFINITY; 8]).unwrap();
         assert!(matches!(e.step().unwrap(), StepOutcome::Skipped { .. }));
@@ -128,9 +143,13 @@ fn the_schedule_advances_with_optimizer_steps_and_set_lr_is_the_trainers_own() {
         assert_eq!(e.lr(), 0.0, "step 2: warm-up iteration 0");
         let err = e.set_lr(0.1).unwrap_err().to_string();
         assert!(err.contains("remove `scheduler`"), "{err}");
-        let mut plain =
-            Engine::<f32>::new(&comm, &[ParamSpec::new("w", &[8])], &|_, _| 0.0, ZeroConfig::default())
-                .unwrap();
+        let mut plain = Engine::<f32>::new(
+            &comm,
+            &[ParamSpec::new("w", &[8])],
+            &|_, _| 0.0,
+            ZeroConfig::default(),
+        )
+        .unwrap();
         plain.set_lr(0.25).unwrap();
         assert_eq!(plain.lr(), 0.25);
         assert!(plain.set_lr(f32::NAN).is_err());

@@ -384,12 +384,19 @@ fn counters<T: Float>(p: Precision) {
                 (e.comm().counters().bytes_sent - b0) as usize
             };
             let norm_bytes = small(&mut || {
-                e.comm().all_reduce_in_place(&mut [0f64], ReduceOp::Sum).unwrap()
+                e.comm()
+                    .all_reduce_in_place(&mut [0f64], ReduceOp::Sum)
+                    .unwrap()
             });
             let flag_bytes = small(&mut || {
-                e.comm().all_reduce_in_place(&mut [0u8], ReduceOp::Max).unwrap()
+                e.comm()
+                    .all_reduce_in_place(&mut [0u8], ReduceOp::Max)
+                    .unwrap()
             });
-            assert!(norm_bytes <= 2 * 8, "a one-element all-reduce: {norm_bytes} B");
+            assert!(
+                norm_bytes <= 2 * 8,
+                "a one-element all-reduce: {norm_bytes} B"
+            );
             let m = e.memory();
             if sz == 2 {
                 // The paper's mixed-precision Adam: 2 + 2 + K(=12) bytes per parameter.

@@ -408,8 +408,12 @@ fn demo_reads_a_deepspeed_config_and_names_bad_keys() {
     );
     // Keys that describe what ringzero always does are accepted, each with its reason printed.
     let noted = dir.join("noted.json");
-    std::fs::write(&noted, r#"{"zero_optimization": {"stage": 2, "contiguous_gradients": true}, "steps_per_print": 10,
-        "optimizer": {"type": "AdamW", "params": {"lr": 0.003}}}"#).unwrap();
+    std::fs::write(
+        &noted,
+        r#"{"zero_optimization": {"stage": 2, "contiguous_gradients": true}, "steps_per_print": 10,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.003}}}"#,
+    )
+    .unwrap();
     let stdout = succeeds(
         ringzero()
             .args(["demo", "-n", "2", "--steps", "20", "--config"])
@@ -420,7 +424,11 @@ fn demo_reads_a_deepspeed_config_and_names_bad_keys() {
         "{stdout}"
     );
     let bad = dir.join("bad.json");
-    std::fs::write(&bad, r#"{"zero_optimization": {"stage": 2, "contiguous_gradient": true}, "step_per_print": 10}"#).unwrap();
+    std::fs::write(
+        &bad,
+        r#"{"zero_optimization": {"stage": 2, "contiguous_gradient": true}, "step_per_print": 10}"#,
+    )
+    .unwrap();
     for extra in [vec![], vec!["--stage", "1"]] {
         let stderr = fails(
             ringzero()

@@ -12,8 +12,8 @@ use std::borrow::Cow;
 use std::path::Path;
 
 use crate::checkpoint::{self, plan, Checkpoint, Meta, ParamMeta, ShardMeta, FORMAT};
-use crate::error::ZeroError;
 use crate::config::{Precision, ZeroConfig};
+use crate::error::ZeroError;
 use crate::ledger::{update_range, Ledger};
 use crate::partition::Partition;
 use crate::scaler::ScalerState;

@@ -107,20 +107,76 @@ const NOTED: &[(&str, &str)] = &[
 
 /// Keys that are fine at one value and refused at any other: (key, the harmless value, why).
 const ONLY_AT: &[(&str, &str, &str)] = &[
-    ("prescale_gradients", "false", "gradients are averaged by the reduce-scatter itself"),
-    ("gradient_predivide_factor", "1", "gradients are averaged by the reduce-scatter itself"),
-    ("communication_data_type", "null", "collectives move the parameters' precision"),
-    ("elasticity.enabled", "false", "the world size is fixed for a run (checkpoints reshard between runs)"),
-    ("amp.enabled", "false", "mixed precision is fp16.enabled or bf16.enabled"),
-    ("fp16.consecutive_hysteresis", "false", "the loss scaler counts hysteresis as DeepSpeed's default does"),
-    ("fp16.fp16_master_weights_and_grads", "false", "master weights are always fp32"),
-    ("zero_optimization.cpu_offload", "false", "ZeRO-Offload is not implemented yet: remove it, or use a stage without offload"),
-    ("zero_optimization.zero_hpz_partition_size", "1", "ZeRO++'s secondary partition is not implemented; use mics_shard_size for hybrid sharding"),
-    ("zero_optimization.zero_quantized_weights", "false", "ZeRO++ weight quantization is not implemented"),
-    ("zero_optimization.zero_quantized_gradients", "false", "ZeRO++ gradient quantization is not implemented"),
-    ("optimizer.params.adam_w_mode", "true", "ringzero's Adam is AdamW (decoupled weight decay); Adam with L2 is not implemented"),
-    ("optimizer.params.bias_correction", "true", "AdamW always corrects its moments' bias"),
-    ("optimizer.params.amsgrad", "false", "AMSGrad is not implemented"),
+    (
+        "prescale_gradients",
+        "false",
+        "gradients are averaged by the reduce-scatter itself",
+    ),
+    (
+        "gradient_predivide_factor",
+        "1",
+        "gradients are averaged by the reduce-scatter itself",
+    ),
+    (
+        "communication_data_type",
+        "null",
+        "collectives move the parameters' precision",
+    ),
+    (
+        "elasticity.enabled",
+        "false",
+        "the world size is fixed for a run (checkpoints reshard between runs)",
+    ),
+    (
+        "amp.enabled",
+        "false",
+        "mixed precision is fp16.enabled or bf16.enabled",
+    ),
+    (
+        "fp16.consecutive_hysteresis",
+        "false",
+        "the loss scaler counts hysteresis as DeepSpeed's default does",
+    ),
+    (
+        "fp16.fp16_master_weights_and_grads",
+        "false",
+        "master weights are always fp32",
+    ),
+    (
+        "zero_optimization.cpu_offload",
+        "false",
+        "ZeRO-Offload is not implemented yet: remove it, or use a stage without offload",
+    ),
+    (
+        "zero_optimization.zero_hpz_partition_size",
+        "1",
+        "ZeRO++'s secondary partition is not implemented; use mics_shard_size for hybrid sharding",
+    ),
+    (
+        "zero_optimization.zero_quantized_weights",
+        "false",
+        "ZeRO++ weight quantization is not implemented",
+    ),
+    (
+        "zero_optimization.zero_quantized_gradients",
+        "false",
+        "ZeRO++ gradient quantization is not implemented",
+    ),
+    (
+        "optimizer.params.adam_w_mode",
+        "true",
+        "ringzero's Adam is AdamW (decoupled weight decay); Adam with L2 is not implemented",
+    ),
+    (
+        "optimizer.params.bias_correction",
+        "true",
+        "AdamW always corrects its moments' bias",
+    ),
+    (
+        "optimizer.params.amsgrad",
+        "false",
+        "AMSGrad is not implemented",
+    ),
 ];
 
 /// Reading state: the notes so far and the keys nobody knows.
@@ -134,7 +190,9 @@ impl Reader<'_> {
     /// `v`, or what `"auto"` resolves to (noted).
     fn auto<'v>(&mut self, key: &str, v: &'v Value, resolved: Value) -> Value {
         if v.as_str() == Some("auto") {
-            self.notes.push(format!("`{key}`: \"auto\" is {resolved} (from the trainer's arguments)"));
+            self.notes.push(format!(
+                "`{key}`: \"auto\" is {resolved} (from the trainer's arguments)"
+            ));
             resolved
         } else {
             v.clone()
@@ -144,7 +202,8 @@ impl Reader<'_> {
     /// A key the tables above decide, if they do: noted, or refused unless at its harmless value.
     fn settled(&mut self, key: &str, v: &Value) -> Result<bool, ZeroError> {
         if let Some((_, why)) = NOTED.iter().find(|(k, _)| *k == key) {
-            self.notes.push(format!("`{key}` changes nothing here: {why}"));
+            self.notes
+                .push(format!("`{key}` changes nothing here: {why}"));
             return Ok(true);
         }
         if let Some((_, ok, why)) = ONLY_AT.iter().find(|(k, _, _)| *k == key) {
@@ -155,7 +214,9 @@ impl Reader<'_> {
                 n => v.as_f64() == n.parse::<f64>().ok(),
             };
             if !fine {
-                return Err(bad(format!("`{key}` = {v} is not supported: {why} (remove it, or set it to {ok})")));
+                return Err(bad(format!(
+                    "`{key}` = {v} is not supported: {why} (remove it, or set it to {ok})"
+                )));
             }
             return Ok(true);
         }
@@ -184,7 +245,11 @@ impl ZeroConfig {
             stage: 0,
             ..ZeroConfig::default()
         };
-        let mut r = Reader { auto, notes: Vec::new(), unknown: Vec::new() };
+        let mut r = Reader {
+            auto,
+            notes: Vec::new(),
+            unknown: Vec::new(),
+        };
         let (mut fp16, mut bf16) = (None, None);
         let mut scheduler = None;
         for (k, val) in top {
@@ -234,7 +299,10 @@ impl ZeroConfig {
             Some(None) => auto.precision == p,
             None => false,
         };
-        let (f, b) = (auto_half(fp16, Precision::Fp16), auto_half(bf16, Precision::Bf16));
+        let (f, b) = (
+            auto_half(fp16, Precision::Fp16),
+            auto_half(bf16, Precision::Bf16),
+        );
         cfg.precision = match (f, b) {
             (true, true) => return Err(bad("fp16.enabled and bf16.enabled are both true")),
             (true, false) => Precision::Fp16,
@@ -242,7 +310,10 @@ impl ZeroConfig {
             (false, false) => Precision::Fp32,
         };
         if matches!(fp16, Some(None)) || matches!(bf16, Some(None)) {
-            r.notes.push(format!("`fp16.enabled`/`bf16.enabled`: \"auto\" is {} (from the trainer's arguments)", cfg.precision));
+            r.notes.push(format!(
+                "`fp16.enabled`/`bf16.enabled`: \"auto\" is {} (from the trainer's arguments)",
+                cfg.precision
+            ));
         }
         cfg.notes = r.notes;
         cfg.validate()?;
@@ -271,7 +342,10 @@ fn zero_optimization(r: &mut Reader<'_>, cfg: &mut ZeroConfig, v: &Value) -> Res
     // The legacy form: `true` is stage 1, `false` stage 0.
     if let Some(on) = v.as_bool() {
         cfg.stage = u8::from(on);
-        r.notes.push(format!("`zero_optimization`: {on} is the legacy form of stage {}", cfg.stage));
+        r.notes.push(format!(
+            "`zero_optimization`: {on} is the legacy form of stage {}",
+            cfg.stage
+        ));
         return Ok(());
     }
     let key = "zero_optimization";
@@ -284,7 +358,9 @@ fn zero_optimization(r: &mut Reader<'_>, cfg: &mut ZeroConfig, v: &Value) -> Res
                 cfg.bucket_elems = uint(&full, &x)? as usize;
                 if cfg.bucket_elems == 0 {
                     cfg.bucket_elems = 1;
-                    r.notes.push(format!("`{full}`: 0 puts each parameter in a bucket of its own"));
+                    r.notes.push(format!(
+                        "`{full}`: 0 puts each parameter in a bucket of its own"
+                    ));
                 }
             }
             "allgather_bucket_size" => cfg.allgather_elems = uint(&full, v2)? as usize,
@@ -304,7 +380,10 @@ fn zero_optimization(r: &mut Reader<'_>, cfg: &mut ZeroConfig, v: &Value) -> Res
 /// `offload_optimizer` / `offload_param`: only `"device": "none"` (or nothing) is accepted
 /// until ZeRO-Offload lands.
 fn offload(key: &str, v: &Value) -> Result<(), ZeroError> {
-    let device = obj(key, v)?.get("device").and_then(Value::as_str).unwrap_or("none");
+    let device = obj(key, v)?
+        .get("device")
+        .and_then(Value::as_str)
+        .unwrap_or("none");
     if device == "none" {
         return Ok(());
     }
@@ -316,14 +395,23 @@ fn offload(key: &str, v: &Value) -> Result<(), ZeroError> {
 }
 
 /// `fp16` / `bf16`: whether enabled (`None`: "auto"), the loss-scaling keys into `cfg`.
-fn half(r: &mut Reader<'_>, cfg: &mut ZeroConfig, key: &str, v: &Value) -> Result<Option<bool>, ZeroError> {
+fn half(
+    r: &mut Reader<'_>,
+    cfg: &mut ZeroConfig,
+    key: &str,
+    v: &Value,
+) -> Result<Option<bool>, ZeroError> {
     let mut enabled = Some(false);
     let l = &mut cfg.loss_scaling;
     for_each(r, key, v, |_, k2, v2| {
         let full = format!("{key}.{k2}");
         match (key, k2) {
             (_, "enabled") => {
-                enabled = if v2.as_str() == Some("auto") { None } else { Some(boolean(&full, v2)?) }
+                enabled = if v2.as_str() == Some("auto") {
+                    None
+                } else {
+                    Some(boolean(&full, v2)?)
+                }
             }
             ("fp16", "loss_scale") => l.loss_scale = num(&full, v2)? as f32,
             ("fp16", "initial_scale_power") => l.initial_scale_power = small(&full, v2)?,
@@ -342,11 +430,15 @@ fn train_batch(r: &mut Reader<'_>, v: &Value) -> Result<Option<usize>, ZeroError
     if v.as_str() == Some("auto") {
         let a = r.auto;
         let Some(world) = a.world else {
-            r.notes.push(format!("`{key}`: \"auto\" is left open (the world size is not known yet)"));
+            r.notes.push(format!(
+                "`{key}`: \"auto\" is left open (the world size is not known yet)"
+            ));
             return Ok(None);
         };
         let x = a.micro_batch * a.accumulation_steps * world;
-        r.notes.push(format!("`{key}`: \"auto\" is {x} (micro batch × accumulation × world)"));
+        r.notes.push(format!(
+            "`{key}`: \"auto\" is {x} (micro batch × accumulation × world)"
+        ));
         return Ok(Some(x));
     }
     Ok(Some(uint(key, v)? as usize))
@@ -398,7 +490,11 @@ fn optimizer(r: &mut Reader<'_>, cfg: &mut ZeroConfig, v: &Value) -> Result<(), 
     })
 }
 
-fn read_scheduler(r: &mut Reader<'_>, cfg: &ZeroConfig, v: &Value) -> Result<LrSchedule, ZeroError> {
+fn read_scheduler(
+    r: &mut Reader<'_>,
+    cfg: &ZeroConfig,
+    v: &Value,
+) -> Result<LrSchedule, ZeroError> {
     let o = obj("scheduler", v)?;
     let ty = o.get("type").and_then(Value::as_str).unwrap_or("");
     let empty = Value::Object(Map::new());
@@ -439,7 +535,10 @@ fn read_scheduler(r: &mut Reader<'_>, cfg: &ZeroConfig, v: &Value) -> Result<LrS
         match v.as_ref().map(|v| v.as_str()) {
             None | Some(Some("log")) => Ok(Warmup::Log),
             Some(Some("linear")) => Ok(Warmup::Linear),
-            _ => Err(bad(format!("`scheduler.params.warmup_type` must be \"log\" or \"linear\", got {}", v.unwrap()))),
+            _ => Err(bad(format!(
+                "`scheduler.params.warmup_type` must be \"log\" or \"linear\", got {}",
+                v.unwrap()
+            ))),
         }
     };
     let s = match ty {
@@ -454,19 +553,43 @@ fn read_scheduler(r: &mut Reader<'_>, cfg: &ZeroConfig, v: &Value) -> Result<LrS
                 cfg.adamw.lr
             ));
             if ty == "WarmupLR" {
-                LrSchedule::WarmupLr { min_lr, max_lr, warmup_steps, warmup }
+                LrSchedule::WarmupLr {
+                    min_lr,
+                    max_lr,
+                    warmup_steps,
+                    warmup,
+                }
             } else {
                 let total_steps = match take("total_num_steps").filter(|v| !v.is_null()) {
                     Some(v) => uint("scheduler.params.total_num_steps", &v)?,
-                    None => return Err(bad("`scheduler.params.total_num_steps` is required by WarmupDecayLR")),
+                    None => {
+                        return Err(bad(
+                            "`scheduler.params.total_num_steps` is required by WarmupDecayLR",
+                        ))
+                    }
                 };
-                LrSchedule::WarmupDecayLr { min_lr, max_lr, warmup_steps, warmup, total_steps }
+                LrSchedule::WarmupDecayLr {
+                    min_lr,
+                    max_lr,
+                    warmup_steps,
+                    warmup,
+                    total_steps,
+                }
             }
         }
         "LRRangeTest" => LrSchedule::LrRangeTest {
             min_lr: f("lr_range_test_min_lr", take("lr_range_test_min_lr"), 1e-3)?,
-            step_size: u("lr_range_test_step_size", take("lr_range_test_step_size"), 2000)?.max(1),
-            step_rate: f("lr_range_test_step_rate", take("lr_range_test_step_rate"), 1.0)?,
+            step_size: u(
+                "lr_range_test_step_size",
+                take("lr_range_test_step_size"),
+                2000,
+            )?
+            .max(1),
+            step_rate: f(
+                "lr_range_test_step_rate",
+                take("lr_range_test_step_rate"),
+                1.0,
+            )?,
             staircase: take("lr_range_test_staircase").is_some_and(|v| v.as_bool() == Some(true)),
         },
         "OneCycle" => {

@@ -3,9 +3,9 @@
 //! implement, are errors that name every offending key: a setting that is silently ignored is a
 //! bug the user finds weeks later.
 
+use crate::error::ZeroError;
 use ringzero_kernels::cpu::AdamW;
 use ringzero_kernels::DType;
-use crate::error::ZeroError;
 
 mod deepspeed;
 mod schedule;
@@ -384,17 +384,29 @@ mod tests {
             e.contains("unknown keys `fp16.auto_cst`, `stepz_per_print`, `zero_optimization.overlap_comms`"),
             "{e}"
         );
-        let e = ZeroConfig::from_json(r#"{"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}"#)
-            .unwrap_err()
-            .to_string();
+        let e = ZeroConfig::from_json(
+            r#"{"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}"#,
+        )
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("ZeRO-Offload") && e.contains("\"none\""), "{e}");
-        let e = ZeroConfig::from_json(r#"{"scheduler": {"type": "Cosine"}}"#).unwrap_err().to_string();
-        assert!(e.contains("WarmupLR") && e.contains("set_lr"), "{e}");
-        let e = ZeroConfig::from_json(r#"{"prescale_gradients": true}"#).unwrap_err().to_string();
-        assert!(e.contains("`prescale_gradients` = true is not supported") && e.contains("set it to false"), "{e}");
-        let e = ZeroConfig::from_json(r#"{"optimizer": {"type": "Adam", "params": {"adam_w_mode": false}}}"#)
+        let e = ZeroConfig::from_json(r#"{"scheduler": {"type": "Cosine"}}"#)
             .unwrap_err()
             .to_string();
+        assert!(e.contains("WarmupLR") && e.contains("set_lr"), "{e}");
+        let e = ZeroConfig::from_json(r#"{"prescale_gradients": true}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("`prescale_gradients` = true is not supported")
+                && e.contains("set it to false"),
+            "{e}"
+        );
+        let e = ZeroConfig::from_json(
+            r#"{"optimizer": {"type": "Adam", "params": {"adam_w_mode": false}}}"#,
+        )
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("Adam with L2 is not implemented"), "{e}");
         let cases = [
             (

@@ -89,18 +89,34 @@ impl LrSchedule {
         let it = k as i64 - 2;
         let mut h = base;
         match *self {
-            LrSchedule::WarmupLr { min_lr, max_lr, warmup_steps, warmup } => {
+            LrSchedule::WarmupLr {
+                min_lr,
+                max_lr,
+                warmup_steps,
+                warmup,
+            } => {
                 if it >= 0 {
                     h.lr = lerp(min_lr, max_lr, warm(it as u64, warmup_steps, warmup, None));
                 }
             }
-            LrSchedule::WarmupDecayLr { min_lr, max_lr, warmup_steps, warmup, total_steps } => {
+            LrSchedule::WarmupDecayLr {
+                min_lr,
+                max_lr,
+                warmup_steps,
+                warmup,
+                total_steps,
+            } => {
                 if it >= 0 {
                     let g = warm(it as u64, warmup_steps, warmup, Some(total_steps));
                     h.lr = lerp(min_lr, max_lr, g);
                 }
             }
-            LrSchedule::LrRangeTest { min_lr, step_size, step_rate, staircase } => {
+            LrSchedule::LrRangeTest {
+                min_lr,
+                step_size,
+                step_rate,
+                staircase,
+            } => {
                 let x = (it + 1) as f64 / step_size as f64;
                 let interval = if staircase { x.floor() } else { x };
                 h.lr = (min_lr * (1.0 + step_rate * interval)) as f32;
@@ -176,7 +192,10 @@ mod tests {
     use super::*;
 
     fn lrs(s: &LrSchedule, steps: u64) -> Vec<f32> {
-        let base = AdamW { lr: 0.5, ..AdamW::default() };
+        let base = AdamW {
+            lr: 0.5,
+            ..AdamW::default()
+        };
         (1..=steps).map(|k| s.at(k, base).lr).collect()
     }
 
@@ -184,24 +203,61 @@ mod tests {
     /// formulas (step 1 is what the scheduler set when made).
     #[test]
     fn the_rates_follow_deepspeeds_formulas() {
-        let w = LrSchedule::WarmupLr { min_lr: 0.0, max_lr: 0.01, warmup_steps: 4, warmup: Warmup::Linear };
+        let w = LrSchedule::WarmupLr {
+            min_lr: 0.0,
+            max_lr: 0.01,
+            warmup_steps: 4,
+            warmup: Warmup::Linear,
+        };
         assert_eq!(lrs(&w, 7), [0.5, 0.0, 0.0025, 0.005, 0.0075, 0.01, 0.01]);
-        let l = LrSchedule::WarmupLr { min_lr: 0.0, max_lr: 1.0, warmup_steps: 4, warmup: Warmup::Log };
+        let l = LrSchedule::WarmupLr {
+            min_lr: 0.0,
+            max_lr: 1.0,
+            warmup_steps: 4,
+            warmup: Warmup::Log,
+        };
         let got = lrs(&l, 4);
-        let want = [0.5, 0.0, (2f64.ln() / 4f64.ln()) as f32, (3f64.ln() / 4f64.ln()) as f32];
+        let want = [
+            0.5,
+            0.0,
+            (2f64.ln() / 4f64.ln()) as f32,
+            (3f64.ln() / 4f64.ln()) as f32,
+        ];
         assert_eq!(got, want);
         let d = LrSchedule::WarmupDecayLr {
-            min_lr: 0.0, max_lr: 0.01, warmup_steps: 2, warmup: Warmup::Linear, total_steps: 6,
+            min_lr: 0.0,
+            max_lr: 0.01,
+            warmup_steps: 2,
+            warmup: Warmup::Linear,
+            total_steps: 6,
         };
         // Iterations 0..: warm 0, 0.5; then (6 − i)/4 for i = 2..: 1, 0.75, 0.5, 0.25, 0, 0.
-        assert_eq!(lrs(&d, 9), [0.5, 0.0, 0.005, 0.01, 0.0075, 0.005, 0.0025, 0.0, 0.0]);
-        let r = LrSchedule::LrRangeTest { min_lr: 0.1, step_size: 2, step_rate: 1.0, staircase: true };
+        assert_eq!(
+            lrs(&d, 9),
+            [0.5, 0.0, 0.005, 0.01, 0.0075, 0.005, 0.0025, 0.0, 0.0]
+        );
+        let r = LrSchedule::LrRangeTest {
+            min_lr: 0.1,
+            step_size: 2,
+            step_rate: 1.0,
+            staircase: true,
+        };
         assert_eq!(lrs(&r, 5), [0.1, 0.1, 0.2, 0.2, 0.3]);
-        let c = LrSchedule::LrRangeTest { min_lr: 0.1, step_size: 2, step_rate: 1.0, staircase: false };
+        let c = LrSchedule::LrRangeTest {
+            min_lr: 0.1,
+            step_size: 2,
+            step_rate: 1.0,
+            staircase: false,
+        };
         assert_eq!(lrs(&c, 3), [0.1, 0.15, 0.2]);
         let o = LrSchedule::OneCycle {
-            min_lr: 0.1, max_lr: 0.5, decay_lr_rate: 0.5, first_steps: 2, second_steps: 2,
-            decay_step_size: 1, momentum: Some((0.8, 0.9, 0.0)),
+            min_lr: 0.1,
+            max_lr: 0.5,
+            decay_lr_rate: 0.5,
+            first_steps: 2,
+            second_steps: 2,
+            decay_step_size: 1,
+            momentum: Some((0.8, 0.9, 0.0)),
         };
         let base = AdamW::default();
         let got: Vec<(f32, f32, f32)> = (1..=8)

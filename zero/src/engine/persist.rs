@@ -9,8 +9,8 @@ use ringzero_collectives::{DType, TrainStream};
 use ringzero_kernels::cpu::Float;
 
 use super::{all_gather_host, alloc, dev, DevVec, Engine};
-use crate::checkpoint::Meta;
 use crate::checkpoint::protocol::{self as persist, Payload, Persist};
+use crate::checkpoint::Meta;
 use crate::error::ZeroError;
 use crate::ledger::Ledger;
 
