@@ -8,7 +8,7 @@
 use std::sync::Arc;
 
 use half::{bf16, f16};
-use ringzero_collectives::{Communicator, DeviceComm, DeviceMemory};
+use ringzero_collectives::{Communicator, DeviceComm, DeviceMemory, TrainStream};
 use ringzero_kernels::cpu::{cast, AdamW, Float};
 use ringzero_zero::{Engine, LossScaling, ParamSpec, Precision, ZeroConfig};
 
@@ -69,34 +69,41 @@ fn grads<T: Float>(values: &[Vec<f32>], rank: usize, step: usize, scale: f32) ->
 
 const STEPS: usize = 3;
 
-/// The host engine's parameters after [`STEPS`] steps.
-fn host<T: Float>(comm: &Communicator, c: ZeroConfig) -> Result<Vec<Vec<f32>>, String> {
+/// The parameters after [`STEPS`] steps of `e` (data of `rank`), each gradient handed to the
+/// engine by `push`.
+fn train<T: Float, S: TrainStream + 'static>(
+    mut e: Engine<T, S>,
+    rank: usize,
+    push: impl Fn(&mut Engine<T, S>, &str, Vec<T>) -> Result<(), String>,
+) -> Result<Vec<Vec<f32>>, String> {
     let sp = specs();
     let names: Vec<&str> = sp.iter().map(|s| s.name.as_str()).collect();
     let e_ = |e: ringzero_zero::ZeroError| e.to_string();
-    let mut e = Engine::<T>::new(comm, &sp, &init, c).map_err(e_)?;
-    for t in 0..STEPS {
+    let values = |e: &mut Engine<T, S>| -> Result<Vec<Vec<f32>>, String> {
         e.gather(&names).map_err(e_)?;
-        let values: Vec<Vec<f32>> = names
+        let v = names
             .iter()
             .map(|n| e.param_f32(n))
-            .collect::<Result<_, _>>()
-            .map_err(e_)?;
+            .collect::<Result<_, _>>();
         e.release(&names).map_err(e_)?;
-        for (n, g) in names
-            .iter()
-            .zip(grads::<T>(&values, comm.rank(), t, e.loss_scale()))
-        {
-            e.push_grad(n, &g).map_err(e_)?;
+        v.map_err(e_)
+    };
+    for t in 0..STEPS {
+        let v = values(&mut e)?;
+        for (n, g) in names.iter().zip(grads::<T>(&v, rank, t, e.loss_scale())) {
+            push(&mut e, n, g)?;
         }
         e.step().map_err(e_)?;
     }
-    e.gather(&names).map_err(e_)?;
-    names
-        .iter()
-        .map(|n| e.param_f32(n))
-        .collect::<Result<_, _>>()
-        .map_err(e_)
+    values(&mut e)
+}
+
+/// The host engine's parameters after [`STEPS`] steps.
+fn host<T: Float>(comm: &Communicator, c: ZeroConfig) -> Result<Vec<Vec<f32>>, String> {
+    let e = Engine::<T>::new(comm, &specs(), &init, c).map_err(|e| e.to_string())?;
+    train(e, comm.rank(), |e, n, g| {
+        e.push_grad(n, &g).map_err(|e| e.to_string())
+    })
 }
 
 /// The device engine's parameters after [`STEPS`] steps, its gradients uploaded to the GPU.
@@ -104,38 +111,15 @@ fn device<D: CheckDev, T: Float>(
     dc: &Arc<DeviceComm<D>>,
     c: ZeroConfig,
 ) -> Result<Vec<Vec<f32>>, String> {
-    let sp = specs();
-    let names: Vec<&str> = sp.iter().map(|s| s.name.as_str()).collect();
-    let rank = dc.rank();
-    let e_ = |e: ringzero_zero::ZeroError| e.to_string();
-    let mut e = Engine::<T, D>::on(dc.clone(), &sp, &init, c).map_err(e_)?;
-    for t in 0..STEPS {
-        e.gather(&names).map_err(e_)?;
-        let values: Vec<Vec<f32>> = names
-            .iter()
-            .map(|n| e.param_f32(n))
-            .collect::<Result<_, _>>()
-            .map_err(e_)?;
-        e.release(&names).map_err(e_)?;
-        for (n, g) in names
-            .iter()
-            .zip(grads::<T>(&values, rank, t, e.loss_scale()))
-        {
-            let mut wide = vec![0f32; g.len()];
-            T::widen(&g, &mut wide);
-            let vals: Vec<f64> = wide.into_iter().map(f64::from).collect();
-            let buf = e.stream().make(T::DTYPE, &vals)?;
-            debug_assert_eq!(DeviceMemory::<D>::elems(&buf), g.len());
-            e.push_grad(n, &buf).map_err(e_)?;
-        }
-        e.step().map_err(e_)?;
-    }
-    e.gather(&names).map_err(e_)?;
-    names
-        .iter()
-        .map(|n| e.param_f32(n))
-        .collect::<Result<_, _>>()
-        .map_err(e_)
+    let e = Engine::<T, D>::on(dc.clone(), &specs(), &init, c).map_err(|e| e.to_string())?;
+    train(e, dc.rank(), |e, n, g| {
+        let mut wide = vec![0f32; g.len()];
+        T::widen(&g, &mut wide);
+        let vals: Vec<f64> = wide.into_iter().map(f64::from).collect();
+        let buf = e.stream().make(T::DTYPE, &vals)?;
+        debug_assert_eq!(DeviceMemory::<D>::elems(&buf), g.len());
+        e.push_grad(n, &buf).map_err(|e| e.to_string())
+    })
 }
 
 fn compare<D: CheckDev, T: Float>(
