@@ -25,8 +25,9 @@
 pub use ringzero_collectives::{
     chunk, AbortHandle, AdamAt, Algo, CallState, Collective, Communicator, Config, Counters, DType,
     DeviceAlgo, DeviceComm, DeviceMemory, DeviceP2p, Edge, Element, Error, FlightEntry,
-    FlightRecord, HostStream, P2p, P2pOwned, PeerTraffic, PendingMsg, ReduceOp, Result, Schedule,
-    StagingMode, Stream, TrainStream, TransportKind, TransportPref, Work, COPY_STAGING_MAX_SHARERS,
+    FlightRecord, HostStream, InPlace, Input, P2p, P2pOwned, PeerTraffic, PendingMsg, ReduceOp,
+    Result, Schedule, StagingMode, Stream, TrainStream, TransportKind, TransportPref, WithAlgo,
+    Work, COPY_STAGING_MAX_SHARERS,
 };
 
 /// The 16-bit float types (`f16`, `bf16`) the communicators and the ZeRO engine move.

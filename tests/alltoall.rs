@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use ringzero::{Algo, Collective, DType, Error, ReduceOp, TransportPref};
+use ringzero::{Algo, Collective, DType, Error, InPlace, ReduceOp, TransportPref};
 
 use crate::common::{check_case, threads, Case, Opts};
 
@@ -83,7 +83,8 @@ fn all_to_all_refuses_bad_counts_and_names_a_rank_that_calls_something_else() {
         let e = if rank == 0 {
             comm.all_to_all(&[1f32; 6], &mut b).unwrap_err()
         } else {
-            comm.all_reduce_in_place_with(&mut b, ReduceOp::Sum, Algo::Ring)
+            comm.with_algo(Algo::Ring)
+                .all_reduce(InPlace, &mut b, ReduceOp::Sum)
                 .unwrap_err()
         };
         e.to_string()
@@ -115,7 +116,8 @@ fn a_first_all_to_all_against_a_ring_collective_fails_at_once_not_in_a_connect()
         let e = if rank == 0 {
             comm.all_to_all(&[1f32; 8], &mut b).unwrap_err()
         } else {
-            comm.all_reduce_in_place_with(&mut b, ReduceOp::Sum, Algo::Ring)
+            comm.with_algo(Algo::Ring)
+                .all_reduce(InPlace, &mut b, ReduceOp::Sum)
                 .unwrap_err()
         };
         e.to_string()

@@ -4,7 +4,7 @@
 //! engine drives CUDA devices (the GPU check script runs those tests where a GPU exists).
 
 use ringzero::{
-    Collective, Communicator, DType, DeviceComm, Error, HostStream, ReduceOp, StagingMode,
+    Collective, Communicator, DType, DeviceComm, Error, HostStream, InPlace, ReduceOp, StagingMode,
     TransportKind, TransportPref,
 };
 
@@ -196,7 +196,7 @@ fn device_edges_report_host_staging_and_why_and_move_the_ring_volume() {
                             let mut recv = vec![0.0f32; count];
                             if in_place {
                                 recv.copy_from_slice(&send);
-                                dc.all_to_all_in_place(&mut recv[..]).unwrap();
+                                dc.all_to_all(InPlace, &mut recv[..]).unwrap();
                             } else {
                                 dc.all_to_all(&send[..], &mut recv[..]).unwrap();
                             }
@@ -396,9 +396,9 @@ fn bad_device_calls_are_refused_and_mismatched_calls_name_both() {
             .unwrap_err();
         assert!(e.to_string().contains("this rank's chunk"), "{e}");
         let mut b = [0.0f32; 4];
-        assert!(dc.broadcast_in_place(&mut b[..], 2).is_err());
+        assert!(dc.broadcast(InPlace, &mut b[..], 2).is_err());
         let e = dc
-            .reduce_in_place(&mut b[..], ReduceOp::Sum, 7)
+            .reduce(InPlace, &mut b[..], ReduceOp::Sum, 7)
             .unwrap_err();
         assert!(e.to_string().contains("root 7 is not a rank"), "{e}");
         // The root's recv must match; on the other rank it is not written and may be empty.
@@ -416,7 +416,7 @@ fn bad_device_calls_are_refused_and_mismatched_calls_name_both() {
                 .contains("9 elements, not a multiple of the world size 2"),
             "{e}"
         );
-        let e = dc.all_to_all_in_place(&mut odd_out[..]).unwrap_err();
+        let e = dc.all_to_all(InPlace, &mut odd_out[..]).unwrap_err();
         assert!(
             e.to_string().contains("not a multiple of the world size 2"),
             "{e}"
@@ -449,8 +449,8 @@ fn bad_device_calls_are_refused_and_mismatched_calls_name_both() {
             e.to_string().contains("send has 3 elements but counts"),
             "{e}"
         );
-        let e = dc.all_gather_v_in_place(&mut ten[..], &[4, 4]).unwrap_err();
-        assert!(e.to_string().contains("but buf has 10"), "{e}");
+        let e = dc.all_gather_v(InPlace, &mut ten[..], &[4, 4]).unwrap_err();
+        assert!(e.to_string().contains("but recv has 10"), "{e}");
         assert_eq!(ten, [7.0; 10], "a refused all-gather-v wrote its buffer");
         let none =
             ringzero_collectives::internals::ring::device_engine::DevBufs::One { buf: 0, bytes: 0 };
@@ -798,7 +798,7 @@ fn async_in_order(device_algo: ringzero::DeviceAlgo) {
         let bar = dc.barrier_async();
         // A blocking call after them runs after them.
         let mut last = vec![1.0f32; count];
-        dc.all_reduce_in_place(&mut last[..], ReduceOp::Sum)
+        dc.all_reduce(InPlace, &mut last[..], ReduceOp::Sum)
             .unwrap();
         assert!(first.is_done() && bc.is_done(), "rank {rank}");
         assert!(last.iter().all(|&v| v == n as f32));

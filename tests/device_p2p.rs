@@ -3,7 +3,8 @@
 //! copies) and tcp device links, with the host as the device (the GPU check runs them on GPUs).
 
 use ringzero::{
-    DType, DeviceComm, Error, HostStream, ReduceOp, StagingMode, TransportKind, TransportPref,
+    DType, DeviceComm, Error, HostStream, InPlace, ReduceOp, StagingMode, TransportKind,
+    TransportPref,
 };
 
 use crate::common::{threads, Opts};
@@ -87,7 +88,7 @@ fn a_pipeline_forward_and_back_and_swaps_across_the_ring_arrive_exactly() {
             }
             // Collectives still run in step around the point-to-point calls.
             let mut all = vec![1f32; 1000];
-            dc.all_reduce_in_place(&mut all[..], ReduceOp::Sum).unwrap();
+            dc.all_reduce(InPlace, &mut all[..], ReduceOp::Sum).unwrap();
             assert!(all.iter().all(|&v| v == n as f32));
             // The pairs say how they are linked.
             let [from, to] = dc.pair_edges(peer).expect("connected");
@@ -110,7 +111,7 @@ fn bad_device_point_to_point_calls_are_refused_and_mismatches_name_both() {
         assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
         // Refused calls used nothing: a collective still runs in step.
         let mut b = vec![1f32; 10];
-        dc.all_reduce_in_place(&mut b[..], ReduceOp::Sum).unwrap();
+        dc.all_reduce(InPlace, &mut b[..], ReduceOp::Sum).unwrap();
         assert_eq!(b, vec![3.0; 10]);
         match r {
             0 => {
@@ -225,7 +226,7 @@ fn async_device_point_to_point_runs_on_the_proxy_thread_in_order() {
         let got = dc.recv_async(vec![0f32; 600], partner);
         let swap = dc.send_recv_async(msg(r, 1, 3000), vec![0f32; 3000], r ^ 2);
         let mut all = vec![1f32; 100];
-        dc.all_reduce_in_place(&mut all[..], ReduceOp::Sum).unwrap();
+        dc.all_reduce(InPlace, &mut all[..], ReduceOp::Sum).unwrap();
         assert!(sent.is_done() && got.is_done() && swap.is_done());
         assert_eq!(sent.wait().unwrap(), msg(r, 0, 600));
         assert_eq!(got.wait().unwrap(), msg(partner, 0, 600), "rank {r}");
@@ -342,7 +343,7 @@ fn device_all_to_all_v_moves_uneven_blocks_and_refuses_bad_counts() {
             let (_, got) = w.wait().unwrap();
             assert_eq!(got.len(), out.len());
             let e = if r == 0 {
-                dc.all_reduce_in_place(&mut out[..], ReduceOp::Sum)
+                dc.all_reduce(InPlace, &mut out[..], ReduceOp::Sum)
                     .unwrap_err()
             } else {
                 dc.all_to_all_v(&send[..], &sc, &mut out[..], &rc)
@@ -422,7 +423,7 @@ fn across_nodes_a_device_all_to_all_goes_over_the_pairs() {
             let send: Vec<f32> = (0..n).flat_map(|q| msg(r, q, block)).collect();
             let want: Vec<f32> = (0..n).flat_map(|q| msg(q, r, block)).collect();
             let mut buf = send.clone();
-            dc.all_to_all_in_place(&mut buf[..]).unwrap();
+            dc.all_to_all(InPlace, &mut buf[..]).unwrap();
             assert_eq!(buf, want, "{nodes} nodes, rank {r}, in place");
             let paired = (0..n).filter(|&q| q != r && dc.pair_edges(q).is_some());
             assert_eq!(
@@ -543,7 +544,7 @@ fn posted_device_calls_complete_in_a_cycle_of_first_calls_and_both_ways() {
             sent.wait().unwrap();
             // A collective after them runs in step.
             let mut all = vec![1f32; 100];
-            dc.all_reduce_in_place(&mut all[..], ReduceOp::Sum).unwrap();
+            dc.all_reduce(InPlace, &mut all[..], ReduceOp::Sum).unwrap();
             assert!(all.iter().all(|&v| v == n as f32));
             for peer in [prev, next, partner] {
                 let [from, to] = dc.pair_edges(peer).expect("connected");
@@ -770,7 +771,7 @@ fn posted_device_calls_in_any_interleaving_arrive_exact_and_in_order() {
                 }
             }
             let mut x = vec![1f32; 8];
-            dc.all_reduce_in_place(&mut x[..], ReduceOp::Sum).unwrap();
+            dc.all_reduce(InPlace, &mut x[..], ReduceOp::Sum).unwrap();
             assert_eq!(x, [n as f32; 8]);
         });
     }
@@ -807,7 +808,7 @@ fn host_collectives_go_on_while_a_device_pair_connects() {
                     // Let the connect start before the host call.
                     std::thread::sleep(std::time::Duration::from_millis(300));
                 }
-                comm.all_reduce_in_place(loss, ReduceOp::Sum).unwrap();
+                comm.all_reduce(InPlace, loss, ReduceOp::Sum).unwrap();
             };
             match (r, posted) {
                 (0, true) => {
@@ -859,7 +860,7 @@ fn a_failed_host_collective_ends_a_device_connect_in_progress() {
         std::thread::sleep(std::time::Duration::from_millis(300));
         let mut loss = vec![1f32; 3 + r];
         let e = comm
-            .all_reduce_in_place(&mut loss, ReduceOp::Sum)
+            .all_reduce(InPlace, &mut loss, ReduceOp::Sum)
             .unwrap_err()
             .to_string();
         assert!(

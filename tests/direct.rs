@@ -7,7 +7,8 @@
 use std::time::{Duration, Instant};
 
 use ringzero::{
-    chunk, Collective, Communicator, DType, DeviceAlgo, DeviceComm, Error, HostStream, ReduceOp,
+    chunk, Collective, Communicator, DType, DeviceAlgo, DeviceComm, Error, HostStream, InPlace,
+    ReduceOp,
 };
 
 use crate::common::{all_collectives, check_with, threads, Case, Opts};
@@ -122,7 +123,7 @@ fn a_direct_all_to_all_pulls_its_blocks_and_writes_no_other_rank() {
             let mut recv = vec![0.0f32; n * b];
             if in_place {
                 recv.copy_from_slice(&send);
-                dc.all_to_all_in_place(&mut recv[..]).unwrap();
+                dc.all_to_all(InPlace, &mut recv[..]).unwrap();
             } else {
                 dc.all_to_all(&send[..], &mut recv[..]).unwrap();
             }
@@ -225,9 +226,9 @@ fn mismatched_direct_calls_fail_at_once_naming_both() {
         let mut buf = vec![1.0f32; 64];
         let t = Instant::now();
         let r = if rank == 0 {
-            dc.all_reduce_in_place(&mut buf[..], ReduceOp::Sum)
+            dc.all_reduce(InPlace, &mut buf[..], ReduceOp::Sum)
         } else {
-            dc.broadcast_in_place(&mut buf[..], 0)
+            dc.broadcast(InPlace, &mut buf[..], 0)
         };
         let e = r.unwrap_err().to_string();
         assert!(t.elapsed() < Duration::from_secs(10), "{e}");
@@ -249,7 +250,7 @@ fn a_missing_or_departed_rank_is_named_by_the_board() {
         let mut buf = vec![1.0f32; 300];
         if rank != 2 {
             let e = dc
-                .all_reduce_in_place(&mut buf[..], ReduceOp::Sum)
+                .all_reduce(InPlace, &mut buf[..], ReduceOp::Sum)
                 .unwrap_err();
             match &e {
                 Error::Timeout { peer, waiting, .. } => {
@@ -277,14 +278,14 @@ fn a_missing_or_departed_rank_is_named_by_the_board() {
         let dc = device_comm(&comm);
         let mut buf = vec![1.0f32; 300];
         // In step: one call together first.
-        dc.all_reduce_in_place(&mut buf[..], ReduceOp::Sum).unwrap();
+        dc.all_reduce(InPlace, &mut buf[..], ReduceOp::Sum).unwrap();
         if rank == 1 {
             std::thread::sleep(Duration::from_millis(300));
             drop(dc);
         } else {
             let t = Instant::now();
             let e = dc
-                .all_reduce_in_place(&mut buf[..], ReduceOp::Sum)
+                .all_reduce(InPlace, &mut buf[..], ReduceOp::Sum)
                 .unwrap_err();
             assert!(t.elapsed() < Duration::from_secs(10), "{e}");
             match &e {

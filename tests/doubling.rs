@@ -8,7 +8,7 @@
 
 use std::time::{Duration, Instant};
 
-use ringzero::{Algo, Collective, DType, ReduceOp, TransportPref};
+use ringzero::{Algo, Collective, DType, InPlace, ReduceOp, TransportPref};
 
 use crate::common::{check_case, threads, Case, Opts};
 
@@ -90,7 +90,7 @@ fn ranks_end_bit_identical_in_the_schedules_tree_order() {
         let got = threads(n, &o, |r, comm| {
             let comm = comm.unwrap();
             let mut buf = rounding(r, count);
-            comm.all_reduce_in_place(&mut buf, ReduceOp::Sum).unwrap();
+            comm.all_reduce(InPlace, &mut buf, ReduceOp::Sum).unwrap();
             buf
         });
         // The tree, written out: pairs in rank order, then pairs of pairs; on 5 ranks ranks 0
@@ -131,7 +131,7 @@ fn it_moves_the_whole_buffer_once_per_round_and_auto_switches_at_the_threshold()
         // Up to the threshold: 2 rounds on 4 ranks, the whole buffer out and in each.
         let mut small = vec![1f32; max / 4];
         let before = comm.counters();
-        comm.all_reduce_in_place(&mut small, ReduceOp::Sum).unwrap();
+        comm.all_reduce(InPlace, &mut small, ReduceOp::Sum).unwrap();
         let mid = comm.counters();
         assert_eq!(mid.bytes_sent - before.bytes_sent, 2 * max as u64);
         assert_eq!(mid.bytes_received - before.bytes_received, 2 * max as u64);
@@ -181,7 +181,7 @@ fn halving_doubling_moves_the_rings_bytes_and_auto_takes_it_between_the_threshol
             };
             // Connect the pairs' links first, so the counts below are the calls' own.
             let mut warm = vec![1f32; 2 * dmax / 4];
-            comm.all_reduce_in_place(&mut warm, ReduceOp::Sum).unwrap();
+            comm.all_reduce(InPlace, &mut warm, ReduceOp::Sum).unwrap();
             // Above doubling_max, up to halving_max: halving-doubling. On 4 ranks every rank
             // sends and receives 2 · 3/4 of the buffer (2 rounds of halves, 2 of quarters back
             // up: the ring's bytes); on 5, ranks 0 and 1 fold first: rank 0 sends the buffer
@@ -189,7 +189,7 @@ fn halving_doubling_moves_the_rings_bytes_and_auto_takes_it_between_the_threshol
             let bytes = hmax as u64;
             let mut buf = vec![r as f32; hmax / 4];
             let before = comm.counters();
-            comm.all_reduce_in_place(&mut buf, ReduceOp::Sum).unwrap();
+            comm.all_reduce(InPlace, &mut buf, ReduceOp::Sum).unwrap();
             let after = comm.counters();
             let want = (0..n).sum::<usize>() as f32;
             assert_eq!(buf, vec![want; hmax / 4]);
@@ -204,7 +204,7 @@ fn halving_doubling_moves_the_rings_bytes_and_auto_takes_it_between_the_threshol
             assert_eq!((sent, got), (want_sent, want_got), "n = {n} rank {r}");
             // Above halving_max: the ring.
             let mut big = vec![1f32; hmax / 4 + 4];
-            comm.all_reduce_in_place(&mut big, ReduceOp::Sum).unwrap();
+            comm.all_reduce(InPlace, &mut big, ReduceOp::Sum).unwrap();
             assert_eq!(big, vec![n as f32; hmax / 4 + 4]);
             assert_eq!(
                 calls(2),
@@ -238,13 +238,15 @@ fn ranks_that_choose_different_algorithms_fail_at_once_naming_both() {
             let comm = comm.unwrap();
             if connected {
                 let mut warm = [1f32; 4];
-                comm.all_reduce_in_place_with(&mut warm, ReduceOp::Sum, Algo::Doubling)
+                comm.with_algo(Algo::Doubling)
+                    .all_reduce(InPlace, &mut warm, ReduceOp::Sum)
                     .unwrap();
             }
             let algo = if r == 2 { other } else { Algo::Doubling };
             let mut b = [1f32; 16];
             let e = comm
-                .all_reduce_in_place_with(&mut b, ReduceOp::Sum, algo)
+                .with_algo(algo)
+                .all_reduce(InPlace, &mut b, ReduceOp::Sum)
                 .unwrap_err();
             e.to_string()
         });
@@ -370,11 +372,11 @@ fn the_tree_sends_log_n_copies_from_the_root_and_auto_keeps_broadcast_on_the_cha
             let comm = comm.unwrap();
             // Connect the tree's links first, so the counts below are the calls' own.
             let mut warm = vec![0u8; 8];
-            comm.broadcast_in_place(&mut warm, 0).unwrap();
+            comm.broadcast(InPlace, &mut warm, 0).unwrap();
             comm.barrier().unwrap();
             let before = comm.counters();
             let mut buf = vec![r as u8; size];
-            comm.broadcast_in_place(&mut buf, 0).unwrap();
+            comm.broadcast(InPlace, &mut buf, 0).unwrap();
             let after = comm.counters();
             assert_eq!(buf, vec![0u8; size]);
             let sent = after.bytes_sent - before.bytes_sent;
@@ -458,10 +460,10 @@ fn a_barrier_by_another_algorithm_fails_at_once_naming_both() {
         let errs = threads(5, &Opts::default(), |r, comm| {
             let comm = comm.unwrap();
             if connected {
-                comm.barrier_with(Algo::Doubling).unwrap();
+                comm.with_algo(Algo::Doubling).barrier().unwrap();
             }
             let algo = if r == 3 { Algo::Ring } else { Algo::Doubling };
-            comm.barrier_with(algo).unwrap_err().to_string()
+            comm.with_algo(algo).barrier().unwrap_err().to_string()
         });
         assert!(
             t.elapsed() < Duration::from_secs(10),
@@ -497,14 +499,14 @@ fn a_rank_that_leaves_mid_call_fails_the_others_at_once_naming_it() {
                 let comm = comm.unwrap();
                 // One call first, so every link is up and rank 3 leaves mid-collective.
                 let mut warm = vec![1f32; 1000];
-                comm.all_reduce_in_place(&mut warm, ReduceOp::Sum).unwrap();
+                comm.all_reduce(InPlace, &mut warm, ReduceOp::Sum).unwrap();
                 assert_eq!(warm, vec![4.0; 1000]);
                 if r == 3 {
                     drop(comm);
                     return String::new();
                 }
                 let mut b = vec![1f32; 100_000];
-                let e = comm.all_reduce_in_place(&mut b, ReduceOp::Sum).unwrap_err();
+                let e = comm.all_reduce(InPlace, &mut b, ReduceOp::Sum).unwrap_err();
                 e.to_string()
             });
             let what = format!("{algo} over {transport:?}");
@@ -534,7 +536,8 @@ fn broadcast_and_reduce_take_the_algorithm_one_call_names() {
         let last = || comm.flight_record().entries.last().unwrap().call.clone();
         let data: Vec<i32> = (0..100).map(|i| i * (r as i32 + 1)).collect();
         let mut out = vec![0i32; 100];
-        comm.broadcast_with(&data, &mut out, 2, Algo::Doubling)
+        comm.with_algo(Algo::Doubling)
+            .broadcast(&data, &mut out, 2)
             .unwrap();
         assert_eq!(out, (0..100).map(|i| i * 3).collect::<Vec<_>>());
         assert_eq!(
@@ -542,11 +545,13 @@ fn broadcast_and_reduce_take_the_algorithm_one_call_names() {
             "broadcast(i32, count=100, root=2, by binomial tree)"
         );
         let mut buf = data.clone();
-        comm.broadcast_in_place_with(&mut buf, 4, Algo::Doubling)
+        comm.with_algo(Algo::Doubling)
+            .broadcast(InPlace, &mut buf, 4)
             .unwrap();
         assert_eq!(buf, (0..100).map(|i| i * 5).collect::<Vec<_>>());
         let mut sum = vec![0i32; if r == 1 { 100 } else { 0 }];
-        comm.reduce_with(&data, &mut sum, ReduceOp::Sum, 1, Algo::Doubling)
+        comm.with_algo(Algo::Doubling)
+            .reduce(&data, &mut sum, ReduceOp::Sum, 1)
             .unwrap();
         if r == 1 {
             assert_eq!(sum, (0..100).map(|i| i * 15).collect::<Vec<_>>());
@@ -556,7 +561,8 @@ fn broadcast_and_reduce_take_the_algorithm_one_call_names() {
             "reduce(i32, sum, count=100, root=1, by binomial tree)"
         );
         let mut buf = data.clone();
-        comm.reduce_in_place_with(&mut buf, ReduceOp::Max, 0, Algo::Doubling)
+        comm.with_algo(Algo::Doubling)
+            .reduce(InPlace, &mut buf, ReduceOp::Max, 0)
             .unwrap();
         let want = if r == 0 {
             (0..100).map(|i| i * 5).collect()
@@ -570,7 +576,7 @@ fn broadcast_and_reduce_take_the_algorithm_one_call_names() {
         // A rank that picks otherwise fails at once, both calls named (ranks whose part of the
         // tree never meets it may finish: a failure reaches them at their next call).
         let algo = if r == 3 { Algo::Ring } else { Algo::Doubling };
-        let e = comm.broadcast_with(&data, &mut out, 0, algo);
+        let e = comm.with_algo(algo).broadcast(&data, &mut out, 0);
         e.err().map(|e| e.to_string()).unwrap_or_default()
     });
     assert!(

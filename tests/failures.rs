@@ -5,7 +5,7 @@ use std::io::Write;
 use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
-use ringzero::{Communicator, Error, ReduceOp, TransportPref};
+use ringzero::{Communicator, Error, InPlace, ReduceOp, TransportPref};
 use ringzero_collectives::internals::bootstrap::{Identity, Role};
 use ringzero_collectives::internals::transport::tcp;
 
@@ -66,7 +66,7 @@ fn different_counts_are_a_mismatch() {
             let comm = comm.unwrap();
             let n = if rank == 2 { 100 } else { 99 };
             let mut b = vec![1i32; n];
-            comm.all_reduce_in_place(&mut b, ReduceOp::Max)
+            comm.all_reduce(InPlace, &mut b, ReduceOp::Max)
                 .unwrap_err()
                 .to_string()
         },
@@ -122,7 +122,7 @@ fn random_bytes_on_the_store_port_do_not_disturb_the_job() {
         let rank = move |r: usize| {
             let comm = Communicator::init(config(r, 2, port, o))?;
             let mut b = vec![2u8; 10];
-            comm.all_reduce_in_place(&mut b, ReduceOp::Sum)?;
+            comm.all_reduce(InPlace, &mut b, ReduceOp::Sum)?;
             Ok::<_, Error>(b)
         };
         let r0 = s.spawn(move || rank(0));
@@ -199,12 +199,12 @@ fn a_stuck_peer_times_out_with_the_collective_seq_and_peer_named() {
             |rank, comm| {
                 let comm = comm.unwrap();
                 let mut b = vec![1f64; 1000];
-                comm.all_reduce_in_place(&mut b, ReduceOp::Sum).unwrap();
+                comm.all_reduce(InPlace, &mut b, ReduceOp::Sum).unwrap();
                 if rank == 1 {
                     std::thread::sleep(Duration::from_millis(2500));
                 }
                 let t = Instant::now();
-                let e = comm.all_reduce_in_place(&mut b, ReduceOp::Sum).unwrap_err();
+                let e = comm.all_reduce(InPlace, &mut b, ReduceOp::Sum).unwrap_err();
                 (e, t.elapsed())
             },
         );
@@ -256,13 +256,16 @@ fn bad_arguments_are_refused_and_change_nothing() {
             .reduce_scatter(&send, &mut wrong_chunk, ReduceOp::Sum)
             .unwrap_err();
         assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
-        let e = comm.broadcast_in_place(&mut short, 2).unwrap_err();
+        let e = comm.broadcast(InPlace, &mut short, 2).unwrap_err();
         assert!(e.to_string().contains("root 2 is not a rank"), "{e}");
-        let e = comm.all_gather_async(vec![1u8; 3], 10).wait().unwrap_err();
+        let e = comm
+            .all_gather_async(vec![1u8; 3], vec![0u8; 10])
+            .wait()
+            .unwrap_err();
         assert!(e.to_string().contains("all_gather"), "{e}");
         // The communicator is still healthy: the refused calls never reached the wire.
         let mut ok = vec![rank as f32; 4];
-        comm.all_reduce_in_place(&mut ok, ReduceOp::Sum).unwrap();
+        comm.all_reduce(InPlace, &mut ok, ReduceOp::Sum).unwrap();
         assert_eq!(ok, vec![1.0; 4]);
     });
 }
@@ -279,7 +282,7 @@ fn an_explicit_abort_reaches_every_rank() {
             }
             let t = Instant::now();
             let mut b = vec![1u8; 100];
-            let e = comm.all_reduce_in_place(&mut b, ReduceOp::Sum).unwrap_err();
+            let e = comm.all_reduce(InPlace, &mut b, ReduceOp::Sum).unwrap_err();
             (e.to_string(), t.elapsed())
         },
     );
@@ -380,7 +383,7 @@ fn an_abort_handle_ends_a_blocking_device_call_from_another_thread() {
                         handle.abort("watchdog: step took too long");
                     });
                 }
-                dc.all_reduce_in_place(buf.as_mut_slice(), ReduceOp::Sum)
+                dc.all_reduce(InPlace, buf.as_mut_slice(), ReduceOp::Sum)
                     .unwrap_err()
             });
             let took = t.elapsed();

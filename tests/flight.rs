@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use ringzero::{CallState, Communicator, ReduceOp, TransportPref};
+use ringzero::{CallState, Communicator, InPlace, ReduceOp, TransportPref};
 use ringzero_tools::diag::flight::{self, FindingKind, FlightReport};
 
 use crate::common::{fresh_dir, threads, Opts};
@@ -21,7 +21,7 @@ fn opts(dir: &std::path::Path, timeout: Duration) -> Opts {
 
 fn all_reduce(comm: &Communicator) -> ringzero::Result<()> {
     let mut buf = vec![1f32; 1000];
-    comm.all_reduce_in_place(&mut buf, ReduceOp::Sum)
+    comm.all_reduce(InPlace, &mut buf, ReduceOp::Sum)
 }
 
 fn joined(dir: &std::path::Path) -> FlightReport {
@@ -214,7 +214,7 @@ fn a_device_point_to_point_message_never_sent_is_named_too() {
         } else {
             dc.send(&[1f32; 10][..], 0).unwrap();
             let mut b = vec![1f32; 100];
-            dc.all_reduce_in_place(&mut b[..], ReduceOp::Sum)
+            dc.all_reduce(InPlace, &mut b[..], ReduceOp::Sum)
                 .unwrap_err();
         }
     });

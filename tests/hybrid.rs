@@ -6,7 +6,7 @@
 
 use half::bf16;
 use ringzero::kernels::cpu::Float;
-use ringzero::Communicator;
+use ringzero::{Communicator, InPlace};
 use ringzero_zero::{hybrid_groups, Engine, Precision, StepOutcome, ZeroError};
 
 use crate::common::{fresh_dir, threads, Opts};
@@ -143,7 +143,7 @@ fn replicas_holding_different_shards_are_refused_on_every_rank() {
 fn still_works(world: &Communicator) {
     let mut x = [1.0f32];
     world
-        .all_reduce_in_place(&mut x, ringzero::ReduceOp::Sum)
+        .all_reduce(InPlace, &mut x, ringzero::ReduceOp::Sum)
         .unwrap();
     assert_eq!(x, [4.0]);
 }

@@ -3,7 +3,7 @@
 //! once without taking a sequence number.
 
 use proptest::prelude::*;
-use ringzero::{DType, P2pOwned, ReduceOp};
+use ringzero::{DType, InPlace, P2pOwned, ReduceOp};
 
 use crate::common::{check_with, host_collectives, threads, Case, Opts, Queued};
 
@@ -44,20 +44,20 @@ fn many_calls_queued_at_once_complete_in_program_order() {
         let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
         // Nothing is waited on until every call is queued.
         let reduce = comm.reduce_async(vec![ri + 1; 5], ReduceOp::Sum, 1);
-        let shift = comm.ring_shift_async(vec![ri; 3]);
+        let shift = comm.ring_shift_async(vec![ri; 3], vec![-1; 3]);
         let barrier = comm.barrier_async();
-        let a2a = comm.all_to_all_async((0..8).map(|i| ri * 100 + i).collect::<Vec<i64>>());
+        let a2a = comm.all_to_all_async((0..8).map(|i| ri * 100 + i).collect(), vec![-1i64; 8]);
         // Rank r sends rank j (r + j) % 3 elements, each r·10 + j.
         let sc: Vec<usize> = (0..n).map(|j| (r + j) % 3).collect();
         let rc: Vec<usize> = (0..n).map(|q| (q + r) % 3).collect();
         let send: Vec<i64> = (0..n)
             .flat_map(|j| std::iter::repeat_n(ri * 10 + j as i64, sc[j]))
             .collect();
-        let a2av = comm.all_to_all_v_async(send, &sc, &rc);
-        let agv = comm.all_gather_v_async(vec![ri; r], &[0, 1, 2, 3]);
-        let gather = comm.gather_async(vec![ri; 2], 2);
+        let a2av = comm.all_to_all_v_async(send, &sc, vec![-1; rc.iter().sum()], &rc);
+        let agv = comm.all_gather_v_async(vec![ri; r], vec![-1; 6], &[0, 1, 2, 3]);
+        let gather = comm.gather_async(vec![ri; 2], vec![-1; if r == 2 { 8 } else { 0 }], 2);
         let scattered: Vec<i64> = if r == 3 { (0..8).collect() } else { Vec::new() };
-        let scatter = comm.scatter_async(scattered, 2, 3);
+        let scatter = comm.scatter_async(scattered, vec![-1; 2], 3);
         // Point-to-point between 0↔1 and 2↔3, then once around the ring in one batch.
         let pair = comm.send_recv_async(vec![ri; 4], vec![-1; 4], r ^ 1);
         let round = comm.send_recv_batch_async(vec![
@@ -66,30 +66,30 @@ fn many_calls_queued_at_once_complete_in_program_order() {
         ]);
         // A blocking call waits for every queued one first.
         let mut x = vec![1u8; 3];
-        comm.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
+        comm.all_reduce(InPlace, &mut x, ReduceOp::Sum).unwrap();
         assert_eq!(x, [4; 3]);
         assert!(reduce.is_done() && round.is_done(), "rank {r}");
 
         let want = if r == 1 { 10 } else { ri + 1 };
         assert_eq!(reduce.wait().unwrap(), vec![want; 5], "rank {r}");
-        assert_eq!(shift.wait().unwrap(), vec![prev as i64; 3], "rank {r}");
+        assert_eq!(shift.wait().unwrap().1, vec![prev as i64; 3], "rank {r}");
         barrier.wait().unwrap();
         let want: Vec<i64> = (0..n as i64)
             .flat_map(|q| [q * 100 + 2 * ri, q * 100 + 2 * ri + 1])
             .collect();
-        assert_eq!(a2a.wait().unwrap(), want, "rank {r}");
+        assert_eq!(a2a.wait().unwrap().1, want, "rank {r}");
         let want: Vec<i64> = (0..n)
             .flat_map(|q| std::iter::repeat_n(q as i64 * 10 + ri, rc[q]))
             .collect();
-        assert_eq!(a2av.wait().unwrap(), want, "rank {r}");
-        assert_eq!(agv.wait().unwrap(), [1, 2, 2, 3, 3, 3], "rank {r}");
+        assert_eq!(a2av.wait().unwrap().1, want, "rank {r}");
+        assert_eq!(agv.wait().unwrap().1, [1, 2, 2, 3, 3, 3], "rank {r}");
         let want: Vec<i64> = if r == 2 {
             vec![0, 0, 1, 1, 2, 2, 3, 3]
         } else {
             Vec::new()
         };
-        assert_eq!(gather.wait().unwrap(), want, "rank {r}");
-        assert_eq!(scatter.wait().unwrap(), [2 * ri, 2 * ri + 1], "rank {r}");
+        assert_eq!(gather.wait().unwrap().1, want, "rank {r}");
+        assert_eq!(scatter.wait().unwrap().1, [2 * ri, 2 * ri + 1], "rank {r}");
         let (sent, got) = pair.wait().unwrap();
         assert_eq!((sent, got), (vec![ri; 4], vec![(r ^ 1) as i64; 4]));
         let round = round.wait().unwrap();
@@ -124,48 +124,56 @@ fn bad_async_arguments_fail_at_once_and_take_no_sequence_number() {
     let o = Opts::default();
     threads(3, &o, |r, comm| {
         let comm = comm.unwrap();
-        let refused = |w: ringzero::Work<Vec<i32>>, what: &str| {
+        fn refused_at<R: std::fmt::Debug>(r: usize, w: ringzero::Work<R>, what: &str) {
             assert!(w.is_done(), "rank {r}: {what}: not refused at once");
             let e = w.wait().unwrap_err().to_string();
             assert!(e.contains(what), "rank {r}: {e}");
-        };
+        }
+        let refused = |w, what: &str| refused_at::<Vec<i32>>(r, w, what);
+        let refused2 = |w, what: &str| refused_at::<(Vec<i32>, Vec<i32>)>(r, w, what);
         refused(
             comm.reduce_async(vec![1], ReduceOp::Sum, 3),
             "root 3 is not a rank",
         );
-        refused(
-            comm.all_to_all_async(vec![1; 4]),
+        refused2(
+            comm.all_to_all_async(vec![1; 4], vec![0; 4]),
             "not a multiple of the world size 3",
         );
-        refused(
-            comm.all_to_all_v_async(vec![1; 3], &[1, 1, 1], &[1, 1]),
+        refused2(
+            comm.all_to_all_v_async(vec![1; 3], &[1, 1, 1], vec![0; 2], &[1, 1]),
             "recv_counts has 2 entries",
         );
-        refused(
-            comm.all_to_all_v_async(vec![1; 3], &[1, 1, 1], &[usize::MAX, 1, 1]),
+        refused2(
+            comm.all_to_all_v_async(vec![1; 3], &[1, 1, 1], vec![0; 3], &[usize::MAX, 1, 1]),
             "add up to more than usize::MAX",
         );
         let mut own = [0usize; 3];
         own[r] = 2;
         let mut other = [0usize; 3];
         other[r] = 1;
-        refused(
-            comm.all_to_all_v_async(vec![1; 2], &own, &other),
+        refused2(
+            comm.all_to_all_v_async(vec![1; 2], &own, vec![0; 1], &other),
             "this rank's own block is copied locally",
         );
-        refused(
-            comm.all_gather_v_async(vec![1; 2], &[1, 1, 1]),
+        refused2(
+            comm.all_gather_v_async(vec![1; 2], vec![0; 3], &[1, 1, 1]),
             &format!("send has 2 elements but counts[{r}]"),
         );
         let mut huge = [usize::MAX / 8; 3];
         huge[r] = 1;
-        refused(
-            comm.all_gather_v_async(vec![1], &huge),
-            "more than can be allocated",
+        refused2(
+            comm.all_gather_v_async(vec![1], vec![0; 3], &huge),
+            "but recv has 3",
         );
-        refused(comm.gather_async(vec![1], 5), "root 5 is not a rank");
+        refused2(
+            comm.gather_async(vec![1], vec![0; 3], 5),
+            "root 5 is not a rank",
+        );
         if r == 0 {
-            refused(comm.scatter_async(vec![1; 5], 2, 0), "send has 5 elements");
+            refused2(
+                comm.scatter_async(vec![1; 5], vec![0; 2], 0),
+                "send has 5 elements",
+            );
         }
         refused(comm.send_async(vec![1], r), "is this rank");
         refused(
@@ -181,7 +189,7 @@ fn bad_async_arguments_fail_at_once_and_take_no_sequence_number() {
         assert!(e.contains("message 1 of the batch"), "{e}");
         // Nothing was numbered or broken: the next collective follows the start-up all-gather.
         let mut x = [r as i32];
-        comm.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
+        comm.all_reduce(InPlace, &mut x, ReduceOp::Sum).unwrap();
         assert_eq!(x, [3]);
         let seqs: Vec<u64> = comm.flight_record().entries.iter().map(|e| e.seq).collect();
         assert_eq!(seqs, [0, 1], "rank {r}");
@@ -399,7 +407,7 @@ fn posted_calls_in_any_interleaving_arrive_exact_and_in_order() {
                 }
             }
             let mut x = [1i32];
-            comm.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
+            comm.all_reduce(InPlace, &mut x, ReduceOp::Sum).unwrap();
             assert_eq!(x, [n as i32]);
         });
     }

@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use half::bf16;
-use ringzero::{Communicator, Error, P2p, ReduceOp, TransportPref};
+use ringzero::{Communicator, Error, InPlace, P2p, ReduceOp, TransportPref};
 
 use crate::common::{threads, Opts};
 
@@ -152,14 +152,14 @@ fn exchanges_of_any_size_never_wait_on_themselves_and_mix_with_collectives() {
         let mut sum = vec![r as f64 + 1.0; 1000];
         if r == 0 {
             comm.send(&[7u8; 100], 3).unwrap();
-            comm.all_reduce_in_place(&mut sum, ReduceOp::Sum).unwrap();
+            comm.all_reduce(InPlace, &mut sum, ReduceOp::Sum).unwrap();
         } else if r == 3 {
-            comm.all_reduce_in_place(&mut sum, ReduceOp::Sum).unwrap();
+            comm.all_reduce(InPlace, &mut sum, ReduceOp::Sum).unwrap();
             let mut b = [0u8; 100];
             comm.recv(&mut b, 0).unwrap();
             assert_eq!(b, [7u8; 100]);
         } else {
-            comm.all_reduce_in_place(&mut sum, ReduceOp::Sum).unwrap();
+            comm.all_reduce(InPlace, &mut sum, ReduceOp::Sum).unwrap();
         }
         assert!(sum.iter().all(|&v| v == 10.0));
         comm.barrier().unwrap();
@@ -476,7 +476,7 @@ fn first_calls_that_form_a_cycle_meet() {
             comm.recv(&mut got, next).unwrap();
             assert_eq!(got, message(next, r, 0, 100), "{transport:?} rank {r}");
             let mut x = [1i32];
-            comm.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
+            comm.all_reduce(InPlace, &mut x, ReduceOp::Sum).unwrap();
             assert_eq!(x, [4]);
         });
         assert!(

@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use ringzero::{Algo, Error, P2p, ReduceOp, TransportPref};
+use ringzero::{Algo, Error, InPlace, P2p, ReduceOp, TransportPref};
 
 use crate::common::{threads, Opts};
 
@@ -62,7 +62,7 @@ fn uneven_all_to_all_v_mixes_with_ring_collectives_and_messages_over_shm_and_tcp
                 assert_eq!(recv, want, "{transport:?} rank {r} call {k}");
                 // A ring collective between pairwise ones keeps the sequence numbers in step.
                 let mut x = [1f64; 3];
-                comm.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
+                comm.all_reduce(InPlace, &mut x, ReduceOp::Sum).unwrap();
                 assert_eq!(x, [n as f64; 3]);
             }
             let mut got = [0f32; 5];
@@ -182,9 +182,9 @@ fn bad_arguments_are_refused_and_change_nothing() {
             ),
         );
         refused(
-            comm.all_gather_v_in_place(&mut recv, &[1, 2, 2])
+            comm.all_gather_v(InPlace, &mut recv, &[1, 2, 2])
                 .unwrap_err(),
-            "counts add up to 5 elements but buf has 6",
+            "counts add up to 5 elements but recv has 6",
         );
         refused(
             comm.gather(&send[..2], &mut recv, 3).unwrap_err(),
@@ -303,7 +303,8 @@ fn a_ring_collective_against_a_pairwise_one_fails_at_once_naming_both() {
                 let e = match r {
                     2 => {
                         let mut b = [1f32; 6];
-                        comm.all_reduce_in_place_with(&mut b, ReduceOp::Sum, Algo::Ring)
+                        comm.with_algo(Algo::Ring)
+                            .all_reduce(InPlace, &mut b, ReduceOp::Sum)
                             .unwrap_err()
                     }
                     1 if connected => {
@@ -386,7 +387,7 @@ fn across_nodes_all_gather_v_goes_pairwise_up_to_the_threshold_and_round_the_rin
                     let mut all = vec![-1f32; total];
                     if in_place {
                         all[at..at + counts[r]].copy_from_slice(&want[at..at + counts[r]]);
-                        comm.all_gather_v_in_place(&mut all, &counts).unwrap();
+                        comm.all_gather_v(InPlace, &mut all, &counts).unwrap();
                     } else {
                         let mine: Vec<f32> = part(r, counts[r]).collect();
                         comm.all_gather_v(&mine, &mut all, &counts).unwrap();

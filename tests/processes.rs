@@ -4,7 +4,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use ringzero::{Collective, Communicator, DType, ReduceOp};
+use ringzero::{Collective, Communicator, DType, InPlace, ReduceOp};
 use ringzero_tools::diag::flight::{self, FindingKind};
 use ringzero_tools::launch::{launch, DumpDir, LaunchSpec, Outcome, Output};
 
@@ -93,8 +93,8 @@ fn kill_scenario(device: bool) -> i32 {
     let mut buf = vec![1f32; 1 << 20];
     for i in 0..100_000 {
         let r = match dc.as_mut() {
-            Some(dc) => dc.all_reduce_in_place(&mut buf[..], ReduceOp::Sum),
-            None => comm.all_reduce_in_place(&mut buf, ReduceOp::Sum),
+            Some(dc) => dc.all_reduce(InPlace, &mut buf[..], ReduceOp::Sum),
+            None => comm.all_reduce(InPlace, &mut buf, ReduceOp::Sum),
         };
         if let Err(e) = r {
             println!("rank {} failed in iteration {i}: {e}", comm.rank());

@@ -7,7 +7,7 @@
 
 use std::time::{Duration, Instant};
 
-use ringzero::{DeviceComm, Error, HostStream, ReduceOp, TransportPref};
+use ringzero::{DeviceComm, Error, HostStream, InPlace, ReduceOp, TransportPref};
 
 use crate::common::{threads, Opts};
 
@@ -53,7 +53,7 @@ fn uneven_parts_land_on_their_owners_and_the_ring_moves_all_but_its_own() {
             );
             // In place: this rank's part is overwritten, the rest of the buffer stays.
             let mut buf = input(r);
-            comm.reduce_scatter_v_in_place(&mut buf, &COUNTS, ReduceOp::Sum)
+            comm.reduce_scatter_v(InPlace, &mut buf, &COUNTS, ReduceOp::Sum)
                 .unwrap();
             let mine = input(r);
             for (i, x) in buf.iter().enumerate() {
@@ -65,8 +65,9 @@ fn uneven_parts_land_on_their_owners_and_the_ring_moves_all_but_its_own() {
                 assert_eq!(*x, want, "{transport:?} rank {r} in place, element {i}");
             }
             // The asynchronous form: the same result, in order with blocking calls.
-            let w = comm.reduce_scatter_v_async(input(r), &COUNTS, ReduceOp::Sum);
-            assert_eq!(w.wait().unwrap(), want, "{transport:?} rank {r} async");
+            let w =
+                comm.reduce_scatter_v_async(input(r), vec![0.0; COUNTS[r]], &COUNTS, ReduceOp::Sum);
+            assert_eq!(w.wait().unwrap().1, want, "{transport:?} rank {r} async");
         });
     }
 }
@@ -140,12 +141,12 @@ fn bad_counts_are_refused_and_change_nothing_on_both_communicators() {
         );
         let mut buf = [7i64; 5];
         refused(
-            comm.reduce_scatter_v_in_place(&mut buf, &[2, 2, 2], ReduceOp::Max)
+            comm.reduce_scatter_v(InPlace, &mut buf, &[2, 2, 2], ReduceOp::Max)
                 .unwrap_err(),
-            "counts add up to 6 elements but buf has 5",
+            "counts add up to 6 elements but recv has 5",
         );
         refused(
-            comm.reduce_scatter_v_async(send.to_vec(), &[6], ReduceOp::Sum)
+            comm.reduce_scatter_v_async(send.to_vec(), Vec::new(), &[6], ReduceOp::Sum)
                 .wait()
                 .unwrap_err(),
             "counts has 1 entries",
@@ -166,9 +167,9 @@ fn bad_counts_are_refused_and_change_nothing_on_both_communicators() {
             &format!("recv has 1 elements but counts[{r}] (this rank's part) is 2"),
         );
         refused(
-            dc.reduce_scatter_v_in_place(&mut buf[..], &[1, 1, 1], ReduceOp::Sum)
+            dc.reduce_scatter_v(InPlace, &mut buf[..], &[1, 1, 1], ReduceOp::Sum)
                 .unwrap_err(),
-            "counts add up to 3 elements but buf has 5",
+            "counts add up to 3 elements but recv has 5",
         );
         assert_eq!(dout, [-1, -1], "rank {r}: a refused device call wrote");
         assert_eq!(buf, [7; 5], "rank {r}: a refused device call wrote");

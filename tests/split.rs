@@ -1,14 +1,14 @@
 //! Sub-communicators (`Communicator::split`), ranks as threads: groups by color ordered by key,
 //! ranks that join none, nesting, and parent and children used side by side.
 
-use ringzero::{Communicator, ReduceOp, TransportPref};
+use ringzero::{Communicator, InPlace, ReduceOp, TransportPref};
 
 use crate::common::{threads, Opts};
 
 /// Sum over a group of `value(parent rank)`, all-reduced in `comm`.
 fn sum(comm: &Communicator, mine: f64) -> f64 {
     let mut b = vec![mine; 5];
-    comm.all_reduce_in_place(&mut b, ReduceOp::Sum).unwrap();
+    comm.all_reduce(InPlace, &mut b, ReduceOp::Sum).unwrap();
     assert!(b.iter().all(|x| *x == b[0]));
     b[0]
 }
@@ -77,7 +77,7 @@ fn splits_nest_and_outlive_their_parent() {
         let alone = half.split(Some(half.rank() as u32), 0).unwrap().unwrap();
         assert_eq!((alone.rank(), alone.size()), (0, 1));
         let mut one = vec![rank as f32; 3];
-        alone.all_reduce_in_place(&mut one, ReduceOp::Sum).unwrap();
+        alone.all_reduce(InPlace, &mut one, ReduceOp::Sum).unwrap();
         assert_eq!(one, vec![rank as f32; 3]);
         // The whole world again, through the first split: the parent may go first.
         let again = comm.split(Some(0), rank as u32).unwrap().unwrap();

@@ -2,7 +2,7 @@
 //! reference.
 
 use proptest::prelude::*;
-use ringzero::{Algo, Collective, DType, ReduceOp, TransportKind, TransportPref};
+use ringzero::{Algo, Collective, DType, InPlace, ReduceOp, TransportKind, TransportPref};
 
 use crate::common::{check_case, host_collectives, threads, Case, Opts};
 
@@ -163,7 +163,8 @@ fn bytes_per_link_match_the_ring_theory() {
             let buf = vec![1f32; s];
             let mut out = vec![0f32; s];
             let before = comm.counters();
-            comm.all_reduce_with(&buf, &mut out, ReduceOp::Sum, Algo::Ring)
+            comm.with_algo(Algo::Ring)
+                .all_reduce(&buf, &mut out, ReduceOp::Sum)
                 .unwrap();
             let mid = comm.counters();
             let mut chunk = vec![0f32; s / n];
@@ -186,7 +187,8 @@ fn bytes_per_link_match_the_ring_theory() {
                 (n as u64 - 1) * bytes / n as u64
             );
             // Recursive doubling: log2 n exchanges of the whole buffer, each way.
-            comm.all_reduce_with(&buf, &mut out, ReduceOp::Sum, Algo::Doubling)
+            comm.with_algo(Algo::Doubling)
+                .all_reduce(&buf, &mut out, ReduceOp::Sum)
                 .unwrap();
             let end = comm.counters();
             assert_eq!(end.bytes_sent - after.bytes_sent, 2 * bytes, "doubling");
@@ -210,16 +212,20 @@ fn async_collectives_keep_program_order_with_blocking_ones() {
     threads(3, &o, |rank, comm| {
         let comm = comm.unwrap();
         let a = comm.all_reduce_async(vec![rank as i64 + 1; 1000], ReduceOp::Sum);
-        let b = comm.reduce_scatter_async(vec![2i32; 10], ReduceOp::Prod);
-        let c = comm.all_gather_async(vec![rank as u8; comm.chunk_range(7).len()], 7);
+        let b = comm.reduce_scatter_async(
+            vec![2i32; 10],
+            vec![0; comm.chunk_range(10).len()],
+            ReduceOp::Prod,
+        );
+        let c = comm.all_gather_async(vec![rank as u8; comm.chunk_range(7).len()], vec![9; 7]);
         let d = comm.broadcast_async(vec![rank as f64; 5], 2);
         // A blocking call after asynchronous ones runs after them on every rank.
         let mut x = vec![1f32; 3];
-        comm.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
+        comm.all_reduce(InPlace, &mut x, ReduceOp::Sum).unwrap();
         assert_eq!(x, vec![3.0; 3]);
         assert_eq!(a.wait().unwrap(), vec![6; 1000]);
-        assert_eq!(b.wait().unwrap(), vec![8; comm.chunk_range(10).len()]);
-        assert_eq!(c.wait().unwrap(), vec![0, 0, 0, 1, 1, 2, 2]);
+        assert_eq!(b.wait().unwrap().1, vec![8; comm.chunk_range(10).len()]);
+        assert_eq!(c.wait().unwrap().1, vec![0, 0, 0, 1, 1, 2, 2]);
         assert!(d.is_done());
         assert_eq!(d.wait().unwrap(), vec![2.0; 5]);
     });

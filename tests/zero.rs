@@ -5,7 +5,7 @@
 
 use half::{bf16, f16};
 use ringzero::kernels::cpu::{adamw_mixed, cast, sq_norm, AdamW, Float};
-use ringzero::{Algo, Communicator, ReduceOp, TransportPref};
+use ringzero::{Algo, Communicator, InPlace, ReduceOp, TransportPref};
 use ringzero_zero::mem::{comm_elements_per_step, model_states, K_ADAM};
 use ringzero_zero::{
     Engine, LossScaling, ParamSpec, Partition, Precision, StepOutcome, ZeroConfig, ZeroError,
@@ -125,10 +125,12 @@ pub(crate) fn baseline_on<T: Float>(
         }
         // The ring's all-reduce: the order of the engine's reduce-scatter.
         for b in &mut g {
-            comm.all_reduce_in_place_with(b, ReduceOp::Avg, Algo::Ring)
+            comm.with_algo(Algo::Ring)
+                .all_reduce(InPlace, b, ReduceOp::Avg)
                 .unwrap();
             if let Some(rep) = replicas {
-                rep.all_reduce_in_place_with(b, ReduceOp::Avg, Algo::Ring)
+                rep.with_algo(Algo::Ring)
+                    .all_reduce(InPlace, b, ReduceOp::Avg)
                     .unwrap();
             }
         }
@@ -137,7 +139,8 @@ pub(crate) fn baseline_on<T: Float>(
         for (b, gb) in g.iter().enumerate() {
             sq[0] += sq_norm(&gb[part.owned(b, comm.rank())], inv);
         }
-        comm.all_reduce_in_place_with(&mut sq, ReduceOp::Sum, Algo::Ring)
+        comm.with_algo(Algo::Ring)
+            .all_reduce(InPlace, &mut sq, ReduceOp::Sum)
             .unwrap();
         let clip = c.clip_norm.map_or(1.0, |c| {
             ((c as f64) / (sq[0].sqrt() + 1e-6)).min(1.0) as f32
@@ -385,12 +388,12 @@ fn counters<T: Float>(p: Precision) {
             };
             let norm_bytes = small(&mut || {
                 e.comm()
-                    .all_reduce_in_place(&mut [0f64], ReduceOp::Sum)
+                    .all_reduce(InPlace, &mut [0f64], ReduceOp::Sum)
                     .unwrap()
             });
             let flag_bytes = small(&mut || {
                 e.comm()
-                    .all_reduce_in_place(&mut [0u8], ReduceOp::Max)
+                    .all_reduce(InPlace, &mut [0u8], ReduceOp::Max)
                     .unwrap()
             });
             assert!(

@@ -26,11 +26,13 @@ pub(crate) mod pairs;
 pub(crate) mod pairwise;
 mod peers;
 mod posted;
+mod with_algo;
 use inner::same_len;
 pub(crate) use inner::{offsets, own_part, refused};
 use pairs::Pair;
 pub use pairs::{P2p, P2pOwned};
 pub(crate) use peers::{HostPeers, HostPoster};
+pub use with_algo::WithAlgo;
 
 /// A group of ranks that run collectives together.
 ///
@@ -39,23 +41,26 @@ pub(crate) use peers::{HostPeers, HostPoster};
 /// collectives in the same order with matching arguments; a rank that does not gets an
 /// [`Error::Mismatch`] naming both calls instead of a hang.
 ///
-/// Collectives come in three forms: out of place (`all_reduce(&send, &mut recv, op)`), in place
-/// (`all_reduce_in_place(&mut buf, op)`), and asynchronous on owned buffers
-/// (`all_reduce_async(vec, op)` returns a [`Work`](crate::Work) to wait on; blocking calls made later wait for
-/// earlier asynchronous ones, so the order across ranks stays the program order).
+/// Collectives come in two forms: blocking on borrowed buffers, out of place
+/// (`all_reduce(&send, &mut recv, op)`) or in place (`all_reduce(InPlace, &mut buf, op)`, as
+/// `MPI_IN_PLACE`), and asynchronous on owned buffers (`all_reduce_async(vec, op)`,
+/// `reduce_scatter_async(send, recv, op)`) returning a [`Work`](crate::Work) that gives the
+/// buffers back; blocking calls made later wait for earlier asynchronous ones, so the order
+/// across ranks stays the program order. [`DeviceComm`](crate::DeviceComm) has the same calls
+/// on device buffers. [`Communicator::with_algo`] picks the algorithm for one call.
 ///
 /// Any error aborts the communicator: both neighbours are told, every surviving rank fails within
 /// the deadline, and every later call returns an [`Error::Aborted`] naming the first cause.
 ///
 /// ```
-/// use ringzero_collectives::{Communicator, ReduceOp};
+/// use ringzero_collectives::{Communicator, InPlace, ReduceOp};
 /// # fn main() -> Result<(), ringzero_collectives::Error> {
 /// # std::env::set_var("RINGZERO_RANK", "0");
 /// # std::env::set_var("RINGZERO_WORLD_SIZE", "1");
 /// // Under `ringzero launch -n 4 -- ./trainer`, torchrun, srun or mpirun:
 /// let comm = Communicator::from_env()?;
 /// let mut grads = vec![1.0f32; 1000];
-/// comm.all_reduce_in_place(&mut grads, ReduceOp::Avg)?;
+/// comm.all_reduce(InPlace, &mut grads, ReduceOp::Avg)?;
 /// let mut mine = vec![0.0f32; comm.chunk_range(1000).len()];
 /// comm.reduce_scatter(&grads, &mut mine, ReduceOp::Sum)?;
 /// # Ok(()) }

@@ -46,6 +46,7 @@ mod deadline;
 pub mod device;
 pub mod error;
 pub mod flight;
+mod input;
 mod ring;
 mod split;
 mod topology;
@@ -84,12 +85,13 @@ pub mod internals {
     }
 }
 
-pub use comm::{AbortHandle, Communicator, P2p, P2pOwned};
+pub use comm::{AbortHandle, Communicator, P2p, P2pOwned, WithAlgo};
 pub use config::{Algo, Config, DeviceAlgo, StagingMode, TransportPref, COPY_STAGING_MAX_SHARERS};
 pub use counters::Counters;
 pub use device::{AdamAt, DeviceComm, DeviceMemory, DeviceP2p, HostStream, Stream, TrainStream};
 pub use error::{Error, Result};
 pub use flight::{CallState, FlightEntry, FlightRecord, PeerTraffic, PendingMsg};
+pub use input::{InPlace, Input};
 pub use ring::doubling::Schedule;
 pub use ring::{chunk, Collective};
 pub use ringzero_kernels::{DType, Element, ReduceOp};

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use ringzero::{
     chunk, Algo, Collective, Communicator, Config, DType, DeviceAlgo, DeviceComm, Element,
-    HostStream, ReduceOp, Result, StagingMode, TransportPref,
+    HostStream, InPlace, Input, ReduceOp, Result, StagingMode, TransportPref,
 };
 
 /// A port that was free a moment ago.
@@ -148,36 +148,54 @@ pub struct Case {
 pub trait Colls {
     fn rank(&self) -> usize;
     fn size(&self) -> usize;
-    fn all_reduce<T: Element>(&mut self, s: &[T], r: &mut [T], op: ReduceOp) -> Result<()>;
-    fn all_reduce_in_place<T: Element>(&mut self, b: &mut [T], op: ReduceOp) -> Result<()>;
-    fn reduce_scatter<T: Element>(&mut self, s: &[T], r: &mut [T], op: ReduceOp) -> Result<()>;
-    fn reduce_scatter_in_place<T: Element>(&mut self, b: &mut [T], op: ReduceOp) -> Result<()>;
-    fn reduce_scatter_v<T: Element>(
+    fn all_reduce<'a, T: Element>(
         &mut self,
-        s: &[T],
+        s: impl Into<Input<'a, [T]>>,
+        r: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()>;
+    fn reduce_scatter<'a, T: Element>(
+        &mut self,
+        s: impl Into<Input<'a, [T]>>,
+        r: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()>;
+    fn reduce_scatter_v<'a, T: Element>(
+        &mut self,
+        s: impl Into<Input<'a, [T]>>,
         r: &mut [T],
         counts: &[usize],
         op: ReduceOp,
     ) -> Result<()>;
-    fn reduce_scatter_v_in_place<T: Element>(
+    fn all_gather<'a, T: Element>(
         &mut self,
-        b: &mut [T],
-        counts: &[usize],
-        op: ReduceOp,
+        s: impl Into<Input<'a, [T]>>,
+        r: &mut [T],
     ) -> Result<()>;
-    fn all_gather<T: Element>(&mut self, s: &[T], r: &mut [T]) -> Result<()>;
-    fn all_gather_in_place<T: Element>(&mut self, b: &mut [T]) -> Result<()>;
-    fn broadcast<T: Element>(&mut self, s: &[T], r: &mut [T], root: usize) -> Result<()>;
-    fn broadcast_in_place<T: Element>(&mut self, b: &mut [T], root: usize) -> Result<()>;
-    fn reduce<T: Element>(&mut self, s: &[T], r: &mut [T], op: ReduceOp, root: usize)
-        -> Result<()>;
-    fn reduce_in_place<T: Element>(&mut self, b: &mut [T], op: ReduceOp, root: usize)
-        -> Result<()>;
-    fn ring_shift<T: Element>(&mut self, s: &[T], r: &mut [T]) -> Result<()>;
-    fn ring_shift_in_place<T: Element>(&mut self, b: &mut [T]) -> Result<()>;
+    fn broadcast<'a, T: Element>(
+        &mut self,
+        s: impl Into<Input<'a, [T]>>,
+        r: &mut [T],
+        root: usize,
+    ) -> Result<()>;
+    fn reduce<'a, T: Element>(
+        &mut self,
+        s: impl Into<Input<'a, [T]>>,
+        r: &mut [T],
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<()>;
+    fn ring_shift<'a, T: Element>(
+        &mut self,
+        s: impl Into<Input<'a, [T]>>,
+        r: &mut [T],
+    ) -> Result<()>;
     fn barrier(&mut self) -> Result<()>;
-    fn all_to_all<T: Element>(&mut self, s: &[T], r: &mut [T]) -> Result<()>;
-    fn all_to_all_in_place<T: Element>(&mut self, b: &mut [T]) -> Result<()>;
+    fn all_to_all<'a, T: Element>(
+        &mut self,
+        s: impl Into<Input<'a, [T]>>,
+        r: &mut [T],
+    ) -> Result<()>;
     /// Host communicators only, as all-to-all.
     fn send_recv<T: Element>(&mut self, _s: &[T], _r: &mut [T], _peer: usize) -> Result<()> {
         Err(ringzero::Error::InvalidArgument {
@@ -203,11 +221,13 @@ pub trait Colls {
     ) -> Result<()> {
         self.host()?.all_to_all_v(s, sc, r, rc)
     }
-    fn all_gather_v<T: Element>(&mut self, s: &[T], r: &mut [T], counts: &[usize]) -> Result<()> {
+    fn all_gather_v<'a, T: Element>(
+        &mut self,
+        s: impl Into<Input<'a, [T]>>,
+        r: &mut [T],
+        counts: &[usize],
+    ) -> Result<()> {
         self.host()?.all_gather_v(s, r, counts)
-    }
-    fn all_gather_v_in_place<T: Element>(&mut self, b: &mut [T], counts: &[usize]) -> Result<()> {
-        self.host()?.all_gather_v_in_place(b, counts)
     }
     fn gather<T: Element>(&mut self, s: &[T], r: &mut [T], root: usize) -> Result<()> {
         self.host()?.gather(s, r, root)
@@ -244,87 +264,43 @@ macro_rules! forward_colls {
             fn size(&self) -> usize {
                 <$ty>::size(self)
             }
-            fn all_reduce<T: Element>(&mut self, s: &[T], r: &mut [T], op: ReduceOp) -> Result<()> {
+            fn all_reduce<'a, T: Element>(&mut self, s: impl Into<Input<'a, [T]>>, r: &mut [T], op: ReduceOp) -> Result<()> {
                 <$ty>::all_reduce(self, s, r, op)
             }
-            fn all_reduce_in_place<T: Element>(&mut self, b: &mut [T], op: ReduceOp) -> Result<()> {
-                <$ty>::all_reduce_in_place(self, b, op)
-            }
-            fn reduce_scatter<T: Element>(
-                &mut self,
-                s: &[T],
+            fn reduce_scatter<'a, T: Element>(&mut self, s: impl Into<Input<'a, [T]>>,
                 r: &mut [T],
                 op: ReduceOp,
             ) -> Result<()> {
                 <$ty>::reduce_scatter(self, s, r, op)
             }
-            fn reduce_scatter_in_place<T: Element>(
-                &mut self,
-                b: &mut [T],
-                op: ReduceOp,
-            ) -> Result<()> {
-                <$ty>::reduce_scatter_in_place(self, b, op)
-            }
-            fn reduce_scatter_v<T: Element>(
-                &mut self,
-                s: &[T],
+            fn reduce_scatter_v<'a, T: Element>(&mut self, s: impl Into<Input<'a, [T]>>,
                 r: &mut [T],
                 counts: &[usize],
                 op: ReduceOp,
             ) -> Result<()> {
                 <$ty>::reduce_scatter_v(self, s, r, counts, op)
             }
-            fn reduce_scatter_v_in_place<T: Element>(
-                &mut self,
-                b: &mut [T],
-                counts: &[usize],
-                op: ReduceOp,
-            ) -> Result<()> {
-                <$ty>::reduce_scatter_v_in_place(self, b, counts, op)
-            }
-            fn all_gather<T: Element>(&mut self, s: &[T], r: &mut [T]) -> Result<()> {
+            fn all_gather<'a, T: Element>(&mut self, s: impl Into<Input<'a, [T]>>, r: &mut [T]) -> Result<()> {
                 <$ty>::all_gather(self, s, r)
             }
-            fn all_gather_in_place<T: Element>(&mut self, b: &mut [T]) -> Result<()> {
-                <$ty>::all_gather_in_place(self, b)
-            }
-            fn broadcast<T: Element>(&mut self, s: &[T], r: &mut [T], root: usize) -> Result<()> {
+            fn broadcast<'a, T: Element>(&mut self, s: impl Into<Input<'a, [T]>>, r: &mut [T], root: usize) -> Result<()> {
                 <$ty>::broadcast(self, s, r, root)
             }
-            fn broadcast_in_place<T: Element>(&mut self, b: &mut [T], root: usize) -> Result<()> {
-                <$ty>::broadcast_in_place(self, b, root)
-            }
-            fn reduce<T: Element>(
-                &mut self,
-                s: &[T],
+            fn reduce<'a, T: Element>(&mut self, s: impl Into<Input<'a, [T]>>,
                 r: &mut [T],
                 op: ReduceOp,
                 root: usize,
             ) -> Result<()> {
                 <$ty>::reduce(self, s, r, op, root)
             }
-            fn reduce_in_place<T: Element>(
-                &mut self,
-                b: &mut [T],
-                op: ReduceOp,
-                root: usize,
-            ) -> Result<()> {
-                <$ty>::reduce_in_place(self, b, op, root)
-            }
-            fn ring_shift<T: Element>(&mut self, s: &[T], r: &mut [T]) -> Result<()> {
+            fn ring_shift<'a, T: Element>(&mut self, s: impl Into<Input<'a, [T]>>, r: &mut [T]) -> Result<()> {
                 <$ty>::ring_shift(self, s, r)
-            }
-            fn ring_shift_in_place<T: Element>(&mut self, b: &mut [T]) -> Result<()> {
-                <$ty>::ring_shift_in_place(self, b)
             }
             fn barrier(&mut self) -> Result<()> {
                 <$ty>::barrier(self)
             }
-            fn all_to_all<T: Element>(&mut self, s: &[T], r: &mut [T]) -> Result<()> {
+            fn all_to_all<'a, T: Element>(&mut self, s: impl Into<Input<'a, [T]>>, r: &mut [T]) -> Result<()> {
                 <$ty>::all_to_all(self, s, r)
-            }
-            fn all_to_all_in_place<T: Element>(&mut self, b: &mut [T]) -> Result<()> {
-                <$ty>::all_to_all_in_place(self, b)
             }
         }
     };
@@ -354,11 +330,8 @@ forward_colls!(DeviceComm<HostStream>, DeviceComm<HostStream>;
     ) -> Result<()> {
         DeviceComm::all_to_all_v(self, s, sc, r, rc)
     }
-    fn all_gather_v<T: Element>(&mut self, s: &[T], r: &mut [T], counts: &[usize]) -> Result<()> {
+    fn all_gather_v<'a, T: Element>(&mut self, s: impl Into<Input<'a, [T]>>, r: &mut [T], counts: &[usize]) -> Result<()> {
         DeviceComm::all_gather_v(self, s, r, counts)
-    }
-    fn all_gather_v_in_place<T: Element>(&mut self, b: &mut [T], counts: &[usize]) -> Result<()> {
-        DeviceComm::all_gather_v_in_place(self, b, counts)
     }
 );
 
@@ -390,7 +363,7 @@ fn run_typed<T: TestElem, C: Colls>(comm: &mut C, c: &Case) -> Result<Vec<f64>> 
         }
         (Collective::AllReduce, true) => {
             let mut b = input;
-            comm.all_reduce_in_place(&mut b, c.op)?;
+            comm.all_reduce(InPlace, &mut b, c.op)?;
             b
         }
         (Collective::ReduceScatter, false) => {
@@ -400,7 +373,7 @@ fn run_typed<T: TestElem, C: Colls>(comm: &mut C, c: &Case) -> Result<Vec<f64>> 
         }
         (Collective::ReduceScatter, true) => {
             let mut b = input;
-            comm.reduce_scatter_in_place(&mut b, c.op)?;
+            comm.reduce_scatter(InPlace, &mut b, c.op)?;
             b
         }
         // Parts of ⅓, ⅔, all or none of `count` (the all-gather-v cases' parts).
@@ -409,7 +382,7 @@ fn run_typed<T: TestElem, C: Colls>(comm: &mut C, c: &Case) -> Result<Vec<f64>> 
             let input: Vec<T> = (0..counts.iter().sum()).map(mine).collect();
             if in_place {
                 let mut b = input;
-                comm.reduce_scatter_v_in_place(&mut b, &counts, c.op)?;
+                comm.reduce_scatter_v(InPlace, &mut b, &counts, c.op)?;
                 b
             } else {
                 let mut out = garbage(counts[r]);
@@ -425,7 +398,7 @@ fn run_typed<T: TestElem, C: Colls>(comm: &mut C, c: &Case) -> Result<Vec<f64>> 
         (Collective::AllGather, true) => {
             let mut b = garbage(count);
             b[own.clone()].copy_from_slice(&input[own]);
-            comm.all_gather_in_place(&mut b)?;
+            comm.all_gather(InPlace, &mut b)?;
             b
         }
         (Collective::Broadcast { root }, false) => {
@@ -436,7 +409,7 @@ fn run_typed<T: TestElem, C: Colls>(comm: &mut C, c: &Case) -> Result<Vec<f64>> 
         }
         (Collective::Broadcast { root }, true) => {
             let mut b = if r == root { input } else { garbage(count) };
-            comm.broadcast_in_place(&mut b, root)?;
+            comm.broadcast(InPlace, &mut b, root)?;
             b
         }
         (Collective::Reduce { root }, false) => {
@@ -450,7 +423,7 @@ fn run_typed<T: TestElem, C: Colls>(comm: &mut C, c: &Case) -> Result<Vec<f64>> 
         }
         (Collective::Reduce { root }, true) => {
             let mut b = input;
-            comm.reduce_in_place(&mut b, c.op, root)?;
+            comm.reduce(InPlace, &mut b, c.op, root)?;
             b
         }
         (Collective::Barrier, _) => {
@@ -464,7 +437,7 @@ fn run_typed<T: TestElem, C: Colls>(comm: &mut C, c: &Case) -> Result<Vec<f64>> 
         }
         (Collective::RingShift, true) => {
             let mut b = input;
-            comm.ring_shift_in_place(&mut b)?;
+            comm.ring_shift(InPlace, &mut b)?;
             b
         }
         (Collective::AllToAll, false) => {
@@ -474,7 +447,7 @@ fn run_typed<T: TestElem, C: Colls>(comm: &mut C, c: &Case) -> Result<Vec<f64>> 
         }
         (Collective::AllToAll, true) => {
             let mut b = input;
-            comm.all_to_all_in_place(&mut b)?;
+            comm.all_to_all(InPlace, &mut b)?;
             b
         }
         // Ranks pair up 0↔1, 2↔3, ...; an odd world's last rank sits out. "In place" receives
@@ -508,7 +481,7 @@ fn run_typed<T: TestElem, C: Colls>(comm: &mut C, c: &Case) -> Result<Vec<f64>> 
             if in_place {
                 let at: usize = counts[..r].iter().sum();
                 out[at..at + counts[r]].copy_from_slice(&send);
-                comm.all_gather_v_in_place(&mut out, &counts)?;
+                comm.all_gather_v(InPlace, &mut out, &counts)?;
             } else {
                 comm.all_gather_v(&send, &mut out, &counts)?;
             }

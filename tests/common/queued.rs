@@ -2,7 +2,7 @@
 //! on the worker, waited on, and its result copied where the blocking form writes, so every
 //! reference check can run through the asynchronous forms too.
 
-use ringzero::{chunk, Communicator, Element, ReduceOp, Result};
+use ringzero::{chunk, Communicator, Element, Input, ReduceOp, Result};
 
 use super::Colls;
 
@@ -30,118 +30,116 @@ impl Colls for Queued<'_> {
     fn host(&self) -> Result<&Communicator> {
         Ok(self.0)
     }
-    fn all_reduce<T: Element>(&mut self, s: &[T], r: &mut [T], op: ReduceOp) -> Result<()> {
-        put(r, self.0.all_reduce_async(s.to_vec(), op).wait()?);
-        Ok(())
-    }
-    fn all_reduce_in_place<T: Element>(&mut self, b: &mut [T], op: ReduceOp) -> Result<()> {
-        put(b, self.0.all_reduce_async(b.to_vec(), op).wait()?);
-        Ok(())
-    }
-    fn reduce_scatter<T: Element>(&mut self, s: &[T], r: &mut [T], op: ReduceOp) -> Result<()> {
-        put(r, self.0.reduce_scatter_async(s.to_vec(), op).wait()?);
-        Ok(())
-    }
-    fn reduce_scatter_in_place<T: Element>(&mut self, b: &mut [T], op: ReduceOp) -> Result<()> {
-        let own = self.0.chunk_range(b.len());
-        let got = self.0.reduce_scatter_async(b.to_vec(), op).wait()?;
-        put(&mut b[own], got);
-        Ok(())
-    }
-    fn reduce_scatter_v<T: Element>(
+    fn all_reduce<'a, T: Element>(
         &mut self,
-        s: &[T],
+        s: impl Into<Input<'a, [T]>>,
+        r: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        put(r, self.0.all_reduce_async(data(s, r), op).wait()?);
+        Ok(())
+    }
+    fn reduce_scatter<'a, T: Element>(
+        &mut self,
+        s: impl Into<Input<'a, [T]>>,
+        r: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let s = s.into();
+        let in_place = matches!(s, Input::InPlace);
+        let send = data(s, r);
+        let own = self.0.chunk_range(send.len());
+        let into = vec![T::zeroed(); own.len()];
+        let send_len = send.len();
+        let (sent, got) = self.0.reduce_scatter_async(send, into, op).wait()?;
+        assert_eq!(sent.len(), send_len, "send comes back");
+        put(if in_place { &mut r[own] } else { r }, got);
+        Ok(())
+    }
+    fn reduce_scatter_v<'a, T: Element>(
+        &mut self,
+        s: impl Into<Input<'a, [T]>>,
         r: &mut [T],
         counts: &[usize],
         op: ReduceOp,
     ) -> Result<()> {
-        put(
-            r,
-            self.0
-                .reduce_scatter_v_async(s.to_vec(), counts, op)
-                .wait()?,
-        );
-        Ok(())
-    }
-    fn reduce_scatter_v_in_place<T: Element>(
-        &mut self,
-        b: &mut [T],
-        counts: &[usize],
-        op: ReduceOp,
-    ) -> Result<()> {
+        let s = s.into();
+        let in_place = matches!(s, Input::InPlace);
         let at: usize = counts[..self.0.rank()].iter().sum();
         let own = at..at + counts[self.0.rank()];
-        let got = self
-            .0
-            .reduce_scatter_v_async(b.to_vec(), counts, op)
-            .wait()?;
-        put(&mut b[own], got);
+        let into = vec![T::zeroed(); own.len()];
+        let work = self.0.reduce_scatter_v_async(data(s, r), into, counts, op);
+        let (_, got) = work.wait()?;
+        put(if in_place { &mut r[own] } else { r }, got);
         Ok(())
     }
-    fn all_gather<T: Element>(&mut self, s: &[T], r: &mut [T]) -> Result<()> {
-        put(r, self.0.all_gather_async(s.to_vec(), r.len()).wait()?);
+    fn all_gather<'a, T: Element>(
+        &mut self,
+        s: impl Into<Input<'a, [T]>>,
+        r: &mut [T],
+    ) -> Result<()> {
+        let own = chunk(r.len(), self.0.size(), self.0.rank());
+        let send = match s.into() {
+            Input::Buf(s) => s.to_vec(),
+            Input::InPlace => r[own].to_vec(),
+        };
+        let (_, got) = self.0.all_gather_async(send, r.to_vec()).wait()?;
+        put(r, got);
         Ok(())
     }
-    fn all_gather_in_place<T: Element>(&mut self, b: &mut [T]) -> Result<()> {
-        let own = chunk(b.len(), self.0.size(), self.0.rank());
-        put(b, self.0.all_gather_async(b[own].to_vec(), b.len()).wait()?);
-        Ok(())
-    }
-    fn broadcast<T: Element>(&mut self, s: &[T], r: &mut [T], root: usize) -> Result<()> {
-        let buf = if self.0.rank() == root {
-            s.to_vec()
-        } else {
+    fn broadcast<'a, T: Element>(
+        &mut self,
+        s: impl Into<Input<'a, [T]>>,
+        r: &mut [T],
+        root: usize,
+    ) -> Result<()> {
+        let buf = match s.into() {
+            Input::Buf(s) if self.0.rank() == root => s.to_vec(),
             // Not read: what the root sends replaces it.
-            vec![T::zeroed(); r.len()]
+            Input::Buf(_) => vec![T::zeroed(); r.len()],
+            Input::InPlace => r.to_vec(),
         };
         put(r, self.0.broadcast_async(buf, root).wait()?);
         Ok(())
     }
-    fn broadcast_in_place<T: Element>(&mut self, b: &mut [T], root: usize) -> Result<()> {
-        put(b, self.0.broadcast_async(b.to_vec(), root).wait()?);
-        Ok(())
-    }
-    fn reduce<T: Element>(
+    fn reduce<'a, T: Element>(
         &mut self,
-        s: &[T],
+        s: impl Into<Input<'a, [T]>>,
         r: &mut [T],
         op: ReduceOp,
         root: usize,
     ) -> Result<()> {
-        let got = self.0.reduce_async(s.to_vec(), op, root).wait()?;
-        if self.0.rank() == root {
+        let s = s.into();
+        let send = data(s, r);
+        let got = self.0.reduce_async(send.clone(), op, root).wait()?;
+        if self.0.rank() == root || matches!(s, Input::InPlace) {
             put(r, got);
         } else {
-            assert_eq!(got, s, "a non-root's buffer comes back unchanged");
+            assert_eq!(got, send, "a non-root's buffer comes back unchanged");
         }
         Ok(())
     }
-    fn reduce_in_place<T: Element>(
+    fn ring_shift<'a, T: Element>(
         &mut self,
-        b: &mut [T],
-        op: ReduceOp,
-        root: usize,
+        s: impl Into<Input<'a, [T]>>,
+        r: &mut [T],
     ) -> Result<()> {
-        put(b, self.0.reduce_async(b.to_vec(), op, root).wait()?);
-        Ok(())
-    }
-    fn ring_shift<T: Element>(&mut self, s: &[T], r: &mut [T]) -> Result<()> {
-        put(r, self.0.ring_shift_async(s.to_vec()).wait()?);
-        Ok(())
-    }
-    fn ring_shift_in_place<T: Element>(&mut self, b: &mut [T]) -> Result<()> {
-        put(b, self.0.ring_shift_async(b.to_vec()).wait()?);
+        let into = vec![T::zeroed(); r.len()];
+        let (_, got) = self.0.ring_shift_async(data(s, r), into).wait()?;
+        put(r, got);
         Ok(())
     }
     fn barrier(&mut self) -> Result<()> {
         self.0.barrier_async().wait()
     }
-    fn all_to_all<T: Element>(&mut self, s: &[T], r: &mut [T]) -> Result<()> {
-        put(r, self.0.all_to_all_async(s.to_vec()).wait()?);
-        Ok(())
-    }
-    fn all_to_all_in_place<T: Element>(&mut self, b: &mut [T]) -> Result<()> {
-        put(b, self.0.all_to_all_async(b.to_vec()).wait()?);
+    fn all_to_all<'a, T: Element>(
+        &mut self,
+        s: impl Into<Input<'a, [T]>>,
+        r: &mut [T],
+    ) -> Result<()> {
+        let into = vec![T::zeroed(); r.len()];
+        let (_, got) = self.0.all_to_all_async(data(s, r), into).wait()?;
+        put(r, got);
         Ok(())
     }
     /// The lower rank of a pair sends first and the higher receives first, through `send_async`
@@ -175,24 +173,44 @@ impl Colls for Queued<'_> {
         r: &mut [T],
         rc: &[usize],
     ) -> Result<()> {
-        put(r, self.0.all_to_all_v_async(s.to_vec(), sc, rc).wait()?);
+        let into = vec![T::zeroed(); r.len()];
+        let (_, got) = self.0.all_to_all_v_async(s.to_vec(), sc, into, rc).wait()?;
+        put(r, got);
         Ok(())
     }
-    fn all_gather_v<T: Element>(&mut self, s: &[T], r: &mut [T], counts: &[usize]) -> Result<()> {
-        put(r, self.0.all_gather_v_async(s.to_vec(), counts).wait()?);
+    fn all_gather_v<'a, T: Element>(
+        &mut self,
+        s: impl Into<Input<'a, [T]>>,
+        r: &mut [T],
+        counts: &[usize],
+    ) -> Result<()> {
+        let at: usize = counts[..self.0.rank()].iter().sum();
+        let send = match s.into() {
+            Input::Buf(s) => s.to_vec(),
+            Input::InPlace => r[at..at + counts[self.0.rank()]].to_vec(),
+        };
+        let (_, got) = self.0.all_gather_v_async(send, r.to_vec(), counts).wait()?;
+        put(r, got);
         Ok(())
     }
     fn gather<T: Element>(&mut self, s: &[T], r: &mut [T], root: usize) -> Result<()> {
-        let got = self.0.gather_async(s.to_vec(), root).wait()?;
-        if self.0.rank() == root {
-            put(r, got);
-        } else {
-            assert!(got.is_empty(), "a non-root gets an empty Vec");
-        }
+        let (sent, got) = self.0.gather_async(s.to_vec(), r.to_vec(), root).wait()?;
+        assert_eq!(sent, s, "the send buffer comes back as it went");
+        put(r, got);
         Ok(())
     }
     fn scatter<T: Element>(&mut self, s: &[T], r: &mut [T], root: usize) -> Result<()> {
-        put(r, self.0.scatter_async(s.to_vec(), r.len(), root).wait()?);
+        let into = vec![T::zeroed(); r.len()];
+        let (_, got) = self.0.scatter_async(s.to_vec(), into, root).wait()?;
+        put(r, got);
         Ok(())
+    }
+}
+
+/// The data a call sends: its own buffer's, or in place the output buffer's.
+fn data<'a, T: Element>(s: impl Into<Input<'a, [T]>>, r: &[T]) -> Vec<T> {
+    match s.into() {
+        Input::Buf(s) => s.to_vec(),
+        Input::InPlace => r.to_vec(),
     }
 }

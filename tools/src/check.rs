@@ -7,7 +7,7 @@
 
 use std::time::Instant;
 
-use ringzero_collectives::{Communicator, ReduceOp, Result};
+use ringzero_collectives::{Communicator, InPlace, ReduceOp, Result};
 
 /// Sweep parameters.
 #[derive(Clone, Copy, Debug)]
@@ -60,9 +60,9 @@ pub fn run(comm: &Communicator, a: CheckArgs) -> Result<Vec<Row>> {
             comm.all_reduce(&send, &mut recv, ReduceOp::Sum)?;
         }
         let mut us = vec![t.elapsed().as_secs_f64() * 1e6 / iters as f64];
-        comm.all_reduce_in_place(&mut us, ReduceOp::Max)?;
+        comm.all_reduce(InPlace, &mut us, ReduceOp::Max)?;
         let mut w = vec![wrong as i64];
-        comm.all_reduce_in_place(&mut w, ReduceOp::Sum)?;
+        comm.all_reduce(InPlace, &mut w, ReduceOp::Sum)?;
         rows.push(Row {
             bytes,
             count,

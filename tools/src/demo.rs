@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use crate::mix;
 use half::{bf16, f16};
 use rand::{Rng, SeedableRng};
-use ringzero_collectives::{Communicator, ReduceOp};
+use ringzero_collectives::{Communicator, InPlace, ReduceOp};
 use ringzero_kernels::cpu::Float;
 use ringzero_zero::mem::{model_states_with, K_ADAM};
 use ringzero_zero::{
@@ -282,8 +282,8 @@ pub fn train<T: Float>(
             outcome = e.step()?;
         }
         let mut stats = [loss_sum / accum as f64, t0.elapsed().as_secs_f64()];
-        comm.all_reduce_in_place(&mut stats[..1], ReduceOp::Avg)?;
-        comm.all_reduce_in_place(&mut stats[1..], ReduceOp::Max)?;
+        comm.all_reduce(InPlace, &mut stats[..1], ReduceOp::Avg)?;
+        comm.all_reduce(InPlace, &mut stats[1..], ReduceOp::Max)?;
         let log = StepLog {
             step,
             loss: stats[0],

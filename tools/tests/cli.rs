@@ -749,7 +749,11 @@ fn hang_rank_entry() {
     let comm = ringzero_collectives::Communicator::from_env().unwrap();
     if comm.rank() == 0 {
         let mut v = vec![1f32; 1024];
-        let _ = comm.all_reduce_in_place(&mut v, ringzero_collectives::ReduceOp::Sum);
+        let _ = comm.all_reduce(
+            ringzero_collectives::InPlace,
+            &mut v,
+            ringzero_collectives::ReduceOp::Sum,
+        );
     } else {
         std::thread::sleep(std::time::Duration::from_secs(60));
     }

@@ -5,6 +5,7 @@ use ringzero_kernels::{Element, ReduceOp};
 
 use crate::config::Algo;
 use crate::error::{Error, Result};
+use crate::input::Input;
 use crate::ring::engine::Bufs;
 use crate::ring::{Collective, Count};
 use crate::work::Work;
@@ -22,78 +23,37 @@ impl Communicator {
     /// (`RINGZERO_ALGO`). Each leaves every rank bit-identical, in an order fixed by the world
     /// size and the count; the two doubling schedules share one order and the ring has another,
     /// so a sum may round differently on either side of `RINGZERO_HALVING_MAX`.
-    /// [`Communicator::all_reduce_with`] picks the algorithm for one call.
-    pub fn all_reduce<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
-        self.all_reduce_with(send, recv, op, self.inner.cfg.algo)
-    }
-
-    /// In-place [`Communicator::all_reduce`].
-    pub fn all_reduce_in_place<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
-        self.all_reduce_in_place_with(buf, op, self.inner.cfg.algo)
-    }
-
-    /// [`Communicator::all_reduce`] by the algorithm `algo`, whatever `RINGZERO_ALGO` says: for
-    /// a caller whose results must round as another collective's do (the ring's all-reduce
-    /// reduces in the order of its reduce-scatter, [`Algo::Ring`]). Every rank must
-    /// make the same choice: a rank whose call runs another algorithm fails at the first frame,
-    /// both calls named.
-    pub fn all_reduce_with<T: Element>(
+    ///
+    /// With [`InPlace`](crate::InPlace) as `send`, `recv` holds the input and gets the result.
+    /// [`Communicator::with_algo`] picks the algorithm for one call.
+    pub fn all_reduce<'a, T: Element>(
         &self,
-        send: &[T],
+        send: impl Into<Input<'a, [T]>>,
         recv: &mut [T],
         op: ReduceOp,
-        algo: Algo,
     ) -> Result<()> {
-        let c = Collective::AllReduce;
-        same_len(c, send.len(), recv.len(), "send", "recv")?;
-        self.wait_async_idle();
-        let bufs = Bufs::Split {
-            input: bytemuck::cast_slice(send),
-            output: bytemuck::cast_slice_mut(recv),
-        };
-        self.inner.execute_by(
-            algo,
-            c,
-            (Some(T::DTYPE), op),
-            send.len().into(),
-            false,
-            bufs,
-        )
-    }
-
-    /// In-place [`Communicator::all_reduce_with`].
-    pub fn all_reduce_in_place_with<T: Element>(
-        &self,
-        buf: &mut [T],
-        op: ReduceOp,
-        algo: Algo,
-    ) -> Result<()> {
-        self.wait_async_idle();
-        let count = buf.len();
-        let bufs = Bufs::One(bytemuck::cast_slice_mut(buf));
-        let (c, dtype) = (Collective::AllReduce, Some(T::DTYPE));
-        self.inner
-            .execute_by(algo, c, (dtype, op), count.into(), true, bufs)
+        self.by_config().all_reduce(send, recv, op)
     }
 
     /// Reduce every rank's `send` and leave chunk [`chunk_range`](Self::chunk_range)`(send.len())`
     /// of the result in `recv`, which must have exactly that length.
-    pub fn reduce_scatter<T: Element>(
+    ///
+    /// With [`InPlace`](crate::InPlace) as `send`, `recv` is the whole input; the reduced chunk
+    /// [`chunk_range`](Self::chunk_range)`(recv.len())` is written over that part of it and the
+    /// rest is left as it was.
+    pub fn reduce_scatter<'a, T: Element>(
         &self,
-        send: &[T],
+        send: impl Into<Input<'a, [T]>>,
         recv: &mut [T],
         op: ReduceOp,
     ) -> Result<()> {
         let c = Collective::ReduceScatter;
+        let Input::Buf(send) = send.into() else {
+            return self.run_one(c, Some(op), recv.len(), recv);
+        };
         let want = self.chunk_range(send.len()).len();
         same_len(c, want, recv.len(), "this rank's chunk of send", "recv")?;
         self.run_split(c, Some(op), send.len(), send, recv)
-    }
-
-    /// In-place reduce-scatter: the reduced chunk [`chunk_range`](Self::chunk_range)`(buf.len())`
-    /// is written over that part of `buf`; the rest of `buf` is left as it was.
-    pub fn reduce_scatter_in_place<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
-        self.run_one(Collective::ReduceScatter, Some(op), buf.len(), buf)
     }
 
     /// Reduce-scatter with a part per rank (`MPI_Reduce_scatter`): `counts[i]` elements of the
@@ -105,55 +65,56 @@ impl Communicator {
     /// its own once, and a link's time follows the largest part (a frame per part per step, each
     /// part cut into as many slices as the largest needs). Ranks that pass different counts fail
     /// at the first frame: the counts' digest is part of the call's fingerprint.
-    pub fn reduce_scatter_v<T: Element>(
+    ///
+    /// With [`InPlace`](crate::InPlace) as `send`, `recv` is the whole input; this rank's part of
+    /// it (`counts[rank]` elements after the parts of the ranks before it) is overwritten with
+    /// the reduction and the rest is left as it was.
+    pub fn reduce_scatter_v<'a, T: Element>(
         &self,
-        send: &[T],
+        send: impl Into<Input<'a, [T]>>,
         recv: &mut [T],
         counts: &[usize],
         op: ReduceOp,
     ) -> Result<()> {
         let c = Collective::ReduceScatterV;
-        let at = offsets(c, ("counts", counts), self.size(), ("send", send.len()))?;
-        own_part(c, ("recv", recv.len()), counts, self.rank())?;
-        self.wait_async_idle();
-        let bufs = Bufs::Split {
-            input: bytemuck::cast_slice(send),
-            output: bytemuck::cast_slice_mut(recv),
+        let (bufs, in_place, at) = match send.into() {
+            Input::Buf(send) => {
+                let at = offsets(c, ("counts", counts), self.size(), ("send", send.len()))?;
+                own_part(c, ("recv", recv.len()), counts, self.rank())?;
+                let bufs = Bufs::Split {
+                    input: bytemuck::cast_slice(send),
+                    output: bytemuck::cast_slice_mut(recv),
+                };
+                (bufs, false, at)
+            }
+            Input::InPlace => {
+                let at = offsets(c, ("counts", counts), self.size(), ("recv", recv.len()))?;
+                (Bufs::One(bytemuck::cast_slice_mut(recv)), true, at)
+            }
         };
+        self.wait_async_idle();
         let count = Count::parts(at[counts.len()], counts);
         self.inner
-            .execute(c, Some(T::DTYPE), op, count, false, bufs)
-    }
-
-    /// In-place [`Communicator::reduce_scatter_v`]: this rank's part of `buf` (`counts[rank]`
-    /// elements after the parts of the ranks before it) is overwritten with the reduction; the
-    /// rest of `buf` is left as it was.
-    pub fn reduce_scatter_v_in_place<T: Element>(
-        &self,
-        buf: &mut [T],
-        counts: &[usize],
-        op: ReduceOp,
-    ) -> Result<()> {
-        let c = Collective::ReduceScatterV;
-        let at = offsets(c, ("counts", counts), self.size(), ("buf", buf.len()))?;
-        self.wait_async_idle();
-        let count = Count::parts(at[counts.len()], counts);
-        let bufs = Bufs::One(bytemuck::cast_slice_mut(buf));
-        self.inner.execute(c, Some(T::DTYPE), op, count, true, bufs)
+            .execute(c, Some(T::DTYPE), op, count, in_place, bufs)
     }
 
     /// Gather every rank's `send` (chunk [`chunk_range`](Self::chunk_range)`(recv.len())` of the
     /// result, so its length must match) into every rank's `recv`.
-    pub fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+    ///
+    /// With [`InPlace`](crate::InPlace) as `send`, this rank's chunk of `recv` is sent and every
+    /// other chunk is overwritten.
+    pub fn all_gather<'a, T: Element>(
+        &self,
+        send: impl Into<Input<'a, [T]>>,
+        recv: &mut [T],
+    ) -> Result<()> {
         let c = Collective::AllGather;
+        let Input::Buf(send) = send.into() else {
+            return self.run_one(c, None, recv.len(), recv);
+        };
         let want = self.chunk_range(recv.len()).len();
         same_len(c, send.len(), want, "send", "this rank's chunk of recv")?;
         self.run_split(c, None, recv.len(), send, recv)
-    }
-
-    /// In-place all-gather: this rank's chunk of `buf` is sent, every other chunk is overwritten.
-    pub fn all_gather_in_place<T: Element>(&self, buf: &mut [T]) -> Result<()> {
-        self.run_one(Collective::AllGather, None, buf.len(), buf)
     }
 
     /// Copy the root's `send` into every rank's `recv`. On other ranks `send` is not read (and may
@@ -163,42 +124,15 @@ impl Communicator {
     /// [`Algo::Doubling`] (`RINGZERO_ALGO=doubling`) down a binomial tree: `⌈log2 n⌉` rounds, the
     /// holders doubling each round, which shortens one call but sends `log2 n` copies from the
     /// root, so back-to-back calls no longer pipeline.
-    pub fn broadcast<T: Element>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
-        self.broadcast_with(send, recv, root, self.inner.cfg.algo)
-    }
-
-    /// In-place broadcast of the root's `buf`.
-    pub fn broadcast_in_place<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
-        self.broadcast_in_place_with(buf, root, self.inner.cfg.algo)
-    }
-
-    /// [`Communicator::broadcast`] by the algorithm `algo`, whatever `RINGZERO_ALGO` says (the
-    /// tree for one large one-off broadcast, say, with [`Algo::Doubling`]). Every rank must make
-    /// the same choice: a rank whose call runs another algorithm fails at the first frame, both
-    /// calls named.
-    pub fn broadcast_with<T: Element>(
+    ///
+    /// With [`InPlace`](crate::InPlace) as `send`, the root's `recv` is what every rank gets.
+    pub fn broadcast<'a, T: Element>(
         &self,
-        send: &[T],
+        send: impl Into<Input<'a, [T]>>,
         recv: &mut [T],
         root: usize,
-        algo: Algo,
     ) -> Result<()> {
-        let c = self.rooted(Collective::Broadcast { root }, root)?;
-        if root == self.rank() {
-            same_len(c, send.len(), recv.len(), "send", "recv")?;
-        }
-        self.run_split_by(algo, c, None, recv.len(), send, recv)
-    }
-
-    /// In-place [`Communicator::broadcast_with`].
-    pub fn broadcast_in_place_with<T: Element>(
-        &self,
-        buf: &mut [T],
-        root: usize,
-        algo: Algo,
-    ) -> Result<()> {
-        let c = self.rooted(Collective::Broadcast { root }, root)?;
-        self.run_one_by(algo, c, None, buf.len(), buf)
+        self.by_config().broadcast(send, recv, root)
     }
 
     /// Reduce every rank's `send` into the root's `recv` (as long as `send`). On other ranks
@@ -207,68 +141,35 @@ impl Communicator {
     /// It goes up the ring's chain, or with [`Algo::Doubling`] up a binomial tree, as
     /// [`Communicator::broadcast`] goes down them; the two reduce in different (fixed) orders,
     /// so a sum may round differently between them.
-    pub fn reduce<T: Element>(
+    ///
+    /// With [`InPlace`](crate::InPlace) as `send`, every rank's `recv` is its input and the root's
+    /// gets the result; other ranks' buffers are unchanged.
+    pub fn reduce<'a, T: Element>(
         &self,
-        send: &[T],
+        send: impl Into<Input<'a, [T]>>,
         recv: &mut [T],
         op: ReduceOp,
         root: usize,
     ) -> Result<()> {
-        self.reduce_with(send, recv, op, root, self.inner.cfg.algo)
-    }
-
-    /// In-place reduce: the root's `buf` receives the result; other ranks' buffers are unchanged.
-    pub fn reduce_in_place<T: Element>(
-        &self,
-        buf: &mut [T],
-        op: ReduceOp,
-        root: usize,
-    ) -> Result<()> {
-        self.reduce_in_place_with(buf, op, root, self.inner.cfg.algo)
-    }
-
-    /// [`Communicator::reduce`] by the algorithm `algo`, whatever `RINGZERO_ALGO` says. Every
-    /// rank must make the same choice: a rank whose call runs another algorithm fails at the
-    /// first frame, both calls named.
-    pub fn reduce_with<T: Element>(
-        &self,
-        send: &[T],
-        recv: &mut [T],
-        op: ReduceOp,
-        root: usize,
-        algo: Algo,
-    ) -> Result<()> {
-        let c = self.rooted(Collective::Reduce { root }, root)?;
-        if root == self.rank() {
-            same_len(c, send.len(), recv.len(), "send", "recv")?;
-        }
-        self.run_split_by(algo, c, Some(op), send.len(), send, recv)
-    }
-
-    /// In-place [`Communicator::reduce_with`].
-    pub fn reduce_in_place_with<T: Element>(
-        &self,
-        buf: &mut [T],
-        op: ReduceOp,
-        root: usize,
-        algo: Algo,
-    ) -> Result<()> {
-        let c = self.rooted(Collective::Reduce { root }, root)?;
-        self.run_one_by(algo, c, Some(op), buf.len(), buf)
+        self.by_config().reduce(send, recv, op, root)
     }
 
     /// Send `send` to the next rank and receive the previous rank's buffer into `recv` (same
     /// length on every rank). Every link carries data at once: this is the ring's raw streaming
     /// rate, and the exchange step of ring attention.
-    pub fn ring_shift<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+    ///
+    /// With [`InPlace`](crate::InPlace) as `send`, `recv` is sent and then overwritten.
+    pub fn ring_shift<'a, T: Element>(
+        &self,
+        send: impl Into<Input<'a, [T]>>,
+        recv: &mut [T],
+    ) -> Result<()> {
         let c = Collective::RingShift;
+        let Input::Buf(send) = send.into() else {
+            return self.run_one(c, None, recv.len(), recv);
+        };
         same_len(c, send.len(), recv.len(), "send", "recv")?;
         self.run_split(c, None, send.len(), send, recv)
-    }
-
-    /// In-place [`Communicator::ring_shift`].
-    pub fn ring_shift_in_place<T: Element>(&self, buf: &mut [T]) -> Result<()> {
-        self.run_one(Collective::RingShift, None, buf.len(), buf)
     }
 
     /// All-to-all: block `j` of `send` goes to rank `j`, and block `i` of `recv` comes from rank
@@ -281,7 +182,22 @@ impl Communicator {
     /// instead fails at once, both calls named), every other block over links each pair keeps
     /// for the pairwise collectives (see [`Communicator::all_to_all_v`]), which the first
     /// all-to-all connects, after its ring exchange. Each rank sends (n−1)/n of its buffer.
-    pub fn all_to_all<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+    ///
+    /// With [`InPlace`](crate::InPlace) as `send`, `recv`'s blocks are sent from a copy of it this
+    /// call makes, then replaced by the blocks received.
+    pub fn all_to_all<'a, T: Element>(
+        &self,
+        send: impl Into<Input<'a, [T]>>,
+        recv: &mut [T],
+    ) -> Result<()> {
+        let copy;
+        let send = match send.into() {
+            Input::Buf(send) => send,
+            Input::InPlace => {
+                copy = recv.to_vec();
+                &copy[..]
+            }
+        };
         let c = Collective::AllToAll;
         same_len(c, send.len(), recv.len(), "send", "recv")?;
         self.whole_blocks(send.len())?;
@@ -294,28 +210,11 @@ impl Communicator {
         )
     }
 
-    /// In-place [`Communicator::all_to_all`]: `buf`'s blocks are sent first (from a copy of
-    /// `buf` this call makes), then replaced by the blocks received.
-    pub fn all_to_all_in_place<T: Element>(&self, buf: &mut [T]) -> Result<()> {
-        let send = buf.to_vec();
-        self.all_to_all(&send, buf)
-    }
-
     /// Return only once every rank has entered the barrier. On three ranks or more it is a
     /// dissemination barrier (`⌈log2 n⌉` rounds of empty messages), else the ring's (`n − 1`
     /// hops): see [`Algo`] (`RINGZERO_ALGO`).
     pub fn barrier(&self) -> Result<()> {
-        self.barrier_with(self.inner.cfg.algo)
-    }
-
-    /// [`Communicator::barrier`] by the algorithm `algo`, whatever `RINGZERO_ALGO` says (the
-    /// ring's barrier is `n − 1` hops, what `ringzero bench` times as α). Every rank must make
-    /// the same choice: a rank whose call runs another algorithm fails at once, both calls named.
-    pub fn barrier_with(&self, algo: Algo) -> Result<()> {
-        self.wait_async_idle();
-        let (c, bufs) = (Collective::Barrier, Bufs::One(&mut []));
-        self.inner
-            .execute_by(algo, c, (None, ReduceOp::Sum), 0.into(), false, bufs)
+        self.by_config().barrier()
     }
 
     /// Refuse an all-to-all buffer of `len` elements that does not split into one block per rank.

@@ -13,122 +13,75 @@ use ringzero_kernels::{Element, ReduceOp};
 
 use super::pairs::{check_peers, P2pOwned};
 use super::posted::Posted;
-use super::{offsets, refused, same_len, Communicator};
+use super::{offsets, own_part, same_len, Communicator};
 use crate::error::Result;
 use crate::ring::engine::Bufs;
 use crate::ring::{Collective, Count};
 use crate::work::Work;
 
 impl Communicator {
-    /// Asynchronous in-place all-reduce of an owned buffer.
-    pub fn all_reduce_async<T: Element>(&self, mut buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
-        self.submit(move |inner| {
-            let (c, n) = (Collective::AllReduce, buf.len());
-            let bufs = Bufs::One(bytemuck::cast_slice_mut(&mut buf));
-            inner.execute(c, Some(T::DTYPE), op, n.into(), true, bufs)?;
-            Ok(buf)
-        })
+    /// Asynchronous in-place [`Communicator::all_reduce`] of an owned buffer.
+    pub fn all_reduce_async<T: Element>(&self, buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
+        self.in_place_async(Collective::AllReduce, op, buf)
     }
 
-    /// Asynchronous reduce-scatter: returns this rank's reduced chunk of `send`.
-    pub fn reduce_scatter_async<T: Element>(&self, send: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
-        let own = self.chunk_range(send.len());
-        self.submit(move |inner| {
-            let mut out = vec![T::zeroed(); own.len()];
-            let n = send.len();
-            let bufs = Bufs::Split {
-                input: bytemuck::cast_slice(&send),
-                output: bytemuck::cast_slice_mut(&mut out),
-            };
-            inner.execute(
-                Collective::ReduceScatter,
-                Some(T::DTYPE),
-                op,
-                n.into(),
-                false,
-                bufs,
-            )?;
-            Ok(out)
-        })
+    /// Asynchronous [`Communicator::reduce_scatter`]: returns `send` and `recv`, which holds
+    /// this rank's reduced chunk of `send`.
+    pub fn reduce_scatter_async<T: Element>(
+        &self,
+        send: Vec<T>,
+        recv: Vec<T>,
+        op: ReduceOp,
+    ) -> Work<(Vec<T>, Vec<T>)> {
+        let c = Collective::ReduceScatter;
+        let want = self.chunk_range(send.len()).len();
+        let checked = same_len(c, want, recv.len(), "this rank's chunk of send", "recv");
+        let count = (send.len(), None);
+        self.split_async(checked, c, Some(op), count, send, recv)
     }
 
-    /// Asynchronous [`Communicator::reduce_scatter_v`]: returns this rank's part
-    /// (`counts[rank]` elements) of the reduction of `send`. Bad counts fail the `Work` at once
-    /// and use no sequence number.
+    /// Asynchronous [`Communicator::reduce_scatter_v`]: returns `send` and `recv`, which holds
+    /// this rank's part (`counts[rank]` elements) of the reduction.
     pub fn reduce_scatter_v_async<T: Element>(
         &self,
         send: Vec<T>,
+        recv: Vec<T>,
         counts: &[usize],
         op: ReduceOp,
-    ) -> Work<Vec<T>> {
+    ) -> Work<(Vec<T>, Vec<T>)> {
         let c = Collective::ReduceScatterV;
-        let total = match offsets(c, ("counts", counts), self.size(), ("send", send.len())) {
-            Ok(at) => at[counts.len()],
-            Err(e) => return Work::failed(e),
+        let checked =
+            offsets(c, ("counts", counts), self.size(), ("send", send.len())).and_then(|at| {
+                own_part(c, ("recv", recv.len()), counts, self.rank())?;
+                Ok(at)
+            });
+        let count = match &checked {
+            Ok(at) => (at[counts.len()], Some(counts.to_vec())),
+            Err(_) => (0, None),
         };
-        let mine = counts[self.rank()];
-        let counts = counts.to_vec();
-        self.submit(move |inner| {
-            let mut out = vec![T::zeroed(); mine];
-            let bufs = Bufs::Split {
-                input: bytemuck::cast_slice(&send),
-                output: bytemuck::cast_slice_mut(&mut out),
-            };
-            let count = Count::parts(total, &counts);
-            inner.execute(c, Some(T::DTYPE), op, count, false, bufs)?;
-            Ok(out)
-        })
+        self.split_async(checked.map(drop), c, Some(op), count, send, recv)
     }
 
-    /// Asynchronous all-gather of every rank's `send` into a new buffer of `count` elements
-    /// (`send` must hold this rank's chunk of `count`).
-    pub fn all_gather_async<T: Element>(&self, send: Vec<T>, count: usize) -> Work<Vec<T>> {
-        let want = self.chunk_range(count).len();
-        if let Err(e) = same_len(
-            Collective::AllGather,
-            send.len(),
-            want,
-            "send",
-            "this rank's chunk of count",
-        ) {
-            return Work::failed(e);
+    /// Asynchronous [`Communicator::all_gather`]: returns `send` and `recv`, which holds every
+    /// rank's chunk (`send` is this rank's chunk of `recv`).
+    pub fn all_gather_async<T: Element>(
+        &self,
+        send: Vec<T>,
+        recv: Vec<T>,
+    ) -> Work<(Vec<T>, Vec<T>)> {
+        let c = Collective::AllGather;
+        let want = self.chunk_range(recv.len()).len();
+        let checked = same_len(c, send.len(), want, "send", "this rank's chunk of recv");
+        let count = (recv.len(), None);
+        self.split_async(checked, c, None, count, send, recv)
+    }
+
+    /// Asynchronous in-place [`Communicator::broadcast`] of the root's buffer.
+    pub fn broadcast_async<T: Element>(&self, buf: Vec<T>, root: usize) -> Work<Vec<T>> {
+        match self.rooted(Collective::Broadcast { root }, root) {
+            Ok(c) => self.in_place_async(c, ReduceOp::Sum, buf),
+            Err(e) => Work::failed(e),
         }
-        self.submit(move |inner| {
-            let mut out = vec![T::zeroed(); count];
-            let bufs = Bufs::Split {
-                input: bytemuck::cast_slice(&send),
-                output: bytemuck::cast_slice_mut(&mut out),
-            };
-            inner.execute(
-                Collective::AllGather,
-                Some(T::DTYPE),
-                ReduceOp::Sum,
-                count.into(),
-                false,
-                bufs,
-            )?;
-            Ok(out)
-        })
-    }
-
-    /// Asynchronous in-place broadcast of the root's buffer.
-    pub fn broadcast_async<T: Element>(&self, mut buf: Vec<T>, root: usize) -> Work<Vec<T>> {
-        let c = match self.rooted(Collective::Broadcast { root }, root) {
-            Ok(c) => c,
-            Err(e) => return Work::failed(e),
-        };
-        self.submit(move |inner| {
-            let n = buf.len();
-            inner.execute(
-                c,
-                Some(T::DTYPE),
-                ReduceOp::Sum,
-                n.into(),
-                true,
-                Bufs::One(bytemuck::cast_slice_mut(&mut buf)),
-            )?;
-            Ok(buf)
-        })
     }
 
     /// Asynchronous in-place [`Communicator::reduce`]: the root's buffer comes back holding the
@@ -140,10 +93,17 @@ impl Communicator {
         }
     }
 
-    /// Asynchronous in-place [`Communicator::ring_shift`]: the buffer goes to the next rank and
-    /// comes back holding the previous rank's.
-    pub fn ring_shift_async<T: Element>(&self, buf: Vec<T>) -> Work<Vec<T>> {
-        self.in_place_async(Collective::RingShift, ReduceOp::Sum, buf)
+    /// Asynchronous [`Communicator::ring_shift`]: returns `send` and `recv`, which holds the
+    /// previous rank's `send`.
+    pub fn ring_shift_async<T: Element>(
+        &self,
+        send: Vec<T>,
+        recv: Vec<T>,
+    ) -> Work<(Vec<T>, Vec<T>)> {
+        let c = Collective::RingShift;
+        let checked = same_len(c, send.len(), recv.len(), "send", "recv");
+        let count = (send.len(), None);
+        self.split_async(checked, c, None, count, send, recv)
     }
 
     /// Asynchronous [`Communicator::barrier`]: the `Work` completes once every rank has entered
@@ -162,115 +122,106 @@ impl Communicator {
         })
     }
 
-    /// Asynchronous [`Communicator::all_to_all`]: returns the blocks received, in rank order.
-    pub fn all_to_all_async<T: Element>(&self, send: Vec<T>) -> Work<Vec<T>> {
-        if let Err(e) = self.whole_blocks(send.len()) {
+    /// Asynchronous [`Communicator::all_to_all`]: returns `send` and `recv`, which holds the
+    /// blocks received, in rank order.
+    pub fn all_to_all_async<T: Element>(
+        &self,
+        send: Vec<T>,
+        mut recv: Vec<T>,
+    ) -> Work<(Vec<T>, Vec<T>)> {
+        let c = Collective::AllToAll;
+        let checked = same_len(c, send.len(), recv.len(), "send", "recv")
+            .and_then(|()| self.whole_blocks(send.len()));
+        if let Err(e) = checked {
             return Work::failed(e);
         }
         self.submit(move |inner| {
-            let mut out = vec![T::zeroed(); send.len()];
-            let input = bytemuck::cast_slice(&send);
-            inner.all_to_all(
-                T::DTYPE,
-                send.len(),
-                input,
-                bytemuck::cast_slice_mut(&mut out),
-            )?;
-            Ok(out)
+            let (input, output) = (
+                bytemuck::cast_slice(&send),
+                bytemuck::cast_slice_mut(&mut recv),
+            );
+            inner.all_to_all(T::DTYPE, send.len(), input, output)?;
+            Ok((send, recv))
         })
     }
 
-    /// Asynchronous [`Communicator::all_to_all_v`]: returns the blocks received (the sum of
-    /// `recv_counts`), in rank order.
+    /// Asynchronous [`Communicator::all_to_all_v`]: returns `send` and `recv`, which holds the
+    /// blocks received (`recv_counts`), in rank order.
     pub fn all_to_all_v_async<T: Element>(
         &self,
         send: Vec<T>,
         send_counts: &[usize],
+        mut recv: Vec<T>,
         recv_counts: &[usize],
-    ) -> Work<Vec<T>> {
-        let c = Collective::AllToAllV;
-        let total = sum(recv_counts);
-        let prepared = self
-            .all_to_all_v_layout((send_counts, send.len()), (recv_counts, total))
-            .and_then(|at| Ok((at, zeroed::<T>(c, "recv", total)?)));
-        let ((sd, rd), mut out) = match prepared {
-            Ok(p) => p,
+    ) -> Work<(Vec<T>, Vec<T>)> {
+        let layout = self.all_to_all_v_layout((send_counts, send.len()), (recv_counts, recv.len()));
+        let (sd, rd) = match layout {
+            Ok(at) => at,
             Err(e) => return Work::failed(e),
         };
         self.submit(move |inner| {
-            let send = bytemuck::cast_slice(&send);
-            inner.all_to_all_v(
-                T::DTYPE,
-                (send, &sd),
-                (bytemuck::cast_slice_mut(&mut out), &rd),
-            )?;
-            Ok(out)
+            let input = bytemuck::cast_slice(&send);
+            let output = bytemuck::cast_slice_mut(&mut recv);
+            inner.all_to_all_v(T::DTYPE, (input, &sd), (output, &rd))?;
+            Ok((send, recv))
         })
     }
 
-    /// Asynchronous [`Communicator::all_gather_v`]: returns every rank's part (the sum of
-    /// `counts`), in rank order.
-    pub fn all_gather_v_async<T: Element>(&self, send: Vec<T>, counts: &[usize]) -> Work<Vec<T>> {
-        let c = Collective::AllGatherV;
-        let total = sum(counts);
-        let prepared = self
-            .all_gather_v_layout(send.len(), (counts, total))
-            .and_then(|at| Ok((at, zeroed::<T>(c, "recv", total)?)));
-        let (at, mut out) = match prepared {
-            Ok(p) => p,
+    /// Asynchronous [`Communicator::all_gather_v`]: returns `send` and `recv`, which holds
+    /// every rank's part (`counts`), in rank order.
+    pub fn all_gather_v_async<T: Element>(
+        &self,
+        send: Vec<T>,
+        mut recv: Vec<T>,
+        counts: &[usize],
+    ) -> Work<(Vec<T>, Vec<T>)> {
+        let at = match self.all_gather_v_layout(send.len(), (counts, recv.len())) {
+            Ok(at) => at,
             Err(e) => return Work::failed(e),
         };
         self.submit(move |inner| {
-            let send = bytemuck::cast_slice(&send);
-            let out_bytes = bytemuck::cast_slice_mut(&mut out);
-            inner.all_gather_v(inner.cfg.algo, T::DTYPE, Some(send), out_bytes, &at)?;
-            Ok(out)
+            let input = bytemuck::cast_slice(&send);
+            let output = bytemuck::cast_slice_mut(&mut recv);
+            inner.all_gather_v(inner.cfg.algo, T::DTYPE, Some(input), output, &at)?;
+            Ok((send, recv))
         })
     }
 
-    /// Asynchronous [`Communicator::gather`]: the root gets every rank's `send` in rank order
-    /// (`size()` × `send.len()` elements); other ranks get an empty `Vec`.
-    pub fn gather_async<T: Element>(&self, send: Vec<T>, root: usize) -> Work<Vec<T>> {
+    /// Asynchronous [`Communicator::gather`]: returns `send` and `recv`, which on the root holds
+    /// every rank's `send` in rank order (other ranks pass an empty `recv`).
+    pub fn gather_async<T: Element>(
+        &self,
+        send: Vec<T>,
+        mut recv: Vec<T>,
+        root: usize,
+    ) -> Work<(Vec<T>, Vec<T>)> {
         let c = Collective::Gather { root };
-        let len = if self.rank() == root {
-            send.len().saturating_mul(self.size())
-        } else {
-            0
-        };
-        let prepared = self
-            .blocks_check(c, ("send", send.len()), ("recv", len))
-            .and_then(|()| zeroed::<T>(c, "recv", len));
-        let mut out = match prepared {
-            Ok(out) => out,
-            Err(e) => return Work::failed(e),
-        };
+        if let Err(e) = self.blocks_check(c, ("send", send.len()), ("recv", recv.len())) {
+            return Work::failed(e);
+        }
         self.submit(move |inner| {
-            let send = bytemuck::cast_slice(&send);
-            inner.gather(T::DTYPE, send, bytemuck::cast_slice_mut(&mut out), root)?;
-            Ok(out)
+            let output = bytemuck::cast_slice_mut(&mut recv);
+            inner.gather(T::DTYPE, bytemuck::cast_slice(&send), output, root)?;
+            Ok((send, recv))
         })
     }
 
-    /// Asynchronous [`Communicator::scatter`]: returns this rank's block (`count` elements) of
-    /// the root's `send` (`size()` × `count` elements; other ranks pass an empty `Vec`).
+    /// Asynchronous [`Communicator::scatter`]: returns `send` and `recv`, which holds this
+    /// rank's block of the root's `send` (other ranks pass an empty `send`).
     pub fn scatter_async<T: Element>(
         &self,
         send: Vec<T>,
-        count: usize,
+        mut recv: Vec<T>,
         root: usize,
-    ) -> Work<Vec<T>> {
+    ) -> Work<(Vec<T>, Vec<T>)> {
         let c = Collective::Scatter { root };
-        let prepared = self
-            .blocks_check(c, ("recv", count), ("send", send.len()))
-            .and_then(|()| zeroed::<T>(c, "recv", count));
-        let mut out = match prepared {
-            Ok(out) => out,
-            Err(e) => return Work::failed(e),
-        };
+        if let Err(e) = self.blocks_check(c, ("recv", recv.len()), ("send", send.len())) {
+            return Work::failed(e);
+        }
         self.submit(move |inner| {
-            let recv = bytemuck::cast_slice_mut(&mut out);
-            inner.scatter(T::DTYPE, bytemuck::cast_slice(&send), recv, root)?;
-            Ok(out)
+            let output = bytemuck::cast_slice_mut(&mut recv);
+            inner.scatter(T::DTYPE, bytemuck::cast_slice(&send), output, root)?;
+            Ok((send, recv))
         })
     }
 
@@ -354,28 +305,33 @@ impl Communicator {
             Ok(buf)
         })
     }
-}
 
-/// The sum of `counts`, or `usize::MAX` where it overflows (which [`offsets`] then refuses,
-/// naming the counts).
-fn sum(counts: &[usize]) -> usize {
-    counts
-        .iter()
-        .try_fold(0usize, |a, &k| a.checked_add(k))
-        .unwrap_or(usize::MAX)
-}
-
-/// A zeroed buffer of `len` elements for `c`'s output `what`, or an error that says it cannot
-/// be allocated (counts that add up to more than memory holds are bad input, not a crash).
-fn zeroed<T: Element>(c: Collective, what: &str, len: usize) -> Result<Vec<T>> {
-    let mut v = Vec::new();
-    if v.try_reserve_exact(len).is_err() {
-        let bytes = len as u128 * std::mem::size_of::<T>() as u128;
-        return Err(refused(
-            c,
-            format!("{what} would need {len} elements ({bytes} bytes), more than can be allocated"),
-        ));
+    /// Queue ring collective `c` (its buffers `checked` by the caller) from `send` into `recv`
+    /// on `total` elements (in `parts` for a v-collective); the `Work` gives both back.
+    fn split_async<T: Element>(
+        &self,
+        checked: Result<()>,
+        c: Collective,
+        op: Option<ReduceOp>,
+        (total, parts): (usize, Option<Vec<usize>>),
+        send: Vec<T>,
+        mut recv: Vec<T>,
+    ) -> Work<(Vec<T>, Vec<T>)> {
+        if let Err(e) = checked {
+            return Work::failed(e);
+        }
+        self.submit(move |inner| {
+            let count = match &parts {
+                Some(parts) => Count::parts(total, parts),
+                None => total.into(),
+            };
+            let bufs = Bufs::Split {
+                input: bytemuck::cast_slice(&send),
+                output: bytemuck::cast_slice_mut(&mut recv),
+            };
+            let op = op.unwrap_or(ReduceOp::Sum);
+            inner.execute(c, Some(T::DTYPE), op, count, false, bufs)?;
+            Ok((send, recv))
+        })
     }
-    v.resize(len, T::zeroed());
-    Ok(v)
 }

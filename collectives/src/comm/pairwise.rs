@@ -24,6 +24,7 @@ use super::pairs::{pairs_of, Watch};
 use super::{offsets, own_part, refused, Communicator, Inner, State};
 use crate::bootstrap::Role;
 use crate::error::Result;
+use crate::input::Input;
 use crate::ring::engine::{self, Bufs, Links};
 use crate::ring::failure;
 use crate::ring::lanes::Lane;
@@ -84,53 +85,17 @@ impl Communicator {
     ///   first frame (the counts' digest is in the call's fingerprint).
     ///
     /// [`Communicator::all_gather`] is the form for balanced chunks.
-    pub fn all_gather_v<T: Element>(
+    ///
+    /// With [`InPlace`](crate::InPlace) as `send`, this rank's part of `recv` (`counts[rank]`
+    /// elements after the parts of the ranks before it) is sent and every other part is
+    /// overwritten. [`Communicator::with_algo`] picks the algorithm for one call.
+    pub fn all_gather_v<'a, T: Element>(
         &self,
-        send: &[T],
+        send: impl Into<Input<'a, [T]>>,
         recv: &mut [T],
         counts: &[usize],
     ) -> Result<()> {
-        self.all_gather_v_with(send, recv, counts, self.inner.cfg.algo)
-    }
-
-    /// In-place [`Communicator::all_gather_v`]: this rank's part of `buf` (`counts[rank]`
-    /// elements after the parts of the ranks before it) is sent, every other part is
-    /// overwritten.
-    pub fn all_gather_v_in_place<T: Element>(&self, buf: &mut [T], counts: &[usize]) -> Result<()> {
-        self.all_gather_v_in_place_with(buf, counts, self.inner.cfg.algo)
-    }
-
-    /// [`Communicator::all_gather_v`] as `algo` chooses, whatever `RINGZERO_ALGO` says
-    /// ([`Algo::Ring`](crate::Algo::Ring): the ring; [`Algo::Doubling`](crate::Algo::Doubling):
-    /// the pairs). Every rank must make the same choice: ranks that differ fail at the first
-    /// frame, both calls named.
-    pub fn all_gather_v_with<T: Element>(
-        &self,
-        send: &[T],
-        recv: &mut [T],
-        counts: &[usize],
-        algo: crate::Algo,
-    ) -> Result<()> {
-        let at = self.all_gather_v_layout(send.len(), (counts, recv.len()))?;
-        self.wait_async_idle();
-        let (send, recv) = (bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv));
-        self.inner
-            .all_gather_v(algo, T::DTYPE, Some(send), recv, &at)
-    }
-
-    /// [`Communicator::all_gather_v_in_place`] as `algo` chooses (see
-    /// [`Communicator::all_gather_v_with`]).
-    pub fn all_gather_v_in_place_with<T: Element>(
-        &self,
-        buf: &mut [T],
-        counts: &[usize],
-        algo: crate::Algo,
-    ) -> Result<()> {
-        let c = Collective::AllGatherV;
-        let at = offsets(c, ("counts", counts), self.size(), ("buf", buf.len()))?;
-        self.wait_async_idle();
-        let buf = bytemuck::cast_slice_mut(buf);
-        self.inner.all_gather_v(algo, T::DTYPE, None, buf, &at)
+        self.by_config().all_gather_v(send, recv, counts)
     }
 
     /// Gather (`MPI_Gather`): the root's `recv` (`size()` times `send.len()` elements) ends with

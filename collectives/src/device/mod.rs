@@ -37,6 +37,7 @@ use ringzero_kernels::{DType, Element, ReduceOp};
 
 use crate::comm::{offsets, own_part};
 use crate::error::{Error, Result};
+use crate::input::Input;
 use crate::ring::device_engine::DevBufs;
 use crate::ring::{Collective, Count};
 use crate::transport::device::DevPtr;
@@ -268,13 +269,17 @@ impl<S: Stream> DeviceComm<S> {
         }
     }
 
+    /// Run `c` from `send` into `recv`, or in place in `recv`.
     fn out_of_place<B: DeviceMemory<S> + ?Sized>(
         &self,
         c: Collective,
         op: ReduceOp,
-        send: &B,
+        send: Input<'_, B>,
         recv: &mut B,
     ) -> Result<()> {
+        let Input::Buf(send) = send else {
+            return self.in_place(c, op, recv);
+        };
         let count = self.check_split(c, dims(send), dims(recv))?;
         let bufs = split(self.stream(), send, recv);
         // SAFETY: `send` and `recv` are borrowed (shared and exclusive, so distinct) for the
@@ -297,79 +302,61 @@ impl<S: Stream> DeviceComm<S> {
     }
 
     /// Every rank ends with `op` over every rank's `send`, in `recv`.
-    pub fn all_reduce<B: DeviceMemory<S> + ?Sized>(
+    ///
+    /// With [`InPlace`](crate::InPlace) as `send`, `recv` holds the input and gets the result.
+    pub fn all_reduce<'a, B: DeviceMemory<S> + ?Sized + 'a>(
         &self,
-        send: &B,
+        send: impl Into<Input<'a, B>>,
         recv: &mut B,
         op: ReduceOp,
     ) -> Result<()> {
-        self.out_of_place(Collective::AllReduce, op, send, recv)
-    }
-
-    /// In-place all-reduce.
-    pub fn all_reduce_in_place<B: DeviceMemory<S> + ?Sized>(
-        &self,
-        buf: &mut B,
-        op: ReduceOp,
-    ) -> Result<()> {
-        self.in_place(Collective::AllReduce, op, buf)
+        self.out_of_place(Collective::AllReduce, op, send.into(), recv)
     }
 
     /// Rank `r` ends with chunk `r` (see [`DeviceComm::chunk_range`]) of `op` over every rank's
     /// `send`.
-    pub fn reduce_scatter<B: DeviceMemory<S> + ?Sized>(
+    ///
+    /// With [`InPlace`](crate::InPlace) as `send`, `recv` is the whole input; the reduced chunk
+    /// [`DeviceComm::chunk_range`]`(recv.elems())` is written over that part of it and the rest is
+    /// left as it was.
+    pub fn reduce_scatter<'a, B: DeviceMemory<S> + ?Sized + 'a>(
         &self,
-        send: &B,
+        send: impl Into<Input<'a, B>>,
         recv: &mut B,
         op: ReduceOp,
     ) -> Result<()> {
-        self.out_of_place(Collective::ReduceScatter, op, send, recv)
-    }
-
-    /// In-place reduce-scatter: the reduced chunk [`DeviceComm::chunk_range`]`(buf.elems())` is
-    /// written over that part of `buf`; the rest of `buf` is left as it was.
-    pub fn reduce_scatter_in_place<B: DeviceMemory<S> + ?Sized>(
-        &self,
-        buf: &mut B,
-        op: ReduceOp,
-    ) -> Result<()> {
-        self.in_place(Collective::ReduceScatter, op, buf)
+        self.out_of_place(Collective::ReduceScatter, op, send.into(), recv)
     }
 
     /// Reduce-scatter with a part per rank: rank `i` ends with the `counts[i]` elements of the
     /// reduction that follow the parts of the ranks before it, so `counts` (one per rank, the
     /// same on every rank) add up to `send`'s length and `recv` holds `counts[rank]`. The rules
     /// are [`crate::Communicator::reduce_scatter_v`]'s.
-    pub fn reduce_scatter_v<B: DeviceMemory<S> + ?Sized>(
+    ///
+    /// With [`InPlace`](crate::InPlace) as `send`, `recv` is the whole input; this rank's part of
+    /// it is overwritten with the reduction and the rest is left as it was.
+    pub fn reduce_scatter_v<'a, B: DeviceMemory<S> + ?Sized + 'a>(
         &self,
-        send: &B,
+        send: impl Into<Input<'a, B>>,
         recv: &mut B,
         counts: &[usize],
         op: ReduceOp,
     ) -> Result<()> {
-        self.split_v(Collective::ReduceScatterV, op, send, recv, counts)
+        self.split_v(Collective::ReduceScatterV, op, send.into(), recv, counts)
     }
 
-    /// In-place [`DeviceComm::reduce_scatter_v`]: this rank's part of `buf` is overwritten with
-    /// the reduction; the rest of `buf` is left as it was.
-    pub fn reduce_scatter_v_in_place<B: DeviceMemory<S> + ?Sized>(
-        &self,
-        buf: &mut B,
-        counts: &[usize],
-        op: ReduceOp,
-    ) -> Result<()> {
-        self.one_v(Collective::ReduceScatterV, op, buf, counts)
-    }
-
-    /// An out-of-place v-collective `c` ([`v_total`] checks the buffers).
+    /// A v-collective `c` out of place ([`v_total`] checks the buffers) or in place.
     fn split_v<B: DeviceMemory<S> + ?Sized>(
         &self,
         c: Collective,
         op: ReduceOp,
-        send: &B,
+        send: Input<'_, B>,
         recv: &mut B,
         counts: &[usize],
     ) -> Result<()> {
+        let Input::Buf(send) = send else {
+            return self.one_v(c, op, recv, counts);
+        };
         let total = v_total(
             c,
             (dims(send), dims(recv)),
@@ -390,7 +377,7 @@ impl<S: Stream> DeviceComm<S> {
         buf: &mut B,
         counts: &[usize],
     ) -> Result<()> {
-        let at = offsets(c, ("counts", counts), self.size(), ("buf", buf.elems()))?;
+        let at = offsets(c, ("counts", counts), self.size(), ("recv", buf.elems()))?;
         let dtype = buf.dtype();
         let bufs = one(self.stream(), buf);
         let count = Count::parts(at[counts.len()], counts);
@@ -405,87 +392,79 @@ impl<S: Stream> DeviceComm<S> {
     /// (the host communicator sends to every rank directly instead): each step moves one part a
     /// hop, so a step takes as long as the largest part's slice, and parts of very different
     /// sizes leave links idle.
-    pub fn all_gather_v<B: DeviceMemory<S> + ?Sized>(
+    ///
+    /// With [`InPlace`](crate::InPlace) as `send`, `recv`'s own part (where `counts` put it) is
+    /// sent and every other part is overwritten.
+    pub fn all_gather_v<'a, B: DeviceMemory<S> + ?Sized + 'a>(
         &self,
-        send: &B,
+        send: impl Into<Input<'a, B>>,
         recv: &mut B,
         counts: &[usize],
     ) -> Result<()> {
-        self.split_v(Collective::AllGatherV, ReduceOp::Sum, send, recv, counts)
-    }
-
-    /// In-place [`DeviceComm::all_gather_v`]: this rank's part of `buf` (where `counts` put it)
-    /// is sent; every other part is overwritten.
-    pub fn all_gather_v_in_place<B: DeviceMemory<S> + ?Sized>(
-        &self,
-        buf: &mut B,
-        counts: &[usize],
-    ) -> Result<()> {
-        self.one_v(Collective::AllGatherV, ReduceOp::Sum, buf, counts)
+        self.split_v(
+            Collective::AllGatherV,
+            ReduceOp::Sum,
+            send.into(),
+            recv,
+            counts,
+        )
     }
 
     /// Every rank ends with every rank's chunk of `recv` (this rank contributes `send`).
-    pub fn all_gather<B: DeviceMemory<S> + ?Sized>(&self, send: &B, recv: &mut B) -> Result<()> {
-        self.out_of_place(Collective::AllGather, ReduceOp::Sum, send, recv)
-    }
-
-    /// In-place all-gather: this rank's chunk of `buf` is sent, every other chunk is
-    /// overwritten.
-    pub fn all_gather_in_place<B: DeviceMemory<S> + ?Sized>(&self, buf: &mut B) -> Result<()> {
-        self.in_place(Collective::AllGather, ReduceOp::Sum, buf)
+    ///
+    /// With [`InPlace`](crate::InPlace) as `send`, this rank's chunk of `recv` is sent and every
+    /// other chunk is overwritten.
+    pub fn all_gather<'a, B: DeviceMemory<S> + ?Sized + 'a>(
+        &self,
+        send: impl Into<Input<'a, B>>,
+        recv: &mut B,
+    ) -> Result<()> {
+        self.out_of_place(Collective::AllGather, ReduceOp::Sum, send.into(), recv)
     }
 
     /// Every rank's `recv` ends with `root`'s `send`. On other ranks `send` is not read (and may
     /// be empty); on the root it must be as long as `recv`.
-    pub fn broadcast<B: DeviceMemory<S> + ?Sized>(
+    ///
+    /// With [`InPlace`](crate::InPlace) as `send`, the root's `recv` is what every rank gets.
+    pub fn broadcast<'a, B: DeviceMemory<S> + ?Sized + 'a>(
         &self,
-        send: &B,
+        send: impl Into<Input<'a, B>>,
         recv: &mut B,
         root: usize,
     ) -> Result<()> {
-        self.out_of_place(Collective::Broadcast { root }, ReduceOp::Sum, send, recv)
-    }
-
-    /// Every rank ends with `root`'s `buf`.
-    pub fn broadcast_in_place<B: DeviceMemory<S> + ?Sized>(
-        &self,
-        buf: &mut B,
-        root: usize,
-    ) -> Result<()> {
-        self.in_place(Collective::Broadcast { root }, ReduceOp::Sum, buf)
+        self.out_of_place(
+            Collective::Broadcast { root },
+            ReduceOp::Sum,
+            send.into(),
+            recv,
+        )
     }
 
     /// `op` over every rank's `send` into `root`'s `recv` (as long as `send`). On other ranks
     /// `recv` is not written (and may be empty).
-    pub fn reduce<B: DeviceMemory<S> + ?Sized>(
+    ///
+    /// With [`InPlace`](crate::InPlace) as `send`, every rank's `recv` is its input and the root's
+    /// gets the result; other ranks' buffers are unchanged.
+    pub fn reduce<'a, B: DeviceMemory<S> + ?Sized + 'a>(
         &self,
-        send: &B,
+        send: impl Into<Input<'a, B>>,
         recv: &mut B,
         op: ReduceOp,
         root: usize,
     ) -> Result<()> {
-        self.out_of_place(Collective::Reduce { root }, op, send, recv)
-    }
-
-    /// In-place reduce: `root`'s `buf` receives the result; other ranks' buffers are unchanged.
-    pub fn reduce_in_place<B: DeviceMemory<S> + ?Sized>(
-        &self,
-        buf: &mut B,
-        op: ReduceOp,
-        root: usize,
-    ) -> Result<()> {
-        self.in_place(Collective::Reduce { root }, op, buf)
+        self.out_of_place(Collective::Reduce { root }, op, send.into(), recv)
     }
 
     /// Send `send` to the next rank and receive the previous rank's buffer into `recv` (same
     /// length on every rank): the ring's raw streaming rate, and ring attention's exchange.
-    pub fn ring_shift<B: DeviceMemory<S> + ?Sized>(&self, send: &B, recv: &mut B) -> Result<()> {
-        self.out_of_place(Collective::RingShift, ReduceOp::Sum, send, recv)
-    }
-
-    /// In-place [`DeviceComm::ring_shift`].
-    pub fn ring_shift_in_place<B: DeviceMemory<S> + ?Sized>(&self, buf: &mut B) -> Result<()> {
-        self.in_place(Collective::RingShift, ReduceOp::Sum, buf)
+    ///
+    /// With [`InPlace`](crate::InPlace) as `send`, `recv` is sent and then overwritten.
+    pub fn ring_shift<'a, B: DeviceMemory<S> + ?Sized + 'a>(
+        &self,
+        send: impl Into<Input<'a, B>>,
+        recv: &mut B,
+    ) -> Result<()> {
+        self.out_of_place(Collective::RingShift, ReduceOp::Sum, send.into(), recv)
     }
 
     /// All-to-all: block `j` of `send` goes to rank `j`, and block `i` of `recv` comes from
@@ -501,15 +480,16 @@ impl<S: Stream> DeviceComm<S> {
     /// [`DeviceComm::all_to_all_v`] does, connected by the first such call), where the ring
     /// would carry every block that crosses between nodes, and every one that wraps round
     /// within a node, through the one ring edge out of each node.
-    pub fn all_to_all<B: DeviceMemory<S> + ?Sized>(&self, send: &B, recv: &mut B) -> Result<()> {
-        self.out_of_place(Collective::AllToAll, ReduceOp::Sum, send, recv)
-    }
-
-    /// In-place [`DeviceComm::all_to_all`]: `buf`'s blocks are sent from a copy (device memory
-    /// the communicator keeps for the next in-place call, as large as the largest `buf`), then
-    /// replaced by the blocks received.
-    pub fn all_to_all_in_place<B: DeviceMemory<S> + ?Sized>(&self, buf: &mut B) -> Result<()> {
-        self.in_place(Collective::AllToAll, ReduceOp::Sum, buf)
+    ///
+    /// With [`InPlace`](crate::InPlace) as `send`, `recv`'s blocks are sent from a copy (device
+    /// memory the communicator keeps for the next in-place call, as large as the largest `recv`),
+    /// then replaced by the blocks received.
+    pub fn all_to_all<'a, B: DeviceMemory<S> + ?Sized + 'a>(
+        &self,
+        send: impl Into<Input<'a, B>>,
+        recv: &mut B,
+    ) -> Result<()> {
+        self.out_of_place(Collective::AllToAll, ReduceOp::Sum, send.into(), recv)
     }
 
     /// Return only once every rank has entered the barrier (and the device work queued by

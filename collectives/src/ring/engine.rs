@@ -636,6 +636,27 @@ fn apply(
     Ok(())
 }
 
+/// The abort check of a running call (see [`AbortFlag`]).
+impl AbortFlag {
+    /// An [`Error::Aborted`] for `call` once raised.
+    pub(crate) fn check(&self, call: &Call) -> Result<()> {
+        match self.reason() {
+            None => Ok(()),
+            Some(reason) => Err(Error::Aborted {
+                op: call.fp.to_string(),
+                seq: call.seq,
+                reason,
+            }),
+        }
+    }
+}
+
+impl TellAbort for Links {
+    fn tell_abort(&mut self, why: &str) {
+        self.abort(why);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -756,26 +777,5 @@ mod tests {
         });
         assert_eq!(got1, msg0);
         assert_eq!(got2, msg1);
-    }
-}
-
-/// The abort check of a running call (see [`AbortFlag`]).
-impl AbortFlag {
-    /// An [`Error::Aborted`] for `call` once raised.
-    pub(crate) fn check(&self, call: &Call) -> Result<()> {
-        match self.reason() {
-            None => Ok(()),
-            Some(reason) => Err(Error::Aborted {
-                op: call.fp.to_string(),
-                seq: call.seq,
-                reason,
-            }),
-        }
-    }
-}
-
-impl TellAbort for Links {
-    fn tell_abort(&mut self, why: &str) {
-        self.abort(why);
     }
 }

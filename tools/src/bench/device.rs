@@ -10,7 +10,8 @@
 use std::sync::Arc;
 
 use ringzero_collectives::{
-    Collective, Communicator, DType, DeviceComm, DeviceMemory, HostStream, ReduceOp, Result, Stream,
+    Collective, Communicator, DType, DeviceComm, DeviceMemory, HostStream, InPlace, ReduceOp,
+    Result, Stream,
 };
 use ringzero_kernels::device::cuda::raw::HostRegistration;
 use ringzero_kernels::device::cuda::{DeviceBuffer, Gpu};
@@ -222,25 +223,25 @@ fn call<D: BenchDev>(
 ) -> Result<()> {
     match (op, inplace) {
         (Collective::AllReduce, false) => dc.all_reduce(send, recv, redop),
-        (Collective::AllReduce, true) => dc.all_reduce_in_place(send, redop),
+        (Collective::AllReduce, true) => dc.all_reduce(InPlace, send, redop),
         (Collective::ReduceScatter, false) => dc.reduce_scatter(send, recv, redop),
-        (Collective::ReduceScatter, true) => dc.reduce_scatter_in_place(send, redop),
+        (Collective::ReduceScatter, true) => dc.reduce_scatter(InPlace, send, redop),
         (Collective::AllGather, false) => dc.all_gather(send, recv),
-        (Collective::AllGather, true) => dc.all_gather_in_place(recv),
+        (Collective::AllGather, true) => dc.all_gather(InPlace, recv),
         (Collective::Broadcast { root }, false) => dc.broadcast(send, recv, root),
-        (Collective::Broadcast { root }, true) => dc.broadcast_in_place(send, root),
+        (Collective::Broadcast { root }, true) => dc.broadcast(InPlace, send, root),
         (Collective::Reduce { root }, false) => dc.reduce(send, recv, redop, root),
-        (Collective::Reduce { root }, true) => dc.reduce_in_place(send, redop, root),
+        (Collective::Reduce { root }, true) => dc.reduce(InPlace, send, redop, root),
         (Collective::Barrier, _) => dc.barrier(),
         (Collective::RingShift, false) => dc.ring_shift(send, recv),
-        (Collective::RingShift, true) => dc.ring_shift_in_place(send),
+        (Collective::RingShift, true) => dc.ring_shift(InPlace, send),
         (Collective::ReduceScatterV, false) => {
             let counts = super::sweep::balanced(dc.size(), send.elems());
             dc.reduce_scatter_v(send, recv, &counts, redop)
         }
         (Collective::ReduceScatterV, true) => {
             let counts = super::sweep::balanced(dc.size(), send.elems());
-            dc.reduce_scatter_v_in_place(send, &counts, redop)
+            dc.reduce_scatter_v(InPlace, send, &counts, redop)
         }
         (Collective::AllGatherV, false) => {
             let counts = super::sweep::balanced(dc.size(), recv.elems());
@@ -248,7 +249,7 @@ fn call<D: BenchDev>(
         }
         (Collective::AllGatherV, true) => {
             let counts = super::sweep::balanced(dc.size(), recv.elems());
-            dc.all_gather_v_in_place(recv, &counts)
+            dc.all_gather_v(InPlace, recv, &counts)
         }
         (Collective::AllToAll, false) => dc.all_to_all(send, recv),
         (Collective::AllToAllV, false) => {
@@ -259,7 +260,7 @@ fn call<D: BenchDev>(
             None => Ok(()),
             Some(peer) => dc.send_recv(send, recv, peer),
         },
-        (Collective::AllToAll, true) => dc.all_to_all_in_place(send),
+        (Collective::AllToAll, true) => dc.all_to_all(InPlace, send),
         (Collective::Gather { root }, false) => dc.gather(send, recv, root),
         (Collective::Scatter { root }, false) => dc.scatter(send, recv, root),
         (
@@ -292,7 +293,7 @@ pub fn ring_links<D: BenchDev>(
     let (mut send, mut recv) = buffers(dc, dtype, (vec![1.0; count], vec![0.0; recv_len]))?;
     let shift = |send: &mut D::Buf, recv: &mut D::Buf| {
         if inplace {
-            dc.ring_shift_in_place(send)
+            dc.ring_shift(InPlace, send)
         } else {
             dc.ring_shift(send, recv)
         }
@@ -306,7 +307,7 @@ pub fn ring_links<D: BenchDev>(
         shift(&mut send, &mut recv)?;
     }
     let mut slowest = [t.elapsed().as_secs_f64() / iters as f64];
-    comm.all_reduce_in_place(&mut slowest, ReduceOp::Max)?;
+    comm.all_reduce(InPlace, &mut slowest, ReduceOp::Max)?;
     Ok((count * dtype.size()) as f64 / slowest[0] / 1e9)
 }
 

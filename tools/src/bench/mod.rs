@@ -13,7 +13,7 @@ pub mod report;
 pub mod sweep;
 pub mod theory;
 
-use ringzero_collectives::{Collective, Communicator, DType, ReduceOp, Result};
+use ringzero_collectives::{Collective, Communicator, DType, InPlace, ReduceOp, Result};
 
 use report::{Header, Report};
 
@@ -244,7 +244,7 @@ fn device_bound<D: device::BenchDev>(
             Err(e) => eprintln!("ringzero bench: no device baseline ({e}); rows carry no bound"),
         }
     }
-    comm.broadcast_in_place(&mut v, 0)?;
+    comm.broadcast(InPlace, &mut v, 0)?;
     if v[0].is_nan() {
         return Ok((None, None));
     }

@@ -25,7 +25,7 @@ use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
 use ringzero_collectives::internals::transport::TransportKind;
-use ringzero_collectives::{Communicator, ReduceOp, Result};
+use ringzero_collectives::{Communicator, InPlace, ReduceOp, Result};
 use serde::Serialize;
 
 use super::theory::Model;
@@ -75,7 +75,7 @@ pub fn measure(comm: &Communicator, stream_bytes: usize) -> Result<Probe> {
     let mut tcp_pair = None;
     let (alpha_us, betas) = if n > 1 {
         // α is one ring step: the ring's barrier (n − 1 hops), whatever RINGZERO_ALGO picks.
-        let ring_barrier = || comm.barrier_with(ringzero_collectives::Algo::Ring);
+        let ring_barrier = || comm.with_algo(ringzero_collectives::Algo::Ring).barrier();
         for _ in 0..20 {
             ring_barrier()?;
         }
@@ -85,7 +85,7 @@ pub fn measure(comm: &Communicator, stream_bytes: usize) -> Result<Probe> {
             ring_barrier()?;
         }
         let mut a = vec![t.elapsed().as_secs_f64() * 1e6 / reps as f64 / (n - 1) as f64];
-        comm.all_reduce_in_place(&mut a, ReduceOp::Avg)?;
+        comm.all_reduce(InPlace, &mut a, ReduceOp::Avg)?;
 
         let send = vec![1u8; stream_bytes];
         let mut recv = vec![0u8; stream_bytes];
@@ -122,7 +122,7 @@ pub fn measure(comm: &Communicator, stream_bytes: usize) -> Result<Probe> {
         if peer.is_some() {
             copy[1] = median(&mut shared);
         }
-        comm.all_reduce_in_place(&mut copy, ReduceOp::Avg)?;
+        comm.all_reduce(InPlace, &mut copy, ReduceOp::Avg)?;
         memcpy = copy[0];
         shared_copy = peer.is_some().then_some(copy[1]);
         let mut all = vec![0f64; n];
@@ -137,7 +137,7 @@ pub fn measure(comm: &Communicator, stream_bytes: usize) -> Result<Probe> {
         let me = &comm.edges()[0];
         let name = format!("{}\t{}\t{}", me.kind, me.sockets, me.reason);
         let mut len = vec![name.len() as i64];
-        comm.all_reduce_in_place(&mut len, ReduceOp::Max)?;
+        comm.all_reduce(InPlace, &mut len, ReduceOp::Max)?;
         let width = len[0] as usize;
         let mut mine = name.into_bytes();
         mine.resize(width, b' ');
@@ -200,7 +200,7 @@ struct TcpBaseline {
 impl TcpBaseline {
     fn new(comm: &Communicator, chunk: usize) -> Result<TcpBaseline> {
         let mut any = vec![comm.edges().iter().any(|e| e.kind == TransportKind::Tcp) as i64];
-        comm.all_reduce_in_place(&mut any, ReduceOp::Max)?;
+        comm.all_reduce(InPlace, &mut any, ReduceOp::Max)?;
         let on = any[0] != 0;
         let pair = if on && comm.rank() == 0 {
             TcpPair::connect(chunk)
@@ -241,7 +241,7 @@ impl TcpBaseline {
         }
         self.rates.sort_by(f64::total_cmp);
         let mut m = vec![self.rates.get(self.rates.len() / 2).copied().unwrap_or(0.0)];
-        comm.broadcast_in_place(&mut m, 0)?;
+        comm.broadcast(InPlace, &mut m, 0)?;
         Ok((m[0] > 0.0).then_some(m[0]))
     }
 }
@@ -259,17 +259,17 @@ impl PeerBuffer {
         let (n, rank) = (comm.size(), comm.rank());
         // Every rank must take the same branch: agree on whether every edge is shm first.
         let mut other = vec![comm.edges().iter().any(|e| e.kind != TransportKind::Shm) as i64];
-        comm.all_reduce_in_place(&mut other, ReduceOp::Max)?;
+        comm.all_reduce(InPlace, &mut other, ReduceOp::Max)?;
         if len == 0 || other[0] != 0 {
             return Ok(None);
         }
         let mut token = vec![(rand::random::<u64>() >> 1) as i64];
-        comm.broadcast_in_place(&mut token, 0)?;
+        comm.broadcast(InPlace, &mut token, 0)?;
         let dir = &comm.config().shm_dir;
         let path = |r: usize| dir.join(format!("ringzero-bench-{:x}-{r}", token[0]));
         let own = Self::create(&path(rank), len, rank);
         let mut failed = vec![own.is_err() as i64];
-        comm.all_reduce_in_place(&mut failed, ReduceOp::Max)?;
+        comm.all_reduce(InPlace, &mut failed, ReduceOp::Max)?;
         let peer = if failed[0] == 0 {
             Self::open(&path((rank + n - 1) % n), len)
         } else {
@@ -278,7 +278,7 @@ impl PeerBuffer {
             ))
         };
         let mut failed = vec![peer.is_err() as i64];
-        comm.all_reduce_in_place(&mut failed, ReduceOp::Max)?;
+        comm.all_reduce(InPlace, &mut failed, ReduceOp::Max)?;
         // Every rank has mapped its peer's file (or given up): the names can go.
         let _ = std::fs::remove_file(path(rank));
         drop(own);

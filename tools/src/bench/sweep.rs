@@ -6,7 +6,9 @@
 
 use std::time::Instant;
 
-use ringzero_collectives::{chunk, Collective, Communicator, DType, Element, ReduceOp, Result};
+use ringzero_collectives::{
+    chunk, Collective, Communicator, DType, Element, InPlace, ReduceOp, Result,
+};
 use serde::Serialize;
 
 use super::exact;
@@ -223,9 +225,9 @@ fn group(comm: &Communicator, k: usize, f: &mut dyn FnMut() -> Result<()>) -> Re
 /// This rank's mean time per call (µs) averaged over ranks, and `wrong` summed over ranks.
 fn over_ranks(comm: &Communicator, mine_us: f64, wrong: u64) -> Result<(f64, u64)> {
     let mut time = vec![mine_us];
-    comm.all_reduce_in_place(&mut time, ReduceOp::Avg)?;
+    comm.all_reduce(InPlace, &mut time, ReduceOp::Avg)?;
     let mut w = vec![wrong as i64];
-    comm.all_reduce_in_place(&mut w, ReduceOp::Sum)?;
+    comm.all_reduce(InPlace, &mut w, ReduceOp::Sum)?;
     Ok((time[0], w[0] as u64))
 }
 
@@ -253,7 +255,7 @@ pub fn timed_with_model(
     let mut recv = vec![0u8; if inplace { 0 } else { link_bytes.max(1) }];
     let mut stream = || {
         if inplace {
-            comm.ring_shift_in_place(&mut send)
+            comm.ring_shift(InPlace, &mut send)
         } else {
             comm.ring_shift(&send, &mut recv)
         }
@@ -272,18 +274,18 @@ pub fn timed_with_model(
         streams += group(comm, k, &mut stream)?;
         // α is one ring step: the ring's barrier, whatever RINGZERO_ALGO picks for barriers.
         barriers += group(comm, k, &mut || {
-            comm.barrier_with(ringzero_collectives::Algo::Ring)
+            comm.with_algo(ringzero_collectives::Algo::Ring).barrier()
         })?;
     }
     let per = |total: f64| total * 1e6 / iters as f64;
     // α averaged over ranks; β the slowest edge's.
     let mut alpha = vec![per(barriers) / (n - 1).max(1) as f64];
-    comm.all_reduce_in_place(&mut alpha, ReduceOp::Avg)?;
+    comm.all_reduce(InPlace, &mut alpha, ReduceOp::Avg)?;
     let alpha_us = alpha[0];
     let stream_us = per(streams);
     let streamed = link_bytes.max(1) as f64;
     let mut beta = vec![streamed / ((stream_us - alpha_us).max(stream_us * 0.5) * 1e3)];
-    comm.all_reduce_in_place(&mut beta, ReduceOp::Min)?;
+    comm.all_reduce(InPlace, &mut beta, ReduceOp::Min)?;
     let (time_us, wrong) = over_ranks(comm, per(calls), wrong)?;
     let model = Model {
         alpha_us,
@@ -378,21 +380,27 @@ fn run<T: Element>(
     recv: &mut [T],
 ) -> Result<()> {
     match (op, inplace) {
-        (Collective::AllReduce, false) => comm.all_reduce_with(send, recv, redop, algo),
-        (Collective::AllReduce, true) => comm.all_reduce_in_place_with(send, redop, algo),
+        (Collective::AllReduce, false) => comm.with_algo(algo).all_reduce(send, recv, redop),
+        (Collective::AllReduce, true) => comm.with_algo(algo).all_reduce(InPlace, send, redop),
         (Collective::ReduceScatter, false) => comm.reduce_scatter(send, recv, redop),
-        (Collective::ReduceScatter, true) => comm.reduce_scatter_in_place(send, redop),
+        (Collective::ReduceScatter, true) => comm.reduce_scatter(InPlace, send, redop),
         (Collective::AllGather, false) => comm.all_gather(send, recv),
-        (Collective::AllGather, true) => comm.all_gather_in_place(recv),
-        (Collective::Broadcast { root }, false) => comm.broadcast_with(send, recv, root, algo),
-        (Collective::Broadcast { root }, true) => comm.broadcast_in_place_with(send, root, algo),
-        (Collective::Reduce { root }, false) => comm.reduce_with(send, recv, redop, root, algo),
-        (Collective::Reduce { root }, true) => comm.reduce_in_place_with(send, redop, root, algo),
-        (Collective::Barrier, _) => comm.barrier_with(algo),
+        (Collective::AllGather, true) => comm.all_gather(InPlace, recv),
+        (Collective::Broadcast { root }, false) => comm.with_algo(algo).broadcast(send, recv, root),
+        (Collective::Broadcast { root }, true) => {
+            comm.with_algo(algo).broadcast(InPlace, send, root)
+        }
+        (Collective::Reduce { root }, false) => {
+            comm.with_algo(algo).reduce(send, recv, redop, root)
+        }
+        (Collective::Reduce { root }, true) => {
+            comm.with_algo(algo).reduce(InPlace, send, redop, root)
+        }
+        (Collective::Barrier, _) => comm.with_algo(algo).barrier(),
         (Collective::RingShift, false) => comm.ring_shift(send, recv),
-        (Collective::RingShift, true) => comm.ring_shift_in_place(send),
+        (Collective::RingShift, true) => comm.ring_shift(InPlace, send),
         (Collective::AllToAll, false) => comm.all_to_all(send, recv),
-        (Collective::AllToAll, true) => comm.all_to_all_in_place(send),
+        (Collective::AllToAll, true) => comm.all_to_all(InPlace, send),
         (Collective::SendRecv, false) => match exact::partner(comm.rank(), comm.size()) {
             None => Ok(()),
             Some(peer) => comm.send_recv(send, recv, peer),
@@ -403,11 +411,11 @@ fn run<T: Element>(
         }
         (Collective::AllGatherV, false) => {
             let counts = balanced(comm.size(), recv.len());
-            comm.all_gather_v_with(send, recv, &counts, algo)
+            comm.with_algo(algo).all_gather_v(send, recv, &counts)
         }
         (Collective::AllGatherV, true) => {
             let counts = balanced(comm.size(), recv.len());
-            comm.all_gather_v_in_place_with(recv, &counts, algo)
+            comm.with_algo(algo).all_gather_v(InPlace, recv, &counts)
         }
         (Collective::ReduceScatterV, false) => {
             let counts = balanced(comm.size(), send.len());
@@ -415,7 +423,7 @@ fn run<T: Element>(
         }
         (Collective::ReduceScatterV, true) => {
             let counts = balanced(comm.size(), send.len());
-            comm.reduce_scatter_v_in_place(send, &counts, redop)
+            comm.reduce_scatter_v(InPlace, send, &counts, redop)
         }
         (Collective::Gather { root }, false) => comm.gather(send, recv, root),
         (Collective::Scatter { root }, false) => comm.scatter(send, recv, root),

@@ -192,7 +192,7 @@ fn bench(comm: &Communicator, d: &DemoCli, mlp: Mlp, zero: &ZeroConfig) -> anyho
             resume: None,
             save: None,
         };
-        let r = demo::run(&comm, &args, &mut |_| {})?;
+        let r = demo::run(comm, &args, &mut |_| {})?;
         rows.push((stage, prefetch, r));
     }
     if root {
@@ -280,7 +280,7 @@ fn train(comm: &Communicator, d: &DemoCli, mlp: Mlp, zero: ZeroConfig) -> anyhow
         println!("resuming from the checkpoint in {}", dir.display());
     }
     let mut seen = 0usize;
-    let r = demo::run(&comm, &args, &mut |l| {
+    let r = demo::run(comm, &args, &mut |l| {
         seen += 1;
         if root
             && (l.step % every == 0

@@ -10,7 +10,7 @@ use std::io::Read;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use ringzero_collectives::{Communicator, Config, ReduceOp, TransportPref};
+use ringzero_collectives::{Communicator, Config, InPlace, ReduceOp, TransportPref};
 use serde::{Deserialize, Serialize};
 
 /// How a probe ended.
@@ -215,7 +215,7 @@ fn ring(name: &str, transport: TransportPref) -> ProbeResult {
                     // ringzero's own all-reduce on exact values.
                     let mut x: Vec<f32> =
                         (0..4096).map(|i| (i % 13) as f32 + rank as f32).collect();
-                    comm.all_reduce_in_place(&mut x, ReduceOp::Sum)
+                    comm.all_reduce(InPlace, &mut x, ReduceOp::Sum)
                         .map_err(|e| e.to_string())?;
                     let bad = bad.or_else(|| {
                         (0..x.len())

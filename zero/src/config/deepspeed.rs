@@ -188,7 +188,7 @@ struct Reader<'a> {
 
 impl Reader<'_> {
     /// `v`, or what `"auto"` resolves to (noted).
-    fn auto<'v>(&mut self, key: &str, v: &'v Value, resolved: Value) -> Value {
+    fn auto(&mut self, key: &str, v: &Value, resolved: Value) -> Value {
         if v.as_str() == Some("auto") {
             self.notes.push(format!(
                 "`{key}`: \"auto\" is {resolved} (from the trainer's arguments)"
@@ -626,7 +626,6 @@ fn read_scheduler(
             )))
         }
     };
-    drop(take);
     for k in got.keys() {
         r.unknown.push(format!("scheduler.params.{k}"));
     }

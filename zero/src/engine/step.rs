@@ -4,7 +4,7 @@
 
 use std::time::Instant;
 
-use ringzero_collectives::{AdamAt, DeviceMemory, ReduceOp, TrainStream};
+use ringzero_collectives::{AdamAt, DeviceMemory, InPlace, ReduceOp, TrainStream};
 use ringzero_kernels::cpu::Float;
 
 use super::{dev, DevVec, Engine};
@@ -140,7 +140,7 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
             match stage {
                 0 => self
                     .comm
-                    .all_reduce_in_place(&mut self.grads[b], ReduceOp::Avg)?,
+                    .all_reduce(InPlace, &mut self.grads[b], ReduceOp::Avg)?,
                 1 => {
                     let len = self.led.part.buckets[b].len / n;
                     let mut shard = self.shards.take(self.comm.stream(), len, false)?;
@@ -160,7 +160,7 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
                 self.grads.iter_mut().collect()
             };
             for g in reduced {
-                rep.all_reduce_in_place(g, ReduceOp::Avg)?;
+                rep.all_reduce(InPlace, g, ReduceOp::Avg)?;
             }
         }
         self.wait.reduce += t0.elapsed();
@@ -202,7 +202,7 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
         for b in 0..self.params.len() {
             let shard = self.led.part.buckets[b].len / n;
             if shard <= piece {
-                self.comm.all_gather_in_place(&mut self.params[b])?;
+                self.comm.all_gather(InPlace, &mut self.params[b])?;
                 continue;
             }
             let own = self.led.part.owned(b, rank);
@@ -256,7 +256,7 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
             // which waits for the stream).
             unsafe { self.stream().write(buf.addr, bytemuck::bytes_of(&x)) }
                 .map_err(dev("uploading a scalar".into()))?;
-            self.comm.all_reduce_in_place(&mut buf, op)?;
+            self.comm.all_reduce(InPlace, &mut buf, op)?;
             let mut out = E::zeroed();
             // SAFETY: `buf` holds one `E`.
             unsafe {
