@@ -9,7 +9,8 @@ use ringzero_kernels::{DType, ReduceOp};
 
 use crate::config::Algo;
 use crate::error::{Error, Result};
-use crate::ring::engine::{self, Bufs, Call, Counters, Links};
+use crate::ring::call::Call;
+use crate::ring::engine::{self, Bufs, Counters, Links};
 use crate::ring::failure;
 use crate::ring::{plan, Collective, Count, PlanArgs};
 use crate::wire::Fingerprint;

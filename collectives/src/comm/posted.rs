@@ -27,7 +27,7 @@ use super::Inner;
 use crate::bootstrap::Role;
 use crate::connect;
 use crate::error::{Error, Result};
-use crate::ring::engine::{self, Bufs, Links, Patience, Tick};
+use crate::ring::engine::{Bufs, Links, Patience, Tick};
 use crate::ring::failure;
 use crate::ring::{plan_p2p, Collective, Plan};
 use crate::topology::Edge;
@@ -423,11 +423,9 @@ impl Inner {
                 .get_mut(&peer)
                 .expect("an unflushed pair is connected");
             let what = || format!("send to rank {peer}");
-            moved |= pair
-                .links
-                .tx
-                .progress()
-                .map_err(|e| engine::link_err(e, &what(), pair.sent, peer, self.rank, None))?;
+            moved |= pair.links.tx.progress().map_err(|e| {
+                crate::ring::call::link_err(e, &what(), pair.sent, peer, self.rank, None)
+            })?;
             if pair.links.tx.flushed() {
                 flushed.push(peer);
             }
@@ -488,7 +486,7 @@ impl Inner {
         &self,
         m: &mut Msg,
         send: bool,
-        f: impl FnOnce(&engine::Call, &mut Bufs, &mut usize, &str) -> R,
+        f: impl FnOnce(&crate::ring::call::Call, &mut Bufs, &mut usize, &str) -> R,
     ) -> R {
         let Msg {
             dtype,

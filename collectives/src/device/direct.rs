@@ -38,7 +38,7 @@ use ringzero_kernels::ReduceOp;
 use super::stream::{Share, Stream, GATHER_MAX};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
-use crate::ring::engine::Call;
+use crate::ring::call::Call;
 use crate::ring::engine::DevBufs;
 use crate::ring::{chunk, Collective};
 use crate::transport::board::{note, note_text, Board, Entry, Stall, Verdict};

@@ -66,7 +66,7 @@ impl<S: Stream> Core<S> {
         let until = Deadline::after(Instant::now(), deadline);
         let slot = loop {
             if let Some(a) = links.tx.reserve().map_err(|e| {
-                crate::ring::engine::link_err(e, what, seq, links.next, self.rank, None)
+                crate::ring::call::link_err(e, what, seq, links.next, self.rank, None)
             })? {
                 break a;
             }
@@ -121,9 +121,7 @@ impl<S: Stream> Core<S> {
         links
             .tx
             .post(&FrameHeader::data(seq, 0, 0, fp, len))
-            .map_err(|e| {
-                crate::ring::engine::link_err(e, what, seq, links.next, self.rank, None)
-            })?;
+            .map_err(|e| crate::ring::call::link_err(e, what, seq, links.next, self.rank, None))?;
         let expect = Expect {
             seq,
             step: 0,
@@ -132,11 +130,11 @@ impl<S: Stream> Core<S> {
             len,
         };
         let until = Deadline::after(Instant::now(), deadline);
-        let tx_err = |e, next| crate::ring::engine::link_err(e, what, seq, next, self.rank, None);
+        let tx_err = |e, next| crate::ring::call::link_err(e, what, seq, next, self.rank, None);
         let incoming = loop {
             links.tx.progress().map_err(|e| tx_err(e, links.next))?;
             if let Some(a) = links.rx.peek(&expect).map_err(|e| {
-                crate::ring::engine::link_err(e, what, seq, links.prev, self.rank, None)
+                crate::ring::call::link_err(e, what, seq, links.prev, self.rank, None)
             })? {
                 break a;
             }
@@ -156,9 +154,10 @@ impl<S: Stream> Core<S> {
             source: e,
         })?;
         links.rx.consume();
-        links.rx.release().map_err(|e| {
-            crate::ring::engine::link_err(e, what, seq, links.prev, self.rank, None)
-        })?;
+        links
+            .rx
+            .release()
+            .map_err(|e| crate::ring::call::link_err(e, what, seq, links.prev, self.rank, None))?;
         // Our own probe must have left (tcp) before the finding is all-gathered.
         while !links.tx.flushed() {
             links.tx.progress().map_err(|e| tx_err(e, links.next))?;

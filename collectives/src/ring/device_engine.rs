@@ -36,7 +36,8 @@
 use std::collections::VecDeque;
 use std::time::Instant;
 
-use super::engine::{expect, link_err, Call, LastOps, Patience, Tick};
+use super::call::{expect, link_err, Call, LastOps};
+use super::engine::{Patience, Tick};
 use crate::device::stream::Stream;
 use crate::error::{Error, Result};
 use crate::transport::wait::Waiter;

@@ -6,7 +6,8 @@ use std::collections::VecDeque;
 
 use ringzero_kernels::ReduceOp;
 
-use super::engine::{base, gone_unneeded, link_err, Call, Needs};
+use super::call::{gone_unneeded, link_err, Call, Needs};
+use super::engine::base;
 use super::schedule::{Loc, Op};
 use crate::device::stream::{CopyLane, Stream};
 use crate::error::{Error, Result};
@@ -269,7 +270,7 @@ impl<S: Stream> Work<'_, S> {
     /// Wait for `op`'s incoming frame and outgoing slot, retiring finished work meanwhile.
     pub(super) fn acquire(&mut self, op: &Op) -> Result<(Option<DevPtr>, Option<DevPtr>)> {
         let call = self.call;
-        let expect = super::engine::expect(call, op, call.dtype.size());
+        let expect = super::call::expect(call, op, call.dtype.size());
         let (what, prev, next) = (self.what, self.links.prev, self.links.next);
         let mut wait = DevWait {
             work: self,

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use ringzero_kernels::cpu;
 
+use super::call::*;
 use super::engine::*;
 use super::failure::AbortFlag;
 use super::schedule::{Op, Plan};

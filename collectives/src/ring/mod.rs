@@ -1,6 +1,7 @@
 //! The ring: the schedule as pure data ([`schedule`]) and the engine that drives a transport
 //! through it ([`engine`]).
 
+pub(crate) mod call;
 pub(crate) mod dev_links;
 pub mod device_engine;
 mod device_work;

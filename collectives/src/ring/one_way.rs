@@ -5,6 +5,7 @@
 
 use crate::error::{Error, Result};
 
+use super::call::*;
 use super::engine::*;
 
 /// One direction of one message of a posted point-to-point call (the asynchronous forms, which

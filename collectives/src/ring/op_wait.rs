@@ -5,7 +5,7 @@
 
 use std::time::Instant;
 
-use super::engine::{op_timeout, Call};
+use super::call::{op_timeout, Call};
 use super::schedule::Op;
 use crate::deadline::{Patience, Tick};
 use crate::error::Result;

@@ -102,7 +102,7 @@ pub(crate) struct ProbeCli {
 /// Run one probe and print its result as JSON.
 pub(crate) fn probe(a: ProbeCli) -> anyhow::Result<ExitCode> {
     let ProbeCli { name } = a;
-    let r = ringzero_tools::diag::probe::child(&name);
+    let r = ringzero_tools::diag::probe_child(&name);
     println!("{}", serde_json::to_string(&r)?);
     Ok(ExitCode::SUCCESS)
 }

@@ -27,6 +27,31 @@ use host::Host;
 use pci::{PathClass, PciDevice, Route};
 use probe::{ProbeResult, ProbeStatus};
 
+/// The child side of `ringzero diag-probe NAME`: run probe `name` (a host probe of
+/// [`probe`] or a CUDA probe of [`cuda`]) and return its result (printed as JSON by the caller).
+pub fn probe_child(name: &str) -> ProbeResult {
+    if let Some(r) = probe::host_child(name) {
+        return r;
+    }
+    let Some(p) = cuda::CudaProbe::parse(name) else {
+        return ProbeResult::new(
+            name,
+            ProbeStatus::FAILED,
+            None,
+            format!("unknown probe `{name}` (expected shm, tcp, hang or cuda-…)"),
+        );
+    };
+    match std::env::current_exe() {
+        Ok(exe) => cuda::child(name, p, &exe),
+        Err(e) => ProbeResult::new(
+            name,
+            ProbeStatus::FAILED,
+            None,
+            format!("finding this executable: {e}"),
+        ),
+    }
+}
+
 /// What to look at.
 #[derive(Clone, Debug)]
 pub struct DiagArgs {

@@ -43,7 +43,7 @@ pub struct ProbeResult {
     pub fell_back: Option<String>,
     /// The CUDA inventory (the `cuda-inventory` probe).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub cuda: Option<super::cuda::CudaInventory>,
+    pub cuda: Option<super::cuda::inventory::CudaInventory>,
 }
 
 impl ProbeResult {
@@ -151,32 +151,16 @@ pub fn pattern(rank: usize, i: usize) -> u8 {
     (h >> 24) as u8 % 255 + 1
 }
 
-/// The child side: run probe `name` and return its result (printed as JSON by the caller).
-pub fn child(name: &str) -> ProbeResult {
+/// The child side of a probe without a GPU (`shm`, `tcp`, `hang`): its result, or `None` for
+/// another name.
+pub fn host_child(name: &str) -> Option<ProbeResult> {
     match name {
         "hang" => loop {
             std::thread::sleep(Duration::from_secs(3600));
         },
-        "shm" => ring(name, TransportPref::Shm),
-        "tcp" => ring(name, TransportPref::Tcp),
-        other if super::cuda::CudaProbe::parse(other).is_some() => {
-            let p = super::cuda::CudaProbe::parse(other).expect("checked");
-            match std::env::current_exe() {
-                Ok(exe) => super::cuda::child(other, p, &exe),
-                Err(e) => ProbeResult::new(
-                    other,
-                    ProbeStatus::FAILED,
-                    None,
-                    format!("finding this executable: {e}"),
-                ),
-            }
-        }
-        other => ProbeResult::new(
-            other,
-            ProbeStatus::FAILED,
-            None,
-            format!("unknown probe `{other}` (expected shm, tcp, hang or cuda-…)"),
-        ),
+        "shm" => Some(ring(name, TransportPref::Shm)),
+        "tcp" => Some(ring(name, TransportPref::Tcp)),
+        _ => None,
     }
 }
 

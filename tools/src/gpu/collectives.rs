@@ -14,19 +14,16 @@
 use std::time::Instant;
 
 use ringzero_collectives::{
-    Collective, Communicator, DeviceComm, HostStream, StagingMode, TrainStream, TransportKind,
+    Collective, Communicator, DeviceComm, HostStream, StagingMode, TransportKind,
     COPY_STAGING_MAX_SHARERS,
 };
 use ringzero_kernels::device::cuda::Gpu;
 use ringzero_kernels::{DType, ReduceOp};
 
-use crate::bench::device::{exact_result, BenchDev};
+use crate::bench::device::exact_result;
 use crate::bench::exact::{reference, value};
 use crate::gpu::kernels::Row;
-
-/// A device the checks run on: a GPU, or the host stream.
-pub trait CheckDev: BenchDev + TrainStream + 'static {}
-impl<D: BenchDev + TrainStream + 'static> CheckDev for D {}
+use crate::gpu::CheckDev;
 
 /// How a collective run checks ([`rank_main`]).
 #[derive(Clone, Copy, Debug, Default)]

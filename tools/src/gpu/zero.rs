@@ -12,8 +12,8 @@ use ringzero_collectives::{Communicator, DeviceComm, DeviceMemory, TrainStream};
 use ringzero_kernels::cpu::{cast, AdamW, Float};
 use ringzero_zero::{Engine, LossScaling, ParamSpec, Precision, ZeroConfig};
 
-use crate::gpu::collectives::CheckDev;
 use crate::gpu::kernels::Row;
+use crate::gpu::CheckDev;
 
 fn specs() -> Vec<ParamSpec> {
     vec![

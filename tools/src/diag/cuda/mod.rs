@@ -54,8 +54,10 @@ use ringzero_kernels::device::cuda::{raw, Gpu};
 use ringzero_kernels::device::DeviceError;
 use ringzero_kernels::DType;
 
+pub mod inventory;
 mod verdict;
 
+pub use inventory::*;
 use verdict::mismatch;
 pub use verdict::*;
 
