@@ -247,6 +247,9 @@ fn prepare(spec: &LaunchSpec) -> std::io::Result<Job> {
             spec.nodes, spec.ranks
         )));
     }
+    let (shm_dir, link_bytes) = rank_links(spec);
+    let machine = crate::capacity::Machine::here(&shm_dir);
+    crate::capacity::check(spec.ranks, link_bytes, &machine).map_err(invalid)?;
     let port = std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port();
@@ -276,6 +279,25 @@ fn prepare(spec: &LaunchSpec) -> std::io::Result<Job> {
         id,
         host,
     })
+}
+
+/// Where the ranks' shared memory goes and how much of it each rank's receive link reserves:
+/// `RINGZERO_SHM_DIR`, `RINGZERO_SLOTS` × `RINGZERO_SLICE_BYTES` as the ranks will read them (the
+/// spec's environment first, then the launcher's), or the defaults.
+fn rank_links(spec: &LaunchSpec) -> (std::path::PathBuf, u64) {
+    use ringzero_collectives::config as c;
+    let var = |key: &str| {
+        let given = spec.env.iter().rev().find(|(k, _)| k == key);
+        given
+            .map(|(_, v)| v.clone())
+            .or_else(|| std::env::var(key).ok())
+    };
+    let dir = var("RINGZERO_SHM_DIR").unwrap_or_else(|| "/dev/shm".into());
+    let slots = var("RINGZERO_SLOTS").and_then(|v| v.trim().parse().ok());
+    let slice = var("RINGZERO_SLICE_BYTES").and_then(|v| c::parse_bytes(&v));
+    let bytes =
+        slots.unwrap_or(c::DEFAULT_SLOTS) as u64 * slice.unwrap_or(c::DEFAULT_SLICE_BYTES) as u64;
+    (dir.into(), bytes)
 }
 
 /// The command that starts `rank`: the program with the launcher environment, in a process

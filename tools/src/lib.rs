@@ -7,6 +7,7 @@
 //! - [`diag`]: why multi-GPU communication hangs or crawls.
 
 pub mod bench;
+pub mod capacity;
 pub mod check;
 pub mod ckpt;
 pub mod demo;

@@ -58,6 +58,53 @@ fn launch_runs_the_checked_sweep_on_four_ranks_and_two_fake_nodes() {
     }
 }
 
+/// A rank count the machine cannot hold is refused before any rank starts, saying why (it
+/// used to fork until the process limit, then panic).
+#[test]
+fn launch_and_bench_refuse_more_ranks_than_the_machine_holds_before_starting_any() {
+    let dir = std::env::temp_dir().join(format!("ringzero-cli-ranks-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let started = format!("touch {}/$RINGZERO_RANK", dir.display());
+    let e = fails(ringzero().args(["launch", "-n", "100000", "--", "sh", "-c", &started]));
+    assert!(
+        e.contains("-n 100000") && e.contains("ranks per core"),
+        "{e}"
+    );
+    assert_eq!(
+        std::fs::read_dir(&dir).unwrap().count(),
+        0,
+        "a rank started"
+    );
+    let e = fails(ringzero().args(["bench", "-n", "100000", "-b", "4K", "-e", "4K"]));
+    assert!(e.contains("ranks per core"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Environment values out of range fail every rank with the variable and its range (a huge
+/// deadline used to panic converting it; a one-byte slice to run out of memory).
+#[test]
+fn out_of_range_timeouts_and_slices_fail_with_the_range() {
+    for (var, value, range) in [
+        ("RINGZERO_TIMEOUT", "1e20", "between 0.001 and 604800"),
+        ("RINGZERO_TIMEOUT", "1e300", "between 0.001 and 604800"),
+        ("RINGZERO_SLICE_BYTES", "1", "between 4K and 256M"),
+        ("RINGZERO_SLICE_BYTES", "1G", "between 4K and 256M"),
+    ] {
+        let out = ringzero()
+            .args(["bench", "-n", "2", "-b", "4K", "-e", "4K", "--iters", "1"])
+            .env(var, value)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{var}={value} ran: {stderr}");
+        assert!(!stderr.contains("panicked"), "{var}={value}: {stderr}");
+        assert!(
+            stderr.contains(var) && stderr.contains(range),
+            "{var}={value}: {stderr}"
+        );
+    }
+}
+
 #[test]
 fn launch_exits_non_zero_naming_the_failed_rank() {
     let out = ringzero()

@@ -60,13 +60,10 @@ pub(super) fn read_identity(c: &mut Config, env: Env) -> Result<()> {
 
 /// The deadline, the transports and their slots.
 pub(super) fn read_links(c: &mut Config, env: Env) -> Result<()> {
-    let seconds = |t: &str| t.parse().ok().filter(|s: &f64| s.is_finite() && *s > 0.0);
-    if let Some(secs) = parsed(
-        env,
-        "RINGZERO_TIMEOUT",
-        "a positive number of seconds",
-        seconds,
-    )? {
+    let most = super::MAX_TIMEOUT.as_secs_f64();
+    let seconds = |t: &str| t.parse().ok().filter(|s: &f64| (0.001..=most).contains(s));
+    let range = format!("a number of seconds between 0.001 and {most} (one week)");
+    if let Some(secs) = parsed(env, "RINGZERO_TIMEOUT", &range, seconds)? {
         c.timeout = Duration::from_secs_f64(secs);
     }
     let transports = [
@@ -80,12 +77,14 @@ pub(super) fn read_links(c: &mut Config, env: Env) -> Result<()> {
     }
     c.shm_disable = flag(env, "RINGZERO_SHM_DISABLE")?;
     c.p2p_disable = flag(env, "RINGZERO_P2P_DISABLE")?;
-    let slice = |v: &str| parse_bytes(v).filter(|b| (1..=1 << 30).contains(b));
-    let size_1g = "a size between 1 and 1G";
-    if let Some(b) = parsed(env, "RINGZERO_SLICE_BYTES", size_1g, slice)? {
+    // A slice is at least a page (smaller ones cost a frame each and make plans huge) and at
+    // most a quarter of what a link may reserve (its slots: `Config::validate`).
+    let slice = |v: &str| parse_bytes(v).filter(|b| (4 << 10..=256 << 20).contains(b));
+    let slice_range = "a size between 4K and 256M";
+    if let Some(b) = parsed(env, "RINGZERO_SLICE_BYTES", slice_range, slice)? {
         c.slice_bytes = b;
     }
-    if let Some(b) = parsed(env, "RINGZERO_DEVICE_SLICE_BYTES", size_1g, slice)? {
+    if let Some(b) = parsed(env, "RINGZERO_DEVICE_SLICE_BYTES", slice_range, slice)? {
         c.device_slice_bytes = Some(b);
     }
     let slots = |v: &str| v.parse().ok().filter(|s| (2..=64).contains(s));

@@ -28,6 +28,15 @@ pub use policy::{Algo, DeviceAlgo, StagingMode, TransportPref, COPY_STAGING_MAX_
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 /// Default largest frame payload.
 pub const DEFAULT_SLICE_BYTES: usize = 512 * 1024;
+
+/// The most shared memory (or pinned host memory) one link's slots may reserve: a slice size
+/// times the slot count (`RINGZERO_SLICE_BYTES` × `RINGZERO_SLOTS`), so a mistyped size fails
+/// with a message instead of reserving gigabytes per link.
+pub const MAX_LINK_BYTES: usize = 1 << 30;
+
+/// The longest deadline `RINGZERO_TIMEOUT` may set: one week (beyond it a deadline is a hang,
+/// and far beyond it, a time the clock cannot add).
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(7 * 24 * 3600);
 /// Default largest frame payload on a GPU's device ring edges, unless
 /// `RINGZERO_DEVICE_SLICE_BYTES` says otherwise. Every slice costs a kernel launch, an event and a
 /// host round trip through the control block, and with several processes on one GPU a context
@@ -264,6 +273,33 @@ impl Config {
         if self.slice_bytes == 0 {
             return Err(Error::config("slice_bytes", "must be at least 1"));
         }
+        for (var, slice) in [
+            ("RINGZERO_SLICE_BYTES", Some(self.slice_bytes)),
+            ("RINGZERO_DEVICE_SLICE_BYTES", self.device_slice_bytes),
+        ] {
+            let link = slice.map_or(0, |b| b as u128 * self.slots as u128);
+            if link > MAX_LINK_BYTES as u128 {
+                return Err(Error::config(
+                    var,
+                    format!(
+                        "{} slots of {} bytes are {link} bytes of slots per link, more than the {} MiB a link may reserve: use smaller slices or fewer slots",
+                        self.slots,
+                        slice.unwrap_or(0),
+                        MAX_LINK_BYTES >> 20
+                    ),
+                ));
+            }
+        }
+        if self.timeout.is_zero() || self.timeout > MAX_TIMEOUT {
+            return Err(Error::config(
+                "RINGZERO_TIMEOUT",
+                format!(
+                    "{:?} is not between 1 ms and {} s (one week)",
+                    self.timeout,
+                    MAX_TIMEOUT.as_secs()
+                ),
+            ));
+        }
         if !(1..=MAX_TCP_SOCKETS).contains(&self.tcp_sockets) {
             return Err(Error::config(
                 "tcp_sockets",
@@ -395,7 +431,28 @@ mod tests {
         assert!(with("RINGZERO_TRANSPORT", "udp").contains("`udp` is not one of"));
         assert!(with("RINGZERO_SLOTS", "1").contains("RINGZERO_SLOTS"));
         assert!(with("RINGZERO_DEVICE_SLICE_BYTES", "2G")
-            .contains("RINGZERO_DEVICE_SLICE_BYTES: `2G` is not a size between 1 and 1G"));
+            .contains("RINGZERO_DEVICE_SLICE_BYTES: `2G` is not a size between 4K and 256M"));
+        for big in ["1e20", "1e300", "604801", "inf"] {
+            let e = with("RINGZERO_TIMEOUT", big);
+            assert!(e.contains("between 0.001 and 604800"), "{big}: {e}");
+        }
+        assert!(cfg(&[base.as_slice(), &[("RINGZERO_TIMEOUT", "604800")]].concat()).is_ok());
+        for tiny in ["1", "4095", "0"] {
+            let e = with("RINGZERO_SLICE_BYTES", tiny);
+            assert!(
+                e.contains("is not a size between 4K and 256M"),
+                "{tiny}: {e}"
+            );
+        }
+        let e = with("RINGZERO_SLICE_BYTES", "1G");
+        assert!(e.contains("between 4K and 256M"), "{e}");
+        let mut many = base.to_vec();
+        many.extend([("RINGZERO_SLICE_BYTES", "256M"), ("RINGZERO_SLOTS", "8")]);
+        let e = cfg(&many).unwrap_err().to_string();
+        assert!(
+            e.contains("more than the 1024 MiB a link may reserve"),
+            "{e}"
+        );
         for bad in ["0", "33", "four"] {
             let e = with("RINGZERO_TCP_SOCKETS", bad);
             assert!(
