@@ -146,25 +146,13 @@ pub fn launch_interruptible(spec: &LaunchSpec, out: Output) -> std::io::Result<O
 /// How long an interrupted launcher waits for the ranks' flight records before stopping them.
 pub const RECORDS_WAIT: Duration = Duration::from_secs(2);
 
-/// Send SIGUSR1 to every running rank that writes its flight records on it (its marker is in
-/// `dir`); how many were asked.
-fn ask_for_records(
-    children: &[Child],
-    status: &[Option<(ExitStatus, bool)>],
-    (dir, job): (&std::path::Path, &str),
-) -> usize {
-    let mut asked = 0;
-    for (c, s) in children.iter().zip(status) {
-        let marker = dir.join(ringzero_collectives::flight::sigusr1_marker(job, c.id()));
-        if s.is_some() || !marker.exists() {
-            continue;
-        }
-        if let Some(pid) = rustix::process::Pid::from_raw(c.id() as i32) {
-            asked +=
-                rustix::process::kill_process(pid, rustix::process::Signal::USR1).is_ok() as usize;
-        }
-    }
-    asked
+/// Send SIGUSR1 to every process of the job that writes its flight records on it (its marker is
+/// in `dir`: a rank's communicator, under whatever wrapper started it); how many were asked.
+fn ask_for_records((dir, job): (&std::path::Path, &str)) -> usize {
+    crate::job_procs::writing_records(dir, job)
+        .into_iter()
+        .filter(|pid| rustix::process::kill_process(*pid, rustix::process::Signal::USR1).is_ok())
+        .count()
 }
 
 /// Ranks with a record in `dir` taken at or after `since_us` (Unix microseconds).
@@ -229,7 +217,7 @@ fn launch_with(
         }
         sup.records_written(spec);
         sup.reap(&mut children, &out, spec)?;
-        sup.escalate(&mut children, &out, spec);
+        sup.escalate(&children, &out, (spec, &job.id));
         std::thread::sleep(Duration::from_millis(10));
     }
     Ok(finish(spec, &job, &children, readers, sup, &out))
@@ -394,10 +382,7 @@ impl Supervisor {
         out: &Output,
     ) {
         let dir = spec.dump_dir.as_ref().map(|d| d.path.as_path());
-        let (since, asked) = (
-            unix_us(),
-            dir.map_or(0, |d| ask_for_records(children, &self.status, (d, &job.id))),
-        );
+        let (since, asked) = (unix_us(), dir.map_or(0, |d| ask_for_records((d, &job.id))));
         let place = dir.map_or("nowhere (no dump directory)".into(), |d| {
             d.display().to_string()
         });
@@ -422,11 +407,8 @@ impl Supervisor {
             self.interrupted = Some((sig, Instant::now(), asked, since));
         } else {
             say(out, &format!("signal {sig} again: killing every rank"));
-            for (rank, c) in children.iter().enumerate() {
-                if self.status[rank].is_none() {
-                    signal_group(c, rustix::process::Signal::KILL);
-                }
-            }
+            let leaders: Vec<u32> = children.iter().map(Child::id).collect();
+            crate::job_procs::signal_all(&leaders, &job.id, rustix::process::Signal::KILL);
         }
     }
 
@@ -495,9 +477,9 @@ impl Supervisor {
         Ok(())
     }
 
-    /// After the grace period, SIGTERM to every rank still running; 2 s later, SIGKILL to its
-    /// process group.
-    fn escalate(&mut self, children: &mut [Child], out: &Output, spec: &LaunchSpec) {
+    /// After the grace period, SIGTERM to every rank's process tree (its group, and every process
+    /// of job `job`); 2 s later, SIGKILL to them.
+    fn escalate(&mut self, children: &[Child], out: &Output, (spec, job): (&LaunchSpec, &str)) {
         if let (Some(t), None) = (self.failed_at, self.termed_at) {
             // An interrupted job's ranks had their wait for the records.
             let grace = if self.interrupted.is_some() {
@@ -507,24 +489,18 @@ impl Supervisor {
             };
             if t.elapsed() >= grace {
                 self.termed_at = Some(Instant::now());
-                for (rank, c) in children.iter().enumerate() {
-                    if self.status[rank].is_none() {
-                        say(out, &format!("terminating rank {rank}"));
-                        if let Some(pid) = rustix::process::Pid::from_raw(c.id() as i32) {
-                            let _ =
-                                rustix::process::kill_process(pid, rustix::process::Signal::TERM);
-                        }
-                    }
+                for rank in (0..children.len()).filter(|r| self.status[*r].is_none()) {
+                    say(out, &format!("terminating rank {rank}"));
                 }
+                // The whole tree: a wrapper's children go too, not only the wrapper.
+                let leaders: Vec<u32> = children.iter().map(Child::id).collect();
+                crate::job_procs::signal_all(&leaders, job, rustix::process::Signal::TERM);
             }
         }
         if let Some(t) = self.termed_at {
             if t.elapsed() >= Duration::from_secs(2) {
-                for (rank, c) in children.iter_mut().enumerate() {
-                    if self.status[rank].is_none() {
-                        signal_group(c, rustix::process::Signal::KILL);
-                    }
-                }
+                let leaders: Vec<u32> = children.iter().map(Child::id).collect();
+                crate::job_procs::signal_all(&leaders, job, rustix::process::Signal::KILL);
             }
         }
     }
@@ -540,6 +516,16 @@ fn finish(
     sup: Supervisor,
     out: &Output,
 ) -> Outcome {
+    // Nothing a rank started outlives the job: whatever is left of the ranks' trees (a wrapper's
+    // children, background processes, what left the group) is killed.
+    let leaders: Vec<u32> = children.iter().map(Child::id).collect();
+    let left = crate::job_procs::signal_all(&leaders, &job.id, rustix::process::Signal::KILL);
+    if left > 0 {
+        say(
+            out,
+            &format!("killed {left} process(es) the ranks had started and left running"),
+        );
+    }
     // Output still buffered in the pipes is drained; a grandchild that kept a pipe open does not
     // hold the launcher.
     let drain = Instant::now() + Duration::from_secs(2);
@@ -564,9 +550,8 @@ fn finish(
         .collect();
     // The ranks' SIGUSR1 markers go with them.
     if let Some(d) = &spec.dump_dir {
-        for c in children {
-            let marker = ringzero_collectives::flight::sigusr1_marker(&job.id, c.id());
-            let _ = std::fs::remove_file(d.path.join(marker));
+        for (marker, _) in crate::job_procs::markers(&d.path, &job.id) {
+            let _ = std::fs::remove_file(marker);
         }
     }
     let first_failure = sup.first_failure;
@@ -626,12 +611,6 @@ fn tell_records(spec: &LaunchSpec, d: &DumpDir, outcome: &Outcome, out: &Output)
         }
     } else if d.remove_on_success {
         let _ = std::fs::remove_dir_all(&d.path);
-    }
-}
-
-fn signal_group(c: &Child, sig: rustix::process::Signal) {
-    if let Some(pid) = rustix::process::Pid::from_raw(c.id() as i32) {
-        let _ = rustix::process::kill_process_group(pid, sig);
     }
 }
 

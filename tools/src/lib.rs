@@ -13,6 +13,7 @@ pub mod ckpt;
 pub mod demo;
 pub mod diag;
 pub mod gpu;
+pub mod job_procs;
 pub mod launch;
 
 /// splitmix64's finaliser: a well-spread hash of a seed, for reproducible pseudo-random inputs

@@ -923,6 +923,63 @@ fn launch_asks_a_hung_job_for_its_flight_records_on_sigusr1_and_on_ctrl_c() {
     assert_eq!(code, Some(1), "something is off: {report}");
 }
 
+/// Processes whose environment holds `RINGZERO_TEST_TOKEN=token`.
+fn with_token(token: &str) -> usize {
+    let want = format!("RINGZERO_TEST_TOKEN={token}");
+    std::fs::read_dir("/proc").map_or(0, |d| {
+        d.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+            .filter(|pid| {
+                std::fs::read(format!("/proc/{pid}/environ"))
+                    .is_ok_and(|env| env.split(|b| *b == 0).any(|v| v == want.as_bytes()))
+            })
+            .count()
+    })
+}
+
+/// Ranks behind a wrapper command (`sh -c "RANK_PROGRAM; echo done"`), one of which also left a
+/// process in a session of its own: Ctrl-C to the launcher asks the real ranks (not the shells)
+/// for their flight records, and when the launcher has exited nothing the ranks started is left
+/// (the shells used to exit on SIGTERM and leave the ranks running, parent pid 1).
+#[test]
+fn nothing_a_wrapped_rank_started_outlives_the_launcher() {
+    use rustix::process::Signal;
+    let dir = std::env::temp_dir().join(format!("ringzero-wrap-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let token = format!("wrap-{}", std::process::id());
+    let exe = std::env::current_exe().unwrap();
+    let script = format!(
+        "setsid sleep 300 & '{}' hang_rank_entry --exact --nocapture --test-threads 1; echo done",
+        exe.display()
+    );
+    let job = ringzero()
+        .args(["launch", "-n", "2", "--grace", "1", "--dump-dir"])
+        .arg(&dir)
+        .args(["--", "sh", "-c", &script])
+        .env("RINGZERO_TEST_HANG", "1")
+        .env("RINGZERO_TIMEOUT", "60")
+        .env("RINGZERO_TEST_TOKEN", &token)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_until("both ranks' markers", &|| {
+        files_in(&dir, ".ringzero-sigusr1-") == 2
+    });
+    // Launcher, two shells, two ranks, two sleeps.
+    assert_eq!(with_token(&token), 7);
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    signal(job.id(), Signal::INT);
+    let out = job.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(130), "{stderr}");
+    assert!(stderr.contains("asked 2 of 2 ranks"), "{stderr}");
+    assert_eq!(files_in(&dir, "ringzero-flight-"), 2, "{stderr}");
+    assert_eq!(files_in(&dir, ".ringzero-sigusr1-"), 0, "markers left");
+    // Killed processes may take a moment to leave /proc once reaped.
+    wait_until("every process of the job gone", &|| with_token(&token) == 0);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A rank terminated by SIGTERM (the launcher's stop, torchrun's agent, Slurm's time limit)
 /// writes its flight record before it ends where `RINGZERO_DUMP_ON_SIGTERM=1` (the ranks inherit
 /// it from the launcher's environment): rank 1 of the hung job is sent SIGTERM; its record
