@@ -511,18 +511,7 @@ fn host_cuda_ipc() -> Error {
 
 /// A unique name for the shm file of the FIFO carrying frames `prev → rank` (`what`: host, dev).
 pub(crate) fn segment_name(cfg: &Config, prev: usize, rank: usize, what: &str) -> String {
-    format!(
-        "ringzero-{}-{prev}to{rank}-{what}-{}-{:08x}",
-        std::process::id(),
-        job_tag(&cfg.job_id),
-        rand::random::<u32>()
-    )
-}
-
-fn job_tag(job: &str) -> String {
-    use sha2::Digest;
-    let h = sha2::Sha256::digest(job.as_bytes());
-    h[..4].iter().map(|b| format!("{b:02x}")).collect()
+    crate::transport::shm::segments::fresh_name(&format!("{prev}to{rank}-{what}"), &cfg.job_id)
 }
 
 /// The store binds the master address when it is one of ours, else every interface.

@@ -179,6 +179,8 @@ struct Job {
     secret: String,
     id: String,
     host: String,
+    /// Where the ranks keep their shared memory (swept when the job ends).
+    shm_dir: std::path::PathBuf,
 }
 
 /// The job's ranks while they run: each one's exit once seen (and whether the launcher stopped
@@ -266,6 +268,7 @@ fn prepare(spec: &LaunchSpec) -> std::io::Result<Job> {
         secret,
         id,
         host,
+        shm_dir,
     })
 }
 
@@ -524,6 +527,23 @@ fn finish(
         say(
             out,
             &format!("killed {left} process(es) the ranks had started and left running"),
+        );
+    }
+    // Nor does its shared memory: a rank killed between creating a segment and its peer's
+    // attach leaves it behind.
+    let segments = ringzero_collectives::internals::transport::shm::segments::sweep(
+        &job.shm_dir,
+        Some(&job.id),
+        Duration::ZERO,
+    );
+    if !segments.is_empty() {
+        say(
+            out,
+            &format!(
+                "removed {} shared-memory file(s) the ranks left in {}",
+                segments.len(),
+                job.shm_dir.display()
+            ),
         );
     }
     // Output still buffered in the pipes is drained; a grandchild that kept a pipe open does not

@@ -980,6 +980,37 @@ fn nothing_a_wrapped_rank_started_outlives_the_launcher() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A rank that fails during set-up leaves its peers waiting with their shared-memory segments
+/// created and not yet attached; the launcher stops them, and no `ringzero-*` file of the job is
+/// left in the shared-memory directory (one 2 MiB segment used to leak every run).
+#[test]
+fn no_shared_memory_outlives_a_job_whose_rank_failed_during_set_up() {
+    let shm = std::env::temp_dir().join(format!("ringzero-shm-leak-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&shm);
+    std::fs::create_dir_all(&shm).unwrap();
+    let script = format!(
+        "if [ $RINGZERO_RANK = 2 ]; then sleep 1; exit 3; fi; exec '{}' bench all-reduce -b 64K -e 64K",
+        env!("CARGO_BIN_EXE_ringzero")
+    );
+    for _ in 0..2 {
+        let out = ringzero()
+            .args([
+                "launch", "-n", "4", "--grace", "0.5", "--", "sh", "-c", &script,
+            ])
+            .env("RINGZERO_SHM_DIR", &shm)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(3), "{stderr}");
+        let left: Vec<_> = std::fs::read_dir(&shm)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert!(left.is_empty(), "left behind: {left:?}\n{stderr}");
+    }
+    let _ = std::fs::remove_dir_all(&shm);
+}
+
 /// A rank terminated by SIGTERM (the launcher's stop, torchrun's agent, Slurm's time limit)
 /// writes its flight record before it ends where `RINGZERO_DUMP_ON_SIGTERM=1` (the ranks inherit
 /// it from the launcher's environment): rank 1 of the hung job is sent SIGTERM; its record

@@ -24,6 +24,7 @@
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
+use ringzero_collectives::internals::transport::shm::segments;
 use ringzero_collectives::internals::transport::TransportKind;
 use ringzero_collectives::{Communicator, InPlace, ReduceOp, Result};
 use serde::Serialize;
@@ -246,6 +247,15 @@ impl TcpBaseline {
     }
 }
 
+/// A file removed when this is dropped.
+struct Unlink(std::path::PathBuf);
+
+impl Drop for Unlink {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
 /// The previous rank's buffer, mapped from a `/dev/shm` file it created and filled.
 struct PeerBuffer {
     map: memmap2::Mmap,
@@ -265,22 +275,36 @@ impl PeerBuffer {
         }
         let mut token = vec![(rand::random::<u64>() >> 1) as i64];
         comm.broadcast(InPlace, &mut token, 0)?;
-        let dir = &comm.config().shm_dir;
-        let path = |r: usize| dir.join(format!("ringzero-bench-{:x}-{r}", token[0]));
-        let own = Self::create(&path(rank), len, rank);
+        // Named as every shared-memory file of the job is, so that the launcher's sweep and the
+        // start-up sweep find it if this rank is killed before it removes it.
+        let mut pids = vec![0i64; n];
+        comm.all_gather(&[std::process::id() as i64], &mut pids)?;
+        let cfg = comm.config();
+        let path = |r: usize| {
+            let what = format!("bench{r}");
+            let name = segments::name(
+                pids[r] as u32,
+                &what,
+                &cfg.job_id,
+                &format!("{:x}", token[0]),
+            );
+            cfg.shm_dir.join(name)
+        };
+        // Removed on every way out of here, the early returns of a failed collective included.
+        let own = Self::create(&path(rank), len, rank).map(|()| Unlink(path(rank)));
         let mut failed = vec![own.is_err() as i64];
         comm.all_reduce(InPlace, &mut failed, ReduceOp::Max)?;
         let peer = if failed[0] == 0 {
             Self::open(&path((rank + n - 1) % n), len)
         } else {
-            Err(std::io::Error::other(
-                "another rank could not create its buffer",
-            ))
+            Err(std::io::Error::other(match &own {
+                Err(e) => format!("could not create this rank's buffer: {e}"),
+                Ok(_) => "another rank could not create its buffer".into(),
+            }))
         };
         let mut failed = vec![peer.is_err() as i64];
         comm.all_reduce(InPlace, &mut failed, ReduceOp::Max)?;
         // Every rank has mapped its peer's file (or given up): the names can go.
-        let _ = std::fs::remove_file(path(rank));
         drop(own);
         match peer {
             Ok(p) if failed[0] == 0 => Ok(Some(p)),
@@ -292,20 +316,39 @@ impl PeerBuffer {
         }
     }
 
+    /// Create `path` with `len` bytes reserved up front (a `/dev/shm` too small fails here, with
+    /// the space it has, instead of a SIGBUS while the buffer is filled) and fill it.
     fn create(path: &std::path::Path, len: usize, rank: usize) -> std::io::Result<()> {
         let file = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
             .create_new(true)
             .open(path)?;
-        file.set_len(len as u64)?;
-        // SAFETY: the file was just created by this process (create_new) and sized; the only
-        // other process that maps it does so read-only after the collective above, once this
-        // rank has finished writing it.
+        let guard = Unlink(path.to_path_buf());
+        let flags = rustix::fs::FallocateFlags::empty();
+        let reserved = match rustix::fs::fallocate(&file, flags, 0, len as u64) {
+            // A file system without fallocate: sized sparsely.
+            Err(rustix::io::Errno::OPNOTSUPP) => file.set_len(len as u64),
+            r => r.map_err(Into::into),
+        };
+        if let Err(e) = reserved {
+            let free = path
+                .parent()
+                .and_then(|d| rustix::fs::statvfs(d).ok())
+                .map_or(0, |s| s.f_bavail.saturating_mul(s.f_frsize));
+            return Err(std::io::Error::other(format!(
+                "reserving {len} bytes for {}: {e} ({free} bytes free there)",
+                path.display()
+            )));
+        }
+        // SAFETY: the file was just created by this process (create_new) and its space
+        // reserved; the only other process that maps it does so read-only after the collective
+        // that follows, once this rank has finished writing it.
         let mut map = unsafe { memmap2::MmapMut::map_mut(&file) }?;
         for (i, b) in map.iter_mut().enumerate() {
             *b = (i as u8).wrapping_mul(31) ^ rank as u8;
         }
+        std::mem::forget(guard);
         Ok(())
     }
 

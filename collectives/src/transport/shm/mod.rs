@@ -46,6 +46,7 @@ use std::time::{Duration, Instant};
 use memmap2::MmapMut;
 
 mod recv;
+pub mod segments;
 mod send;
 
 pub use recv::ShmRecv;
@@ -201,12 +202,13 @@ pub(crate) fn pid_alive(pid: u32) -> bool {
 
 /// Create `dir/name` (mode 0600, failing if it exists) with `total` bytes reserved up front, so
 /// a too-small `/dev/shm` fails here with a clear error instead of a SIGBUS later. On error the
-/// file is gone.
+/// file is gone. The first creation in `dir` sweeps it ([`segments`]).
 pub(crate) fn create_segment(
     dir: &Path,
     name: &str,
     total: usize,
 ) -> Result<(std::fs::File, PathBuf)> {
+    segments::sweep_once(dir);
     let path = dir.join(name);
     let file = OpenOptions::new()
         .read(true)
