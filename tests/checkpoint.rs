@@ -443,3 +443,78 @@ fn a_failed_save_is_not_a_checkpoint() {
     });
     std::fs::remove_dir_all(&root).unwrap();
 }
+
+/// A save killed midway leaves temporaries (ours and the safetensors writer's): the next save
+/// into the directory removes them, `ckpt inspect` lists any it finds; and every field of
+/// `meta.json` is checked, so an edited `"stage": 9` is refused naming the field.
+#[test]
+fn leftovers_of_a_killed_save_are_removed_and_meta_fields_are_checked() {
+    let root = fresh_dir("ckpt-leftovers");
+    let dir = root.join("ck");
+    std::fs::create_dir_all(&dir).unwrap();
+    let ours = dir.join(".rank-00000-of-00002.safetensors.4242.tmp");
+    let theirs = dir.join(".tmpAb3xYz");
+    std::fs::write(&ours, vec![0u8; 1000]).unwrap();
+    std::fs::write(&theirs, vec![0u8; 2000]).unwrap();
+    threads(2, &opts(2), |rank, comm| {
+        let comm = comm.unwrap();
+        let mut e =
+            Engine::<f16>::new(&comm, &specs(), &init, cfg(Precision::Fp16, 2, 64)).unwrap();
+        run(&mut e, rank, 0, 2);
+        e.save_checkpoint(&dir, serde_json::Value::Null).unwrap();
+    });
+    assert!(
+        !ours.exists() && !theirs.exists(),
+        "the save removed the leftovers"
+    );
+    assert!(checkpoint::temporaries(&dir).is_empty());
+    // Shards are ordinary files: readable as the umask allows, not 0600.
+    use std::os::unix::fs::PermissionsExt;
+    let shard = dir.join(checkpoint::shard_file(0, 2));
+    let mode = std::fs::metadata(&shard).unwrap().permissions().mode() & 0o777;
+    assert_ne!(mode & 0o044, 0, "mode {mode:o}");
+    std::fs::write(&theirs, b"x").unwrap();
+    let i = ringzero_tools::ckpt::inspect(&dir).unwrap();
+    assert_eq!(i.temporaries, [(".tmpAb3xYz".to_string(), 1)]);
+    let text = ringzero_tools::ckpt::text(&dir, &i);
+    assert!(
+        text.contains("1 temporary file(s) of a save that did not finish"),
+        "{text}"
+    );
+
+    let meta_path = dir.join("meta.json");
+    let pristine: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&meta_path).unwrap()).unwrap();
+    let edited = |field: &str, value: serde_json::Value| {
+        let mut m = pristine.clone();
+        m[field] = value;
+        std::fs::write(&meta_path, serde_json::to_vec(&m).unwrap()).unwrap();
+        msg(Checkpoint::open(&dir))
+    };
+    let e = edited("stage", 9.into());
+    assert!(
+        e.contains("field `stage` is 9; ZeRO stages are 0 to 3"),
+        "{e}"
+    );
+    let e = edited("precision", "fp8".into());
+    assert!(
+        e.contains("field `precision`") && e.contains("unknown precision `fp8`"),
+        "{e}"
+    );
+    let e = edited("bucket_elems", 0.into());
+    assert!(e.contains("field `bucket_elems` is 0"), "{e}");
+    let e = edited("precision", "bf16".into());
+    assert!(
+        e.contains("field `scaler` is set but the precision is bf16"),
+        "{e}"
+    );
+    let mut shards = pristine["shards"].clone();
+    shards[1]["file"] = "rank-00000-of-00002.safetensors".into();
+    let e = edited("shards", shards);
+    assert!(
+        e.contains("gives rank 1 the file `rank-00000-of-00002.safetensors`"),
+        "{e}"
+    );
+    std::fs::write(&meta_path, serde_json::to_vec(&pristine).unwrap()).unwrap();
+    assert!(Checkpoint::open(&dir).is_ok());
+}

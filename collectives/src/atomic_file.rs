@@ -25,6 +25,12 @@ pub fn write_atomically(
         std::process::id()
     ));
     let done = write(&tmp)
+        .and_then(|()| {
+            // Writers that go through a temporary file of their own (safetensors') leave it mode
+            // 0600; the result is an ordinary file, readable as the umask allows.
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o666 & !umask()))
+        })
         .and_then(|()| std::fs::File::open(&tmp)?.sync_all())
         .and_then(|()| std::fs::rename(&tmp, path));
     if let Err(e) = done {
@@ -37,6 +43,18 @@ pub fn write_atomically(
         let _ = d.sync_all();
     }
     Ok(path.to_path_buf())
+}
+
+/// This process's umask, read from `/proc/self/status` (setting it to read it would race with
+/// other threads creating files); 022 where it cannot be read.
+fn umask() -> u32 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            let line = s.lines().find(|l| l.starts_with("Umask:"))?;
+            u32::from_str_radix(line.split_whitespace().nth(1)?, 8).ok()
+        })
+        .unwrap_or(0o022)
 }
 
 #[cfg(test)]
@@ -64,6 +82,24 @@ mod tests {
         );
         let left: Vec<_> = std::fs::read_dir(&dir).unwrap().collect();
         assert_eq!(left.len(), 1, "no temporary file is left behind");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_file_written_through_a_private_temporary_gets_the_umasks_mode() {
+        use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+        let dir = std::env::temp_dir().join(format!("ringzero-mode-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("shard.safetensors");
+        write_atomically(&p, |t| {
+            let mut o = std::fs::OpenOptions::new();
+            o.write(true).create_new(true).mode(0o600);
+            std::io::Write::write_all(&mut o.open(t)?, b"x")
+        })
+        .unwrap();
+        let mode = std::fs::metadata(&p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o666 & !umask(), "mode {mode:o}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -14,6 +14,9 @@ pub struct Inspection {
     pub numel: (usize, usize),
     /// Per rank: `None` when its shard checks out, else what is wrong with it.
     pub shards: Vec<Option<String>>,
+    /// Temporary files of a save that did not finish (name, bytes): harmless to a load, removed
+    /// by the next save into this directory, or by hand.
+    pub temporaries: Vec<(String, u64)>,
 }
 
 impl Inspection {
@@ -31,10 +34,19 @@ pub fn inspect(dir: &Path) -> Result<Inspection, ringzero_zero::ZeroError> {
         .map(|r| ck.verify(r).err().map(|e| e.to_string()))
         .collect();
     let p = ck.partition();
+    let temporaries = checkpoint::temporaries(dir)
+        .into_iter()
+        .map(|t| {
+            let bytes = std::fs::metadata(&t).map_or(0, |m| m.len());
+            let name = t.file_name().map(|n| n.to_string_lossy().into_owned());
+            (name.unwrap_or_default(), bytes)
+        })
+        .collect();
     Ok(Inspection {
         numel: (p.numel(), p.padded_numel()),
         meta: ck.meta().clone(),
         shards,
+        temporaries,
     })
 }
 
@@ -89,6 +101,18 @@ pub fn text(dir: &Path, i: &Inspection) -> String {
                 Some(e) => format!("BAD: {e}"),
             }
         );
+    }
+    if !i.temporaries.is_empty() {
+        let bytes: u64 = i.temporaries.iter().map(|(_, b)| b).sum();
+        s += &format!(
+            "{} temporary file(s) of a save that did not finish ({}; not part of the checkpoint, \
+             removed by the next save into this directory, or remove them by hand):\n",
+            i.temporaries.len(),
+            size(bytes)
+        );
+        for (name, b) in &i.temporaries {
+            s += &format!("  {name}  {:>10}\n", size(*b));
+        }
     }
     let bad = i.shards.iter().filter(|b| b.is_some()).count();
     s += &if bad == 0 {

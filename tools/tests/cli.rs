@@ -234,6 +234,14 @@ fn bench_refuses_bad_arguments_without_starting_ranks() {
         (vec!["bench", "hypercube"], "unknown op `hypercube`"),
         (vec!["bench", "-b", "1M", "-e", "1K"], "is larger than"),
         (vec!["bench", "-d", "f8"], "unknown dtype"),
+        (
+            vec!["bench", "-b", "3", "-e", "3"],
+            "-b 3: smaller than one element (4 bytes)",
+        ),
+        (
+            vec!["bench", "-b", "512G", "-e", "512G"],
+            "buffers of 549755813888 bytes need",
+        ),
         (vec!["bench", "--transport", "udp"], "--transport udp"),
         (
             vec!["bench", "send-recv", "-n", "3", "--device", "host"],

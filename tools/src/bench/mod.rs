@@ -91,6 +91,46 @@ pub fn sizes(min: usize, max: usize, factor: usize) -> std::result::Result<Vec<u
     Ok(v)
 }
 
+/// Buffers of the largest size the bench holds per rank at once (send, receive, and the
+/// expected result it checks against).
+pub const BUFFERS_PER_RANK: u64 = 3;
+
+/// Refuse sizes the bench cannot run: one below an element of `elem_bytes` (it would run zero
+/// elements), or a largest size whose buffers, on `ranks` ranks of this machine, need more
+/// memory than `available` (it would abort allocating).
+pub fn check_sizes(
+    sizes: &[usize],
+    elem_bytes: usize,
+    ranks: usize,
+    available: Option<u64>,
+) -> std::result::Result<(), String> {
+    if let Some(&small) = sizes.iter().find(|&&b| b < elem_bytes) {
+        return Err(format!(
+            "-b {small}: smaller than one element ({elem_bytes} bytes): sizes are in bytes (1K, 64M, ...), at least {elem_bytes}"
+        ));
+    }
+    let (Some(&max), Some(avail)) = (sizes.last(), available) else {
+        return Ok(());
+    };
+    let need = (max as u64)
+        .saturating_mul(BUFFERS_PER_RANK)
+        .saturating_mul(ranks as u64);
+    if need > avail {
+        return Err(format!(
+            "size {max}: {ranks} rank(s) × {BUFFERS_PER_RANK} buffers of {max} bytes need {need} bytes but this machine has {avail} available: lower -e (or -b)"
+        ));
+    }
+    Ok(())
+}
+
+/// Bytes of memory available to new allocations (`MemAvailable` in `/proc/meminfo`).
+pub fn memory_available() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
 /// The ring's transports in one word: `shm`, `tcp` or `shm+tcp`.
 pub fn transport_summary(comm: &Communicator, probe: &probe::Probe) -> String {
     let mut kinds: Vec<&str> = probe.edges.iter().map(|e| e.transport.as_str()).collect();

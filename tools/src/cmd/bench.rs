@@ -101,6 +101,14 @@ pub(crate) fn run(b: BenchCli) -> anyhow::Result<ExitCode> {
         );
     }
     anyhow::ensure!(b.iters > 0, "--iters must be at least 1");
+    // This node's ranks: those about to start here, or the launcher's.
+    let here = match under_launcher() {
+        false => b.ranks.unwrap_or(4),
+        true => ringzero_collectives::Config::from_env().map_or(1, |c| c.launch.local_world_size),
+    };
+    let avail = ringzero_tools::bench::memory_available();
+    ringzero_tools::bench::check_sizes(&sizes, b.dtype.size(), here, avail)
+        .map_err(anyhow::Error::msg)?;
     if !under_launcher() {
         let n = b.ranks.unwrap_or(4);
         // Refused before any rank starts (under a launcher, bench::run refuses it on every rank).

@@ -103,6 +103,7 @@ impl Meta {
     /// The saved layout, rebuilt from the parameter list and checked against the saved bucket
     /// lengths.
     pub fn partition(&self) -> Result<Partition, String> {
+        self.check_fields()?;
         let specs: Vec<ParamSpec> = self
             .params
             .iter()
@@ -127,6 +128,96 @@ impl Meta {
         }
         Ok(part)
     }
+}
+
+impl Meta {
+    /// Every field on its own: values a save writes, so anything else is a damaged or edited
+    /// file, refused with the field named before any of it is used.
+    fn check_fields(&self) -> Result<(), String> {
+        let bad = |field: &str, why: String| Err(format!("field `{field}` {why}"));
+        if self.world == 0 {
+            return bad("world", "is 0; a checkpoint has at least one rank".into());
+        }
+        if self.stage > 3 {
+            return bad(
+                "stage",
+                format!("is {}; ZeRO stages are 0 to 3", self.stage),
+            );
+        }
+        let precision: crate::Precision = match self.precision.parse() {
+            Ok(p) => p,
+            Err(e) => return bad("precision", format!("is invalid: {e}")),
+        };
+        if self.bucket_elems == 0 {
+            return bad(
+                "bucket_elems",
+                "is 0; a bucket holds at least one element".into(),
+            );
+        }
+        match (&self.scaler, precision) {
+            (Some(_), p) if p != crate::Precision::Fp16 => {
+                return bad(
+                    "scaler",
+                    format!("is set but the precision is {p}, not fp16"),
+                );
+            }
+            (Some(sc), _) if !(sc.scale.is_finite() && sc.scale > 0.0) => {
+                return bad(
+                    "scaler.scale",
+                    format!("is {}, not a positive number", sc.scale),
+                );
+            }
+            _ => {}
+        }
+        let mut names = std::collections::HashSet::new();
+        for p in &self.params {
+            if p.name.is_empty() || !names.insert(p.name.as_str()) {
+                return bad("params", format!("names `{}` empty or twice", p.name));
+            }
+        }
+        for (rank, sh) in self.shards.iter().enumerate() {
+            if sh.file != shard_file(rank, self.world) {
+                return bad(
+                    "shards",
+                    format!(
+                        "gives rank {rank} the file `{}`; its file is `{}`",
+                        sh.file,
+                        shard_file(rank, self.world)
+                    ),
+                );
+            }
+            if sh.sha256.len() != 64 || !sh.sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return bad(
+                    "shards",
+                    format!(
+                        "gives rank {rank} the checksum `{}`, not SHA-256 hex",
+                        sh.sha256
+                    ),
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Whether `name` is a temporary file of a save that did not finish: this project's own
+/// (`.NAME.PID.tmp`, see `write_atomically`) or the safetensors writer's (`.tmpXXXXXX`).
+pub fn is_temporary(name: &str) -> bool {
+    name.starts_with('.') && (name.ends_with(".tmp") || name.starts_with(".tmp"))
+}
+
+/// The temporary files in `dir` that a save which did not finish left behind.
+pub fn temporaries(dir: &Path) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut v: Vec<PathBuf> = entries
+        .flatten()
+        .filter(|e| e.file_name().to_str().is_some_and(is_temporary))
+        .map(|e| e.path())
+        .collect();
+    v.sort();
+    v
 }
 
 /// The file name of `rank`'s shard in a checkpoint saved by `world` ranks.
@@ -168,14 +259,23 @@ impl View for F32s<'_> {
 }
 
 /// Refuse to save into `dir` when it already holds a checkpoint; create it otherwise.
-pub(crate) fn prepare_dir(dir: &Path) -> Result<(), ZeroError> {
+pub(crate) fn prepare_dir(dir: &Path, rank: usize) -> Result<(), ZeroError> {
     if dir.join(META_FILE).exists() {
         return Err(err(
             dir,
             "already holds a checkpoint (meta.json); save into a new directory",
         ));
     }
-    std::fs::create_dir_all(dir).map_err(|e| err(dir, format!("cannot create it: {e}")))
+    std::fs::create_dir_all(dir).map_err(|e| err(dir, format!("cannot create it: {e}")))?;
+    // A save into this directory that was killed left its temporaries; this save's own start
+    // only after every rank has prepared (the collective that follows), so rank 0 removes them
+    // now.
+    if rank == 0 {
+        for t in temporaries(dir) {
+            let _ = std::fs::remove_file(t);
+        }
+    }
+    Ok(())
 }
 
 /// Write one rank's shard (`states[b]` = the three state ranges of bucket `b`); its size and

@@ -109,7 +109,7 @@ pub(crate) fn save<E: Persist>(
     let writes = e.writes();
     let skip = || Ok([0u8; 40]);
     let prepared = if writes {
-        checkpoint::prepare_dir(dir).map(|()| [0u8; 40])
+        checkpoint::prepare_dir(dir, e.rank()).map(|()| [0u8; 40])
     } else {
         skip()
     };
