@@ -26,6 +26,7 @@ fn worker_entry() {
         "kill-device" => kill_scenario(true),
         "kill-device-a2a" => kill_a2a_scenario(),
         "kill-device-p2p" => kill_p2p_scenario(),
+        "flood" => flood_scenario(),
         other => {
             eprintln!("unknown scenario {other}");
             2
@@ -437,5 +438,70 @@ fn survivors_fail(scenario: &str, names: &[&[&str]; 3]) {
         t.elapsed() < Duration::from_secs(20),
         "took {:?}",
         t.elapsed()
+    );
+}
+
+/// Threads of this process.
+fn threads_now() -> usize {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let line = status.lines().find(|l| l.starts_with("Threads:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+/// Rank 1 opens 400 idle connections to rank 0's store port (unauthenticated, saying nothing)
+/// while the job runs; rank 0's threads stay within the handshake bound, and the job's
+/// all-reduces and a split (which the store serves) still come out right.
+fn flood_scenario() -> i32 {
+    let comm = Communicator::from_env().unwrap();
+    let (rank, n) = (comm.rank(), comm.size());
+    let before = threads_now();
+    comm.barrier().unwrap();
+    let mut flood = Vec::new();
+    if rank == 1 {
+        let port: u16 = std::env::var("RINGZERO_MASTER_PORT")
+            .unwrap()
+            .parse()
+            .unwrap();
+        for _ in 0..400 {
+            if let Ok(s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
+                flood.push(s);
+            }
+        }
+    }
+    comm.barrier().unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let during = threads_now();
+    let mut v = vec![rank as f32 + 1.0; 4096];
+    comm.all_reduce(InPlace, &mut v, ReduceOp::Sum).unwrap();
+    let want = (n * (n + 1) / 2) as f32;
+    assert!(v.iter().all(|x| *x == want), "rank {rank}: {}", v[0]);
+    let sub = comm.split(Some(0), rank as u32).unwrap().expect("in color 0");
+    let mut w = vec![1i32; 16];
+    sub.all_reduce(InPlace, &mut w, ReduceOp::Sum).unwrap();
+    assert_eq!(w, [n as i32; 16]);
+    drop(flood);
+    println!("flood threads {before} {during}");
+    0
+}
+
+#[test]
+fn a_connection_flood_bounds_the_threads_and_changes_no_result() {
+    let (o, lines) = run(2, 1, "flood", &[], Duration::from_secs(5));
+    assert_eq!(o.first_failure, None, "{lines:#?}");
+    let counts: Vec<(usize, usize)> = lines
+        .iter()
+        .filter(|(r, _)| *r == 0)
+        .filter_map(|(_, l)| {
+            let mut w = l.strip_prefix("flood threads ")?.split(' ');
+            Some((w.next()?.parse().ok()?, w.next()?.parse().ok()?))
+        })
+        .collect();
+    let [(before, during)] = counts[..] else {
+        panic!("{lines:#?}");
+    };
+    // 400 connections: at most MAX_HANDSHAKES (64) are being authenticated at once.
+    assert!(
+        during <= before + 64 + 8,
+        "{before} threads before the flood, {during} during"
     );
 }

@@ -87,6 +87,31 @@ fn io_err(peer: &str, what: &str, e: std::io::Error) -> Error {
     }
 }
 
+/// The words that start the reason of a connection the server closed before its challenge.
+const TURNED_AWAY: &str = "closed by the peer before its challenge";
+
+/// The error of a connection closed (or reset) before the server's challenge: a listener that
+/// had no place for another handshake (see `gate.rs`), which the caller may retry; anything else
+/// as [`io_err`] says it.
+fn turned_away(peer: &str, what: &str, e: std::io::Error) -> Error {
+    use std::io::ErrorKind as K;
+    match e.kind() {
+        K::UnexpectedEof | K::ConnectionReset | K::BrokenPipe | K::ConnectionAborted => {
+            Error::Handshake {
+                peer: peer.to_string(),
+                reason: format!("{TURNED_AWAY} ({what})"),
+            }
+        }
+        _ => io_err(peer, what, e),
+    }
+}
+
+/// Whether `e` is a connection the server closed before its challenge (retry it: the listener
+/// was busy), not a refusal.
+pub fn is_turned_away(e: &Error) -> bool {
+    matches!(e, Error::Handshake { reason, .. } if reason.starts_with(TURNED_AWAY))
+}
+
 /// Run the client side on a fresh connection; returns the server's rank.
 pub fn client(
     s: &mut TcpStream,
@@ -104,11 +129,11 @@ pub fn client(
     hello[12..44].copy_from_slice(&Sha256::digest(me.job_id.as_bytes()));
     hello[44..76].copy_from_slice(&rand::random::<[u8; 32]>());
     s.write_all(&hello)
-        .map_err(|e| io_err(peer, "sending hello", e))?;
+        .map_err(|e| turned_away(peer, "sending hello", e))?;
 
     let mut ch = [0u8; CHALLENGE_LEN];
     s.read_exact(&mut ch)
-        .map_err(|e| io_err(peer, "waiting for the challenge", e))?;
+        .map_err(|e| turned_away(peer, "waiting for the challenge", e))?;
     if ch[0..4] != MAGIC {
         return Err(Error::Handshake {
             peer: peer.into(),

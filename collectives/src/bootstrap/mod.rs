@@ -5,6 +5,7 @@
 //! TCP connection the library opens — store and data alike — starts with the authenticated
 //! [`handshake`].
 
+pub(crate) mod gate;
 pub mod handshake;
 pub(crate) mod peers;
 pub mod store;

@@ -15,6 +15,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::gate::{refuse_flooded, Gate, HANDSHAKE_DEADLINE};
 use super::handshake::{self, Identity, Role};
 use crate::error::{Error, Result};
 use crate::ring::failure::AbortFlag;
@@ -47,7 +48,8 @@ impl PeerListener {
         let (inbox, stop) = (Arc::new(Inbox::default()), Arc::new(AtomicBool::new(false)));
         let (secret, job): (Arc<[u8]>, Arc<str>) = (me.secret.into(), me.job_id.into());
         let (rank, inbox2, stop2) = (me.rank, inbox.clone(), stop.clone());
-        let hs_timeout = timeout.min(Duration::from_secs(10));
+        let hs_timeout = timeout.min(HANDSHAKE_DEADLINE);
+        let gate = Gate::default();
         let accept = std::thread::Builder::new()
             .name(format!("ringzero-peers-{rank}"))
             .spawn(move || {
@@ -59,10 +61,15 @@ impl PeerListener {
                     }
                     match accepted {
                         Ok((s, from)) => {
+                            let Some(permit) = gate.admit() else {
+                                refuse_flooded(from, "peer listener");
+                                continue;
+                            };
                             let (secret, job, inbox) = (secret.clone(), job.clone(), inbox2.clone());
                             let _ = std::thread::Builder::new()
                                 .name("ringzero-peer-hello".into())
                                 .spawn(move || {
+                                    let _permit = permit;
                                     let me = Identity {
                                         secret: &secret,
                                         job_id: &job,

@@ -16,6 +16,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::gate::{refuse_flooded, Gate, Permit, HANDSHAKE_DEADLINE};
 use super::handshake::{self, Identity, Role};
 use crate::error::{Error, Result};
 
@@ -95,13 +96,18 @@ fn accept_loop(
 ) {
     let secret: Arc<[u8]> = secret.into();
     let job: Arc<str> = job.into();
+    let gate = Gate::default();
     while !stop.load(Ordering::Acquire) {
         match l.accept() {
-            Ok((s, _)) => {
+            Ok((s, from)) => {
+                let Some(permit) = gate.admit() else {
+                    refuse_flooded(from, "store");
+                    continue;
+                };
                 let (map, stop, secret, job) =
                     (map.clone(), stop.clone(), secret.clone(), job.clone());
                 let _ = std::thread::Builder::new().name("ringzero-store-conn".into()).spawn(move || {
-                    if let Err(e) = serve(s, &map, &stop, &secret, &job, timeout) {
+                    if let Err(e) = serve(s, permit, &map, &stop, (&secret, &job), timeout) {
                         tracing::warn!(target: "ringzero::bootstrap", "store connection dropped: {e}");
                     }
                 });
@@ -117,12 +123,15 @@ fn accept_loop(
     }
 }
 
+/// Serve one store client: its handshake (holding `permit`, one of the listener's places for
+/// handshakes, under [`HANDSHAKE_DEADLINE`]), then its requests until it leaves or the store
+/// stops.
 fn serve(
     mut s: TcpStream,
+    permit: Permit,
     map: &Map,
     stop: &AtomicBool,
-    secret: &[u8],
-    job: &str,
+    (secret, job): (&[u8], &str),
     timeout: Duration,
 ) -> Result<()> {
     s.set_nonblocking(false)
@@ -132,7 +141,8 @@ fn serve(
         job_id: job,
         rank: 0,
     };
-    let hello = handshake::server(&mut s, &me, timeout)?;
+    let hello = handshake::server(&mut s, &me, timeout.min(HANDSHAKE_DEADLINE))?;
+    drop(permit);
     let peer = format!("rank {} (store client)", hello.rank);
     if hello.role != Role::Store {
         return Err(Error::Protocol {
@@ -268,8 +278,12 @@ impl StoreClient {
                 match TcpStream::connect_timeout(a, left) {
                     Ok(mut s) => {
                         let _ = s.set_nodelay(true);
-                        handshake::client(&mut s, me, Role::Store, &server, timeout)?;
-                        return Ok(StoreClient { s, server, timeout });
+                        match handshake::client(&mut s, me, Role::Store, &server, timeout) {
+                            Ok(_) => return Ok(StoreClient { s, server, timeout }),
+                            // A store busy with other callers' handshakes: try again.
+                            Err(e) if handshake::is_turned_away(&e) => last = e.to_string(),
+                            Err(e) => return Err(e),
+                        }
                     }
                     Err(e) => last = e.to_string(),
                 }

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use socket2::{Domain, Protocol, SockRef, Socket, Type};
 
 use super::{LinkError, LinkResult, RecvLink, SendLink, TransportKind};
+use crate::bootstrap::gate::{refuse_flooded, Gate, HANDSHAKE_DEADLINE};
 use crate::bootstrap::handshake::{self, Identity, Role};
 use crate::error::{Error, Result};
 
@@ -96,7 +97,14 @@ pub fn connect_as(
             Ok(()) => {
                 let mut s: TcpStream = sock.into();
                 tune(&s);
-                let theirs = handshake::client(&mut s, me, role, &who, timeout)?;
+                let theirs = match handshake::client(&mut s, me, role, &who, timeout) {
+                    // A listener busy with other callers' handshakes: try again.
+                    Err(e) if handshake::is_turned_away(&e) && Instant::now() < deadline => {
+                        std::thread::sleep(Duration::from_millis(20));
+                        continue;
+                    }
+                    r => r?,
+                };
                 if theirs as usize != peer {
                     return Err(Error::Handshake {
                         peer: who,
@@ -155,12 +163,18 @@ fn accept_n(
     let mut refused = Vec::new();
     let mut got: Vec<Option<TcpStream>> = (0..count).map(|_| None).collect();
     let mut open = 0;
+    let gate = Gate::default();
     loop {
         match l.accept() {
             Ok((s, from)) => {
+                let Some(permit) = gate.admit() else {
+                    refuse_flooded(from, "data listener");
+                    continue;
+                };
                 let (secret, job, done) = (secret.clone(), job.clone(), done_tx.clone());
-                let hs_timeout = timeout.min(Duration::from_secs(10));
+                let hs_timeout = timeout.min(HANDSHAKE_DEADLINE);
                 std::thread::spawn(move || {
+                    let _permit = permit;
                     let r = (|| {
                         let mut s = s;
                         s.set_nonblocking(false)
