@@ -475,7 +475,10 @@ fn flood_scenario() -> i32 {
     comm.all_reduce(InPlace, &mut v, ReduceOp::Sum).unwrap();
     let want = (n * (n + 1) / 2) as f32;
     assert!(v.iter().all(|x| *x == want), "rank {rank}: {}", v[0]);
-    let sub = comm.split(Some(0), rank as u32).unwrap().expect("in color 0");
+    let sub = comm
+        .split(Some(0), rank as u32)
+        .unwrap()
+        .expect("in color 0");
     let mut w = vec![1i32; 16];
     sub.all_reduce(InPlace, &mut w, ReduceOp::Sum).unwrap();
     assert_eq!(w, [n as i32; 16]);

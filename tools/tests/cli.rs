@@ -1019,6 +1019,80 @@ fn no_shared_memory_outlives_a_job_whose_rank_failed_during_set_up() {
     let _ = std::fs::remove_dir_all(&shm);
 }
 
+/// One rank started with another secret or job id: the store refuses it and tells the ranks
+/// waiting for it, which fail within moments naming it (they used to wait out their 60 s
+/// deadline and blame another rank); a rank that never comes is named by the ranks that did.
+#[test]
+fn ranks_fail_at_once_naming_a_refused_rank_and_name_who_never_came() {
+    let bench = env!("CARGO_BIN_EXE_ringzero");
+    for (var, value) in [
+        ("RINGZERO_SECRET", "not-the-secret"),
+        ("RINGZERO_JOB_ID", "another-job"),
+    ] {
+        let script = format!(
+            "if [ $RINGZERO_RANK = 2 ]; then export {var}={value}; fi; \
+             exec '{bench}' bench all-reduce -b 4K -e 4K --iters 1"
+        );
+        let t = std::time::Instant::now();
+        let out = ringzero()
+            .args([
+                "launch", "-n", "3", "--grace", "10", "--", "sh", "-c", &script,
+            ])
+            .env("RINGZERO_TIMEOUT", "60")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{stderr}");
+        assert!(
+            t.elapsed().as_secs() < 20,
+            "{var}: took {:?}: {stderr}",
+            t.elapsed()
+        );
+        let named = stderr
+            .lines()
+            .filter(|l| l.contains("the store refused a rank") && l.contains("rank 2 at"))
+            .count();
+        assert!(named >= 1, "{var}: {stderr}");
+    }
+    let script =
+        format!("RINGZERO_WORLD_SIZE=3 exec '{bench}' bench all-reduce -b 4K -e 4K --iters 1");
+    let out = ringzero()
+        .args([
+            "launch", "-n", "2", "--grace", "10", "--", "sh", "-c", &script,
+        ])
+        .env("RINGZERO_TIMEOUT", "2")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("the ranks that reached the store: [0, 1]"),
+        "{stderr}"
+    );
+}
+
+/// Two processes started as rank 1 of one job: the store refuses the second, naming where
+/// each came from, so it can never overwrite the first one's address.
+#[test]
+fn a_second_process_started_as_the_same_rank_is_refused_naming_both() {
+    let b = env!("CARGO_BIN_EXE_ringzero");
+    let run = format!("'{b}' bench all-reduce -b 4K -e 4K --iters 20");
+    let script = format!("if [ $RINGZERO_RANK = 1 ]; then {run} & fi; exec {run}");
+    let out = ringzero()
+        .args(["launch", "-n", "2", "--", "sh", "-c", &script])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let refusal = stderr
+        .lines()
+        .find(|l| {
+            l.starts_with("[rank 1]") && l.contains("refused: rank 1 joined this job already")
+        })
+        .unwrap_or_else(|| panic!("{stderr}"));
+    assert!(refusal.contains("was started as rank 1 too"), "{refusal}");
+    assert_eq!(refusal.matches("from 127.0.0.1:").count(), 2, "{refusal}");
+}
+
 /// A rank terminated by SIGTERM (the launcher's stop, torchrun's agent, Slurm's time limit)
 /// writes its flight record before it ends where `RINGZERO_DUMP_ON_SIGTERM=1` (the ranks inherit
 /// it from the launcher's environment): rank 1 of the hung job is sent SIGTERM; its record

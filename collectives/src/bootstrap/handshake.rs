@@ -22,7 +22,7 @@ use crate::error::{Error, Result};
 /// `RZHS`
 const MAGIC: [u8; 4] = *b"RZHS";
 /// Handshake protocol version.
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
 const HELLO_LEN: usize = 76;
 const CHALLENGE_LEN: usize = 76;
 
@@ -197,6 +197,18 @@ pub fn client(
     }
 }
 
+/// The rank a caller claimed when the server side refused it for another job id, secret or
+/// protocol version (a ringzero rank of a job set up wrong), or `None` for any other failure.
+pub fn refused_rank(e: &Error) -> Option<u32> {
+    let Error::Handshake { peer, reason } = e else {
+        return None;
+    };
+    if !reason.starts_with("refused:") {
+        return None;
+    }
+    peer.strip_prefix("rank ")?.split(' ').next()?.parse().ok()
+}
+
 /// Run the server side on an accepted connection; returns who the client is.
 pub fn server(s: &mut TcpStream, me: &Identity, timeout: Duration) -> Result<PeerHello> {
     let peer = s
@@ -272,11 +284,17 @@ pub fn server(s: &mut TcpStream, me: &Identity, timeout: Duration) -> Result<Pee
     }
     let mut proof = [0u8; 32];
     s.read_exact(&mut proof).map_err(|e| {
-        io_err(
-            &peer,
-            "waiting for proof (the client may have rejected our proof: RINGZERO_SECRET differs?)",
-            e,
-        )
+        use std::io::ErrorKind as K;
+        match e.kind() {
+            // The caller read our proof and hung up: it could not verify it.
+            K::UnexpectedEof | K::ConnectionReset | K::BrokenPipe => Error::Handshake {
+                peer: peer.clone(),
+                reason: "refused: the caller could not verify this side's proof of the job \
+                         secret (RINGZERO_SECRET differs between ranks)"
+                    .into(),
+            },
+            _ => io_err(&peer, "waiting for proof", e),
+        }
     })?;
     if mac(me.secret, b"client", &[&hello, &ch])
         .verify_slice(&proof)

@@ -2,11 +2,16 @@
 //!
 //! Requests (after the handshake), little-endian:
 //! `SET`: `1, key_len u32, key, value_len u32, value` → `0`;
-//! `GET`: `2, key_len u32, key, wait_ms u64` → `0, value_len u32, value`, `1` (not set in time)
-//! or `2` (the server is stopping: rank 0 dropped its communicator).
+//! `GET`: `2, key_len u32, key, wait_ms u64` → `0, value_len u32, value`; `1, len u32, ranks`
+//! (not set in time: the ranks that have reached the store, as text); `2` (the server is
+//! stopping: rank 0 dropped its communicator); or `3, len u32, why` (the store refused a rank
+//! that has not reached it since: another job id, secret or version — it will not come). Every
+//! request of a second process started as a rank that joined already is answered `4, len u32,
+//! why`, and its connection closed.
 //! Keys are at most [`MAX_KEY`] bytes and values [`MAX_VALUE`]; anything else drops the
 //! connection. A GET waits on the server until the key is set or its deadline passes, so
-//! clients never poll.
+//! clients never poll; a refusal ends every wait at once, so the ranks that are right fail
+//! within moments naming the rank that is wrong instead of waiting out their deadline.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -27,11 +32,39 @@ pub const MAX_VALUE: usize = 1 << 20;
 
 const SET: u8 = 1;
 const GET: u8 = 2;
+/// The answer to every request of a second process started as a rank that joined already.
+const DUPLICATE: u8 = 4;
 
 #[derive(Default)]
 struct Map {
     kv: Mutex<HashMap<String, Vec<u8>>>,
     changed: Condvar,
+    /// Who has come (locked after `kv` where both are held).
+    arrivals: Mutex<Arrivals>,
+}
+
+/// The ranks that passed the store's handshake (and from where), and the callers it refused.
+#[derive(Default)]
+struct Arrivals {
+    ranks: std::collections::BTreeMap<u32, String>,
+    /// A caller refused (another job id, secret or version): the rank it claimed, and why.
+    refused: Vec<(u32, String)>,
+}
+
+impl Arrivals {
+    /// Why a rank that has not come was refused, if one was.
+    fn refusal(&self) -> Option<&str> {
+        self.refused
+            .iter()
+            .find(|(r, _)| !self.ranks.contains_key(r))
+            .map(|(_, why)| why.as_str())
+    }
+
+    /// The ranks that have come, as text (`0, 1, 3`).
+    fn arrived(&self) -> String {
+        let v: Vec<String> = self.ranks.keys().map(u32::to_string).collect();
+        v.join(", ")
+    }
 }
 
 /// The server side, run by rank 0. Stops (and joins its accept thread) on drop.
@@ -141,8 +174,40 @@ fn serve(
         job_id: job,
         rank: 0,
     };
-    let hello = handshake::server(&mut s, &me, timeout.min(HANDSHAKE_DEADLINE))?;
+    let hello = match handshake::server(&mut s, &me, timeout.min(HANDSHAKE_DEADLINE)) {
+        Ok(h) => h,
+        Err(e) => {
+            // A rank of the job with another job id, secret or version: tell the ranks waiting
+            // for it (a stray connection that is no ringzero rank claims no rank).
+            if let Some(rank) = handshake::refused_rank(&e) {
+                map.arrivals
+                    .lock()
+                    .unwrap()
+                    .refused
+                    .push((rank, e.to_string()));
+                map.changed.notify_all();
+            }
+            return Err(e);
+        }
+    };
     drop(permit);
+    let from = s.peer_addr().map_or_else(|_| "?".into(), |a| a.to_string());
+    // A second process started as a rank that has joined already is refused (its requests
+    // answered with why), so it cannot overwrite the first one's address.
+    let duplicate = {
+        let mut arrivals = map.arrivals.lock().unwrap();
+        match arrivals.ranks.get(&hello.rank) {
+            Some(first) => Some(format!(
+                "rank {} joined this job already (from {first}); this process (from {from}) was \
+                 started as rank {} too: start each rank once",
+                hello.rank, hello.rank
+            )),
+            None => {
+                arrivals.ranks.insert(hello.rank, from);
+                None
+            }
+        }
+    };
     let peer = format!("rank {} (store client)", hello.rank);
     if hello.role != Role::Store {
         return Err(Error::Protocol {
@@ -179,6 +244,18 @@ fn serve(
             .map_err(|e| Error::io("store connection", e))?;
         let key = read_blob(&mut s, MAX_KEY).map_err(|e| proto(format!("bad key: {e}")))?;
         let key = String::from_utf8(key).map_err(|_| proto("key is not UTF-8".into()))?;
+        if let Some(why) = &duplicate {
+            // The rest of the request, then the refusal.
+            match op[0] {
+                SET => drop(read_blob(&mut s, MAX_VALUE)),
+                _ => drop(s.read_exact(&mut [0u8; 8])),
+            }
+            let mut out = vec![DUPLICATE];
+            out.extend_from_slice(&(why.len() as u32).to_le_bytes());
+            out.extend_from_slice(why.as_bytes());
+            let _ = s.write_all(&out);
+            return Err(proto(why.clone()));
+        }
         match op[0] {
             SET => {
                 let v =
@@ -195,29 +272,30 @@ fn serve(
                 let deadline =
                     Instant::now() + Duration::from_millis(u64::from_le_bytes(w).min(86_400_000));
                 let mut kv = map.kv.lock().unwrap();
-                let value = loop {
+                let (status, v) = loop {
                     if let Some(v) = kv.get(&key) {
-                        break Ok(v.clone());
+                        break (0, v.clone());
                     }
                     let now = Instant::now();
                     if stop.load(Ordering::Acquire) {
-                        break Err(2);
+                        break (2, Vec::new());
+                    }
+                    let arrivals = map.arrivals.lock().unwrap();
+                    if let Some(why) = arrivals.refusal() {
+                        break (3, why.as_bytes().to_vec());
                     }
                     if now >= deadline {
-                        break Err(1);
+                        break (1, arrivals.arrived().into_bytes());
                     }
+                    drop(arrivals);
                     let wait = (deadline - now).min(Duration::from_millis(100));
                     kv = map.changed.wait_timeout(kv, wait).unwrap().0;
                 };
                 drop(kv);
-                let mut out = Vec::new();
-                match value {
-                    Ok(v) => {
-                        out.push(0);
-                        out.extend_from_slice(&(v.len() as u32).to_le_bytes());
-                        out.extend_from_slice(&v);
-                    }
-                    Err(status) => out.push(status),
+                let mut out = vec![status];
+                if status != 2 {
+                    out.extend_from_slice(&(v.len() as u32).to_le_bytes());
+                    out.extend_from_slice(&v);
                 }
                 s.write_all(&out)
                     .map_err(|e| Error::io(format!("answering {peer}"), e))?;
@@ -328,7 +406,22 @@ impl StoreClient {
         self.s
             .read_exact(&mut ack)
             .map_err(|e| Error::io(format!("reading from the {}", self.server), e))?;
+        if ack[0] == DUPLICATE {
+            return Err(self.duplicate());
+        }
         Ok(())
+    }
+
+    /// The store's refusal of this process as a second copy of its rank (read after the status).
+    fn duplicate(&mut self) -> Error {
+        let why = read_blob(&mut self.s, MAX_VALUE).map_or_else(
+            |e| format!("(its reason could not be read: {e})"),
+            |b| String::from_utf8_lossy(&b).into_owned(),
+        );
+        Error::Handshake {
+            peer: self.server.clone(),
+            reason: format!("refused: {why}"),
+        }
     }
 
     /// Get `key`, waiting up to the store timeout for some rank to set it; `who` names the rank
@@ -360,18 +453,36 @@ impl StoreClient {
                 ),
             });
         }
-        if status[0] != 0 {
-            return Err(Error::Timeout {
+        if status[0] == DUPLICATE {
+            return Err(self.duplicate());
+        }
+        let blob = read_blob(&mut self.s, MAX_VALUE)
+            .map_err(|e| Error::io(format!("reading from the {}", self.server), e))?;
+        let text = || String::from_utf8_lossy(&blob).into_owned();
+        match status[0] {
+            0 => Ok(blob),
+            3 => Err(Error::PeerLost {
+                op: "bootstrap".into(),
+                seq: 0,
+                peer: who,
+                detail: format!(
+                    "waiting for store key `{key}`, the store refused a rank that never joined \
+                     since: {} — start every rank with the same RINGZERO_JOB_ID, RINGZERO_SECRET \
+                     and build",
+                    text()
+                ),
+            }),
+            _ => Err(Error::Timeout {
                 op: "bootstrap".into(),
                 seq: 0,
                 peer: who,
                 waiting: format!(
-                    "store key `{key}` (is rank {who} running, with the same job id and secret?)"
+                    "store key `{key}` from rank {who}; the ranks that reached the store: [{}] \
+                     (is rank {who} running, with the same master address, job id and secret?)",
+                    text()
                 ),
                 after: self.timeout,
-            });
+            }),
         }
-        read_blob(&mut self.s, MAX_VALUE)
-            .map_err(|e| Error::io(format!("reading from the {}", self.server), e))
     }
 }
