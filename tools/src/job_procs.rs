@@ -73,3 +73,25 @@ pub fn signal_all(leaders: &[u32], job: &str, sig: Signal) -> usize {
     }
     rest.len()
 }
+
+/// The ranks of job `job` with a process that is stopped (SIGSTOP, or held by a debugger): a
+/// rank that stopped answering without exiting, which its peers' timeouts point at.
+pub fn stopped_ranks(job: &str) -> std::collections::BTreeSet<usize> {
+    with_job_id(job)
+        .into_iter()
+        .filter(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{}/stat", pid.as_raw_nonzero()));
+            // The state follows the parenthesised command name.
+            stat.is_ok_and(|s| {
+                matches!(s.rsplit(')').next().map(str::trim_start), Some(st) if st.starts_with(['T', 't']))
+            })
+        })
+        .filter_map(|pid| {
+            let env = std::fs::read(format!("/proc/{}/environ", pid.as_raw_nonzero())).ok()?;
+            let var = env
+                .split(|b| *b == 0)
+                .find_map(|v| v.strip_prefix(b"RINGZERO_RANK="))?;
+            std::str::from_utf8(var).ok()?.parse().ok()
+        })
+        .collect()
+}

@@ -12,7 +12,7 @@
 //! job's last message says how to join them (`ringzero diag --flight DIR`).
 
 use std::ffi::OsString;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader, Read};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
@@ -116,7 +116,7 @@ pub fn node_of(rank: usize, ranks: usize, nodes: usize) -> usize {
 
 fn say(out: &Output, msg: &str) {
     match out {
-        Output::Inherit | Output::RankZeroPlain => eprintln!("ringzero launch: {msg}"),
+        Output::Inherit | Output::RankZeroPlain => crate::eline!("ringzero launch: {msg}"),
         Output::Capture(v) => v.lock().unwrap().push((usize::MAX, msg.to_string())),
     }
 }
@@ -193,6 +193,8 @@ struct Supervisor {
     /// The signal that interrupted the launcher, when, and the records asked for then: (rank
     /// count, Unix microseconds).
     interrupted: Option<(i32, Instant, usize, u64)>,
+    /// The ranks found stopped (SIGSTOP, a debugger) when the survivors were terminated.
+    stopped: std::collections::BTreeSet<usize>,
 }
 
 fn launch_with(
@@ -208,6 +210,7 @@ fn launch_with(
         failed_at: None,
         termed_at: None,
         interrupted: None,
+        stopped: Default::default(),
     };
     while sup.status.iter().any(Option::is_none) {
         let pending = signals
@@ -492,6 +495,8 @@ impl Supervisor {
             };
             if t.elapsed() >= grace {
                 self.termed_at = Some(Instant::now());
+                // A rank that froze rather than failed: what its peers' timeouts are about.
+                self.stopped = crate::job_procs::stopped_ranks(job);
                 for rank in (0..children.len()).filter(|r| self.status[*r].is_none()) {
                     say(out, &format!("terminating rank {rank}"));
                 }
@@ -574,17 +579,25 @@ fn finish(
             let _ = std::fs::remove_file(marker);
         }
     }
-    let first_failure = sup.first_failure;
+    let (first_failure, stopped) = (sup.first_failure, sup.stopped.clone());
     let outcome = Outcome {
         exits,
         first_failure,
         interrupted: sup.interrupted.map(|(sig, ..)| sig),
     };
     if let Some(r) = first_failure {
+        let frozen = match stopped.iter().map(usize::to_string).collect::<Vec<_>>() {
+            v if v.is_empty() => String::new(),
+            v => format!(
+                "; rank {} was stopped (SIGSTOP, or held by a debugger) and stopped answering: \
+                 the others' timeouts point at it",
+                v.join(", rank ")
+            ),
+        };
         say(
             out,
             &format!(
-                "job failed: rank {r} exited first with {}",
+                "job failed: rank {r} exited first with {}{frozen}",
                 describe(outcome.exits[r].status)
             ),
         );
@@ -653,10 +666,10 @@ fn pump(
             let text = text.trim_end_matches(['\n', '\r']);
             match &out {
                 Output::Inherit | Output::RankZeroPlain if is_err => {
-                    let _ = writeln!(std::io::stderr().lock(), "[rank {rank}] {text}");
+                    crate::console::err_line(&format!("[rank {rank}] {text}"));
                 }
                 Output::Inherit | Output::RankZeroPlain => {
-                    let _ = writeln!(std::io::stdout().lock(), "[rank {rank}] {text}");
+                    crate::console::out_line(&format!("[rank {rank}] {text}"));
                 }
                 Output::Capture(v) => v.lock().unwrap().push((rank, text.to_string())),
             }

@@ -10,6 +10,7 @@ pub mod bench;
 pub mod capacity;
 pub mod check;
 pub mod ckpt;
+pub mod console;
 pub mod demo;
 pub mod diag;
 pub mod gpu;

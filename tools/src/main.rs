@@ -62,7 +62,7 @@ fn main() -> ExitCode {
     match run(Cli::parse()) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("ringzero: error: {e:#}");
+            ringzero_tools::eline!("ringzero: error: {e:#}");
             ExitCode::FAILURE
         }
     }

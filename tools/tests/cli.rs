@@ -1093,6 +1093,30 @@ fn a_second_process_started_as_the_same_rank_is_refused_naming_both() {
     assert_eq!(refusal.matches("from 127.0.0.1:").count(), 2, "{refusal}");
 }
 
+/// A rank frozen by SIGSTOP mid-job: its peers time out and exit first, and the launcher's last
+/// word names the stopped rank, not only the first to exit.
+#[test]
+fn the_launcher_names_a_stopped_rank_when_the_others_time_out_on_it() {
+    let b = env!("CARGO_BIN_EXE_ringzero");
+    let script = format!(
+        "if [ $RINGZERO_RANK = 2 ]; then (sleep 1; kill -STOP $$) & fi; \
+         exec '{b}' bench all-reduce -b 1M -e 1M --iters 100000"
+    );
+    let out = ringzero()
+        .args([
+            "launch", "-n", "3", "--grace", "1", "--", "sh", "-c", &script,
+        ])
+        .env("RINGZERO_TIMEOUT", "3")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("rank 2 was stopped (SIGSTOP, or held by a debugger)"),
+        "{stderr}"
+    );
+}
+
 /// A rank terminated by SIGTERM (the launcher's stop, torchrun's agent, Slurm's time limit)
 /// writes its flight record before it ends where `RINGZERO_DUMP_ON_SIGTERM=1` (the ranks inherit
 /// it from the launcher's environment): rank 1 of the hung job is sent SIGTERM; its record

@@ -281,7 +281,9 @@ fn device_bound<D: device::BenchDev>(
                     b.kernel_both_ways_gbs.unwrap_or(f64::NAN),
                 ]
             }
-            Err(e) => eprintln!("ringzero bench: no device baseline ({e}); rows carry no bound"),
+            Err(e) => {
+                crate::eline!("ringzero bench: no device baseline ({e}); rows carry no bound")
+            }
         }
     }
     comm.broadcast(InPlace, &mut v, 0)?;

@@ -82,8 +82,9 @@ pub(crate) fn run(a: DiagCli) -> anyhow::Result<ExitCode> {
         probe_timeout: Duration::from_secs_f64(probe_timeout),
         exe: std::env::current_exe().context("finding this executable")?,
     };
-    let report =
-        ringzero_tools::diag::diagnose(&args, &mut |what| eprintln!("ringzero diag: {what}..."))?;
+    let report = ringzero_tools::diag::diagnose(&args, &mut |what| {
+        ringzero_tools::eline!("ringzero diag: {what}...")
+    })?;
     if json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {

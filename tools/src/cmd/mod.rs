@@ -120,7 +120,7 @@ pub(crate) fn join(
     let comm = Communicator::init(cfg).context("joining the job")?;
     if let Some(n) = ranks {
         if n != comm.size() && comm.rank() == 0 {
-            eprintln!(
+            ringzero_tools::eline!(
                 "ringzero {tool}: -n {n} ignored: the launcher started {} ranks",
                 comm.size()
             );

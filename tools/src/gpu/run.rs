@@ -30,18 +30,18 @@ pub struct GpuCheckArgs {
 pub fn run(a: &GpuCheckArgs) -> Result<(String, Vec<Row>), String> {
     let mut rows = Vec::new();
     let name = if a.host_stream {
-        eprintln!("ringzero gpu-check: a dry run on the host stream (no GPU)");
+        crate::eline!("ringzero gpu-check: a dry run on the host stream (no GPU)");
         "host stream (dry run, no GPU)".to_string()
     } else {
         let gpu = ringzero_kernels::device::cuda::Gpu::open(a.device).map_err(|e| e.to_string())?;
         let name = gpu.name().unwrap_or_else(|e| e.to_string());
-        eprintln!(
+        crate::eline!(
             "ringzero gpu-check: {name} ({}), checking kernels...",
             gpu.arch()
         );
         rows = checks(&gpu);
         if !a.no_bench {
-            eprintln!("ringzero gpu-check: micro-benchmarks...");
+            crate::eline!("ringzero gpu-check: micro-benchmarks...");
             match bench(&gpu) {
                 Ok(r) => rows.extend(r),
                 Err(e) => rows.push(Row {
@@ -77,7 +77,7 @@ pub fn run(a: &GpuCheckArgs) -> Result<(String, Vec<Row>), String> {
         no_bench: a.no_bench,
     };
     for (ranks, mode) in runs {
-        eprintln!(
+        crate::eline!(
             "ringzero gpu-check: collectives on device buffers, {ranks} processes, {}...",
             match mode {
                 DevMode::Ipc => "auto (cuda_ipc; direct on one GPU)",
