@@ -106,8 +106,9 @@ fn a_wrong_secret_is_refused_and_nobody_hangs() {
         errs[0].contains("rank 2") && errs[1].contains("rank 2"),
         "{errs:?}"
     );
+    // The store told the others at once: well inside their 3 s deadline.
     assert!(
-        t.elapsed() < Duration::from_secs(15),
+        t.elapsed() < Duration::from_millis(2500),
         "took {:?}",
         t.elapsed()
     );

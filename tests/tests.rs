@@ -13,6 +13,7 @@ mod doubling;
 mod failures;
 mod flight;
 mod hybrid;
+mod no_panic;
 mod nonblocking;
 mod p2p;
 mod pairwise;

@@ -42,7 +42,14 @@ pub(crate) fn connect_ring(
     } else {
         None
     };
-    let (links, edges, ip) = connect_stride(cfg, 1)?;
+    let (links, edges, ip) = connect_stride(cfg, 1).inspect_err(|_| {
+        if let Some(s) = &server {
+            s.linger_for_refused(
+                cfg.launch.world_size,
+                cfg.timeout.min(std::time::Duration::from_secs(10)),
+            );
+        }
+    })?;
     Ok((Some(links), edges, server, Some(ip)))
 }
 

@@ -1117,6 +1117,197 @@ fn the_launcher_names_a_stopped_rank_when_the_others_time_out_on_it() {
     );
 }
 
+/// Arguments at and past every bound, for every subcommand: each run ends (within its own
+/// bound) with a message, never a panic. `RINGZERO_TIMEOUT=3` bounds any job that starts.
+#[test]
+fn no_argument_makes_the_cli_panic_or_hang() {
+    let cases: &[&[&str]] = &[
+        &["bench", "-b", "0", "-e", "0"],
+        &["bench", "-b", "1", "-e", "4"],
+        &["bench", "-f", "1"],
+        &["bench", "-f", "0"],
+        &["bench", "--iters", "0"],
+        &["bench", "-n", "0"],
+        &["bench", "-n", "1", "-b", "4", "-e", "4", "--iters", "1"],
+        &["bench", "-b", "18446744073709551615"],
+        &["bench", "--tcp-sockets", "0"],
+        &["bench", "--tcp-sockets", "65536"],
+        &["launch", "-n", "0", "--", "true"],
+        &["launch", "-n", "2", "--nodes", "5", "--", "true"],
+        &["launch", "-n", "2", "--nodes", "0", "--", "true"],
+        &["launch", "--grace", "-1", "--", "true"],
+        &["launch", "--grace", "NaN", "--", "true"],
+        &["launch", "--grace", "1e300", "--", "true"],
+        &["launch", "-n", "1", "--", "/nonexistent/program"],
+        &["launch", "-n", "1"],
+        &["mem", "--params", "1e30"],
+        &["mem", "--params", "-5"],
+        &["mem", "--dp", "0"],
+        &["mem", "--stage", "9"],
+        &["mem", "--k", "1e300"],
+        &["mem", "--shard-size", "0"],
+        &["demo", "-n", "0"],
+        &["demo", "-n", "1", "--steps", "0"],
+        &["demo", "-n", "1", "--hidden", "0"],
+        &["demo", "-n", "1", "--batch", "0"],
+        &["demo", "-n", "1", "--layers", "0"],
+        &["demo", "-n", "1", "--lr", "NaN"],
+        &["demo", "-n", "1", "--stage", "7"],
+        &["demo", "-n", "1", "--precision", "fp8"],
+        &["demo", "-n", "1", "--config", "/nonexistent.json"],
+        &["demo", "-n", "1", "--resume", "/nonexistent"],
+        &["ckpt", "inspect", "/nonexistent"],
+        &[
+            "ckpt",
+            "consolidate",
+            "/nonexistent",
+            "-o",
+            "/nonexistent/x",
+        ],
+        &["diag", "--probes", "nosuch", "--probe-timeout", "1"],
+        &["diag", "--probe-timeout", "-1"],
+        &["diag", "--flight", "/nonexistent"],
+        &[
+            "diag",
+            "--sysfs-root",
+            "/nonexistent",
+            "--procfs-root",
+            "/nonexistent",
+        ],
+        &["check", "-b", "0", "-e", "0"],
+        &["check", "-f", "1"],
+    ];
+    for args in cases {
+        let mut child = ringzero()
+            .args(*args)
+            .env("RINGZERO_TIMEOUT", "3")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        let status = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break s;
+            }
+            if std::time::Instant::now() > deadline {
+                let _ = child.kill();
+                panic!("{args:?} still running after 60 s");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        };
+        let mut stderr = String::new();
+        std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+        // Killed by a signal only if it is the launcher's own stop (none here).
+        assert!(
+            status.code().is_some(),
+            "{args:?} died of {status:?}: {stderr}"
+        );
+    }
+}
+
+/// The pids of processes whose environment holds `RINGZERO_TEST_TOKEN=token` and, if given,
+/// `RINGZERO_RANK=rank`.
+fn pids_with(token: &str, rank: Option<usize>) -> Vec<i32> {
+    let want = format!("RINGZERO_TEST_TOKEN={token}");
+    let rank = rank.map(|r| format!("RINGZERO_RANK={r}"));
+    std::fs::read_dir("/proc").map_or(Vec::new(), |d| {
+        d.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+            .filter(|pid| {
+                std::fs::read(format!("/proc/{pid}/environ")).is_ok_and(|env| {
+                    let mut vars = env.split(|b| *b == 0);
+                    let has = |v: &[u8]| env.split(|b| *b == 0).any(|x| x == v);
+                    vars.any(|v| v == want.as_bytes())
+                        && rank.as_ref().is_none_or(|r| has(r.as_bytes()))
+                })
+            })
+            .collect()
+    })
+}
+
+/// A small fault matrix, run on every test run: a rank of a 3-rank job over shm or tcp is
+/// SIGKILLed, SIGSTOPped or SIGTERMed during set-up or mid-collective. Every run must end (no
+/// hang: the survivors fail within the deadline, the launcher stops the rest), leave no
+/// `ringzero-*` file in the shared-memory directory and no process of the job behind.
+#[test]
+fn a_fault_matrix_leaves_no_hang_no_shared_memory_and_no_process() {
+    use rustix::process::Signal;
+    let b = env!("CARGO_BIN_EXE_ringzero");
+    let shm = std::env::temp_dir().join(format!("ringzero-faults-{}", std::process::id()));
+    let (mut runs, mut hangs, mut leaked, mut left) = (0, 0, 0, 0);
+    let mut notes = Vec::new();
+    for (i, transport) in ["shm", "tcp"].into_iter().enumerate() {
+        for (j, sig) in [Signal::KILL, Signal::STOP, Signal::TERM]
+            .into_iter()
+            .enumerate()
+        {
+            for (k, delay_ms) in [30u64, 700].into_iter().enumerate() {
+                let victim = (i + j + k) % 3;
+                let _ = std::fs::remove_dir_all(&shm);
+                std::fs::create_dir_all(&shm).unwrap();
+                let token = format!("faults-{}-{runs}", std::process::id());
+                let script = format!("exec '{b}' bench all-reduce -b 256K -e 256K --iters 100000");
+                let mut job = ringzero()
+                    .args([
+                        "launch", "-n", "3", "--grace", "1", "--", "sh", "-c", &script,
+                    ])
+                    .env("RINGZERO_TIMEOUT", "3")
+                    .env("RINGZERO_TRANSPORT", transport)
+                    .env("RINGZERO_SHM_DIR", &shm)
+                    .env("RINGZERO_TEST_TOKEN", &token)
+                    .stdout(std::process::Stdio::null())
+                    .stderr(std::process::Stdio::null())
+                    .spawn()
+                    .unwrap();
+                runs += 1;
+                std::thread::sleep(std::time::Duration::from_millis(delay_ms));
+                for pid in pids_with(&token, Some(victim)) {
+                    let pid = rustix::process::Pid::from_raw(pid).unwrap();
+                    let _ = rustix::process::kill_process(pid, sig);
+                }
+                let deadline = std::time::Instant::now() + std::time::Duration::from_secs(40);
+                while job.try_wait().unwrap().is_none() {
+                    if std::time::Instant::now() > deadline {
+                        hangs += 1;
+                        notes.push(format!(
+                            "{transport} {sig:?} rank {victim} at {delay_ms} ms: hung"
+                        ));
+                        let _ = job.kill();
+                        let _ = job.wait();
+                        break;
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                }
+                let files = std::fs::read_dir(&shm).unwrap().count();
+                leaked += files;
+                if files > 0 {
+                    notes.push(format!(
+                        "{transport} {sig:?} rank {victim} at {delay_ms} ms: {files} files"
+                    ));
+                }
+                std::thread::sleep(std::time::Duration::from_millis(100));
+                let procs = pids_with(&token, None);
+                left += procs.len();
+                for pid in procs {
+                    let _ = rustix::process::kill_process(
+                        rustix::process::Pid::from_raw(pid).unwrap(),
+                        Signal::KILL,
+                    );
+                    notes.push(format!(
+                        "{transport} {sig:?} rank {victim} at {delay_ms} ms: pid {pid} left"
+                    ));
+                }
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&shm);
+    println!(
+        "fault matrix: {runs} runs, {hangs} hangs, {leaked} leaked files, {left} processes left"
+    );
+    assert_eq!((hangs, leaked, left), (0, 0, 0), "{notes:#?}");
+}
+
 /// A rank terminated by SIGTERM (the launcher's stop, torchrun's agent, Slurm's time limit)
 /// writes its flight record before it ends where `RINGZERO_DUMP_ON_SIGTERM=1` (the ranks inherit
 /// it from the launcher's environment): rank 1 of the hung job is sent SIGTERM; its record

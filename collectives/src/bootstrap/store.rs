@@ -72,6 +72,7 @@ pub struct StoreServer {
     addr: SocketAddr,
     stop: Arc<AtomicBool>,
     accept: Option<JoinHandle<()>>,
+    map: Arc<Map>,
 }
 
 impl StoreServer {
@@ -95,18 +96,46 @@ impl StoreServer {
         let stop2 = stop.clone();
         let accept = std::thread::Builder::new()
             .name("ringzero-store".into())
-            .spawn(move || accept_loop(listener, map, stop2, secret, job_id, timeout))
+            .spawn({
+                let map = map.clone();
+                move || accept_loop(listener, map, stop2, secret, job_id, timeout)
+            })
             .map_err(|e| Error::io("spawning the store thread", e))?;
         Ok(StoreServer {
             addr,
             stop,
             accept: Some(accept),
+            map,
         })
     }
 
     /// The bound address.
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Where the store refused a rank (see the module docs) and rank 0 is failing because of
+    /// it: keep serving, so that the ranks not there yet learn why too instead of finding no
+    /// store, until every one of the `world` ranks has come or been refused (and a moment for
+    /// their waits to be answered), or `most` has passed. Returns at once without a refusal.
+    pub fn linger_for_refused(&self, world: usize, most: Duration) {
+        let deadline = Instant::now() + most;
+        loop {
+            let told = {
+                let a = self.map.arrivals.lock().unwrap();
+                if a.refusal().is_none() {
+                    return;
+                }
+                (0..world as u32)
+                    .all(|r| a.ranks.contains_key(&r) || a.refused.iter().any(|(q, _)| *q == r))
+            };
+            if told || Instant::now() >= deadline {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // Arrived ranks' waits see the refusal within one of their 100 ms looks.
+        std::thread::sleep(Duration::from_millis(300).min(most));
     }
 }
 

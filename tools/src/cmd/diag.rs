@@ -74,6 +74,10 @@ pub(crate) fn run(a: DiagCli) -> anyhow::Result<ExitCode> {
             "--probes: unknown probe `{p}` (expected shm, tcp, cuda or none)"
         );
     }
+    anyhow::ensure!(
+        (0.001..=86_400.0).contains(&probe_timeout),
+        "--probe-timeout {probe_timeout}: give each probe between 0.001 and 86400 seconds"
+    );
     let args = ringzero_tools::diag::DiagArgs {
         sysfs_root,
         procfs_root,

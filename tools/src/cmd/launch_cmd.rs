@@ -39,8 +39,8 @@ pub(crate) fn run(a: LaunchCli) -> anyhow::Result<ExitCode> {
         cmd,
     } = a;
     anyhow::ensure!(
-        grace.is_finite() && grace >= 0.0,
-        "--grace must be a non-negative number of seconds"
+        (0.0..=86_400.0).contains(&grace),
+        "--grace {grace}: give the ranks between 0 and 86400 seconds (a day) to stop"
     );
     let spec = launch::LaunchSpec {
         ranks,
