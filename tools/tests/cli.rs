@@ -1308,6 +1308,53 @@ fn a_fault_matrix_leaves_no_hang_no_shared_memory_and_no_process() {
     assert_eq!((hangs, leaked, left), (0, 0, 0), "{notes:#?}");
 }
 
+/// The bench's copy baseline needs 16 MiB per rank of shared memory; in a 12 MiB tmpfs (mounted
+/// in a user namespace of the test's own) it cannot have it: the bench says so and runs on
+/// without the baseline (its files used to be sized sparsely, and filling them killed a rank
+/// with SIGBUS), and leaves nothing in the directory.
+#[test]
+fn a_full_shared_memory_directory_costs_the_bench_its_baseline_not_a_rank() {
+    let dir = std::env::temp_dir().join(format!("ringzero-small-shm-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let b = env!("CARGO_BIN_EXE_ringzero");
+    let d = dir.display();
+    let script = format!(
+        "mount -t tmpfs -o size=12m tmpfs '{d}' || exit 77; \
+         RINGZERO_SHM_DIR='{d}' '{b}' bench all-reduce -n 2 -b 64K -e 64K --iters 2; rc=$?; \
+         ls -A '{d}'; exit $rc"
+    );
+    let out = Command::new("unshare")
+        .args(["-rm", "sh", "-c", &script])
+        .output();
+    let out = match out {
+        Ok(o)
+            if o.status.code() != Some(77)
+                && !String::from_utf8_lossy(&o.stderr).contains("unshare:") =>
+        {
+            o
+        }
+        other => {
+            println!("SKIPPED: cannot mount a small tmpfs in a user namespace here: {other:?}");
+            return;
+        }
+    };
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("no copy-between-processes baseline")
+            && stderr.contains("reserving 16777216 bytes"),
+        "{stderr}"
+    );
+    assert!(
+        !stdout.lines().any(|l| l.starts_with("ringzero-")),
+        "left behind: {stdout}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A rank terminated by SIGTERM (the launcher's stop, torchrun's agent, Slurm's time limit)
 /// writes its flight record before it ends where `RINGZERO_DUMP_ON_SIGTERM=1` (the ranks inherit
 /// it from the launcher's environment): rank 1 of the hung job is sent SIGTERM; its record
