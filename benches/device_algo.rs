@@ -7,7 +7,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use ringzero::{Communicator, Config, DeviceAlgo, DeviceComm, HostStream, ReduceOp};
+use ringzero::{Collectives, Communicator, Config, DeviceAlgo, DeviceComm, HostStream, ReduceOp};
 
 /// Rank 1 on its own thread, running `k` all-reduces per command; rank 0 returned to the caller.
 fn pair(

@@ -8,7 +8,7 @@
 //! 0–3 on them, its model states in host memory or on a GPU.
 //!
 //! ```no_run
-//! use ringzero::{Communicator, ReduceOp};
+//! use ringzero::prelude::*;
 //! let comm = Communicator::from_env()?; // RINGZERO_*, torchrun, Slurm or Open MPI variables
 //! let send = vec![comm.rank() as f32; 1024];
 //! let mut recv = vec![0.0f32; 1024];
@@ -23,12 +23,17 @@
 #![deny(missing_docs)]
 
 pub use ringzero_collectives::{
-    chunk, AbortHandle, AdamAt, Algo, CallState, Collective, Communicator, Config, Counters, DType,
-    DeviceAlgo, DeviceComm, DeviceMemory, DeviceP2p, Edge, Element, Error, FlightEntry,
-    FlightRecord, HostStream, InPlace, Input, P2p, P2pOwned, PeerTraffic, PendingMsg, ReduceOp,
-    Result, Schedule, StagingMode, Stream, TrainStream, TransportKind, TransportPref, WithAlgo,
-    Work, COPY_STAGING_MAX_SHARERS,
+    chunk, AbortHandle, AdamAt, Algo, CallState, Collective, Collectives, Communicator, Config,
+    Counters, DType, DeviceAlgo, DeviceComm, DeviceMemory, DeviceP2p, Edge, Element, Error,
+    FlightEntry, FlightRecord, HostStream, InPlace, Input, P2p, P2pOwned, PeerTraffic, PendingMsg,
+    ReduceOp, Result, Schedule, StagingMode, Stream, TrainStream, TransportKind, TransportPref,
+    WithAlgo, Work, COPY_STAGING_MAX_SHARERS,
 };
+
+/// What a program that runs collectives names: `use ringzero::prelude::*;`.
+pub mod prelude {
+    pub use ringzero_collectives::{Collectives, Communicator, DeviceComm, InPlace, ReduceOp};
+}
 
 /// The 16-bit float types (`f16`, `bf16`) the communicators and the ZeRO engine move.
 pub use half;

@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use ringzero::{Algo, Collective, DType, Error, InPlace, ReduceOp, TransportPref};
+use ringzero::{Algo, Collective, Collectives, DType, Error, InPlace, ReduceOp, TransportPref};
 
 use crate::common::{check_case, threads, Case, Opts};
 

@@ -1,10 +1,10 @@
-//! Point-to-point on device buffers ([`DeviceComm::send`], `recv`, `send_recv`): pairs of ranks
+//! Point-to-point on device buffers ([`DeviceComm::send`](ringzero_collectives::Collectives::send), `recv`, `send_recv`): pairs of ranks
 //! that are not ring neighbours, both directions, over host staging (mapped and explicit
 //! copies) and tcp device links, with the host as the device (the GPU check runs them on GPUs).
 
 use ringzero::{
-    DType, DeviceComm, Error, HostStream, InPlace, ReduceOp, StagingMode, TransportKind,
-    TransportPref,
+    Collectives, DType, DeviceComm, Error, HostStream, InPlace, ReduceOp, StagingMode,
+    TransportKind, TransportPref,
 };
 
 use crate::common::{threads, Opts};

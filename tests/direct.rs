@@ -7,8 +7,8 @@
 use std::time::{Duration, Instant};
 
 use ringzero::{
-    chunk, Collective, Communicator, DType, DeviceAlgo, DeviceComm, Error, HostStream, InPlace,
-    ReduceOp,
+    chunk, Collective, Collectives, Communicator, DType, DeviceAlgo, DeviceComm, Error, HostStream,
+    InPlace, ReduceOp,
 };
 
 use crate::common::{all_collectives, check_with, threads, Case, Opts};

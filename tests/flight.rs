@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use ringzero::{CallState, Communicator, InPlace, ReduceOp, TransportPref};
+use ringzero::{CallState, Collectives, Communicator, InPlace, ReduceOp, TransportPref};
 use ringzero_tools::diag::flight::{self, FindingKind, FlightReport};
 
 use crate::common::{fresh_dir, threads, Opts};

@@ -6,7 +6,7 @@
 
 use half::bf16;
 use ringzero::kernels::cpu::Float;
-use ringzero::{Communicator, InPlace};
+use ringzero::{Collectives, Communicator, InPlace};
 use ringzero_zero::{hybrid_groups, Engine, Precision, StepOutcome, ZeroError};
 
 use crate::common::{fresh_dir, threads, Opts};

@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use half::bf16;
-use ringzero::{Communicator, Error, InPlace, P2p, ReduceOp, TransportPref};
+use ringzero::{Collectives, Communicator, Error, InPlace, P2p, ReduceOp, TransportPref};
 
 use crate::common::{threads, Opts};
 

@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use ringzero::{Algo, Error, InPlace, P2p, ReduceOp, TransportPref};
+use ringzero::{Algo, Collectives, Error, InPlace, P2p, ReduceOp, TransportPref};
 
 use crate::common::{threads, Opts};
 

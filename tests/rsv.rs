@@ -7,7 +7,7 @@
 
 use std::time::{Duration, Instant};
 
-use ringzero::{DeviceComm, Error, HostStream, InPlace, ReduceOp, TransportPref};
+use ringzero::{Collectives, DeviceComm, Error, HostStream, InPlace, ReduceOp, TransportPref};
 
 use crate::common::{threads, Opts};
 

@@ -1,7 +1,7 @@
 //! Sub-communicators (`Communicator::split`), ranks as threads: groups by color ordered by key,
 //! ranks that join none, nesting, and parent and children used side by side.
 
-use ringzero::{Communicator, InPlace, ReduceOp, TransportPref};
+use ringzero::{Collectives, Communicator, InPlace, ReduceOp, TransportPref};
 
 use crate::common::{threads, Opts};
 

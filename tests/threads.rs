@@ -2,7 +2,9 @@
 //! reference.
 
 use proptest::prelude::*;
-use ringzero::{Algo, Collective, DType, InPlace, ReduceOp, TransportKind, TransportPref};
+use ringzero::{
+    Algo, Collective, Collectives, DType, InPlace, ReduceOp, TransportKind, TransportPref,
+};
 
 use crate::common::{check_case, host_collectives, threads, Case, Opts};
 

@@ -5,7 +5,7 @@
 
 use half::{bf16, f16};
 use ringzero::kernels::cpu::{adamw_mixed, cast, sq_norm, AdamW, Float};
-use ringzero::{Algo, Communicator, InPlace, ReduceOp, TransportPref};
+use ringzero::{Algo, Collectives, Communicator, InPlace, ReduceOp, TransportPref};
 use ringzero_zero::mem::{comm_elements_per_step, model_states, K_ADAM};
 use ringzero_zero::{
     Engine, LossScaling, ParamSpec, Partition, Precision, StepOutcome, ZeroConfig, ZeroError,

@@ -1,5 +1,6 @@
 //! The communicator: the public face of the library.
 
+use crate::calls::Collectives;
 use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -18,6 +19,7 @@ use crate::ring::failure::AbortFlag;
 use crate::topology::Edge;
 use crate::work::Worker;
 
+mod calls;
 mod collectives;
 mod doubling;
 mod inner;
@@ -41,7 +43,9 @@ pub use with_algo::WithAlgo;
 /// collectives in the same order with matching arguments; a rank that does not gets an
 /// [`Error::Mismatch`] naming both calls instead of a hang.
 ///
-/// Collectives come in two forms: blocking on borrowed buffers, out of place
+/// The blocking collectives are the [`Collectives`](crate::Collectives) trait's, which
+/// [`DeviceComm`](crate::DeviceComm) implements too (bring it into scope:
+/// `use ringzero::prelude::*`). Collectives come in two forms: blocking on borrowed buffers, out of place
 /// (`all_reduce(&send, &mut recv, op)`) or in place (`all_reduce(InPlace, &mut buf, op)`, as
 /// `MPI_IN_PLACE`), and asynchronous on owned buffers (`all_reduce_async(vec, op)`,
 /// `reduce_scatter_async(send, recv, op)`) returning a [`Work`](crate::Work) that gives the
@@ -53,7 +57,7 @@ pub use with_algo::WithAlgo;
 /// the deadline, and every later call returns an [`Error::Aborted`] naming the first cause.
 ///
 /// ```
-/// use ringzero_collectives::{Communicator, InPlace, ReduceOp};
+/// use ringzero_collectives::{Collectives, Communicator, InPlace, ReduceOp};
 /// # fn main() -> Result<(), ringzero_collectives::Error> {
 /// # std::env::set_var("RINGZERO_RANK", "0");
 /// # std::env::set_var("RINGZERO_WORLD_SIZE", "1");

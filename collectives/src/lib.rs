@@ -17,7 +17,7 @@
 //!
 //! Two ranks as threads, the way tests run them:
 //! ```
-//! use ringzero_collectives::{Communicator, Config, ReduceOp};
+//! use ringzero_collectives::{Collectives, Communicator, Config, ReduceOp};
 //! let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
 //! let ranks: Vec<_> = (0..2)
 //!     .map(|rank| {
@@ -38,6 +38,7 @@
 
 mod atomic_file;
 mod bootstrap;
+mod calls;
 mod comm;
 pub mod config;
 mod connect;
@@ -85,6 +86,7 @@ pub mod internals {
     }
 }
 
+pub use calls::Collectives;
 pub use comm::{AbortHandle, Communicator, P2p, P2pOwned, WithAlgo};
 pub use config::{Algo, Config, DeviceAlgo, StagingMode, TransportPref, COPY_STAGING_MAX_SHARERS};
 pub use counters::Counters;

@@ -9,8 +9,8 @@ pub use queued::Queued;
 use std::time::Duration;
 
 use ringzero::{
-    chunk, Algo, Collective, Communicator, Config, DType, DeviceAlgo, DeviceComm, Element,
-    HostStream, InPlace, Input, ReduceOp, Result, StagingMode, TransportPref,
+    chunk, Algo, Collective, Collectives, Communicator, Config, DType, DeviceAlgo, DeviceComm,
+    Element, HostStream, InPlace, Input, ReduceOp, Result, StagingMode, TransportPref,
 };
 
 /// A port that was free a moment ago.
@@ -265,42 +265,42 @@ macro_rules! forward_colls {
                 <$ty>::size(self)
             }
             fn all_reduce<'a, T: Element>(&mut self, s: impl Into<Input<'a, [T]>>, r: &mut [T], op: ReduceOp) -> Result<()> {
-                <$ty>::all_reduce(self, s, r, op)
+                <$ty as Collectives<[T]>>::all_reduce(self, s, r, op)
             }
             fn reduce_scatter<'a, T: Element>(&mut self, s: impl Into<Input<'a, [T]>>,
                 r: &mut [T],
                 op: ReduceOp,
             ) -> Result<()> {
-                <$ty>::reduce_scatter(self, s, r, op)
+                <$ty as Collectives<[T]>>::reduce_scatter(self, s, r, op)
             }
             fn reduce_scatter_v<'a, T: Element>(&mut self, s: impl Into<Input<'a, [T]>>,
                 r: &mut [T],
                 counts: &[usize],
                 op: ReduceOp,
             ) -> Result<()> {
-                <$ty>::reduce_scatter_v(self, s, r, counts, op)
+                <$ty as Collectives<[T]>>::reduce_scatter_v(self, s, r, counts, op)
             }
             fn all_gather<'a, T: Element>(&mut self, s: impl Into<Input<'a, [T]>>, r: &mut [T]) -> Result<()> {
-                <$ty>::all_gather(self, s, r)
+                <$ty as Collectives<[T]>>::all_gather(self, s, r)
             }
             fn broadcast<'a, T: Element>(&mut self, s: impl Into<Input<'a, [T]>>, r: &mut [T], root: usize) -> Result<()> {
-                <$ty>::broadcast(self, s, r, root)
+                <$ty as Collectives<[T]>>::broadcast(self, s, r, root)
             }
             fn reduce<'a, T: Element>(&mut self, s: impl Into<Input<'a, [T]>>,
                 r: &mut [T],
                 op: ReduceOp,
                 root: usize,
             ) -> Result<()> {
-                <$ty>::reduce(self, s, r, op, root)
+                <$ty as Collectives<[T]>>::reduce(self, s, r, op, root)
             }
             fn ring_shift<'a, T: Element>(&mut self, s: impl Into<Input<'a, [T]>>, r: &mut [T]) -> Result<()> {
-                <$ty>::ring_shift(self, s, r)
+                <$ty as Collectives<[T]>>::ring_shift(self, s, r)
             }
             fn barrier(&mut self) -> Result<()> {
                 <$ty>::barrier(self)
             }
             fn all_to_all<'a, T: Element>(&mut self, s: impl Into<Input<'a, [T]>>, r: &mut [T]) -> Result<()> {
-                <$ty>::all_to_all(self, s, r)
+                <$ty as Collectives<[T]>>::all_to_all(self, s, r)
             }
         }
     };
@@ -308,7 +308,7 @@ macro_rules! forward_colls {
 
 forward_colls!(&Communicator, Communicator;
     fn send_recv<T: Element>(&mut self, s: &[T], r: &mut [T], peer: usize) -> Result<()> {
-        Communicator::send_recv(self, s, r, peer)
+        <Communicator as Collectives<[T]>>::send_recv(self, s, r, peer)
     }
     fn host(&self) -> Result<&Communicator> {
         Ok(self)
@@ -316,10 +316,10 @@ forward_colls!(&Communicator, Communicator;
 );
 forward_colls!(DeviceComm<HostStream>, DeviceComm<HostStream>;
     fn gather<T: Element>(&mut self, s: &[T], r: &mut [T], root: usize) -> Result<()> {
-        DeviceComm::gather(self, s, r, root)
+        <DeviceComm<HostStream> as Collectives<[T]>>::gather(self, s, r, root)
     }
     fn scatter<T: Element>(&mut self, s: &[T], r: &mut [T], root: usize) -> Result<()> {
-        DeviceComm::scatter(self, s, r, root)
+        <DeviceComm<HostStream> as Collectives<[T]>>::scatter(self, s, r, root)
     }
     fn all_to_all_v<T: Element>(
         &mut self,
@@ -328,10 +328,10 @@ forward_colls!(DeviceComm<HostStream>, DeviceComm<HostStream>;
         r: &mut [T],
         rc: &[usize],
     ) -> Result<()> {
-        DeviceComm::all_to_all_v(self, s, sc, r, rc)
+        <DeviceComm<HostStream> as Collectives<[T]>>::all_to_all_v(self, s, sc, r, rc)
     }
     fn all_gather_v<'a, T: Element>(&mut self, s: impl Into<Input<'a, [T]>>, r: &mut [T], counts: &[usize]) -> Result<()> {
-        DeviceComm::all_gather_v(self, s, r, counts)
+        <DeviceComm<HostStream> as Collectives<[T]>>::all_gather_v(self, s, r, counts)
     }
 );
 

@@ -7,7 +7,7 @@
 
 use std::time::Instant;
 
-use ringzero_collectives::{Communicator, InPlace, ReduceOp, Result};
+use ringzero_collectives::{Collectives, Communicator, InPlace, ReduceOp, Result};
 
 /// Sweep parameters.
 #[derive(Clone, Copy, Debug)]

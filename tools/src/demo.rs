@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use crate::mix;
 use half::{bf16, f16};
 use rand::{Rng, SeedableRng};
-use ringzero_collectives::{Communicator, InPlace, ReduceOp};
+use ringzero_collectives::{Collectives, Communicator, InPlace, ReduceOp};
 use ringzero_kernels::cpu::Float;
 use ringzero_zero::mem::{model_states_with, K_ADAM};
 use ringzero_zero::{

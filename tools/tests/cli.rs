@@ -1,5 +1,6 @@
 //! The `ringzero` binary end to end: the README's main command, and its failure modes.
 
+use ringzero_collectives::Collectives;
 use std::process::Command;
 
 fn ringzero() -> Command {

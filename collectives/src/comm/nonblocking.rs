@@ -20,12 +20,12 @@ use crate::ring::{Collective, Count};
 use crate::work::Work;
 
 impl Communicator {
-    /// Asynchronous in-place [`Communicator::all_reduce`] of an owned buffer.
+    /// Asynchronous in-place [`Communicator::all_reduce`](crate::Collectives::all_reduce) of an owned buffer.
     pub fn all_reduce_async<T: Element>(&self, buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
         self.in_place_async(Collective::AllReduce, op, buf)
     }
 
-    /// Asynchronous [`Communicator::reduce_scatter`]: returns `send` and `recv`, which holds
+    /// Asynchronous [`Communicator::reduce_scatter`](crate::Collectives::reduce_scatter): returns `send` and `recv`, which holds
     /// this rank's reduced chunk of `send`.
     pub fn reduce_scatter_async<T: Element>(
         &self,
@@ -40,7 +40,7 @@ impl Communicator {
         self.split_async(checked, c, Some(op), count, send, recv)
     }
 
-    /// Asynchronous [`Communicator::reduce_scatter_v`]: returns `send` and `recv`, which holds
+    /// Asynchronous [`Communicator::reduce_scatter_v`](crate::Collectives::reduce_scatter_v): returns `send` and `recv`, which holds
     /// this rank's part (`counts[rank]` elements) of the reduction.
     pub fn reduce_scatter_v_async<T: Element>(
         &self,
@@ -62,7 +62,7 @@ impl Communicator {
         self.split_async(checked.map(drop), c, Some(op), count, send, recv)
     }
 
-    /// Asynchronous [`Communicator::all_gather`]: returns `send` and `recv`, which holds every
+    /// Asynchronous [`Communicator::all_gather`](crate::Collectives::all_gather): returns `send` and `recv`, which holds every
     /// rank's chunk (`send` is this rank's chunk of `recv`).
     pub fn all_gather_async<T: Element>(
         &self,
@@ -76,7 +76,7 @@ impl Communicator {
         self.split_async(checked, c, None, count, send, recv)
     }
 
-    /// Asynchronous in-place [`Communicator::broadcast`] of the root's buffer.
+    /// Asynchronous in-place [`Communicator::broadcast`](crate::Collectives::broadcast) of the root's buffer.
     pub fn broadcast_async<T: Element>(&self, buf: Vec<T>, root: usize) -> Work<Vec<T>> {
         match self.rooted(Collective::Broadcast { root }, root) {
             Ok(c) => self.in_place_async(c, ReduceOp::Sum, buf),
@@ -84,7 +84,7 @@ impl Communicator {
         }
     }
 
-    /// Asynchronous in-place [`Communicator::reduce`]: the root's buffer comes back holding the
+    /// Asynchronous in-place [`Communicator::reduce`](crate::Collectives::reduce): the root's buffer comes back holding the
     /// result; other ranks' come back unchanged.
     pub fn reduce_async<T: Element>(&self, buf: Vec<T>, op: ReduceOp, root: usize) -> Work<Vec<T>> {
         match self.rooted(Collective::Reduce { root }, root) {
@@ -93,7 +93,7 @@ impl Communicator {
         }
     }
 
-    /// Asynchronous [`Communicator::ring_shift`]: returns `send` and `recv`, which holds the
+    /// Asynchronous [`Communicator::ring_shift`](crate::Collectives::ring_shift): returns `send` and `recv`, which holds the
     /// previous rank's `send`.
     pub fn ring_shift_async<T: Element>(
         &self,
@@ -122,7 +122,7 @@ impl Communicator {
         })
     }
 
-    /// Asynchronous [`Communicator::all_to_all`]: returns `send` and `recv`, which holds the
+    /// Asynchronous [`Communicator::all_to_all`](crate::Collectives::all_to_all): returns `send` and `recv`, which holds the
     /// blocks received, in rank order.
     pub fn all_to_all_async<T: Element>(
         &self,
@@ -145,7 +145,7 @@ impl Communicator {
         })
     }
 
-    /// Asynchronous [`Communicator::all_to_all_v`]: returns `send` and `recv`, which holds the
+    /// Asynchronous [`Communicator::all_to_all_v`](crate::Collectives::all_to_all_v): returns `send` and `recv`, which holds the
     /// blocks received (`recv_counts`), in rank order.
     pub fn all_to_all_v_async<T: Element>(
         &self,
@@ -167,7 +167,7 @@ impl Communicator {
         })
     }
 
-    /// Asynchronous [`Communicator::all_gather_v`]: returns `send` and `recv`, which holds
+    /// Asynchronous [`Communicator::all_gather_v`](crate::Collectives::all_gather_v): returns `send` and `recv`, which holds
     /// every rank's part (`counts`), in rank order.
     pub fn all_gather_v_async<T: Element>(
         &self,
@@ -187,7 +187,7 @@ impl Communicator {
         })
     }
 
-    /// Asynchronous [`Communicator::gather`]: returns `send` and `recv`, which on the root holds
+    /// Asynchronous [`Communicator::gather`](crate::Collectives::gather): returns `send` and `recv`, which on the root holds
     /// every rank's `send` in rank order (other ranks pass an empty `recv`).
     pub fn gather_async<T: Element>(
         &self,
@@ -206,7 +206,7 @@ impl Communicator {
         })
     }
 
-    /// Asynchronous [`Communicator::scatter`]: returns `send` and `recv`, which holds this
+    /// Asynchronous [`Communicator::scatter`](crate::Collectives::scatter): returns `send` and `recv`, which holds this
     /// rank's block of the root's `send` (other ranks pass an empty `send`).
     pub fn scatter_async<T: Element>(
         &self,
@@ -225,7 +225,7 @@ impl Communicator {
         })
     }
 
-    /// Asynchronous [`Communicator::send`] (`MPI_Isend`): the buffer comes back once the
+    /// Asynchronous [`Communicator::send`](crate::Collectives::send) (`MPI_Isend`): the buffer comes back once the
     /// message has left (or is held by the link: see `send`). Point-to-point calls queued one
     /// after another are independent: each message moves as soon as its link allows, even while
     /// one queued before it waits, so two ranks that each `send_async` the other a large message
@@ -239,7 +239,7 @@ impl Communicator {
         })
     }
 
-    /// Asynchronous [`Communicator::recv`] (`MPI_Irecv`) into `buf` (its length the count
+    /// Asynchronous [`Communicator::recv`](crate::Collectives::recv) (`MPI_Irecv`) into `buf` (its length the count
     /// expected); independent of the calls queued beside it, as for [`Communicator::send_async`].
     pub fn recv_async<T: Element>(&self, buf: Vec<T>, peer: usize) -> Work<Vec<T>> {
         self.p2p_async(vec![P2pOwned::Recv(buf, peer)], |mut m| match m.pop() {
@@ -248,7 +248,7 @@ impl Communicator {
         })
     }
 
-    /// Asynchronous [`Communicator::send_recv`]: returns `send` and the filled `recv`.
+    /// Asynchronous [`Communicator::send_recv`](crate::Collectives::send_recv): returns `send` and the filled `recv`.
     pub fn send_recv_async<T: Element>(
         &self,
         send: Vec<T>,

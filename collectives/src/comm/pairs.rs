@@ -54,47 +54,6 @@ pub(super) struct Pair {
 }
 
 impl Communicator {
-    /// Send `buf` to rank `peer`, which receives it with [`Communicator::recv`] (or
-    /// [`Communicator::send_recv`]) of the same element type and count.
-    ///
-    /// Point-to-point calls are not collectives: only the two ranks take part, over links of
-    /// their own, so they mix freely with collectives. The pair's first call (whichever of the
-    /// three each rank makes) connects those links straight between the two ranks (same
-    /// handshake and shm/tcp choice as the ring; rank 0's store is not needed), and both ranks
-    /// must reach it before either goes on (a rank waiting there connects the ranks that call it
-    /// meanwhile too, so first calls that form a cycle — every rank sending to the one before
-    /// it — meet); later calls need no rendezvous. Messages from one
-    /// rank to another arrive in the order they were sent. Like `MPI_Send`, a send may return
-    /// before the receiver has called `recv` (while the message fits the link's `RINGZERO_SLOTS`
-    /// × `RINGZERO_SLICE_BYTES`), or wait for it: two ranks that each send the other a large
-    /// message before receiving wait until the deadline, so exchange with
-    /// [`Communicator::send_recv`].
-    ///
-    /// A receiver expecting another count or element type fails with an [`Error::Mismatch`]
-    /// naming both calls; a peer that never makes its call fails this one at the deadline; any
-    /// error aborts the communicator, as a collective's does. Point-to-point calls are not
-    /// entries of the flight record (its sequence numbers are the collectives'); its `p2p`
-    /// keeps each peer's traffic instead: messages finished each way, and those pending.
-    pub fn send<T: Element>(&self, buf: &[T], peer: usize) -> Result<()> {
-        self.send_recv_batch(&mut [P2p::Send(buf, peer)])
-    }
-
-    /// Receive into `buf` what rank `peer` sends with [`Communicator::send`] (or
-    /// [`Communicator::send_recv`]); its count and element type must be `buf`'s. Returns once
-    /// the whole message is in `buf`. See [`Communicator::send`].
-    pub fn recv<T: Element>(&self, buf: &mut [T], peer: usize) -> Result<()> {
-        self.send_recv_batch(&mut [P2p::Recv(buf, peer)])
-    }
-
-    /// Send `send` to rank `peer` and receive `recv` from it at once (`MPI_Sendrecv` with one
-    /// peer; pipeline stages trading activations for gradients). The two directions interleave
-    /// slice by slice, so two ranks exchanging messages of any size never wait on each other.
-    /// The counts may differ; each must match what the peer sends or expects. To send to one
-    /// neighbour while receiving from the other, use [`Communicator::ring_shift`].
-    pub fn send_recv<T: Element>(&self, send: &[T], recv: &mut [T], peer: usize) -> Result<()> {
-        self.send_recv_batch(&mut [P2p::Send(send, peer), P2p::Recv(recv, peer)])
-    }
-
     /// Run several sends and receives, to and from any peers, at once (NCCL's grouped calls,
     /// torch's `batch_isend_irecv`): every message moves as soon as it can, so a batch never
     /// waits on itself — send to the next rank while receiving from the previous one, or swap
@@ -173,7 +132,7 @@ impl Inner {
         self.point_to_point(T::DTYPE, msgs)
     }
 
-    /// Every point-to-point call ([`Communicator::send`], `recv`, `send_recv`,
+    /// Every point-to-point call ([`Communicator::send`](crate::Collectives::send), `recv`, `send_recv`,
     /// `send_recv_batch`, and their asynchronous forms) on messages of `dtype`: connect the
     /// pairs not yet connected (all at once), then run every peer's messages as one lane of
     /// [`engine::run_lanes`].

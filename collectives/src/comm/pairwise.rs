@@ -18,13 +18,12 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::MutexGuard;
 
-use ringzero_kernels::{DType, Element, ReduceOp};
+use ringzero_kernels::{DType, ReduceOp};
 
 use super::pairs::{pairs_of, Watch};
 use super::{offsets, own_part, refused, Communicator, Inner, State};
 use crate::bootstrap::Role;
 use crate::error::Result;
-use crate::input::Input;
 use crate::ring::engine::{self, Bufs, Links};
 use crate::ring::failure;
 use crate::ring::lanes::Lane;
@@ -40,89 +39,6 @@ struct Exchange<'a> {
 }
 
 impl Communicator {
-    /// All-to-all with a count per pair of ranks (`MPI_Alltoallv`; torch's `all_to_all_single`
-    /// with split sizes; the token exchange of a mixture-of-experts layer). `send` holds, in rank
-    /// order, `send_counts[j]` elements for each rank `j`; `recv` receives, in rank order,
-    /// `recv_counts[i]` elements from each rank `i`. Counts may be zero. `recv_counts[i]` must
-    /// be what rank `i` sends this rank (else both fail with an [`Error::Mismatch`](crate::Error::Mismatch) naming the
-    /// two counts); this rank's own block is copied locally, so `send_counts[rank]` must equal
-    /// `recv_counts[rank]`.
-    ///
-    /// Every pair of ranks exchanges at once over its point-to-point links (connected by the
-    /// first call that needs them; see the module `pairs`), where [`Communicator::all_to_all`]
-    /// runs `n − 1` ring exchanges one after the other. A rank that calls a ring collective
-    /// instead fails at once, both calls named (see `Inner::pairwise`).
-    pub fn all_to_all_v<T: Element>(
-        &self,
-        send: &[T],
-        send_counts: &[usize],
-        recv: &mut [T],
-        recv_counts: &[usize],
-    ) -> Result<()> {
-        let at = self.all_to_all_v_layout((send_counts, send.len()), (recv_counts, recv.len()))?;
-        self.wait_async_idle();
-        let (send, recv) = (bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv));
-        self.inner
-            .all_to_all_v(T::DTYPE, (send, &at.0), (recv, &at.1))
-    }
-
-    /// All-gather of parts of different sizes (`MPI_Allgatherv`; gathering per-rank results of
-    /// varying length, or shards that do not split evenly): rank `i` contributes `counts[i]`
-    /// elements (`send` holds this rank's), and `recv` (the sum of `counts`) ends with every
-    /// rank's part in rank order, on every rank. Parts may be empty.
-    ///
-    /// Two algorithms, chosen alike on every rank from the result's size (`counts` are the same
-    /// everywhere) and the number of nodes by
-    /// [`Algo::gathers_v_pairwise`](crate::Algo::gathers_v_pairwise):
-    /// - *pairwise* on one node (three ranks or more), and for results up to
-    ///   `RINGZERO_PAIRWISE_MAX` (512 KiB by default) across nodes: every rank sends its part to
-    ///   every other rank at once over the point-to-point links (see
-    ///   [`Communicator::all_to_all_v`]), one step;
-    /// - *the ring* otherwise: the all-gather's ring over the given parts, `n − 1` pipelined
-    ///   hops over the links every collective uses (as [`Communicator::reduce_scatter_v`] runs
-    ///   the reduce-scatter's), crossing each node's boundary once where the pairs cross it
-    ///   for every pair of ranks on two nodes; ranks that pass different counts fail at the
-    ///   first frame (the counts' digest is in the call's fingerprint).
-    ///
-    /// [`Communicator::all_gather`] is the form for balanced chunks.
-    ///
-    /// With [`InPlace`](crate::InPlace) as `send`, this rank's part of `recv` (`counts[rank]`
-    /// elements after the parts of the ranks before it) is sent and every other part is
-    /// overwritten. [`Communicator::with_algo`] picks the algorithm for one call.
-    pub fn all_gather_v<'a, T: Element>(
-        &self,
-        send: impl Into<Input<'a, [T]>>,
-        recv: &mut [T],
-        counts: &[usize],
-    ) -> Result<()> {
-        self.by_config().all_gather_v(send, recv, counts)
-    }
-
-    /// Gather (`MPI_Gather`): the root's `recv` (`size()` times `send.len()` elements) ends with
-    /// every rank's `send` in rank order. Every rank's `send` has the same length (a rank that
-    /// disagrees fails with an [`Error::Mismatch`](crate::Error::Mismatch)); `recv` is read only on the root (pass an
-    /// empty slice elsewhere). The ranks send to the root at once, over their point-to-point
-    /// links with it.
-    pub fn gather<T: Element>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
-        let c = Collective::Gather { root };
-        self.blocks_check(c, ("send", send.len()), ("recv", recv.len()))?;
-        self.wait_async_idle();
-        let (send, recv) = (bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv));
-        self.inner.gather(T::DTYPE, send, recv, root)
-    }
-
-    /// Scatter (`MPI_Scatter`): rank `i`'s `recv` ends with block `i` of the root's `send`
-    /// (`size()` blocks of `recv.len()` elements). Every rank's `recv` has the same length (a
-    /// rank that disagrees fails with an [`Error::Mismatch`](crate::Error::Mismatch)); `send` is read only on the root
-    /// (pass an empty slice elsewhere). The root sends to every rank at once.
-    pub fn scatter<T: Element>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
-        let c = Collective::Scatter { root };
-        self.blocks_check(c, ("recv", recv.len()), ("send", send.len()))?;
-        self.wait_async_idle();
-        let (send, recv) = (bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv));
-        self.inner.scatter(T::DTYPE, send, recv, root)
-    }
-
     /// Where each rank's block starts in an all-to-all-v's `send` and `recv` (elements), or why
     /// the counts do not fit the buffers (lengths in elements). Checked before the call takes a
     /// sequence number, by its blocking and asynchronous forms alike.
@@ -202,7 +118,7 @@ impl Communicator {
 }
 
 impl Inner {
-    /// [`Communicator::all_to_all_v`] on bytes of `dtype`, its blocks at the offsets (in
+    /// [`Communicator::all_to_all_v`](crate::Collectives::all_to_all_v) on bytes of `dtype`, its blocks at the offsets (in
     /// elements) that [`Communicator::all_to_all_v_layout`] found.
     pub(super) fn all_to_all_v(
         &self,
@@ -220,7 +136,7 @@ impl Inner {
         self.pairwise((fp, dtype), (bytes, false), Some((block(r), own)), None, ex)
     }
 
-    /// [`Communicator::all_gather_v`] on bytes of `dtype`, the parts at offsets `at` (in
+    /// [`Communicator::all_gather_v`](crate::Collectives::all_gather_v) on bytes of `dtype`, the parts at offsets `at` (in
     /// elements) of `recv`; in place (this rank's part of `recv` is sent) where `send` is
     /// `None`. Pairwise or round the ring, as `algo` says.
     pub(super) fn all_gather_v(
@@ -262,7 +178,7 @@ impl Inner {
         self.pairwise((fp, dtype), recorded, local, None, ex)
     }
 
-    /// [`Communicator::gather`] on bytes of `dtype` (checked by
+    /// [`Communicator::gather`](crate::Collectives::gather) on bytes of `dtype` (checked by
     /// [`Communicator::blocks_check`]).
     pub(super) fn gather(
         &self,
@@ -293,7 +209,7 @@ impl Inner {
         self.pairwise((fp, dtype), (bytes, false), local, None, ex)
     }
 
-    /// [`Communicator::scatter`] on bytes of `dtype` (checked by
+    /// [`Communicator::scatter`](crate::Collectives::scatter) on bytes of `dtype` (checked by
     /// [`Communicator::blocks_check`]).
     pub(super) fn scatter(
         &self,
@@ -329,7 +245,7 @@ impl Inner {
         self.pairwise((fp, dtype), (bytes, false), local, None, ex)
     }
 
-    /// [`Communicator::all_to_all`] on bytes (`count` elements of `dtype`, a multiple of the
+    /// [`Communicator::all_to_all`](crate::Collectives::all_to_all) on bytes (`count` elements of `dtype`, a multiple of the
     /// world size, checked): one round of pairwise exchanges, the one with the next rank's block
     /// out and the previous rank's in over the ring's own links, every other over the pairs'.
     pub(super) fn all_to_all(

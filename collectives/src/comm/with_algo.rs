@@ -32,8 +32,8 @@ pub struct WithAlgo<'c> {
 }
 
 impl Communicator {
-    /// The collectives that have several algorithms ([`Communicator::all_reduce`],
-    /// [`Communicator::broadcast`], [`Communicator::reduce`], [`Communicator::all_gather_v`],
+    /// The collectives that have several algorithms ([`Communicator::all_reduce`](crate::Collectives::all_reduce),
+    /// [`Communicator::broadcast`](crate::Collectives::broadcast), [`Communicator::reduce`](crate::Collectives::reduce), [`Communicator::all_gather_v`](crate::Collectives::all_gather_v),
     /// [`Communicator::barrier`]) run by `algo` for the calls made through the value returned:
     /// for a caller whose results must round as another collective's do (the ring's
     /// all-reduce reduces in the order of its reduce-scatter, [`Algo::Ring`]), or a one-off
@@ -49,7 +49,7 @@ impl Communicator {
 }
 
 impl WithAlgo<'_> {
-    /// [`Communicator::all_reduce`] by this algorithm.
+    /// [`Communicator::all_reduce`](crate::Collectives::all_reduce) by this algorithm.
     pub fn all_reduce<'a, T: Element>(
         &self,
         send: impl Into<Input<'a, [T]>>,
@@ -75,7 +75,7 @@ impl WithAlgo<'_> {
             .execute_by(self.algo, c, call, count.into(), in_place, bufs)
     }
 
-    /// [`Communicator::broadcast`] by this algorithm.
+    /// [`Communicator::broadcast`](crate::Collectives::broadcast) by this algorithm.
     pub fn broadcast<'a, T: Element>(
         &self,
         send: impl Into<Input<'a, [T]>>,
@@ -95,7 +95,7 @@ impl WithAlgo<'_> {
         }
     }
 
-    /// [`Communicator::reduce`] by this algorithm.
+    /// [`Communicator::reduce`](crate::Collectives::reduce) by this algorithm.
     pub fn reduce<'a, T: Element>(
         &self,
         send: impl Into<Input<'a, [T]>>,
@@ -116,7 +116,7 @@ impl WithAlgo<'_> {
         }
     }
 
-    /// [`Communicator::all_gather_v`] by this algorithm ([`Algo::Ring`]: the ring;
+    /// [`Communicator::all_gather_v`](crate::Collectives::all_gather_v) by this algorithm ([`Algo::Ring`]: the ring;
     /// [`Algo::Doubling`]: the pairs).
     pub fn all_gather_v<'a, T: Element>(
         &self,

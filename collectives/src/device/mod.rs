@@ -13,6 +13,7 @@
 //! slices on a [`HostStream`] (the host as an asynchronous device, which is how the device path
 //! runs and is tested on machines without a GPU).
 
+mod calls;
 pub mod comm;
 mod core;
 #[cfg(feature = "cuda")]
@@ -301,50 +302,6 @@ impl<S: Stream> DeviceComm<S> {
         unsafe { self.run_raw(c, dtype, op, n, bufs) }
     }
 
-    /// Every rank ends with `op` over every rank's `send`, in `recv`.
-    ///
-    /// With [`InPlace`](crate::InPlace) as `send`, `recv` holds the input and gets the result.
-    pub fn all_reduce<'a, B: DeviceMemory<S> + ?Sized + 'a>(
-        &self,
-        send: impl Into<Input<'a, B>>,
-        recv: &mut B,
-        op: ReduceOp,
-    ) -> Result<()> {
-        self.out_of_place(Collective::AllReduce, op, send.into(), recv)
-    }
-
-    /// Rank `r` ends with chunk `r` (see [`DeviceComm::chunk_range`]) of `op` over every rank's
-    /// `send`.
-    ///
-    /// With [`InPlace`](crate::InPlace) as `send`, `recv` is the whole input; the reduced chunk
-    /// [`DeviceComm::chunk_range`]`(recv.elems())` is written over that part of it and the rest is
-    /// left as it was.
-    pub fn reduce_scatter<'a, B: DeviceMemory<S> + ?Sized + 'a>(
-        &self,
-        send: impl Into<Input<'a, B>>,
-        recv: &mut B,
-        op: ReduceOp,
-    ) -> Result<()> {
-        self.out_of_place(Collective::ReduceScatter, op, send.into(), recv)
-    }
-
-    /// Reduce-scatter with a part per rank: rank `i` ends with the `counts[i]` elements of the
-    /// reduction that follow the parts of the ranks before it, so `counts` (one per rank, the
-    /// same on every rank) add up to `send`'s length and `recv` holds `counts[rank]`. The rules
-    /// are [`crate::Communicator::reduce_scatter_v`]'s.
-    ///
-    /// With [`InPlace`](crate::InPlace) as `send`, `recv` is the whole input; this rank's part of
-    /// it is overwritten with the reduction and the rest is left as it was.
-    pub fn reduce_scatter_v<'a, B: DeviceMemory<S> + ?Sized + 'a>(
-        &self,
-        send: impl Into<Input<'a, B>>,
-        recv: &mut B,
-        counts: &[usize],
-        op: ReduceOp,
-    ) -> Result<()> {
-        self.split_v(Collective::ReduceScatterV, op, send.into(), recv, counts)
-    }
-
     /// A v-collective `c` out of place ([`v_total`] checks the buffers) or in place.
     fn split_v<B: DeviceMemory<S> + ?Sized>(
         &self,
@@ -383,113 +340,6 @@ impl<S: Stream> DeviceComm<S> {
         let count = Count::parts(at[counts.len()], counts);
         // SAFETY: `buf` is borrowed exclusively for the whole call.
         unsafe { self.run_counted(c, dtype, op, count, bufs) }
-    }
-
-    /// All-gather with a part per rank: every rank ends with every rank's part in `recv`, rank
-    /// `i`'s `counts[i]` elements after the parts of the ranks before it (`counts`, one per rank
-    /// and the same on every rank, add up to `recv`'s length; `send` holds `counts[rank]`). The
-    /// rules are [`crate::Communicator::all_gather_v`]'s. The all-gather's ring over those parts
-    /// (the host communicator sends to every rank directly instead): each step moves one part a
-    /// hop, so a step takes as long as the largest part's slice, and parts of very different
-    /// sizes leave links idle.
-    ///
-    /// With [`InPlace`](crate::InPlace) as `send`, `recv`'s own part (where `counts` put it) is
-    /// sent and every other part is overwritten.
-    pub fn all_gather_v<'a, B: DeviceMemory<S> + ?Sized + 'a>(
-        &self,
-        send: impl Into<Input<'a, B>>,
-        recv: &mut B,
-        counts: &[usize],
-    ) -> Result<()> {
-        self.split_v(
-            Collective::AllGatherV,
-            ReduceOp::Sum,
-            send.into(),
-            recv,
-            counts,
-        )
-    }
-
-    /// Every rank ends with every rank's chunk of `recv` (this rank contributes `send`).
-    ///
-    /// With [`InPlace`](crate::InPlace) as `send`, this rank's chunk of `recv` is sent and every
-    /// other chunk is overwritten.
-    pub fn all_gather<'a, B: DeviceMemory<S> + ?Sized + 'a>(
-        &self,
-        send: impl Into<Input<'a, B>>,
-        recv: &mut B,
-    ) -> Result<()> {
-        self.out_of_place(Collective::AllGather, ReduceOp::Sum, send.into(), recv)
-    }
-
-    /// Every rank's `recv` ends with `root`'s `send`. On other ranks `send` is not read (and may
-    /// be empty); on the root it must be as long as `recv`.
-    ///
-    /// With [`InPlace`](crate::InPlace) as `send`, the root's `recv` is what every rank gets.
-    pub fn broadcast<'a, B: DeviceMemory<S> + ?Sized + 'a>(
-        &self,
-        send: impl Into<Input<'a, B>>,
-        recv: &mut B,
-        root: usize,
-    ) -> Result<()> {
-        self.out_of_place(
-            Collective::Broadcast { root },
-            ReduceOp::Sum,
-            send.into(),
-            recv,
-        )
-    }
-
-    /// `op` over every rank's `send` into `root`'s `recv` (as long as `send`). On other ranks
-    /// `recv` is not written (and may be empty).
-    ///
-    /// With [`InPlace`](crate::InPlace) as `send`, every rank's `recv` is its input and the root's
-    /// gets the result; other ranks' buffers are unchanged.
-    pub fn reduce<'a, B: DeviceMemory<S> + ?Sized + 'a>(
-        &self,
-        send: impl Into<Input<'a, B>>,
-        recv: &mut B,
-        op: ReduceOp,
-        root: usize,
-    ) -> Result<()> {
-        self.out_of_place(Collective::Reduce { root }, op, send.into(), recv)
-    }
-
-    /// Send `send` to the next rank and receive the previous rank's buffer into `recv` (same
-    /// length on every rank): the ring's raw streaming rate, and ring attention's exchange.
-    ///
-    /// With [`InPlace`](crate::InPlace) as `send`, `recv` is sent and then overwritten.
-    pub fn ring_shift<'a, B: DeviceMemory<S> + ?Sized + 'a>(
-        &self,
-        send: impl Into<Input<'a, B>>,
-        recv: &mut B,
-    ) -> Result<()> {
-        self.out_of_place(Collective::RingShift, ReduceOp::Sum, send.into(), recv)
-    }
-
-    /// All-to-all: block `j` of `send` goes to rank `j`, and block `i` of `recv` comes from
-    /// rank `i` (`send` and `recv` hold the same number of elements, a multiple of the world
-    /// size; a block is that number over the world size). A rank's own block is copied locally.
-    ///
-    /// Ranks that map each other's buffers (see [`DeviceComm::direct`]) pull: each copies block
-    /// `rank` of every rank's `send` into its `recv`, reading and writing each byte once. Over
-    /// the ring's edges (cuda_ipc slots, host staging, tcp) each block travels its distance hop
-    /// by hop, as NCCL's rings cannot and its peer-to-peer sends do: every link carries (n−1)/2
-    /// of the buffer, n/2 times what direct pairs would move, and all links are busy at once.
-    /// Ranks on several nodes exchange over device links of each pair's own instead (as
-    /// [`DeviceComm::all_to_all_v`] does, connected by the first such call), where the ring
-    /// would carry every block that crosses between nodes, and every one that wraps round
-    /// within a node, through the one ring edge out of each node.
-    ///
-    /// With [`InPlace`](crate::InPlace) as `send`, `recv`'s blocks are sent from a copy (device
-    /// memory the communicator keeps for the next in-place call, as large as the largest `recv`),
-    /// then replaced by the blocks received.
-    pub fn all_to_all<'a, B: DeviceMemory<S> + ?Sized + 'a>(
-        &self,
-        send: impl Into<Input<'a, B>>,
-        recv: &mut B,
-    ) -> Result<()> {
-        self.out_of_place(Collective::AllToAll, ReduceOp::Sum, send.into(), recv)
     }
 
     /// Return only once every rank has entered the barrier (and the device work queued by
@@ -555,7 +405,7 @@ impl<S: Stream + 'static> DeviceComm<S> {
     }
 
     /// Reduce-scatter of `send` into `recv` (this rank's part, `counts[rank]` elements) with a
-    /// part per rank, as [`DeviceComm::reduce_scatter_v`]; returns both.
+    /// part per rank, as [`DeviceComm::reduce_scatter_v`](crate::Collectives::reduce_scatter_v); returns both.
     pub fn reduce_scatter_v_async<B>(
         &self,
         send: B,
@@ -570,7 +420,7 @@ impl<S: Stream + 'static> DeviceComm<S> {
     }
 
     /// All-gather of every rank's part (`send`, `counts[rank]` elements) into `recv`, as
-    /// [`DeviceComm::all_gather_v`]; returns both.
+    /// [`DeviceComm::all_gather_v`](crate::Collectives::all_gather_v); returns both.
     pub fn all_gather_v_async<B>(&self, send: B, recv: B, counts: &[usize]) -> Work<(B, B)>
     where
         B: DeviceMemory<S> + Send + 'static,
@@ -578,7 +428,7 @@ impl<S: Stream + 'static> DeviceComm<S> {
         self.submit_v(Collective::AllGatherV, ReduceOp::Sum, send, recv, counts)
     }
 
-    /// All-to-all of `send` into `recv` ([`DeviceComm::all_to_all`]); returns both.
+    /// All-to-all of `send` into `recv` ([`DeviceComm::all_to_all`](crate::Collectives::all_to_all)); returns both.
     pub fn all_to_all_async<B>(&self, send: B, recv: B) -> Work<(B, B)>
     where
         B: DeviceMemory<S> + Send + 'static,

@@ -265,7 +265,7 @@ impl<S: Stream> Core<S> {
     }
 
     /// Gather or scatter (`c`) of blocks of `block` elements: `send` and `recv` (addresses)
-    /// as [`DeviceComm::gather`] and [`DeviceComm::scatter`] describe them (checked by the
+    /// as [`DeviceComm::gather`](crate::Collectives::gather) and [`DeviceComm::scatter`](crate::Collectives::scatter) describe them (checked by the
     /// caller). An empty frame on the ring announces the call; the first call connects the root
     /// with every rank; the root copies its own block and then moves every other rank's over
     /// their pair, in rank order.

@@ -1,5 +1,5 @@
-//! Point-to-point on device buffers: [`DeviceComm::send`], [`DeviceComm::recv`],
-//! [`DeviceComm::send_recv`].
+//! Point-to-point on device buffers: [`DeviceComm::send`](crate::Collectives::send), [`DeviceComm::recv`](crate::Collectives::recv),
+//! [`DeviceComm::send_recv`](crate::Collectives::send_recv).
 //!
 //! The ring's edges reach the neighbours only, and one way round; a pipeline sends activations
 //! to the next stage and gradients back to the one before. So two ranks that meet in a
@@ -32,124 +32,6 @@ use crate::wire::Fingerprint;
 use crate::work::Work;
 
 impl<S: Stream> DeviceComm<S> {
-    /// Send `buf` to rank `peer`, which receives it with [`DeviceComm::recv`] (or
-    /// [`DeviceComm::send_recv`]) of the same element type and count: the host
-    /// [`crate::Communicator::send`]'s rules, on device buffers (see the module docs for how the
-    /// pair connects). The pair's first call is a rendezvous: both ranks must reach a call with
-    /// each other before either goes on (ranks whose first calls form a cycle — each sending to
-    /// the rank before it — wait on each other until the deadline: connect them first with
-    /// [`DeviceComm::connect_peers`]). A send returns once its last slice is in the peer's
-    /// slots, which may be before the peer receives it (while the message fits `RINGZERO_SLOTS`
-    /// slices); two ranks that each send the other more than that before receiving wait until
-    /// the deadline, so exchange with [`DeviceComm::send_recv`] — or post the calls
-    /// ([`DeviceComm::send_async`]), which neither waits in program order nor on a first call.
-    pub fn send<B: DeviceMemory<S> + ?Sized>(&self, buf: &B, peer: usize) -> Result<()> {
-        check(self, &[(true, peer)])?;
-        let s = (buf.addr(self.stream()), buf.elems());
-        self.wait_async();
-        // SAFETY: `buf` is borrowed for the whole call and is memory of this stream by the
-        // DeviceMemory impl; the call only reads it.
-        unsafe { self.core().p2p(peer, buf.dtype(), Some(s), None) }
-    }
-
-    /// Receive into `buf` what rank `peer` sends with [`DeviceComm::send`] (or
-    /// [`DeviceComm::send_recv`]); its count and element type must be `buf`'s.
-    pub fn recv<B: DeviceMemory<S> + ?Sized>(&self, buf: &mut B, peer: usize) -> Result<()> {
-        check(self, &[(false, peer)])?;
-        let (dtype, elems) = (buf.dtype(), buf.elems());
-        let r = (buf.addr_mut(self.stream()), elems);
-        self.wait_async();
-        // SAFETY: `buf` is borrowed exclusively for the whole call and is memory of this stream
-        // by the DeviceMemory impl.
-        unsafe { self.core().p2p(peer, dtype, None, Some(r)) }
-    }
-
-    /// Send `send` to rank `peer` and receive `recv` from it at once (a pipeline's stages trading
-    /// activations for gradients): the two directions interleave slice by slice, so two ranks
-    /// exchanging messages of any size never wait on each other. The counts may differ; each
-    /// must match what the peer sends or expects.
-    pub fn send_recv<B: DeviceMemory<S> + ?Sized>(
-        &self,
-        send: &B,
-        recv: &mut B,
-        peer: usize,
-    ) -> Result<()> {
-        check(self, &[(true, peer), (false, peer)])?;
-        super::same_dtype(Collective::SendRecv, send.dtype(), recv.dtype())?;
-        let s = (send.addr(self.stream()), send.elems());
-        let r = (recv.addr_mut(self.stream()), recv.elems());
-        self.wait_async();
-        // SAFETY: `send` and `recv` are borrowed (shared and exclusive, so distinct) for the
-        // whole call and are memory of this stream by the DeviceMemory impl.
-        unsafe { self.core().p2p(peer, send.dtype(), Some(s), Some(r)) }
-    }
-
-    /// All-to-all with a count per pair of ranks (`MPI_Alltoallv`; a mixture of experts'
-    /// dispatch): block `j` of `send` (`send_counts[j]` elements, after the blocks before it)
-    /// goes to rank `j`, and block `i` of `recv` (`recv_counts[i]`) comes from rank `i`. The rules
-    /// are [`crate::Communicator::all_to_all_v`]'s (this rank's own block is copied, so
-    /// `send_counts[rank] == recv_counts[rank]`). The ranks meet pair by pair, in the rounds of a
-    /// round-robin tournament, over the pairs' own device links (connected by the first call,
-    /// all at once), each pair trading its two blocks at once: each rank sends and receives its
-    /// blocks once, none forwarded, one peer at a time.
-    pub fn all_to_all_v<B: DeviceMemory<S> + ?Sized>(
-        &self,
-        send: &B,
-        send_counts: &[usize],
-        recv: &mut B,
-        recv_counts: &[usize],
-    ) -> Result<()> {
-        let (sd, rd) = a2av_layout(self, (send, send_counts), (&*recv, recv_counts))?;
-        let (s, r) = (send.addr(self.stream()), recv.addr_mut(self.stream()));
-        self.wait_async();
-        // SAFETY: `send` and `recv` are borrowed (shared and exclusive, so distinct) for the
-        // whole call and are memory of this stream by the DeviceMemory impl; the layout was
-        // checked against their lengths.
-        unsafe {
-            self.core()
-                .all_to_all_v(send.dtype(), (s, &sd, send_counts), (r, &rd, recv_counts))
-        }
-    }
-
-    /// Gather (`MPI_Gather`): the root's `recv` ends with every rank's `send`, in rank order
-    /// (`size()` blocks of `send`'s length, which every rank shares); `recv` is written only on
-    /// the root (pass an empty buffer elsewhere). The rules are
-    /// [`crate::Communicator::gather`]'s. Each rank sends its block to the root over their pair's
-    /// own device links; the root takes them in rank order.
-    pub fn gather<B: DeviceMemory<S> + ?Sized>(
-        &self,
-        send: &B,
-        recv: &mut B,
-        root: usize,
-    ) -> Result<()> {
-        let c = Collective::Gather { root };
-        rooted_check(self, c, (send, "send"), (&*recv, "recv"))?;
-        let (s, r) = (send.addr(self.stream()), recv.addr_mut(self.stream()));
-        self.wait_async();
-        // SAFETY: `send` and `recv` are borrowed (shared and exclusive, so distinct) for the
-        // whole call and are memory of this stream by the DeviceMemory impl; the root's `recv`
-        // holds `size()` blocks (checked).
-        unsafe { self.core().rooted(c, send.dtype(), send.elems(), (s, r)) }
-    }
-
-    /// Scatter (`MPI_Scatter`): rank `i`'s `recv` ends with block `i` of the root's `send`
-    /// (`size()` blocks of `recv`'s length, which every rank shares); `send` is read only on the
-    /// root (pass an empty buffer elsewhere). The rules are [`crate::Communicator::scatter`]'s.
-    /// The root sends each rank its block over their pair's own device links, in rank order.
-    pub fn scatter<B: DeviceMemory<S> + ?Sized>(
-        &self,
-        send: &B,
-        recv: &mut B,
-        root: usize,
-    ) -> Result<()> {
-        let c = Collective::Scatter { root };
-        rooted_check(self, c, (&*recv, "recv"), (send, "send"))?;
-        let (s, r) = (send.addr(self.stream()), recv.addr_mut(self.stream()));
-        self.wait_async();
-        // SAFETY: as for `gather`, the root's `send` holding `size()` blocks (checked).
-        unsafe { self.core().rooted(c, recv.dtype(), recv.elems(), (s, r)) }
-    }
-
     /// Connect this rank's device links with each of `peers` it has not met yet, now and all at
     /// once, instead of at each pair's first call: every one of them must call this (or a
     /// point-to-point call with this rank) too. Connecting them together never waits in a
@@ -174,7 +56,7 @@ impl<S: Stream> DeviceComm<S> {
 /// point-to-point calls are posted (`device/posted.rs`), all-to-all-v runs in submission order
 /// with the collectives; bad peers fail the `Work` at once.
 impl<S: Stream + 'static> DeviceComm<S> {
-    /// [`DeviceComm::send`] of an owned buffer (`MPI_Isend`); returns it once sent (its device
+    /// [`DeviceComm::send`](crate::Collectives::send) of an owned buffer (`MPI_Isend`); returns it once sent (its device
     /// work complete, the message in the peer's slots or read). Point-to-point calls queued
     /// one after another are *posted*: each message moves as soon as its link allows, even
     /// while one queued before it waits, so `recv_async` from one neighbour before `send_async`
@@ -192,7 +74,7 @@ impl<S: Stream + 'static> DeviceComm<S> {
         self.post_p2p(vec![(true, peer, buf)], one)
     }
 
-    /// [`DeviceComm::recv`] into an owned buffer (its length the count expected;
+    /// [`DeviceComm::recv`](crate::Collectives::recv) into an owned buffer (its length the count expected;
     /// `MPI_Irecv`), posted as [`DeviceComm::send_async`] is; returns it filled.
     pub fn recv_async<B>(&self, buf: B, peer: usize) -> Work<B>
     where
@@ -204,7 +86,7 @@ impl<S: Stream + 'static> DeviceComm<S> {
         self.post_p2p(vec![(false, peer, buf)], one)
     }
 
-    /// [`DeviceComm::all_to_all_v`] on owned buffers; returns both.
+    /// [`DeviceComm::all_to_all_v`](crate::Collectives::all_to_all_v) on owned buffers; returns both.
     pub fn all_to_all_v_async<B>(
         &self,
         send: B,
@@ -230,7 +112,7 @@ impl<S: Stream + 'static> DeviceComm<S> {
         })
     }
 
-    /// [`DeviceComm::send_recv`] on owned buffers, posted as [`DeviceComm::send_async`] is;
+    /// [`DeviceComm::send_recv`](crate::Collectives::send_recv) on owned buffers, posted as [`DeviceComm::send_async`] is;
     /// returns both.
     pub fn send_recv_async<B>(&self, send: B, recv: B, peer: usize) -> Work<(B, B)>
     where
@@ -311,7 +193,7 @@ fn one<B>(mut b: Vec<B>) -> B {
 
 /// Where each rank's block starts in an all-to-all-v's `send` and `recv` (elements), or why the
 /// counts or element types do not fit them.
-fn a2av_layout<S: Stream, B: DeviceMemory<S> + ?Sized>(
+pub(super) fn a2av_layout<S: Stream, B: DeviceMemory<S> + ?Sized>(
     dc: &DeviceComm<S>,
     (send, sc): (&B, &[usize]),
     (recv, rc): (&B, &[usize]),
@@ -327,7 +209,7 @@ fn a2av_layout<S: Stream, B: DeviceMemory<S> + ?Sized>(
 /// Refuse a gather or scatter (`c`) whose root is no rank, whose buffers' element types differ,
 /// or whose root's whole buffer (`whole`) is not `size()` times the block (`block`), as the host
 /// communicator does.
-fn rooted_check<S: Stream, B: DeviceMemory<S> + ?Sized>(
+pub(super) fn rooted_check<S: Stream, B: DeviceMemory<S> + ?Sized>(
     dc: &DeviceComm<S>,
     c: Collective,
     (block, block_name): (&B, &str),
@@ -360,7 +242,7 @@ fn rooted_check<S: Stream, B: DeviceMemory<S> + ?Sized>(
 }
 
 /// Refuse a peer that is not another rank, as the host communicator does.
-fn check<S: Stream>(dc: &DeviceComm<S>, msgs: &[(bool, usize)]) -> Result<()> {
+pub(super) fn check<S: Stream>(dc: &DeviceComm<S>, msgs: &[(bool, usize)]) -> Result<()> {
     crate::comm::pairs::check_peers(dc.size(), dc.rank(), msgs.iter().copied())
 }
 

@@ -10,8 +10,8 @@
 use std::sync::Arc;
 
 use ringzero_collectives::{
-    Collective, Communicator, DType, DeviceComm, DeviceMemory, HostStream, InPlace, ReduceOp,
-    Result, Stream,
+    Collective, Collectives, Communicator, DType, DeviceComm, DeviceMemory, HostStream, InPlace,
+    ReduceOp, Result, Stream,
 };
 use ringzero_kernels::device::cuda::raw::HostRegistration;
 use ringzero_kernels::device::cuda::{DeviceBuffer, Gpu};

@@ -13,7 +13,9 @@ pub mod report;
 pub mod sweep;
 pub mod theory;
 
-use ringzero_collectives::{Collective, Communicator, DType, InPlace, ReduceOp, Result};
+use ringzero_collectives::{
+    Collective, Collectives, Communicator, DType, InPlace, ReduceOp, Result,
+};
 
 use report::{Header, Report};
 

@@ -5,7 +5,7 @@
 //! - α, the latency of one ring step: the mean time of a barrier (an empty-frame all-gather of
 //!   n − 1 steps, every link busy at once) divided by n − 1.
 //! - β, the bandwidth of each link: every rank streams `stream_bytes` to the next with
-//!   [`Communicator::ring_shift`] (all links busy at once, as in the ring); the receiving rank's time
+//!   [`Communicator::ring_shift`](ringzero_collectives::Collectives::ring_shift) (all links busy at once, as in the ring); the receiving rank's time
 //!   gives its incoming edge's β = bytes / (time − α), the median of five streams. The model uses the
 //!   slowest edge, as the ring does.
 //! - memcpy: after each stream, every rank copies the same bytes from its send buffer to its
@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use ringzero_collectives::internals::transport::shm::segments;
 use ringzero_collectives::internals::transport::TransportKind;
-use ringzero_collectives::{Communicator, InPlace, ReduceOp, Result};
+use ringzero_collectives::{Collectives, Communicator, InPlace, ReduceOp, Result};
 use serde::Serialize;
 
 use super::theory::Model;

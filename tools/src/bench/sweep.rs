@@ -7,7 +7,7 @@
 use std::time::Instant;
 
 use ringzero_collectives::{
-    chunk, Collective, Communicator, DType, Element, InPlace, ReduceOp, Result,
+    chunk, Collective, Collectives, Communicator, DType, Element, InPlace, ReduceOp, Result,
 };
 use serde::Serialize;
 
@@ -236,7 +236,7 @@ pub const GROUP: usize = 5;
 
 /// [`timed`], with the model measured in the same seconds as the calls: the timed iterations run
 /// in groups of up to five, each group followed by as many streams of `link_bytes` (what each
-/// link carries in one call) from every rank to the next at once ([`Communicator::ring_shift`], in
+/// link carries in one call) from every rank to the next at once ([`Communicator::ring_shift`](ringzero_collectives::Collectives::ring_shift), in
 /// place when the call is, so the working sets match) and as many barriers, each part starting
 /// after a barrier.
 /// α is the mean barrier time / (n − 1); an edge's β is `link_bytes / (stream time − α)`, and the

@@ -10,7 +10,7 @@ use std::io::Read;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use ringzero_collectives::{Communicator, Config, InPlace, ReduceOp, TransportPref};
+use ringzero_collectives::{Collectives, Communicator, Config, InPlace, ReduceOp, TransportPref};
 use serde::{Deserialize, Serialize};
 
 /// How a probe ended.

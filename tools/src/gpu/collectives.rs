@@ -14,7 +14,7 @@
 use std::time::Instant;
 
 use ringzero_collectives::{
-    Collective, Communicator, DeviceComm, HostStream, StagingMode, TransportKind,
+    Collective, Collectives, Communicator, DeviceComm, HostStream, StagingMode, TransportKind,
     COPY_STAGING_MAX_SHARERS,
 };
 use ringzero_kernels::device::cuda::Gpu;

@@ -3,7 +3,9 @@
 
 use std::any::Any;
 
-use ringzero_collectives::{DType, DeviceComm, DeviceMemory, Error, Stream, TrainStream, Work};
+use ringzero_collectives::{
+    Collectives, DType, DeviceComm, DeviceMemory, Error, Stream, TrainStream, Work,
+};
 use ringzero_kernels::DeviceError;
 
 use crate::error::ZeroError;

@@ -2,7 +2,7 @@
 //! model states in host memory, the work on a [`HostStream`]), the host-only ways in and out
 //! ([`Engine::param`] as a slice, [`Engine::push_grad_f32`]), and [`hybrid_groups`].
 
-use ringzero_collectives::{Communicator, DeviceComm, HostStream};
+use ringzero_collectives::{Collectives, Communicator, DeviceComm, HostStream};
 use ringzero_kernels::cpu::{cast, Float};
 
 use super::Engine;

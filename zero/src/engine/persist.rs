@@ -5,7 +5,7 @@
 use std::borrow::Cow;
 use std::path::Path;
 
-use ringzero_collectives::{DType, TrainStream};
+use ringzero_collectives::{Collectives, DType, TrainStream};
 use ringzero_kernels::cpu::Float;
 
 use super::{all_gather_host, alloc, dev, DevVec, Engine};

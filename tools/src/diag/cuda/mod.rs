@@ -16,6 +16,7 @@
 //! [`judge`] turns the inventory and the probes of one GPU pair into a verdict with evidence and
 //! fixes; it is pure, so it is tested on made-up findings.
 
+use ringzero_collectives::Collectives;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
