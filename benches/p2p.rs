@@ -9,7 +9,9 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use ringzero::{Collectives, Communicator, Config, DeviceComm, HostStream, TransportPref};
+use ringzero::{
+    Collectives, Communicator, Config, DeviceComm, HostStream, NonBlocking, TransportPref,
+};
 
 /// How an exchange is made.
 #[derive(Clone, Copy, Debug)]

@@ -25,14 +25,16 @@
 pub use ringzero_collectives::{
     chunk, AbortHandle, AdamAt, Algo, CallState, Collective, Collectives, Communicator, Config,
     Counters, DType, DeviceAlgo, DeviceComm, DeviceMemory, DeviceP2p, Edge, Element, Error,
-    FlightEntry, FlightRecord, HostStream, InPlace, Input, P2p, P2pOwned, PeerTraffic, PendingMsg,
-    ReduceOp, Result, Schedule, StagingMode, Stream, TrainStream, TransportKind, TransportPref,
-    WithAlgo, Work, COPY_STAGING_MAX_SHARERS,
+    FlightEntry, FlightRecord, HostStream, InPlace, Input, NonBlocking, P2p, P2pOwned, PeerTraffic,
+    PendingMsg, ReduceOp, Result, Schedule, StagingMode, Stream, TrainStream, TransportKind,
+    TransportPref, WithAlgo, Work, COPY_STAGING_MAX_SHARERS,
 };
 
 /// What a program that runs collectives names: `use ringzero::prelude::*;`.
 pub mod prelude {
-    pub use ringzero_collectives::{Collectives, Communicator, DeviceComm, InPlace, ReduceOp};
+    pub use ringzero_collectives::{
+        Collectives, Communicator, DeviceComm, InPlace, NonBlocking, ReduceOp,
+    };
 }
 
 /// The 16-bit float types (`f16`, `bf16`) the communicators and the ZeRO engine move.

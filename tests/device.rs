@@ -4,8 +4,8 @@
 //! engine drives CUDA devices (the GPU check script runs those tests where a GPU exists).
 
 use ringzero::{
-    Collective, Collectives, Communicator, DType, DeviceComm, Error, HostStream, InPlace, ReduceOp,
-    StagingMode, TransportKind, TransportPref,
+    Collective, Collectives, Communicator, DType, DeviceComm, Error, HostStream, InPlace,
+    NonBlocking, ReduceOp, StagingMode, TransportKind, TransportPref,
 };
 
 use crate::common::{all_collectives, check_with, threads, Case, Opts};

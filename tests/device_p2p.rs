@@ -3,7 +3,7 @@
 //! copies) and tcp device links, with the host as the device (the GPU check runs them on GPUs).
 
 use ringzero::{
-    Collectives, DType, DeviceComm, Error, HostStream, InPlace, ReduceOp, StagingMode,
+    Collectives, DType, DeviceComm, Error, HostStream, InPlace, NonBlocking, ReduceOp, StagingMode,
     TransportKind, TransportPref,
 };
 

@@ -8,7 +8,9 @@
 
 use std::time::{Duration, Instant};
 
-use ringzero::{Algo, Collective, Collectives, DType, InPlace, ReduceOp, TransportPref};
+use ringzero::{
+    Algo, Collective, Collectives, DType, InPlace, NonBlocking, ReduceOp, TransportPref,
+};
 
 use crate::common::{check_case, threads, Case, Opts};
 

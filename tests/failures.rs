@@ -5,7 +5,7 @@ use std::io::Write;
 use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
-use ringzero::{Collectives, Communicator, Error, InPlace, ReduceOp, TransportPref};
+use ringzero::{Collectives, Communicator, Error, InPlace, NonBlocking, ReduceOp, TransportPref};
 use ringzero_collectives::internals::bootstrap::{Identity, Role};
 use ringzero_collectives::internals::transport::tcp;
 

@@ -5,7 +5,9 @@
 
 use std::time::Duration;
 
-use ringzero::{CallState, Collectives, Communicator, InPlace, ReduceOp, TransportPref};
+use ringzero::{
+    CallState, Collectives, Communicator, InPlace, NonBlocking, ReduceOp, TransportPref,
+};
 use ringzero_tools::diag::flight::{self, FindingKind, FlightReport};
 
 use crate::common::{fresh_dir, threads, Opts};

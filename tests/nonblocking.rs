@@ -3,7 +3,7 @@
 //! once without taking a sequence number.
 
 use proptest::prelude::*;
-use ringzero::{Collectives, DType, InPlace, P2pOwned, ReduceOp};
+use ringzero::{Collectives, DType, InPlace, NonBlocking, P2pOwned, ReduceOp};
 
 use crate::common::{check_with, host_collectives, threads, Case, Opts, Queued};
 

@@ -4,7 +4,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use ringzero::{Collective, Collectives, Communicator, DType, InPlace, ReduceOp};
+use ringzero::{Collective, Collectives, Communicator, DType, InPlace, NonBlocking, ReduceOp};
 use ringzero_tools::diag::flight::{self, FindingKind};
 use ringzero_tools::launch::{launch, DumpDir, LaunchSpec, Outcome, Output};
 

@@ -7,7 +7,9 @@
 
 use std::time::{Duration, Instant};
 
-use ringzero::{Collectives, DeviceComm, Error, HostStream, InPlace, ReduceOp, TransportPref};
+use ringzero::{
+    Collectives, DeviceComm, Error, HostStream, InPlace, NonBlocking, ReduceOp, TransportPref,
+};
 
 use crate::common::{threads, Opts};
 

@@ -3,7 +3,8 @@
 
 use proptest::prelude::*;
 use ringzero::{
-    Algo, Collective, Collectives, DType, InPlace, ReduceOp, TransportKind, TransportPref,
+    Algo, Collective, Collectives, DType, InPlace, NonBlocking, ReduceOp, TransportKind,
+    TransportPref,
 };
 
 use crate::common::{check_case, host_collectives, threads, Case, Opts};

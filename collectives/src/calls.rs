@@ -13,6 +13,7 @@ use ringzero_kernels::ReduceOp;
 
 use crate::error::Result;
 use crate::input::Input;
+use crate::work::Work;
 
 /// The collectives on buffers of type `B` (`[T]` on the host communicator; any
 /// [`DeviceMemory`](crate::DeviceMemory) of its stream on a device communicator). Bring it into
@@ -128,4 +129,58 @@ pub trait Collectives<B: ?Sized> {
 
     /// `send` to rank `peer` and `recv` from it, both ways at once (`MPI_Sendrecv`).
     fn send_recv(&self, send: &B, recv: &mut B, peer: usize) -> Result<()>;
+}
+
+/// The nonblocking collectives (MPI's `MPI_Iallreduce` and kin, torch's `async_op=True`) on owned
+/// buffers of type `B` (`Vec<T>` on the host communicator; any owned
+/// [`DeviceMemory`](crate::DeviceMemory) of its stream on a device communicator): each returns
+/// a [`Work`] at once, whose [`Work::wait`] gives the buffers back. Collectives run one at a
+/// time in the order queued and a blocking call waits for the queued ones first, so every
+/// rank's order stays its program order; point-to-point calls queued one after another move at
+/// once, each as its link allows. Bad arguments fail the `Work` at once and use no sequence
+/// number.
+///
+/// All-reduce, broadcast and reduce run in place on one buffer; the others take a `send` and a
+/// `recv` buffer and give both back, `recv` holding the result, with the rules of the blocking
+/// call of the same name ([`Collectives`]).
+pub trait NonBlocking<B> {
+    /// [`Collectives::all_reduce`] in place.
+    fn all_reduce_async(&self, buf: B, op: ReduceOp) -> Work<B>;
+    /// [`Collectives::reduce_scatter`].
+    fn reduce_scatter_async(&self, send: B, recv: B, op: ReduceOp) -> Work<(B, B)>;
+    /// [`Collectives::reduce_scatter_v`].
+    fn reduce_scatter_v_async(
+        &self,
+        send: B,
+        recv: B,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Work<(B, B)>;
+    /// [`Collectives::all_gather`].
+    fn all_gather_async(&self, send: B, recv: B) -> Work<(B, B)>;
+    /// [`Collectives::all_gather_v`].
+    fn all_gather_v_async(&self, send: B, recv: B, counts: &[usize]) -> Work<(B, B)>;
+    /// [`Collectives::broadcast`] in place: the root's buffer is what every rank gets back.
+    fn broadcast_async(&self, buf: B, root: usize) -> Work<B>;
+    /// [`Collectives::reduce`] in place: the root's buffer comes back holding the result;
+    /// other ranks' come back unchanged.
+    fn reduce_async(&self, buf: B, op: ReduceOp, root: usize) -> Work<B>;
+    /// [`Collectives::ring_shift`].
+    fn ring_shift_async(&self, send: B, recv: B) -> Work<(B, B)>;
+    /// [`Collectives::all_to_all`].
+    fn all_to_all_async(&self, send: B, recv: B) -> Work<(B, B)>;
+    /// [`Collectives::all_to_all_v`].
+    fn all_to_all_v_async(
+        &self,
+        send: B,
+        send_counts: &[usize],
+        recv: B,
+        recv_counts: &[usize],
+    ) -> Work<(B, B)>;
+    /// [`Collectives::send`] (`MPI_Isend`): the buffer comes back once the message has left.
+    fn send_async(&self, buf: B, peer: usize) -> Work<B>;
+    /// [`Collectives::recv`] (`MPI_Irecv`) into `buf` (its length the count expected).
+    fn recv_async(&self, buf: B, peer: usize) -> Work<B>;
+    /// [`Collectives::send_recv`]: returns `send` and the filled `recv`.
+    fn send_recv_async(&self, send: B, recv: B, peer: usize) -> Work<(B, B)>;
 }

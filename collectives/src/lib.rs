@@ -86,7 +86,7 @@ pub mod internals {
     }
 }
 
-pub use calls::Collectives;
+pub use calls::{Collectives, NonBlocking};
 pub use comm::{AbortHandle, Communicator, P2p, P2pOwned, WithAlgo};
 pub use config::{Algo, Config, DeviceAlgo, StagingMode, TransportPref, COPY_STAGING_MAX_SHARERS};
 pub use counters::Counters;

@@ -2,7 +2,7 @@
 //! on the worker, waited on, and its result copied where the blocking form writes, so every
 //! reference check can run through the asynchronous forms too.
 
-use ringzero::{chunk, Communicator, Element, Input, ReduceOp, Result};
+use ringzero::{chunk, Communicator, Element, Input, NonBlocking, ReduceOp, Result};
 
 use super::Colls;
 

@@ -1,4 +1,4 @@
-//! Posted point-to-point calls: how the asynchronous forms ([`Communicator::send_async`],
+//! Posted point-to-point calls: how the asynchronous forms ([`Communicator::send_async`](crate::NonBlocking::send_async),
 //! `recv_async`, `send_recv_async`, `send_recv_batch_async`) run.
 //!
 //! A blocking call runs alone, so a rank's calls happen in program order. Queued, that order

@@ -4,10 +4,11 @@ use ringzero_kernels::ReduceOp;
 
 use super::pairs::*;
 use super::*;
-use crate::calls::Collectives;
+use crate::calls::{Collectives, NonBlocking};
 use crate::error::Result;
 use crate::input::Input;
 use crate::ring::Collective;
+use crate::work::Work;
 
 impl<S: Stream, B: DeviceMemory<S> + ?Sized> Collectives<B> for DeviceComm<S> {
     /// Every rank ends with `op` over every rank's `send`, in `recv`.
@@ -237,7 +238,7 @@ impl<S: Stream, B: DeviceMemory<S> + ?Sized> Collectives<B> for DeviceComm<S> {
     /// slots, which may be before the peer receives it (while the message fits `RINGZERO_SLOTS`
     /// slices); two ranks that each send the other more than that before receiving wait until
     /// the deadline, so exchange with [`DeviceComm::send_recv`](crate::Collectives::send_recv) — or post the calls
-    /// ([`DeviceComm::send_async`]), which neither waits in program order nor on a first call.
+    /// ([`DeviceComm::send_async`](crate::NonBlocking::send_async)), which neither waits in program order nor on a first call.
     fn send(&self, buf: &B, peer: usize) -> Result<()> {
         check(self, &[(true, peer)])?;
         let s = (buf.addr(self.stream()), buf.elems());
@@ -272,5 +273,133 @@ impl<S: Stream, B: DeviceMemory<S> + ?Sized> Collectives<B> for DeviceComm<S> {
         // SAFETY: `send` and `recv` are borrowed (shared and exclusive, so distinct) for the
         // whole call and are memory of this stream by the DeviceMemory impl.
         unsafe { self.core().p2p(peer, send.dtype(), Some(s), Some(r)) }
+    }
+}
+
+impl<S: Stream + 'static, B: DeviceMemory<S> + Send + 'static> NonBlocking<B> for DeviceComm<S> {
+    /// In-place all-reduce of an owned buffer.
+    fn all_reduce_async(&self, buf: B, op: ReduceOp) -> Work<B> {
+        self.submit_one(Collective::AllReduce, op, buf)
+    }
+
+    /// Reduce-scatter of `send` into `recv` (this rank's chunk); returns both.
+    fn reduce_scatter_async(&self, send: B, recv: B, op: ReduceOp) -> Work<(B, B)> {
+        self.submit_split(Collective::ReduceScatter, op, send, recv)
+    }
+
+    /// Reduce-scatter of `send` into `recv` (this rank's part, `counts[rank]` elements) with a
+    /// part per rank, as [`DeviceComm::reduce_scatter_v`](crate::Collectives::reduce_scatter_v); returns both.
+    fn reduce_scatter_v_async(
+        &self,
+        send: B,
+        recv: B,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Work<(B, B)> {
+        self.submit_v(Collective::ReduceScatterV, op, send, recv, counts)
+    }
+
+    /// All-gather of every rank's `send` (this rank's chunk of `recv`) into `recv`; returns both.
+    fn all_gather_async(&self, send: B, recv: B) -> Work<(B, B)> {
+        self.submit_split(Collective::AllGather, ReduceOp::Sum, send, recv)
+    }
+
+    /// All-gather of every rank's part (`send`, `counts[rank]` elements) into `recv`, as
+    /// [`DeviceComm::all_gather_v`](crate::Collectives::all_gather_v); returns both.
+    fn all_gather_v_async(&self, send: B, recv: B, counts: &[usize]) -> Work<(B, B)> {
+        self.submit_v(Collective::AllGatherV, ReduceOp::Sum, send, recv, counts)
+    }
+
+    /// In-place broadcast of `root`'s buffer.
+    fn broadcast_async(&self, buf: B, root: usize) -> Work<B> {
+        let c = Collective::Broadcast { root };
+        match self.check_root(c) {
+            Ok(()) => self.submit_one(c, ReduceOp::Sum, buf),
+            Err(e) => Work::failed(e),
+        }
+    }
+
+    /// In-place reduce: `root`'s buffer comes back holding the result; other ranks' come back
+    /// unchanged.
+    fn reduce_async(&self, buf: B, op: ReduceOp, root: usize) -> Work<B> {
+        let c = Collective::Reduce { root };
+        match self.check_root(c) {
+            Ok(()) => self.submit_one(c, op, buf),
+            Err(e) => Work::failed(e),
+        }
+    }
+
+    /// Send `send` to the next rank and receive the previous rank's into `recv`; returns both.
+    fn ring_shift_async(&self, send: B, recv: B) -> Work<(B, B)> {
+        self.submit_split(Collective::RingShift, ReduceOp::Sum, send, recv)
+    }
+
+    /// All-to-all of `send` into `recv` ([`DeviceComm::all_to_all`](crate::Collectives::all_to_all)); returns both.
+    fn all_to_all_async(&self, send: B, recv: B) -> Work<(B, B)> {
+        self.submit_split(Collective::AllToAll, ReduceOp::Sum, send, recv)
+    }
+
+    /// [`DeviceComm::all_to_all_v`](crate::Collectives::all_to_all_v) on owned buffers; returns both.
+    fn all_to_all_v_async(
+        &self,
+        send: B,
+        send_counts: &[usize],
+        mut recv: B,
+        recv_counts: &[usize],
+    ) -> Work<(B, B)> {
+        let (sd, rd) = match a2av_layout(self, (&send, send_counts), (&recv, recv_counts)) {
+            Ok(l) => l,
+            Err(e) => return Work::failed(e),
+        };
+        let (sc, rc) = (send_counts.to_vec(), recv_counts.to_vec());
+        self.submit(move |core| {
+            let (s, r) = (send.addr(&core.stream), recv.addr_mut(&core.stream));
+            // SAFETY: the job owns both buffers (distinct values, so distinct memory) until the
+            // call returns, and the engine returns only once the device work touching them has
+            // completed; the layout was checked against their lengths.
+            unsafe { core.all_to_all_v(send.dtype(), (s, &sd, &sc), (r, &rd, &rc)) }?;
+            Ok((send, recv))
+        })
+    }
+
+    /// [`DeviceComm::send`](crate::Collectives::send) of an owned buffer (`MPI_Isend`); returns it once sent (its device
+    /// work complete, the message in the peer's slots or read). Point-to-point calls queued
+    /// one after another are *posted*: each message moves as soon as its link allows, even
+    /// while one queued before it waits, so `recv_async` from one neighbour before `send_async`
+    /// to the other, or two ranks that each `send_async` the other more than its slots hold
+    /// before `recv_async`, complete — first calls included (the pairs connect within the
+    /// session). Messages to one peer keep their order; a collective queued after them waits
+    /// for them.
+    fn send_async(&self, buf: B, peer: usize) -> Work<B> {
+        if let Err(e) = check(self, &[(true, peer)]) {
+            return Work::failed(e);
+        }
+        self.post_p2p(vec![(true, peer, buf)], super::pairs::one)
+    }
+
+    /// [`DeviceComm::recv`](crate::Collectives::recv) into an owned buffer (its length the count expected;
+    /// `MPI_Irecv`), posted as [`DeviceComm::send_async`](crate::NonBlocking::send_async) is; returns it filled.
+    fn recv_async(&self, buf: B, peer: usize) -> Work<B> {
+        if let Err(e) = check(self, &[(false, peer)]) {
+            return Work::failed(e);
+        }
+        self.post_p2p(vec![(false, peer, buf)], super::pairs::one)
+    }
+
+    /// [`DeviceComm::send_recv`](crate::Collectives::send_recv) on owned buffers, posted as [`DeviceComm::send_async`](crate::NonBlocking::send_async) is;
+    /// returns both.
+    fn send_recv_async(&self, send: B, recv: B, peer: usize) -> Work<(B, B)> {
+        let checked = check(self, &[(true, peer), (false, peer)])
+            .and_then(|()| super::same_dtype(Collective::SendRecv, send.dtype(), recv.dtype()));
+        if let Err(e) = checked {
+            return Work::failed(e);
+        }
+        self.post_p2p(vec![(true, peer, send), (false, peer, recv)], |b| {
+            let mut b = b.into_iter();
+            match (b.next(), b.next()) {
+                (Some(s), Some(r)) => (s, r),
+                _ => unreachable!("two buffers in, two out"),
+            }
+        })
     }
 }

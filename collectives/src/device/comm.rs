@@ -28,7 +28,7 @@ use crate::work::{Work, Worker};
 /// goes on (queueing its own kernels, for example); a blocking call waits for the asynchronous
 /// ones submitted before it, so every rank sees the same order. Point-to-point calls queued one
 /// after another are the exception: they are posted, each message moving as its link allows
-/// ([`DeviceComm::send_async`]).
+/// ([`DeviceComm::send_async`](crate::NonBlocking::send_async)).
 pub struct DeviceComm<S: Stream> {
     core: Arc<Core<S>>,
     worker: Worker<DevPosted>,

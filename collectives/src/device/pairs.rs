@@ -55,83 +55,7 @@ impl<S: Stream> DeviceComm<S> {
 /// Asynchronous forms: owned buffers, driven by the proxy thread (see [`DeviceComm`]): the
 /// point-to-point calls are posted (`device/posted.rs`), all-to-all-v runs in submission order
 /// with the collectives; bad peers fail the `Work` at once.
-impl<S: Stream + 'static> DeviceComm<S> {
-    /// [`DeviceComm::send`](crate::Collectives::send) of an owned buffer (`MPI_Isend`); returns it once sent (its device
-    /// work complete, the message in the peer's slots or read). Point-to-point calls queued
-    /// one after another are *posted*: each message moves as soon as its link allows, even
-    /// while one queued before it waits, so `recv_async` from one neighbour before `send_async`
-    /// to the other, or two ranks that each `send_async` the other more than its slots hold
-    /// before `recv_async`, complete — first calls included (the pairs connect within the
-    /// session). Messages to one peer keep their order; a collective queued after them waits
-    /// for them.
-    pub fn send_async<B>(&self, buf: B, peer: usize) -> Work<B>
-    where
-        B: DeviceMemory<S> + Send + 'static,
-    {
-        if let Err(e) = check(self, &[(true, peer)]) {
-            return Work::failed(e);
-        }
-        self.post_p2p(vec![(true, peer, buf)], one)
-    }
-
-    /// [`DeviceComm::recv`](crate::Collectives::recv) into an owned buffer (its length the count expected;
-    /// `MPI_Irecv`), posted as [`DeviceComm::send_async`] is; returns it filled.
-    pub fn recv_async<B>(&self, buf: B, peer: usize) -> Work<B>
-    where
-        B: DeviceMemory<S> + Send + 'static,
-    {
-        if let Err(e) = check(self, &[(false, peer)]) {
-            return Work::failed(e);
-        }
-        self.post_p2p(vec![(false, peer, buf)], one)
-    }
-
-    /// [`DeviceComm::all_to_all_v`](crate::Collectives::all_to_all_v) on owned buffers; returns both.
-    pub fn all_to_all_v_async<B>(
-        &self,
-        send: B,
-        send_counts: &[usize],
-        mut recv: B,
-        recv_counts: &[usize],
-    ) -> Work<(B, B)>
-    where
-        B: DeviceMemory<S> + Send + 'static,
-    {
-        let (sd, rd) = match a2av_layout(self, (&send, send_counts), (&recv, recv_counts)) {
-            Ok(l) => l,
-            Err(e) => return Work::failed(e),
-        };
-        let (sc, rc) = (send_counts.to_vec(), recv_counts.to_vec());
-        self.submit(move |core| {
-            let (s, r) = (send.addr(&core.stream), recv.addr_mut(&core.stream));
-            // SAFETY: the job owns both buffers (distinct values, so distinct memory) until the
-            // call returns, and the engine returns only once the device work touching them has
-            // completed; the layout was checked against their lengths.
-            unsafe { core.all_to_all_v(send.dtype(), (s, &sd, &sc), (r, &rd, &rc)) }?;
-            Ok((send, recv))
-        })
-    }
-
-    /// [`DeviceComm::send_recv`](crate::Collectives::send_recv) on owned buffers, posted as [`DeviceComm::send_async`] is;
-    /// returns both.
-    pub fn send_recv_async<B>(&self, send: B, recv: B, peer: usize) -> Work<(B, B)>
-    where
-        B: DeviceMemory<S> + Send + 'static,
-    {
-        let checked = check(self, &[(true, peer), (false, peer)])
-            .and_then(|()| super::same_dtype(Collective::SendRecv, send.dtype(), recv.dtype()));
-        if let Err(e) = checked {
-            return Work::failed(e);
-        }
-        self.post_p2p(vec![(true, peer, send), (false, peer, recv)], |b| {
-            let mut b = b.into_iter();
-            match (b.next(), b.next()) {
-                (Some(s), Some(r)) => (s, r),
-                _ => unreachable!("two buffers in, two out"),
-            }
-        })
-    }
-}
+impl<S: Stream + 'static> DeviceComm<S> {}
 
 /// One message of [`DeviceComm::send_recv_batch_async`] (torch's `P2POp`), on a buffer it
 /// owns: a send's comes back as it went, a receive's (its length the count expected) filled.
@@ -145,7 +69,7 @@ pub enum DeviceP2p<B> {
 
 impl<S: Stream + 'static> DeviceComm<S> {
     /// Post `msgs` as one call (torch's `batch_isend_irecv`): each message to or from its own
-    /// peer, moving as its link allows, as [`DeviceComm::send_async`]'s do; the `Work` gives
+    /// peer, moving as its link allows, as [`DeviceComm::send_async`](crate::NonBlocking::send_async)'s do; the `Work` gives
     /// the messages back in the order given, receives filled, once every one has moved.
     /// Messages to one peer (and from one) keep their order. Element types may differ between
     /// messages, each matched with its peer's. A bad peer fails the `Work` at once and moves
@@ -187,7 +111,7 @@ impl<S: Stream + 'static> DeviceComm<S> {
 }
 
 /// The one buffer of a one-message call.
-fn one<B>(mut b: Vec<B>) -> B {
+pub(super) fn one<B>(mut b: Vec<B>) -> B {
     b.pop().expect("one buffer in, one out")
 }
 

@@ -1,4 +1,4 @@
-//! Posted point-to-point calls on device buffers: how [`DeviceComm::send_async`],
+//! Posted point-to-point calls on device buffers: how [`DeviceComm::send_async`](crate::NonBlocking::send_async),
 //! `recv_async` and `send_recv_async` run.
 //!
 //! Queued one after another on the proxy thread, `recv_async(prev)` then `send_async(next)`

@@ -14,8 +14,8 @@
 use std::time::Instant;
 
 use ringzero_collectives::{
-    Collective, Collectives, Communicator, DeviceComm, HostStream, StagingMode, TransportKind,
-    COPY_STAGING_MAX_SHARERS,
+    Collective, Collectives, Communicator, DeviceComm, HostStream, NonBlocking, StagingMode,
+    TransportKind, COPY_STAGING_MAX_SHARERS,
 };
 use ringzero_kernels::device::cuda::Gpu;
 use ringzero_kernels::{DType, ReduceOp};

@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use ringzero_collectives::{Collectives, TrainStream};
+use ringzero_collectives::{Collectives, NonBlocking, TrainStream};
 use ringzero_kernels::cpu::Float;
 
 use super::{dev, Engine};

@@ -4,7 +4,9 @@
 
 use std::time::Instant;
 
-use ringzero_collectives::{AdamAt, Collectives, DeviceMemory, InPlace, ReduceOp, TrainStream};
+use ringzero_collectives::{
+    AdamAt, Collectives, DeviceMemory, InPlace, NonBlocking, ReduceOp, TrainStream,
+};
 use ringzero_kernels::cpu::Float;
 
 use super::{dev, DevVec, Engine};
