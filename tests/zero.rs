@@ -653,3 +653,86 @@ impl Defaults for ZeroConfig {
         }
     }
 }
+
+/// Every parameter by name, full (`Engine::consolidate`).
+type Consolidated = Vec<(String, Vec<f32>)>;
+
+/// Parameter groups: with weight decay 0.1 and "no decay for `b*`", every stage's biases end
+/// bit-identical to a run without decay and its weights bit-identical to a run that decays
+/// everything (the update is elementwise, so splitting it by parameter changes nothing else).
+#[test]
+fn a_no_decay_group_decays_the_weights_and_not_the_biases_in_every_stage() {
+    use ringzero_zero::ParamGroup;
+    for stage in 0..=3u8 {
+        let with_decay = |wd: f32, groups: Vec<ParamGroup>| ZeroConfig {
+            adamw: AdamW {
+                lr: 0.05,
+                weight_decay: wd,
+                ..AdamW::default()
+            },
+            param_groups: groups,
+            ..cfg(stage, None)
+        };
+        // Per run, per rank, the consolidated parameters.
+        let runs: Vec<Vec<Consolidated>> = [
+            with_decay(0.1, vec![ParamGroup::no_decay(&["b"])]),
+            with_decay(0.0, Vec::new()),
+            with_decay(0.1, Vec::new()),
+        ]
+        .into_iter()
+        .map(|c| {
+            threads(2, &Opts::default(), move |rank, comm| {
+                let comm = comm.unwrap();
+                let mut e = Engine::<f32>::new(&comm, &specs(), &init, c.clone()).unwrap();
+                crate::checkpoint::run(&mut e, rank, 0, 4);
+                e.consolidate().unwrap()
+            })
+        })
+        .collect();
+        let (grouped, no_decay, decay) = (&runs[0][0], &runs[1][0], &runs[2][0]);
+        for (i, (name, got)) in grouped.iter().enumerate() {
+            let (want, other) = if name.starts_with('b') {
+                (&no_decay[i].1, &decay[i].1)
+            } else {
+                (&decay[i].1, &no_decay[i].1)
+            };
+            assert_eq!(got, want, "stage {stage}: {name}");
+            assert_ne!(
+                got, other,
+                "stage {stage}: {name} is not decayed as its group says"
+            );
+        }
+        assert!(
+            runs.iter().all(|r| r[0] == r[1]),
+            "stage {stage}: ranks differ"
+        );
+    }
+}
+
+#[test]
+fn param_groups_are_checked() {
+    use ringzero_zero::ParamGroup;
+    let bad = [
+        ParamGroup {
+            names_containing: Vec::new(),
+            ..ParamGroup::no_decay(&["b"])
+        },
+        ParamGroup::no_decay(&[""]),
+        ParamGroup {
+            weight_decay: Some(-1.0),
+            ..ParamGroup::no_decay(&["b"])
+        },
+        ParamGroup {
+            lr_scale: f32::NAN,
+            ..ParamGroup::no_decay(&["b"])
+        },
+    ];
+    for g in bad {
+        let e = ZeroConfig::builder()
+            .param_group(g.clone())
+            .build()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("param_groups[0]"), "{g:?}: {e}");
+    }
+}

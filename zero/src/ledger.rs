@@ -58,6 +58,59 @@ impl Ledger {
         }
     }
 
+    /// The pieces of one update of bucket `b`'s `len` positions from `from` (bucket
+    /// coordinates) by their parameters' settings: `(offset into the range, length, settings)`.
+    /// Without parameter groups, one piece with `h`; with them, a piece per run of positions
+    /// with the same settings (padding takes `h`). The update is elementwise, so the pieces
+    /// compute what one call would, each with its own settings.
+    pub(crate) fn update_segments(
+        &self,
+        b: usize,
+        from: usize,
+        len: usize,
+        h: &ringzero_kernels::cpu::AdamW,
+    ) -> Vec<(usize, usize, ringzero_kernels::cpu::AdamW)> {
+        let groups = &self.cfg.param_groups;
+        if groups.is_empty() || len == 0 {
+            return vec![(0, len, *h)];
+        }
+        let end = from + len;
+        // Each position's settings: the bucket's parameters' slots, padding with `h`.
+        let mut marks: Vec<(usize, usize, ringzero_kernels::cpu::AdamW)> = Vec::new();
+        for &pi in &self.part.buckets[b].params {
+            let slot = &self.part.slots[pi];
+            let (lo, hi) = (slot.offset.max(from), (slot.offset + slot.len).min(end));
+            if lo >= hi {
+                continue;
+            }
+            let name = &self.part.specs[pi].name;
+            let hp = groups
+                .iter()
+                .find(|g| g.contains(name))
+                .map_or(*h, |g| g.apply(*h));
+            marks.push((lo, hi, hp));
+        }
+        marks.sort_by_key(|m| m.0);
+        let mut out: Vec<(usize, usize, ringzero_kernels::cpu::AdamW)> = Vec::new();
+        let mut at = from;
+        let mut push = |lo: usize, hi: usize, hp: ringzero_kernels::cpu::AdamW| match out.last_mut()
+        {
+            Some(last) if last.2 == hp && from + last.0 + last.1 == lo => last.1 += hi - lo,
+            _ => out.push((lo - from, hi - lo, hp)),
+        };
+        for (lo, hi, hp) in marks {
+            if at < lo {
+                push(at, lo, *h);
+            }
+            push(lo, hi, hp);
+            at = hi;
+        }
+        if at < end {
+            push(at, end, *h);
+        }
+        out
+    }
+
     /// The index of parameter `name`.
     pub(crate) fn index(&self, name: &str) -> Result<usize, ZeroError> {
         self.part

@@ -24,7 +24,9 @@ mod report;
 pub mod scaler;
 
 pub use checkpoint::{Checkpoint, Meta as CheckpointMeta};
-pub use config::{Auto, LossScaling, LrSchedule, Precision, ZeroConfig, ZeroConfigBuilder};
+pub use config::{
+    Auto, LossScaling, LrSchedule, ParamGroup, Precision, ZeroConfig, ZeroConfigBuilder,
+};
 pub use engine::{hybrid_groups, Engine};
 pub use error::ZeroError;
 pub use partition::{ParamSpec, Partition};

@@ -130,6 +130,49 @@ pub struct ZeroConfig {
     /// What reading a DeepSpeed config noted: keys accepted that change nothing here (and why),
     /// `"auto"` values and what they became. For the trainer to print once.
     pub notes: Vec<String>,
+    /// Parameters with optimizer settings of their own (torch's `param_groups`), the first
+    /// group whose pattern a parameter's name contains wins; the others use `adamw` (and the
+    /// schedule). The usual one: [`ParamGroup::no_decay`] for biases and norms.
+    pub param_groups: Vec<ParamGroup>,
+}
+
+/// A group of parameters with optimizer settings of their own ([`ZeroConfig::param_groups`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ParamGroup {
+    /// A parameter belongs to the group when its name contains one of these.
+    pub names_containing: Vec<String>,
+    /// Their decoupled weight decay; `None` keeps the optimizer's.
+    pub weight_decay: Option<f32>,
+    /// Their learning rate as a multiple of the scheduled one (1: the same).
+    pub lr_scale: f32,
+}
+
+impl ParamGroup {
+    /// No weight decay for parameters whose names contain any of `patterns` (as `["bias",
+    /// "norm"]`: the group most trainers make).
+    pub fn no_decay(patterns: &[&str]) -> ParamGroup {
+        ParamGroup {
+            names_containing: patterns.iter().map(|p| p.to_string()).collect(),
+            weight_decay: Some(0.0),
+            lr_scale: 1.0,
+        }
+    }
+
+    /// Whether parameter `name` is in the group.
+    pub fn contains(&self, name: &str) -> bool {
+        self.names_containing
+            .iter()
+            .any(|p| name.contains(p.as_str()))
+    }
+
+    /// The optimizer settings `h` as this group changes them.
+    pub fn apply(&self, mut h: AdamW) -> AdamW {
+        h.lr *= self.lr_scale;
+        if let Some(wd) = self.weight_decay {
+            h.weight_decay = wd;
+        }
+        h
+    }
 }
 
 impl Default for ZeroConfig {
@@ -150,6 +193,7 @@ impl Default for ZeroConfig {
             shard_size: None,
             scheduler: None,
             notes: Vec::new(),
+            param_groups: Vec::new(),
         }
     }
 }
@@ -161,6 +205,12 @@ pub struct ZeroConfigBuilder {
 }
 
 impl ZeroConfigBuilder {
+    /// Add a parameter group ([`ZeroConfig::param_groups`]).
+    pub fn param_group(mut self, g: ParamGroup) -> Self {
+        self.cfg.param_groups.push(g);
+        self
+    }
+
     /// ZeRO stage 0–3.
     pub fn stage(mut self, s: u8) -> Self {
         self.cfg.stage = s;
@@ -270,6 +320,26 @@ impl ZeroConfig {
                 "weight_decay {} must be non-negative",
                 h.weight_decay
             )));
+        }
+        for (i, g) in self.param_groups.iter().enumerate() {
+            if g.names_containing.is_empty() || g.names_containing.iter().any(String::is_empty) {
+                return Err(bad(format!(
+                    "param_groups[{i}] needs name patterns, none of them empty (an empty one \
+                     would match every parameter)"
+                )));
+            }
+            if g.weight_decay.is_some_and(|w| !(w >= 0.0 && w.is_finite())) {
+                return Err(bad(format!(
+                    "param_groups[{i}].weight_decay {:?} must be non-negative",
+                    g.weight_decay
+                )));
+            }
+            if !(g.lr_scale >= 0.0 && g.lr_scale.is_finite()) {
+                return Err(bad(format!(
+                    "param_groups[{i}].lr_scale {} must be a non-negative number",
+                    g.lr_scale
+                )));
+            }
         }
         let l = &self.loss_scaling;
         if !(l.loss_scale >= 0.0 && l.loss_scale.is_finite()) {

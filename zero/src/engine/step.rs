@@ -317,31 +317,42 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
         self.led.t += 1;
         let h = self.led.hyper(self.led.t);
         for (b, red) in red.iter().enumerate() {
-            // The stretch of `params[b]` this rank updates.
-            let range = match stage {
-                0 | 3 => 0..self.params[b].elems,
-                _ => self.led.part.owned(b, rank),
+            // The stretch of `params[b]` this rank updates, and where it starts in the bucket.
+            let (range, from) = match stage {
+                0 => (0..self.params[b].elems, 0),
+                3 => (0..self.params[b].elems, self.led.part.owned(b, rank).start),
+                _ => {
+                    let o = self.led.part.owned(b, rank);
+                    (o.clone(), o.start)
+                }
             };
             let p = self.params[b].at(range.start);
             let grads = match red {
                 Some(r) => r.addr,
                 None => self.grads[b].addr,
             };
-            let at = AdamAt {
-                master: self.master[b].as_ref().map_or(p, |x| x.addr),
-                params: self.master[b].as_ref().map(|_| p),
-                grads,
-                m: self.m[b].addr,
-                v: self.v[b].addr,
-            };
-            // SAFETY: every range holds `range.len()` elements of its type in the engine's
-            // buffers (the update range's master and moments, the reduced gradient range, the
-            // parameters' stretch), apart from each other (an f32 master is the parameters).
-            unsafe {
-                self.stream()
-                    .adamw(&h, self.led.t, T::DTYPE, at, range.len(), inv * clip)
+            let (es, f32s) = (T::DTYPE.size() as u64, 4u64);
+            for (off, len, hh) in self.led.update_segments(b, from, range.len(), &h) {
+                let o = off as u64;
+                let at = AdamAt {
+                    master: self.master[b]
+                        .as_ref()
+                        .map_or(p + o * es, |x| x.addr + o * f32s),
+                    params: self.master[b].as_ref().map(|_| p + o * es),
+                    grads: grads + o * es,
+                    m: self.m[b].addr + o * f32s,
+                    v: self.v[b].addr + o * f32s,
+                };
+                // SAFETY: every range holds `len` elements of its type in the engine's buffers
+                // (a segment of the update range's master and moments, of the reduced gradient
+                // range and of the parameters' stretch: `off + len` is within the range),
+                // apart from each other (an f32 master is the parameters).
+                unsafe {
+                    self.stream()
+                        .adamw(&hh, self.led.t, T::DTYPE, at, len, inv * clip)
+                }
+                .map_err(dev("the AdamW step".into()))?;
             }
-            .map_err(dev("the AdamW step".into()))?;
         }
         self.led.scaler.update(false);
         Ok(StepOutcome::Stepped { grad_norm })
