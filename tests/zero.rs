@@ -736,3 +736,48 @@ fn param_groups_are_checked() {
         assert!(e.contains("param_groups[0]"), "{g:?}: {e}");
     }
 }
+
+/// A config per rank.
+type PerRank = dyn Fn(usize) -> ZeroConfig + Sync;
+
+/// Ranks given different configurations or initial values are refused at construction, on
+/// every rank, naming the first field or parameter that differs (a per-rank learning rate used
+/// to train to a wrong result silently; different stages failed later with a collective
+/// mismatch).
+#[test]
+fn ranks_that_disagree_are_refused_naming_what_differs() {
+    let lr_per_rank = |rank: usize| ZeroConfig {
+        adamw: AdamW {
+            lr: 0.05 * (rank + 1) as f32,
+            ..AdamW::default()
+        },
+        ..cfg(2, None)
+    };
+    let stage_per_rank = |rank: usize| cfg(1 + rank as u8, None);
+    let cases: [(&PerRank, bool, &str); 3] = [
+        (&lr_per_rank, false, "`optimizer.params.lr` is"),
+        (&stage_per_rank, false, "`stage` is"),
+        (&|_| cfg(3, None), true, "initial values for parameter `w1`"),
+    ];
+    for (config, rank_init, want) in cases {
+        let errs = threads(2, &Opts::default(), |rank, comm| {
+            let comm = comm.unwrap();
+            let seeded = move |p: usize, i: usize| init(p, i) + rank as f32;
+            let init_fn: &dyn Fn(usize, usize) -> f32 = if rank_init { &seeded } else { &init };
+            match Engine::<f32>::new(&comm, &specs(), init_fn, config(rank)) {
+                Ok(_) => panic!("rank {rank}: {want}: the engine was built"),
+                Err(e) => e.to_string(),
+            }
+        });
+        for (rank, e) in errs.iter().enumerate() {
+            assert!(
+                e.contains(want) && e.contains(&format!("rank {rank}")),
+                "{e}"
+            );
+        }
+    }
+    // Agreeing ranks are built as before.
+    threads(2, &Opts::default(), |_, comm| {
+        Engine::<f32>::new(&comm.unwrap(), &specs(), &init, cfg(2, None)).unwrap();
+    });
+}

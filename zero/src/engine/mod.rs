@@ -64,6 +64,7 @@ use crate::ledger::{hybrid, layout, update_range, Ledger};
 use crate::partition::{ParamSpec, Partition};
 use crate::report::{CommWait, Memory};
 
+mod agree;
 mod buffers;
 mod host;
 mod persist;
@@ -220,7 +221,7 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
         let buckets = Spares::new(T::DTYPE, cap, 2);
         let shards = Spares::new(T::DTYPE, cap / n, nb + 1);
         let scalar = Some(alloc(DType::F64, 1)?);
-        Ok(Engine {
+        let mut e = Engine {
             buckets,
             shards,
             scalar,
@@ -238,7 +239,9 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
             replicas,
             wait: CommWait::default(),
             _t: PhantomData,
-        })
+        };
+        e.check_agreement(&full)?;
+        Ok(e)
     }
 
     /// The layout.

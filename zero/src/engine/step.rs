@@ -241,7 +241,7 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
     }
 
     /// One value all-reduced over the ranks (`op`), through a one-element device buffer.
-    fn all_reduce_scalar<E: ringzero_kernels::Element>(
+    pub(super) fn all_reduce_scalar<E: ringzero_kernels::Element>(
         &mut self,
         x: E,
         op: ReduceOp,
