@@ -195,6 +195,8 @@ struct Supervisor {
     interrupted: Option<(i32, Instant, usize, u64)>,
     /// The ranks found stopped (SIGSTOP, a debugger) when the survivors were terminated.
     stopped: std::collections::BTreeSet<usize>,
+    /// SIGKILL passes made over the job's processes.
+    kill_passes: u128,
 }
 
 fn launch_with(
@@ -211,6 +213,7 @@ fn launch_with(
         termed_at: None,
         interrupted: None,
         stopped: Default::default(),
+        kill_passes: 0,
     };
     while sup.status.iter().any(Option::is_none) {
         let pending = signals
@@ -506,7 +509,11 @@ impl Supervisor {
             }
         }
         if let Some(t) = self.termed_at {
-            if t.elapsed() >= Duration::from_secs(2) {
+            // Then SIGKILL, again every 200 ms (each pass reads /proc) until every rank is gone.
+            let since = t.elapsed();
+            let pass = since.saturating_sub(Duration::from_secs(2)).as_millis() / 200;
+            if since >= Duration::from_secs(2) && self.kill_passes <= pass {
+                self.kill_passes = pass + 1;
                 let leaders: Vec<u32> = children.iter().map(Child::id).collect();
                 crate::job_procs::signal_all(&leaders, job, rustix::process::Signal::KILL);
             }
