@@ -282,3 +282,23 @@ fn shard_groups_follow_the_nodes_when_ranks_are_dealt_round_robin() {
         }
     });
 }
+
+/// Shard groups that agree inside but differ from each other (a learning rate per node) are
+/// refused too: the comparison runs over the replicas as well.
+#[test]
+fn shard_groups_given_different_configs_are_refused() {
+    threads(4, &Opts::default(), |rank, world| {
+        let world = world.unwrap();
+        let (shard, rep) = groups(&world);
+        let mut c = cfg_in(Precision::Fp32, 2, None);
+        c.adamw.lr *= (1 + rank / 2) as f32;
+        let Err(e) = Engine::<f32>::new_hybrid(&shard, &rep, &specs(), &init, c) else {
+            panic!("rank {rank}: shard groups with different rates were accepted");
+        };
+        assert!(
+            e.to_string().contains("`optimizer.params.lr` is"),
+            "rank {rank}: {e}"
+        );
+        still_works(&world);
+    });
+}

@@ -7,7 +7,8 @@
 //! to [`SAMPLES`] positions), and refuses naming the first field or parameter that differs.
 //!
 //! Each comparison is a max and a min all-reduce of a 63-bit digest: equal on every rank only
-//! when every rank has the same. One pair covers everything when the ranks agree; the
+//! when every rank has the same (under hybrid sharding, over the shard group and over the
+//! replicas, which together reach every rank of the world). One pair covers everything when the ranks agree; the
 //! per-field pairs run only to name what differs.
 
 use std::hash::{Hash, Hasher};
@@ -74,11 +75,19 @@ impl<T: Float, S: TrainStream> Engine<T, S> {
         ))
     }
 
-    /// Whether every rank has `d`.
+    /// Whether every rank has `d`: the shard group's, and under hybrid sharding this rank's
+    /// replicas too (so every rank of the world, each being in both).
     fn agreed(&mut self, d: i64) -> Result<bool, ZeroError> {
-        let hi = self.all_reduce_scalar(d, ReduceOp::Max)?;
-        let lo = self.all_reduce_scalar(d, ReduceOp::Min)?;
-        Ok(hi == lo)
+        let mut same = true;
+        for over_replicas in [false, true] {
+            if over_replicas && self.replicas.is_none() {
+                break;
+            }
+            let hi = self.all_reduce_scalar_over(over_replicas, d, ReduceOp::Max)?;
+            let lo = self.all_reduce_scalar_over(over_replicas, d, ReduceOp::Min)?;
+            same &= hi == lo;
+        }
+        Ok(same)
     }
 }
 

@@ -246,6 +246,17 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
         x: E,
         op: ReduceOp,
     ) -> Result<E, ZeroError> {
+        self.all_reduce_scalar_over(false, x, op)
+    }
+
+    /// [`Engine::all_reduce_scalar`] over the shard group's ranks, or with `replicas` over this
+    /// rank's replicas (hybrid sharding; the shard group without).
+    pub(super) fn all_reduce_scalar_over<E: ringzero_kernels::Element>(
+        &mut self,
+        replicas: bool,
+        x: E,
+        op: ReduceOp,
+    ) -> Result<E, ZeroError> {
         // The kept 8-byte buffer, as one `E` (at most 8 bytes: f64 or u8 here).
         assert!(E::DTYPE.size() <= 8);
         let mut buf = self
@@ -258,7 +269,11 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
             // which waits for the stream).
             unsafe { self.stream().write(buf.addr, bytemuck::bytes_of(&x)) }
                 .map_err(dev("uploading a scalar".into()))?;
-            self.comm.all_reduce(InPlace, &mut buf, op)?;
+            let comm = match (&self.replicas, replicas) {
+                (Some(r), true) => r,
+                _ => &self.comm,
+            };
+            comm.all_reduce(InPlace, &mut buf, op)?;
             let mut out = E::zeroed();
             // SAFETY: `buf` holds one `E`.
             unsafe {
