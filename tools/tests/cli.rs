@@ -449,6 +449,7 @@ fn demo_reads_a_deepspeed_config_and_names_bad_keys() {
         &good,
         r#"{"zero_optimization": {"stage": 3, "reduce_bucket_size": 5000},
             "fp16": {"enabled": true, "initial_scale_power": 8},
+            "train_micro_batch_size_per_gpu": 24,
             "optimizer": {"type": "AdamW", "params": {"lr": 0.003}}}"#,
     )
     .unwrap();
@@ -458,6 +459,8 @@ fn demo_reads_a_deepspeed_config_and_names_bad_keys() {
             .arg(&good),
     );
     assert!(stdout.contains("ZeRO stage 3, fp16"), "{stdout}");
+    // The config's micro batch is the batch the ranks train on.
+    assert!(stdout.contains("batch 24 per rank"), "{stdout}");
     assert!(
         stdout.contains("     256 "),
         "initial scale 2^8 printed: {stdout}"

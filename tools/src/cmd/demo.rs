@@ -31,7 +31,8 @@ pub(crate) struct DemoCli {
     /// Optimizer steps.
     #[arg(long, default_value_t = 100)]
     pub(crate) steps: usize,
-    /// Samples per rank and micro-step.
+    /// Samples per rank and micro-step (with `--config`, its `train_micro_batch_size_per_gpu`
+    /// when set; `"auto"` there becomes this).
     #[arg(long, default_value_t = 32)]
     pub(crate) batch: usize,
     /// Input features.
@@ -177,6 +178,7 @@ fn setup(d: &DemoCli) -> anyhow::Result<(Mlp, ZeroConfig)> {
 /// prints a row each and what prefetch hid.
 fn bench(comm: &Communicator, d: &DemoCli, mlp: Mlp, zero: &ZeroConfig) -> anyhow::Result<()> {
     let root = comm.rank() == 0;
+    let batch = zero.micro_batch.unwrap_or(d.batch);
     let mut rows = Vec::new();
     for (stage, prefetch) in [(0u8, true), (1, true), (2, true), (3, true), (3, false)] {
         let mut z = zero.clone();
@@ -186,7 +188,7 @@ fn bench(comm: &Communicator, d: &DemoCli, mlp: Mlp, zero: &ZeroConfig) -> anyho
         }
         let args = DemoArgs {
             mlp,
-            batch: d.batch,
+            batch,
             steps: d.steps,
             zero: z,
             resume: None,
@@ -198,7 +200,7 @@ fn bench(comm: &Communicator, d: &DemoCli, mlp: Mlp, zero: &ZeroConfig) -> anyho
     if root {
         println!(
             "ringzero demo --bench: {} ranks, {}, {} layers × {} hidden, batch {}, {} steps (first excluded from the mean)",
-            comm.size(), zero.precision, d.layers, d.hidden, d.batch, d.steps
+            comm.size(), zero.precision, d.layers, d.hidden, batch, d.steps
         );
         println!(
             "{:>6} {:>9} {:>13} {:>18} {:>18} {:>11}",
@@ -244,6 +246,8 @@ fn bench(comm: &Communicator, d: &DemoCli, mlp: Mlp, zero: &ZeroConfig) -> anyho
 /// fails unless the loss went down.
 fn train(comm: &Communicator, d: &DemoCli, mlp: Mlp, zero: ZeroConfig) -> anyhow::Result<ExitCode> {
     let root = comm.rank() == 0;
+    // A config's `train_micro_batch_size_per_gpu` is the batch ("auto" became `--batch`).
+    let batch = zero.micro_batch.unwrap_or(d.batch);
     if root {
         println!(
             "ringzero demo: {} ranks, ZeRO stage {}{}, {}, MLP {}→{}×{}→{} ({} layers), batch {} per rank, {} steps; teacher y = A·x (best loss 0)",
@@ -253,7 +257,7 @@ fn train(comm: &Communicator, d: &DemoCli, mlp: Mlp, zero: ZeroConfig) -> anyhow
                 comm.size() / s.max(1)
             )),
             zero.precision, d.input, d.hidden, d.layers - 1, d.output, d.layers,
-            d.batch, d.steps
+            batch, d.steps
         );
         for e in comm.edges().iter().filter(|e| e.to == 0) {
             println!("edge {e}");
@@ -270,7 +274,7 @@ fn train(comm: &Communicator, d: &DemoCli, mlp: Mlp, zero: ZeroConfig) -> anyhow
     let every = d.log_every;
     let args = DemoArgs {
         mlp,
-        batch: d.batch,
+        batch,
         steps,
         zero: zero.clone(),
         resume: d.resume.clone(),
