@@ -6,22 +6,24 @@
 
 use std::io::Write;
 
+/// `msg` and a newline, as one buffer.
+fn line(msg: &str) -> Vec<u8> {
+    let mut line = Vec::with_capacity(msg.len() + 1);
+    line.extend_from_slice(msg.as_bytes());
+    line.push(b'\n');
+    line
+}
+
 /// Write `msg` and a newline to stderr in one write.
 pub fn err_line(msg: &str) {
-    let mut line = String::with_capacity(msg.len() + 1);
-    line.push_str(msg);
-    line.push('\n');
-    let _ = std::io::stderr().lock().write_all(line.as_bytes());
+    let _ = std::io::stderr().lock().write_all(&line(msg));
 }
 
 /// Write `msg` and a newline to stdout in one write (stdout is line-buffered already; this is
 /// for lines built from a rank's output, which may hold no newline of their own).
 pub fn out_line(msg: &str) {
-    let mut line = String::with_capacity(msg.len() + 1);
-    line.push_str(msg);
-    line.push('\n');
     let mut out = std::io::stdout().lock();
-    let _ = out.write_all(line.as_bytes());
+    let _ = out.write_all(&line(msg));
     let _ = out.flush();
 }
 

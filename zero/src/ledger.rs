@@ -27,12 +27,20 @@ pub(crate) struct Ledger {
     pub(crate) scaler: LossScaler,
     /// The rate [`crate::Engine::set_lr`] set, used instead of `cfg.adamw.lr`.
     pub(crate) lr: Option<f32>,
+    /// Per parameter: the index of its group in `cfg.param_groups`, if any (matched once).
+    group: Vec<Option<usize>>,
 }
 
 impl Ledger {
     /// A fresh run of `part` under `cfg` on `rank`.
     pub(crate) fn new(part: Partition, cfg: ZeroConfig, rank: usize) -> Ledger {
+        let group = part
+            .specs
+            .iter()
+            .map(|p| cfg.param_groups.iter().position(|g| g.contains(&p.name)))
+            .collect();
         Ledger {
+            group,
             pushed: vec![false; part.specs.len()],
             scaler: LossScaler::new(cfg.precision, cfg.loss_scaling),
             micro: 0,
@@ -83,11 +91,7 @@ impl Ledger {
             if lo >= hi {
                 continue;
             }
-            let name = &self.part.specs[pi].name;
-            let hp = groups
-                .iter()
-                .find(|g| g.contains(name))
-                .map_or(*h, |g| g.apply(*h));
+            let hp = self.group[pi].map_or(*h, |g| groups[g].apply(*h));
             marks.push((lo, hi, hp));
         }
         marks.sort_by_key(|m| m.0);
