@@ -637,8 +637,7 @@ impl ringzero::Stream for HangingCopies {
     fn export(
         &self,
         bytes: usize,
-    ) -> Result<ringzero_collectives::device::stream::Exported, ringzero::kernels::DeviceError>
-    {
+    ) -> Result<ringzero::kernels::device::Exported, ringzero::kernels::DeviceError> {
         self.inner.export(bytes)
     }
     fn open_exported(
@@ -697,7 +696,7 @@ impl ringzero::Stream for HangingCopies {
     fn share(
         &self,
         addr: u64,
-    ) -> Result<ringzero_collectives::device::stream::Share, ringzero::kernels::DeviceError> {
+    ) -> Result<ringzero::kernels::device::ShareRecord, ringzero::kernels::DeviceError> {
         if self.refuse_share {
             return Err(ringzero::kernels::DeviceError::Invalid(
                 "this memory cannot be exported".into(),

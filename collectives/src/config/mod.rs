@@ -38,10 +38,10 @@ pub const MAX_LINK_BYTES: usize = 1 << 30;
 /// and far beyond it, a time the clock cannot add).
 pub const MAX_TIMEOUT: Duration = Duration::from_secs(7 * 24 * 3600);
 /// Default largest frame payload on a GPU's device ring edges, unless
-/// `RINGZERO_DEVICE_SLICE_BYTES` says otherwise. Every slice costs a kernel launch, an event and a
-/// host round trip through the control block, and with several processes on one GPU a context
-/// switch, so large slices pay (the sweep over slice sizes: `docs/gpu-runs/README.md`).
-pub const DEFAULT_GPU_SLICE_BYTES: usize = 16 << 20;
+/// `RINGZERO_DEVICE_SLICE_BYTES` says otherwise: the GPU's own choice
+/// ([`ringzero_kernels::device::GPU_SLICE_BYTES`]; the sweep over slice sizes:
+/// `docs/gpu-runs/README.md`).
+pub const DEFAULT_GPU_SLICE_BYTES: usize = ringzero_kernels::device::GPU_SLICE_BYTES;
 /// The same when `RINGZERO_P2P_DISABLE=1` (or a failed start-up probe) stages every device edge
 /// inside a node through `/dev/shm`, which takes slots × slice bytes of it per edge, page-locked.
 /// Larger slices run faster there too (`docs/gpu-runs/README.md`), so staging takes [`LARGE_GPU_STAGED_SLICE_BYTES`] when every rank's shm directory has

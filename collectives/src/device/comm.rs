@@ -8,7 +8,6 @@ use std::sync::{Arc, Mutex};
 use ringzero_kernels::{DType, ReduceOp};
 
 use super::core::{Core, DevPosted, DevState};
-use super::stream::Stream;
 use crate::comm::{AbortHandle, Communicator};
 use crate::config::StagingMode;
 use crate::error::Result;
@@ -19,6 +18,7 @@ use crate::ring::failure::AbortFlag;
 use crate::ring::{chunk, Collective, Count};
 use crate::topology::Edge;
 use crate::work::{Work, Worker};
+use ringzero_kernels::device::Stream;
 
 /// Collectives on buffers of one device per rank (see the module docs).
 ///

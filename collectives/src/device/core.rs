@@ -8,7 +8,6 @@ use std::sync::{Mutex, MutexGuard};
 use ringzero_kernels::{DType, ReduceOp};
 
 use super::records::DeviceInfo;
-use super::stream::Stream;
 use crate::comm::{HostPeers, HostPoster};
 use crate::config::{Config, StagingMode};
 use crate::error::{Error, Result};
@@ -21,6 +20,7 @@ use crate::topology::Edge;
 use crate::transport::device::{DevPtr, DevRecvLink, DevSendLink};
 use crate::transport::{tcp, TransportKind};
 use crate::wire::Fingerprint;
+use ringzero_kernels::device::Stream;
 
 /// What the calling thread and the proxy thread share.
 pub(super) struct Core<S: Stream> {
@@ -313,7 +313,7 @@ impl<S: Stream> Core<S> {
             // The copy writes the caller's output: at the deadline it ends first where that
             // memory would not outlive it.
             let at = (&call.fp, call.seq, self.rank);
-            super::stream::wait_local(&self.stream, &m, call.timeout, at, "the local copy")?;
+            super::settle::wait_local(&self.stream, &m, call.timeout, at, "the local copy")?;
         }
         Ok(())
     }

@@ -35,7 +35,6 @@ use std::time::Instant;
 use bytemuck::Zeroable;
 use ringzero_kernels::ReduceOp;
 
-use super::stream::{Share, Stream, GATHER_MAX};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::ring::call::Call;
@@ -44,6 +43,7 @@ use crate::ring::{chunk, Collective};
 use crate::transport::board::{note, note_text, Board, Entry, Stall, Verdict};
 use crate::transport::device::{DevPtr, Keep};
 use crate::transport::wait::Waiter;
+use ringzero_kernels::device::{ShareRecord, Stream, GATHER_MAX};
 
 /// Mappings of one rank's buffers kept open (the oldest is closed when a new one would exceed
 /// this): enough for a training loop's buffers, few enough that memory a peer freed is not held
@@ -430,7 +430,7 @@ impl Direct {
         &mut self,
         stream: &S,
         rank: usize,
-        share: &Share,
+        share: &ShareRecord,
     ) -> std::result::Result<DevPtr, String> {
         let maps = &mut self.maps[rank];
         if let Some(m) = maps
@@ -503,7 +503,7 @@ impl Direct {
             // The work still reads and writes the caller's buffers (and, by the direct step,
             // other ranks'): it ends before the error is returned where that memory would not
             // outlive it.
-            super::stream::settle(stream, &m, until.left(Instant::now()));
+            super::settle::settle(stream, &m, until.left(Instant::now()));
             Err(e)
         };
         while !stream.done(&m).map_err(dev)? {

@@ -16,23 +16,20 @@
 mod calls;
 pub mod comm;
 mod core;
-#[cfg(feature = "cuda")]
-mod cuda;
 pub mod direct;
-pub mod optim;
 mod pair_links;
 mod pairs;
 mod posted;
 mod probe;
 mod records;
+pub(crate) mod settle;
 mod setup;
-pub mod stream;
 
 pub use comm::DeviceComm;
-pub use optim::{AdamAt, TrainStream};
 pub use pairs::DeviceP2p;
-pub use ringzero_kernels::device::DeviceError;
-pub use stream::{HostStream, Stream};
+pub use ringzero_kernels::device::{
+    AdamAt, CopyLane, DeviceError, Exported, HostStream, ShareRecord, Stream, TrainStream,
+};
 
 use ringzero_kernels::{DType, Element, ReduceOp};
 

@@ -9,7 +9,6 @@ use ringzero_kernels::{DType, ReduceOp};
 use super::core::Rx;
 use super::core::{Core, DevPair, DevState};
 use super::records::{text, FINDING_BYTES};
-use super::stream::Stream;
 use crate::comm::HostPeers;
 use crate::error::{Error, Result};
 use crate::ring::call::Call;
@@ -19,6 +18,7 @@ use crate::topology::{self, Edge};
 use crate::transport::device::DevPtr;
 use crate::transport::TransportKind;
 use crate::wire::Fingerprint;
+use ringzero_kernels::device::Stream;
 
 use super::pairs::{partner, read_record, rounds, RECORD_BYTES};
 
@@ -350,7 +350,7 @@ impl<S: Stream> Core<S> {
         unsafe { self.stream.copy(dst, src, bytes) }.map_err(dev)?;
         let m = self.stream.mark().map_err(dev)?;
         let what = "the local copy of this rank's own block";
-        super::stream::wait_local(&self.stream, &m, self.cfg.timeout, (fp, 0, self.rank), what)
+        super::settle::wait_local(&self.stream, &m, self.cfg.timeout, (fp, 0, self.rank), what)
     }
 
     /// Fail the communicator after `e` (a refused argument fails nothing): every later call

@@ -23,13 +23,13 @@
 
 use super::comm::DeviceComm;
 use super::records::{untext, ConnectInfo, FINDING_BYTES};
-use super::stream::Stream;
 use super::DeviceMemory;
 use crate::error::{Error, Result};
 use crate::ring::Collective;
 use crate::topology::Edge;
 use crate::wire::Fingerprint;
 use crate::work::Work;
+use ringzero_kernels::device::Stream;
 
 impl<S: Stream> DeviceComm<S> {
     /// Connect this rank's device links with each of `peers` it has not met yet, now and all at

@@ -31,7 +31,6 @@ use ringzero_kernels::DType;
 
 use super::core::{Core, DevMsg, DevPair, DevPosted, Rx};
 use super::pairs::{read_record, RECORD_BYTES};
-use super::stream::Stream;
 use crate::comm::P2pOwned;
 use crate::error::{Error, Result};
 use crate::ring::call::{expect, gone_unneeded, link_err, op_timeout, Call};
@@ -43,6 +42,7 @@ use crate::transport::device::{DevPtr, DevSendLink};
 use crate::transport::wait::Waiter;
 use crate::wire::Fingerprint;
 use crate::work::{Feed, PostedJob, Ticket, Work};
+use ringzero_kernels::device::Stream;
 
 use super::{DeviceComm, DeviceMemory};
 
@@ -225,7 +225,7 @@ impl<S: Stream> Core<S> {
             // it ends before the buffers go back (within the deadline where the device keeps
             // its memory alive).
             if let Ok(m) = self.stream.mark() {
-                super::stream::settle(&self.stream, &m, self.cfg.timeout);
+                super::settle::settle(&self.stream, &m, self.cfg.timeout);
             }
             self.fail(&mut st, &e);
             for job in &mut s.jobs {

@@ -6,13 +6,13 @@ use std::time::{Duration, Instant};
 
 use super::core::{dev_err, Core};
 use super::records::{text, FINDING_BYTES};
-use super::stream::Stream;
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::ring::device_engine::DevLinks;
 use crate::ring::Collective;
 use crate::transport::wait::Waiter;
 use crate::wire::{Expect, Fingerprint, FrameHeader};
+use ringzero_kernels::device::Stream;
 
 /// How long a probe waits for its frame.
 pub(super) const PROBE_DEADLINE: Duration = Duration::from_secs(5);

@@ -25,7 +25,6 @@ use super::probe::Probe;
 use super::records::{
     kind_code, path_text, sent_sockets, text, untext, ConnectInfo, DeviceInfo, FINDING_BYTES,
 };
-use super::stream::Stream;
 use crate::comm::Communicator;
 use crate::config::StagingMode;
 use crate::deadline::Deadline;
@@ -39,6 +38,7 @@ use crate::transport::device::{
 use crate::transport::shm::{ShmRecv, ShmSend};
 use crate::transport::wait::Waiter;
 use crate::transport::{tcp, TransportKind};
+use ringzero_kernels::device::Stream;
 
 impl<S: Stream> Core<S> {
     pub(super) fn connect(&mut self, comm: &Communicator) -> Result<()> {
@@ -245,10 +245,10 @@ impl<S: Stream> Core<S> {
         rec[96] = ipc_ok as u8;
         let all = comm.all_gather_bytes(&rec)?;
         let of = |r: usize| &all[r * 97..(r + 1) * 97];
-        let why_not = if size > super::stream::GATHER_MAX {
+        let why_not = if size > ringzero_kernels::device::GATHER_MAX {
             Some(format!(
                 "{size} ranks; the direct step takes at most {}",
-                super::stream::GATHER_MAX
+                ringzero_kernels::device::GATHER_MAX
             ))
         } else if self.cfg.p2p_disable {
             Some("RINGZERO_P2P_DISABLE=1 forbids peer access".into())

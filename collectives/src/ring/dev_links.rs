@@ -19,7 +19,7 @@ pub struct DevLinks {
     /// The direct collectives' board and mappings, where every rank maps every other's buffers.
     pub(crate) direct: Option<crate::device::direct::Direct>,
     /// Whether a slice's last receive and the next slice's first send, unrelated plain copies,
-    /// may run as one kernel ([`Stream::copy_pair`](crate::device::stream::Stream::copy_pair);
+    /// may run as one kernel ([`Stream::copy_pair`](crate::device::Stream::copy_pair);
     /// [`Config::device_copy_pairs`](crate::Config::device_copy_pairs)).
     pub pair_copies: bool,
 }

@@ -21,7 +21,7 @@
 //!
 //! Explicit-copy staging (`RINGZERO_STAGING=copy`, and `auto`'s pick where at most 2 ranks use a
 //! GPU; kernels never touch host slots) puts its copies on the stream's two copy lanes
-//! ([`CopyLane`](crate::device::stream::CopyLane)): into the device on one, out of it on the other, the compute order between
+//! ([`CopyLane`](crate::device::CopyLane)): into the device on one, out of it on the other, the compute order between
 //! them joined where data passes. Such an op starts once everything before it has ended; within
 //! it the pair's two copies run at once, and a combine goes in 8 parts (`STAGED_PARTS`), so that
 //! part `k + 1` comes in while part `k − 1` goes out: the copy engines' way to both directions at
@@ -38,9 +38,9 @@ use std::time::Instant;
 
 use super::call::{expect, link_err, Call, LastOps};
 use super::engine::{Patience, Tick};
-use crate::device::stream::Stream;
 use crate::error::{Error, Result};
 use crate::transport::wait::Waiter;
+use ringzero_kernels::device::Stream;
 
 pub use super::dev_links::DevLinks;
 use super::device_work::{pairs, retire, Pending, Work};
@@ -96,10 +96,10 @@ pub unsafe fn run<S: Stream>(
 }
 
 /// Wait until everything queued on `stream` has ended; on a stream whose memory outlives its
-/// work, at most `timeout` ([`crate::device::stream::settle`]).
+/// work, at most `timeout` ([`crate::device::settle::settle`]).
 fn quiesce<S: Stream>(stream: &S, timeout: std::time::Duration) {
     if let Ok(m) = stream.mark() {
-        crate::device::stream::settle(stream, &m, timeout);
+        crate::device::settle::settle(stream, &m, timeout);
     }
 }
 

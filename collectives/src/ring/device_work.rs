@@ -9,12 +9,12 @@ use ringzero_kernels::ReduceOp;
 use super::call::{gone_unneeded, link_err, Call, Needs};
 use super::engine::base;
 use super::schedule::{Loc, Op};
-use crate::device::stream::{CopyLane, Stream};
 use crate::error::{Error, Result};
 use crate::transport::device::DevPtr;
 use crate::transport::wait::Waiter;
 use crate::wire::{Expect, Fingerprint, FrameHeader};
 use ringzero_kernels::device::DeviceError;
+use ringzero_kernels::device::{CopyLane, Stream};
 
 use super::dev_links::DevLinks;
 use super::engine::DevBufs;

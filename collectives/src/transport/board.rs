@@ -68,19 +68,7 @@ const R_OK: usize = 16;
 const R_ENTRY: [usize; 2] = [64, 512];
 const R_VERDICT: usize = 1024;
 
-/// How other ranks open a buffer of this rank (see `Stream::share`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
-#[repr(C)]
-pub struct ShareRecord {
-    /// The allocation's handle.
-    pub handle: [u8; 64],
-    /// The buffer's offset in it.
-    pub offset: u64,
-    /// The allocation's bytes.
-    pub bytes: u64,
-    /// The allocation's unique id (a reallocated buffer at the same address has another).
-    pub id: u64,
-}
+pub use ringzero_kernels::device::ShareRecord;
 
 /// Bytes of an [`Entry`]'s or a [`Verdict`]'s note.
 pub const NOTE_BYTES: usize = 192;

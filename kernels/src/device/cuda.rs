@@ -17,10 +17,10 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::{CompileOptions, Ptx};
 
-use super::DeviceError;
+use super::{AdamAt, DeviceError, TrainStream};
 use crate::{DType, ReduceOp};
 
-pub mod optim;
+mod optim;
 pub mod raw;
 
 /// The kernels' source, embedded in the binary.
@@ -145,7 +145,7 @@ pub struct Gpu {
     copy: Arc<CudaStream>,
     /// The copy lanes' streams, by [`CopyLane::index`](super::CopyLane::index).
     lanes: [Arc<CudaStream>; 2],
-    /// Whether a lane has work the compute stream has not been joined to since ([`Gpu::mark`]
+    /// Whether a lane has work the compute stream has not been joined to since ([`Stream::mark`](crate::device::Stream::mark)
     /// joins those first, so a marker covers everything queued on the device).
     lane_dirty: [std::sync::atomic::AtomicBool; 2],
     arch: &'static str,
@@ -436,7 +436,11 @@ impl Gpu {
     }
 
     /// Cast `src` into `dst` (f32 ↔ f16/bf16), rounding to nearest even.
-    pub fn cast(&self, src: &DeviceBuffer, dst: &mut DeviceBuffer) -> Result<(), DeviceError> {
+    pub fn cast(
+        self: &Arc<Self>,
+        src: &DeviceBuffer,
+        dst: &mut DeviceBuffer,
+    ) -> Result<(), DeviceError> {
         if src.len != dst.len {
             return Err(DeviceError::Invalid(format!(
                 "cast: {} elements into {}",
@@ -446,7 +450,7 @@ impl Gpu {
         let (s, d) = (self.ptr_of(src), self.ptr_of(dst));
         // SAFETY: both buffers hold `len` elements of their dtypes, are distinct (one is borrowed
         // mutably) and are freed only after the context's work (DeviceBuffer's Drop).
-        unsafe { self.cast_at(src.dtype, s, dst.dtype, d, src.len) }
+        unsafe { TrainStream::cast(self, src.dtype, s, dst.dtype, d, src.len) }
     }
 
     fn float_kernel(&self, k: &str, d: DType) -> Result<CudaFunction, DeviceError> {
@@ -471,21 +475,21 @@ impl Gpu {
     }
 
     /// Σ (x·s)² in f64 (waits for the result).
-    pub fn sq_norm(&self, x: &DeviceBuffer, s: f32) -> Result<f64, DeviceError> {
+    pub fn sq_norm(self: &Arc<Self>, x: &DeviceBuffer, s: f32) -> Result<f64, DeviceError> {
         // SAFETY: the buffer holds `len` elements of its dtype.
-        unsafe { self.sq_norm_at(x.dtype, self.ptr_of(x), x.len, s) }
+        unsafe { TrainStream::sq_norm(self, x.dtype, self.ptr_of(x), x.len, s) }
     }
 
     /// Whether every element is finite (waits for the result).
-    pub fn all_finite(&self, x: &DeviceBuffer) -> Result<bool, DeviceError> {
+    pub fn all_finite(self: &Arc<Self>, x: &DeviceBuffer) -> Result<bool, DeviceError> {
         // SAFETY: the buffer holds `len` elements of its dtype.
-        unsafe { self.all_finite_at(x.dtype, self.ptr_of(x), x.len) }
+        unsafe { TrainStream::all_finite(self, x.dtype, self.ptr_of(x), x.len) }
     }
 
     /// One fused AdamW step: fp32 `master`, `m`, `v`; gradients in `grads`' dtype; `params` (same
     /// dtype as the gradients) written from the master when given.
     pub fn adamw(
-        &self,
+        self: &Arc<Self>,
         h: &crate::cpu::AdamW,
         t: u64,
         state: AdamState<'_>,
@@ -522,7 +526,7 @@ impl Gpu {
                 )));
             }
         }
-        let at = optim::AdamAt {
+        let at = AdamAt {
             master: self.ptr_of(master),
             params: params.map(|p| self.ptr_of(p)),
             grads: self.ptr_of(grads),
@@ -531,7 +535,7 @@ impl Gpu {
         };
         // SAFETY: every buffer holds `n` elements of the type the kernel expects (checked above)
         // and they are distinct (all but `grads` are borrowed mutably).
-        unsafe { self.adamw_at(h, t, grads.dtype, at, n, grad_scale) }
+        unsafe { TrainStream::adamw(self, h, t, grads.dtype, at, n, grad_scale) }
     }
 }
 

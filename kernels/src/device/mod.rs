@@ -4,6 +4,19 @@
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+mod host_stream;
+mod stream;
+mod train;
+
+pub use host_stream::HostStream;
+pub use stream::{Exported, ShareRecord, Stream};
+pub use train::{AdamAt, TrainStream};
+
+/// The largest frame payload a GPU's ring edges use when the configuration names none
+/// (`RINGZERO_DEVICE_SLICE_BYTES`; [`Stream::slice_bytes`]). Every slice costs a kernel launch,
+/// an event and a host round trip through the control block, and with several processes on one
+/// GPU a context switch, so large slices pay.
+pub const GPU_SLICE_BYTES: usize = 16 << 20;
 
 /// An address the device's kernels and copies use: a device pointer (valid in the process and
 /// context that produced it), or on the host stream a plain host address.

@@ -144,14 +144,15 @@ impl BenchDev for Arc<Gpu> {
     type Buf = DeviceBuffer;
     fn baseline(&self, bytes: usize, staged: bool) -> std::result::Result<Baseline, String> {
         // The CUDA device's own methods (the `Stream` trait has a `copy` of its own).
-        let gpu: &Gpu = self;
+        let gpu: &Arc<Gpu> = self;
         let e = |x: ringzero_kernels::device::DeviceError| x.to_string();
         let gbs = |b: usize, ms: f64| b as f64 / (ms * 1e-3) / 1e9;
         let elems = bytes / 4;
         let bytes = elems * 4;
         let src = gpu.alloc(DType::F32, elems).map_err(e)?;
         let mut dst = gpu.alloc(DType::F32, elems).map_err(e)?;
-        let ms = fastest(|| gpu.time(BASELINE_REPS, || gpu.copy(&mut dst, &src))).map_err(e)?;
+        let ms =
+            fastest(|| gpu.time(BASELINE_REPS, || Gpu::copy(gpu, &mut dst, &src))).map_err(e)?;
         let mut b = Baseline {
             bytes,
             copy_gbs: gbs(2 * bytes, ms),
@@ -171,8 +172,12 @@ impl BenchDev for Arc<Gpu> {
             let hp2 = reg2.device_ptr(back.as_ptr()).map_err(e)?;
             let (dp, dp2) = (gpu.ptr_of(&dst), gpu.ptr_of(&src));
             // SAFETY: both ranges are live for `bytes` bytes until the timing's final sync.
-            let ms = fastest(|| gpu.time(BASELINE_REPS, || unsafe { gpu.copy_at(dp, hp, bytes) }))
-                .map_err(e)?;
+            let ms = fastest(|| {
+                gpu.time(BASELINE_REPS, || unsafe {
+                    Stream::copy(gpu, dp, hp, bytes)
+                })
+            })
+            .map_err(e)?;
             // SAFETY: four distinct live ranges of `bytes`; the call drains both streams.
             let ms2 =
                 fastest(|| unsafe { gpu.time_both_ways(dp, hp, hp2, dp2, bytes, BASELINE_REPS) })
@@ -180,7 +185,7 @@ impl BenchDev for Arc<Gpu> {
             // SAFETY: as above; the two copies' ranges are distinct, and the timing syncs.
             let ms3 = fastest(|| {
                 gpu.time(BASELINE_REPS, || unsafe {
-                    gpu.copy_pair_at(dp, hp, bytes, hp2, None, dp2, bytes)
+                    Stream::copy_pair(gpu, dp, hp, bytes, hp2, None, dp2, bytes)
                 })
             })
             .map_err(e)?;

@@ -3,9 +3,11 @@
 //! poisoned first; then bandwidth micro-benchmarks next to a plain device-to-device copy measured in
 //! the same run. Run by `scripts/gpu-check.sh` on a machine with a GPU.
 
+use std::sync::Arc;
+
 use ringzero_kernels::cpu::{self, AdamW};
 use ringzero_kernels::device::cuda::{AdamState, DeviceBuffer, Gpu};
-use ringzero_kernels::device::DeviceError;
+use ringzero_kernels::device::{DeviceError, Stream};
 use ringzero_kernels::{DType, ReduceOp};
 
 use crate::mix;
@@ -54,11 +56,11 @@ fn first_diff(a: &[u8], b: &[u8], size: usize) -> Option<usize> {
     a.chunks(size).zip(b.chunks(size)).position(|(x, y)| x != y)
 }
 
-fn poisoned(gpu: &Gpu, d: DType, n: usize) -> Result<DeviceBuffer, DeviceError> {
+fn poisoned(gpu: &Arc<Gpu>, d: DType, n: usize) -> Result<DeviceBuffer, DeviceError> {
     gpu.upload(d, &vec![0xA5u8; n * d.size()])
 }
 
-fn download(gpu: &Gpu, b: &DeviceBuffer) -> Result<Vec<u8>, DeviceError> {
+fn download(gpu: &Arc<Gpu>, b: &DeviceBuffer) -> Result<Vec<u8>, DeviceError> {
     let mut v = vec![0u8; b.bytes()];
     gpu.download(b, &mut v)?;
     Ok(v)
@@ -87,7 +89,7 @@ fn row(check: String, r: Result<Option<String>, DeviceError>) -> Row {
 }
 
 /// Every correctness check.
-pub fn checks(gpu: &Gpu) -> Vec<Row> {
+pub fn checks(gpu: &Arc<Gpu>) -> Vec<Row> {
     let mut rows = Vec::new();
     let dtypes = DType::ALL;
     let ops = ReduceOp::ALL;
@@ -103,7 +105,7 @@ pub fn checks(gpu: &Gpu) -> Vec<Row> {
                     let mut want = a.clone();
                     cpu::reduce_into(d, op.pairwise(), &mut want, &b).expect("same lengths");
                     if op == ReduceOp::Avg {
-                        gpu.divide(&mut da, 2)?;
+                        Gpu::divide(gpu, &mut da, 2)?;
                         cpu::divide(d, &mut want, 2).expect("layout");
                     }
                     let got = download(gpu, &da)?;
@@ -162,7 +164,7 @@ pub fn checks(gpu: &Gpu) -> Vec<Row> {
 /// (`dst = also = src`) and `copy_pair` (two unrelated copies, the second to one or two places),
 /// every destination poisoned first, on 16-byte-aligned ranges (the vector path) and on ranges
 /// one element in (the element-by-element path).
-fn two_destinations(gpu: &Gpu, d: DType) -> Result<Option<String>, DeviceError> {
+fn two_destinations(gpu: &Arc<Gpu>, d: DType) -> Result<Option<String>, DeviceError> {
     let es = d.size();
     for (k, &n) in SIZES.iter().enumerate() {
         let a = random(d, n, 300 + k as u64);
@@ -175,7 +177,7 @@ fn two_destinations(gpu: &Gpu, d: DType) -> Result<Option<String>, DeviceError> 
                 let (dst, also) = (poisoned(gpu, d, n)?, poisoned(gpu, d, n)?);
                 // SAFETY: four distinct live buffers of `n` elements, each range `m` elements
                 // from element `skip`; `download` below waits for the kernel.
-                unsafe { gpu.combine2_at(d, op, at(&dst), at(&also), at(&da), at(&db), m)? };
+                unsafe { Stream::combine2(gpu, d, op, at(&dst), at(&also), at(&da), at(&db), m)? };
                 let mut want = a[skip * es..].to_vec();
                 cpu::reduce_into(d, op.pairwise(), &mut want, &b[skip * es..]).expect("lengths");
                 for (name, buf) in [("dst", &dst), ("also", &also)] {
@@ -194,7 +196,7 @@ fn two_destinations(gpu: &Gpu, d: DType) -> Result<Option<String>, DeviceError> 
             }
             let (dst, also) = (poisoned(gpu, d, n)?, poisoned(gpu, d, n)?);
             // SAFETY: as above, three buffers, `m · es` bytes each from element `skip`.
-            unsafe { gpu.copy2_at(at(&dst), at(&also), at(&da), m * es)? };
+            unsafe { Stream::copy2(gpu, at(&dst), at(&also), at(&da), m * es)? };
             for (name, buf) in [("dst", &dst), ("also", &also)] {
                 let got = download(gpu, buf)?;
                 if let Some(i) = first_diff(&got[skip * es..], &a[skip * es..], es) {
@@ -215,7 +217,8 @@ fn two_destinations(gpu: &Gpu, d: DType) -> Result<Option<String>, DeviceError> 
                 // SAFETY: five distinct live buffers of `n` elements; every range starts at
                 // element `skip` and ends inside them; `download` waits for the kernel.
                 unsafe {
-                    gpu.copy_pair_at(
+                    Stream::copy_pair(
+                        gpu,
                         at(&x),
                         at(&da),
                         m * es,
@@ -257,7 +260,7 @@ fn two_destinations(gpu: &Gpu, d: DType) -> Result<Option<String>, DeviceError> 
 /// The direct collectives' kernel: three inputs combined in order (every op; `Avg` divided by 3)
 /// into two poisoned outputs and, in place, into the first input; one input copied to two
 /// outputs. Aligned ranges and ranges one element in, bit-exact against the CPU kernels.
-fn gather_check(gpu: &Gpu, d: DType) -> Result<Option<String>, DeviceError> {
+fn gather_check(gpu: &Arc<Gpu>, d: DType) -> Result<Option<String>, DeviceError> {
     let es = d.size();
     for (k, &n) in SIZES.iter().enumerate() {
         let ins: Vec<Vec<u8>> = (0..3)
@@ -280,7 +283,7 @@ fn gather_check(gpu: &Gpu, d: DType) -> Result<Option<String>, DeviceError> {
                 // SAFETY: six live buffers of `n` elements, each range `m` elements from element
                 // `skip`; the one output that equals an input is the same range exactly;
                 // `download` below waits for the kernel.
-                unsafe { gpu.gather_at(d, op, &o_addr, &i_addr, m, ranks)? };
+                unsafe { Stream::gather(gpu, d, op, &o_addr, &i_addr, m, ranks)? };
                 let mut want = ins[0][skip * es..].to_vec();
                 for x in &ins[1..] {
                     cpu::reduce_into(d, op.pairwise(), &mut want, &x[skip * es..])
@@ -306,7 +309,8 @@ fn gather_check(gpu: &Gpu, d: DType) -> Result<Option<String>, DeviceError> {
             let outs = [poisoned(gpu, d, n)?, poisoned(gpu, d, n)?];
             // SAFETY: as above, one input and two outputs.
             unsafe {
-                gpu.gather_at(
+                Stream::gather(
+                    gpu,
                     d,
                     ReduceOp::Sum,
                     &[at(&outs[0]), at(&outs[1])],
@@ -331,7 +335,7 @@ fn gather_check(gpu: &Gpu, d: DType) -> Result<Option<String>, DeviceError> {
 /// Buffers from [`Gpu::alloc`] can be exported over CUDA IPC (the direct collectives open each
 /// other's buffers): the handle, the offset inside the allocation, its size, and a buffer id
 /// that differs between allocations.
-fn share_check(gpu: &Gpu) -> Result<Option<String>, DeviceError> {
+fn share_check(gpu: &Arc<Gpu>) -> Result<Option<String>, DeviceError> {
     let a = gpu.alloc(DType::F32, 1 << 20)?;
     let b = gpu.upload(DType::F32, &[0u8; 4096])?;
     let sa = gpu.share_of(gpu.ptr_of(&a) + 4096)?;
@@ -378,7 +382,7 @@ fn widened(d: DType, bytes: &[u8]) -> Vec<f32> {
     pods::<f32>(&host_cast(d, DType::F32, bytes))
 }
 
-fn float_checks(gpu: &Gpu, d: DType) -> Result<Option<String>, DeviceError> {
+fn float_checks(gpu: &Arc<Gpu>, d: DType) -> Result<Option<String>, DeviceError> {
     for &n in &SIZES {
         let x = random(d, n, 11);
         let mut dx = gpu.upload(d, &x)?;
@@ -412,7 +416,7 @@ fn float_checks(gpu: &Gpu, d: DType) -> Result<Option<String>, DeviceError> {
     Ok(None)
 }
 
-fn adamw_check(gpu: &Gpu, d: DType) -> Result<Option<String>, DeviceError> {
+fn adamw_check(gpu: &Arc<Gpu>, d: DType) -> Result<Option<String>, DeviceError> {
     use half::{bf16, f16};
     let h = AdamW {
         lr: 1e-2,
@@ -506,13 +510,13 @@ fn adamw_check(gpu: &Gpu, d: DType) -> Result<Option<String>, DeviceError> {
 }
 
 /// Bandwidth of each kernel (bytes read + written) next to a device-to-device copy.
-pub fn bench(gpu: &Gpu) -> Result<Vec<Row>, DeviceError> {
+pub fn bench(gpu: &Arc<Gpu>) -> Result<Vec<Row>, DeviceError> {
     let n = 64 << 20; // elements
     let reps = 20;
     let gbs = |bytes: f64, ms: f64| bytes / (ms * 1e-3) / 1e9;
     let src = gpu.alloc(DType::F32, n)?;
     let mut dst = gpu.alloc(DType::F32, n)?;
-    let copy_ms = gpu.time(reps, || gpu.copy(&mut dst, &src))?;
+    let copy_ms = gpu.time(reps, || Gpu::copy(gpu, &mut dst, &src))?;
     let copy = gbs(2.0 * 4.0 * n as f64, copy_ms);
     let mut rows = vec![Row {
         check: "bench d2d copy 256 MiB".into(),
@@ -555,7 +559,7 @@ pub fn bench(gpu: &Gpu) -> Result<Vec<Row>, DeviceError> {
         let ms = gpu.time(reps, || {
             // SAFETY: `2·ranks` distinct live buffers of `m` f32 each, kept until `time`
             // returns, which waits for the kernels.
-            unsafe { gpu.gather_at(DType::F32, ReduceOp::Sum, outs, ins, m, None) }
+            unsafe { Stream::gather(gpu, DType::F32, ReduceOp::Sum, outs, ins, m, None) }
         })?;
         add(
             format!("bench gather sum f32 {ranks}→{ranks}"),

@@ -3,35 +3,22 @@
 //! on [`Gpu`] (`cast`, `sq_norm`, `all_finite`, `adamw`) check their buffers and call these; a
 //! ZeRO engine on device memory calls these on ranges of its buckets.
 
+use std::sync::Arc;
+
 use cudarc::driver::PushKernelArg;
 
 use super::{cu_type, driver, kernel_names, DeviceError, Gpu};
-use crate::device::DevPtr;
+use crate::device::{AdamAt, DevPtr, Stream, TrainStream};
 use crate::DType;
 
-/// The ranges of one AdamW step, `n` elements each: fp32 `master`, `m` and `v`, gradients (and
-/// parameters, if any) in the step's dtype.
-#[derive(Clone, Copy, Debug)]
-pub struct AdamAt {
-    /// fp32 master weights (updated).
-    pub master: DevPtr,
-    /// Parameters in the gradients' dtype, written from the master; `None` where the master is
-    /// the parameters (f32).
-    pub params: Option<DevPtr>,
-    /// Gradients.
-    pub grads: DevPtr,
-    /// First moment (f32, updated).
-    pub m: DevPtr,
-    /// Second moment (f32, updated).
-    pub v: DevPtr,
-}
-
-impl Gpu {
+/// The optimizer's kernels on device addresses, queued on the compute stream like the
+/// collectives' kernels.
+impl TrainStream for Arc<Gpu> {
     /// Queue zeroing `bytes` at `dst`.
     ///
     /// # Safety
     /// The range must be live device memory of this context until the work completes.
-    pub unsafe fn zero_at(&self, dst: DevPtr, bytes: usize) -> Result<(), DeviceError> {
+    unsafe fn zero(&self, dst: DevPtr, bytes: usize) -> Result<(), DeviceError> {
         if bytes == 0 {
             return self.check();
         }
@@ -47,7 +34,7 @@ impl Gpu {
     /// # Safety
     /// `src` and `dst` must be live device-addressable memory of `n` elements of `from` and `to`
     /// until the work completes, and must not overlap.
-    pub unsafe fn cast_at(
+    unsafe fn cast(
         &self,
         from: DType,
         src: DevPtr,
@@ -70,7 +57,7 @@ impl Gpu {
         let mut b = self.stream.launch_builder(&f);
         b.arg(&src).arg(&dst).arg(&n64);
         // SAFETY: the caller guarantees both ranges; grid-stride bounded by `n`.
-        unsafe { b.launch(Self::cfg(n)) }.map_err(driver("launching cast"))?;
+        unsafe { b.launch(Gpu::cfg(n)) }.map_err(driver("launching cast"))?;
         Ok(())
     }
 
@@ -79,7 +66,7 @@ impl Gpu {
     ///
     /// # Safety
     /// `x` must be live device-addressable memory of `n` elements of `dtype`.
-    pub unsafe fn sq_norm_at(
+    unsafe fn sq_norm(
         &self,
         dtype: DType,
         x: DevPtr,
@@ -100,7 +87,7 @@ impl Gpu {
         b.arg(&x).arg(&s).arg(&n64).arg(&mut out);
         // SAFETY: reads `n` elements at `x` (the caller's range); block size is BLOCK = 256, the
         // size of the kernel's shared tree; writes one f64 to `out`, which holds one.
-        unsafe { b.launch(Self::cfg(n)) }.map_err(driver("launching sq_norm"))?;
+        unsafe { b.launch(Gpu::cfg(n)) }.map_err(driver("launching sq_norm"))?;
         let v = self
             .stream
             .clone_dtoh(&out)
@@ -113,12 +100,7 @@ impl Gpu {
     ///
     /// # Safety
     /// `x` must be live device-addressable memory of `n` elements of `dtype`.
-    pub unsafe fn all_finite_at(
-        &self,
-        dtype: DType,
-        x: DevPtr,
-        n: usize,
-    ) -> Result<bool, DeviceError> {
+    unsafe fn all_finite(&self, dtype: DType, x: DevPtr, n: usize) -> Result<bool, DeviceError> {
         self.check()?;
         let f = self.float_kernel("nonfinite", dtype)?;
         if n == 0 {
@@ -132,7 +114,7 @@ impl Gpu {
         let mut b = self.stream.launch_builder(&f);
         b.arg(&x).arg(&n64).arg(&mut flag);
         // SAFETY: reads `n` elements at `x`, writes at most one u32 to `flag`, which holds one.
-        unsafe { b.launch(Self::cfg(n)) }.map_err(driver("launching nonfinite"))?;
+        unsafe { b.launch(Gpu::cfg(n)) }.map_err(driver("launching nonfinite"))?;
         let v = self
             .stream
             .clone_dtoh(&flag)
@@ -146,7 +128,7 @@ impl Gpu {
     /// # Safety
     /// Every range of `at` must be live device-addressable memory of `n` elements of its type
     /// until the work completes, none overlapping another.
-    pub unsafe fn adamw_at(
+    unsafe fn adamw(
         &self,
         h: &crate::cpu::AdamW,
         t: u64,
@@ -181,7 +163,18 @@ impl Gpu {
             .arg(&grad_scale);
         // SAFETY: the caller guarantees every range (`params` is such a range or null, which the
         // kernel tests before writing); grid-stride bounded by `n`.
-        unsafe { b.launch(Self::cfg(n)) }.map_err(driver("launching adamw"))?;
+        unsafe { b.launch(Gpu::cfg(n)) }.map_err(driver("launching adamw"))?;
         Ok(())
+    }
+
+    unsafe fn write(&self, dst: DevPtr, src: &[u8]) -> Result<(), DeviceError> {
+        // The upload goes after the work queued before it.
+        self.mark()?.wait()?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(driver("binding the context"))?;
+        // SAFETY: the caller guarantees the destination; `src` is a live host slice.
+        unsafe { cudarc::driver::result::memcpy_htod_sync(dst, src) }
+            .map_err(driver("copying host to device"))
     }
 }

@@ -52,7 +52,7 @@ pub fn child(name: &str, p: CudaProbe, exe: &std::path::Path) -> ProbeResult {
 }
 
 use ringzero_kernels::device::cuda::{raw, Gpu};
-use ringzero_kernels::device::DeviceError;
+use ringzero_kernels::device::{DeviceError, Stream};
 use ringzero_kernels::DType;
 
 pub mod inventory;
@@ -75,7 +75,7 @@ fn inventory() -> Result<CudaInventory, String> {
     };
     let mut inv = CudaInventory::default();
     for o in 0..n {
-        let name = Gpu::open(o).and_then(|g| g.name()).map_err(e)?;
+        let name = Gpu::open(o).and_then(|g| Gpu::name(&g)).map_err(e)?;
         let uuid = raw::uuid_of(o).map_err(e)?;
         inv.devices.push(CudaDevice {
             ordinal: o,
@@ -167,7 +167,7 @@ fn staging(name: &str, a: usize) -> Result<ProbeResult, String> {
     let dp = g.ptr_of(&dev);
     // SAFETY: both ranges are COPY_BYTES long and live until `time` has waited for the copies.
     let h2d = g
-        .time(3, || unsafe { g.copy_at(dp, hp, COPY_BYTES) })
+        .time(3, || unsafe { Stream::copy(&g, dp, hp, COPY_BYTES) })
         .map_err(e)?;
     let mut seen = vec![0u8; COPY_BYTES];
     g.download(&dev, &mut seen).map_err(e)?;
@@ -177,7 +177,7 @@ fn staging(name: &str, a: usize) -> Result<ProbeResult, String> {
     let dp2 = g.ptr_of(&dev2);
     // SAFETY: as above, device to host.
     let d2h = g
-        .time(3, || unsafe { g.copy_at(hp, dp2, COPY_BYTES) })
+        .time(3, || unsafe { Stream::copy(&g, hp, dp2, COPY_BYTES) })
         .map_err(e)?;
     // Both ways at once, as host staging moves bytes: into `dev` from a second pinned buffer
     // while `dev2` goes out to `host` (checked again below).

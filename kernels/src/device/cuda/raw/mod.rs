@@ -16,7 +16,7 @@
 //! mapped host pointer like local device memory; that is what lets one ring engine drive both
 //! the peer-copy and the host-staging transports.
 //!
-//! Work is queued on the device's compute stream in call order; [`Gpu::mark`] returns a
+//! Work is queued on the device's compute stream in call order; [`Stream::mark`](crate::device::Stream::mark) returns a
 //! [`Marker`] that completes when everything queued before it has.
 
 use std::sync::Arc;

@@ -1,18 +1,15 @@
 //! [`TrainStream`]: the optimizer's work on a [`Stream`]'s memory — casts, the squared norm, the
 //! finiteness check, AdamW and uploads — which a ZeRO engine on device buffers needs beyond the
 //! collectives' copies and reductions. The host stream runs the CPU kernels
-//! (`ringzero_kernels::cpu`), a GPU the NVRTC kernels, which compute the same bits (the norm
+//! ([`crate::cpu`]), a GPU the NVRTC kernels, which compute the same bits (the norm
 //! aside: the GPU sums it in a tree).
 
 use std::any::Any;
 
+use super::{DevPtr, DeviceError, HostStream, Stream};
+use crate::cpu::{self, AdamW, Float};
+use crate::DType;
 use half::{bf16, f16};
-use ringzero_kernels::cpu::{self, AdamW, Float};
-use ringzero_kernels::DType;
-
-use super::stream::{HostStream, Stream};
-use super::DeviceError;
-use crate::transport::device::DevPtr;
 
 /// The ranges of one AdamW step, `n` elements each: fp32 `master`, `m` and `v`; gradients (and
 /// parameters, if any) in the step's dtype.
@@ -82,7 +79,7 @@ pub trait TrainStream: Stream {
     unsafe fn all_finite(&self, dtype: DType, x: DevPtr, n: usize) -> Result<bool, DeviceError>;
 
     /// Queue one AdamW step (`h` at step `t`) on `n` elements, gradients multiplied by
-    /// `grad_scale` first (`ringzero_kernels::cpu::adamw_mixed`'s arithmetic).
+    /// `grad_scale` first (`crate::cpu::adamw_mixed`'s arithmetic).
     ///
     /// # Safety
     /// Every range of `at` must be live memory of this device of `n` elements of its type until
@@ -166,18 +163,6 @@ macro_rules! by_float {
 unsafe fn cast_typed<A: Float, B: Float>(src: DevPtr, dst: DevPtr, n: usize) {
     // SAFETY: forwarded.
     unsafe { cpu::cast(at::<A>(src, n), at_mut::<B>(dst, n)) }
-}
-
-impl HostStream {
-    /// Wait for the work queued so far (it always ends: host jobs only touch memory).
-    fn finish(&self) -> Result<(), DeviceError> {
-        let m = self.mark()?;
-        let mut waiter = crate::transport::wait::Waiter::backoff();
-        while !self.done(&m)? {
-            waiter.idle(std::time::Duration::from_millis(1));
-        }
-        Ok(())
-    }
 }
 
 impl TrainStream for HostStream {
@@ -267,90 +252,6 @@ impl TrainStream for HostStream {
             };
             Ok(())
         }))
-    }
-}
-
-#[cfg(feature = "cuda")]
-mod gpu {
-    use std::sync::Arc;
-
-    use ringzero_kernels::cpu::AdamW;
-    use ringzero_kernels::device::cuda::{optim, Gpu};
-    use ringzero_kernels::DType;
-
-    use super::{AdamAt, TrainStream};
-    use crate::device::stream::Stream;
-    use crate::device::DeviceError;
-    use crate::transport::device::DevPtr;
-
-    impl TrainStream for Arc<Gpu> {
-        unsafe fn zero(&self, dst: DevPtr, bytes: usize) -> Result<(), DeviceError> {
-            // SAFETY: forwarded from the caller's contract.
-            unsafe { self.zero_at(dst, bytes) }
-        }
-
-        unsafe fn write(&self, dst: DevPtr, src: &[u8]) -> Result<(), DeviceError> {
-            // The upload goes after the work queued before it.
-            let m = self.mark()?;
-            while !self.done(&m)? {
-                std::thread::yield_now();
-            }
-            // SAFETY: forwarded from the caller's contract.
-            unsafe { self.write_at(dst, src) }
-        }
-
-        unsafe fn cast(
-            &self,
-            from: DType,
-            src: DevPtr,
-            to: DType,
-            dst: DevPtr,
-            n: usize,
-        ) -> Result<(), DeviceError> {
-            // SAFETY: forwarded from the caller's contract, which is the kernel's.
-            unsafe { self.cast_at(from, src, to, dst, n) }
-        }
-
-        unsafe fn sq_norm(
-            &self,
-            dtype: DType,
-            x: DevPtr,
-            n: usize,
-            s: f32,
-        ) -> Result<f64, DeviceError> {
-            // SAFETY: forwarded from the caller's contract.
-            unsafe { self.sq_norm_at(dtype, x, n, s) }
-        }
-
-        unsafe fn all_finite(
-            &self,
-            dtype: DType,
-            x: DevPtr,
-            n: usize,
-        ) -> Result<bool, DeviceError> {
-            // SAFETY: forwarded from the caller's contract.
-            unsafe { self.all_finite_at(dtype, x, n) }
-        }
-
-        unsafe fn adamw(
-            &self,
-            h: &AdamW,
-            t: u64,
-            dtype: DType,
-            a: AdamAt,
-            n: usize,
-            grad_scale: f32,
-        ) -> Result<(), DeviceError> {
-            let at = optim::AdamAt {
-                master: a.master,
-                params: a.params,
-                grads: a.grads,
-                m: a.m,
-                v: a.v,
-            };
-            // SAFETY: forwarded from the caller's contract, which is the kernel's.
-            unsafe { self.adamw_at(h, t, dtype, at, n, grad_scale) }
-        }
     }
 }
 
