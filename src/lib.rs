@@ -23,10 +23,10 @@
 #![deny(missing_docs)]
 
 pub use ringzero_collectives::{
-    chunk, AbortHandle, AdamAt, Algo, CallState, Collective, Collectives, Communicator, Config,
-    Counters, DType, DeviceAlgo, DeviceComm, DeviceMemory, DeviceP2p, Edge, Element, Error,
-    FlightEntry, FlightRecord, HostStream, InPlace, Input, NonBlocking, P2p, P2pOwned, PeerTraffic,
-    PendingMsg, ReduceOp, Result, Schedule, StagingMode, Stream, TrainStream, TransportKind,
+    chunk, AbortHandle, Algo, CallState, Collective, Collectives, Communicator, Config, Counters,
+    DType, DeviceAlgo, DeviceComm, DeviceMemory, DeviceP2p, Edge, Element, Error, FlightEntry,
+    FlightRecord, HostStream, InPlace, Input, NonBlocking, P2p, P2pOwned, PeerTraffic, PendingMsg,
+    ReduceOp, Result, Schedule, StagingMode, StepAt, Stream, TrainStream, TransportKind,
     TransportPref, WithAlgo, Work, COPY_STAGING_MAX_SHARERS,
 };
 

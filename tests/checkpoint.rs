@@ -8,7 +8,7 @@
 use std::path::{Path, PathBuf};
 
 use half::{bf16, f16};
-use ringzero::kernels::cpu::{cast, AdamW, Float};
+use ringzero::kernels::cpu::{cast, Float, Optimizer};
 use ringzero::{Communicator, TransportPref};
 use ringzero_zero::checkpoint::{self, Checkpoint};
 use ringzero_zero::{Engine, LossScaling, ParamSpec, Precision, ZeroConfig, ZeroError};
@@ -28,9 +28,9 @@ fn cfg(p: Precision, stage: u8, bucket: usize) -> ZeroConfig {
         precision: p,
         bucket_elems: bucket,
         clip_norm: Some(1.0),
-        adamw: AdamW {
+        optimizer: Optimizer {
             lr: 0.05,
-            ..AdamW::default()
+            ..Optimizer::default()
         },
         // fp16: dynamic scaling that starts too high and grows back every two good steps, so
         // steps are skipped now and then and the scaler's state matters on resume.
@@ -140,6 +140,96 @@ fn resume_is_bit_identical_in_every_stage_and_precision() {
         resume_case::<f32>(Precision::Fp32, n, &root);
         resume_case::<bf16>(Precision::Bf16, n, &root);
         resume_case::<f16>(Precision::Fp16, n, &root);
+    }
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+/// A checkpoint holds the optimizer's own states (SGD's momentum buffer, Lion's one moment,
+/// none for plain SGD), resumes bit for bit with the same optimizer at another stage, consolidates them under torch's names, and is refused by an engine with another
+/// optimizer, which changes nothing.
+#[test]
+fn each_optimizer_checkpoints_its_own_states_and_another_optimizer_is_refused() {
+    let root = fresh_dir("ckpt-optimizers");
+    for (tag, h) in [
+        ("sgd-momentum", Optimizer::sgd(0.05, 0.9)),
+        (
+            "lion",
+            Optimizer {
+                weight_decay: 0.1,
+                ..Optimizer::lion(0.01)
+            },
+        ),
+        ("sgd", Optimizer::sgd(0.05, 0.0)),
+    ] {
+        let dir = root.join(tag);
+        let c = |stage| ZeroConfig {
+            optimizer: h,
+            ..cfg(Precision::Bf16, stage, 64)
+        };
+        // The whole run on 2 ranks at stage 2, and its first 3 steps saved.
+        let want = threads(2, &opts(2), |rank, comm| {
+            let comm = comm.unwrap();
+            let mut whole = Engine::<bf16>::new(&comm, &specs(), &init, c(2)).unwrap();
+            run(&mut whole, rank, 0, 3);
+            whole
+                .save_checkpoint(&dir, serde_json::Value::Null)
+                .unwrap();
+            run(&mut whole, rank, 3, 6);
+            state(&mut whole)
+        })
+        .remove(0);
+        let meta: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.join("meta.json")).unwrap()).unwrap();
+        assert_eq!(meta["optimizer"], h.name(), "{tag}");
+        assert_eq!(meta["states"], serde_json::json!(h.states()), "{tag}");
+        // Resumed at other stages (each rank's data follows its rank, so the world size stays;
+        // `a_checkpoint_resharded_and_back_loses_nothing` covers other world sizes).
+        let resumed = |stage: u8| {
+            threads(2, &opts(2), |rank, comm| {
+                let comm = comm.unwrap();
+                let mut e = Engine::<bf16>::new(&comm, &specs(), &other_init, c(stage)).unwrap();
+                e.load_checkpoint(&dir).unwrap();
+                run(&mut e, rank, 3, 6);
+                state(&mut e)
+            })
+            .remove(0)
+        };
+        assert_eq!(resumed(3), want, "{tag}: resumed at stage 3");
+        assert_eq!(resumed(0), want, "{tag}: resumed at stage 0");
+        // Consolidated with its states under torch's names.
+        let out = root.join(format!("{tag}.safetensors"));
+        let r = checkpoint::consolidate(&dir, &out, Precision::Fp32, true).unwrap();
+        assert_eq!(r.tensors, 4 * (1 + h.states().len()), "{tag}");
+        let names: Vec<String> = tensors(&out).into_iter().map(|t| t.0).collect();
+        for s in h.states() {
+            assert!(
+                names.iter().any(|n| n.ends_with(&format!(".{s}"))),
+                "{tag}: {names:?}"
+            );
+        }
+        // Another optimizer is refused on every rank, naming both, and nothing changes.
+        let before = snapshot(&dir);
+        threads(2, &opts(2), |_, comm| {
+            let comm = comm.unwrap();
+            let mut e =
+                Engine::<bf16>::new(&comm, &specs(), &other_init, cfg(Precision::Bf16, 2, 64))
+                    .unwrap();
+            let kept = e.consolidate().unwrap();
+            let m = msg(e.load_checkpoint(&dir));
+            assert!(
+                m.contains(&format!("holds the state of {}", h.name()))
+                    && m.contains("this engine's optimizer is AdamW (exp_avg, exp_avg_sq)")
+                    && m.contains("load it with the optimizer it was saved with"),
+                "{tag}: {m}"
+            );
+            assert_eq!(
+                e.consolidate().unwrap(),
+                kept,
+                "{tag}: the refused load changed the engine"
+            );
+            assert_eq!(e.steps(), 0);
+        });
+        assert_eq!(snapshot(&dir), before, "{tag}: the checkpoint changed");
     }
     std::fs::remove_dir_all(&root).unwrap();
 }

@@ -107,7 +107,7 @@ fn published_deepspeed_configs_are_read_and_train() {
             assert!(last < first, "{name}: loss {first} → {last}");
             if let Some(s) = &cfg.scheduler {
                 for &(k, lr) in &lrs {
-                    assert_eq!(lr, s.at(k, cfg.adamw).lr, "{name}: step {k}");
+                    assert_eq!(lr, s.at(k, cfg.optimizer).lr, "{name}: step {k}");
                 }
             }
         });

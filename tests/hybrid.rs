@@ -291,7 +291,7 @@ fn shard_groups_given_different_configs_are_refused() {
         let world = world.unwrap();
         let (shard, rep) = groups(&world);
         let mut c = cfg_in(Precision::Fp32, 2, None);
-        c.adamw.lr *= (1 + rank / 2) as f32;
+        c.optimizer.lr *= (1 + rank / 2) as f32;
         let Err(e) = Engine::<f32>::new_hybrid(&shard, &rep, &specs(), &init, c) else {
             panic!("rank {rank}: shard groups with different rates were accepted");
         };

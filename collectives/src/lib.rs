@@ -90,7 +90,7 @@ pub use calls::{Collectives, NonBlocking};
 pub use comm::{AbortHandle, Communicator, P2p, P2pOwned, WithAlgo};
 pub use config::{Algo, Config, DeviceAlgo, StagingMode, TransportPref, COPY_STAGING_MAX_SHARERS};
 pub use counters::Counters;
-pub use device::{AdamAt, DeviceComm, DeviceMemory, DeviceP2p, HostStream, Stream, TrainStream};
+pub use device::{DeviceComm, DeviceMemory, DeviceP2p, HostStream, StepAt, Stream, TrainStream};
 pub use error::{Error, Result};
 pub use flight::{CallState, FlightEntry, FlightRecord, PeerTraffic, PendingMsg};
 pub use input::{InPlace, Input};

@@ -47,13 +47,17 @@ fn nvrtc_compiles_every_kernel_for_hopper_and_ampere() {
                 "{arch}: kernel {name} missing from the PTX"
             );
         }
-        // fmad=false: no fused multiply-add may appear in the AdamW kernels (bit parity with the CPU).
-        let adam = &text[text.find(".entry adamw_float(").unwrap()..];
-        let adam = &adam[..adam.find("\n}").unwrap()];
-        assert!(
-            !adam.contains("fma.rn.f32"),
-            "{arch}: adamw_float fuses multiply-adds"
-        );
+        // fmad=false: no fused multiply-add may appear in the optimizer kernels (bit parity
+        // with the CPU).
+        for t in ["float", "f16", "bf16"] {
+            let entry = format!(".entry optim_step_{t}(");
+            let k = &text[text.find(&entry).unwrap()..];
+            let k = &k[..k.find("\n}").unwrap()];
+            assert!(
+                !k.contains("fma.rn.f32"),
+                "{arch}: optim_step_{t} fuses multiply-adds"
+            );
+        }
     }
 }
 

@@ -18,7 +18,7 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 use half::{bf16, f16};
-use ringzero_kernels::cpu::{self, AdamW, Float};
+use ringzero_kernels::cpu::{self, Float, Optimizer, Rule};
 use ringzero_kernels::device::cuda::cu_type;
 use ringzero_kernels::{DType, ReduceOp};
 
@@ -59,7 +59,7 @@ type Cast =
 type Scale = unsafe extern "C" fn(*const c_char, c_uint, c_uint, *mut c_void, f32, u64) -> c_int;
 type Nonfinite =
     unsafe extern "C" fn(*const c_char, c_uint, c_uint, *const c_void, u64, *mut u32) -> c_int;
-type Adamw = unsafe extern "C" fn(
+type OptimStep = unsafe extern "C" fn(
     *const c_char,
     c_uint,
     c_uint,
@@ -69,6 +69,7 @@ type Adamw = unsafe extern "C" fn(
     *mut f32,
     *mut f32,
     u64,
+    c_uint,
     *const f32,
 ) -> c_int;
 type SqNorm =
@@ -550,7 +551,10 @@ fn any_floats<T: Float + bytemuck::Pod>(n: usize, seed: u64) -> Vec<T> {
 
 /// `n` values of `T` in [-2, 2) (see [`values`]).
 fn small_floats<T: Float + bytemuck::Pod>(n: usize, seed: u64) -> Vec<T> {
-    let f: Vec<f32> = bytemuck::cast_slice::<u8, f32>(&values(DType::F32, n, seed)).to_vec();
+    let f: Vec<f32> = values(DType::F32, n, seed)
+        .chunks_exact(4)
+        .map(|b| f32::from_ne_bytes(b.try_into().expect("4 bytes")))
+        .collect();
     let mut out = vec![T::zeroed(); n];
     T::narrow(&f, &mut out);
     out
@@ -584,11 +588,11 @@ fn check_cast(cast: Cast, (k, grid, block): (&str, u32, u32), src: &[u8], want: 
 }
 
 fn float_kernels<T: Float + bytemuck::Pod>(lib: &libloading::Library, name: &str) {
-    let (cast, scale, nonfinite, adamw): (Cast, Scale, Nonfinite, Adamw) = (
+    let (cast, scale, nonfinite, optim_step): (Cast, Scale, Nonfinite, OptimStep) = (
         sym(lib, "emu_cast"),
         sym(lib, "emu_scale"),
         sym(lib, "emu_nonfinite"),
-        sym(lib, "emu_adamw"),
+        sym(lib, "emu_optim_step"),
     );
     let c = |k: &str| CString::new(format!("{k}_{name}")).unwrap();
     let bytes = |x: &[T]| bytemuck::cast_slice::<T, u8>(x).to_vec();
@@ -668,92 +672,134 @@ fn float_kernels<T: Float + bytemuck::Pod>(lib: &libloading::Library, name: &str
                 assert_eq!(flag != 0, poison_last, "nonfinite {what}");
             }
 
-            // One AdamW step, with and without 16-bit parameters written back, on aligned
-            // arrays (four elements at a time) and on arrays one element off (one at a time).
-            let h = AdamW::default();
-            // A constant step: `step_scalars` must give what `adamw_mixed` computes at run time.
-            let t = 3u64;
-            let (bc1, bc2, decay) = h.step_scalars(t);
-            let k = [h.lr, h.beta1, h.beta2, h.eps, decay, bc1, bc2, 0.5f32];
-            for (with_params, off) in [(false, 0), (true, 0), (true, 1), (false, 1)] {
-                let master0: Vec<f32> = small_floats::<f32>(n, n as u64 + 4);
-                let grads = small_floats::<T>(n, n as u64 + 5);
-                let m0: Vec<f32> = small_floats::<f32>(n, n as u64 + 6)
-                    .iter()
-                    .map(|x| x / 16.0)
-                    .collect();
-                let v0: Vec<f32> = small_floats::<f32>(n, n as u64 + 7)
-                    .iter()
-                    .map(|x| x * x / 64.0)
-                    .collect();
-                let (mut master, mut m, mut v) = (master0.clone(), m0.clone(), v0.clone());
-                let mut params = vec![T::zeroed(); n];
-                cpu::adamw_mixed(
-                    &h,
-                    t,
-                    &mut master,
-                    with_params.then_some(&mut params[..]),
-                    &grads,
-                    &mut m,
-                    &mut v,
-                    0.5,
-                );
+            // One step of every rule, with and without 16-bit parameters written back, on
+            // aligned arrays (four elements at a time) and on arrays one element off (one at a
+            // time). The states a rule does not keep are null, as the engine passes them empty.
+            for h in [
+                Optimizer::default(),
+                Optimizer {
+                    weight_decay: 0.05,
+                    ..Optimizer::adam(1e-3)
+                },
+                Optimizer {
+                    weight_decay: 0.1,
+                    ..Optimizer::lion(1e-4)
+                },
+                Optimizer {
+                    weight_decay: 0.01,
+                    ..Optimizer::sgd(0.05, 0.0)
+                },
+                Optimizer {
+                    weight_decay: 0.01,
+                    ..Optimizer::sgd(0.05, 0.9)
+                },
+                Optimizer {
+                    rule: Rule::Sgd { nesterov: true },
+                    ..Optimizer::sgd(0.05, 0.9)
+                },
+            ] {
+                // A constant step: `step_scalars` must give what `step_mixed` computes at run
+                // time.
+                let t = 3u64;
+                let sc = h.step_scalars(t);
+                let k = [
+                    sc.lr, sc.b1, sc.b2, sc.eps, sc.decay, sc.l2, sc.bc1, sc.bc2, 0.5f32,
+                ];
+                let keeps = h.states().len();
+                for (with_params, off) in [(false, 0), (true, 0), (true, 1), (false, 1)] {
+                    let master0: Vec<f32> = small_floats::<f32>(n, n as u64 + 4);
+                    let grads = small_floats::<T>(n, n as u64 + 5);
+                    let len = |k: usize| if keeps >= k { n } else { 0 };
+                    let m0: Vec<f32> = small_floats::<f32>(len(1), n as u64 + 6)
+                        .iter()
+                        .map(|x| x / 16.0)
+                        .collect();
+                    let v0: Vec<f32> = small_floats::<f32>(len(2), n as u64 + 7)
+                        .iter()
+                        .map(|x| x * x / 64.0)
+                        .collect();
+                    let (mut master, mut m, mut v) = (master0.clone(), m0.clone(), v0.clone());
+                    let mut params = vec![T::zeroed(); n];
+                    cpu::step_mixed(
+                        &h,
+                        t,
+                        &mut master,
+                        with_params.then_some(&mut params[..]),
+                        &grads,
+                        &mut m,
+                        &mut v,
+                        0.5,
+                    );
 
-                let f32s = |x: &[f32]| Buf::with(bytemuck::cast_slice(x), 4 * off);
-                let (mut gm, mut gmom, mut gv) = (f32s(&master0), f32s(&m0), f32s(&v0));
-                let t_off = std::mem::size_of::<T>() * off;
-                let mut gp = Buf::new(n * std::mem::size_of::<T>(), t_off);
-                let mut gg = Buf::with(&bytes(&grads), t_off);
-                let pp = if with_params {
-                    gp.ptr().cast()
-                } else {
-                    std::ptr::null_mut()
-                };
-                // SAFETY: every buffer holds n elements of its type; a null `params` is skipped.
-                let rc = unsafe {
-                    adamw(
-                        c("adamw").as_ptr(),
-                        grid,
-                        block,
-                        gm.ptr().cast(),
-                        pp,
-                        gg.ptr().cast(),
-                        gmom.ptr().cast(),
-                        gv.ptr().cast(),
-                        n as u64,
-                        k.as_ptr(),
-                    )
-                };
-                assert_eq!(rc, 0, "adamw_{name}: no such kernel");
-                let w = format!("adamw {what}, params {with_params}, off by {off}");
-                same(gm.bytes(), bytemuck::cast_slice(&master), || {
-                    format!("{w}: master")
-                });
-                same(gmom.bytes(), bytemuck::cast_slice(&m), || format!("{w}: m"));
-                same(gv.bytes(), bytemuck::cast_slice(&v), || format!("{w}: v"));
-                if with_params {
-                    same(gp.bytes(), &bytes(&params), || format!("{w}: params"));
-                } else {
+                    let f32s = |x: &[f32]| Buf::with(bytemuck::cast_slice(x), 4 * off);
+                    let (mut gm, mut gmom, mut gv) = (f32s(&master0), f32s(&m0), f32s(&v0));
+                    let t_off = std::mem::size_of::<T>() * off;
+                    let mut gp = Buf::new(n * std::mem::size_of::<T>(), t_off);
+                    let mut gg = Buf::with(&bytes(&grads), t_off);
+                    let pp = if with_params {
+                        gp.ptr().cast()
+                    } else {
+                        std::ptr::null_mut()
+                    };
+                    let state = |b: &mut Buf, k: usize| {
+                        if keeps >= k {
+                            b.ptr().cast()
+                        } else {
+                            std::ptr::null_mut()
+                        }
+                    };
+                    let (s1, s2) = (state(&mut gmom, 1), state(&mut gv, 2));
+                    // SAFETY: every buffer holds n elements of its type; a null `params` is
+                    // skipped, and a null state is one the rule does not keep.
+                    let rc = unsafe {
+                        optim_step(
+                            c("optim_step").as_ptr(),
+                            grid,
+                            block,
+                            gm.ptr().cast(),
+                            pp,
+                            gg.ptr().cast(),
+                            s1,
+                            s2,
+                            n as u64,
+                            sc.code,
+                            k.as_ptr(),
+                        )
+                    };
+                    assert_eq!(rc, 0, "optim_step_{name}: no such kernel");
+                    let w = format!("{h:?} {what}, params {with_params}, off by {off}");
+                    same(gm.bytes(), bytemuck::cast_slice(&master), || {
+                        format!("{w}: master")
+                    });
+                    same(gmom.bytes(), bytemuck::cast_slice(&m), || {
+                        format!("{w}: s1")
+                    });
+                    same(gv.bytes(), bytemuck::cast_slice(&v), || format!("{w}: s2"));
+                    if with_params {
+                        same(gp.bytes(), &bytes(&params), || format!("{w}: params"));
+                    } else {
+                        assert!(
+                            gp.bytes().iter().all(|&b| b == POISON),
+                            "{w}: params written"
+                        );
+                    }
                     assert!(
-                        gp.bytes().iter().all(|&b| b == POISON),
-                        "{w}: params written"
+                        gm.guards_intact()
+                            && gp.guards_intact()
+                            && gmom.guards_intact()
+                            && gv.guards_intact(),
+                        "{w}: outside"
                     );
                 }
-                assert!(
-                    gm.guards_intact()
-                        && gp.guards_intact()
-                        && gmom.guards_intact()
-                        && gv.guards_intact(),
-                    "{w}: outside"
-                );
             }
         }
     }
 }
 
 #[test]
-fn casts_scale_nonfinite_and_adamw_match_the_cpu_kernels() {
-    let Some(lib) = lib_for("casts_scale_nonfinite_and_adamw_match_the_cpu_kernels") else {
+fn casts_scale_nonfinite_and_every_optimizer_step_match_the_cpu_kernels() {
+    let Some(lib) = lib_for("casts_scale_nonfinite_and_every_optimizer_step_match_the_cpu_kernels")
+    else {
         return;
     };
     float_kernels::<f32>(lib, "float");

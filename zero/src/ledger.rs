@@ -25,7 +25,7 @@ pub(crate) struct Ledger {
     /// Optimizer steps skipped on overflow.
     pub(crate) skipped: u64,
     pub(crate) scaler: LossScaler,
-    /// The rate [`crate::Engine::set_lr`] set, used instead of `cfg.adamw.lr`.
+    /// The rate [`crate::Engine::set_lr`] set, used instead of `cfg.optimizer.lr`.
     pub(crate) lr: Option<f32>,
     /// Per parameter: the index of its group in `cfg.param_groups`, if any (matched once).
     group: Vec<Option<usize>>,
@@ -55,8 +55,8 @@ impl Ledger {
 
     /// The optimizer's hyper-parameters for optimizer step `k` (1-based): the configured ones,
     /// the rate set by `set_lr`, or the schedule's.
-    pub(crate) fn hyper(&self, k: u64) -> ringzero_kernels::cpu::AdamW {
-        let mut h = self.cfg.adamw;
+    pub(crate) fn hyper(&self, k: u64) -> ringzero_kernels::cpu::Optimizer {
+        let mut h = self.cfg.optimizer;
         if let Some(lr) = self.lr {
             h.lr = lr;
         }
@@ -76,15 +76,15 @@ impl Ledger {
         b: usize,
         from: usize,
         len: usize,
-        h: &ringzero_kernels::cpu::AdamW,
-    ) -> Vec<(usize, usize, ringzero_kernels::cpu::AdamW)> {
+        h: &ringzero_kernels::cpu::Optimizer,
+    ) -> Vec<(usize, usize, ringzero_kernels::cpu::Optimizer)> {
         let groups = &self.cfg.param_groups;
         if groups.is_empty() || len == 0 {
             return vec![(0, len, *h)];
         }
         let end = from + len;
         // Each position's settings: the bucket's parameters' slots, padding with `h`.
-        let mut marks: Vec<(usize, usize, ringzero_kernels::cpu::AdamW)> = Vec::new();
+        let mut marks: Vec<(usize, usize, ringzero_kernels::cpu::Optimizer)> = Vec::new();
         for &pi in &self.part.buckets[b].params {
             let slot = &self.part.slots[pi];
             let (lo, hi) = (slot.offset.max(from), (slot.offset + slot.len).min(end));
@@ -95,13 +95,13 @@ impl Ledger {
             marks.push((lo, hi, hp));
         }
         marks.sort_by_key(|m| m.0);
-        let mut out: Vec<(usize, usize, ringzero_kernels::cpu::AdamW)> = Vec::new();
+        let mut out: Vec<(usize, usize, ringzero_kernels::cpu::Optimizer)> = Vec::new();
         let mut at = from;
-        let mut push = |lo: usize, hi: usize, hp: ringzero_kernels::cpu::AdamW| match out.last_mut()
-        {
-            Some(last) if last.2 == hp && from + last.0 + last.1 == lo => last.1 += hi - lo,
-            _ => out.push((lo - from, hi - lo, hp)),
-        };
+        let mut push =
+            |lo: usize, hi: usize, hp: ringzero_kernels::cpu::Optimizer| match out.last_mut() {
+                Some(last) if last.2 == hp && from + last.0 + last.1 == lo => last.1 += hi - lo,
+                _ => out.push((lo - from, hi - lo, hp)),
+            };
         for (lo, hi, hp) in marks {
             if at < lo {
                 push(at, lo, *h);

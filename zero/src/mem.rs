@@ -23,6 +23,13 @@
 /// Optimizer bytes per parameter for mixed-precision Adam.
 pub const K_ADAM: f64 = 12.0;
 
+/// Optimizer bytes per parameter for `o` in mixed precision: the fp32 master and 4 bytes per
+/// state it keeps (Adam 12, Lion 8, SGD with momentum 8, plain SGD 4). In fp32 training the
+/// parameters are their own master: subtract 4.
+pub fn k_for(o: &ringzero_kernels::cpu::Optimizer) -> f64 {
+    4.0 * (1 + o.states().len()) as f64
+}
+
 /// Model-state bytes per rank by category.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ModelStates {

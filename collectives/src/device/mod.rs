@@ -28,7 +28,7 @@ mod setup;
 pub use comm::DeviceComm;
 pub use pairs::DeviceP2p;
 pub use ringzero_kernels::device::{
-    AdamAt, CopyLane, DeviceError, Exported, HostStream, ShareRecord, Stream, TrainStream,
+    CopyLane, DeviceError, Exported, HostStream, ShareRecord, StepAt, Stream, TrainStream,
 };
 
 use ringzero_kernels::{DType, Element, ReduceOp};

@@ -8,7 +8,7 @@
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
-use super::adamw::{adamw_step, AdamW};
+use super::optim::{optim_step, Optimizer};
 use super::HALF_BLOCK;
 use crate::Element;
 
@@ -108,44 +108,45 @@ pub fn all_finite<T: Float>(x: &[T]) -> bool {
     ok
 }
 
-/// One AdamW step on an fp32 `master` copy and fp32 moments from gradients kept in `T`
-/// (multiplied by `grad_scale` first); then, unless `T` is `f32` and `params` is absent, the
-/// updated master rounded into the `T` parameters. Element-wise, so a shard computes what the
-/// whole would.
+/// One optimizer step ([`optim_step`]) on an fp32 `master` copy and fp32 states from gradients
+/// kept in `T` (multiplied by `grad_scale` first); then, unless `T` is `f32` and `params` is
+/// absent, the updated master rounded into the `T` parameters. Element-wise, so a shard computes
+/// what the whole would. A state the rule does not keep is an empty slice.
 ///
 /// # Panics
-/// If the slices differ in length.
+/// If the slices' lengths do not fit (see [`optim_step`]).
 // A kernel's argument list (the CUDA version takes the same); a struct would only rename it.
 #[allow(clippy::too_many_arguments)]
-pub fn adamw_mixed<T: Float>(
-    h: &AdamW,
+pub fn step_mixed<T: Float>(
+    h: &Optimizer,
     t: u64,
     master: &mut [f32],
     params: Option<&mut [T]>,
     grads: &[T],
-    m: &mut [f32],
-    v: &mut [f32],
+    s1: &mut [f32],
+    s2: &mut [f32],
     grad_scale: f32,
 ) {
     let n = master.len();
-    assert!(
-        grads.len() == n && m.len() == n && v.len() == n,
-        "adamw_mixed: slice lengths differ"
-    );
+    assert_eq!(grads.len(), n, "step_mixed: gradient length differs");
+    // A state the rule keeps is as long as the master; one it does not keep stays empty.
+    let (k1, k2) = (!s1.is_empty(), !s2.is_empty());
     widened(grads, |off, g| {
         let r = off..off + g.len();
-        adamw_step(
+        let r1 = if k1 { r.clone() } else { 0..0 };
+        let r2 = if k2 { r.clone() } else { 0..0 };
+        optim_step(
             h,
             t,
-            &mut master[r.clone()],
+            &mut master[r],
             g,
-            &mut m[r.clone()],
-            &mut v[r],
+            &mut s1[r1],
+            &mut s2[r2],
             grad_scale,
         );
     });
     if let Some(p) = params {
-        assert_eq!(p.len(), n, "adamw_mixed: parameter length differs");
+        assert_eq!(p.len(), n, "step_mixed: parameter length differs");
         T::narrow(master, p);
     }
 }
@@ -192,8 +193,8 @@ mod tests {
     }
 
     #[test]
-    fn mixed_adamw_equals_the_fp32_step_on_widened_gradients() {
-        let h = AdamW::default();
+    fn a_mixed_step_equals_the_fp32_step_on_widened_gradients() {
+        let h = Optimizer::default();
         let n = 600;
         let g16: Vec<bf16> = (0..n).map(|i| bf16::from_f32((i as f32).cos())).collect();
         let g32: Vec<f32> = g16.iter().map(|g| g.to_f32()).collect();
@@ -202,8 +203,8 @@ mod tests {
         let (mut m, mut v, mut m2, mut v2) =
             (vec![0.0; n], vec![0.0; n], vec![0.0; n], vec![0.0; n]);
         let mut p = vec![bf16::ZERO; n];
-        adamw_mixed(&h, 1, &mut master, Some(&mut p), &g16, &mut m, &mut v, 0.25);
-        adamw_step(&h, 1, &mut master2, &g32, &mut m2, &mut v2, 0.25);
+        step_mixed(&h, 1, &mut master, Some(&mut p), &g16, &mut m, &mut v, 0.25);
+        optim_step(&h, 1, &mut master2, &g32, &mut m2, &mut v2, 0.25);
         assert_eq!(master, master2);
         assert_eq!(m, m2);
         for (a, b) in p.iter().zip(&master) {

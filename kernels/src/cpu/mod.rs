@@ -7,13 +7,13 @@
 //!
 //! These are real code paths, not test doubles: the host is a supported device.
 
-mod adamw;
 mod float;
+mod optim;
 mod reduce;
 mod stream;
 
-pub use adamw::{adamw_step, AdamW};
-pub use float::{adamw_mixed, all_finite, cast, scale, sq_norm, Float};
+pub use float::{all_finite, cast, scale, sq_norm, step_mixed, Float};
+pub use optim::{optim_step, Optimizer, Rule, StepScalars};
 
 pub use stream::{copy_streaming, stream_fence};
 

@@ -372,47 +372,71 @@ CAST(float, bf16)
 CAST(f16, float)
 CAST(bf16, float)
 
-// AdamW's per-step scalars, as the launch passes them.
-struct AdamwScalars { float lr, b1, b2, eps, decay, bc1, bc2, grad_scale; };
+// An optimizer step's scalars, as the launch passes them (`cpu::StepScalars`, and the scale).
+struct StepScalars { float lr, b1, b2, eps, decay, l2, bc1, bc2, grad_scale; };
 
-// One element's AdamW step, in the CPU kernel's operation order (fmad off: the same bits).
-template <typename T>
-__device__ __forceinline__ void adamw_one(float &p, float &mi, float &vi, T grad,
-                                          const AdamwScalars &k) {
+// sign(c): 1, -1, or 0 for zero and NaN (as the CPU kernel).
+__device__ __forceinline__ float sign_of(float c) {
+    return c > 0.0f ? 1.0f : (c < 0.0f ? -1.0f : 0.0f);
+}
+
+// One element's step of rule R (`StepScalars::code`: 0 AdamW, 1 Adam, 2 Lion, 3 SGD, 4 SGD with
+// momentum, 5 Nesterov), in the CPU kernel's operation order (fmad off: the same bits).
+template <int R, typename T>
+__device__ __forceinline__ void step_one(float &p, float &s1, float &s2, T grad,
+                                         const StepScalars &k) {
     float g = Num<T>::up(grad) * k.grad_scale;
-    mi = k.b1 * mi + (1.0f - k.b1) * g;
-    vi = k.b2 * vi + (1.0f - k.b2) * g * g;
-    float update = (mi / k.bc1) / (sqrtf(vi / k.bc2) + k.eps);
-    p = p * k.decay - k.lr * update;
+    if (R == 0 || R == 1) {
+        if (k.l2 != 0.0f) g = g + k.l2 * p;
+        s1 = k.b1 * s1 + (1.0f - k.b1) * g;
+        s2 = k.b2 * s2 + (1.0f - k.b2) * g * g;
+        float update = (s1 / k.bc1) / (sqrtf(s2 / k.bc2) + k.eps);
+        p = p * k.decay - k.lr * update;
+    } else if (R == 2) {
+        float c = k.b1 * s1 + (1.0f - k.b1) * g;
+        p = p * k.decay - k.lr * sign_of(c);
+        s1 = k.b2 * s1 + (1.0f - k.b2) * g;
+    } else if (R == 3) {
+        if (k.l2 != 0.0f) g = g + k.l2 * p;
+        p = p - k.lr * g;
+    } else {
+        if (k.l2 != 0.0f) g = g + k.l2 * p;
+        s1 = k.b1 * s1 + g;
+        float d = R == 5 ? g + k.b1 * s1 : s1;
+        p = p - k.lr * d;
+    }
 }
 
 // Four consecutive elements of T, loaded and stored as one access.
 template <typename T> struct alignas(4 * sizeof(T)) Quad { T e[4]; };
 
-// AdamW over n elements. When every array is aligned to four of its elements (allocations are;
-// a shard's range may not be), each thread takes four at a time: 16-byte loads of the master and
-// moments, 8 bytes of 16-bit gradients. One element per thread and iteration kept too few bytes
-// in flight for HBM3e (the first H200 run: bf16 at 78 % of a copy against 88 % on an H100). The
-// tail and unaligned ranges go one element at a time.
-template <typename T>
-__device__ __forceinline__ void adamw_body(float *master, T *params, const T *grads, float *m,
-                                           float *v, u64 n, const AdamwScalars &k) {
+// Rule R over n elements; the states it keeps (`S1`, `S2`) are read and written, the others never
+// touched (their pointers may be null). When every array is aligned to four of its elements
+// (allocations are; a shard's range may not be), each thread takes four at a time: 16-byte loads
+// of the master and states, 8 bytes of 16-bit gradients. One element per thread and iteration kept
+// too few bytes in flight for HBM3e (the first H200 run: bf16 at 78 % of a copy against 88 % on
+// an H100). The tail and unaligned ranges go one element at a time.
+template <int R, typename T>
+__device__ __forceinline__ void step_body(float *master, T *params, const T *grads, float *s1,
+                                          float *s2, u64 n, const StepScalars &k) {
+    const bool S1 = R != 3, S2 = R <= 1;
     const u64 first = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     const u64 stride = (u64)gridDim.x * blockDim.x;
     const u64 wide = 4 * sizeof(float) - 1, narrow = 4 * sizeof(T) - 1;
+    const u64 states = (S1 ? (u64)s1 : 0) | (S2 ? (u64)s2 : 0);
     u64 done = 0;
-    if ((((u64)master | (u64)m | (u64)v) & wide) == 0 &&
-        (((u64)grads | (u64)params) & narrow) == 0) {
+    if ((((u64)master | states) & wide) == 0 && (((u64)grads | (u64)params) & narrow) == 0) {
         const u64 quads = n / 4;
         for (u64 q = first; q < quads; q += stride) {
             Quad<float> p = ((const Quad<float> *)master)[q];
-            Quad<float> mi = ((const Quad<float> *)m)[q];
-            Quad<float> vi = ((const Quad<float> *)v)[q];
+            Quad<float> a = {{0.0f, 0.0f, 0.0f, 0.0f}}, b = {{0.0f, 0.0f, 0.0f, 0.0f}};
+            if (S1) a = ((const Quad<float> *)s1)[q];
+            if (S2) b = ((const Quad<float> *)s2)[q];
             Quad<T> g = ((const Quad<T> *)grads)[q];
 #pragma unroll
-            for (int e = 0; e < 4; ++e) adamw_one<T>(p.e[e], mi.e[e], vi.e[e], g.e[e], k);
-            ((Quad<float> *)m)[q] = mi;
-            ((Quad<float> *)v)[q] = vi;
+            for (int e = 0; e < 4; ++e) step_one<R, T>(p.e[e], a.e[e], b.e[e], g.e[e], k);
+            if (S1) ((Quad<float> *)s1)[q] = a;
+            if (S2) ((Quad<float> *)s2)[q] = b;
             ((Quad<float> *)master)[q] = p;
             if (params) {
                 Quad<T> out;
@@ -424,10 +448,10 @@ __device__ __forceinline__ void adamw_body(float *master, T *params, const T *gr
         done = quads * 4;
     }
     for (u64 i = done + first; i < n; i += stride) {
-        float p = master[i], mi = m[i], vi = v[i];
-        adamw_one<T>(p, mi, vi, grads[i], k);
-        m[i] = mi;
-        v[i] = vi;
+        float p = master[i], a = S1 ? s1[i] : 0.0f, b = S2 ? s2[i] : 0.0f;
+        step_one<R, T>(p, a, b, grads[i], k);
+        if (S1) s1[i] = a;
+        if (S2) s2[i] = b;
         master[i] = p;
         if (params) params[i] = Num<T>::down(p);
     }
@@ -460,14 +484,22 @@ __device__ __forceinline__ void adamw_body(float *master, T *params, const T *gr
             if (!isfinite(v)) { *flag = 1u; }                                                    \
         }                                                                                        \
     }                                                                                            \
-    /* AdamW on fp32 master and moments from T gradients; 16-bit params written from the master \
-       (params may be null). Same operation order as the CPU kernel. */                          \
-    extern "C" __global__ void adamw_##T(float *master, T *params, const T *grads, float *m,    \
-                                         float *v, u64 n, float lr, float b1, float b2,         \
-                                         float eps, float decay, float bc1, float bc2,          \
-                                         float grad_scale) {                                     \
-        const AdamwScalars k = {lr, b1, b2, eps, decay, bc1, bc2, grad_scale};                  \
-        adamw_body<T>(master, params, grads, m, v, n, k);                                        \
+    /* One optimizer step on fp32 master and states from T gradients; 16-bit params written   \
+       from the master (params may be null). Same operation order as the CPU kernel. */         \
+    extern "C" __global__ void optim_step_##T(float *master, T *params, const T *grads,         \
+                                              float *s1, float *s2, u64 n, u32 rule, float lr,  \
+                                              float b1, float b2, float eps, float decay,       \
+                                              float l2, float bc1, float bc2,                   \
+                                              float grad_scale) {                                \
+        const StepScalars k = {lr, b1, b2, eps, decay, l2, bc1, bc2, grad_scale};              \
+        switch (rule) {                                                                          \
+        case 0: step_body<0, T>(master, params, grads, s1, s2, n, k); break;                     \
+        case 1: step_body<1, T>(master, params, grads, s1, s2, n, k); break;                     \
+        case 2: step_body<2, T>(master, params, grads, s1, s2, n, k); break;                     \
+        case 3: step_body<3, T>(master, params, grads, s1, s2, n, k); break;                     \
+        case 4: step_body<4, T>(master, params, grads, s1, s2, n, k); break;                     \
+        default: step_body<5, T>(master, params, grads, s1, s2, n, k); break;                    \
+        }                                                                                        \
     }
 
 FLOAT_KERNELS(float)

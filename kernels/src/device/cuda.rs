@@ -17,7 +17,7 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::{CompileOptions, Ptx};
 
-use super::{AdamAt, DeviceError, TrainStream};
+use super::{DeviceError, StepAt, TrainStream};
 use crate::{DType, ReduceOp};
 
 mod optim;
@@ -117,7 +117,7 @@ pub fn kernel_names() -> Vec<String> {
     v.push("copy2".to_string());
     v.push("copy_pair".to_string());
     for t in floats {
-        for k in ["scale", "sq_norm", "nonfinite", "adamw"] {
+        for k in ["scale", "sq_norm", "nonfinite", "optim_step"] {
             v.push(format!("{k}_{t}"));
         }
     }
@@ -486,71 +486,82 @@ impl Gpu {
         unsafe { TrainStream::all_finite(self, x.dtype, self.ptr_of(x), x.len) }
     }
 
-    /// One fused AdamW step: fp32 `master`, `m`, `v`; gradients in `grads`' dtype; `params` (same
+    /// One fused optimizer step: fp32 `master` and the states `h`'s rule keeps
+    /// ([`crate::cpu::Optimizer::states`], in order); gradients in `grads`' dtype; `params` (same
     /// dtype as the gradients) written from the master when given.
-    pub fn adamw(
+    pub fn optim_step(
         self: &Arc<Self>,
-        h: &crate::cpu::AdamW,
+        h: &crate::cpu::Optimizer,
         t: u64,
-        state: AdamState<'_>,
+        state: StepState<'_>,
         grad_scale: f32,
     ) -> Result<(), DeviceError> {
         self.check()?;
-        let AdamState {
+        let StepState {
             master,
             params,
             grads,
-            m,
-            v,
+            states,
         } = state;
         let n = master.len;
-        for (what, b) in [("m", &*m), ("v", &*v)] {
+        let names = h.states();
+        if states.len() != names.len() {
+            return Err(DeviceError::Invalid(format!(
+                "optim_step: {} keeps {} state{} ({}), {} given",
+                h.name(),
+                names.len(),
+                if names.len() == 1 { "" } else { "s" },
+                names.join(", "),
+                states.len()
+            )));
+        }
+        for (what, b) in names.iter().zip(states.iter()) {
             if b.dtype != DType::F32 || b.len != n {
                 return Err(DeviceError::Invalid(format!(
-                    "adamw: {what} must be {n} f32 elements, is {} {}",
+                    "optim_step: {what} must be {n} f32 elements, is {} {}",
                     b.len, b.dtype
                 )));
             }
         }
         if master.dtype != DType::F32 || grads.len != n {
             return Err(DeviceError::Invalid(format!(
-                "adamw: master ({} {}) and gradients ({} {}) must be {n} elements, master f32",
+                "optim_step: master ({} {}) and gradients ({} {}) must be {n} elements, master f32",
                 master.len, master.dtype, grads.len, grads.dtype
             )));
         }
         if let Some(p) = &params {
             if p.dtype != grads.dtype || p.len != n {
                 return Err(DeviceError::Invalid(format!(
-                    "adamw: params ({} {}) must match the gradients ({n} {})",
+                    "optim_step: params ({} {}) must match the gradients ({n} {})",
                     p.len, p.dtype, grads.dtype
                 )));
             }
         }
-        let at = AdamAt {
+        let state_at = |k: usize| states.get(k).map_or(0, |b| self.ptr_of(b));
+        let at = StepAt {
             master: self.ptr_of(master),
             params: params.map(|p| self.ptr_of(p)),
             grads: self.ptr_of(grads),
-            m: self.ptr_of(m),
-            v: self.ptr_of(v),
+            s1: state_at(0),
+            s2: state_at(1),
         };
         // SAFETY: every buffer holds `n` elements of the type the kernel expects (checked above)
-        // and they are distinct (all but `grads` are borrowed mutably).
-        unsafe { TrainStream::adamw(self, h, t, grads.dtype, at, n, grad_scale) }
+        // and they are distinct (all but `grads` are borrowed mutably); the rule reads only the
+        // states it keeps, which are given.
+        unsafe { TrainStream::optim_step(self, h, t, grads.dtype, at, n, grad_scale) }
     }
 }
 
-/// The buffers of one AdamW step.
-pub struct AdamState<'a> {
+/// The buffers of one optimizer step.
+pub struct StepState<'a> {
     /// fp32 master weights.
     pub master: &'a mut DeviceBuffer,
     /// 16-bit parameters written from the master, if any.
     pub params: Option<&'a mut DeviceBuffer>,
     /// Gradients (f32, f16 or bf16).
     pub grads: &'a DeviceBuffer,
-    /// First moment (f32).
-    pub m: &'a mut DeviceBuffer,
-    /// Second moment (f32).
-    pub v: &'a mut DeviceBuffer,
+    /// The fp32 states the rule keeps, in [`crate::cpu::Optimizer::states`]' order.
+    pub states: Vec<&'a mut DeviceBuffer>,
 }
 
 fn same(a: &DeviceBuffer, b: &DeviceBuffer, what: &str) -> Result<(), DeviceError> {

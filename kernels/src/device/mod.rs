@@ -10,7 +10,7 @@ mod train;
 
 pub use host_stream::HostStream;
 pub use stream::{Exported, ShareRecord, Stream};
-pub use train::{AdamAt, TrainStream};
+pub use train::{StepAt, TrainStream};
 
 /// The largest frame payload a GPU's ring edges use when the configuration names none
 /// (`RINGZERO_DEVICE_SLICE_BYTES`; [`Stream::slice_bytes`]). Every slice costs a kernel launch,

@@ -1,5 +1,5 @@
 //! [`TrainStream`]: the optimizer's work on a [`Stream`]'s memory — casts, the squared norm, the
-//! finiteness check, AdamW and uploads — which a ZeRO engine on device buffers needs beyond the
+//! finiteness check, the optimizers' steps and uploads — which a ZeRO engine on device buffers needs beyond the
 //! collectives' copies and reductions. The host stream runs the CPU kernels
 //! ([`crate::cpu`]), a GPU the NVRTC kernels, which compute the same bits (the norm
 //! aside: the GPU sums it in a tree).
@@ -7,14 +7,14 @@
 use std::any::Any;
 
 use super::{DevPtr, DeviceError, HostStream, Stream};
-use crate::cpu::{self, AdamW, Float};
+use crate::cpu::{self, Float, Optimizer};
 use crate::DType;
 use half::{bf16, f16};
 
-/// The ranges of one AdamW step, `n` elements each: fp32 `master`, `m` and `v`; gradients (and
+/// The ranges of one optimizer step, `n` elements each: fp32 `master` and states; gradients (and
 /// parameters, if any) in the step's dtype.
 #[derive(Clone, Copy, Debug)]
-pub struct AdamAt {
+pub struct StepAt {
     /// fp32 master weights (updated).
     pub master: DevPtr,
     /// Parameters in the gradients' dtype, written from the master; `None` where the master is
@@ -22,10 +22,11 @@ pub struct AdamAt {
     pub params: Option<DevPtr>,
     /// Gradients.
     pub grads: DevPtr,
-    /// First moment (f32, updated).
-    pub m: DevPtr,
-    /// Second moment (f32, updated).
-    pub v: DevPtr,
+    /// The first state (f32, updated): Adam's and Lion's `exp_avg`, SGD's momentum buffer;
+    /// ignored where the rule keeps none ([`Optimizer::states`]).
+    pub s1: DevPtr,
+    /// The second state (f32, updated): Adam's `exp_avg_sq`; ignored by the other rules.
+    pub s2: DevPtr,
 }
 
 /// The optimizer's work on a stream's memory (see the module docs). Queued work runs in stream
@@ -78,18 +79,18 @@ pub trait TrainStream: Stream {
     /// As for [`TrainStream::sq_norm`].
     unsafe fn all_finite(&self, dtype: DType, x: DevPtr, n: usize) -> Result<bool, DeviceError>;
 
-    /// Queue one AdamW step (`h` at step `t`) on `n` elements, gradients multiplied by
-    /// `grad_scale` first (`crate::cpu::adamw_mixed`'s arithmetic).
+    /// Queue one optimizer step (`h` at step `t`) on `n` elements, gradients multiplied by
+    /// `grad_scale` first ([`crate::cpu::step_mixed`]'s arithmetic).
     ///
     /// # Safety
     /// Every range of `at` must be live memory of this device of `n` elements of its type until
     /// the work completes, none overlapping another.
-    unsafe fn adamw(
+    unsafe fn optim_step(
         &self,
-        h: &AdamW,
+        h: &Optimizer,
         t: u64,
         dtype: DType,
-        at: AdamAt,
+        at: StepAt,
         n: usize,
         grad_scale: f32,
     ) -> Result<(), DeviceError>;
@@ -219,34 +220,41 @@ impl TrainStream for HostStream {
         by_float!(dtype, "all_finite", T => Ok(cpu::all_finite(unsafe { at::<T>(x, n) })))
     }
 
-    unsafe fn adamw(
+    unsafe fn optim_step(
         &self,
-        h: &AdamW,
+        h: &Optimizer,
         t: u64,
         dtype: DType,
-        a: AdamAt,
+        a: StepAt,
         n: usize,
         grad_scale: f32,
     ) -> Result<(), DeviceError> {
-        for (x, d) in [(a.master, DType::F32), (a.grads, dtype), (a.m, DType::F32)] {
-            aligned(x, d, "adamw")?;
+        let keeps = h.states().len();
+        let what = "optim_step";
+        for (x, d) in [(a.master, DType::F32), (a.grads, dtype)] {
+            aligned(x, d, what)?;
         }
-        aligned(a.v, DType::F32, "adamw")?;
+        for s in [a.s1, a.s2].into_iter().take(keeps) {
+            aligned(s, DType::F32, what)?;
+        }
         if let Some(p) = a.params {
-            aligned(p, dtype, "adamw")?;
+            aligned(p, dtype, what)?;
         }
         let h = *h;
-        by_float!(dtype, "adamw", T => self.push_job(move || {
-            // SAFETY: the caller keeps every range live and apart until this job has run.
+        // A state the rule does not keep is an empty slice (its address is not read).
+        let len = move |k: usize| if keeps >= k { n } else { 0 };
+        by_float!(dtype, what, T => self.push_job(move || {
+            // SAFETY: the caller keeps every range live and apart until this job has run; the
+            // states the rule does not keep are empty.
             unsafe {
-                cpu::adamw_mixed::<T>(
+                cpu::step_mixed::<T>(
                     &h,
                     t,
                     at_mut(a.master, n),
                     a.params.map(|p| at_mut(p, n)),
                     at(a.grads, n),
-                    at_mut(a.m, n),
-                    at_mut(a.v, n),
+                    at_mut(a.s1, len(1)),
+                    at_mut(a.s2, len(2)),
                     grad_scale,
                 )
             };
@@ -299,38 +307,54 @@ mod tests {
             b[17] = bf16::INFINITY;
             assert!(!s.all_finite(DType::BF16, addr(&b), b.len()).unwrap());
         }
-        // AdamW on 16-bit parameters with an fp32 master, against the CPU kernel.
-        let h = AdamW::default();
-        let n = 333;
-        let grads: Vec<f16> = (0..n)
-            .map(|i| f16::from_f32(i as f32 * 0.01 - 1.0))
-            .collect();
-        let (mut master, mut m, mut v) = (vec![0.5f32; n], vec![0.1f32; n], vec![0.2f32; n]);
-        let mut params = vec![f16::ZERO; n];
-        let (mut w_master, mut w_m, mut w_v) = (master.clone(), m.clone(), v.clone());
-        let mut w_params = params.clone();
-        let at = AdamAt {
-            master: addr_mut(&mut master),
-            params: Some(addr_mut(&mut params)),
-            grads: addr(&grads),
-            m: addr_mut(&mut m),
-            v: addr_mut(&mut v),
-        };
-        // SAFETY: as above.
-        unsafe { s.adamw(&h, 3, DType::F16, at, n, 0.25) }.unwrap();
-        s.finish().unwrap();
-        cpu::adamw_mixed(
-            &h,
-            3,
-            &mut w_master,
-            Some(&mut w_params),
-            &grads,
-            &mut w_m,
-            &mut w_v,
-            0.25,
-        );
-        assert_eq!((&master, &params), (&w_master, &w_params));
-        assert_eq!((&m, &v), (&w_m, &w_v));
+        // Every rule on 16-bit parameters with an fp32 master, against the CPU kernel.
+        for h in [
+            Optimizer::default(),
+            Optimizer::adam(1e-3),
+            Optimizer::lion(1e-4),
+            Optimizer::sgd(0.1, 0.9),
+            Optimizer::sgd(0.1, 0.0),
+        ] {
+            let n = 333;
+            let grads: Vec<f16> = (0..n)
+                .map(|i| f16::from_f32(i as f32 * 0.01 - 1.0))
+                .collect();
+            let (mut master, mut m, mut v) = (vec![0.5f32; n], vec![0.1f32; n], vec![0.2f32; n]);
+            let mut params = vec![f16::ZERO; n];
+            let (mut w_master, mut w_m, mut w_v) = (master.clone(), m.clone(), v.clone());
+            let mut w_params = params.clone();
+            let keeps = h.states().len();
+            let at = StepAt {
+                master: addr_mut(&mut master),
+                params: Some(addr_mut(&mut params)),
+                grads: addr(&grads),
+                s1: addr_mut(&mut m),
+                s2: addr_mut(&mut v),
+            };
+            // SAFETY: as above.
+            unsafe { s.optim_step(&h, 3, DType::F16, at, n, 0.25) }.unwrap();
+            s.finish().unwrap();
+            let (k1, k2) = (
+                if keeps >= 1 { n } else { 0 },
+                if keeps >= 2 { n } else { 0 },
+            );
+            cpu::step_mixed(
+                &h,
+                3,
+                &mut w_master,
+                Some(&mut w_params),
+                &grads,
+                &mut w_m[..k1],
+                &mut w_v[..k2],
+                0.25,
+            );
+            assert_eq!((&master, &params), (&w_master, &w_params), "{h:?}");
+            assert_eq!(
+                (&m, &v),
+                (&w_m, &w_v),
+                "{h:?}: a state it does not keep is untouched"
+            );
+        }
         // An upload lands after the work queued before it; a zeroing is queued.
         let mut dst = vec![0u8; 8];
         // SAFETY: `dst` is live and used by no queued work.

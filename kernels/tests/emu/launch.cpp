@@ -207,14 +207,15 @@ int emu_nonfinite(const char *name, unsigned grid, unsigned block, const void *x
     return -1;
 }
 
-// AdamW's scalars in the kernel's order: lr, b1, b2, eps, decay, bc1, bc2, grad_scale.
-int emu_adamw(const char *name, unsigned grid, unsigned block, float *master, void *params,
-              const void *grads, float *m, float *v, u64 n, const float *k) {
+// An optimizer step: `rule` is `StepScalars::code`; `k` holds lr, b1, b2, eps, decay, l2, bc1,
+// bc2, grad_scale in the kernel's order.
+int emu_optim_step(const char *name, unsigned grid, unsigned block, float *master, void *params,
+                   const void *grads, float *s1, float *s2, u64 n, unsigned rule, const float *k) {
 #define TRY(T)                                                                                   \
-    if (!strcmp(name, "adamw_" #T)) {                                                            \
+    if (!strcmp(name, "optim_step_" #T)) {                                                       \
         launch(grid, block, [&] {                                                                \
-            adamw_##T(master, (T *)params, (const T *)grads, m, v, n, k[0], k[1], k[2], k[3],     \
-                      k[4], k[5], k[6], k[7]);                                                   \
+            optim_step_##T(master, (T *)params, (const T *)grads, s1, s2, n, rule, k[0], k[1],    \
+                           k[2], k[3], k[4], k[5], k[6], k[7], k[8]);                            \
         });                                                                                      \
         return 0;                                                                                \
     }

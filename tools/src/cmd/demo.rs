@@ -155,7 +155,7 @@ fn setup(d: &DemoCli) -> anyhow::Result<(Mlp, ZeroConfig)> {
                 .prefetch_elems(2 * layer_elems)
                 .overlap_comm(d.overlap_comm)
                 .shard_size(d.shard_size)
-                .adamw(ringzero_kernels::cpu::AdamW {
+                .optimizer(ringzero_kernels::cpu::Optimizer {
                     lr: d.lr.unwrap_or(3e-3),
                     weight_decay: 0.0,
                     ..Default::default()

@@ -16,13 +16,45 @@ pub(crate) struct MemCli {
     /// One stage (0-3); all stages when omitted.
     #[arg(long)]
     pub(crate) stage: Option<u8>,
-    /// Optimizer bytes per parameter (12 for mixed-precision Adam).
-    #[arg(long, default_value_t = ringzero_zero::mem::K_ADAM)]
-    pub(crate) k: f64,
+    /// Optimizer bytes per parameter; default: what --optimizer keeps in mixed precision.
+    #[arg(long)]
+    pub(crate) k: Option<f64>,
+    /// The optimizer whose states K counts (fp32 master + 4 bytes per state): adam and adamw
+    /// 12, lion and sgd-momentum 8, sgd 4.
+    #[arg(long, value_enum, default_value_t = OptimizerArg::Adamw)]
+    pub(crate) optimizer: OptimizerArg,
     /// Hybrid sharding (MiCS's `mics_shard_size`, FSDP's HYBRID_SHARD): shard over groups of
     /// S ranks and replicate across the --dp/S groups; adds the traffic between groups.
     #[arg(long = "shard-size", value_name = "S")]
     pub(crate) shard_size: Option<usize>,
+}
+
+/// `--optimizer`'s values.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub(crate) enum OptimizerArg {
+    /// AdamW (two moments).
+    Adamw,
+    /// Adam with L2 weight decay (two moments).
+    Adam,
+    /// Lion (one momentum).
+    Lion,
+    /// SGD without momentum (no state).
+    Sgd,
+    /// SGD with momentum (one buffer).
+    SgdMomentum,
+}
+
+impl OptimizerArg {
+    fn optimizer(self) -> ringzero_kernels::cpu::Optimizer {
+        use ringzero_kernels::cpu::Optimizer;
+        match self {
+            OptimizerArg::Adamw => Optimizer::adamw(1e-3),
+            OptimizerArg::Adam => Optimizer::adam(1e-3),
+            OptimizerArg::Lion => Optimizer::lion(1e-4),
+            OptimizerArg::Sgd => Optimizer::sgd(0.1, 0.0),
+            OptimizerArg::SgdMomentum => Optimizer::sgd(0.1, 0.9),
+        }
+    }
 }
 
 /// Print the table.
@@ -32,8 +64,11 @@ pub(crate) fn run(a: MemCli) -> anyhow::Result<ExitCode> {
         dp,
         stage,
         k,
+        optimizer,
         shard_size,
     } = a;
+    let opt = optimizer.optimizer();
+    let k = k.unwrap_or_else(|| ringzero_zero::mem::k_for(&opt));
     anyhow::ensure!(dp >= 1, "--dp must be at least 1");
     anyhow::ensure!(
         k.is_finite() && k >= 0.0,
@@ -57,7 +92,8 @@ pub(crate) fn run(a: MemCli) -> anyhow::Result<ExitCode> {
     };
     println!(
         "ZeRO model states per rank: {params:.3e} parameters, {layout}, K = {k} \
-         (mixed-precision Adam: 2 B params + 2 B grads + K B optimizer per parameter)"
+         (mixed-precision {}: 2 B params + 2 B grads + K B optimizer per parameter)",
+        opt.name()
     );
     let comm_head = if shard_size.is_some() {
         "comm in group (GB)"

@@ -5,8 +5,8 @@
 
 use std::sync::Arc;
 
-use ringzero_kernels::cpu::{self, AdamW};
-use ringzero_kernels::device::cuda::{AdamState, DeviceBuffer, Gpu};
+use ringzero_kernels::cpu::{self, Float, Optimizer, Rule};
+use ringzero_kernels::device::cuda::{DeviceBuffer, Gpu, StepState};
 use ringzero_kernels::device::{DeviceError, Stream};
 use ringzero_kernels::{DType, ReduceOp};
 
@@ -155,7 +155,12 @@ pub fn checks(gpu: &Arc<Gpu>) -> Vec<Row> {
     }
     for d in [DType::F32, DType::F16, DType::BF16] {
         rows.push(row(format!("scale/norm/finite {d}"), float_checks(gpu, d)));
-        rows.push(row(format!("adamw {d}"), adamw_check(gpu, d)));
+        for h in rules() {
+            rows.push(row(
+                format!("optim_step {} {d}", rule_name(&h)),
+                optim_check(gpu, &h, d),
+            ));
+        }
     }
     rows
 }
@@ -416,80 +421,119 @@ fn float_checks(gpu: &Arc<Gpu>, d: DType) -> Result<Option<String>, DeviceError>
     Ok(None)
 }
 
-fn adamw_check(gpu: &Arc<Gpu>, d: DType) -> Result<Option<String>, DeviceError> {
+/// Every optimizer rule the engine steps with (weight decay on, SGD with and without momentum
+/// and with Nesterov), as `gpu-check` compares them.
+fn rules() -> Vec<Optimizer> {
+    vec![
+        Optimizer {
+            lr: 1e-2,
+            ..Optimizer::default()
+        },
+        Optimizer {
+            weight_decay: 0.05,
+            ..Optimizer::adam(1e-2)
+        },
+        Optimizer {
+            weight_decay: 0.1,
+            ..Optimizer::lion(1e-3)
+        },
+        Optimizer {
+            weight_decay: 0.01,
+            ..Optimizer::sgd(0.05, 0.0)
+        },
+        Optimizer {
+            weight_decay: 0.01,
+            ..Optimizer::sgd(0.05, 0.9)
+        },
+        Optimizer {
+            rule: Rule::Sgd { nesterov: true },
+            ..Optimizer::sgd(0.05, 0.9)
+        },
+    ]
+}
+
+/// The row name of rule `h` (SGD's variants told apart).
+fn rule_name(h: &Optimizer) -> String {
+    match h.rule {
+        Rule::Sgd { nesterov: true } => "SGD-nesterov".into(),
+        Rule::Sgd { .. } if h.beta1 != 0.0 => "SGD-momentum".into(),
+        _ => h.name().into(),
+    }
+}
+
+/// One step of `h` on the CPU with `T` gradients (`g`'s bytes): the 16-bit parameters written,
+/// as bytes (none for f32).
+fn cpu_step<T: Float + bytemuck::Pod>(
+    h: &Optimizer,
+    t: u64,
+    master: &mut [f32],
+    g: &[u8],
+    s: &mut [Vec<f32>; 2],
+) -> Vec<u8> {
+    let mut p = vec![T::zeroed(); master.len()];
+    let [s1, s2] = s;
+    cpu::step_mixed::<T>(
+        h,
+        t,
+        master,
+        (!T::IS_F32).then_some(&mut p[..]),
+        &pods::<T>(g),
+        s1,
+        s2,
+        0.5,
+    );
+    if T::IS_F32 {
+        Vec::new()
+    } else {
+        bytemuck::cast_slice(&p).to_vec()
+    }
+}
+
+/// Three steps of rule `h` on the GPU and the CPU, with `d` gradients: every master, state and
+/// 16-bit parameter bit for bit.
+fn optim_check(gpu: &Arc<Gpu>, h: &Optimizer, d: DType) -> Result<Option<String>, DeviceError> {
     use half::{bf16, f16};
-    let h = AdamW {
-        lr: 1e-2,
-        ..AdamW::default()
-    };
+    let keeps = h.states().len();
     for &n in &SIZES {
         let master0 = pods::<f32>(&random(DType::F32, n, 21));
         let mut dm = gpu.upload(DType::F32, bytemuck::cast_slice(&master0))?;
-        let (mut m_d, mut v_d) = (gpu.alloc(DType::F32, n)?, gpu.alloc(DType::F32, n)?);
+        let mut ds = (0..keeps)
+            .map(|_| gpu.alloc(DType::F32, n))
+            .collect::<Result<Vec<_>, _>>()?;
         let mut p_d = if d == DType::F32 {
             None
         } else {
             Some(poisoned(gpu, d, n)?)
         };
-        let (mut master, mut m, mut v) = (master0.clone(), vec![0f32; n], vec![0f32; n]);
-        let mut p16 = vec![0u8; n * d.size()];
+        let mut master = master0.clone();
+        let mut s: [Vec<f32>; 2] =
+            std::array::from_fn(|k| vec![0f32; if keeps > k { n } else { 0 }]);
+        let mut p16 = Vec::new();
         for t in 1..=3u64 {
             let g = random(d, n, 30 + t);
             let dg = gpu.upload(d, &g)?;
-            gpu.adamw(
-                &h,
+            gpu.optim_step(
+                h,
                 t,
-                AdamState {
+                StepState {
                     master: &mut dm,
                     params: p_d.as_mut(),
                     grads: &dg,
-                    m: &mut m_d,
-                    v: &mut v_d,
+                    states: ds.iter_mut().collect(),
                 },
                 0.5,
             )?;
-            match d {
-                DType::F32 => cpu::adamw_mixed::<f32>(
-                    &h,
-                    t,
-                    &mut master,
-                    None,
-                    bytemuck::cast_slice(&g),
-                    &mut m,
-                    &mut v,
-                    0.5,
-                ),
-                DType::F16 => {
-                    let mut p = vec![f16::ZERO; n];
-                    cpu::adamw_mixed(
-                        &h,
-                        t,
-                        &mut master,
-                        Some(&mut p),
-                        &pods::<f16>(&g),
-                        &mut m,
-                        &mut v,
-                        0.5,
-                    );
-                    p16 = bytemuck::cast_slice(&p).to_vec();
-                }
-                _ => {
-                    let mut p = vec![bf16::ZERO; n];
-                    cpu::adamw_mixed(
-                        &h,
-                        t,
-                        &mut master,
-                        Some(&mut p),
-                        &pods::<bf16>(&g),
-                        &mut m,
-                        &mut v,
-                        0.5,
-                    );
-                    p16 = bytemuck::cast_slice(&p).to_vec();
-                }
-            }
+            p16 = match d {
+                DType::F32 => cpu_step::<f32>(h, t, &mut master, &g, &mut s),
+                DType::F16 => cpu_step::<f16>(h, t, &mut master, &g, &mut s),
+                _ => cpu_step::<bf16>(h, t, &mut master, &g, &mut s),
+            };
         }
-        for (what, buf, want) in [("master", &dm, &master), ("m", &m_d, &m), ("v", &v_d, &v)] {
+        let mut pairs = vec![("master", &dm, &master)];
+        for (k, name) in h.states().iter().enumerate() {
+            pairs.push((name, &ds[k], &s[k]));
+        }
+        for (what, buf, want) in pairs {
             let got = pods::<f32>(&download(gpu, buf)?);
             if let Some((i, (a, b))) = got
                 .iter()
@@ -568,35 +612,44 @@ pub fn bench(gpu: &Arc<Gpu>) -> Result<Vec<Row>, DeviceError> {
             0.9,
         );
     }
-    let h = AdamW::default();
+    // The optimizer step of each rule with state (plain SGD's only differs in reading none),
+    // bf16 parameters and gradients: per element the master read and written (8 bytes), each
+    // state read and written (8), the gradient read and the parameter written (2 + 2).
     let d = DType::BF16;
-    let mut master = gpu.upload(DType::F32, &random(DType::F32, n, 5))?;
-    let mut p = gpu.alloc(d, n)?;
     let g = gpu.upload(d, &random(d, n, 6))?;
-    let (mut m, mut v) = (gpu.alloc(DType::F32, n)?, gpu.alloc(DType::F32, n)?);
-    let mut t = 0;
-    let ms = gpu.time(reps, || {
-        t += 1;
-        gpu.adamw(
-            &h,
-            t,
-            AdamState {
-                master: &mut master,
-                params: Some(&mut p),
-                grads: &g,
-                m: &mut m,
-                v: &mut v,
-            },
-            1.0,
-        )
-    })?;
-    // master r+w 8, m r+w 8, v r+w 8, grad r 2, param w 2 bytes per element.
-    add(
-        format!("bench adamw bf16 {}M params", n >> 20),
-        28.0 * n as f64,
-        ms,
-        0.85,
-    );
+    for (row, h) in [
+        ("adamw", Optimizer::default()),
+        ("lion", Optimizer::lion(1e-4)),
+        ("sgd-momentum", Optimizer::sgd(0.1, 0.9)),
+    ] {
+        let mut master = gpu.upload(DType::F32, &random(DType::F32, n, 5))?;
+        let mut p = gpu.alloc(d, n)?;
+        let mut states = (0..h.states().len())
+            .map(|_| gpu.alloc(DType::F32, n))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut t = 0;
+        let ms = gpu.time(reps, || {
+            t += 1;
+            gpu.optim_step(
+                &h,
+                t,
+                StepState {
+                    master: &mut master,
+                    params: Some(&mut p),
+                    grads: &g,
+                    states: states.iter_mut().collect(),
+                },
+                1.0,
+            )
+        })?;
+        let per = 12 + 8 * h.states().len();
+        add(
+            format!("bench {row} bf16 {}M params", n >> 20),
+            (per * n) as f64,
+            ms,
+            0.85,
+        );
+    }
     Ok(rows)
 }
 

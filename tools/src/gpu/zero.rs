@@ -1,6 +1,6 @@
 //! `gpu-check`'s ZeRO row: the [`Engine`] with its model states on the GPU against the same
-//! engine on the host, on the same data, every stage in fp32, bf16 and fp16 (static loss scale), three
-//! optimizer steps, no clipping (the GPU sums the norm in a tree, so a clipped step may differ in
+//! engine on the host, on the same data, every stage in fp32, bf16 and fp16 (static loss scale)
+//! with AdamW, and in bf16 with every other optimizer rule, three optimizer steps, no clipping (the GPU sums the norm in a tree, so a clipped step may differ in
 //! the last bit). Bit for bit where the device collectives reduce in the host ring's order (the
 //! slot ring, or 2 ranks, whose sums have one order); within 1e-3 where the direct step reduces
 //! chunks in rank order on more ranks.
@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use half::{bf16, f16};
 use ringzero_collectives::{Communicator, DeviceComm, DeviceMemory, TrainStream};
-use ringzero_kernels::cpu::{cast, AdamW, Float};
+use ringzero_kernels::cpu::{cast, Float, Optimizer};
 use ringzero_zero::{Engine, LossScaling, ParamSpec, Precision, ZeroConfig};
 
 use crate::gpu::kernels::Row;
@@ -28,7 +28,7 @@ fn init(p: usize, i: usize) -> f32 {
     ((p * 131 + i) as f32 * 0.173).sin()
 }
 
-fn cfg(p: Precision, stage: u8) -> ZeroConfig {
+fn cfg(p: Precision, stage: u8, h: Optimizer) -> ZeroConfig {
     ZeroConfig {
         stage,
         precision: p,
@@ -37,12 +37,36 @@ fn cfg(p: Precision, stage: u8) -> ZeroConfig {
             loss_scale: 1024.0,
             ..LossScaling::default()
         },
-        adamw: AdamW {
-            lr: 0.05,
-            ..AdamW::default()
-        },
+        optimizer: h,
         ..ZeroConfig::default()
     }
+}
+
+/// AdamW at the rate the checks train with.
+fn adamw() -> Optimizer {
+    Optimizer {
+        lr: 0.05,
+        ..Optimizer::default()
+    }
+}
+
+/// The other rules, with weight decay: each steps on the GPU with its own kernel path.
+fn other_rules() -> [Optimizer; 4] {
+    [
+        Optimizer {
+            weight_decay: 0.05,
+            ..Optimizer::adam(0.05)
+        },
+        Optimizer {
+            weight_decay: 0.1,
+            ..Optimizer::lion(0.01)
+        },
+        Optimizer {
+            weight_decay: 0.01,
+            ..Optimizer::sgd(0.1, 0.9)
+        },
+        Optimizer::sgd(0.1, 0.0),
+    ]
 }
 
 /// Gradients of one step from the parameters' values (scaled by `scale`), rounded into `T`.
@@ -126,11 +150,12 @@ fn compare<D: CheckDev, T: Float>(
     comm: &Communicator,
     dc: &Arc<DeviceComm<D>>,
     p: Precision,
+    h: Optimizer,
     exact: bool,
 ) -> Result<(), String> {
     for stage in 0..=3u8 {
-        let want = host::<T>(comm, cfg(p, stage))?;
-        let got = device::<D, T>(dc, cfg(p, stage))?;
+        let want = host::<T>(comm, cfg(p, stage, h))?;
+        let got = device::<D, T>(dc, cfg(p, stage, h))?;
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             for (k, (a, b)) in g.iter().zip(w).enumerate() {
                 let bad = if exact {
@@ -140,9 +165,10 @@ fn compare<D: CheckDev, T: Float>(
                 };
                 if bad {
                     return Err(format!(
-                        "rank {}: {p} stage {stage}: parameter {i} element {k} is {a} on the \
-                         device, {b} on the host",
-                        comm.rank()
+                        "rank {}: {} {p} stage {stage}: parameter {i} element {k} is {a} on \
+                         the device, {b} on the host",
+                        comm.rank(),
+                        h.name()
                     ));
                 }
             }
@@ -155,15 +181,21 @@ fn compare<D: CheckDev, T: Float>(
 pub fn check<D: CheckDev>(comm: &Communicator, dc: &Arc<DeviceComm<D>>, label: &str) -> Row {
     let n = comm.size();
     let exact = dc.direct().is_none() || n <= 2;
-    let r = compare::<D, f32>(comm, dc, Precision::Fp32, exact)
-        .and_then(|()| compare::<D, bf16>(comm, dc, Precision::Bf16, exact))
-        .and_then(|()| compare::<D, f16>(comm, dc, Precision::Fp16, exact));
+    let r = compare::<D, f32>(comm, dc, Precision::Fp32, adamw(), exact)
+        .and_then(|()| compare::<D, bf16>(comm, dc, Precision::Bf16, adamw(), exact))
+        .and_then(|()| compare::<D, f16>(comm, dc, Precision::Fp16, adamw(), exact))
+        .and_then(|()| {
+            other_rules()
+                .into_iter()
+                .try_for_each(|h| compare::<D, bf16>(comm, dc, Precision::Bf16, h, exact))
+        });
     Row {
         check: format!("{label} n={n} zero device engine"),
         pass: r.is_ok(),
         detail: r.err().unwrap_or_else(|| {
             format!(
-                "stages 0-3 × fp32/bf16/fp16, {STEPS} steps, against the host engine: {}",
+                "stages 0-3 × fp32/bf16/fp16 with AdamW, and bf16 with Adam, Lion, SGD with and \
+                 without momentum; {STEPS} steps, against the host engine: {}",
                 if exact {
                     "bit for bit"
                 } else {

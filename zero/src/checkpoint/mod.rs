@@ -2,10 +2,11 @@
 //!
 //! A checkpoint directory saved by `n` ranks holds:
 //! - `rank-RRRRR-of-NNNNN.safetensors`, one per rank: for every bucket `b`, the range that rank
-//!   owned, as three f32 tensors `bucketBBBBB.master`, `bucketBBBBB.exp_avg` and
-//!   `bucketBBBBB.exp_avg_sq` (padding included; it is always zero);
+//!   owned, as f32 tensors `bucketBBBBB.master` and one per optimizer state, named as torch
+//!   names them (`bucketBBBBB.exp_avg` and `bucketBBBBB.exp_avg_sq` for Adam, `.exp_avg` for
+//!   Lion, `.momentum_buffer` for SGD with momentum; padding included, it is always zero);
 //! - `meta.json` ([`Meta`]): the layout (world size, bucket size, every parameter's name and
-//!   shape, bucket lengths), the optimizer step, skipped steps, the fp16 loss-scaler state, the
+//!   shape, bucket lengths), the optimizer and its states' names, the optimizer step, skipped steps, the fp16 loss-scaler state, the
 //!   trainer's own `client_state`, and each shard file's size and SHA-256.
 //!
 //! Every file is written atomically (temporary file, fsync, rename). `meta.json` is the commit
@@ -44,8 +45,15 @@ pub use crate::scaler::ScalerState;
 pub const FORMAT: u32 = 1;
 /// The commit marker and metadata file.
 pub const META_FILE: &str = "meta.json";
-/// The optimizer states saved per bucket, in this order.
-pub const STATES: [&str; 3] = ["master", "exp_avg", "exp_avg_sq"];
+/// What a checkpoint from before the optimizer was recorded holds: AdamW's states.
+fn adamw_name() -> String {
+    "AdamW".into()
+}
+
+/// The states of [`adamw_name`].
+fn adam_states() -> Vec<String> {
+    vec!["exp_avg".into(), "exp_avg_sq".into()]
+}
 
 #[cfg(not(target_endian = "little"))]
 compile_error!("checkpoints are written as little-endian f32 straight from memory");
@@ -87,6 +95,13 @@ pub struct Meta {
     pub params: Vec<ParamMeta>,
     /// Padded length of every bucket of the saved layout (checked when the layout is rebuilt).
     pub buckets: Vec<usize>,
+    /// The optimizer that took the steps (`AdamW`, `Adam`, `Lion`, `SGD`).
+    #[serde(default = "adamw_name")]
+    pub optimizer: String,
+    /// The optimizer's fp32 states saved per bucket after the master, by name (torch's:
+    /// `exp_avg`, `exp_avg_sq`, `momentum_buffer`).
+    #[serde(default = "adam_states")]
+    pub states: Vec<String>,
     /// Optimizer steps taken.
     pub step: u64,
     /// Optimizer steps skipped on overflow.
@@ -169,6 +184,20 @@ impl Meta {
             }
             _ => {}
         }
+        let known = ["AdamW", "Adam", "Lion", "SGD"];
+        if !known.contains(&self.optimizer.as_str()) {
+            return bad(
+                "optimizer",
+                format!("is `{}`, none of {known:?}", self.optimizer),
+            );
+        }
+        let states = ["exp_avg", "exp_avg_sq", "momentum_buffer"];
+        if self.states.len() > 2 || self.states.iter().any(|x| !states.contains(&x.as_str())) {
+            return bad(
+                "states",
+                format!("is {:?}; at most two of {states:?}", self.states),
+            );
+        }
         let mut names = std::collections::HashSet::new();
         for p in &self.params {
             if p.name.is_empty() || !names.insert(p.name.as_str()) {
@@ -225,9 +254,9 @@ pub fn shard_file(rank: usize, world: usize) -> String {
     format!("rank-{rank:05}-of-{world:05}.safetensors")
 }
 
-/// The name of a state tensor of bucket `b` in a shard file.
-pub fn tensor_name(b: usize, state: usize) -> String {
-    format!("bucket{b:05}.{}", STATES[state])
+/// The name of state `state` (`master`, or one of [`Meta::states`]) of bucket `b` in a shard file.
+pub fn tensor_name(b: usize, state: &str) -> String {
+    format!("bucket{b:05}.{state}")
 }
 
 pub(crate) fn err(path: &Path, msg: impl std::fmt::Display) -> ZeroError {
@@ -278,13 +307,14 @@ pub(crate) fn prepare_dir(dir: &Path, rank: usize) -> Result<(), ZeroError> {
     Ok(())
 }
 
-/// Write one rank's shard (`states[b]` = the three state ranges of bucket `b`); its size and
-/// SHA-256, read back from the file.
+/// Write one rank's shard (`states[b]` = the master's and the optimizer states' ranges of
+/// bucket `b`, the latter named `names` in order); its size and SHA-256, read back from the file.
 pub(crate) fn write_shard(
     dir: &Path,
     rank: usize,
     world: usize,
-    states: &[[&[f32]; 3]],
+    states: &[Vec<&[f32]>],
+    names: &[&str],
 ) -> Result<(u64, [u8; 32]), ZeroError> {
     let file = shard_file(rank, world);
     let path = dir.join(&file);
@@ -292,13 +322,16 @@ pub(crate) fn write_shard(
         .iter()
         .enumerate()
         .flat_map(|(b, s)| {
-            (0..3).map(move |k| {
-                let t = F32s {
-                    data: s[k],
-                    shape: [s[k].len()],
-                };
-                (tensor_name(b, k), t)
-            })
+            std::iter::once("master")
+                .chain(names.iter().copied())
+                .zip(s.iter())
+                .map(move |(name, data)| {
+                    let t = F32s {
+                        data,
+                        shape: [data.len()],
+                    };
+                    (tensor_name(b, name), t)
+                })
         })
         .collect();
     write_atomically(&path, |tmp| {
@@ -446,8 +479,8 @@ impl Checkpoint {
             .collect();
         for b in 0..self.part.buckets.len() {
             let want = [self.part.owned(b, rank).len()];
-            for k in 0..3 {
-                let name = tensor_name(b, k);
+            for state in self.state_names() {
+                let name = tensor_name(b, state);
                 match tensors.get(&name) {
                     Some(t) if t.dtype == Dtype::F32 && t.shape == want => {}
                     Some(t) => {
@@ -476,8 +509,13 @@ impl Checkpoint {
         (0..self.meta.world).try_for_each(|r| self.verify(r))
     }
 
+    /// The states each bucket has in the shard files: `master`, then [`Meta::states`].
+    pub fn state_names(&self) -> impl Iterator<Item = &str> {
+        std::iter::once("master").chain(self.meta.states.iter().map(String::as_str))
+    }
+
     /// Copy `pieces` of state `state` into `out` (the shards they name must be verified).
-    fn fill(&self, state: usize, pieces: &[plan::Piece], out: &mut [f32]) {
+    fn fill(&self, state: &str, pieces: &[plan::Piece], out: &mut [f32]) {
         for pc in pieces {
             let sh = self.shards[pc.rank].as_ref().expect("shard verified first");
             let t = &sh.tensors[&tensor_name(pc.bucket, state)];
@@ -492,27 +530,30 @@ impl Checkpoint {
         }
     }
 
-    /// The three states of elements `range` of bucket `b` of layout `now` (padding zero),
-    /// reading and checking the shards that hold them.
+    /// The states ([`Checkpoint::state_names`]) of elements `range` of bucket `b` of layout
+    /// `now` (padding zero), reading and checking the shards that hold them.
     pub fn read_range(
         &mut self,
         now: &Partition,
         b: usize,
         range: std::ops::Range<usize>,
-    ) -> Result<[Vec<f32>; 3], ZeroError> {
+    ) -> Result<Vec<Vec<f32>>, ZeroError> {
         let pieces = plan::bucket_pieces(&self.part, now, b, range.clone());
         for pc in &pieces {
             self.verify(pc.rank)?;
         }
-        Ok(std::array::from_fn(|k| {
-            let mut v = vec![0f32; range.len()];
-            self.fill(k, &pieces, &mut v);
-            v
-        }))
+        Ok(self
+            .state_names()
+            .map(|state| {
+                let mut v = vec![0f32; range.len()];
+                self.fill(state, &pieces, &mut v);
+                v
+            })
+            .collect())
     }
 
     /// State `state` of the whole parameter `p` of the saved layout (its shards verified).
-    fn param(&self, p: usize, state: usize) -> Vec<f32> {
+    fn param(&self, p: usize, state: &str) -> Vec<f32> {
         let mut v = vec![0f32; self.part.slots[p].len];
         let pieces = plan::param_pieces(&self.part, p, 0..v.len());
         self.fill(state, &pieces, &mut v);
@@ -535,7 +576,7 @@ pub struct Consolidated {
 struct Assembled<'a> {
     ck: &'a Checkpoint,
     param: usize,
-    state: usize,
+    state: &'a str,
     dtype: Precision,
 }
 
@@ -573,8 +614,9 @@ impl View for Assembled<'_> {
 }
 
 /// Write every parameter of the checkpoint in `dir` as one safetensors file `out`, named as
-/// declared, in `dtype` (the fp32 masters, rounded for 16-bit); with `optimizer`, also
-/// `<name>.exp_avg` and `<name>.exp_avg_sq` (in the same dtype). Every shard is checked first;
+/// declared, in `dtype` (the fp32 masters, rounded for 16-bit); with `optimizer`, also its
+/// optimizer's states as `<name>.<state>` (`exp_avg` and `exp_avg_sq` for Adam, `exp_avg` for
+/// Lion, `momentum_buffer` for SGD with momentum; in the same dtype). Every shard is checked first;
 /// then each parameter is assembled only when written, so memory holds one parameter at a time.
 /// `out` is written atomically and never left half-written.
 pub fn consolidate(
@@ -585,11 +627,12 @@ pub fn consolidate(
 ) -> Result<Consolidated, ZeroError> {
     let mut ck = Checkpoint::open(dir)?;
     ck.verify_all()?;
-    let states: &[usize] = if optimizer { &[0, 1, 2] } else { &[0] };
+    let kept = if optimizer { ck.meta.states.len() } else { 0 };
+    let states: Vec<String> = ck.state_names().take(1 + kept).map(String::from).collect();
     let names: Vec<String> = ck.part.specs.iter().map(|p| p.name.clone()).collect();
     if optimizer {
         for n in &names {
-            for s in &STATES[1..] {
+            for s in &states[1..] {
                 let derived = format!("{n}.{s}");
                 if names.contains(&derived) {
                     return Err(err(
@@ -602,13 +645,13 @@ pub fn consolidate(
             }
         }
     }
-    let ck = &ck;
+    let (ck, states) = (&ck, &states);
     let tensors: Vec<(String, Assembled)> = (0..names.len())
         .flat_map(|p| {
-            states.iter().map(move |&state| {
-                let name = match state {
+            states.iter().enumerate().map(move |(k, state)| {
+                let name = match k {
                     0 => ck.part.specs[p].name.clone(),
-                    _ => format!("{}.{}", ck.part.specs[p].name, STATES[state]),
+                    _ => format!("{}.{state}", ck.part.specs[p].name),
                 };
                 (
                     name,

@@ -20,7 +20,7 @@ use crate::scaler::ScalerState;
 
 /// A checkpoint read for this rank: its metadata and, per bucket, master and moments of the range
 /// this rank updates.
-pub(crate) type Staged = (Meta, Vec<[Vec<f32>; 3]>);
+pub(crate) type Staged = (Meta, Vec<Vec<Vec<f32>>>);
 
 /// Payload of one agreement record: a shard's size (8 bytes) and SHA-256 (32).
 pub(crate) type Payload = [u8; 40];
@@ -52,7 +52,7 @@ pub(crate) trait Persist {
         (l.t, l.skipped, l.scaler.state())
     }
     /// Master, first and second moment of the range of bucket `b` this rank owns.
-    fn own_states(&self, b: usize) -> Result<[Cow<'_, [f32]>; 3], ZeroError>;
+    fn own_states(&self, b: usize) -> Result<Vec<Cow<'_, [f32]>>, ZeroError>;
     /// One agreement round: every rank's success (with a payload) or failure. Returns every
     /// rank's payload when all succeeded; this rank's own error when it failed; else
     /// [`ZeroError::PeerFailed`] naming the ranks that failed.
@@ -123,9 +123,11 @@ pub(crate) fn save<E: Persist>(
             let states = (0..e.part().buckets.len())
                 .map(|b| e.own_states(b))
                 .collect::<Result<Vec<_>, _>>()?;
-            let refs: Vec<[&[f32]; 3]> =
-                states.iter().map(|[a, b, c]| [&**a, &**b, &**c]).collect();
-            checkpoint::write_shard(dir, rank, n, &refs)
+            let refs: Vec<Vec<&[f32]>> = states
+                .iter()
+                .map(|s| s.iter().map(|x| &**x).collect())
+                .collect();
+            checkpoint::write_shard(dir, rank, n, &refs, e.cfg().optimizer.states())
         })()
         .map(|(bytes, sum)| {
             let mut p = [0u8; 40];
@@ -158,6 +160,13 @@ pub(crate) fn save<E: Persist>(
                 })
                 .collect(),
             buckets: part.buckets.iter().map(|b| b.len).collect(),
+            optimizer: cfg.optimizer.name().into(),
+            states: cfg
+                .optimizer
+                .states()
+                .iter()
+                .map(|x| x.to_string())
+                .collect(),
             step,
             skipped,
             scaler,
@@ -183,14 +192,38 @@ pub(crate) fn save<E: Persist>(
     Ok(())
 }
 
-/// This rank's part of the checkpoint in `dir` (per bucket, the three states of the range it
-/// updates: all of it in stage 0), read once every rank has read its own.
+/// `a, b`, or "no state".
+fn states_list(s: &[impl AsRef<str>]) -> String {
+    if s.is_empty() {
+        "no state".into()
+    } else {
+        s.iter().map(AsRef::as_ref).collect::<Vec<_>>().join(", ")
+    }
+}
+
+/// This rank's part of the checkpoint in `dir` (per bucket, the master and the optimizer's
+/// states of the range it updates: all of it in stage 0), read once every rank has read its
+/// own, after checking that the optimizer is the one it was saved with.
 pub(crate) fn read_agreed<E: Persist>(e: &mut E, dir: &Path) -> Result<Staged, ZeroError> {
     let read = (|| {
         let mut ck = Checkpoint::open(dir)?;
         let part = e.part();
         if let Some(why) = plan::mismatch(ck.partition(), part) {
             return Err(checkpoint::err(dir, why));
+        }
+        let (m, o) = (ck.meta(), &e.cfg().optimizer);
+        if m.optimizer != o.name() || m.states != o.states() {
+            return Err(checkpoint::err(
+                dir,
+                format!(
+                    "holds the state of {} ({}); this engine's optimizer is {} ({}): load it \
+                     with the optimizer it was saved with",
+                    m.optimizer,
+                    states_list(&m.states),
+                    o.name(),
+                    states_list(o.states()),
+                ),
+            ));
         }
         let states = (0..part.buckets.len())
             .map(|b| ck.read_range(part, b, update_range(part, e.cfg().stage, e.rank(), b)))

@@ -11,6 +11,7 @@
 //! arguments ([`Auto`]; its defaults are the Trainer's), and every resolution is noted too. A key
 //! the reference does not know is refused, all of them in one message.
 
+use ringzero_kernels::cpu::{Optimizer, Rule};
 use serde_json::{Map, Value};
 
 use super::schedule::{LrSchedule, Warmup};
@@ -101,8 +102,8 @@ const NOTED: &[(&str, &str)] = &[
     ("zero_optimization.log_trace_cache_warnings", "there is no trace cache"),
     ("fp16.auto_cast", "inputs are the trainer's to cast"),
     ("bf16.immediate_grad_update", "gradients are summed into their bucket as they are pushed"),
-    ("optimizer.params.torch_adam", "there is one AdamW implementation per memory, bit-identical between them"),
-    ("optimizer.params.fused", "the AdamW kernels are always fused"),
+    ("optimizer.params.torch_adam", "there is one implementation of each optimizer per memory, bit-identical between them"),
+    ("optimizer.params.fused", "the optimizer kernels are always fused"),
 ];
 
 /// Keys that are fine at one value and refused at any other: (key, the harmless value, why).
@@ -163,14 +164,9 @@ const ONLY_AT: &[(&str, &str, &str)] = &[
         "ZeRO++ gradient quantization is not implemented",
     ),
     (
-        "optimizer.params.adam_w_mode",
-        "true",
-        "ringzero's Adam is AdamW (decoupled weight decay); Adam with L2 is not implemented",
-    ),
-    (
         "optimizer.params.bias_correction",
         "true",
-        "AdamW always corrects its moments' bias",
+        "Adam always corrects its moments' bias",
     ),
     (
         "optimizer.params.amsgrad",
@@ -444,40 +440,135 @@ fn train_batch(r: &mut Reader<'_>, v: &Value) -> Result<Option<usize>, ZeroError
     Ok(Some(uint(key, v)? as usize))
 }
 
+/// The optimizer DeepSpeed builds for `optimizer.type`, with DeepSpeed's defaults for the
+/// parameters the config leaves out: its fused Adam and AdamW (weight decay 0), its fused Lion
+/// (betas 0.9, 0.99), and `torch.optim.SGD` for `SGD` (DeepSpeed takes an unknown type from
+/// `torch.optim`). `None` for a type ringzero does not have.
+fn optimizer_of(ty: &str) -> Option<Optimizer> {
+    let t = ty.to_ascii_lowercase();
+    Some(match t.as_str() {
+        "adamw" => Optimizer {
+            weight_decay: 0.0,
+            ..Optimizer::adamw(1e-3)
+        },
+        // DeepSpeed's `Adam` decouples the decay unless `adam_w_mode` is false.
+        "adam" => Optimizer {
+            weight_decay: 0.0,
+            ..Optimizer::adamw(1e-3)
+        },
+        "lion" => Optimizer::lion(1e-3),
+        "sgd" => Optimizer::sgd(1e-3, 0.0),
+        _ => return None,
+    })
+}
+
+/// The parameters each optimizer takes here, by its [`Optimizer::name`].
+const OPTIMIZER_PARAMS: &[(&str, &[&str])] = &[
+    (
+        "AdamW",
+        &["lr", "betas", "eps", "weight_decay", "adam_w_mode"],
+    ),
+    (
+        "Adam",
+        &["lr", "betas", "eps", "weight_decay", "adam_w_mode"],
+    ),
+    ("Lion", &["lr", "betas", "weight_decay"]),
+    (
+        "SGD",
+        &["lr", "momentum", "nesterov", "weight_decay", "dampening"],
+    ),
+];
+
 fn optimizer(r: &mut Reader<'_>, cfg: &mut ZeroConfig, v: &Value) -> Result<(), ZeroError> {
     let key = "optimizer";
     let a = r.auto.clone();
+    // The type first, whatever the keys' order: it decides the defaults and which parameters
+    // mean something.
+    let ty = match obj(key, v)?.get("type") {
+        None => None,
+        Some(t) => {
+            let name = t.as_str().unwrap_or_default();
+            cfg.optimizer = optimizer_of(name).ok_or_else(|| {
+                bad(format!(
+                    "`{key}.type` = {t} is not implemented: ringzero has Adam, AdamW, Lion and \
+                     SGD (with momentum and Nesterov); use one of those"
+                ))
+            })?;
+            Some(name.to_string())
+        }
+    };
+    let written = ty.clone();
+    let ty = ty.map(|t| t.to_ascii_lowercase());
+    let (adam, sgd) = (
+        matches!(cfg.optimizer.rule, Rule::AdamW | Rule::Adam),
+        matches!(cfg.optimizer.rule, Rule::Sgd { .. }),
+    );
     for_each(r, key, v, |r, k2, v2| {
         let full = format!("{key}.{k2}");
         match k2 {
-            // DeepSpeed's `Adam` is AdamW unless `adam_w_mode` is false (refused below).
-            "type" => match v2.as_str() {
-                Some(t) if t.eq_ignore_ascii_case("adamw") || t.eq_ignore_ascii_case("adam") => {}
-                _ => {
-                    return Err(bad(format!(
-                        "`{full}` = {v2} is not implemented: ringzero has AdamW (DeepSpeed's \
-                         `Adam` and `AdamW`); use one of those"
-                    )))
-                }
-            },
+            "type" => {}
             "params" => {
-                let h = &mut cfg.adamw;
+                let h = &mut cfg.optimizer;
                 for_each(r, &full, v2, |r, k3, v3| {
                     let key3 = format!("{full}.{k3}");
                     match k3 {
                         "lr" => h.lr = num(&key3, &r.auto(&key3, v3, a.lr.into()))? as f32,
-                        "eps" => h.eps = num(&key3, &r.auto(&key3, v3, a.eps.into()))? as f32,
+                        "eps" if adam => {
+                            h.eps = num(&key3, &r.auto(&key3, v3, a.eps.into()))? as f32
+                        }
                         "weight_decay" => {
                             let w = r.auto(&key3, v3, a.weight_decay.into());
                             h.weight_decay = num(&key3, &w)? as f32
                         }
-                        "betas" => {
+                        "betas" if !sgd => {
                             let b = r.auto(&key3, v3, serde_json::json!([a.betas.0, a.betas.1]));
                             let b = b.as_array().filter(|x| x.len() == 2).ok_or_else(|| {
                                 bad(format!("`{key3}`: expected two numbers, got {v3}"))
                             })?;
                             h.beta1 = num(&key3, &b[0])? as f32;
                             h.beta2 = num(&key3, &b[1])? as f32;
+                        }
+                        // Adam's decay is an L2 term only where the config says so (AdamW's
+                        // stays decoupled, as DeepSpeed's).
+                        "adam_w_mode" if adam => {
+                            if !boolean(&key3, v3)? {
+                                if ty.as_deref() == Some("adamw") {
+                                    r.notes.push(format!(
+                                        "`{key3}`: false does not apply to AdamW, whose decay \
+                                         stays decoupled (as in DeepSpeed)"
+                                    ));
+                                } else {
+                                    h.rule = Rule::Adam;
+                                }
+                            }
+                        }
+                        "momentum" if sgd => h.beta1 = num(&key3, v3)? as f32,
+                        "nesterov" if sgd => {
+                            h.rule = Rule::Sgd {
+                                nesterov: boolean(&key3, v3)?,
+                            }
+                        }
+                        "dampening" if sgd => {
+                            if num(&key3, v3)? != 0.0 {
+                                return Err(bad(format!(
+                                    "`{key3}` = {v3}: SGD's dampening is not implemented (it \
+                                     would scale every gradient the momentum takes in); use 0"
+                                )));
+                            }
+                        }
+                        // Another optimizer's parameter: name the ones this type takes.
+                        k if OPTIMIZER_PARAMS.iter().any(|(_, ks)| ks.contains(&k)) => {
+                            // The type as the config names it (DeepSpeed's `Adam` is AdamW here
+                            // until `adam_w_mode` says otherwise), else the default's.
+                            let name = written.as_deref().unwrap_or(h.name());
+                            let own = OPTIMIZER_PARAMS
+                                .iter()
+                                .find(|(n, _)| n.eq_ignore_ascii_case(name))
+                                .map_or(&[][..], |(_, ks)| ks);
+                            return Err(bad(format!(
+                                "`{key3}` is not a parameter of {name} (here: {})",
+                                own.join(", ")
+                            )));
                         }
                         _ => return Ok(false),
                     }
@@ -508,7 +599,7 @@ fn read_scheduler(
         let key = format!("scheduler.params.{k}");
         let resolved = match k.as_str() {
             "warmup_min_lr" => 0.0.into(),
-            "warmup_max_lr" => f64::from(cfg.adamw.lr).into(),
+            "warmup_max_lr" => f64::from(cfg.optimizer.lr).into(),
             "warmup_num_steps" => a.warmup_steps.into(),
             "total_num_steps" => match a.total_steps {
                 Some(t) => t.into(),
@@ -550,7 +641,7 @@ fn read_scheduler(
             r.notes.push(format!(
                 "`scheduler`: {ty} sets nothing before the first step, so step 1 runs at \
                  optimizer.params.lr ({}), as in DeepSpeed; the warm-up starts at step 2",
-                cfg.adamw.lr
+                cfg.optimizer.lr
             ));
             if ty == "WarmupLR" {
                 LrSchedule::WarmupLr {
@@ -575,6 +666,36 @@ fn read_scheduler(
                     warmup,
                     total_steps,
                 }
+            }
+        }
+        "WarmupCosineLR" => {
+            let warmup_steps = u("warmup_num_steps", take("warmup_num_steps"), 1000)?.max(2);
+            let total_steps = match take("total_num_steps").filter(|v| !v.is_null()) {
+                Some(v) => uint("scheduler.params.total_num_steps", &v)?,
+                None => {
+                    return Err(bad(
+                        "`scheduler.params.total_num_steps` is required by WarmupCosineLR",
+                    ))
+                }
+            };
+            if total_steps <= warmup_steps {
+                return Err(bad(format!(
+                    "`scheduler.params.total_num_steps` ({total_steps}) must be above \
+                     warmup_num_steps ({warmup_steps}): WarmupCosineLR's cosine runs between \
+                     them (DeepSpeed divides by their difference)"
+                )));
+            }
+            r.notes.push(
+                "`scheduler`: WarmupCosineLR sets the rate to 0 when made, so step 1 runs at \
+                 0, as in DeepSpeed; its ratios scale optimizer.params.lr"
+                    .to_string(),
+            );
+            LrSchedule::WarmupCosineLr {
+                min_ratio: f("warmup_min_ratio", take("warmup_min_ratio"), 0.0)?,
+                cos_min_ratio: f("cos_min_ratio", take("cos_min_ratio"), 0.0001)?,
+                warmup_steps,
+                warmup: warm(take("warmup_type"))?,
+                total_steps,
             }
         }
         "LRRangeTest" => LrSchedule::LrRangeTest {
@@ -620,7 +741,7 @@ fn read_scheduler(
         _ => {
             return Err(bad(format!(
                 "`scheduler.type` = {:?} is not one of DeepSpeed's WarmupLR, WarmupDecayLR, \
-                 LRRangeTest, OneCycle; for another schedule, drop `scheduler` and call \
+                 WarmupCosineLR, LRRangeTest, OneCycle; for another schedule, drop `scheduler` and call \
                  Engine::set_lr before each step",
                 o.get("type").cloned().unwrap_or(Value::Null)
             )))

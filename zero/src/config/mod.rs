@@ -4,7 +4,7 @@
 //! bug the user finds weeks later.
 
 use crate::error::ZeroError;
-use ringzero_kernels::cpu::AdamW;
+use ringzero_kernels::cpu::Optimizer;
 use ringzero_kernels::DType;
 
 mod deepspeed;
@@ -111,8 +111,8 @@ pub struct ZeroConfig {
     pub accumulation_steps: usize,
     /// Clip gradients to this global L2 norm (`gradient_clipping`; 0 in JSON means off).
     pub clip_norm: Option<f32>,
-    /// Optimizer (`optimizer.params`).
-    pub adamw: AdamW,
+    /// The optimizer (`optimizer`: its `type` and `params`): AdamW, Adam (L2), Lion or SGD.
+    pub optimizer: Optimizer,
     /// `train_micro_batch_size_per_gpu`, checked against `train_batch_size` when both are given.
     pub micro_batch: Option<usize>,
     /// `train_batch_size` = micro batch × accumulation steps × world size (checked by the engine,
@@ -124,14 +124,14 @@ pub struct ZeroConfig {
     /// [`crate::hybrid_groups`] splits off (the plain constructor refuses such a config, so the
     /// setting is never silently dropped).
     pub shard_size: Option<usize>,
-    /// The learning-rate schedule (`scheduler`); `None` keeps `adamw.lr` (or what
+    /// The learning-rate schedule (`scheduler`); `None` keeps `optimizer.lr` (or what
     /// [`crate::Engine::set_lr`] sets).
     pub scheduler: Option<LrSchedule>,
     /// What reading a DeepSpeed config noted: keys accepted that change nothing here (and why),
     /// `"auto"` values and what they became. For the trainer to print once.
     pub notes: Vec<String>,
     /// Parameters with optimizer settings of their own (torch's `param_groups`), the first
-    /// group whose pattern a parameter's name contains wins; the others use `adamw` (and the
+    /// group whose pattern a parameter's name contains wins; the others use `optimizer` (and the
     /// schedule). The usual one: [`ParamGroup::no_decay`] for biases and norms.
     pub param_groups: Vec<ParamGroup>,
 }
@@ -166,7 +166,7 @@ impl ParamGroup {
     }
 
     /// The optimizer settings `h` as this group changes them.
-    pub fn apply(&self, mut h: AdamW) -> AdamW {
+    pub fn apply(&self, mut h: Optimizer) -> Optimizer {
         h.lr *= self.lr_scale;
         if let Some(wd) = self.weight_decay {
             h.weight_decay = wd;
@@ -187,7 +187,7 @@ impl Default for ZeroConfig {
             loss_scaling: LossScaling::default(),
             accumulation_steps: 1,
             clip_norm: None,
-            adamw: AdamW::default(),
+            optimizer: Optimizer::default(),
             micro_batch: None,
             train_batch: None,
             shard_size: None,
@@ -256,9 +256,10 @@ impl ZeroConfigBuilder {
         self.cfg.clip_norm = c;
         self
     }
-    /// AdamW hyper-parameters.
-    pub fn adamw(mut self, h: AdamW) -> Self {
-        self.cfg.adamw = h;
+    /// The optimizer: its rule and hyper-parameters (`Optimizer::adamw(lr)`, `adam`, `lion`,
+    /// `sgd`, or a struct literal).
+    pub fn optimizer(mut self, h: Optimizer) -> Self {
+        self.cfg.optimizer = h;
         self
     }
     /// Hybrid sharding over groups of this many ranks (`None`: shard over every rank).
@@ -303,23 +304,8 @@ impl ZeroConfig {
         if self.clip_norm.is_some_and(|c| !(c > 0.0 && c.is_finite())) {
             return Err(bad("gradient_clipping must be a positive number"));
         }
-        let h = &self.adamw;
-        if !(h.lr >= 0.0 && h.lr.is_finite()) {
-            return Err(bad(format!("lr {} must be a non-negative number", h.lr)));
-        }
-        for (k, b) in [("betas[0]", h.beta1), ("betas[1]", h.beta2)] {
-            if !(0.0..1.0).contains(&b) {
-                return Err(bad(format!("{k} = {b} must be in [0, 1)")));
-            }
-        }
-        if !(h.eps > 0.0 && h.eps.is_finite()) {
-            return Err(bad(format!("eps {} must be positive", h.eps)));
-        }
-        if !(h.weight_decay >= 0.0 && h.weight_decay.is_finite()) {
-            return Err(bad(format!(
-                "weight_decay {} must be non-negative",
-                h.weight_decay
-            )));
+        if let Some(why) = self.optimizer.invalid() {
+            return Err(bad(format!("optimizer: {why}")));
         }
         for (i, g) in self.param_groups.iter().enumerate() {
             if g.names_containing.is_empty() || g.names_containing.iter().any(String::is_empty) {
@@ -377,6 +363,7 @@ impl ZeroConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ringzero_kernels::cpu::Rule;
 
     #[test]
     fn a_deepspeed_config_parses() {
@@ -406,7 +393,7 @@ mod tests {
         assert_eq!(c.loss_scaling.loss_scale_window, 500);
         assert_eq!(c.accumulation_steps, 2);
         assert_eq!(c.clip_norm, Some(1.0));
-        assert_eq!(c.adamw.beta2, 0.95);
+        assert_eq!(c.optimizer.beta2, 0.95);
         assert_eq!((c.micro_batch, c.train_batch), (Some(8), Some(64)));
         assert_eq!(c.shard_size, None);
         let d = ZeroConfig::from_json(r#"{"bf16": {"enabled": true}, "gradient_clipping": 0}"#)
@@ -442,6 +429,91 @@ mod tests {
         );
     }
 
+    /// DeepSpeed's optimizer types as its docs and unit tests spell them: `Adam` (decoupled
+    /// unless `adam_w_mode` is false), `AdamW`, `Lion` (its fused Lion's defaults), and a
+    /// `torch.optim` name (`SGD`), each with DeepSpeed's defaults for what is left out, whatever
+    /// the order of `type` and `params`.
+    #[test]
+    fn deepspeeds_optimizer_types_become_their_rules() {
+        let opt = |json: &str| ZeroConfig::from_json(json).unwrap().optimizer;
+        let o = opt(r#"{"optimizer": {"type": "adam", "params": {"lr": 0.0006}}}"#);
+        assert_eq!((o.rule, o.lr, o.weight_decay), (Rule::AdamW, 0.0006, 0.0));
+        let o = opt(
+            r#"{"optimizer": {"params": {"lr": 1e-4, "weight_decay": 0.1, "adam_w_mode": false},
+                              "type": "Adam"}}"#,
+        );
+        assert_eq!((o.rule, o.weight_decay), (Rule::Adam, 0.1));
+        let c = ZeroConfig::from_json(
+            r#"{"optimizer": {"type": "AdamW", "params": {"adam_w_mode": false}}}"#,
+        )
+        .unwrap();
+        assert_eq!(c.optimizer.rule, Rule::AdamW);
+        assert!(
+            c.notes.iter().any(|n| n.contains("stays decoupled")),
+            "{:?}",
+            c.notes
+        );
+        let o = opt(r#"{"optimizer": {"type": "Lion", "params": {"lr": 0.00015}}}"#);
+        assert_eq!(
+            o,
+            Optimizer {
+                lr: 0.00015,
+                ..Optimizer::lion(0.0)
+            }
+        );
+        assert_eq!(o.states(), ["exp_avg"]);
+        let o = opt(
+            r#"{"optimizer": {"type": "SGD", "params": {"lr": 0.01, "momentum": 0.9,
+                "weight_decay": 0.0001, "nesterov": true, "dampening": 0}}}"#,
+        );
+        assert_eq!(
+            o,
+            Optimizer {
+                rule: Rule::Sgd { nesterov: true },
+                weight_decay: 0.0001,
+                ..Optimizer::sgd(0.01, 0.9)
+            }
+        );
+        assert!(
+            opt(r#"{"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}"#)
+                .states()
+                .is_empty()
+        );
+    }
+
+    /// DeepSpeed's `WarmupCosineLR` with its defaults for what is left out; a cosine with no
+    /// span is refused.
+    #[test]
+    fn warmup_cosine_lr_is_read_with_deepspeeds_defaults() {
+        let c = ZeroConfig::from_json(
+            r#"{"scheduler": {"type": "WarmupCosineLR",
+                              "params": {"total_num_steps": 100, "warmup_num_steps": 10}}}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            c.scheduler,
+            Some(LrSchedule::WarmupCosineLr {
+                min_ratio: 0.0,
+                cos_min_ratio: 0.0001,
+                warmup_steps: 10,
+                warmup: Warmup::Log,
+                total_steps: 100,
+            })
+        );
+        assert!(
+            c.notes.iter().any(|n| n.contains("step 1 runs at 0")),
+            "{:?}",
+            c.notes
+        );
+        let e = ZeroConfig::from_json(
+            r#"{"scheduler": {"type": "WarmupCosineLR",
+                              "params": {"total_num_steps": 10, "warmup_num_steps": 10}}}"#,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("must be above warmup_num_steps (10)"), "{e}");
+    }
+
     #[test]
     fn unknown_and_bad_keys_are_named() {
         let e = ZeroConfig::from_json(
@@ -472,12 +544,6 @@ mod tests {
                 && e.contains("set it to false"),
             "{e}"
         );
-        let e = ZeroConfig::from_json(
-            r#"{"optimizer": {"type": "Adam", "params": {"adam_w_mode": false}}}"#,
-        )
-        .unwrap_err()
-        .to_string();
-        assert!(e.contains("Adam with L2 is not implemented"), "{e}");
         let cases = [
             (
                 r#"{"zero_optimization": {"stage": 4}}"#,
@@ -500,7 +566,27 @@ mod tests {
                 "both true",
             ),
             (r#"{"fp16": {"loss_scale_window": 0}}"#, "loss_scale_window"),
-            (r#"{"optimizer": {"type": "Lamb"}}"#, "AdamW"),
+            (
+                r#"{"optimizer": {"type": "Lamb"}}"#,
+                "ringzero has Adam, AdamW, Lion and SGD",
+            ),
+            (
+                r#"{"optimizer": {"type": "SGD", "params": {"dampening": 0.1}}}"#,
+                "dampening is not implemented",
+            ),
+            (
+                r#"{"optimizer": {"type": "SGD", "params": {"nesterov": true}}}"#,
+                "above 0 with Nesterov",
+            ),
+            (
+                r#"{"optimizer": {"type": "Adam", "params": {"momentum": 0.9}}}"#,
+                "`optimizer.params.momentum` is not a parameter of Adam (here: lr, betas, eps, \
+                 weight_decay, adam_w_mode)",
+            ),
+            (
+                r#"{"optimizer": {"type": "Lion", "params": {"betas": [0.9, 1.5]}}}"#,
+                "betas (0.9, 1.5) must each be in [0, 1)",
+            ),
             (
                 r#"{"optimizer": {"params": {"betas": [0.9]}}}"#,
                 "two numbers",
@@ -536,13 +622,16 @@ mod tests {
             .to_string();
         assert!(e.contains("stage 7"), "{e}");
         let e = ZeroConfig::builder()
-            .adamw(AdamW {
+            .optimizer(Optimizer {
                 beta1: 1.0,
-                ..AdamW::default()
+                ..Optimizer::default()
             })
             .build()
             .unwrap_err()
             .to_string();
-        assert!(e.contains("betas[0]"), "{e}");
+        assert!(
+            e.contains("AdamW: betas (1, 0.999) must each be in [0, 1)"),
+            "{e}"
+        );
     }
 }

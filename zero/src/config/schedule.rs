@@ -1,14 +1,14 @@
 //! Learning-rate schedules as DeepSpeed defines them (`scheduler.type` in its config):
-//! `WarmupLR`, `WarmupDecayLR`, `LRRangeTest` and `OneCycle`. Each is a pure function of the
-//! optimizer step, so a checkpoint's step count restores it at any world size.
+//! `WarmupLR`, `WarmupDecayLR`, `WarmupCosineLR`, `LRRangeTest` and `OneCycle`. Each is a pure
+//! function of the optimizer step, so a checkpoint's step count restores it at any world size.
 //!
 //! Which rate step `k` (1, 2, ...) uses follows DeepSpeed's engine, which steps the scheduler
 //! after each optimizer step: step 1 uses what the scheduler set when it was made (`WarmupLR` and
-//! `WarmupDecayLR` set nothing, so the optimizer's own `lr`; `LRRangeTest` and `OneCycle` their
-//! minimum), and step `k ≥ 2` the scheduler's rate at iteration `k − 2`. Skipped (overflowed)
+//! `WarmupDecayLR` set nothing, so the optimizer's own `lr`; `WarmupCosineLR` its ratio before
+//! the first iteration, 0; `LRRangeTest` and `OneCycle` their minimum), and step `k ≥ 2` the scheduler's rate at iteration `k − 2`. Skipped (overflowed)
 //! steps do not advance it, as in DeepSpeed.
 
-use ringzero_kernels::cpu::AdamW;
+use ringzero_kernels::cpu::Optimizer;
 
 /// How DeepSpeed's warm-up rises from the minimum to the maximum rate.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -44,6 +44,21 @@ pub enum LrSchedule {
         /// `warmup_type`.
         warmup: Warmup,
         /// `total_num_steps`.
+        total_steps: u64,
+    },
+    /// `WarmupCosineLR`: the optimizer's own rate times a ratio that rises from `min_ratio` to 1
+    /// over `warmup_steps`, then follows a half cosine down to `cos_min_ratio` at `total_steps`
+    /// (and, as DeepSpeed's formula does, back up after it).
+    WarmupCosineLr {
+        /// `warmup_min_ratio`.
+        min_ratio: f64,
+        /// `cos_min_ratio`.
+        cos_min_ratio: f64,
+        /// `warmup_num_steps` (at least 2).
+        warmup_steps: u64,
+        /// `warmup_type`.
+        warmup: Warmup,
+        /// `total_num_steps` (above `warmup_steps`).
         total_steps: u64,
     },
     /// `LRRangeTest`: `min_lr × (1 + rate × interval)`, the interval growing by one every
@@ -83,7 +98,7 @@ pub enum LrSchedule {
 impl LrSchedule {
     /// The optimizer's hyper-parameters for optimizer step `k` (1-based), from the configured
     /// ones (`base`, whose `lr` step 1 of the warm-up schedules uses).
-    pub fn at(&self, k: u64, base: AdamW) -> AdamW {
+    pub fn at(&self, k: u64, base: Optimizer) -> Optimizer {
         assert!(k >= 1, "optimizer steps count from 1");
         // DeepSpeed's `last_batch_iteration` when step k runs; -1 is "as made".
         let it = k as i64 - 2;
@@ -110,6 +125,26 @@ impl LrSchedule {
                     let g = warm(it as u64, warmup_steps, warmup, Some(total_steps));
                     h.lr = lerp(min_lr, max_lr, g);
                 }
+            }
+            LrSchedule::WarmupCosineLr {
+                min_ratio,
+                cos_min_ratio,
+                warmup_steps,
+                warmup,
+                total_steps,
+            } => {
+                let ratio = if it < 0 {
+                    0.0
+                } else if (it as u64) < warmup_steps {
+                    let g = warm(it as u64, warmup_steps, warmup, None);
+                    min_ratio + g * (1.0 - min_ratio)
+                } else {
+                    let done = (it as u64 - warmup_steps + 1) as f64;
+                    let span = (total_steps - warmup_steps) as f64;
+                    let c = (1.0 + (std::f64::consts::PI * done / span).cos()) / 2.0;
+                    (cos_min_ratio + (1.0 - cos_min_ratio) * c).max(0.0)
+                };
+                h.lr = (f64::from(base.lr) * ratio) as f32;
             }
             LrSchedule::LrRangeTest {
                 min_lr,
@@ -192,9 +227,9 @@ mod tests {
     use super::*;
 
     fn lrs(s: &LrSchedule, steps: u64) -> Vec<f32> {
-        let base = AdamW {
+        let base = Optimizer {
             lr: 0.5,
-            ..AdamW::default()
+            ..Optimizer::default()
         };
         (1..=steps).map(|k| s.at(k, base).lr).collect()
     }
@@ -236,6 +271,32 @@ mod tests {
             lrs(&d, 9),
             [0.5, 0.0, 0.005, 0.01, 0.0075, 0.005, 0.0025, 0.0, 0.0]
         );
+        // WarmupCosineLR on the base rate 0.5: ratio 0 as made, then warm-up (linear, 2
+        // iterations) from 0.2: 0.2, 0.6; then (1 + cos(π·j/4))/2 for j = 1..4, floored at 0.1:
+        // 0.1 + 0.9·{0.8536, 0.5, 0.1464, 0}, and past the end the cosine rises again (j = 5).
+        let wc = LrSchedule::WarmupCosineLr {
+            min_ratio: 0.2,
+            cos_min_ratio: 0.1,
+            warmup_steps: 2,
+            warmup: Warmup::Linear,
+            total_steps: 6,
+        };
+        let cos = |j: f64| 0.1 + 0.9 * (1.0 + (std::f64::consts::PI * j / 4.0).cos()) / 2.0;
+        let want: Vec<f32> = [
+            0.0,
+            0.2,
+            0.6,
+            cos(1.0),
+            cos(2.0),
+            cos(3.0),
+            cos(4.0),
+            cos(5.0),
+        ]
+        .iter()
+        .map(|r| (0.5 * r) as f32)
+        .collect();
+        assert_eq!(lrs(&wc, 8), want);
+        assert_eq!(lrs(&wc, 7)[6], 0.05, "the floor: 0.5 × cos_min_ratio");
         let r = LrSchedule::LrRangeTest {
             min_lr: 0.1,
             step_size: 2,
@@ -259,7 +320,7 @@ mod tests {
             decay_step_size: 1,
             momentum: Some((0.8, 0.9, 0.0)),
         };
-        let base = AdamW::default();
+        let base = Optimizer::default();
         let got: Vec<(f32, f32, f32)> = (1..=8)
             .map(|k| o.at(k, base))
             .map(|h| (h.lr, h.beta1, h.beta2))

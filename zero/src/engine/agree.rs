@@ -93,7 +93,7 @@ impl<T: Float, S: TrainStream> Engine<T, S> {
 
 /// Every configuration field that shapes the training, by name, as text.
 fn config_fields(c: &crate::ZeroConfig) -> Vec<(&'static str, String)> {
-    let h = &c.adamw;
+    let h = &c.optimizer;
     vec![
         ("stage", c.stage.to_string()),
         ("precision", c.precision.to_string()),
@@ -107,6 +107,7 @@ fn config_fields(c: &crate::ZeroConfig) -> Vec<(&'static str, String)> {
             c.accumulation_steps.to_string(),
         ),
         ("gradient_clipping", format!("{:?}", c.clip_norm)),
+        ("optimizer.type", format!("{:?}", h.rule)),
         ("optimizer.params.lr", h.lr.to_string()),
         (
             "optimizer.params.betas",

@@ -96,8 +96,9 @@ pub struct Engine<T: Float = f32, S: TrainStream + 'static = HostStream> {
     staging: Vec<Option<DevVec>>,
     /// Stages 2–3 with `overlap_comm`: reduce-scatters in flight (the bucket, the shard).
     pending: InFlight,
-    m: Vec<DevVec>,
-    v: Vec<DevVec>,
+    /// Per bucket, the optimizer's fp32 states over the range this rank updates, in
+    /// `Optimizer::states`' order (none for SGD without momentum).
+    states: Vec<Vec<DevVec>>,
     /// Kept bucket-sized buffers (staging, gathered buckets) and shard-sized ones (reduced
     /// shards, prefetch copies).
     buckets: Spares,
@@ -193,7 +194,8 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
         };
         let mut params = Vec::with_capacity(nb);
         let mut master = Vec::with_capacity(nb);
-        let (mut grads, mut m, mut v) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut grads, mut states) = (Vec::new(), Vec::new());
+        let keeps = cfg.optimizer.states().len();
         for (b, bucket) in full.iter().enumerate() {
             params.push(if stage == 3 {
                 upload(&bucket[part.owned(b, rank)], true)?
@@ -211,8 +213,11 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
                 part.buckets[b].len
             };
             grads.push(alloc(T::DTYPE, g)?);
-            m.push(alloc(DType::F32, upd(b).len())?);
-            v.push(alloc(DType::F32, upd(b).len())?);
+            states.push(
+                (0..keeps)
+                    .map(|_| alloc(DType::F32, upd(b).len()))
+                    .collect::<Result<Vec<_>, _>>()?,
+            );
         }
         let cap = part.buckets.iter().map(|b| b.len).max().unwrap_or(0);
         // Two bucket buffers in steady state (one filling while one reduces, or a gathered
@@ -232,8 +237,7 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
             grads,
             staging: (0..nb).map(|_| None).collect(),
             pending: (0..nb).map(|_| None).collect(),
-            m,
-            v,
+            states,
             led: Ledger::new(part, cfg, rank),
             comm,
             replicas,
@@ -381,7 +385,8 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
         Memory {
             params: elems(&self.params) * sz,
             grads: elems(&self.grads) * sz,
-            optimizer: (elems(&self.m) + elems(&self.v) + held(&self.master)) * 4,
+            optimizer: (self.states.iter().map(|s| elems(s)).sum::<usize>() + held(&self.master))
+                * 4,
             comm_buffers: (held(&self.staging)
                 + held(&self.gathered)
                 + flying(&self.inflight)

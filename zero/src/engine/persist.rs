@@ -18,7 +18,7 @@ impl<T: Float, S: TrainStream + 'static> Persist for Engine<T, S> {
     fn led(&self) -> &Ledger {
         &self.led
     }
-    fn own_states(&self, b: usize) -> Result<[Cow<'_, [f32]>; 3], ZeroError> {
+    fn own_states(&self, b: usize) -> Result<Vec<Cow<'_, [f32]>>, ZeroError> {
         let own = self.led.part.owned(b, self.led.rank);
         // Which buffers hold whole buckets (the owned range at its offset) rather than the owned
         // range alone: the master and moments in stage 0, f32 parameters outside stage 3.
@@ -36,11 +36,9 @@ impl<T: Float, S: TrainStream + 'static> Persist for Engine<T, S> {
                 .map_err(dev("reading the optimizer state".into()))?;
             Ok(Cow::Owned(out))
         };
-        Ok([
-            read(master, whole_master)?,
-            read(&self.m[b], whole_state)?,
-            read(&self.v[b], whole_state)?,
-        ])
+        std::iter::once(read(master, whole_master))
+            .chain(self.states[b].iter().map(|x| read(x, whole_state)))
+            .collect()
     }
     fn writes(&self) -> bool {
         self.replicas.as_ref().is_none_or(|r| r.rank() == 0)
@@ -100,7 +98,7 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
     /// size, stage, precision or bucket size: each rank reads only the shards that hold what it
     /// now owns, matched by parameter name, and checks their size and checksum. The parameters
     /// must be the same set with the same shapes. Restores the master weights (and the 16-bit
-    /// parameters, their rounding), both Adam moments, the step count and, fp16 to fp16 with
+    /// parameters, their rounding), the optimizer's states, the step count and, fp16 to fp16 with
     /// dynamic scaling, the loss scale. Returns the checkpoint's metadata, `client_state`
     /// included.
     ///
@@ -110,7 +108,8 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
         self.between_steps("load_checkpoint", true)?;
         let (meta, states) = persist::read_agreed(self, dir.as_ref())?;
         let (stage, rank) = (self.led.cfg.stage, self.led.rank);
-        for (b, [master, m, v]) in states.into_iter().enumerate() {
+        for (b, saved) in states.into_iter().enumerate() {
+            let (master, kept) = saved.split_first().expect("the master comes first");
             let range = match stage {
                 1 | 2 => self.led.part.owned(b, rank),
                 _ => 0..self.params[b].elems,
@@ -125,17 +124,19 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
                     .map_err(dev("uploading the checkpoint's state".into()))
             };
             match &self.master[b] {
-                None => up(p, &master)?,
+                None => up(p, master)?,
                 Some(mb) => {
-                    up(mb.addr, &master)?;
+                    up(mb.addr, master)?;
                     // SAFETY: the master and the parameters' stretch both hold `range.len()`
                     // elements (f32 and `T`), apart.
                     unsafe { s.cast(DType::F32, mb.addr, T::DTYPE, p, range.len()) }
                         .map_err(dev("rounding the master into the parameters".into()))?;
                 }
             }
-            up(self.m[b].addr, &m)?;
-            up(self.v[b].addr, &v)?;
+            // The same optimizer saved it (checked before reading): a state per state kept.
+            for (x, saved) in self.states[b].iter().zip(kept) {
+                up(x.addr, saved)?;
+            }
         }
         self.led.t = meta.step;
         self.led.skipped = meta.skipped;

@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use ringzero_collectives::{
-    AdamAt, Collectives, DeviceMemory, InPlace, NonBlocking, ReduceOp, TrainStream,
+    Collectives, DeviceMemory, InPlace, NonBlocking, ReduceOp, StepAt, TrainStream,
 };
 use ringzero_kernels::cpu::Float;
 
@@ -349,24 +349,25 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
             let (es, f32s) = (T::DTYPE.size() as u64, 4u64);
             for (off, len, hh) in self.led.update_segments(b, from, range.len(), &h) {
                 let o = off as u64;
-                let at = AdamAt {
+                let at = StepAt {
                     master: self.master[b]
                         .as_ref()
                         .map_or(p + o * es, |x| x.addr + o * f32s),
                     params: self.master[b].as_ref().map(|_| p + o * es),
                     grads: grads + o * es,
-                    m: self.m[b].addr + o * f32s,
-                    v: self.v[b].addr + o * f32s,
+                    s1: self.states[b].first().map_or(0, |x| x.addr + o * f32s),
+                    s2: self.states[b].get(1).map_or(0, |x| x.addr + o * f32s),
                 };
                 // SAFETY: every range holds `len` elements of its type in the engine's buffers
-                // (a segment of the update range's master and moments, of the reduced gradient
+                // (a segment of the update range's master and the states the rule keeps, the
+                // others not read, of the reduced gradient
                 // range and of the parameters' stretch: `off + len` is within the range),
                 // apart from each other (an f32 master is the parameters).
                 unsafe {
                     self.stream()
-                        .adamw(&hh, self.led.t, T::DTYPE, at, len, inv * clip)
+                        .optim_step(&hh, self.led.t, T::DTYPE, at, len, inv * clip)
                 }
-                .map_err(dev("the AdamW step".into()))?;
+                .map_err(dev(format!("the {} step", hh.name())))?;
             }
         }
         self.led.scaler.update(false);

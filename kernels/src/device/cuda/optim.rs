@@ -1,6 +1,6 @@
 //! The optimizer's kernels on device addresses: casts, the squared norm, the finiteness check and
-//! AdamW, queued on the compute stream like the collectives' kernels (`raw`). The buffer forms
-//! on [`Gpu`] (`cast`, `sq_norm`, `all_finite`, `adamw`) check their buffers and call these; a
+//! the optimizers' step, queued on the compute stream like the collectives' kernels (`raw`). The buffer forms
+//! on [`Gpu`] (`cast`, `sq_norm`, `all_finite`, `optim_step`) check their buffers and call these; a
 //! ZeRO engine on device memory calls these on ranges of its buckets.
 
 use std::sync::Arc;
@@ -8,7 +8,7 @@ use std::sync::Arc;
 use cudarc::driver::PushKernelArg;
 
 use super::{cu_type, driver, kernel_names, DeviceError, Gpu};
-use crate::device::{AdamAt, DevPtr, Stream, TrainStream};
+use crate::device::{DevPtr, StepAt, Stream, TrainStream};
 use crate::DType;
 
 /// The optimizer's kernels on device addresses, queued on the compute stream like the
@@ -122,48 +122,51 @@ impl TrainStream for Arc<Gpu> {
         Ok(v[0] == 0)
     }
 
-    /// Queue one fused AdamW step (`h` at step `t`) on `n` elements: gradients (and parameters)
-    /// in `dtype`, multiplied by `grad_scale` first.
+    /// Queue one fused optimizer step (`h` at step `t`) on `n` elements: gradients (and
+    /// parameters) in `dtype`, multiplied by `grad_scale` first.
     ///
     /// # Safety
-    /// Every range of `at` must be live device-addressable memory of `n` elements of its type
-    /// until the work completes, none overlapping another.
-    unsafe fn adamw(
+    /// Every range of `at` the rule uses must be live device-addressable memory of `n` elements
+    /// of its type until the work completes, none overlapping another.
+    unsafe fn optim_step(
         &self,
-        h: &crate::cpu::AdamW,
+        h: &crate::cpu::Optimizer,
         t: u64,
         dtype: DType,
-        at: AdamAt,
+        at: StepAt,
         n: usize,
         grad_scale: f32,
     ) -> Result<(), DeviceError> {
         self.check()?;
-        let f = self.float_kernel("adamw", dtype)?;
+        let f = self.float_kernel("optim_step", dtype)?;
         if n == 0 {
             return Ok(());
         }
-        let (bc1, bc2, decay) = h.step_scalars(t);
-        // A null pointer: the kernel skips the parameter write.
+        let k = h.step_scalars(t);
+        // A null pointer: the kernel skips the parameter write (and never reads a state the
+        // rule does not keep).
         let params: DevPtr = at.params.unwrap_or(0);
         let n64 = n as u64;
         let mut b = self.stream.launch_builder(&f);
         b.arg(&at.master)
             .arg(&params)
             .arg(&at.grads)
-            .arg(&at.m)
-            .arg(&at.v)
+            .arg(&at.s1)
+            .arg(&at.s2)
             .arg(&n64)
-            .arg(&h.lr)
-            .arg(&h.beta1)
-            .arg(&h.beta2)
-            .arg(&h.eps)
-            .arg(&decay)
-            .arg(&bc1)
-            .arg(&bc2)
+            .arg(&k.code)
+            .arg(&k.lr)
+            .arg(&k.b1)
+            .arg(&k.b2)
+            .arg(&k.eps)
+            .arg(&k.decay)
+            .arg(&k.l2)
+            .arg(&k.bc1)
+            .arg(&k.bc2)
             .arg(&grad_scale);
-        // SAFETY: the caller guarantees every range (`params` is such a range or null, which the
-        // kernel tests before writing); grid-stride bounded by `n`.
-        unsafe { b.launch(Gpu::cfg(n)) }.map_err(driver("launching adamw"))?;
+        // SAFETY: the caller guarantees every range the rule uses (`params` is such a range or
+        // null, which the kernel tests before writing); grid-stride bounded by `n`.
+        unsafe { b.launch(Gpu::cfg(n)) }.map_err(driver("launching optim_step"))?;
         Ok(())
     }
 
