@@ -63,7 +63,7 @@ if [ "${1:-}" = staging ]; then
     M="$B bench $A -b 64M -e 256M"
     bench staging-n3 60 RINGZERO_P2P_DISABLE=1 $M -n 3
     bench staging-copy-n3 60 RINGZERO_P2P_DISABLE=1 RINGZERO_STAGING=copy $M -n 3
-    step "gpu-check" 240 $B gpu-check --json "$out/gpu-check.json"
+    step "gpu-check" 300 $B gpu-check --json "$out/gpu-check.json"
     S="$B bench $A -b 16M -e 1G"
     bench staging-1G-n2 60 RINGZERO_P2P_DISABLE=1 $S -n 2
     # 4 ranks up to 1 GiB take about a minute (57 s on the H200, mapped).
@@ -73,8 +73,8 @@ if [ "${1:-}" = staging ]; then
     bench staging-8slots-n2 60 RINGZERO_P2P_DISABLE=1 RINGZERO_SLOTS=8 $M -n 2
 else
 # 1. Every kernel and every collective run (exactness, bandwidth rows, killed ranks): about
-# 160 s on an H100 or H200; what follows measures, this checks.
-step "gpu-check" 240 $B gpu-check --json "$out/gpu-check.json"
+# 200 s on an H100 or H200; what follows measures, this checks.
+step "gpu-check" 300 $B gpu-check --json "$out/gpu-check.json"
 # 2. Host staging on 2 ranks against its bound: explicit copies (RINGZERO_STAGING=auto's pick
 # for 2 ranks of one GPU) with the copy pair on and off, and mapped, in one MPS session.
 bench staging-n2 60 RINGZERO_P2P_DISABLE=1 $B bench $A -b 64M -e 256M -n 2

@@ -1,6 +1,8 @@
 //! `gpu-check`'s ZeRO row: the [`Engine`] with its model states on the GPU against the same
 //! engine on the host, on the same data, every stage in fp32, bf16 and fp16 (static loss scale)
-//! with AdamW, and in bf16 with every other optimizer rule, three optimizer steps, no clipping (the GPU sums the norm in a tree, so a clipped step may differ in
+//! with AdamW, and at stage 3 in bf16 with every other optimizer rule (Lion only where the
+//! target is bit for bit: its sign turns a last-bit difference into a whole step), three
+//! optimizer steps, no clipping (the GPU sums the norm in a tree, so a clipped step may differ in
 //! the last bit). Bit for bit where the device collectives reduce in the host ring's order (the
 //! slot ring, or 2 ranks, whose sums have one order); within 1e-3 where the direct step reduces
 //! chunks in rank order on more ranks.
@@ -9,7 +11,7 @@ use std::sync::Arc;
 
 use half::{bf16, f16};
 use ringzero_collectives::{Communicator, DeviceComm, DeviceMemory, TrainStream};
-use ringzero_kernels::cpu::{cast, Float, Optimizer};
+use ringzero_kernels::cpu::{cast, Float, Optimizer, Rule};
 use ringzero_zero::{Engine, LossScaling, ParamSpec, Precision, ZeroConfig};
 
 use crate::gpu::kernels::Row;
@@ -151,9 +153,10 @@ fn compare<D: CheckDev, T: Float>(
     dc: &Arc<DeviceComm<D>>,
     p: Precision,
     h: Optimizer,
+    stages: &[u8],
     exact: bool,
 ) -> Result<(), String> {
-    for stage in 0..=3u8 {
+    for &stage in stages {
         let want = host::<T>(comm, cfg(p, stage, h))?;
         let got = device::<D, T>(dc, cfg(p, stage, h))?;
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
@@ -181,21 +184,29 @@ fn compare<D: CheckDev, T: Float>(
 pub fn check<D: CheckDev>(comm: &Communicator, dc: &Arc<DeviceComm<D>>, label: &str) -> Row {
     let n = comm.size();
     let exact = dc.direct().is_none() || n <= 2;
-    let r = compare::<D, f32>(comm, dc, Precision::Fp32, adamw(), exact)
-        .and_then(|()| compare::<D, bf16>(comm, dc, Precision::Bf16, adamw(), exact))
-        .and_then(|()| compare::<D, f16>(comm, dc, Precision::Fp16, adamw(), exact))
+    let all = [0, 1, 2, 3];
+    let r = compare::<D, f32>(comm, dc, Precision::Fp32, adamw(), &all, exact)
+        .and_then(|()| compare::<D, bf16>(comm, dc, Precision::Bf16, adamw(), &all, exact))
+        .and_then(|()| compare::<D, f16>(comm, dc, Precision::Fp16, adamw(), &all, exact))
         .and_then(|()| {
+            // Lion steps by the sign of its momentum: where the reductions' order differs (the
+            // direct step on more than 2 ranks), a last-bit difference in a gradient sum near 0
+            // flips a sign and moves a weight by 2·lr, so it is compared only where bit for
+            // bit is the target. The other rules only at stage 3 (the stages differ in where
+            // gradients and parameters live, checked above; the rules in the update).
             other_rules()
                 .into_iter()
-                .try_for_each(|h| compare::<D, bf16>(comm, dc, Precision::Bf16, h, exact))
+                .filter(|h| exact || h.rule != Rule::Lion)
+                .try_for_each(|h| compare::<D, bf16>(comm, dc, Precision::Bf16, h, &[3], exact))
         });
     Row {
         check: format!("{label} n={n} zero device engine"),
         pass: r.is_ok(),
         detail: r.err().unwrap_or_else(|| {
             format!(
-                "stages 0-3 × fp32/bf16/fp16 with AdamW, and bf16 with Adam, Lion, SGD with and \
-                 without momentum; {STEPS} steps, against the host engine: {}",
+                "stages 0-3 × fp32/bf16/fp16 with AdamW, and stage 3 in bf16 with Adam, SGD with \
+                 and without momentum{}; {STEPS} steps, against the host engine: {}",
+                if exact { ", Lion" } else { "" },
                 if exact {
                     "bit for bit"
                 } else {
