@@ -4,7 +4,7 @@
 # scripts/gpu-check.sh is the whole check (both ways of every bench, with and without MPS); this
 # is its order of importance for a session whose device time is a quarter of an hour.
 #
-#     GPU_BUDGET_S=480 BIN=target/release bash scripts/gpu-session.sh [staging]
+#     GPU_BUDGET_S=540 BIN=target/release bash scripts/gpu-session.sh [staging]
 #
 # With `staging` it runs a follow-up instead: host staging on 3 ranks both ways (what
 # RINGZERO_STAGING=auto's threshold of 2 copying ranks per GPU has not measured), the whole
@@ -17,7 +17,7 @@
 # diag.json, and the benches' JSON in benches.tgz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-budget=${GPU_BUDGET_S:-480}
+budget=${GPU_BUDGET_S:-540}
 BIN=${BIN:-target/release}
 B=$BIN/ringzero
 out=${OUT:-/tmp}
@@ -72,17 +72,21 @@ if [ "${1:-}" = staging ]; then
     bench staging-nopairs-n2 60 RINGZERO_P2P_DISABLE=1 RINGZERO_DEVICE_COPY_PAIRS=off $M -n 2
     bench staging-8slots-n2 60 RINGZERO_P2P_DISABLE=1 RINGZERO_SLOTS=8 $M -n 2
 else
-# 1. Every kernel and every collective run (exactness, bandwidth rows, killed ranks): about
-# 200 s on an H100 or H200; what follows measures, this checks.
+# 1. Every kernel, then every collective at small counts (1, 1023, 4099): exactness only, about
+# 60 s. Small calls end quickly, so work that is not ordered behind what it depends on shows
+# here first (the H200 run of 2026-11-26 found two such races this way).
+step "gpu-check --quick" 150 $B gpu-check --quick --no-bench --json "$out/gpu-check-quick.json"
+# 2. Every kernel and every collective run at full counts (exactness, bandwidth rows, killed
+# ranks): about 200 s on an H100 or H200; what follows measures, this checks.
 step "gpu-check" 300 $B gpu-check --json "$out/gpu-check.json"
-# 2. Host staging on 2 ranks against its bound: explicit copies (RINGZERO_STAGING=auto's pick
+# 3. Host staging on 2 ranks against its bound: explicit copies (RINGZERO_STAGING=auto's pick
 # for 2 ranks of one GPU) with the copy pair on and off, and mapped, in one MPS session.
 bench staging-n2 60 RINGZERO_P2P_DISABLE=1 $B bench $A -b 64M -e 256M -n 2
 bench staging-nopairs-n2 60 RINGZERO_P2P_DISABLE=1 RINGZERO_DEVICE_COPY_PAIRS=off \
     $B bench $A -b 64M -e 256M -n 2
 # Kernels on the mapped slots (auto's pick for more than 2 ranks) against the copy lanes above.
 bench staging-mapped-n2 60 RINGZERO_P2P_DISABLE=1 RINGZERO_STAGING=mapped $B bench $A -b 64M -e 256M -n 2
-# 3. What has never run on a GPU beyond gpu-check: the all-to-all pull against the ring, the
+# 4. What has never run on a GPU beyond gpu-check: the all-to-all pull against the ring, the
 # bench's device baseline and bound lines on cuda_ipc, staging on 4 ranks, diag.
 A2A="all-to-all --device cuda -b 16M -e 256M -f 4 --iters 10 --warmup 3 -n 4"
 bench a2a-n4 60 $B bench $A2A

@@ -171,13 +171,15 @@ impl TrainStream for Arc<Gpu> {
     }
 
     unsafe fn write(&self, dst: DevPtr, src: &[u8]) -> Result<(), DeviceError> {
-        // The upload goes after the work queued before it.
-        self.mark()?.wait()?;
-        self.ctx
-            .bind_to_thread()
-            .map_err(driver("binding the context"))?;
-        // SAFETY: the caller guarantees the destination; `src` is a live host slice.
-        unsafe { cudarc::driver::result::memcpy_htod_sync(dst, src) }
-            .map_err(driver("copying host to device"))
+        // On the compute stream, after the work queued before it, and waited for: a
+        // `cuMemcpyHtoD` (the legacy default stream) may return before its DMA has landed and
+        // is not ordered with the non-blocking compute stream, so a kernel queued next could
+        // read the memory before the upload.
+        self.for_raw_calls()?;
+        // SAFETY: the caller guarantees the destination; `src` is a live host slice, kept
+        // until the copy has ended (waited for below).
+        unsafe { cudarc::driver::result::memcpy_htod_async(dst, src, self.stream.cu_stream()) }
+            .map_err(driver("copying host to device"))?;
+        self.mark()?.wait()
     }
 }

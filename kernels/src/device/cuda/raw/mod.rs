@@ -80,6 +80,14 @@ impl ExportedSlots {
         // SAFETY: `ptr` owns `bytes.max(1)` bytes just allocated in this context.
         unsafe { result::memset_d8_sync(ptr, fill, bytes.max(1)) }
             .map_err(sys_err("filling device memory"))?;
+        // The fill runs on the legacy default stream, which the device's non-blocking compute
+        // stream and copy lanes do not wait for: a copy or kernel queued on them next could run
+        // before it and be overwritten (an in-place all-to-all's send copy read back as zeros,
+        // a ZeRO engine's fresh gradient bucket zeroed after its first gradient landed). It
+        // has ended before the memory is handed out.
+        // SAFETY: the null stream is the context's legacy default stream, current here.
+        unsafe { result::stream::synchronize(std::ptr::null_mut()) }
+            .map_err(sys_err("waiting for the fill of new device memory"))?;
         Ok(s)
     }
 

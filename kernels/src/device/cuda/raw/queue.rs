@@ -541,7 +541,9 @@ impl Stream for Arc<Gpu> {
     /// # Safety
     /// `src..src + dst.len()` must be live device memory.
     unsafe fn read(&self, dst: &mut [u8], src: DevPtr) -> Result<(), DeviceError> {
-        self.stream.synchronize().map_err(driver("synchronizing"))?;
+        // After everything queued before, the copy lanes' work included (the marker joins
+        // them).
+        self.mark()?.wait()?;
         self.ctx
             .bind_to_thread()
             .map_err(driver("binding the context"))?;
