@@ -704,6 +704,126 @@ fn accumulation_steps_only_at_the_boundary() {
     });
 }
 
+/// Stage 3 by parameter: a bucket stays gathered while any of its parameters is (releasing
+/// `w1` keeps the bucket `b1` needs), so a forward and a backward that gather every parameter
+/// move each bucket once each — twice the padded Ψ per step, the all-gather part of the paper's
+/// 3Ψ. From the second step the engine prefetches by the order the first step gathered in; a
+/// step in another order only loses the prefetch. Every schedule gives the bits of the run
+/// without prefetching, and persistent parameters stay gathered across steps.
+#[test]
+fn stage_3_gathers_by_parameter_and_prefetches_by_the_recorded_order() {
+    // Buckets: [w1, b1] (42 elements), [w2] (130), [b2] (3).
+    let forward = ["w1", "b1", "w2", "b2"];
+    // One micro-step: gather in `order`, releasing each parameter once the next one is in
+    // (w1 after b1: its bucket stays for b1), then backward in reverse, and step; the engine's
+    // gathered elements after each gather.
+    fn micro(e: &mut Engine<f32>, order: &[&str], rank: usize, t: usize) -> Vec<u64> {
+        let mut held_elems = Vec::new();
+        let sp = specs();
+        let mut grads = vec![Vec::new(); sp.len()];
+        for pass in [order.to_vec(), order.iter().rev().copied().collect()] {
+            for (k, n) in pass.iter().enumerate() {
+                e.gather(&[n]).unwrap();
+                held_elems.push(e.gathered_elems());
+                if k > 0 {
+                    e.release(&[pass[k - 1]]).unwrap();
+                }
+                let i = sp.iter().position(|s| s.name == *n).unwrap();
+                grads[i] = grad(&e.param_f32(n).unwrap(), rank, t, i);
+            }
+            e.release(&[pass[pass.len() - 1]]).unwrap();
+        }
+        for (s, g) in sp.iter().zip(&grads) {
+            e.push_grad_f32(&s.name, g).unwrap();
+        }
+        assert!(matches!(e.step().unwrap(), StepOutcome::Stepped { .. }));
+        held_elems
+    }
+    threads(2, &Opts::default(), |rank, comm| {
+        let comm = comm.unwrap();
+        let c = |prefetch| ZeroConfig {
+            bucket_elems: 64,
+            prefetch_elems: prefetch,
+            ..cfg(3, None)
+        };
+        let orders = [forward, forward, ["w2", "b2", "w1", "b1"], forward];
+        let run = |prefetch: usize| {
+            let mut e = Engine::<f32>::new(&comm, &specs(), &init, c(prefetch)).unwrap();
+            let mut per_step = Vec::new();
+            let mut buffers = Vec::new();
+            for (t, order) in orders.iter().enumerate() {
+                let before = e.gathered_elems();
+                buffers.push(micro(&mut e, order, rank, t));
+                per_step.push(e.gathered_elems() - before);
+            }
+            let names: Vec<String> = specs().into_iter().map(|s| s.name).collect();
+            let names: Vec<&str> = names.iter().map(|s| s.as_str()).collect();
+            e.gather(&names).unwrap();
+            let bits: Vec<Vec<u8>> = names.iter().map(|n| bits(e.param(n).unwrap())).collect();
+            e.release(&names).unwrap();
+            (bits, per_step, buffers)
+        };
+        let padded: u64 = {
+            let e = Engine::<f32>::new(&comm, &specs(), &init, c(0)).unwrap();
+            e.partition().buckets.iter().map(|b| b.len as u64).sum()
+        };
+        let (want, plain, _) = run(0);
+        // Without prefetch: each bucket once for forward, once for backward.
+        assert_eq!(plain, [2 * padded; 4], "gathered elements per step");
+        let (got, prefetched, gathered) = run(1 << 20);
+        assert_eq!(got, want, "prefetching changes no bit, in any order");
+        // With it, the same buckets move, but ahead of their gather: in step 2, `w1`'s gather
+        // also starts the buckets next in the record (w2's, b2's); in step 1, with nothing
+        // recorded, it moves `w1`'s bucket alone.
+        let first = |t: usize| {
+            let start = if t == 0 {
+                0
+            } else {
+                gathered[t - 1].last().copied().unwrap()
+            };
+            gathered[t][0] - start
+        };
+        let len0 = 42u64.div_ceil(2) * 2;
+        assert_eq!(prefetched[0], 2 * padded);
+        assert_eq!(
+            first(0),
+            len0,
+            "step 1: nothing recorded, nothing prefetched"
+        );
+        assert!(first(1) > len0, "step 2 prefetched: {} elements", first(1));
+        for (t, &n) in prefetched.iter().enumerate() {
+            assert!(
+                n >= 2 * padded && n <= 3 * padded,
+                "step {t}: {n} elements gathered"
+            );
+        }
+        // Persistent parameters (fewer than 10 elements: b1, b2) keep their buckets gathered
+        // across steps, refreshed after each, with the same bits.
+        let mut e = Engine::<f32>::new(
+            &comm,
+            &specs(),
+            &init,
+            ZeroConfig {
+                persistence_threshold: 10,
+                ..c(0)
+            },
+        )
+        .unwrap();
+        for (t, order) in orders.iter().enumerate() {
+            micro(&mut e, order, rank, t);
+            assert!(
+                e.memory().comm_buffers > 0,
+                "the pinned buckets stay gathered"
+            );
+        }
+        let names: Vec<String> = specs().into_iter().map(|s| s.name).collect();
+        let names: Vec<&str> = names.iter().map(|s| s.as_str()).collect();
+        e.gather(&names).unwrap();
+        let bits_p: Vec<Vec<u8>> = names.iter().map(|n| bits(e.param(n).unwrap())).collect();
+        assert_eq!(bits_p, want, "persistence changes no bit");
+    });
+}
+
 #[test]
 fn a_deepspeed_json_config_drives_the_engine() {
     threads(2, &Opts::default(), |_, comm| {

@@ -7,6 +7,7 @@ use ringzero_kernels::cpu::Float;
 
 use crate::config::ZeroConfig;
 use crate::error::ZeroError;
+use crate::live::Live;
 use crate::partition::{ParamSpec, Partition, Slot};
 use crate::report::StepOutcome;
 use crate::scaler::LossScaler;
@@ -29,6 +30,8 @@ pub(crate) struct Ledger {
     pub(crate) lr: Option<f32>,
     /// Per parameter: the index of its group in `cfg.param_groups`, if any (matched once).
     group: Vec<Option<usize>>,
+    /// Stage 3: the parameters gathered, the buckets that keeps, the recorded order.
+    pub(crate) live: Live,
 }
 
 impl Ledger {
@@ -40,6 +43,7 @@ impl Ledger {
             .map(|p| cfg.param_groups.iter().position(|g| g.contains(&p.name)))
             .collect();
         Ledger {
+            live: Live::new(&part, cfg.persistence_threshold),
             group,
             pushed: vec![false; part.specs.len()],
             scaler: LossScaler::new(cfg.precision, cfg.loss_scaling),
@@ -157,55 +161,78 @@ impl Ledger {
         self.part.buckets[b].params.iter().all(|&p| self.pushed[p])
     }
 
-    /// End a micro-step in the books, once every gradient is in and (at the accumulation
-    /// boundary) nothing is gathered (`gathered(bucket)`): whether it is the boundary.
-    pub(crate) fn end_micro_step(
-        &mut self,
-        gathered: impl Fn(usize) -> bool,
-    ) -> Result<bool, ZeroError> {
+    /// End a micro-step (refused when a gradient is missing, or, at the boundary, when the
+    /// trainer still holds parameters gathered); whether it is the accumulation boundary, where
+    /// the recorded order of stage 3's gathers is renewed.
+    pub(crate) fn end_micro_step(&mut self) -> Result<bool, ZeroError> {
         let boundary = self.micro + 1 == self.cfg.accumulation_steps;
-        ready_to_step(&self.part, &self.pushed, boundary, gathered)?;
+        let held = if boundary {
+            self.live.live_names(&self.part)
+        } else {
+            Vec::new()
+        };
+        ready_to_step(&self.part, &self.pushed, held)?;
         self.pushed.iter_mut().for_each(|p| *p = false);
         self.micro += 1;
+        if boundary {
+            self.live.end_step();
+        }
         Ok(boundary)
     }
 
-    /// Stage 3: the buckets holding `names` to gather (`None` in stages 0–2, where gathering is
-    /// a no-op), refused when one is gathered already (`gathered(bucket)`).
-    pub(crate) fn to_gather(
-        &self,
-        names: &[&str],
-        gathered: impl Fn(usize) -> bool,
-    ) -> Result<Option<Vec<usize>>, ZeroError> {
-        self.stage3(names, |b| !gathered(b), ZeroError::AlreadyGathered)
+    /// The parameters named, by index (refused, naming it, when one is unknown).
+    fn indices(&self, names: &[&str]) -> Result<Vec<usize>, ZeroError> {
+        names.iter().map(|n| self.index(n)).collect()
     }
 
-    /// Stage 3: the buckets holding `names` to release (`None` in stages 0–2), refused when one
-    /// is not gathered.
-    pub(crate) fn to_release(
-        &self,
+    /// Stage 3: mark `names` gathered; the buckets to gather (`None` in stages 0–2, where
+    /// gathering is a no-op): those no live parameter holds and not `held` already. Refused,
+    /// changing nothing, when one is gathered already.
+    pub(crate) fn mark_gathered(
+        &mut self,
         names: &[&str],
-        gathered: impl Fn(usize) -> bool,
+        held: impl Fn(usize) -> bool,
     ) -> Result<Option<Vec<usize>>, ZeroError> {
-        self.stage3(names, gathered, ZeroError::NotGathered)
-    }
-
-    /// The buckets holding `names` when every one is `ready`, else `refuse` naming the first
-    /// that is not; `None` outside stage 3.
-    fn stage3(
-        &self,
-        names: &[&str],
-        ready: impl Fn(usize) -> bool,
-        refuse: fn(String) -> ZeroError,
-    ) -> Result<Option<Vec<usize>>, ZeroError> {
-        let buckets = self.buckets_of(names)?;
+        let params = self.indices(names)?;
         if self.cfg.stage != 3 {
             return Ok(None);
         }
-        match buckets.iter().find(|(b, _)| !ready(*b)) {
-            Some((_, name)) => Err(refuse(name.clone())),
-            None => Ok(Some(buckets.into_iter().map(|(b, _)| b).collect())),
+        Ok(Some(self.live.gather(&self.part, &params, held)?.fetch))
+    }
+
+    /// Stage 3: mark `names` released; the buckets to drop (`None` in stages 0–2): those left
+    /// with no live parameter and no persistent one. Refused, changing nothing, when one is not
+    /// gathered.
+    pub(crate) fn mark_released(
+        &mut self,
+        names: &[&str],
+    ) -> Result<Option<Vec<usize>>, ZeroError> {
+        let params = self.indices(names)?;
+        if self.cfg.stage != 3 {
+            return Ok(None);
         }
+        self.live.release(&self.part, &params).map(Some)
+    }
+
+    /// Stage 3 with prefetch on, after a gather: the buckets next in the recorded order to
+    /// prefetch (see [`Live::next_prefetch`]), skipping those `busy`; `flying` elements in
+    /// flight and `held` gathered or in flight now.
+    pub(crate) fn recorded_prefetch(
+        &self,
+        busy: impl Fn(usize) -> bool,
+        flying: usize,
+        held: usize,
+    ) -> Vec<(usize, usize)> {
+        if self.cfg.stage != 3 || self.cfg.prefetch_elems == 0 {
+            return Vec::new();
+        }
+        let c = &self.cfg;
+        self.live.next_prefetch(
+            &self.part,
+            busy,
+            (flying, c.prefetch_elems),
+            (held, c.max_live_elems),
+        )
     }
 
     /// Stage 3 with prefetch on: the buckets holding `names` to start prefetching, in order,
@@ -291,12 +318,7 @@ pub(crate) fn layout<T: Float>(
 
 /// Refuse a step (nothing changed) before every parameter's gradient is in (`pushed`), or at the
 /// accumulation `boundary` while a bucket is still gathered (`gathered(bucket)`).
-fn ready_to_step(
-    part: &Partition,
-    pushed: &[bool],
-    boundary: bool,
-    gathered: impl Fn(usize) -> bool,
-) -> Result<(), ZeroError> {
+fn ready_to_step(part: &Partition, pushed: &[bool], held: Vec<String>) -> Result<(), ZeroError> {
     let missing: Vec<&str> = (0..pushed.len())
         .filter(|&i| !pushed[i])
         .map(|i| part.specs[i].name.as_str())
@@ -304,17 +326,8 @@ fn ready_to_step(
     if !missing.is_empty() {
         return Err(ZeroError::MissingGrads(missing.join(", ")));
     }
-    if boundary {
-        let held: Vec<String> = (0..part.buckets.len())
-            .filter(|&b| gathered(b))
-            .map(|b| {
-                let p = part.buckets[b].params[0];
-                format!("`{}`", part.specs[p].name)
-            })
-            .collect();
-        if !held.is_empty() {
-            return Err(ZeroError::StillGathered(held.join(", ")));
-        }
+    if !held.is_empty() {
+        return Err(ZeroError::StillGathered(held.join(", ")));
     }
     Ok(())
 }

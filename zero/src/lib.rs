@@ -18,6 +18,7 @@ pub mod config;
 pub mod engine;
 mod error;
 mod ledger;
+mod live;
 pub mod mem;
 pub mod partition;
 mod report;

@@ -89,9 +89,7 @@ const NOTED: &[(&str, &str)] = &[
     ("zero_optimization.load_from_fp32_weights", "checkpoints always hold and load the fp32 masters"),
     ("zero_optimization.elastic_checkpoint", "checkpoints always load at any world size"),
     ("zero_optimization.sub_group_size", "the optimizer steps one bucket at a time"),
-    ("zero_optimization.stage3_max_live_parameters", "stage 3 keeps exactly what the trainer has gathered and not released"),
     ("zero_optimization.stage3_max_reuse_distance", "stage 3 releases what the trainer releases"),
-    ("zero_optimization.stage3_param_persistence_threshold", "stage 3 gathers what the trainer asks for, small parameters too"),
     ("zero_optimization.stage3_gather_16bit_weights_on_model_save", "`ringzero ckpt consolidate --dtype bf16|fp16` writes 16-bit weights from any checkpoint"),
     ("zero_optimization.stage3_gather_fp16_weights_on_model_save", "`ringzero ckpt consolidate --dtype fp16` writes 16-bit weights from any checkpoint"),
     ("zero_optimization.ignore_unused_parameters", "every parameter needs a gradient each micro-step (push zeros for an unused one)"),
@@ -361,6 +359,13 @@ fn zero_optimization(r: &mut Reader<'_>, cfg: &mut ZeroConfig, v: &Value) -> Res
             }
             "allgather_bucket_size" => cfg.allgather_elems = uint(&full, v2)? as usize,
             "overlap_comm" => cfg.overlap_comm = boolean(&full, v2)?,
+            "stage3_param_persistence_threshold" => {
+                let x = r.auto(&full, v2, cfg.persistence_threshold.into());
+                cfg.persistence_threshold = uint(&full, &x)? as usize;
+            }
+            "stage3_max_live_parameters" => {
+                cfg.max_live_elems = uint(&full, v2)?.min(usize::MAX as u64) as usize;
+            }
             "stage3_prefetch_bucket_size" => {
                 let x = r.auto(&full, v2, cfg.prefetch_elems.into());
                 cfg.prefetch_elems = uint(&full, &x)? as usize;

@@ -103,6 +103,14 @@ pub struct ZeroConfig {
     /// Stage 3: elements [`crate::Engine::prefetch`] may have in flight
     /// (`stage3_prefetch_bucket_size`); 0 turns prefetching off.
     pub prefetch_elems: usize,
+    /// Stage 3: parameters with fewer elements than this stay gathered between optimizer steps
+    /// (`stage3_param_persistence_threshold`); 0, the default, gathers every parameter when
+    /// asked. DeepSpeed's own default is 100000: set it to match.
+    pub persistence_threshold: usize,
+    /// Stage 3: at most this many elements gathered or in flight when prefetching by the
+    /// recorded order (`stage3_max_live_parameters`; what the trainer gathers itself is never
+    /// refused). Unlimited by default.
+    pub max_live_elems: usize,
     /// Parameter and gradient precision.
     pub precision: Precision,
     /// fp16 loss scaling (used only with [`Precision::Fp16`]).
@@ -183,6 +191,8 @@ impl Default for ZeroConfig {
             allgather_elems: 1 << 22,
             overlap_comm: false,
             prefetch_elems: 1 << 22,
+            persistence_threshold: 0,
+            max_live_elems: usize::MAX,
             precision: Precision::Fp32,
             loss_scaling: LossScaling::default(),
             accumulation_steps: 1,

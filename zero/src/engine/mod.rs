@@ -107,6 +107,8 @@ pub struct Engine<T: Float = f32, S: TrainStream + 'static = HostStream> {
     scalar: Option<DevVec>,
     /// Time the trainer waited on communication.
     wait: CommWait,
+    /// Stage 3: bucket elements all-gathered so far, on demand and prefetched.
+    gathered_elems: u64,
     _t: PhantomData<T>,
 }
 
@@ -242,6 +244,7 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
             comm,
             replicas,
             wait: CommWait::default(),
+            gathered_elems: 0,
             _t: PhantomData,
         };
         e.check_agreement(&full)?;
@@ -279,6 +282,14 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
     /// Time spent waiting on communication so far.
     pub fn comm_wait(&self) -> CommWait {
         self.wait
+    }
+
+    /// Stage 3: bucket elements all-gathered so far, on demand and prefetched (padding
+    /// included). A step that gathers every parameter once for forward and once for backward
+    /// adds twice the padded Ψ — the all-gather part of the ZeRO paper's 3Ψ per step (the
+    /// reduce-scatter is the third Ψ).
+    pub fn gathered_elems(&self) -> u64 {
+        self.gathered_elems
     }
 
     /// Optimizer steps taken (skipped ones not counted).

@@ -65,8 +65,12 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
     /// Refuse `call` inside an accumulation window, while gradients are being pushed, and (for a
     /// load) while anything is gathered or in flight.
     fn between_steps(&self, call: &'static str, replaces: bool) -> Result<(), ZeroError> {
-        let busy = (0..self.gathered.len())
-            .find(|&b| self.gathered[b].is_some() || self.inflight[b].is_some());
+        // Buckets that persistent parameters keep gathered are consistent between steps (and
+        // gathered again after a load).
+        let (part, live) = (&self.led.part, &self.led.live);
+        let busy = (0..self.gathered.len()).find(|&b| {
+            (self.gathered[b].is_some() && !live.pins(part, b)) || self.inflight[b].is_some()
+        });
         persist::between_steps(
             &self.led.part,
             &self.led.cfg,
@@ -143,8 +147,10 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
         if let (Some(s), true) = (meta.scaler, persist::resumes_scaler(&meta)) {
             self.led.scaler.restore(s);
         }
-        if stage == 1 || stage == 2 {
-            self.gather_updated()?;
+        match stage {
+            1 | 2 => self.gather_updated()?,
+            3 => self.refresh_pinned()?,
+            _ => {}
         }
         self.sync("loading a checkpoint")?;
         Ok(meta)

@@ -1,5 +1,7 @@
 //! Stage 3's parameters: gathered on demand ([`Engine::gather`]), prefetched in the background
-//! ([`Engine::prefetch`]), released after use ([`Engine::release`]). No-ops in stages 0–2.
+//! (by the order the last step gathered them in, and by hand with [`Engine::prefetch`]),
+//! released after use ([`Engine::release`]). A bucket stays gathered while any of its
+//! parameters is (the rules: `crate::live`). No-ops in stages 0–2.
 
 use std::time::Instant;
 
@@ -22,6 +24,31 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
             |b| gathered[b].is_some() || inflight[b].is_some(),
             flying,
         )?;
+        self.start_prefetches(start)
+    }
+
+    /// After a gather that follows the order recorded in the last step: prefetch the buckets
+    /// of the parameters next in it (within `stage3_prefetch_bucket_size` in flight and
+    /// `stage3_max_live_parameters` held).
+    fn prefetch_recorded(&mut self) -> Result<(), ZeroError> {
+        let flying: usize = self.inflight.iter().flatten().map(|(_, e)| e).sum();
+        let lens = &self.led.part.buckets;
+        let held: usize = (0..lens.len())
+            .filter(|&b| self.gathered[b].is_some() || self.inflight[b].is_some())
+            .map(|b| lens[b].len)
+            .sum();
+        let (gathered, inflight) = (&self.gathered, &self.inflight);
+        let start = self.led.recorded_prefetch(
+            |b| gathered[b].is_some() || inflight[b].is_some(),
+            flying,
+            held,
+        );
+        self.start_prefetches(start)
+    }
+
+    /// Start all-gathering `start`'s buckets on the proxy thread (each with the elements it
+    /// holds in flight).
+    fn start_prefetches(&mut self, start: Vec<(usize, usize)>) -> Result<(), ZeroError> {
         for (b, held) in start {
             // The proxy thread owns what it gathers from: a copy of the shard, queued before.
             let shard = &self.params[b];
@@ -36,25 +63,29 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
             let len = self.led.part.buckets[b].len;
             let full = self.buckets.take(self.comm.stream(), len, false)?;
             self.inflight[b] = Some((self.comm.all_gather_async(copy, full), held));
+            self.gathered_elems += len as u64;
         }
         Ok(())
     }
 
-    /// Stage 3: all-gather the buckets holding `names` so they can be read. A no-op in stages
-    /// 0–2. Gathering something already gathered is an error, and nothing is gathered then.
+    /// Stage 3: gather `names` so they can be read: the buckets holding them are all-gathered
+    /// unless gathered already for another live parameter (or a persistent one), and the
+    /// buckets next in the order the last step gathered in are prefetched. A no-op in stages
+    /// 0–2. Gathering a parameter already gathered is an error, and nothing is gathered then.
     pub fn gather(&mut self, names: &[&str]) -> Result<(), ZeroError> {
         let gathered = &self.gathered;
-        let Some(buckets) = self.led.to_gather(names, |b| gathered[b].is_some())? else {
+        let Some(buckets) = self.led.mark_gathered(names, |b| gathered[b].is_some())? else {
             return Ok(());
         };
         let t0 = Instant::now();
         let out = self.gather_buckets(&buckets);
         self.wait.gather += t0.elapsed();
-        out
+        out?;
+        self.prefetch_recorded()
     }
 
     /// All-gather `buckets` (or take their prefetches).
-    fn gather_buckets(&mut self, buckets: &[usize]) -> Result<(), ZeroError> {
+    pub(super) fn gather_buckets(&mut self, buckets: &[usize]) -> Result<(), ZeroError> {
         for &b in buckets {
             let full = match self.inflight[b].take() {
                 Some((w, _)) => {
@@ -66,6 +97,7 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
                     let len = self.led.part.buckets[b].len;
                     let mut full = self.buckets.take(self.comm.stream(), len, false)?;
                     self.comm.all_gather(&self.params[b], &mut full)?;
+                    self.gathered_elems += len as u64;
                     full
                 }
             };
@@ -74,11 +106,28 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
         Ok(())
     }
 
-    /// Stage 3: drop the gathered buckets holding `names` (work reading them must have
-    /// completed). A no-op in stages 0–2.
+    /// Stage 3, after the parameters changed (an optimizer step, a loaded checkpoint): gather
+    /// again the buckets that persistent parameters keep gathered.
+    pub(super) fn refresh_pinned(&mut self) -> Result<(), ZeroError> {
+        for b in 0..self.gathered.len() {
+            if !self.led.live.pins(&self.led.part, b) {
+                continue;
+            }
+            if let Some(mut full) = self.gathered[b].take() {
+                let r = self.comm.all_gather(&self.params[b], &mut full);
+                self.gathered_elems += full.elems as u64;
+                self.gathered[b] = Some(full);
+                r?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Stage 3: release `names` (work reading them must have completed); a bucket is dropped
+    /// once none of its parameters is gathered and none is persistent. A no-op in stages 0–2.
+    /// Releasing a parameter not gathered is an error, and nothing is released then.
     pub fn release(&mut self, names: &[&str]) -> Result<(), ZeroError> {
-        let gathered = &self.gathered;
-        let Some(buckets) = self.led.to_release(names, |b| gathered[b].is_some())? else {
+        let Some(buckets) = self.led.mark_released(names)? else {
             return Ok(());
         };
         self.sync("releasing gathered parameters")?;

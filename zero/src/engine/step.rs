@@ -109,8 +109,7 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
     /// End a micro-step; at the accumulation boundary, reduce gradients, check for overflow,
     /// clip, run AdamW on what this rank owns and share the result.
     pub fn step(&mut self) -> Result<StepOutcome, ZeroError> {
-        let gathered = &self.gathered;
-        let boundary = self.led.end_micro_step(|b| gathered[b].is_some())?;
+        let boundary = self.led.end_micro_step()?;
         let t0 = Instant::now();
         // Reduce-scatters still in flight belong to this micro-step.
         for b in 0..self.pending.len() {
@@ -188,8 +187,12 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
                 .map_err(dev("clearing the gradients".into()))?;
         }
         let stage = self.led.cfg.stage;
-        if matches!(outcome, StepOutcome::Stepped { .. }) && (stage == 1 || stage == 2) {
-            self.gather_updated()?;
+        if matches!(outcome, StepOutcome::Stepped { .. }) {
+            match stage {
+                1 | 2 => self.gather_updated()?,
+                3 => self.refresh_pinned()?,
+                _ => {}
+            }
         }
         Ok(outcome)
     }
