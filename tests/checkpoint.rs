@@ -11,7 +11,7 @@ use half::{bf16, f16};
 use ringzero::kernels::cpu::{cast, Float, Optimizer};
 use ringzero::{Communicator, TransportPref};
 use ringzero_zero::checkpoint::{self, Checkpoint};
-use ringzero_zero::{Engine, LossScaling, ParamSpec, Precision, ZeroConfig, ZeroError};
+use ringzero_zero::{Engine, LossScaling, ParamSpec, Precision, Weights, ZeroConfig, ZeroError};
 
 use crate::common::{fresh_dir, threads, Opts};
 // The model and data of the ZeRO parity tests.
@@ -344,6 +344,19 @@ fn offline_consolidation_matches_the_engine() {
             "{name}"
         );
     }
+    // The consolidated file starts a new run as a Hugging Face checkpoint would: its tensors
+    // are the parameters and their values the initial ones, here on 2 ranks at stage 3.
+    let weights = Weights::from_safetensors(&f32_file).unwrap();
+    threads(2, &opts(2), |_, comm| {
+        let comm = comm.unwrap();
+        let mut e =
+            Engine::<f32>::from_weights(&comm, &weights, cfg(Precision::Fp32, 3, 64)).unwrap();
+        for (name, want) in &full {
+            e.gather(&[name]).unwrap();
+            assert_eq!(&e.param_f32(name).unwrap(), want, "{name}");
+            e.release(&[name]).unwrap();
+        }
+    });
     // bf16: the rounding of the masters.
     let bf_file = root.join("full-bf16.safetensors");
     checkpoint::consolidate(&dir, &bf_file, Precision::Bf16, false).unwrap();

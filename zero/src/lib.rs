@@ -23,6 +23,7 @@ pub mod mem;
 pub mod partition;
 mod report;
 pub mod scaler;
+mod weights;
 
 pub use checkpoint::{Checkpoint, Meta as CheckpointMeta};
 pub use config::{
@@ -33,3 +34,4 @@ pub use error::ZeroError;
 pub use partition::{ParamSpec, Partition};
 pub use report::{CommWait, Memory, StepOutcome};
 pub use scaler::LossScaler;
+pub use weights::Weights;

@@ -26,6 +26,18 @@ impl<T: Float> Engine<T, HostStream> {
         Engine::on(DeviceComm::new(comm, HostStream::new())?, specs, init, cfg)
     }
 
+    /// [`Engine::new`] on named weights — a safetensors file read with
+    /// [`Weights::from_safetensors`](crate::Weights::from_safetensors) (a Hugging Face
+    /// checkpoint, a consolidated ringzero one): its tensors are the parameters, in the file's
+    /// order, and their values the initial ones.
+    pub fn from_weights(
+        comm: &Communicator,
+        weights: &crate::Weights,
+        cfg: ZeroConfig,
+    ) -> Result<Engine<T, HostStream>, ZeroError> {
+        Engine::new(comm, weights.specs(), &|p, i| weights.init(p, i), cfg)
+    }
+
     /// Hybrid sharding (FSDP's `HYBRID_SHARD`, DeepSpeed's MiCS): the model states are sharded
     /// over `shard` (typically the ranks of one node, whose links are fast) and replicated over
     /// `replicas` (the ranks that hold the same shard in the other shard groups, one per node).
