@@ -8,7 +8,7 @@ use ringzero::kernels::cpu::{cast, sq_norm, step_mixed, Float, Optimizer, Rule};
 use ringzero::{Algo, Collectives, Communicator, InPlace, ReduceOp, TransportPref};
 use ringzero_zero::mem::{comm_elements_per_step, model_states, K_ADAM};
 use ringzero_zero::{
-    Engine, LossScaling, ParamSpec, Partition, Precision, StepOutcome, ZeroConfig, ZeroError,
+    Engine, LossScaling, ParamSpec, Partition, Phase, Precision, StepOutcome, ZeroConfig, ZeroError,
 };
 
 use crate::common::{threads, Opts};
@@ -821,6 +821,58 @@ fn stage_3_gathers_by_parameter_and_prefetches_by_the_recorded_order() {
         e.gather(&names).unwrap();
         let bits_p: Vec<Vec<u8>> = names.iter().map(|n| bits(e.param(n).unwrap())).collect();
         assert_eq!(bits_p, want, "persistence changes no bit");
+    });
+}
+
+/// `wall_clock_breakdown`'s report: per optimizer step, over its micro-steps, the phases the
+/// trainer marked, the engine's waits and (stage 3) the elements gathered.
+#[test]
+fn each_optimizer_step_reports_where_its_time_went() {
+    let c = ZeroConfig::from_json(
+        r#"{"wall_clock_breakdown": true, "gradient_accumulation_steps": 2,
+            "zero_optimization": {"stage": 3, "reduce_bucket_size": 64,
+                                  "stage3_prefetch_bucket_size": 0}}"#,
+    )
+    .unwrap();
+    assert!(c.wall_clock_breakdown);
+    threads(2, &Opts::default(), |rank, comm| {
+        let comm = comm.unwrap();
+        let mut e = Engine::<f32>::new(&comm, &specs(), &init, c.clone()).unwrap();
+        assert_eq!(e.report(), None);
+        let sp = specs();
+        let pause = std::time::Duration::from_millis(3);
+        for t in 0..4 {
+            e.phase(Phase::Forward);
+            std::thread::sleep(pause);
+            e.phase(Phase::Backward);
+            for (i, s) in sp.iter().enumerate() {
+                e.gather(&[&s.name]).unwrap();
+                let g = grad(&e.param_f32(&s.name).unwrap(), rank, t, i);
+                e.release(&[&s.name]).unwrap();
+                e.push_grad_f32(&s.name, &g).unwrap();
+            }
+            std::thread::sleep(pause);
+            let out = e.step().unwrap();
+            if t % 2 == 0 {
+                assert_eq!(out, StepOutcome::Accumulated);
+                continue;
+            }
+            let r = e.report().unwrap();
+            // Each parameter gathered and released alone: its bucket moves for each (w1 and
+            // b1 share one, which moves twice).
+            let part = e.partition();
+            let per_micro: u64 = part
+                .slots
+                .iter()
+                .map(|s| part.buckets[s.bucket].len as u64)
+                .sum();
+            assert_eq!((r.step, r.micro_steps), (t as u64 / 2 + 1, 2));
+            assert!(r.forward >= 2 * pause && r.backward >= 2 * pause, "{r}");
+            assert!(r.wall >= r.forward + r.backward + r.in_step, "{r}");
+            assert!(r.in_step >= r.wait.update, "{r}");
+            assert_eq!(r.gathered_elems, 2 * per_micro, "over the 2 micro-steps");
+            assert!(r.to_string().contains("2 micro-steps"), "{r}");
+        }
     });
 }
 

@@ -15,9 +15,10 @@ use half::{bf16, f16};
 use rand::{Rng, SeedableRng};
 use ringzero_collectives::{Collectives, Communicator, InPlace, ReduceOp};
 use ringzero_kernels::cpu::Float;
-use ringzero_zero::mem::{model_states_with, K_ADAM};
+use ringzero_zero::mem::{k_for, model_states_with};
 use ringzero_zero::{
-    hybrid_groups, Engine, Memory, ParamSpec, Precision, StepOutcome, ZeroConfig, ZeroError,
+    hybrid_groups, Engine, Memory, ParamSpec, Phase, Precision, StepOutcome, StepReport,
+    ZeroConfig, ZeroError,
 };
 
 /// The network: `layers` linear layers, ReLU between them.
@@ -179,6 +180,8 @@ pub struct StepLog {
     pub lr: f32,
     /// Wall time of the step on the slowest rank.
     pub time: Duration,
+    /// Where this rank's step time went (forward, backward, communication waits, update).
+    pub breakdown: Option<StepReport>,
 }
 
 /// What a run measured (identical on every rank, except `memory`, which is this rank's).
@@ -291,6 +294,7 @@ pub fn train<T: Float>(
             loss_scale: e.loss_scale(),
             lr,
             time: Duration::from_secs_f64(stats[1]),
+            breakdown: e.report(),
         };
         on_step(&log);
         logs.push(log);
@@ -344,6 +348,7 @@ fn micro_step<T: Float>(
     let mut acts = vec![x];
     let mut pre = Vec::new();
     let mut k = 0;
+    e.phase(Phase::Forward);
     for l in 0..mlp.layers {
         e.gather(&layer(l))?;
         if let Some(&next) = order.get(k + 1) {
@@ -383,6 +388,7 @@ fn micro_step<T: Float>(
         .sum::<f64>()
         / denom as f64;
     // Backward.
+    e.phase(Phase::Backward);
     for l in (0..mlp.layers).rev() {
         e.gather(&layer(l))?;
         if let Some(&next) = order.get(k + 1) {
@@ -440,7 +446,8 @@ fn memory_report<T: Float>(
         e.partition().world,
         args.zero.stage,
         std::mem::size_of::<T>() as f64,
-        if sixteen { K_ADAM } else { 8.0 },
+        // The master (16-bit parameters only) and the optimizer's states, 4 bytes each.
+        k_for(&args.zero.optimizer) - if sixteen { 0.0 } else { 4.0 },
     )
     .map_err(ZeroError::Config)?;
     Ok((

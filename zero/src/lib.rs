@@ -32,6 +32,6 @@ pub use config::{
 pub use engine::{hybrid_groups, Engine};
 pub use error::ZeroError;
 pub use partition::{ParamSpec, Partition};
-pub use report::{CommWait, Memory, StepOutcome};
+pub use report::{CommWait, Memory, Phase, StepOutcome, StepReport};
 pub use scaler::LossScaler;
 pub use weights::Weights;

@@ -1,5 +1,6 @@
 //! What the engines report: the bytes they hold ([`Memory`]), what a step did ([`StepOutcome`]),
-//! and the time the trainer waited on communication ([`CommWait`]).
+//! the time the trainer waited on communication ([`CommWait`]), and where one optimizer step's
+//! wall time went ([`StepReport`], DeepSpeed's `wall_clock_breakdown`).
 
 use std::time::Duration;
 
@@ -54,4 +55,146 @@ pub struct CommWait {
     /// Inside [`crate::Engine::step`] on the parameter all-gather (stages 1–2) and the norm/overflow
     /// all-reduces.
     pub update: Duration,
+}
+
+impl std::ops::Sub for CommWait {
+    type Output = CommWait;
+    fn sub(self, o: CommWait) -> CommWait {
+        CommWait {
+            gather: self.gather.saturating_sub(o.gather),
+            reduce: self.reduce.saturating_sub(o.reduce),
+            update: self.update.saturating_sub(o.update),
+        }
+    }
+}
+
+/// A part of a micro-step the trainer times with [`crate::Engine::phase`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// The forward pass.
+    Forward,
+    /// The backward pass.
+    Backward,
+}
+
+/// Where one optimizer step's wall time went, over its micro-steps ([`crate::Engine::report`];
+/// logged after each step with `wall_clock_breakdown`).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepReport {
+    /// The optimizer step it describes (1, 2, ...; skipped steps count).
+    pub step: u64,
+    /// Micro-steps in it.
+    pub micro_steps: usize,
+    /// From the first micro-step's start (the previous step's end) to this step's end.
+    pub wall: Duration,
+    /// Time the trainer marked as forward ([`Phase::Forward`]).
+    pub forward: Duration,
+    /// Time the trainer marked as backward ([`Phase::Backward`]).
+    pub backward: Duration,
+    /// Time inside [`crate::Engine::step`] (the micro-steps' ends and the optimizer step).
+    pub in_step: Duration,
+    /// Time waiting on the engine's communication, by kind, wherever it fell (a gather's wait
+    /// is inside the phase that gathered; `update` includes the optimizer's kernels).
+    pub wait: CommWait,
+    /// Stage 3: bucket elements all-gathered.
+    pub gathered_elems: u64,
+}
+
+impl std::fmt::Display for StepReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        write!(
+            f,
+            "step {} ({} micro-step{}): {:.1} ms = forward {:.1} + backward {:.1} + step {:.1} + \
+             other {:.1}; waits: gather {:.1}, reduce {:.1}, update {:.1}; {} elements gathered",
+            self.step,
+            self.micro_steps,
+            if self.micro_steps == 1 { "" } else { "s" },
+            ms(self.wall),
+            ms(self.forward),
+            ms(self.backward),
+            ms(self.in_step),
+            ms(self
+                .wall
+                .saturating_sub(self.forward + self.backward + self.in_step)),
+            ms(self.wait.gather),
+            ms(self.wait.reduce),
+            ms(self.wait.update),
+            self.gathered_elems
+        )
+    }
+}
+
+/// The engine's clock for [`StepReport`]s: the open phase and what the current optimizer step
+/// has gathered so far.
+pub(crate) struct StepTimer {
+    started: std::time::Instant,
+    open: Option<(Phase, std::time::Instant)>,
+    forward: Duration,
+    backward: Duration,
+    in_step: Duration,
+    micro: usize,
+    wait_at_start: CommWait,
+    gathered_at_start: u64,
+}
+
+impl StepTimer {
+    /// A step starting `now`, the engine's counters at `wait` and `gathered`.
+    pub(crate) fn new(now: std::time::Instant, wait: CommWait, gathered: u64) -> StepTimer {
+        StepTimer {
+            started: now,
+            open: None,
+            forward: Duration::ZERO,
+            backward: Duration::ZERO,
+            in_step: Duration::ZERO,
+            micro: 0,
+            wait_at_start: wait,
+            gathered_at_start: gathered,
+        }
+    }
+
+    /// Close the open phase at `now` and open `p` (or none).
+    pub(crate) fn phase(&mut self, p: Option<Phase>, now: std::time::Instant) {
+        if let Some((q, since)) = self.open.take() {
+            let d = now.saturating_duration_since(since);
+            match q {
+                Phase::Forward => self.forward += d,
+                Phase::Backward => self.backward += d,
+            }
+        }
+        self.open = p.map(|p| (p, now));
+    }
+
+    /// A micro-step's [`crate::Engine::step`] began at `now` (the open phase ends).
+    pub(crate) fn micro_step(&mut self, now: std::time::Instant) {
+        self.phase(None, now);
+        self.micro += 1;
+    }
+
+    /// `d` spent inside [`crate::Engine::step`].
+    pub(crate) fn stepped(&mut self, d: Duration) {
+        self.in_step += d;
+    }
+
+    /// Optimizer step `step` ended at `now` with the engine's counters at `wait` and
+    /// `gathered`: its report; the timer starts the next step.
+    pub(crate) fn finish(
+        &mut self,
+        step: u64,
+        (wait, gathered): (CommWait, u64),
+        now: std::time::Instant,
+    ) -> StepReport {
+        let r = StepReport {
+            step,
+            micro_steps: self.micro,
+            wall: now.saturating_duration_since(self.started),
+            forward: self.forward,
+            backward: self.backward,
+            in_step: self.in_step,
+            wait: wait - self.wait_at_start,
+            gathered_elems: gathered - self.gathered_at_start,
+        };
+        *self = StepTimer::new(now, wait, gathered);
+        r
+    }
 }

@@ -304,6 +304,10 @@ fn train(comm: &Communicator, d: &DemoCli, mlp: Mlp, zero: ZeroConfig) -> anyhow
                 l.time.as_secs_f64() * 1e3,
                 what
             );
+            // DeepSpeed's `wall_clock_breakdown`: where rank 0's step went.
+            if let (true, Some(b)) = (zero.wall_clock_breakdown, &l.breakdown) {
+                println!("       {b}");
+            }
         }
     })?;
     let first = r.steps.first().map_or(f64::NAN, |l| l.loss);

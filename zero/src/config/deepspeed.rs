@@ -68,7 +68,6 @@ impl Default for Auto {
 /// Keys accepted with a notice: (key, why it changes nothing here). `*` ends a prefix.
 const NOTED: &[(&str, &str)] = &[
     ("steps_per_print", "ringzero prints nothing per step itself; StepOutcome and comm_wait() give the trainer what to print"),
-    ("wall_clock_breakdown", "the engine always measures its waits: Engine::comm_wait()"),
     ("memory_breakdown", "the engine always counts its memory: Engine::memory()"),
     ("zero_allow_untested_optimizer", "every optimizer ringzero has is tested with every stage"),
     ("zero_force_ds_cpu_optimizer", "ringzero has one optimizer implementation per memory"),
@@ -266,6 +265,7 @@ impl ZeroConfig {
                 }
                 "train_batch_size" => cfg.train_batch = train_batch(&mut r, val)?,
                 "optimizer" => optimizer(&mut r, &mut cfg, val)?,
+                "wall_clock_breakdown" => cfg.wall_clock_breakdown = boolean(k, val)?,
                 "scheduler" => scheduler = Some(val),
                 "elasticity" | "amp" => for_each(&mut r, k, val, |_, _, _| Ok(false))?,
                 _ => {

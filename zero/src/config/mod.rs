@@ -111,6 +111,9 @@ pub struct ZeroConfig {
     /// recorded order (`stage3_max_live_parameters`; what the trainer gathers itself is never
     /// refused). Unlimited by default.
     pub max_live_elems: usize,
+    /// Log where each optimizer step's wall time went on rank 0 (`wall_clock_breakdown`; the
+    /// report is [`crate::Engine::report`] either way).
+    pub wall_clock_breakdown: bool,
     /// Parameter and gradient precision.
     pub precision: Precision,
     /// fp16 loss scaling (used only with [`Precision::Fp16`]).
@@ -193,6 +196,7 @@ impl Default for ZeroConfig {
             prefetch_elems: 1 << 22,
             persistence_threshold: 0,
             max_live_elems: usize::MAX,
+            wall_clock_breakdown: false,
             precision: Precision::Fp32,
             loss_scaling: LossScaling::default(),
             accumulation_steps: 1,

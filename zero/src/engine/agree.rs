@@ -101,6 +101,11 @@ fn config_fields(c: &crate::ZeroConfig) -> Vec<(&'static str, String)> {
         ("allgather_bucket_size", c.allgather_elems.to_string()),
         ("overlap_comm", c.overlap_comm.to_string()),
         ("prefetch_bucket_size", c.prefetch_elems.to_string()),
+        (
+            "stage3_param_persistence_threshold",
+            c.persistence_threshold.to_string(),
+        ),
+        ("stage3_max_live_parameters", c.max_live_elems.to_string()),
         ("fp16 loss scaling", format!("{:?}", c.loss_scaling)),
         (
             "gradient_accumulation_steps",

@@ -62,7 +62,7 @@ use crate::config::ZeroConfig;
 use crate::error::ZeroError;
 use crate::ledger::{hybrid, layout, update_range, Ledger};
 use crate::partition::{ParamSpec, Partition};
-use crate::report::{CommWait, Memory};
+use crate::report::{CommWait, Memory, Phase, StepReport, StepTimer};
 
 mod agree;
 mod buffers;
@@ -109,6 +109,9 @@ pub struct Engine<T: Float = f32, S: TrainStream + 'static = HostStream> {
     wait: CommWait,
     /// Stage 3: bucket elements all-gathered so far, on demand and prefetched.
     gathered_elems: u64,
+    /// The current optimizer step's clock, and the last step's report.
+    timer: StepTimer,
+    last_report: Option<StepReport>,
     _t: PhantomData<T>,
 }
 
@@ -245,6 +248,8 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
             replicas,
             wait: CommWait::default(),
             gathered_elems: 0,
+            timer: StepTimer::new(Instant::now(), CommWait::default(), 0),
+            last_report: None,
             _t: PhantomData,
         };
         e.check_agreement(&full)?;
@@ -282,6 +287,18 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
     /// Time spent waiting on communication so far.
     pub fn comm_wait(&self) -> CommWait {
         self.wait
+    }
+
+    /// Start timing `phase` of this micro-step (the phase before it, if any, ends); the step
+    /// ends the last. The times go to [`Engine::report`].
+    pub fn phase(&mut self, phase: Phase) {
+        self.timer.phase(Some(phase), Instant::now());
+    }
+
+    /// Where the last optimizer step's wall time went (`None` before the first). With
+    /// `wall_clock_breakdown` the engine also logs it on rank 0 after each step.
+    pub fn report(&self) -> Option<StepReport> {
+        self.last_report
     }
 
     /// Stage 3: bucket elements all-gathered so far, on demand and prefetched (padding

@@ -107,8 +107,28 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
     }
 
     /// End a micro-step; at the accumulation boundary, reduce gradients, check for overflow,
-    /// clip, run AdamW on what this rank owns and share the result.
+    /// clip, run the optimizer on what this rank owns and share the result. An optimizer step
+    /// (taken or skipped) leaves its [`Engine::report`], which `wall_clock_breakdown` logs.
     pub fn step(&mut self) -> Result<StepOutcome, ZeroError> {
+        let t0 = Instant::now();
+        self.timer.micro_step(t0);
+        let outcome = self.micro_step();
+        self.timer.stepped(t0.elapsed());
+        let outcome = outcome?;
+        if !matches!(outcome, StepOutcome::Accumulated) {
+            let counters = (self.wait, self.gathered_elems);
+            let step = self.led.t + self.led.skipped;
+            let r = self.timer.finish(step, counters, Instant::now());
+            if self.led.cfg.wall_clock_breakdown && self.led.rank == 0 {
+                tracing::info!(target: "ringzero::zero", "{r}");
+            }
+            self.last_report = Some(r);
+        }
+        Ok(outcome)
+    }
+
+    /// [`Engine::step`]'s work.
+    fn micro_step(&mut self) -> Result<StepOutcome, ZeroError> {
         let boundary = self.led.end_micro_step()?;
         let t0 = Instant::now();
         // Reduce-scatters still in flight belong to this micro-step.
