@@ -876,6 +876,52 @@ fn each_optimizer_step_reports_where_its_time_went() {
     });
 }
 
+/// Gradients pushed in registration order in one call give the bits of pushing them by name;
+/// a wrong count or a wrong length is refused before anything is added.
+#[test]
+fn gradients_pushed_in_registration_order() {
+    threads(2, &Opts::default(), |rank, comm| {
+        let comm = comm.unwrap();
+        let sp = specs();
+        let grads = |e: &Engine<f32>, t: usize| -> Vec<Vec<f32>> {
+            sp.iter()
+                .enumerate()
+                .map(|(i, s)| grad(e.param(&s.name).unwrap(), rank, t, i))
+                .collect()
+        };
+        let mut by_name = Engine::<f32>::new(&comm, &sp, &init, cfg(2, None)).unwrap();
+        let mut in_order = Engine::<f32>::new(&comm, &sp, &init, cfg(2, None)).unwrap();
+        for t in 0..3 {
+            for (s, g) in sp.iter().zip(grads(&by_name, t)) {
+                by_name.push_grad(&s.name, &g[..]).unwrap();
+            }
+            by_name.step().unwrap();
+            let g = grads(&in_order, t);
+            let e = in_order
+                .push_grads(g.iter().take(3).map(|v| &v[..]))
+                .unwrap_err();
+            assert!(
+                e.to_string().contains("3 gradients for 4 parameters"),
+                "{e}"
+            );
+            let mut bad = g.clone();
+            bad[2].pop();
+            let e = in_order.push_grads(bad.iter().map(|v| &v[..])).unwrap_err();
+            assert!(e.to_string().contains("w2"), "{e}");
+            in_order.push_grads(g.iter().map(|v| &v[..])).unwrap();
+            in_order.step().unwrap();
+        }
+        for s in &sp {
+            assert_eq!(
+                bits(by_name.param(&s.name).unwrap()),
+                bits(in_order.param(&s.name).unwrap()),
+                "{}",
+                s.name
+            );
+        }
+    });
+}
+
 #[test]
 fn a_deepspeed_json_config_drives_the_engine() {
     threads(2, &Opts::default(), |_, comm| {

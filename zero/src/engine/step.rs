@@ -49,6 +49,48 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
         self.pushed(i, s.bucket)
     }
 
+    /// Add this micro-step's gradients of every parameter, in registration order (the
+    /// `specs` given to the engine, or a safetensors file's order), each as
+    /// [`Engine::push_grad`] takes it. The count, lengths and dtypes are checked before any is
+    /// added: bad input changes nothing.
+    pub fn push_grads<'a, B: DeviceMemory<S> + ?Sized + 'a>(
+        &mut self,
+        grads: impl IntoIterator<Item = &'a B>,
+    ) -> Result<(), ZeroError> {
+        let grads: Vec<&B> = grads.into_iter().collect();
+        let specs = &self.led.part.specs;
+        if grads.len() != specs.len() {
+            return Err(ZeroError::NotNow {
+                call: "push_grads",
+                why: format!(
+                    "{} gradients for {} parameters; give one per parameter, in registration \
+                     order",
+                    grads.len(),
+                    specs.len()
+                ),
+            });
+        }
+        for (p, g) in grads.iter().enumerate() {
+            let name = &specs[p].name;
+            self.led.check_push(name, g.elems())?;
+            if g.dtype() != T::DTYPE {
+                return Err(ZeroError::NotNow {
+                    call: "push_grads",
+                    why: format!(
+                        "the gradient of `{name}` is {} but the engine's parameters are {}",
+                        g.dtype(),
+                        T::DTYPE
+                    ),
+                });
+            }
+        }
+        let names: Vec<String> = specs.iter().map(|s| s.name.clone()).collect();
+        for (name, g) in names.iter().zip(grads) {
+            self.push_grad(name, g)?;
+        }
+        Ok(())
+    }
+
     /// Where the gradient of the parameter at `s` is summed this micro-step: its bucket's
     /// staging buffer (stages 2–3, taken when the bucket's first gradient comes) or its
     /// gradients (stages 0–1).
