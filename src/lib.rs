@@ -40,8 +40,11 @@ pub mod prelude {
 /// The 16-bit float types (`f16`, `bf16`) the communicators and the ZeRO engine move.
 pub use half;
 
+/// JSON values: a checkpoint's `client_state` (a data loader's position, an epoch) is one.
+pub use serde_json;
+
 /// Element types, devices and the math on them (`ringzero-kernels`): what a reduction
-/// computes, the CPU kernels (reduce, casts, AdamW), the CUDA device behind the `cuda` feature.
+/// computes, the CPU kernels (reduce, casts, the optimizers), the CUDA device behind the `cuda` feature.
 #[doc(inline)]
 pub use ringzero_kernels as kernels;
 
