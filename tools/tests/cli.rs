@@ -440,6 +440,56 @@ fn demo_trains_with_hybrid_sharding_and_refuses_a_shard_size_that_does_not_divid
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// Every published config in `tests/fixtures/deepspeed/` drives `ringzero demo` as given: the
+/// loss goes down, and a scheduler's rate is printed per step (OneCycle's first step runs at
+/// its `cycle_min_lr`, as DeepSpeed's does); those that offload optimizer state to the CPU are
+/// refused naming ZeRO-Offload and what to do, before any rank starts.
+#[test]
+fn demo_runs_every_published_deepspeed_config() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/deepspeed");
+    let mut files: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "json"))
+        .collect();
+    files.sort();
+    assert!(files.len() >= 8, "{} fixtures", files.len());
+    let mut trained = 0;
+    for f in &files {
+        let text = std::fs::read_to_string(f).unwrap();
+        let run = || {
+            let mut c = ringzero();
+            c.args(["demo", "-n", "2", "--steps", "60", "--config"])
+                .arg(f);
+            c
+        };
+        if text.contains("\"offload_optimizer\"") && text.contains("\"cpu\"") {
+            let stderr = fails(&mut run());
+            assert!(
+                stderr.contains("ZeRO-Offload") && stderr.contains("set its device to \"none\""),
+                "{}: {stderr}",
+                f.display()
+            );
+            continue;
+        }
+        let stdout = succeeds(&mut run());
+        assert!(
+            stdout.contains("loss went down"),
+            "{}: {stdout}",
+            f.display()
+        );
+        if text.contains("OneCycle") {
+            let row0 = stdout
+                .lines()
+                .find(|l| l.trim_start().starts_with("0 "))
+                .unwrap_or_else(|| panic!("{}: no step 0 row: {stdout}", f.display()));
+            assert!(row0.contains("1.000e-4"), "{}: {row0}", f.display());
+        }
+        trained += 1;
+    }
+    assert!(trained >= 4, "{trained} of the fixtures trained");
+}
+
 #[test]
 fn demo_reads_a_deepspeed_config_and_names_bad_keys() {
     let dir = std::env::temp_dir().join(format!("ringzero-demo-{}", std::process::id()));
