@@ -20,6 +20,7 @@ fn args(corrupt_rank: Option<usize>, dtype: DType, redop: ReduceOp) -> BenchArgs
             algos: Vec::new(),
         },
         probe_bytes: 64 << 10,
+        ranks_note: None,
     }
 }
 

@@ -28,6 +28,8 @@ pub struct BenchArgs {
     pub sweep: sweep::SweepArgs,
     /// Bytes each rank streams in the β probe.
     pub probe_bytes: usize,
+    /// Why the job has this many ranks, for the header, when the user did not choose.
+    pub ranks_note: Option<String>,
 }
 
 /// Parse an op name: `all-reduce` (or `all_reduce`, `allreduce`), ..., or `all`.
@@ -203,6 +205,7 @@ fn header(comm: &Communicator, a: &BenchArgs, probe: &probe::Probe, device: Stri
             .to_string_lossy()
             .into_owned(),
         ranks: comm.size(),
+        ranks_note: a.ranks_note.clone(),
         dtype: a.sweep.dtype.to_string(),
         redop: a.sweep.redop.to_string(),
         device,

@@ -47,7 +47,7 @@ pub fn write_svg(r: &Report, path: &std::path::Path) -> Result<(), String> {
         .configure_mesh()
         .x_desc("size (bytes)")
         .y_desc("bus bandwidth (GB/s)")
-        .x_label_formatter(&|b| human(*b))
+        .x_label_formatter(&|b| super::report::size_text(*b as usize))
         .draw()
         .map_err(|e| err(&e))?;
     let mut ops: Vec<&str> = rows.iter().map(|x| x.op.as_str()).collect();
@@ -93,14 +93,4 @@ pub fn write_svg(r: &Report, path: &std::path::Path) -> Result<(), String> {
         .map_err(|e| err(&e))?;
     root.present().map_err(|e| err(&e))?;
     Ok(())
-}
-
-fn human(b: f64) -> String {
-    let b = b as u64;
-    match b {
-        b if b >= 1 << 30 && b % (1 << 30) == 0 => format!("{}G", b >> 30),
-        b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{}M", b >> 20),
-        b if b >= 1 << 10 && b % (1 << 10) == 0 => format!("{}K", b >> 10),
-        b => b.to_string(),
-    }
 }

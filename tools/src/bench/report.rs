@@ -15,6 +15,9 @@ pub struct Header {
     pub host: String,
     /// Number of ranks.
     pub ranks: usize,
+    /// Why that many, when the user did not say.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ranks_note: Option<String>,
     /// Element type.
     pub dtype: String,
     /// Reduce operator.
@@ -145,8 +148,12 @@ fn connections(sockets: usize) -> String {
 
 /// Header lines of the table.
 pub fn header_text(h: &Header) -> String {
+    let note = h
+        .ranks_note
+        .as_ref()
+        .map_or(String::new(), |n| format!(" ({n})"));
     let mut s = format!(
-        "# ringzero bench {} on {}: {} ranks, {} {}, {} buffers\n",
+        "# ringzero bench {} on {}: {} ranks{note}, {} {}, {} buffers\n",
         h.version, h.host, h.ranks, h.dtype, h.redop, h.device
     );
     for e in &h.edges {
@@ -407,20 +414,136 @@ pub fn thresholds(winners: &[(usize, &str)]) -> (usize, usize) {
     (dmax, hmax)
 }
 
-/// Summary after the tables.
+/// Summary after the tables: the exactness count, the mean bus bandwidth (as nccl-tests ends),
+/// then one line per collective.
 pub fn summary(rows: &[Row]) -> String {
     let wrong: u64 = rows.iter().map(|r| r.wrong).sum();
     let n = rows.len().max(1) as f64;
     let avg_bus = rows.iter().map(|r| r.busbw_gbs).sum::<f64>() / n;
-    format!(
+    let mut s = format!(
         "# out of bounds values : {wrong} {}\n# avg bus bandwidth    : {avg_bus:.3} GB/s\n",
         if wrong == 0 { "OK" } else { "FAILED" }
-    )
+    );
+    s += &per_collective(rows);
+    s
+}
+
+/// Per collective (its out-of-place rows; in place where it has no other): the peak bus
+/// bandwidth and the size reaching it, the smallest size reaching half of it (the size a
+/// message must have to use the links), and how the α–β model fits from 1 MiB up (the rows'
+/// efficiencies, predicted / measured: 100 % is a perfect prediction).
+pub fn per_collective(rows: &[Row]) -> String {
+    let mut ops: Vec<&str> = Vec::new();
+    for r in rows {
+        if !ops.contains(&r.op.as_str()) {
+            ops.push(&r.op);
+        }
+    }
+    let mut s = String::new();
+    for op in ops {
+        let of: Vec<&Row> = rows.iter().filter(|r| r.op == op).collect();
+        let mut mine: Vec<&Row> = of.iter().copied().filter(|r| !r.inplace).collect();
+        if mine.is_empty() {
+            mine = of;
+        }
+        mine.sort_by_key(|r| r.bytes);
+        let Some(peak) = mine
+            .iter()
+            .max_by(|a, b| a.busbw_gbs.total_cmp(&b.busbw_gbs))
+        else {
+            continue;
+        };
+        let half = mine
+            .iter()
+            .find(|r| r.busbw_gbs >= peak.busbw_gbs / 2.0)
+            .map_or(0, |r| r.bytes);
+        let eff: Vec<f64> = mine
+            .iter()
+            .filter(|r| r.bytes >= 1 << 20)
+            .filter_map(|r| r.efficiency)
+            .collect();
+        let fit = if eff.is_empty() {
+            "no model rows from 1 MiB".to_string()
+        } else {
+            let lo = eff.iter().copied().fold(f64::INFINITY, f64::min);
+            let hi = eff.iter().copied().fold(0.0, f64::max);
+            let within = lo >= 0.8 && hi <= 1.2;
+            format!(
+                "model efficiency from 1 MiB {:.0}–{:.0} % ({})",
+                lo * 100.0,
+                hi * 100.0,
+                if within {
+                    "within 80–120 %"
+                } else {
+                    "outside 80–120 %"
+                }
+            )
+        };
+        s += &format!(
+            "# {op:<16} peak {:.3} GB/s at {}; half of it from {}; {fit}\n",
+            peak.busbw_gbs,
+            size_text(peak.bytes),
+            size_text(half)
+        );
+    }
+    s
+}
+
+/// A size as a person reads it: `4 KiB`, `64 MiB`, `1 GiB`, or bytes when it is none of them.
+pub fn size_text(b: usize) -> String {
+    match b {
+        b if b >= 1 << 30 && b % (1 << 30) == 0 => format!("{} GiB", b >> 30),
+        b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{} MiB", b >> 20),
+        b if b >= 1 << 10 && b % (1 << 10) == 0 => format!("{} KiB", b >> 10),
+        b => format!("{b} B"),
+    }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::thresholds;
+    use super::{per_collective, size_text, thresholds, Row};
+
+    fn row(bytes: usize, busbw: f64, eff: f64, inplace: bool) -> Row {
+        Row {
+            op: "all_gather".into(),
+            bytes,
+            count: bytes / 4,
+            dtype: "f32".into(),
+            redop: "-".into(),
+            ranks: 2,
+            transport: "shm".into(),
+            time_us: 1.0,
+            algbw_gbs: busbw,
+            busbw_gbs: busbw,
+            wrong: 0,
+            inplace,
+            alpha_us: None,
+            beta_gbs: None,
+            predicted_us: Some(eff),
+            efficiency: Some(eff),
+            algo: "ring".into(),
+        }
+    }
+
+    #[test]
+    fn the_summary_gives_each_collectives_peak_half_point_and_model_fit() {
+        let rows = [
+            row(4 << 10, 1.0, 0.5, false),
+            row(256 << 10, 5.0, 0.7, false),
+            row(1 << 20, 9.0, 0.9, false),
+            row(4 << 20, 8.0, 1.1, false),
+            row(4 << 20, 20.0, 3.0, true),
+        ];
+        assert_eq!(
+            per_collective(&rows),
+            "# all_gather       peak 9.000 GB/s at 1 MiB; half of it from 256 KiB; model \
+             efficiency from 1 MiB 90–110 % (within 80–120 %)\n"
+        );
+        assert_eq!(
+            [size_text(4096), size_text(1 << 30), size_text(3 << 20), size_text(1000)],
+            ["4 KiB", "1 GiB", "3 MiB", "1000 B"]
+        );
+    }
 
     #[test]
     fn thresholds_follow_the_leading_runs_of_winners() {

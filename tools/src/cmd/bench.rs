@@ -13,7 +13,8 @@ pub(crate) struct BenchCli {
     /// (ranks 0↔1, 2↔3, ... exchange), or all (every collective: all but send-recv).
     #[arg(default_value = "all")]
     pub(crate) op: String,
-    /// Local ranks to spawn (ignored under a launcher, which decides).
+    /// Local ranks to spawn (default: one per core, at least 2, at most 4; ignored under a
+    /// launcher, which decides).
     #[arg(short = 'n', long = "ranks")]
     pub(crate) ranks: Option<usize>,
     /// Smallest size in bytes (K/M/G suffixes).
@@ -76,6 +77,17 @@ pub(crate) struct BenchCli {
     pub(crate) corrupt_rank: Option<usize>,
 }
 
+/// The most ranks `ringzero bench` starts by itself (the main job stays short on large hosts).
+const MAX_DEFAULT_RANKS: usize = 4;
+
+/// Ranks to start when `-n` is not given: one per core, at least 2, at most
+/// [`MAX_DEFAULT_RANKS`].
+fn default_ranks() -> usize {
+    std::thread::available_parallelism()
+        .map_or(2, |c| c.get())
+        .clamp(2, MAX_DEFAULT_RANKS)
+}
+
 /// Run the sweep (spawning local ranks outside a launcher) and print the report.
 pub(crate) fn run(b: BenchCli) -> anyhow::Result<ExitCode> {
     let ops = ringzero_tools::bench::parse_ops(&b.op).map_err(anyhow::Error::msg)?;
@@ -103,14 +115,14 @@ pub(crate) fn run(b: BenchCli) -> anyhow::Result<ExitCode> {
     anyhow::ensure!(b.iters > 0, "--iters must be at least 1");
     // This node's ranks: those about to start here, or the launcher's.
     let here = match under_launcher() {
-        false => b.ranks.unwrap_or(4),
+        false => b.ranks.unwrap_or_else(default_ranks),
         true => ringzero_collectives::Config::from_env().map_or(1, |c| c.launch.local_world_size),
     };
     let avail = ringzero_tools::bench::memory_available();
     ringzero_tools::bench::check_sizes(&sizes, b.dtype.size(), here, avail)
         .map_err(anyhow::Error::msg)?;
     if !under_launcher() {
-        let n = b.ranks.unwrap_or(4);
+        let n = b.ranks.unwrap_or_else(default_ranks);
         // Refused before any rank starts (under a launcher, bench::run refuses it on every rank).
         anyhow::ensure!(
             !ops.contains(&ringzero_collectives::Collective::SendRecv) || n.is_multiple_of(2),
@@ -132,6 +144,13 @@ pub(crate) fn run(b: BenchCli) -> anyhow::Result<ExitCode> {
             algos: b.algos.clone(),
         },
         probe_bytes: b.probe_bytes,
+        // The ranks re-read the command line: no -n there means the default chose their count.
+        ranks_note: b.ranks.is_none().then(|| {
+            format!(
+                "one per core, at least 2 and at most {MAX_DEFAULT_RANKS}: more ranks than cores \
+                 time-slice and measure the scheduler; -n to choose"
+            )
+        }),
     };
     let bar = if comm.rank() == 0 {
         let pb = indicatif::ProgressBar::new((args.ops.len() * args.sweep.sizes.len()) as u64);
