@@ -444,6 +444,36 @@ fn demo_trains_with_hybrid_sharding_and_refuses_a_shard_size_that_does_not_divid
 /// loss goes down, and a scheduler's rate is printed per step (OneCycle's first step runs at
 /// its `cycle_min_lr`, as DeepSpeed's does); those that offload optimizer state to the CPU are
 /// refused naming ZeRO-Offload and what to do, before any rank starts.
+/// `bench --explain` reads nccl-tests' text output and prints it beside the model; without the
+/// links' β it is refused before reading anything.
+#[test]
+fn bench_explains_nccl_tests_output() {
+    let dir = std::env::temp_dir().join(format!("ringzero-explain-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let f = dir.join("nccl.txt");
+    std::fs::write(
+        &f,
+        "# Collective test starting: reduce_scatter_perf\n\
+         #  Rank  0 Group  0 Pid 1 on n device 0 [0x18] GPU\n\
+         #  Rank  1 Group  0 Pid 1 on n device 1 [0x2a] GPU\n\
+         #  Rank  2 Group  0 Pid 1 on n device 2 [0x3a] GPU\n\
+         #  Rank  3 Group  0 Pid 1 on n device 3 [0x5d] GPU\n\
+         \x20   67108864  4194304  float  sum  -1  500.0  134.2  100.7  0  480.0  139.8  104.9  0\n",
+    )
+    .unwrap();
+    let out = succeeds(
+        ringzero()
+            .args(["bench", "--explain"])
+            .arg(&f)
+            .args(["--beta-gbs", "100", "--alpha-us", "2"]),
+    );
+    assert!(out.contains("reduce_scatter_perf (reduce_scatter) on 4 ranks"), "{out}");
+    assert!(out.contains("64 MiB"), "{out}");
+    let err = fails(ringzero().args(["bench", "--explain"]).arg(&f));
+    assert!(err.contains("--beta-gbs"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn demo_runs_every_published_deepspeed_config() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/deepspeed");

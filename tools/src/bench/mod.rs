@@ -7,6 +7,7 @@
 
 pub mod device;
 pub mod exact;
+pub mod explain;
 pub mod plot;
 pub mod probe;
 pub mod report;

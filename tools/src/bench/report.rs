@@ -540,7 +540,12 @@ mod tests {
              efficiency from 1 MiB 90–110 % (within 80–120 %)\n"
         );
         assert_eq!(
-            [size_text(4096), size_text(1 << 30), size_text(3 << 20), size_text(1000)],
+            [
+                size_text(4096),
+                size_text(1 << 30),
+                size_text(3 << 20),
+                size_text(1000)
+            ],
             ["4 KiB", "1 GiB", "3 MiB", "1000 B"]
         );
     }

@@ -69,12 +69,49 @@ pub(crate) struct BenchCli {
     /// Write an SVG plot of bus bandwidth against size.
     #[arg(long)]
     pub(crate) plot: Option<std::path::PathBuf>,
+    /// Run nothing: read another library's benchmark (nccl-tests' text output, or its `-J`
+    /// JSON) and print each row beside the ring's α–β model for that collective and rank count
+    /// over links of --alpha-us and --beta-gbs.
+    #[arg(long, value_name = "FILE", requires = "beta_gbs")]
+    pub(crate) explain: Option<std::path::PathBuf>,
+    /// With --explain: latency of one ring step, µs (this machine's is in `ringzero bench`'s
+    /// header).
+    #[arg(long, default_value_t = 0.0)]
+    pub(crate) alpha_us: f64,
+    /// With --explain: bandwidth of one link, GB/s (NVLink, PCIe, a NIC's; this machine's is
+    /// in `ringzero bench`'s header).
+    #[arg(long)]
+    pub(crate) beta_gbs: Option<f64>,
     /// Bytes each rank streams to measure β.
     #[arg(long, default_value = "16M", value_parser = size, hide = true)]
     pub(crate) probe_bytes: usize,
     /// Testing aid: this rank corrupts one element of every checked result.
     #[arg(long, hide = true)]
     pub(crate) corrupt_rank: Option<usize>,
+}
+
+/// `--explain FILE`: another library's rows beside the model; nothing runs.
+fn explain(
+    path: &std::path::Path,
+    alpha_us: f64,
+    beta_gbs: Option<f64>,
+) -> anyhow::Result<ExitCode> {
+    use ringzero_tools::bench::{explain, theory::Model};
+    let beta_gbs = beta_gbs.unwrap_or(0.0);
+    anyhow::ensure!(
+        beta_gbs.is_finite() && beta_gbs > 0.0 && alpha_us.is_finite() && alpha_us >= 0.0,
+        "--beta-gbs must be above 0 and --alpha-us at least 0 (GB/s per link, µs per step)"
+    );
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| anyhow::anyhow!("--explain {}: {e}", path.display()))?;
+    let f =
+        explain::parse(&text).map_err(|e| anyhow::anyhow!("--explain {}: {e}", path.display()))?;
+    let source = path.display().to_string();
+    print!(
+        "{}",
+        explain::explain(&f, Model { alpha_us, beta_gbs }, &source)
+    );
+    Ok(ExitCode::SUCCESS)
 }
 
 /// The most ranks `ringzero bench` starts by itself (the main job stays short on large hosts).
@@ -90,6 +127,9 @@ fn default_ranks() -> usize {
 
 /// Run the sweep (spawning local ranks outside a launcher) and print the report.
 pub(crate) fn run(b: BenchCli) -> anyhow::Result<ExitCode> {
+    if let Some(path) = &b.explain {
+        return explain(path, b.alpha_us, b.beta_gbs);
+    }
     let ops = ringzero_tools::bench::parse_ops(&b.op).map_err(anyhow::Error::msg)?;
     let sizes = ringzero_tools::bench::sizes(b.min_bytes, b.max_bytes, b.factor)
         .map_err(anyhow::Error::msg)?;
