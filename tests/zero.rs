@@ -4,7 +4,7 @@
 //! changing nothing numerically; bad input refused with nothing changed.
 
 use half::{bf16, f16};
-use ringzero::kernels::cpu::{cast, sq_norm, step_mixed, Float, Optimizer, Rule};
+use ringzero::kernels::cpu::{cast, sq_norm, step_mixed, Float, Optimizer};
 use ringzero::{Algo, Collectives, Communicator, InPlace, ReduceOp, TransportPref};
 use ringzero_zero::mem::{comm_elements_per_step, model_states, K_ADAM};
 use ringzero_zero::{
@@ -253,31 +253,11 @@ fn every_stage_matches_data_parallel_bit_for_bit_in_fp32() {
 /// none, so its optimizer memory is the master alone).
 #[test]
 fn every_optimizer_matches_data_parallel_bit_for_bit_in_every_stage() {
-    let rules = [
-        Optimizer {
-            weight_decay: 0.05,
-            ..Optimizer::adam(0.05)
-        },
-        Optimizer {
-            weight_decay: 0.1,
-            ..Optimizer::lion(0.01)
-        },
-        Optimizer {
-            weight_decay: 0.01,
-            ..Optimizer::sgd(0.1, 0.0)
-        },
-        Optimizer {
-            weight_decay: 0.01,
-            ..Optimizer::sgd(0.1, 0.9)
-        },
-        Optimizer {
-            rule: Rule::Sgd { nesterov: true },
-            ..Optimizer::sgd(0.1, 0.9)
-        },
-    ];
+    // Every rule but AdamW (the tests above).
+    let rules = Optimizer::each_rule().into_iter().skip(1);
     threads(3, &Opts::default(), |_, comm| {
         let comm = comm.unwrap();
-        for h in rules {
+        for h in rules.clone() {
             for p in [Precision::Fp32, Precision::Bf16] {
                 let c = |stage| ZeroConfig {
                     optimizer: h,

@@ -18,7 +18,7 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 use half::{bf16, f16};
-use ringzero_kernels::cpu::{self, Float, Optimizer, Rule};
+use ringzero_kernels::cpu::{self, Float, Optimizer};
 use ringzero_kernels::device::cuda::cu_type;
 use ringzero_kernels::{DType, ReduceOp};
 
@@ -675,29 +675,7 @@ fn float_kernels<T: Float + bytemuck::Pod>(lib: &libloading::Library, name: &str
             // One step of every rule, with and without 16-bit parameters written back, on
             // aligned arrays (four elements at a time) and on arrays one element off (one at a
             // time). The states a rule does not keep are null, as the engine passes them empty.
-            for h in [
-                Optimizer::default(),
-                Optimizer {
-                    weight_decay: 0.05,
-                    ..Optimizer::adam(1e-3)
-                },
-                Optimizer {
-                    weight_decay: 0.1,
-                    ..Optimizer::lion(1e-4)
-                },
-                Optimizer {
-                    weight_decay: 0.01,
-                    ..Optimizer::sgd(0.05, 0.0)
-                },
-                Optimizer {
-                    weight_decay: 0.01,
-                    ..Optimizer::sgd(0.05, 0.9)
-                },
-                Optimizer {
-                    rule: Rule::Sgd { nesterov: true },
-                    ..Optimizer::sgd(0.05, 0.9)
-                },
-            ] {
+            for h in Optimizer::each_rule() {
                 // A constant step: `step_scalars` must give what `step_mixed` computes at run
                 // time.
                 let t = 3u64;

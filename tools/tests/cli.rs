@@ -461,13 +461,16 @@ fn bench_explains_nccl_tests_output() {
          \x20   67108864  4194304  float  sum  -1  500.0  134.2  100.7  0  480.0  139.8  104.9  0\n",
     )
     .unwrap();
-    let out = succeeds(
-        ringzero()
-            .args(["bench", "--explain"])
-            .arg(&f)
-            .args(["--beta-gbs", "100", "--alpha-us", "2"]),
+    let out = succeeds(ringzero().args(["bench", "--explain"]).arg(&f).args([
+        "--beta-gbs",
+        "100",
+        "--alpha-us",
+        "2",
+    ]));
+    assert!(
+        out.contains("reduce_scatter_perf (reduce_scatter) on 4 ranks"),
+        "{out}"
     );
-    assert!(out.contains("reduce_scatter_perf (reduce_scatter) on 4 ranks"), "{out}");
     assert!(out.contains("64 MiB"), "{out}");
     let err = fails(ringzero().args(["bench", "--explain"]).arg(&f));
     assert!(err.contains("--beta-gbs"), "{err}");

@@ -136,6 +136,37 @@ impl Optimizer {
         }
     }
 
+    /// One optimizer per rule and variant — AdamW, Adam, Lion, SGD without and with momentum,
+    /// Nesterov — each with weight decay, at rates that move small models visibly in a few
+    /// steps: what the checks run every kernel and engine with (`gpu-check`, the tests), so
+    /// that a rule added here is checked everywhere.
+    pub fn each_rule() -> [Optimizer; 6] {
+        [
+            Optimizer::adamw(0.01),
+            Optimizer {
+                weight_decay: 0.05,
+                ..Optimizer::adam(0.01)
+            },
+            Optimizer {
+                weight_decay: 0.1,
+                ..Optimizer::lion(0.003)
+            },
+            Optimizer {
+                weight_decay: 0.01,
+                ..Optimizer::sgd(0.05, 0.0)
+            },
+            Optimizer {
+                weight_decay: 0.01,
+                ..Optimizer::sgd(0.05, 0.9)
+            },
+            Optimizer {
+                rule: Rule::Sgd { nesterov: true },
+                weight_decay: 0.01,
+                ..Optimizer::sgd(0.05, 0.9)
+            },
+        ]
+    }
+
     /// The name DeepSpeed's `optimizer.type` gives it.
     pub fn name(&self) -> &'static str {
         match self.rule {
@@ -381,34 +412,8 @@ mod tests {
     }
 
     /// Every rule, with weight decay (and SGD with and without momentum, and Nesterov).
-    fn rules() -> Vec<Optimizer> {
-        vec![
-            Optimizer {
-                lr: 1e-2,
-                ..Optimizer::adamw(1e-2)
-            },
-            Optimizer {
-                weight_decay: 0.05,
-                ..Optimizer::adam(1e-2)
-            },
-            Optimizer {
-                weight_decay: 0.1,
-                ..Optimizer::lion(3e-3)
-            },
-            Optimizer {
-                weight_decay: 0.01,
-                ..Optimizer::sgd(0.05, 0.0)
-            },
-            Optimizer {
-                weight_decay: 0.01,
-                ..Optimizer::sgd(0.05, 0.9)
-            },
-            Optimizer {
-                rule: Rule::Sgd { nesterov: true },
-                weight_decay: 0.01,
-                ..Optimizer::sgd(0.05, 0.9)
-            },
-        ]
+    fn rules() -> [Optimizer; 6] {
+        Optimizer::each_rule()
     }
 
     /// States of `h`'s shape for `n` elements.

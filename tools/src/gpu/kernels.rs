@@ -423,33 +423,8 @@ fn float_checks(gpu: &Arc<Gpu>, d: DType) -> Result<Option<String>, DeviceError>
 
 /// Every optimizer rule the engine steps with (weight decay on, SGD with and without momentum
 /// and with Nesterov), as `gpu-check` compares them.
-fn rules() -> Vec<Optimizer> {
-    vec![
-        Optimizer {
-            lr: 1e-2,
-            ..Optimizer::default()
-        },
-        Optimizer {
-            weight_decay: 0.05,
-            ..Optimizer::adam(1e-2)
-        },
-        Optimizer {
-            weight_decay: 0.1,
-            ..Optimizer::lion(1e-3)
-        },
-        Optimizer {
-            weight_decay: 0.01,
-            ..Optimizer::sgd(0.05, 0.0)
-        },
-        Optimizer {
-            weight_decay: 0.01,
-            ..Optimizer::sgd(0.05, 0.9)
-        },
-        Optimizer {
-            rule: Rule::Sgd { nesterov: true },
-            ..Optimizer::sgd(0.05, 0.9)
-        },
-    ]
+fn rules() -> [Optimizer; 6] {
+    Optimizer::each_rule()
 }
 
 /// The row name of rule `h` (SGD's variants told apart).

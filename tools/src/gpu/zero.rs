@@ -52,23 +52,12 @@ fn adamw() -> Optimizer {
     }
 }
 
-/// The other rules, with weight decay: each steps on the GPU with its own kernel path.
-fn other_rules() -> [Optimizer; 4] {
-    [
-        Optimizer {
-            weight_decay: 0.05,
-            ..Optimizer::adam(0.05)
-        },
-        Optimizer {
-            weight_decay: 0.1,
-            ..Optimizer::lion(0.01)
-        },
-        Optimizer {
-            weight_decay: 0.01,
-            ..Optimizer::sgd(0.1, 0.9)
-        },
-        Optimizer::sgd(0.1, 0.0),
-    ]
+/// The other rules (every one but AdamW), with weight decay: each steps on the GPU with its
+/// own kernel path.
+fn other_rules() -> impl Iterator<Item = Optimizer> {
+    Optimizer::each_rule()
+        .into_iter()
+        .filter(|h| h.rule != Rule::AdamW)
 }
 
 /// Gradients of one step from the parameters' values (scaled by `scale`), rounded into `T`.
@@ -195,7 +184,6 @@ pub fn check<D: CheckDev>(comm: &Communicator, dc: &Arc<DeviceComm<D>>, label: &
             // bit is the target. The other rules only at stage 3 (the stages differ in where
             // gradients and parameters live, checked above; the rules in the update).
             other_rules()
-                .into_iter()
                 .filter(|h| exact || h.rule != Rule::Lion)
                 .try_for_each(|h| compare::<D, bf16>(comm, dc, Precision::Bf16, h, &[3], exact))
         });
