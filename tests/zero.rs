@@ -856,8 +856,9 @@ fn each_optimizer_step_reports_where_its_time_went() {
     });
 }
 
-/// Gradients pushed in registration order in one call give the bits of pushing them by name;
-/// a wrong count or a wrong length is refused before anything is added.
+/// Gradients pushed in registration order in one call, or computed from the weights read in
+/// place, give the bits of pushing them by name; a wrong count or a wrong length is refused
+/// before anything is added.
 #[test]
 fn gradients_pushed_in_registration_order() {
     threads(2, &Opts::default(), |rank, comm| {
@@ -871,6 +872,7 @@ fn gradients_pushed_in_registration_order() {
         };
         let mut by_name = Engine::<f32>::new(&comm, &sp, &init, cfg(2, None)).unwrap();
         let mut in_order = Engine::<f32>::new(&comm, &sp, &init, cfg(2, None)).unwrap();
+        let mut from_params = Engine::<f32>::new(&comm, &sp, &init, cfg(2, None)).unwrap();
         for t in 0..3 {
             for (s, g) in sp.iter().zip(grads(&by_name, t)) {
                 by_name.push_grad(&s.name, &g[..]).unwrap();
@@ -890,11 +892,36 @@ fn gradients_pushed_in_registration_order() {
             assert!(e.to_string().contains("w2"), "{e}");
             in_order.push_grads(g.iter().map(|v| &v[..])).unwrap();
             in_order.step().unwrap();
+            // The same step computed from the weights read in place.
+            let e = &mut from_params;
+            let names: Vec<&str> = sp.iter().map(|s| s.name.as_str()).collect();
+            let short = e
+                .push_grads_from(&names, |_| vec![vec![0.0; 3]])
+                .unwrap_err();
+            assert!(
+                short.to_string().contains("1 gradients returned for 4"),
+                "{short}"
+            );
+            e.push_grads_from(&names, |params| {
+                params
+                    .iter()
+                    .enumerate()
+                    .map(|(i, w)| grad(w, rank, t, i))
+                    .collect()
+            })
+            .unwrap();
+            e.step().unwrap();
         }
         for s in &sp {
             assert_eq!(
                 bits(by_name.param(&s.name).unwrap()),
                 bits(in_order.param(&s.name).unwrap()),
+                "{}",
+                s.name
+            );
+            assert_eq!(
+                bits(by_name.param(&s.name).unwrap()),
+                bits(from_params.param(&s.name).unwrap()),
                 "{}",
                 s.name
             );

@@ -75,6 +75,43 @@ impl<T: Float> Engine<T, HostStream> {
         Ok(unsafe { std::slice::from_raw_parts(addr as usize as *const T, len) })
     }
 
+    /// Backward for a layer without copying its weights: `f` gets the current values of
+    /// `names`' parameters, read in place as [`Engine::param`] reads them, and returns their
+    /// gradients, one per name in order (times [`Engine::loss_scale`] under fp16), which are
+    /// then pushed as [`Engine::push_grad`] pushes them. The count and lengths are checked
+    /// before any is added: bad input changes nothing.
+    pub fn push_grads_from(
+        &mut self,
+        names: &[&str],
+        f: impl FnOnce(&[&[T]]) -> Vec<Vec<T>>,
+    ) -> Result<(), ZeroError> {
+        let grads = {
+            let params = names
+                .iter()
+                .map(|n| self.param(n))
+                .collect::<Result<Vec<&[T]>, _>>()?;
+            f(&params)
+        };
+        if grads.len() != names.len() {
+            return Err(ZeroError::NotNow {
+                call: "push_grads_from",
+                why: format!(
+                    "{} gradients returned for {} parameters ({})",
+                    grads.len(),
+                    names.len(),
+                    names.join(", ")
+                ),
+            });
+        }
+        for (n, g) in names.iter().zip(&grads) {
+            self.led.check_push(n, g.len())?;
+        }
+        for (n, g) in names.iter().zip(&grads) {
+            self.push_grad(n, &g[..])?;
+        }
+        Ok(())
+    }
+
     /// [`Engine::push_grad`] from an `f32` gradient, rounded once into `T` (the sum with an
     /// earlier micro-step's gradient is rounded once too).
     pub fn push_grad_f32(&mut self, name: &str, grad: &[f32]) -> Result<(), ZeroError> {
