@@ -247,6 +247,19 @@ fn every_stage_matches_data_parallel_bit_for_bit_in_fp32() {
     parity::<f32>(Precision::Fp32);
 }
 
+/// The parameters' bits after 3 steps with `c`, and after 3 steps of data parallel with `base`.
+fn stage_and_baseline<T: Float>(
+    comm: &Communicator,
+    c: ZeroConfig,
+    base: &ZeroConfig,
+) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
+    let bits_of = |v: Vec<Vec<T>>| v.iter().map(|x| bits(x)).collect();
+    (
+        bits_of(train::<T>(comm, c, 3)),
+        bits_of(baseline::<T>(comm, 3, base)),
+    )
+}
+
 /// Every optimizer rule (Adam with L2 decay, Lion, SGD plain, with momentum and Nesterov; AdamW
 /// is the tests above) on 3 ranks, in fp32 and bf16, with clipping and weight decay: every stage
 /// gives data parallel's bits, and each rule keeps only its own states (SGD without momentum
@@ -263,32 +276,13 @@ fn every_optimizer_matches_data_parallel_bit_for_bit_in_every_stage() {
                     optimizer: h,
                     ..cfg_in(p, stage, Some(0.5))
                 };
-                let check = |got: Vec<Vec<u8>>, want: &[Vec<u8>], stage: u8| {
-                    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-                        assert_eq!(g, w, "{h:?} {p} stage {stage}: parameter {i} differs");
-                    }
-                };
                 for stage in 0..=3 {
-                    if p == Precision::Fp32 {
-                        let want: Vec<_> = baseline::<f32>(&comm, 3, &c(0))
-                            .iter()
-                            .map(|x| bits(x))
-                            .collect();
-                        let got = train::<f32>(&comm, c(stage), 3)
-                            .iter()
-                            .map(|x| bits(x))
-                            .collect();
-                        check(got, &want, stage);
-                    } else {
-                        let want: Vec<_> = baseline::<bf16>(&comm, 3, &c(0))
-                            .iter()
-                            .map(|x| bits(x))
-                            .collect();
-                        let got = train::<bf16>(&comm, c(stage), 3)
-                            .iter()
-                            .map(|x| bits(x))
-                            .collect();
-                        check(got, &want, stage);
+                    let (got, want) = match p {
+                        Precision::Fp32 => stage_and_baseline::<f32>(&comm, c(stage), &c(0)),
+                        _ => stage_and_baseline::<bf16>(&comm, c(stage), &c(0)),
+                    };
+                    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                        assert_eq!(g, w, "{h:?} {p} stage {stage}: parameter {i} differs");
                     }
                 }
                 // The states it keeps, and no more: stage 0 holds them whole.
