@@ -11,7 +11,8 @@ pub struct Memory {
     pub params: usize,
     /// Gradients in `T` (full in stages 0–1, owned shards in 2–3).
     pub grads: usize,
-    /// Optimizer state: Adam moments, plus fp32 master weights when `T` is 16-bit (full in stage 0,
+    /// Optimizer state: the rule's states (Adam's two moments, Lion's or SGD's one, plain SGD's
+    /// none), plus fp32 master weights when `T` is 16-bit (full in stage 0,
     /// owned shards otherwise).
     pub optimizer: usize,
     /// Communication buffers held right now (stage 2–3 gradient staging and reduce-scatters in

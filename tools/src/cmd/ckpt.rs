@@ -31,7 +31,8 @@ pub(crate) enum CkptCmd {
         /// fp32 (the masters as they are), bf16 or fp16 (their rounding).
         #[arg(long, default_value = "fp32")]
         dtype: ringzero_zero::Precision,
-        /// Also write each parameter's Adam moments, as `<name>.exp_avg` and `<name>.exp_avg_sq`.
+        /// Also write each parameter's optimizer states, as `<name>.<state>` (`exp_avg` and
+        /// `exp_avg_sq` for Adam, `exp_avg` for Lion, `momentum_buffer` for SGD with momentum).
         #[arg(long)]
         optimizer: bool,
     },
