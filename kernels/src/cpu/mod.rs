@@ -13,7 +13,7 @@ mod reduce;
 mod stream;
 
 pub use float::{all_finite, cast, scale, sq_norm, step_mixed, Float};
-pub use optim::{optim_step, Optimizer, Rule, StepScalars};
+pub use optim::{optim_step, optim_step_threads, Optimizer, Rule, StepScalars};
 
 pub use stream::{copy_streaming, stream_fence};
 
