@@ -35,17 +35,21 @@ fn step(c: &mut Criterion) {
             optim_step(&h, t, &mut p, &grads, &mut m, &mut v, 1.0)
         })
     });
-    g.bench_function(BenchmarkId::new("adamw", format!("{threads} threads")), |b| {
-        b.iter(|| {
-            t += 1;
-            optim_step_threads(&h, t, &mut p, &grads, &mut m, &mut v, 1.0, threads)
-        })
-    });
+    g.bench_function(
+        BenchmarkId::new("adamw", format!("{threads} threads")),
+        |b| {
+            b.iter(|| {
+                t += 1;
+                optim_step_threads(&h, t, &mut p, &grads, &mut m, &mut v, 1.0, threads)
+            })
+        },
+    );
     let src = vec![1u8; 14 * n];
     let mut dst = vec![0u8; 14 * n];
-    g.bench_function(BenchmarkId::new("memcpy", format!("{threads} threads")), |b| {
-        b.iter(|| copy_threads(&mut dst, &src, threads))
-    });
+    g.bench_function(
+        BenchmarkId::new("memcpy", format!("{threads} threads")),
+        |b| b.iter(|| copy_threads(&mut dst, &src, threads)),
+    );
     g.finish();
 }
 

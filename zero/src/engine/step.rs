@@ -25,17 +25,7 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
         name: &str,
         grad: &B,
     ) -> Result<(), ZeroError> {
-        let (i, s) = self.led.check_push(name, grad.elems())?;
-        if grad.dtype() != T::DTYPE {
-            return Err(ZeroError::NotNow {
-                call: "push_grad",
-                why: format!(
-                    "the gradient of `{name}` is {} but the engine's parameters are {}",
-                    grad.dtype(),
-                    T::DTYPE
-                ),
-            });
-        }
+        let (i, s) = self.check_grad("push_grad", name, grad)?;
         let dst = self.grad_slot(s)?;
         let src = grad.addr(self.stream());
         // SAFETY: `dst` is `s.len` elements of `T` inside the engine's bucket buffer, `src` the
@@ -70,25 +60,36 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
                 ),
             });
         }
-        for (p, g) in grads.iter().enumerate() {
-            let name = &specs[p].name;
-            self.led.check_push(name, g.elems())?;
-            if g.dtype() != T::DTYPE {
-                return Err(ZeroError::NotNow {
-                    call: "push_grads",
-                    why: format!(
-                        "the gradient of `{name}` is {} but the engine's parameters are {}",
-                        g.dtype(),
-                        T::DTYPE
-                    ),
-                });
-            }
-        }
         let names: Vec<String> = specs.iter().map(|s| s.name.clone()).collect();
+        for (name, g) in names.iter().zip(&grads) {
+            self.check_grad("push_grads", name, *g)?;
+        }
         for (name, g) in names.iter().zip(grads) {
             self.push_grad(name, g)?;
         }
         Ok(())
+    }
+
+    /// Check `grad` for parameter `name` (known, its length, not in yet, in `T`), naming `call`
+    /// when its dtype is wrong: the parameter's index and slot.
+    fn check_grad<B: DeviceMemory<S> + ?Sized>(
+        &self,
+        call: &'static str,
+        name: &str,
+        grad: &B,
+    ) -> Result<(usize, Slot), ZeroError> {
+        let found = self.led.check_push(name, grad.elems())?;
+        if grad.dtype() != T::DTYPE {
+            return Err(ZeroError::NotNow {
+                call,
+                why: format!(
+                    "the gradient of `{name}` is {} but the engine's parameters are {}",
+                    grad.dtype(),
+                    T::DTYPE
+                ),
+            });
+        }
+        Ok(found)
     }
 
     /// Where the gradient of the parameter at `s` is summed this micro-step: its bucket's
