@@ -48,6 +48,7 @@ pub mod device;
 pub mod error;
 pub mod flight;
 mod input;
+mod posted;
 mod ring;
 mod split;
 mod topology;

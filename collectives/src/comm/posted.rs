@@ -1,24 +1,17 @@
-//! Posted point-to-point calls: how the asynchronous forms ([`Communicator::send_async`](crate::NonBlocking::send_async),
-//! `recv_async`, `send_recv_async`, `send_recv_batch_async`) run.
+//! Posted point-to-point calls on the host's links: the host's [`PairKind`] for the session
+//! that runs the asynchronous forms ([`Communicator::send_async`](crate::NonBlocking::send_async),
+//! `recv_async`, `send_recv_async`, `send_recv_batch_async`; the session itself is
+//! `crate::posted`).
 //!
-//! A blocking call runs alone, so a rank's calls happen in program order. Queued, that order
-//! would make `recv_async(prev)` then `send_async(next)` around a ring wait forever (every rank
-//! waits for a send queued behind its own receive), as would two ranks that each post a large
-//! send before their receives. So a run of posted calls at the front of the worker's queue is one
-//! session (see [`crate::work::Worker`]): every message joins a queue per peer and direction as
-//! it is posted, even while earlier ones still move, and each direction of each pair moves as its
-//! link allows. A pair not yet connected connects on a thread of its own meanwhile, as does
-//! any rank found connecting to this one (its first call may be what this session's wait on),
-//! so first calls that form a cycle meet too. Messages to one peer keep their order, as do messages from
-//! one, and each is numbered and matched as if sent alone, so the peer may use any form; each
-//! call's `Work` completes as soon as its own messages have. A collective queued behind them
-//! waits for the session to end, which it does once nothing is queued behind it and every
-//! message has moved; any error fails the communicator and every call of the session.
+//! A message's ops run at once, on the caller's bytes, as its link allows. A pair not yet
+//! connected connects on a thread of its own meanwhile, as does any rank found connecting to this
+//! one (its first call may be what this session's calls wait on), so first calls that form a
+//! cycle meet too; a pair used in the session has settled once its link has flushed.
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
-use std::sync::Arc;
+use std::collections::BTreeMap;
+use std::sync::{Arc, MutexGuard};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use ringzero_kernels::{DType, Element, ReduceOp};
 
@@ -27,40 +20,36 @@ use super::Inner;
 use crate::bootstrap::Role;
 use crate::connect;
 use crate::error::{Error, Result};
-use crate::ring::engine::{Bufs, Links, Patience, Tick};
-use crate::ring::failure;
-use crate::ring::{plan_p2p, Collective, Plan};
+use crate::flight::Recorder;
+use crate::posted::{Connects, Msg, PairKind, Request};
+use crate::ring::call::{link_err, Call};
+use crate::ring::engine::{Bufs, Links};
+use crate::ring::failure::{self, AbortFlag};
+use crate::ring::one_way::{one_way_timeout, step_one_way};
 use crate::topology::Edge;
 use crate::transport::wait::Waiter;
+use crate::transport::LinkResult;
 use crate::wire::Fingerprint;
-use crate::work::{Feed, PostedJob, Ticket};
+use crate::work::{Feed, Ticket};
 
 #[cfg(doc)]
 use super::Communicator;
 
 /// How often a session looks for ranks connecting to this one ([`Inner::serve`]).
-const SERVE_EVERY: std::time::Duration = std::time::Duration::from_millis(2);
+const SERVE_EVERY: Duration = Duration::from_millis(2);
 
-/// One posted call: its messages, and what fills its `Work` (which owns their buffers).
-pub(crate) struct Posted {
-    dtype: DType,
-    msgs: Vec<RawMsg>,
-    fill: Box<dyn FnOnce(Result<()>) + Send>,
-}
+/// One posted host call.
+pub(crate) type Posted = crate::posted::Posted<HostBytes>;
 
-/// One message of a posted call: a send or a receive, the peer, and its buffer's bytes.
-struct RawMsg {
-    send: bool,
-    peer: usize,
-    ptr: *mut u8,
-    len: usize,
-}
+/// The first byte of a posted message's buffer, which its call's filler owns.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct HostBytes(*mut u8);
 
-// SAFETY: the pointers lead into the buffers that `fill` owns (a `Vec<T>` per message, taken
-// from its owner by `Posted::new` and moved into `fill` whole, so their heap memory stays where
-// it is); nothing else refers to them, and they travel with `fill` to whichever thread runs the
-// call.
-unsafe impl Send for Posted {}
+// SAFETY: the pointer leads into a buffer that the call's filler owns (a `Vec<T>` per message,
+// taken from its owner by `Posted::new` and moved into the filler whole, so its heap memory stays
+// where it is); nothing else refers to it, and it travels with the filler to whichever thread
+// runs the call.
+unsafe impl Send for HostBytes {}
 
 impl Posted {
     /// The call on `msgs`; `done` gets its result and the buffers back.
@@ -75,224 +64,41 @@ impl Posted {
                 let buf = match m {
                     P2pOwned::Send(b, _) | P2pOwned::Recv(b, _) => b,
                 };
-                let bytes: &mut [u8] = bytemuck::cast_slice_mut(buf.as_mut_slice());
-                RawMsg {
+                Request {
                     send,
                     peer,
-                    ptr: bytes.as_mut_ptr(),
-                    len: bytes.len(),
+                    dtype: T::DTYPE,
+                    elems: buf.len(),
+                    buf: HostBytes(buf.as_mut_ptr().cast()),
                 }
             })
             .collect();
         Posted {
-            dtype: T::DTYPE,
             msgs: raw,
             fill: Box::new(move |r| done(r, msgs)),
         }
     }
 }
 
-/// One direction of one message in a session: its job, its one-way plan and where it is.
-struct Msg {
-    job: usize,
-    dtype: DType,
-    plan: Plan,
-    seq: u64,
-    ptr: *mut u8,
-    len: usize,
-    at: usize,
-    what: String,
-}
-
-/// One peer's messages in a session, each direction in order.
-#[derive(Default)]
-struct Flow {
-    sends: VecDeque<Msg>,
-    recvs: VecDeque<Msg>,
-}
-
 /// A thread connecting a pair: the links and their edges.
 type Connector = JoinHandle<Result<(Links, Vec<Edge>)>>;
 
-/// A pair connecting on its own thread, and the messages numbered for it meanwhile.
-struct Connecting {
+/// A pair connecting on its own thread.
+pub(crate) struct Connecting {
     thread: Connector,
-    sent: u64,
-    received: u64,
     /// Started because the peer was connecting to this rank, not for a message: a failure is
     /// no error of the session.
     served: bool,
 }
 
-/// The state of one session: its calls, each peer's messages, the pairs connecting and those
-/// whose links have frames to flush.
-#[derive(Default)]
-struct Session {
-    jobs: Vec<PostedJob>,
-    flows: BTreeMap<usize, Flow>,
-    connecting: BTreeMap<usize, Connecting>,
-    unflushed: BTreeSet<usize>,
-}
-
 impl Inner {
+    /// Run a session that starts with `first` and takes each posted call queued behind it.
+    pub(super) fn run_posted(self: &Arc<Self>, first: Posted, ticket: Ticket, feed: &Feed<Posted>) {
+        crate::posted::run(self, first, ticket, feed);
+    }
+
     /// Run a session that starts with `first` and takes each posted call queued behind it
     /// (see the module docs).
-    pub(super) fn run_posted(self: &Arc<Self>, first: Posted, ticket: Ticket, feed: &Feed<Posted>) {
-        let fp = Fingerprint::new(Collective::SendRecv, Some(first.dtype), None, 0);
-        let refused = failure::refuse(self.lock().failed.as_ref(), &self.abort, &fp, 0);
-        if let Err(e) = refused {
-            (first.fill)(Err(e));
-            return;
-        }
-        // The session holds the point-to-point links only, not the communicator's state: a ring
-        // collective on another thread goes on meanwhile (a device communicator's connect trades
-        // its records here while the trainer all-reduces a loss, which the peer may reach first).
-        // A failure meanwhile elsewhere raises the abort flag, which the session's waits watch.
-        let mut pairs = self.pairs.lock().unwrap_or_else(|p| p.into_inner());
-        let mut s = Session::default();
-        let r = self
-            .take(&mut s, &mut pairs, first, ticket)
-            .and_then(|()| self.drive(&mut s, &mut pairs, feed));
-        // Released before the state is taken (the state's lock comes first everywhere else).
-        drop(pairs);
-        if let Err(e) = r {
-            self.fail(&mut self.lock(), &e);
-            // Pairs still connecting give up at the abort flag.
-            self.abort.raise(e.to_string());
-            for c in std::mem::take(&mut s.connecting).into_values() {
-                let _ = c.thread.join();
-            }
-            for job in &mut s.jobs {
-                job.finish(Err(e.clone()));
-            }
-        }
-    }
-
-    /// Move the session's messages until none is left and nothing is queued behind it.
-    fn drive(
-        self: &Arc<Self>,
-        s: &mut Session,
-        pairs: &mut BTreeMap<usize, Pair>,
-        feed: &Feed<Posted>,
-    ) -> Result<()> {
-        let mut patience = Patience::new(Instant::now());
-        let mut waiter = Waiter::backoff();
-        let mut served_at = std::time::Instant::now() - SERVE_EVERY;
-        loop {
-            let mut moved = false;
-            while let Some((p, t)) = feed.next() {
-                self.take(s, pairs, p, t)?;
-                moved = true;
-            }
-            // The listener is asked every few milliseconds, not on every spin of the wait.
-            if served_at.elapsed() >= SERVE_EVERY {
-                served_at = std::time::Instant::now();
-                moved |= self.serve(s, pairs)?;
-            }
-            moved |= self.joined(s, pairs)?;
-            moved |= self.step(s, pairs)?;
-            if s.flows.is_empty() && s.connecting.is_empty() {
-                // Done unless a call was queued meanwhile.
-                match feed.next() {
-                    Some((p, t)) => self.take(s, pairs, p, t)?,
-                    None => break,
-                }
-                continue;
-            }
-            match patience.tick(Instant::now(), moved, self.cfg.timeout) {
-                Tick::Moved => {
-                    waiter.progressed();
-                    continue;
-                }
-                // A pair still connecting has its own deadline.
-                Tick::TimedOut if s.connecting.is_empty() => return Err(self.stuck(s, pairs)),
-                Tick::TimedOut => patience = Patience::new(Instant::now()),
-                Tick::Check => self.check(s, pairs)?,
-                Tick::Idle => {}
-            }
-            waiter.idle(self.cfg.timeout);
-        }
-        // What the sends left in their links' buffers goes out before the session ends.
-        for peer in std::mem::take(&mut s.unflushed) {
-            let pair = pairs.get_mut(&peer).expect("a flushed pair is connected");
-            let what = format!("send to rank {peer}");
-            let seq = pair.sent.saturating_sub(1);
-            pair.links
-                .flush(&what, seq, self.cfg.timeout, &self.abort)?;
-        }
-        Ok(())
-    }
-
-    /// Take posted call `p` into the session: number each message in its direction, queue it on
-    /// its peer's flow, and start connecting a peer this rank has no pair with yet.
-    fn take(
-        self: &Arc<Self>,
-        s: &mut Session,
-        pairs: &mut BTreeMap<usize, Pair>,
-        p: Posted,
-        ticket: Ticket,
-    ) -> Result<()> {
-        let job = s.jobs.len();
-        s.jobs.push(PostedJob::new(p.msgs.len(), p.fill, ticket));
-        if p.msgs.is_empty() {
-            return Ok(());
-        }
-        let es = p.dtype.size();
-        let slice_elems = (self.cfg.slice_bytes / es).max(1);
-        for m in p.msgs {
-            if !pairs.contains_key(&m.peer) && !s.connecting.contains_key(&m.peer) {
-                let thread = self.connect_thread(m.peer)?;
-                s.connecting.insert(
-                    m.peer,
-                    Connecting {
-                        thread,
-                        sent: 0,
-                        received: 0,
-                        served: false,
-                    },
-                );
-            }
-            let (sent, received) = match pairs.get_mut(&m.peer) {
-                Some(pair) => (&mut pair.sent, &mut pair.received),
-                None => {
-                    let c = s.connecting.get_mut(&m.peer).expect("connecting above");
-                    c.served = false;
-                    (&mut c.sent, &mut c.received)
-                }
-            };
-            let count = m.len / es;
-            let seq = if m.send { sent } else { received };
-            let fp = Fingerprint::new(Collective::SendRecv, Some(p.dtype), None, count);
-            self.flight.p2p_started(&[(m.peer, m.send, *seq, fp)]);
-            let msg = Msg {
-                job,
-                dtype: p.dtype,
-                plan: plan_p2p(
-                    m.send.then_some(count),
-                    (!m.send).then_some(count),
-                    slice_elems,
-                ),
-                seq: *seq,
-                ptr: m.ptr,
-                len: m.len,
-                at: 0,
-                what: format!(
-                    "{fp} {} rank {}",
-                    if m.send { "to" } else { "from" },
-                    m.peer
-                ),
-            };
-            *seq += 1;
-            let flow = s.flows.entry(m.peer).or_default();
-            if m.send {
-                flow.sends.push_back(msg);
-            } else {
-                flow.recvs.push_back(msg);
-            }
-        }
-        Ok(())
-    }
-
     /// Start connecting the pair with `peer` on a thread of its own (the peer does the same
     /// when its call with this rank comes).
     fn connect_thread(self: &Arc<Self>, peer: usize) -> Result<Connector> {
@@ -324,39 +130,45 @@ impl Inner {
     /// Start connecting to every rank that is connecting to this one and has no pair yet (its
     /// first call with this rank waits for that, and may be what this session's calls wait
     /// for in turn); whether any.
-    fn serve(self: &Arc<Self>, s: &mut Session, pairs: &BTreeMap<usize, Pair>) -> Result<bool> {
+    fn serve(
+        self: &Arc<Self>,
+        c: &mut Connects<Connecting>,
+        pairs: &BTreeMap<usize, Pair>,
+    ) -> Result<bool> {
         let Some(listener) = &self.peer_listener else {
             return Ok(false);
         };
         let mut any = false;
         for caller in listener.waiting(Role::Data) {
-            if pairs.contains_key(&caller) || s.connecting.contains_key(&caller) {
+            if pairs.contains_key(&caller) || c.pairs.contains_key(&caller) {
                 continue;
             }
             let thread = self.connect_thread(caller)?;
-            let c = Connecting {
+            let served = Connecting {
                 thread,
-                sent: 0,
-                received: 0,
                 served: true,
             };
-            s.connecting.insert(caller, c);
+            c.pairs.insert(caller, served);
             any = true;
         }
         Ok(any)
     }
 
     /// Make pairs of the connections that have finished; whether any did.
-    fn joined(&self, s: &mut Session, pairs: &mut BTreeMap<usize, Pair>) -> Result<bool> {
-        let done: Vec<usize> = s
-            .connecting
+    fn joined(
+        &self,
+        c: &mut Connects<Connecting>,
+        pairs: &mut BTreeMap<usize, Pair>,
+    ) -> Result<bool> {
+        let done: Vec<usize> = c
+            .pairs
             .iter()
             .filter(|(_, c)| c.thread.is_finished())
             .map(|(&p, _)| p)
             .collect();
         for peer in &done {
-            let c = s.connecting.remove(peer).expect("listed above");
-            let joined = c.thread.join().unwrap_or_else(|_| {
+            let one = c.pairs.remove(peer).expect("listed above");
+            let joined = one.thread.join().unwrap_or_else(|_| {
                 Err(Error::Io {
                     context: format!("connecting to rank {peer}"),
                     detail: "the connecting thread panicked".into(),
@@ -364,7 +176,7 @@ impl Inner {
             });
             let (links, edges) = match joined {
                 Ok(made) => made,
-                Err(e) if c.served => {
+                Err(e) if one.served => {
                     tracing::warn!(target: "ringzero::topology", rank = self.rank, peer,
                         "rank {peer} was connecting to this rank, but joining it failed: {e}");
                     continue;
@@ -374,146 +186,191 @@ impl Inner {
             for e in &edges {
                 tracing::info!(target: "ringzero::topology", rank = self.rank, peer, "point-to-point {e}");
             }
-            let (sent, received) = (c.sent, c.received);
-            pairs.insert(
-                *peer,
-                Pair {
-                    links,
-                    sent,
-                    received,
-                },
-            );
+            let pair = Pair {
+                links,
+                sent: 0,
+                received: 0,
+            };
+            pairs.insert(*peer, pair);
         }
         Ok(!done.is_empty())
     }
 
-    /// Move what can move on every connected peer's flows, finishing the calls whose last
-    /// message has moved, and push on the links' unflushed frames; whether anything moved.
-    fn step(&self, s: &mut Session, pairs: &mut BTreeMap<usize, Pair>) -> Result<bool> {
-        let mut moved = false;
-        let Session {
-            jobs,
-            flows,
-            unflushed,
-            ..
-        } = s;
-        for (peer, flow) in flows.iter_mut() {
-            let Some(pair) = pairs.get_mut(peer) else {
-                continue; // still connecting
-            };
-            for (send, queue) in [(true, &mut flow.sends), (false, &mut flow.recvs)] {
-                while let Some(m) = queue.front_mut() {
-                    moved |= self.step_msg(&mut pair.links, m, send)?;
-                    if m.at < m.plan.ops.len() {
-                        break;
-                    }
-                    self.flight.p2p_finished([(*peer, send, m.seq)]);
-                    jobs[m.job].one_done();
-                    queue.pop_front();
-                    if send {
-                        unflushed.insert(*peer);
-                    }
-                }
-            }
+    /// Message `m`'s one-way call: a send numbered in its direction, a receive expecting the
+    /// peer's message of that number.
+    fn msg_call<'a>(&'a self, m: &'a Msg<HostBytes>) -> Call<'a> {
+        let fp = m.fp();
+        let out_bytes = if m.send { 0 } else { m.elems * m.dtype.size() };
+        Call {
+            n: 2,
+            incoming: (!m.send).then_some((m.seq, fp)),
+            ..self.call(&m.plan, (m.seq, fp), m.dtype, ReduceOp::Sum, out_bytes)
         }
-        flows.retain(|_, f| !f.sends.is_empty() || !f.recvs.is_empty());
-        let mut flushed = Vec::new();
-        for &peer in unflushed.iter() {
-            let pair = pairs
-                .get_mut(&peer)
-                .expect("an unflushed pair is connected");
-            let what = || format!("send to rank {peer}");
-            moved |= pair.links.tx.progress().map_err(|e| {
-                crate::ring::call::link_err(e, &what(), pair.sent, peer, self.rank, None)
-            })?;
-            if pair.links.tx.flushed() {
-                flushed.push(peer);
-            }
-        }
-        flushed.iter().for_each(|p| {
-            unflushed.remove(p);
-        });
-        Ok(moved)
+    }
+}
+
+impl PairKind for Arc<Inner> {
+    type Buf = HostBytes;
+    type Pair = Pair;
+    type Connecting = Connecting;
+    type Work = ();
+
+    fn rank(&self) -> usize {
+        self.rank
     }
 
-    /// Move message `m` (a send when `send`) on `links` as far as it can go now.
-    fn step_msg(&self, links: &mut Links, m: &mut Msg, send: bool) -> Result<bool> {
-        self.with_call(m, send, |call, bufs, at, what| {
-            crate::ring::one_way::step_one_way(links, call, bufs, at, what)
+    fn timeout(&self) -> Duration {
+        self.cfg.timeout
+    }
+
+    fn flight(&self) -> &Recorder {
+        &self.flight
+    }
+
+    fn abort_flag(&self) -> &AbortFlag {
+        &self.abort
+    }
+
+    fn waiter(&self) -> Waiter {
+        Waiter::backoff()
+    }
+
+    fn slice_elems(&self, dtype: DType) -> usize {
+        (self.cfg.slice_bytes / dtype.size()).max(1)
+    }
+
+    fn pairs(&self) -> MutexGuard<'_, BTreeMap<usize, Pair>> {
+        self.pairs.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn refuse(&self, fp: &Fingerprint) -> Result<()> {
+        failure::refuse(self.lock().failed.as_ref(), &self.abort, fp, 0)
+    }
+
+    fn failed(&self, e: &Error, connecting: BTreeMap<usize, Connecting>) {
+        self.fail(&mut self.lock(), e);
+        // Pairs still connecting give up at the abort flag.
+        self.abort.raise(e.to_string());
+        for c in connecting.into_values() {
+            let _ = c.thread.join();
+        }
+    }
+
+    fn count(pair: &Pair, send: bool) -> u64 {
+        if send {
+            pair.sent
+        } else {
+            pair.received
+        }
+    }
+
+    fn set_count(pair: &mut Pair, send: bool, n: u64) {
+        *(if send {
+            &mut pair.sent
+        } else {
+            &mut pair.received
+        }) = n;
+    }
+
+    fn admit(&self, _: &Msg<HostBytes>) -> Result<()> {
+        Ok(()) // its plan is made from its buffer's length
+    }
+
+    fn connect(&self, peer: usize) -> Result<Connecting> {
+        let thread = self.connect_thread(peer)?;
+        Ok(Connecting {
+            thread,
+            served: false,
         })
     }
 
-    /// The health checks of every connected peer's first waiting message each way.
-    fn check(&self, s: &mut Session, pairs: &mut BTreeMap<usize, Pair>) -> Result<()> {
-        for (peer, flow) in s.flows.iter_mut() {
-            let Some(pair) = pairs.get_mut(peer) else {
-                continue;
-            };
-            for (send, queue) in [(true, &mut flow.sends), (false, &mut flow.recvs)] {
-                if let Some(m) = queue.front_mut() {
-                    self.with_call(m, send, |call, _, _, what| {
-                        crate::ring::one_way::one_way_health(&mut pair.links, call, what, send)
-                    })?;
-                }
-            }
-        }
-        Ok(())
+    fn wanted(c: &mut Connecting) {
+        c.served = false;
     }
 
-    /// The timeout of the session's first waiting message (a receive before a send): nothing
-    /// moved on any flow for the whole timeout.
-    fn stuck(&self, s: &mut Session, pairs: &mut BTreeMap<usize, Pair>) -> Error {
-        let waiting = s.flows.iter_mut().find_map(|(peer, f)| {
-            let pair = pairs.get(peer)?;
-            f.recvs
-                .front_mut()
-                .map(|m| (pair, m, false))
-                .or_else(|| f.sends.front_mut().map(|m| (pair, m, true)))
-        });
-        let Some((pair, m, send)) = waiting else {
-            return Error::Protocol {
-                peer: "none".into(),
-                detail: "a point-to-point session timed out with nothing waiting".into(),
-            };
-        };
-        self.with_call(m, send, |call, _, at, what| {
-            crate::ring::one_way::one_way_timeout(&pair.links, call, what, *at)
-        })
-    }
-
-    /// `f` on message `m`'s call, its buffer (borrowed for `f`'s run), where it is and its name.
-    fn with_call<R>(
+    fn connects(
         &self,
-        m: &mut Msg,
-        send: bool,
-        f: impl FnOnce(&crate::ring::call::Call, &mut Bufs, &mut usize, &str) -> R,
-    ) -> R {
-        let Msg {
-            dtype,
-            plan,
-            seq,
-            ptr,
-            len,
-            at,
-            what,
-            ..
-        } = m;
-        let dtype = *dtype;
-        let fp_of = |c| Fingerprint::new(Collective::SendRecv, Some(dtype), None, c);
-        // SAFETY: `ptr`/`len` are the bytes of a buffer that the message's job owns (see
-        // `Posted`), which is not filled (so not handed back) until this message and the job's
-        // others have moved; each message has a buffer of its own, and nothing else touches it
-        // meanwhile. The borrow ends with `f`.
-        let (call, mut bufs) = unsafe {
-            if send {
-                let b = std::slice::from_raw_parts(ptr.cast_const(), *len);
-                self.p2p_call(plan, (&fp_of, dtype), (Some(b), *seq), (None, 0))
+        c: &mut Connects<Connecting>,
+        pairs: &mut BTreeMap<usize, Pair>,
+    ) -> Result<bool> {
+        // The listener is asked every few milliseconds, not on every spin of the wait.
+        let now = Instant::now();
+        let mut moved = false;
+        if c.looked
+            .is_none_or(|t| now.duration_since(t) >= SERVE_EVERY)
+        {
+            c.looked = Some(now);
+            moved |= self.serve(c, pairs)?;
+        }
+        Ok(moved | self.joined(c, pairs)?)
+    }
+
+    fn step(&self, pair: &mut Pair, _: &mut (), m: &mut Msg<HostBytes>) -> Result<bool> {
+        let len = m.elems * m.dtype.size();
+        let HostBytes(ptr) = m.buf;
+        // SAFETY: `ptr` and `len` are the bytes of a buffer that the message's job owns (see
+        // `HostBytes`), which is not filled (so not handed back) until this message and the
+        // job's others have moved; each message has a buffer of its own, and nothing else
+        // touches it meanwhile. The borrow ends with this function.
+        let mut bufs = unsafe {
+            if m.send {
+                Bufs::Split {
+                    input: std::slice::from_raw_parts(ptr.cast_const(), len),
+                    output: &mut [],
+                }
             } else {
-                let b = std::slice::from_raw_parts_mut(*ptr, *len);
-                self.p2p_call(plan, (&fp_of, dtype), (None, 0), (Some(b), *seq))
+                Bufs::Split {
+                    input: &[],
+                    output: std::slice::from_raw_parts_mut(ptr, len),
+                }
             }
         };
-        debug_assert_eq!(call.op, ReduceOp::Sum);
-        f(&call, &mut bufs, at, what)
+        let mut at = m.at;
+        let r = step_one_way(
+            &mut pair.links,
+            &self.msg_call(m),
+            &mut bufs,
+            &mut at,
+            &m.what,
+        );
+        m.at = at;
+        r
+    }
+
+    fn holds(_: &(), _: &Msg<HostBytes>) -> bool {
+        false // its ops ran at once
+    }
+
+    fn progress(&self, peer: usize, pair: &mut Pair, _: &mut (), what: &str) -> Result<bool> {
+        pair.links
+            .tx
+            .progress()
+            .map_err(|e| link_err(e, what, pair.sent, peer, self.rank, None))
+    }
+
+    fn posting(_: &()) -> bool {
+        false
+    }
+
+    fn settled(pair: &Pair, _: &()) -> bool {
+        pair.links.tx.flushed()
+    }
+
+    fn health(pair: &mut Pair) -> [LinkResult<()>; 2] {
+        [pair.links.rx.health(), pair.links.tx.health()]
+    }
+
+    fn msg_timeout(&self, pair: &Pair, m: &Msg<HostBytes>) -> Error {
+        one_way_timeout(&pair.links, &self.msg_call(m), &m.what, m.at)
+    }
+
+    fn settle_timeout(&self, peer: usize) -> Error {
+        Error::Timeout {
+            op: format!("send_recv with rank {peer}"),
+            seq: 0,
+            peer,
+            waiting: format!("rank {peer} to read the frames already sent to it"),
+            after: self.cfg.timeout,
+        }
     }
 }

@@ -72,22 +72,8 @@ pub(crate) struct DevPair {
     pub(super) edges: [Edge; 2],
 }
 
-/// One posted device call: its messages, and what fills its `Work` (which owns their buffers).
-pub(crate) struct DevPosted {
-    pub(super) msgs: Vec<DevMsg>,
-    pub(super) fill: Box<dyn FnOnce(Result<()>) + Send>,
-}
-
-/// One message of a posted device call: a send or a receive, the peer, and its buffer (device
-/// address, element type and elements).
-#[derive(Clone, Copy, Debug)]
-pub(super) struct DevMsg {
-    pub(super) send: bool,
-    pub(super) peer: usize,
-    pub(super) addr: DevPtr,
-    pub(super) dtype: DType,
-    pub(super) elems: usize,
-}
+/// One posted device call.
+pub(crate) type DevPosted = crate::posted::Posted<DevPtr>;
 
 impl<S: Stream> Core<S> {
     pub(super) fn abort(&self, reason: &str) {

@@ -36,8 +36,9 @@
 use std::collections::VecDeque;
 use std::time::Instant;
 
-use super::call::{expect, link_err, Call, LastOps};
+use super::call::{expect, link_err, Call, LastOps, Needs};
 use super::engine::{Patience, Tick};
+use super::exec::{self, Executor};
 use crate::error::{Error, Result};
 use crate::transport::wait::Waiter;
 use ringzero_kernels::device::Stream;
@@ -114,68 +115,95 @@ unsafe fn run_ops<S: Stream>(
     bufs: DevBufs,
 ) -> Result<()> {
     let what = call.fp.to_string();
-    let mut pending: VecDeque<Pending<S::Marker>> = VecDeque::new();
-    let mut waiter = Waiter::device();
-    let ops = &call.plan.ops;
-    let last = LastOps::of(call.plan);
-    let pair_copies = links.pair_copies;
-    let mut i = 0;
-    while i < ops.len() {
+    let mut ex = DevExec {
+        stream,
+        links,
+        call,
+        bufs,
+        what: &what,
+        pending: VecDeque::new(),
+        waiter: Waiter::device(),
+    };
+    exec::run_ops(call, &mut ex)
+}
+
+/// The device's [`Executor`]: each op queued on the stream, retired once its marker completes.
+/// Made only by [`run_ops`], under [`run`]'s safety contract.
+struct DevExec<'a, S: Stream> {
+    stream: &'a S,
+    links: &'a mut DevLinks,
+    call: &'a Call<'a>,
+    bufs: DevBufs,
+    what: &'a str,
+    pending: VecDeque<Pending<S::Marker>>,
+    waiter: Waiter,
+}
+
+impl<S: Stream> Executor for DevExec<'_, S> {
+    fn op(&mut self, i: usize, needs: Needs) -> Result<usize> {
+        let ops = &self.call.plan.ops;
+        let pair_copies = self.links.pair_copies;
         let mut w = Work {
-            stream,
-            links: &mut *links,
-            call,
-            bufs: &bufs,
-            what: &what,
-            pending: &mut pending,
-            waiter: &mut waiter,
-            needs: last.needs(i),
+            stream: self.stream,
+            links: &mut *self.links,
+            call: self.call,
+            bufs: &self.bufs,
+            what: self.what,
+            pending: &mut self.pending,
+            waiter: &mut self.waiter,
+            needs,
         };
-        // SAFETY: forwarded from the caller.
-        i += match ops.get(i + 1).filter(|b| pair_copies && pairs(&ops[i], b)) {
-            Some(b) => unsafe { w.run_pair(&ops[i], b) }?,
-            None => unsafe { w.run_op(&ops[i]) }.map(|()| 1)?,
-        };
-    }
-    // Drain: every marker completes, every frame is posted (and has left this process: tcp
-    // writes from its staging), every slot released.
-    let mut patience = Patience::new(Instant::now());
-    while !pending.is_empty() || !links.tx.flushed() {
-        let sent = links
-            .tx
-            .progress()
-            .map_err(|e| link_err(e, &what, call.seq, links.next, call.rank, Some(&call.fp)))?;
-        let retired = retire(
-            stream,
-            links,
-            (&what, call.seq, call.rank, Some(&call.fp)),
-            &mut pending,
-        )? || sent;
-        let tick = patience.tick(Instant::now(), retired, call.timeout);
-        if tick == Tick::Moved {
-            waiter.progressed();
-            continue;
+        // SAFETY: a `DevExec` is made only by `run_ops`, whose caller vouches for the buffers
+        // and the stream ([`run`]'s contract) until the call returns.
+        match ops.get(i + 1).filter(|b| pair_copies && pairs(&ops[i], b)) {
+            Some(b) => unsafe { w.run_pair(&ops[i], b) },
+            None => unsafe { w.run_op(&ops[i]) }.map(|()| 1),
         }
-        call.abort.check(call)?;
-        if tick == Tick::TimedOut {
-            return Err(Error::Timeout {
-                op: what,
-                seq: call.seq,
-                peer: call.rank,
-                waiting: if pending.is_empty() {
-                    format!("rank {} to read this rank's last frames", links.next)
-                } else {
-                    format!(
-                        "this rank's device ({}) to finish its queued work",
-                        stream.name()
-                    )
-                },
-                after: call.timeout,
-            });
-        }
-        waiter.idle(call.timeout);
     }
-    Ok(())
+
+    /// Drain: every marker completes, every frame is posted (and has left this process: tcp
+    /// writes from its staging), every slot released.
+    fn finish(&mut self) -> Result<()> {
+        let (stream, call, what) = (self.stream, self.call, self.what);
+        let links = &mut *self.links;
+        let mut patience = Patience::new(Instant::now());
+        while !self.pending.is_empty() || !links.tx.flushed() {
+            let sent = links
+                .tx
+                .progress()
+                .map_err(|e| link_err(e, what, call.seq, links.next, call.rank, Some(&call.fp)))?;
+            let retired = retire(
+                stream,
+                links,
+                (what, call.seq, call.rank, Some(&call.fp)),
+                &mut self.pending,
+            )? || sent;
+            let tick = patience.tick(Instant::now(), retired, call.timeout);
+            if tick == Tick::Moved {
+                self.waiter.progressed();
+                continue;
+            }
+            call.abort.check(call)?;
+            if tick == Tick::TimedOut {
+                return Err(Error::Timeout {
+                    op: what.to_string(),
+                    seq: call.seq,
+                    peer: call.rank,
+                    waiting: if self.pending.is_empty() {
+                        format!("rank {} to read this rank's last frames", links.next)
+                    } else {
+                        format!(
+                            "this rank's device ({}) to finish its queued work",
+                            stream.name()
+                        )
+                    },
+                    after: call.timeout,
+                });
+            }
+            self.waiter.idle(call.timeout);
+        }
+        Ok(())
+    }
 }
 
 /// The device work that posted point-to-point messages on one pair's links have queued and

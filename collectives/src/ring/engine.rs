@@ -17,7 +17,8 @@ use std::time::{Duration, Instant};
 
 use ringzero_kernels::{cpu, ReduceOp};
 
-use super::call::{expect, gone_unneeded, link_err, Call, LastOps, Needs};
+use super::call::{expect, gone_unneeded, link_err, Call, Needs};
+use super::exec::{self, Executor};
 use super::failure::{AbortFlag, TellAbort};
 use super::op_wait::{self, OpWait};
 use super::schedule::{Buf, Loc, Op, Plan};
@@ -163,23 +164,52 @@ impl Bufs<'_> {
 }
 
 /// Run one call to completion (including flushing what it sent).
-pub fn run(links: &mut Links, call: &Call, mut bufs: Bufs) -> Result<()> {
+pub fn run(links: &mut Links, call: &Call, bufs: Bufs) -> Result<()> {
     let what = call.fp.to_string();
-    let es = call.dtype.size();
     check_sizes(call, &bufs, &what)?;
-    let last = LastOps::of(call.plan);
-    let ran = call
-        .plan
-        .ops
-        .iter()
-        .enumerate()
-        .try_for_each(|(i, op)| run_op(links, call, (op, last.needs(i)), &mut bufs, &what, es));
+    let es = call.dtype.size();
+    let mut ex = HostExec {
+        links,
+        call,
+        bufs,
+        what: &what,
+        es,
+    };
+    let ran = exec::run_ops(call, &mut ex);
     if call.stream_stores {
         // The caller (or another thread it hands the buffer to) must see every streamed store.
         cpu::stream_fence();
     }
-    ran?;
-    links.flush(&what, call.seq, call.timeout, call.abort)
+    ran
+}
+
+/// The host's [`Executor`]: each op applied at once, between the user's buffers and the slots.
+struct HostExec<'a, 'b> {
+    links: &'a mut Links,
+    call: &'a Call<'a>,
+    bufs: Bufs<'b>,
+    what: &'a str,
+    es: usize,
+}
+
+impl Executor for HostExec<'_, '_> {
+    fn op(&mut self, i: usize, needs: Needs) -> Result<usize> {
+        let op = &self.call.plan.ops[i];
+        run_op(
+            self.links,
+            self.call,
+            (op, needs),
+            &mut self.bufs,
+            self.what,
+            self.es,
+        )?;
+        Ok(1)
+    }
+
+    fn finish(&mut self) -> Result<()> {
+        let c = self.call;
+        self.links.flush(self.what, c.seq, c.timeout, c.abort)
+    }
 }
 
 /// Run a call that needs no link (a one-rank world): only local copies.

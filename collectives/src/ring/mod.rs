@@ -7,6 +7,7 @@ pub mod device_engine;
 mod device_work;
 pub mod doubling;
 pub mod engine;
+mod exec;
 pub(crate) mod failure;
 pub mod lanes;
 pub(crate) mod one_way;

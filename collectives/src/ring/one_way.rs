@@ -9,7 +9,7 @@ use super::call::*;
 use super::engine::*;
 
 /// One direction of one message of a posted point-to-point call (the asynchronous forms, which
-/// run as they can, each direction of each pair on its own: `comm/posted.rs`): run whatever of
+/// run as they can, each direction of each pair on its own: `crate::posted`): run whatever of
 /// `call`'s plan, which only sends or only receives, can go now from op `at` on (a send while a
 /// slot is free, a receive while its frame is there), moving `at` past each. Whether anything
 /// moved (the link's earlier frames included); the message is done once `at` reaches the plan's
@@ -54,20 +54,6 @@ pub(crate) fn step_one_way(
         moved = true;
     }
     Ok(moved)
-}
-
-/// The abort flag and the peer's health for a posted message (see [`step_one_way`]) still
-/// moving in direction `send`.
-pub(crate) fn one_way_health(links: &mut Links, call: &Call, what: &str, send: bool) -> Result<()> {
-    health_of(
-        links,
-        call,
-        what,
-        Needs {
-            rx: !send,
-            tx: send,
-        },
-    )
 }
 
 /// The timeout of a posted message waiting at op `at` (see [`step_one_way`]): a receive names
