@@ -157,10 +157,13 @@ pub(crate) trait PairKind {
     /// Fail the communicator with `e`, after the session's pairs still `connecting` have ended.
     fn failed(&self, e: &Error, connecting: BTreeMap<usize, Self::Connecting>);
 
+    /// The counts of messages `pair` has carried: received, sent.
+    fn counts(pair: &mut Self::Pair) -> [&mut u64; 2];
+
     /// The count of messages moved in direction `send` on `pair`.
-    fn count(pair: &Self::Pair, send: bool) -> u64;
-    /// Set that count to `n`.
-    fn set_count(pair: &mut Self::Pair, send: bool, n: u64);
+    fn count(pair: &mut Self::Pair, send: bool) -> u64 {
+        *Self::counts(pair)[usize::from(send)]
+    }
     /// An error if message `m` cannot run on this kind (its buffer against its plan).
     fn admit(&self, m: &Msg<Self::Buf>) -> Result<()>;
     /// Start connecting the pair with `peer`.
@@ -245,7 +248,7 @@ pub(crate) fn run<K: PairKind>(
         used: BTreeMap::new(),
     };
     let r = s
-        .take(kind, &pairs, first, ticket)
+        .take(kind, &mut pairs, first, ticket)
         .and_then(|()| s.drive(kind, &mut pairs, feed));
     // Released before the state is taken (the state's lock comes first everywhere else).
     drop(pairs);
@@ -305,7 +308,7 @@ impl<K: PairKind> Session<K> {
     fn take(
         &mut self,
         kind: &K,
-        pairs: &Pairs<K>,
+        pairs: &mut Pairs<K>,
         p: Posted<K::Buf>,
         ticket: Ticket,
     ) -> Result<()> {
@@ -330,7 +333,7 @@ impl<K: PairKind> Session<K> {
             };
             let seq = match queue.back() {
                 Some(b) => b.seq + 1,
-                None => pairs.get(&r.peer).map_or(0, |pair| K::count(pair, r.send)),
+                None => pairs.get_mut(&r.peer).map_or(0, |pair| K::count(pair, r.send)),
             };
             let m = Msg {
                 job,
@@ -380,7 +383,7 @@ impl<K: PairKind> Session<K> {
                     if m.running() || K::holds(work, m) {
                         break;
                     }
-                    K::set_count(pair, m.send, m.seq + 1);
+                    *K::counts(pair)[usize::from(m.send)] = m.seq + 1;
                     kind.flight().p2p_finished([(peer, m.send, m.seq)]);
                     jobs[m.job].one_done();
                     queue.pop_front();

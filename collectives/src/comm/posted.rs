@@ -256,20 +256,8 @@ impl PairKind for Arc<Inner> {
         }
     }
 
-    fn count(pair: &Pair, send: bool) -> u64 {
-        if send {
-            pair.sent
-        } else {
-            pair.received
-        }
-    }
-
-    fn set_count(pair: &mut Pair, send: bool, n: u64) {
-        *(if send {
-            &mut pair.sent
-        } else {
-            &mut pair.received
-        }) = n;
+    fn counts(pair: &mut Pair) -> [&mut u64; 2] {
+        [&mut pair.received, &mut pair.sent]
     }
 
     fn admit(&self, _: &Msg<HostBytes>) -> Result<()> {

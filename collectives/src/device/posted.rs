@@ -282,20 +282,8 @@ impl<S: Stream> PairKind for Core<S> {
         self.fail(&mut self.lock(), e);
     }
 
-    fn count(pair: &DevPair, send: bool) -> u64 {
-        if send {
-            pair.sent
-        } else {
-            pair.received
-        }
-    }
-
-    fn set_count(pair: &mut DevPair, send: bool, n: u64) {
-        *(if send {
-            &mut pair.sent
-        } else {
-            &mut pair.received
-        }) = n;
+    fn counts(pair: &mut DevPair) -> [&mut u64; 2] {
+        [&mut pair.received, &mut pair.sent]
     }
 
     fn admit(&self, m: &Msg<DevPtr>) -> Result<()> {
