@@ -333,7 +333,9 @@ impl<K: PairKind> Session<K> {
             };
             let seq = match queue.back() {
                 Some(b) => b.seq + 1,
-                None => pairs.get_mut(&r.peer).map_or(0, |pair| K::count(pair, r.send)),
+                None => pairs
+                    .get_mut(&r.peer)
+                    .map_or(0, |pair| K::count(pair, r.send)),
             };
             let m = Msg {
                 job,

@@ -218,7 +218,7 @@ impl<S: Stream> Core<S> {
             .begin(seq, &fp, caller_in_place, bytes, counters(st));
         let r = copied.and_then(|()| match st.links.as_mut() {
             Some(links) => {
-                let direct = match links.direct.as_mut() {
+                let direct = match links.side.direct.as_mut() {
                     // SAFETY: forwarded from the caller; the sizes were checked above.
                     Some(d) => unsafe { d.run(&self.stream, &call, coll, count.total, bufs) },
                     None => Ok(None),

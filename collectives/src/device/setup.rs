@@ -29,8 +29,8 @@ use crate::comm::Communicator;
 use crate::config::StagingMode;
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
-use crate::ring::device_engine::DevLinks;
 use crate::ring::engine::Counters;
+use crate::ring::links::{DevLinks, DevSide};
 use crate::topology::{self, DevicePeer, Edge};
 use crate::transport::device::{
     DevPtr, DevRecvLink, DevSendLink, FifoRecv, FifoSend, TcpDevRecv, TcpDevSend,
@@ -136,7 +136,7 @@ impl<S: Stream> Core<S> {
                     tracing::info!(target: "ringzero::topology", rank, "device edge {e}");
                 }
                 self.edges = vec![recv_edge, send_edge];
-                links.direct = self.direct_setup(comm, &infos)?;
+                links.side.direct = self.direct_setup(comm, &infos)?;
                 self.state
                     .get_mut()
                     .unwrap_or_else(|p| p.into_inner())
@@ -518,8 +518,10 @@ impl<S: Stream> Core<S> {
             next: to,
             prev: from,
             counters: Counters::default(),
-            direct: None,
-            pair_copies: self.cfg.device_copy_pairs,
+            side: DevSide {
+                direct: None,
+                pair_copies: self.cfg.device_copy_pairs,
+            },
         }
     }
 

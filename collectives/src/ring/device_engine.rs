@@ -43,9 +43,9 @@ use crate::error::{Error, Result};
 use crate::transport::wait::Waiter;
 use ringzero_kernels::device::Stream;
 
-pub use super::dev_links::DevLinks;
 use super::device_work::{pairs, retire, Pending, Work};
 pub use super::engine::DevBufs;
+pub use super::links::DevLinks;
 
 /// Refuse buffers smaller than the plan needs.
 pub fn check_sizes(call: &Call, bufs: &DevBufs) -> Result<()> {
@@ -142,7 +142,7 @@ struct DevExec<'a, S: Stream> {
 impl<S: Stream> Executor for DevExec<'_, S> {
     fn op(&mut self, i: usize, needs: Needs) -> Result<usize> {
         let ops = &self.call.plan.ops;
-        let pair_copies = self.links.pair_copies;
+        let pair_copies = self.links.side.pair_copies;
         let mut w = Work {
             stream: self.stream,
             links: &mut *self.links,

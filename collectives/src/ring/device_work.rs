@@ -16,8 +16,8 @@ use crate::wire::{Expect, Fingerprint, FrameHeader};
 use ringzero_kernels::device::DeviceError;
 use ringzero_kernels::device::{CopyLane, Stream};
 
-use super::dev_links::DevLinks;
 use super::engine::DevBufs;
+use super::links::DevLinks;
 use super::op_wait::{self, OpWait};
 
 pub(super) struct Pending<M> {

@@ -13,20 +13,17 @@
 //! dead processes, socket errors) is checked while idle.
 
 use std::ops::Range;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use ringzero_kernels::{cpu, ReduceOp};
 
 use super::call::{expect, gone_unneeded, link_err, Call, Needs};
 use super::exec::{self, Executor};
-use super::failure::{AbortFlag, TellAbort};
+pub use super::links::{Counters, Links};
 use super::op_wait::{self, OpWait};
 use super::schedule::{Buf, Loc, Op, Plan};
-pub use crate::counters::Counters;
 use crate::error::{Error, Result};
 use crate::transport::device::DevPtr;
-use crate::transport::wait::Waiter;
-use crate::transport::{RecvLink, SendLink};
 use crate::wire::{Expect, FrameHeader};
 
 pub(crate) use crate::deadline::{Patience, Tick};
@@ -52,92 +49,6 @@ pub enum DevBufs {
         /// Its bytes.
         bytes: usize,
     },
-}
-
-/// A rank's two ring links and how it waits on them.
-pub struct Links {
-    /// To the next rank.
-    pub tx: Box<dyn SendLink>,
-    /// From the previous rank.
-    pub rx: Box<dyn RecvLink>,
-    /// Next rank.
-    pub next: usize,
-    /// Previous rank.
-    pub prev: usize,
-    /// Byte counters.
-    pub counters: Counters,
-    pub(super) waiter: Waiter,
-}
-
-impl Links {
-    /// Bundle two links.
-    pub fn new(
-        mut tx: Box<dyn SendLink>,
-        mut rx: Box<dyn RecvLink>,
-        next: usize,
-        prev: usize,
-    ) -> Result<Links> {
-        let waiter = Waiter::new(tx.as_mut(), rx.as_mut())
-            .map_err(|e| Error::io("setting up the poller", e))?;
-        Ok(Links {
-            tx,
-            rx,
-            next,
-            prev,
-            counters: Counters::default(),
-            waiter,
-        })
-    }
-
-    /// Send everything posted so far, within `timeout` of no progress (or until `abort` is
-    /// raised).
-    pub fn flush(
-        &mut self,
-        what: &str,
-        seq: u64,
-        timeout: Duration,
-        abort: &AbortFlag,
-    ) -> Result<()> {
-        let mut patience = Patience::new(Instant::now());
-        while !self.tx.flushed() {
-            if let Some(reason) = abort.reason() {
-                return Err(Error::Aborted {
-                    op: what.into(),
-                    seq,
-                    reason,
-                });
-            }
-            let moved = self
-                .tx
-                .progress()
-                .map_err(|e| link_err(e, what, seq, self.next, 0, None))?;
-            let tick = patience.tick(Instant::now(), moved, timeout);
-            if tick == Tick::Moved {
-                self.waiter.progressed();
-                continue;
-            }
-            if tick == Tick::TimedOut {
-                return Err(Error::Timeout {
-                    op: what.into(),
-                    seq,
-                    peer: self.next,
-                    waiting: format!("rank {} to read the frames already sent to it", self.next),
-                    after: timeout,
-                });
-            }
-            self.tx
-                .health()
-                .map_err(|e| link_err(e, what, seq, self.next, 0, None))?;
-            self.waiter.idle(timeout);
-        }
-        Ok(())
-    }
-
-    /// Tell both neighbours this rank aborts.
-    pub fn abort(&mut self, reason: &str) {
-        self.tx.abort(reason);
-        self.rx.abort(reason);
-    }
 }
 
 /// The user's buffers, as bytes.
@@ -339,11 +250,11 @@ impl OpWait for HostWait<'_> {
     }
 
     fn progressed(&mut self) {
-        self.links.waiter.progressed();
+        self.links.side.waiter.progressed();
     }
 
     fn idle(&mut self, timeout: Duration) {
-        self.links.waiter.idle(timeout);
+        self.links.side.waiter.idle(timeout);
     }
 }
 
@@ -478,19 +389,15 @@ fn apply(
     Ok(())
 }
 
-impl TellAbort for Links {
-    fn tell_abort(&mut self, why: &str) {
-        self.abort(why);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ring::failure::AbortFlag;
     use crate::ring::lanes::{run_lanes, Lane};
     use crate::ring::schedule::plan_p2p;
     use crate::ring::Collective;
     use crate::transport::shm::{ShmRecv, ShmSend};
+    use crate::transport::{RecvLink, SendLink};
     use crate::wire::Fingerprint;
     use ringzero_kernels::DType;
 

@@ -124,7 +124,7 @@ pub fn run_lanes(lanes: &mut [Lane], timeout: Duration, abort: &AbortFlag) -> Re
         match patience.tick(Instant::now(), moved, timeout) {
             Tick::Moved => {
                 if single {
-                    lanes[0].links.waiter.progressed();
+                    lanes[0].links.side.waiter.progressed();
                 } else {
                     shared.progressed();
                 }
@@ -148,7 +148,7 @@ pub fn run_lanes(lanes: &mut [Lane], timeout: Duration, abort: &AbortFlag) -> Re
             Tick::Idle => {}
         }
         if single {
-            lanes[0].links.waiter.idle(timeout);
+            lanes[0].links.side.waiter.idle(timeout);
         } else {
             shared.idle(timeout);
         }

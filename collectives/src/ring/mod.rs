@@ -2,7 +2,6 @@
 //! through it ([`engine`]).
 
 pub(crate) mod call;
-pub(crate) mod dev_links;
 pub mod device_engine;
 mod device_work;
 pub mod doubling;
@@ -10,6 +9,7 @@ pub mod engine;
 mod exec;
 pub(crate) mod failure;
 pub mod lanes;
+pub mod links;
 pub(crate) mod one_way;
 mod op_wait;
 pub mod schedule;
