@@ -35,6 +35,9 @@ enum Cmd {
     /// Train a small MLP with the ZeRO engine on N local ranks (any stage and precision), printing
     /// loss per step and per-rank memory against the paper's formula.
     Demo(cmd::demo::DemoCli),
+    /// Train a GPT (candle) data-parallel with the ZeRO engine on N local ranks, on a generated
+    /// character corpus; exits non-zero unless the loss falls below --threshold.
+    Train(cmd::train::TrainCli),
     /// On a machine with an NVIDIA GPU: every CUDA kernel against the CPU kernels, then bandwidth
     /// micro-benchmarks; prints a PASS/FAIL table (what scripts/gpu-check.sh runs).
     GpuCheck(cmd::gpu::GpuCheckCli),
@@ -76,6 +79,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Cmd::Mem(a) => cmd::mem::run(a),
         Cmd::Ckpt(a) => cmd::ckpt::run(a),
         Cmd::Demo(a) => cmd::demo::run(a),
+        Cmd::Train(a) => cmd::train::run(a),
         Cmd::GpuCheck(a) => cmd::gpu::check(a),
         Cmd::GpuCollectives(a) => cmd::gpu::collectives(a),
         Cmd::DiagProbe(a) => cmd::diag::probe(a),

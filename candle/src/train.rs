@@ -1,0 +1,139 @@
+//! The data-parallel training loop of [`crate::gpt`] on the generated [`crate::corpus`]: each
+//! rank draws its part of every global batch, the engine averages the gradients and steps, and
+//! the loss reported is the global batch's (the mean over ranks). `ringzero train` runs it.
+
+use std::time::Instant;
+
+use candle_core::Device;
+use ringzero_collectives::{Collectives, Communicator, InPlace, ReduceOp};
+use ringzero_kernels::cpu::Float;
+use ringzero_zero::{Memory, StepOutcome, ZeroConfig};
+
+use crate::corpus::Corpus;
+use crate::gpt::{self, GptConfig};
+use crate::{Error, Result, Zero};
+
+/// What to train and for how long.
+#[derive(Clone, Debug)]
+pub struct TrainArgs {
+    /// The model's shape (its `vocab` is the corpus's).
+    pub model: GptConfig,
+    /// Optimizer steps.
+    pub steps: usize,
+    /// Sequences per rank and micro-step.
+    pub batch: usize,
+    /// The corpus's and the initial weights' seed.
+    pub seed: u64,
+    /// Bytes of generated text.
+    pub corpus_bytes: usize,
+}
+
+impl Default for TrainArgs {
+    fn default() -> Self {
+        TrainArgs {
+            model: GptConfig::tiny(0),
+            steps: 200,
+            batch: 8,
+            seed: 1,
+            corpus_bytes: 1 << 20,
+        }
+    }
+}
+
+/// One optimizer step, as the loop reports it.
+#[derive(Clone, Copy, Debug)]
+pub struct StepLog {
+    /// The step, from 0.
+    pub step: usize,
+    /// The global batch's mean loss (every rank's, averaged), before the step.
+    pub loss: f32,
+    /// What the engine did.
+    pub outcome: StepOutcome,
+}
+
+/// What a run did.
+#[derive(Clone, Debug)]
+pub struct TrainReport {
+    /// The global batch's loss at each step.
+    pub losses: Vec<f32>,
+    /// Tokens trained on, over all ranks.
+    pub tokens: u64,
+    /// Seconds the loop took on this rank.
+    pub seconds: f64,
+    /// This rank's engine memory at the end.
+    pub memory: Memory,
+    /// The model's parameters.
+    pub params: usize,
+}
+
+/// Train on this rank of `comm` with `cfg` (stage, precision as `T`, optimizer, schedule,
+/// accumulation, clipping), calling `log` after every optimizer step.
+pub fn train<T: Float>(
+    comm: &Communicator,
+    cfg: ZeroConfig,
+    args: &TrainArgs,
+    mut log: impl FnMut(&StepLog),
+) -> Result<TrainReport> {
+    if args.batch == 0 || args.steps == 0 {
+        return Err(Error::Invalid(format!(
+            "batch {} and steps {} must both be at least 1",
+            args.batch, args.steps
+        )));
+    }
+    let dev = Device::Cpu;
+    let corpus = Corpus::generate(args.corpus_bytes, args.seed);
+    let shape = GptConfig {
+        vocab: corpus.vocab(),
+        ..args.model
+    };
+    let (model, varmap) = gpt::build(shape, args.seed, &dev)?;
+    let (stage3, accum) = (cfg.stage == 3, cfg.accumulation_steps.max(1));
+    let mut zero = Zero::<T>::new(comm, &varmap, cfg)?;
+    let (world, rank, batch) = (comm.size(), comm.rank(), args.batch);
+    let mut losses = Vec::with_capacity(args.steps);
+    let start = Instant::now();
+    for step in 0..args.steps {
+        if !stage3 {
+            zero.load_params()?;
+        }
+        let mut sum = 0f32;
+        for micro in 0..accum {
+            let first = ((step * accum + micro) * world + rank) * batch;
+            let ids: Vec<u64> = (first..first + batch).map(|g| g as u64).collect();
+            let (x, y) = corpus.batch(&ids, shape.ctx, &dev)?;
+            let loss = if stage3 {
+                // Each module's parameters gathered as it runs (the engine prefetches the next).
+                let mut load = |m: &str| {
+                    zero.load_module(m)
+                        .map_err(|e| candle_core::Error::msg(e.to_string()))
+                };
+                model.loss_with(&x, &y, &mut load)?
+            } else {
+                model.loss(&x, &y)?
+            };
+            sum += gpt::scalar(&loss)?;
+            let scaled = zero.scaled(&loss)?;
+            zero.backward(&scaled)?;
+            let outcome = zero.step()?;
+            if micro + 1 == accum {
+                let mut mean = [sum / accum as f32];
+                comm.all_reduce(InPlace, &mut mean[..], ReduceOp::Sum)?;
+                let loss = mean[0] / world as f32;
+                losses.push(loss);
+                log(&StepLog {
+                    step,
+                    loss,
+                    outcome,
+                });
+            }
+        }
+    }
+    let tokens = (args.steps * accum * world * batch * shape.ctx) as u64;
+    Ok(TrainReport {
+        losses,
+        tokens,
+        seconds: start.elapsed().as_secs_f64(),
+        memory: zero.memory(),
+        params: shape.params(),
+    })
+}
