@@ -5,20 +5,54 @@
 use candle_core::{Device, Result, Tensor};
 
 const SUBJECTS: &[&str] = &[
-    "the cat", "a dog", "my neighbour", "the old sailor", "a small bird", "the teacher",
-    "every child", "the baker", "a quiet fox", "the farmer", "our captain", "the miller",
+    "the cat",
+    "a dog",
+    "my neighbour",
+    "the old sailor",
+    "a small bird",
+    "the teacher",
+    "every child",
+    "the baker",
+    "a quiet fox",
+    "the farmer",
+    "our captain",
+    "the miller",
 ];
 const VERBS: &[&str] = &[
-    "sees", "follows", "paints", "carries", "finds", "watches", "feeds", "remembers", "builds",
-    "greets", "chases", "mends",
+    "sees",
+    "follows",
+    "paints",
+    "carries",
+    "finds",
+    "watches",
+    "feeds",
+    "remembers",
+    "builds",
+    "greets",
+    "chases",
+    "mends",
 ];
 const OBJECTS: &[&str] = &[
-    "the red boat", "a loaf of bread", "the garden gate", "an old map", "the morning star",
-    "a wooden chair", "the long road", "a letter", "the river bank", "a basket of apples",
+    "the red boat",
+    "a loaf of bread",
+    "the garden gate",
+    "an old map",
+    "the morning star",
+    "a wooden chair",
+    "the long road",
+    "a letter",
+    "the river bank",
+    "a basket of apples",
 ];
 const ENDINGS: &[&str] = &[
-    "", " in the rain", " at dawn", " near the hill", " with great care", " before supper",
-    " by the sea", " every sunday",
+    "",
+    " in the rain",
+    " at dawn",
+    " near the hill",
+    " with great care",
+    " before supper",
+    " by the sea",
+    " every sunday",
 ];
 
 /// The generated text and its alphabet.
@@ -50,7 +84,11 @@ impl Corpus {
             text.push(' ');
             text.push_str(object);
             text.push_str(ending);
-            text.push_str(if pick(&["", "", "", "\n"]).is_empty() { ". " } else { ".\n" });
+            text.push_str(if pick(&["", "", "", "\n"]).is_empty() {
+                ". "
+            } else {
+                ".\n"
+            });
         }
         let mut alphabet: Vec<char> = text.chars().collect();
         alphabet.sort_unstable();

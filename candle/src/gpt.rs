@@ -37,7 +37,8 @@ impl GptConfig {
     /// Parameters of the model.
     pub fn params(&self) -> usize {
         let (v, c, t) = (self.vocab, self.dim, self.ctx);
-        let block = 2 * 2 * c + (c * 3 * c + 3 * c) + (c * c + c) + (c * 4 * c + 4 * c) + (4 * c * c + c);
+        let block =
+            2 * 2 * c + (c * 3 * c + 3 * c) + (c * c + c) + (c * 4 * c + 4 * c) + (4 * c * c + c);
         v * c + t * c + self.layers * block + 2 * c + (c * v + v)
     }
 }
@@ -84,7 +85,9 @@ impl Block {
         let att = candle_nn::ops::softmax_last_dim(&att)?;
         let y = att.matmul(&v)?.transpose(1, 2)?.reshape((b, t, c))?;
         let x = (x + self.proj.forward(&y)?)?;
-        let m = self.out.forward(&self.fc.forward(&self.ln2.forward(&x)?)?.gelu()?)?;
+        let m = self
+            .out
+            .forward(&self.fc.forward(&self.ln2.forward(&x)?)?.gelu()?)?;
         x + m
     }
 }
@@ -137,7 +140,10 @@ impl Gpt {
     ) -> Result<Tensor> {
         let (_, t) = idx.dims2()?;
         if t > self.cfg.ctx {
-            candle_core::bail!("a sequence of {t} tokens is longer than the context, {}", self.cfg.ctx);
+            candle_core::bail!(
+                "a sequence of {t} tokens is longer than the context, {}",
+                self.cfg.ctx
+            );
         }
         let dev = idx.device();
         before("tok")?;
@@ -187,7 +193,10 @@ fn causal_mask(t: usize, dev: &Device) -> Result<Tensor> {
 /// ±1/√fan-in): the same model on every rank and in every process, which candle's CPU random
 /// initialisation cannot give.
 pub fn init(varmap: &VarMap, seed: u64) -> Result<()> {
-    let vars = varmap.data().lock().map_err(|_| candle_core::Error::msg("poisoned VarMap"))?;
+    let vars = varmap
+        .data()
+        .lock()
+        .map_err(|_| candle_core::Error::msg("poisoned VarMap"))?;
     for (name, var) in vars.iter() {
         let dims = var.dims().to_vec();
         let n = var.elem_count();
@@ -204,7 +213,9 @@ pub fn init(varmap: &VarMap, seed: u64) -> Result<()> {
             } else {
                 0.1
             };
-            (0..n as u64).map(|i| scale * unit(h ^ i.wrapping_mul(0x9e37_79b9_7f4a_7c15))).collect()
+            (0..n as u64)
+                .map(|i| scale * unit(h ^ i.wrapping_mul(0x9e37_79b9_7f4a_7c15)))
+                .collect()
         };
         var.set(&Tensor::from_vec(values, dims, var.device())?.to_dtype(var.dtype())?)?;
     }
@@ -250,13 +261,26 @@ mod tests {
 
     #[test]
     fn a_position_sees_no_later_token() {
-        let cfg = GptConfig { ctx: 8, ..GptConfig::tiny(10) };
+        let cfg = GptConfig {
+            ctx: 8,
+            ..GptConfig::tiny(10)
+        };
         let (m, _) = build(cfg, 3, &Device::Cpu).unwrap();
         let a = Tensor::new(&[[1u32, 2, 3, 4, 5, 6, 7, 8]], &Device::Cpu).unwrap();
         let b = Tensor::new(&[[1u32, 2, 3, 4, 9, 9, 9, 9]], &Device::Cpu).unwrap();
         let la = m.forward(&a).unwrap().narrow(1, 0, 4).unwrap();
         let lb = m.forward(&b).unwrap().narrow(1, 0, 4).unwrap();
-        let d = (la - lb).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
-        assert_eq!(d, 0.0, "the first four positions' logits depend on later tokens");
+        let d = (la - lb)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert_eq!(
+            d, 0.0,
+            "the first four positions' logits depend on later tokens"
+        );
     }
 }

@@ -213,7 +213,9 @@ fn natural(name: &str) -> Vec<(String, u64)> {
         if c.is_ascii_digit() {
             let mut n = u64::from(c as u8 - b'0');
             while let Some(d) = chars.peek().filter(|d| d.is_ascii_digit()) {
-                n = n.saturating_mul(10).saturating_add(u64::from(*d as u8 - b'0'));
+                n = n
+                    .saturating_mul(10)
+                    .saturating_add(u64::from(*d as u8 - b'0'));
                 chars.next();
             }
             key.push((std::mem::take(&mut text), n));
@@ -233,6 +235,9 @@ mod tests {
     fn names_sort_with_numbers_as_numbers() {
         let mut v = vec!["h.10.fc", "h.2.fc", "h.2.attn", "ln_f", "h.1.fc", "tok"];
         v.sort_by_key(|n| natural(n));
-        assert_eq!(v, ["h.1.fc", "h.2.attn", "h.2.fc", "h.10.fc", "ln_f", "tok"]);
+        assert_eq!(
+            v,
+            ["h.1.fc", "h.2.attn", "h.2.fc", "h.10.fc", "ln_f", "tok"]
+        );
     }
 }

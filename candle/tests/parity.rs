@@ -50,7 +50,9 @@ fn ranks<R: Send>(n: usize, body: impl Fn(Communicator) -> R + Sync) -> Vec<R> {
         let hs: Vec<_> = (0..n)
             .map(|r| {
                 let body = &body;
-                s.spawn(move || body(Communicator::init(Config::new(r, n, "127.0.0.1", port)).unwrap()))
+                s.spawn(move || {
+                    body(Communicator::init(Config::new(r, n, "127.0.0.1", port)).unwrap())
+                })
             })
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
@@ -78,7 +80,9 @@ fn candle_alone(world: usize) -> Vec<f32> {
     let global = world * a.batch;
     (0..STEPS)
         .map(|step| {
-            let ids: Vec<u64> = (step * global..(step + 1) * global).map(|g| g as u64).collect();
+            let ids: Vec<u64> = (step * global..(step + 1) * global)
+                .map(|g| g as u64)
+                .collect();
             let (x, y) = corpus.batch(&ids, shape.ctx, &Device::Cpu).unwrap();
             let loss = model.loss(&x, &y).unwrap();
             opt.backward_step(&loss).unwrap();
@@ -96,9 +100,14 @@ fn parity(world: usize) {
     let mut curves = Vec::new();
     for stage in 0..=3u8 {
         let per_rank = ranks(world, |comm| {
-            train::<f32>(&comm, config(stage), &args(), |_| {}).unwrap().losses
+            train::<f32>(&comm, config(stage), &args(), |_| {})
+                .unwrap()
+                .losses
         });
-        assert!(per_rank.windows(2).all(|w| w[0] == w[1]), "stage {stage}: ranks disagree");
+        assert!(
+            per_rank.windows(2).all(|w| w[0] == w[1]),
+            "stage {stage}: ranks disagree"
+        );
         curves.push(per_rank.into_iter().next().unwrap());
     }
     for (stage, c) in curves.iter().enumerate() {
@@ -138,6 +147,9 @@ fn wrapping_nothing_or_naming_no_module_says_what_to_do() {
         let (_, vm) = gpt::build(GptConfig::tiny(30), 1, &Device::Cpu).unwrap();
         let mut z = Zero::<f32>::new(&comm, &vm, config(3)).unwrap();
         let e = z.load_module("blocks.0.").unwrap_err().to_string();
-        assert!(e.contains("\"blocks.0.\"") && e.contains("h.0.attn.proj.bias"), "{e}");
+        assert!(
+            e.contains("\"blocks.0.\"") && e.contains("h.0.attn.proj.bias"),
+            "{e}"
+        );
     });
 }

@@ -1478,3 +1478,37 @@ fn a_rank_ended_by_sigterm_leaves_its_flight_record() {
         "rank 1 never got past set-up: {report}"
     );
 }
+
+/// `ringzero train`: a candle GPT learns on 2 and 3 ranks at stages 2 and 3 (the loss falls
+/// below a threshold well under the untrained ≈3.7), a run that cannot reach its threshold
+/// exits non-zero saying so, and a bad shape is refused before any rank starts.
+#[test]
+fn train_learns_a_gpt_and_exits_non_zero_when_the_loss_stays_high() {
+    for (ranks, stage) in [("2", "2"), ("3", "3")] {
+        let out = succeeds(ringzero().args([
+            "train",
+            "-n",
+            ranks,
+            "--stage",
+            stage,
+            "--steps",
+            "120",
+            "--threshold",
+            "3.0",
+        ]));
+        assert!(
+            out.contains("tokens/s") && out.contains("engine memory"),
+            "{out}"
+        );
+        assert!(out.contains(&format!("stage {stage}")), "{out}");
+    }
+    let out = ringzero()
+        .args(["train", "--steps", "3", "--threshold", "1.0"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("did not fall below 1"), "{stderr}");
+    let e = fails(ringzero().args(["train", "--dim", "30", "--heads", "4"]));
+    assert!(e.contains("--dim 30 does not divide into --heads 4"), "{e}");
+}
