@@ -105,7 +105,7 @@ pub struct Gpt {
 impl Gpt {
     /// Build the model's variables through `vb` (over a `VarMap`, to train them).
     pub fn new(cfg: GptConfig, vb: VarBuilder) -> Result<Gpt> {
-        if cfg.heads == 0 || cfg.dim % cfg.heads != 0 {
+        if cfg.heads == 0 || !cfg.dim.is_multiple_of(cfg.heads) {
             candle_core::bail!("dim {} does not divide into {} heads", cfg.dim, cfg.heads);
         }
         Ok(Gpt {

@@ -52,7 +52,7 @@ impl<T: Float> Zero<T> {
                     .into(),
             ));
         }
-        vars.sort_by(|a, b| natural(&a.0).cmp(&natural(&b.0)));
+        vars.sort_by_key(|v| natural(&v.0));
         if let Some(w) = vars.windows(2).find(|w| w[0].0 == w[1].0) {
             return Err(Error::Invalid(format!(
                 "variable {:?} is named twice: give each variable its own name",

@@ -85,7 +85,7 @@ fn config(t: &TrainCli) -> anyhow::Result<ZeroConfig> {
     );
     anyhow::ensure!(t.log_every >= 1, "--log-every must be at least 1");
     anyhow::ensure!(
-        t.heads >= 1 && t.dim % t.heads == 0,
+        t.heads >= 1 && t.dim.is_multiple_of(t.heads),
         "--dim {} does not divide into --heads {}",
         t.dim,
         t.heads
