@@ -142,10 +142,8 @@ pub(crate) trait PairKind {
     /// A used pair's work in the session that has still to complete.
     type Work: Default;
 
-    fn rank(&self) -> usize;
-    fn timeout(&self) -> Duration;
-    fn flight(&self) -> &Recorder;
-    fn abort_flag(&self) -> &AbortFlag;
+    /// What every kind has: its rank, deadline, flight recorder and abort flag.
+    fn common(&self) -> Common<'_>;
     /// A new waiter for the session's idle rounds.
     fn waiter(&self) -> Waiter;
     /// Elements of `dtype` in one slice of a message.
@@ -209,13 +207,28 @@ pub(crate) trait PairKind {
     fn settle_timeout(&self, peer: usize) -> Error;
 }
 
+/// What a session reads of every kind.
+pub(crate) struct Common<'a> {
+    pub(crate) rank: usize,
+    pub(crate) timeout: Duration,
+    pub(crate) flight: &'a Recorder,
+    pub(crate) abort: &'a AbortFlag,
+}
+
+/// A pair used in a session: its work not yet completed, and the name its errors carry when no
+/// message of it is at fault.
+struct Used<W> {
+    work: W,
+    name: String,
+}
+
 /// The state of one session.
 struct Session<K: PairKind> {
     jobs: Vec<PostedJob>,
     flows: BTreeMap<usize, Flow<K::Buf>>,
     connecting: Connects<K::Connecting>,
-    /// The pairs used in this session, each with its work not yet completed.
-    used: BTreeMap<usize, K::Work>,
+    /// The pairs used in this session.
+    used: BTreeMap<usize, Used<K::Work>>,
 }
 
 type Pairs<K> = BTreeMap<usize, <K as PairKind>::Pair>;
@@ -263,7 +276,7 @@ pub(crate) fn run<K: PairKind>(
 impl<K: PairKind> Session<K> {
     /// Move the session's messages until none is left and nothing is queued behind it.
     fn drive(&mut self, kind: &K, pairs: &mut Pairs<K>, feed: &Feed<Posted<K::Buf>>) -> Result<()> {
-        let timeout = kind.timeout();
+        let timeout = kind.common().timeout;
         let mut patience = Patience::new(Instant::now());
         let mut waiter = kind.waiter();
         loop {
@@ -277,7 +290,7 @@ impl<K: PairKind> Session<K> {
             let settled = self
                 .used
                 .iter()
-                .all(|(p, w)| pairs.get(p).is_none_or(|pair| K::settled(pair, w)));
+                .all(|(p, u)| pairs.get(p).is_none_or(|pair| K::settled(pair, &u.work)));
             if self.flows.is_empty() && self.connecting.pairs.is_empty() && settled {
                 // Done unless a call was queued meanwhile.
                 match feed.next() {
@@ -357,7 +370,9 @@ impl<K: PairKind> Session<K> {
                 what: format!("{} {dir} rank {}", m.fp(), r.peer),
                 ..m
             };
-            kind.flight().p2p_started(&[(r.peer, r.send, seq, m.fp())]);
+            kind.common()
+                .flight
+                .p2p_started(&[(r.peer, r.send, seq, m.fp())]);
             kind.admit(&m)?;
             queue.push_back(m);
         }
@@ -375,7 +390,10 @@ impl<K: PairKind> Session<K> {
             let Some(pair) = pairs.get_mut(&peer) else {
                 continue; // still connecting
             };
-            let work = used.entry(peer).or_default();
+            let Used { work, .. } = used.entry(peer).or_insert_with(|| Used {
+                work: K::Work::default(),
+                name: format!("send_recv with rank {peer}"),
+            });
             for queue in [&mut flow.sends, &mut flow.recvs] {
                 while let Some(m) = queue.front_mut() {
                     if m.running() {
@@ -386,7 +404,7 @@ impl<K: PairKind> Session<K> {
                         break;
                     }
                     *K::counts(pair)[usize::from(m.send)] = m.seq + 1;
-                    kind.flight().p2p_finished([(peer, m.send, m.seq)]);
+                    kind.common().flight.p2p_finished([(peer, m.send, m.seq)]);
                     jobs[m.job].one_done();
                     queue.pop_front();
                 }
@@ -394,10 +412,9 @@ impl<K: PairKind> Session<K> {
         }
         flows.retain(|_, f| !f.sends.is_empty() || !f.recvs.is_empty());
         // Pairs whose messages have all run still complete their work and push out frames.
-        for (&peer, work) in used.iter_mut() {
+        for (&peer, u) in used.iter_mut() {
             let pair = pairs.get_mut(&peer).expect("a used pair is connected");
-            let what = format!("send_recv with rank {peer}");
-            moved |= kind.progress(peer, pair, work, &what)?;
+            moved |= kind.progress(peer, pair, &mut u.work, &u.name)?;
         }
         Ok(moved)
     }
@@ -406,12 +423,12 @@ impl<K: PairKind> Session<K> {
     /// unflushed frames still need. A failure seen on a direction with no message waiting (a
     /// peer's abort) is named after the session's first waiting message, which it stops.
     fn check(&mut self, kind: &K, pairs: &mut Pairs<K>) -> Result<()> {
-        let rank = kind.rank();
+        let rank = kind.common().rank;
         let first = self
             .flows
             .values()
             .find_map(|f| f.recvs.front().or(f.sends.front()));
-        if let Some(reason) = kind.abort_flag().reason() {
+        if let Some(reason) = kind.common().abort.reason() {
             // Named after the first waiting message of a connected pair, or else the first pair
             // still connecting (whose messages have no link to be waiting on yet).
             let waiting = self
@@ -428,7 +445,7 @@ impl<K: PairKind> Session<K> {
             };
             return Err(Error::Aborted { op, seq, reason });
         }
-        for (&peer, work) in self.used.iter() {
+        for (&peer, Used { work, .. }) in self.used.iter() {
             let pair = pairs.get_mut(&peer).expect("a used pair is connected");
             // The first message each way that still needs the link (one whose ops have all
             // run only waits for this rank's own work).
@@ -466,7 +483,12 @@ impl<K: PairKind> Session<K> {
         match waiting {
             Some((pair, m)) => kind.msg_timeout(pair, m),
             None => {
-                let peer = self.used.keys().next().copied().unwrap_or(kind.rank());
+                let peer = self
+                    .used
+                    .keys()
+                    .next()
+                    .copied()
+                    .unwrap_or(kind.common().rank);
                 kind.settle_timeout(peer)
             }
         }

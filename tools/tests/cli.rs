@@ -1511,4 +1511,11 @@ fn train_learns_a_gpt_and_exits_non_zero_when_the_loss_stays_high() {
     assert!(stderr.contains("did not fall below 1"), "{stderr}");
     let e = fails(ringzero().args(["train", "--dim", "30", "--heads", "4"]));
     assert!(e.contains("--dim 30 does not divide into --heads 4"), "{e}");
+    let e = fails(ringzero().args(["train", "--transport", "udp"]));
+    assert!(
+        e.contains("--transport udp: expected auto, shm or tcp"),
+        "{e}"
+    );
+    let e = fails(ringzero().args(["train", "--stage", "3", "--config", "ds.json"]));
+    assert!(e.contains("--stage and --config both given"), "{e}");
 }

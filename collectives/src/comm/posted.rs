@@ -20,11 +20,10 @@ use super::Inner;
 use crate::bootstrap::Role;
 use crate::connect;
 use crate::error::{Error, Result};
-use crate::flight::Recorder;
-use crate::posted::{Connects, Msg, PairKind, Request};
+use crate::posted::{Common, Connects, Msg, PairKind, Request};
 use crate::ring::call::{link_err, Call};
 use crate::ring::engine::{Bufs, Links};
-use crate::ring::failure::{self, AbortFlag};
+use crate::ring::failure;
 use crate::ring::one_way::{one_way_timeout, step_one_way};
 use crate::topology::Edge;
 use crate::transport::wait::Waiter;
@@ -215,20 +214,13 @@ impl PairKind for Arc<Inner> {
     type Connecting = Connecting;
     type Work = ();
 
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn timeout(&self) -> Duration {
-        self.cfg.timeout
-    }
-
-    fn flight(&self) -> &Recorder {
-        &self.flight
-    }
-
-    fn abort_flag(&self) -> &AbortFlag {
-        &self.abort
+    fn common(&self) -> Common<'_> {
+        Common {
+            rank: self.rank,
+            timeout: self.cfg.timeout,
+            flight: &self.flight,
+            abort: &self.abort,
+        }
     }
 
     fn waiter(&self) -> Waiter {

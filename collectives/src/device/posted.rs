@@ -18,7 +18,6 @@
 
 use std::collections::BTreeMap;
 use std::sync::MutexGuard;
-use std::time::Duration;
 
 use ringzero_kernels::DType;
 
@@ -26,11 +25,9 @@ use super::core::{Core, DevPair, DevPosted, Rx};
 use super::pairs::{read_record, RECORD_BYTES};
 use crate::comm::P2pOwned;
 use crate::error::{Error, Result};
-use crate::flight::Recorder;
-use crate::posted::{Connects, Msg, PairKind, Request};
+use crate::posted::{Common, Connects, Msg, PairKind, Request};
 use crate::ring::call::{expect, link_err, op_timeout, Call};
 use crate::ring::device_engine::{self, DevBufs, Inflight};
-use crate::ring::failure::AbortFlag;
 use crate::topology::Edge;
 use crate::transport::device::{DevPtr, DevSendLink};
 use crate::transport::wait::Waiter;
@@ -239,20 +236,13 @@ impl<S: Stream> PairKind for Core<S> {
     type Connecting = Phase;
     type Work = Inflight<S::Marker>;
 
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn timeout(&self) -> Duration {
-        self.cfg.timeout
-    }
-
-    fn flight(&self) -> &Recorder {
-        &self.flight
-    }
-
-    fn abort_flag(&self) -> &AbortFlag {
-        &self.abort
+    fn common(&self) -> Common<'_> {
+        Common {
+            rank: self.rank,
+            timeout: self.cfg.timeout,
+            flight: &self.flight,
+            abort: &self.abort,
+        }
     }
 
     fn waiter(&self) -> Waiter {

@@ -146,12 +146,7 @@ pub(crate) fn run(b: BenchCli) -> anyhow::Result<ExitCode> {
         },
         other => anyhow::bail!("--device {other}: expected host, cuda, host-stream or auto"),
     };
-    if let Some(t) = &b.transport {
-        anyhow::ensure!(
-            matches!(t.as_str(), "auto" | "shm" | "tcp"),
-            "--transport {t}: expected auto, shm or tcp"
-        );
-    }
+    super::check_transport(b.transport.as_deref())?;
     anyhow::ensure!(b.iters > 0, "--iters must be at least 1");
     // This node's ranks: those about to start here, or the launcher's.
     let here = match under_launcher() {

@@ -92,12 +92,7 @@ pub(crate) fn run(d: DemoCli) -> anyhow::Result<ExitCode> {
 /// The arguments checked, the model and the engine's configuration (from `--config`, or from
 /// the flags).
 fn setup(d: &DemoCli) -> anyhow::Result<(Mlp, ZeroConfig)> {
-    if let Some(t) = &d.transport {
-        anyhow::ensure!(
-            matches!(t.as_str(), "auto" | "shm" | "tcp"),
-            "--transport {t}: expected auto, shm or tcp"
-        );
-    }
+    super::check_transport(d.transport.as_deref())?;
     anyhow::ensure!(d.steps >= 1, "--steps must be at least 1");
     anyhow::ensure!(d.log_every >= 1, "--log-every must be at least 1");
     let mlp = Mlp {

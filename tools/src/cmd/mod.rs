@@ -99,6 +99,17 @@ pub(crate) fn spawn_self(
     Ok(ExitCode::from(outcome.exit_code().clamp(0, 255) as u8))
 }
 
+/// Refuse a `--transport` other than auto, shm or tcp.
+pub(crate) fn check_transport(transport: Option<&str>) -> anyhow::Result<()> {
+    if let Some(t) = transport {
+        anyhow::ensure!(
+            matches!(t, "auto" | "shm" | "tcp"),
+            "--transport {t}: expected auto, shm or tcp"
+        );
+    }
+    Ok(())
+}
+
 /// Join the job the launcher started, with `--transport` and `--tcp-sockets` applied.
 pub(crate) fn join(
     tool: &str,

@@ -16,18 +16,18 @@ use super::{join, spawn_self, under_launcher};
 
 #[derive(clap::Args)]
 pub(crate) struct TrainCli {
-    /// Local ranks to spawn (ignored under a launcher, which decides).
-    #[arg(short = 'n', long = "ranks", default_value_t = 2)]
-    pub(crate) ranks: usize,
-    /// ZeRO stage 0-3.
-    #[arg(long, default_value_t = 2)]
-    pub(crate) stage: u8,
-    /// Parameter precision: fp32, bf16 or fp16.
-    #[arg(long, default_value = "fp32")]
-    pub(crate) precision: Precision,
-    /// AdamW's learning rate.
-    #[arg(long, default_value_t = 3e-3)]
-    pub(crate) lr: f32,
+    /// Local ranks to spawn [default: 2] (ignored under a launcher, which decides).
+    #[arg(short = 'n', long = "ranks")]
+    pub(crate) ranks: Option<usize>,
+    /// ZeRO stage 0-3 [default: 2].
+    #[arg(long)]
+    pub(crate) stage: Option<u8>,
+    /// Parameter precision: fp32, bf16 or fp16 [default: fp32].
+    #[arg(long)]
+    pub(crate) precision: Option<Precision>,
+    /// AdamW's learning rate [default: 0.003].
+    #[arg(long)]
+    pub(crate) lr: Option<f32>,
     /// A DeepSpeed-style JSON config (instead of --stage/--precision/--lr; `"auto"` values
     /// become this command's).
     #[arg(long)]
@@ -67,9 +67,9 @@ pub(crate) struct TrainCli {
 pub(crate) fn run(t: TrainCli) -> anyhow::Result<ExitCode> {
     let cfg = config(&t)?;
     if !under_launcher() {
-        return spawn_self(t.ranks, t.transport.as_deref(), None);
+        return spawn_self(t.ranks.unwrap_or(2), t.transport.as_deref(), None);
     }
-    let comm = join("train", Some(t.ranks), t.transport.as_deref(), None)?;
+    let comm = join("train", t.ranks, t.transport.as_deref(), None)?;
     match cfg.precision {
         Precision::Fp32 => run_as::<f32>(&comm, &t, cfg),
         Precision::Bf16 => run_as::<half::bf16>(&comm, &t, cfg),
@@ -79,6 +79,7 @@ pub(crate) fn run(t: TrainCli) -> anyhow::Result<ExitCode> {
 
 /// The engine's configuration, from `--config` or the flags.
 fn config(t: &TrainCli) -> anyhow::Result<ZeroConfig> {
+    super::check_transport(t.transport.as_deref())?;
     anyhow::ensure!(
         t.steps >= 1 && t.batch >= 1,
         "--steps and --batch must be at least 1"
@@ -94,14 +95,25 @@ fn config(t: &TrainCli) -> anyhow::Result<ZeroConfig> {
         t.ctx >= 2 && t.layers >= 1,
         "--ctx must be at least 2 and --layers at least 1"
     );
+    let (lr, precision) = (t.lr.unwrap_or(3e-3), t.precision.unwrap_or(Precision::Fp32));
     Ok(match &t.config {
         Some(path) => {
+            for (flag, given) in [
+                ("--stage", t.stage.is_some()),
+                ("--precision", t.precision.is_some()),
+                ("--lr", t.lr.is_some()),
+            ] {
+                anyhow::ensure!(
+                    !given,
+                    "{flag} and --config both given: set it in one place (the config's key, or \"auto\" there to take the flag's default)"
+                );
+            }
             let text = std::fs::read_to_string(path)
                 .with_context(|| format!("reading {}", path.display()))?;
             let auto = Auto {
-                lr: t.lr,
+                lr,
                 micro_batch: t.batch,
-                precision: t.precision,
+                precision,
                 warmup_steps: (t.steps / 10) as u64,
                 total_steps: Some(t.steps as u64),
                 ..Auto::default()
@@ -110,10 +122,10 @@ fn config(t: &TrainCli) -> anyhow::Result<ZeroConfig> {
                 .with_context(|| format!("{}", path.display()))?
         }
         None => ZeroConfig::builder()
-            .stage(t.stage)
-            .precision(t.precision)
+            .stage(t.stage.unwrap_or(2))
+            .precision(precision)
             .optimizer(ringzero_kernels::cpu::Optimizer {
-                lr: t.lr,
+                lr,
                 weight_decay: 0.01,
                 ..Default::default()
             })
