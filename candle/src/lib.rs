@@ -10,8 +10,8 @@
 //! use ringzero_candle::gpt::{Gpt, GptConfig};
 //! use ringzero_candle::Zero;
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
-//! let comm = ringzero_collectives::Communicator::from_env()?;
-//! let cfg = ringzero_zero::ZeroConfig::from_json(r#"{"zero_optimization": {"stage": 2},
+//! let comm = ringzero::Communicator::from_env()?;
+//! let cfg = ringzero::zero::ZeroConfig::from_json(r#"{"zero_optimization": {"stage": 2},
 //!     "optimizer": {"type": "AdamW", "params": {"lr": 0.003}}}"#)?;
 //! let varmap = VarMap::new();
 //! let model = Gpt::new(GptConfig::tiny(65), VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu))?;
