@@ -4,7 +4,7 @@
 //! `head` (a module per prefix, for [`Zero::load_module`](crate::Zero::load_module)).
 
 use candle_core::{DType, Device, Module, Result, Tensor};
-use candle_nn::{embedding, layer_norm, linear, Embedding, LayerNorm, Linear, VarBuilder, VarMap};
+use candle_nn::{embedding, linear, Embedding, Init, Linear, VarBuilder, VarMap};
 
 /// The model's shape.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -43,6 +43,28 @@ impl GptConfig {
     }
 }
 
+/// Layer norm (ε = 1e-5, a scale and a bias) built from differentiable ops. candle-nn 0.11's
+/// `LayerNorm` runs a fused kernel without a backward on contiguous input, so no gradient passes
+/// it: a pre-norm transformer built on it trains only its head (it levels off at the bigram
+/// loss, and each block it adds makes that worse).
+struct LayerNorm {
+    weight: Tensor,
+    bias: Tensor,
+}
+
+fn layer_norm(d: usize, vb: VarBuilder) -> Result<LayerNorm> {
+    Ok(LayerNorm {
+        weight: vb.get_with_hints(d, "weight", Init::Const(1.0))?,
+        bias: vb.get_with_hints(d, "bias", Init::Const(0.0))?,
+    })
+}
+
+impl Module for LayerNorm {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        candle_nn::ops::layer_norm_slow(x, &self.weight, &self.bias, 1e-5)
+    }
+}
+
 /// One block: `x + attn(ln1(x))`, then `x + mlp(ln2(x))`.
 struct Block {
     ln1: LayerNorm,
@@ -58,10 +80,10 @@ impl Block {
     fn new(c: &GptConfig, vb: VarBuilder) -> Result<Block> {
         let d = c.dim;
         Ok(Block {
-            ln1: layer_norm(d, 1e-5, vb.pp("ln1"))?,
+            ln1: layer_norm(d, vb.pp("ln1"))?,
             qkv: linear(d, 3 * d, vb.pp("attn.qkv"))?,
             proj: linear(d, d, vb.pp("attn.proj"))?,
-            ln2: layer_norm(d, 1e-5, vb.pp("ln2"))?,
+            ln2: layer_norm(d, vb.pp("ln2"))?,
             fc: linear(d, 4 * d, vb.pp("fc"))?,
             out: linear(4 * d, d, vb.pp("out"))?,
             heads: c.heads,
@@ -114,7 +136,7 @@ impl Gpt {
             blocks: (0..cfg.layers)
                 .map(|i| Block::new(&cfg, vb.pp(format!("h.{i}"))))
                 .collect::<Result<_>>()?,
-            ln_f: layer_norm(cfg.dim, 1e-5, vb.pp("ln_f"))?,
+            ln_f: layer_norm(cfg.dim, vb.pp("ln_f"))?,
             head: linear(cfg.dim, cfg.vocab, vb.pp("head"))?,
             cfg,
         })
@@ -257,6 +279,26 @@ mod tests {
         let (_, vm) = build(cfg, 1, &Device::Cpu).unwrap();
         let n: usize = vm.all_vars().iter().map(|v| v.elem_count()).sum();
         assert_eq!(n, cfg.params());
+    }
+
+    #[test]
+    fn every_variable_gets_a_gradient() {
+        let (m, vm) = build(GptConfig::tiny(12), 2, &Device::Cpu).unwrap();
+        let x = Tensor::new(&[[1u32, 2, 3, 4, 5, 6], [6, 5, 4, 3, 2, 1]], &Device::Cpu).unwrap();
+        let y = Tensor::new(&[[2u32, 3, 4, 5, 6, 7], [5, 4, 3, 2, 1, 0]], &Device::Cpu).unwrap();
+        let grads = m.loss(&x, &y).unwrap().backward().unwrap();
+        for (name, var) in vm.data().lock().unwrap().iter() {
+            let g = grads.get(var.as_tensor());
+            let norm = g.map_or(0.0, |g| {
+                g.sqr()
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap()
+            });
+            assert!(norm > 0.0, "{name}: no gradient reaches it");
+        }
     }
 
     #[test]

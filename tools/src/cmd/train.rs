@@ -52,8 +52,8 @@ pub(crate) struct TrainCli {
     pub(crate) layers: usize,
     /// Exit non-zero unless the mean loss of the last 10 steps falls below this, in nats per
     /// character: an untrained model starts near ln(vocabulary) ≈ 3.7; the default run (300
-    /// steps, 2 ranks) ends near 2.4.
-    #[arg(long, default_value_t = 2.6)]
+    /// steps, 2 ranks) ends near 0.75.
+    #[arg(long, default_value_t = 1.2)]
     pub(crate) threshold: f32,
     /// Print every k-th step (always the first and last).
     #[arg(long, default_value_t = 25)]
