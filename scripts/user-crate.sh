@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the README's first program and examples/zero_mlp.rs as a crate of their own that
+# Builds the README's first program (a candle GPT) and examples/zero_mlp.rs as a crate of their own that
 # depends on this checkout by path, as a user's crate does (so they may name only the `ringzero`
 # crate's public API), then runs the README's program on 2 ranks. CI runs it after the tests;
 # it needs `target/release/ringzero` (the README's main command builds it).
@@ -17,6 +17,9 @@ publish = false
 
 [dependencies]
 ringzero = { path = "$root" }
+ringzero-candle = { path = "$root/candle" }
+candle-core = "0.11.1"
+candle-nn = "0.11.1"
 
 [workspace]
 TOML
@@ -30,12 +33,11 @@ export CARGO_TARGET_DIR="$root/target"
 cargo build --release --manifest-path "$dir/Cargo.toml"
 out=$("$root/target/release/ringzero" launch -n 2 -- "$root/target/release/ringzero-user-check")
 echo "$out"
-# The program learns w = [1, -2, 0.5, 3] (AdamW leaves it within a few hundredths).
+# The README's GPT learns: its last reported loss is well under the untrained ≈3.7.
 echo "$out" | python3 -c '
 import re, sys
-m = re.search(r"learned w = \[([^]]*)\]", sys.stdin.read())
-w = [float(v) for v in m.group(1).split(",")] if m else []
-ok = len(w) == 4 and all(abs(a - b) < 0.05 for a, b in zip(w, [1, -2, 0.5, 3]))
-sys.exit(0 if ok else "user-crate: the README program did not learn w = [1, -2, 0.5, 3]")
+losses = [float(v) for v in re.findall(r"loss ([0-9.]+)", sys.stdin.read())]
+ok = len(losses) == 4 and losses[-1] < 1.5
+sys.exit(0 if ok else "user-crate: the README GPT did not learn (losses %s)" % losses)
 '
 echo "user-crate: the README program and examples/zero_mlp.rs build as a crate of their own"

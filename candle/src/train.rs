@@ -103,11 +103,7 @@ pub fn train<T: Float>(
             let (x, y) = corpus.batch(&ids, shape.ctx, &dev)?;
             let loss = if stage3 {
                 // Each module's parameters gathered as it runs (the engine prefetches the next).
-                let mut load = |m: &str| {
-                    zero.load_module(m)
-                        .map_err(|e| candle_core::Error::msg(e.to_string()))
-                };
-                model.loss_with(&x, &y, &mut load)?
+                model.loss_with(&x, &y, &mut zero.hook())?
             } else {
                 model.loss(&x, &y)?
             };

@@ -116,6 +116,13 @@ impl<T: Float> Zero<T> {
         self.load_where(|n| n.starts_with(prefix))
     }
 
+    /// The hook for a model's forward that calls it before each module (as
+    /// [`Gpt::forward_with`](crate::gpt::Gpt::forward_with) does): [`Zero::load_module`] of the
+    /// prefix it is given, its error handed to candle.
+    pub fn hook(&mut self) -> impl FnMut(&str) -> candle_core::Result<()> + '_ {
+        |prefix| self.load_module(prefix).map_err(candle_core::Error::wrap)
+    }
+
     fn load_where(&mut self, want: impl Fn(&str) -> bool) -> Result<()> {
         let names: Vec<&str> = self
             .vars
