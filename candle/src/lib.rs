@@ -35,6 +35,7 @@
 pub mod corpus;
 mod error;
 pub mod gpt;
+pub mod memory;
 pub mod train;
 mod zero;
 

@@ -11,6 +11,7 @@ use ringzero_zero::{Memory, StepOutcome, ZeroConfig};
 
 use crate::corpus::Corpus;
 use crate::gpt::{self, GptConfig};
+use crate::memory::{self, Footprint};
 use crate::{Error, Result, Zero};
 
 /// What to train and for how long.
@@ -64,6 +65,11 @@ pub struct TrainReport {
     pub memory: Memory,
     /// The model's parameters.
     pub params: usize,
+    /// What this rank holds while training, by category ([`Footprint`]).
+    pub footprint: Footprint,
+    /// Resident memory this rank's training added at its peak: `VmHWM` at the end over `VmRSS`
+    /// before the model was built (Linux; `None` elsewhere).
+    pub measured_peak: Option<usize>,
 }
 
 /// Train on this rank of `comm` with `cfg` (stage, precision as `T`, optimizer, schedule,
@@ -86,11 +92,17 @@ pub fn train<T: Float>(
         vocab: corpus.vocab(),
         ..args.model
     };
+    // The peak from here on is what training adds (the corpus and communicator exist already).
+    let before = memory::reset_peak()
+        .then(memory::rss)
+        .flatten()
+        .map(|(rss, _)| rss);
     let (model, varmap) = gpt::build(shape, args.seed, &dev)?;
     let (stage3, accum) = (cfg.stage == 3, cfg.accumulation_steps.max(1));
     let mut zero = Zero::<T>::new(comm, &varmap, cfg)?;
     let (world, rank, batch) = (comm.size(), comm.rank(), args.batch);
     let mut losses = Vec::with_capacity(args.steps);
+    let mut comm_peak = zero.memory().comm_buffers;
     let start = Instant::now();
     for step in 0..args.steps {
         if !stage3 {
@@ -111,6 +123,7 @@ pub fn train<T: Float>(
             let scaled = zero.scaled(&loss)?;
             zero.backward(&scaled)?;
             let outcome = zero.step()?;
+            comm_peak = comm_peak.max(zero.memory().comm_buffers);
             if micro + 1 == accum {
                 let mut mean = [sum / accum as f32];
                 comm.all_reduce(InPlace, &mut mean[..], ReduceOp::Sum)?;
@@ -125,11 +138,23 @@ pub fn train<T: Float>(
         }
     }
     let tokens = (args.steps * accum * world * batch * shape.ctx) as u64;
+    let measured_peak = before
+        .zip(memory::rss())
+        .map(|(b, (_, hwm))| hwm.saturating_sub(b));
+    let slots = if world > 1 {
+        (comm.config().slots, comm.config().slice_bytes)
+    } else {
+        (0, 0)
+    };
+    let engine = (zero.memory().model_states(), comm_peak);
+    let footprint = Footprint::of(&shape, batch, engine, slots);
     Ok(TrainReport {
         losses,
         tokens,
         seconds: start.elapsed().as_secs_f64(),
         memory: zero.memory(),
         params: shape.params(),
+        footprint,
+        measured_peak,
     })
 }

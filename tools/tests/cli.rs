@@ -1519,3 +1519,22 @@ fn train_learns_a_gpt_and_exits_non_zero_when_the_loss_stays_high() {
     let e = fails(ringzero().args(["train", "--stage", "3", "--config", "ds.json"]));
     assert!(e.contains("--stage and --config both given"), "{e}");
 }
+
+/// `ringzero mem --gpt`: a GPT's whole footprint per stage (model states fall with the stage,
+/// candle's share does not), and a malformed shape refused with the expected form.
+#[test]
+fn mem_predicts_a_gpts_footprint_per_stage() {
+    let out = succeeds(ringzero().args(["mem", "--gpt", "2,64,4,32,32", "--dp", "2"]));
+    assert!(out.contains("106272 parameters"), "{out}");
+    let totals: Vec<f64> = out
+        .lines()
+        .filter(|l| l.trim_start().starts_with(|c: char| c.is_ascii_digit()))
+        .map(|l| l.split_whitespace().last().unwrap().parse().unwrap())
+        .collect();
+    assert_eq!(totals.len(), 4, "{out}");
+    assert!(totals.windows(2).all(|w| w[1] < w[0]), "{out}");
+    let e = fails(ringzero().args(["mem", "--gpt", "2,64,4"]));
+    assert!(e.contains("expected LAYERS,DIM,HEADS,CTX,VOCAB"), "{e}");
+    let e = fails(ringzero().args(["mem", "--gpt", "2,30,4,32,32"]));
+    assert!(e.contains("does not divide into 4 heads"), "{e}");
+}

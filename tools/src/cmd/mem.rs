@@ -7,9 +7,17 @@ use super::count;
 /// `ringzero mem`'s arguments.
 #[derive(clap::Args)]
 pub(crate) struct MemCli {
-    /// Parameters: 7.5B, 350M, 1.3e9, ...
-    #[arg(long = "params", value_parser = count)]
-    pub(crate) params: f64,
+    /// Parameters: 7.5B, 350M, 1.3e9, ... (or --gpt).
+    #[arg(long = "params", value_parser = count, required_unless_present = "gpt")]
+    pub(crate) params: Option<f64>,
+    /// A GPT's shape, `LAYERS,DIM,HEADS,CTX,VOCAB` (`ringzero train`'s model): each rank's
+    /// whole footprint while training it on the host in f32 — the engine's model states, the
+    /// ring slots, candle's variables, gradients and activations — per stage.
+    #[arg(long, value_name = "SHAPE", conflicts_with_all = ["params", "k", "shard_size"])]
+    pub(crate) gpt: Option<String>,
+    /// With --gpt: sequences per rank and micro-step.
+    #[arg(long, default_value_t = 8, requires = "gpt")]
+    pub(crate) batch: usize,
     /// Data-parallel ranks.
     #[arg(long = "dp", default_value_t = 1)]
     pub(crate) dp: usize,
@@ -59,6 +67,9 @@ impl OptimizerArg {
 
 /// Print the table.
 pub(crate) fn run(a: MemCli) -> anyhow::Result<ExitCode> {
+    if let Some(shape) = &a.gpt {
+        return gpt(shape, &a);
+    }
     let MemCli {
         params,
         dp,
@@ -66,7 +77,9 @@ pub(crate) fn run(a: MemCli) -> anyhow::Result<ExitCode> {
         k,
         optimizer,
         shard_size,
+        ..
     } = a;
+    let params = params.expect("clap requires --params without --gpt");
     let opt = optimizer.optimizer();
     let k = k.unwrap_or_else(|| ringzero_zero::mem::k_for(&opt));
     anyhow::ensure!(dp >= 1, "--dp must be at least 1");
@@ -132,5 +145,89 @@ pub(crate) fn run(a: MemCli) -> anyhow::Result<ExitCode> {
              the {replicas} replicas: 2·(Ψ/{shard})·(R−1)/R elements (all Ψ in stage 0)"
         );
     }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `--gpt`: each rank's footprint training that GPT, per stage.
+fn gpt(shape: &str, a: &MemCli) -> anyhow::Result<ExitCode> {
+    use ringzero_candle::gpt::GptConfig;
+    use ringzero_candle::memory::Footprint;
+    let v: Vec<usize> = shape
+        .split(',')
+        .map(|x| x.trim().parse::<usize>())
+        .collect::<Result<_, _>>()
+        .ok()
+        .filter(|v: &Vec<usize>| v.len() == 5 && v.iter().all(|&x| x > 0))
+        .ok_or_else(|| {
+            anyhow::anyhow!(
+                "--gpt {shape}: expected LAYERS,DIM,HEADS,CTX,VOCAB, five positive integers \
+                 (ringzero train's default model is 2,64,4,32,32)"
+            )
+        })?;
+    let g = GptConfig {
+        layers: v[0],
+        dim: v[1],
+        heads: v[2],
+        ctx: v[3],
+        vocab: v[4],
+    };
+    anyhow::ensure!(
+        g.dim.is_multiple_of(g.heads),
+        "--gpt {shape}: width {} does not divide into {} heads",
+        g.dim,
+        g.heads
+    );
+    anyhow::ensure!(
+        a.dp >= 1 && a.batch >= 1,
+        "--dp and --batch must be at least 1"
+    );
+    let psi = g.params() as f64;
+    let opt = a.optimizer.optimizer();
+    // fp32 parameters: the master is the parameters, so K counts the rule's states only.
+    let k = ringzero_zero::mem::k_for(&opt) - 4.0;
+    let cfg = ringzero_collectives::Config::new(0, a.dp, "127.0.0.1", 0);
+    let slots = if a.dp > 1 {
+        (cfg.slots, cfg.slice_bytes)
+    } else {
+        (0, 0)
+    };
+    let mib = |b: usize| b as f64 / (1 << 20) as f64;
+    println!(
+        "GPT {} blocks × width {} ({} heads, context {}, vocabulary {}): {} parameters; {} ranks × {} \
+         sequences, f32, {}; MiB per rank",
+        g.layers, g.dim, g.heads, g.ctx, g.vocab, g.params(), a.dp, a.batch, opt.name()
+    );
+    println!(
+        "{:>6} {:>13} {:>11} {:>12} {:>11} {:>12} {:>10} {:>10}",
+        "stage",
+        "model states",
+        "ring slots",
+        "candle vars",
+        "grads",
+        "activations",
+        "backward",
+        "total"
+    );
+    let stages: Vec<u8> = a.stage.map_or(vec![0, 1, 2, 3], |s| vec![s]);
+    for s in stages {
+        let m = ringzero_zero::mem::model_states_with(psi, a.dp, s, 4.0, k)
+            .map_err(anyhow::Error::msg)?;
+        let f = Footprint::of(&g, a.batch, (m.total() as usize, 0), slots);
+        println!(
+            "{:>6} {:>13.2} {:>11.2} {:>12.2} {:>11.2} {:>12.2} {:>10.2} {:>10.2}",
+            s,
+            mib(f.model_states),
+            mib(f.slots),
+            mib(f.vars),
+            mib(f.grads),
+            mib(f.activations),
+            mib(f.backward),
+            mib(f.total())
+        );
+    }
+    println!(
+        "plus the engine's communication buffers (gradient buckets, the stage-3 live window), which \
+         `ringzero train` reports as held; it prints this prediction beside the measured peak"
+    );
     Ok(ExitCode::SUCCESS)
 }

@@ -184,6 +184,7 @@ fn run_as<T: Float>(
             "rank 0 engine memory: params {} B, grads {} B, optimizer {} B, comm buffers {} B",
             m.params, m.grads, m.optimizer, m.comm_buffers
         );
+        println!("{}", footprint_text(&r));
         println!(
             "loss {:.4} → {end:.4} (mean of the last {} steps; threshold {})",
             r.losses[0],
@@ -201,5 +202,32 @@ fn run_as<T: Float>(
             );
         }
         Ok(ExitCode::FAILURE)
+    }
+}
+
+/// Rank 0's predicted footprint by category beside the resident memory training added.
+fn footprint_text(r: &train::TrainReport) -> String {
+    let f = r.footprint;
+    let mib = |b: usize| b as f64 / (1 << 20) as f64;
+    let predicted = format!(
+        "predicted {:.2} MiB = model states {:.2} + comm buffers {:.2} + ring slots {:.2} + \
+         candle vars {:.2} + grads {:.2} + activations {:.2} + backward {:.2}",
+        mib(f.total()),
+        mib(f.model_states),
+        mib(f.comm_buffers),
+        mib(f.slots),
+        mib(f.vars),
+        mib(f.grads),
+        mib(f.activations),
+        mib(f.backward)
+    );
+    match r.measured_peak {
+        Some(m) => format!(
+            "rank 0 memory added by training at its peak: measured {:.2} MiB (VmHWM over the \
+             resident set before the model), {predicted}; measured / predicted {:.2}",
+            mib(m),
+            m as f64 / f.total().max(1) as f64
+        ),
+        None => format!("rank 0 memory while training: {predicted} (no /proc here to measure)"),
     }
 }

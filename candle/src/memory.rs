@@ -1,0 +1,158 @@
+//! What one rank holds while training the GPT through [`Zero`](crate::Zero), by category, and
+//! the process's peak resident memory to set it against.
+//!
+//! The engine counts its own bytes exactly (model states by the ZeRO formula, communication
+//! buffers as held); the communicators' ring slots follow from their configuration. candle adds the variables (the full parameters in f32, at every stage), the
+//! gradient store (one f32 per parameter), and the forward graph: every op's output stays alive
+//! until the loss is dropped after backward, so the activations are the sum of every
+//! intermediate tensor ([`GptConfig::activation_elems`]); backward adds the gradients of one
+//! block's worth of intermediates at a time on top.
+
+use crate::gpt::GptConfig;
+
+impl GptConfig {
+    /// f32 elements of every intermediate tensor one forward and loss of `batch` sequences of
+    /// `ctx` tokens create (what the graph keeps alive through backward), counted op by op as
+    /// [`Gpt`](crate::gpt::Gpt) runs them: per block, each layer norm 5 of `(n, dim)` and 6 of
+    /// `n` (n = batch × ctx), each linear its product and the bias sum, q/k/v a reshaped and a
+    /// contiguous copy each, the scores 4 of `(batch, heads, ctx, ctx)` (product, scaled,
+    /// masked, softmax), the attention output and its reshape, two residual sums and the GELU;
+    /// then the final norm, the logits (2 of `(n, vocab)`) and the log-softmax (3 of `(n, vocab)`).
+    pub fn activation_elems(&self, batch: usize) -> usize {
+        let n = batch * self.ctx;
+        let (c, v) = (self.dim, self.vocab);
+        let norm = 5 * n * c + 6 * n;
+        let scores = 4 * batch * self.heads * self.ctx * self.ctx;
+        let block = 2 * norm
+            + 2 * 3 * n * c // qkv
+            + 3 * 2 * n * c // q, k, v reshaped and made contiguous
+            + scores
+            + 2 * n * c // attention output, reshaped
+            + 2 * n * c // proj
+            + 2 * 4 * n * c // fc
+            + 4 * n * c // gelu
+            + 2 * n * c // out
+            + 2 * n * c; // residual sums
+        let embed = 2 * n * c + self.ctx * c;
+        embed + self.layers * block + norm + 2 * n * v + 3 * n * v
+    }
+
+    /// f32 elements of one block's intermediates (what backward holds the gradients of at once).
+    pub fn block_activation_elems(&self, batch: usize) -> usize {
+        let one = GptConfig { layers: 1, ..*self };
+        let none = GptConfig { layers: 0, ..*self };
+        one.activation_elems(batch) - none.activation_elems(batch)
+    }
+}
+
+/// One rank's bytes while training, by category.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Footprint {
+    /// The engine's model states (parameters, gradients, optimizer state and master weights).
+    pub model_states: usize,
+    /// The engine's communication buffers at their largest.
+    pub comm_buffers: usize,
+    /// The ring slots this rank's frames fill: its incoming and outgoing links' `slots ×
+    /// slice_bytes` each, for the host communicator and for the engine's communicator on the
+    /// host stream (shared memory, resident once touched).
+    pub slots: usize,
+    /// candle's variables: every parameter in f32.
+    pub vars: usize,
+    /// candle's gradient store: every parameter's gradient in f32.
+    pub grads: usize,
+    /// The forward graph's tensors.
+    pub activations: usize,
+    /// Backward's gradients of one block's intermediates.
+    pub backward: usize,
+}
+
+impl Footprint {
+    /// The GPT `shape` on `batch` sequences per micro-step, with the engine's counts.
+    /// `slots` and `slice_bytes` are the communicator's (`Config::slots`, `Config::slice_bytes`).
+    pub fn of(
+        shape: &GptConfig,
+        batch: usize,
+        (model_states, comm_buffers): (usize, usize),
+        (slots, slice_bytes): (usize, usize),
+    ) -> Footprint {
+        Footprint {
+            model_states,
+            comm_buffers,
+            slots: 2 * 2 * slots * slice_bytes,
+            vars: 4 * shape.params(),
+            grads: 4 * shape.params(),
+            activations: 4 * shape.activation_elems(batch),
+            backward: 4 * shape.block_activation_elems(batch),
+        }
+    }
+
+    /// All of it.
+    pub fn total(&self) -> usize {
+        self.model_states
+            + self.comm_buffers
+            + self.slots
+            + self.vars
+            + self.grads
+            + self.activations
+            + self.backward
+    }
+}
+
+/// This process's resident memory (`VmRSS`) and its peak (`VmHWM`), in bytes, from
+/// `/proc/self/status`; `None` where there is none (not Linux).
+pub fn rss() -> Option<(usize, usize)> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kib = |key: &str| -> Option<usize> {
+        let line = s.lines().find(|l| l.starts_with(key))?;
+        line.split_whitespace()
+            .nth(1)?
+            .parse::<usize>()
+            .ok()
+            .map(|k| k * 1024)
+    };
+    Some((kib("VmRSS:")?, kib("VmHWM:")?))
+}
+
+/// Restart the peak (`VmHWM`) from the current resident memory (Linux's `clear_refs` 5);
+/// whether it could.
+pub fn reset_peak() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn activations_grow_with_the_batch_and_the_blocks_and_the_scores_with_context_squared() {
+        let g = GptConfig::tiny(40);
+        // Linear in the batch, past the position embeddings' one (ctx, dim) output.
+        let a = |b| g.activation_elems(b);
+        assert_eq!(a(8) - a(4), a(4) - a(0));
+        assert_eq!(a(0), g.ctx * g.dim);
+        let deeper = GptConfig { layers: 3, ..g };
+        assert_eq!(
+            deeper.activation_elems(4) - g.activation_elems(4),
+            g.block_activation_elems(4)
+        );
+        let long = GptConfig {
+            ctx: 2 * g.ctx,
+            ..g
+        };
+        let (s1, s2) = (
+            4 * g.heads * g.ctx * g.ctx,
+            4 * long.heads * long.ctx * long.ctx,
+        );
+        assert_eq!(s2, 4 * s1);
+        assert!(long.block_activation_elems(1) > 2 * g.block_activation_elems(1));
+    }
+
+    #[test]
+    fn the_peak_can_be_read_and_restarted_here() {
+        let (now, hwm) = rss().expect("Linux's /proc/self/status");
+        assert!(now > 0 && hwm >= now);
+        assert!(reset_peak());
+        let (_, after) = rss().unwrap();
+        assert!(after <= hwm);
+    }
+}
