@@ -68,7 +68,8 @@ pub struct TrainReport {
     /// What this rank holds while training, by category ([`Footprint`]).
     pub footprint: Footprint,
     /// Resident memory this rank's training added at its peak: `VmHWM` at the end over `VmRSS`
-    /// before the model was built (Linux; `None` elsewhere).
+    /// before the model was built (Linux; `None` elsewhere). It is the process's: ranks run as
+    /// threads of one process (as tests do) share one figure.
     pub measured_peak: Option<usize>,
 }
 
