@@ -15,6 +15,7 @@ mod flight;
 mod hybrid;
 mod no_panic;
 mod nonblocking;
+mod offload;
 mod p2p;
 mod pairwise;
 mod processes;

@@ -437,6 +437,7 @@ fn memory_report<T: Float>(
             grads: c[1] as usize,
             optimizer: c[2] as usize,
             comm_buffers: c[3] as usize,
+            ..Memory::default()
         })
         .collect();
     let padded = e.partition().padded_numel();

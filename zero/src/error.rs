@@ -67,6 +67,9 @@ pub enum ZeroError {
         /// The failed groups, by their index in this rank's replica communicator.
         replicas: Vec<usize>,
     },
+    /// The NVMe tier could not create, read or write its file; names the file and what to do.
+    #[error("offload: {0}")]
+    Offload(String),
     /// A collective failed.
     #[error(transparent)]
     Comm(#[from] ringzero_collectives::Error),

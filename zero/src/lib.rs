@@ -23,15 +23,17 @@ pub mod mem;
 pub mod partition;
 mod report;
 pub mod scaler;
+mod swap;
 mod weights;
 
 pub use checkpoint::{Checkpoint, Meta as CheckpointMeta};
 pub use config::{
-    Auto, LossScaling, LrSchedule, ParamGroup, Precision, ZeroConfig, ZeroConfigBuilder,
+    Aio, Auto, LossScaling, LrSchedule, Offload, OffloadDevice, OffloadOptimizer, OffloadParam,
+    ParamGroup, Precision, ZeroConfig, ZeroConfigBuilder,
 };
 pub use engine::{hybrid_groups, Engine};
 pub use error::ZeroError;
 pub use partition::{ParamSpec, Partition};
-pub use report::{CommWait, Memory, Phase, StepOutcome, StepReport};
+pub use report::{CommWait, Memory, OffloadStats, Phase, StepOutcome, StepReport};
 pub use scaler::LossScaler;
 pub use weights::Weights;

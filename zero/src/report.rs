@@ -4,27 +4,65 @@
 
 use std::time::Duration;
 
-/// Bytes the engine holds, by category.
+/// Bytes the engine holds, by category and tier: the engine's device (its stream's memory: a
+/// GPU's, or the host's for an engine on the host stream), host memory the offload tier keeps
+/// (`offload_optimizer` / `offload_param` on `"cpu"`, page-locked on a GPU), and the NVMe
+/// tier's file.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Memory {
-    /// Parameters in `T` (full, or the owned shards in stage 3).
+    /// Parameters in `T` on the device (full, or the owned shards in stage 3).
     pub params: usize,
     /// Gradients in `T` (full in stages 0–1, owned shards in 2–3).
     pub grads: usize,
-    /// Optimizer state: the rule's states (Adam's two moments, Lion's or SGD's one, plain SGD's
-    /// none), plus fp32 master weights when `T` is 16-bit (full in stage 0,
+    /// Optimizer state on the device: the rule's states (Adam's two moments, Lion's or SGD's
+    /// one, plain SGD's none), plus fp32 master weights when `T` is 16-bit (full in stage 0,
     /// owned shards otherwise).
     pub optimizer: usize,
     /// Communication buffers held right now (stage 2–3 gradient staging and reduce-scatters in
     /// flight, stage 3 gathered and prefetching parameters).
     pub comm_buffers: usize,
+    /// Host tier: stage-3 parameter shards (`offload_param`).
+    pub host_params: usize,
+    /// Host tier: the offloaded buckets' fp32 master weights (in every precision: the CPU
+    /// steps the master and copies the parameters to the device) and optimizer states.
+    pub host_optimizer: usize,
+    /// Host tier: the offload pipeline's buffers (two gradient and two parameter buffers of
+    /// the largest update range; three NVMe regions).
+    pub host_buffers: usize,
+    /// NVMe tier: the file holding the offloaded buckets' master weights and states (each
+    /// stretch rounded up to 4096 bytes).
+    pub nvme_optimizer: usize,
 }
 
 impl Memory {
-    /// Model states: params + grads + optimizer (what the paper's formulas count).
+    /// Model states on the device: params + grads + optimizer (what the paper's formulas
+    /// count).
     pub fn model_states(&self) -> usize {
         self.params + self.grads + self.optimizer
     }
+
+    /// Everything the engine holds in host memory off the device (the offload tier).
+    pub fn host(&self) -> usize {
+        self.host_params + self.host_optimizer + self.host_buffers
+    }
+}
+
+/// What the offloaded part of one optimizer step moved and spent (all zero without offload).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct OffloadStats {
+    /// Time the CPU optimizer ran (all buckets, wall time on the calling thread).
+    pub cpu_step: Duration,
+    /// Time the step waited for gradients to arrive from the device (what the pipeline did
+    /// not hide).
+    pub device_wait: Duration,
+    /// Gradient bytes copied device → host.
+    pub to_host: u64,
+    /// Parameter bytes copied host → device.
+    pub to_device: u64,
+    /// Bytes read from the NVMe tier.
+    pub nvme_read: u64,
+    /// Bytes written to the NVMe tier.
+    pub nvme_written: u64,
 }
 
 /// What a call to [`crate::Engine::step`] did.
@@ -99,6 +137,8 @@ pub struct StepReport {
     pub wait: CommWait,
     /// Stage 3: bucket elements all-gathered.
     pub gathered_elems: u64,
+    /// The offloaded optimizer step's traffic and times (zero without offload).
+    pub offload: OffloadStats,
 }
 
 impl std::fmt::Display for StepReport {
@@ -122,7 +162,23 @@ impl std::fmt::Display for StepReport {
             ms(self.wait.reduce),
             ms(self.wait.update),
             self.gathered_elems
-        )
+        )?;
+        let o = &self.offload;
+        if o.to_host + o.to_device > 0 {
+            let mb = |b: u64| b as f64 / 1e6;
+            write!(
+                f,
+                "; offload: cpu step {:.1} ms, waited {:.1} ms, {:.1} MB to host, {:.1} MB to \
+                 device, nvme {:.1} MB read, {:.1} MB written",
+                ms(o.cpu_step),
+                ms(o.device_wait),
+                mb(o.to_host),
+                mb(o.to_device),
+                mb(o.nvme_read),
+                mb(o.nvme_written)
+            )?;
+        }
+        Ok(())
     }
 }
 
@@ -194,6 +250,7 @@ impl StepTimer {
             in_step: self.in_step,
             wait: wait - self.wait_at_start,
             gathered_elems: gathered - self.gathered_at_start,
+            offload: OffloadStats::default(),
         };
         *self = StepTimer::new(now, wait, gathered);
         r

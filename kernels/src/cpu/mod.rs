@@ -12,7 +12,7 @@ mod optim;
 mod reduce;
 mod stream;
 
-pub use float::{all_finite, cast, scale, sq_norm, step_mixed, Float};
+pub use float::{all_finite, cast, scale, sq_norm, step_mixed, step_mixed_threads, Float};
 pub use optim::{optim_step, optim_step_threads, Optimizer, Rule, StepScalars};
 
 pub use stream::{copy_streaming, stream_fence};

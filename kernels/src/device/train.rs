@@ -38,6 +38,33 @@ pub trait TrainStream: Stream {
         self.scratch(bytes)
     }
 
+    /// Whether this stream's addresses are host addresses (the host stream's), so the host may
+    /// read and write its allocations directly once its work has ended.
+    fn host_addressable(&self) -> bool {
+        false
+    }
+
+    /// `bytes` of zeroed host memory, page-aligned, that this device's work can address too
+    /// (on a GPU: page-locked and mapped into the device's address space, so copies to and from
+    /// it run asynchronously and kernels may read it): its device address, its host address,
+    /// and its owner, which unmaps and frees it on Drop (after this stream's work has ended:
+    /// drop it only then). For state kept off the device (ZeRO-Offload's tier).
+    fn alloc_host(
+        &self,
+        bytes: usize,
+    ) -> Result<(DevPtr, usize, Box<dyn Any + Send>), DeviceError> {
+        /// One page, so the memory suits direct I/O and every dtype.
+        #[derive(Clone, Copy)]
+        #[repr(C, align(4096))]
+        struct Page([u8; 4096]);
+        let mem = vec![Page([0; 4096]); bytes.div_ceil(4096).max(1)].into_boxed_slice();
+        let host = mem.as_ptr() as usize;
+        // SAFETY: the pages stay mapped while the owner below lives: it holds both, and drops
+        // the mapping (first field) before the pages.
+        let (dev, mapping) = unsafe { self.map_host(host as *mut u8, mem.len() * 4096) }?;
+        Ok((dev, host, Box::new((mapping, mem))))
+    }
+
     /// Copy `src` into the memory at `dst`, after the work queued before; returns once it is
     /// there.
     ///
@@ -167,6 +194,10 @@ unsafe fn cast_typed<A: Float, B: Float>(src: DevPtr, dst: DevPtr, n: usize) {
 }
 
 impl TrainStream for HostStream {
+    fn host_addressable(&self) -> bool {
+        true
+    }
+
     unsafe fn zero(&self, dst: DevPtr, bytes: usize) -> Result<(), DeviceError> {
         self.push_job(move || {
             // SAFETY: the caller keeps the range live until this job has run.

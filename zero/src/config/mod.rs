@@ -8,9 +8,11 @@ use ringzero_kernels::cpu::Optimizer;
 use ringzero_kernels::DType;
 
 mod deepspeed;
+mod offload;
 mod schedule;
 
 pub use deepspeed::Auto;
+pub use offload::{Aio, Offload, OffloadDevice, OffloadOptimizer, OffloadParam};
 pub use schedule::{LrSchedule, Warmup};
 
 /// Parameter and gradient precision (optimizer state is always fp32).
@@ -145,6 +147,9 @@ pub struct ZeroConfig {
     /// group whose pattern a parameter's name contains wins; the others use `optimizer` (and the
     /// schedule). The usual one: [`ParamGroup::no_decay`] for biases and norms.
     pub param_groups: Vec<ParamGroup>,
+    /// Where the optimizer's states and the stage-3 parameters live (`offload_optimizer`,
+    /// `offload_param`, `aio`); all on the engine's device by default.
+    pub offload: Offload,
 }
 
 /// A group of parameters with optimizer settings of their own ([`ZeroConfig::param_groups`]).
@@ -208,6 +213,7 @@ impl Default for ZeroConfig {
             scheduler: None,
             notes: Vec::new(),
             param_groups: Vec::new(),
+            offload: Offload::default(),
         }
     }
 }
@@ -279,6 +285,22 @@ impl ZeroConfigBuilder {
     /// Hybrid sharding over groups of this many ranks (`None`: shard over every rank).
     pub fn shard_size(mut self, s: Option<usize>) -> Self {
         self.cfg.shard_size = s;
+        self
+    }
+    /// Where the optimizer's states live and step (`offload_optimizer`):
+    /// [`OffloadOptimizer::cpu`], [`OffloadOptimizer::nvme`].
+    pub fn offload_optimizer(mut self, o: OffloadOptimizer) -> Self {
+        self.cfg.offload.optimizer = o;
+        self
+    }
+    /// Where the stage-3 parameter shards live (`offload_param`).
+    pub fn offload_param(mut self, p: OffloadParam) -> Self {
+        self.cfg.offload.param = p;
+        self
+    }
+    /// How the NVMe tier reads and writes (`aio`).
+    pub fn aio(mut self, a: Aio) -> Self {
+        self.cfg.offload.aio = a;
         self
     }
     /// The checked configuration.
@@ -370,7 +392,7 @@ impl ZeroConfig {
                 "mics_shard_size must be at least 1 rank (or -1 for no hybrid sharding)",
             ));
         }
-        Ok(())
+        self.offload.validate(self.stage)
     }
 }
 

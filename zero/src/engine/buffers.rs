@@ -15,6 +15,9 @@ pub(crate) struct DevVec {
     pub(super) addr: u64,
     pub(super) elems: usize,
     pub(super) dtype: DType,
+    /// Where the host reaches it: host memory the stream maps ([`alloc_host`]), or any
+    /// allocation of the host stream; `None` for a GPU's own memory.
+    pub(super) host: Option<usize>,
     pub(super) _keep: Box<dyn Any + Send>,
 }
 
@@ -58,6 +61,8 @@ pub(crate) struct Spares {
     pub(super) cap: usize,
     pub(super) keep: usize,
     pub(super) free: Vec<DevVec>,
+    /// Whether new buffers are host memory the stream maps ([`alloc_host`]).
+    pub(super) host: bool,
 }
 
 impl Spares {
@@ -67,6 +72,15 @@ impl Spares {
             cap,
             keep,
             free: Vec::new(),
+            host: false,
+        }
+    }
+
+    /// As [`Spares::new`], the buffers in host memory the stream maps (the offload tier's).
+    pub(super) fn on_host(dtype: DType, cap: usize, keep: usize) -> Spares {
+        Spares {
+            host: true,
+            ..Spares::new(dtype, cap, keep)
         }
     }
 
@@ -92,6 +106,7 @@ impl Spares {
                 }
                 v
             }
+            None if self.host => alloc_host(s, self.dtype, self.cap)?,
             None => alloc(s, self.dtype, self.cap)?,
         };
         v.elems = elems;
@@ -130,6 +145,27 @@ pub(crate) fn alloc<S: TrainStream>(
         addr,
         elems,
         dtype,
+        host: s.host_addressable().then_some(addr as usize),
+        _keep: keep,
+    })
+}
+
+/// `elems` zeroed elements of `dtype` in host memory that `s` addresses too (the offload tier:
+/// page-locked and mapped on a GPU).
+pub(crate) fn alloc_host<S: TrainStream>(
+    s: &S,
+    dtype: DType,
+    elems: usize,
+) -> Result<DevVec, ZeroError> {
+    let bytes = (elems * dtype.size()).max(64);
+    let (addr, host, keep) = s
+        .alloc_host(bytes)
+        .map_err(dev(format!("allocating {bytes} bytes of host memory")))?;
+    Ok(DevVec {
+        addr,
+        elems,
+        dtype,
+        host: Some(host),
         _keep: keep,
     })
 }

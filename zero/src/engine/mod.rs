@@ -54,11 +54,10 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::Instant;
 
-use ringzero_collectives::{DType, DeviceComm, Error, HostStream, TrainStream};
+use ringzero_collectives::{DType, DeviceComm, HostStream, TrainStream};
 use ringzero_kernels::cpu::{cast, Float};
-use ringzero_kernels::DeviceError;
 
-use crate::config::ZeroConfig;
+use crate::config::{OffloadDevice, ZeroConfig};
 use crate::error::ZeroError;
 use crate::ledger::{hybrid, layout, update_range, Ledger};
 use crate::partition::{ParamSpec, Partition};
@@ -67,11 +66,12 @@ use crate::report::{CommWait, Memory, Phase, StepReport, StepTimer};
 mod agree;
 mod buffers;
 mod host;
+mod offload;
 mod persist;
 mod stage3;
 mod step;
 
-use buffers::{all_gather_host, alloc, dev, DevVec, InFlight, Spares};
+use buffers::{all_gather_host, alloc, alloc_host, dev, DevVec, InFlight, Spares};
 pub use host::hybrid_groups;
 
 /// The ZeRO engine on one rank (see the module docs): model states in the memory of stream `S`
@@ -105,6 +105,8 @@ pub struct Engine<T: Float = f32, S: TrainStream + 'static = HostStream> {
     shards: Spares,
     /// A small buffer for the one-element all-reduces (the norm, the overflow flag).
     scalar: Option<DevVec>,
+    /// Where each bucket's optimizer state lives, and the offload pipeline's buffers.
+    tier: offload::Tier,
     /// Time the trainer waited on communication.
     wait: CommWait,
     /// Stage 3: bucket elements all-gathered so far, on demand and prefetched.
@@ -181,8 +183,15 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
         let nb = part.buckets.len();
         let upd = |b: usize| update_range(&part, stage, rank, b);
         let s = comm.stream();
-        let alloc = |dtype: DType, elems: usize| alloc(s, dtype, elems);
-        let upload = |x: &[f32], as_t: bool| -> Result<DevVec, ZeroError> {
+        // `host`: in the offload tier's host memory rather than the device's.
+        let alloc = |dtype: DType, elems: usize, host: bool| {
+            if host {
+                alloc_host(s, dtype, elems)
+            } else {
+                alloc(s, dtype, elems)
+            }
+        };
+        let upload = |x: &[f32], as_t: bool, host: bool| -> Result<DevVec, ZeroError> {
             let (d, bytes) = if as_t {
                 let mut out = vec![T::default(); x.len()];
                 cast(x, &mut out);
@@ -190,51 +199,64 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
             } else {
                 (DType::F32, bytemuck::cast_slice::<f32, u8>(x).to_vec())
             };
-            let v = alloc(d, x.len())?;
+            let v = alloc(d, x.len(), host)?;
             // SAFETY: `v` is a fresh allocation of the stream of `x.len()` elements of `d`,
             // which no work uses yet.
             unsafe { s.write(v.addr, &bytes) }
                 .map_err(dev("uploading the initial values".into()))?;
             Ok(v)
         };
+        let homes = offload::homes(&cfg, &part);
+        let host_params = cfg.offload.param.device != OffloadDevice::None;
         let mut params = Vec::with_capacity(nb);
         let mut master = Vec::with_capacity(nb);
         let (mut grads, mut states) = (Vec::new(), Vec::new());
         let keeps = cfg.optimizer.states().len();
         for (b, bucket) in full.iter().enumerate() {
             params.push(if stage == 3 {
-                upload(&bucket[part.owned(b, rank)], true)?
+                upload(&bucket[part.owned(b, rank)], true, host_params)?
             } else {
-                upload(bucket, true)?
+                upload(bucket, true, false)?
             });
-            master.push(if T::IS_F32 {
-                None
-            } else {
-                Some(upload(&bucket[upd(b)], false)?)
+            // An offloaded bucket keeps an fp32 master in every precision (the CPU steps it and
+            // copies the parameters to the device); the NVMe tier keeps it in its file.
+            master.push(match homes[b] {
+                OffloadDevice::None if T::IS_F32 => None,
+                OffloadDevice::None => Some(upload(&bucket[upd(b)], false, false)?),
+                OffloadDevice::Cpu => Some(upload(&bucket[upd(b)], false, true)?),
+                OffloadDevice::Nvme => None,
             });
             let g = if stage >= 2 {
                 part.owned(b, rank).len()
             } else {
                 part.buckets[b].len
             };
-            grads.push(alloc(T::DTYPE, g)?);
+            grads.push(alloc(T::DTYPE, g, false)?);
+            let (on_host, kept) = match homes[b] {
+                OffloadDevice::Nvme => (false, 0),
+                h => (h == OffloadDevice::Cpu, keeps),
+            };
             states.push(
-                (0..keeps)
-                    .map(|_| alloc(DType::F32, upd(b).len()))
+                (0..kept)
+                    .map(|_| alloc(DType::F32, upd(b).len(), on_host))
                     .collect::<Result<Vec<_>, _>>()?,
             );
         }
+        let range_cap = (0..nb).map(|b| upd(b).len()).max().unwrap_or(0);
+        let mut tier = offload::Tier::new::<T>(homes, range_cap);
+        tier.create_swap(&cfg, rank, &part, &full, keeps)?;
         let cap = part.buckets.iter().map(|b| b.len).max().unwrap_or(0);
         // Two bucket buffers in steady state (one filling while one reduces, or a gathered
         // bucket and a prefetched one); a reduced shard per bucket (stage 1 keeps them all
         // through the step).
         let buckets = Spares::new(T::DTYPE, cap, 2);
         let shards = Spares::new(T::DTYPE, cap / n, nb + 1);
-        let scalar = Some(alloc(DType::F64, 1)?);
+        let scalar = Some(alloc(DType::F64, 1, false)?);
         let mut e = Engine {
             buckets,
             shards,
             scalar,
+            tier,
             params,
             master,
             gathered: (0..nb).map(|_| None).collect(),
@@ -385,36 +407,27 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
     /// Wait for the work queued on the stream (before temporaries it uses are dropped, or a
     /// caller's buffer is let go).
     fn sync(&self, what: &str) -> Result<(), ZeroError> {
-        let s = self.stream();
-        let m = s.mark().map_err(dev(what.into()))?;
-        let (start, deadline) = (Instant::now(), self.comm.timeout());
-        while !s.done(&m).map_err(dev(what.into()))? {
-            if start.elapsed() >= deadline && s.memory_outlives_work() {
-                return Err(ZeroError::Comm(Error::Device {
-                    context: what.into(),
-                    source: DeviceError::Invalid(format!(
-                        "{}'s work did not complete within {:.1}s",
-                        s.name(),
-                        deadline.as_secs_f64()
-                    )),
-                }));
-            }
-            std::thread::yield_now();
-        }
-        Ok(())
+        let m = self.stream().mark().map_err(dev(what.into()))?;
+        self.wait_mark(m, what)
     }
 
-    /// Bytes held now, by category.
+    /// Bytes held now, by category and tier.
     pub fn memory(&self) -> Memory {
         let sz = std::mem::size_of::<T>();
         let elems = |v: &[DevVec]| v.iter().map(|x| x.elems).sum::<usize>();
         let held = |v: &[Option<DevVec>]| v.iter().flatten().map(|x| x.elems).sum::<usize>();
         let flying = |v: &InFlight| v.iter().flatten().map(|(_, e)| e).sum::<usize>();
+        // Per bucket, the optimizer's f32s (master and states) in this engine's memory.
+        let optim =
+            |b: usize| elems(&self.states[b]) + self.master[b].as_ref().map_or(0, |m| m.elems);
+        let nb = self.params.len();
+        let (off, on): (Vec<usize>, Vec<usize>) = (0..nb).partition(|&b| self.tier.offloaded(b));
+        let params = elems(&self.params) * sz;
+        let host_params = self.led.cfg.offload.param.device != OffloadDevice::None;
         Memory {
-            params: elems(&self.params) * sz,
+            params: if host_params { 0 } else { params },
             grads: elems(&self.grads) * sz,
-            optimizer: (self.states.iter().map(|s| elems(s)).sum::<usize>() + held(&self.master))
-                * 4,
+            optimizer: on.iter().map(|&b| optim(b)).sum::<usize>() * 4,
             comm_buffers: (held(&self.staging)
                 + held(&self.gathered)
                 + flying(&self.inflight)
@@ -422,6 +435,14 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
                 + self.buckets.held()
                 + self.shards.held())
                 * sz,
+            host_params: if host_params { params } else { 0 },
+            host_optimizer: off.iter().map(|&b| optim(b)).sum::<usize>() * 4,
+            host_buffers: self.tier.buffer_bytes(),
+            nvme_optimizer: self
+                .tier
+                .swap
+                .as_ref()
+                .map_or(0, |(s, _)| s.size() as usize),
         }
     }
 }

@@ -6,7 +6,7 @@ use std::borrow::Cow;
 use std::path::Path;
 
 use ringzero_collectives::{Collectives, DType, TrainStream};
-use ringzero_kernels::cpu::Float;
+use ringzero_kernels::cpu::{cast, Float};
 
 use super::{all_gather_host, alloc, dev, DevVec, Engine};
 use crate::checkpoint::protocol::{self as persist, Payload, Persist};
@@ -19,6 +19,14 @@ impl<T: Float, S: TrainStream + 'static> Persist for Engine<T, S> {
         &self.led
     }
     fn own_states(&self, b: usize) -> Result<Vec<Cow<'_, [f32]>>, ZeroError> {
+        if self.tier.on_nvme(b) {
+            return Ok(self
+                .tier
+                .read_nvme(b)?
+                .into_iter()
+                .map(Cow::Owned)
+                .collect());
+        }
         let own = self.led.part.owned(b, self.led.rank);
         // Which buffers hold whole buckets (the owned range at its offset) rather than the owned
         // range alone: the master and moments in stage 0, f32 parameters outside stage 3.
@@ -127,14 +135,32 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
                 unsafe { s.write(dst, bytemuck::cast_slice(x)) }
                     .map_err(dev("uploading the checkpoint's state".into()))
             };
+            if self.tier.on_nvme(b) {
+                let mut parts: Vec<&[f32]> = vec![master];
+                parts.extend(kept.iter().map(Vec::as_slice));
+                self.tier.write_nvme(b, &parts)?;
+                let mut p16 = vec![T::default(); master.len()];
+                cast(master, &mut p16);
+                // SAFETY: the parameters' stretch holds `range.len()` elements of `T`, used by
+                // no queued work (`write` waits for the stream first).
+                unsafe { s.write(p, bytemuck::cast_slice(&p16)) }
+                    .map_err(dev("uploading the checkpoint's parameters".into()))?;
+                continue;
+            }
             match &self.master[b] {
                 None => up(p, master)?,
                 Some(mb) => {
                     up(mb.addr, master)?;
                     // SAFETY: the master and the parameters' stretch both hold `range.len()`
                     // elements (f32 and `T`), apart.
-                    unsafe { s.cast(DType::F32, mb.addr, T::DTYPE, p, range.len()) }
-                        .map_err(dev("rounding the master into the parameters".into()))?;
+                    unsafe {
+                        if T::IS_F32 {
+                            s.copy(p, mb.addr, range.len() * 4)
+                        } else {
+                            s.cast(DType::F32, mb.addr, T::DTYPE, p, range.len())
+                        }
+                    }
+                    .map_err(dev("rounding the master into the parameters".into()))?;
                 }
             }
             // The same optimizer saved it (checked before reading): a state per state kept.
@@ -164,7 +190,19 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
         for b in 0..self.led.part.buckets.len() {
             let len = self.led.part.buckets[b].len;
             let mut out = alloc(self.stream(), DType::F32, len)?;
+            if self.tier.on_nvme(b) {
+                let master = self.tier.read_nvme(b)?.swap_remove(0);
+                let mine = alloc(self.stream(), DType::F32, master.len())?;
+                // SAFETY: a fresh allocation of the owned range's f32s, used by no work.
+                unsafe {
+                    self.stream()
+                        .write(mine.addr, bytemuck::cast_slice(&master))
+                }
+                .map_err(dev("uploading the NVMe tier's master".into()))?;
+                self.comm.all_gather(&mine, &mut out)?;
+            }
             match (&self.master[b], stage) {
+                _ if self.tier.on_nvme(b) => {}
                 // Stage 0 keeps the whole master (16-bit) or the whole parameters (f32).
                 (Some(m), 0) => self.copy(&mut out, m, len)?,
                 (None, 0) => self.copy(&mut out, &self.params[b], len)?,

@@ -161,7 +161,8 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
         if !matches!(outcome, StepOutcome::Accumulated) {
             let counters = (self.wait, self.gathered_elems);
             let step = self.led.t + self.led.skipped;
-            let r = self.timer.finish(step, counters, Instant::now());
+            let mut r = self.timer.finish(step, counters, Instant::now());
+            r.offload = std::mem::take(&mut self.tier.stats);
             if self.led.cfg.wall_clock_breakdown && self.led.rank == 0 {
                 tracing::info!(target: "ringzero::zero", "{r}");
             }
@@ -398,6 +399,9 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
         self.led.t += 1;
         let h = self.led.hyper(self.led.t);
         for (b, red) in red.iter().enumerate() {
+            if self.tier.offloaded(b) {
+                continue;
+            }
             // The stretch of `params[b]` this rank updates, and where it starts in the bucket.
             let (range, from) = match stage {
                 0 => (0..self.params[b].elems, 0),
@@ -436,6 +440,7 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
                 .map_err(dev(format!("the {} step", hh.name())))?;
             }
         }
+        self.offload_update(red, &h, self.led.t, inv * clip)?;
         self.led.scaler.update(false);
         Ok(StepOutcome::Stepped { grad_norm })
     }

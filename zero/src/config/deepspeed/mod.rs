@@ -16,9 +16,11 @@ use serde_json::{Map, Value};
 use super::{bad, Precision, ZeroConfig};
 use crate::error::ZeroError;
 
+mod offload;
 mod optimizer;
 mod scheduler;
 
+use offload::{read_aio, read_offload};
 use optimizer::optimizer;
 use scheduler::read_scheduler;
 
@@ -84,7 +86,6 @@ const NOTED: &[(&str, &str)] = &[
     ("comms_logger", "communication is counted by the communicator's counters() and flight record"),
     ("activation_checkpointing", "activation checkpointing is the trainer's forward"),
     ("checkpoint", "checkpoints are always the resharding format of save_checkpoint"),
-    ("aio", "the aio settings belong to ZeRO-Infinity's NVMe offload, which ringzero does not have yet"),
     ("zero_optimization.contiguous_gradients", "buckets are always contiguous buffers"),
     ("zero_optimization.reduce_scatter", "gradients are always reduce-scattered per bucket (the same average either way)"),
     ("zero_optimization.allgather_partitions", "updated parameters are always all-gathered per bucket"),
@@ -101,6 +102,7 @@ const NOTED: &[(&str, &str)] = &[
     ("zero_optimization.stage3_module_granularity_threshold", "stage 3 gathers by bucket, as the trainer asks"),
     ("zero_optimization.use_all_reduce_for_fetch_params", "stage 3 gathers with all-gather"),
     ("zero_optimization.log_trace_cache_warnings", "there is no trace cache"),
+    ("zero_optimization.offload_optimizer.fast_init", "the NVMe tier's files are written once, at start-up, either way"),
     ("fp16.auto_cast", "inputs are the trainer's to cast"),
     ("bf16.immediate_grad_update", "gradients are summed into their bucket as they are pushed"),
     ("optimizer.params.torch_adam", "there is one implementation of each optimizer per memory, bit-identical between them"),
@@ -143,11 +145,6 @@ const ONLY_AT: &[(&str, &str, &str)] = &[
         "fp16.fp16_master_weights_and_grads",
         "false",
         "master weights are always fp32",
-    ),
-    (
-        "zero_optimization.cpu_offload",
-        "false",
-        "ZeRO-Offload is not implemented yet: remove it, or use a stage without offload",
     ),
     (
         "zero_optimization.zero_hpz_partition_size",
@@ -271,6 +268,7 @@ impl ZeroConfig {
                 "optimizer" => optimizer(&mut r, &mut cfg, val)?,
                 "wall_clock_breakdown" => cfg.wall_clock_breakdown = boolean(k, val)?,
                 "scheduler" => scheduler = Some(val),
+                "aio" => read_aio(&mut r, &mut cfg.offload.aio, val)?,
                 "elasticity" | "amp" => for_each(&mut r, k, val, |_, _, _| Ok(false))?,
                 _ => {
                     if !r.settled(k, val)? {
@@ -375,28 +373,19 @@ fn zero_optimization(r: &mut Reader<'_>, cfg: &mut ZeroConfig, v: &Value) -> Res
                 cfg.prefetch_elems = uint(&full, &x)? as usize;
             }
             "mics_shard_size" => cfg.shard_size = shard_size(&full, v2)?,
-            "offload_optimizer" | "offload_param" => offload(&full, v2)?,
+            "cpu_offload" => {
+                if boolean(&full, v2)? {
+                    cfg.offload.optimizer.device = crate::config::OffloadDevice::Cpu;
+                    r.notes.push(format!(
+                        "`{full}`: true is the legacy form of offload_optimizer.device \"cpu\""
+                    ));
+                }
+            }
+            "offload_optimizer" | "offload_param" => read_offload(r, &mut cfg.offload, &full, v2)?,
             _ => return Ok(false),
         }
         Ok(true)
     })
-}
-
-/// `offload_optimizer` / `offload_param`: only `"device": "none"` (or nothing) is accepted
-/// until ZeRO-Offload lands.
-fn offload(key: &str, v: &Value) -> Result<(), ZeroError> {
-    let device = obj(key, v)?
-        .get("device")
-        .and_then(Value::as_str)
-        .unwrap_or("none");
-    if device == "none" {
-        return Ok(());
-    }
-    Err(bad(format!(
-        "`{key}.device` = \"{device}\": ZeRO-Offload (optimizer state or parameters in CPU memory \
-         or on NVMe) is not implemented yet; remove `{key}` or set its device to \"none\" to \
-         keep every state on the engine's device"
-    )))
 }
 
 /// `fp16` / `bf16`: whether enabled (`None`: "auto"), the loss-scaling keys into `cfg`.

@@ -1,0 +1,413 @@
+//! ZeRO-Offload and ZeRO-Infinity's optimizer tier: the fp32 master weights and the optimizer's
+//! states of the offloaded buckets live in host memory (page-locked and mapped on a GPU) or in
+//! the NVMe tier's file ([`crate::swap`]), and their step runs on the CPU, on every core, with
+//! the arithmetic of the device's kernel ([`step_mixed_threads`]: the same bits).
+//!
+//! At an optimizer step the offloaded buckets go through a pipeline, one bucket per stage:
+//! - **fetch**: the reduced gradient range leaves the device (a copy queued on the stream into
+//!   a host buffer);
+//! - **step**: the CPU updates the master and states and rounds the new parameters into a host
+//!   buffer — while bucket k+1's gradients are copied out and, on NVMe, bucket k+1's state is
+//!   read and bucket k−1's written back;
+//! - **put**: the new parameters go back to the device (a copy queued on the stream), where
+//!   stages 1–2 all-gather them and stage 3 keeps its shard.
+//!
+//! Two host buffers of each kind (gradients, parameters) and three NVMe regions (read ahead,
+//! stepping, written back) are all the pipeline holds. With `ratio` below 1 the buckets past
+//! the offloaded share step on the device, as without offload.
+
+use std::time::Instant;
+
+use ringzero_collectives::TrainStream;
+use ringzero_kernels::cpu::{step_mixed_threads, Float, Optimizer};
+
+use super::buffers::{dev, DevVec, Spares};
+use super::Engine;
+use crate::config::{OffloadDevice, ZeroConfig};
+use crate::error::ZeroError;
+use crate::ledger::update_range;
+use crate::partition::Partition;
+use crate::report::OffloadStats;
+use crate::swap::{Staged, Swap};
+
+/// Where the offloaded buckets' optimizer state lives, and the buffers of the pipeline.
+pub(super) struct Tier {
+    /// Per bucket: where its optimizer state lives ([`OffloadDevice::None`]: on the device).
+    pub(super) homes: Vec<OffloadDevice>,
+    /// Host buffers for a bucket's gradient range and its updated parameters, in `T`.
+    grads: Spares,
+    params: Spares,
+    /// The NVMe tier's file and its three host regions.
+    pub(super) swap: Option<(Swap, Vec<Staged>)>,
+    /// Threads the CPU step runs on.
+    threads: usize,
+    /// What the last optimizer step moved and spent (taken into its [`StepReport`]).
+    ///
+    /// [`StepReport`]: crate::StepReport
+    pub(super) stats: OffloadStats,
+    /// The NVMe file's bytes read and written before this step.
+    nvme_seen: (u64, u64),
+}
+
+/// Per bucket, where its optimizer state goes under `cfg`: buckets in layout order are
+/// offloaded until `ratio` of the elements are.
+pub(super) fn homes(cfg: &ZeroConfig, part: &Partition) -> Vec<OffloadDevice> {
+    let o = &cfg.offload.optimizer;
+    let total: usize = part.buckets.iter().map(|b| b.len).sum();
+    let share = (o.ratio as f64 * total as f64).ceil() as usize;
+    let mut done = 0;
+    part.buckets
+        .iter()
+        .map(|b| {
+            if o.device == OffloadDevice::None || done >= share {
+                return OffloadDevice::None;
+            }
+            done += b.len;
+            o.device
+        })
+        .collect()
+}
+
+impl Tier {
+    /// The tier for buckets at `homes`, whose update ranges are at most `cap` elements of `T`.
+    pub(super) fn new<T: Float>(homes: Vec<OffloadDevice>, cap: usize) -> Tier {
+        Tier {
+            homes,
+            grads: Spares::on_host(T::DTYPE, cap, 2),
+            params: Spares::on_host(T::DTYPE, cap, 2),
+            swap: None,
+            threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            stats: OffloadStats::default(),
+            nvme_seen: (0, 0),
+        }
+    }
+
+    /// With buckets on the NVMe tier: create its file under `nvme_path` and write each such
+    /// bucket's initial master (its update range of `full`) and zeroed states (`keeps` of
+    /// them).
+    pub(super) fn create_swap(
+        &mut self,
+        cfg: &ZeroConfig,
+        rank: usize,
+        part: &Partition,
+        full: &[Vec<f32>],
+        keeps: usize,
+    ) -> Result<(), ZeroError> {
+        if !self.homes.contains(&OffloadDevice::Nvme) {
+            return Ok(());
+        }
+        let o = &cfg.offload.optimizer;
+        let dir = o.nvme_path.as_deref().expect("validated: nvme has a path");
+        let stage = cfg.stage;
+        let elems: Vec<Option<usize>> = (0..part.buckets.len())
+            .map(|b| {
+                (self.homes[b] == OffloadDevice::Nvme)
+                    .then(|| update_range(part, stage, rank, b).len())
+            })
+            .collect();
+        let swap = Swap::create(dir, rank, &elems, 1 + keeps, &cfg.offload.aio)?;
+        let staged = (0..3).map(|_| swap.staged()).collect();
+        self.swap = Some((swap, staged));
+        for (b, bucket) in full.iter().enumerate() {
+            if self.homes[b] == OffloadDevice::Nvme {
+                let r = update_range(part, stage, rank, b);
+                let zeros = vec![0f32; r.len()];
+                let mut parts = vec![&bucket[r]];
+                parts.extend((0..keeps).map(|_| zeros.as_slice()));
+                self.write_nvme(b, &parts)?;
+            }
+        }
+        self.nvme_seen = self.swap.as_ref().map_or((0, 0), |(s, _)| s.moved());
+        Ok(())
+    }
+
+    /// Whether bucket `b`'s state is off the device.
+    pub(super) fn offloaded(&self, b: usize) -> bool {
+        self.homes[b] != OffloadDevice::None
+    }
+
+    /// Whether bucket `b`'s state is in the NVMe tier.
+    pub(super) fn on_nvme(&self, b: usize) -> bool {
+        self.homes[b] == OffloadDevice::Nvme
+    }
+
+    /// Host bytes the pipeline's buffers hold (gradients, parameters, NVMe regions).
+    pub(super) fn buffer_bytes(&self) -> usize {
+        let sz = self.grads.dtype.size();
+        (self.grads.held() + self.params.held()) * sz
+            + self
+                .swap
+                .as_ref()
+                .map_or(0, |(_, st)| st.iter().map(Staged::capacity).sum())
+    }
+
+    /// Bucket `b`'s master and states from the NVMe tier (its update range's f32s each).
+    pub(super) fn read_nvme(&self, b: usize) -> Result<Vec<Vec<f32>>, ZeroError> {
+        let (swap, _) = self.swap.as_ref().expect("an NVMe tier");
+        let mut buf = swap.staged();
+        swap.read(b, &mut buf)?;
+        Ok(buf.parts_mut().into_iter().map(|p| p.to_vec()).collect())
+    }
+
+    /// Write bucket `b`'s master and states (`parts`, each its update range long) to the NVMe
+    /// tier.
+    pub(super) fn write_nvme(&self, b: usize, parts: &[&[f32]]) -> Result<(), ZeroError> {
+        let (swap, _) = self.swap.as_ref().expect("an NVMe tier");
+        let mut buf = swap.staged();
+        swap.shape(b, &mut buf);
+        for (dst, src) in buf.parts_mut().into_iter().zip(parts) {
+            dst.copy_from_slice(src);
+        }
+        swap.write(b, &mut buf)
+    }
+}
+
+/// `n` elements of `E` of host-reachable `v`, from element `from`.
+///
+/// # Safety
+/// `v` must be host-reachable (`host` set) and hold `from + n` elements of `E`; no work of the
+/// stream may touch the range, and no other borrow of it may live, while the slice does.
+unsafe fn on_host<'a, E>(v: &DevVec, from: usize, n: usize) -> &'a mut [E] {
+    let h = v.host.expect("a host-reachable buffer");
+    if n == 0 {
+        return &mut [];
+    }
+    // SAFETY: guaranteed by the caller.
+    unsafe { std::slice::from_raw_parts_mut((h as *mut E).add(from), n) }
+}
+
+/// One offloaded bucket's update: where its parameters' stretch and reduced gradients are on
+/// the device, its length, and where it starts in the bucket.
+#[derive(Clone, Copy)]
+struct Target {
+    b: usize,
+    params: u64,
+    grads: u64,
+    len: usize,
+    from: usize,
+}
+
+impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
+    /// The offloaded buckets' optimizer step `t` (see the module docs), gradients scaled by
+    /// `scale`; stage 1's reduced ranges are `red`.
+    pub(super) fn offload_update(
+        &mut self,
+        red: &[Option<DevVec>],
+        h: &Optimizer,
+        t: u64,
+        scale: f32,
+    ) -> Result<(), ZeroError> {
+        let rank = self.led.rank;
+        let targets: Vec<Target> = (0..self.params.len())
+            .filter(|&b| self.tier.offloaded(b))
+            .map(|b| {
+                let own = self.led.part.owned(b, rank);
+                let params = match self.led.cfg.stage {
+                    3 => self.params[b].addr,
+                    _ => self.params[b].at(own.start),
+                };
+                let grads = red[b].as_ref().map_or(self.grads[b].addr, |r| r.addr);
+                Target {
+                    b,
+                    params,
+                    grads,
+                    len: own.len(),
+                    from: own.start,
+                }
+            })
+            .collect();
+        if targets.is_empty() {
+            return Ok(());
+        }
+        let s = self.comm.stream();
+        let mut bufs = Vec::with_capacity(4);
+        for _ in 0..2 {
+            bufs.push(self.tier.grads.take(s, self.tier.grads.cap, false)?);
+            bufs.push(self.tier.params.take(s, self.tier.params.cap, false)?);
+        }
+        let out = self.pipeline(&targets, &bufs, h, t, scale);
+        // The puts read the parameter buffers: they end before the buffers are kept.
+        let synced = self.sync("copying the offloaded step's parameters back");
+        if synced.is_ok() {
+            for (i, v) in bufs.into_iter().enumerate() {
+                if i % 2 == 0 {
+                    self.tier.grads.give(v);
+                } else {
+                    self.tier.params.give(v);
+                }
+            }
+        }
+        out?;
+        synced
+    }
+
+    /// The fetch / step / put pipeline over `targets`; `bufs` is (gradients, parameters) × 2.
+    fn pipeline(
+        &mut self,
+        targets: &[Target],
+        bufs: &[DevVec],
+        h: &Optimizer,
+        t: u64,
+        scale: f32,
+    ) -> Result<(), ZeroError> {
+        let es = T::DTYPE.size();
+        let (gbuf, pbuf) = (
+            |k: usize| &bufs[2 * (k % 2)],
+            |k: usize| &bufs[2 * (k % 2) + 1],
+        );
+        let fetch = |k: usize| -> Result<S::Marker, ZeroError> {
+            let tg = targets[k];
+            let s = self.comm.stream();
+            // SAFETY: `tg.len` elements of `T` of the engine's reduced gradients into a host
+            // buffer of at least that many (its capacity is the largest update range), which
+            // nothing else uses until the marker below has passed.
+            unsafe { s.copy(gbuf(k).addr, tg.grads, tg.len * es) }
+                .map_err(dev("copying gradients to the host".into()))?;
+            s.mark().map_err(dev("marking a gradient copy".into()))
+        };
+        let mut stats = OffloadStats::default();
+        let mut fetched = Some(fetch(0)?);
+        if self.tier.on_nvme(targets[0].b) {
+            let (swap, staged) = self.tier.swap.as_mut().expect("an NVMe tier");
+            swap.read(targets[0].b, &mut staged[0])?;
+        }
+        for (k, tg) in targets.iter().enumerate() {
+            let w0 = Instant::now();
+            self.wait_mark(
+                fetched.take().expect("fetched"),
+                "copying gradients to the host",
+            )?;
+            stats.device_wait += w0.elapsed();
+            stats.to_host += (tg.len * es) as u64;
+            if k + 1 < targets.len() {
+                fetched = Some(fetch(k + 1)?);
+            }
+            let segs = self.led.update_segments(tg.b, tg.from, tg.len, h);
+            let next = targets
+                .get(k + 1)
+                .map(|n| n.b)
+                .filter(|&b| self.tier.on_nvme(b));
+            let prev = k
+                .checked_sub(1)
+                .map(|p| targets[p].b)
+                .filter(|&b| self.tier.on_nvme(b));
+            // SAFETY: the gradient buffer's copy has ended (the marker passed) and the next
+            // copy goes to the other one; the parameter buffer's last put ended before that
+            // copy (two buckets back, queued before it); both hold `tg.len` elements of `T`.
+            let (g, p) = unsafe {
+                (
+                    on_host::<T>(gbuf(k), 0, tg.len),
+                    on_host::<T>(pbuf(k), 0, tg.len),
+                )
+            };
+            let c0 = Instant::now();
+            if self.tier.on_nvme(tg.b) {
+                let (swap, staged) = self.tier.swap.as_mut().expect("an NVMe tier");
+                let [cur, ahead, behind] = staged
+                    .get_disjoint_mut([k % 3, (k + 1) % 3, (k + 2) % 3])
+                    .expect("three regions");
+                let swap = &*swap;
+                std::thread::scope(|sc| -> Result<(), ZeroError> {
+                    let io = sc.spawn(move || -> Result<(), ZeroError> {
+                        if let Some(b) = prev {
+                            swap.write(b, behind)?;
+                        }
+                        if let Some(b) = next {
+                            swap.read(b, ahead)?;
+                        }
+                        Ok(())
+                    });
+                    let mut parts = cur.parts_mut();
+                    let (m, st) = parts.split_first_mut().expect("a master");
+                    cpu_step(&segs, t, m, st, g, p, scale, self.tier.threads);
+                    io.join().expect("the NVMe thread panicked")
+                })?;
+            } else {
+                let b = tg.b;
+                let master = self.master[b].as_ref().expect("an offloaded master");
+                // SAFETY: the offloaded master and states are host memory of the update
+                // range's length that only this step touches (no stream work reads them: the
+                // puts copy from the parameter buffer).
+                let m = unsafe { on_host::<f32>(master, 0, tg.len) };
+                let mut st: Vec<&mut [f32]> = self.states[b]
+                    .iter()
+                    // SAFETY: as above.
+                    .map(|x| unsafe { on_host::<f32>(x, 0, tg.len) })
+                    .collect();
+                cpu_step(&segs, t, m, &mut st, g, p, scale, self.tier.threads);
+            }
+            stats.cpu_step += c0.elapsed();
+            let s = self.comm.stream();
+            // SAFETY: the updated parameters (`tg.len` elements of `T`) into the engine's
+            // stretch of the bucket; the buffer is not written again before this copy ends.
+            unsafe { s.copy(tg.params, pbuf(k).addr, tg.len * es) }
+                .map_err(dev("copying updated parameters to the device".into()))?;
+            stats.to_device += (tg.len * es) as u64;
+        }
+        let last = targets.len() - 1;
+        if self.tier.on_nvme(targets[last].b) {
+            let (swap, staged) = self.tier.swap.as_mut().expect("an NVMe tier");
+            swap.write(targets[last].b, &mut staged[last % 3])?;
+        }
+        if let Some((swap, _)) = &self.tier.swap {
+            let (r, w) = swap.moved();
+            let (r0, w0) = self.tier.nvme_seen;
+            (stats.nvme_read, stats.nvme_written) = (r - r0, w - w0);
+            self.tier.nvme_seen = (r, w);
+        }
+        self.tier.stats = stats;
+        Ok(())
+    }
+
+    /// Wait for the work before `m` (under the communicator's deadline, as `sync`).
+    pub(super) fn wait_mark(&self, m: S::Marker, what: &str) -> Result<(), ZeroError> {
+        let s = self.stream();
+        let (start, deadline) = (Instant::now(), self.comm.timeout());
+        while !s.done(&m).map_err(dev(what.into()))? {
+            if start.elapsed() >= deadline && s.memory_outlives_work() {
+                return Err(ZeroError::Comm(ringzero_collectives::Error::Device {
+                    context: what.into(),
+                    source: ringzero_kernels::DeviceError::Invalid(format!(
+                        "{}'s work did not complete within {:.1}s",
+                        s.name(),
+                        deadline.as_secs_f64()
+                    )),
+                }));
+            }
+            std::thread::yield_now();
+        }
+        Ok(())
+    }
+}
+
+/// One bucket's CPU step: each segment (`(offset, length, settings)`) of the master, states,
+/// gradients and parameters.
+#[allow(clippy::too_many_arguments)]
+fn cpu_step<T: Float>(
+    segs: &[(usize, usize, Optimizer)],
+    t: u64,
+    master: &mut [f32],
+    states: &mut [&mut [f32]],
+    g: &[T],
+    p: &mut [T],
+    scale: f32,
+    threads: usize,
+) {
+    for &(off, len, hh) in segs {
+        let r = off..off + len;
+        let mut st = states.iter_mut().map(|x| &mut x[r.clone()]);
+        let s1 = st.next().unwrap_or_default();
+        let s2 = st.next().unwrap_or_default();
+        step_mixed_threads(
+            &hh,
+            t,
+            &mut master[r.clone()],
+            Some(&mut p[r.clone()]),
+            &g[r],
+            s1,
+            s2,
+            scale,
+            threads,
+        );
+    }
+}
