@@ -10,6 +10,7 @@ use std::path::Path;
 use half::{bf16, f16};
 use ringzero::kernels::cpu::{Float, Optimizer};
 use ringzero::TransportPref;
+use ringzero_zero::mem::{model_states_by_tier, OffloadPlan};
 use ringzero_zero::{
     Engine, OffloadDevice, OffloadOptimizer, OffloadParam, Precision, ZeroConfig, ZeroError,
 };
@@ -143,6 +144,17 @@ fn memory_by_tier_follows_the_formulas() {
             assert_eq!(m.optimizer, 0, "stage {stage}: nothing of it on the device");
             assert_eq!(m.host_optimizer, m0.optimizer, "stage {stage}");
             assert_eq!((m.params, m.grads), (m0.params, m0.grads));
+            // The formulas `ringzero mem --offload` prints, on the padded Ψ.
+            let psi = part.padded_numel() as f64;
+            let plan = OffloadPlan {
+                optimizer: OffloadDevice::Cpu,
+                ratio: 1.0,
+                k_offloaded: 12.0,
+                params_to_host: false,
+            };
+            let t = model_states_by_tier(psi, 2, stage, (2.0, 12.0), plan).unwrap();
+            assert_eq!(t.host.optimizer as usize, m.host_optimizer, "stage {stage}");
+            assert_eq!(t.device.total() as usize, m.model_states(), "stage {stage}");
             let nvme = offloaded(c.clone(), Where::Nvme, &dir);
             let e = Engine::<bf16>::new(&comm, &specs(), &init, nvme).unwrap();
             let m = e.memory();
@@ -162,6 +174,9 @@ fn memory_by_tier_follows_the_formulas() {
             let c32 = offloaded(cfg_in(Precision::Fp32, stage, None), Where::Cpu, &dir);
             let e = Engine::<f32>::new(&comm, &specs(), &init, c32).unwrap();
             assert_eq!(e.memory().host_optimizer, 12 * total);
+            let t = model_states_by_tier(psi, 2, stage, (4.0, 8.0), plan).unwrap();
+            assert_eq!(t.host.optimizer as usize, e.memory().host_optimizer);
+            assert_eq!(t.device.total() as usize, e.memory().model_states());
         }
     });
 }

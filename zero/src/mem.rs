@@ -19,6 +19,14 @@
 //! once per step with a ring all-reduce: 2(R − 1)/R of the gradient shard (Ψ/S elements; all Ψ in
 //! stage 0, which shards nothing) on the links between groups, in exchange for S-way instead of
 //! N-way sharding.
+//!
+//! Offload (ZeRO-Offload, ZeRO-Infinity; [`model_states_by_tier`]): the offloaded share of the
+//! optimizer state (`ratio`, all by default) moves from the device to host memory or to NVMe,
+//! and at stage 3 `offload_param` moves the parameter shards to host memory. An offloaded state
+//! keeps an fp32 master in every precision (the CPU steps the master and copies the parameters
+//! to the device), so in fp32 training it is K + 4 bytes per parameter where the device's is K.
+
+use crate::config::OffloadDevice;
 
 /// Optimizer bytes per parameter for mixed-precision Adam.
 pub const K_ADAM: f64 = 12.0;
@@ -94,6 +102,72 @@ pub fn model_states_with(
     })
 }
 
+/// Model-state bytes per rank by tier ([`model_states_by_tier`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Tiers {
+    /// On the engine's device.
+    pub device: ModelStates,
+    /// In host memory (`"cpu"`).
+    pub host: ModelStates,
+    /// On NVMe.
+    pub nvme: ModelStates,
+}
+
+/// Where each part of the model states goes ([`model_states_by_tier`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct OffloadPlan {
+    /// Where the offloaded optimizer state goes.
+    pub optimizer: OffloadDevice,
+    /// The share of it offloaded (0 < ratio ≤ 1).
+    pub ratio: f64,
+    /// Optimizer bytes per parameter once offloaded (K, or K + 4 in fp32 training).
+    pub k_offloaded: f64,
+    /// Whether stage 3's parameter shards go to host memory.
+    pub params_to_host: bool,
+}
+
+/// [`model_states_with`] split by tier under `plan` (see the module docs). Refuses what the
+/// engine refuses: offload at stage 0, parameters offloaded below stage 3.
+pub fn model_states_by_tier(
+    psi: f64,
+    n: usize,
+    stage: u8,
+    (elem, k): (f64, f64),
+    plan: OffloadPlan,
+) -> Result<Tiers, String> {
+    let all = model_states_with(psi, n, stage, elem, k)?;
+    let zero = ModelStates {
+        params: 0.0,
+        grads: 0.0,
+        optimizer: 0.0,
+    };
+    let mut t = Tiers {
+        device: all,
+        host: zero,
+        nvme: zero,
+    };
+    if plan.optimizer != OffloadDevice::None {
+        if stage == 0 {
+            return Err("offload needs ZeRO stage 1, 2 or 3".into());
+        }
+        let moved = all.optimizer * plan.ratio;
+        let off = moved * plan.k_offloaded / k.max(f64::MIN_POSITIVE);
+        t.device.optimizer -= moved;
+        if plan.optimizer == OffloadDevice::Cpu {
+            t.host.optimizer = off;
+        } else {
+            t.nvme.optimizer = off;
+        }
+    }
+    if plan.params_to_host {
+        if stage != 3 {
+            return Err("offload_param needs ZeRO stage 3".into());
+        }
+        (t.host.params, t.device.params) = (t.device.params, 0.0);
+    }
+    Ok(t)
+}
+
 /// Elements each rank sends per training step (ring collectives).
 pub fn comm_elements_per_step(psi: f64, n: usize, stage: u8) -> f64 {
     let n = n.max(1) as f64;
@@ -155,6 +229,40 @@ mod tests {
             .contains("stage 4"));
         assert_eq!(comm_elements_per_step(100.0, 4, 1), 150.0);
         assert_eq!(comm_elements_per_step(100.0, 4, 3), 225.0);
+    }
+
+    #[test]
+    fn offload_moves_the_optimizer_state_and_stage_3_parameters_off_the_device() {
+        let psi = 7.5e9;
+        let cpu = OffloadPlan {
+            optimizer: OffloadDevice::Cpu,
+            ratio: 1.0,
+            k_offloaded: K_ADAM,
+            params_to_host: false,
+        };
+        let t = model_states_by_tier(psi, 64, 2, (2.0, K_ADAM), cpu).unwrap();
+        // Stage 2 + offload: 2Ψ + 2Ψ/N on the GPU, 12Ψ/N on the CPU.
+        assert_eq!(t.device.optimizer, 0.0);
+        assert!((t.device.total() / 1e9 - 15.23).abs() < 0.01, "{t:?}");
+        assert!((t.host.optimizer / 1e9 - 1.41).abs() < 0.01, "{t:?}");
+        let both = OffloadPlan {
+            params_to_host: true,
+            ..cpu
+        };
+        let t3 = model_states_by_tier(psi, 64, 3, (2.0, K_ADAM), both).unwrap();
+        assert!((t3.device.total() / 1e9 - 0.23).abs() < 0.01, "{t3:?}");
+        // A 30 % share on NVMe; fp32 training adds the master off the device.
+        let part = OffloadPlan {
+            optimizer: OffloadDevice::Nvme,
+            ratio: 0.3,
+            k_offloaded: 12.0,
+            params_to_host: false,
+        };
+        let t = model_states_by_tier(100.0, 1, 1, (4.0, 8.0), part).unwrap();
+        assert!((t.device.optimizer - 560.0).abs() < 1e-9, "{t:?}");
+        assert!((t.nvme.optimizer - 360.0).abs() < 1e-9, "{t:?}");
+        assert!(model_states_by_tier(psi, 8, 0, (2.0, K_ADAM), cpu).is_err());
+        assert!(model_states_by_tier(psi, 8, 2, (2.0, K_ADAM), both).is_err());
     }
 
     #[test]

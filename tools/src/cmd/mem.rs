@@ -35,6 +35,17 @@ pub(crate) struct MemCli {
     /// S ranks and replicate across the --dp/S groups; adds the traffic between groups.
     #[arg(long = "shard-size", value_name = "S")]
     pub(crate) shard_size: Option<usize>,
+    /// ZeRO-Offload / ZeRO-Infinity: put the optimizer state (fp32 master and moments) in host
+    /// memory (cpu) or on NVMe (nvme), and print each stage's bytes per tier next to the
+    /// paper's row.
+    #[arg(long, value_name = "DEVICE", conflicts_with = "gpt")]
+    pub(crate) offload: Option<ringzero_zero::OffloadDevice>,
+    /// With --offload: the share of the optimizer state offloaded (DeepSpeed's `ratio`).
+    #[arg(long, default_value_t = 1.0, requires = "offload")]
+    pub(crate) ratio: f64,
+    /// With --offload: stage 3's parameter shards in host memory too (`offload_param`).
+    #[arg(long = "offload-param", requires = "offload")]
+    pub(crate) offload_param: bool,
 }
 
 /// `--optimizer`'s values.
@@ -77,6 +88,9 @@ pub(crate) fn run(a: MemCli) -> anyhow::Result<ExitCode> {
         k,
         optimizer,
         shard_size,
+        offload: a_offload,
+        ratio: a_ratio,
+        offload_param: a_offload_param,
         ..
     } = a;
     let params = params.expect("clap requires --params without --gpt");
@@ -139,6 +153,9 @@ pub(crate) fn run(a: MemCli) -> anyhow::Result<ExitCode> {
         println!();
     }
     println!("comm: 2Ψ (stages 0-2) or 3Ψ (stage 3) 16-bit elements × (N−1)/N per rank and step, ring collectives");
+    if let Some(dev) = a_offload {
+        tiers(params, shard, stage, k, dev, a_ratio, a_offload_param)?;
+    }
     if shard_size.is_some() {
         println!(
             "hybrid: N = the shard group ({shard}); between groups, the gradient average over \
@@ -146,6 +163,78 @@ pub(crate) fn run(a: MemCli) -> anyhow::Result<ExitCode> {
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `--offload`: each stage's model states per tier (GB), the paper's row first.
+fn tiers(
+    params: f64,
+    n: usize,
+    stage: Option<u8>,
+    k: f64,
+    dev: ringzero_zero::OffloadDevice,
+    ratio: f64,
+    offload_param: bool,
+) -> anyhow::Result<()> {
+    use ringzero_zero::mem::{model_states_by_tier, model_states_with, OffloadPlan};
+    anyhow::ensure!(
+        ratio > 0.0 && ratio <= 1.0,
+        "--ratio {ratio} must be above 0 and at most 1"
+    );
+    let plan = OffloadPlan {
+        optimizer: dev,
+        ratio,
+        k_offloaded: k,
+        params_to_host: offload_param,
+    };
+    println!();
+    println!(
+        "with offload_optimizer on {dev} (ratio {ratio}){}: bytes per rank by tier (GB)",
+        if offload_param {
+            ", offload_param on cpu"
+        } else {
+            ""
+        }
+    );
+    println!(
+        "{:>6} {:>14} {:>12} {:>10} {:>10}   {}",
+        "stage", "", "device", "host", "nvme", "device: params + grads + optimizer"
+    );
+    let first = if offload_param { 3 } else { 1 };
+    let stages: Vec<u8> = match stage {
+        Some(s) => vec![s],
+        None => (first..=3).collect(),
+    };
+    for s in stages {
+        let paper = model_states_with(params, n, s, 2.0, k).map_err(anyhow::Error::msg)?;
+        let t = model_states_by_tier(params, n, s, (2.0, k), plan)
+            .map_err(|e| anyhow::anyhow!("stage {s}: {e}"))?;
+        let gb = |x: f64| x / 1e9;
+        println!(
+            "{:>6} {:>14} {:>12.2} {:>10.2} {:>10.2}",
+            s,
+            "(paper)",
+            gb(paper.total()),
+            0.0,
+            0.0
+        );
+        println!(
+            "{:>6} {:>14} {:>12.2} {:>10.2} {:>10.2}   {:.2} + {:.2} + {:.2}",
+            s,
+            format!("+ {dev}"),
+            gb(t.device.total()),
+            gb(t.host.total()),
+            gb(t.nvme.total()),
+            gb(t.device.params),
+            gb(t.device.grads),
+            gb(t.device.optimizer)
+        );
+    }
+    println!(
+        "the engine also holds, off the device, two gradient and two parameter buffers of its \
+         largest bucket's range (and on nvme three regions of its state): Engine::memory() \
+         counts them"
+    );
+    Ok(())
 }
 
 /// `--gpt`: each rank's footprint training that GPT, per stage.
