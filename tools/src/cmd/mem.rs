@@ -196,8 +196,8 @@ fn tiers(
         }
     );
     println!(
-        "{:>6} {:>14} {:>12} {:>10} {:>10}   {}",
-        "stage", "", "device", "host", "nvme", "device: params + grads + optimizer"
+        "{:>6} {:>14} {:>12} {:>10} {:>10}   device: params + grads + optimizer",
+        "stage", "", "device", "host", "nvme"
     );
     let first = if offload_param { 3 } else { 1 };
     let stages: Vec<u8> = match stage {
