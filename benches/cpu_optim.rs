@@ -2,10 +2,13 @@
 //! of the same bytes on the same threads, and on one thread (criterion). Throughput is the bytes
 //! the step touches: AdamW reads the master, the gradient and both moments and writes the
 //! master and both moments (28 bytes per element); the memcpy baseline moves as many (14 bytes
-//! read, 14 written, per element), split the same way over the same threads.
+//! read, 14 written, per element), split the same way over the same threads. The offload
+//! engine's own step, `step_mixed_threads` on bf16 gradients (fp32 master and moments, bf16
+//! parameters written), touches 28 bytes per element too: 4 + 2 + 8 read, 4 + 8 + 2 written.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use ringzero::kernels::cpu::{optim_step, optim_step_threads, Optimizer};
+use half::bf16;
+use ringzero::kernels::cpu::{optim_step, optim_step_threads, step_mixed_threads, Optimizer};
 
 /// `dst = src` on `threads` threads, each its own run.
 fn copy_threads(dst: &mut [u8], src: &[u8], threads: usize) {
@@ -41,6 +44,27 @@ fn step(c: &mut Criterion) {
             b.iter(|| {
                 t += 1;
                 optim_step_threads(&h, t, &mut p, &grads, &mut m, &mut v, 1.0, threads)
+            })
+        },
+    );
+    let g16: Vec<bf16> = grads.iter().map(|&x| bf16::from_f32(x)).collect();
+    let mut p16 = vec![bf16::ZERO; n];
+    g.bench_function(
+        BenchmarkId::new("offload step bf16", format!("{threads} threads")),
+        |b| {
+            b.iter(|| {
+                t += 1;
+                step_mixed_threads(
+                    &h,
+                    t,
+                    &mut p,
+                    Some(&mut p16),
+                    &g16,
+                    &mut m,
+                    &mut v,
+                    1.0,
+                    threads,
+                )
             })
         },
     );
