@@ -48,7 +48,8 @@ impl GptConfig {
 /// One rank's bytes while training, by category.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Footprint {
-    /// The engine's model states (parameters, gradients, optimizer state and master weights).
+    /// The engine's model states (parameters, gradients, optimizer state and master weights),
+    /// the offload tier's host memory included (on the CPU it is this process's too).
     pub model_states: usize,
     /// The engine's communication buffers at their largest.
     pub comm_buffers: usize,

@@ -147,7 +147,9 @@ pub fn train<T: Float>(
     } else {
         (0, 0)
     };
-    let engine = (zero.memory().model_states(), comm_peak);
+    // On the CPU the offload tier's host memory is this process's memory too.
+    let m = zero.memory();
+    let engine = (m.model_states() + m.host(), comm_peak);
     let footprint = Footprint::of(&shape, batch, engine, slots);
     Ok(TrainReport {
         losses,
