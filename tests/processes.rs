@@ -27,6 +27,7 @@ fn worker_entry() {
         "kill-device-a2a" => kill_a2a_scenario(),
         "kill-device-p2p" => kill_p2p_scenario(),
         "flood" => flood_scenario(),
+        "kill-offload" => kill_offload_scenario(),
         other => {
             eprintln!("unknown scenario {other}");
             2
@@ -102,6 +103,40 @@ fn kill_scenario(device: bool) -> i32 {
             return 3;
         }
         buf.fill(1.0);
+    }
+    println!("rank {} finished without noticing", comm.rank());
+    0
+}
+
+/// Rank 1 kills itself while the ranks train with the optimizer state on the NVMe tier (under
+/// `RINGZERO_TEST_DIR`); the others must fail a step, not wait, and remove their swap files.
+fn kill_offload_scenario() -> i32 {
+    use ringzero_zero::{Engine, OffloadOptimizer, ParamSpec, ZeroConfig};
+    let comm = Communicator::from_env().expect("init");
+    let dir = std::path::PathBuf::from(std::env::var("RINGZERO_TEST_DIR").expect("a directory"));
+    let cfg = ZeroConfig::builder()
+        .stage(2)
+        .bucket_elems(1 << 16)
+        .offload_optimizer(OffloadOptimizer::nvme(&dir))
+        .build()
+        .expect("config");
+    let specs = [ParamSpec::new("w", &[1 << 18])];
+    let mut e = Engine::<f32>::new(&comm, &specs, &|_, i| (i as f32).sin(), cfg).expect("engine");
+    if comm.rank() == 1 {
+        std::thread::spawn(|| {
+            std::thread::sleep(Duration::from_millis(300));
+            let me = rustix::process::getpid();
+            let _ = rustix::process::kill_process(me, rustix::process::Signal::KILL);
+        });
+    }
+    let g = vec![1e-3f32; 1 << 18];
+    for i in 0..100_000 {
+        let r = e.push_grad_f32("w", &g).and_then(|_| e.step());
+        if let Err(err) = r {
+            println!("rank {} failed in step {i}: {err}", comm.rank());
+            drop(e);
+            return 3;
+        }
     }
     println!("rank {} finished without noticing", comm.rank());
     0
@@ -507,4 +542,43 @@ fn a_connection_flood_bounds_the_threads_and_changes_no_result() {
         during <= before + 64 + 8,
         "{before} threads before the flood, {during} during"
     );
+}
+
+#[test]
+fn a_rank_killed_while_training_with_offloaded_state_fails_the_others_and_they_clean_up() {
+    let t = Instant::now();
+    let dir = fresh_dir("kill-offload");
+    let d = dir.to_string_lossy().into_owned();
+    let env = [
+        ("RINGZERO_TIMEOUT", "60"),
+        ("RINGZERO_TEST_DIR", d.as_str()),
+    ];
+    let (o, lines) = run(3, 1, "kill-offload", &env, Duration::from_secs(30));
+    assert_eq!(o.first_failure, Some(1), "{lines:#?}");
+    for r in [0, 2] {
+        let e = &o.exits[r];
+        assert!(!e.killed_by_launcher, "rank {r} did not notice\n{lines:#?}");
+        assert_eq!(e.status.code(), Some(3), "rank {r}: {lines:#?}");
+        assert!(
+            lines
+                .iter()
+                .any(|(q, l)| *q == r && l.contains("failed in step") && l.contains("rank 1")),
+            "{lines:#?}"
+        );
+    }
+    assert!(
+        t.elapsed() < Duration::from_secs(20),
+        "took {:?}",
+        t.elapsed()
+    );
+    // Only the killed rank's swap file is left (it could not remove it).
+    let left: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(
+        left.len() == 1 && left[0].starts_with("ringzero-swap-rank1-"),
+        "{left:?}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
 }
