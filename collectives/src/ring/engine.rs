@@ -302,11 +302,23 @@ pub(super) fn run_op(
         let b = base(plan, loc.buf);
         (loc.range.start - b) * es..(loc.range.end - b) * es
     };
+    // A value only copied, not reduced, that goes both to the next rank and into the output
+    // (an all-gather's own chunk out of place, a chunk received and forwarded) goes into the
+    // frame first: the frame leaves while this rank copies it into the output (`later`).
+    let mut later: Option<(&mut [u8], &[u8])> = None;
     match bufs {
         Bufs::Split { input, output } => {
             let local = op.local.as_ref().map(|l| &input[at(l)]);
             let store = op.store.as_ref().map(|l| &mut output[at(l)]);
-            apply(call, incoming, local, store, slot, finalize)?;
+            match (incoming, local, store, slot) {
+                (Some(v), None, Some(st), Some(sl)) | (None, Some(v), Some(st), Some(sl)) => {
+                    sl.copy_from_slice(v);
+                    later = Some((st, v));
+                }
+                (incoming, local, store, slot) => {
+                    apply(call, incoming, local, store, slot, finalize)?
+                }
+            }
         }
         Bufs::One(buf) => match (&op.local, &op.store) {
             (Some(l), Some(s)) => {
@@ -327,10 +339,16 @@ pub(super) fn run_op(
                 let local = local.as_ref().map(|l| &buf[at(l)]);
                 apply(call, incoming, local, None, slot, finalize)?;
             }
-            (None, Some(s)) => {
-                let store = Some(&mut buf[at(s)]);
-                apply(call, incoming, None, store, slot, finalize)?;
-            }
+            (None, Some(s)) => match (incoming, slot) {
+                (Some(v), Some(sl)) => {
+                    sl.copy_from_slice(v);
+                    later = Some((&mut buf[at(s)], v));
+                }
+                (incoming, slot) => {
+                    let store = Some(&mut buf[at(s)]);
+                    apply(call, incoming, None, store, slot, finalize)?;
+                }
+            },
         },
     }
 
@@ -340,6 +358,13 @@ pub(super) fn run_op(
         links.counters.bytes_sent += bytes as u64;
         links.counters.frames_sent += 1;
         links.tx.progress().map_err(tx_err)?;
+    }
+    if let Some((st, v)) = later {
+        if call.stream_stores {
+            cpu::copy_streaming(st, v)?;
+        } else {
+            st.copy_from_slice(v);
+        }
     }
     if op.recv {
         links.rx.release().map_err(rx_err)?;
