@@ -179,6 +179,36 @@ fn bf16_stages_match_one_another() {
     assert!(curves[0][STEPS - 1] < curves[0][0] - 0.3, "{:?}", curves[0]);
 }
 
+/// The GPT trained with its optimizer state offloaded — to host memory at stage 2, to the NVMe
+/// tier's file with the parameter shards in host memory at stage 3 — gives the curve of the same
+/// stage with everything on the engine's device, bit for bit.
+#[test]
+fn offloaded_state_trains_the_gpt_bit_for_bit() {
+    use ringzero_zero::{OffloadDevice, OffloadOptimizer};
+    let dir = std::env::temp_dir().join(format!("ringzero-candle-offload-{}", std::process::id()));
+    for (stage, nvme) in [(2u8, false), (3, true)] {
+        let curve = |offload: bool| {
+            ranks(2, |comm| {
+                let mut c = config(stage);
+                if offload {
+                    c.offload.optimizer = if nvme {
+                        OffloadOptimizer::nvme(dir.join(comm.rank().to_string()))
+                    } else {
+                        OffloadOptimizer::cpu()
+                    };
+                    if stage == 3 {
+                        c.offload.param.device = OffloadDevice::Cpu;
+                    }
+                }
+                train::<f32>(&comm, c, &args(), |_| {}).unwrap().losses
+            })
+            .remove(0)
+        };
+        assert_eq!(curve(true), curve(false), "stage {stage}, nvme {nvme}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A checkpoint saved through `Zero` on 2 ranks at stage 3 loads on 3 ranks at stage 1: every
 /// variable holds the saved values, and the client state comes back.
 #[test]
