@@ -293,3 +293,71 @@ fn a_disk_too_small_for_the_state_is_refused_when_the_engine_is_built() {
         "{msg}"
     );
 }
+
+/// The delayed parameter update: each step's update lands at the next step, so after step t the
+/// parameters are those the same run without the delay had after step t − 1 (from the step
+/// after `delayed_update_after` on), and `flush` lands the last one: with gradients that do not
+/// depend on the parameters, the two runs then end bit for bit the same. On the NVMe tier too.
+#[test]
+fn a_delayed_update_lands_one_step_late_and_flush_lands_the_last() {
+    let dir = fresh_dir("offload-delayed");
+    threads(2, &Opts::default(), |rank, comm| {
+        let comm = comm.unwrap();
+        let sp = specs();
+        let names: Vec<&str> = sp.iter().map(|s| s.name.as_str()).collect();
+        let params = |e: &Engine<f32>| -> Vec<Vec<f32>> {
+            names.iter().map(|n| e.param_f32(n).unwrap()).collect()
+        };
+        for (stage, nvme) in [(1u8, false), (2, true), (3, false)] {
+            let c = offloaded(cfg_in(Precision::Fp32, stage, Some(0.5)), Where::Cpu, &dir);
+            let mut plain = Engine::<f32>::new(&comm, &sp, &init, c.clone()).unwrap();
+            let mut d = c.clone();
+            d.offload.optimizer = if nvme {
+                OffloadOptimizer::nvme(dir.join(format!("r{rank}")))
+            } else {
+                OffloadOptimizer::cpu()
+            };
+            d.offload.optimizer.delayed_update_after = Some(1);
+            d.validate().unwrap();
+            let mut delayed = Engine::<f32>::new(&comm, &sp, &init, d).unwrap();
+            let mut before = params_of(&mut plain, &params);
+            for t in 0..5 {
+                for e in [&mut plain, &mut delayed] {
+                    for (i, s) in sp.iter().enumerate() {
+                        let g = crate::zero::grad(&vec![0.3; s.numel()], rank, t, i);
+                        e.push_grad_f32(&s.name, &g).unwrap();
+                    }
+                    e.step().unwrap();
+                }
+                let now = params_of(&mut plain, &params);
+                let seen = params_of(&mut delayed, &params);
+                // Step 1 (t = 0) is not delayed; from step 2 on each lands a step late.
+                let want = if t == 0 { &now } else { &before };
+                assert_eq!(&seen, want, "stage {stage}, step {}", t + 1);
+                before = now;
+            }
+            assert!(delayed
+                .consolidate()
+                .unwrap_err()
+                .to_string()
+                .contains("flush"));
+            delayed.flush().unwrap();
+            assert_eq!(
+                params_of(&mut delayed, &params),
+                before,
+                "stage {stage}: flushed"
+            );
+            assert_eq!(delayed.consolidate().unwrap(), plain.consolidate().unwrap());
+        }
+    });
+}
+
+/// The parameters as `read` sees them (stage 3: gathered for the read, released after).
+fn params_of(e: &mut Engine<f32>, read: &dyn Fn(&Engine<f32>) -> Vec<Vec<f32>>) -> Vec<Vec<f32>> {
+    let names: Vec<String> = e.partition().specs.iter().map(|s| s.name.clone()).collect();
+    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+    e.gather(&names).unwrap();
+    let p = read(e);
+    e.release(&names).unwrap();
+    p
+}

@@ -625,6 +625,27 @@ mod tests {
             r#"{"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0}}}"#,
             &["ratio 0", "above 0"],
         );
+        let mut c = ZeroConfig::builder()
+            .stage(2)
+            .offload_optimizer(OffloadOptimizer {
+                delayed_update_after: Some(0),
+                ratio: 0.5,
+                ..OffloadOptimizer::cpu()
+            })
+            .build()
+            .unwrap_err()
+            .to_string();
+        assert!(c.contains("delayed_update_after needs the whole"), "{c}");
+        c = ZeroConfig::builder()
+            .stage(2)
+            .offload_optimizer(OffloadOptimizer {
+                delayed_update_after: Some(0),
+                ..OffloadOptimizer::default()
+            })
+            .build()
+            .unwrap_err()
+            .to_string();
+        assert!(c.contains("device cpu or nvme"), "{c}");
         refused(
             r#"{"zero_optimization": {"stage": 2}, "aio": {"block_size": 1000}}"#,
             &["aio.block_size 1000", "4096"],

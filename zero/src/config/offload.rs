@@ -61,6 +61,12 @@ pub struct OffloadOptimizer {
     /// The share of the optimizer state offloaded (`ratio`, 0 < ratio ≤ 1): buckets in layout
     /// order are offloaded until this share of the elements is; the rest steps on the device.
     pub ratio: f32,
+    /// The delayed parameter update (the ZeRO-Offload paper's DPU; not a DeepSpeed key, set
+    /// it in code): `Some(k)` runs every optimizer step after the k-th on a CPU thread beside
+    /// the trainer's next forward and backward, whose gradients are then computed on
+    /// parameters one update old (see [`crate::Engine::flush`]). `None` (the default) updates
+    /// in the step.
+    pub delayed_update_after: Option<u64>,
 }
 
 impl Default for OffloadOptimizer {
@@ -71,6 +77,7 @@ impl Default for OffloadOptimizer {
             pin_memory: false,
             buffer_count: 4,
             ratio: 1.0,
+            delayed_update_after: None,
         }
     }
 }
@@ -196,6 +203,12 @@ impl Offload {
                  optimizer state offloaded)",
                 o.ratio
             )));
+        }
+        if o.delayed_update_after.is_some() && (o.device == OffloadDevice::None || o.ratio < 1.0) {
+            return Err(bad(
+                "offload_optimizer.delayed_update_after needs the whole optimizer state \
+                 offloaded (device cpu or nvme, ratio 1): the delay is the CPU step's",
+            ));
         }
         if o.device == OffloadDevice::Nvme && o.buffer_count < 2 {
             return Err(bad(format!(

@@ -65,6 +65,7 @@ use crate::report::{CommWait, Memory, Phase, StepReport, StepTimer};
 
 mod agree;
 mod buffers;
+mod delayed;
 mod host;
 mod offload;
 mod persist;
@@ -449,6 +450,10 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
 
 impl<T: Float, S: TrainStream + 'static> Drop for Engine<T, S> {
     fn drop(&mut self) {
+        // A delayed update's thread writes the host state: it ends before the state goes.
+        if let Some(d) = self.tier.delayed.take() {
+            d.wait();
+        }
         // The buffers go with the engine: the work using them ends first.
         if let Err(e) = self.sync("dropping the engine") {
             tracing::warn!(target: "ringzero::zero", "{e}");

@@ -47,6 +47,12 @@ pub(super) struct Tier {
     pub(super) stats: OffloadStats,
     /// The NVMe file's bytes read and written before this step.
     nvme_seen: (u64, u64),
+    /// The delayed update in flight, if any, and the host buffers (gradients, parameters) per
+    /// offloaded bucket its updates reuse.
+    pub(super) delayed: Option<super::delayed::InFlight>,
+    pub(super) delayed_bufs: Vec<(DevVec, DevVec)>,
+    /// Elements of those buffers while an update holds them.
+    pub(super) delayed_held: usize,
 }
 
 /// Per bucket, where its optimizer state goes under `cfg`: buckets in layout order are
@@ -79,7 +85,15 @@ impl Tier {
             threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
             stats: OffloadStats::default(),
             nvme_seen: (0, 0),
+            delayed: None,
+            delayed_bufs: Vec::new(),
+            delayed_held: 0,
         }
+    }
+
+    /// Threads the CPU step runs on.
+    pub(super) fn threads(&self) -> usize {
+        self.threads
     }
 
     /// With buckets on the NVMe tier: create its file under `nvme_path` and write each such
@@ -134,7 +148,13 @@ impl Tier {
     /// Host bytes the pipeline's buffers hold (gradients, parameters, NVMe regions).
     pub(super) fn buffer_bytes(&self) -> usize {
         let sz = self.grads.dtype.size();
-        (self.grads.held() + self.params.held()) * sz
+        let delayed: usize = self
+            .delayed_bufs
+            .iter()
+            .map(|(g, p)| g.elems + p.elems)
+            .sum::<usize>()
+            + self.delayed_held;
+        (self.grads.held() + self.params.held() + delayed) * sz
             + self
                 .swap
                 .as_ref()
@@ -167,7 +187,7 @@ impl Tier {
 /// # Safety
 /// `v` must be host-reachable (`host` set) and hold `from + n` elements of `E`; no work of the
 /// stream may touch the range, and no other borrow of it may live, while the slice does.
-unsafe fn on_host<'a, E>(v: &DevVec, from: usize, n: usize) -> &'a mut [E] {
+pub(super) unsafe fn on_host<'a, E>(v: &DevVec, from: usize, n: usize) -> &'a mut [E] {
     let h = v.host.expect("a host-reachable buffer");
     if n == 0 {
         return &mut [];
@@ -179,12 +199,12 @@ unsafe fn on_host<'a, E>(v: &DevVec, from: usize, n: usize) -> &'a mut [E] {
 /// One offloaded bucket's update: where its parameters' stretch and reduced gradients are on
 /// the device, its length, and where it starts in the bucket.
 #[derive(Clone, Copy)]
-struct Target {
-    b: usize,
-    params: u64,
-    grads: u64,
-    len: usize,
-    from: usize,
+pub(super) struct Target {
+    pub(super) b: usize,
+    pub(super) params: u64,
+    pub(super) grads: u64,
+    pub(super) len: usize,
+    pub(super) from: usize,
 }
 
 impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
@@ -218,6 +238,9 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
             .collect();
         if targets.is_empty() {
             return Ok(());
+        }
+        if self.delays(t) {
+            return self.launch_delayed(&targets, h, t, scale);
         }
         let s = self.comm.stream();
         let mut bufs = Vec::with_capacity(4);
@@ -383,7 +406,7 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
 /// One bucket's CPU step: each segment (`(offset, length, settings)`) of the master, states,
 /// gradients and parameters.
 #[allow(clippy::too_many_arguments)]
-fn cpu_step<T: Float>(
+pub(super) fn cpu_step<T: Float>(
     segs: &[(usize, usize, Optimizer)],
     t: u64,
     master: &mut [f32],

@@ -103,6 +103,7 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
         client_state: serde_json::Value,
     ) -> Result<(), ZeroError> {
         self.between_steps("save_checkpoint", false)?;
+        self.land_delayed()?;
         persist::save(self, dir.as_ref(), client_state)
     }
 
@@ -118,6 +119,7 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
     /// changes anything.
     pub fn load_checkpoint(&mut self, dir: impl AsRef<Path>) -> Result<Meta, ZeroError> {
         self.between_steps("load_checkpoint", true)?;
+        self.land_delayed()?;
         let (meta, states) = persist::read_agreed(self, dir.as_ref())?;
         let (stage, rank) = (self.led.cfg.stage, self.led.rank);
         for (b, saved) in states.into_iter().enumerate() {
@@ -185,6 +187,7 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
     /// Every parameter's fp32 master values, assembled from all ranks' shards and copied to the
     /// host (a collective: call it on every rank). In the specs' order.
     pub fn consolidate(&self) -> Result<Vec<(String, Vec<f32>)>, ZeroError> {
+        self.nothing_in_flight("consolidate")?;
         let (stage, n) = (self.led.cfg.stage, self.led.part.world);
         let mut full: Vec<Vec<f32>> = Vec::with_capacity(self.led.part.buckets.len());
         for b in 0..self.led.part.buckets.len() {

@@ -230,7 +230,11 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
         }
         self.wait.reduce += t0.elapsed();
         let t1 = Instant::now();
-        let outcome = self.update(&red).and_then(|o| self.finish_step(o));
+        // The last step's delayed update lands before this one's update reads the state.
+        let outcome = self
+            .land_delayed()
+            .and_then(|_| self.update(&red))
+            .and_then(|o| self.finish_step(o));
         // `red` goes back now: the work reading it ends first, whatever happened.
         let synced = self.sync("the optimizer step");
         if synced.is_ok() {
@@ -251,7 +255,8 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
                 .map_err(dev("clearing the gradients".into()))?;
         }
         let stage = self.led.cfg.stage;
-        if matches!(outcome, StepOutcome::Stepped { .. }) {
+        // A delayed update shares its parameters when it lands.
+        if matches!(outcome, StepOutcome::Stepped { .. }) && self.tier.delayed.is_none() {
             match stage {
                 1 | 2 => self.gather_updated()?,
                 3 => self.refresh_pinned()?,
