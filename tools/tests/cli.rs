@@ -496,15 +496,7 @@ fn demo_runs_every_published_deepspeed_config() {
                 .arg(f);
             c
         };
-        if text.contains("\"offload_optimizer\"") && text.contains("\"cpu\"") {
-            let stderr = fails(&mut run());
-            assert!(
-                stderr.contains("ZeRO-Offload") && stderr.contains("set its device to \"none\""),
-                "{}: {stderr}",
-                f.display()
-            );
-            continue;
-        }
+        // The ones with offload on "cpu" run as published, the state in host memory.
         let stdout = succeeds(&mut run());
         assert!(
             stdout.contains("loss went down"),
@@ -520,7 +512,7 @@ fn demo_runs_every_published_deepspeed_config() {
         }
         trained += 1;
     }
-    assert!(trained >= 4, "{trained} of the fixtures trained");
+    assert_eq!(trained, files.len(), "{trained} of the fixtures trained");
 }
 
 #[test]

@@ -148,24 +148,72 @@ fn compare<D: CheckDev, T: Float>(
     for &stage in stages {
         let want = host::<T>(comm, cfg(p, stage, h))?;
         let got = device::<D, T>(dc, cfg(p, stage, h))?;
-        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-            for (k, (a, b)) in g.iter().zip(w).enumerate() {
-                let bad = if exact {
-                    a.to_bits() != b.to_bits()
-                } else {
-                    (a - b).abs() > 1e-3
-                };
-                if bad {
-                    return Err(format!(
-                        "rank {}: {} {p} stage {stage}: parameter {i} element {k} is {a} on \
-                         the device, {b} on the host",
-                        comm.rank(),
-                        h.name()
-                    ));
-                }
+        let what = format!("rank {}: {} {p} stage {stage}", comm.rank(), h.name());
+        same(&got, &want, exact, &what)?;
+    }
+    Ok(())
+}
+
+/// `got` (the device engine's parameters) against `want` (the host engine's): bit for bit, or
+/// within 1e-3.
+fn same(got: &[Vec<f32>], want: &[Vec<f32>], exact: bool, what: &str) -> Result<(), String> {
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        for (k, (a, b)) in g.iter().zip(w).enumerate() {
+            let bad = if exact {
+                a.to_bits() != b.to_bits()
+            } else {
+                (a - b).abs() > 1e-3
+            };
+            if bad {
+                return Err(format!(
+                    "{what}: parameter {i} element {k} is {a} on the device, {b} on the host"
+                ));
             }
         }
     }
+    Ok(())
+}
+
+/// The device engine with its optimizer state offloaded — in page-locked host memory mapped
+/// into the device, in the NVMe tier's file (a temporary directory), and at stage 3 with the
+/// parameter shards in host memory too — against the host engine without offload, bf16 AdamW.
+fn compare_offload<D: CheckDev>(
+    comm: &Communicator,
+    dc: &Arc<DeviceComm<D>>,
+    exact: bool,
+) -> Result<(), String> {
+    use ringzero_zero::{OffloadDevice, OffloadOptimizer};
+    let dir = std::env::temp_dir().join(format!(
+        "ringzero-gpu-check-offload-{}-{}",
+        std::process::id(),
+        comm.rank()
+    ));
+    let p = Precision::Bf16;
+    for stage in [1, 2, 3] {
+        let want = host::<bf16>(comm, cfg(p, stage, adamw()))?;
+        let mut ways = vec![("cpu", false), ("nvme", false)];
+        if stage == 3 {
+            ways.push(("cpu", true));
+        }
+        for (to, params) in ways {
+            let mut c = cfg(p, stage, adamw());
+            c.offload.optimizer = match to {
+                "cpu" => OffloadOptimizer::cpu(),
+                _ => OffloadOptimizer::nvme(&dir),
+            };
+            if params {
+                c.offload.param.device = OffloadDevice::Cpu;
+            }
+            let got = device::<D, bf16>(dc, c)?;
+            let what = format!(
+                "rank {}: bf16 stage {stage} offloaded to {to}{}",
+                comm.rank(),
+                if params { " with the parameters" } else { "" }
+            );
+            same(&got, &want, exact, &what)?;
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }
 
@@ -186,14 +234,17 @@ pub fn check<D: CheckDev>(comm: &Communicator, dc: &Arc<DeviceComm<D>>, label: &
             other_rules()
                 .filter(|h| exact || h.rule != Rule::Lion)
                 .try_for_each(|h| compare::<D, bf16>(comm, dc, Precision::Bf16, h, &[3], exact))
-        });
+        })
+        .and_then(|()| compare_offload::<D>(comm, dc, exact));
     Row {
         check: format!("{label} n={n} zero device engine"),
         pass: r.is_ok(),
         detail: r.err().unwrap_or_else(|| {
             format!(
                 "stages 0-3 × fp32/bf16/fp16 with AdamW, and stage 3 in bf16 with Adam, SGD with \
-                 and without momentum{}; {STEPS} steps, against the host engine: {}",
+                 and without momentum{}; bf16 stages 1-3 with the optimizer state offloaded to \
+                 host memory and to NVMe, stage 3 with the parameters too; {STEPS} steps, \
+                 against the host engine: {}",
                 if exact { ", Lion" } else { "" },
                 if exact {
                     "bit for bit"
