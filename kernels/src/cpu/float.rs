@@ -151,6 +151,26 @@ pub fn step_mixed<T: Float>(
     }
 }
 
+/// [`optim_step`] on `threads` threads at once, each on its own run of elements (the update is
+/// element-wise, so the bits are those of one thread): [`step_mixed_threads`] on `f32`
+/// parameters that are their own master.
+///
+/// # Panics
+/// As [`optim_step`].
+#[allow(clippy::too_many_arguments)]
+pub fn optim_step_threads(
+    h: &Optimizer,
+    t: u64,
+    params: &mut [f32],
+    grads: &[f32],
+    s1: &mut [f32],
+    s2: &mut [f32],
+    grad_scale: f32,
+    threads: usize,
+) {
+    step_mixed_threads::<f32>(h, t, params, None, grads, s1, s2, grad_scale, threads)
+}
+
 /// [`step_mixed`] on `threads` threads at once, each on its own run of elements (element-wise,
 /// so the bits are those of one thread): the CPU optimizer of ZeRO-Offload, where one core's loop
 /// leaves most of the memory bandwidth idle. Runs of fewer than 16384 elements stay on the
@@ -204,6 +224,24 @@ pub fn step_mixed_threads<T: Float>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn threads_compute_the_bits_of_one_for_every_rule() {
+        for h in Optimizer::each_rule() {
+            let n = 100_003;
+            let keeps = h.states().len();
+            let g: Vec<f32> = (0..n).map(|i| (i as f32 * 0.013).sin()).collect();
+            let mut p: Vec<f32> = (0..n).map(|i| (i as f32 * 0.007).cos()).collect();
+            let state = |k: usize| vec![0.01f32; if keeps > k { n } else { 0 }];
+            let (mut m, mut v) = (state(0), state(1));
+            let (mut p4, mut m4, mut v4) = (p.clone(), m.clone(), v.clone());
+            for t in 1..=3 {
+                optim_step(&h, t, &mut p, &g, &mut m, &mut v, 0.5);
+                optim_step_threads(&h, t, &mut p4, &g, &mut m4, &mut v4, 0.5, 4);
+            }
+            assert_eq!((&p, &m, &v), (&p4, &m4, &v4), "{h:?}");
+        }
+    }
 
     #[test]
     fn the_threaded_step_computes_one_threads_bits() {

@@ -12,8 +12,10 @@ mod optim;
 mod reduce;
 mod stream;
 
-pub use float::{all_finite, cast, scale, sq_norm, step_mixed, step_mixed_threads, Float};
-pub use optim::{optim_step, optim_step_threads, Optimizer, Rule, StepScalars};
+pub use float::{
+    all_finite, cast, optim_step_threads, scale, sq_norm, step_mixed, step_mixed_threads, Float,
+};
+pub use optim::{optim_step, Optimizer, Rule, StepScalars};
 
 pub use stream::{copy_streaming, stream_fence};
 

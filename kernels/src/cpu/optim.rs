@@ -357,47 +357,6 @@ pub fn optim_step(
     }
 }
 
-/// [`optim_step`] on `threads` threads at once, each on its own run of elements (the update is
-/// element-wise, so the bits are those of one thread); for the large shards a CPU-side optimizer
-/// steps (ZeRO-Offload's), where one core's loop leaves most of the memory bandwidth idle.
-/// Runs of fewer than 16384 elements stay on the calling thread.
-///
-/// # Panics
-/// As [`optim_step`].
-#[allow(clippy::too_many_arguments)]
-pub fn optim_step_threads(
-    h: &Optimizer,
-    t: u64,
-    params: &mut [f32],
-    grads: &[f32],
-    s1: &mut [f32],
-    s2: &mut [f32],
-    grad_scale: f32,
-    threads: usize,
-) {
-    const MIN_RUN: usize = 16384;
-    let n = params.len();
-    let runs = threads.clamp(1, n.div_ceil(MIN_RUN).max(1));
-    if runs == 1 {
-        return optim_step(h, t, params, grads, s1, s2, grad_scale);
-    }
-    // Whole cache lines per run (16 f32), so no two threads write one line.
-    let run = n.div_ceil(runs).div_ceil(16) * 16;
-    let (k1, k2) = (!s1.is_empty(), !s2.is_empty());
-    std::thread::scope(|sc| {
-        let (mut p, mut g, mut a, mut b) = (params, grads, s1, s2);
-        while !p.is_empty() {
-            let len = run.min(p.len());
-            let (p0, p1) = std::mem::take(&mut p).split_at_mut(len);
-            let (g0, g1) = g.split_at(len);
-            let (a0, a1) = std::mem::take(&mut a).split_at_mut(if k1 { len } else { 0 });
-            let (b0, b1) = std::mem::take(&mut b).split_at_mut(if k2 { len } else { 0 });
-            (p, g, a, b) = (p1, g1, a1, b1);
-            sc.spawn(move || optim_step(h, t, p0, g0, a0, b0, grad_scale));
-        }
-    });
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -509,22 +468,6 @@ mod tests {
                 optim_step(&h, t, &mut ps, &g[40..70], &mut ms, &mut vs, 0.5);
             }
             assert_eq!(&p[40..70], &ps[..], "{h:?}");
-        }
-    }
-
-    #[test]
-    fn threads_compute_the_bits_of_one() {
-        for h in rules() {
-            let n = 100_003;
-            let g: Vec<f32> = (0..n).map(|i| (i as f32 * 0.013).sin()).collect();
-            let mut p: Vec<f32> = (0..n).map(|i| (i as f32 * 0.007).cos()).collect();
-            let (mut m, mut v) = states(&h, n);
-            let (mut p4, mut m4, mut v4) = (p.clone(), m.clone(), v.clone());
-            for t in 1..=3 {
-                optim_step(&h, t, &mut p, &g, &mut m, &mut v, 0.5);
-                optim_step_threads(&h, t, &mut p4, &g, &mut m4, &mut v4, 0.5, 4);
-            }
-            assert_eq!((&p, &m, &v), (&p4, &m4, &v4), "{h:?}");
         }
     }
 
