@@ -30,6 +30,9 @@ enum Cmd {
     /// ZeRO memory and communication estimator (the paper's model-state formulas, mixed-precision
     /// Adam).
     Mem(cmd::mem::MemCli),
+    /// The NVMe offload tier's throughput on a directory against a plain direct-I/O copy of the
+    /// same bytes, in one run (what `offload_optimizer.nvme_path` and `aio` would reach).
+    Nvme(cmd::nvme::NvmeCli),
     /// ZeRO checkpoints: check one, or consolidate its shards into one file of full weights.
     Ckpt(cmd::ckpt::CkptCli),
     /// Train a small MLP with the ZeRO engine on N local ranks (any stage and precision), printing
@@ -77,6 +80,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Cmd::Bench(a) => cmd::bench::run(a),
         Cmd::Diag(a) => cmd::diag::run(a),
         Cmd::Mem(a) => cmd::mem::run(a),
+        Cmd::Nvme(a) => cmd::nvme::run(a),
         Cmd::Ckpt(a) => cmd::ckpt::run(a),
         Cmd::Demo(a) => cmd::demo::run(a),
         Cmd::Train(a) => cmd::train::run(a),

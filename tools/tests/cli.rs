@@ -1530,3 +1530,33 @@ fn mem_predicts_a_gpts_footprint_per_stage() {
     let e = fails(ringzero().args(["mem", "--gpt", "2,30,4,32,32"]));
     assert!(e.contains("does not divide into 4 heads"), "{e}");
 }
+
+/// `ringzero nvme` measures the NVMe tier against a plain copy of the same bytes and removes
+/// its files; settings direct I/O cannot take are refused, naming the flag.
+#[test]
+fn nvme_sets_the_tier_against_a_plain_copy_and_leaves_nothing() {
+    let dir = std::env::temp_dir().join(format!("ringzero-nvme-cli-{}", std::process::id()));
+    let out = succeeds(
+        ringzero()
+            .args(["nvme", "--size", "8M", "--rounds", "1"])
+            .arg(&dir),
+    );
+    for want in [
+        "NVMe tier (1024 KiB requests, 1 thread)",
+        "plain copy",
+        "tier / plain",
+    ] {
+        assert!(out.contains(want), "{out}");
+    }
+    assert_eq!(
+        std::fs::read_dir(&dir).unwrap().count(),
+        0,
+        "files left in {dir:?}"
+    );
+    let err = fails(ringzero().args(["nvme", "--block-size", "1000"]).arg(&dir));
+    assert!(
+        err.contains("--block-size") && err.contains("multiple of 4096"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -81,6 +81,8 @@ unsafe impl Sync for Base {}
 pub(crate) struct Swap {
     path: PathBuf,
     file: File,
+    /// Whether the file was opened with `O_DIRECT`.
+    direct: bool,
     /// Per bucket: (byte offset of its region, f32s per stretch); `None` for a bucket whose
     /// state is not on this tier.
     regions: Vec<Option<(u64, usize)>>,
@@ -158,6 +160,7 @@ impl Swap {
         let swap = Swap {
             path,
             file,
+            direct,
             regions,
             parts,
             block: aio.block_size,
@@ -292,4 +295,93 @@ impl Drop for Swap {
             tracing::warn!(target: "ringzero::zero", "removing {}: {e}", self.path.display());
         }
     }
+}
+
+/// The NVMe tier's throughput against a plain direct-I/O copy of the same bytes on the same
+/// disk, measured in one run ([`bench`]; `ringzero nvme`). GB/s are 10⁹ bytes per second.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TierBench {
+    /// Bytes moved each way per round.
+    pub bytes: u64,
+    /// Whether the filesystem took `O_DIRECT` (buffered I/O measures the page cache).
+    pub direct: bool,
+    /// The tier's writes and reads (its `aio` settings: block size, threads).
+    pub tier_write_gbs: f64,
+    /// (see `tier_write_gbs`)
+    pub tier_read_gbs: f64,
+    /// One thread writing and reading the same bytes from the same buffer in 8 MiB requests,
+    /// `O_DIRECT` where the filesystem takes it.
+    pub plain_write_gbs: f64,
+    /// (see `plain_write_gbs`)
+    pub plain_read_gbs: f64,
+}
+
+/// Write and read `bytes` through the NVMe tier in `dir` with `aio`'s settings, then the same
+/// bytes with one thread's plain `pwrite`/`pread` to a file beside it; the best of `rounds`
+/// rounds each. Both files are removed.
+pub fn bench(dir: &Path, bytes: usize, aio: &Aio, rounds: usize) -> Result<TierBench, ZeroError> {
+    let elems = bytes.div_ceil(4).max(1);
+    let swap = Swap::create(dir, 0, &[Some(elems)], 1, aio)?;
+    let mut buf = swap.staged();
+    for (i, x) in buf.parts_mut()[0].iter_mut().enumerate() {
+        *x = i as f32;
+    }
+    let len = swap.size() as f64;
+    let best = |f: &mut dyn FnMut() -> Result<(), ZeroError>| -> Result<f64, ZeroError> {
+        let mut t = f64::INFINITY;
+        for _ in 0..rounds.max(1) {
+            let t0 = std::time::Instant::now();
+            f()?;
+            t = t.min(t0.elapsed().as_secs_f64());
+        }
+        Ok(len / t / 1e9)
+    };
+    let tier_write_gbs = best(&mut || swap.write(0, &mut buf))?;
+    let tier_read_gbs = best(&mut || swap.read(0, &mut buf))?;
+    let direct = swap.direct;
+    drop(swap);
+    // The plain copy: one thread, 8 MiB requests, the same bytes.
+    let path = dir.join(format!("ringzero-plain-{}.bin", std::process::id()));
+    let io = |what: &str| {
+        let p = path.display().to_string();
+        let what = what.to_string();
+        move |e: std::io::Error| ZeroError::Offload(format!("{what} {p}: {e}"))
+    };
+    let mut o = OpenOptions::new();
+    o.read(true).write(true).create_new(true);
+    if direct {
+        o.custom_flags(rustix::fs::OFlags::DIRECT.bits() as i32);
+    }
+    let file = o.open(&path).map_err(io("creating"))?;
+    // From and into the tier's own buffer: the same bytes in the same memory (how fast O_DIRECT
+    // moves a buffer depends on the buffer's pages too).
+    const REQ: usize = 8 << 20;
+    let n = len as usize;
+    let plain = (|| -> Result<(f64, f64), ZeroError> {
+        let w = best(&mut || {
+            for (k, c) in bytemuck_pages(&buf.mem, n).chunks(REQ).enumerate() {
+                file.write_all_at(c, (k * REQ) as u64)
+                    .map_err(io("writing"))?;
+            }
+            Ok(())
+        })?;
+        let r = best(&mut || {
+            for (k, c) in pages_mut(&mut buf.mem, n).chunks_mut(REQ).enumerate() {
+                file.read_exact_at(c, (k * REQ) as u64)
+                    .map_err(io("reading"))?;
+            }
+            Ok(())
+        })?;
+        Ok((w, r))
+    })();
+    let _ = std::fs::remove_file(&path);
+    let (plain_write_gbs, plain_read_gbs) = plain?;
+    Ok(TierBench {
+        bytes: len as u64,
+        direct,
+        tier_write_gbs,
+        tier_read_gbs,
+        plain_write_gbs,
+        plain_read_gbs,
+    })
 }

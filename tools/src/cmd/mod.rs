@@ -16,6 +16,7 @@ pub(crate) mod diag;
 pub(crate) mod gpu;
 pub(crate) mod launch_cmd;
 pub(crate) mod mem;
+pub(crate) mod nvme;
 pub(crate) mod train;
 
 pub(crate) fn count(s: &str) -> Result<f64, String> {
