@@ -227,8 +227,10 @@ fn header(comm: &Communicator, a: &BenchArgs, probe: &probe::Probe, device: Stri
             let lines = if a.sweep.model_per_row {
                 format!(
                     "each line's α and β (its β column) re-measured in the same seconds as its timed calls: groups of \
-                     up to {} calls, each followed by as many barriers (α) and ring streams of the bytes one link \
-                     carries in that call (β, slowest edge); --model start uses the model above",
+                     up to {} calls, each followed by as many barriers (α) and streams of the bytes one link \
+                     carries in that call (β, slowest edge) over the links the call loads, in its directions: \
+                     every rank to the next at once for the ring collectives, rank r to r+1 one way for the \
+                     rooted ones (broadcast, reduce, gather, scatter); --model start uses the model above",
                     sweep::GROUP
                 )
             } else {

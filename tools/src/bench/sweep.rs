@@ -7,7 +7,7 @@
 use std::time::Instant;
 
 use ringzero_collectives::{
-    chunk, Collective, Collectives, Communicator, DType, Element, InPlace, ReduceOp, Result,
+    chunk, Collective, Collectives, Communicator, DType, Element, InPlace, P2p, ReduceOp, Result,
 };
 use serde::Serialize;
 
@@ -172,7 +172,12 @@ fn size_row<T: Element>(
     let call = || bufs.call(comm, (op, choice), a.redop, inplace);
     let (time_us, wrong, model) = if a.model_per_row && n > 1 {
         let link = theory::bytes_per_link(op, algo, n, bytes) as usize;
-        timed_with_model(comm, a, wrong, link, inplace, call)?
+        let streams = if op.root().is_some() {
+            Streams::Chain
+        } else {
+            Streams::Ring
+        };
+        timed_with_model(comm, a, wrong, (link, streams), inplace, call)?
     } else {
         let (t, w) = timed(comm, a, wrong, call)?;
         (t, w, model)
@@ -231,6 +236,19 @@ fn over_ranks(comm: &Communicator, mine_us: f64, wrong: u64) -> Result<(f64, u64
     Ok((time[0], w[0] as u64))
 }
 
+/// Which links carry [`timed_with_model`]'s β streams: the links a collective loads, in the
+/// directions it loads them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Streams {
+    /// Every rank to the next at once, every link both ways (as the ring collectives load them).
+    Ring,
+    /// Rank r to r + 1 for r < n − 1, each link one way and the last rank's outgoing one idle:
+    /// what a rooted collective's chain (broadcast, reduce) or pairs (gather, scatter) load.
+    /// A stream both ways would halve β where both directions share the cores or the memory
+    /// (shared memory, loopback tcp) and the model would then sit far below a rooted call.
+    Chain,
+}
+
 /// Calls per group in [`timed_with_model`].
 pub const GROUP: usize = 5;
 
@@ -246,18 +264,33 @@ pub fn timed_with_model(
     comm: &Communicator,
     a: &SweepArgs,
     wrong: u64,
-    link_bytes: usize,
+    (link_bytes, streams): (usize, Streams),
     inplace: bool,
     mut call: impl FnMut() -> Result<()>,
 ) -> Result<(f64, u64, Model)> {
-    let n = comm.size();
+    let (n, r) = (comm.size(), comm.rank());
     let mut send = vec![1u8; link_bytes.max(1)];
-    let mut recv = vec![0u8; if inplace { 0 } else { link_bytes.max(1) }];
-    let mut stream = || {
-        if inplace {
-            comm.ring_shift(InPlace, &mut send)
+    let chain = streams == Streams::Chain;
+    let mut recv = vec![
+        0u8;
+        if inplace && !chain {
+            0
         } else {
-            comm.ring_shift(&send, &mut recv)
+            link_bytes.max(1)
+        }
+    ];
+    let mut stream = || match streams {
+        Streams::Ring if inplace => comm.ring_shift(InPlace, &mut send),
+        Streams::Ring => comm.ring_shift(&send, &mut recv),
+        Streams::Chain => {
+            let mut msgs = Vec::with_capacity(2);
+            if r + 1 < n {
+                msgs.push(P2p::Send(&send[..], r + 1));
+            }
+            if r > 0 {
+                msgs.push(P2p::Recv(&mut recv[..], r - 1));
+            }
+            comm.send_recv_batch(&mut msgs)
         }
     };
     for _ in 0..a.warmup {
