@@ -28,6 +28,10 @@ enum Where {
     HalfCpu,
     /// Stage 3 only: the optimizer state and the parameter shards in host memory.
     CpuAndParams,
+    /// Stage 3 only: the optimizer state in host memory, the parameter shards on NVMe.
+    CpuAndNvmeParams,
+    /// Stage 3 only: both on NVMe (ZeRO-Infinity).
+    Infinity,
 }
 
 fn offloaded(mut c: ZeroConfig, w: Where, dir: &Path) -> ZeroConfig {
@@ -46,6 +50,18 @@ fn offloaded(mut c: ZeroConfig, w: Where, dir: &Path) -> ZeroConfig {
             o.optimizer = OffloadOptimizer::cpu();
             o.param = OffloadParam {
                 device: OffloadDevice::Cpu,
+                ..OffloadParam::default()
+            };
+        }
+        Where::CpuAndNvmeParams | Where::Infinity => {
+            o.optimizer = if matches!(w, Where::Infinity) {
+                OffloadOptimizer::nvme(dir)
+            } else {
+                OffloadOptimizer::cpu()
+            };
+            o.param = OffloadParam {
+                device: OffloadDevice::Nvme,
+                nvme_path: Some(dir.to_path_buf()),
                 ..OffloadParam::default()
             };
         }
@@ -72,7 +88,11 @@ fn parity<T: Float>(p: Precision, dir: &Path) {
                 let want = run(Where::Device);
                 let mut ways = vec![Where::Cpu, Where::Nvme, Where::HalfCpu];
                 if stage == 3 {
-                    ways.push(Where::CpuAndParams);
+                    ways.extend([
+                        Where::CpuAndParams,
+                        Where::CpuAndNvmeParams,
+                        Where::Infinity,
+                    ]);
                 }
                 for w in ways {
                     let got = run(w);
@@ -150,7 +170,7 @@ fn memory_by_tier_follows_the_formulas() {
                 optimizer: OffloadDevice::Cpu,
                 ratio: 1.0,
                 k_offloaded: 12.0,
-                params_to_host: false,
+                params: OffloadDevice::None,
             };
             let t = model_states_by_tier(psi, 2, stage, (2.0, 12.0), plan).unwrap();
             assert_eq!(t.host.optimizer as usize, m.host_optimizer, "stage {stage}");
@@ -169,6 +189,14 @@ fn memory_by_tier_follows_the_formulas() {
                 let e = Engine::<bf16>::new(&comm, &specs(), &init, both).unwrap();
                 let m = e.memory();
                 assert_eq!((m.params, m.host_params), (0, m0.params));
+                let inf = offloaded(c.clone(), Where::Infinity, &dir);
+                let e = Engine::<bf16>::new(&comm, &specs(), &init, inf).unwrap();
+                let m = e.memory();
+                assert_eq!((m.params, m.host_params, m.optimizer), (0, 0, 0));
+                // Each bf16 shard rounded up to 4096 bytes.
+                let shards: usize = owned.iter().map(|&o| stretch((o * 2).div_ceil(4))).sum();
+                assert_eq!(m.nvme_params, shards);
+                assert_eq!(m.nvme_optimizer, file);
             }
             // f32 parameters: the offloaded state keeps an fp32 master too (12 bytes).
             let c32 = offloaded(cfg_in(Precision::Fp32, stage, None), Where::Cpu, &dir);
@@ -215,7 +243,12 @@ fn each_step_reports_what_the_offload_moved() {
 #[test]
 fn checkpoints_cross_between_offloaded_and_device_state_at_another_world_size() {
     let dir = fresh_dir("offload-ckpt");
-    for (save_as, load_as) in [(Where::Nvme, Where::Device), (Where::Device, Where::Cpu)] {
+    for (save_as, load_as) in [
+        (Where::Nvme, Where::Device),
+        (Where::Device, Where::Cpu),
+        (Where::Infinity, Where::Device),
+        (Where::Device, Where::Infinity),
+    ] {
         let ck = dir.join(format!("{save_as:?}-{load_as:?}"));
         let saved = threads(2, &Opts::default(), |rank, comm| {
             let comm = comm.unwrap();
@@ -238,18 +271,35 @@ fn checkpoints_cross_between_offloaded_and_device_state_at_another_world_size() 
         });
         let loaded = threads(3, &Opts::default(), |rank, comm| {
             let comm = comm.unwrap();
+            // Loaded at stage 1, or at stage 3 where the parameters are offloaded.
+            let stage = if matches!(load_as, Where::Infinity) {
+                3
+            } else {
+                1
+            };
             let c = offloaded(
-                cfg_in(Precision::Bf16, 1, Some(0.5)),
+                cfg_in(Precision::Bf16, stage, Some(0.5)),
                 load_as,
                 &dir.join(format!("swap-load-{rank}")),
             );
             let mut e = Engine::<bf16>::new(&comm, &specs(), &|_, _| 0.5, c).unwrap();
             let meta = e.load_checkpoint(&ck).unwrap();
             assert_eq!(meta.step, 3);
-            e.consolidate().unwrap()
+            // The parameters the trainer reads are the checkpoint's too.
+            let names: Vec<String> = specs().iter().map(|s| s.name.clone()).collect();
+            let names: Vec<&str> = names.iter().map(String::as_str).collect();
+            e.gather(&names).unwrap();
+            let read: Vec<Vec<f32>> = names.iter().map(|n| e.param_f32(n).unwrap()).collect();
+            e.release(&names).unwrap();
+            (e.consolidate().unwrap(), read)
         });
-        for got in &loaded {
+        for (got, read) in &loaded {
             assert_eq!(got, &saved[0], "{save_as:?} → {load_as:?}");
+            // bf16 parameters: the masters rounded.
+            for ((_, m), r) in got.iter().zip(read) {
+                let want: Vec<f32> = m.iter().map(|&x| bf16::from_f32(x).to_f32()).collect();
+                assert_eq!(&want, r, "{save_as:?} → {load_as:?}: parameters");
+            }
         }
     }
 }

@@ -577,7 +577,7 @@ fn a_rank_killed_while_training_with_offloaded_state_fails_the_others_and_they_c
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .collect();
     assert!(
-        left.len() == 1 && left[0].starts_with("ringzero-swap-rank1-"),
+        left.len() == 1 && left[0].starts_with("ringzero-swap-optimizer-rank1-"),
         "{left:?}"
     );
     std::fs::remove_dir_all(&dir).unwrap();

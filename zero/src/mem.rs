@@ -22,7 +22,7 @@
 //!
 //! Offload (ZeRO-Offload, ZeRO-Infinity; [`model_states_by_tier`]): the offloaded share of the
 //! optimizer state (`ratio`, all by default) moves from the device to host memory or to NVMe,
-//! and at stage 3 `offload_param` moves the parameter shards to host memory. An offloaded state
+//! and at stage 3 `offload_param` moves the parameter shards to host memory or NVMe. An offloaded state
 //! keeps an fp32 master in every precision (the CPU steps the master and copies the parameters
 //! to the device), so in fp32 training it is K + 4 bytes per parameter where the device's is K.
 
@@ -122,8 +122,8 @@ pub struct OffloadPlan {
     pub ratio: f64,
     /// Optimizer bytes per parameter once offloaded (K, or K + 4 in fp32 training).
     pub k_offloaded: f64,
-    /// Whether stage 3's parameter shards go to host memory.
-    pub params_to_host: bool,
+    /// Where stage 3's parameter shards go (`offload_param`).
+    pub params: OffloadDevice,
 }
 
 /// [`model_states_with`] split by tier under `plan` (see the module docs). Refuses what the
@@ -159,11 +159,16 @@ pub fn model_states_by_tier(
             t.nvme.optimizer = off;
         }
     }
-    if plan.params_to_host {
+    if plan.params != OffloadDevice::None {
         if stage != 3 {
             return Err("offload_param needs ZeRO stage 3".into());
         }
-        (t.host.params, t.device.params) = (t.device.params, 0.0);
+        let moved = std::mem::replace(&mut t.device.params, 0.0);
+        if plan.params == OffloadDevice::Cpu {
+            t.host.params = moved;
+        } else {
+            t.nvme.params = moved;
+        }
     }
     Ok(t)
 }
@@ -238,7 +243,7 @@ mod tests {
             optimizer: OffloadDevice::Cpu,
             ratio: 1.0,
             k_offloaded: K_ADAM,
-            params_to_host: false,
+            params: OffloadDevice::None,
         };
         let t = model_states_by_tier(psi, 64, 2, (2.0, K_ADAM), cpu).unwrap();
         // Stage 2 + offload: 2Ψ + 2Ψ/N on the GPU, 12Ψ/N on the CPU.
@@ -246,7 +251,7 @@ mod tests {
         assert!((t.device.total() / 1e9 - 15.23).abs() < 0.01, "{t:?}");
         assert!((t.host.optimizer / 1e9 - 1.41).abs() < 0.01, "{t:?}");
         let both = OffloadPlan {
-            params_to_host: true,
+            params: OffloadDevice::Cpu,
             ..cpu
         };
         let t3 = model_states_by_tier(psi, 64, 3, (2.0, K_ADAM), both).unwrap();
@@ -256,7 +261,7 @@ mod tests {
             optimizer: OffloadDevice::Nvme,
             ratio: 0.3,
             k_offloaded: 12.0,
-            params_to_host: false,
+            params: OffloadDevice::None,
         };
         let t = model_states_by_tier(100.0, 1, 1, (4.0, 8.0), part).unwrap();
         assert!((t.device.optimizer - 560.0).abs() < 1e-9, "{t:?}");

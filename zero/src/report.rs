@@ -32,6 +32,9 @@ pub struct Memory {
     /// NVMe tier: the file holding the offloaded buckets' master weights and states (each
     /// stretch rounded up to 4096 bytes).
     pub nvme_optimizer: usize,
+    /// NVMe tier: the file holding stage 3's parameter shards (`offload_param` on `"nvme"`;
+    /// each shard rounded up to 4096 bytes).
+    pub nvme_params: usize,
 }
 
 impl Memory {

@@ -79,6 +79,8 @@ unsafe impl Sync for Base {}
 
 /// The swap file of one engine (see the module docs).
 pub(crate) struct Swap {
+    /// What it holds: `optimizer` state or `param` shards (DeepSpeed's key names).
+    what: &'static str,
     path: PathBuf,
     file: File,
     /// Whether the file was opened with `O_DIRECT`.
@@ -105,18 +107,18 @@ impl Swap {
     /// is `Some(f32s per stretch)`, `parts` stretches each, the whole size reserved now.
     pub(crate) fn create(
         dir: &Path,
-        rank: usize,
+        (what, rank): (&'static str, usize),
         elems: &[Option<usize>],
         parts: usize,
         aio: &Aio,
     ) -> Result<Swap, ZeroError> {
         let io = |what: String| move |e: std::io::Error| ZeroError::Offload(format!("{what}: {e}"));
         std::fs::create_dir_all(dir).map_err(io(format!(
-            "creating the NVMe tier's directory {} (offload_optimizer.nvme_path)",
+            "creating the NVMe tier's directory {} (offload_{what}.nvme_path)",
             dir.display()
         )))?;
         let path = dir.join(format!(
-            "ringzero-swap-rank{rank}-pid{}-{:x}.bin",
+            "ringzero-swap-{what}-rank{rank}-pid{}-{:x}.bin",
             std::process::id(),
             std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
@@ -158,6 +160,7 @@ impl Swap {
             })
             .collect();
         let swap = Swap {
+            what,
             path,
             file,
             direct,
@@ -174,8 +177,8 @@ impl Swap {
             rustix::fs::fallocate(&swap.file, rustix::fs::FallocateFlags::empty(), 0, at).map_err(
                 |e| {
                     ZeroError::Offload(format!(
-                        "reserving {at} bytes for the optimizer state in {} \
-                         (offload_optimizer.nvme_path): {e}; free that much space there or \
+                        "reserving {at} bytes for the {what} state in {} \
+                         (offload_{what}.nvme_path): {e}; free that much space there or \
                          choose another directory",
                         dir.display()
                     ))
@@ -211,6 +214,52 @@ impl Swap {
         (at, buf.stride * self.parts)
     }
 
+    /// Bytes of bucket `b`'s region (each stretch rounded up to 4096).
+    pub(crate) fn region_bytes(&self, b: usize) -> usize {
+        let (_, elems) = self.regions[b].expect("bucket on the NVMe tier");
+        stride(elems) * self.parts
+    }
+
+    /// Read bucket `b`'s region into the host memory at `host`.
+    ///
+    /// # Safety
+    /// `host` must start [`Swap::region_bytes`]`(b)` bytes of writable host memory, aligned to
+    /// 4096 and borrowed by nothing else until this returns.
+    pub(crate) unsafe fn read_raw(&self, b: usize, host: *mut u8) -> Result<(), ZeroError> {
+        let (at, _) = self.regions[b].expect("bucket on the NVMe tier");
+        let len = self.region_bytes(b);
+        let base = Base(host);
+        self.blocks(len, |off, n| -> std::io::Result<()> {
+            let base = &base;
+            // SAFETY: `blocks` hands out disjoint `(off, n)` pieces of the `len` bytes the
+            // caller lends at `host` until this returns.
+            let piece = unsafe { std::slice::from_raw_parts_mut(base.0.add(off), n) };
+            self.file.read_exact_at(piece, at + off as u64)
+        })
+        .map_err(|e| self.failed("reading", b, e))?;
+        self.read.fetch_add(len as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Write bucket `b`'s region from the host memory at `host`.
+    ///
+    /// # Safety
+    /// `host` must start [`Swap::region_bytes`]`(b)` bytes of readable host memory, aligned to
+    /// 4096 and not written until this returns.
+    pub(crate) unsafe fn write_raw(&self, b: usize, host: *const u8) -> Result<(), ZeroError> {
+        let (at, _) = self.regions[b].expect("bucket on the NVMe tier");
+        let len = self.region_bytes(b);
+        // SAFETY: guaranteed by the caller.
+        let bytes = unsafe { std::slice::from_raw_parts(host, len) };
+        self.blocks(len, |off, n| {
+            self.file
+                .write_all_at(&bytes[off..off + n], at + off as u64)
+        })
+        .map_err(|e| self.failed("writing", b, e))?;
+        self.written.fetch_add(len as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
     /// Read bucket `b`'s state into `buf`.
     pub(crate) fn read(&self, b: usize, buf: &mut Staged) -> Result<(), ZeroError> {
         let (at, len) = self.shape(b, buf);
@@ -229,15 +278,10 @@ impl Swap {
 
     /// Write `buf` as bucket `b`'s state.
     pub(crate) fn write(&self, b: usize, buf: &mut Staged) -> Result<(), ZeroError> {
-        let (at, len) = self.shape(b, buf);
+        let (_, len) = self.shape(b, buf);
         let bytes = &buf.bytes()[..len];
-        self.blocks(len, |off, n| {
-            self.file
-                .write_all_at(&bytes[off..off + n], at + off as u64)
-        })
-        .map_err(|e| self.failed("writing", b, e))?;
-        self.written.fetch_add(len as u64, Ordering::Relaxed);
-        Ok(())
+        // SAFETY: `bytes` is the region's length of `buf`'s pages, borrowed until this returns.
+        unsafe { self.write_raw(b, bytes.as_ptr()) }
     }
 
     /// `f(offset, length)` over `len` bytes in blocks, on up to `threads` threads.
@@ -270,7 +314,8 @@ impl Swap {
 
     fn failed(&self, what: &str, b: usize, e: std::io::Error) -> ZeroError {
         ZeroError::Offload(format!(
-            "{what} bucket {b}'s optimizer state in {}: {e}",
+            "{what} bucket {b}'s {} in {}: {e}",
+            self.what,
             self.path.display()
         ))
     }
@@ -321,7 +366,7 @@ pub struct TierBench {
 /// rounds each. Both files are removed.
 pub fn bench(dir: &Path, bytes: usize, aio: &Aio, rounds: usize) -> Result<TierBench, ZeroError> {
     let elems = bytes.div_ceil(4).max(1);
-    let swap = Swap::create(dir, 0, &[Some(elems)], 1, aio)?;
+    let swap = Swap::create(dir, ("optimizer", 0), &[Some(elems)], 1, aio)?;
     let mut buf = swap.staged();
     for (i, x) in buf.parts_mut()[0].iter_mut().enumerate() {
         *x = i as f32;

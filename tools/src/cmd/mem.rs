@@ -43,9 +43,10 @@ pub(crate) struct MemCli {
     /// With --offload: the share of the optimizer state offloaded (DeepSpeed's `ratio`).
     #[arg(long, default_value_t = 1.0, requires = "offload")]
     pub(crate) ratio: f64,
-    /// With --offload: stage 3's parameter shards in host memory too (`offload_param`).
-    #[arg(long = "offload-param", requires = "offload")]
-    pub(crate) offload_param: bool,
+    /// With --offload: stage 3's parameter shards off the device too, in host memory (cpu) or
+    /// on NVMe (nvme) (`offload_param`).
+    #[arg(long = "offload-param", value_name = "DEVICE", requires = "offload")]
+    pub(crate) offload_param: Option<ringzero_zero::OffloadDevice>,
 }
 
 /// `--optimizer`'s values.
@@ -173,8 +174,9 @@ fn tiers(
     k: f64,
     dev: ringzero_zero::OffloadDevice,
     ratio: f64,
-    offload_param: bool,
+    offload_param: Option<ringzero_zero::OffloadDevice>,
 ) -> anyhow::Result<()> {
+    let shards = offload_param.unwrap_or_default();
     use ringzero_zero::mem::{model_states_by_tier, model_states_with, OffloadPlan};
     anyhow::ensure!(
         ratio > 0.0 && ratio <= 1.0,
@@ -184,22 +186,26 @@ fn tiers(
         optimizer: dev,
         ratio,
         k_offloaded: k,
-        params_to_host: offload_param,
+        params: shards,
     };
     println!();
     println!(
         "with offload_optimizer on {dev} (ratio {ratio}){}: bytes per rank by tier (GB)",
-        if offload_param {
-            ", offload_param on cpu"
+        if shards == ringzero_zero::OffloadDevice::None {
+            String::new()
         } else {
-            ""
+            format!(", offload_param on {shards}")
         }
     );
     println!(
         "{:>6} {:>14} {:>12} {:>10} {:>10}   device: params + grads + optimizer",
         "stage", "", "device", "host", "nvme"
     );
-    let first = if offload_param { 3 } else { 1 };
+    let first = if shards == ringzero_zero::OffloadDevice::None {
+        1
+    } else {
+        3
+    };
     let stages: Vec<u8> = match stage {
         Some(s) => vec![s],
         None => (first..=3).collect(),

@@ -176,7 +176,8 @@ fn same(got: &[Vec<f32>], want: &[Vec<f32>], exact: bool, what: &str) -> Result<
 
 /// The device engine with its optimizer state offloaded — in page-locked host memory mapped
 /// into the device, in the NVMe tier's file (a temporary directory), and at stage 3 with the
-/// parameter shards in host memory too — against the host engine without offload, bf16 AdamW.
+/// parameter shards in host memory or on NVMe too — against the host engine without offload,
+/// bf16 AdamW.
 fn compare_offload<D: CheckDev>(
     comm: &Communicator,
     dc: &Arc<DeviceComm<D>>,
@@ -191,9 +192,9 @@ fn compare_offload<D: CheckDev>(
     let p = Precision::Bf16;
     for stage in [1, 2, 3] {
         let want = host::<bf16>(comm, cfg(p, stage, adamw()))?;
-        let mut ways = vec![("cpu", false), ("nvme", false)];
+        let mut ways = vec![("cpu", OffloadDevice::None), ("nvme", OffloadDevice::None)];
         if stage == 3 {
-            ways.push(("cpu", true));
+            ways.extend([("cpu", OffloadDevice::Cpu), ("nvme", OffloadDevice::Nvme)]);
         }
         for (to, params) in ways {
             let mut c = cfg(p, stage, adamw());
@@ -201,14 +202,12 @@ fn compare_offload<D: CheckDev>(
                 "cpu" => OffloadOptimizer::cpu(),
                 _ => OffloadOptimizer::nvme(&dir),
             };
-            if params {
-                c.offload.param.device = OffloadDevice::Cpu;
-            }
+            c.offload.param.device = params;
+            c.offload.param.nvme_path = Some(dir.clone());
             let got = device::<D, bf16>(dc, c)?;
             let what = format!(
-                "rank {}: bf16 stage {stage} offloaded to {to}{}",
+                "rank {}: bf16 stage {stage} offloaded to {to}, the parameters to {params}",
                 comm.rank(),
-                if params { " with the parameters" } else { "" }
             );
             same(&got, &want, exact, &what)?;
         }
@@ -243,7 +242,7 @@ pub fn check<D: CheckDev>(comm: &Communicator, dc: &Arc<DeviceComm<D>>, label: &
             format!(
                 "stages 0-3 × fp32/bf16/fp16 with AdamW, and stage 3 in bf16 with Adam, SGD with \
                  and without momentum{}; bf16 stages 1-3 with the optimizer state offloaded to \
-                 host memory and to NVMe, stage 3 with the parameters too; {STEPS} steps, \
+                 host memory and to NVMe, stage 3 with the parameters too (host, NVMe); {STEPS} steps, \
                  against the host engine: {}",
                 if exact { ", Lion" } else { "" },
                 if exact {

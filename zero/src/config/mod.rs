@@ -583,6 +583,25 @@ mod tests {
             "{:?}",
             c.notes
         );
+        // Hugging Face's NVMe example (ZeRO-Infinity): both on NVMe, `aio` nested.
+        let c = ZeroConfig::from_json(
+            r#"{"zero_optimization": {"stage": 3,
+                  "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme",
+                      "pin_memory": true, "buffer_count": 4, "fast_init": false},
+                  "offload_param": {"device": "nvme", "nvme_path": "/local_nvme",
+                      "pin_memory": true, "buffer_count": 5, "buffer_size": 1e8,
+                      "max_in_cpu": 1e9},
+                  "aio": {"block_size": 262144, "queue_depth": 32, "thread_count": 1,
+                      "single_submit": false, "overlap_events": true},
+                  "overlap_comm": true, "contiguous_gradients": true, "sub_group_size": 1e9,
+                  "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                  "stage3_param_persistence_threshold": "auto",
+                  "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+                  "stage3_gather_16bit_weights_on_model_save": true}}"#,
+        )
+        .unwrap();
+        assert_eq!(c.offload.param.device, OffloadDevice::Nvme);
+        assert_eq!(c.offload.aio.block_size, 262144);
         // DeepSpeed's legacy spelling.
         let c =
             ZeroConfig::from_json(r#"{"zero_optimization": {"stage": 2, "cpu_offload": true}}"#)
@@ -612,6 +631,16 @@ mod tests {
         refused(
             r#"{"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}"#,
             &["offload_param needs ZeRO stage 3"],
+        );
+        refused(
+            r#"{"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"},
+                 "offload_optimizer": {"device": "cpu"}}}"#,
+            &["offload_param.device is \"nvme\" but no nvme_path"],
+        );
+        refused(
+            r#"{"zero_optimization": {"stage": 3,
+                 "offload_param": {"device": "nvme", "nvme_path": "/local_nvme"}}}"#,
+            &["needs the whole optimizer state offloaded"],
         );
         refused(
             r#"{"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}"#,

@@ -106,20 +106,19 @@ impl OffloadOptimizer {
 /// `offload_param` (stage 3): this rank's parameter shards in host memory, gathered from there.
 #[derive(Clone, Debug, PartialEq)]
 pub struct OffloadParam {
-    /// Where the shards live ([`OffloadDevice::Nvme`] is refused: see [`ZeroConfig::validate`]).
-    ///
-    /// [`ZeroConfig::validate`]: super::ZeroConfig::validate
+    /// Where the shards live: on NVMe they are read into host memory before each gather
+    /// (which needs the optimizer state offloaded too).
     pub device: OffloadDevice,
     /// As [`OffloadOptimizer::nvme_path`].
     pub nvme_path: Option<PathBuf>,
     /// As [`OffloadOptimizer::pin_memory`].
     pub pin_memory: bool,
-    /// DeepSpeed's NVMe parameter buffers (`buffer_count`, 5; read, not used by the CPU tier).
+    /// DeepSpeed's NVMe parameter buffers (`buffer_count`, 5; read: the tier reads each shard
+    /// into one of two host buffers of the largest shard).
     pub buffer_count: usize,
-    /// Elements per NVMe parameter buffer (`buffer_size`, 1e8; read, not used by the CPU tier).
+    /// Elements per NVMe parameter buffer (`buffer_size`, 1e8; read, as `buffer_count`).
     pub buffer_size: usize,
-    /// Elements kept in host memory from NVMe (`max_in_cpu`, 1e9; read, not used by the CPU
-    /// tier).
+    /// Elements kept in host memory from NVMe (`max_in_cpu`, 1e9; read: the tier keeps none).
     pub max_in_cpu: usize,
 }
 
@@ -224,10 +223,17 @@ impl Offload {
                  rank); set zero_optimization.stage to 3, or remove offload_param"
             )));
         }
-        if p.device == OffloadDevice::Nvme {
+        if p.device == OffloadDevice::Nvme && p.nvme_path.is_none() {
             return Err(bad(
-                "offload_param.device \"nvme\" is not supported: parameters offload to \"cpu\" \
-                 (the optimizer state can go to \"nvme\"); set offload_param.device to \"cpu\"",
+                "offload_param.device is \"nvme\" but no nvme_path is given: name a directory \
+                 on the disk the parameter shards should go to",
+            ));
+        }
+        if p.device == OffloadDevice::Nvme && (o.device == OffloadDevice::None || o.ratio < 1.0) {
+            return Err(bad(
+                "offload_param.device \"nvme\" needs the whole optimizer state offloaded \
+                 (offload_optimizer.device \"cpu\" or \"nvme\", ratio 1): the CPU step writes \
+                 the new shards to the file",
             ));
         }
         let a = &self.aio;

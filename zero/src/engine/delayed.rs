@@ -171,12 +171,18 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
         let (es, s) = (T::DTYPE.size(), self.comm.stream());
         for j in &done.jobs {
             let tg = j.target;
+            if self.put_shard_to_nvme(tg.b, &j.params)? {
+                continue;
+            }
             // SAFETY: the new parameters (`tg.len` elements of `T`) into the engine's stretch of
             // the bucket; `done.jobs` lives until the sync below.
             unsafe { s.copy(tg.params, j.params.addr, tg.len * es) }
                 .map_err(dev("copying updated parameters to the device".into()))?;
             self.tier.stats.to_device += (tg.len * es) as u64;
         }
+        let (r, w) = self.tier.nvme_moved_since_last();
+        self.tier.stats.nvme_read += r;
+        self.tier.stats.nvme_written += w;
         self.sync("copying the delayed update's parameters to the device")?;
         self.tier.delayed_bufs = done.jobs.into_iter().map(|j| (j.grads, j.params)).collect();
         self.tier.delayed_held = 0;

@@ -68,6 +68,7 @@ mod buffers;
 mod delayed;
 mod host;
 mod offload;
+mod param_nvme;
 mod persist;
 mod stage3;
 mod step;
@@ -208,13 +209,17 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
             Ok(v)
         };
         let homes = offload::homes(&cfg, &part);
-        let host_params = cfg.offload.param.device != OffloadDevice::None;
+        let host_params = cfg.offload.param.device == OffloadDevice::Cpu;
+        let nvme_params = param_nvme::shards_on_nvme(&cfg);
         let mut params = Vec::with_capacity(nb);
         let mut master = Vec::with_capacity(nb);
         let (mut grads, mut states) = (Vec::new(), Vec::new());
         let keeps = cfg.optimizer.states().len();
         for (b, bucket) in full.iter().enumerate() {
-            params.push(if stage == 3 {
+            params.push(if nvme_params {
+                // The shard lives in the parameter file (`param_nvme.rs`).
+                alloc(T::DTYPE, 0, false)?
+            } else if stage == 3 {
                 upload(&bucket[part.owned(b, rank)], true, host_params)?
             } else {
                 upload(bucket, true, false)?
@@ -246,6 +251,9 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
         let range_cap = (0..nb).map(|b| upd(b).len()).max().unwrap_or(0);
         let mut tier = offload::Tier::new::<T>(homes, range_cap);
         tier.create_swap(&cfg, rank, &part, &full, keeps)?;
+        if nvme_params {
+            tier.params_file = Some(param_nvme::create::<T, S>(s, &cfg, (&part, rank), &full)?);
+        }
         let cap = part.buckets.iter().map(|b| b.len).max().unwrap_or(0);
         // Two bucket buffers in steady state (one filling while one reduces, or a gathered
         // bucket and a prefetched one); a reduced shard per bucket (stage 1 keeps them all
@@ -424,7 +432,7 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
         let nb = self.params.len();
         let (off, on): (Vec<usize>, Vec<usize>) = (0..nb).partition(|&b| self.tier.offloaded(b));
         let params = elems(&self.params) * sz;
-        let host_params = self.led.cfg.offload.param.device != OffloadDevice::None;
+        let host_params = self.led.cfg.offload.param.device == OffloadDevice::Cpu;
         Memory {
             params: if host_params { 0 } else { params },
             grads: elems(&self.grads) * sz,
@@ -444,6 +452,11 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
                 .swap
                 .as_ref()
                 .map_or(0, |(s, _)| s.size() as usize),
+            nvme_params: self
+                .tier
+                .params_file
+                .as_ref()
+                .map_or(0, |f| f.size() as usize),
         }
     }
 }

@@ -53,6 +53,10 @@ pub(super) struct Tier {
     pub(super) delayed_bufs: Vec<(DevVec, DevVec)>,
     /// Elements of those buffers while an update holds them.
     pub(super) delayed_held: usize,
+    /// Stage 3 with `offload_param` on NVMe: the shards' file, and host buffers (in `T`) a
+    /// shard is read into to be gathered (`engine/param_nvme.rs`).
+    pub(super) params_file: Option<Swap>,
+    pub(super) shard_bufs: Spares,
 }
 
 /// Per bucket, where its optimizer state goes under `cfg`: buckets in layout order are
@@ -88,6 +92,8 @@ impl Tier {
             delayed: None,
             delayed_bufs: Vec::new(),
             delayed_held: 0,
+            params_file: None,
+            shard_bufs: Spares::on_host(T::DTYPE, cap, 2),
         }
     }
 
@@ -119,7 +125,13 @@ impl Tier {
                     .then(|| update_range(part, stage, rank, b).len())
             })
             .collect();
-        let swap = Swap::create(dir, rank, &elems, 1 + keeps, &cfg.offload.aio)?;
+        let swap = Swap::create(
+            dir,
+            ("optimizer", rank),
+            &elems,
+            1 + keeps,
+            &cfg.offload.aio,
+        )?;
         let staged = (0..3).map(|_| swap.staged()).collect();
         self.swap = Some((swap, staged));
         for (b, bucket) in full.iter().enumerate() {
@@ -131,8 +143,25 @@ impl Tier {
                 self.write_nvme(b, &parts)?;
             }
         }
-        self.nvme_seen = self.swap.as_ref().map_or((0, 0), |(s, _)| s.moved());
+        self.nvme_moved_since_last();
         Ok(())
+    }
+
+    /// Bytes both NVMe files (the optimizer's, the parameters') read and wrote since the last
+    /// call.
+    pub(super) fn nvme_moved_since_last(&mut self) -> (u64, u64) {
+        let files = [
+            self.swap.as_ref().map(|(s, _)| s),
+            self.params_file.as_ref(),
+        ];
+        let (r, w) = files
+            .into_iter()
+            .flatten()
+            .map(Swap::moved)
+            .fold((0, 0), |(a, b), (x, y)| (a + x, b + y));
+        let (r0, w0) = self.nvme_seen;
+        self.nvme_seen = (r, w);
+        (r - r0, w - w0)
     }
 
     /// Whether bucket `b`'s state is off the device.
@@ -360,24 +389,21 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
                 cpu_step(&segs, t, m, &mut st, g, p, scale, self.tier.threads);
             }
             stats.cpu_step += c0.elapsed();
-            let s = self.comm.stream();
-            // SAFETY: the updated parameters (`tg.len` elements of `T`) into the engine's
-            // stretch of the bucket; the buffer is not written again before this copy ends.
-            unsafe { s.copy(tg.params, pbuf(k).addr, tg.len * es) }
-                .map_err(dev("copying updated parameters to the device".into()))?;
-            stats.to_device += (tg.len * es) as u64;
+            if !self.put_shard_to_nvme(tg.b, pbuf(k))? {
+                let s = self.comm.stream();
+                // SAFETY: the updated parameters (`tg.len` elements of `T`) into the engine's
+                // stretch of the bucket; the buffer is not written again before this copy ends.
+                unsafe { s.copy(tg.params, pbuf(k).addr, tg.len * es) }
+                    .map_err(dev("copying updated parameters to the device".into()))?;
+                stats.to_device += (tg.len * es) as u64;
+            }
         }
         let last = targets.len() - 1;
         if self.tier.on_nvme(targets[last].b) {
             let (swap, staged) = self.tier.swap.as_mut().expect("an NVMe tier");
             swap.write(targets[last].b, &mut staged[last % 3])?;
         }
-        if let Some((swap, _)) = &self.tier.swap {
-            let (r, w) = swap.moved();
-            let (r0, w0) = self.tier.nvme_seen;
-            (stats.nvme_read, stats.nvme_written) = (r - r0, w - w0);
-            self.tier.nvme_seen = (r, w);
-        }
+        (stats.nvme_read, stats.nvme_written) = self.tier.nvme_moved_since_last();
         self.tier.stats = stats;
         Ok(())
     }

@@ -128,6 +128,10 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
                 1 | 2 => self.led.part.owned(b, rank),
                 _ => 0..self.params[b].elems,
             };
+            if self.tier.params_file.is_some() {
+                // The shard goes to its file; the master and states to their tier below.
+                self.put_loaded_shard(b, master)?;
+            }
             let p = self.params[b].at(range.start);
             let s = self.comm.stream();
             let up = |dst: u64, x: &[f32]| {
@@ -141,6 +145,9 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
                 let mut parts: Vec<&[f32]> = vec![master];
                 parts.extend(kept.iter().map(Vec::as_slice));
                 self.tier.write_nvme(b, &parts)?;
+                if range.is_empty() {
+                    continue; // the shard went to its file above
+                }
                 let mut p16 = vec![T::default(); master.len()];
                 cast(master, &mut p16);
                 // SAFETY: the parameters' stretch holds `range.len()` elements of `T`, used by

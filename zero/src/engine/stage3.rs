@@ -51,15 +51,23 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
     fn start_prefetches(&mut self, start: Vec<(usize, usize)>) -> Result<(), ZeroError> {
         for (b, held) in start {
             // The proxy thread owns what it gathers from: a copy of the shard, queued before.
-            let shard = &self.params[b];
+            let staged = self.staged_shard(b)?;
+            let shard = staged.as_ref().unwrap_or(&self.params[b]);
             let copy = self.shards.take(self.comm.stream(), shard.elems, false)?;
             // SAFETY: both hold the shard's elements of `T`; the all-gather that reads the copy
             // is queued after it on the same stream.
-            unsafe {
+            let copied = unsafe {
                 self.stream()
                     .copy(copy.addr, shard.addr, shard.elems * T::DTYPE.size())
             }
-            .map_err(dev("copying a shard to prefetch".into()))?;
+            .map_err(dev("copying a shard to prefetch".into()));
+            // A shard read from NVMe is copied before its buffer is kept for the next.
+            let copied = copied.and_then(|()| match staged {
+                Some(_) => self.sync("copying a shard read from NVMe"),
+                None => Ok(()),
+            });
+            self.done_with_shard(staged);
+            copied?;
             let len = self.led.part.buckets[b].len;
             let full = self.buckets.take(self.comm.stream(), len, false)?;
             self.inflight[b] = Some((self.comm.all_gather_async(copy, full), held));
@@ -96,7 +104,11 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
                 None => {
                     let len = self.led.part.buckets[b].len;
                     let mut full = self.buckets.take(self.comm.stream(), len, false)?;
-                    self.comm.all_gather(&self.params[b], &mut full)?;
+                    let staged = self.staged_shard(b)?;
+                    let shard = staged.as_ref().unwrap_or(&self.params[b]);
+                    let r = self.comm.all_gather(shard, &mut full);
+                    self.done_with_shard(staged);
+                    r?;
                     self.gathered_elems += len as u64;
                     full
                 }
@@ -114,7 +126,10 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
                 continue;
             }
             if let Some(mut full) = self.gathered[b].take() {
-                let r = self.comm.all_gather(&self.params[b], &mut full);
+                let staged = self.staged_shard(b)?;
+                let shard = staged.as_ref().unwrap_or(&self.params[b]);
+                let r = self.comm.all_gather(shard, &mut full);
+                self.done_with_shard(staged);
                 self.gathered_elems += full.elems as u64;
                 self.gathered[b] = Some(full);
                 r?;

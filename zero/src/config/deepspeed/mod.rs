@@ -381,6 +381,9 @@ fn zero_optimization(r: &mut Reader<'_>, cfg: &mut ZeroConfig, v: &Value) -> Res
                     ));
                 }
             }
+            // Hugging Face's NVMe example nests `aio` here; DeepSpeed's reference has it at the
+            // top. Either is read.
+            "aio" => read_aio(r, &mut cfg.offload.aio, v2)?,
             "offload_optimizer" | "offload_param" => read_offload(r, &mut cfg.offload, &full, v2)?,
             _ => return Ok(false),
         }
