@@ -161,6 +161,9 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
             return Ok(());
         };
         let w0 = Instant::now();
+        // No deadline here, as for the host stream's own work: the thread only computes and
+        // reads and writes a local file, waits on no other rank, and owns raw pointers into the
+        // host state, which nothing may touch (or free) before it has ended.
         let done = handle
             .join()
             .map_err(|_| ZeroError::Offload("the delayed update's thread panicked".into()))?;
