@@ -16,6 +16,7 @@ pub mod diag;
 pub mod gpu;
 pub mod job_procs;
 pub mod launch;
+pub mod offload_bench;
 
 /// splitmix64's finaliser: a well-spread hash of a seed, for reproducible pseudo-random inputs
 /// (demo initialisation, gpu-check data) without carrying an RNG's state around.

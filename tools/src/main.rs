@@ -33,6 +33,9 @@ enum Cmd {
     /// The NVMe offload tier's throughput on a directory against a plain direct-I/O copy of the
     /// same bytes, in one run (what `offload_optimizer.nvme_path` and `aio` would reach).
     Nvme(cmd::nvme::NvmeCli),
+    /// The ZeRO engine's optimizer step with its state on the device, in host memory and on
+    /// NVMe, side by side: step time, the wait for gradients, the CPU step, PCIe and NVMe bytes.
+    OffloadBench(cmd::offload_bench::OffloadBenchCli),
     /// ZeRO checkpoints: check one, or consolidate its shards into one file of full weights.
     Ckpt(cmd::ckpt::CkptCli),
     /// Train a small MLP with the ZeRO engine on N local ranks (any stage and precision), printing
@@ -81,6 +84,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Cmd::Diag(a) => cmd::diag::run(a),
         Cmd::Mem(a) => cmd::mem::run(a),
         Cmd::Nvme(a) => cmd::nvme::run(a),
+        Cmd::OffloadBench(a) => cmd::offload_bench::run(a),
         Cmd::Ckpt(a) => cmd::ckpt::run(a),
         Cmd::Demo(a) => cmd::demo::run(a),
         Cmd::Train(a) => cmd::train::run(a),

@@ -1560,3 +1560,45 @@ fn nvme_sets_the_tier_against_a_plain_copy_and_leaves_nothing() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `ringzero offload-bench` on the host stream: a line per mode, the device's as the ratios'
+/// base, PCIe bytes only where the state left the device, NVMe bytes only on NVMe.
+#[test]
+fn offload_bench_sets_each_tier_against_the_device() {
+    let dir = std::env::temp_dir().join(format!("ringzero-offload-bench-{}", std::process::id()));
+    let out = succeeds(
+        ringzero()
+            .args(["offload-bench", "-n", "2", "--params", "1M", "--steps", "1"])
+            .args(["--device", "host-stream", "--nvme-path"])
+            .arg(&dir),
+    );
+    let row = |mode: &str| -> Vec<String> {
+        out.lines()
+            .find(|l| l.trim_start().starts_with(mode))
+            .unwrap_or_else(|| panic!("no {mode} line: {out}"))
+            .split_whitespace()
+            .map(String::from)
+            .collect()
+    };
+    let (none, cpu, nvme) = (row("none"), row("cpu"), row("nvme"));
+    assert_eq!(none[2], "1.00", "{out}");
+    // → host MB, nvme r MB
+    assert_eq!(
+        (none[5].as_str(), none[7].as_str()),
+        ("0.0", "0.0"),
+        "{out}"
+    );
+    assert!(cpu[5] != "0.0" && cpu[7] == "0.0", "{out}");
+    assert!(nvme[5] != "0.0" && nvme[7] != "0.0", "{out}");
+    assert_eq!(
+        std::fs::read_dir(&dir).map_or(0, |d| d.count()),
+        0,
+        "files left"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    let err = fails(ringzero().args(["offload-bench", "--stage", "0"]));
+    assert!(
+        err.contains("--stage 0") && err.contains("stage 1, 2 or 3"),
+        "{err}"
+    );
+}

@@ -53,7 +53,8 @@ impl Memory {
 /// What the offloaded part of one optimizer step moved and spent (all zero without offload).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct OffloadStats {
-    /// Time the CPU optimizer ran (all buckets, wall time on the calling thread).
+    /// Time the CPU optimizer stage took (all buckets, wall time on the calling thread; on
+    /// NVMe it includes waiting for the reads and writes it overlaps).
     pub cpu_step: Duration,
     /// Time the step waited for gradients to arrive from the device (what the pipeline did
     /// not hide).

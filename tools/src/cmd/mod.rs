@@ -17,6 +17,7 @@ pub(crate) mod gpu;
 pub(crate) mod launch_cmd;
 pub(crate) mod mem;
 pub(crate) mod nvme;
+pub(crate) mod offload_bench;
 pub(crate) mod train;
 
 pub(crate) fn count(s: &str) -> Result<f64, String> {
