@@ -122,6 +122,8 @@ fn kill_offload_scenario() -> i32 {
         .expect("config");
     let specs = [ParamSpec::new("w", &[1 << 18])];
     let mut e = Engine::<f32>::new(&comm, &specs, &|_, i| (i as f32).sin(), cfg).expect("engine");
+    // Every rank has its engine (and its swap file) before rank 1's clock starts.
+    comm.barrier().expect("barrier");
     if comm.rank() == 1 {
         std::thread::spawn(|| {
             std::thread::sleep(Duration::from_millis(300));

@@ -262,18 +262,11 @@ impl Swap {
 
     /// Read bucket `b`'s state into `buf`.
     pub(crate) fn read(&self, b: usize, buf: &mut Staged) -> Result<(), ZeroError> {
-        let (at, len) = self.shape(b, buf);
-        let base = Base(pages_mut(&mut buf.mem, len).as_mut_ptr());
-        self.blocks(len, |off, n| -> std::io::Result<()> {
-            let base = &base;
-            // SAFETY: `blocks` hands out disjoint `(off, n)` pieces of the `len` bytes that
-            // `base` starts, borrowed from `buf` (mutably) until `blocks` returns.
-            let piece = unsafe { std::slice::from_raw_parts_mut(base.0.add(off), n) };
-            self.file.read_exact_at(piece, at + off as u64)
-        })
-        .map_err(|e| self.failed("reading", b, e))?;
-        self.read.fetch_add(len as u64, Ordering::Relaxed);
-        Ok(())
+        let (_, len) = self.shape(b, buf);
+        let bytes = pages_mut(&mut buf.mem, len);
+        // SAFETY: `bytes` is the region's length of `buf`'s pages (page-aligned), borrowed
+        // mutably until this returns.
+        unsafe { self.read_raw(b, bytes.as_mut_ptr()) }
     }
 
     /// Write `buf` as bucket `b`'s state.
