@@ -9,7 +9,7 @@
 //! - [`engine`]: [`Engine`], stages 0–3 in fp32, bf16 and fp16 (fp32 masters), AdamW, clipping,
 //!   accumulation, stage-3 prefetch, memory and wait counters — one engine whose model states
 //!   live in the memory of a stream: the host's ([`Engine::new`]) or a GPU's ([`Engine::on`]);
-//! - [`swap`]: the NVMe tier's file (ZeRO-Infinity), and [`swap::bench`], its throughput
+//! - [`swap`]: the NVMe tier's file (ZeRO-Infinity), and [`swap::bench()`], its throughput
 //!   against a plain direct-I/O copy;
 //! - [`checkpoint`]: one safetensors shard per rank and a `meta.json` commit marker, loaded at any
 //!   world size, stage or precision (resharded by parameter name), and consolidated offline.

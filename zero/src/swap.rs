@@ -3,7 +3,7 @@
 //!
 //! - **Layout**: bucket `b` owns a region of `parts` stretches (the fp32 master, then each
 //!   optimizer state), each rounded up to 4096 bytes, so every read and write is aligned for
-//!   direct I/O; a [`Staged`] buffer holds one region in the same layout.
+//!   direct I/O; a `Staged` buffer holds one region in the same layout.
 //! - **Direct I/O**: the file is opened with `O_DIRECT` (the page cache would hold a second copy
 //!   of state that is on the disk to save memory); a filesystem that refuses it (tmpfs) gets
 //!   buffered I/O, said once in the log. Each region moves in `aio.block_size` requests spread
@@ -336,7 +336,7 @@ impl Drop for Swap {
 }
 
 /// The NVMe tier's throughput against a plain direct-I/O copy of the same bytes on the same
-/// disk, measured in one run ([`bench`]; `ringzero nvme`). GB/s are 10⁹ bytes per second.
+/// disk, measured in one run ([`bench()`]; `ringzero nvme`). GB/s are 10⁹ bytes per second.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct TierBench {
     /// Bytes moved each way per round.

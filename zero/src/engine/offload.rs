@@ -5,7 +5,8 @@
 //!
 //! At an optimizer step the offloaded buckets go through a pipeline, one bucket per stage:
 //! - **fetch**: the reduced gradient range leaves the device (a copy queued on the stream into
-//!   a host buffer);
+//!   a host buffer) — at stages 2–3 it left already, during backward, as soon as its bucket's
+//!   reduce-scatter of the window's last micro-step ended ([`Engine::copy_out_early`]);
 //! - **step**: the CPU updates the master and states and rounds the new parameters into a host
 //!   buffer — while bucket k+1's gradients are copied out and, on NVMe, bucket k+1's state is
 //!   read and bucket k−1's written back;
@@ -57,6 +58,10 @@ pub(super) struct Tier {
     /// shard is read into to be gathered (`engine/param_nvme.rs`).
     pub(super) params_file: Option<Swap>,
     pub(super) shard_bufs: Spares,
+    /// Stages 2–3: per bucket, its reduced gradient range already copied to the host while
+    /// backward went on (`Engine::copy_out_early`), and the kept buffers for those copies.
+    pub(super) early: Vec<Option<DevVec>>,
+    pub(super) early_bufs: Spares,
 }
 
 /// Per bucket, where its optimizer state goes under `cfg`: buckets in layout order are
@@ -81,6 +86,7 @@ pub(super) fn homes(cfg: &ZeroConfig, part: &Partition) -> Vec<OffloadDevice> {
 impl Tier {
     /// The tier for buckets at `homes`, whose update ranges are at most `cap` elements of `T`.
     pub(super) fn new<T: Float>(homes: Vec<OffloadDevice>, cap: usize) -> Tier {
+        let nb = homes.len();
         Tier {
             homes,
             grads: Spares::on_host(T::DTYPE, cap, 2),
@@ -94,6 +100,8 @@ impl Tier {
             delayed_held: 0,
             params_file: None,
             shard_bufs: Spares::on_host(T::DTYPE, cap, 2),
+            early: (0..nb).map(|_| None).collect(),
+            early_bufs: Spares::on_host(T::DTYPE, cap, nb),
         }
     }
 
@@ -307,7 +315,17 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
             |k: usize| &bufs[2 * (k % 2)],
             |k: usize| &bufs[2 * (k % 2) + 1],
         );
-        let fetch = |k: usize| -> Result<S::Marker, ZeroError> {
+        // Gradient ranges already copied out while backward went on (`copy_out_early`); their
+        // copies ended when the push that queued them returned.
+        let early: Vec<Option<DevVec>> = targets
+            .iter()
+            .map(|tg| self.tier.early[tg.b].take())
+            .collect();
+        let grads_of = |k: usize| early[k].as_ref().unwrap_or(gbuf(k));
+        let fetch = |k: usize| -> Result<Option<S::Marker>, ZeroError> {
+            if early[k].is_some() {
+                return Ok(None);
+            }
             let tg = targets[k];
             let s = self.comm.stream();
             // SAFETY: `tg.len` elements of `T` of the engine's reduced gradients into a host
@@ -315,24 +333,31 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
             // nothing else uses until the marker below has passed.
             unsafe { s.copy(gbuf(k).addr, tg.grads, tg.len * es) }
                 .map_err(dev("copying gradients to the host".into()))?;
-            s.mark().map_err(dev("marking a gradient copy".into()))
+            s.mark()
+                .map(Some)
+                .map_err(dev("marking a gradient copy".into()))
         };
         let mut stats = OffloadStats::default();
-        let mut fetched = Some(fetch(0)?);
+        // Per bucket, a marker after its put: the parameter buffer it read is written again
+        // two buckets later, only once the put has ended.
+        let mut puts: Vec<Option<S::Marker>> = Vec::with_capacity(targets.len());
+        let mut fetched = fetch(0)?;
         if self.tier.on_nvme(targets[0].b) {
             let (swap, staged) = self.tier.swap.as_mut().expect("an NVMe tier");
             swap.read(targets[0].b, &mut staged[0])?;
         }
         for (k, tg) in targets.iter().enumerate() {
             let w0 = Instant::now();
-            self.wait_mark(
-                fetched.take().expect("fetched"),
-                "copying gradients to the host",
-            )?;
+            if let Some(m) = fetched.take() {
+                self.wait_mark(m, "copying gradients to the host")?;
+            }
+            if let Some(m) = k.checked_sub(2).and_then(|j| puts[j].take()) {
+                self.wait_mark(m, "copying updated parameters to the device")?;
+            }
             stats.device_wait += w0.elapsed();
             stats.to_host += (tg.len * es) as u64;
             if k + 1 < targets.len() {
-                fetched = Some(fetch(k + 1)?);
+                fetched = fetch(k + 1)?;
             }
             let segs = self.led.update_segments(tg.b, tg.from, tg.len, h);
             let next = targets
@@ -343,12 +368,13 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
                 .checked_sub(1)
                 .map(|p| targets[p].b)
                 .filter(|&b| self.tier.on_nvme(b));
-            // SAFETY: the gradient buffer's copy has ended (the marker passed) and the next
-            // copy goes to the other one; the parameter buffer's last put ended before that
-            // copy (two buckets back, queued before it); both hold `tg.len` elements of `T`.
+            // SAFETY: the gradients' copy has ended (its marker passed, or it was waited for
+            // when it was queued) and the next copy goes to another buffer; the parameter
+            // buffer's last put (two buckets back) has ended (its marker passed); both hold
+            // `tg.len` elements of `T`.
             let (g, p) = unsafe {
                 (
-                    on_host::<T>(gbuf(k), 0, tg.len),
+                    on_host::<T>(grads_of(k), 0, tg.len),
                     on_host::<T>(pbuf(k), 0, tg.len),
                 )
             };
@@ -389,12 +415,16 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
                 cpu_step(&segs, t, m, &mut st, g, p, scale, self.tier.threads);
             }
             stats.cpu_step += c0.elapsed();
-            if !self.put_shard_to_nvme(tg.b, pbuf(k))? {
+            if self.put_shard_to_nvme(tg.b, pbuf(k))? {
+                puts.push(None);
+            } else {
                 let s = self.comm.stream();
                 // SAFETY: the updated parameters (`tg.len` elements of `T`) into the engine's
-                // stretch of the bucket; the buffer is not written again before this copy ends.
+                // stretch of the bucket; the buffer is not written again before this copy ends
+                // (its marker, below, is waited for first).
                 unsafe { s.copy(tg.params, pbuf(k).addr, tg.len * es) }
                     .map_err(dev("copying updated parameters to the device".into()))?;
+                puts.push(Some(s.mark().map_err(dev("marking a put".into()))?));
                 stats.to_device += (tg.len * es) as u64;
             }
         }
@@ -405,6 +435,30 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
         }
         (stats.nvme_read, stats.nvme_written) = self.tier.nvme_moved_since_last();
         self.tier.stats = stats;
+        // The early copies' buffers: no work reads them any more (the CPU stepped them).
+        early
+            .into_iter()
+            .flatten()
+            .for_each(|v| self.tier.early_bufs.give(v));
+        Ok(())
+    }
+
+    /// Stages 2–3, the accumulation window's last micro-step: queue bucket `b`'s reduced
+    /// gradient range's copy to the host now, while backward goes on, so the step finds it
+    /// there (the caller waits for the stream before returning, as a push does).
+    pub(super) fn copy_out_early(&mut self, b: usize) -> Result<(), ZeroError> {
+        let o = &self.led.cfg.offload.optimizer;
+        if !self.tier.offloaded(b) || self.led.cfg.stage < 2 || o.delayed_update_after.is_some() {
+            return Ok(());
+        }
+        let s = self.comm.stream();
+        let len = self.grads[b].elems;
+        let buf = self.tier.early_bufs.take(s, len, false)?;
+        // SAFETY: `len` elements of `T` of the bucket's reduced gradients into a kept host
+        // buffer of at least that many, which nothing reads before the caller's wait.
+        unsafe { s.copy(buf.addr, self.grads[b].addr, len * T::DTYPE.size()) }
+            .map_err(dev("copying gradients to the host".into()))?;
+        self.tier.early[b] = Some(buf);
         Ok(())
     }
 

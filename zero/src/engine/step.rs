@@ -131,14 +131,16 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
         let r = self.comm.reduce_scatter(&full, &mut shard, ReduceOp::Avg);
         self.wait.reduce += t0.elapsed();
         r?;
-        self.accumulate(b, &shard)?;
+        let last = self.led.micro + 1 == self.led.cfg.accumulation_steps;
+        self.accumulate(b, &shard, last)?;
         self.buckets.give(full);
         self.shards.give(shard);
         Ok(())
     }
 
-    /// Add a reduced gradient `shard` into bucket `b`'s owned gradients (waited for).
-    fn accumulate(&self, b: usize, shard: &DevVec) -> Result<(), ZeroError> {
+    /// Add a reduced gradient `shard` into bucket `b`'s owned gradients (waited for); in the
+    /// window's `last` micro-step an offloaded bucket's sum also leaves for the host now.
+    fn accumulate(&mut self, b: usize, shard: &DevVec, last: bool) -> Result<(), ZeroError> {
         let g = self.grads[b].addr;
         // SAFETY: `grads[b]` and `shard` both hold the owned range's elements of `T`.
         unsafe {
@@ -146,6 +148,9 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
                 .combine(T::DTYPE, ReduceOp::Sum, g, g, shard.addr, shard.elems)
         }
         .map_err(dev("accumulating a reduced gradient shard".into()))?;
+        if last {
+            self.copy_out_early(b)?;
+        }
         self.sync("accumulating a reduced gradient shard")
     }
 
@@ -179,7 +184,8 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
         for b in 0..self.pending.len() {
             if let Some((w, _)) = self.pending[b].take() {
                 let (full, shard) = w.wait()?;
-                self.accumulate(b, &shard)?;
+                // At the step itself: the pipeline fetches these gradients.
+                self.accumulate(b, &shard, false)?;
                 self.buckets.give(full);
                 self.shards.give(shard);
             }
