@@ -391,6 +391,10 @@ fn a_delayed_update_lands_one_step_late_and_flush_lands_the_last() {
                 .unwrap_err()
                 .to_string()
                 .contains("flush"));
+            // While the update is in flight its state is still counted where it lives.
+            let m = delayed.memory();
+            assert!(m.host_optimizer + m.nvme_optimizer > 0, "{m:?}");
+            assert_eq!(nvme, m.nvme_optimizer > 0, "stage {stage}: {m:?}");
             delayed.flush().unwrap();
             assert_eq!(
                 params_of(&mut delayed, &params),

@@ -447,11 +447,7 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
             host_params: if host_params { params } else { 0 },
             host_optimizer: off.iter().map(|&b| optim(b)).sum::<usize>() * 4,
             host_buffers: self.tier.buffer_bytes(),
-            nvme_optimizer: self
-                .tier
-                .swap
-                .as_ref()
-                .map_or(0, |(s, _)| s.size() as usize),
+            nvme_optimizer: self.tier.nvme_bytes,
             nvme_params: self
                 .tier
                 .params_file

@@ -48,6 +48,9 @@ pub(super) struct Tier {
     pub(super) stats: OffloadStats,
     /// The NVMe file's bytes read and written before this step.
     nvme_seen: (u64, u64),
+    /// The optimizer's NVMe file's size (the file itself is on a delayed update's thread while
+    /// one is in flight).
+    pub(super) nvme_bytes: usize,
     /// The delayed update in flight, if any, and the host buffers (gradients, parameters) per
     /// offloaded bucket its updates reuse.
     pub(super) delayed: Option<super::delayed::InFlight>,
@@ -95,6 +98,7 @@ impl Tier {
             threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
             stats: OffloadStats::default(),
             nvme_seen: (0, 0),
+            nvme_bytes: 0,
             delayed: None,
             delayed_bufs: Vec::new(),
             delayed_held: 0,
@@ -141,6 +145,7 @@ impl Tier {
             &cfg.offload.aio,
         )?;
         let staged = (0..3).map(|_| swap.staged()).collect();
+        self.nvme_bytes = swap.size() as usize;
         self.swap = Some((swap, staged));
         for (b, bucket) in full.iter().enumerate() {
             if self.homes[b] == OffloadDevice::Nvme {
