@@ -14,12 +14,27 @@ use ringzero::{
 };
 
 /// A port that was free a moment ago.
+/// A port for one test's rendezvous store, free now. Taken from a counter below Linux's
+/// ephemeral range (32768 and up) rather than from the kernel's pick: a port the kernel hands
+/// out and this test lets go of can be handed to another test's outgoing connection before the
+/// store binds it ("Address already in use"), while ports below the range are only ever bound
+/// here, each once per process.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    use std::sync::atomic::{AtomicU32, Ordering};
+    // Each test process starts at its own place in 20000..32000.
+    static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
+    let _ = NEXT.compare_exchange(
+        u32::MAX,
+        std::process::id() % 6000 * 2,
+        Ordering::Relaxed,
+        Ordering::Relaxed,
+    );
+    loop {
+        let p = 20000 + (NEXT.fetch_add(1, Ordering::Relaxed) % 12000) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", p)).is_ok() {
+            return p;
+        }
+    }
 }
 
 /// Per-test knobs.

@@ -206,12 +206,7 @@ pub(crate) fn run(b: BenchCli) -> anyhow::Result<ExitCode> {
     };
     let report = match device.as_str() {
         "cuda" => {
-            let n = ringzero_kernels::device::cuda_devices()
-                .map_err(|e| anyhow::anyhow!("--device cuda: {e}"))?;
-            let ordinal = comm.config().launch.local_rank % n;
-            let gpu = ringzero_kernels::device::cuda::Gpu::open(ordinal)
-                .map_err(|e| anyhow::anyhow!("opening cuda:{ordinal}: {e}"))?;
-            let name = format!("cuda:{ordinal} ({})", gpu.name().unwrap_or_default());
+            let (gpu, name) = super::local_gpu(&comm, "--device cuda")?;
             let mut dc = ringzero_collectives::DeviceComm::new(&comm, gpu)
                 .context("connecting the device communicator")?;
             ringzero_tools::bench::run_device(&comm, &mut dc, &args, name, &mut progress)?

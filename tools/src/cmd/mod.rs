@@ -142,3 +142,17 @@ pub(crate) fn join(
     }
     Ok(comm)
 }
+
+/// This rank's GPU (local rank mod the count, as `bench --device cuda` and `offload-bench`
+/// pick it) and its name for reports; `flag` names the option in errors.
+pub(crate) fn local_gpu(
+    comm: &Communicator,
+    flag: &str,
+) -> anyhow::Result<(std::sync::Arc<ringzero_kernels::device::cuda::Gpu>, String)> {
+    let n = ringzero_kernels::device::cuda_devices().map_err(|e| anyhow::anyhow!("{flag}: {e}"))?;
+    let ordinal = comm.config().launch.local_rank % n;
+    let gpu = ringzero_kernels::device::cuda::Gpu::open(ordinal)
+        .map_err(|e| anyhow::anyhow!("opening cuda:{ordinal}: {e}"))?;
+    let name = format!("cuda:{ordinal} ({})", gpu.name().unwrap_or_default());
+    Ok((gpu, name))
+}

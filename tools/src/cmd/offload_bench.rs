@@ -85,12 +85,7 @@ pub(crate) fn run(c: OffloadBenchCli) -> anyhow::Result<ExitCode> {
     };
     let (lines, name) = match device.as_str() {
         "cuda" => {
-            let n = ringzero_kernels::device::cuda_devices()
-                .map_err(|e| anyhow::anyhow!("--device cuda: {e}"))?;
-            let ordinal = comm.config().launch.local_rank % n;
-            let gpu = ringzero_kernels::device::cuda::Gpu::open(ordinal)
-                .map_err(|e| anyhow::anyhow!("opening cuda:{ordinal}: {e}"))?;
-            let name = format!("cuda:{ordinal} ({})", gpu.name().unwrap_or_default());
+            let (gpu, name) = super::local_gpu(&comm, "--device cuda")?;
             let dc = Arc::new(
                 DeviceComm::new(&comm, gpu).context("connecting the device communicator")?,
             );

@@ -213,14 +213,15 @@ impl Tier {
 
     /// Write bucket `b`'s master and states (`parts`, each its update range long) to the NVMe
     /// tier.
-    pub(super) fn write_nvme(&self, b: usize, parts: &[&[f32]]) -> Result<(), ZeroError> {
-        let (swap, _) = self.swap.as_ref().expect("an NVMe tier");
-        let mut buf = swap.staged();
-        swap.shape(b, &mut buf);
+    /// Through the tier's first host region (free between steps).
+    pub(super) fn write_nvme(&mut self, b: usize, parts: &[&[f32]]) -> Result<(), ZeroError> {
+        let (swap, staged) = self.swap.as_mut().expect("an NVMe tier");
+        let buf = &mut staged[0];
+        swap.shape(b, buf);
         for (dst, src) in buf.parts_mut().into_iter().zip(parts) {
             dst.copy_from_slice(src);
         }
-        swap.write(b, &mut buf)
+        swap.write(b, buf)
     }
 }
 

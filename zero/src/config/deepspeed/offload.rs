@@ -20,31 +20,16 @@ pub(super) fn read_offload(
     for_each(r, key, v, |_, k2, v2| {
         let full = format!("{key}.{k2}");
         let (opt, par) = (&mut o.optimizer, &mut o.param);
+        // The three keys both settings have, in the one this is.
+        let (dev, nvme, pin) = if optimizer {
+            (&mut opt.device, &mut opt.nvme_path, &mut opt.pin_memory)
+        } else {
+            (&mut par.device, &mut par.nvme_path, &mut par.pin_memory)
+        };
         match (k2, optimizer) {
-            ("device", _) => {
-                let d = device(&full, v2)?;
-                if optimizer {
-                    opt.device = d;
-                } else {
-                    par.device = d;
-                }
-            }
-            ("nvme_path", _) => {
-                let p = path(&full, v2)?;
-                if optimizer {
-                    opt.nvme_path = p;
-                } else {
-                    par.nvme_path = p;
-                }
-            }
-            ("pin_memory", _) => {
-                let b = boolean(&full, v2)?;
-                if optimizer {
-                    opt.pin_memory = b;
-                } else {
-                    par.pin_memory = b;
-                }
-            }
+            ("device", _) => *dev = device(&full, v2)?,
+            ("nvme_path", _) => *nvme = path(&full, v2)?,
+            ("pin_memory", _) => *pin = boolean(&full, v2)?,
             ("buffer_count", true) => opt.buffer_count = uint(&full, v2)? as usize,
             ("ratio", true) => opt.ratio = num(&full, v2)? as f32,
             ("buffer_count", false) => par.buffer_count = uint(&full, v2)? as usize,
