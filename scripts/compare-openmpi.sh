@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # ringzero against Open MPI on this machine, side by side in one run: all-reduce, reduce-scatter
 # and all-gather of f32 (sum), out of place, 2 ranks, 4 KiB to 64 MiB, over shared memory (Open
-# MPI's `vader` BTL, ringzero's shm edges) and over loopback TCP (`tcp` BTL, tcp edges). Prints
-# the ratio of bus bandwidths, ringzero / Open MPI, per size (above 1: ringzero is faster). Each
+# MPI's `vader` BTL, ringzero's shm edges) and over loopback TCP (`tcp` BTL, tcp edges), and the
+# shm all-gather once more through the slots alone (RINGZERO_SINGLE_COPY_FROM=off, the `slots`
+# column). Prints the ratio of bus bandwidths, ringzero / Open MPI, per size (above 1: ringzero is faster). Each
 # side runs REPEATS times (default 3), the two interleaved, and each cell takes each side's best:
 # a shared or virtual machine's speed drifts by several times over a minute, and the best of
 # interleaved runs compares the two at their own best rather than at two moments.
@@ -36,6 +37,10 @@ for rep in $(seq "${REPEATS:-3}"); do
             "$B" bench "$op" -n 2 --transport "$tr" -b 4K -e 64M -f 4 \
                 --json "$out/rz-$tr-$op-$rep.json" > /dev/null
         done
+        # The all-gather through the slots alone, beside the default's single copy from 64 KiB.
+        [ "$tr" = shm ] && RINGZERO_SINGLE_COPY_FROM=off "$B" bench all-gather -n 2 \
+            --transport shm -b 4K -e 64M -f 4 --json "$out/rz-slots-all-gather-$rep.json" > /dev/null
+        true
     done
 done
 python3 - "$out" <<'PY'
@@ -53,11 +58,16 @@ for tr in ("shm", "tcp"):
         for r in json.load(open(f))["rows"]:
             if not r["inplace"]:
                 best(rz, (tr, r["op"], r["bytes"]), r["busbw_gbs"])
+for f in glob.glob(os.path.join(out, "rz-slots-*.json")):
+    for r in json.load(open(f))["rows"]:
+        if not r["inplace"]:
+            best(rz, ("shm", "all_gather slots", r["bytes"]), r["busbw_gbs"])
 ops = ("all_reduce", "reduce_scatter", "all_gather")
 cols = [(tr, op) for tr in ("shm", "tcp") for op in ops]
+cols.insert(3, ("shm", "all_gather slots"))
 print("busbw ringzero / Open MPI (2 ranks, f32 sum, out of place, best of each side's runs; "
       "above 1: ringzero faster)")
-print(f"{'size':>8} " + " ".join(f"{op.replace('_', '-')[:14]+' '+tr:>20}" for tr, op in cols))
+print(f"{'size':>8} " + " ".join(f"{op.replace('_', '-')[:16]+' '+tr:>20}" for tr, op in cols))
 def human(b):
     for unit, s in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if b >= 1 << s and b % (1 << s) == 0:
@@ -66,7 +76,7 @@ def human(b):
 for size in sorted({k[2] for k in mpi}):
     cells = []
     for tr, op in cols:
-        a, b = rz.get((tr, op, size)), mpi.get((tr, op, size))
+        a, b = rz.get((tr, op, size)), mpi.get((tr, op.split()[0], size))
         cells.append(f"{a / b:>19.2f}x" if a and b else f"{'-':>20}")
     print(f"{human(size):>8} " + " ".join(cells))
 PY

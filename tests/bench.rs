@@ -1,7 +1,7 @@
 //! `ringzero bench`'s harness with ranks as threads: exact checks that catch a corrupted result,
 //! rows that add up, and a JSON report that parses back.
 
-use ringzero::{DType, ReduceOp, TransportPref};
+use ringzero::{Collective, DType, ReduceOp, TransportPref};
 use ringzero_tools::bench::{self, report::Report, sweep::SweepArgs, theory::Algo, BenchArgs};
 
 use crate::common::{threads, Opts};
@@ -154,6 +154,8 @@ fn odd_world_refused(
 fn rows_follow_the_nccl_tests_definitions_and_the_json_parses_back() {
     let o = Opts {
         transport: TransportPref::Shm,
+        // The largest all-gather reads directly (its row's β from single-copy streams).
+        single_copy_from: Some(4096),
         ..Opts::default()
     };
     let reports = threads(2, &o, |_, comm| {
@@ -161,19 +163,25 @@ fn rows_follow_the_nccl_tests_definitions_and_the_json_parses_back() {
         let mut a = args(None, DType::F32, ReduceOp::Sum);
         let per_row = bench::run(&comm, &a, &mut |_, _| {}).unwrap();
         a.sweep.model_per_row = false;
-        (per_row, bench::run(&comm, &a, &mut |_, _| {}).unwrap())
+        let start = bench::run(&comm, &a, &mut |_, _| {}).unwrap();
+        (per_row, start, comm.single_copy_from())
     });
     // Per-row models: every row carries the α and β its prediction was computed from.
-    let (r, _) = &reports[0];
-    assert!(reports.iter().all(|(x, _)| x.rows == r.rows));
+    let (r, _, single_copy) = &reports[0];
+    let choice = (ringzero::Algo::default(), *single_copy);
+    assert_eq!(*single_copy, Some(4096));
+    assert!(r.header.model.contains("single-copy"), "{}", r.header.model);
+    assert_eq!(r.rows.iter().filter(|x| x.algo == "single-copy").count(), 2);
+    assert!(reports.iter().all(|(x, _, _)| x.rows == r.rows));
     assert!(r.header.model.contains("re-measured"), "{}", r.header.model);
     for row in &r.rows {
         let op = ringzero_tools::bench::parse_ops(&row.op.replace('_', "-")).unwrap()[0];
         let (alpha_us, beta_gbs) = (row.alpha_us.unwrap(), row.beta_gbs.unwrap());
         assert!(alpha_us > 0.0 && beta_gbs > 0.0, "{row:?}");
         let m = bench::theory::Model { alpha_us, beta_gbs };
-        // Two ranks on one node: the ring, but for the collectives that always run pairwise.
-        let algo = bench::theory::runs(ringzero::Algo::default(), op, row.bytes, (2, 1));
+        // Two ranks on one node: the ring, but for the collectives that always run pairwise and
+        // the all-gathers that read directly.
+        let algo = bench::theory::runs(choice, op, row.bytes, (2, 1));
         assert_eq!(row.algo, algo.name(), "{row:?}");
         assert_eq!(
             row.predicted_us,
@@ -185,7 +193,7 @@ fn rows_follow_the_nccl_tests_definitions_and_the_json_parses_back() {
         );
     }
     // One model for the whole run (`--model start`): the header's.
-    let (_, r) = &reports[0];
+    let (_, r, _) = &reports[0];
     assert!(
         r.header.model.contains("measured once"),
         "{}",
@@ -196,10 +204,17 @@ fn rows_follow_the_nccl_tests_definitions_and_the_json_parses_back() {
         assert_eq!(row.bytes, row.count * 4);
         assert!((row.algbw_gbs - bench::theory::algbw_gbs(row.bytes, row.time_us)).abs() < 1e-12);
         assert!((row.busbw_gbs - row.algbw_gbs * bench::theory::busbw_factor(op, 2)).abs() < 1e-12);
-        // Two ranks: every all-reduce goes round the ring under `auto`.
-        let algo = bench::theory::runs(ringzero::Algo::default(), op, row.bytes, (2, 1));
+        // Two ranks: every all-reduce goes round the ring under `auto`; all-gathers from the
+        // threshold read directly.
+        let algo = bench::theory::runs(choice, op, row.bytes, (2, 1));
         let pairwise = op.is_pairwise();
-        assert_eq!(algo, if pairwise { Algo::Pairwise } else { Algo::Ring });
+        let direct = op == Collective::AllGather && row.bytes >= single_copy.unwrap();
+        let want = match (pairwise, direct) {
+            (true, _) => Algo::Pairwise,
+            (_, true) => Algo::SingleCopy,
+            _ => Algo::Ring,
+        };
+        assert_eq!(algo, want);
         assert_eq!(row.algo, algo.name(), "{row:?}");
         let pred = bench::theory::predict_us(
             op,

@@ -25,6 +25,7 @@ fn worker_entry() {
         "kill" => kill_scenario(false),
         "kill-device" => kill_scenario(true),
         "kill-device-a2a" => kill_a2a_scenario(),
+        "kill-gather" => kill_gather_scenario(),
         "kill-device-p2p" => kill_p2p_scenario(),
         "flood" => flood_scenario(),
         "kill-offload" => kill_offload_scenario(),
@@ -160,6 +161,32 @@ fn kill_a2a_scenario() -> i32 {
     let mut recv = vec![0f32; 1 << 20];
     for i in 0..100_000 {
         if let Err(e) = dc.all_to_all(&send[..], &mut recv[..]) {
+            println!("rank {} failed in iteration {i}: {e}", comm.rank());
+            return 3;
+        }
+    }
+    println!("rank {} finished without noticing", comm.rank());
+    0
+}
+
+/// Rank 1 kills itself while the ranks run 4 MiB all-gathers that read each part straight out
+/// of its owner's process: the others must fail, naming the collective.
+fn kill_gather_scenario() -> i32 {
+    let comm = Communicator::from_env().expect("init");
+    if comm.single_copy_from().is_none() {
+        println!("rank {}: no single copy", comm.rank());
+        return 4;
+    }
+    if comm.rank() == 1 {
+        std::thread::spawn(|| {
+            std::thread::sleep(Duration::from_millis(300));
+            let me = rustix::process::getpid();
+            let _ = rustix::process::kill_process(me, rustix::process::Signal::KILL);
+        });
+    }
+    let mut buf = vec![comm.rank() as f32; 1 << 20];
+    for i in 0..100_000 {
+        if let Err(e) = comm.all_gather(InPlace, &mut buf[..]) {
             println!("rank {} failed in iteration {i}: {e}", comm.rank());
             return 3;
         }
@@ -449,6 +476,12 @@ fn a_rank_killed_mid_posted_device_point_to_point_fails_every_other_rank() {
         &[call, cause],
     ];
     survivors_fail("kill-device-p2p", &names);
+}
+
+#[test]
+fn a_rank_killed_mid_single_copy_all_gather_fails_every_other_rank() {
+    let names: [&[&str]; 3] = [&["all_gather", "single copy"]; 3];
+    survivors_fail("kill-gather", &names);
 }
 
 /// Rank 1 of 4 dies in `scenario`: every other rank fails, on its own (not killed by the

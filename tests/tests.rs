@@ -20,6 +20,7 @@ mod p2p;
 mod pairwise;
 mod processes;
 mod rsv;
+mod single_copy;
 mod split;
 mod threads;
 mod zero;

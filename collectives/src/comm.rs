@@ -21,6 +21,7 @@ use crate::work::Worker;
 
 mod calls;
 mod collectives;
+mod direct;
 mod doubling;
 mod inner;
 mod nonblocking;
@@ -101,6 +102,9 @@ struct Inner {
     /// this rank's listener for them: pairs connect without rank 0's store.
     peers: std::sync::OnceLock<Vec<connect::PeerAddr>>,
     peer_listener: Option<PeerListener>,
+    /// The single-copy all-gather's node board, where every ring edge is shared memory
+    /// (set up by the start-up's last all-gathers; see `comm/direct.rs`).
+    direct: std::sync::OnceLock<direct::HostDirect>,
     /// The last calls, dumped when the communicator fails or closes.
     flight: Recorder,
     /// Raised by [`Communicator::abort`] from any thread; the running call sees it.
@@ -172,6 +176,7 @@ impl Communicator {
             mesh_pairs: Mutex::new(Default::default()),
             peers: std::sync::OnceLock::new(),
             peer_listener,
+            direct: std::sync::OnceLock::new(),
             _store: store,
         });
         let comm = Communicator {
@@ -180,11 +185,16 @@ impl Communicator {
         };
         if let Some(l) = &comm.inner.peer_listener {
             // Every rank's node and peer listener; the all-gather also proves the ring works.
+            // The single-copy all-gather's start-up rides on the same all-gather.
+            let single = comm.single_copy_offer();
             let mine = PeerRecord {
                 node: fixed(&comm.inner.cfg.node_id),
                 addr: fixed(&l.addr().to_string()),
+                single_copy: single.record,
             };
             let all: Vec<PeerRecord> = comm.all_gather_records(&mine)?;
+            let offers: Vec<[u8; 128]> = all.iter().map(|p| p.single_copy).collect();
+            comm.single_copy_setup(single.board, &offers)?;
             let peers = all
                 .iter()
                 .enumerate()
@@ -467,6 +477,8 @@ impl std::fmt::Debug for AbortHandle {
 struct PeerRecord {
     node: [u8; 128],
     addr: [u8; 64],
+    /// `comm/direct.rs`'s offer: rank 0's node board path, or (any rank) why not.
+    single_copy: [u8; 128],
 }
 
 /// `s` NUL-padded (`Config::validate` keeps node ids under 128 bytes; an address fits 64).

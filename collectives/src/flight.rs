@@ -157,6 +157,10 @@ pub(crate) struct Recorder {
     cap: usize,
     /// Shared with the signal watcher's list ([`watch_signals`]), which holds it weakly.
     inner: Arc<Mutex<Inner>>,
+    /// The monotonic clock and the Unix time at one moment: a call's start in Unix time is
+    /// derived from the one monotonic reading it takes anyway (a clock read costs as much as a
+    /// small collective's hand-off on some virtual machines).
+    base: (Instant, u64),
 }
 
 struct Inner {
@@ -224,6 +228,7 @@ impl Recorder {
                 dumped: None,
                 p2p: Default::default(),
             })),
+            base: (Instant::now(), now_us()),
         };
         let on = (cfg.dump_on_sigusr1, cfg.dump_on_sigterm);
         if let Some(dir) = r.dir.as_ref().filter(|_| on.0 || on.1) {
@@ -253,6 +258,7 @@ impl Recorder {
         if self.cap == 0 {
             return;
         }
+        let t = Instant::now();
         let mut g = self.lock();
         if g.entries.len() == self.cap {
             g.entries.pop_front();
@@ -265,7 +271,7 @@ impl Recorder {
                 call: String::new(),
                 in_place,
                 bytes,
-                start_unix_us: now_us(),
+                start_unix_us: self.base.1 + (t - self.base.0).as_micros() as u64,
                 elapsed_us: 0,
                 sent: 0,
                 received: 0,
@@ -273,7 +279,7 @@ impl Recorder {
                 error: None,
             },
         });
-        g.running = Some((Instant::now(), now));
+        g.running = Some((t, now));
     }
 
     /// The running call ended with `r`; `now` are the links' counters after it.

@@ -85,6 +85,15 @@ impl Fingerprint {
     /// [`Fingerprint::algo`] of [`Schedule::HalvingDoubling`].
     pub const HALVING_DOUBLING: u8 = 2;
 
+    /// [`Fingerprint::algo`] of the single-copy all-gather (`comm/direct.rs`).
+    pub const SINGLE_COPY: u8 = 3;
+
+    /// This fingerprint, for the single-copy all-gather.
+    pub fn single_copy(mut self) -> Fingerprint {
+        self.algo = Fingerprint::SINGLE_COPY;
+        self
+    }
+
     /// This fingerprint, for the collective's schedule `sched`.
     pub fn by(mut self, sched: Schedule) -> Fingerprint {
         self.algo = match sched {
@@ -153,6 +162,7 @@ impl fmt::Display for Fingerprint {
             0 => {}
             Fingerprint::DOUBLING => f.write_str(doubling)?,
             Fingerprint::HALVING_DOUBLING => f.write_str(", by halving-doubling")?,
+            Fingerprint::SINGLE_COPY => f.write_str(", single copy")?,
             a => write!(f, ", algo#{a}")?,
         }
         f.write_str(")")

@@ -63,6 +63,8 @@ pub struct Opts {
     /// Fake nodes the ranks are spread over in rank order (`Config::node_id`; 1: the host's
     /// own). Ranks on different nodes talk over tcp with `TransportPref::Auto`.
     pub nodes: usize,
+    /// `Config::single_copy_from` (None: the default).
+    pub single_copy_from: Option<usize>,
 }
 
 impl Default for Opts {
@@ -81,6 +83,7 @@ impl Default for Opts {
             device_algo: DeviceAlgo::Auto,
             device_copy_pairs: true,
             nodes: 1,
+            single_copy_from: None,
         }
     }
 }
@@ -102,6 +105,9 @@ pub fn config(rank: usize, n: usize, port: u16, o: &Opts) -> Config {
     }
     if let Some(a) = o.algo {
         c.algo = a;
+    }
+    if let Some(b) = o.single_copy_from {
+        c.single_copy_from = b;
     }
     if o.nodes > 1 {
         c.node_id = format!("test-node-{}", rank * o.nodes / n);

@@ -112,6 +112,12 @@ impl<T: Element> Collectives<[T]> for Communicator {
     ///
     /// With [`InPlace`](crate::InPlace) as `send`, this rank's chunk of `recv` is sent and every
     /// other chunk is overwritten.
+    ///
+    /// Where every ring edge is shared memory, a result of at least
+    /// [`Config::single_copy_from`](crate::Config::single_copy_from) bytes (64 KiB by default)
+    /// is gathered in one copy: each rank reads the others' chunks straight out of their
+    /// processes (`process_vm_readv`) instead of passing them round the ring's slots
+    /// ([`Communicator::single_copy_from`] says whether it does).
     fn all_gather<'a>(&self, send: impl Into<Input<'a, [T]>>, recv: &mut [T]) -> Result<()>
     where
         [T]: 'a,

@@ -189,6 +189,9 @@ impl Inner {
     ) -> Result<()> {
         let seq = st.seq;
         st.seq += 1;
+        if let Some(d) = self.direct.get() {
+            d.now_in(seq, fp);
+        }
         self.flight
             .begin(seq, fp, in_place, bytes, self.counters_now(st));
         let r = run(st);
@@ -214,6 +217,9 @@ impl Inner {
     /// Tell the peers of the links beside the ring's ([`Inner::other_links`]) that this rank
     /// aborts. Call with `state` held.
     pub(super) fn tell_other_links(&self, why: &str) {
+        if let Some(d) = self.direct.get() {
+            d.abort(why);
+        }
         self.other_links(|others| others.for_each(|l| l.abort(why)));
     }
 
@@ -264,6 +270,15 @@ impl Inner {
         let dt = dtype.unwrap_or(DType::U8);
         let fp = Fingerprint::new(coll, dtype, Some(op), count.total);
         let fp = count.parts.map_or(fp, |c| fp.with_counts(c));
+        let direct = self
+            .direct
+            .get()
+            .filter(|d| d.takes(coll, count.parts.is_none(), bytes));
+        let fp = if direct.is_some() {
+            fp.single_copy()
+        } else {
+            fp
+        };
         let seq = st.seq;
         failure::refuse(st.failed.as_ref(), &self.abort, &fp, seq)?;
         let slot_bytes = st.links.as_ref().map_or(self.cfg.slice_bytes, |l| {
@@ -280,9 +295,15 @@ impl Inner {
         });
         let call = self.call(&p, (seq, fp), dt, op, bufs.output_bytes());
         // Refused calls consume no sequence number: the ranks stay in step.
-        engine::check_sizes(&call, &bufs, &fp.to_string())?;
+        engine::check_sizes(&call, &bufs)?;
         let bytes = (count.total * dt.size()) as u64;
+        let mut bufs = bufs;
         self.recorded(&mut st, &fp, in_place, bytes, |st| {
+            if let Some(d) = direct {
+                if d.all_gather(&call, count.total, &mut bufs)? {
+                    return Ok(());
+                }
+            }
             match st.links.as_mut() {
                 Some(links) => engine::run(links, &call, bufs),
                 None => engine::run_local(&call, bufs),

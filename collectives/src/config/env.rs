@@ -109,6 +109,9 @@ pub(super) fn read_links(c: &mut Config, env: Env) -> Result<()> {
     if let Some(b) = parsed(env, "RINGZERO_STREAM_STORES_FROM", size_or_off, stores)? {
         c.stream_stores_from = b;
     }
+    if let Some(b) = parsed(env, "RINGZERO_SINGLE_COPY_FROM", size_or_off, stores)? {
+        c.single_copy_from = b;
+    }
     if let Some(d) = env("RINGZERO_SHM_DIR") {
         c.shm_dir = d.into();
     }

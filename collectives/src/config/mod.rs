@@ -74,6 +74,9 @@ pub const DEFAULT_TCP_SOCKETS: usize = 1;
 pub const MAX_TCP_SOCKETS: usize = 32;
 /// Default smallest result (bytes of a rank's output buffer) written with streaming stores.
 pub const DEFAULT_STREAM_STORES_FROM: usize = 16 << 20;
+/// Default smallest all-gather (bytes of the whole result) that ranks of one node read straight
+/// out of each other's memory (`RINGZERO_SINGLE_COPY_FROM`).
+pub const DEFAULT_SINGLE_COPY_FROM: usize = 64 << 10;
 /// Default largest all-reduce (bytes) that `auto` runs by recursive doubling.
 pub const DEFAULT_DOUBLING_MAX: usize = 64 << 10;
 /// Default largest all-reduce (bytes) that `auto` runs by halving-doubling (above
@@ -122,6 +125,11 @@ pub struct Config {
     /// stores, which skip the read-before-write of lines not in cache
     /// (`RINGZERO_STREAM_STORES_FROM`, a size or `off`).
     pub stream_stores_from: usize,
+    /// All-gathers whose result has at least this many bytes, on ranks whose ring edges are all
+    /// shared memory, read each rank's part straight out of its process (one copy, by
+    /// `process_vm_readv`) instead of passing it through the slots
+    /// (`RINGZERO_SINGLE_COPY_FROM`, a size or `off`; `usize::MAX` is off).
+    pub single_copy_from: usize,
     /// How host staging of device buffers moves bytes (`RINGZERO_STAGING=mapped|copy`).
     pub staging: StagingMode,
     /// How device all-reduces, reduce-scatters, all-gathers, broadcasts and reduces move data
@@ -186,6 +194,7 @@ impl Config {
             slots: DEFAULT_SLOTS,
             tcp_sockets: DEFAULT_TCP_SOCKETS,
             stream_stores_from: DEFAULT_STREAM_STORES_FROM,
+            single_copy_from: DEFAULT_SINGLE_COPY_FROM,
             staging: StagingMode::default(),
             device_algo: DeviceAlgo::Auto,
             device_copy_pairs: true,
@@ -502,6 +511,7 @@ mod tests {
             ("RINGZERO_TRANSPORT", "TCP"),
             ("RINGZERO_NODE_ID", "fake-1"),
             ("RINGZERO_STREAM_STORES_FROM", "1M"),
+            ("RINGZERO_SINGLE_COPY_FROM", "256K"),
             ("RINGZERO_STAGING", "Mapped"),
             ("RINGZERO_DEVICE_ALGO", " Direct"),
             ("RINGZERO_DEVICE_COPY_PAIRS", "Off"),
@@ -542,6 +552,11 @@ mod tests {
         );
         assert_eq!(Config::new(0, 1, "x", 1).dump_dir, None);
         assert_eq!(c.stream_stores_from, 1 << 20);
+        assert_eq!(c.single_copy_from, 256 << 10);
+        assert_eq!(
+            Config::new(0, 1, "x", 1).single_copy_from,
+            DEFAULT_SINGLE_COPY_FROM
+        );
         assert_eq!(c.staging, StagingMode::Mapped);
         assert_eq!(Config::new(0, 1, "x", 1).staging, StagingMode::Auto);
         assert_eq!(c.device_algo, DeviceAlgo::Direct);
@@ -566,6 +581,17 @@ mod tests {
         };
         assert_eq!(off("OFF"), usize::MAX);
         assert_eq!(off("0"), 0);
+        let e = cfg(&[
+            ("RINGZERO_RANK", "0"),
+            ("RINGZERO_WORLD_SIZE", "1"),
+            ("RINGZERO_SINGLE_COPY_FROM", "never"),
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("RINGZERO_SINGLE_COPY_FROM") && e.contains("`off`"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -464,28 +464,8 @@ impl Direct {
 
     /// The error of a wait on the board for `step` that ended with `stall`.
     fn stalled(&self, call: &Call, step: u64, doing: &str, stall: Stall) -> Error {
-        let what = call.fp.to_string();
-        match stall {
-            Stall::Timeout { rank } => Error::Timeout {
-                op: what,
-                seq: call.seq,
-                peer: rank,
-                waiting: format!("rank {rank} to {doing} (direct step {step} on the node board)"),
-                after: call.timeout,
-            },
-            Stall::Lost { rank, detail } => Error::PeerLost {
-                op: what,
-                seq: call.seq,
-                peer: rank,
-                detail,
-            },
-            Stall::Aborted { reason } => Error::Aborted {
-                op: what,
-                seq: call.seq,
-                reason,
-            },
-            Stall::Check(e) => e,
-        }
+        let place = format!("direct step {step} on the node board");
+        stall.error((call.fp.to_string(), call.seq), call.timeout, doing, &place)
     }
 
     /// Wait until everything queued on `stream` so far has completed.

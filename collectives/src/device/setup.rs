@@ -205,7 +205,6 @@ impl<S: Stream> Core<S> {
         infos: &[DeviceInfo],
     ) -> Result<Option<super::direct::Direct>> {
         use crate::config::DeviceAlgo;
-        use crate::transport::board::Board;
         let (rank, size) = (self.rank, self.size);
         let algo = self.cfg.device_algo;
         if algo == DeviceAlgo::Ring {
@@ -296,19 +295,7 @@ impl<S: Stream> Core<S> {
                 untext(&me.name)
             ),
         };
-        let mut board = if rank == 0 {
-            let name = crate::connect::segment_name(&self.cfg, 0, 0, "board");
-            let b = Board::create(&self.cfg.shm_dir, &name, size, rank)?;
-            comm.all_gather_bytes(&path_text(b.path())?)?;
-            b
-        } else {
-            let paths = comm.all_gather_bytes(&[0u8; 128])?;
-            let path = untext(&paths[..128]);
-            Board::attach(std::path::Path::new(&path), size, rank)?
-        };
-        // Every rank has mapped it.
-        comm.all_gather_bytes(&[1u8])?;
-        board.unlink();
+        let board = comm.node_board(&self.cfg)?;
         tracing::info!(target: "ringzero::topology", rank, "device collectives: {why}");
         self.direct_why = Some(why);
         Ok(Some(super::direct::Direct::new(board, rank, size)))

@@ -24,7 +24,7 @@ use super::op_wait::{self, OpWait};
 use super::schedule::{Buf, Loc, Op, Plan};
 use crate::error::{Error, Result};
 use crate::transport::device::DevPtr;
-use crate::wire::{Expect, FrameHeader};
+use crate::wire::{Expect, Fingerprint, FrameHeader};
 
 pub(crate) use crate::deadline::{Patience, Tick};
 
@@ -76,8 +76,8 @@ impl Bufs<'_> {
 
 /// Run one call to completion (including flushing what it sent).
 pub fn run(links: &mut Links, call: &Call, bufs: Bufs) -> Result<()> {
-    let what = call.fp.to_string();
-    check_sizes(call, &bufs, &what)?;
+    check_sizes(call, &bufs)?;
+    let what = what_of(&call.fp);
     let es = call.dtype.size();
     let mut ex = HostExec {
         links,
@@ -92,6 +92,23 @@ pub fn run(links: &mut Links, call: &Call, bufs: Bufs) -> Result<()> {
         cpu::stream_fence();
     }
     ran
+}
+
+/// `fp`'s text, which errors name the call by: formatted once per fingerprint and thread (a
+/// loop of like calls does not format, and allocate, its name every time).
+fn what_of(fp: &Fingerprint) -> std::rc::Rc<str> {
+    thread_local! {
+        static LAST: std::cell::RefCell<Option<(Fingerprint, std::rc::Rc<str>)>> =
+            const { std::cell::RefCell::new(None) };
+    }
+    LAST.with_borrow_mut(|last| match last {
+        Some((f, text)) if f == fp => text.clone(),
+        _ => {
+            let text: std::rc::Rc<str> = fp.to_string().into();
+            *last = Some((*fp, text.clone()));
+            text
+        }
+    })
 }
 
 /// The host's [`Executor`]: each op applied at once, between the user's buffers and the slots.
@@ -125,8 +142,7 @@ impl Executor for HostExec<'_, '_> {
 
 /// Run a call that needs no link (a one-rank world): only local copies.
 pub fn run_local(call: &Call, mut bufs: Bufs) -> Result<()> {
-    let what = call.fp.to_string();
-    check_sizes(call, &bufs, &what)?;
+    check_sizes(call, &bufs)?;
     let es = call.dtype.size();
     for op in &call.plan.ops {
         debug_assert!(!op.send && !op.recv, "a one-rank plan has no frames");
@@ -150,12 +166,12 @@ pub(crate) fn base(plan: &Plan, buf: Buf) -> usize {
 }
 
 /// Refuse buffers smaller than the plan needs (before anything is sent).
-pub fn check_sizes(call: &Call, bufs: &Bufs, what: &str) -> Result<()> {
+pub fn check_sizes(call: &Call, bufs: &Bufs) -> Result<()> {
     let es = call.dtype.size();
     let p = call.plan;
     let bad = |msg: String| {
         Err(Error::InvalidArgument {
-            op: what.to_string(),
+            op: call.fp.to_string(),
             msg,
         })
     };

@@ -97,10 +97,7 @@ impl Cursor {
 pub fn run_lanes(lanes: &mut [Lane], timeout: Duration, abort: &AbortFlag) -> Result<()> {
     for lane in lanes.iter() {
         for (call, bufs) in &lane.calls {
-            // The call's name only when refusing (no allocation per call on the way in).
-            if check_sizes(call, bufs, "").is_err() {
-                check_sizes(call, bufs, &call.fp.to_string())?;
-            }
+            check_sizes(call, bufs)?;
             debug_assert!(
                 call.plan.ops.iter().all(|o| o.send != o.recv),
                 "every op of a lane's plan only sends or only receives"

@@ -77,7 +77,8 @@ impl Links {
         timeout: Duration,
         abort: &AbortFlag,
     ) -> Result<()> {
-        let mut patience = Patience::new(Instant::now());
+        // The clock is read only once the flush has to wait.
+        let mut patience: Option<Patience> = None;
         while !self.tx.flushed() {
             if let Some(reason) = abort.reason() {
                 return Err(Error::Aborted {
@@ -90,7 +91,10 @@ impl Links {
                 .tx
                 .progress()
                 .map_err(|e| link_err(e, what, seq, self.next, 0, None))?;
-            let tick = patience.tick(Instant::now(), moved, timeout);
+            let now = Instant::now();
+            let tick = patience
+                .get_or_insert_with(|| Patience::new(now))
+                .tick(now, moved, timeout);
             if tick == Tick::Moved {
                 self.side.waiter.progressed();
                 continue;

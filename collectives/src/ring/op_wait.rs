@@ -39,7 +39,8 @@ pub(crate) fn frame_and_slot(
     (what, prev, next, slot_word): (&str, usize, usize, &str),
 ) -> Result<()> {
     let bytes = expect.len;
-    let mut patience = Patience::new(Instant::now());
+    // The clock is read only once the op has to wait.
+    let mut patience: Option<Patience> = None;
     loop {
         let mut moved = w.progress()?;
         let have_in = !op.recv || {
@@ -57,7 +58,9 @@ pub(crate) fn frame_and_slot(
             w.progressed();
             return Ok(());
         }
-        match patience.tick(Instant::now(), moved, call.timeout) {
+        let now = Instant::now();
+        let patience = patience.get_or_insert_with(|| Patience::new(now));
+        match patience.tick(now, moved, call.timeout) {
             Tick::Moved => {
                 w.progressed();
                 continue;

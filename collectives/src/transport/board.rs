@@ -14,6 +14,8 @@
 //!          64    the rank's [`Entry`] for even calls, 512: for odd calls (written before step 1
 //!                is published)
 //!          1024  its [`Verdict`] after step 2 (written before step 2 is published)
+//!          1536  the call it is in, whatever algorithm runs it: seq + 1 (0: none yet), then
+//!                its fingerprint as two words ([`Board::now_in`], a seqlock of atomics)
 //! 3072   record of rank 1, ...
 //! ```
 //! A call's steps on every rank: publish the entry and step 1, wait until every rank has; read the
@@ -67,6 +69,9 @@ const R_CLOSED: usize = 12;
 const R_OK: usize = 16;
 const R_ENTRY: [usize; 2] = [64, 512];
 const R_VERDICT: usize = 1024;
+const R_NOW: usize = 1536;
+/// [`R_NOW`]'s sequence word while the fingerprint after it is being rewritten.
+const NOW_WRITING: u64 = u64::MAX;
 
 pub use ringzero_kernels::device::ShareRecord;
 
@@ -108,7 +113,8 @@ pub struct Verdict {
     /// Why not (NUL-padded text).
     pub note: [u8; NOTE_BYTES],
 }
-const _: () = assert!(R_VERDICT + std::mem::size_of::<Verdict>() <= RECORD);
+const _: () = assert!(R_VERDICT + std::mem::size_of::<Verdict>() <= R_NOW);
+const _: () = assert!(std::mem::size_of::<Fingerprint>() == 16 && R_NOW + 24 <= RECORD);
 
 /// Why a wait on the board ended without every rank getting there.
 #[derive(Debug)]
@@ -134,6 +140,37 @@ pub enum Stall {
     Check(Error),
 }
 
+impl Stall {
+    /// The error of call `seq` (`op`, its fingerprint's text) whose wait for the other ranks
+    /// to `doing` ended with this stall; `timeout` is the call's deadline, `place` where on the
+    /// board it waited (`direct step 2 on the node board`).
+    pub fn error(
+        self,
+        (op, seq): (String, u64),
+        timeout: Duration,
+        doing: &str,
+        place: &str,
+    ) -> Error {
+        match self {
+            Stall::Timeout { rank } => Error::Timeout {
+                op,
+                seq,
+                peer: rank,
+                waiting: format!("rank {rank} to {doing} ({place})"),
+                after: timeout,
+            },
+            Stall::Lost { rank, detail } => Error::PeerLost {
+                op,
+                seq,
+                peer: rank,
+                detail,
+            },
+            Stall::Aborted { reason } => Error::Aborted { op, seq, reason },
+            Stall::Check(e) => e,
+        }
+    }
+}
+
 /// One rank's view of the board.
 pub struct Board {
     map: MmapMut,
@@ -142,6 +179,8 @@ pub struct Board {
     rank: usize,
     /// Whether this end still has to unlink the file.
     unlink: bool,
+    /// Whether waits are paced by the host (spin, yield, nap) rather than by device work.
+    host_paced: bool,
 }
 
 impl Board {
@@ -164,6 +203,7 @@ impl Board {
             ranks,
             rank,
             unlink: true,
+            host_paced: false,
         };
         b.u64(OFF_MAGIC).store(MAGIC, Ordering::Relaxed);
         b.u32(OFF_VERSION).store(VERSION, Ordering::Relaxed);
@@ -202,6 +242,7 @@ impl Board {
             ranks,
             rank,
             unlink: false,
+            host_paced: false,
         };
         let (magic, version, n) = (
             b.u64(OFF_MAGIC).load(Ordering::Acquire),
@@ -221,6 +262,22 @@ impl Board {
         Ok(b)
     }
 
+    /// This board with waits paced by the host: the ranks wait for one another's copies, not
+    /// for kernels, so a wait yields for microseconds before it naps
+    /// ([`super::wait::Waiter::backoff`]) rather than milliseconds.
+    pub fn host_paced(mut self) -> Board {
+        self.host_paced = true;
+        self
+    }
+
+    fn waiter(&self) -> super::wait::Waiter {
+        if self.host_paced {
+            super::wait::Waiter::backoff()
+        } else {
+            super::wait::Waiter::device()
+        }
+    }
+
     /// The file's path (what rank 0 shares).
     pub fn path(&self) -> &Path {
         &self.path
@@ -230,6 +287,28 @@ impl Board {
     pub fn unlink(&mut self) {
         if std::mem::take(&mut self.unlink) {
             let _ = std::fs::remove_file(&self.path);
+        }
+    }
+
+    /// Wait until every rank has mapped the board (its pid is in its record): what rank 0 waits
+    /// for before it unlinks a board whose path it shared without a collective after it. No
+    /// progress for `timeout` is a [`Stall::Timeout`] naming the first rank missing (one that
+    /// failed to map it, or died first).
+    pub fn wait_joined(&self, timeout: Duration) -> std::result::Result<(), Stall> {
+        let mut waiter = self.waiter();
+        let mut patience = Patience::new(Instant::now());
+        loop {
+            let missing = (0..self.ranks)
+                .find(|&q| self.u32(self.record(q) + R_PID).load(Ordering::Acquire) == 0);
+            let Some(rank) = missing else {
+                return Ok(());
+            };
+            // Not the abort flag: a rank that mapped the board may fail its first call while
+            // another has yet to map it, and that one still needs the file.
+            if patience.tick(Instant::now(), false, timeout) == Tick::TimedOut {
+                return Err(Stall::Timeout { rank });
+            }
+            waiter.idle(timeout);
         }
     }
 
@@ -295,6 +374,49 @@ impl Board {
         seq * 4 + step
     }
 
+    /// Note that this rank is in call `seq`, fingerprinted `fp`, whatever algorithm runs it: a
+    /// rank waiting on the board for that call learns from [`Board::now_in`] that this one made
+    /// another call instead, and fails at once naming both rather than at the deadline.
+    pub fn now_in(&self, seq: u64, fp: &Fingerprint) {
+        let r = self.record(self.rank) + R_NOW;
+        let words: [u64; 2] = bytemuck::cast(*fp);
+        self.u64(r).store(NOW_WRITING, Ordering::Relaxed);
+        std::sync::atomic::fence(Ordering::Release);
+        self.u64(r + 8).store(words[0], Ordering::Relaxed);
+        self.u64(r + 16).store(words[1], Ordering::Relaxed);
+        self.u64(r).store(seq + 1, Ordering::Release);
+    }
+
+    /// The call `rank` last noted with [`Board::now_in`], if any, read consistently.
+    pub fn call_of(&self, rank: usize) -> Option<(u64, Fingerprint)> {
+        let r = self.record(rank) + R_NOW;
+        loop {
+            let before = self.u64(r).load(Ordering::Acquire);
+            if before == 0 {
+                return None;
+            }
+            let words = [
+                self.u64(r + 8).load(Ordering::Relaxed),
+                self.u64(r + 16).load(Ordering::Relaxed),
+            ];
+            std::sync::atomic::fence(Ordering::Acquire);
+            if before != NOW_WRITING && self.u64(r).load(Ordering::Relaxed) == before {
+                return Some((before - 1, bytemuck::cast(words)));
+            }
+            std::hint::spin_loop();
+        }
+    }
+
+    /// The first rank whose noted call is `seq` with a fingerprint other than `fp`, with its.
+    pub fn other_call(&self, seq: u64, fp: &Fingerprint) -> Option<(usize, Fingerprint)> {
+        (0..self.ranks)
+            .filter(|&q| q != self.rank)
+            .find_map(|q| match self.call_of(q) {
+                Some((s, theirs)) if s == seq && theirs != *fp => Some((q, theirs)),
+                _ => None,
+            })
+    }
+
     /// Post this rank's entry for call `seq` and finish step 1.
     pub fn enter(&self, seq: u64, entry: &Entry) {
         let r = self.record(self.rank);
@@ -352,7 +474,7 @@ impl Board {
     /// step 3 once it writes no more).
     pub fn settle(&self, seq: u64) -> std::result::Result<(), Stall> {
         let (decided, done) = (Self::phase(seq, 2), Self::phase(seq, 3));
-        let mut waiter = super::wait::Waiter::device();
+        let mut waiter = self.waiter();
         // No deadline (see above): only the health checks are due.
         let mut health = Patience::new(Instant::now());
         loop {
@@ -385,7 +507,7 @@ impl Board {
         if self.u32(r + R_CLOSED).load(Ordering::Acquire) != 0 {
             return Some(Stall::Lost {
                 rank: q,
-                detail: format!("rank {q} closed its device communicator"),
+                detail: format!("rank {q} closed its communicator"),
             });
         }
         None
@@ -401,7 +523,7 @@ impl Board {
         mut check: impl FnMut() -> Result<()>,
     ) -> std::result::Result<(), Stall> {
         let want = Self::phase(seq, step);
-        let mut waiter = super::wait::Waiter::device();
+        let mut waiter = self.waiter();
         let mut patience = Patience::new(Instant::now());
         let mut missing = 0;
         loop {

@@ -15,6 +15,7 @@
 //! Choosing a transport per edge is [`crate::topology`]'s job, not the transports'.
 
 pub mod board;
+pub mod cma;
 pub mod device;
 pub mod shm;
 pub mod tcp;

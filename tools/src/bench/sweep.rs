@@ -14,6 +14,7 @@ use serde::Serialize;
 use super::exact;
 use super::theory::{self, Algo, Model};
 use ringzero_collectives::internals::ring::doubling;
+use ringzero_collectives::internals::transport::cma;
 
 /// What to sweep.
 #[derive(Clone, Debug)]
@@ -131,7 +132,8 @@ fn sweep_typed<T: Element>(
         // once for each schedule they come to.
         let mut ran = Vec::new();
         for &choice in choices {
-            let algo = theory::runs(choice, op, bytes, (n, comm.nodes()));
+            let choice_of = (choice, comm.single_copy_from());
+            let algo = theory::runs(choice_of, op, bytes, (n, comm.nodes()));
             if ran.contains(&algo) {
                 continue;
             }
@@ -172,7 +174,9 @@ fn size_row<T: Element>(
     let call = || bufs.call(comm, (op, choice), a.redop, inplace);
     let (time_us, wrong, model) = if a.model_per_row && n > 1 {
         let link = theory::bytes_per_link(op, algo, n, bytes) as usize;
-        let streams = if op.root().is_some() {
+        let streams = if algo == Algo::SingleCopy {
+            Streams::PeerCopy
+        } else if op.root().is_some() {
             Streams::Chain
         } else {
             Streams::Ring
@@ -247,6 +251,11 @@ pub enum Streams {
     /// A stream both ways would halve β where both directions share the cores or the memory
     /// (shared memory, loopback tcp) and the model would then sit far below a rooted call.
     Chain,
+    /// Every rank reads the bytes straight out of the previous rank's buffer, all at once, by
+    /// the single-copy all-gather's own copy (`process_vm_readv`), and out of place also copies
+    /// its own part as the call does: the call's copies without its protocol. No hand-off, so β
+    /// is the bytes read over the copies' whole time.
+    PeerCopy,
 }
 
 /// Calls per group in [`timed_with_model`].
@@ -270,16 +279,45 @@ pub fn timed_with_model(
 ) -> Result<(f64, u64, Model)> {
     let (n, r) = (comm.size(), comm.rank());
     let mut send = vec![1u8; link_bytes.max(1)];
-    let chain = streams == Streams::Chain;
     let mut recv = vec![
         0u8;
-        if inplace && !chain {
+        if inplace && streams == Streams::Ring {
             0
         } else {
             link_bytes.max(1)
         }
     ];
+    let single_copy = streams == Streams::PeerCopy;
+    let mut own = vec![
+        0u8;
+        if single_copy {
+            link_bytes / (n - 1).max(1)
+        } else {
+            0
+        }
+    ];
+    // Where the previous rank's `send` is: the single-copy streams read it out of its process.
+    let prev = if streams == Streams::PeerCopy {
+        let mine = [i64::from(std::process::id()), send.as_ptr() as i64];
+        let mut all = vec![0i64; 2 * n];
+        comm.all_gather(&mine[..], &mut all)?;
+        let p = (r + n - 1) % n;
+        (all[2 * p] as u32, all[2 * p + 1] as u64)
+    } else {
+        (0, 0)
+    };
     let mut stream = || match streams {
+        Streams::PeerCopy => {
+            // Out of place the call also copies this rank's own part (1/(n−1) of what it reads).
+            if !inplace {
+                let k = own.len();
+                own.copy_from_slice(std::hint::black_box(&send[..k]));
+            }
+            // Every rank's `send` outlives its reads: a barrier follows the streams before any
+            // rank leaves (and a read of memory gone would fail, not read it).
+            cma::read(prev.0, prev.1, &mut recv[..link_bytes])
+                .map_err(|e| ringzero_collectives::Error::io("a single-copy β stream", e))
+        }
         Streams::Ring if inplace => comm.ring_shift(InPlace, &mut send),
         Streams::Ring => comm.ring_shift(&send, &mut recv),
         Streams::Chain => {
@@ -317,7 +355,8 @@ pub fn timed_with_model(
     let alpha_us = alpha[0];
     let stream_us = per(streams);
     let streamed = link_bytes.max(1) as f64;
-    let mut beta = vec![streamed / ((stream_us - alpha_us).max(stream_us * 0.5) * 1e3)];
+    let hand_off = if single_copy { 0.0 } else { alpha_us };
+    let mut beta = vec![streamed / ((stream_us - hand_off).max(stream_us * 0.5) * 1e3)];
     comm.all_reduce(InPlace, &mut beta, ReduceOp::Min)?;
     let (time_us, wrong) = over_ranks(comm, per(calls), wrong)?;
     let model = Model {
@@ -369,7 +408,10 @@ pub fn row(
     }
 }
 
-/// The buffers of one timed collective (contents irrelevant).
+/// The buffers of one timed collective (contents irrelevant, but written: a buffer of zeros
+/// fresh from the allocator maps the kernel's shared zero page until written, and a call
+/// reading it — the single-copy all-gather reads the other ranks' `recv` in place — would time
+/// reads of one cached page).
 struct Buffers<T> {
     send: Vec<T>,
     recv: Vec<T>,
@@ -380,7 +422,7 @@ impl<T: Element> Buffers<T> {
         let (s, r) = exact::lens(op, comm.size(), comm.rank(), count);
         Buffers {
             send: vec![T::from_f64(1.0); s],
-            recv: vec![T::from_f64(0.0); r],
+            recv: vec![T::from_f64(3.0); r],
         }
     }
 

@@ -13,6 +13,9 @@
 //!   by halving-doubling, two more when n is not a power of two) and its busiest rank's volume
 //!   as bytes per link: rounds · S for the whole-buffer schedules, 2(p−1)/p · S for
 //!   halving-doubling (p the largest power of two ≤ n; 2 S more for the fold);
+//! - the single-copy all-gather takes 2 steps (its two waits on the node board) and each rank's
+//!   one copy of (n−1)/n · S out of the other ranks' memory, at the rate of one copy between
+//!   processes (β measured by such a copy, not by the slots);
 //! - efficiency = predicted / measured time (1.0: the implementation runs at the model's limit).
 
 use ringzero_collectives::internals::ring::doubling;
@@ -29,6 +32,9 @@ pub enum Algo {
     By(Schedule),
     /// The pairwise exchange, one step.
     Pairwise,
+    /// The single-copy all-gather: every rank reads the others' parts straight out of their
+    /// memory (`RINGZERO_SINGLE_COPY_FROM`), two steps on the node board around one copy.
+    SingleCopy,
 }
 
 impl Algo {
@@ -39,19 +45,22 @@ impl Algo {
             Algo::By(Schedule::Doubling) => "doubling",
             Algo::By(Schedule::HalvingDoubling) => "halving-doubling",
             Algo::Pairwise => "pairwise",
+            Algo::SingleCopy => "single-copy",
         }
     }
 }
 
 /// How `op` of `bytes` on `n` ranks over `nodes` nodes runs on host buffers when the
-/// communicator's algorithm choice is `choice`.
+/// communicator's algorithm choice is `choice` and its all-gathers read directly from
+/// `single_copy` bytes ([`Communicator::single_copy_from`](ringzero_collectives::Communicator::single_copy_from)).
 pub fn runs(
-    choice: ringzero_collectives::Algo,
+    (choice, single_copy): (ringzero_collectives::Algo, Option<usize>),
     op: Collective,
     bytes: usize,
     (n, nodes): (usize, usize),
 ) -> Algo {
     match op {
+        Collective::AllGather if single_copy.is_some_and(|from| bytes >= from) => Algo::SingleCopy,
         Collective::AllGatherV if choice.gathers_v_pairwise(bytes, n, nodes) => Algo::Pairwise,
         op if op.is_pairwise() => Algo::Pairwise,
         _ => choice.schedule(op, bytes, n).map_or(Algo::Ring, Algo::By),
@@ -216,6 +225,8 @@ pub fn steps(op: Collective, algo: Algo, n: usize) -> usize {
         (Algo::By(s), _) => doubling::depth(s, op, n),
         // The pairwise collectives send all their messages at once.
         (Algo::Pairwise, _) => 1,
+        // Post where the input is, wait; read, wait.
+        (Algo::SingleCopy, _) => 2,
         (_, Collective::AllReduce) => 2 * hops,
         // One message each way between two ranks.
         (_, Collective::SendRecv) => 1,
