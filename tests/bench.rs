@@ -164,12 +164,12 @@ fn rows_follow_the_nccl_tests_definitions_and_the_json_parses_back() {
         let per_row = bench::run(&comm, &a, &mut |_, _| {}).unwrap();
         a.sweep.model_per_row = false;
         let start = bench::run(&comm, &a, &mut |_, _| {}).unwrap();
-        (per_row, start, comm.single_copy_from())
+        (per_row, start, comm.single_copy_sizes())
     });
     // Per-row models: every row carries the α and β its prediction was computed from.
     let (r, _, single_copy) = &reports[0];
-    let choice = (ringzero::Algo::default(), *single_copy);
-    assert_eq!(*single_copy, Some(4096));
+    let choice = || (ringzero::Algo::default(), single_copy.clone());
+    assert_eq!(*single_copy, Some(4096..usize::MAX));
     assert!(r.header.model.contains("single-copy"), "{}", r.header.model);
     assert_eq!(r.rows.iter().filter(|x| x.algo == "single-copy").count(), 2);
     assert!(reports.iter().all(|(x, _, _)| x.rows == r.rows));
@@ -181,7 +181,7 @@ fn rows_follow_the_nccl_tests_definitions_and_the_json_parses_back() {
         let m = bench::theory::Model { alpha_us, beta_gbs };
         // Two ranks on one node: the ring, but for the collectives that always run pairwise and
         // the all-gathers that read directly.
-        let algo = bench::theory::runs(choice, op, row.bytes, (2, 1));
+        let algo = bench::theory::runs(choice(), op, row.bytes, (2, 1));
         assert_eq!(row.algo, algo.name(), "{row:?}");
         assert_eq!(
             row.predicted_us,
@@ -206,9 +206,10 @@ fn rows_follow_the_nccl_tests_definitions_and_the_json_parses_back() {
         assert!((row.busbw_gbs - row.algbw_gbs * bench::theory::busbw_factor(op, 2)).abs() < 1e-12);
         // Two ranks: every all-reduce goes round the ring under `auto`; all-gathers from the
         // threshold read directly.
-        let algo = bench::theory::runs(choice, op, row.bytes, (2, 1));
+        let algo = bench::theory::runs(choice(), op, row.bytes, (2, 1));
         let pairwise = op.is_pairwise();
-        let direct = op == Collective::AllGather && row.bytes >= single_copy.unwrap();
+        let direct =
+            op == Collective::AllGather && single_copy.as_ref().unwrap().contains(&row.bytes);
         let want = match (pairwise, direct) {
             (true, _) => Algo::Pairwise,
             (_, true) => Algo::SingleCopy,

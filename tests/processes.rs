@@ -48,6 +48,7 @@ fn all_collectives_scenario() -> i32 {
     for e in comm.edges() {
         println!("edge {e}");
     }
+    println!("single copy {:?}", comm.single_copy_sizes());
     for (k, coll) in host_collectives(comm.size() - 1).into_iter().enumerate() {
         for (dtype, op) in [
             (DType::F32, ReduceOp::Sum),
@@ -169,11 +170,11 @@ fn kill_a2a_scenario() -> i32 {
     0
 }
 
-/// Rank 1 kills itself while the ranks run 4 MiB all-gathers that read each part straight out
+/// Rank 1 kills itself while the ranks run 512 KiB all-gathers that read each part straight out
 /// of its owner's process: the others must fail, naming the collective.
 fn kill_gather_scenario() -> i32 {
     let comm = Communicator::from_env().expect("init");
-    if comm.single_copy_from().is_none() {
+    if comm.single_copy_sizes().is_none() {
         println!("rank {}: no single copy", comm.rank());
         return 4;
     }
@@ -184,7 +185,7 @@ fn kill_gather_scenario() -> i32 {
             let _ = rustix::process::kill_process(me, rustix::process::Signal::KILL);
         });
     }
-    let mut buf = vec![comm.rank() as f32; 1 << 20];
+    let mut buf = vec![comm.rank() as f32; 1 << 17];
     for i in 0..100_000 {
         if let Err(e) = comm.all_gather(InPlace, &mut buf[..]) {
             println!("rank {} failed in iteration {i}: {e}", comm.rank());
@@ -285,14 +286,17 @@ fn assert_all_ok(outcome: &Outcome, lines: &[(usize, String)], n: usize) {
 
 #[test]
 fn all_collectives_as_processes_over_shm() {
-    let (o, lines) = run(
-        3,
-        1,
-        "all",
-        &[("RINGZERO_TRANSPORT", "shm")],
-        Duration::from_secs(5),
-    );
+    // Every all-gather reads its parts straight out of the other processes (the slot ring's
+    // all-gather runs as processes over tcp below, and as threads over shm).
+    let env = [
+        ("RINGZERO_TRANSPORT", "shm"),
+        ("RINGZERO_SINGLE_COPY_FROM", "0"),
+        ("RINGZERO_SINGLE_COPY_BELOW", "off"),
+    ];
+    let (o, lines) = run(3, 1, "all", &env, Duration::from_secs(5));
     assert_all_ok(&o, &lines, 3);
+    let direct = format!("single copy {:?}", Some(0..usize::MAX));
+    assert_eq!(lines.iter().filter(|(_, l)| *l == direct).count(), 3);
     assert!(
         lines
             .iter()

@@ -26,7 +26,7 @@ fn all_gathers_of_every_dtype_read_directly_and_match_the_reference() {
     for n in [2, 3, 4] {
         threads(n, &single_copy(0), |_, comm| {
             let comm = comm.unwrap();
-            assert_eq!(comm.single_copy_from(), Some(0));
+            assert_eq!(comm.single_copy_sizes(), Some(0..usize::MAX));
             let mut seed = 0;
             for dtype in DType::ALL {
                 for in_place in [false, true] {
@@ -56,11 +56,23 @@ fn all_gathers_of_every_dtype_read_directly_and_match_the_reference() {
 }
 
 #[test]
-fn the_threshold_splits_the_sizes_alike_on_every_rank() {
-    // 4 KiB and up read directly; smaller ones go round the ring. Every rank agrees.
-    threads(3, &single_copy(4096), |r, comm| {
+fn the_thresholds_split_the_sizes_alike_on_every_rank() {
+    // From 4 KiB to below 16 KiB read directly; the rest goes round the ring. Every rank agrees.
+    let port = crate::common::free_port();
+    std::thread::scope(|s| {
+        for r in 0..3 {
+            let mut c = crate::common::config(r, 3, port, &single_copy(4096));
+            c.single_copy_below = 16 << 10;
+            s.spawn(move || thresholds(r, Communicator::init(c)));
+        }
+    });
+}
+
+fn thresholds(r: usize, comm: ringzero::Result<Communicator>) {
+    {
         let comm = comm.unwrap();
-        for count in [10, 1023, 1024, 5000] {
+        assert_eq!(comm.single_copy_sizes(), Some(4096..16 << 10));
+        for count in [10, 1023, 1024, 4095, 4096, 5000] {
             let send = vec![r as f32 + 0.5; comm.chunk_range(count).len()];
             let mut recv = vec![0f32; count];
             let before = link_bytes(&comm);
@@ -69,16 +81,16 @@ fn the_threshold_splits_the_sizes_alike_on_every_rank() {
                 let c = ringzero::chunk(count, 3, q);
                 assert!(recv[c].iter().all(|&x| x == q as f32 + 0.5));
             }
-            let direct = count * 4 >= 4096;
+            let direct = (4096..16 << 10).contains(&(count * 4));
             assert_eq!(link_bytes(&comm) == before, direct, "count {count}");
         }
-    });
+    }
 }
 
 #[test]
 fn off_or_a_tcp_edge_keeps_every_all_gather_on_the_ring() {
     threads(2, &single_copy(usize::MAX), |_, comm| {
-        assert_eq!(comm.unwrap().single_copy_from(), None);
+        assert_eq!(comm.unwrap().single_copy_sizes(), None);
     });
     let tcp = Opts {
         transport: TransportPref::Tcp,
@@ -86,7 +98,7 @@ fn off_or_a_tcp_edge_keeps_every_all_gather_on_the_ring() {
     };
     threads(2, &tcp, |_, comm| {
         let comm = comm.unwrap();
-        assert_eq!(comm.single_copy_from(), None);
+        assert_eq!(comm.single_copy_sizes(), None);
         let mut buf = vec![1u8; 1 << 16];
         comm.all_gather(InPlace, &mut buf[..]).unwrap();
     });
@@ -138,7 +150,8 @@ fn ranks_disagreeing_on_the_threshold_fail_naming_both_calls() {
             .map(|r| {
                 let mut c = crate::common::config(r, 2, port, &Opts::default());
                 c.timeout = Duration::from_secs(30);
-                c.single_copy_from = if r == 0 { 0 } else { 1 << 30 };
+                c.single_copy_from = if r == 0 { 0 } else { 1 << 20 };
+                c.single_copy_below = usize::MAX;
                 s.spawn(move || {
                     let comm = Communicator::init(c).unwrap();
                     let mut buf = vec![1f32; 4096];

@@ -63,7 +63,7 @@ pub struct Opts {
     /// Fake nodes the ranks are spread over in rank order (`Config::node_id`; 1: the host's
     /// own). Ranks on different nodes talk over tcp with `TransportPref::Auto`.
     pub nodes: usize,
-    /// `Config::single_copy_from` (None: the default).
+    /// `Config::single_copy_from`, with no upper bound (None: the defaults).
     pub single_copy_from: Option<usize>,
 }
 
@@ -107,7 +107,9 @@ pub fn config(rank: usize, n: usize, port: u16, o: &Opts) -> Config {
         c.algo = a;
     }
     if let Some(b) = o.single_copy_from {
+        // Every size from there on.
         c.single_copy_from = b;
+        c.single_copy_below = usize::MAX;
     }
     if o.nodes > 1 {
         c.node_id = format!("test-node-{}", rank * o.nodes / n);

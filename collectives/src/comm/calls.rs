@@ -113,11 +113,12 @@ impl<T: Element> Collectives<[T]> for Communicator {
     /// With [`InPlace`](crate::InPlace) as `send`, this rank's chunk of `recv` is sent and every
     /// other chunk is overwritten.
     ///
-    /// Where every ring edge is shared memory, a result of at least
-    /// [`Config::single_copy_from`](crate::Config::single_copy_from) bytes (64 KiB by default)
-    /// is gathered in one copy: each rank reads the others' chunks straight out of their
-    /// processes (`process_vm_readv`) instead of passing them round the ring's slots
-    /// ([`Communicator::single_copy_from`] says whether it does).
+    /// Where every ring edge is shared memory, a result from
+    /// [`Config::single_copy_from`](crate::Config::single_copy_from) bytes to below
+    /// [`Config::single_copy_below`](crate::Config::single_copy_below) (64 KiB to 1 MiB by
+    /// default) is gathered in one copy: each rank reads the others' chunks straight out of
+    /// their processes (`process_vm_readv`) instead of passing them round the ring's slots
+    /// ([`Communicator::single_copy_sizes`] says which sizes do).
     fn all_gather<'a>(&self, send: impl Into<Input<'a, [T]>>, recv: &mut [T]) -> Result<()>
     where
         [T]: 'a,

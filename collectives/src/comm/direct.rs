@@ -4,6 +4,11 @@
 //! instead of passing it hop by hop through the slots, which copies each byte twice and waits on
 //! a hand-off per slice.
 //!
+//! Which sizes: from `RINGZERO_SINGLE_COPY_FROM` (64 KiB; below it the slots' one hand-off costs
+//! less than the system call and two waits) to below `RINGZERO_SINGLE_COPY_BELOW` (1 MiB; from
+//! there the slots' pipelined copies, the middle one in cache, outrun one copy between processes
+//! on a quiet machine). `docs/design-notes.md` has the measurements.
+//!
 //! Each call takes two steps on the node board ([`Board`], the device communicator's direct
 //! collectives use the same), every rank alike:
 //! 1. post the call's fingerprint and where its input is (process, address, bytes); wait for
@@ -83,8 +88,8 @@ pub(crate) struct HostDirect {
     board: Board,
     rank: usize,
     ranks: usize,
-    /// The smallest all-gather (bytes of the result) that reads directly.
-    from: usize,
+    /// The all-gathers (bytes of the result) that read directly.
+    sizes: std::ops::Range<usize>,
     /// Raised, alike on every rank, once some rank could not read another: every later call
     /// takes the ring.
     off: AtomicBool,
@@ -96,7 +101,7 @@ impl HostDirect {
     pub(crate) fn takes(&self, coll: Collective, balanced: bool, bytes: usize) -> bool {
         coll == Collective::AllGather
             && balanced
-            && bytes >= self.from
+            && self.sizes.contains(&bytes)
             && !self.off.load(Ordering::Relaxed)
     }
 
@@ -129,7 +134,18 @@ impl HostDirect {
         entry.src.offset = src as u64;
         entry.src.bytes = src_len as u64;
         self.board.enter(seq, &entry);
-        // From here the others may read this rank's input.
+        // From here the others may read this rank's input. Out of place, this rank's own part
+        // goes into its output while the others arrive (no one reads this rank's output).
+        if let Bufs::Split { input, output } = bufs {
+            let own = &mut output[mine.start * es..mine.end * es];
+            if call.stream_stores {
+                // A part larger than the caches: no read-before-write of its lines.
+                ringzero_kernels::cpu::copy_streaming(own, input).expect("equal lengths");
+                ringzero_kernels::cpu::stream_fence();
+            } else {
+                own.copy_from_slice(input);
+            }
+        }
         let outcome = (|| -> Result<bool> {
             self.wait(call, 1, "enter the call")?;
             let entries: Vec<Entry> = (0..self.ranks).map(|q| self.board.entry(seq, q)).collect();
@@ -137,7 +153,7 @@ impl HostDirect {
                 return Err(mismatch(call, self.rank, q, &entries[q].fp));
             }
             let mut verdict = Verdict::zeroed();
-            match self.read(&entries, count, in_place, es, mine, bufs) {
+            match self.read(&entries, count, in_place, es, bufs) {
                 Ok(()) => verdict.ok = 1,
                 Err(why) => verdict.note = note(&format!("rank {}: {why}", self.rank)),
             }
@@ -167,22 +183,18 @@ impl HostDirect {
         outcome
     }
 
-    /// This rank's reads: its own chunk copied (out of place), every other rank's read out of
-    /// that rank's process. What failed, as the verdict's note.
+    /// This rank's reads: every other rank's part, out of that rank's process. What failed, as
+    /// the verdict's note.
     fn read(
         &self,
         entries: &[Entry],
         count: usize,
         in_place: bool,
         es: usize,
-        mine: std::ops::Range<usize>,
         bufs: &mut Bufs,
     ) -> std::result::Result<(), String> {
         let out: &mut [u8] = match bufs {
-            Bufs::Split { input, output } => {
-                output[mine.start * es..mine.end * es].copy_from_slice(input);
-                output
-            }
+            Bufs::Split { output, .. } => output,
             Bufs::One(buf) => buf,
         };
         for p in pulls(self.ranks, self.rank, count, in_place) {
@@ -232,16 +244,16 @@ fn mismatch(call: &Call, rank: usize, q: usize, theirs: &Fingerprint) -> Error {
 }
 
 impl Communicator {
-    /// The smallest all-gather (bytes of the result) that reads each rank's part straight out
-    /// of its process, or `None` where every all-gather goes through the slots (an edge that is
-    /// not shared memory, `RINGZERO_SINGLE_COPY_FROM=off`, one rank, or a rank found unreadable
-    /// by an earlier call). See [`Config::single_copy_from`].
-    pub fn single_copy_from(&self) -> Option<usize> {
+    /// The all-gathers (bytes of the whole result) that read each rank's part straight out of
+    /// its process, or `None` where every all-gather goes through the slots (an edge that is not
+    /// shared memory, `RINGZERO_SINGLE_COPY_FROM=off`, one rank, or a rank found unreadable by
+    /// an earlier call). See [`Config::single_copy_from`] and [`Config::single_copy_below`].
+    pub fn single_copy_sizes(&self) -> Option<std::ops::Range<usize>> {
         self.inner
             .direct
             .get()
             .filter(|d| !d.off.load(Ordering::Relaxed))
-            .map(|d| d.from)
+            .map(|d| d.sizes.clone())
     }
 
     /// This rank's part of the single-copy start-up, before the start-up all-gather: whether it
@@ -249,8 +261,12 @@ impl Communicator {
     /// readable by the others) and, on rank 0, the node board created for it.
     pub(super) fn single_copy_offer(&self) -> Offer {
         let inner = &self.inner;
-        let why_not = if inner.cfg.single_copy_from == usize::MAX {
-            Some("RINGZERO_SINGLE_COPY_FROM=off".to_string())
+        let (from, below) = (inner.cfg.single_copy_from, inner.cfg.single_copy_below);
+        let why_not = if from == usize::MAX || from >= below {
+            Some(
+                "RINGZERO_SINGLE_COPY_FROM=off (or not below RINGZERO_SINGLE_COPY_BELOW)"
+                    .to_string(),
+            )
         } else if let Some(e) = inner.edges.iter().find(|e| e.kind != TransportKind::Shm) {
             Some(format!("the edge {} → {} is {}", e.from, e.to, e.kind))
         } else {
@@ -315,13 +331,13 @@ impl Communicator {
             }
         };
         tracing::debug!(target: "ringzero::topology", rank = inner.rank,
-            "all-gathers from {} B read straight out of the other ranks' memory",
-            inner.cfg.single_copy_from);
+            "all-gathers from {} B and below {} B read straight out of the other ranks' memory",
+            inner.cfg.single_copy_from, inner.cfg.single_copy_below);
         let _ = inner.direct.set(HostDirect {
             board: board.host_paced(),
             rank: inner.rank,
             ranks: inner.size,
-            from: inner.cfg.single_copy_from,
+            sizes: inner.cfg.single_copy_from..inner.cfg.single_copy_below,
             off: AtomicBool::new(false),
         });
         Ok(())

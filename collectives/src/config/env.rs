@@ -112,6 +112,9 @@ pub(super) fn read_links(c: &mut Config, env: Env) -> Result<()> {
     if let Some(b) = parsed(env, "RINGZERO_SINGLE_COPY_FROM", size_or_off, stores)? {
         c.single_copy_from = b;
     }
+    if let Some(b) = parsed(env, "RINGZERO_SINGLE_COPY_BELOW", size_or_off, stores)? {
+        c.single_copy_below = b;
+    }
     if let Some(d) = env("RINGZERO_SHM_DIR") {
         c.shm_dir = d.into();
     }

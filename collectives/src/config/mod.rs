@@ -77,6 +77,9 @@ pub const DEFAULT_STREAM_STORES_FROM: usize = 16 << 20;
 /// Default smallest all-gather (bytes of the whole result) that ranks of one node read straight
 /// out of each other's memory (`RINGZERO_SINGLE_COPY_FROM`).
 pub const DEFAULT_SINGLE_COPY_FROM: usize = 64 << 10;
+/// Default size (bytes of the whole result) from which all-gathers go through the slots again
+/// (`RINGZERO_SINGLE_COPY_BELOW`).
+pub const DEFAULT_SINGLE_COPY_BELOW: usize = 1 << 20;
 /// Default largest all-reduce (bytes) that `auto` runs by recursive doubling.
 pub const DEFAULT_DOUBLING_MAX: usize = 64 << 10;
 /// Default largest all-reduce (bytes) that `auto` runs by halving-doubling (above
@@ -125,11 +128,16 @@ pub struct Config {
     /// stores, which skip the read-before-write of lines not in cache
     /// (`RINGZERO_STREAM_STORES_FROM`, a size or `off`).
     pub stream_stores_from: usize,
-    /// All-gathers whose result has at least this many bytes, on ranks whose ring edges are all
-    /// shared memory, read each rank's part straight out of its process (one copy, by
-    /// `process_vm_readv`) instead of passing it through the slots
-    /// (`RINGZERO_SINGLE_COPY_FROM`, a size or `off`; `usize::MAX` is off).
+    /// All-gathers whose result has at least this many bytes (and fewer than
+    /// [`Config::single_copy_below`]), on ranks whose ring edges are all shared memory, read
+    /// each rank's part straight out of its process (one copy, by `process_vm_readv`) instead
+    /// of passing it through the slots (`RINGZERO_SINGLE_COPY_FROM`, a size or `off`;
+    /// `usize::MAX` is off).
     pub single_copy_from: usize,
+    /// The size from which all-gathers go through the slots again, where their pipelined
+    /// copies are faster than one copy between processes (`RINGZERO_SINGLE_COPY_BELOW`, a size
+    /// or `off` for no bound; `usize::MAX` is none).
+    pub single_copy_below: usize,
     /// How host staging of device buffers moves bytes (`RINGZERO_STAGING=mapped|copy`).
     pub staging: StagingMode,
     /// How device all-reduces, reduce-scatters, all-gathers, broadcasts and reduces move data
@@ -195,6 +203,7 @@ impl Config {
             tcp_sockets: DEFAULT_TCP_SOCKETS,
             stream_stores_from: DEFAULT_STREAM_STORES_FROM,
             single_copy_from: DEFAULT_SINGLE_COPY_FROM,
+            single_copy_below: DEFAULT_SINGLE_COPY_BELOW,
             staging: StagingMode::default(),
             device_algo: DeviceAlgo::Auto,
             device_copy_pairs: true,
@@ -512,6 +521,7 @@ mod tests {
             ("RINGZERO_NODE_ID", "fake-1"),
             ("RINGZERO_STREAM_STORES_FROM", "1M"),
             ("RINGZERO_SINGLE_COPY_FROM", "256K"),
+            ("RINGZERO_SINGLE_COPY_BELOW", "off"),
             ("RINGZERO_STAGING", "Mapped"),
             ("RINGZERO_DEVICE_ALGO", " Direct"),
             ("RINGZERO_DEVICE_COPY_PAIRS", "Off"),
@@ -553,6 +563,8 @@ mod tests {
         assert_eq!(Config::new(0, 1, "x", 1).dump_dir, None);
         assert_eq!(c.stream_stores_from, 1 << 20);
         assert_eq!(c.single_copy_from, 256 << 10);
+        assert_eq!(c.single_copy_below, usize::MAX);
+        assert_eq!(Config::new(0, 1, "x", 1).single_copy_below, 1 << 20);
         assert_eq!(
             Config::new(0, 1, "x", 1).single_copy_from,
             DEFAULT_SINGLE_COPY_FROM

@@ -243,13 +243,16 @@ fn header(comm: &Communicator, a: &BenchArgs, probe: &probe::Probe, device: Stri
                  as rounds·α + V·S/β, V the busiest rank's share of the buffer over all rounds \
                  (2(p−1)/p, p the largest power of two ≤ n, 2 more when n is not one){}",
                 comm.config().algo,
-                match comm.single_copy_from() {
-                    Some(from) => format!(
-                        "; all-gathers from {from} B (RINGZERO_SINGLE_COPY_FROM) read each \
+                match comm.single_copy_sizes() {
+                    Some(s) => format!(
+                        "; all-gathers from {} B to below {} B (RINGZERO_SINGLE_COPY_FROM, \
+                         RINGZERO_SINGLE_COPY_BELOW) read each \
                          rank's part straight out of its process, marked `single-copy`: \
                          predicted as 2·α + (n−1)/n·S/β, β from streams that are the call's \
                          copies (process_vm_readv of the previous rank's buffer and, out of \
-                         place, the copy of the rank's own part), not the slots'"
+                         place, the copy of the rank's own part), not the slots'",
+                        s.start,
+                        s.end
                     ),
                     None => String::new(),
                 }

@@ -132,7 +132,7 @@ fn sweep_typed<T: Element>(
         // once for each schedule they come to.
         let mut ran = Vec::new();
         for &choice in choices {
-            let choice_of = (choice, comm.single_copy_from());
+            let choice_of = (choice, comm.single_copy_sizes());
             let algo = theory::runs(choice_of, op, bytes, (n, comm.nodes()));
             if ran.contains(&algo) {
                 continue;
