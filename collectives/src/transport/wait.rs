@@ -3,7 +3,7 @@
 //! When both halves of a rank's ring are TCP, it sleeps in `mio`'s poll on all their sockets at once
 //! (edge-triggered: the engine only sleeps after a read or write returned `WouldBlock`, so no
 //! readiness is ever missed). Otherwise (shared memory on at least one side) it backs off by time
-//! since the last progress: spin 20 µs, yield until 200 µs, then nap 50 µs at a time, so ranks sharing
+//! since the last progress: spin (a few rounds without reading the clock, then until 20 µs), yield until 200 µs, then nap 50 µs at a time, so ranks sharing
 //! a core give way to each other and an idle rank costs almost nothing. Waits paced by a device
 //! ([`Waiter::device`]: a kernel, or peers finishing theirs) yield for 5 ms before napping, since a
 //! nap's overshoot would land on every long kernel's collective.
@@ -15,7 +15,10 @@ use mio::{Events, Interest, Poll, Token};
 
 use super::{RecvLink, SendLink};
 
-/// Spin this long after the last progress (a peer a few microseconds behind is caught at once)...
+/// Spin this many rounds after the last progress before reading the clock at all (a clock read
+/// costs tens of nanoseconds on some virtual machines, as much as the hand-off it waits for)...
+const SPIN_ROUNDS: u32 = 64;
+/// ...then spin until this long after it (a peer a few microseconds behind is caught at once)...
 const SPIN_FOR: Duration = Duration::from_micros(20);
 /// ...then yield the core this long (cheap when ranks outnumber cores: the yield runs them)...
 const YIELD_FOR: Duration = Duration::from_micros(200);
@@ -32,6 +35,7 @@ const DEVICE_YIELD_FOR: Duration = Duration::from_millis(5);
 /// Sleeps between attempts; see the module docs.
 pub struct Waiter {
     poll: Option<(Poll, Events)>,
+    spins: u32,
     idle_since: Option<Instant>,
     yield_for: Duration,
 }
@@ -52,6 +56,7 @@ impl Waiter {
         }
         Ok(Waiter {
             poll,
+            spins: 0,
             idle_since: None,
             yield_for: YIELD_FOR,
         })
@@ -62,6 +67,7 @@ impl Waiter {
     pub fn backoff() -> Waiter {
         Waiter {
             poll: None,
+            spins: 0,
             idle_since: None,
             yield_for: YIELD_FOR,
         }
@@ -79,6 +85,7 @@ impl Waiter {
 
     /// Something moved: the next wait starts with spinning again.
     pub fn progressed(&mut self) {
+        self.spins = 0;
         self.idle_since = None;
     }
 
@@ -86,6 +93,11 @@ impl Waiter {
     pub fn idle(&mut self, max: Duration) {
         if let Some((p, events)) = &mut self.poll {
             let _ = p.poll(events, Some(max.min(POLL_CAP)));
+            return;
+        }
+        if self.spins < SPIN_ROUNDS {
+            self.spins += 1;
+            std::hint::spin_loop();
             return;
         }
         let idle = self.idle_since.get_or_insert_with(Instant::now).elapsed();
