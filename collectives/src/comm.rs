@@ -102,6 +102,9 @@ struct Inner {
     /// this rank's listener for them: pairs connect without rank 0's store.
     peers: std::sync::OnceLock<Vec<connect::PeerAddr>>,
     peer_listener: Option<PeerListener>,
+    /// The plan of the last ring call without per-rank counts, by (collective, count, slice,
+    /// in place): [`Inner::plan_of`].
+    last_plan: Mutex<Option<PlanKey>>,
     /// The single-copy all-gather's node board, where every ring edge is shared memory
     /// (set up by the start-up's last all-gathers; see `comm/direct.rs`).
     direct: std::sync::OnceLock<direct::HostDirect>,
@@ -177,6 +180,7 @@ impl Communicator {
             peers: std::sync::OnceLock::new(),
             peer_listener,
             direct: std::sync::OnceLock::new(),
+            last_plan: Mutex::new(None),
             _store: store,
         });
         let comm = Communicator {
@@ -493,6 +497,12 @@ fn unfixed(b: &[u8]) -> String {
     let end = b.iter().position(|&c| c == 0).unwrap_or(b.len());
     String::from_utf8_lossy(&b[..end]).into_owned()
 }
+
+/// A kept plan and what it was built for (the arguments that vary on one communicator).
+type PlanKey = (
+    (crate::ring::Collective, usize, usize, bool),
+    Arc<crate::ring::Plan>,
+);
 
 /// The job id of split `n`'s group `color`: distinct from the parent's and every other group's,
 /// so their connections cannot cross.

@@ -110,6 +110,24 @@ impl Inner {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// The plan of `args`: the last one again where a loop repeats a call (a plan is pure, and
+    /// building it allocates), else built and kept. Per-rank `counts` are not kept.
+    pub(super) fn plan_of(&self, args: PlanArgs) -> std::sync::Arc<crate::ring::Plan> {
+        let key = (args.coll, args.count, args.slice_elems, args.in_place);
+        let mut last = self.last_plan.lock().unwrap_or_else(|p| p.into_inner());
+        let kept = last
+            .as_ref()
+            .filter(|(k, _)| args.counts.is_none() && *k == key);
+        if let Some((_, p)) = kept {
+            return p.clone();
+        }
+        let p = std::sync::Arc::new(plan(args));
+        if args.counts.is_none() {
+            *last = Some((key, p.clone()));
+        }
+        p
+    }
+
     /// A call of `plan` on this communicator (all ranks; frames numbered `seq`, fingerprinted `fp`,
     /// both ways) writing `out_bytes` of results.
     pub(super) fn call<'a>(
@@ -284,7 +302,7 @@ impl Inner {
         let slot_bytes = st.links.as_ref().map_or(self.cfg.slice_bytes, |l| {
             l.tx.slot_bytes().min(self.cfg.slice_bytes)
         });
-        let p = plan(PlanArgs {
+        let p = self.plan_of(PlanArgs {
             coll,
             n: self.size,
             rank: self.rank,

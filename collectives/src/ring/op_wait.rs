@@ -65,7 +65,7 @@ pub(crate) fn frame_and_slot(
         // The clock only every few rounds without progress: reading it costs about what a
         // round does, and a frame a round late is a frame late.
         rounds += 1;
-        if !moved && patience.is_some() && rounds % CLOCK_EVERY != 0 {
+        if !moved && patience.is_some() && !rounds.is_multiple_of(CLOCK_EVERY) {
             w.idle(call.timeout);
             continue;
         }

@@ -543,7 +543,7 @@ impl Board {
             }
             // The clock only every few idle rounds: reading it costs about what a round does.
             rounds += 1;
-            if missing == before && rounds % CLOCK_EVERY != 0 {
+            if missing == before && !rounds.is_multiple_of(CLOCK_EVERY) {
                 waiter.idle(timeout);
                 continue;
             }
