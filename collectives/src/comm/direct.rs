@@ -273,17 +273,8 @@ impl Communicator {
             cma::allow_readers().err()
         };
         let made = match (&why_not, inner.rank) {
-            (None, 0) => {
-                let name = crate::connect::segment_name(&inner.cfg, 0, 0, "board");
-                match Board::create(&inner.cfg.shm_dir, &name, inner.size, 0) {
-                    Ok(b) if b.path().as_os_str().len() < 128 => Ok(b),
-                    Ok(b) => Err(format!(
-                        "the board path {} is 128 bytes or more",
-                        b.path().display()
-                    )),
-                    Err(e) => Err(format!("the node board could not be created: {e}")),
-                }
-            }
+            (None, 0) => create_board(&inner.cfg, inner.size)
+                .map_err(|e| format!("the node board could not be created: {e}")),
             _ => Err(String::new()),
         };
         let (record, board) = match (why_not, made) {
@@ -349,20 +340,12 @@ impl Communicator {
     pub(crate) fn node_board(&self, cfg: &Config) -> Result<Board> {
         let (rank, size) = (self.rank(), self.size());
         let mut board = if rank == 0 {
-            let name = crate::connect::segment_name(cfg, 0, 0, "board");
-            let made = Board::create(&cfg.shm_dir, &name, size, rank).and_then(|b| {
-                let path = b.path().to_string_lossy().into_owned();
-                match path.len() < 128 {
-                    true => Ok((b, path)),
-                    false => Err(Error::config(
-                        "RINGZERO_SHM_DIR",
-                        format!("the shm path `{path}` is longer than 127 bytes; use a shorter directory"),
-                    )),
-                }
-            });
-            let path = made.as_ref().map_or(String::new(), |(_, p)| p.clone());
+            let made = create_board(cfg, size);
+            let path = made
+                .as_ref()
+                .map_or(String::new(), |b| b.path().to_string_lossy().into_owned());
             self.all_gather_bytes(&fixed::<128>(&path))?;
-            made?.0
+            made?
         } else {
             let paths = self.all_gather_bytes(&[0u8; 128])?;
             let path = unfixed(&paths[..128]);
@@ -382,6 +365,21 @@ impl Communicator {
         board.unlink();
         Ok(board)
     }
+}
+
+/// Rank 0's node board for `size` ranks in `cfg.shm_dir`, whose path fits the 128 bytes the
+/// other ranks receive it in.
+fn create_board(cfg: &Config, size: usize) -> Result<Board> {
+    let name = crate::connect::segment_name(cfg, 0, 0, "board");
+    let b = Board::create(&cfg.shm_dir, &name, size, 0)?;
+    let path = b.path().to_string_lossy();
+    if path.len() >= 128 {
+        return Err(Error::config(
+            "RINGZERO_SHM_DIR",
+            format!("the shm path `{path}` is longer than 127 bytes; use a shorter directory"),
+        ));
+    }
+    Ok(b)
 }
 
 #[cfg(test)]

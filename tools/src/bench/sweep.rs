@@ -297,7 +297,7 @@ pub fn timed_with_model(
         }
     ];
     // Where the previous rank's `send` is: the single-copy streams read it out of its process.
-    let prev = if streams == Streams::PeerCopy {
+    let prev = if single_copy {
         let mine = [i64::from(std::process::id()), send.as_ptr() as i64];
         let mut all = vec![0i64; 2 * n];
         comm.all_gather(&mine[..], &mut all)?;
