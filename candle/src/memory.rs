@@ -87,6 +87,17 @@ impl Footprint {
         }
     }
 
+    /// What lives where candle computes (on a GPU: its memory): the variables, the gradient
+    /// store, the activations and backward's working set.
+    pub fn candle(&self) -> usize {
+        self.vars + self.grads + self.activations + self.backward
+    }
+
+    /// What the engine and the communicators hold (host memory).
+    pub fn engine(&self) -> usize {
+        self.model_states + self.comm_buffers + self.slots
+    }
+
     /// All of it.
     pub fn total(&self) -> usize {
         self.model_states
@@ -112,6 +123,27 @@ pub fn rss() -> Option<(usize, usize)> {
             .map(|k| k * 1024)
     };
     Some((kib("VmRSS:")?, kib("VmHWM:")?))
+}
+
+/// The GPU memory the CUDA driver reports for this process (`nvidia-smi
+/// --query-compute-apps`), in bytes; `None` where `nvidia-smi` is missing or does not list it
+/// (under MPS the server holds the memory, and no figure per client is given).
+pub fn device_used() -> Option<usize> {
+    let out = std::process::Command::new("nvidia-smi")
+        .args([
+            "--query-compute-apps=pid,used_memory",
+            "--format=csv,noheader,nounits",
+        ])
+        .output()
+        .ok()?;
+    let me = std::process::id().to_string();
+    String::from_utf8_lossy(&out.stdout).lines().find_map(|l| {
+        let (pid, mib) = l.split_once(',')?;
+        (pid.trim() == me)
+            .then(|| mib.trim().parse::<usize>().ok())
+            .flatten()
+            .map(|m| m << 20)
+    })
 }
 
 /// Restart the peak (`VmHWM`) from the current resident memory (Linux's `clear_refs` 5);

@@ -27,6 +27,9 @@ pub struct TrainArgs {
     pub seed: u64,
     /// Bytes of generated text.
     pub corpus_bytes: usize,
+    /// Where candle runs forward and backward (the variables, gradients and activations live
+    /// there); the engine keeps the model states in host memory either way.
+    pub device: Device,
 }
 
 impl Default for TrainArgs {
@@ -37,6 +40,7 @@ impl Default for TrainArgs {
             batch: 8,
             seed: 1,
             corpus_bytes: 1 << 20,
+            device: Device::Cpu,
         }
     }
 }
@@ -71,6 +75,11 @@ pub struct TrainReport {
     /// before the model was built (Linux; `None` elsewhere). It is the process's: ranks run as
     /// threads of one process (as tests do) share one figure.
     pub measured_peak: Option<usize>,
+    /// On a CUDA device: the driver's figure for this process (`nvidia-smi`'s used memory),
+    /// before the model was built and at its largest when sampled right after backward (where
+    /// the variables, gradients and activations are all alive) on the first two steps and the
+    /// last; `None` on the CPU or where the driver cannot say.
+    pub device_measured: Option<(usize, usize)>,
 }
 
 /// Train on this rank of `comm` with `cfg` (stage, precision as `T`, optimizer, schedule,
@@ -87,7 +96,7 @@ pub fn train<T: Float>(
             args.batch, args.steps
         )));
     }
-    let dev = Device::Cpu;
+    let dev = args.device.clone();
     let corpus = Corpus::generate(args.corpus_bytes, args.seed);
     let shape = GptConfig {
         vocab: corpus.vocab(),
@@ -98,6 +107,12 @@ pub fn train<T: Float>(
         .then(memory::rss)
         .flatten()
         .map(|(rss, _)| rss);
+    let device_before = if dev.is_cuda() {
+        memory::device_used()
+    } else {
+        None
+    };
+    let mut device_peak = device_before;
     let (model, varmap) = gpt::build(shape, args.seed, &dev)?;
     let (stage3, accum) = (cfg.stage == 3, cfg.accumulation_steps.max(1));
     let mut zero = Zero::<T>::new(comm, &varmap, cfg)?;
@@ -123,6 +138,10 @@ pub fn train<T: Float>(
             sum += gpt::scalar(&loss)?;
             let scaled = zero.scaled(&loss)?;
             zero.backward(&scaled)?;
+            if device_before.is_some() && (step < 2 || step + 1 == args.steps) && micro == 0 {
+                dev.synchronize()?;
+                device_peak = device_peak.max(memory::device_used());
+            }
             let outcome = zero.step()?;
             comm_peak = comm_peak.max(zero.memory().comm_buffers);
             if micro + 1 == accum {
@@ -159,5 +178,6 @@ pub fn train<T: Float>(
         params: shape.params(),
         footprint,
         measured_peak,
+        device_measured: device_before.zip(device_peak),
     })
 }

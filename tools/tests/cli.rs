@@ -1510,6 +1510,18 @@ fn train_learns_a_gpt_and_exits_non_zero_when_the_loss_stays_high() {
     );
     let e = fails(ringzero().args(["train", "--stage", "3", "--config", "ds.json"]));
     assert!(e.contains("--stage and --config both given"), "{e}");
+    let e = fails(ringzero().args(["train", "--device", "gpu"]));
+    assert!(
+        e.contains("--device \"gpu\": say cpu, cuda or cuda:N"),
+        "{e}"
+    );
+    // The test build has no CUDA backend: said once, before any rank starts.
+    let e = fails(ringzero().args(["train", "--device", "cuda:0"]));
+    assert!(
+        e.contains("built without candle's CUDA backend") && e.contains("scripts/build-gpu.sh"),
+        "{e}"
+    );
+    assert!(!e.contains("rank 0"), "{e}");
 }
 
 /// `ringzero mem --gpt`: a GPT's whole footprint per stage (model states fall with the stage,

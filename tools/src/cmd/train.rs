@@ -61,11 +61,20 @@ pub(crate) struct TrainCli {
     /// Transport: auto, shm or tcp.
     #[arg(long)]
     pub(crate) transport: Option<String>,
+    /// Where candle computes: `cpu`, `cuda` (each rank the GPU of its local rank modulo the
+    /// GPUs present) or `cuda:N`. CUDA needs a build with the `cuda` feature
+    /// (scripts/build-gpu.sh); the engine's model states stay in host memory, and parameters
+    /// and gradients cross once each way per step.
+    #[arg(long, default_value = "cpu")]
+    pub(crate) device: String,
 }
 
 /// Train and report; the exit code says whether the loss fell below the threshold.
 pub(crate) fn run(t: TrainCli) -> anyhow::Result<ExitCode> {
     let cfg = config(&t)?;
+    if device_ordinal(&t.device, 0)?.is_some() && !cfg!(feature = "cuda") {
+        cuda_device(0)?;
+    }
     if !under_launcher() {
         return spawn_self(t.ranks.unwrap_or(2), t.transport.as_deref(), None);
     }
@@ -140,6 +149,11 @@ fn run_as<T: Float>(
 ) -> anyhow::Result<ExitCode> {
     let root = comm.rank() == 0;
     let (stage, precision) = (cfg.stage, cfg.precision);
+    let device = match device_ordinal(&t.device, comm.config().launch.local_rank)? {
+        None => candle_core::Device::Cpu,
+        Some(n) => cuda_device(n)
+            .with_context(|| format!("rank {}: --device {}", comm.rank(), t.device))?,
+    };
     let args = TrainArgs {
         model: GptConfig {
             vocab: 0,
@@ -150,12 +164,13 @@ fn run_as<T: Float>(
         },
         steps: t.steps,
         batch: cfg.micro_batch.unwrap_or(t.batch),
+        device,
         ..TrainArgs::default()
     };
     if root {
         println!(
-            "GPT {} blocks × width {} ({} heads, context {}), stage {stage}, {precision:?}, {} ranks × {} sequences",
-            t.layers, t.dim, t.heads, t.ctx, comm.size(), args.batch
+            "GPT {} blocks × width {} ({} heads, context {}), stage {stage}, {precision:?}, {} ranks × {} sequences, on {}",
+            t.layers, t.dim, t.heads, t.ctx, comm.size(), args.batch, t.device
         );
     }
     let last = t.steps - 1;
@@ -228,7 +243,7 @@ fn footprint_text(r: &train::TrainReport) -> String {
         mib(f.activations),
         mib(f.backward)
     );
-    match r.measured_peak {
+    let host = match r.measured_peak {
         Some(m) => format!(
             "rank 0 memory added by training at its peak: measured {:.2} MiB (VmHWM over the \
              resident set before the model), {predicted}; measured / predicted {:.2}",
@@ -236,5 +251,58 @@ fn footprint_text(r: &train::TrainReport) -> String {
             m as f64 / f.total().max(1) as f64
         ),
         None => format!("rank 0 memory while training: {predicted} (no /proc here to measure)"),
+    };
+    match r.device_measured {
+        // On a GPU, candle's part lives in device memory and the engine's in host memory.
+        Some((before, peak)) => format!(
+            "{host}\nrank 0 GPU memory (the driver's figure for the process): {:.2} MiB before \
+             the model (CUDA context), {:.2} MiB at its largest after backward, {:.2} MiB added; \
+             predicted candle vars + grads + activations + backward {:.2} MiB; added / predicted \
+             {:.2}; host side (engine, slots) predicted {:.2} MiB",
+            mib(before),
+            mib(peak),
+            mib(peak - before),
+            mib(f.candle()),
+            (peak - before) as f64 / f.candle().max(1) as f64,
+            mib(f.engine())
+        ),
+        None => host,
     }
+}
+
+/// `--device`: `None` for the CPU, else the CUDA ordinal (`cuda` takes the local rank's turn
+/// among the GPUs present, which is checked when the device opens).
+fn device_ordinal(spec: &str, local_rank: usize) -> anyhow::Result<Option<usize>> {
+    match spec {
+        "cpu" => Ok(None),
+        "cuda" => Ok(Some(match ringzero_kernels::device::cuda::device_count() {
+            Ok(n) => local_rank % n,
+            Err(_) => 0,
+        })),
+        _ => match spec.strip_prefix("cuda:").map(str::parse::<usize>) {
+            Some(Ok(n)) => Ok(Some(n)),
+            _ => anyhow::bail!("--device {spec:?}: say cpu, cuda or cuda:N (N a GPU's ordinal)"),
+        },
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_device(ordinal: usize) -> anyhow::Result<candle_core::Device> {
+    // The driver probed first: candle's own load of a missing libcuda panics.
+    let n = ringzero_kernels::device::cuda::device_count()?;
+    anyhow::ensure!(
+        ordinal < n,
+        "GPU {ordinal} asked for, and the driver reports {n}: use cuda:0 to cuda:{}",
+        n - 1
+    );
+    Ok(candle_core::Device::new_cuda(ordinal)?)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_device(_: usize) -> anyhow::Result<candle_core::Device> {
+    anyhow::bail!(
+        "this ringzero was built without candle's CUDA backend: build it with \
+         `bash scripts/build-gpu.sh` (cargo's `--features cuda`, CUDA's compiler from PyPI), or \
+         train with --device cpu"
+    )
 }
