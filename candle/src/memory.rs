@@ -146,6 +146,38 @@ pub fn device_used() -> Option<usize> {
     })
 }
 
+/// The high-water mark of the default memory pool of CUDA device `ordinal`, in bytes: candle
+/// allocates its tensors there (stream-ordered allocation), so this is the most its tensors
+/// held at once. `restart` starts the mark again from what is allocated now. `None` in a build
+/// without the `cuda` feature, or where the driver refuses.
+pub fn pool_peak(ordinal: usize, restart: bool) -> Option<usize> {
+    #[cfg(feature = "cuda")]
+    {
+        use cudarc::driver::sys::{self, CUmemPool_attribute, CUresult};
+        let high = CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH;
+        let (mut dev, mut pool, mut v) = (0, std::ptr::null_mut(), 0u64);
+        // SAFETY: each call writes only through the pointer it is given, to a local of the
+        // type the driver API names (CUdevice, CUmemoryPool, and a cuuint64_t for this
+        // attribute); the driver was initialised when candle opened the device, and a
+        // failure is returned, not acted on.
+        let ok = unsafe {
+            sys::cuDeviceGet(&mut dev, i32::try_from(ordinal).ok()?) == CUresult::CUDA_SUCCESS
+                && sys::cuDeviceGetDefaultMemPool(&mut pool, dev) == CUresult::CUDA_SUCCESS
+                && (!restart
+                    || sys::cuMemPoolSetAttribute(pool, high, (&raw mut v).cast())
+                        == CUresult::CUDA_SUCCESS)
+                && sys::cuMemPoolGetAttribute(pool, high, (&raw mut v).cast())
+                    == CUresult::CUDA_SUCCESS
+        };
+        ok.then_some(v as usize)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (ordinal, restart);
+        None
+    }
+}
+
 /// Restart the peak (`VmHWM`) from the current resident memory (Linux's `clear_refs` 5);
 /// whether it could.
 pub fn reset_peak() -> bool {

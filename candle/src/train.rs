@@ -80,6 +80,9 @@ pub struct TrainReport {
     /// the variables, gradients and activations are all alive) on the first two steps and the
     /// last; `None` on the CPU or where the driver cannot say.
     pub device_measured: Option<(usize, usize)>,
+    /// On a CUDA device: the most candle's tensors held at once, from the device memory pool's
+    /// high-water mark (restarted before the model was built).
+    pub device_pool_peak: Option<usize>,
 }
 
 /// Train on this rank of `comm` with `cfg` (stage, precision as `T`, optimizer, schedule,
@@ -113,6 +116,13 @@ pub fn train<T: Float>(
         None
     };
     let mut device_peak = device_before;
+    let ordinal = match dev.location() {
+        candle_core::DeviceLocation::Cuda { gpu_id } => Some(gpu_id),
+        _ => None,
+    };
+    if let Some(o) = ordinal {
+        memory::pool_peak(o, true);
+    }
     let (model, varmap) = gpt::build(shape, args.seed, &dev)?;
     let (stage3, accum) = (cfg.stage == 3, cfg.accumulation_steps.max(1));
     let mut zero = Zero::<T>::new(comm, &varmap, cfg)?;
@@ -179,5 +189,6 @@ pub fn train<T: Float>(
         footprint,
         measured_peak,
         device_measured: device_before.zip(device_peak),
+        device_pool_peak: ordinal.and_then(|o| memory::pool_peak(o, false)),
     })
 }

@@ -253,18 +253,28 @@ fn footprint_text(r: &train::TrainReport) -> String {
         None => format!("rank 0 memory while training: {predicted} (no /proc here to measure)"),
     };
     match r.device_measured {
-        // On a GPU, candle's part lives in device memory and the engine's in host memory.
+        // On a GPU, candle's part lives in device memory and the engine's in host memory; the
+        // host's resident memory then also holds the CUDA libraries candle loads.
         Some((before, peak)) => format!(
-            "{host}\nrank 0 GPU memory (the driver's figure for the process): {:.2} MiB before \
+            "rank 0 host memory added by training at its peak: {}; predicted engine and slots \
+             {:.2} MiB (the rest of the resident growth is CUDA's libraries and candle's \
+             host copies)\nrank 0 GPU memory (the driver's figure for the process): {:.2} MiB before \
              the model (CUDA context), {:.2} MiB at its largest after backward, {:.2} MiB added; \
              predicted candle vars + grads + activations + backward {:.2} MiB; added / predicted \
-             {:.2}; host side (engine, slots) predicted {:.2} MiB",
+             {:.2}; candle's tensors at their peak (the CUDA memory pool's high-water mark) {}",
+            r.measured_peak
+                .map_or("not measured".into(), |m| format!("{:.2} MiB", mib(m))),
+            mib(f.engine()),
             mib(before),
             mib(peak),
             mib(peak - before),
             mib(f.candle()),
             (peak - before) as f64 / f.candle().max(1) as f64,
-            mib(f.engine())
+            r.device_pool_peak.map_or("not read".into(), |p| format!(
+                "{:.2} MiB, / predicted {:.2}",
+                mib(p),
+                p as f64 / f.candle().max(1) as f64
+            )),
         ),
         None => host,
     }
