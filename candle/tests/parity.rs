@@ -27,6 +27,7 @@ fn args() -> TrainArgs {
         batch: 4,
         seed: 5,
         corpus_bytes: 64 << 10,
+        ..TrainArgs::default()
     }
 }
 
