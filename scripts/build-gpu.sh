@@ -40,14 +40,17 @@ s2 = s.replace('"cuda-version-from-build-system",\n', '"cuda-13000",\n').replace
 assert s2 != s and '"dynamic-linking"' not in s2, "candle-core's cudarc features are not as expected"
 open(p, "w").write(s2)
 PY
+# Its own target folder: the binary needs CUDA's runtime library to start, so the ordinary
+# release build (target/release) stays the one that runs anywhere.
+export CARGO_TARGET_DIR=$PWD/target/gpu
 cp Cargo.lock target/candle-cuda/Cargo.lock.keep
 trap 'cp target/candle-cuda/Cargo.lock.keep Cargo.lock' EXIT
 cargo build --release -p ringzero-tools --features cuda \
     --config "patch.crates-io.candle-core.path=\"$patched\""
 cargo test --release --no-run -p ringzero-kernels --test cuda
 rm -rf .gpubin && mkdir -p .gpubin
-cp target/release/ringzero .gpubin/
-for t in target/release/deps/cuda-*; do
+cp "$CARGO_TARGET_DIR/release/ringzero" .gpubin/
+for t in "$CARGO_TARGET_DIR"/release/deps/cuda-*; do
     [ -x "$t" ] && [ -f "$t" ] && cp "$t" .gpubin/
 done
 strip .gpubin/*

@@ -13,6 +13,8 @@
 #
 # BIN holds `ringzero` and the kernels' `cuda-*` test binary, built on an x86-64 machine:
 #     cargo build --release && cargo test --release --no-run -p ringzero-kernels --test cuda
+# or, with candle's CUDA backend for scripts/gpu-train.sh, `bash scripts/build-gpu.sh` (into
+# .gpubin/, `ringzero` as ringzero.xz: `xz -d .gpubin/ringzero.xz` first on the GPU machine).
 # Everything goes to $OUT (or /tmp): log lines with the seconds each step took, gpu-check.json,
 # diag.json, and the benches' JSON in benches.tgz.
 set -uo pipefail
