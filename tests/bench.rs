@@ -181,7 +181,7 @@ fn rows_follow_the_nccl_tests_definitions_and_the_json_parses_back() {
         let m = bench::theory::Model { alpha_us, beta_gbs };
         // Two ranks on one node: the ring, but for the collectives that always run pairwise and
         // the all-gathers that read directly.
-        let algo = bench::theory::runs(choice(), op, row.bytes, (2, 1));
+        let algo = bench::theory::runs(choice(), op, row.bytes, (2, 1, true));
         assert_eq!(row.algo, algo.name(), "{row:?}");
         assert_eq!(
             row.predicted_us,
@@ -206,7 +206,7 @@ fn rows_follow_the_nccl_tests_definitions_and_the_json_parses_back() {
         assert!((row.busbw_gbs - row.algbw_gbs * bench::theory::busbw_factor(op, 2)).abs() < 1e-12);
         // Two ranks: every all-reduce goes round the ring under `auto`; all-gathers from the
         // threshold read directly.
-        let algo = bench::theory::runs(choice(), op, row.bytes, (2, 1));
+        let algo = bench::theory::runs(choice(), op, row.bytes, (2, 1, true));
         let pairwise = op.is_pairwise();
         let direct =
             op == Collective::AllGather && single_copy.as_ref().unwrap().contains(&row.bytes);

@@ -162,6 +162,53 @@ fn it_moves_the_whole_buffer_once_per_round_and_auto_switches_at_the_threshold()
     });
 }
 
+/// Two ranks over tcp: `auto` runs the all-reduce by doubling (one exchange of the whole
+/// buffer) up to `TWO_RANK_DOUBLING_MAX`, the ring above; over shared memory two ranks keep
+/// the ring. Either way the sums are the ring's bit for bit (two addends have one order).
+#[test]
+fn two_ranks_over_tcp_all_reduce_by_doubling_up_to_their_limit() {
+    use ringzero_collectives::config::TWO_RANK_DOUBLING_MAX;
+    let max = TWO_RANK_DOUBLING_MAX / 4;
+    for (transport, small_by) in [
+        (TransportPref::Tcp, "by doubling)"),
+        (TransportPref::Shm, &format!("count={max})")[..]),
+    ] {
+        let o = Opts {
+            transport,
+            ..Opts::default()
+        };
+        threads(2, &o, |r, comm| {
+            let comm = comm.unwrap();
+            let mine = rounding(r, max + 1);
+            let mut small = mine[..max].to_vec();
+            let before = comm.counters();
+            comm.all_reduce(InPlace, &mut small, ReduceOp::Sum).unwrap();
+            let sent = comm.counters().bytes_sent - before.bytes_sent;
+            let mut big = vec![0f32; max + 1];
+            comm.all_reduce(&mine[..], &mut big, ReduceOp::Sum).unwrap();
+            let calls: Vec<String> = comm
+                .flight_record()
+                .entries
+                .iter()
+                .map(|e| e.call.clone())
+                .collect();
+            let n = calls.len();
+            assert!(calls[n - 2].ends_with(small_by), "{transport:?}: {calls:?}");
+            assert!(
+                calls[n - 1].ends_with(&format!("count={})", max + 1)),
+                "{calls:?}"
+            );
+            // Doubling sends the whole buffer once; the ring half of it twice: the same bytes.
+            assert_eq!(sent, (max * 4) as u64, "{transport:?}");
+            // The same sums as the ring's (its first `max` elements).
+            assert_eq!(
+                small.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                big[..max].iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+            );
+        });
+    }
+}
+
 #[test]
 fn halving_doubling_moves_the_rings_bytes_and_auto_takes_it_between_the_thresholds() {
     let (dmax, hmax) = (1024, 16384);

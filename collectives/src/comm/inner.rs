@@ -278,7 +278,11 @@ impl Inner {
         bufs: Bufs,
     ) -> Result<()> {
         let bytes = count.total.saturating_mul(dtype.map_or(1, DType::size));
-        if let Some(sched) = algo.schedule(coll, bytes, self.size) {
+        let shm = self
+            .edges
+            .iter()
+            .all(|e| e.kind == crate::TransportKind::Shm);
+        if let Some(sched) = algo.schedule(coll, bytes, self.size, shm) {
             if count.parts.is_none() {
                 let call = (sched, coll, dtype, op);
                 return self.by_doubling(call, count.total, in_place, bufs);

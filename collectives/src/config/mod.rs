@@ -22,7 +22,9 @@ mod policy;
 pub use env::{env_flag, parse_bytes};
 use launcher::launch_info;
 pub use launcher::{default_node_id, LaunchInfo};
-pub use policy::{Algo, DeviceAlgo, StagingMode, TransportPref, COPY_STAGING_MAX_SHARERS};
+pub use policy::{
+    Algo, DeviceAlgo, StagingMode, TransportPref, COPY_STAGING_MAX_SHARERS, TWO_RANK_DOUBLING_MAX,
+};
 
 /// Default deadline for any single wait.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
@@ -618,30 +620,45 @@ mod tests {
         let (ar, bar) = (Collective::AllReduce, Collective::Barrier);
         let bc = Collective::Broadcast { root: 0 };
         let (d, hd) = (Some(Schedule::Doubling), Some(Schedule::HalvingDoubling));
-        assert_eq!(auto.schedule(ar, DEFAULT_DOUBLING_MAX, 3), d);
-        assert_eq!(auto.schedule(ar, DEFAULT_DOUBLING_MAX + 1, 3), hd);
-        assert_eq!(auto.schedule(ar, DEFAULT_HALVING_MAX, 8), hd);
-        assert_eq!(auto.schedule(ar, DEFAULT_HALVING_MAX + 1, 8), None);
+        assert_eq!(auto.schedule(ar, DEFAULT_DOUBLING_MAX, 3, true), d);
+        assert_eq!(auto.schedule(ar, DEFAULT_DOUBLING_MAX + 1, 3, true), hd);
+        assert_eq!(auto.schedule(ar, DEFAULT_HALVING_MAX, 8, true), hd);
+        assert_eq!(auto.schedule(ar, DEFAULT_HALVING_MAX + 1, 8, true), None);
         assert_eq!(
-            auto.schedule(ar, 4, 2),
+            auto.schedule(ar, 4, 2, true),
             None,
             "two ranks: the ring's two hops of half"
         );
-        assert_eq!(auto.schedule(bar, 0, 3), d);
-        assert_eq!(auto.schedule(bar, 0, 2), None);
+        // Two ranks over tcp: one exchange of the whole buffer up to the two-rank limit, and
+        // never past RINGZERO_DOUBLING_MAX; only the all-reduce.
+        assert_eq!(auto.schedule(ar, TWO_RANK_DOUBLING_MAX, 2, false), d);
+        assert_eq!(auto.schedule(ar, TWO_RANK_DOUBLING_MAX + 1, 2, false), None);
+        let low = Algo::Auto {
+            doubling_max: 1024,
+            halving_max: 0,
+            pairwise_max: 0,
+        };
+        assert_eq!(low.schedule(ar, 2048, 2, false), None);
+        assert_eq!(auto.schedule(bar, 0, 2, false), None);
+        assert_eq!(auto.schedule(bc, 4, 2, false), None);
+        assert_eq!(auto.schedule(bar, 0, 3, true), d);
+        assert_eq!(auto.schedule(bar, 0, 2, true), None);
         assert_eq!(
-            auto.schedule(bc, 4, 8),
+            auto.schedule(bc, 4, 8, true),
             None,
             "auto keeps broadcast on the chain"
         );
-        assert_eq!(Algo::Doubling.schedule(ar, 1 << 30, 2), d);
-        assert_eq!(Algo::Doubling.schedule(bc, 1 << 30, 8), d);
-        assert_eq!(Algo::Doubling.schedule(Collective::AllGather, 4, 8), None);
-        assert_eq!(Algo::HalvingDoubling.schedule(ar, 4, 2), hd);
-        assert_eq!(Algo::HalvingDoubling.schedule(bar, 0, 8), None);
-        assert_eq!(Algo::Ring.schedule(bar, 0, 8), None);
+        assert_eq!(Algo::Doubling.schedule(ar, 1 << 30, 2, true), d);
+        assert_eq!(Algo::Doubling.schedule(bc, 1 << 30, 8, true), d);
         assert_eq!(
-            Algo::Doubling.schedule(ar, 4, 1),
+            Algo::Doubling.schedule(Collective::AllGather, 4, 8, true),
+            None
+        );
+        assert_eq!(Algo::HalvingDoubling.schedule(ar, 4, 2, true), hd);
+        assert_eq!(Algo::HalvingDoubling.schedule(bar, 0, 8, true), None);
+        assert_eq!(Algo::Ring.schedule(bar, 0, 8, true), None);
+        assert_eq!(
+            Algo::Doubling.schedule(ar, 4, 1, true),
             None,
             "one rank has nothing to exchange"
         );

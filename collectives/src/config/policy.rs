@@ -119,6 +119,12 @@ impl std::fmt::Display for DeviceAlgo {
     }
 }
 
+/// The largest all-reduce `auto` runs by recursive doubling on two ranks whose edges are not
+/// shared memory (see [`Algo::Auto`]): on loopback tcp here doubling took 20 µs against the
+/// ring's 28 at 16 KiB and 25 against 30 at 32 KiB, and lost from 64 KiB (34 against 31; best
+/// of four interleaved runs each).
+pub const TWO_RANK_DOUBLING_MAX: usize = 32 << 10;
+
 /// Which algorithm the latency-bound host collectives run (`RINGZERO_ALGO`,
 /// `RINGZERO_DOUBLING_MAX`, `RINGZERO_HALVING_MAX`, `RINGZERO_PAIRWISE_MAX`): all-reduce,
 /// broadcast, reduce and barrier either go round the ring (`2(n − 1)` or `n − 1` hops) or by a
@@ -137,7 +143,13 @@ pub enum Algo {
     /// where they measured faster; broadcast and reduce on the ring's chain at every size, whose
     /// calls pipeline one after another (a tree's root sends `log2 n` copies per call: it cut
     /// one call's latency but lost on back-to-back calls in `ringzero bench`, see the design
-    /// notes). Two ranks always take the ring, where all are one exchange.
+    /// notes). On two ranks every one of them takes the ring, whose steps are each one
+    /// exchange, except the all-reduce over edges that are not shared memory (tcp) up to
+    /// [`TWO_RANK_DOUBLING_MAX`] (or `doubling_max`, the smaller): there recursive doubling's one
+    /// exchange of the whole buffer beats the ring's two of half, where each hop costs a
+    /// network round trip (on shared memory the ring measured faster, about 1.2 µs against
+    /// 2.3 at 4 KiB). Two ranks sum in one order either way (`a + b` is `b + a`), so the
+    /// results are the ring's bit for bit.
     Auto {
         /// The largest all-reduce, in bytes, run by recursive doubling.
         doubling_max: usize,
@@ -174,8 +186,8 @@ impl Default for Algo {
 impl Algo {
     /// The schedule `coll` of `bytes` on `n` ranks runs, `None` for the ring's (never a
     /// schedule on one rank, where there is nothing to exchange, nor for a collective without
-    /// one).
-    pub fn schedule(self, coll: Collective, bytes: usize, n: usize) -> Option<Schedule> {
+    /// one). `shm`: whether the ring's edges are all shared memory (two ranks choose by it).
+    pub fn schedule(self, coll: Collective, bytes: usize, n: usize, shm: bool) -> Option<Schedule> {
         if n < 2 {
             return None;
         }
@@ -185,6 +197,11 @@ impl Algo {
                 halving_max,
                 ..
             } => match coll {
+                Collective::AllReduce
+                    if n == 2 && !shm && bytes <= doubling_max.min(TWO_RANK_DOUBLING_MAX) =>
+                {
+                    Some(Schedule::Doubling)
+                }
                 _ if n == 2 => None,
                 Collective::AllReduce if bytes <= doubling_max => Some(Schedule::Doubling),
                 Collective::AllReduce if bytes <= halving_max => Some(Schedule::HalvingDoubling),
@@ -237,7 +254,12 @@ impl std::fmt::Display for Algo {
                 halving_max,
                 pairwise_max,
             } => {
-                write!(f, "auto (all-reduce by doubling up to {doubling_max} B, ")?;
+                write!(f, "auto (all-reduce by doubling up to {doubling_max} B ")?;
+                write!(
+                    f,
+                    "(on 2 ranks over tcp up to {} B), ",
+                    (*doubling_max).min(TWO_RANK_DOUBLING_MAX)
+                )?;
                 if halving_max > doubling_max {
                     write!(f, "by halving-doubling up to {halving_max} B, ")?;
                 }

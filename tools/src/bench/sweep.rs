@@ -119,6 +119,10 @@ fn sweep_typed<T: Element>(
     let n = comm.size();
     let mut rows = Vec::new();
     let own = [comm.config().algo];
+    let shm = comm
+        .edges()
+        .iter()
+        .all(|e| e.kind == ringzero_collectives::TransportKind::Shm);
     let compares = doubling::has_schedule(op) || op == Collective::AllGatherV;
     let choices = if a.algos.is_empty() || !compares {
         &own[..]
@@ -133,7 +137,7 @@ fn sweep_typed<T: Element>(
         let mut ran = Vec::new();
         for &choice in choices {
             let choice_of = (choice, comm.single_copy_sizes());
-            let algo = theory::runs(choice_of, op, bytes, (n, comm.nodes()));
+            let algo = theory::runs(choice_of, op, bytes, (n, comm.nodes(), shm));
             if ran.contains(&algo) {
                 continue;
             }

@@ -50,14 +50,15 @@ impl Algo {
     }
 }
 
-/// How `op` of `bytes` on `n` ranks over `nodes` nodes runs on host buffers when the
+/// How `op` of `bytes` on `n` ranks over `nodes` nodes (`shm`: whether the ring's edges are
+/// all shared memory) runs on host buffers when the
 /// communicator's algorithm choice is `choice` and its all-gathers of `single_copy` bytes read
 /// directly ([`Communicator::single_copy_sizes`](ringzero_collectives::Communicator::single_copy_sizes)).
 pub fn runs(
     (choice, single_copy): (ringzero_collectives::Algo, Option<std::ops::Range<usize>>),
     op: Collective,
     bytes: usize,
-    (n, nodes): (usize, usize),
+    (n, nodes, shm): (usize, usize, bool),
 ) -> Algo {
     match op {
         Collective::AllGather if single_copy.is_some_and(|s| s.contains(&bytes)) => {
@@ -65,7 +66,9 @@ pub fn runs(
         }
         Collective::AllGatherV if choice.gathers_v_pairwise(bytes, n, nodes) => Algo::Pairwise,
         op if op.is_pairwise() => Algo::Pairwise,
-        _ => choice.schedule(op, bytes, n).map_or(Algo::Ring, Algo::By),
+        _ => choice
+            .schedule(op, bytes, n, shm)
+            .map_or(Algo::Ring, Algo::By),
     }
 }
 

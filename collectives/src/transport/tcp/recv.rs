@@ -1,7 +1,7 @@
 //! The receiving half of a tcp link: frames read from the edge's connections into the slots,
 //! reassembled in order.
 
-use std::io::{ErrorKind, IoSlice, Read, Write};
+use std::io::{ErrorKind, IoSlice, IoSliceMut, Read, Write};
 use std::net::TcpStream;
 
 use super::{LinkError, LinkResult, RecvLink, TransportKind};
@@ -107,7 +107,7 @@ impl TcpRecv {
             return Ok(None);
         }
         if self.checked.is_none() {
-            if !self.read_header()? {
+            if !self.read_header(expect)? {
                 return Ok(None);
             }
             let h = FrameHeader::decode(&self.header)?;
@@ -173,11 +173,33 @@ impl TcpRecv {
 
     /// Read the next header from wire 0: Ok(true) once whole, Ok(false) when the socket would
     /// block.
-    fn read_header(&mut self) -> LinkResult<bool> {
+    ///
+    /// The same read also takes what follows the header on wire 0, up to the first part of the
+    /// frame `expect` describes, straight into the current slot: a small frame arrives in one
+    /// system call instead of two. It never reads past the frame's own bytes when the header
+    /// is the one expected (a data frame must match `expect`'s length exactly, and wire 0
+    /// carries the first part); when it is not (another call's frame, garbage, an abort whose
+    /// reason is shorter), the link fails on that header, and bytes read beyond it are never
+    /// looked at. An abort's reason starts at the slot's start, where [`TcpRecv::arrive`] reads
+    /// it, and `part_got[0]` counts what arrived either way.
+    fn read_header(&mut self, expect: &Expect) -> LinkResult<bool> {
+        let first = parts(expect.len.min(self.slot_bytes), self.wires.len())
+            .next()
+            .map_or(0, |p| p.len());
+        let at = self.current() * stride(self.slot_bytes);
         while self.header_got < HEADER_LEN {
-            let r = self.wires[0].read(&mut self.header[self.header_got..]);
+            let (payload, header) = (&mut self.payload, &mut self.header);
+            let mut iov = [
+                IoSliceMut::new(&mut header[self.header_got..]),
+                IoSliceMut::new(&mut payload.bytes_mut()[at..at + first]),
+            ];
+            let r = self.wires[0].read_vectored(&mut iov);
             match self.got(0, r)? {
-                Some(n) => self.header_got += n,
+                Some(n) => {
+                    let h = n.min(HEADER_LEN - self.header_got);
+                    self.header_got += h;
+                    self.part_got[0] = n - h;
+                }
                 None => return Ok(false),
             }
         }
