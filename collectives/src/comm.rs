@@ -94,6 +94,9 @@ struct Inner {
     /// first such collective between the two. Locked only while `state` is held (after `pairs`,
     /// when both are).
     mesh: Mutex<BTreeMap<usize, Links>>,
+    /// Whether `pairs` or `mesh` has ever held a link: until then a call's counter snapshots
+    /// (two per call) read the ring's links alone, without taking their locks.
+    others: std::sync::atomic::AtomicBool,
     /// Every pair of ranks (lower first) that the pairwise collectives have connected so far,
     /// this rank's or not: a function of the calls made, so the same on every rank, which is
     /// what lets every rank agree whether a call connects anywhere. Locked after `mesh`.
@@ -176,6 +179,7 @@ impl Communicator {
             pairs: Mutex::new(BTreeMap::new()),
             pairs_seen: Mutex::new(Counters::default()),
             mesh: Mutex::new(BTreeMap::new()),
+            others: std::sync::atomic::AtomicBool::new(false),
             mesh_pairs: Mutex::new(Default::default()),
             peers: std::sync::OnceLock::new(),
             peer_listener,

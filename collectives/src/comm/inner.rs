@@ -157,6 +157,9 @@ impl Inner {
     /// flight record reads these, so that it never waits for a session (whose messages, on
     /// links of their own, are none of the call's traffic).
     pub(super) fn counters_now(&self, st: &State) -> Counters {
+        if !self.others.load(std::sync::atomic::Ordering::Acquire) {
+            return links_sum(st.links.iter());
+        }
         let pairs = match self.pairs.try_lock() {
             Ok(pairs) => self.note_pairs(pairs),
             Err(std::sync::TryLockError::Poisoned(p)) => self.note_pairs(p.into_inner()),
@@ -178,6 +181,13 @@ impl Inner {
     pub(super) fn with_ring_and_mesh(&self, st: &State, pairs: Counters) -> Counters {
         let mesh = self.mesh.lock().unwrap_or_else(|p| p.into_inner());
         links_sum(st.links.iter().chain(mesh.values())) + pairs
+    }
+
+    /// Note that a point-to-point or pairwise link is about to exist (before it is inserted):
+    /// counter snapshots take those links from now on.
+    pub(super) fn others_exist(&self) {
+        self.others
+            .store(true, std::sync::atomic::Ordering::Release);
     }
 
     /// Run `f` on every link beside the ring's: point-to-point's pairs and the pairwise

@@ -247,6 +247,7 @@ impl Inner {
         fp: &Fingerprint,
     ) -> Result<()> {
         for (peer, links) in self.connect_missing(pairs, peers, fp, Role::Data, None)? {
+            self.others_exist();
             let (sent, received) = (0, 0);
             pairs.insert(
                 peer,

@@ -463,6 +463,9 @@ impl Mesh<'_> {
                 watch,
             )
             .map_err(|e| e.at_seq(seq))?;
+        if !made.is_empty() {
+            inner.others_exist();
+        }
         self.links.extend(made);
         self.known.extend(self.wanted.drain(..));
         Ok(())

@@ -190,6 +190,7 @@ impl Inner {
                 sent: 0,
                 received: 0,
             };
+            self.others_exist();
             pairs.insert(*peer, pair);
         }
         Ok(!done.is_empty())
