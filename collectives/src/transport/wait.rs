@@ -1,9 +1,11 @@
 //! How the engine waits when neither direction can move.
 //!
-//! When both halves of a rank's ring are TCP, it sleeps in `mio`'s poll on all their sockets at once
-//! (edge-triggered: the engine only sleeps after a read or write returned `WouldBlock`, so no
-//! readiness is ever missed). Otherwise (shared memory on at least one side) it backs off by time
-//! since the last progress: spin (a few rounds without reading the clock, then until 20 µs), yield until 200 µs, then nap 50 µs at a time, so ranks sharing
+//! It first spins (a few rounds without reading the clock, then until 20 µs after the last
+//! progress), the engine trying its links again each round. When both halves of a rank's ring
+//! are TCP, it then sleeps in `mio`'s poll on all their sockets at once (edge-triggered: the
+//! engine only sleeps after a read or write returned `WouldBlock`, and an edge that came while it
+//! spun is still queued, so no readiness is ever missed). Otherwise (shared memory on at least one
+//! side) it backs off by time since the last progress: yield until 200 µs, then nap 50 µs at a time, so ranks sharing
 //! a core give way to each other and an idle rank costs almost nothing. Waits paced by a device
 //! ([`Waiter::device`]: a kernel, or peers finishing theirs) yield for 5 ms before napping, since a
 //! nap's overshoot would land on every long kernel's collective.
@@ -91,10 +93,6 @@ impl Waiter {
 
     /// Nothing moved: wait a little (never past `max`).
     pub fn idle(&mut self, max: Duration) {
-        if let Some((p, events)) = &mut self.poll {
-            let _ = p.poll(events, Some(max.min(POLL_CAP)));
-            return;
-        }
         if self.spins < SPIN_ROUNDS {
             self.spins += 1;
             std::hint::spin_loop();
@@ -102,7 +100,12 @@ impl Waiter {
         }
         let idle = self.idle_since.get_or_insert_with(Instant::now).elapsed();
         if idle < SPIN_FOR {
+            // Sockets too: the engine tries its reads again rather than sleep in the poll,
+            // whose wake-up costs about a loopback hop (a peer a few microseconds behind is
+            // caught without it).
             std::hint::spin_loop();
+        } else if let Some((p, events)) = &mut self.poll {
+            let _ = p.poll(events, Some(max.min(POLL_CAP)));
         } else if idle < self.yield_for {
             std::thread::yield_now();
         } else {
