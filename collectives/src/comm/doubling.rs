@@ -11,7 +11,10 @@
 //! slices it. With the first round an empty frame goes to the next rank and one comes
 //! from the previous over the ring's links, as the pairwise collectives announce themselves: a
 //! neighbour that called anything else (the ring's form of the same collective included) meets it
-//! and both fail at once with the two calls named.
+//! and both fail at once with the two calls named. On two ranks the rounds go over the ring's
+//! links themselves (the one pair there is), which carry the call's fingerprint on every frame.
+
+use std::collections::BTreeMap;
 
 use ringzero_kernels::{cpu, DType, ReduceOp};
 
@@ -23,6 +26,7 @@ use crate::ring::doubling::{self, Round, Schedule, Take};
 use crate::ring::engine::Bufs;
 use crate::ring::failure;
 use crate::ring::lanes::Lane;
+use crate::ring::links::Links;
 use crate::ring::{plan_p2p, Collective, Loc, Op, Plan};
 use crate::wire::{Expect, Fingerprint};
 
@@ -124,8 +128,17 @@ impl Inner {
         let mut peers: Vec<usize> = rounds.iter().flat_map(Round::peers).collect();
         peers.sort_unstable();
         peers.dedup();
-        let mut mesh = self.mesh_for(st, (seq, fp, dtype), || doubling::pairs(sched, coll, n))?;
-        if mesh.connects {
+        // Two ranks: the ring's own links join the one pair every round uses (each rank's
+        // previous and next are the other), so the rounds go over them, with no pair links to
+        // connect and no announcement: the rounds' frames carry the call's fingerprint on the
+        // ring itself, where a neighbour in any other call meets them.
+        let ring_pair = n == 2 && st.links.is_some();
+        let mut mesh = if ring_pair {
+            None
+        } else {
+            Some(self.mesh_for(st, (seq, fp, dtype), || doubling::pairs(sched, coll, n))?)
+        };
+        if let Some(mesh) = mesh.as_mut().filter(|m| m.connects) {
             // The ring's next frame is this call's announcement (below): watch for it, and for
             // an abort in front of it.
             let next = Expect {
@@ -166,15 +179,21 @@ impl Inner {
         // The announcement: an empty frame each way around the ring, with the first round (one
         // empty slice, whatever the slot size).
         let announce_plan = plan_p2p(Some(0), Some(0), 1);
-        let mut announce = st.links.as_mut().map(|links| {
-            let call = self.p2p_call(
-                &announce_plan,
-                (&whole, dtype),
-                (Some(&[][..]), seq),
-                (Some(&mut [][..]), seq),
-            );
-            (links, call)
-        });
+        let (mut ring, mut announce) = if ring_pair {
+            (st.links.as_mut(), None)
+        } else {
+            let announce = st.links.as_mut().map(|links| {
+                let call = self.p2p_call(
+                    &announce_plan,
+                    (&whole, dtype),
+                    (Some(&[][..]), seq),
+                    (Some(&mut [][..]), seq),
+                );
+                (links, call)
+            });
+            (None, announce)
+        };
+
         for round in rounds {
             let mut now: Vec<usize> = round.peers().collect();
             now.sort_unstable();
@@ -191,7 +210,10 @@ impl Inner {
             if on_buffer(round) {
                 // Each received slice combined into the buffer or stored there straight from
                 // the link, as the ring's in-place steps do.
-                let links = pairs_of(&mut mesh.links, &now).pop().expect("one peer");
+                let pairs = mesh.as_mut().map(|m| &mut *m.links);
+                let links = round_links(ring.as_deref_mut(), pairs, &now)
+                    .pop()
+                    .expect("one peer");
                 let combine = matches!(round.from, Some((_, t)) if t != Take::Replace);
                 let plan = placed(&plans[0], (sb.start / es, rb.start / es), combine, count);
                 let call = Call {
@@ -210,7 +232,9 @@ impl Inner {
             let mut send = round.to.map(|_| &acc[sb.clone()]);
             let mut recv = from.map(|_| &mut theirs.bytes_mut()[..got_len]);
             let mut lanes = Vec::with_capacity(3);
-            for ((&p, links), plan) in now.iter().zip(pairs_of(&mut mesh.links, &now)).zip(&plans) {
+            let pairs = mesh.as_mut().map(|m| &mut *m.links);
+            let links = round_links(ring.as_deref_mut(), pairs, &now);
+            for ((&p, links), plan) in now.iter().zip(links).zip(&plans) {
                 let s = if round.to == Some(p) {
                     send.take()
                 } else {
@@ -245,6 +269,19 @@ impl Inner {
             )?;
         }
         Ok(())
+    }
+}
+
+/// A round's links, one per peer of `now` in its order: the ring's (two ranks), or the pairs'.
+fn round_links<'a>(
+    ring: Option<&'a mut Links>,
+    pairs: Option<&'a mut BTreeMap<usize, Links>>,
+    now: &[usize],
+) -> Vec<&'a mut Links> {
+    match (ring, pairs) {
+        (Some(ring), _) => vec![ring],
+        (None, Some(pairs)) => pairs_of(pairs, now),
+        (None, None) => unreachable!("a world of two has the ring's links"),
     }
 }
 
