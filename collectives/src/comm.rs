@@ -265,6 +265,12 @@ impl Communicator {
         &self.inner.edges
     }
 
+    /// Whether both of this rank's ring edges are shared memory (true for a one-rank world):
+    /// the algorithm choice for two ranks depends on it ([`crate::Algo::schedule`]).
+    pub fn ring_on_shm(&self) -> bool {
+        self.inner.ring_on_shm()
+    }
+
     /// The local address this rank's data connections use (where a device communicator listens
     /// for its tcp edges).
     pub(crate) fn data_ip(&self) -> Option<std::net::IpAddr> {

@@ -183,6 +183,13 @@ impl Inner {
         links_sum(st.links.iter().chain(mesh.values())) + pairs
     }
 
+    /// [`Communicator::ring_on_shm`](crate::Communicator::ring_on_shm).
+    pub(crate) fn ring_on_shm(&self) -> bool {
+        self.edges
+            .iter()
+            .all(|e| e.kind == crate::TransportKind::Shm)
+    }
+
     /// Note that a point-to-point or pairwise link is about to exist (before it is inserted):
     /// counter snapshots take those links from now on.
     pub(super) fn others_exist(&self) {
@@ -288,11 +295,7 @@ impl Inner {
         bufs: Bufs,
     ) -> Result<()> {
         let bytes = count.total.saturating_mul(dtype.map_or(1, DType::size));
-        let shm = self
-            .edges
-            .iter()
-            .all(|e| e.kind == crate::TransportKind::Shm);
-        if let Some(sched) = algo.schedule(coll, bytes, self.size, shm) {
+        if let Some(sched) = algo.schedule(coll, bytes, self.size, self.ring_on_shm()) {
             if count.parts.is_none() {
                 let call = (sched, coll, dtype, op);
                 return self.by_doubling(call, count.total, in_place, bufs);

@@ -119,10 +119,7 @@ fn sweep_typed<T: Element>(
     let n = comm.size();
     let mut rows = Vec::new();
     let own = [comm.config().algo];
-    let shm = comm
-        .edges()
-        .iter()
-        .all(|e| e.kind == ringzero_collectives::TransportKind::Shm);
+    let shm = comm.ring_on_shm();
     let compares = doubling::has_schedule(op) || op == Collective::AllGatherV;
     let choices = if a.algos.is_empty() || !compares {
         &own[..]

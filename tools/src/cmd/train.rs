@@ -73,7 +73,7 @@ pub(crate) struct TrainCli {
 pub(crate) fn run(t: TrainCli) -> anyhow::Result<ExitCode> {
     let cfg = config(&t)?;
     if device_ordinal(&t.device, 0)?.is_some() && !cfg!(feature = "cuda") {
-        cuda_device(0)?;
+        return Err(no_cuda_backend());
     }
     if !under_launcher() {
         return spawn_self(t.ranks.unwrap_or(2), t.transport.as_deref(), None);
@@ -243,7 +243,7 @@ fn footprint_text(r: &train::TrainReport) -> String {
         mib(f.activations),
         mib(f.backward)
     );
-    let host = match r.measured_peak {
+    let host = || match r.measured_peak {
         Some(m) => format!(
             "rank 0 memory added by training at its peak: measured {:.2} MiB (VmHWM over the \
              resident set before the model), {predicted}; measured / predicted {:.2}",
@@ -276,7 +276,7 @@ fn footprint_text(r: &train::TrainReport) -> String {
                 p as f64 / f.candle().max(1) as f64
             )),
         ),
-        None => host,
+        None => host(),
     }
 }
 
@@ -310,7 +310,12 @@ fn cuda_device(ordinal: usize) -> anyhow::Result<candle_core::Device> {
 
 #[cfg(not(feature = "cuda"))]
 fn cuda_device(_: usize) -> anyhow::Result<candle_core::Device> {
-    anyhow::bail!(
+    Err(no_cuda_backend())
+}
+
+/// `--device cuda` in a build without candle's CUDA backend.
+fn no_cuda_backend() -> anyhow::Error {
+    anyhow::anyhow!(
         "this ringzero was built without candle's CUDA backend: build it with \
          `bash scripts/build-gpu.sh` (cargo's `--features cuda`, CUDA's compiler from PyPI), or \
          train with --device cpu"
