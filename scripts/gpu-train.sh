@@ -7,6 +7,13 @@
 #     BIN=.gpubin bash scripts/gpu-train.sh
 #
 # Every run's whole output goes to $OUT/train.txt (or /tmp); the exit status is 1 if any failed.
+#
+#     BIN=.gpubin bash scripts/gpu-train.sh offload
+#
+# runs #39's comparison instead: a GPT of about 1 B parameters on 2 processes, stage 2, under
+# Hugging Face's published ds_config_zero2.json (optimizer offloaded to the CPU) and the same
+# config with offload_optimizer on "none", then with the delayed parameter update; each prints
+# its last step's wall time, the CPU step, the device's wait and the bytes each way.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 B=${BIN:-.gpubin}/ringzero
@@ -19,11 +26,22 @@ run() {  # label, limit, then train arguments
     local t0=$SECONDS
     echo "== train $label: $*" >>"$out/train.txt"
     timeout -k 5 "$limit" "$B" train --device cuda "$@" 2>&1 | tee -a "$out/train.txt" | \
-        grep -E "^GPT|^step +0 |tokens/s|GPU memory|^loss|error|Error|panicked" 
+        grep -E "^GPT|^step +0 |tokens/s|last step|GPU memory|^loss|error|Error|panicked" 
     local rc=${PIPESTATUS[0]}
     echo "== train $label: exit $rc after $((SECONDS - t0)) s"
     [ "$rc" -eq 0 ] || status=1
 }
+if [ "${1:-}" = offload ]; then
+    # 1.0 B parameters (20 blocks of width 2048); per process about 15 GB of candle's (variables,
+    # gradients, activations at batch 8 × 128) and 10 GB of the engine's without offload.
+    L="--dim 2048 --heads 16 --layers 20 --ctx 128 --batch 8 --steps 6 --log-every 1 --threshold 100"
+    hf=tests/fixtures/deepspeed/hf-ds_config_zero2.json
+    sed 's/"device": "cpu"/"device": "none"/' "$hf" >"$out/zero2-none.json"
+    run offload-none-n2 180 -n 2 --config "$out/zero2-none.json" $L
+    run offload-cpu-n2 180 -n 2 --config "$hf" $L
+    run offload-cpu-dpu-n2 180 -n 2 --config "$hf" --delayed-update-after 1 $L
+    exit $status
+fi
 # A model large enough that the GPU's share shows: width 256, 4 blocks, context 128.
 M="--dim 256 --heads 8 --layers 4 --ctx 128 --batch 16"
 # The default shape's whole run, as the README's example trains it on the CPU: the loss falls

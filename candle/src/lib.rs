@@ -27,6 +27,8 @@
 //! ```
 //!
 //! - [`Zero`]: the handle;
+//! - [`stream`]: where the engine's model states live (the host, or a GPU with the `cuda`
+//!   feature) and how candle's tensors are addressed there;
 //! - [`gpt`]: a decoder-only transformer written with candle-nn;
 //! - [`corpus`]: a generated character-level corpus (nothing is downloaded);
 //! - [`train`]: the data-parallel training loop `ringzero train` runs.
@@ -36,10 +38,12 @@ pub mod corpus;
 mod error;
 pub mod gpt;
 pub mod memory;
+pub mod stream;
 pub mod train;
 mod zero;
 
 pub use error::Error;
+pub use stream::CandleStream;
 pub use zero::Zero;
 
 /// Results of this crate.

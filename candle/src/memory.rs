@@ -65,6 +65,10 @@ pub struct Footprint {
     pub activations: usize,
     /// Backward's gradients of one block's intermediates.
     pub backward: usize,
+    /// Of the engine's bytes, those in the memory candle computes in when that is a device's:
+    /// the model states and communication buffers of an engine on a GPU (not its offload tier).
+    /// Zero on the CPU, where all of it is host memory.
+    pub engine_on_device: usize,
 }
 
 impl Footprint {
@@ -84,6 +88,7 @@ impl Footprint {
             grads: 4 * shape.params(),
             activations: 4 * shape.activation_elems(batch),
             backward: 4 * shape.block_activation_elems(batch),
+            engine_on_device: 0,
         }
     }
 
@@ -93,9 +98,20 @@ impl Footprint {
         self.vars + self.grads + self.activations + self.backward
     }
 
-    /// What the engine and the communicators hold (host memory).
+    /// What the engine and the communicators hold.
     pub fn engine(&self) -> usize {
         self.model_states + self.comm_buffers + self.slots
+    }
+
+    /// What lives in the device's memory when candle computes on one: candle's part and the
+    /// engine's part there ([`Footprint::engine_on_device`]).
+    pub fn device(&self) -> usize {
+        self.candle() + self.engine_on_device
+    }
+
+    /// What lives in host memory when candle computes on a device: the rest.
+    pub fn host(&self) -> usize {
+        self.total() - self.device()
     }
 
     /// All of it.

@@ -5,13 +5,14 @@
 use std::time::Instant;
 
 use candle_core::Device;
-use ringzero_collectives::{Collectives, Communicator, InPlace, ReduceOp};
+use ringzero_collectives::{Collectives, Communicator, HostStream, InPlace, ReduceOp};
 use ringzero_kernels::cpu::Float;
-use ringzero_zero::{Memory, StepOutcome, ZeroConfig};
+use ringzero_zero::{Memory, StepOutcome, StepReport, ZeroConfig};
 
 use crate::corpus::Corpus;
 use crate::gpt::{self, GptConfig};
 use crate::memory::{self, Footprint};
+use crate::stream::CandleStream;
 use crate::{Error, Result, Zero};
 
 /// What to train and for how long.
@@ -28,7 +29,8 @@ pub struct TrainArgs {
     /// Bytes of generated text.
     pub corpus_bytes: usize,
     /// Where candle runs forward and backward (the variables, gradients and activations live
-    /// there); the engine keeps the model states in host memory either way.
+    /// there) and the engine keeps the model states (unless the config offloads them): the
+    /// host, or with the `cuda` feature a GPU.
     pub device: Device,
 }
 
@@ -83,12 +85,48 @@ pub struct TrainReport {
     /// On a CUDA device: the most candle's tensors held at once, from the device memory pool's
     /// high-water mark (restarted before the model was built).
     pub device_pool_peak: Option<usize>,
+    /// The engine's report of the last optimizer step on this rank: its wall time, the time in
+    /// the step, and with offload the CPU step, the device's wait and the bytes each way.
+    pub last_step: Option<StepReport>,
 }
 
 /// Train on this rank of `comm` with `cfg` (stage, precision as `T`, optimizer, schedule,
-/// accumulation, clipping), calling `log` after every optimizer step.
+/// accumulation, clipping), calling `log` after every optimizer step. The engine runs where
+/// [`TrainArgs::device`] is: on the host stream for the CPU, on the GPU's stream for a CUDA
+/// device (the `cuda` feature).
 pub fn train<T: Float>(
     comm: &Communicator,
+    cfg: ZeroConfig,
+    args: &TrainArgs,
+    log: impl FnMut(&StepLog),
+) -> Result<TrainReport> {
+    match &args.device {
+        Device::Cpu => train_on::<T, HostStream>(comm, HostStream::new(), cfg, args, log),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => {
+            let candle_core::DeviceLocation::Cuda { gpu_id } = args.device.location() else {
+                unreachable!("a CUDA device's location is a GPU")
+            };
+            let gpu = ringzero_kernels::device::cuda::Gpu::open(gpu_id).map_err(|e| {
+                Error::Invalid(format!("opening cuda:{gpu_id} for the engine: {e}"))
+            })?;
+            train_on::<T, _>(comm, gpu, cfg, args, log)
+        }
+        other => Err(Error::Invalid(format!(
+            "training on {other:?}: this build trains on the CPU{}",
+            if cfg!(feature = "cuda") {
+                " and on CUDA devices"
+            } else {
+                " (CUDA devices need the `cuda` feature)"
+            }
+        ))),
+    }
+}
+
+/// [`train`] with the engine on `stream`.
+fn train_on<T: Float, S: CandleStream>(
+    comm: &Communicator,
+    stream: S,
     cfg: ZeroConfig,
     args: &TrainArgs,
     mut log: impl FnMut(&StepLog),
@@ -125,7 +163,7 @@ pub fn train<T: Float>(
     }
     let (model, varmap) = gpt::build(shape, args.seed, &dev)?;
     let (stage3, accum) = (cfg.stage == 3, cfg.accumulation_steps.max(1));
-    let mut zero = Zero::<T>::new(comm, &varmap, cfg)?;
+    let mut zero = Zero::<T, S>::on(comm, stream, &varmap, cfg)?;
     let (world, rank, batch) = (comm.size(), comm.rank(), args.batch);
     let mut losses = Vec::with_capacity(args.steps);
     let mut comm_peak = zero.memory().comm_buffers;
@@ -167,6 +205,8 @@ pub fn train<T: Float>(
             }
         }
     }
+    // A delayed parameter update still in flight lands (nothing happens without one).
+    zero.engine_mut().flush()?;
     let tokens = (args.steps * accum * world * batch * shape.ctx) as u64;
     let measured_peak = before
         .zip(memory::rss())
@@ -176,10 +216,13 @@ pub fn train<T: Float>(
     } else {
         (0, 0)
     };
-    // On the CPU the offload tier's host memory is this process's memory too.
+    // The offload tier's host memory is this process's memory too.
     let m = zero.memory();
     let engine = (m.model_states() + m.host(), comm_peak);
-    let footprint = Footprint::of(&shape, batch, engine, slots);
+    let mut footprint = Footprint::of(&shape, batch, engine, slots);
+    if !zero.engine().stream().host_addressable() {
+        footprint.engine_on_device = m.model_states() + comm_peak;
+    }
     Ok(TrainReport {
         losses,
         tokens,
@@ -190,5 +233,6 @@ pub fn train<T: Float>(
         measured_peak,
         device_measured: device_before.zip(device_peak),
         device_pool_peak: ordinal.and_then(|o| memory::pool_peak(o, false)),
+        last_step: zero.engine().report(),
     })
 }

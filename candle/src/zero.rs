@@ -1,15 +1,18 @@
 //! [`Zero`]: a candle model's variables under the ZeRO engine.
 
-use candle_core::{DType, Tensor, Var};
+use candle_core::{DType as CDType, Tensor, Var};
 use candle_nn::VarMap;
-use ringzero_collectives::{Collectives, Communicator, InPlace};
+use ringzero_collectives::{Collectives, Communicator, DType, DeviceComm, HostStream, InPlace};
 use ringzero_kernels::cpu::Float;
 use ringzero_zero::{Engine, Memory, ParamSpec, StepOutcome, ZeroConfig};
 
+use crate::stream::{CandleStream, Lent};
 use crate::{Error, Result};
 
 /// A candle model's variables trained by the ZeRO engine (any stage, precision, optimizer and
-/// schedule its [`ZeroConfig`] names), in host memory.
+/// schedule its [`ZeroConfig`] names), its model states in the memory of stream `S`: the host's
+/// for CPU tensors ([`Zero::new`]), the GPU's for CUDA tensors ([`Zero::on`] with the `cuda`
+/// feature's `Arc<Gpu>`), or host memory again where the config offloads them.
 ///
 /// The engine owns the parameters (in `T`: `f32`, `bf16` or `f16`), gradients, optimizer state
 /// and communication; the `Var`s hold the values forward and backward use, in their own dtype
@@ -18,17 +21,37 @@ use crate::{Error, Result};
 /// [`Zero::backward`] on the loss, [`Zero::step`].
 ///
 /// Variables are ordered by name, digits compared as numbers (`h.2` before `h.10`), the same on
-/// every rank. Their values leave and enter candle through host memory: on a CUDA device that is
-/// one copy each way per parameter and gradient.
-pub struct Zero<T: Float = f32> {
-    engine: Engine<T>,
+/// every rank. A gradient in `T` enters the engine without a copy (its kernel reads candle's
+/// memory); one in another dtype is converted by candle first. A parameter leaves by one copy on
+/// the stream into a tensor of candle's, then candle's `Var::set` (the variable's storage is
+/// candle's to write).
+pub struct Zero<T: Float = f32, S: CandleStream = HostStream> {
+    engine: Engine<T, S>,
     vars: Vec<(String, Var)>,
 }
 
 impl<T: Float> Zero<T> {
-    /// Wrap every variable of `varmap` (build the model through a `VarBuilder` over it first).
-    /// Rank 0's current values become every rank's, as PyTorch's DDP does at wrap time.
+    /// Wrap every variable of `varmap` (build the model through a `VarBuilder` over it first),
+    /// the engine on the host. Rank 0's current values become every rank's, as PyTorch's DDP
+    /// does at wrap time.
     pub fn new(comm: &Communicator, varmap: &VarMap, cfg: ZeroConfig) -> Result<Zero<T>> {
+        Zero::on(comm, HostStream::new(), varmap, cfg)
+    }
+
+    /// Wrap named variables (see [`Zero::new`]); names must be unique.
+    pub fn from_vars(
+        comm: &Communicator,
+        vars: Vec<(String, Var)>,
+        cfg: ZeroConfig,
+    ) -> Result<Zero<T>> {
+        Zero::on_vars(comm, HostStream::new(), vars, cfg)
+    }
+}
+
+impl<T: Float, S: CandleStream> Zero<T, S> {
+    /// [`Zero::new`] with the engine on `stream` (a device communicator on `comm`'s ranks is made
+    /// for it): every variable must live in that stream's memory (checked first).
+    pub fn on(comm: &Communicator, stream: S, varmap: &VarMap, cfg: ZeroConfig) -> Result<Self> {
         let vars = varmap
             .data()
             .lock()
@@ -36,15 +59,16 @@ impl<T: Float> Zero<T> {
             .iter()
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect();
-        Zero::from_vars(comm, vars, cfg)
+        Zero::on_vars(comm, stream, vars, cfg)
     }
 
-    /// Wrap named variables (see [`Zero::new`]); names must be unique.
-    pub fn from_vars(
+    /// [`Zero::from_vars`] with the engine on `stream` (see [`Zero::on`]).
+    pub fn on_vars(
         comm: &Communicator,
+        stream: S,
         mut vars: Vec<(String, Var)>,
         cfg: ZeroConfig,
-    ) -> Result<Zero<T>> {
+    ) -> Result<Self> {
         if vars.is_empty() {
             return Err(Error::Invalid(
                 "no variables to train: build the model through a VarBuilder over the VarMap \
@@ -58,6 +82,11 @@ impl<T: Float> Zero<T> {
                 "variable {:?} is named twice: give each variable its own name",
                 w[0].0
             )));
+        }
+        for (name, v) in &vars {
+            stream
+                .check_device(v.device())
+                .map_err(|e| Error::Invalid(format!("variable {name:?}: {e}")))?;
         }
         let specs: Vec<ParamSpec> = vars
             .iter()
@@ -76,19 +105,19 @@ impl<T: Float> Zero<T> {
             at += s.numel();
         }
         let init = |p: usize, i: usize| flat[starts[p] + i];
-        let engine = Engine::<T>::new(comm, &specs, &init, cfg)?;
+        let engine = Engine::<T, S>::on(DeviceComm::new(comm, stream)?, &specs, &init, cfg)?;
         let mut z = Zero { engine, vars };
         z.load_params()?;
         Ok(z)
     }
 
     /// The engine: its configuration, memory, report, learning rate, loss scale.
-    pub fn engine(&self) -> &Engine<T> {
+    pub fn engine(&self) -> &Engine<T, S> {
         &self.engine
     }
 
     /// The engine, to set the phase, the learning rate, or to prefetch.
-    pub fn engine_mut(&mut self) -> &mut Engine<T> {
+    pub fn engine_mut(&mut self) -> &mut Engine<T, S> {
         &mut self.engine
     }
 
@@ -131,10 +160,14 @@ impl<T: Float> Zero<T> {
             .map(|(n, _)| n.as_str())
             .collect();
         self.engine.gather(&names)?;
+        let dtype = candle_dtype::<T>();
         for (name, var) in self.vars.iter().filter(|(n, _)| want(n)) {
-            let values = self.engine.param_f32(name)?;
-            let t = Tensor::from_vec(values, var.dims(), var.device())?.to_dtype(var.dtype())?;
-            var.set(&t)?;
+            let (addr, _) = self.engine.param_addr(name)?;
+            let t = self
+                .engine
+                .stream()
+                .tensor_from(addr, dtype, var.dims(), var.device())?;
+            var.set(&t.to_dtype(var.dtype())?)?;
         }
         self.engine.release(&names)?;
         Ok(())
@@ -156,12 +189,27 @@ impl<T: Float> Zero<T> {
     /// depend on gets a zero gradient.
     pub fn backward(&mut self, loss: &Tensor) -> Result<()> {
         let grads = loss.backward()?;
-        for (name, var) in self.vars.iter().rev() {
-            let g = match grads.get(var.as_tensor()) {
-                Some(g) => to_f32(g)?,
-                None => vec![0.0; var.elem_count()],
-            };
-            self.engine.push_grad_f32(name, &g)?;
+        let dtype = candle_dtype::<T>();
+        let mut ins = Vec::with_capacity(self.vars.len());
+        for (_, var) in self.vars.iter().rev() {
+            ins.push(match grads.get(var.as_tensor()) {
+                Some(g) => g.to_dtype(dtype)?.contiguous()?,
+                None => Tensor::zeros(var.shape(), dtype, var.device())?,
+            });
+        }
+        drop(grads);
+        // candle's backward (and the conversions) are done before the engine reads a gradient.
+        self.engine.stream().settle(loss.device())?;
+        for ((name, _), g) in self.vars.iter().rev().zip(&ins) {
+            let engine = &mut self.engine;
+            S::with_addr(g, |addr| {
+                let lent = Lent {
+                    addr,
+                    elems: g.elem_count(),
+                    dtype: T::DTYPE,
+                };
+                Ok(engine.push_grad(name, &lent)?)
+            })?;
         }
         Ok(())
     }
@@ -206,9 +254,18 @@ impl<T: Float> Zero<T> {
     }
 }
 
+/// The candle dtype of the engine's `T`.
+fn candle_dtype<T: Float>() -> CDType {
+    match T::DTYPE {
+        DType::BF16 => CDType::BF16,
+        DType::F16 => CDType::F16,
+        _ => CDType::F32,
+    }
+}
+
 /// A tensor's values as f32, in row-major order.
 fn to_f32(t: &Tensor) -> Result<Vec<f32>> {
-    Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+    Ok(t.to_dtype(CDType::F32)?.flatten_all()?.to_vec1::<f32>()?)
 }
 
 /// A name's sort key: runs of digits compare as numbers.

@@ -1524,6 +1524,39 @@ fn train_learns_a_gpt_and_exits_non_zero_when_the_loss_stays_high() {
     assert!(!e.contains("rank 0"), "{e}");
 }
 
+/// `ringzero train` under Hugging Face's published ZeRO-2 config (the optimizer offloaded to the
+/// CPU) with the delayed parameter update: the GPT still learns, the last step's offload traffic
+/// is reported, and the delayed update without an offloaded optimizer is refused before any rank
+/// starts, naming the fix.
+#[test]
+fn train_offloads_under_the_published_zero2_config_with_the_delayed_update() {
+    let hf = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../tests/fixtures/deepspeed/hf-ds_config_zero2.json"
+    );
+    let out = succeeds(ringzero().args([
+        "train",
+        "-n",
+        "2",
+        "--config",
+        hf,
+        "--delayed-update-after",
+        "1",
+        "--steps",
+        "120",
+        "--threshold",
+        "2.5",
+    ]));
+    assert!(out.contains("offload: CPU step"), "{out}");
+    assert!(out.contains("offloaded: host params"), "{out}");
+    let e = fails(ringzero().args(["train", "--delayed-update-after", "1"]));
+    assert!(
+        e.contains("--delayed-update-after") && e.contains("delayed_update_after needs the whole"),
+        "{e}"
+    );
+    assert!(!e.contains("rank 0"), "{e}");
+}
+
 /// `ringzero mem --gpt`: a GPT's whole footprint per stage (model states fall with the stage,
 /// candle's share does not), and a malformed shape refused with the expected form.
 #[test]

@@ -32,6 +32,13 @@ pub(crate) struct TrainCli {
     /// become this command's).
     #[arg(long)]
     pub(crate) config: Option<std::path::PathBuf>,
+    /// The ZeRO-Offload paper's delayed parameter update after this many optimizer steps (not
+    /// a DeepSpeed key): each later step's CPU update runs beside the next forward and backward,
+    /// whose gradients are then computed on parameters one update old. Needs the config's
+    /// `offload_optimizer` on `cpu` or `nvme` with `ratio` 1; the update in flight lands at the
+    /// end of training.
+    #[arg(long)]
+    pub(crate) delayed_update_after: Option<u64>,
     /// Optimizer steps.
     #[arg(long, default_value_t = 300)]
     pub(crate) steps: usize,
@@ -63,8 +70,9 @@ pub(crate) struct TrainCli {
     pub(crate) transport: Option<String>,
     /// Where candle computes: `cpu`, `cuda` (each rank the GPU of its local rank modulo the
     /// GPUs present) or `cuda:N`. CUDA needs a build with the `cuda` feature
-    /// (scripts/build-gpu.sh); the engine's model states stay in host memory, and parameters
-    /// and gradients cross once each way per step.
+    /// (scripts/build-gpu.sh); the engine then runs on that GPU too (its model states in device
+    /// memory unless the config offloads them), gradients pass to it without a copy and
+    /// parameters back by one device copy.
     #[arg(long, default_value = "cpu")]
     pub(crate) device: String,
 }
@@ -105,7 +113,7 @@ fn config(t: &TrainCli) -> anyhow::Result<ZeroConfig> {
         "--ctx must be at least 2 and --layers at least 1"
     );
     let (lr, precision) = (t.lr.unwrap_or(3e-3), t.precision.unwrap_or(Precision::Fp32));
-    Ok(match &t.config {
+    let mut cfg = match &t.config {
         Some(path) => {
             for (flag, given) in [
                 ("--stage", t.stage.is_some()),
@@ -139,7 +147,13 @@ fn config(t: &TrainCli) -> anyhow::Result<ZeroConfig> {
                 ..Default::default()
             })
             .build()?,
-    })
+    };
+    if let Some(k) = t.delayed_update_after {
+        cfg.offload.optimizer.delayed_update_after = Some(k);
+        cfg.validate()
+            .context("--delayed-update-after: offload the whole optimizer state in --config")?;
+    }
+    Ok(cfg)
 }
 
 fn run_as<T: Float>(
@@ -206,6 +220,25 @@ fn run_as<T: Float>(
             );
         }
         println!();
+        if let Some(l) = r.last_step {
+            let o = l.offload;
+            print!(
+                "rank 0 last step: {:.1} ms, {:.1} ms of it in the engine's step",
+                l.wall.as_secs_f64() * 1e3,
+                l.in_step.as_secs_f64() * 1e3
+            );
+            if o.to_host + o.to_device > 0 {
+                print!(
+                    "; offload: CPU step {:.1} ms, device waited {:.1} ms, {} B to the host, {} B \
+                     to the device",
+                    o.cpu_step.as_secs_f64() * 1e3,
+                    o.device_wait.as_secs_f64() * 1e3,
+                    o.to_host,
+                    o.to_device
+                );
+            }
+            println!();
+        }
         println!("{}", footprint_text(&r));
         println!(
             "loss {:.4} → {end:.4} (mean of the last {} steps; threshold {})",
@@ -253,23 +286,26 @@ fn footprint_text(r: &train::TrainReport) -> String {
         None => format!("rank 0 memory while training: {predicted} (no /proc here to measure)"),
     };
     match r.device_measured {
-        // On a GPU, candle's part lives in device memory and the engine's in host memory; the
-        // host's resident memory then also holds the CUDA libraries candle loads.
+        // On a GPU, candle's part and the engine's model states (unless offloaded) live in
+        // device memory; the host's resident memory also holds the CUDA libraries candle loads.
         Some((before, peak)) => format!(
-            "rank 0 host memory added by training at its peak: {}; predicted engine and slots \
-             {:.2} MiB (the rest of the resident growth is CUDA's libraries and candle's \
-             host copies)\nrank 0 GPU memory (the driver's figure for the process): {:.2} MiB before \
-             the model (CUDA context), {:.2} MiB at its largest after backward, {:.2} MiB added; \
-             predicted candle vars + grads + activations + backward {:.2} MiB; added / predicted \
-             {:.2}; candle's tensors at their peak (the CUDA memory pool's high-water mark) {}",
+            "rank 0 host memory added by training at its peak: {}; predicted on the host (the \
+             offload tier, the host communicator's slots) {:.2} MiB (the rest of the resident \
+             growth is CUDA's libraries and candle's host copies)\nrank 0 GPU memory (the \
+             driver's figure for the process): {:.2} MiB before the model (CUDA context), {:.2} \
+             MiB at its largest after backward, {:.2} MiB added; predicted candle vars + grads + \
+             activations + backward {:.2} MiB and the engine's model states and buffers {:.2} \
+             MiB (its communicator's slots not counted); added / predicted {:.2}; candle's \
+             tensors at their peak (the CUDA memory pool's high-water mark) {}",
             r.measured_peak
                 .map_or("not measured".into(), |m| format!("{:.2} MiB", mib(m))),
-            mib(f.engine()),
+            mib(f.host()),
             mib(before),
             mib(peak),
             mib(peak - before),
             mib(f.candle()),
-            (peak - before) as f64 / f.candle().max(1) as f64,
+            mib(f.engine_on_device),
+            (peak - before) as f64 / f.device().max(1) as f64,
             r.device_pool_peak.map_or("not read".into(), |p| format!(
                 "{:.2} MiB, / predicted {:.2}",
                 mib(p),
