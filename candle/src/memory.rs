@@ -194,6 +194,36 @@ pub fn pool_peak(ordinal: usize, restart: bool) -> Option<usize> {
     }
 }
 
+/// Make the default memory pool of CUDA device `ordinal` keep what candle's tensors free (its
+/// release threshold at the maximum, as PyTorch's caching allocator keeps its blocks) instead
+/// of handing it back to the driver at every synchronisation: then the driver's figure for the
+/// process holds the most the pool ever took, and no step maps memory afresh. Whether the
+/// driver took the setting (`false` without the `cuda` feature).
+pub fn keep_pool(ordinal: usize) -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        use cudarc::driver::sys::{self, CUmemPool_attribute, CUresult};
+        let keep = CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD;
+        let (mut dev, mut pool, mut v) = (0, std::ptr::null_mut(), u64::MAX);
+        let Ok(ordinal) = i32::try_from(ordinal) else {
+            return false;
+        };
+        // SAFETY: as in `pool_peak`: each call reads or writes only through the pointer it is
+        // given, a local of the type the driver API names (the threshold is a cuuint64_t).
+        unsafe {
+            sys::cuDeviceGet(&mut dev, ordinal) == CUresult::CUDA_SUCCESS
+                && sys::cuDeviceGetDefaultMemPool(&mut pool, dev) == CUresult::CUDA_SUCCESS
+                && sys::cuMemPoolSetAttribute(pool, keep, (&raw mut v).cast())
+                    == CUresult::CUDA_SUCCESS
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = ordinal;
+        false
+    }
+}
+
 /// Restart the peak (`VmHWM`) from the current resident memory (Linux's `clear_refs` 5);
 /// whether it could.
 pub fn reset_peak() -> bool {

@@ -159,6 +159,9 @@ fn train_on<T: Float, S: CandleStream>(
         _ => None,
     };
     if let Some(o) = ordinal {
+        // The driver's figure after backward then holds the step's peak, not what is left once
+        // the pool has handed freed memory back at a synchronisation.
+        memory::keep_pool(o);
         memory::pool_peak(o, true);
     }
     let (model, varmap) = gpt::build(shape, args.seed, &dev)?;
