@@ -67,12 +67,7 @@ impl CandleStream for HostStream {
             candle_core::CpuStorage::F32(v) => v.as_ptr() as usize,
             candle_core::CpuStorage::BF16(v) => v.as_ptr() as usize,
             candle_core::CpuStorage::F16(v) => v.as_ptr() as usize,
-            _ => {
-                return Err(Error::Invalid(format!(
-                    "a {:?} tensor where the engine takes f32, bf16 or f16",
-                    t.dtype()
-                )))
-            }
+            _ => return Err(untrainable(t.dtype())),
         };
         f((base + layout.start_offset() * t.dtype().size_in_bytes()) as DevPtr)
     }
@@ -91,6 +86,13 @@ impl CandleStream for HostStream {
         unsafe { self.read(&mut bytes, src) }.map_err(|e| Error::Invalid(e.to_string()))?;
         Ok(Tensor::from_raw_buffer(&bytes, dtype, shape, device)?)
     }
+}
+
+/// The error for a tensor whose dtype no engine trains.
+fn untrainable(dtype: CDType) -> Error {
+    Error::Invalid(format!(
+        "a {dtype:?} tensor where the engine takes f32, bf16 or f16"
+    ))
 }
 
 /// `elems` values of `dtype` at `addr` of a stream's memory, lent to the engine's
@@ -171,11 +173,7 @@ mod cuda {
                 CDType::F32 => cuda.as_cuda_slice::<f32>()?.device_ptr(&stream),
                 CDType::BF16 => cuda.as_cuda_slice::<half::bf16>()?.device_ptr(&stream),
                 CDType::F16 => cuda.as_cuda_slice::<half::f16>()?.device_ptr(&stream),
-                other => {
-                    return Err(Error::Invalid(format!(
-                        "a {other:?} tensor where the engine takes f32, bf16 or f16"
-                    )))
-                }
+                other => return Err(super::untrainable(other)),
             };
             f(base + (layout.start_offset() * t.dtype().size_in_bytes()) as DevPtr)
         }
@@ -188,7 +186,7 @@ mod cuda {
             device: &Device,
         ) -> Result<Tensor> {
             let t = Tensor::zeros(shape, dtype, device)?;
-            device.synchronize()?;
+            self.settle(device)?;
             let bytes = t.elem_count() * dtype.size_in_bytes();
             Self::with_addr(&t, |dst| {
                 // SAFETY: `dst` is `bytes` of the new tensor's device memory, which nothing else
