@@ -50,7 +50,9 @@ impl<T: Float> Zero<T> {
 
 impl<T: Float, S: CandleStream> Zero<T, S> {
     /// [`Zero::new`] with the engine on `stream` (a device communicator on `comm`'s ranks is made
-    /// for it): every variable must live in that stream's memory (checked first).
+    /// for it): every variable must live in that stream's memory (checked first). For a model on
+    /// `Device::new_cuda(n)`, with the `cuda` feature:
+    /// `Zero::<f32, _>::on(&comm, ringzero_kernels::device::cuda::Gpu::open(n)?, &varmap, cfg)`.
     pub fn on(comm: &Communicator, stream: S, varmap: &VarMap, cfg: ZeroConfig) -> Result<Self> {
         let vars = varmap
             .data()
