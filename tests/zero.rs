@@ -850,9 +850,10 @@ fn each_optimizer_step_reports_where_its_time_went() {
     });
 }
 
-/// Gradients pushed in registration order in one call, or computed from the weights read in
-/// place, give the bits of pushing them by name; a wrong count or a wrong length is refused
-/// before anything is added.
+/// Gradients pushed in registration order in one call, in backward's order by name in one call
+/// (one wait), or computed from the weights read in place, give the bits of pushing them one by
+/// one by name; a wrong count, a wrong length or a name given twice is refused before anything
+/// is added.
 #[test]
 fn gradients_pushed_in_registration_order() {
     threads(2, &Opts::default(), |rank, comm| {
@@ -867,6 +868,7 @@ fn gradients_pushed_in_registration_order() {
         let mut by_name = Engine::<f32>::new(&comm, &sp, &init, cfg(2, None)).unwrap();
         let mut in_order = Engine::<f32>::new(&comm, &sp, &init, cfg(2, None)).unwrap();
         let mut from_params = Engine::<f32>::new(&comm, &sp, &init, cfg(2, None)).unwrap();
+        let mut batched = Engine::<f32>::new(&comm, &sp, &init, cfg(2, None)).unwrap();
         for t in 0..3 {
             for (s, g) in sp.iter().zip(grads(&by_name, t)) {
                 by_name.push_grad(&s.name, &g[..]).unwrap();
@@ -905,8 +907,29 @@ fn gradients_pushed_in_registration_order() {
             })
             .unwrap();
             e.step().unwrap();
+            // Last parameter first, as backward produces them, in one call.
+            let g = grads(&batched, t);
+            let twice = [
+                (sp[0].name.as_str(), &g[0][..]),
+                (sp[0].name.as_str(), &g[0][..]),
+            ];
+            let e = batched.push_grads_by_name(twice).unwrap_err();
+            assert!(e.to_string().contains("is given twice"), "{e}");
+            let backward = sp
+                .iter()
+                .zip(&g)
+                .rev()
+                .map(|(s, v)| (s.name.as_str(), &v[..]));
+            batched.push_grads_by_name(backward).unwrap();
+            batched.step().unwrap();
         }
         for s in &sp {
+            assert_eq!(
+                bits(by_name.param(&s.name).unwrap()),
+                bits(batched.param(&s.name).unwrap()),
+                "{}",
+                s.name
+            );
             assert_eq!(
                 bits(by_name.param(&s.name).unwrap()),
                 bits(in_order.param(&s.name).unwrap()),

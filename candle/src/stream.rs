@@ -79,12 +79,27 @@ impl CandleStream for HostStream {
         shape: &[usize],
         device: &Device,
     ) -> Result<Tensor> {
-        let elems: usize = shape.iter().product();
-        let mut bytes = vec![0u8; elems * dtype.size_in_bytes()];
-        // SAFETY: the caller's `src` holds `elems` values of `dtype` in this stream's memory
-        // (an engine parameter's range, Engine::param_addr); `read` waits for the queued work.
-        unsafe { self.read(&mut bytes, src) }.map_err(|e| Error::Invalid(e.to_string()))?;
-        Ok(Tensor::from_raw_buffer(&bytes, dtype, shape, device)?)
+        /// Read into a vector of `D` that the tensor then takes over (no further copy).
+        fn typed<D: candle_core::WithDType + bytemuck::Pod>(
+            s: &HostStream,
+            src: DevPtr,
+            shape: &[usize],
+            device: &Device,
+        ) -> Result<Tensor> {
+            let mut v = vec![D::zero(); shape.iter().product()];
+            // SAFETY: the caller's `src` holds as many values of `D` as `shape` has in this
+            // stream's memory (an engine parameter's range, Engine::param_addr); `read` waits
+            // for the queued work.
+            unsafe { s.read(bytemuck::cast_slice_mut(&mut v), src) }
+                .map_err(|e| Error::Invalid(e.to_string()))?;
+            Ok(Tensor::from_vec(v, shape, device)?)
+        }
+        match dtype {
+            CDType::F32 => typed::<f32>(self, src, shape, device),
+            CDType::BF16 => typed::<half::bf16>(self, src, shape, device),
+            CDType::F16 => typed::<half::f16>(self, src, shape, device),
+            other => Err(untrainable(other)),
+        }
     }
 }
 

@@ -4,6 +4,7 @@ use candle_core::{DType as CDType, Tensor, Var};
 use candle_nn::VarMap;
 use ringzero_collectives::{Collectives, Communicator, DType, DeviceComm, HostStream, InPlace};
 use ringzero_kernels::cpu::Float;
+use ringzero_kernels::DevPtr;
 use ringzero_zero::{Engine, Memory, ParamSpec, StepOutcome, ZeroConfig};
 
 use crate::stream::{CandleStream, Lent};
@@ -202,18 +203,22 @@ impl<T: Float, S: CandleStream> Zero<T, S> {
         drop(grads);
         // candle's backward (and the conversions) are done before the engine reads a gradient.
         self.engine.stream().settle(loss.device())?;
-        for ((name, _), g) in self.vars.iter().rev().zip(&ins) {
-            let engine = &mut self.engine;
-            S::with_addr(g, |addr| {
-                let lent = Lent {
+        // Every gradient's storage held while the engine adds them all (it waits once).
+        let (engine, vars) = (&mut self.engine, &self.vars);
+        let mut addrs = Vec::with_capacity(ins.len());
+        with_addrs::<S>(&ins, &mut addrs, &mut |addrs| {
+            let lent: Vec<Lent> = addrs
+                .iter()
+                .zip(&ins)
+                .map(|(&addr, g)| Lent {
                     addr,
                     elems: g.elem_count(),
                     dtype: T::DTYPE,
-                };
-                Ok(engine.push_grad(name, &lent)?)
-            })?;
-        }
-        Ok(())
+                })
+                .collect();
+            let names = vars.iter().rev().map(|(n, _)| n.as_str());
+            Ok(engine.push_grads_by_name(names.zip(&lent))?)
+        })
     }
 
     /// The optimizer step (or, inside a gradient-accumulation window, the micro-step): what
@@ -253,6 +258,22 @@ impl<T: Float, S: CandleStream> Zero<T, S> {
             names.push("...");
         }
         names.join(", ")
+    }
+}
+
+/// Run `f` with the address in `S`'s memory of every tensor of `ts`, each tensor's storage held
+/// until `f` returns (`addrs` gathers them).
+fn with_addrs<S: CandleStream>(
+    ts: &[Tensor],
+    addrs: &mut Vec<DevPtr>,
+    f: &mut dyn FnMut(&[DevPtr]) -> Result<()>,
+) -> Result<()> {
+    match ts.split_first() {
+        None => f(addrs),
+        Some((t, rest)) => S::with_addr(t, |a| {
+            addrs.push(a);
+            with_addrs::<S>(rest, addrs, f)
+        }),
     }
 }
 

@@ -25,18 +25,7 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
         name: &str,
         grad: &B,
     ) -> Result<(), ZeroError> {
-        let (i, s) = self.check_grad("push_grad", name, grad)?;
-        let dst = self.grad_slot(s)?;
-        let src = grad.addr(self.stream());
-        // SAFETY: `dst` is `s.len` elements of `T` inside the engine's bucket buffer, `src` the
-        // caller's `s.len` elements (checked), borrowed until the sync below; an in-place sum.
-        unsafe {
-            self.stream()
-                .combine(T::DTYPE, ReduceOp::Sum, dst, dst, src, s.len)
-        }
-        .map_err(dev(format!("adding the gradient of `{name}`")))?;
-        self.sync("adding a gradient")?;
-        self.pushed(i, s.bucket)
+        self.add_grads("push_grad", [(name, grad)])
     }
 
     /// Add this micro-step's gradients of every parameter, in registration order (the
@@ -61,13 +50,53 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
             });
         }
         let names: Vec<String> = specs.iter().map(|s| s.name.clone()).collect();
-        for (name, g) in names.iter().zip(&grads) {
-            self.check_grad("push_grads", name, *g)?;
+        self.add_grads("push_grads", names.iter().map(String::as_str).zip(grads))
+    }
+
+    /// Add this micro-step's gradients of the named parameters, in any order (a trainer's
+    /// backward order), each as [`Engine::push_grad`] takes it, waiting for the additions once
+    /// at the end rather than after each (a bucket that fills is reduced as it fills). Names,
+    /// lengths and dtypes are checked before any is added, a name given twice included: bad
+    /// input changes nothing. The buffers are free again when it returns.
+    pub fn push_grads_by_name<'a, B: DeviceMemory<S> + ?Sized + 'a>(
+        &mut self,
+        grads: impl IntoIterator<Item = (&'a str, &'a B)>,
+    ) -> Result<(), ZeroError> {
+        self.add_grads("push_grads_by_name", grads)
+    }
+
+    /// [`Engine::push_grads_by_name`] for `call`.
+    fn add_grads<'a, B: DeviceMemory<S> + ?Sized + 'a>(
+        &mut self,
+        call: &'static str,
+        grads: impl IntoIterator<Item = (&'a str, &'a B)>,
+    ) -> Result<(), ZeroError> {
+        let grads: Vec<(&str, &B)> = grads.into_iter().collect();
+        let mut seen = std::collections::HashSet::with_capacity(grads.len());
+        for &(name, g) in &grads {
+            self.check_grad(call, name, g)?;
+            if !seen.insert(name) {
+                return Err(ZeroError::NotNow {
+                    call,
+                    why: format!("the gradient of `{name}` is given twice; give each once"),
+                });
+            }
         }
-        for (name, g) in names.iter().zip(grads) {
-            self.push_grad(name, g)?;
+        for (name, g) in grads {
+            let (i, s) = self.check_grad(call, name, g)?;
+            let dst = self.grad_slot(s)?;
+            let src = g.addr(self.stream());
+            // SAFETY: `dst` is `s.len` elements of `T` inside the engine's bucket buffer, `src`
+            // the caller's `s.len` elements (checked), borrowed until the sync below; an
+            // in-place sum.
+            unsafe {
+                self.stream()
+                    .combine(T::DTYPE, ReduceOp::Sum, dst, dst, src, s.len)
+            }
+            .map_err(dev(format!("adding the gradient of `{name}`")))?;
+            self.pushed(i, s.bucket)?;
         }
-        Ok(())
+        self.sync("adding gradients")
     }
 
     /// Check `grad` for parameter `name` (known, its length, not in yet, in `T`), naming `call`
@@ -114,6 +143,8 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
         if self.led.cfg.stage < 2 || !self.led.bucket_full(b) {
             return Ok(());
         }
+        // The bucket's additions are done before anything reduces it.
+        self.sync("adding a gradient")?;
         let blen = self.led.part.buckets[b].len;
         let full = self.staging[b].take().expect("filled above");
         let mut shard = self
