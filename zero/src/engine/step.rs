@@ -73,8 +73,9 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
     ) -> Result<(), ZeroError> {
         let grads: Vec<(&str, &B)> = grads.into_iter().collect();
         let mut seen = std::collections::HashSet::with_capacity(grads.len());
+        let mut checked = Vec::with_capacity(grads.len());
         for &(name, g) in &grads {
-            self.check_grad(call, name, g)?;
+            checked.push(self.check_grad(call, name, g)?);
             if !seen.insert(name) {
                 return Err(ZeroError::NotNow {
                     call,
@@ -82,8 +83,7 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
                 });
             }
         }
-        for (name, g) in grads {
-            let (i, s) = self.check_grad(call, name, g)?;
+        for ((name, g), (i, s)) in grads.into_iter().zip(checked) {
             let dst = self.grad_slot(s)?;
             let src = g.addr(self.stream());
             // SAFETY: `dst` is `s.len` elements of `T` inside the engine's bucket buffer, `src`
