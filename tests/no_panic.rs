@@ -126,7 +126,7 @@ fn json() -> impl Strategy<Value = serde_json::Value> {
     })
 }
 
-fn dir(name: &str) -> std::path::PathBuf {
+fn dir(name: &str) -> crate::common::Scratch {
     crate::common::fresh_dir(name)
 }
 

@@ -4,7 +4,9 @@
 #![allow(dead_code)]
 
 mod queued;
+mod scratch;
 pub use queued::Queued;
+pub use scratch::{fresh_dir, Scratch};
 
 use std::time::Duration;
 
@@ -143,14 +145,6 @@ pub use ringzero::Element as TestElem;
 
 use half::{bf16, f16};
 pub use ringzero_tools::bench::exact::{reference, value};
-
-/// A fresh, empty directory for one test's files (flight records), named after the test.
-pub fn fresh_dir(name: &str) -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!("ringzero-test-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
 
 /// Marker written into buffers whose contents must be overwritten (or must stay).
 pub const GARBAGE: f64 = 99.0;

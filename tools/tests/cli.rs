@@ -3,6 +3,9 @@
 use ringzero_collectives::Collectives;
 use std::process::Command;
 
+#[path = "../../tests/common/scratch.rs"]
+mod scratch;
+
 fn ringzero() -> Command {
     Command::new(env!("CARGO_BIN_EXE_ringzero"))
 }
@@ -108,6 +111,8 @@ fn out_of_range_timeouts_and_slices_fail_with_the_range() {
 
 #[test]
 fn launch_exits_non_zero_naming_the_failed_rank() {
+    // A failed job keeps its flight-record directory under TMPDIR: this test's own.
+    let tmp = scratch::fresh_dir("cli-failed-rank");
     let out = ringzero()
         .args([
             "launch",
@@ -120,6 +125,7 @@ fn launch_exits_non_zero_naming_the_failed_rank() {
             "-c",
             "[ $RINGZERO_RANK = 2 ] && exit 5; sleep 20",
         ])
+        .env("TMPDIR", &*tmp)
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(5));
@@ -1072,6 +1078,8 @@ fn nothing_a_wrapped_rank_started_outlives_the_launcher() {
 /// left in the shared-memory directory (one 2 MiB segment used to leak every run).
 #[test]
 fn no_shared_memory_outlives_a_job_whose_rank_failed_during_set_up() {
+    // A failed job keeps its flight-record directory under TMPDIR: this test's own.
+    let tmp = scratch::fresh_dir("cli-shm-leak");
     let shm = std::env::temp_dir().join(format!("ringzero-shm-leak-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&shm);
     std::fs::create_dir_all(&shm).unwrap();
@@ -1085,6 +1093,7 @@ fn no_shared_memory_outlives_a_job_whose_rank_failed_during_set_up() {
                 "launch", "-n", "4", "--grace", "0.5", "--", "sh", "-c", &script,
             ])
             .env("RINGZERO_SHM_DIR", &shm)
+            .env("TMPDIR", &*tmp)
             .output()
             .unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
@@ -1103,6 +1112,8 @@ fn no_shared_memory_outlives_a_job_whose_rank_failed_during_set_up() {
 /// deadline and blame another rank); a rank that never comes is named by the ranks that did.
 #[test]
 fn ranks_fail_at_once_naming_a_refused_rank_and_name_who_never_came() {
+    // A failed job keeps its flight-record directory under TMPDIR: this test's own.
+    let tmp = scratch::fresh_dir("cli-refused");
     let bench = env!("CARGO_BIN_EXE_ringzero");
     for (var, value) in [
         ("RINGZERO_SECRET", "not-the-secret"),
@@ -1118,6 +1129,7 @@ fn ranks_fail_at_once_naming_a_refused_rank_and_name_who_never_came() {
                 "launch", "-n", "3", "--grace", "10", "--", "sh", "-c", &script,
             ])
             .env("RINGZERO_TIMEOUT", "60")
+            .env("TMPDIR", &*tmp)
             .output()
             .unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
@@ -1140,6 +1152,7 @@ fn ranks_fail_at_once_naming_a_refused_rank_and_name_who_never_came() {
             "launch", "-n", "2", "--grace", "10", "--", "sh", "-c", &script,
         ])
         .env("RINGZERO_TIMEOUT", "2")
+        .env("TMPDIR", &*tmp)
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -1154,11 +1167,14 @@ fn ranks_fail_at_once_naming_a_refused_rank_and_name_who_never_came() {
 /// each came from, so it can never overwrite the first one's address.
 #[test]
 fn a_second_process_started_as_the_same_rank_is_refused_naming_both() {
+    // A failed job keeps its flight-record directory under TMPDIR: this test's own.
+    let tmp = scratch::fresh_dir("cli-same-rank");
     let b = env!("CARGO_BIN_EXE_ringzero");
     let run = format!("'{b}' bench all-reduce -b 4K -e 4K --iters 20");
     let script = format!("if [ $RINGZERO_RANK = 1 ]; then {run} & fi; exec {run}");
     let out = ringzero()
         .args(["launch", "-n", "2", "--", "sh", "-c", &script])
+        .env("TMPDIR", &*tmp)
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -1176,6 +1192,8 @@ fn a_second_process_started_as_the_same_rank_is_refused_naming_both() {
 /// word names the stopped rank, not only the first to exit.
 #[test]
 fn the_launcher_names_a_stopped_rank_when_the_others_time_out_on_it() {
+    // A failed job keeps its flight-record directory under TMPDIR: this test's own.
+    let tmp = scratch::fresh_dir("cli-stopped");
     let b = env!("CARGO_BIN_EXE_ringzero");
     let script = format!(
         "if [ $RINGZERO_RANK = 2 ]; then (sleep 1; kill -STOP $$) & fi; \
@@ -1186,6 +1204,7 @@ fn the_launcher_names_a_stopped_rank_when_the_others_time_out_on_it() {
             "launch", "-n", "3", "--grace", "1", "--", "sh", "-c", &script,
         ])
         .env("RINGZERO_TIMEOUT", "3")
+        .env("TMPDIR", &*tmp)
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -1200,6 +1219,8 @@ fn the_launcher_names_a_stopped_rank_when_the_others_time_out_on_it() {
 /// bound) with a message, never a panic. `RINGZERO_TIMEOUT=3` bounds any job that starts.
 #[test]
 fn no_argument_makes_the_cli_panic_or_hang() {
+    // A failed job keeps its flight-record directory under TMPDIR: this test's own.
+    let tmp = scratch::fresh_dir("cli-bounds");
     let cases: &[&[&str]] = &[
         &["bench", "-b", "0", "-e", "0"],
         &["bench", "-b", "1", "-e", "4"],
@@ -1260,6 +1281,7 @@ fn no_argument_makes_the_cli_panic_or_hang() {
         let mut child = ringzero()
             .args(*args)
             .env("RINGZERO_TIMEOUT", "3")
+            .env("TMPDIR", &*tmp)
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::piped())
             .spawn()
@@ -1311,6 +1333,8 @@ fn pids_with(token: &str, rank: Option<usize>) -> Vec<i32> {
 /// `ringzero-*` file in the shared-memory directory and no process of the job behind.
 #[test]
 fn a_fault_matrix_leaves_no_hang_no_shared_memory_and_no_process() {
+    // A failed job keeps its flight-record directory under TMPDIR: this test's own.
+    let tmp = scratch::fresh_dir("cli-faults");
     use rustix::process::Signal;
     let b = env!("CARGO_BIN_EXE_ringzero");
     let shm = std::env::temp_dir().join(format!("ringzero-faults-{}", std::process::id()));
@@ -1332,6 +1356,7 @@ fn a_fault_matrix_leaves_no_hang_no_shared_memory_and_no_process() {
                         "launch", "-n", "3", "--grace", "1", "--", "sh", "-c", &script,
                     ])
                     .env("RINGZERO_TIMEOUT", "3")
+                    .env("TMPDIR", &*tmp)
                     .env("RINGZERO_TRANSPORT", transport)
                     .env("RINGZERO_SHM_DIR", &shm)
                     .env("RINGZERO_TEST_TOKEN", &token)
