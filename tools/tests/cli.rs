@@ -1338,7 +1338,7 @@ fn a_fault_matrix_leaves_no_hang_no_shared_memory_and_no_process() {
     use rustix::process::Signal;
     let b = env!("CARGO_BIN_EXE_ringzero");
     let shm = std::env::temp_dir().join(format!("ringzero-faults-{}", std::process::id()));
-    let (mut runs, mut hangs, mut leaked, mut left) = (0, 0, 0, 0);
+    let (mut runs, mut hangs, mut leaked, mut left, mut unstarted) = (0, 0, 0, 0, 0);
     let mut notes = Vec::new();
     for (i, transport) in ["shm", "tcp"].into_iter().enumerate() {
         for (j, sig) in [Signal::KILL, Signal::STOP, Signal::TERM]
@@ -1365,8 +1365,23 @@ fn a_fault_matrix_leaves_no_hang_no_shared_memory_and_no_process() {
                     .spawn()
                     .unwrap();
                 runs += 1;
+                // The delay counts from the victim's start: on a loaded machine the launcher
+                // may take longer than the delay to start it, and a signal sent before then
+                // would reach nobody (the job then runs its whole bench, which looks like a hang).
+                let since = std::time::Instant::now();
+                let pids = loop {
+                    let pids = pids_with(&token, Some(victim));
+                    if !pids.is_empty() || since.elapsed() > std::time::Duration::from_secs(20) {
+                        break pids;
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                };
+                if pids.is_empty() {
+                    unstarted += 1;
+                    notes.push(format!("{transport}: rank {victim} not started after 20 s"));
+                }
                 std::thread::sleep(std::time::Duration::from_millis(delay_ms));
-                for pid in pids_with(&token, Some(victim)) {
+                for pid in pids {
                     let pid = rustix::process::Pid::from_raw(pid).unwrap();
                     let _ = rustix::process::kill_process(pid, sig);
                 }
@@ -1409,7 +1424,7 @@ fn a_fault_matrix_leaves_no_hang_no_shared_memory_and_no_process() {
     println!(
         "fault matrix: {runs} runs, {hangs} hangs, {leaked} leaked files, {left} processes left"
     );
-    assert_eq!((hangs, leaked, left), (0, 0, 0), "{notes:#?}");
+    assert_eq!((hangs, leaked, left, unstarted), (0, 0, 0, 0), "{notes:#?}");
 }
 
 /// The bench's copy baseline needs 16 MiB per rank of shared memory; in a 12 MiB tmpfs (mounted
