@@ -27,7 +27,9 @@
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use quanta::Instant;
 
 use serde::{Deserialize, Serialize};
 
@@ -158,8 +160,10 @@ pub(crate) struct Recorder {
     /// Shared with the signal watcher's list ([`watch_signals`]), which holds it weakly.
     inner: Arc<Mutex<Inner>>,
     /// The monotonic clock and the Unix time at one moment: a call's start in Unix time is
-    /// derived from the one monotonic reading it takes anyway (a clock read costs as much as a
-    /// small collective's hand-off on some virtual machines).
+    /// derived from the one monotonic reading it takes anyway. The clock is quanta's, the
+    /// processor's time-stamp counter where it is invariant (about 10 ns a read against 25 for
+    /// `clock_gettime` on a virtual machine, where a 4 KiB collective takes half a microsecond),
+    /// the system's monotonic clock elsewhere.
     base: (Instant, u64),
 }
 
