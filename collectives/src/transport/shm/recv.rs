@@ -215,16 +215,17 @@ impl RecvLink for ShmRecv {
                 "a control block has no host slots (its data lives on the device)".into(),
             ));
         }
-        let head = self.seg.atomic_u64(OFF_HEAD).load(Ordering::Acquire);
-        if head <= self.next {
+        let slot = (self.next % self.seg.geo.slots as u64) as usize;
+        // Acquire: the sender's writes of this frame (header and payload) happened before its
+        // release store of the stamp. An older frame's stamp in this slot is smaller.
+        if self.seg.slot_stamp(slot).load(Ordering::Acquire) <= self.next {
             if let Some(reason) = self.seg.aborted_by_peer(2) {
                 return Err(LinkError::PeerAborted(reason));
             }
             return Ok(None);
         }
-        let slot = (self.next % self.seg.geo.slots as u64) as usize;
         self.check_header(slot, expect)?;
-        // SAFETY: the acquire load of head > next orders the sender's writes of this slot's
+        // SAFETY: the acquire load of the stamp > next orders the sender's writes of this slot's
         // payload before our reads; the sender will not touch the slot until we release it; the
         // length was checked against the slot size.
         Ok(Some(unsafe {

@@ -18,6 +18,9 @@ use super::*;
 pub struct ShmSend {
     seg: Segment,
     head: u64,
+    /// The receiver's tail as last read: slots below it are free for good, so the shared line
+    /// (which the receiver writes at every release) is read again only when these run out.
+    tail_seen: u64,
     reserved: Option<usize>,
     /// Slots reserved but not yet posted (pipelined form only).
     ahead: u64,
@@ -100,8 +103,19 @@ impl ShmSend {
             geo,
             path: path.to_path_buf(),
         };
+        let version = seg.atomic_u32(OFF_VERSION).load(Ordering::Relaxed);
+        if seg.atomic_u64(OFF_MAGIC).load(Ordering::Acquire) == MAGIC && version != VERSION {
+            return Err(Error::Protocol {
+                peer: format!("rank {peer}"),
+                detail: format!(
+                    "shm segment {} has layout version {version}, this build speaks {VERSION}: \
+                     run every rank from the same ringzero build",
+                    path.display()
+                ),
+            });
+        }
         let ok = seg.atomic_u64(OFF_MAGIC).load(Ordering::Acquire) == MAGIC
-            && seg.atomic_u32(OFF_VERSION).load(Ordering::Relaxed) == VERSION
+            && version == VERSION
             && seg.atomic_u32(OFF_SLOTS).load(Ordering::Relaxed) as usize == slots
             && seg.atomic_u64(OFF_SLOT_BYTES).load(Ordering::Relaxed) as usize == slot_bytes
             && seg.atomic_u32(OFF_DATA_IN_FILE).load(Ordering::Relaxed) == geo.data_in_file as u32;
@@ -121,6 +135,7 @@ impl ShmSend {
         Ok(ShmSend {
             seg,
             head: 0,
+            tail_seen: 0,
             reserved: None,
             ahead: 0,
             peer,
@@ -140,6 +155,18 @@ impl Drop for ShmSend {
 }
 
 impl ShmSend {
+    /// Whether frame `k`'s slot is free: the receiver has released frame `k − slots`. The tail
+    /// is read from the shared line only when the value seen last does not say so already.
+    fn free_slot(&mut self, k: u64) -> bool {
+        let slots = self.seg.geo.slots as u64;
+        if k - self.tail_seen >= slots {
+            // Acquire: the receiver's reads of every frame below the tail happened before its
+            // release store of it, so those slots may be written now.
+            self.tail_seen = self.seg.atomic_u64(OFF_TAIL).load(Ordering::Acquire);
+        }
+        k - self.tail_seen < slots
+    }
+
     /// Slots per FIFO and bytes per slot.
     pub fn geometry(&self) -> (usize, usize) {
         (self.seg.geo.slots, self.seg.geo.slot_bytes)
@@ -150,9 +177,7 @@ impl ShmSend {
     /// credits); they are posted in the order reserved.
     pub fn reserve_slot(&mut self) -> LinkResult<Option<usize>> {
         debug_assert!(self.reserved.is_none(), "pipelined and plain sends mixed");
-        let tail = self.seg.atomic_u64(OFF_TAIL).load(Ordering::Acquire);
-        let used = self.head + self.ahead - tail;
-        if used >= self.seg.geo.slots as u64 {
+        if !self.free_slot(self.head + self.ahead) {
             if let Some(reason) = self.seg.aborted_by_peer(1) {
                 return Err(LinkError::PeerAborted(reason));
             }
@@ -206,8 +231,7 @@ impl SendLink for ShmSend {
                 self.seg.geo.slot_bytes
             )));
         }
-        let tail = self.seg.atomic_u64(OFF_TAIL).load(Ordering::Acquire);
-        if self.head - tail >= self.seg.geo.slots as u64 {
+        if !self.free_slot(self.head) {
             if let Some(reason) = self.seg.aborted_by_peer(1) {
                 return Err(LinkError::PeerAborted(reason));
             }
@@ -240,6 +264,11 @@ impl SendLink for ShmSend {
             )
         };
         self.head += 1;
+        // Release: the header and payload written above are seen by a receiver that sees the
+        // stamp (it polls the stamp) or the head (the pipelined form and the health checks).
+        self.seg
+            .slot_stamp(slot)
+            .store(self.head, Ordering::Release);
         self.seg
             .atomic_u64(OFF_HEAD)
             .store(self.head, Ordering::Release);
