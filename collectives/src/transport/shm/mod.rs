@@ -324,14 +324,30 @@ mod tests {
         )
     }
 
-    #[test]
-    fn frames_flow_with_credits_and_the_file_is_unlinked() {
-        let dir = std::env::temp_dir();
+    /// A fresh segment name under the temporary directory.
+    fn fresh() -> (std::path::PathBuf, String) {
         let name = format!(
             "ringzero-test-{}-{}",
             std::process::id(),
             rand::random::<u32>()
         );
+        (std::env::temp_dir(), name)
+    }
+
+    /// What the receiver expects of step `step`'s 10-byte frame of call 0.
+    fn expect(step: u32) -> Expect {
+        Expect {
+            seq: 0,
+            step,
+            slice: 0,
+            fp: fp(),
+            len: 10,
+        }
+    }
+
+    #[test]
+    fn frames_flow_with_credits_and_the_file_is_unlinked() {
+        let (dir, name) = fresh();
         let mut rx = ShmRecv::create(&dir, &name, 2, 100, 0).unwrap();
         let mut tx = ShmSend::attach(rx.path(), 2, 100, 1).unwrap();
         assert!(!dir.join(&name).exists(), "sender unlinks once attached");
@@ -344,13 +360,7 @@ mod tests {
             tx.reserve(10).unwrap().is_none(),
             "no credit left with 2 slots"
         );
-        let e = |step| Expect {
-            seq: 0,
-            step,
-            slice: 0,
-            fp: fp(),
-            len: 10,
-        };
+        let e = expect;
         assert_eq!(rx.peek(&e(0)).unwrap().unwrap(), &[1u8; 10]);
         rx.release().unwrap();
         assert!(tx.reserve(10).unwrap().is_some(), "credit returned");
@@ -374,21 +384,10 @@ mod tests {
 
     #[test]
     fn a_slot_holds_no_frame_until_its_own_is_posted_however_often_it_was_used() {
-        let dir = std::env::temp_dir();
-        let name = format!(
-            "ringzero-test-{}-{}",
-            std::process::id(),
-            rand::random::<u32>()
-        );
+        let (dir, name) = fresh();
         let mut rx = ShmRecv::create(&dir, &name, 2, 100, 0).unwrap();
         let mut tx = ShmSend::attach(rx.path(), 2, 100, 1).unwrap();
-        let e = |step| Expect {
-            seq: 0,
-            step,
-            slice: 0,
-            fp: fp(),
-            len: 10,
-        };
+        let e = expect;
         // Round the two slots several times: a slot's stamp from its last frame is not this one.
         for k in 0..7u32 {
             assert!(
@@ -405,12 +404,7 @@ mod tests {
     #[test]
     fn a_segment_from_another_build_is_refused_naming_both_versions() {
         use std::io::{Seek, Write};
-        let dir = std::env::temp_dir();
-        let name = format!(
-            "ringzero-test-{}-{}",
-            std::process::id(),
-            rand::random::<u32>()
-        );
+        let (dir, name) = fresh();
         let rx = ShmRecv::create(&dir, &name, 2, 100, 0).unwrap();
         let mut f = std::fs::OpenOptions::new()
             .write(true)
