@@ -360,15 +360,14 @@ mod tests {
             tx.reserve(10).unwrap().is_none(),
             "no credit left with 2 slots"
         );
-        let e = expect;
-        assert_eq!(rx.peek(&e(0)).unwrap().unwrap(), &[1u8; 10]);
+        assert_eq!(rx.peek(&expect(0)).unwrap().unwrap(), &[1u8; 10]);
         rx.release().unwrap();
         assert!(tx.reserve(10).unwrap().is_some(), "credit returned");
         // A frame of another call is a mismatch naming it.
         let err = rx
             .peek(&Expect {
                 fp: Fingerprint::new(Collective::AllReduce, None, None, 10),
-                ..e(1)
+                ..expect(1)
             })
             .unwrap_err();
         assert!(
@@ -387,16 +386,15 @@ mod tests {
         let (dir, name) = fresh();
         let mut rx = ShmRecv::create(&dir, &name, 2, 100, 0).unwrap();
         let mut tx = ShmSend::attach(rx.path(), 2, 100, 1).unwrap();
-        let e = expect;
         // Round the two slots several times: a slot's stamp from its last frame is not this one.
         for k in 0..7u32 {
             assert!(
-                rx.peek(&e(k)).unwrap().is_none(),
+                rx.peek(&expect(k)).unwrap().is_none(),
                 "frame {k} before it is posted"
             );
             tx.reserve(10).unwrap().unwrap().fill(k as u8);
             tx.post(&FrameHeader::data(0, k, 0, fp(), 10)).unwrap();
-            assert_eq!(rx.peek(&e(k)).unwrap().unwrap(), &[k as u8; 10]);
+            assert_eq!(rx.peek(&expect(k)).unwrap().unwrap(), &[k as u8; 10]);
             rx.release().unwrap();
         }
     }
@@ -427,12 +425,7 @@ mod tests {
 
     #[test]
     fn pipelined_frames_keep_several_in_flight_within_the_credits() {
-        let dir = std::env::temp_dir();
-        let name = format!(
-            "ringzero-test-{}-{}",
-            std::process::id(),
-            rand::random::<u32>()
-        );
+        let (dir, name) = fresh();
         let mut rx = ShmRecv::create_control(&dir, &name, 3, 100, 0).unwrap();
         // A data-path attach to a control block is refused: the layouts differ.
         let err = ShmSend::attach(rx.path(), 3, 100, 1)
