@@ -40,6 +40,11 @@ s2 = s.replace('"cuda-version-from-build-system",\n', '"cuda-13000",\n').replace
 assert s2 != s and '"dynamic-linking"' not in s2, "candle-core's cudarc features are not as expected"
 open(p, "w").write(s2)
 PY
+# Without fat LTO: the GPU runs measure the device's work, and LTO over candle's crates would add
+# minutes to a build on a 2-core machine (a session's time); the host path's own figures come
+# from the ordinary release build.
+export CARGO_PROFILE_RELEASE_LTO=${CARGO_PROFILE_RELEASE_LTO:-off}
+export CARGO_PROFILE_RELEASE_CODEGEN_UNITS=${CARGO_PROFILE_RELEASE_CODEGEN_UNITS:-16}
 # Its own target folder: the binary needs CUDA's runtime library to start, so the ordinary
 # release build (target/release) stays the one that runs anywhere.
 export CARGO_TARGET_DIR=$PWD/target/gpu

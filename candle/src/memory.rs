@@ -162,34 +162,76 @@ pub fn device_used() -> Option<usize> {
     })
 }
 
-/// The high-water mark of the default memory pool of CUDA device `ordinal`, in bytes: candle
-/// allocates its tensors there (stream-ordered allocation), so this is the most its tensors
-/// held at once. `restart` starts the mark again from what is allocated now. `None` in a build
-/// without the `cuda` feature, or where the driver refuses.
-pub fn pool_peak(ordinal: usize, restart: bool) -> Option<usize> {
+/// The high-water marks of the default memory pool of CUDA device `ordinal`, in bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PoolPeak {
+    /// The most candle's tensors held at once (candle allocates them there, stream-ordered).
+    pub used: usize,
+    /// The most the pool took from the driver at once: `used` and the free blocks it kept
+    /// between them (freed tensors whose blocks did not fit the next request). The driver's
+    /// figure for the process counts this.
+    pub reserved: usize,
+}
+
+/// The high-water marks of the default memory pool of CUDA device `ordinal` ([`PoolPeak`]).
+/// `restart` starts both again from what is used and reserved now. `None` in a build without
+/// the `cuda` feature, or where the driver refuses.
+pub fn pool_peak(ordinal: usize, restart: bool) -> Option<PoolPeak> {
     #[cfg(feature = "cuda")]
     {
-        use cudarc::driver::sys::{self, CUmemPool_attribute, CUresult};
-        let high = CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH;
-        let (mut dev, mut pool, mut v) = (0, std::ptr::null_mut(), 0u64);
+        use cudarc::driver::sys::{self, CUmemPool_attribute as A, CUresult};
+        let (mut dev, mut pool) = (0, std::ptr::null_mut());
         // SAFETY: each call writes only through the pointer it is given, to a local of the
-        // type the driver API names (CUdevice, CUmemoryPool, and a cuuint64_t for this
-        // attribute); the driver was initialised when candle opened the device, and a
-        // failure is returned, not acted on.
+        // type the driver API names (CUdevice, CUmemoryPool); the driver was initialised when
+        // candle opened the device, and a failure is returned, not acted on.
         let ok = unsafe {
             sys::cuDeviceGet(&mut dev, i32::try_from(ordinal).ok()?) == CUresult::CUDA_SUCCESS
                 && sys::cuDeviceGetDefaultMemPool(&mut pool, dev) == CUresult::CUDA_SUCCESS
-                && (!restart
-                    || sys::cuMemPoolSetAttribute(pool, high, (&raw mut v).cast())
-                        == CUresult::CUDA_SUCCESS)
-                && sys::cuMemPoolGetAttribute(pool, high, (&raw mut v).cast())
-                    == CUresult::CUDA_SUCCESS
         };
-        ok.then_some(v as usize)
+        let high = |attr: A| {
+            let mut v = 0u64;
+            // SAFETY: `pool` is the device's default pool (above); both high-water attributes
+            // are cuuint64_t, read from and written to a local (setting one resets it).
+            let ok = unsafe {
+                (!restart
+                    || sys::cuMemPoolSetAttribute(pool, attr, (&raw mut v).cast())
+                        == CUresult::CUDA_SUCCESS)
+                    && sys::cuMemPoolGetAttribute(pool, attr, (&raw mut v).cast())
+                        == CUresult::CUDA_SUCCESS
+            };
+            ok.then_some(v as usize)
+        };
+        if !ok {
+            return None;
+        }
+        Some(PoolPeak {
+            used: high(A::CU_MEMPOOL_ATTR_USED_MEM_HIGH)?,
+            reserved: high(A::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH)?,
+        })
     }
     #[cfg(not(feature = "cuda"))]
     {
         let _ = (ordinal, restart);
+        None
+    }
+}
+
+/// The most device memory ringzero's own allocations in this process held at once (the
+/// engine's model states and buffers, its communicators' slots and scratch: every
+/// `cuMemAlloc` it makes, outside candle's pool), in bytes; `restart` starts the mark again
+/// from what is held now. `None` in a build without the `cuda` feature.
+pub fn ringzero_device_peak(restart: bool) -> Option<usize> {
+    #[cfg(feature = "cuda")]
+    {
+        use ringzero_kernels::device::cuda;
+        if restart {
+            cuda::reset_allocated_peak();
+        }
+        Some(cuda::allocated().peak)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = restart;
         None
     }
 }

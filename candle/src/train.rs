@@ -82,9 +82,14 @@ pub struct TrainReport {
     /// the variables, gradients and activations are all alive) on the first two steps and the
     /// last; `None` on the CPU or where the driver cannot say.
     pub device_measured: Option<(usize, usize)>,
-    /// On a CUDA device: the most candle's tensors held at once, from the device memory pool's
-    /// high-water mark (restarted before the model was built).
-    pub device_pool_peak: Option<usize>,
+    /// On a CUDA device: the most candle's tensors held at once, and the most the device
+    /// memory pool they come from reserved, from the pool's high-water marks (restarted before
+    /// the model was built).
+    pub device_pool_peak: Option<memory::PoolPeak>,
+    /// On a CUDA device: the most device memory ringzero's own allocations held at once (the
+    /// engine's model states and buffers, its communicator's slots and scratch), counted from
+    /// before the model was built.
+    pub device_engine_peak: Option<usize>,
     /// The engine's report of the last optimizer step on this rank: its wall time, the time in
     /// the step, and with offload the CPU step, the device's wait and the bytes each way.
     pub last_step: Option<StepReport>,
@@ -163,6 +168,7 @@ fn train_on<T: Float, S: CandleStream>(
         // the pool has handed freed memory back at a synchronisation.
         memory::keep_pool(o);
         memory::pool_peak(o, true);
+        memory::ringzero_device_peak(true);
     }
     let (model, varmap) = gpt::build(shape, args.seed, &dev)?;
     let (stage3, accum) = (cfg.stage == 3, cfg.accumulation_steps.max(1));
@@ -236,6 +242,7 @@ fn train_on<T: Float, S: CandleStream>(
         measured_peak,
         device_measured: device_before.zip(device_peak),
         device_pool_peak: ordinal.and_then(|o| memory::pool_peak(o, false)),
+        device_engine_peak: ordinal.and_then(|_| memory::ringzero_device_peak(false)),
         last_step: zero.engine().report(),
     })
 }

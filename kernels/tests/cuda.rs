@@ -73,3 +73,28 @@ fn a_broken_kernel_source_is_reported_with_the_compiler_log() {
         "{e}"
     );
 }
+
+#[test]
+fn device_buffers_are_counted_while_they_live_and_at_their_peak() {
+    let gpu = match cuda::device_count() {
+        Ok(n) if n > 0 => Gpu::open(0).unwrap_or_else(|e| panic!("{e}")),
+        other => {
+            eprintln!(
+                "SKIPPED device_buffers_are_counted_while_they_live_and_at_their_peak: no GPU \
+                 here ({other:?})"
+            );
+            return;
+        }
+    };
+    cuda::reset_allocated_peak();
+    let before = cuda::allocated();
+    let a = gpu.alloc(ringzero_kernels::DType::F32, 1 << 20).unwrap();
+    let b = gpu.alloc(ringzero_kernels::DType::U8, 0).unwrap(); // one byte held
+    assert_eq!(cuda::allocated().live, before.live + (4 << 20) + 1);
+    drop(a);
+    let after = cuda::allocated();
+    assert_eq!(after.live, before.live + 1);
+    assert_eq!(after.peak, before.live + (4 << 20) + 1);
+    drop(b);
+    assert_eq!(cuda::allocated().live, before.live);
+}

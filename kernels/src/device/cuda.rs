@@ -9,6 +9,7 @@
 
 use std::collections::HashMap;
 use std::mem::ManuallyDrop;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{
@@ -137,6 +138,38 @@ pub fn cu_type(d: DType) -> &'static str {
     }
 }
 
+/// Device memory this process holds in [`DeviceBuffer`]s (every `cuMemAlloc` ringzero makes),
+/// and the most it has held at once since [`reset_allocated_peak`]: the engine's model states
+/// and buffers, its communicator's slots and scratch. Bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Allocated {
+    /// Held now.
+    pub live: usize,
+    /// The most held at once.
+    pub peak: usize,
+}
+
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+static PEAK: AtomicUsize = AtomicUsize::new(0);
+
+/// What this process's [`DeviceBuffer`]s hold now and at most ([`Allocated`]).
+pub fn allocated() -> Allocated {
+    Allocated {
+        live: LIVE.load(Ordering::Relaxed),
+        peak: PEAK.load(Ordering::Relaxed),
+    }
+}
+
+/// Start [`Allocated::peak`] again from what is held now.
+pub fn reset_allocated_peak() {
+    PEAK.store(LIVE.load(Ordering::Relaxed), Ordering::Relaxed);
+}
+
+fn count_alloc(bytes: usize) {
+    let now = LIVE.fetch_add(bytes, Ordering::Relaxed) + bytes;
+    PEAK.fetch_max(now, Ordering::Relaxed);
+}
+
 /// One CUDA device: its primary context, a compute stream and a copy stream, the two copy
 /// lanes ([`CopyLane`](super::CopyLane)), and the kernels.
 pub struct Gpu {
@@ -189,6 +222,7 @@ impl Drop for DeviceBuffer {
         // SAFETY: the slice is taken exactly once, here, and the field is not used afterwards.
         let slice = unsafe { ManuallyDrop::take(&mut self.buf) };
         let ctx = slice.stream().context().clone();
+        let bytes = slice.len();
         // `leak` waits for the work cudarc tracked on the slice and gives up its ownership.
         let ptr = slice.leak();
         // Kernels and copies queued on raw addresses (the collectives) are not tracked by the
@@ -197,6 +231,7 @@ impl Drop for DeviceBuffer {
         // SAFETY: `ptr` came from cuMemAlloc in `ctx` (Gpu::alloc), is freed exactly once, and no
         // queued work uses it any more.
         ctx.record_err(unsafe { result::free_sync(ptr) });
+        LIVE.fetch_sub(bytes, Ordering::Relaxed);
     }
 }
 
@@ -280,6 +315,7 @@ impl Gpu {
         // SAFETY: the context is current on this thread and `bytes` is not zero.
         let ptr = unsafe { result::malloc_sync(bytes) }
             .map_err(driver("allocating device memory (cuMemAlloc)"))?;
+        count_alloc(bytes);
         // SAFETY: `ptr` is a live allocation of `bytes` bytes of this context that nothing else
         // owns; the slice takes it over, and DeviceBuffer's Drop frees it (never cudarc's).
         let slice = unsafe { self.stream.upgrade_device_ptr::<u8>(ptr, bytes) };

@@ -260,10 +260,14 @@ fn run_as<T: Float>(
     }
 }
 
+/// Bytes in MiB.
+fn mib(b: usize) -> f64 {
+    b as f64 / (1 << 20) as f64
+}
+
 /// Rank 0's predicted footprint by category beside the resident memory training added.
 fn footprint_text(r: &train::TrainReport) -> String {
     let f = r.footprint;
-    let mib = |b: usize| b as f64 / (1 << 20) as f64;
     let predicted = format!(
         "predicted {:.2} MiB = model states {:.2} + comm buffers {:.2} + ring slots {:.2} + \
          candle vars {:.2} + grads {:.2} + activations {:.2} + backward {:.2}",
@@ -295,8 +299,7 @@ fn footprint_text(r: &train::TrainReport) -> String {
              driver's figure for the process): {:.2} MiB before the model (CUDA context), {:.2} \
              MiB at its largest after backward, {:.2} MiB added; predicted candle vars + grads + \
              activations + backward {:.2} MiB and the engine's model states and buffers {:.2} \
-             MiB (its communicator's slots not counted); added / predicted {:.2}; candle's \
-             tensors at their peak (the CUDA memory pool's high-water mark) {}",
+             MiB; added / predicted {:.2}\n{}",
             r.measured_peak
                 .map_or("not measured".into(), |m| format!("{:.2} MiB", mib(m))),
             mib(f.host()),
@@ -306,14 +309,47 @@ fn footprint_text(r: &train::TrainReport) -> String {
             mib(f.candle()),
             mib(f.engine_on_device),
             (peak - before) as f64 / f.device().max(1) as f64,
-            r.device_pool_peak.map_or("not read".into(), |p| format!(
-                "{:.2} MiB, / predicted {:.2}",
-                mib(p),
-                p as f64 / f.candle().max(1) as f64
-            )),
+            device_by_owner(r, peak - before),
         ),
         None => host(),
     }
+}
+
+/// Rank 0's added GPU memory by owner: candle's tensors at their peak and what its memory
+/// pool reserved around them, ringzero's own allocations, and the rest (CUDA's libraries).
+fn device_by_owner(r: &train::TrainReport, added: usize) -> String {
+    let f = &r.footprint;
+    let pool = r
+        .device_pool_peak
+        .map_or("candle's pool not read".into(), |p| {
+            format!(
+            "candle's tensors {:.2} MiB at their peak (the CUDA memory pool's high-water mark; \
+             / predicted {:.2}), the pool's reservation {:.2} MiB at its peak (those tensors and \
+             the free blocks it kept between them)",
+            mib(p.used),
+            p.used as f64 / f.candle().max(1) as f64,
+            mib(p.reserved),
+        )
+        });
+    let ours = r
+        .device_engine_peak
+        .map_or("ringzero's allocations not counted".into(), |e| {
+            format!(
+            "ringzero's allocations {:.2} MiB at their peak (/ predicted engine {:.2}; the rest \
+             its communicator's slots and scratch)",
+            mib(e),
+            e as f64 / f.engine_on_device.max(1) as f64
+        )
+        });
+    let rest = match (r.device_pool_peak, r.device_engine_peak) {
+        (Some(p), Some(e)) => format!(
+            "; the rest of the added memory {:.2} MiB (CUDA's libraries: cuBLAS's workspaces, \
+             loaded kernels)",
+            mib(added) - mib(p.reserved) - mib(e)
+        ),
+        _ => String::new(),
+    };
+    format!("rank 0 GPU memory by owner: {pool}; {ours}{rest}")
 }
 
 /// `--device`: `None` for the CPU, else the CUDA ordinal (`cuda` takes the local rank's turn
