@@ -221,6 +221,7 @@ fn each_step_reports_what_the_offload_moved() {
         let e = Engine::<bf16>::new(&comm, &specs(), &init, c).unwrap();
         let part = e.partition().clone();
         let nvme = e.memory().nvme_optimizer as u64;
+        let made = e.memory().host_buffers;
         let mut e = e;
         let sp = specs();
         for s in &sp {
@@ -234,6 +235,11 @@ fn each_step_reports_what_the_offload_moved() {
         assert_eq!(r.to_host, 2 * owned as u64);
         assert_eq!(r.to_device, 2 * owned as u64);
         assert_eq!((r.nvme_read, r.nvme_written), (nvme, nvme));
+        // The host buffers the step kept are counted: the pipeline's two pairs and a gradient
+        // copy per bucket made while backward went on, each of the largest owned range (bf16).
+        let nb = part.buckets.len();
+        let cap = (0..nb).map(|b| part.owned(b, rank).len()).max().unwrap();
+        assert_eq!(e.memory().host_buffers - made, (4 + nb) * cap * 2);
         assert!(r.cpu_step > std::time::Duration::ZERO);
         let line = e.report().unwrap().to_string();
         assert!(line.contains("offload: cpu step"), "{line}");
@@ -370,6 +376,13 @@ fn a_delayed_update_lands_one_step_late_and_flush_lands_the_last() {
             d.offload.optimizer.delayed_update_after = Some(1);
             d.validate().unwrap();
             let mut delayed = Engine::<f32>::new(&comm, &sp, &init, d).unwrap();
+            // Its buffers exist from the start (no delayed step pays for making them).
+            let made = delayed.memory().host_buffers;
+            let part = delayed.partition().clone();
+            let cap = (0..part.buckets.len())
+                .map(|b| part.owned(b, rank).len())
+                .max()
+                .unwrap();
             let mut before = params_of(&mut plain, &params);
             for t in 0..5 {
                 for e in [&mut plain, &mut delayed] {
@@ -393,6 +406,8 @@ fn a_delayed_update_lands_one_step_late_and_flush_lands_the_last() {
                 .contains("flush"));
             // While the update is in flight its state is still counted where it lives.
             let m = delayed.memory();
+            // Besides them, the first (undelayed) step's pipeline kept its two pairs (f32).
+            assert_eq!(m.host_buffers, made + 4 * cap * 4, "stage {stage}: {m:?}");
             assert!(m.host_optimizer + m.nvme_optimizer > 0, "{m:?}");
             assert_eq!(nvme, m.nvme_optimizer > 0, "stage {stage}: {m:?}");
             delayed.flush().unwrap();

@@ -164,6 +164,12 @@ impl<S: Stream> DeviceComm<S> {
         self.core.size
     }
 
+    /// Ranks of this job on this rank's node, as its launcher says (`LOCAL_WORLD_SIZE` and
+    /// the like): how many processes share the node's cores and memory.
+    pub fn local_size(&self) -> usize {
+        self.core.cfg.launch.local_world_size
+    }
+
     /// The range of elements rank `rank()` owns in a reduce-scatter of `count`.
     pub fn chunk_range(&self, count: usize) -> Range<usize> {
         chunk(count, self.core.size, self.core.rank)

@@ -72,8 +72,8 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
         let es = T::DTYPE.size();
         let s = self.comm.stream();
         let mut jobs = Vec::with_capacity(targets.len());
-        // The last update's buffers, one pair per bucket in the same order (on a GPU a new
-        // host buffer is a page-locking driver call).
+        // The buffers the engine made for it, or the last update's, one pair per bucket in
+        // the same order (on a GPU a new host buffer is a page-locking driver call).
         let mut kept = std::mem::take(&mut self.tier.delayed_bufs).into_iter();
         for &tg in targets {
             let (grads, params) = match kept.next() {
@@ -101,8 +101,11 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
         }
         self.sync("copying gradients to the host")?;
         self.tier.stats.to_host += (targets.iter().map(|t| t.len).sum::<usize>() * es) as u64;
-        self.tier.delayed_held = jobs.iter().map(|j| 2 * j.target.len).sum();
         let mut swap = self.tier.swap.take();
+        self.tier.delayed_held = jobs.iter().map(|j| 2 * j.target.len * es).sum::<usize>()
+            + swap
+                .as_ref()
+                .map_or(0, |(_, st)| st.iter().map(Staged::capacity).sum());
         let threads = self.tier.threads();
         let work = move || -> Result<Done, ZeroError> {
             let c0 = Instant::now();

@@ -249,10 +249,27 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
             );
         }
         let range_cap = (0..nb).map(|b| upd(b).len()).max().unwrap_or(0);
-        let mut tier = offload::Tier::new::<T>(homes, range_cap);
+        // The CPU step is bound by memory bandwidth and the node's ranks step at once: each
+        // takes its share of the cores (more threads than cores only adds switches, and the
+        // step waits for its slowest thread).
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let threads = cores / comm.local_size().max(1);
+        let mut tier = offload::Tier::new::<T>(homes, range_cap, threads);
         tier.create_swap(&cfg, rank, &part, &full, keeps)?;
         if nvme_params {
             tier.params_file = Some(param_nvme::create::<T, S>(s, &cfg, (&part, rank), &full)?);
+        }
+        if cfg.offload.optimizer.delayed_update_after.is_some() {
+            // The delayed update's gradient and parameter buffers, one pair per offloaded
+            // bucket in the order its steps take them: on a GPU each is a page-locking driver
+            // call, which would otherwise fall on the first delayed step.
+            tier.delayed_bufs = (0..nb)
+                .filter(|&b| tier.offloaded(b))
+                .map(|b| {
+                    let len = part.owned(b, rank).len();
+                    Ok((alloc_host(s, T::DTYPE, len)?, alloc_host(s, T::DTYPE, len)?))
+                })
+                .collect::<Result<_, ZeroError>>()?;
         }
         let cap = part.buckets.iter().map(|b| b.len).max().unwrap_or(0);
         // Two bucket buffers in steady state (one filling while one reduces, or a gathered

@@ -1,7 +1,8 @@
 //! ZeRO-Offload and ZeRO-Infinity's optimizer tier: the fp32 master weights and the optimizer's
 //! states of the offloaded buckets live in host memory (page-locked and mapped on a GPU) or in
-//! the NVMe tier's file ([`crate::swap`]), and their step runs on the CPU, on every core, with
-//! the arithmetic of the device's kernel ([`step_mixed_threads`]: the same bits).
+//! the NVMe tier's file ([`crate::swap`]), and their step runs on the CPU, on this rank's share
+//! of the node's cores (the node's ranks step at once), with the arithmetic of the device's
+//! kernel ([`step_mixed_threads`]: the same bits).
 //!
 //! At an optimizer step the offloaded buckets go through a pipeline, one bucket per stage:
 //! - **fetch**: the reduced gradient range leaves the device (a copy queued on the stream into
@@ -55,7 +56,8 @@ pub(super) struct Tier {
     /// offloaded bucket its updates reuse.
     pub(super) delayed: Option<super::delayed::InFlight>,
     pub(super) delayed_bufs: Vec<(DevVec, DevVec)>,
-    /// Elements of those buffers while an update holds them.
+    /// Bytes of those buffers, and of the NVMe tier's host regions, while an update holds
+    /// them.
     pub(super) delayed_held: usize,
     /// Stage 3 with `offload_param` on NVMe: the shards' file, and host buffers (in `T`) a
     /// shard is read into to be gathered (`engine/param_nvme.rs`).
@@ -87,15 +89,16 @@ pub(super) fn homes(cfg: &ZeroConfig, part: &Partition) -> Vec<OffloadDevice> {
 }
 
 impl Tier {
-    /// The tier for buckets at `homes`, whose update ranges are at most `cap` elements of `T`.
-    pub(super) fn new<T: Float>(homes: Vec<OffloadDevice>, cap: usize) -> Tier {
+    /// The tier for buckets at `homes`, whose update ranges are at most `cap` elements of `T`;
+    /// the CPU step runs on `threads`.
+    pub(super) fn new<T: Float>(homes: Vec<OffloadDevice>, cap: usize, threads: usize) -> Tier {
         let nb = homes.len();
         Tier {
             homes,
             grads: Spares::on_host(T::DTYPE, cap, 2),
             params: Spares::on_host(T::DTYPE, cap, 2),
             swap: None,
-            threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            threads: threads.max(1),
             stats: OffloadStats::default(),
             nvme_seen: (0, 0),
             nvme_bytes: 0,
@@ -187,16 +190,17 @@ impl Tier {
         self.homes[b] == OffloadDevice::Nvme
     }
 
-    /// Host bytes the pipeline's buffers hold (gradients, parameters, NVMe regions).
+    /// Host bytes the pipeline's buffers hold (gradients, the early copies' and the delayed
+    /// update's included, parameters, NVMe regions).
     pub(super) fn buffer_bytes(&self) -> usize {
         let sz = self.grads.dtype.size();
         let delayed: usize = self
             .delayed_bufs
             .iter()
             .map(|(g, p)| g.elems + p.elems)
-            .sum::<usize>()
-            + self.delayed_held;
-        (self.grads.held() + self.params.held() + delayed) * sz
+            .sum::<usize>();
+        (self.grads.held() + self.params.held() + self.early_bufs.held() + delayed) * sz
+            + self.delayed_held
             + self
                 .swap
                 .as_ref()
