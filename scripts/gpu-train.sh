@@ -12,8 +12,9 @@
 #
 # runs #39's comparison instead: a GPT of about 1 B parameters on 2 processes, stage 2, under
 # Hugging Face's published ds_config_zero2.json (optimizer offloaded to the CPU) and the same
-# config with offload_optimizer on "none", then with the delayed parameter update; each prints
-# its last step's wall time, the CPU step, the device's wait and the bytes each way.
+# config with offload_optimizer on "none", then with the delayed parameter update; then stage 3
+# the same way under ds_config_zero3.json; each prints its last step's wall time, the CPU step,
+# the device's wait and the bytes each way (about 40 s a run on an H100).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 B=${BIN:-.gpubin}/ringzero
@@ -40,6 +41,13 @@ if [ "${1:-}" = offload ]; then
     run offload-none-n2 180 -n 2 --config "$out/zero2-none.json" $L
     run offload-cpu-n2 180 -n 2 --config "$hf" $L
     run offload-cpu-dpu-n2 180 -n 2 --config "$hf" --delayed-update-after 1 $L
+    # Stage 3 under ds_config_zero3.json (fp16; optimizer and parameters on the CPU), the same
+    # on the device, and with the delayed update.
+    hf3=tests/fixtures/deepspeed/hf-ds_config_zero3.json
+    sed 's/"device": "cpu"/"device": "none"/g' "$hf3" >"$out/zero3-none.json"
+    run offload3-none-n2 180 -n 2 --config "$out/zero3-none.json" $L
+    run offload3-cpu-n2 180 -n 2 --config "$hf3" $L
+    run offload3-cpu-dpu-n2 180 -n 2 --config "$hf3" --delayed-update-after 1 $L
     exit $status
 fi
 # A model large enough that the GPU's share shows: width 256, 4 blocks, context 128.
