@@ -37,6 +37,20 @@ pub trait CandleStream: TrainStream + Sized + 'static {
         shape: &[usize],
         device: &Device,
     ) -> Result<Tensor>;
+
+    /// [`CandleStream::tensor_from`] for each `(src, shape)` of `srcs`, all of candle dtype
+    /// `dtype` on `device`: on a GPU with one wait for candle's work and one for the copies,
+    /// however many tensors.
+    fn tensors_from(
+        &self,
+        srcs: &[(DevPtr, &[usize])],
+        dtype: CDType,
+        device: &Device,
+    ) -> Result<Vec<Tensor>> {
+        srcs.iter()
+            .map(|&(src, shape)| self.tensor_from(src, dtype, shape, device))
+            .collect()
+    }
 }
 
 impl CandleStream for HostStream {
@@ -200,18 +214,33 @@ mod cuda {
             shape: &[usize],
             device: &Device,
         ) -> Result<Tensor> {
-            let t = Tensor::zeros(shape, dtype, device)?;
+            let mut t = self.tensors_from(&[(src, shape)], dtype, device)?;
+            Ok(t.pop().expect("one tensor for one source"))
+        }
+
+        fn tensors_from(
+            &self,
+            srcs: &[(DevPtr, &[usize])],
+            dtype: CDType,
+            device: &Device,
+        ) -> Result<Vec<Tensor>> {
+            let ts = srcs
+                .iter()
+                .map(|&(_, shape)| Tensor::zeros(shape, dtype, device))
+                .collect::<candle_core::Result<Vec<_>>>()?;
             self.settle(device)?;
-            let bytes = t.elem_count() * dtype.size_in_bytes();
-            Self::with_addr(&t, |dst| {
-                // SAFETY: `dst` is `bytes` of the new tensor's device memory, which nothing else
-                // uses (the tensor is this function's; candle's memset finished above), `src`
-                // the caller's `bytes` of engine memory in the same context; the copy finishes
-                // before the tensor is handed out (synchronize).
-                unsafe { self.copy(dst, src, bytes) }.map_err(gpu_err("copying parameters"))?;
-                self.synchronize().map_err(gpu_err("copying parameters"))
-            })?;
-            Ok(t)
+            for (t, &(src, _)) in ts.iter().zip(srcs) {
+                let bytes = t.elem_count() * dtype.size_in_bytes();
+                Self::with_addr(t, |dst| {
+                    // SAFETY: `dst` is `bytes` of a new tensor's device memory, which nothing
+                    // else uses (the tensors are this function's; candle's memsets finished
+                    // above), `src` the caller's `bytes` of engine memory in the same context;
+                    // the copies finish before the tensors are handed out (synchronize below).
+                    unsafe { self.copy(dst, src, bytes) }.map_err(gpu_err("copying parameters"))
+                })?;
+            }
+            self.synchronize().map_err(gpu_err("copying parameters"))?;
+            Ok(ts)
         }
     }
 }
@@ -254,6 +283,25 @@ mod tests {
         assert_eq!(t.dims(), [3, 1]);
         let back = t.to_dtype(CDType::F32).unwrap().flatten_all().unwrap();
         assert_eq!(back.to_vec1::<f32>().unwrap(), [1.5, -2.0, 1.0]);
+    }
+
+    #[test]
+    fn tensors_made_together_each_hold_their_own_range_and_shape() {
+        let src: Vec<f32> = (0..10).map(|i| i as f32).collect();
+        let at = |i: usize| (src.as_ptr() as usize + 4 * i) as u64;
+        let s = HostStream::new();
+        let ts = s
+            .tensors_from(
+                &[(at(0), &[2, 2][..]), (at(4), &[6][..])],
+                CDType::F32,
+                &Device::Cpu,
+            )
+            .unwrap();
+        assert_eq!(ts[0].to_vec2::<f32>().unwrap(), [[0.0, 1.0], [2.0, 3.0]]);
+        assert_eq!(
+            ts[1].to_vec1::<f32>().unwrap(),
+            [4.0, 5.0, 6.0, 7.0, 8.0, 9.0]
+        );
     }
 
     #[test]

@@ -164,12 +164,22 @@ impl<T: Float, S: CandleStream> Zero<T, S> {
             .collect();
         self.engine.gather(&names)?;
         let dtype = candle_dtype::<T>();
-        for (name, var) in self.vars.iter().filter(|(n, _)| want(n)) {
-            let (addr, _) = self.engine.param_addr(name)?;
-            let t = self
-                .engine
-                .stream()
-                .tensor_from(addr, dtype, var.dims(), var.device())?;
+        let vars: Vec<&Var> = self
+            .vars
+            .iter()
+            .filter(|(n, _)| want(n))
+            .map(|(_, v)| v)
+            .collect();
+        let Some(device) = vars.first().map(|v| v.device().clone()) else {
+            return self.engine.release(&names).map_err(Into::into);
+        };
+        let srcs = names
+            .iter()
+            .zip(&vars)
+            .map(|(name, var)| Ok((self.engine.param_addr(name)?.0, var.dims())))
+            .collect::<Result<Vec<_>>>()?;
+        let ts = self.engine.stream().tensors_from(&srcs, dtype, &device)?;
+        for (t, var) in ts.iter().zip(&vars) {
             var.set(&t.to_dtype(var.dtype())?)?;
         }
         self.engine.release(&names)?;
