@@ -430,3 +430,51 @@ fn params_of(e: &mut Engine<f32>, read: &dyn Fn(&Engine<f32>) -> Vec<Vec<f32>>) 
     e.release(&names).unwrap();
     p
 }
+
+/// fp16 at stages 2–3: a skipped (overflowed) step leaves the gradient copies made during its
+/// backward unread; they go back to the tier's buffers (counted in `host_buffers`, reused, not
+/// made again), and the next steps read only their own window's gradients: skipping a step
+/// changes no parameter (the loss scale halves, and the pushed gradients scale with it).
+#[test]
+fn a_skipped_step_leaves_no_gradient_copy_behind() {
+    let dir = fresh_dir("offload-skipped");
+    threads(2, &Opts::default(), |rank, comm| {
+        let comm = comm.unwrap();
+        let sp = specs();
+        for stage in [2u8, 3] {
+            let c = offloaded(cfg_in(Precision::Fp16, stage, Some(1.0)), Where::Cpu, &dir);
+            let mut plain = Engine::<f16>::new(&comm, &sp, &init, c.clone()).unwrap();
+            let mut skips = Engine::<f16>::new(&comm, &sp, &init, c).unwrap();
+            let push = |e: &mut Engine<f16>, t: usize, overflow: bool| {
+                for (i, s) in sp.iter().enumerate() {
+                    let mut g = crate::zero::grad(&vec![0.01; s.numel()], rank, t, i);
+                    g.iter_mut().for_each(|x| *x *= e.loss_scale());
+                    if overflow && i == 0 {
+                        g[0] = f32::INFINITY;
+                    }
+                    e.push_grad_f32(&s.name, &g).unwrap();
+                }
+                e.step().unwrap()
+            };
+            push(&mut plain, 0, false);
+            push(&mut skips, 0, false);
+            let held = skips.memory().host_buffers;
+            let out = push(&mut skips, 9, true);
+            assert!(
+                matches!(out, ringzero_zero::StepOutcome::Skipped { .. }),
+                "{out:?}"
+            );
+            assert_eq!(skips.memory().host_buffers, held, "stage {stage}");
+            for t in 1..3 {
+                push(&mut plain, t, false);
+                push(&mut skips, t, false);
+                assert_eq!(skips.memory().host_buffers, held, "stage {stage}");
+            }
+            assert_eq!(
+                plain.consolidate().unwrap(),
+                skips.consolidate().unwrap(),
+                "stage {stage}"
+            );
+        }
+    });
+}

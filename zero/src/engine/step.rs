@@ -276,6 +276,11 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
         let synced = self.sync("the optimizer step");
         if synced.is_ok() {
             red.into_iter().flatten().for_each(|r| self.shards.give(r));
+            // Gradient copies a skipped step left unread go back for the next window (never
+            // read there: each is made afresh in the window's last micro-step).
+            for v in self.tier.early.iter_mut().filter_map(Option::take) {
+                self.tier.early_bufs.give(v);
+            }
         }
         self.wait.update += t1.elapsed();
         let outcome = outcome?;
