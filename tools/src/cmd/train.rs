@@ -393,3 +393,64 @@ fn no_cuda_backend() -> anyhow::Error {
          train with --device cpu"
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use ringzero_candle::memory::{Footprint, PoolPeak};
+    use ringzero_candle::train::TrainReport;
+
+    use super::footprint_text;
+
+    const MIB: usize = 1 << 20;
+
+    #[test]
+    fn a_gpu_report_splits_the_drivers_figure_by_owner() {
+        let footprint = Footprint {
+            vars: 100 * MIB,
+            grads: 100 * MIB,
+            activations: 400 * MIB,
+            backward: 20 * MIB,
+            model_states: 50 * MIB,
+            engine_on_device: 50 * MIB,
+            ..Footprint::default()
+        };
+        let r = TrainReport {
+            losses: vec![1.0],
+            tokens: 1,
+            seconds: 1.0,
+            memory: Default::default(),
+            params: 1,
+            footprint,
+            measured_peak: None,
+            // 588 MiB of context, 1 482 at the peak: 894 added.
+            device_measured: Some((588 * MIB, 1482 * MIB)),
+            device_pool_peak: Some(PoolPeak {
+                used: 620 * MIB,
+                reserved: 700 * MIB,
+            }),
+            device_engine_peak: Some(100 * MIB),
+            last_step: None,
+        };
+        let text = footprint_text(&r);
+        for want in [
+            "894.00 MiB added",
+            "predicted candle vars + grads + activations + backward 620.00 MiB",
+            "candle's tensors 620.00 MiB at their peak",
+            "/ predicted 1.00)",
+            "the pool's reservation 700.00 MiB",
+            "ringzero's allocations 100.00 MiB at their peak (/ predicted engine 2.00",
+            "the rest of the added memory 94.00 MiB",
+        ] {
+            assert!(text.contains(want), "{want:?} missing from:\n{text}");
+        }
+        // Without the pool's or ringzero's figures, the split says so and computes no rest.
+        let r = TrainReport {
+            device_pool_peak: None,
+            device_engine_peak: None,
+            ..r
+        };
+        let text = footprint_text(&r);
+        assert!(text.contains("candle's pool not read"), "{text}");
+        assert!(!text.contains("the rest of the added"), "{text}");
+    }
+}
