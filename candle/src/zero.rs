@@ -10,6 +10,10 @@ use ringzero_zero::{Engine, Memory, ParamSpec, StepOutcome, ZeroConfig};
 use crate::stream::{CandleStream, Lent};
 use crate::{Error, Result};
 
+/// The most bytes of parameters put into candle's variables with one wait
+/// ([`CandleStream::tensors_from`]): few waits a step, and a bounded transient copy.
+const LOAD_GROUP_BYTES: usize = 64 << 20;
+
 /// A candle model's variables trained by the ZeRO engine (any stage, precision, optimizer and
 /// schedule its [`ZeroConfig`] names), its model states in the memory of stream `S`: the host's
 /// for CPU tensors ([`Zero::new`]), the GPU's for CUDA tensors ([`Zero::on`] with the `cuda`
@@ -178,9 +182,21 @@ impl<T: Float, S: CandleStream> Zero<T, S> {
             .zip(&vars)
             .map(|(name, var)| Ok((self.engine.param_addr(name)?.0, var.dims())))
             .collect::<Result<Vec<_>>>()?;
-        let ts = self.engine.stream().tensors_from(&srcs, dtype, &device)?;
-        for (t, var) in ts.iter().zip(&vars) {
-            var.set(&t.to_dtype(var.dtype())?)?;
+        // In groups of at most LOAD_GROUP_BYTES (or one larger tensor): one wait per group,
+        // and no more than a group's copy of the model alive at once beside the variables.
+        let es = dtype.size_in_bytes();
+        let sizes: Vec<usize> = srcs
+            .iter()
+            .map(|(_, d)| d.iter().product::<usize>() * es)
+            .collect();
+        for g in groups(&sizes, LOAD_GROUP_BYTES) {
+            let ts = self
+                .engine
+                .stream()
+                .tensors_from(&srcs[g.clone()], dtype, &device)?;
+            for (t, var) in ts.iter().zip(&vars[g]) {
+                var.set(&t.to_dtype(var.dtype())?)?;
+            }
         }
         self.engine.release(&names)?;
         Ok(())
@@ -324,9 +340,32 @@ fn natural(name: &str) -> Vec<(String, u64)> {
     key
 }
 
+/// Consecutive ranges of `sizes` whose sums stay within `cap`, one item alone where it is
+/// larger; they cover every index in order.
+fn groups(sizes: &[usize], cap: usize) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::new();
+    let mut from = 0;
+    while from < sizes.len() {
+        let (mut to, mut sum) = (from + 1, sizes[from]);
+        while to < sizes.len() && sum + sizes[to] <= cap {
+            (sum, to) = (sum + sizes[to], to + 1);
+        }
+        out.push(from..to);
+        from = to;
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
-    use super::natural;
+    use super::{groups, natural};
+
+    #[test]
+    fn parameters_load_in_groups_within_the_cap_a_larger_one_alone() {
+        assert_eq!(groups(&[3, 4, 2, 10, 1, 1], 8), [0..2, 2..3, 3..4, 4..6]);
+        assert_eq!(groups(&[1, 1, 1], 100), vec![0..3]);
+        assert!(groups(&[], 8).is_empty());
+    }
 
     #[test]
     fn names_sort_with_numbers_as_numbers() {
