@@ -14,7 +14,8 @@
 # BIN holds `ringzero` and the kernels' `cuda-*` test binary, built on an x86-64 machine:
 #     cargo build --release && cargo test --release --no-run -p ringzero-kernels --test cuda
 # or, with candle's CUDA backend for scripts/gpu-train.sh, `bash scripts/build-gpu.sh` (into
-# .gpubin/, `ringzero` as ringzero.xz: `xz -d .gpubin/ringzero.xz` first on the GPU machine).
+# .gpubin/, `ringzero` as ringzero.xz, which this script restores): then the training runs come
+# first (step 0 below).
 # Everything goes to $OUT (or /tmp): log lines with the seconds each step took, gpu-check.json,
 # diag.json, and the benches' JSON in benches.tgz.
 set -uo pipefail
@@ -46,10 +47,23 @@ bench() {  # label, limit, then env assignments and bench arguments
     local label=$1 limit=$2; shift 2
     step "bench $label" "$limit" env "$@" --json "$out/bench/$label.json"
 }
+# build-gpu.sh's binary travels compressed; a carried folder replaces the machine's copy on
+# every call, so it is restored here each time.
+if [ -f "$BIN/ringzero.xz" ] && [ ! -x "$B" ]; then
+    xz -dk "$BIN/ringzero.xz" && chmod +x "$B"
+fi
 for t in "$BIN"/cuda-* "$BIN"/deps/cuda-*; do
     [ -x "$t" ] && [ -f "$t" ] || continue
     step "kernel tests $t" 60 "$t" --nocapture
 done
+# 0. With candle's CUDA backend in the binary (build-gpu.sh's, the one that travels as
+# ringzero.xz): the GPT trained on the GPU (#42), then the offload comparison under a 1 B GPT
+# (#39), before MPS starts (under MPS the driver gives no memory figure per process). About
+# 120 s and 240 s on an H100.
+if [ "${1:-}" != staging ] && [ -f "$BIN/ringzero.xz" ]; then
+    step "gpu-train" 240 env BIN="$BIN" OUT="$out" bash scripts/gpu-train.sh
+    step "gpu-train offload" 320 env BIN="$BIN" OUT="$out" bash scripts/gpu-train.sh offload
+fi
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/ringzero-mps CUDA_MPS_LOG_DIRECTORY=/tmp/ringzero-mps-log
 mps=0
 if command -v nvidia-cuda-mps-control >/dev/null && [ ! -e "$CUDA_MPS_PIPE_DIRECTORY/control" ]; then
