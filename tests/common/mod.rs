@@ -15,12 +15,14 @@ use ringzero::{
     Element, HostStream, InPlace, Input, ReduceOp, Result, StagingMode, TransportPref,
 };
 
-/// A port that was free a moment ago.
 /// A port for one test's rendezvous store, free now. Taken from a counter below Linux's
 /// ephemeral range (32768 and up) rather than from the kernel's pick: a port the kernel hands
 /// out and this test lets go of can be handed to another test's outgoing connection before the
 /// store binds it ("Address already in use"), while ports below the range are only ever bound
-/// here, each once per process.
+/// here, each once per process. A port something listens on (another process's) is skipped: a
+/// connection to it is accepted. The probe connects rather than binds: a listener of the probe's
+/// own could be inherited by a child another test forks at that moment (`mount`, a launched
+/// rank) and outlive the probe until the child's exec closes it, refusing the store's bind.
 pub fn free_port() -> u16 {
     use std::sync::atomic::{AtomicU32, Ordering};
     // Each test process starts at its own place in 20000..32000.
@@ -33,7 +35,9 @@ pub fn free_port() -> u16 {
     );
     loop {
         let p = 20000 + (NEXT.fetch_add(1, Ordering::Relaxed) % 12000) as u16;
-        if std::net::TcpListener::bind(("127.0.0.1", p)).is_ok() {
+        let at = std::net::SocketAddr::from(([127, 0, 0, 1], p));
+        let timeout = std::time::Duration::from_millis(200);
+        if std::net::TcpStream::connect_timeout(&at, timeout).is_err() {
             return p;
         }
     }
