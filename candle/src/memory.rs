@@ -188,6 +188,9 @@ pub fn pool_peak(ordinal: usize, restart: bool) -> Option<PoolPeak> {
             sys::cuDeviceGet(&mut dev, i32::try_from(ordinal).ok()?) == CUresult::CUDA_SUCCESS
                 && sys::cuDeviceGetDefaultMemPool(&mut pool, dev) == CUresult::CUDA_SUCCESS
         };
+        if !ok {
+            return None;
+        }
         let high = |attr: A| {
             let mut v = 0u64;
             // SAFETY: `pool` is the device's default pool (above); both high-water attributes
@@ -201,9 +204,6 @@ pub fn pool_peak(ordinal: usize, restart: bool) -> Option<PoolPeak> {
             };
             ok.then_some(v as usize)
         };
-        if !ok {
-            return None;
-        }
         Some(PoolPeak {
             used: high(A::CU_MEMPOOL_ATTR_USED_MEM_HIGH)?,
             reserved: high(A::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH)?,

@@ -160,23 +160,14 @@ impl<T: Float, S: CandleStream> Zero<T, S> {
     }
 
     fn load_where(&mut self, want: impl Fn(&str) -> bool) -> Result<()> {
-        let names: Vec<&str> = self
+        let (names, vars): (Vec<&str>, Vec<&Var>) = self
             .vars
             .iter()
             .filter(|(n, _)| want(n))
-            .map(|(n, _)| n.as_str())
-            .collect();
+            .map(|(n, v)| (n.as_str(), v))
+            .unzip();
         self.engine.gather(&names)?;
         let dtype = candle_dtype::<T>();
-        let vars: Vec<&Var> = self
-            .vars
-            .iter()
-            .filter(|(n, _)| want(n))
-            .map(|(_, v)| v)
-            .collect();
-        let Some(device) = vars.first().map(|v| v.device().clone()) else {
-            return self.engine.release(&names).map_err(Into::into);
-        };
         let srcs = names
             .iter()
             .zip(&vars)
@@ -190,10 +181,11 @@ impl<T: Float, S: CandleStream> Zero<T, S> {
             .map(|(_, d)| d.iter().product::<usize>() * es)
             .collect();
         for g in groups(&sizes, LOAD_GROUP_BYTES) {
+            let device = vars[g.start].device();
             let ts = self
                 .engine
                 .stream()
-                .tensors_from(&srcs[g.clone()], dtype, &device)?;
+                .tensors_from(&srcs[g.clone()], dtype, device)?;
             for (t, var) in ts.iter().zip(&vars[g]) {
                 var.set(&t.to_dtype(var.dtype())?)?;
             }

@@ -319,28 +319,26 @@ fn footprint_text(r: &train::TrainReport) -> String {
 /// pool reserved around them, ringzero's own allocations, and the rest (CUDA's libraries).
 fn device_by_owner(r: &train::TrainReport, added: usize) -> String {
     let f = &r.footprint;
-    let pool = r
-        .device_pool_peak
-        .map_or("candle's pool not read".into(), |p| {
-            format!(
+    let pool = match r.device_pool_peak {
+        None => "candle's pool not read".to_string(),
+        Some(p) => format!(
             "candle's tensors {:.2} MiB at their peak (the CUDA memory pool's high-water mark; \
              / predicted {:.2}), the pool's reservation {:.2} MiB at its peak (those tensors and \
              the free blocks it kept between them)",
             mib(p.used),
             p.used as f64 / f.candle().max(1) as f64,
             mib(p.reserved),
-        )
-        });
-    let ours = r
-        .device_engine_peak
-        .map_or("ringzero's allocations not counted".into(), |e| {
-            format!(
+        ),
+    };
+    let ours = match r.device_engine_peak {
+        None => "ringzero's allocations not counted".to_string(),
+        Some(e) => format!(
             "ringzero's allocations {:.2} MiB at their peak (/ predicted engine {:.2}; the rest \
              its communicator's slots and scratch)",
             mib(e),
             e as f64 / f.engine_on_device.max(1) as f64
-        )
-        });
+        ),
+    };
     let rest = match (r.device_pool_peak, r.device_engine_peak) {
         (Some(p), Some(e)) => format!(
             "; the rest of the added memory {:.2} MiB (CUDA's libraries: cuBLAS's workspaces, \
