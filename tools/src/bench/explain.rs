@@ -279,10 +279,7 @@ mod tests {
         // steps: 2·5 + 134217728 / 400e3 = 345.5 us, so 86 % of the measured 400 us.
         let out = explain(
             &f,
-            Model {
-                alpha_us: 5.0,
-                beta_gbs: 400.0,
-            },
+            Model::links(5.0, 400.0),
             "h100.txt",
         );
         assert!(

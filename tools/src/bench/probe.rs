@@ -168,16 +168,16 @@ pub fn measure(comm: &Communicator, stream_bytes: usize) -> Result<Probe> {
         .iter()
         .map(|e| e.beta_gbs)
         .fold(f64::INFINITY, f64::min);
-    let model = Model {
-        alpha_us,
-        beta_gbs: if beta.is_finite() { beta } else { 0.0 },
-    };
-
     if n == 1 {
         let send = vec![1u8; stream_bytes.max(1)];
         let mut recv = vec![0u8; stream_bytes.max(1)];
         memcpy = memcpy_pass_gbs(&mut recv, &send, comm.config().slice_bytes);
     }
+    // A collective's local copies go at the memcpy baseline's rate in the header's model.
+    let model = Model {
+        copy_gbs: (memcpy > 0.0).then_some(memcpy),
+        ..Model::links(alpha_us, if beta.is_finite() { beta } else { 0.0 })
+    };
     Ok(Probe {
         alpha_us,
         edges,

@@ -428,6 +428,10 @@ pub fn summary(rows: &[Row]) -> String {
     s
 }
 
+/// Above this spread of a row's β streams between groups ([`Row::stream_swing`]), the summary
+/// says an efficiency outside 80–120 % may be the machine's noise rather than the model's miss.
+const NOISY: f64 = 1.5;
+
 /// Per collective (its out-of-place rows; in place where it has no other): the peak bus
 /// bandwidth and the size reaching it, the smallest size reaching half of it (the size a
 /// message must have to use the links), and how the α–β model fits from 1 MiB up (the rows'
@@ -462,6 +466,11 @@ pub fn per_collective(rows: &[Row]) -> String {
             .filter(|r| r.bytes >= 1 << 20)
             .filter_map(|r| r.efficiency)
             .collect();
+        let swing = mine
+            .iter()
+            .filter(|r| r.bytes >= 1 << 20 && r.efficiency.is_some())
+            .filter_map(|r| r.stream_swing)
+            .fold(1.0, f64::max);
         let fit = if eff.is_empty() {
             "no model rows from 1 MiB".to_string()
         } else {
@@ -469,13 +478,20 @@ pub fn per_collective(rows: &[Row]) -> String {
             let hi = eff.iter().copied().fold(0.0, f64::max);
             let within = lo >= 0.8 && hi <= 1.2;
             format!(
-                "model efficiency from 1 MiB {:.0}–{:.0} % ({})",
+                "model efficiency from 1 MiB {:.0}–{:.0} % ({}{})",
                 lo * 100.0,
                 hi * 100.0,
                 if within {
                     "within 80–120 %"
                 } else {
                     "outside 80–120 %"
+                },
+                if !within && swing > NOISY {
+                    format!(
+                        "; β swung {swing:.1}× between its rows' groups: the machine is noisy"
+                    )
+                } else {
+                    String::new()
                 }
             )
         };
@@ -519,6 +535,8 @@ mod tests {
             inplace,
             alpha_us: None,
             beta_gbs: None,
+            copy_gbs: None,
+            stream_swing: None,
             predicted_us: Some(eff),
             efficiency: Some(eff),
             algo: "ring".into(),
@@ -538,6 +556,16 @@ mod tests {
             per_collective(&rows),
             "# all_gather       peak 9.000 GB/s at 1 MiB; half of it from 256 KiB; model \
              efficiency from 1 MiB 90–110 % (within 80–120 %)\n"
+        );
+        // Outside the band: a row whose streams swung more than NOISY says so.
+        let mut noisy = rows.clone();
+        noisy[3].efficiency = Some(1.5);
+        assert!(per_collective(&noisy).ends_with("90–150 % (outside 80–120 %)\n"));
+        noisy[2].stream_swing = Some(1.9);
+        assert!(
+            per_collective(&noisy).contains("(outside 80–120 %; β swung 1.9× between its rows' groups: the machine is noisy)"),
+            "{}",
+            per_collective(&noisy)
         );
         assert_eq!(
             [

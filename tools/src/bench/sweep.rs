@@ -73,6 +73,16 @@ pub struct Row {
     /// β of the model this row's prediction uses, GB/s per link.
     #[serde(default)]
     pub beta_gbs: Option<f64>,
+    /// The rate of the copies a rank makes within its own memory beside its links (the
+    /// model's `copy_gbs`), GB/s, where the row's collective makes any and the model counts
+    /// them ([`theory::local_copy_bytes`]).
+    #[serde(default)]
+    pub copy_gbs: Option<f64>,
+    /// How far the row's β streams varied: the slowest group of streams' time over the
+    /// fastest's, on the rank where that ratio is largest (1.0: steady). The calls ran
+    /// between those groups, so their timing varied as much: the noise the efficiency carries.
+    #[serde(default)]
+    pub stream_swing: Option<f64>,
     /// α–β prediction, µs.
     pub predicted_us: Option<f64>,
     /// predicted / measured.
@@ -175,6 +185,7 @@ fn size_row<T: Element>(
     let call = || bufs.call(comm, (op, choice), a.redop, inplace);
     let (time_us, wrong, model) = if a.model_per_row && n > 1 {
         let link = theory::bytes_per_link(op, algo, n, bytes) as usize;
+        let local = theory::local_copy_bytes(op, algo, n, bytes, inplace) as usize;
         let streams = if algo == Algo::SingleCopy {
             Streams::PeerCopy
         } else if op.root().is_some() {
@@ -182,12 +193,13 @@ fn size_row<T: Element>(
         } else {
             Streams::Ring
         };
-        timed_with_model(comm, a, wrong, (link, streams), inplace, call)?
+        timed_with_model(comm, a, wrong, (link, streams, local), inplace, call)?
     } else {
         let (t, w) = timed(comm, a, wrong, call)?;
-        (t, w, model)
+        (t, w, (model, None))
     };
-    Ok(row(
+    let (model, swing) = model;
+    let mut row = row(
         (op, algo),
         a,
         &comm.ranks_per_node(),
@@ -198,7 +210,9 @@ fn size_row<T: Element>(
         wrong,
         inplace,
         Some(model),
-    ))
+    );
+    row.stream_swing = swing;
+    Ok(row)
 }
 
 /// Whether `op` has an in-place form to sweep.
@@ -265,19 +279,21 @@ pub const GROUP: usize = 5;
 /// [`timed`], with the model measured in the same seconds as the calls: the timed iterations run
 /// in groups of up to five, each group followed by as many streams of `link_bytes` (what each
 /// link carries in one call) from every rank to the next at once ([`Communicator::ring_shift`](ringzero_collectives::Collectives::ring_shift), in
-/// place when the call is, so the working sets match) and as many barriers, each part starting
-/// after a barrier.
+/// place when the call is, so the working sets match), as many barriers and, where the call
+/// copies `local_bytes` within a rank's own memory beside its links, as many plain copies of
+/// that many bytes on every rank at once, each part starting after a barrier.
 /// α is the mean barrier time / (n − 1); an edge's β is `link_bytes / (stream time − α)`, and the
-/// model takes the slowest edge. On a shared machine whose memory bandwidth swings within seconds,
-/// this keeps the efficiency column a ratio of two things measured together.
+/// model takes the slowest edge; the copy rate is the slowest rank's. On a shared machine whose
+/// memory bandwidth swings within seconds, this keeps the efficiency column a ratio of things
+/// measured together.
 pub fn timed_with_model(
     comm: &Communicator,
     a: &SweepArgs,
     wrong: u64,
-    (link_bytes, streams): (usize, Streams),
+    (link_bytes, streams, local_bytes): (usize, Streams, usize),
     inplace: bool,
     mut call: impl FnMut() -> Result<()>,
-) -> Result<(f64, u64, Model)> {
+) -> Result<(f64, u64, (Model, Option<f64>))> {
     let (n, r) = (comm.size(), comm.rank());
     let mut send = vec![1u8; link_bytes.max(1)];
     let mut recv = vec![
@@ -336,18 +352,35 @@ pub fn timed_with_model(
         call()?;
     }
     stream()?;
-    let (mut calls, mut streams, mut barriers) = (0.0f64, 0.0f64, 0.0f64);
+    // The local copies' stand-in: the same bytes from one buffer of this rank's to another.
+    let (from, mut to) = (vec![1u8; local_bytes], vec![0u8; local_bytes]);
+    let mut copy = || {
+        to.copy_from_slice(std::hint::black_box(&from));
+        std::hint::black_box(&to);
+        Ok(())
+    };
+    if local_bytes > 0 {
+        copy()?;
+    }
+    let (mut calls, mut streams, mut barriers, mut copies) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
+    // Each group's streams, per stream: their spread is the noise the row's timing carries.
+    let (mut fastest, mut slowest) = (f64::INFINITY, 0.0f64);
     let iters = a.iters.max(1);
     let mut left = iters;
     while left > 0 {
         let k = left.min(GROUP);
         left -= k;
         calls += group(comm, k, &mut call)?;
-        streams += group(comm, k, &mut stream)?;
+        let g = group(comm, k, &mut stream)?;
+        streams += g;
+        (fastest, slowest) = (fastest.min(g / k as f64), slowest.max(g / k as f64));
         // α is one ring step: the ring's barrier, whatever RINGZERO_ALGO picks for barriers.
         barriers += group(comm, k, &mut || {
             comm.with_algo(ringzero_collectives::Algo::Ring).barrier()
         })?;
+        if local_bytes > 0 {
+            copies += group(comm, k, &mut copy)?;
+        }
     }
     let per = |total: f64| total * 1e6 / iters as f64;
     // α averaged over ranks; β the slowest edge's.
@@ -359,12 +392,21 @@ pub fn timed_with_model(
     let hand_off = if single_copy { 0.0 } else { alpha_us };
     let mut beta = vec![streamed / ((stream_us - hand_off).max(stream_us * 0.5) * 1e3)];
     comm.all_reduce(InPlace, &mut beta, ReduceOp::Min)?;
+    let copy_gbs = if local_bytes > 0 {
+        let mut rate = vec![local_bytes as f64 / (per(copies).max(1e-3) * 1e3)];
+        comm.all_reduce(InPlace, &mut rate, ReduceOp::Min)?;
+        Some(rate[0])
+    } else {
+        None
+    };
+    let mut swing = vec![if fastest > 0.0 { slowest / fastest } else { 1.0 }];
+    comm.all_reduce(InPlace, &mut swing, ReduceOp::Max)?;
     let (time_us, wrong) = over_ranks(comm, per(calls), wrong)?;
     let model = Model {
-        alpha_us,
-        beta_gbs: beta[0],
+        copy_gbs,
+        ..Model::links(alpha_us, beta[0])
     };
-    Ok((time_us, wrong, model))
+    Ok((time_us, wrong, (model, Some(swing[0]))))
 }
 
 /// One report line; the α–β columns when a `model` applies to these buffers.
@@ -382,8 +424,10 @@ pub fn row(
     model: Option<Model>,
 ) -> Row {
     let n: usize = per_node.iter().sum();
-    let predicted_us = model.and_then(|m| theory::predict_us_on(op, algo, per_node, bytes, m));
+    let predicted_us =
+        model.and_then(|m| theory::predict_us_on(op, algo, per_node, (bytes, inplace), m));
     let model = model.filter(|_| predicted_us.is_some());
+    let local = theory::local_copy_bytes(op, algo, n, bytes, inplace) > 0.0;
     Row {
         op: op.name().to_string(),
         bytes,
@@ -403,6 +447,8 @@ pub fn row(
         inplace,
         alpha_us: model.map(|m| m.alpha_us),
         beta_gbs: model.map(|m| m.beta_gbs),
+        copy_gbs: model.and_then(|m| m.copy_gbs).filter(|_| local),
+        stream_swing: None,
         predicted_us,
         efficiency: theory::efficiency(predicted_us, time_us),
         algo: algo.name().into(),

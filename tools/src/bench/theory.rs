@@ -16,6 +16,11 @@
 //! - the single-copy all-gather takes 2 steps (its two waits on the node board) and each rank's
 //!   one copy of (n−1)/n · S out of the other ranks' memory, at the rate of one copy between
 //!   processes (β measured by such a copy, not by the slots);
+//! - a rank's own copies (an out-of-place all-gather's own part, a root's own block, an
+//!   out-of-place broadcast's input into its output, a chain's relay writing a received slice
+//!   into its output beside the next rank's slot) run on the same core as its link copies, one
+//!   after the other: the busiest rank's bytes of them ([`local_copy_bytes`]) add their time at
+//!   the rate of a plain copy on that rank (`Model::copy_gbs`, measured with the row);
 //! - efficiency = predicted / measured time (1.0: the implementation runs at the model's limit).
 
 use ringzero_collectives::internals::ring::doubling;
@@ -79,6 +84,20 @@ pub struct Model {
     pub alpha_us: f64,
     /// Bandwidth of one link, GB/s (10⁹ bytes per second).
     pub beta_gbs: f64,
+    /// The rate of a rank's copy within its own memory, GB/s, for the copies a collective makes
+    /// beside its links ([`local_copy_bytes`]); `None` leaves them out of the prediction.
+    pub copy_gbs: Option<f64>,
+}
+
+impl Model {
+    /// α and β alone: the links' model, a collective's local copies not counted.
+    pub fn links(alpha_us: f64, beta_gbs: f64) -> Model {
+        Model {
+            alpha_us,
+            beta_gbs,
+            copy_gbs: None,
+        }
+    }
 }
 
 /// nccl-tests' bus-bandwidth factor.
@@ -266,20 +285,49 @@ pub fn bytes_per_link(op: Collective, algo: Algo, n: usize, bytes: usize) -> f64
     }
 }
 
-/// Predicted time in µs (None for a one-rank world, where there is nothing to predict), the
-/// ranks on one node.
-pub fn predict_us(op: Collective, algo: Algo, n: usize, bytes: usize, m: Model) -> Option<f64> {
-    predict_us_on(op, algo, &[n], bytes, m)
+/// Bytes the busiest rank copies within its own memory, beside what its links carry, in `op`
+/// of `bytes` on `n` ranks (`inplace` or not). Each is a copy its links' streams do not make:
+///
+/// - all-gather (and all-gather-v) out of place: its own part into its output, S/n (the
+///   single-copy form's streams copy it already: 0);
+/// - broadcast on the chain: out of place the root's input into its output, S; on 3 or more
+///   ranks a relay writes each received slice into its output as well as into the next rank's
+///   slot, S, where a one-way stream writes it once (in place on 2 ranks: 0);
+/// - gather and scatter: the root's own block, S/n; all-to-all and all-to-all-v: the own
+///   block, S/n, and in place the all-to-all first copies its whole buffer, S more;
+/// - 0 for the reductions (a received slice is combined straight into the next slot or the
+///   output, as the streams' copies are) and the doubling schedules.
+pub fn local_copy_bytes(op: Collective, algo: Algo, n: usize, bytes: usize, inplace: bool) -> f64 {
+    if n < 2 || matches!(algo, Algo::SingleCopy | Algo::By(_)) {
+        return 0.0;
+    }
+    let (s, nf) = (bytes as f64, n as f64);
+    match op {
+        Collective::AllGather | Collective::AllGatherV if !inplace => s / nf,
+        Collective::Broadcast { .. } if n > 2 || !inplace => s,
+        Collective::Gather { .. } | Collective::Scatter { .. } | Collective::AllToAllV => s / nf,
+        Collective::AllToAll if inplace => s + s / nf,
+        Collective::AllToAll => s / nf,
+        _ => 0.0,
+    }
 }
 
-/// [`predict_us`] for ranks spread over nodes (`per_node`: how many on each): a collective
-/// whose every pair of ranks exchanges directly must also get its share through the busiest
-/// node's link ([`node_link_bytes`]), which can be more than one ring link carries.
+/// Predicted time in µs (None for a one-rank world, where there is nothing to predict), the
+/// ranks on one node, out of place.
+pub fn predict_us(op: Collective, algo: Algo, n: usize, bytes: usize, m: Model) -> Option<f64> {
+    predict_us_on(op, algo, &[n], (bytes, false), m)
+}
+
+/// [`predict_us`] for ranks spread over nodes (`per_node`: how many on each), in place or
+/// not: a collective whose every pair of ranks exchanges directly must also get its share
+/// through the busiest node's link ([`node_link_bytes`]), which can be more than one ring link
+/// carries; and the busiest rank's local copies ([`local_copy_bytes`]) add their time at
+/// `m.copy_gbs` where the model has it.
 pub fn predict_us_on(
     op: Collective,
     algo: Algo,
     per_node: &[usize],
-    bytes: usize,
+    (bytes, inplace): (usize, bool),
     m: Model,
 ) -> Option<f64> {
     let n: usize = per_node.iter().sum();
@@ -288,7 +336,11 @@ pub fn predict_us_on(
     }
     // β GB/s = β·10³ bytes per µs.
     let link = bytes_per_link(op, algo, n, bytes).max(node_link_bytes(op, algo, per_node, bytes));
-    Some(steps(op, algo, n) as f64 * m.alpha_us + link / (m.beta_gbs * 1e3))
+    let local = match m.copy_gbs {
+        Some(c) if c > 0.0 => local_copy_bytes(op, algo, n, bytes, inplace) / (c * 1e3),
+        _ => 0.0,
+    };
+    Some(steps(op, algo, n) as f64 * m.alpha_us + link / (m.beta_gbs * 1e3) + local)
 }
 
 /// Bytes the busiest node's link carries each way when every pair of ranks exchanges directly
@@ -348,17 +400,14 @@ mod tests {
         );
         assert_eq!(node_link_bytes(agv, Algo::Ring, &[2, 2], 4_000_000), 0.0);
         assert_eq!(node_link_bytes(ag, Algo::Ring, &[4, 4], 8_000_000), 0.0);
-        let m = Model {
-            alpha_us: 10.0,
-            beta_gbs: 1.0,
-        };
+        let m = Model::links(10.0, 1.0);
         // 7 steps · 10 µs + 16 MB at 1 GB/s (16 000 µs), where one node would give 7 000 µs.
         assert_eq!(
-            predict_us_on(a2a, Algo::Ring, &[4, 4], 8_000_000, m),
+            predict_us_on(a2a, Algo::Ring, &[4, 4], (8_000_000, false), m),
             Some(16_070.0)
         );
         assert_eq!(
-            predict_us_on(a2a, Algo::Ring, &[8], 8_000_000, m),
+            predict_us_on(a2a, Algo::Ring, &[8], (8_000_000, false), m),
             predict_us(a2a, Algo::Ring, 8, 8_000_000, m)
         );
         assert!((busbw_gbs(Collective::ReduceScatter, 4, 8 << 20, 1000.0) - 6.291456).abs() < 1e-9);
@@ -484,10 +533,7 @@ mod tests {
 
     #[test]
     fn predictions_match_hand_computed_values() {
-        let m = Model {
-            alpha_us: 2.0,
-            beta_gbs: 4.0,
-        };
+        let m = Model::links(2.0, 4.0);
         // all-reduce, 4 ranks, 8 MB: 6 steps · 2 µs + 1.5 · 8e6 B / 4e3 B/µs = 12 + 3000 µs.
         assert_eq!(
             predict_us(Collective::AllReduce, Algo::Ring, 4, 8_000_000, m),
@@ -525,5 +571,42 @@ mod tests {
         assert_eq!(hd(5, 8000), Some(19.0));
         assert_eq!(efficiency(Some(50.0), 100.0), Some(0.5));
         assert_eq!(efficiency(None, 100.0), None);
+    }
+
+    #[test]
+    fn local_copies_add_the_busiest_ranks_own_copies_at_the_copy_rate() {
+        let (ag, bc) = (Collective::AllGather, Collective::Broadcast { root: 0 });
+        let (ring, s) = (Algo::Ring, 8_000_000);
+        // The own part out of place (S/n), nothing in place; the single copy's streams copy it.
+        assert_eq!(local_copy_bytes(ag, ring, 4, s, false), 2e6);
+        assert_eq!(local_copy_bytes(ag, ring, 4, s, true), 0.0);
+        assert_eq!(local_copy_bytes(ag, Algo::SingleCopy, 2, s, false), 0.0);
+        // Broadcast: the root's input into its output; a relay's second write on 3+ ranks.
+        assert_eq!(local_copy_bytes(bc, ring, 2, s, false), 8e6);
+        assert_eq!(local_copy_bytes(bc, ring, 2, s, true), 0.0);
+        assert_eq!(local_copy_bytes(bc, ring, 3, s, true), 8e6);
+        // The reductions combine into the slot or the output: nothing more.
+        for op in [
+            Collective::AllReduce,
+            Collective::ReduceScatter,
+            Collective::Reduce { root: 1 },
+        ] {
+            assert_eq!(local_copy_bytes(op, ring, 4, s, false), 0.0);
+        }
+        let pw = Algo::Pairwise;
+        assert_eq!(local_copy_bytes(Collective::Gather { root: 0 }, pw, 4, s, false), 2e6);
+        assert_eq!(local_copy_bytes(Collective::AllToAll, pw, 4, s, false), 2e6);
+        // In place the all-to-all copies its whole buffer first.
+        assert_eq!(local_copy_bytes(Collective::AllToAll, pw, 4, s, true), 10e6);
+        assert_eq!(local_copy_bytes(ag, ring, 1, s, false), 0.0);
+        // All-gather, 2 ranks, 1 MB out of place, links at 4 GB/s and copies at 2 GB/s:
+        // 2 + 0.5e6 / 4e3 + 0.5e6 / 2e3 = 2 + 125 + 250; in place, or without a copy rate, 127.
+        let m = Model {
+            copy_gbs: Some(2.0),
+            ..Model::links(2.0, 4.0)
+        };
+        assert_eq!(predict_us_on(ag, ring, &[2], (1_000_000, false), m), Some(377.0));
+        assert_eq!(predict_us_on(ag, ring, &[2], (1_000_000, true), m), Some(127.0));
+        assert_eq!(predict_us(ag, ring, 2, 1_000_000, Model::links(2.0, 4.0)), Some(127.0));
     }
 }

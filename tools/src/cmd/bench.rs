@@ -109,7 +109,7 @@ fn explain(
     let source = path.display().to_string();
     print!(
         "{}",
-        explain::explain(&f, Model { alpha_us, beta_gbs }, &source)
+        explain::explain(&f, Model::links(alpha_us, beta_gbs), &source)
     );
     Ok(ExitCode::SUCCESS)
 }
