@@ -119,10 +119,9 @@ fn send_recv_pairs_ranks_and_checks_what_each_received() {
             assert_eq!(row.redop, "-");
             assert_eq!(row.wrong, if row.count > 0 { want } else { 0 }, "{row:?}");
             // One message each way between two ranks: one step, the whole buffer per link.
-            let m = bench::theory::Model {
-                alpha_us: row.alpha_us.unwrap(),
-                beta_gbs: row.beta_gbs.unwrap(),
-            };
+            let m = bench::theory::Model::links(row.alpha_us.unwrap(), row.beta_gbs.unwrap());
+            // A send-recv copies nothing within a rank's own memory.
+            assert_eq!(row.copy_gbs, None, "{row:?}");
             let pred = m.alpha_us + row.bytes as f64 / (m.beta_gbs * 1e3);
             assert!((row.predicted_us.unwrap() - pred).abs() < 1e-9, "{row:?}");
             assert_eq!(row.busbw_gbs, row.algbw_gbs);
@@ -178,14 +177,34 @@ fn rows_follow_the_nccl_tests_definitions_and_the_json_parses_back() {
         let op = ringzero_tools::bench::parse_ops(&row.op.replace('_', "-")).unwrap()[0];
         let (alpha_us, beta_gbs) = (row.alpha_us.unwrap(), row.beta_gbs.unwrap());
         assert!(alpha_us > 0.0 && beta_gbs > 0.0, "{row:?}");
-        let m = bench::theory::Model { alpha_us, beta_gbs };
         // Two ranks on one node: the ring, but for the collectives that always run pairwise and
         // the all-gathers that read directly.
         let algo = bench::theory::runs(choice(), op, row.bytes, (2, 1, true));
         assert_eq!(row.algo, algo.name(), "{row:?}");
+        // A row whose collective copies within a rank's memory carries the copy rate measured
+        // with it, and only such a row.
+        let local = bench::theory::local_copy_bytes(op, algo, 2, row.bytes, row.inplace);
+        assert_eq!(row.copy_gbs.is_some(), local > 0.0, "{row:?}");
+        assert!(row.copy_gbs.is_none_or(|c| c > 0.0), "{row:?}");
+        let m = bench::theory::Model {
+            copy_gbs: row.copy_gbs,
+            ..bench::theory::Model::links(alpha_us, beta_gbs)
+        };
         assert_eq!(
             row.predicted_us,
-            bench::theory::predict_us(op, algo, 2, row.bytes, m)
+            bench::theory::predict_us_on(op, algo, &[2], (row.bytes, row.inplace), m)
+        );
+        assert!(
+            local == 0.0
+                || row.predicted_us
+                    > bench::theory::predict_us_on(
+                        op,
+                        algo,
+                        &[2],
+                        (row.bytes, row.inplace),
+                        bench::theory::Model::links(alpha_us, beta_gbs)
+                    ),
+            "{row:?}"
         );
         assert_eq!(
             row.efficiency,
@@ -217,17 +236,21 @@ fn rows_follow_the_nccl_tests_definitions_and_the_json_parses_back() {
         };
         assert_eq!(algo, want);
         assert_eq!(row.algo, algo.name(), "{row:?}");
-        let pred = bench::theory::predict_us(
+        // The header's model: its own copies at the memcpy baseline's rate.
+        let pred = bench::theory::predict_us_on(
             op,
             algo,
-            2,
-            row.bytes,
-            bench::theory::Model {
-                alpha_us: r.header.alpha_us,
-                beta_gbs: r.header.beta_gbs,
-            },
+            &[2],
+            (row.bytes, row.inplace),
+            start_model(r),
         );
         assert_eq!(row.predicted_us, pred);
+        let local = bench::theory::local_copy_bytes(op, algo, 2, row.bytes, row.inplace);
+        assert_eq!(
+            row.copy_gbs,
+            (local > 0.0).then_some(r.header.memcpy_gbs),
+            "{row:?}"
+        );
         assert_eq!(
             (row.alpha_us, row.beta_gbs),
             (Some(r.header.alpha_us), Some(r.header.beta_gbs))
@@ -636,7 +659,16 @@ fn across_nodes_the_all_to_all_model_counts_the_busiest_nodes_link() {
         } else {
             0.75 * row.bytes as f64
         };
-        let want = 3.0 * m.alpha_us + link / (m.beta_gbs * 1e3);
+        // Each rank's own block (a quarter) is a local copy at the header's memcpy rate.
+        let local = if op == ringzero::Collective::AllToAll {
+            0.25 * row.bytes as f64 * if row.inplace { 5.0 } else { 1.0 }
+        } else if row.inplace {
+            0.0
+        } else {
+            0.25 * row.bytes as f64
+        };
+        let copy = m.copy_gbs.expect("every edge measured a memcpy baseline");
+        let want = 3.0 * m.alpha_us + link / (m.beta_gbs * 1e3) + local / (copy * 1e3);
         let got = row.predicted_us.unwrap();
         assert!((got - want).abs() < 1e-6 * want, "{row:?}: want {want}");
     }
@@ -645,7 +677,7 @@ fn across_nodes_the_all_to_all_model_counts_the_busiest_nodes_link() {
 /// The model measured once at the start of a run (the header's), as `--model start` uses it.
 fn start_model(r: &Report) -> bench::theory::Model {
     bench::theory::Model {
-        alpha_us: r.header.alpha_us,
-        beta_gbs: r.header.beta_gbs,
+        copy_gbs: Some(r.header.memcpy_gbs),
+        ..bench::theory::Model::links(r.header.alpha_us, r.header.beta_gbs)
     }
 }
