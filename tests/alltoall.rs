@@ -133,3 +133,33 @@ fn a_first_all_to_all_against_a_ring_collective_fails_at_once_not_in_a_connect()
         errs[0]
     );
 }
+
+/// An in-place all-to-all sends from a copy the communicator keeps for the next one: a smaller
+/// call after a larger one uses only its own part of it, and a larger one grows it; every
+/// result checked against the serial reference.
+#[test]
+fn in_place_all_to_alls_of_changing_sizes_reuse_the_kept_copy() {
+    for transport in [TransportPref::Shm, TransportPref::Tcp] {
+        let o = Opts {
+            transport,
+            ..Opts::default()
+        };
+        let n = 3;
+        threads(n, &o, |_, comm| {
+            let comm = comm.unwrap();
+            for (seed, blocks) in [(0, 4000), (1, 7), (2, 1), (3, 9000), (4, 4000)] {
+                check_case(
+                    &comm,
+                    &Case {
+                        coll: Collective::AllToAll,
+                        count: n * blocks,
+                        dtype: DType::F32,
+                        op: ReduceOp::Sum,
+                        in_place: true,
+                        seed,
+                    },
+                );
+            }
+        });
+    }
+}

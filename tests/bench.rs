@@ -237,13 +237,8 @@ fn rows_follow_the_nccl_tests_definitions_and_the_json_parses_back() {
         assert_eq!(algo, want);
         assert_eq!(row.algo, algo.name(), "{row:?}");
         // The header's model: its own copies at the memcpy baseline's rate.
-        let pred = bench::theory::predict_us_on(
-            op,
-            algo,
-            &[2],
-            (row.bytes, row.inplace),
-            start_model(r),
-        );
+        let pred =
+            bench::theory::predict_us_on(op, algo, &[2], (row.bytes, row.inplace), start_model(r));
         assert_eq!(row.predicted_us, pred);
         let local = bench::theory::local_copy_bytes(op, algo, 2, row.bytes, row.inplace);
         assert_eq!(

@@ -122,6 +122,10 @@ struct Inner {
     device_comms: AtomicUsize,
     /// Splits made from this one so far (the sub-communicators' job ids and names).
     splits: AtomicUsize,
+    /// The copy an in-place all-to-all sends from, kept for the next one (grown when too
+    /// small): a fresh buffer each call faulted in every page of it again (an in-place 64 MiB
+    /// all-to-all on 2 ranks took 5.6× the out-of-place one). Locked before `state`.
+    a2a_copy: Mutex<Vec<u8>>,
     // Rank 0 serves the store for as long as the communicator lives.
     _store: Option<StoreServer>,
 }
@@ -173,6 +177,7 @@ impl Communicator {
             name,
             device_comms: AtomicUsize::new(0),
             splits: AtomicUsize::new(0),
+            a2a_copy: Mutex::new(Vec::new()),
             edges,
             data_ip,
             state: Mutex::new(State::new(links)),

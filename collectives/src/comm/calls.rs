@@ -239,29 +239,42 @@ impl<T: Element> Collectives<[T]> for Communicator {
     /// all-to-all connects, after its ring exchange. Each rank sends (n−1)/n of its buffer.
     ///
     /// With [`InPlace`](crate::InPlace) as `send`, `recv`'s blocks are sent from a copy of it this
-    /// call makes, then replaced by the blocks received.
+    /// call makes, then replaced by the blocks received. The communicator keeps that copy's
+    /// memory for the next in-place all-to-all (as many bytes as the largest one so far), so
+    /// repeated calls do not fault in a fresh buffer each time.
     fn all_to_all<'a>(&self, send: impl Into<Input<'a, [T]>>, recv: &mut [T]) -> Result<()>
     where
         [T]: 'a,
     {
-        let copy;
-        let send = match send.into() {
-            Input::Buf(send) => send,
-            Input::InPlace => {
-                copy = recv.to_vec();
-                &copy[..]
-            }
-        };
         let c = Collective::AllToAll;
-        same_len(c, send.len(), recv.len(), "send", "recv")?;
-        self.whole_blocks(send.len())?;
+        let count = recv.len();
+        let in_place = match send.into() {
+            Input::Buf(send) => {
+                same_len(c, send.len(), count, "send", "recv")?;
+                self.whole_blocks(count)?;
+                self.wait_async_idle();
+                return self.inner.all_to_all(
+                    T::DTYPE,
+                    count,
+                    bytemuck::cast_slice(send),
+                    bytemuck::cast_slice_mut(recv),
+                );
+            }
+            Input::InPlace => bytemuck::cast_slice_mut::<T, u8>(recv),
+        };
+        self.whole_blocks(count)?;
         self.wait_async_idle();
-        self.inner.all_to_all(
-            T::DTYPE,
-            send.len(),
-            bytemuck::cast_slice(send),
-            bytemuck::cast_slice_mut(recv),
-        )
+        let mut kept = self
+            .inner
+            .a2a_copy
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if kept.len() < in_place.len() {
+            kept.resize(in_place.len(), 0);
+        }
+        let copy = &mut kept[..in_place.len()];
+        copy.copy_from_slice(in_place);
+        self.inner.all_to_all(T::DTYPE, count, copy, in_place)
     }
 
     /// All-to-all with a count per pair of ranks (`MPI_Alltoallv`; torch's `all_to_all_single`

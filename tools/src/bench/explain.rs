@@ -277,11 +277,7 @@ mod tests {
         assert_eq!(f.rows[1].inp.unwrap().busbw_gbs, 337.23);
         // β 400 GB/s, α 5 us: a 128 MiB all-reduce on 2 ranks moves 2·(1/2)·S per link in 2
         // steps: 2·5 + 134217728 / 400e3 = 345.5 us, so 86 % of the measured 400 us.
-        let out = explain(
-            &f,
-            Model::links(5.0, 400.0),
-            "h100.txt",
-        );
+        let out = explain(&f, Model::links(5.0, 400.0), "h100.txt");
         assert!(
             out.contains("all_reduce_perf (all_reduce) on 2 ranks"),
             "{out}"

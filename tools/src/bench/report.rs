@@ -487,9 +487,7 @@ pub fn per_collective(rows: &[Row]) -> String {
                     "outside 80–120 %"
                 },
                 if !within && swing > NOISY {
-                    format!(
-                        "; β swung {swing:.1}× between its rows' groups: the machine is noisy"
-                    )
+                    format!("; β swung {swing:.1}× between its rows' groups: the machine is noisy")
                 } else {
                     String::new()
                 }
@@ -563,7 +561,9 @@ mod tests {
         assert!(per_collective(&noisy).ends_with("90–150 % (outside 80–120 %)\n"));
         noisy[2].stream_swing = Some(1.9);
         assert!(
-            per_collective(&noisy).contains("(outside 80–120 %; β swung 1.9× between its rows' groups: the machine is noisy)"),
+            per_collective(&noisy).contains(
+                "(outside 80–120 %; β swung 1.9× between its rows' groups: the machine is noisy)"
+            ),
             "{}",
             per_collective(&noisy)
         );

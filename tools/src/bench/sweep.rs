@@ -399,7 +399,11 @@ pub fn timed_with_model(
     } else {
         None
     };
-    let mut swing = vec![if fastest > 0.0 { slowest / fastest } else { 1.0 }];
+    let mut swing = vec![if fastest > 0.0 {
+        slowest / fastest
+    } else {
+        1.0
+    }];
     comm.all_reduce(InPlace, &mut swing, ReduceOp::Max)?;
     let (time_us, wrong) = over_ranks(comm, per(calls), wrong)?;
     let model = Model {

@@ -594,7 +594,10 @@ mod tests {
             assert_eq!(local_copy_bytes(op, ring, 4, s, false), 0.0);
         }
         let pw = Algo::Pairwise;
-        assert_eq!(local_copy_bytes(Collective::Gather { root: 0 }, pw, 4, s, false), 2e6);
+        assert_eq!(
+            local_copy_bytes(Collective::Gather { root: 0 }, pw, 4, s, false),
+            2e6
+        );
         assert_eq!(local_copy_bytes(Collective::AllToAll, pw, 4, s, false), 2e6);
         // In place the all-to-all copies its whole buffer first.
         assert_eq!(local_copy_bytes(Collective::AllToAll, pw, 4, s, true), 10e6);
@@ -605,8 +608,17 @@ mod tests {
             copy_gbs: Some(2.0),
             ..Model::links(2.0, 4.0)
         };
-        assert_eq!(predict_us_on(ag, ring, &[2], (1_000_000, false), m), Some(377.0));
-        assert_eq!(predict_us_on(ag, ring, &[2], (1_000_000, true), m), Some(127.0));
-        assert_eq!(predict_us(ag, ring, 2, 1_000_000, Model::links(2.0, 4.0)), Some(127.0));
+        assert_eq!(
+            predict_us_on(ag, ring, &[2], (1_000_000, false), m),
+            Some(377.0)
+        );
+        assert_eq!(
+            predict_us_on(ag, ring, &[2], (1_000_000, true), m),
+            Some(127.0)
+        );
+        assert_eq!(
+            predict_us(ag, ring, 2, 1_000_000, Model::links(2.0, 4.0)),
+            Some(127.0)
+        );
     }
 }
