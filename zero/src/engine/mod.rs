@@ -65,6 +65,7 @@ use crate::report::{CommWait, Memory, Phase, StepReport, StepTimer};
 
 mod agree;
 mod buffers;
+mod cores;
 mod delayed;
 mod host;
 mod offload;
@@ -249,11 +250,8 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
             );
         }
         let range_cap = (0..nb).map(|b| upd(b).len()).max().unwrap_or(0);
-        // The CPU step is bound by memory bandwidth and the node's ranks step at once: each
-        // takes its share of the cores (more threads than cores only adds switches, and the
-        // step waits for its slowest thread).
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let threads = cores / comm.local_size().max(1);
+        // Each rank's share of the node's cores (`cores.rs`).
+        let threads = cores::step_threads(comm.local_size());
         let mut tier = offload::Tier::new::<T>(homes, range_cap, threads);
         tier.create_swap(&cfg, rank, &part, &full, keeps)?;
         if nvme_params {
