@@ -45,9 +45,11 @@ pub(crate) struct BenchCli {
     /// Warm-up iterations per size.
     #[arg(long, default_value_t = 5)]
     pub(crate) warmup: usize,
-    /// Which α–β model each line is set against: `row` re-measures α (barriers) and β (every rank
-    /// streaming what one link carries in that call) interleaved with the line's timed calls;
-    /// `start` uses the model measured once at the start (the header's) for every line.
+    /// Which α–β model each line is set against: `row` re-measures α (barriers), β (every rank
+    /// streaming what one link carries in that call) and the rate of a rank's own copies (the
+    /// bytes a call copies within a rank's memory beside its links) interleaved with the line's
+    /// timed calls; `start` uses the model measured once at the start (the header's: its own
+    /// copies at the memcpy baseline) for every line.
     #[arg(long, default_value = "row", value_parser = ["row", "start"])]
     pub(crate) model: String,
     /// Where the buffers live: host (the host communicator), cuda (device buffers on this node's
