@@ -218,6 +218,7 @@ fn header(comm: &Communicator, a: &BenchArgs, probe: &probe::Probe, device: Stri
         tcp_stream_gbs: probe.tcp_stream_gbs,
         shared_copy_gbs: probe.shared_copy_gbs,
         slice_bytes: comm.config().slice_bytes,
+        probe_bytes: a.probe_bytes,
         iters: a.sweep.iters,
         warmup: a.sweep.warmup,
         time: "mean over ranks of each rank's mean time per call".into(),

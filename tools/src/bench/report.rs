@@ -45,6 +45,11 @@ pub struct Header {
     pub shared_copy_gbs: Option<f64>,
     /// Slice size, bytes.
     pub slice_bytes: usize,
+    /// Bytes each rank streamed to measure the header's β (and its baselines): a size the
+    /// caches do not hold, so the header's β is the links' rate out of memory; the rows'
+    /// own β (`--model row`) is measured at each row's size.
+    #[serde(default)]
+    pub probe_bytes: usize,
     /// Timed iterations per size.
     pub iters: usize,
     /// Warm-up iterations per size.
@@ -243,10 +248,11 @@ pub fn header_text(h: &Header) -> String {
         None => {}
     }
     s += &format!(
-        "# model: α = {:.2} us per step, β = {:.2} GB/s per link (slowest edge); baselines: memcpy in \
-         {} B slices on every rank at once {:.2} GB/s (β/memcpy {:.0}%){}\n",
+        "# model: α = {:.2} us per step, β = {:.2} GB/s per link (slowest edge, streams of {}); baselines: \
+         memcpy in {} B slices on every rank at once {:.2} GB/s (β/memcpy {:.0}%){}\n",
         h.alpha_us,
         h.beta_gbs,
+        size_text(h.probe_bytes),
         h.slice_bytes,
         h.memcpy_gbs,
         if h.memcpy_gbs > 0.0 { h.beta_gbs / h.memcpy_gbs * 100.0 } else { 0.0 },
