@@ -248,33 +248,32 @@ impl<T: Element> Collectives<[T]> for Communicator {
     {
         let c = Collective::AllToAll;
         let count = recv.len();
-        let in_place = match send.into() {
-            Input::Buf(send) => {
-                same_len(c, send.len(), count, "send", "recv")?;
-                self.whole_blocks(count)?;
-                self.wait_async_idle();
-                return self.inner.all_to_all(
-                    T::DTYPE,
-                    count,
-                    bytemuck::cast_slice(send),
-                    bytemuck::cast_slice_mut(recv),
-                );
-            }
-            Input::InPlace => bytemuck::cast_slice_mut::<T, u8>(recv),
-        };
+        let send = send.into();
+        if let Input::Buf(send) = &send {
+            same_len(c, send.len(), count, "send", "recv")?;
+        }
         self.whole_blocks(count)?;
         self.wait_async_idle();
-        let mut kept = self
-            .inner
-            .a2a_copy
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        if kept.len() < in_place.len() {
-            kept.resize(in_place.len(), 0);
+        let recv = bytemuck::cast_slice_mut::<T, u8>(recv);
+        match send {
+            Input::Buf(send) => {
+                self.inner
+                    .all_to_all(T::DTYPE, count, bytemuck::cast_slice(send), recv)
+            }
+            Input::InPlace => {
+                let mut kept = self
+                    .inner
+                    .a2a_copy
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner());
+                if kept.len() < recv.len() {
+                    kept.resize(recv.len(), 0);
+                }
+                let copy = &mut kept[..recv.len()];
+                copy.copy_from_slice(recv);
+                self.inner.all_to_all(T::DTYPE, count, copy, recv)
+            }
         }
-        let copy = &mut kept[..in_place.len()];
-        copy.copy_from_slice(in_place);
-        self.inner.all_to_all(T::DTYPE, count, copy, in_place)
     }
 
     /// All-to-all with a count per pair of ranks (`MPI_Alltoallv`; torch's `all_to_all_single`
