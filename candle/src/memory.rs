@@ -218,16 +218,18 @@ pub fn pool_peak(ordinal: usize, restart: bool) -> Option<PoolPeak> {
 
 /// The most device memory ringzero's own allocations in this process held at once (the
 /// engine's model states and buffers, its communicators' slots and scratch: every
-/// `cuMemAlloc` it makes, outside candle's pool), in bytes; `restart` starts the mark again
-/// from what is held now. `None` in a build without the `cuda` feature.
-pub fn ringzero_device_peak(restart: bool) -> Option<usize> {
+/// `cuMemAlloc` it makes, outside candle's pool), and the most of its peers' memory it had
+/// mapped at once (CUDA IPC: a direct collective's view of the other ranks' buffers, theirs,
+/// though the driver may list it here too), in bytes; `restart` starts both marks again from
+/// what is held now. `None` in a build without the `cuda` feature.
+pub fn ringzero_device_peak(restart: bool) -> Option<(usize, usize)> {
     #[cfg(feature = "cuda")]
     {
         use ringzero_kernels::device::cuda;
         if restart {
             cuda::reset_allocated_peak();
         }
-        Some(cuda::allocated().peak)
+        Some((cuda::allocated().peak, cuda::mapped().peak))
     }
     #[cfg(not(feature = "cuda"))]
     {

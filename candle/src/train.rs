@@ -87,9 +87,10 @@ pub struct TrainReport {
     /// the model was built).
     pub device_pool_peak: Option<memory::PoolPeak>,
     /// On a CUDA device: the most device memory ringzero's own allocations held at once (the
-    /// engine's model states and buffers, its communicator's slots and scratch), counted from
-    /// before the model was built.
-    pub device_engine_peak: Option<usize>,
+    /// engine's model states and buffers, its communicator's slots and scratch), and the most
+    /// of the other ranks' memory mapped into this process at once (a direct collective's CUDA
+    /// IPC view of their buffers), counted from before the model was built.
+    pub device_engine_peak: Option<(usize, usize)>,
     /// The engine's report of the last optimizer step on this rank: its wall time, the time in
     /// the step, and with offload the CPU step, the device's wait and the bytes each way.
     pub last_step: Option<StepReport>,

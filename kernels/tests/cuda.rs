@@ -97,4 +97,10 @@ fn device_buffers_are_counted_while_they_live_and_at_their_peak() {
     assert_eq!(after.peak, before.live + (4 << 20) + 1);
     drop(b);
     assert_eq!(cuda::allocated().live, before.live);
+    // The streams' scratch (what a ZeRO engine's buffers and a communicator's slots come from)
+    // is IPC-exportable memory from its own cuMemAlloc: counted the same way.
+    let (_, owner) = ringzero_kernels::device::TrainStream::alloc(&gpu, 3 << 20).unwrap();
+    assert_eq!(cuda::allocated().live, before.live + (3 << 20));
+    drop(owner);
+    assert_eq!(cuda::allocated().live, before.live);
 }

@@ -138,8 +138,9 @@ pub fn cu_type(d: DType) -> &'static str {
     }
 }
 
-/// Device memory this process holds in [`DeviceBuffer`]s (every `cuMemAlloc` ringzero makes),
-/// and the most it has held at once since [`reset_allocated_peak`]: the engine's model states
+/// Device memory this process holds from ringzero's `cuMemAlloc`s ([`DeviceBuffer`]s and the
+/// IPC-exportable memory behind the streams' scratch: every `cuMemAlloc` ringzero makes), and
+/// the most it has held at once since [`reset_allocated_peak`]: the engine's model states
 /// and buffers, its communicator's slots and scratch. Bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Allocated {
@@ -149,25 +150,82 @@ pub struct Allocated {
     pub peak: usize,
 }
 
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
+/// A count of bytes held now and the most held at once.
+struct Held {
+    live: AtomicUsize,
+    peak: AtomicUsize,
+}
 
-/// What this process's [`DeviceBuffer`]s hold now and at most ([`Allocated`]).
-pub fn allocated() -> Allocated {
-    Allocated {
-        live: LIVE.load(Ordering::Relaxed),
-        peak: PEAK.load(Ordering::Relaxed),
+impl Held {
+    const fn new() -> Held {
+        Held {
+            live: AtomicUsize::new(0),
+            peak: AtomicUsize::new(0),
+        }
+    }
+
+    fn read(&self) -> Allocated {
+        Allocated {
+            live: self.live.load(Ordering::Relaxed),
+            peak: self.peak.load(Ordering::Relaxed),
+        }
+    }
+
+    fn add(&self, bytes: usize) {
+        let now = self.live.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        self.peak.fetch_max(now, Ordering::Relaxed);
+    }
+
+    fn sub(&self, bytes: usize) {
+        self.live.fetch_sub(bytes, Ordering::Relaxed);
+    }
+
+    fn restart(&self) {
+        self.peak
+            .store(self.live.load(Ordering::Relaxed), Ordering::Relaxed);
     }
 }
 
-/// Start [`Allocated::peak`] again from what is held now.
-pub fn reset_allocated_peak() {
-    PEAK.store(LIVE.load(Ordering::Relaxed), Ordering::Relaxed);
+/// ringzero's own `cuMemAlloc`s, and the peers' memory it maps ([`mapped`]).
+static OWN: Held = Held::new();
+static MAPPED: Held = Held::new();
+
+/// What this process's [`DeviceBuffer`]s and streams' scratch hold now and at most
+/// ([`Allocated`]).
+pub fn allocated() -> Allocated {
+    OWN.read()
 }
 
-fn count_alloc(bytes: usize) {
-    let now = LIVE.fetch_add(bytes, Ordering::Relaxed) + bytes;
-    PEAK.fetch_max(now, Ordering::Relaxed);
+/// Other processes' device memory this process has mapped (CUDA IPC: a direct collective's
+/// peers' buffers and slots), now and at most since [`reset_allocated_peak`]. It is the peers'
+/// memory, not this process's; the driver may still list it under this process too.
+pub fn mapped() -> Allocated {
+    MAPPED.read()
+}
+
+/// Start [`Allocated::peak`] of both [`allocated`] and [`mapped`] again from what is held now.
+pub fn reset_allocated_peak() {
+    OWN.restart();
+    MAPPED.restart();
+}
+
+/// `bytes` more held ([`allocated`]).
+pub(crate) fn count_alloc(bytes: usize) {
+    OWN.add(bytes);
+}
+
+/// `bytes` given back ([`allocated`]).
+pub(crate) fn count_free(bytes: usize) {
+    OWN.sub(bytes);
+}
+
+/// `bytes` of a peer's memory mapped here, or (`open` false) unmapped ([`mapped`]).
+pub(crate) fn count_mapped(bytes: usize, open: bool) {
+    if open {
+        MAPPED.add(bytes);
+    } else {
+        MAPPED.sub(bytes);
+    }
 }
 
 /// One CUDA device: its primary context, a compute stream and a copy stream, the two copy
@@ -231,7 +289,7 @@ impl Drop for DeviceBuffer {
         // SAFETY: `ptr` came from cuMemAlloc in `ctx` (Gpu::alloc), is freed exactly once, and no
         // queued work uses it any more.
         ctx.record_err(unsafe { result::free_sync(ptr) });
-        LIVE.fetch_sub(bytes, Ordering::Relaxed);
+        count_free(bytes);
     }
 }
 

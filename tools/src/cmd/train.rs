@@ -238,6 +238,7 @@ fn run_as<T: Float>(
                 );
             }
             println!();
+            println!("rank 0 {l}");
         }
         println!("{}", footprint_text(&r));
         println!(
@@ -332,7 +333,7 @@ fn device_by_owner(r: &train::TrainReport, added: usize) -> String {
     };
     let ours = match r.device_engine_peak {
         None => "ringzero's allocations not counted".to_string(),
-        Some(e) => format!(
+        Some((e, _)) => format!(
             "ringzero's allocations {:.2} MiB at their peak (/ predicted engine {:.2}; the rest \
              its communicator's slots and scratch)",
             mib(e),
@@ -340,10 +341,12 @@ fn device_by_owner(r: &train::TrainReport, added: usize) -> String {
         ),
     };
     let rest = match (r.device_pool_peak, r.device_engine_peak) {
-        (Some(p), Some(e)) => format!(
+        (Some(p), Some((e, mapped))) => format!(
             "; the rest of the added memory {:.2} MiB (CUDA's libraries: cuBLAS's workspaces, \
-             loaded kernels)",
-            mib(added) - mib(p.reserved) - mib(e)
+             loaded kernels; and whatever of the other ranks' memory the driver lists here: \
+             {:.2} MiB of it mapped at the peak for direct collectives)",
+            mib(added) - mib(p.reserved) - mib(e),
+            mib(mapped)
         ),
         _ => String::new(),
     };
@@ -426,7 +429,7 @@ mod tests {
                 used: 620 * MIB,
                 reserved: 700 * MIB,
             }),
-            device_engine_peak: Some(100 * MIB),
+            device_engine_peak: Some((100 * MIB, 50 * MIB)),
             last_step: None,
         };
         let text = footprint_text(&r);
@@ -438,6 +441,7 @@ mod tests {
             "the pool's reservation 700.00 MiB",
             "ringzero's allocations 100.00 MiB at their peak (/ predicted engine 2.00",
             "the rest of the added memory 94.00 MiB",
+            "50.00 MiB of it mapped at the peak",
         ] {
             assert!(text.contains(want), "{want:?} missing from:\n{text}");
         }

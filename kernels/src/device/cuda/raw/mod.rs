@@ -72,6 +72,7 @@ impl ExportedSlots {
             .map_err(sys_err(
                 "allocating IPC-exportable device memory (cuMemAlloc)",
             ))?;
+        super::count_alloc(bytes.max(1));
         let s = ExportedSlots {
             gpu: gpu.clone(),
             ptr,
@@ -126,6 +127,7 @@ impl Drop for ExportedSlots {
         // in other processes hold their own mapping, which the driver keeps valid until closed).
         let r = unsafe { sys::cuMemFree_v2(self.ptr) }.result();
         self.gpu.ctx.record_err(r);
+        super::count_free(self.bytes.max(1));
     }
 }
 
@@ -165,6 +167,7 @@ impl IpcMapping {
         .map_err(sys_err(
             "opening a peer's device memory (cuIpcOpenMemHandle; different IPC namespaces or containers?)",
         ))?;
+        super::count_mapped(bytes, true);
         Ok(IpcMapping {
             gpu: gpu.clone(),
             ptr,
@@ -190,6 +193,7 @@ impl Drop for IpcMapping {
         // the memory itself belongs to the exporter and is not freed here.
         let r = unsafe { sys::cuIpcCloseMemHandle(self.ptr) }.result();
         self.gpu.ctx.record_err(r);
+        super::count_mapped(self.bytes, false);
     }
 }
 
