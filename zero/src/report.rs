@@ -26,8 +26,10 @@ pub struct Memory {
     /// Host tier: the offloaded buckets' fp32 master weights (in every precision: the CPU
     /// steps the master and copies the parameters to the device) and optimizer states.
     pub host_optimizer: usize,
-    /// Host tier: the offload pipeline's buffers (two gradient and two parameter buffers of
-    /// the largest update range; three NVMe regions).
+    /// Host tier: the offload pipeline's buffers (two gradient buffers unless every bucket's
+    /// gradients leave during backward, two parameter buffers unless every bucket's f32
+    /// parameters go back from its master, each of the largest update range; a gradient copy
+    /// per bucket made during backward; three NVMe regions).
     pub host_buffers: usize,
     /// NVMe tier: the file holding the offloaded buckets' master weights and states (each
     /// stretch rounded up to 4096 bytes).
@@ -98,6 +100,8 @@ pub struct CommWait {
     /// Inside [`crate::Engine::step`] on the parameter all-gather (stages 1–2) and the norm/overflow
     /// all-reduces.
     pub update: Duration,
+    /// The part of `update` spent all-gathering the updated parameters (stages 1–2).
+    pub share: Duration,
 }
 
 impl std::ops::Sub for CommWait {
@@ -107,6 +111,7 @@ impl std::ops::Sub for CommWait {
             gather: self.gather.saturating_sub(o.gather),
             reduce: self.reduce.saturating_sub(o.reduce),
             update: self.update.saturating_sub(o.update),
+            share: self.share.saturating_sub(o.share),
         }
     }
 }
@@ -151,7 +156,8 @@ impl std::fmt::Display for StepReport {
         write!(
             f,
             "step {} ({} micro-step{}): {:.1} ms = forward {:.1} + backward {:.1} + step {:.1} + \
-             other {:.1}; waits: gather {:.1}, reduce {:.1}, update {:.1}; {} elements gathered",
+             other {:.1}; waits: gather {:.1}, reduce {:.1}, update {:.1} (sharing the updated parameters \
+             {:.1}); {} elements gathered",
             self.step,
             self.micro_steps,
             if self.micro_steps == 1 { "" } else { "s" },
@@ -165,6 +171,7 @@ impl std::fmt::Display for StepReport {
             ms(self.wait.gather),
             ms(self.wait.reduce),
             ms(self.wait.update),
+            ms(self.wait.share),
             self.gathered_elems
         )?;
         let o = &self.offload;

@@ -128,14 +128,14 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
                                     .collect(),
                             )
                         };
-                        cpu_step(&j.segs, t, m, &mut st, g, p, scale, threads);
+                        cpu_step(&j.segs, t, m, &mut st, g, Some(p), scale, threads);
                     }
                     (None, Some((sw, staged))) => {
                         let b = j.target.b;
                         sw.read(b, &mut staged[0])?;
                         let mut parts = staged[0].parts_mut();
                         let (m, st) = parts.split_first_mut().expect("a master");
-                        cpu_step(&j.segs, t, m, st, g, p, scale, threads);
+                        cpu_step(&j.segs, t, m, st, g, Some(p), scale, threads);
                         sw.write(b, &mut staged[0])?;
                     }
                     (None, None) => unreachable!("an offloaded bucket has a master or a file"),

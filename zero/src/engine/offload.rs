@@ -9,14 +9,19 @@
 //!   a host buffer) — at stages 2–3 it left already, during backward, as soon as its bucket's
 //!   reduce-scatter of the window's last micro-step ended ([`Engine::copy_out_early`]);
 //! - **step**: the CPU updates the master and states and rounds the new parameters into a host
-//!   buffer — while bucket k+1's gradients are copied out and, on NVMe, bucket k+1's state is
-//!   read and bucket k−1's written back;
+//!   buffer (f32 parameters are the master's bits: they go back from the master itself, and
+//!   the CPU writes no copy) — while bucket k+1's gradients are copied out and, on NVMe,
+//!   bucket k+1's state is read and bucket k−1's written back; and at stages 1–2, while it
+//!   steps, the calling thread all-gathers the parameters already back on the device (the
+//!   device's own buckets first, then each offloaded bucket after its put), so only the last
+//!   bucket's all-gather follows the CPU's work;
 //! - **put**: the new parameters go back to the device (a copy queued on the stream), where
 //!   stages 1–2 all-gather them and stage 3 keeps its shard.
 //!
-//! Two host buffers of each kind (gradients, parameters) and three NVMe regions (read ahead,
-//! stepping, written back) are all the pipeline holds. With `ratio` below 1 the buckets past
-//! the offloaded share step on the device, as without offload.
+//! Two host buffers of each kind (gradients, parameters), only of a kind some bucket needs,
+//! and three NVMe regions (read ahead, stepping, written back) are all the pipeline holds.
+//! With `ratio` below 1 the buckets past the offloaded share step on the device, as without
+//! offload.
 
 use std::time::Instant;
 
@@ -67,6 +72,9 @@ pub(super) struct Tier {
     /// backward went on (`Engine::copy_out_early`), and the kept buffers for those copies.
     pub(super) early: Vec<Option<DevVec>>,
     pub(super) early_bufs: Spares,
+    /// Stages 1–2: per bucket, whether this step's pipeline all-gathered its updated
+    /// parameters already (while the CPU stepped a later bucket).
+    pub(super) gathered: Vec<bool>,
 }
 
 /// Per bucket, where its optimizer state goes under `cfg`: buckets in layout order are
@@ -109,6 +117,7 @@ impl Tier {
             shard_bufs: Spares::on_host(T::DTYPE, cap, 2),
             early: (0..nb).map(|_| None).collect(),
             early_bufs: Spares::on_host(T::DTYPE, cap, nb),
+            gathered: vec![false; nb],
         }
     }
 
@@ -290,54 +299,58 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
             return self.launch_delayed(&targets, h, t, scale);
         }
         let s = self.comm.stream();
-        let mut bufs = Vec::with_capacity(4);
-        for _ in 0..2 {
-            bufs.push(self.tier.grads.take(s, self.tier.grads.cap, false)?);
-            bufs.push(self.tier.params.take(s, self.tier.params.cap, false)?);
-        }
-        let out = self.pipeline(&targets, &bufs, h, t, scale);
+        // Host buffers for the gradients that did not leave during backward and for parameters
+        // that do not go back from the master, two of each kind (bucket k+1's fill while
+        // bucket k steps); none of a kind no bucket needs.
+        let need_grads = targets.iter().any(|tg| self.tier.early[tg.b].is_none());
+        let need_params = targets.iter().any(|tg| !self.puts_from_master(tg.b));
+        let two = |sp: &mut Spares, need: bool| -> Result<Vec<DevVec>, ZeroError> {
+            let n = if need { 2 } else { 0 };
+            (0..n).map(|_| sp.take(s, sp.cap, false)).collect()
+        };
+        let gbufs = two(&mut self.tier.grads, need_grads)?;
+        let pbufs = match two(&mut self.tier.params, need_params) {
+            Ok(p) => p,
+            Err(e) => {
+                gbufs.into_iter().for_each(|v| self.tier.grads.give(v));
+                return Err(e);
+            }
+        };
+        let out = self.pipeline(&targets, (&gbufs, &pbufs), h, t, scale);
         // The puts read the parameter buffers: they end before the buffers are kept.
         let synced = self.sync("copying the offloaded step's parameters back");
         if synced.is_ok() {
-            for (i, v) in bufs.into_iter().enumerate() {
-                if i % 2 == 0 {
-                    self.tier.grads.give(v);
-                } else {
-                    self.tier.params.give(v);
-                }
-            }
+            gbufs.into_iter().for_each(|v| self.tier.grads.give(v));
+            pbufs.into_iter().for_each(|v| self.tier.params.give(v));
         }
         out?;
         synced
     }
 
-    /// The fetch / step / put pipeline over `targets`; `bufs` is (gradients, parameters) × 2.
+    /// The fetch / step / put pipeline over `targets`; `bufs` holds two host buffers for
+    /// gradients and two for parameters (or none of a kind no bucket needs).
     fn pipeline(
         &mut self,
         targets: &[Target],
-        bufs: &[DevVec],
+        bufs: (&[DevVec], &[DevVec]),
         h: &Optimizer,
         t: u64,
         scale: f32,
     ) -> Result<(), ZeroError> {
         let es = T::DTYPE.size();
-        let (gbuf, pbuf) = (
-            |k: usize| &bufs[2 * (k % 2)],
-            |k: usize| &bufs[2 * (k % 2) + 1],
-        );
+        let (gbuf, pbuf) = (|k: usize| &bufs.0[k % 2], |k: usize| &bufs.1[k % 2]);
         // Gradient ranges already copied out while backward went on (`copy_out_early`); their
         // copies ended when the push that queued them returned.
         let early: Vec<Option<DevVec>> = targets
             .iter()
             .map(|tg| self.tier.early[tg.b].take())
             .collect();
-        let grads_of = |k: usize| early[k].as_ref().unwrap_or(gbuf(k));
-        let fetch = |k: usize| -> Result<Option<S::Marker>, ZeroError> {
+        let grads_of = |k: usize| early[k].as_ref().unwrap_or_else(|| gbuf(k));
+        let fetch = |s: &S, k: usize| -> Result<Option<S::Marker>, ZeroError> {
             if early[k].is_some() {
                 return Ok(None);
             }
             let tg = targets[k];
-            let s = self.comm.stream();
             // SAFETY: `tg.len` elements of `T` of the engine's reduced gradients into a host
             // buffer of at least that many (its capacity is the largest update range), which
             // nothing else uses until the marker below has passed.
@@ -351,7 +364,16 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
         // Per bucket, a marker after its put: the parameter buffer it read is written again
         // two buckets later, only once the put has ended.
         let mut puts: Vec<Option<S::Marker>> = Vec::with_capacity(targets.len());
-        let mut fetched = fetch(0)?;
+        let mut fetched = fetch(self.comm.stream(), 0)?;
+        // Stages 1–2: buckets whose updated parameters are on the device, to all-gather while
+        // the CPU steps the next bucket: first those the device stepped.
+        self.tier.gathered.fill(false);
+        let mut share: Vec<usize> = match self.led.cfg.stage {
+            1 | 2 => (0..self.params.len())
+                .filter(|&b| !self.tier.offloaded(b))
+                .collect(),
+            _ => Vec::new(),
+        };
         if self.tier.on_nvme(targets[0].b) {
             let (swap, staged) = self.tier.swap.as_mut().expect("an NVMe tier");
             swap.read(targets[0].b, &mut staged[0])?;
@@ -367,7 +389,7 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
             stats.device_wait += w0.elapsed();
             stats.to_host += (tg.len * es) as u64;
             if k + 1 < targets.len() {
-                fetched = fetch(k + 1)?;
+                fetched = fetch(self.comm.stream(), k + 1)?;
             }
             let segs = self.led.update_segments(tg.b, tg.from, tg.len, h);
             let next = targets
@@ -378,6 +400,7 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
                 .checked_sub(1)
                 .map(|p| targets[p].b)
                 .filter(|&b| self.tier.on_nvme(b));
+            let from_master = self.puts_from_master(tg.b);
             // SAFETY: the gradients' copy has ended (its marker passed, or it was waited for
             // when it was queued) and the next copy goes to another buffer; the parameter
             // buffer's last put (two buckets back) has ended (its marker passed); both hold
@@ -385,17 +408,23 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
             let (g, p) = unsafe {
                 (
                     on_host::<T>(grads_of(k), 0, tg.len),
-                    on_host::<T>(pbuf(k), 0, tg.len),
+                    (!from_master).then(|| on_host::<T>(pbuf(k), 0, tg.len)),
                 )
             };
+            // Stages 1–2: the buckets whose updated parameters are on the device already (the
+            // device's own buckets, then each offloaded bucket after its put) are all-gathered
+            // here, on this thread, while the CPU steps this bucket on others.
+            let ready = std::mem::take(&mut share);
+            let threads = self.tier.threads;
             let c0 = Instant::now();
-            if self.tier.on_nvme(tg.b) {
-                let (swap, staged) = self.tier.swap.as_mut().expect("an NVMe tier");
+            let stepped = if self.tier.on_nvme(tg.b) {
+                let mut tier = self.tier.swap.take();
+                let (swap, staged) = tier.as_mut().expect("an NVMe tier");
                 let [cur, ahead, behind] = staged
                     .get_disjoint_mut([k % 3, (k + 1) % 3, (k + 2) % 3])
                     .expect("three regions");
                 let swap = &*swap;
-                std::thread::scope(|sc| -> Result<(), ZeroError> {
+                let out = std::thread::scope(|sc| -> Result<(), ZeroError> {
                     let io = sc.spawn(move || -> Result<(), ZeroError> {
                         if let Some(b) = prev {
                             swap.write(b, behind)?;
@@ -405,11 +434,18 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
                         }
                         Ok(())
                     });
-                    let mut parts = cur.parts_mut();
-                    let (m, st) = parts.split_first_mut().expect("a master");
-                    cpu_step(&segs, t, m, st, g, p, scale, self.tier.threads);
-                    io.join().expect("the NVMe thread panicked")
-                })?;
+                    let step = sc.spawn(move || {
+                        let mut parts = cur.parts_mut();
+                        let (m, st) = parts.split_first_mut().expect("a master");
+                        cpu_step(&segs, t, m, st, g, p, scale, threads);
+                    });
+                    let shared = self.share_updated(&ready);
+                    step.join().expect("the CPU step panicked");
+                    io.join().expect("the NVMe thread panicked")?;
+                    shared
+                });
+                self.tier.swap = tier;
+                out
             } else {
                 let b = tg.b;
                 let master = self.master[b].as_ref().expect("an offloaded master");
@@ -422,20 +458,43 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
                     // SAFETY: as above.
                     .map(|x| unsafe { on_host::<f32>(x, 0, tg.len) })
                     .collect();
-                cpu_step(&segs, t, m, &mut st, g, p, scale, self.tier.threads);
+                std::thread::scope(|sc| {
+                    let step =
+                        sc.spawn(move || cpu_step(&segs, t, m, &mut st, g, p, scale, threads));
+                    let shared = self.share_updated(&ready);
+                    step.join().expect("the CPU step panicked");
+                    shared
+                })
+            };
+            stepped?;
+            for b in ready {
+                self.tier.gathered[b] = true;
             }
             stats.cpu_step += c0.elapsed();
-            if self.put_shard_to_nvme(tg.b, pbuf(k))? {
+            if !from_master && self.put_shard_to_nvme(tg.b, pbuf(k))? {
                 puts.push(None);
             } else {
                 let s = self.comm.stream();
+                let src = match from_master {
+                    true => {
+                        self.master[tg.b]
+                            .as_ref()
+                            .expect("an offloaded master")
+                            .addr
+                    }
+                    false => pbuf(k).addr,
+                };
                 // SAFETY: the updated parameters (`tg.len` elements of `T`) into the engine's
-                // stretch of the bucket; the buffer is not written again before this copy ends
-                // (its marker, below, is waited for first).
-                unsafe { s.copy(tg.params, pbuf(k).addr, tg.len * es) }
+                // stretch of the bucket; the parameter buffer is not written again before this
+                // copy ends (its marker, below, is waited for first), and the master not before
+                // the next step, which starts after this one's closing wait for the stream.
+                unsafe { s.copy(tg.params, src, tg.len * es) }
                     .map_err(dev("copying updated parameters to the device".into()))?;
                 puts.push(Some(s.mark().map_err(dev("marking a put".into()))?));
                 stats.to_device += (tg.len * es) as u64;
+                if matches!(self.led.cfg.stage, 1 | 2) {
+                    share.push(tg.b);
+                }
             }
         }
         let last = targets.len() - 1;
@@ -451,6 +510,17 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
             .flatten()
             .for_each(|v| self.tier.early_bufs.give(v));
         Ok(())
+    }
+
+    /// Whether bucket `b`'s updated parameters go to the device straight from its master: f32
+    /// parameters are the master's bits, so the CPU writes no second copy of them (a quarter
+    /// less memory traffic in its step) and the put reads the master, host memory the device
+    /// can copy from. Not for a master in the NVMe tier's regions, nor where the shards go to
+    /// NVMe (the file writes whole page-aligned regions from the parameter buffer).
+    fn puts_from_master(&self, b: usize) -> bool {
+        T::DTYPE == ringzero_kernels::DType::F32
+            && !self.tier.on_nvme(b)
+            && self.tier.params_file.is_none()
     }
 
     /// Stages 2–3, the accumulation window's last micro-step: queue bucket `b`'s reduced
@@ -502,7 +572,7 @@ pub(super) fn cpu_step<T: Float>(
     master: &mut [f32],
     states: &mut [&mut [f32]],
     g: &[T],
-    p: &mut [T],
+    mut p: Option<&mut [T]>,
     scale: f32,
     threads: usize,
 ) {
@@ -515,7 +585,7 @@ pub(super) fn cpu_step<T: Float>(
             &hh,
             t,
             &mut master[r.clone()],
-            Some(&mut p[r.clone()]),
+            p.as_deref_mut().map(|p| &mut p[r.clone()]),
             &g[r],
             s1,
             s2,

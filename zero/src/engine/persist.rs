@@ -183,7 +183,7 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
             self.led.scaler.restore(s);
         }
         match stage {
-            1 | 2 => self.gather_updated()?,
+            1 | 2 => self.share_updated(&(0..self.params.len()).collect::<Vec<_>>())?,
             3 => self.refresh_pinned()?,
             _ => {}
         }

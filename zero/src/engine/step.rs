@@ -308,14 +308,26 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
         Ok(outcome)
     }
 
-    /// Stages 1–2: all-gather every bucket's updated parameters, in pieces of at most
+    /// Stages 1–2: all-gather the updated parameters of every bucket the offload pipeline has
+    /// not gathered already (it gathers while the CPU steps; [`Engine::share_updated`]).
+    pub(super) fn gather_updated(&mut self) -> Result<(), ZeroError> {
+        let t0 = Instant::now();
+        let rest: Vec<usize> = (0..self.params.len())
+            .filter(|&b| !std::mem::take(&mut self.tier.gathered[b]))
+            .collect();
+        let out = self.share_updated(&rest);
+        self.wait.share += t0.elapsed();
+        out
+    }
+
+    /// Stages 1–2: all-gather `buckets`' updated parameters, in pieces of at most
     /// `allgather_elems` elements per call (each rank's piece copied out of its owned range, the
     /// gathered pieces copied back to every rank's range).
-    pub(super) fn gather_updated(&mut self) -> Result<(), ZeroError> {
+    pub(super) fn share_updated(&mut self, buckets: &[usize]) -> Result<(), ZeroError> {
         let (n, rank) = (self.led.part.world, self.led.rank);
         let piece = (self.led.cfg.allgather_elems / n).max(1);
         let sz = T::DTYPE.size();
-        for b in 0..self.params.len() {
+        for &b in buckets {
             let shard = self.led.part.buckets[b].len / n;
             if shard <= piece {
                 self.comm.all_gather(InPlace, &mut self.params[b])?;
