@@ -294,6 +294,22 @@ pub fn optim_step(
     s2: &mut [f32],
     grad_scale: f32,
 ) {
+    // The f32 case of the mixed step: the same loop, in the widest vectors this CPU has.
+    super::float::step_mixed::<f32>(h, t, params, None, grads, s1, s2, grad_scale)
+}
+
+/// [`optim_step`]'s body, inlined into each vector width's version of
+/// [`super::float::step_mixed`].
+#[inline(always)]
+pub(super) fn optim_step_inline(
+    h: &Optimizer,
+    t: u64,
+    params: &mut [f32],
+    grads: &[f32],
+    s1: &mut [f32],
+    s2: &mut [f32],
+    grad_scale: f32,
+) {
     let n = params.len();
     let k = h.step_scalars(t);
     let keeps = h.states().len();
