@@ -91,6 +91,13 @@ pub struct TrainReport {
     /// of the other ranks' memory mapped into this process at once (a direct collective's CUDA
     /// IPC view of their buffers), counted from before the model was built.
     pub device_engine_peak: Option<(usize, usize)>,
+    /// With the engine on the host stream: the most the stream's allocations (the engine's
+    /// "device" buffers) held at once, measured as they were made and dropped, from before
+    /// the model was built.
+    pub host_stream_peak: Option<usize>,
+    /// The engine's own count of its model states and communication buffers at their peak
+    /// (what `host_stream_peak` measures, on the host stream).
+    pub engine_counted_peak: usize,
     /// The engine's report of the last optimizer step on this rank: its wall time, the time in
     /// the step, and with offload the CPU step, the device's wait and the bytes each way.
     pub last_step: Option<StepReport>,
@@ -171,12 +178,15 @@ fn train_on<T: Float, S: CandleStream>(
         memory::pool_peak(o, true);
         memory::ringzero_device_peak(true);
     }
+    // On the host stream the engine's "device" buffers are the stream's scratch, counted as
+    // they are made and dropped: the measurement its own count of them is checked against.
+    ringzero_kernels::device::reset_host_scratch_peak();
+    let scratch_before = ringzero_kernels::device::host_scratch().live;
     let (model, varmap) = gpt::build(shape, args.seed, &dev)?;
     let (stage3, accum) = (cfg.stage == 3, cfg.accumulation_steps.max(1));
     let mut zero = Zero::<T, S>::on(comm, stream, &varmap, cfg)?;
     let (world, rank, batch) = (comm.size(), comm.rank(), args.batch);
     let mut losses = Vec::with_capacity(args.steps);
-    let mut comm_peak = zero.memory().comm_buffers;
     let start = Instant::now();
     for step in 0..args.steps {
         if !stage3 {
@@ -201,7 +211,6 @@ fn train_on<T: Float, S: CandleStream>(
                 device_peak = device_peak.max(memory::device_used());
             }
             let outcome = zero.step()?;
-            comm_peak = comm_peak.max(zero.memory().comm_buffers);
             if micro + 1 == accum {
                 let mut mean = [sum / accum as f32];
                 comm.all_reduce(InPlace, &mut mean[..], ReduceOp::Sum)?;
@@ -228,6 +237,7 @@ fn train_on<T: Float, S: CandleStream>(
     };
     // The offload tier's host memory is this process's memory too.
     let m = zero.memory();
+    let comm_peak = m.comm_buffers_peak;
     let engine = (m.model_states() + m.host(), comm_peak);
     let mut footprint = Footprint::of(&shape, batch, engine, slots);
     if !zero.engine().stream().host_addressable() {
@@ -244,6 +254,12 @@ fn train_on<T: Float, S: CandleStream>(
         device_measured: device_before.zip(device_peak),
         device_pool_peak: ordinal.and_then(|o| memory::pool_peak(o, false)),
         device_engine_peak: ordinal.and_then(|_| memory::ringzero_device_peak(false)),
+        host_stream_peak: zero.engine().stream().host_addressable().then(|| {
+            ringzero_kernels::device::host_scratch()
+                .peak
+                .saturating_sub(scratch_before)
+        }),
+        engine_counted_peak: m.model_states() + comm_peak,
         last_step: zero.engine().report(),
     })
 }

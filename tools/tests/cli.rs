@@ -1533,6 +1533,9 @@ fn train_learns_a_gpt_and_exits_non_zero_when_the_loss_stays_high() {
             "{out}"
         );
         assert!(out.contains(&format!("stage {stage}")), "{out}");
+        // The engine's own count of its buffers at their peak (stage 3: the forward's
+        // gathered window) is what its stream allocated, measured as made and dropped.
+        assert!(out.contains("counted / allocated 1.00"), "{out}");
     }
     let out = ringzero()
         .args(["train", "--steps", "3", "--threshold", "1.0"])

@@ -21,6 +21,10 @@ pub struct Memory {
     /// Communication buffers held right now (stage 2–3 gradient staging and reduce-scatters in
     /// flight, stage 3 gathered and prefetching parameters).
     pub comm_buffers: usize,
+    /// The most communication buffers the engine held at once since it was built (in use or
+    /// kept): a stage-3 forward's gathered window and prefetches, buckets in flight, at their
+    /// largest. What a process's peak needs, where `comm_buffers` is one moment's.
+    pub comm_buffers_peak: usize,
     /// Host tier: stage-3 parameter shards (`offload_param`).
     pub host_params: usize,
     /// Host tier: the offloaded buckets' fp32 master weights (in every precision: the CPU

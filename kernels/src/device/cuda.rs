@@ -9,7 +9,6 @@
 
 use std::collections::HashMap;
 use std::mem::ManuallyDrop;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{
@@ -138,60 +137,16 @@ pub fn cu_type(d: DType) -> &'static str {
     }
 }
 
-/// Device memory this process holds from ringzero's `cuMemAlloc`s ([`DeviceBuffer`]s and the
-/// IPC-exportable memory behind the streams' scratch: every `cuMemAlloc` ringzero makes), and
-/// the most it has held at once since [`reset_allocated_peak`]: the engine's model states
-/// and buffers, its communicator's slots and scratch. Bytes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Allocated {
-    /// Held now.
-    pub live: usize,
-    /// The most held at once.
-    pub peak: usize,
-}
-
-/// A count of bytes held now and the most held at once.
-struct Held {
-    live: AtomicUsize,
-    peak: AtomicUsize,
-}
-
-impl Held {
-    const fn new() -> Held {
-        Held {
-            live: AtomicUsize::new(0),
-            peak: AtomicUsize::new(0),
-        }
-    }
-
-    fn read(&self) -> Allocated {
-        Allocated {
-            live: self.live.load(Ordering::Relaxed),
-            peak: self.peak.load(Ordering::Relaxed),
-        }
-    }
-
-    fn add(&self, bytes: usize) {
-        let now = self.live.fetch_add(bytes, Ordering::Relaxed) + bytes;
-        self.peak.fetch_max(now, Ordering::Relaxed);
-    }
-
-    fn sub(&self, bytes: usize) {
-        self.live.fetch_sub(bytes, Ordering::Relaxed);
-    }
-
-    fn restart(&self) {
-        self.peak
-            .store(self.live.load(Ordering::Relaxed), Ordering::Relaxed);
-    }
-}
+pub use super::held::Allocated;
+use super::held::Held;
 
 /// ringzero's own `cuMemAlloc`s, and the peers' memory it maps ([`mapped`]).
 static OWN: Held = Held::new();
 static MAPPED: Held = Held::new();
 
-/// What this process's [`DeviceBuffer`]s and streams' scratch hold now and at most
-/// ([`Allocated`]).
+/// What this process's [`DeviceBuffer`]s and streams' scratch (every `cuMemAlloc` ringzero
+/// makes: the engine's model states and buffers, its communicators' slots and scratch) hold now
+/// and at most since [`reset_allocated_peak`] ([`Allocated`]).
 pub fn allocated() -> Allocated {
     OWN.read()
 }

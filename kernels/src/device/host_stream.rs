@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 
+use super::held::{Allocated, Held};
 use super::{CopyLane, DevPtr, DeviceError, Exported, ShareRecord, Stream};
 use crate::{cpu, DType, ReduceOp};
 
@@ -348,13 +349,9 @@ impl Stream for HostStream {
     }
 
     fn scratch(&self, bytes: usize) -> Result<(DevPtr, Box<dyn Any + Send>), DeviceError> {
-        /// One cache line, so the scratch is aligned for every dtype.
-        #[derive(Clone, Copy)]
-        #[repr(C, align(64))]
-        struct Line([u8; 64]);
-        let mem = vec![Line([0; 64]); bytes.div_ceil(64).max(1)].into_boxed_slice();
+        let mem = Scratch::new(bytes);
         // Moving the box into the owner does not move its heap allocation.
-        Ok((mem.as_ptr() as usize as DevPtr, Box::new(mem)))
+        Ok((mem.0.as_ptr() as usize as DevPtr, Box::new(mem)))
     }
 
     fn identity(&self) -> Option<[u8; 16]> {
@@ -469,4 +466,47 @@ mod tests {
             "the out lane's copy, after the in lane's"
         );
     }
+}
+
+/// One cache line, so the scratch is aligned for every dtype.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([u8; 64]);
+
+/// The host stream's scratch ([`Stream::scratch`]: its "device" memory), counted while it
+/// lives ([`host_scratch`]).
+struct Scratch(Box<[Line]>);
+
+impl Scratch {
+    /// Zeroed lines for `bytes` (at least one line).
+    fn new(bytes: usize) -> Scratch {
+        let s = Scratch(vec![Line([0; 64]); bytes.div_ceil(64).max(1)].into_boxed_slice());
+        SCRATCH.add(s.bytes());
+        s
+    }
+
+    fn bytes(&self) -> usize {
+        std::mem::size_of_val(&*self.0)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        SCRATCH.sub(self.bytes());
+    }
+}
+
+static SCRATCH: Held = Held::new();
+
+/// What the host streams' scratch in this process holds now and at most since
+/// [`reset_host_scratch_peak`]: on the host stream, the memory a ZeRO engine's device buffers
+/// and a device communicator's scratch take (the host stream's counterpart of
+/// `cuda::allocated`).
+pub fn host_scratch() -> Allocated {
+    SCRATCH.read()
+}
+
+/// Start [`host_scratch`]'s peak again from what is held now.
+pub fn reset_host_scratch_peak() {
+    SCRATCH.restart();
 }

@@ -4,11 +4,13 @@
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+mod held;
 mod host_stream;
 mod stream;
 mod train;
 
-pub use host_stream::HostStream;
+pub use held::{Allocated, Held};
+pub use host_stream::{host_scratch, reset_host_scratch_peak, HostStream};
 pub use stream::{Exported, ShareRecord, Stream};
 pub use train::{StepAt, TrainStream};
 

@@ -241,6 +241,16 @@ fn run_as<T: Float>(
             println!("rank 0 {l}");
         }
         println!("{}", footprint_text(&r));
+        if let Some(a) = r.host_stream_peak {
+            println!(
+                "rank 0 engine buffers on the host stream at their peak: allocated {:.2} MiB \
+                 (measured as made and dropped), counted by the engine {:.2} MiB (model states \
+                 and communication buffers); counted / allocated {:.2}",
+                mib(a),
+                mib(r.engine_counted_peak),
+                r.engine_counted_peak as f64 / a.max(1) as f64
+            );
+        }
         println!(
             "loss {:.4} → {end:.4} (mean of the last {} steps; threshold {})",
             r.losses[0],
@@ -430,6 +440,8 @@ mod tests {
                 reserved: 700 * MIB,
             }),
             device_engine_peak: Some((100 * MIB, 50 * MIB)),
+            host_stream_peak: None,
+            engine_counted_peak: 0,
             last_step: None,
         };
         let text = footprint_text(&r);

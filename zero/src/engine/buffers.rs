@@ -2,10 +2,12 @@
 //! keeps for the next micro-step ([`Spares`]), and the one host all-gather it needs at set-up.
 
 use std::any::Any;
+use std::sync::Arc;
 
 use ringzero_collectives::{
     Collectives, DType, DeviceComm, DeviceMemory, Error, Stream, TrainStream, Work,
 };
+use ringzero_kernels::device::Held;
 use ringzero_kernels::DeviceError;
 
 use crate::error::ZeroError;
@@ -63,6 +65,9 @@ pub(crate) struct Spares {
     pub(super) free: Vec<DevVec>,
     /// Whether new buffers are host memory the stream maps ([`alloc_host`]).
     pub(super) host: bool,
+    /// Where the bytes of the buffers it made and has not dropped are counted (kept or in
+    /// use), if anywhere: the engine's peak of communication buffers.
+    meter: Option<Arc<Held>>,
 }
 
 impl Spares {
@@ -73,7 +78,21 @@ impl Spares {
             keep,
             free: Vec::new(),
             host: false,
+            meter: None,
         }
+    }
+
+    /// Count the bytes of the buffers it makes, while they live, in `meter`.
+    pub(super) fn metered(self, meter: &Arc<Held>) -> Spares {
+        Spares {
+            meter: Some(meter.clone()),
+            ..self
+        }
+    }
+
+    /// Bytes of one of its buffers (as [`alloc`] makes them).
+    fn bytes(&self) -> usize {
+        (self.cap * self.dtype.size()).max(64)
     }
 
     /// As [`Spares::new`], the buffers in host memory the stream maps (the offload tier's).
@@ -107,7 +126,13 @@ impl Spares {
                 v
             }
             None if self.host => alloc_host(s, self.dtype, self.cap)?,
-            None => alloc(s, self.dtype, self.cap)?,
+            None => {
+                let v = alloc(s, self.dtype, self.cap)?;
+                if let Some(m) = &self.meter {
+                    m.add(self.bytes());
+                }
+                v
+            }
         };
         v.elems = elems;
         Ok(v)
@@ -118,6 +143,9 @@ impl Spares {
         if self.free.len() < self.keep {
             v.elems = self.cap;
             self.free.push(v);
+        } else if let Some(m) = &self.meter {
+            // Dropped here: freed.
+            m.sub(self.bytes());
         }
     }
 

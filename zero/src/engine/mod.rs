@@ -56,6 +56,7 @@ use std::time::Instant;
 
 use ringzero_collectives::{DType, DeviceComm, HostStream, TrainStream};
 use ringzero_kernels::cpu::{cast, Float};
+use ringzero_kernels::device::Held;
 
 use crate::config::{OffloadDevice, ZeroConfig};
 use crate::error::ZeroError;
@@ -105,6 +106,8 @@ pub struct Engine<T: Float = f32, S: TrainStream + 'static = HostStream> {
     /// Kept bucket-sized buffers (staging, gathered buckets) and shard-sized ones (reduced
     /// shards, prefetch copies).
     buckets: Spares,
+    /// The bytes of those two kinds of buffers, kept or in use, now and at their peak.
+    comm_meter: Arc<Held>,
     shards: Spares,
     /// A small buffer for the one-element all-reduces (the norm, the overflow flag).
     scalar: Option<DevVec>,
@@ -273,10 +276,12 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
         // Two bucket buffers in steady state (one filling while one reduces, or a gathered
         // bucket and a prefetched one); a reduced shard per bucket (stage 1 keeps them all
         // through the step).
-        let buckets = Spares::new(T::DTYPE, cap, 2);
-        let shards = Spares::new(T::DTYPE, cap / n, nb + 1);
+        let comm_meter = Arc::new(Held::new());
+        let buckets = Spares::new(T::DTYPE, cap, 2).metered(&comm_meter);
+        let shards = Spares::new(T::DTYPE, cap / n, nb + 1).metered(&comm_meter);
         let scalar = Some(alloc(DType::F64, 1, false)?);
         let mut e = Engine {
+            comm_meter,
             buckets,
             shards,
             scalar,
@@ -459,6 +464,7 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
                 + self.buckets.held()
                 + self.shards.held())
                 * sz,
+            comm_buffers_peak: self.comm_meter.read().peak,
             host_params: if host_params { params } else { 0 },
             host_optimizer: off.iter().map(|&b| optim(b)).sum::<usize>() * 4,
             host_buffers: self.tier.buffer_bytes(),
