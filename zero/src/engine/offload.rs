@@ -263,6 +263,22 @@ pub(super) struct Target {
     pub(super) from: usize,
 }
 
+/// Where an offloaded bucket's updated parameters go from the CPU step.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Out {
+    /// Rounded into a host buffer, then copied to the device (or written to the shards' NVMe
+    /// file).
+    Buffer,
+    /// f32 parameters are the master's bits: copied to the device from the master itself, so
+    /// the CPU writes no second copy (a quarter less memory traffic in its step). Not for a
+    /// master in the NVMe tier's regions, nor where the shards go to NVMe (the file writes
+    /// whole page-aligned regions from the parameter buffer).
+    Master,
+    /// Stage 3 with `offload_param` on the CPU: the shard is host memory, and the CPU step
+    /// writes it in place; nothing is copied.
+    Shard,
+}
+
 impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
     /// The offloaded buckets' optimizer step `t` (see the module docs), gradients scaled by
     /// `scale`; stage 1's reduced ranges are `red`.
@@ -303,7 +319,7 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
         // that do not go back from the master, two of each kind (bucket k+1's fill while
         // bucket k steps); none of a kind no bucket needs.
         let need_grads = targets.iter().any(|tg| self.tier.early[tg.b].is_none());
-        let need_params = targets.iter().any(|tg| !self.puts_from_master(tg.b));
+        let need_params = targets.iter().any(|tg| self.out_of(tg.b) == Out::Buffer);
         let two = |sp: &mut Spares, need: bool| -> Result<Vec<DevVec>, ZeroError> {
             let n = if need { 2 } else { 0 };
             (0..n).map(|_| sp.take(s, sp.cap, false)).collect()
@@ -400,15 +416,21 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
                 .checked_sub(1)
                 .map(|p| targets[p].b)
                 .filter(|&b| self.tier.on_nvme(b));
-            let from_master = self.puts_from_master(tg.b);
+            let out = self.out_of(tg.b);
             // SAFETY: the gradients' copy has ended (its marker passed, or it was waited for
             // when it was queued) and the next copy goes to another buffer; the parameter
-            // buffer's last put (two buckets back) has ended (its marker passed); both hold
-            // `tg.len` elements of `T`.
+            // buffer's last put (two buckets back) has ended (its marker passed); a host shard
+            // is read by no work during the step (the forward's gathers have ended, and the
+            // next step's start after this one's closing wait); each holds `tg.len` elements
+            // of `T`.
             let (g, p) = unsafe {
                 (
                     on_host::<T>(grads_of(k), 0, tg.len),
-                    (!from_master).then(|| on_host::<T>(pbuf(k), 0, tg.len)),
+                    match out {
+                        Out::Buffer => Some(on_host::<T>(pbuf(k), 0, tg.len)),
+                        Out::Shard => Some(on_host::<T>(&self.params[tg.b], 0, tg.len)),
+                        Out::Master => None,
+                    },
                 )
             };
             // Stages 1–2: the buckets whose updated parameters are on the device already (the
@@ -471,18 +493,18 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
                 self.tier.gathered[b] = true;
             }
             stats.cpu_step += c0.elapsed();
-            if !from_master && self.put_shard_to_nvme(tg.b, pbuf(k))? {
+            if out == Out::Shard || (out == Out::Buffer && self.put_shard_to_nvme(tg.b, pbuf(k))?) {
                 puts.push(None);
             } else {
                 let s = self.comm.stream();
-                let src = match from_master {
-                    true => {
+                let src = match out {
+                    Out::Master => {
                         self.master[tg.b]
                             .as_ref()
                             .expect("an offloaded master")
                             .addr
                     }
-                    false => pbuf(k).addr,
+                    _ => pbuf(k).addr,
                 };
                 // SAFETY: the updated parameters (`tg.len` elements of `T`) into the engine's
                 // stretch of the bucket; the parameter buffer is not written again before this
@@ -512,15 +534,21 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
         Ok(())
     }
 
-    /// Whether bucket `b`'s updated parameters go to the device straight from its master: f32
-    /// parameters are the master's bits, so the CPU writes no second copy of them (a quarter
-    /// less memory traffic in its step) and the put reads the master, host memory the device
-    /// can copy from. Not for a master in the NVMe tier's regions, nor where the shards go to
-    /// NVMe (the file writes whole page-aligned regions from the parameter buffer).
-    fn puts_from_master(&self, b: usize) -> bool {
-        T::DTYPE == ringzero_kernels::DType::F32
+    /// Where bucket `b`'s updated parameters go from the CPU step ([`Out`]).
+    fn out_of(&self, b: usize) -> Out {
+        let shards_on_host = self.led.cfg.stage == 3
+            && self.led.cfg.offload.param.device == OffloadDevice::Cpu
+            && self.params[b].host.is_some();
+        if shards_on_host {
+            Out::Shard
+        } else if T::DTYPE == ringzero_kernels::DType::F32
             && !self.tier.on_nvme(b)
             && self.tier.params_file.is_none()
+        {
+            Out::Master
+        } else {
+            Out::Buffer
+        }
     }
 
     /// Stages 2–3, the accumulation window's last micro-step: queue bucket `b`'s reduced
