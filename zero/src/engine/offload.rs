@@ -421,7 +421,7 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
             // when it was queued) and the next copy goes to another buffer; the parameter
             // buffer's last put (two buckets back) has ended (its marker passed); a host shard
             // is read by no work during the step (the forward's gathers have ended, and the
-            // next step's start after this one's closing wait); each holds `tg.len` elements
+            // next step starts after this one's closing wait); each holds `tg.len` elements
             // of `T`.
             let (g, p) = unsafe {
                 (
@@ -446,7 +446,7 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
                     .get_disjoint_mut([k % 3, (k + 1) % 3, (k + 2) % 3])
                     .expect("three regions");
                 let swap = &*swap;
-                let out = std::thread::scope(|sc| -> Result<(), ZeroError> {
+                let res = std::thread::scope(|sc| -> Result<(), ZeroError> {
                     let io = sc.spawn(move || -> Result<(), ZeroError> {
                         if let Some(b) = prev {
                             swap.write(b, behind)?;
@@ -467,7 +467,7 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
                     shared
                 });
                 self.tier.swap = tier;
-                out
+                res
             } else {
                 let b = tg.b;
                 let master = self.master[b].as_ref().expect("an offloaded master");
