@@ -108,10 +108,11 @@ pub fn all_finite<T: Float>(x: &[T]) -> bool {
     ok
 }
 
-/// One optimizer step ([`optim_step`](super::optim_step)) on an fp32 `master` copy and fp32 states from gradients
-/// kept in `T` (multiplied by `grad_scale` first); then, unless `T` is `f32` and `params` is
-/// absent, the updated master rounded into the `T` parameters. Element-wise, so a shard computes
-/// what the whole would. A state the rule does not keep is an empty slice.
+/// One optimizer step ([`optim_step`](super::optim_step)) on an fp32 `master` copy and fp32
+/// states from gradients kept in `T` (multiplied by `grad_scale` first); then, unless `T` is
+/// `f32` and `params` is absent, the updated master rounded into the `T` parameters.
+/// Element-wise, so a shard computes what the whole would. A state the rule does not keep is an
+/// empty slice. Runs in AVX2's vectors where the CPU has them (the same bits).
 ///
 /// # Panics
 /// If the slices' lengths do not fit (see [`optim_step`](super::optim_step)).
@@ -208,9 +209,9 @@ fn step_mixed_any<T: Float>(
     }
 }
 
-/// [`optim_step`](super::optim_step) on `threads` threads at once, each on its own run of elements (the update is
-/// element-wise, so the bits are those of one thread): [`step_mixed_threads`] on `f32`
-/// parameters that are their own master.
+/// [`optim_step`](super::optim_step) on `threads` threads at once, each on its own run of
+/// elements (the update is element-wise, so the bits are those of one thread):
+/// [`step_mixed_threads`] on `f32` parameters that are their own master.
 ///
 /// # Panics
 /// As [`optim_step`](super::optim_step).
