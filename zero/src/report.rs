@@ -31,9 +31,10 @@ pub struct Memory {
     /// steps the master and copies the parameters to the device) and optimizer states.
     pub host_optimizer: usize,
     /// Host tier: the offload pipeline's buffers (two gradient buffers unless every bucket's
-    /// gradients leave during backward, two parameter buffers unless every bucket's f32
-    /// parameters go back from its master, each of the largest update range; a gradient copy
-    /// per bucket made during backward; three NVMe regions).
+    /// gradients leave during backward; two parameter buffers unless every bucket's parameters
+    /// go back from its f32 master or are written in place into a stage-3 shard in host
+    /// memory; each of the largest update range; a gradient copy per bucket made during
+    /// backward; three NVMe regions).
     pub host_buffers: usize,
     /// NVMe tier: the file holding the offloaded buckets' master weights and states (each
     /// stretch rounded up to 4096 bytes).

@@ -90,9 +90,9 @@ impl Spares {
         }
     }
 
-    /// Bytes of one of its buffers (as [`alloc`] makes them).
+    /// Bytes of one of its buffers.
     fn bytes(&self) -> usize {
-        (self.cap * self.dtype.size()).max(64)
+        alloc_bytes(self.dtype, self.cap)
     }
 
     /// As [`Spares::new`], the buffers in host memory the stream maps (the offload tier's).
@@ -159,13 +159,19 @@ pub(crate) fn dev(context: String) -> impl FnOnce(DeviceError) -> ZeroError {
     move |source| ZeroError::Comm(Error::Device { context, source })
 }
 
+/// Bytes [`alloc`] and [`alloc_host`] take for `elems` elements of `dtype` (at least 64: no
+/// stream allocates nothing).
+fn alloc_bytes(dtype: DType, elems: usize) -> usize {
+    (elems * dtype.size()).max(64)
+}
+
 /// `elems` zeroed elements of `dtype` on `s`.
 pub(crate) fn alloc<S: TrainStream>(
     s: &S,
     dtype: DType,
     elems: usize,
 ) -> Result<DevVec, ZeroError> {
-    let bytes = (elems * dtype.size()).max(64);
+    let bytes = alloc_bytes(dtype, elems);
     let (addr, keep) = s
         .alloc(bytes)
         .map_err(dev(format!("allocating {bytes} bytes")))?;
@@ -185,7 +191,7 @@ pub(crate) fn alloc_host<S: TrainStream>(
     dtype: DType,
     elems: usize,
 ) -> Result<DevVec, ZeroError> {
-    let bytes = (elems * dtype.size()).max(64);
+    let bytes = alloc_bytes(dtype, elems);
     let (addr, host, keep) = s
         .alloc_host(bytes)
         .map_err(dev(format!("allocating {bytes} bytes of host memory")))?;
