@@ -4,6 +4,7 @@
 mod alltoall;
 mod bench;
 mod checkpoint;
+mod comm_peak;
 mod common;
 mod deepspeed_configs;
 mod device;

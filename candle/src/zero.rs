@@ -136,7 +136,18 @@ impl<T: Float, S: CandleStream> Zero<T, S> {
     /// Put the engine's current parameters into every variable (at stage 3 each is gathered,
     /// written and released in turn).
     pub fn load_params(&mut self) -> Result<()> {
-        self.load_where(|_| true)
+        if self.engine.config().stage != 3 {
+            return self.load_where(|_| true);
+        }
+        // Bucket by bucket: never more of the model gathered at once than one bucket (and the
+        // buckets persistent parameters keep), as in forward.
+        let buckets: Vec<Vec<usize>> = (self.engine.partition().buckets.iter())
+            .map(|b| b.params.clone())
+            .collect();
+        for params in buckets {
+            self.load(&params)?;
+        }
+        Ok(())
     }
 
     /// Put the parameters whose names start with `prefix` (a module: `"h.3."`) into their
@@ -160,11 +171,18 @@ impl<T: Float, S: CandleStream> Zero<T, S> {
     }
 
     fn load_where(&mut self, want: impl Fn(&str) -> bool) -> Result<()> {
-        let (names, vars): (Vec<&str>, Vec<&Var>) = self
-            .vars
+        let params: Vec<usize> = (0..self.vars.len())
+            .filter(|&i| want(&self.vars[i].0))
+            .collect();
+        self.load(&params)
+    }
+
+    /// Gather the variables at `params` (indices in the engine's order) together, write them,
+    /// release them.
+    fn load(&mut self, params: &[usize]) -> Result<()> {
+        let (names, vars): (Vec<&str>, Vec<&Var>) = params
             .iter()
-            .filter(|(n, _)| want(n))
-            .map(|(n, v)| (n.as_str(), v))
+            .map(|&i| (self.vars[i].0.as_str(), &self.vars[i].1))
             .unzip();
         self.engine.gather(&names)?;
         let dtype = candle_dtype::<T>();

@@ -1,5 +1,7 @@
 //! ringzero-zero: ZeRO (stages 1–3) built on ringzero's own collectives.
 //!
+//! - [`comm_peak`]: the engine's communication buffers at their peak, from a trainer's calls
+//!   replayed before a run;
 //! - [`mem`]: the paper's memory and communication model (what `ringzero mem` prints, and what the
 //!   engine's counters are compared with);
 //! - [`partition`]: parameters flattened into buckets padded to a multiple of the world size, each
@@ -16,6 +18,7 @@
 #![deny(missing_docs)]
 
 pub mod checkpoint;
+pub mod comm_peak;
 pub mod config;
 pub mod engine;
 mod error;

@@ -161,7 +161,7 @@ pub(crate) fn dev(context: String) -> impl FnOnce(DeviceError) -> ZeroError {
 
 /// Bytes [`alloc`] and [`alloc_host`] take for `elems` elements of `dtype` (at least 64: no
 /// stream allocates nothing).
-fn alloc_bytes(dtype: DType, elems: usize) -> usize {
+pub(crate) fn alloc_bytes(dtype: DType, elems: usize) -> usize {
     (elems * dtype.size()).max(64)
 }
 

@@ -75,7 +75,19 @@ mod persist;
 mod stage3;
 mod step;
 
+pub(crate) use buffers::alloc_bytes;
 use buffers::{all_gather_host, alloc, alloc_host, dev, DevVec, InFlight, Spares};
+pub(crate) use step::REDUCES_IN_FLIGHT;
+
+/// Bucket-sized buffers the engine keeps for reuse: two in steady state (one filling while one
+/// reduces, or a gathered bucket and a prefetched one).
+pub(crate) const KEPT_BUCKETS: usize = 2;
+
+/// Shard-sized buffers the engine keeps for reuse with `nb` buckets: a reduced shard per bucket
+/// (stage 1 holds them all through the step) and a piece of the update being shared.
+pub(crate) fn kept_shards(nb: usize) -> usize {
+    nb + 1
+}
 pub use host::hybrid_groups;
 
 /// The ZeRO engine on one rank (see the module docs): model states in the memory of stream `S`
@@ -98,8 +110,10 @@ pub struct Engine<T: Float = f32, S: TrainStream + 'static = HostStream> {
     grads: Vec<DevVec>,
     /// Stages 2–3: a bucket's gradients while backward fills it.
     staging: Vec<Option<DevVec>>,
-    /// Stages 2–3 with `overlap_comm`: reduce-scatters in flight (the bucket, the shard).
+    /// Stages 2–3 with `overlap_comm`: reduce-scatters in flight (the bucket, the shard), and
+    /// their buckets in the order they started (at most `step::REDUCES_IN_FLIGHT`).
     pending: InFlight,
+    pending_order: std::collections::VecDeque<usize>,
     /// Per bucket, the optimizer's fp32 states over the range this rank updates, in
     /// `Optimizer::states`' order (none for SGD without momentum).
     states: Vec<Vec<DevVec>>,
@@ -273,12 +287,10 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
                 .collect::<Result<_, ZeroError>>()?;
         }
         let cap = part.buckets.iter().map(|b| b.len).max().unwrap_or(0);
-        // Two bucket buffers in steady state (one filling while one reduces, or a gathered
-        // bucket and a prefetched one); a reduced shard per bucket (stage 1 keeps them all
-        // through the step).
+        // Their peak is what `comm_peak` predicts from the trainer's calls.
         let comm_meter = Arc::new(Held::new());
-        let buckets = Spares::new(T::DTYPE, cap, 2).metered(&comm_meter);
-        let shards = Spares::new(T::DTYPE, cap / n, nb + 1).metered(&comm_meter);
+        let buckets = Spares::new(T::DTYPE, cap, KEPT_BUCKETS).metered(&comm_meter);
+        let shards = Spares::new(T::DTYPE, cap / n, kept_shards(nb)).metered(&comm_meter);
         let scalar = Some(alloc(DType::F64, 1, false)?);
         let mut e = Engine {
             comm_meter,
@@ -293,6 +305,7 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
             grads,
             staging: (0..nb).map(|_| None).collect(),
             pending: (0..nb).map(|_| None).collect(),
+            pending_order: std::collections::VecDeque::new(),
             states,
             led: Ledger::new(part, cfg, rank),
             comm,

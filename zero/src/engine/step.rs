@@ -15,6 +15,12 @@ use crate::ledger::clip_factor;
 use crate::partition::Slot;
 use crate::report::StepOutcome;
 
+/// `overlap_comm`'s reduce-scatters in flight at most: one running on the proxy thread and
+/// one queued behind it, as DeepSpeed double-buffers its reduction buckets. A bucket that fills
+/// while both are in flight waits for the older one, so backward holds at most three buckets
+/// and two shards whatever the model's size ([`crate::comm_peak`]).
+pub(crate) const REDUCES_IN_FLIGHT: usize = 2;
+
 impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
     /// Add this micro-step's gradient of `name`, a device buffer of the parameter's length in
     /// `T` (already multiplied by [`Engine::loss_scale`] under fp16); returns once it has
@@ -147,6 +153,14 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
         self.sync("adding a gradient")?;
         let blen = self.led.part.buckets[b].len;
         let full = self.staging[b].take().expect("filled above");
+        // With as many reduce-scatters in flight as may be, the oldest ends first (and gives
+        // back its shard for this one).
+        while self.pending_order.len() >= REDUCES_IN_FLIGHT {
+            let t0 = Instant::now();
+            let r = self.finish_pending(false);
+            self.wait.reduce += t0.elapsed();
+            r?;
+        }
         let mut shard = self
             .shards
             .take(self.comm.stream(), blen / self.led.part.world, false)?;
@@ -156,6 +170,7 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
                 self.comm.reduce_scatter_async(full, shard, ReduceOp::Avg),
                 held,
             ));
+            self.pending_order.push_back(b);
             return Ok(());
         }
         let t0 = Instant::now();
@@ -163,6 +178,26 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
         self.wait.reduce += t0.elapsed();
         r?;
         let last = self.led.micro + 1 == self.led.cfg.accumulation_steps;
+        self.accumulate(b, &shard, last)?;
+        self.buckets.give(full);
+        self.shards.give(shard);
+        Ok(())
+    }
+
+    /// Wait for the oldest reduce-scatter in flight and add its shard into its bucket's
+    /// gradients (in the window's last micro-step, before the step itself, an offloaded bucket's
+    /// sum leaves for the host now, as without `overlap_comm`); `at_step`: the micro-step has
+    /// ended.
+    fn finish_pending(&mut self, at_step: bool) -> Result<(), ZeroError> {
+        let b = self
+            .pending_order
+            .pop_front()
+            .expect("called with a reduce-scatter in flight");
+        let (w, _) = self.pending[b]
+            .take()
+            .expect("every bucket in the order is in flight");
+        let (full, shard) = w.wait()?;
+        let last = !at_step && self.led.micro + 1 == self.led.cfg.accumulation_steps;
         self.accumulate(b, &shard, last)?;
         self.buckets.give(full);
         self.shards.give(shard);
@@ -211,15 +246,10 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
     fn micro_step(&mut self) -> Result<StepOutcome, ZeroError> {
         let boundary = self.led.end_micro_step()?;
         let t0 = Instant::now();
-        // Reduce-scatters still in flight belong to this micro-step.
-        for b in 0..self.pending.len() {
-            if let Some((w, _)) = self.pending[b].take() {
-                let (full, shard) = w.wait()?;
-                // At the step itself: the pipeline fetches these gradients.
-                self.accumulate(b, &shard, false)?;
-                self.buckets.give(full);
-                self.shards.give(shard);
-            }
+        // Reduce-scatters still in flight belong to this micro-step (at the step itself the
+        // offload pipeline fetches their gradients).
+        while !self.pending_order.is_empty() {
+            self.finish_pending(true)?;
         }
         if !boundary {
             self.wait.reduce += t0.elapsed();
