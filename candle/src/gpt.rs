@@ -34,6 +34,45 @@ impl GptConfig {
         }
     }
 
+    /// The variables [`Gpt::new`] makes, by name and shape, in the order [`Gpt::new`] makes
+    /// them: what a trainer knows of the model without building it.
+    pub fn variables(&self) -> Vec<(String, Vec<usize>)> {
+        let (v, c) = (self.vocab, self.dim);
+        let mut out = vec![
+            ("tok.weight".to_string(), vec![v, c]),
+            ("pos.weight".to_string(), vec![self.ctx, c]),
+        ];
+        let linear = |out: &mut Vec<(String, Vec<usize>)>, name: String, i: usize, o: usize| {
+            out.push((format!("{name}.weight"), vec![o, i]));
+            out.push((format!("{name}.bias"), vec![o]));
+        };
+        let norm = |out: &mut Vec<(String, Vec<usize>)>, name: String| {
+            out.push((format!("{name}.weight"), vec![c]));
+            out.push((format!("{name}.bias"), vec![c]));
+        };
+        for i in 0..self.layers {
+            norm(&mut out, format!("h.{i}.ln1"));
+            linear(&mut out, format!("h.{i}.attn.qkv"), c, 3 * c);
+            linear(&mut out, format!("h.{i}.attn.proj"), c, c);
+            norm(&mut out, format!("h.{i}.ln2"));
+            linear(&mut out, format!("h.{i}.fc"), c, 4 * c);
+            linear(&mut out, format!("h.{i}.out"), 4 * c, c);
+        }
+        norm(&mut out, "ln_f".into());
+        linear(&mut out, "head".into(), c, v);
+        out
+    }
+
+    /// The prefixes [`Gpt::forward_with`] calls its hook with, in order: one per module.
+    pub fn modules(&self) -> Vec<String> {
+        let blocks = (0..self.layers).map(|i| format!("h.{i}."));
+        ["tok".into(), "pos".into()]
+            .into_iter()
+            .chain(blocks)
+            .chain(["ln_f".into(), "head".into()])
+            .collect()
+    }
+
     /// Parameters of the model.
     pub fn params(&self) -> usize {
         let (v, c, t) = (self.vocab, self.dim, self.ctx);
@@ -279,6 +318,30 @@ mod tests {
         let (_, vm) = build(cfg, 1, &Device::Cpu).unwrap();
         let n: usize = vm.all_vars().iter().map(|v| v.elem_count()).sum();
         assert_eq!(n, cfg.params());
+    }
+
+    #[test]
+    fn the_shape_names_every_variable_and_module_the_model_makes() {
+        let cfg = GptConfig {
+            layers: 3,
+            ..GptConfig::tiny(11)
+        };
+        let (m, vm) = build(cfg, 1, &Device::Cpu).unwrap();
+        let mut made: Vec<(String, Vec<usize>)> = (vm.data().lock().unwrap().iter())
+            .map(|(n, v)| (n.clone(), v.dims().to_vec()))
+            .collect();
+        let mut named = cfg.variables();
+        made.sort();
+        named.sort();
+        assert_eq!(named, made);
+        let mut hooked = Vec::new();
+        let x = Tensor::new(&[[1u32, 2, 3]], &Device::Cpu).unwrap();
+        m.forward_with(&x, &mut |p| {
+            hooked.push(p.to_string());
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(hooked, cfg.modules());
     }
 
     #[test]

@@ -8,7 +8,11 @@
 //! intermediate tensor ([`GptConfig::activation_elems`]); backward adds the gradients of one
 //! block's worth of intermediates at a time on top.
 
+use ringzero_zero::comm_peak::{comm_buffers_peak, Call};
+use ringzero_zero::{ParamSpec, Partition, ZeroConfig};
+
 use crate::gpt::GptConfig;
+use crate::{Error, Result};
 
 impl GptConfig {
     /// f32 elements of every intermediate tensor one forward and loss of `batch` sequences of
@@ -124,6 +128,56 @@ impl Footprint {
             + self.activations
             + self.backward
     }
+}
+
+/// The engine's communication buffers at their peak while [`crate::train`] trains the GPT
+/// `shape` under `cfg` on `world` ranks for `steps` optimizer steps: the calls it makes —
+/// [`crate::Zero::on`]'s first load (at stage 3 bucket by bucket), then per micro-step
+/// forward's gathers module by module (stage 3), backward's gradients last variable first, and
+/// the step — replayed through the engine's bookkeeping ([`ringzero_zero::comm_peak`]). Steps
+/// past the third repeat the third (its gathers follow the order the second recorded), so at
+/// most three are replayed.
+pub fn comm_buffers_peak_for(
+    shape: &GptConfig,
+    cfg: &ZeroConfig,
+    world: usize,
+    steps: usize,
+) -> Result<usize> {
+    let mut vars = shape.variables();
+    // The engine's order (`Zero::on`).
+    vars.sort_by_key(|(n, _)| crate::zero::natural(n));
+    let specs: Vec<ParamSpec> = vars.iter().map(|(n, d)| ParamSpec::new(n, d)).collect();
+    let shard = cfg.shard_size.unwrap_or(world);
+    let part = Partition::new(&specs, shard, cfg.bucket_elems)
+        .map_err(|e| Error::Invalid(format!("laying out the GPT's parameters: {e}")))?;
+    let mut calls = Vec::new();
+    let stage3 = cfg.stage == 3;
+    if stage3 {
+        for b in &part.buckets {
+            calls.push(Call::Gather(b.params.clone()));
+            calls.push(Call::Release(b.params.clone()));
+        }
+    }
+    let modules: Vec<Vec<usize>> = shape
+        .modules()
+        .iter()
+        .map(|m| {
+            (0..specs.len())
+                .filter(|&i| specs[i].name.starts_with(m.as_str()))
+                .collect()
+        })
+        .collect();
+    for _ in 0..steps.min(3) * cfg.accumulation_steps.max(1) {
+        if stage3 {
+            for m in &modules {
+                calls.push(Call::Gather(m.clone()));
+                calls.push(Call::Release(m.clone()));
+            }
+        }
+        calls.extend((0..specs.len()).rev().map(Call::Push));
+        calls.push(Call::Step);
+    }
+    Ok(comm_buffers_peak(&part, cfg, calls)?)
 }
 
 /// This process's resident memory (`VmRSS`) and its peak (`VmHWM`), in bytes, from

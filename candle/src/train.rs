@@ -71,8 +71,13 @@ pub struct TrainReport {
     pub memory: Memory,
     /// The model's parameters.
     pub params: usize,
-    /// What this rank holds while training, by category ([`Footprint`]).
+    /// What this rank holds while training, by category ([`Footprint`]), predicted: its
+    /// communication buffers from the trainer's calls replayed
+    /// ([`memory::comm_buffers_peak_for`]).
     pub footprint: Footprint,
+    /// The engine's own count of its communication buffers at their peak (what the footprint
+    /// predicts).
+    pub comm_buffers_counted: usize,
     /// Resident memory this rank's training added at its peak: `VmHWM` at the end over `VmRSS`
     /// before the model was built (Linux; `None` elsewhere). It is the process's: ranks run as
     /// threads of one process (as tests do) share one figure.
@@ -182,6 +187,7 @@ fn train_on<T: Float, S: CandleStream>(
     // they are made and dropped: the measurement its own count of them is checked against.
     ringzero_kernels::device::reset_host_scratch_peak();
     let scratch_before = ringzero_kernels::device::host_scratch().live;
+    let comm_predicted = memory::comm_buffers_peak_for(&shape, &cfg, comm.size(), args.steps)?;
     let (model, varmap) = gpt::build(shape, args.seed, &dev)?;
     let (stage3, accum) = (cfg.stage == 3, cfg.accumulation_steps.max(1));
     let mut zero = Zero::<T, S>::on(comm, stream, &varmap, cfg)?;
@@ -238,10 +244,10 @@ fn train_on<T: Float, S: CandleStream>(
     // The offload tier's host memory is this process's memory too.
     let m = zero.memory();
     let comm_peak = m.comm_buffers_peak;
-    let engine = (m.model_states() + m.host(), comm_peak);
+    let engine = (m.model_states() + m.host(), comm_predicted);
     let mut footprint = Footprint::of(&shape, batch, engine, slots);
     if !zero.engine().stream().host_addressable() {
-        footprint.engine_on_device = m.model_states() + comm_peak;
+        footprint.engine_on_device = m.model_states() + comm_predicted;
     }
     Ok(TrainReport {
         losses,
@@ -250,6 +256,7 @@ fn train_on<T: Float, S: CandleStream>(
         memory: zero.memory(),
         params: shape.params(),
         footprint,
+        comm_buffers_counted: comm_peak,
         measured_peak,
         device_measured: device_before.zip(device_peak),
         device_pool_peak: ordinal.and_then(|o| memory::pool_peak(o, false)),

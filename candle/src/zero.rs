@@ -328,7 +328,7 @@ fn to_f32(t: &Tensor) -> Result<Vec<f32>> {
 }
 
 /// A name's sort key: runs of digits compare as numbers.
-fn natural(name: &str) -> Vec<(String, u64)> {
+pub(crate) fn natural(name: &str) -> Vec<(String, u64)> {
     let mut key = Vec::new();
     let mut text = String::new();
     let mut chars = name.chars().peekable();

@@ -101,9 +101,12 @@ fn parity(world: usize) {
     let mut curves = Vec::new();
     for stage in 0..=3u8 {
         let per_rank = ranks(world, |comm| {
-            train::<f32>(&comm, config(stage), &args(), |_| {})
-                .unwrap()
-                .losses
+            let r = train::<f32>(&comm, config(stage), &args(), |_| {}).unwrap();
+            assert_eq!(
+                r.footprint.comm_buffers, r.comm_buffers_counted,
+                "stage {stage}: the predicted communication buffers against the engine's count"
+            );
+            r.losses
         });
         assert!(
             per_rank.windows(2).all(|w| w[0] == w[1]),
@@ -125,6 +128,56 @@ fn parity(world: usize) {
         reference[STEPS - 1] < reference[0] - 0.3,
         "the loss did not fall: {reference:?}"
     );
+}
+
+/// The communication buffers `train` predicts (its calls replayed before the model is built)
+/// are the engine's count of them, to the byte, with the settings that change them: the
+/// reductions overlapped, stage 3's prefetch and persistent parameters, accumulation, offload.
+#[test]
+fn the_predicted_communication_buffers_are_the_engines() {
+    let runs = [
+        (
+            2,
+            r#""overlap_comm": true, "allgather_bucket_size": 500"#,
+            1,
+        ),
+        (
+            3,
+            r#""overlap_comm": true, "stage3_prefetch_bucket_size": 9000"#,
+            1,
+        ),
+        (
+            3,
+            r#""stage3_prefetch_bucket_size": 5000, "stage3_param_persistence_threshold": 40, "stage3_max_live_parameters": 12000"#,
+            2,
+        ),
+        (
+            2,
+            r#""offload_optimizer": {"device": "cpu"}, "overlap_comm": true"#,
+            2,
+        ),
+        (
+            3,
+            r#""offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}, "stage3_prefetch_bucket_size": 9000"#,
+            1,
+        ),
+    ];
+    for (stage, extra, accum) in runs {
+        let cfg = ZeroConfig::from_json(&format!(
+            r#"{{"zero_optimization": {{"stage": {stage}, "reduce_bucket_size": 3000, {extra}}},
+                "gradient_accumulation_steps": {accum}}}"#
+        ))
+        .unwrap();
+        let a = TrainArgs { steps: 4, ..args() };
+        ranks(2, |comm| {
+            let r = train::<f32>(&comm, cfg.clone(), &a, |_| {}).unwrap();
+            assert!(r.comm_buffers_counted > 0, "{extra}");
+            assert_eq!(
+                r.footprint.comm_buffers, r.comm_buffers_counted,
+                "stage {stage}, {extra}, accumulation {accum}"
+            );
+        });
+    }
 }
 
 #[test]

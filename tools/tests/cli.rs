@@ -1536,6 +1536,20 @@ fn train_learns_a_gpt_and_exits_non_zero_when_the_loss_stays_high() {
         // The engine's own count of its buffers at their peak (stage 3: the forward's
         // gathered window) is what its stream allocated, measured as made and dropped.
         assert!(out.contains("counted / allocated 1.00"), "{out}");
+        // The communication buffers' peak, predicted before the model was built, is the
+        // engine's count of them.
+        let line = out
+            .lines()
+            .find(|l| l.contains("communication buffers at their peak: predicted"))
+            .unwrap_or_else(|| panic!("{out}"));
+        let mib: Vec<&str> = line
+            .split_whitespace()
+            .zip(line.split_whitespace().skip(1))
+            .filter(|(_, unit)| unit.starts_with("MiB"))
+            .map(|(x, _)| x)
+            .collect();
+        assert_eq!(mib.len(), 2, "{line}");
+        assert_eq!(mib[0], mib[1], "{line}");
     }
     let out = ringzero()
         .args(["train", "--steps", "3", "--threshold", "1.0"])
@@ -1612,7 +1626,31 @@ fn mem_predicts_a_gpts_footprint_per_stage() {
         .map(|l| l.split_whitespace().last().unwrap().parse().unwrap())
         .collect();
     assert_eq!(totals.len(), 4, "{out}");
-    assert!(totals.windows(2).all(|w| w[1] < w[0]), "{out}");
+    let states: Vec<f64> = out
+        .lines()
+        .filter(|l| l.trim_start().starts_with(|c: char| c.is_ascii_digit()))
+        .map(|l| l.split_whitespace().nth(1).unwrap().parse().unwrap())
+        .collect();
+    assert!(states.windows(2).all(|w| w[1] < w[0]), "{out}");
+    // A published config sets the precision and the buffers: Hugging Face's ZeRO-3 trains in
+    // fp16, and stage 3 holds its gathered and prefetched buckets.
+    let hf = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../tests/fixtures/deepspeed/hf-ds_config_zero3.json"
+    );
+    let out =
+        succeeds(ringzero().args(["mem", "--gpt", "2,64,4,32,32", "--dp", "2", "--config", hf]));
+    assert!(
+        out.contains(", fp16, AdamW") && out.contains("comm buffers"),
+        "{out}"
+    );
+    let e = fails(ringzero().args(["mem", "--params", "1e9", "--config", hf]));
+    assert!(
+        e.contains("--config sizes a GPT's footprint: give --gpt"),
+        "{e}"
+    );
+    let e = fails(ringzero().args(["mem", "--gpt", "2,64,4,32,32", "--config", "/no/such.json"]));
+    assert!(e.contains("reading /no/such.json"), "{e}");
     let e = fails(ringzero().args(["mem", "--gpt", "2,64,4"]));
     assert!(e.contains("expected LAYERS,DIM,HEADS,CTX,VOCAB"), "{e}");
     let e = fails(ringzero().args(["mem", "--gpt", "2,30,4,32,32"]));

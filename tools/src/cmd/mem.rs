@@ -11,10 +11,17 @@ pub(crate) struct MemCli {
     #[arg(long = "params", value_parser = count, required_unless_present = "gpt")]
     pub(crate) params: Option<f64>,
     /// A GPT's shape, `LAYERS,DIM,HEADS,CTX,VOCAB` (`ringzero train`'s model): each rank's
-    /// whole footprint while training it on the host in f32 — the engine's model states, the
-    /// ring slots, candle's variables, gradients and activations — per stage.
+    /// whole footprint while training it on the host in f32 — the engine's model states and
+    /// communication buffers, the ring slots, candle's variables, gradients and activations —
+    /// per stage.
     #[arg(long, value_name = "SHAPE", conflicts_with_all = ["params", "k", "shard_size"])]
     pub(crate) gpt: Option<String>,
+    /// With --gpt: a DeepSpeed-style JSON config (as `ringzero train --config` reads it) whose
+    /// precision, optimizer (instead of --optimizer), bucket sizes, overlap, prefetch,
+    /// persistence and accumulation set the table; its stage is the table's when --stage is
+    /// given, every stage otherwise. Without it, `ringzero train`'s defaults without --config.
+    #[arg(long, value_name = "FILE", requires = "gpt")]
+    pub(crate) config: Option<std::path::PathBuf>,
     /// With --gpt: sequences per rank and micro-step.
     #[arg(long, default_value_t = 8, requires = "gpt")]
     pub(crate) batch: usize,
@@ -82,6 +89,11 @@ pub(crate) fn run(a: MemCli) -> anyhow::Result<ExitCode> {
     if let Some(shape) = &a.gpt {
         return gpt(shape, &a);
     }
+    anyhow::ensure!(
+        a.config.is_none(),
+        "--config sizes a GPT's footprint: give --gpt LAYERS,DIM,HEADS,CTX,VOCAB with it (the \
+         model-state table of --params takes --stage, --k and --offload instead)"
+    );
     let MemCli {
         params,
         dp,
@@ -276,10 +288,33 @@ fn gpt(shape: &str, a: &MemCli) -> anyhow::Result<ExitCode> {
         a.dp >= 1 && a.batch >= 1,
         "--dp and --batch must be at least 1"
     );
+    let base = match &a.config {
+        None => ringzero_zero::ZeroConfig::default(),
+        Some(path) => {
+            use anyhow::Context;
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            let auto = ringzero_zero::Auto {
+                micro_batch: a.batch,
+                ..Default::default()
+            };
+            let c = ringzero_zero::ZeroConfig::from_json_auto(&text, &auto)
+                .with_context(|| format!("{}", path.display()))?;
+            c
+        }
+    };
     let psi = g.params() as f64;
-    let opt = a.optimizer.optimizer();
-    // fp32 parameters: the master is the parameters, so K counts the rule's states only.
-    let k = ringzero_zero::mem::k_for(&opt) - 4.0;
+    let opt = match a.config {
+        Some(_) => base.optimizer,
+        None => a.optimizer.optimizer(),
+    };
+    // fp32 parameters are their own master, so K counts the rule's states only; 16-bit ones
+    // keep an fp32 master beside them.
+    let fp32 = base.precision == ringzero_zero::Precision::Fp32;
+    let (elem, k) = match fp32 {
+        true => (4.0, ringzero_zero::mem::k_for(&opt) - 4.0),
+        false => (2.0, ringzero_zero::mem::k_for(&opt)),
+    };
     let cfg = ringzero_collectives::Config::new(0, a.dp, "127.0.0.1", 0);
     let slots = if a.dp > 1 {
         (cfg.slots, cfg.slice_bytes)
@@ -289,13 +324,15 @@ fn gpt(shape: &str, a: &MemCli) -> anyhow::Result<ExitCode> {
     let mib = |b: usize| b as f64 / (1 << 20) as f64;
     println!(
         "GPT {} blocks × width {} ({} heads, context {}, vocabulary {}): {} parameters; {} ranks × {} \
-         sequences, f32, {}; MiB per rank",
-        g.layers, g.dim, g.heads, g.ctx, g.vocab, g.params(), a.dp, a.batch, opt.name()
+         sequences, {}, {}; MiB per rank",
+        g.layers, g.dim, g.heads, g.ctx, g.vocab, g.params(), a.dp, a.batch, base.precision,
+        opt.name()
     );
     println!(
-        "{:>6} {:>13} {:>11} {:>12} {:>11} {:>12} {:>10} {:>10}",
+        "{:>6} {:>13} {:>13} {:>11} {:>12} {:>11} {:>12} {:>10} {:>10}",
         "stage",
         "model states",
+        "comm buffers",
         "ring slots",
         "candle vars",
         "grads",
@@ -305,13 +342,20 @@ fn gpt(shape: &str, a: &MemCli) -> anyhow::Result<ExitCode> {
     );
     let stages: Vec<u8> = a.stage.map_or(vec![0, 1, 2, 3], |s| vec![s]);
     for s in stages {
-        let m = ringzero_zero::mem::model_states_with(psi, a.dp, s, 4.0, k)
+        let m = ringzero_zero::mem::model_states_with(psi, a.dp, s, elem, k)
             .map_err(anyhow::Error::msg)?;
-        let f = Footprint::of(&g, a.batch, (m.total() as usize, 0), slots);
+        let cfg = ringzero_zero::ZeroConfig {
+            stage: s,
+            ..base.clone()
+        };
+        let comm = ringzero_candle::memory::comm_buffers_peak_for(&g, &cfg, a.dp, 3)
+            .map_err(|e| anyhow::anyhow!("stage {s}: {e}"))?;
+        let f = Footprint::of(&g, a.batch, (m.total() as usize, comm), slots);
         println!(
-            "{:>6} {:>13.2} {:>11.2} {:>12.2} {:>11.2} {:>12.2} {:>10.2} {:>10.2}",
+            "{:>6} {:>13.2} {:>13.2} {:>11.2} {:>12.2} {:>11.2} {:>12.2} {:>10.2} {:>10.2}",
             s,
             mib(f.model_states),
+            mib(f.comm_buffers),
             mib(f.slots),
             mib(f.vars),
             mib(f.grads),
@@ -321,8 +365,13 @@ fn gpt(shape: &str, a: &MemCli) -> anyhow::Result<ExitCode> {
         );
     }
     println!(
-        "plus the engine's communication buffers (gradient buckets, the stage-3 live window), which \
-         `ringzero train` reports as held; it prints this prediction beside the measured peak"
+        "comm buffers: the engine's gradient buckets in flight, stage 3's gathered and prefetched \
+         buckets and stage 1-2's update pieces at their peak, from `ringzero train`'s calls \
+         replayed ({}); `ringzero train` prints the same prediction beside what it measures",
+        match &a.config {
+            Some(p) => format!("settings from {}", p.display()),
+            None => "the engine's default settings; --config FILE for a config's".into(),
+        }
     );
     Ok(ExitCode::SUCCESS)
 }

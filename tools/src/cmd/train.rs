@@ -241,6 +241,13 @@ fn run_as<T: Float>(
             println!("rank 0 {l}");
         }
         println!("{}", footprint_text(&r));
+        println!(
+            "rank 0 communication buffers at their peak: predicted {:.2} MiB (these calls \
+             replayed before the model was built, as `ringzero mem --gpt` does), counted by the \
+             engine {:.2} MiB",
+            mib(r.footprint.comm_buffers),
+            mib(r.comm_buffers_counted)
+        );
         if let Some(a) = r.host_stream_peak {
             println!(
                 "rank 0 engine buffers on the host stream at their peak: allocated {:.2} MiB \
@@ -432,6 +439,7 @@ mod tests {
             memory: Default::default(),
             params: 1,
             footprint,
+            comm_buffers_counted: 0,
             measured_peak: None,
             // 588 MiB of context, 1 482 at the peak: 894 added.
             device_measured: Some((588 * MIB, 1482 * MIB)),
