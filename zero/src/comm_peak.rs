@@ -6,14 +6,15 @@
 //! the same buffers as they are made and dropped ([`crate::Memory::comm_buffers_peak`]), and the
 //! tests hold the two equal.
 //!
-//! The buffers, all of one size per kind (the largest bucket, and its shard):
+//! The buffers, all of one size per kind (the largest bucket, and its shard) but stage 1's:
 //! - **Stages 2–3, backward**: a bucket's staging buffer from its first gradient until it is
 //!   reduce-scattered into a shard; under `overlap_comm` at most two reduce-scatters in flight
 //!   (each a bucket and a shard), the next full bucket waiting for the older.
 //! - **Stage 3, gathers**: each bucket the trainer's live parameters need, the buckets
 //!   persistent parameters keep from their first gather on, and the prefetches in flight (a
 //!   bucket and a copy of the shard each), by the order the last step gathered in.
-//! - **Stage 1, the step**: every bucket's reduced shard at once.
+//! - **Stage 1, the step**: every bucket's reduced gradient range, each its own size, made at the
+//!   first step and kept.
 //! - **Stages 1–2, sharing the update**: one piece of `allgather_bucket_size` and its gathered
 //!   pieces per bucket too large to all-gather in one call.
 //!
@@ -79,12 +80,16 @@ struct Replay {
     inflight: Vec<Option<usize>>,
     /// Reduce-scatters in flight, oldest first.
     pending: std::collections::VecDeque<usize>,
+    /// Stage 1's reduced shards, each its bucket's owned range, made at the first step and kept.
+    reduced: usize,
     peak: usize,
 }
 
 impl Replay {
     fn bytes(&self) -> usize {
-        self.buckets.alive * self.buckets.bytes + self.shards.alive * self.shards.bytes
+        self.buckets.alive * self.buckets.bytes
+            + self.shards.alive * self.shards.bytes
+            + self.reduced
     }
 
     fn take(&mut self, bucket: bool) {
@@ -191,7 +196,12 @@ impl Replay {
             }
         }
         let (stage, part) = (self.led.cfg.stage, &self.led.part);
-        let reduced = if stage == 1 { part.buckets.len() } else { 0 };
+        if stage == 1 && self.reduced == 0 {
+            let dtype = self.led.cfg.precision.dtype();
+            self.reduced = (part.buckets.iter())
+                .map(|b| alloc_bytes(dtype, b.len / part.world))
+                .sum();
+        }
         let piece = (self.led.cfg.allgather_elems / part.world).max(1);
         let pieced = match stage {
             1 | 2 => (part.buckets.iter())
@@ -199,14 +209,13 @@ impl Replay {
                 .count(),
             _ => 0,
         };
-        (0..reduced).for_each(|_| self.take(false));
+        self.peak = self.peak.max(self.bytes());
         for _ in 0..pieced {
             self.take(false);
             self.take(true);
             self.shards.give();
             self.buckets.give();
         }
-        (0..reduced).for_each(|_| self.shards.give());
         Ok(())
     }
 }
@@ -241,6 +250,7 @@ pub fn comm_buffers_peak(
         gathered: vec![false; nb],
         inflight: vec![None; nb],
         pending: Default::default(),
+        reduced: 0,
         peak: 0,
         led: Ledger::new(part.clone(), cfg.clone(), 0),
     };

@@ -83,8 +83,8 @@ pub(crate) use step::REDUCES_IN_FLIGHT;
 /// reduces, or a gathered bucket and a prefetched one).
 pub(crate) const KEPT_BUCKETS: usize = 2;
 
-/// Shard-sized buffers the engine keeps for reuse with `nb` buckets: a reduced shard per bucket
-/// (stage 1 holds them all through the step) and a piece of the update being shared.
+/// Shard-sized buffers the engine keeps for reuse with `nb` buckets: as many as stage 3 may have
+/// prefetching at once, and one more.
 pub(crate) fn kept_shards(nb: usize) -> usize {
     nb + 1
 }
@@ -108,6 +108,9 @@ pub struct Engine<T: Float = f32, S: TrainStream + 'static = HostStream> {
     inflight: InFlight,
     /// Per bucket: the whole bucket (stages 0–1) or this rank's shard (stages 2–3), in `T`.
     grads: Vec<DevVec>,
+    /// Stage 1: per bucket, the reduced gradient of the owned range (made at the first step,
+    /// kept; lent to the step as its `red`).
+    reduced: Vec<Option<DevVec>>,
     /// Stages 2–3: a bucket's gradients while backward fills it.
     staging: Vec<Option<DevVec>>,
     /// Stages 2–3 with `overlap_comm`: reduce-scatters in flight (the bucket, the shard), and
@@ -304,6 +307,7 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
             inflight: (0..nb).map(|_| None).collect(),
             grads,
             staging: (0..nb).map(|_| None).collect(),
+            reduced: (0..nb).map(|_| None).collect(),
             pending: (0..nb).map(|_| None).collect(),
             pending_order: std::collections::VecDeque::new(),
             states,
@@ -472,6 +476,7 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
             optimizer: on.iter().map(|&b| optim(b)).sum::<usize>() * 4,
             comm_buffers: (held(&self.staging)
                 + held(&self.gathered)
+                + held(&self.reduced)
                 + flying(&self.inflight)
                 + flying(&self.pending)
                 + self.buckets.held()

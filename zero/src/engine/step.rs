@@ -9,7 +9,7 @@ use ringzero_collectives::{
 };
 use ringzero_kernels::cpu::Float;
 
-use super::{dev, DevVec, Engine};
+use super::{alloc, alloc_bytes, dev, DevVec, Engine};
 use crate::error::ZeroError;
 use crate::ledger::clip_factor;
 use crate::partition::Slot;
@@ -274,11 +274,20 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
                     .comm
                     .all_reduce(InPlace, &mut self.grads[b], ReduceOp::Avg)?,
                 1 => {
-                    let len = self.led.part.buckets[b].len / n;
-                    let mut shard = self.shards.take(self.comm.stream(), len, false)?;
-                    self.comm
-                        .reduce_scatter(&self.grads[b], &mut shard, ReduceOp::Avg)?;
+                    let mut shard = match self.reduced[b].take() {
+                        Some(v) => v,
+                        None => {
+                            let len = self.led.part.buckets[b].len / n;
+                            let v = alloc(self.comm.stream(), T::DTYPE, len)?;
+                            self.comm_meter.add(alloc_bytes(T::DTYPE, len));
+                            v
+                        }
+                    };
+                    let out = self
+                        .comm
+                        .reduce_scatter(&self.grads[b], &mut shard, ReduceOp::Avg);
                     *r = Some(shard);
+                    out?;
                 }
                 _ => {}
             }
@@ -304,8 +313,16 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
             .and_then(|o| self.finish_step(o));
         // `red` goes back now: the work reading it ends first, whatever happened.
         let synced = self.sync("the optimizer step");
+        if synced.is_err() {
+            // Dropped with the stream failed (nothing reuses them).
+            for r in red.iter().flatten() {
+                self.comm_meter.sub(alloc_bytes(T::DTYPE, r.elems));
+            }
+        }
         if synced.is_ok() {
-            red.into_iter().flatten().for_each(|r| self.shards.give(r));
+            for (b, r) in red.into_iter().enumerate() {
+                self.reduced[b] = r;
+            }
             // Gradient copies a skipped step left unread go back for the next window (never
             // read there: each is made afresh in the window's last micro-step).
             for v in self.tier.early.iter_mut().filter_map(Option::take) {
