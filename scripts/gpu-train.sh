@@ -21,13 +21,18 @@ B=${BIN:-.gpubin}/ringzero
 out=${OUT:-/tmp}
 . scripts/nvrtc-path.sh
 status=0
+predict() {  # config, then mem arguments: the footprint `ringzero mem` predicts before a run
+    local cfg=$1; shift
+    echo "== mem $*: $cfg" | tee -a "$out/train.txt"
+    "$B" mem --device cuda --config "$cfg" "$@" 2>&1 | tee -a "$out/train.txt" | grep -E "^ +[0-3] |error"
+}
 run() {  # label, limit, then train arguments
     local label=$1 limit=$2; shift 2
     echo "== train $label"
     local t0=$SECONDS
     echo "== train $label: $*" >>"$out/train.txt"
     timeout -k 5 "$limit" "$B" train --device cuda "$@" 2>&1 | tee -a "$out/train.txt" | \
-        grep -E "^GPT|^step +0 |tokens/s|last step|GPU memory|^loss|error|Error|panicked" 
+        grep -E "^GPT|^step +0 |tokens/s|last step|GPU memory|communication buffers|^loss|error|Error|panicked" 
     local rc=${PIPESTATUS[0]}
     echo "== train $label: exit $rc after $((SECONDS - t0)) s"
     [ "$rc" -eq 0 ] || status=1
@@ -38,6 +43,10 @@ if [ "${1:-}" = offload ]; then
     L="--dim 2048 --heads 16 --layers 20 --ctx 128 --batch 8 --steps 6 --log-every 1 --threshold 100"
     hf=tests/fixtures/deepspeed/hf-ds_config_zero2.json
     sed 's/"device": "cpu"/"device": "none"/' "$hf" >"$out/zero2-none.json"
+    # The corpus's vocabulary is 32 characters.
+    G="--gpt 20,2048,16,128,32 --dp 2 --batch 8"
+    predict "$out/zero2-none.json" $G --stage 2
+    predict "$hf" $G --stage 2
     run offload-none-n2 180 -n 2 --config "$out/zero2-none.json" $L
     run offload-cpu-n2 180 -n 2 --config "$hf" $L
     run offload-cpu-dpu-n2 180 -n 2 --config "$hf" --delayed-update-after 1 $L
@@ -45,6 +54,8 @@ if [ "${1:-}" = offload ]; then
     # on the device, and with the delayed update.
     hf3=tests/fixtures/deepspeed/hf-ds_config_zero3.json
     sed 's/"device": "cpu"/"device": "none"/g' "$hf3" >"$out/zero3-none.json"
+    predict "$out/zero3-none.json" $G --stage 3
+    predict "$hf3" $G --stage 3
     run offload3-none-n2 180 -n 2 --config "$out/zero3-none.json" $L
     run offload3-cpu-n2 180 -n 2 --config "$hf3" $L
     run offload3-cpu-dpu-n2 180 -n 2 --config "$hf3" --delayed-update-after 1 $L

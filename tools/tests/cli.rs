@@ -1644,9 +1644,41 @@ fn mem_predicts_a_gpts_footprint_per_stage() {
         out.contains(", fp16, AdamW") && out.contains("comm buffers"),
         "{out}"
     );
+    // That config offloads the optimizer and the parameters (stage 3 only); on a GPU the
+    // table says what the device holds, candle's tensors and the engine's buffers there.
+    assert!(!out.contains("\n     2 "), "{out}");
+    let out = succeeds(ringzero().args([
+        "mem",
+        "--gpt",
+        "2,64,4,32,32",
+        "--dp",
+        "2",
+        "--config",
+        hf,
+        "--device",
+        "cuda",
+    ]));
+    let row = out
+        .lines()
+        .find(|l| l.trim_start().starts_with("3 "))
+        .unwrap_or_else(|| panic!("{out}"));
+    let cells: Vec<f64> = row.split_whitespace().map(|c| c.parse().unwrap()).collect();
+    // stage, states, comm, slots, vars, grads, activations, backward, total, GPU, host.
+    assert_eq!(cells.len(), 11, "{out}");
+    let candle: f64 = cells[4..8].iter().sum();
+    // The GPU holds candle's tensors, the buffers and what the config leaves of the states
+    // there (stage 3's gradient shard).
+    let on_gpu = candle + cells[2];
+    assert!(cells[9] > on_gpu && cells[9] < on_gpu + cells[1], "{out}");
+    assert!((cells[9] + cells[10] - cells[8]).abs() < 0.02, "{out}");
     let e = fails(ringzero().args(["mem", "--params", "1e9", "--config", hf]));
     assert!(
-        e.contains("--config sizes a GPT's footprint: give --gpt"),
+        e.contains("--config and --device size a GPT's footprint: give --gpt"),
+        "{e}"
+    );
+    let e = fails(ringzero().args(["mem", "--gpt", "2,64,4,32,32", "--device", "gpu"]));
+    assert!(
+        e.contains("--device \"gpu\": say cpu, cuda or cuda:N"),
         "{e}"
     );
     let e = fails(ringzero().args(["mem", "--gpt", "2,64,4,32,32", "--config", "/no/such.json"]));

@@ -22,6 +22,12 @@ pub(crate) struct MemCli {
     /// given, every stage otherwise. Without it, `ringzero train`'s defaults without --config.
     #[arg(long, value_name = "FILE", requires = "gpt")]
     pub(crate) config: Option<std::path::PathBuf>,
+    /// With --gpt: where candle computes, `cpu` or `cuda` (`ringzero train --device`): on a
+    /// GPU the table adds each stage's bytes on the device — candle's tensors, the engine's
+    /// model states not offloaded and its communication buffers: what to set against the
+    /// driver's figure for the process less its CUDA context — and those in host memory.
+    #[arg(long, default_value = "cpu")]
+    pub(crate) device: String,
     /// With --gpt: sequences per rank and micro-step.
     #[arg(long, default_value_t = 8, requires = "gpt")]
     pub(crate) batch: usize,
@@ -90,9 +96,9 @@ pub(crate) fn run(a: MemCli) -> anyhow::Result<ExitCode> {
         return gpt(shape, &a);
     }
     anyhow::ensure!(
-        a.config.is_none(),
-        "--config sizes a GPT's footprint: give --gpt LAYERS,DIM,HEADS,CTX,VOCAB with it (the \
-         model-state table of --params takes --stage, --k and --offload instead)"
+        a.config.is_none() && a.device == "cpu",
+        "--config and --device size a GPT's footprint: give --gpt LAYERS,DIM,HEADS,CTX,VOCAB \
+         with them (the model-state table of --params takes --stage, --k and --offload instead)"
     );
     let MemCli {
         params,
@@ -303,6 +309,16 @@ fn gpt(shape: &str, a: &MemCli) -> anyhow::Result<ExitCode> {
             c
         }
     };
+    let gpu = match a.device.as_str() {
+        "cpu" => false,
+        d if d == "cuda"
+            || d.strip_prefix("cuda:")
+                .is_some_and(|n| n.parse::<u32>().is_ok()) =>
+        {
+            true
+        }
+        d => anyhow::bail!("--device {d:?}: say cpu, cuda or cuda:N"),
+    };
     let psi = g.params() as f64;
     let opt = match a.config {
         Some(_) => base.optimizer,
@@ -328,7 +344,7 @@ fn gpt(shape: &str, a: &MemCli) -> anyhow::Result<ExitCode> {
         g.layers, g.dim, g.heads, g.ctx, g.vocab, g.params(), a.dp, a.batch, base.precision,
         opt.name()
     );
-    println!(
+    print!(
         "{:>6} {:>13} {:>13} {:>11} {:>12} {:>11} {:>12} {:>10} {:>10}",
         "stage",
         "model states",
@@ -340,18 +356,41 @@ fn gpt(shape: &str, a: &MemCli) -> anyhow::Result<ExitCode> {
         "backward",
         "total"
     );
-    let stages: Vec<u8> = a.stage.map_or(vec![0, 1, 2, 3], |s| vec![s]);
+    if gpu {
+        print!(" {:>10} {:>10}", "on GPU", "on host");
+    }
+    println!();
+    // Where the config offloads, the stages that can (1-3; 3 when the parameters go too).
+    use ringzero_zero::{mem, OffloadDevice};
+    let off = &base.offload;
+    let first = match (off.optimizer.device, off.param.device) {
+        (OffloadDevice::None, OffloadDevice::None) => 0,
+        (_, OffloadDevice::None) => 1,
+        _ => 3,
+    };
+    let stages: Vec<u8> = a.stage.map_or((first..=3).collect(), |s| vec![s]);
     for s in stages {
-        let m = ringzero_zero::mem::model_states_with(psi, a.dp, s, elem, k)
-            .map_err(anyhow::Error::msg)?;
+        let plan = mem::OffloadPlan {
+            optimizer: off.optimizer.device,
+            ratio: f64::from(off.optimizer.ratio),
+            k_offloaded: if fp32 { k + 4.0 } else { k },
+            params: off.param.device,
+        };
+        let t = mem::model_states_by_tier(psi, a.dp, s, (elem, k), plan)
+            .map_err(|e| anyhow::anyhow!("stage {s} with the config's offload: {e}"))?;
         let cfg = ringzero_zero::ZeroConfig {
             stage: s,
             ..base.clone()
         };
         let comm = ringzero_candle::memory::comm_buffers_peak_for(&g, &cfg, a.dp, 3)
             .map_err(|e| anyhow::anyhow!("stage {s}: {e}"))?;
-        let f = Footprint::of(&g, a.batch, (m.total() as usize, comm), slots);
-        println!(
+        // In memory: the device's and the host tier's states (NVMe's are on disk).
+        let states = (t.device.total() + t.host.total()) as usize;
+        let mut f = Footprint::of(&g, a.batch, (states, comm), slots);
+        if gpu {
+            f.engine_on_device = t.device.total() as usize + comm;
+        }
+        print!(
             "{:>6} {:>13.2} {:>13.2} {:>11.2} {:>12.2} {:>11.2} {:>12.2} {:>10.2} {:>10.2}",
             s,
             mib(f.model_states),
@@ -362,6 +401,18 @@ fn gpt(shape: &str, a: &MemCli) -> anyhow::Result<ExitCode> {
             mib(f.activations),
             mib(f.backward),
             mib(f.total())
+        );
+        if gpu {
+            print!(" {:>10.2} {:>10.2}", mib(f.device()), mib(f.host()));
+        }
+        println!();
+    }
+    if gpu {
+        println!(
+            "on GPU: candle's tensors and the engine's device memory, set against the driver's \
+             figure for the process less its CUDA context (`ringzero train --device cuda` prints \
+             both); CUDA's libraries (cuBLAS's workspaces, loaded kernels) and the device \
+             communicator's slots come on top"
         );
     }
     println!(
