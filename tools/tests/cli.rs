@@ -1676,6 +1676,31 @@ fn mem_predicts_a_gpts_footprint_per_stage() {
         e.contains("--config and --device size a GPT's footprint: give --gpt"),
         "{e}"
     );
+    // The ring slots follow the communicator's settings in the environment.
+    let slots = |out: &str| -> f64 {
+        let row = out
+            .lines()
+            .find(|l| l.trim_start().starts_with("0 "))
+            .unwrap();
+        row.split_whitespace().nth(3).unwrap().parse().unwrap()
+    };
+    let base = succeeds(ringzero().args(["mem", "--gpt", "2,64,4,32,32", "--dp", "2"]));
+    let big = succeeds(ringzero().env("RINGZERO_SLICE_BYTES", "1M").args([
+        "mem",
+        "--gpt",
+        "2,64,4,32,32",
+        "--dp",
+        "2",
+    ]));
+    assert_eq!(slots(&big), 2.0 * slots(&base), "{base}\n{big}");
+    let e = fails(ringzero().env("RINGZERO_SLOTS", "1").args([
+        "mem",
+        "--gpt",
+        "2,64,4,32,32",
+        "--dp",
+        "2",
+    ]));
+    assert!(e.contains("RINGZERO_SLOTS"), "{e}");
     let e = fails(ringzero().args(["mem", "--gpt", "2,64,4,32,32", "--device", "gpu"]));
     assert!(
         e.contains("--device \"gpu\": say cpu, cuda or cuda:N"),

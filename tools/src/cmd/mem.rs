@@ -12,8 +12,9 @@ pub(crate) struct MemCli {
     pub(crate) params: Option<f64>,
     /// A GPT's shape, `LAYERS,DIM,HEADS,CTX,VOCAB` (`ringzero train`'s model): each rank's
     /// whole footprint while training it on the host in f32 — the engine's model states and
-    /// communication buffers, the ring slots, candle's variables, gradients and activations —
-    /// per stage.
+    /// communication buffers, the ring slots (`RINGZERO_SLOTS` × `RINGZERO_SLICE_BYTES` from
+    /// the environment, as the run's communicator takes them), candle's variables, gradients
+    /// and activations — per stage.
     #[arg(long, value_name = "SHAPE", conflicts_with_all = ["params", "k", "shard_size"])]
     pub(crate) gpt: Option<String>,
     /// With --gpt: a DeepSpeed-style JSON config (as `ringzero train --config` reads it) whose
@@ -331,7 +332,21 @@ fn gpt(shape: &str, a: &MemCli) -> anyhow::Result<ExitCode> {
         true => (4.0, ringzero_zero::mem::k_for(&opt) - 4.0),
         false => (2.0, ringzero_zero::mem::k_for(&opt)),
     };
-    let cfg = ringzero_collectives::Config::new(0, a.dp, "127.0.0.1", 0);
+    // The ring slots as the run's communicator will have them: RINGZERO_SLOTS and
+    // RINGZERO_SLICE_BYTES from this environment (a bad value refused, naming it), the
+    // defaults otherwise.
+    let world = a.dp.to_string();
+    let lookup = |k: &str| match k {
+        "RINGZERO_RANK" => Some("0".to_string()),
+        "RINGZERO_WORLD_SIZE" => Some(world.clone()),
+        "RINGZERO_MASTER_ADDR" => Some("127.0.0.1".to_string()),
+        "RINGZERO_MASTER_PORT" => Some("29500".to_string()),
+        // Never connects: only its slots are read.
+        "RINGZERO_SECRET" => Some("ringzero mem".to_string()),
+        "RINGZERO_SLOTS" | "RINGZERO_SLICE_BYTES" => std::env::var(k).ok(),
+        _ => None,
+    };
+    let cfg = ringzero_collectives::Config::from_lookup(&lookup)?;
     let slots = if a.dp > 1 {
         (cfg.slots, cfg.slice_bytes)
     } else {
