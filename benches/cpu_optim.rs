@@ -7,7 +7,7 @@
 //! parameters written), touches 28 bytes per element too: 4 + 2 + 8 read, 4 + 8 + 2 written.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use half::bf16;
+use half::{bf16, f16};
 use ringzero::kernels::cpu::{optim_step, optim_step_threads, step_mixed_threads, Optimizer};
 
 /// `dst = src` on `threads` threads, each its own run.
@@ -49,6 +49,21 @@ fn step(c: &mut Criterion) {
     );
     let g16: Vec<bf16> = grads.iter().map(|&x| bf16::from_f32(x)).collect();
     let mut p16 = vec![bf16::ZERO; n];
+    // One thread, each precision: what the 16-bit conversions cost beside the rule's arithmetic.
+    g.bench_function(BenchmarkId::new("offload step bf16", "1 thread"), |b| {
+        b.iter(|| {
+            t += 1;
+            step_mixed_threads(&h, t, &mut p, Some(&mut p16), &g16, &mut m, &mut v, 1.0, 1)
+        })
+    });
+    let gh: Vec<f16> = grads.iter().map(|&x| f16::from_f32(x)).collect();
+    let mut ph = vec![f16::ZERO; n];
+    g.bench_function(BenchmarkId::new("offload step fp16", "1 thread"), |b| {
+        b.iter(|| {
+            t += 1;
+            step_mixed_threads(&h, t, &mut p, Some(&mut ph), &gh, &mut m, &mut v, 1.0, 1)
+        })
+    });
     g.bench_function(
         BenchmarkId::new("offload step bf16", format!("{threads} threads")),
         |b| {

@@ -52,6 +52,108 @@ impl Float for bf16 {
     }
 }
 
+/// bf16 → f32 as plain integer lanes (the top half of the f32's bits), so the loop inlines into
+/// the dispatched step and runs in its vectors; the same bits as `half`'s conversion (a NaN is
+/// made quiet).
+#[inline(always)]
+fn bf16_widen(src: &[bf16], dst: &mut [f32]) {
+    for (d, s) in dst.iter_mut().zip(src) {
+        let u = u32::from(s.to_bits());
+        let u = if (u & 0x7fff) > 0x7f80 { u | 0x40 } else { u };
+        *d = f32::from_bits(u << 16);
+    }
+}
+
+/// f32 → bf16, to nearest even, written without branches so the loop vectorises: the bits of
+/// `half`'s `bf16::from_f32` (a NaN keeps its top payload bits and is made quiet; rounding up
+/// where the dropped half is above one half, or exactly one half and the kept bit odd).
+#[inline(always)]
+fn bf16_narrow(src: &[f32], dst: &mut [bf16]) {
+    for (d, s) in dst.iter_mut().zip(src) {
+        let x = s.to_bits();
+        let up = u32::from((x & 0x8000) != 0 && (x & 0x17fff) != 0);
+        let nan = (x & 0x7fff_ffff) > 0x7f80_0000;
+        let bits = if nan {
+            (x >> 16) | 0x40
+        } else {
+            (x >> 16) + up
+        };
+        *d = bf16::from_bits(bits as u16);
+    }
+}
+
+/// f16 → f32 with F16C's eight-lane conversion, inlined into the caller (the tail through
+/// `half`). The same bits as `half`'s conversion, which uses F16C itself where the CPU has it.
+///
+/// # Safety
+/// Only inside a function compiled with F16C and AVX enabled, called on a CPU that has them.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn f16_widen_f16c(src: &[f16], dst: &mut [f32]) {
+    use std::arch::x86_64::{__m128i, _mm256_cvtph_ps, _mm256_storeu_ps, _mm_loadu_si128};
+    assert_eq!(src.len(), dst.len());
+    let full = src.len() / 8 * 8;
+    for i in (0..full).step_by(8) {
+        // SAFETY: i + 8 ≤ len on both slices; unaligned loads and stores; the features are the
+        // caller's (this function's contract).
+        unsafe {
+            let h = _mm_loadu_si128(src.as_ptr().add(i).cast::<__m128i>());
+            _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+        }
+    }
+    src[full..].convert_to_f32_slice(&mut dst[full..]);
+}
+
+/// f32 → f16 to nearest even with F16C's eight-lane conversion, inlined into the caller (the
+/// tail through `half`).
+///
+/// # Safety
+/// As [`f16_widen_f16c`].
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn f16_narrow_f16c(src: &[f32], dst: &mut [f16]) {
+    use std::arch::x86_64::{
+        __m128i, _mm256_cvtps_ph, _mm256_loadu_ps, _mm_storeu_si128, _MM_FROUND_TO_NEAREST_INT,
+    };
+    assert_eq!(src.len(), dst.len());
+    let full = src.len() / 8 * 8;
+    for i in (0..full).step_by(8) {
+        // SAFETY: as in `f16_widen_f16c`.
+        unsafe {
+            let v = _mm256_loadu_ps(src.as_ptr().add(i));
+            let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v);
+            _mm_storeu_si128(dst.as_mut_ptr().add(i).cast::<__m128i>(), h);
+        }
+    }
+    dst[full..].convert_from_f32_slice(&src[full..]);
+}
+
+/// Widen a block of `T` for the step: bf16 by its inlined loop, f16 by F16C where `F16C` says
+/// the caller is compiled with it, else `T::widen`.
+#[inline(always)]
+fn widen_block<T: Float, const F16C: bool>(src: &[T], dst: &mut [f32]) {
+    match T::DTYPE {
+        crate::DType::BF16 => bf16_widen(bytemuck::cast_slice(src), dst),
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: F16C is true only in `step_mixed_avx2`, compiled with F16C and AVX2 and
+        // called once the CPU is found to have both.
+        crate::DType::F16 if F16C => unsafe { f16_widen_f16c(bytemuck::cast_slice(src), dst) },
+        _ => T::widen(src, dst),
+    }
+}
+
+/// Round a block of the master into `T` for the step ([`widen_block`]'s counterpart).
+#[inline(always)]
+fn narrow_block<T: Float, const F16C: bool>(src: &[f32], dst: &mut [T]) {
+    match T::DTYPE {
+        crate::DType::BF16 => bf16_narrow(src, bytemuck::cast_slice_mut(dst)),
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as in `widen_block`.
+        crate::DType::F16 if F16C => unsafe { f16_narrow_f16c(src, bytemuck::cast_slice_mut(dst)) },
+        _ => T::narrow(src, dst),
+    }
+}
+
 /// Run `f` over `src` widened to `f32`, one block at a time (`f` gets the block and its offset).
 fn widened<T: Float>(src: &[T], mut f: impl FnMut(usize, &[f32])) {
     if T::IS_F32 {
@@ -129,21 +231,23 @@ pub fn step_mixed<T: Float>(
     grad_scale: f32,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: the function needs AVX2 and nothing else, and this CPU has it (checked).
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c") {
+        // SAFETY: the function needs AVX2 and F16C and nothing else, and this CPU has them
+        // (checked).
         return unsafe { step_mixed_avx2(h, t, master, params, grads, s1, s2, grad_scale) };
     }
-    step_mixed_any(h, t, master, params, grads, s1, s2, grad_scale)
+    step_mixed_any::<T, false>(h, t, master, params, grads, s1, s2, grad_scale)
 }
 
-/// [`step_mixed_any`] compiled for AVX2's eight-lane vectors (the baseline x86-64 has four):
-/// the same IEEE operations on each element in the same order (Rust never fuses a multiply
-/// and an add on its own), so the same bits, in fewer instructions.
+/// [`step_mixed_any`] compiled for AVX2's eight-lane vectors (the baseline x86-64 has four),
+/// with f16 converted by F16C inside the loop: the same IEEE operations on each element in the
+/// same order (Rust never fuses a multiply and an add on its own), so the same bits, in fewer
+/// instructions.
 ///
 /// # Safety
-/// The CPU must support AVX2.
+/// The CPU must support AVX2 and F16C.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
+#[target_feature(enable = "avx2,f16c")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn step_mixed_avx2<T: Float>(
     h: &Optimizer,
@@ -155,13 +259,17 @@ unsafe fn step_mixed_avx2<T: Float>(
     s2: &mut [f32],
     grad_scale: f32,
 ) {
-    step_mixed_any(h, t, master, params, grads, s1, s2, grad_scale)
+    step_mixed_any::<T, true>(h, t, master, params, grads, s1, s2, grad_scale)
 }
+
+/// Elements of 16-bit gradients the step widens at a time (4 KiB of f32: with the block's
+/// parameters, well inside L1 beside the streams of master and moments).
+const STEP_BLOCK: usize = 1024;
 
 /// [`step_mixed`] for any CPU, inlined into each version the dispatch picks from.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn step_mixed_any<T: Float>(
+fn step_mixed_any<T: Float, const F16C: bool>(
     h: &Optimizer,
     t: u64,
     master: &mut [f32],
@@ -181,22 +289,23 @@ fn step_mixed_any<T: Float>(
     }
     // Written out, not through `widened` and a closure: everything here is inlined into each
     // dispatched version, so all of it gets that version's vectors.
+    let (k, keeps) = (h.step_scalars(t), h.states().len());
     if T::IS_F32 && params.is_none() {
         let g: &[f32] = bytemuck::cast_slice(grads);
-        return optim_step_inline(h, t, master, g, s1, s2, grad_scale);
+        return optim_step_inline(&k, keeps, master, g, s1, s2, grad_scale);
     }
     // Block by block; each block's parameters are rounded from its master while the block is
     // in cache: one pass over memory, not a second over the whole master.
-    let mut buf = [0f32; HALF_BLOCK];
-    for (i, block) in grads.chunks(HALF_BLOCK).enumerate() {
-        let r = i * HALF_BLOCK..i * HALF_BLOCK + block.len();
+    let mut buf = [0f32; STEP_BLOCK];
+    for (i, block) in grads.chunks(STEP_BLOCK).enumerate() {
+        let r = i * STEP_BLOCK..i * STEP_BLOCK + block.len();
         let g = &mut buf[..block.len()];
-        T::widen(block, g);
+        widen_block::<T, F16C>(block, g);
         let r1 = if k1 { r.clone() } else { 0..0 };
         let r2 = if k2 { r.clone() } else { 0..0 };
         optim_step_inline(
-            h,
-            t,
+            &k,
+            keeps,
             &mut master[r.clone()],
             g,
             &mut s1[r1],
@@ -204,7 +313,7 @@ fn step_mixed_any<T: Float>(
             grad_scale,
         );
         if let Some(p) = params.as_deref_mut() {
-            T::narrow(&master[r.clone()], &mut p[r]);
+            narrow_block::<T, F16C>(&master[r.clone()], &mut p[r]);
         }
     }
 }
@@ -307,7 +416,7 @@ mod tests {
                         false => (Some(&mut p[..]), Some(&mut p2[..])),
                     };
                     step_mixed(&h, t, &mut master, pa, &g, &mut m, &mut v, 0.25);
-                    step_mixed_any(&h, t, &mut master2, pb, &g, &mut m2, &mut v2, 0.25);
+                    step_mixed_any::<T, false>(&h, t, &mut master2, pb, &g, &mut m2, &mut v2, 0.25);
                 }
                 let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(&master), bits(&master2), "{h:?}");
@@ -318,6 +427,74 @@ mod tests {
         check::<f32>();
         check::<bf16>();
         check::<f16>();
+    }
+
+    /// The step's own 16-bit conversions against `half`'s, bit for bit: every bf16 and f16
+    /// widened, and f32s rounded — each 16-bit pattern's neighbourhood (exact, just below, at
+    /// and above the halfway point, the last), the specials (±0, ±inf, quiet and signalling
+    /// NaNs, subnormals) and a million pseudo-random patterns.
+    #[test]
+    fn the_steps_conversions_are_halfs_bit_for_bit() {
+        let mut f: Vec<f32> = Vec::new();
+        for hi in 0..=0xffffu32 {
+            for lo in [0u32, 0x7fff, 0x8000, 0x8001, 0xffff, 0x1000, 0x0fff] {
+                f.push(f32::from_bits(hi << 16 | lo));
+            }
+        }
+        let mut x = 0x9e37_79b9u32;
+        for _ in 0..1_000_000 {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            f.push(f32::from_bits(x));
+        }
+        let all16: Vec<u16> = (0..=0xffffu16).collect();
+        // bf16.
+        let mut ours = vec![bf16::ZERO; f.len()];
+        bf16_narrow(&f, &mut ours);
+        for (v, o) in f.iter().zip(&ours) {
+            assert_eq!(
+                o.to_bits(),
+                bf16::from_f32(*v).to_bits(),
+                "{:#010x}",
+                v.to_bits()
+            );
+        }
+        let b: Vec<bf16> = all16.iter().map(|&u| bf16::from_bits(u)).collect();
+        let mut wide = vec![0f32; b.len()];
+        bf16_widen(&b, &mut wide);
+        for (o, w) in b.iter().zip(&wide) {
+            assert_eq!(w.to_bits(), o.to_f32().to_bits(), "{:#06x}", o.to_bits());
+        }
+        // f16 through F16C, where this CPU has it.
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("f16c")
+        {
+            #[target_feature(enable = "avx2,f16c")]
+            fn both(f: &[f32], narrow: &mut [f16], h: &[f16], wide: &mut [f32]) {
+                // SAFETY: compiled with AVX2 and F16C, called on a CPU with both (checked).
+                unsafe {
+                    f16_narrow_f16c(f, narrow);
+                    f16_widen_f16c(h, wide);
+                }
+            }
+            let h: Vec<f16> = all16.iter().map(|&u| f16::from_bits(u)).collect();
+            let mut narrow = vec![f16::ZERO; f.len()];
+            // SAFETY: the CPU has AVX2 and F16C (checked above).
+            unsafe { both(&f, &mut narrow, &h, &mut wide) };
+            for (v, o) in f.iter().zip(&narrow) {
+                assert_eq!(
+                    o.to_bits(),
+                    f16::from_f32(*v).to_bits(),
+                    "{:#010x}",
+                    v.to_bits()
+                );
+            }
+            for (o, w) in h.iter().zip(&wide) {
+                assert_eq!(w.to_bits(), o.to_f32().to_bits(), "{:#06x}", o.to_bits());
+            }
+        }
     }
 
     #[test]

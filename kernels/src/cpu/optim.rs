@@ -298,12 +298,13 @@ pub fn optim_step(
     super::float::step_mixed::<f32>(h, t, params, None, grads, s1, s2, grad_scale)
 }
 
-/// [`optim_step`]'s body, inlined into each vector width's version of
-/// [`super::float::step_mixed`].
+/// [`optim_step`]'s body for the step's scalars `k` ([`Optimizer::step_scalars`], computed
+/// once per step by the caller, not per block), inlined into each vector width's version of
+/// [`super::float::step_mixed`]. `keeps`: the states the rule keeps.
 #[inline(always)]
 pub(super) fn optim_step_inline(
-    h: &Optimizer,
-    t: u64,
+    k: &StepScalars,
+    keeps: usize,
     params: &mut [f32],
     grads: &[f32],
     s1: &mut [f32],
@@ -311,8 +312,6 @@ pub(super) fn optim_step_inline(
     grad_scale: f32,
 ) {
     let n = params.len();
-    let k = h.step_scalars(t);
-    let keeps = h.states().len();
     assert!(
         grads.len() == n
             && s1.len() == if keeps >= 1 { n } else { 0 }
@@ -329,7 +328,7 @@ pub(super) fn optim_step_inline(
         bc1,
         bc2,
         ..
-    } = k;
+    } = *k;
     // The rule is chosen outside the loops, so each is a plain loop LLVM vectorizes.
     let l2_of = |g: f32, p: f32| if l2 != 0.0 { g + l2 * p } else { g };
     match k.code {
