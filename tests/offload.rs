@@ -86,6 +86,26 @@ fn parity<T: Float>(p: Precision, dir: &Path) {
                     train_engine(e, rank, 4)
                 };
                 let want = run(Where::Device);
+                // With overlap_comm the reduce-scatters run on the proxy thread, at most two at
+                // a time: a bucket whose reduction ends while backward goes on leaves for the
+                // host then, the rest at the step.
+                let overlapped = |w: Where| {
+                    let c = ZeroConfig {
+                        overlap_comm: true,
+                        ..offloaded(cfg_in(p, stage, Some(0.5)), w, &dir)
+                    };
+                    let e = Engine::<T>::new(&comm, &specs(), &init, c).unwrap();
+                    train_engine(e, rank, 4)
+                };
+                for w in [Where::Device, Where::Cpu] {
+                    for (i, (g, x)) in overlapped(w).iter().zip(&want).enumerate() {
+                        assert_eq!(
+                            bits(g),
+                            bits(x),
+                            "{p} n={n} stage {stage} {w:?} with overlap_comm: parameter {i} differs"
+                        );
+                    }
+                }
                 let mut ways = vec![Where::Cpu, Where::Nvme, Where::HalfCpu];
                 if stage == 3 {
                     ways.extend([
