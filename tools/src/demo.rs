@@ -201,7 +201,8 @@ pub struct DemoReport {
     pub formula: (f64, f64, f64),
     /// Parameters (unpadded) and padded Ψ.
     pub numel: (usize, usize),
-    /// Largest communication buffer total seen on this rank.
+    /// The most this rank's communication buffers held at once (the engine's count, as they
+    /// are made and dropped).
     pub peak_comm_buffers: usize,
     /// Wall time of `load_checkpoint` on this rank (with `resume`).
     pub load_time: Option<Duration>,
@@ -269,7 +270,6 @@ pub fn train<T: Float>(
         .map(|l| [format!("w{l}"), format!("b{l}")])
         .collect();
     let mut logs = Vec::new();
-    let mut peak = 0usize;
     let accum = args.zero.accumulation_steps;
     for step in start..start + args.steps {
         let t0 = Instant::now();
@@ -279,9 +279,7 @@ pub fn train<T: Float>(
         for _ in 0..accum {
             let (x, y) = mlp.batch(&teacher, comm.rank(), micro, args.batch);
             micro += 1;
-            let (loss, seen) = micro_step(&mut e, mlp, args.batch, (x, y), &names)?;
-            loss_sum += loss;
-            peak = peak.max(seen);
+            loss_sum += micro_step(&mut e, mlp, args.batch, (x, y), &names)?;
             outcome = e.step()?;
         }
         let mut stats = [loss_sum / accum as f64, t0.elapsed().as_secs_f64()];
@@ -323,7 +321,7 @@ pub fn train<T: Float>(
         memory,
         formula,
         numel,
-        peak_comm_buffers: peak,
+        peak_comm_buffers: e.memory().comm_buffers_peak,
         load_time,
         save_time,
     })
@@ -339,11 +337,10 @@ fn micro_step<T: Float>(
     batch: usize,
     (x, y): (Vec<f32>, Vec<f32>),
     names: &[[String; 2]],
-) -> Result<(f64, usize), ZeroError> {
+) -> Result<f64, ZeroError> {
     let layer = |l: usize| [names[l][0].as_str(), names[l][1].as_str()];
     // Gather order: forward 0..L, backward L..0.
     let order: Vec<usize> = (0..mlp.layers).chain((0..mlp.layers).rev()).collect();
-    let mut peak = 0usize;
     // Forward, keeping each layer's input and pre-activation.
     let mut acts = vec![x];
     let mut pre = Vec::new();
@@ -363,7 +360,6 @@ fn micro_step<T: Float>(
             i,
             o,
         );
-        peak = peak.max(e.memory().comm_buffers);
         e.release(&layer(l))?;
         let a = if l + 1 == mlp.layers {
             z.clone()
@@ -397,12 +393,10 @@ fn micro_step<T: Float>(
         k += 1;
         let (i, o) = mlp.dims(l);
         let w = e.param_f32(&names[l][0])?;
-        peak = peak.max(e.memory().comm_buffers);
         e.release(&layer(l))?;
         let (dw, db, da) = linear_back(&acts[l], &w, &dz, i, o);
         e.push_grad_f32(&names[l][0], &dw)?;
         e.push_grad_f32(&names[l][1], &db)?;
-        peak = peak.max(e.memory().comm_buffers);
         if l > 0 {
             dz = da
                 .iter()
@@ -411,7 +405,7 @@ fn micro_step<T: Float>(
                 .collect();
         }
     }
-    Ok((loss, peak))
+    Ok(loss)
 }
 
 /// Every rank's memory by category, and the paper's formula and element counts to set it
