@@ -264,30 +264,57 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
                 self.buckets.give(full);
             }
         }
+        // Stage 1: this rank's averaged gradient range per bucket (the others keep it in grads),
+        // in the engine's kept buffers, lent to this step and kept again after it, whatever
+        // happened (after a failure, work may still be queued on them: they are not freed).
+        let mut red = std::mem::take(&mut self.reduced);
+        let reduced = self.reduce_at_boundary(&mut red);
+        if let Err(e) = reduced {
+            self.reduced = red;
+            return Err(e);
+        }
+        self.wait.reduce += t0.elapsed();
+        let t1 = Instant::now();
+        // The last step's delayed update lands before this one's update reads the state.
+        let outcome = self
+            .land_delayed()
+            .and_then(|_| self.update(&red))
+            .and_then(|o| self.finish_step(o));
+        // The work reading `red` and the early copies ends before they are used again.
+        let synced = self.sync("the optimizer step");
+        self.reduced = red;
+        if synced.is_ok() {
+            // Gradient copies a skipped step left unread go back for the next window (never
+            // read there: each is made afresh in the window's last micro-step).
+            for v in self.tier.early.iter_mut().filter_map(Option::take) {
+                self.tier.early_bufs.give(v);
+            }
+        }
+        self.wait.update += t1.elapsed();
+        let outcome = outcome?;
+        synced?;
+        Ok(outcome)
+    }
+
+    /// The boundary's reductions: stage 0 all-reduces every bucket's gradients in place, stage
+    /// 1 reduce-scatters each into its kept range in `red` (made at the first step); under
+    /// hybrid sharding the result is then averaged over the replicas.
+    fn reduce_at_boundary(&mut self, red: &mut [Option<DevVec>]) -> Result<(), ZeroError> {
         let (stage, n) = (self.led.cfg.stage, self.led.part.world);
-        let nb = self.led.part.buckets.len();
-        // Stage 1: this rank's averaged gradient range per bucket (the others keep it in grads).
-        let mut red: Vec<Option<DevVec>> = (0..nb).map(|_| None).collect();
         for (b, r) in red.iter_mut().enumerate() {
             match stage {
                 0 => self
                     .comm
                     .all_reduce(InPlace, &mut self.grads[b], ReduceOp::Avg)?,
                 1 => {
-                    let mut shard = match self.reduced[b].take() {
-                        Some(v) => v,
-                        None => {
-                            let len = self.led.part.buckets[b].len / n;
-                            let v = alloc(self.comm.stream(), T::DTYPE, len)?;
-                            self.comm_meter.add(alloc_bytes(T::DTYPE, len));
-                            v
-                        }
-                    };
-                    let out = self
-                        .comm
-                        .reduce_scatter(&self.grads[b], &mut shard, ReduceOp::Avg);
-                    *r = Some(shard);
-                    out?;
+                    if r.is_none() {
+                        let len = self.led.part.buckets[b].len / n;
+                        *r = Some(alloc(self.comm.stream(), T::DTYPE, len)?);
+                        self.comm_meter.add(alloc_bytes(T::DTYPE, len));
+                    }
+                    let shard = r.as_mut().expect("made above");
+                    self.comm
+                        .reduce_scatter(&self.grads[b], shard, ReduceOp::Avg)?;
                 }
                 _ => {}
             }
@@ -304,35 +331,7 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
                 rep.all_reduce(InPlace, g, ReduceOp::Avg)?;
             }
         }
-        self.wait.reduce += t0.elapsed();
-        let t1 = Instant::now();
-        // The last step's delayed update lands before this one's update reads the state.
-        let outcome = self
-            .land_delayed()
-            .and_then(|_| self.update(&red))
-            .and_then(|o| self.finish_step(o));
-        // `red` goes back now: the work reading it ends first, whatever happened.
-        let synced = self.sync("the optimizer step");
-        if synced.is_err() {
-            // Dropped with the stream failed (nothing reuses them).
-            for r in red.iter().flatten() {
-                self.comm_meter.sub(alloc_bytes(T::DTYPE, r.elems));
-            }
-        }
-        if synced.is_ok() {
-            for (b, r) in red.into_iter().enumerate() {
-                self.reduced[b] = r;
-            }
-            // Gradient copies a skipped step left unread go back for the next window (never
-            // read there: each is made afresh in the window's last micro-step).
-            for v in self.tier.early.iter_mut().filter_map(Option::take) {
-                self.tier.early_bufs.give(v);
-            }
-        }
-        self.wait.update += t1.elapsed();
-        let outcome = outcome?;
-        synced?;
-        Ok(outcome)
+        Ok(())
     }
 
     /// Clear the gradients and (stages 1–2, after an optimizer step) all-gather the updated
