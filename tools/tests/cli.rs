@@ -1673,7 +1673,7 @@ fn mem_predicts_a_gpts_footprint_per_stage() {
     assert!((cells[9] + cells[10] - cells[8]).abs() < 0.02, "{out}");
     let e = fails(ringzero().args(["mem", "--params", "1e9", "--config", hf]));
     assert!(
-        e.contains("--config and --device size a GPT's footprint: give --gpt"),
+        e.contains("--config, --device and --batch size a GPT's footprint: give --gpt"),
         "{e}"
     );
     // The ring slots follow the communicator's settings in the environment.
@@ -1701,6 +1701,8 @@ fn mem_predicts_a_gpts_footprint_per_stage() {
         "2",
     ]));
     assert!(e.contains("RINGZERO_SLOTS"), "{e}");
+    let e = fails(ringzero().args(["mem", "--params", "1e9", "--batch", "4"]));
+    assert!(e.contains("--batch size a GPT's footprint"), "{e}");
     let e = fails(ringzero().args(["mem", "--gpt", "2,64,4,32,32", "--device", "gpu"]));
     assert!(
         e.contains("--device \"gpu\": say cpu, cuda or cuda:N"),

@@ -27,11 +27,13 @@ pub(crate) struct MemCli {
     /// GPU the table adds each stage's bytes on the device — candle's tensors, the engine's
     /// model states not offloaded and its communication buffers: what to set against the
     /// driver's figure for the process less its CUDA context — and those in host memory.
-    #[arg(long, default_value = "cpu")]
-    pub(crate) device: String,
+    /// [default: cpu]
+    #[arg(long, value_name = "DEVICE")]
+    pub(crate) device: Option<String>,
     /// With --gpt: sequences per rank and micro-step.
-    #[arg(long, default_value_t = 8, requires = "gpt")]
-    pub(crate) batch: usize,
+    /// [default: 8]
+    #[arg(long)]
+    pub(crate) batch: Option<usize>,
     /// Data-parallel ranks.
     #[arg(long = "dp", default_value_t = 1)]
     pub(crate) dp: usize,
@@ -97,9 +99,9 @@ pub(crate) fn run(a: MemCli) -> anyhow::Result<ExitCode> {
         return gpt(shape, &a);
     }
     anyhow::ensure!(
-        a.config.is_none() && a.device == "cpu",
-        "--config and --device size a GPT's footprint: give --gpt LAYERS,DIM,HEADS,CTX,VOCAB \
-         with them (the model-state table of --params takes --stage, --k and --offload instead)"
+        a.config.is_none() && a.device.is_none() && a.batch.is_none(),
+        "--config, --device and --batch size a GPT's footprint: give --gpt \
+         LAYERS,DIM,HEADS,CTX,VOCAB with them (the model-state table of --params takes --stage, --k and --offload instead)"
     );
     let MemCli {
         params,
@@ -266,6 +268,8 @@ fn tiers(
 fn gpt(shape: &str, a: &MemCli) -> anyhow::Result<ExitCode> {
     use ringzero_candle::gpt::GptConfig;
     use ringzero_candle::memory::Footprint;
+    let batch = a.batch.unwrap_or(8);
+    let device = a.device.as_deref().unwrap_or("cpu");
     let v: Vec<usize> = shape
         .split(',')
         .map(|x| x.trim().parse::<usize>())
@@ -292,7 +296,7 @@ fn gpt(shape: &str, a: &MemCli) -> anyhow::Result<ExitCode> {
         g.heads
     );
     anyhow::ensure!(
-        a.dp >= 1 && a.batch >= 1,
+        a.dp >= 1 && batch >= 1,
         "--dp and --batch must be at least 1"
     );
     let base = match &a.config {
@@ -302,7 +306,7 @@ fn gpt(shape: &str, a: &MemCli) -> anyhow::Result<ExitCode> {
             let text = std::fs::read_to_string(path)
                 .with_context(|| format!("reading {}", path.display()))?;
             let auto = ringzero_zero::Auto {
-                micro_batch: a.batch,
+                micro_batch: batch,
                 ..Default::default()
             };
             let c = ringzero_zero::ZeroConfig::from_json_auto(&text, &auto)
@@ -310,7 +314,7 @@ fn gpt(shape: &str, a: &MemCli) -> anyhow::Result<ExitCode> {
             c
         }
     };
-    let gpu = match a.device.as_str() {
+    let gpu = match device {
         "cpu" => false,
         d if d == "cuda"
             || d.strip_prefix("cuda:")
@@ -356,7 +360,7 @@ fn gpt(shape: &str, a: &MemCli) -> anyhow::Result<ExitCode> {
     println!(
         "GPT {} blocks × width {} ({} heads, context {}, vocabulary {}): {} parameters; {} ranks × {} \
          sequences, {}, {}; MiB per rank",
-        g.layers, g.dim, g.heads, g.ctx, g.vocab, g.params(), a.dp, a.batch, base.precision,
+        g.layers, g.dim, g.heads, g.ctx, g.vocab, g.params(), a.dp, batch, base.precision,
         opt.name()
     );
     print!(
@@ -401,7 +405,7 @@ fn gpt(shape: &str, a: &MemCli) -> anyhow::Result<ExitCode> {
             .map_err(|e| anyhow::anyhow!("stage {s}: {e}"))?;
         // In memory: the device's and the host tier's states (NVMe's are on disk).
         let states = (t.device.total() + t.host.total()) as usize;
-        let mut f = Footprint::of(&g, a.batch, (states, comm), slots);
+        let mut f = Footprint::of(&g, batch, (states, comm), slots);
         if gpu {
             f.engine_on_device = t.device.total() as usize + comm;
         }
