@@ -32,11 +32,21 @@ fn specs() -> Vec<ParamSpec> {
 }
 
 /// The trainer's calls over `steps` optimizer steps: at stage 3 forward gathers `modules` in
-/// turn (each released before the next), then every gradient is pushed in `pushes`' order.
-fn calls(steps: usize, accum: usize, modules: &[Vec<usize>], pushes: &[usize]) -> Vec<Call> {
+/// turn (each released before the next; with `by_hand`, the next prefetched before each
+/// gather), then every gradient is pushed in `pushes`' order.
+fn calls_with(
+    steps: usize,
+    accum: usize,
+    modules: &[Vec<usize>],
+    pushes: &[usize],
+    by_hand: bool,
+) -> Vec<Call> {
     let mut out = Vec::new();
     for _ in 0..steps * accum {
-        for m in modules {
+        for (k, m) in modules.iter().enumerate() {
+            if let Some(next) = modules.get(k + 1).filter(|_| by_hand) {
+                out.push(Call::Prefetch(next.clone()));
+            }
             out.push(Call::Gather(m.clone()));
             out.push(Call::Release(m.clone()));
         }
@@ -44,6 +54,10 @@ fn calls(steps: usize, accum: usize, modules: &[Vec<usize>], pushes: &[usize]) -
         out.push(Call::Step);
     }
     out
+}
+
+fn calls(steps: usize, accum: usize, modules: &[Vec<usize>], pushes: &[usize]) -> Vec<Call> {
+    calls_with(steps, accum, modules, pushes, false)
 }
 
 /// Make `calls` on an engine of `T` under `c`; its counted peak.
@@ -60,7 +74,8 @@ fn run<T: Float>(
         match call {
             Call::Gather(ps) if c.stage == 3 => e.gather(&names(ps)).unwrap(),
             Call::Release(ps) if c.stage == 3 => e.release(&names(ps)).unwrap(),
-            Call::Gather(_) | Call::Release(_) => {}
+            Call::Prefetch(ps) if c.stage == 3 => e.prefetch(&names(ps)).unwrap(),
+            Call::Gather(_) | Call::Release(_) | Call::Prefetch(_) => {}
             Call::Push(p) => {
                 let g = grad(&vec![0.5; sp[*p].numel()], comm.rank(), t, *p);
                 e.push_grad_f32(&sp[*p].name, &g).unwrap();
@@ -130,6 +145,15 @@ fn the_replayed_peak_equals_the_engines_count_in_every_setting() {
                             );
                             assert_eq!(predicted, counted, "{what}");
                             checked += usize::from(counted > 0);
+                        }
+                        if stage == 3 {
+                            // Prefetches by hand as well as by the record.
+                            let cs = calls_with(3, accum, &modules, &backward, true);
+                            assert_eq!(
+                                comm_buffers_peak(&part, &c, cs.clone()).unwrap(),
+                                run::<f32>(&comm, &sp, &c, &cs),
+                                "{world} ranks, prefetch {prefetch} by hand, offload {offload}"
+                            );
                         }
                         // In bf16 the same calls, half the bytes.
                         let c16 = ZeroConfig {

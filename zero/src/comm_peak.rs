@@ -33,6 +33,8 @@ pub enum Call {
     Gather(Vec<usize>),
     /// [`crate::Engine::release`] of these parameters.
     Release(Vec<usize>),
+    /// [`crate::Engine::prefetch`] of these parameters (stage 3 with prefetch on).
+    Prefetch(Vec<usize>),
     /// The gradient of this parameter pushed ([`crate::Engine::push_grad`] and its batched
     /// forms alike).
     Push(usize),
@@ -134,6 +136,17 @@ impl Replay {
                     .map(|b| lens[b].len)
                     .sum();
                 for (b, h) in self.led.recorded_prefetch(busy, flying, held) {
+                    self.take(false);
+                    self.take(true);
+                    self.inflight[b] = Some(h);
+                }
+            }
+            Call::Prefetch(ps) => {
+                let names = names(ps)?;
+                let names: Vec<&str> = names.iter().map(String::as_str).collect();
+                let flying: usize = self.inflight.iter().flatten().sum();
+                let busy = |b: usize| self.gathered[b] || self.inflight[b].is_some();
+                for (b, h) in self.led.to_prefetch(&names, busy, flying)? {
                     self.take(false);
                     self.take(true);
                     self.inflight[b] = Some(h);
