@@ -103,6 +103,15 @@ impl Replay {
         self.peak = self.peak.max(self.bytes());
     }
 
+    /// Prefetches start: a copy of the shard and the whole bucket each, holding `h` elements.
+    fn start_prefetches(&mut self, start: Vec<(usize, usize)>) {
+        for (b, h) in start {
+            self.take(false);
+            self.take(true);
+            self.inflight[b] = Some(h);
+        }
+    }
+
     fn call(&mut self, c: &Call) -> Result<(), ZeroError> {
         let names = |ps: &[usize]| -> Result<Vec<String>, ZeroError> {
             ps.iter()
@@ -135,22 +144,16 @@ impl Replay {
                     .filter(|&b| busy(b))
                     .map(|b| lens[b].len)
                     .sum();
-                for (b, h) in self.led.recorded_prefetch(busy, flying, held) {
-                    self.take(false);
-                    self.take(true);
-                    self.inflight[b] = Some(h);
-                }
+                let start = self.led.recorded_prefetch(busy, flying, held);
+                self.start_prefetches(start);
             }
             Call::Prefetch(ps) => {
                 let names = names(ps)?;
                 let names: Vec<&str> = names.iter().map(String::as_str).collect();
                 let flying: usize = self.inflight.iter().flatten().sum();
                 let busy = |b: usize| self.gathered[b] || self.inflight[b].is_some();
-                for (b, h) in self.led.to_prefetch(&names, busy, flying)? {
-                    self.take(false);
-                    self.take(true);
-                    self.inflight[b] = Some(h);
-                }
+                let start = self.led.to_prefetch(&names, busy, flying)?;
+                self.start_prefetches(start);
             }
             Call::Release(ps) => {
                 let names = names(ps)?;
