@@ -2,8 +2,9 @@
 //! scaling, the squared L2 norm, the inf/NaN check and the mixed-precision AdamW step (fp32 master
 //! and moments, 16-bit parameters written from the master).
 //!
-//! 16-bit inputs are widened in blocks of [`HALF_BLOCK`] elements through `half`'s slice
-//! conversions (which use F16C where the CPU has it), so the loops below see `f32` slices.
+//! 16-bit inputs are widened in blocks of [`HALF_BLOCK`] elements (bf16 by integer lanes, f16
+//! through `half`'s slice conversions, which use F16C where the CPU has it), so the loops below
+//! see `f32` slices.
 
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
@@ -44,11 +45,13 @@ impl Float for f16 {
 
 impl Float for bf16 {
     const IS_F32: bool = false;
+    #[inline(always)]
     fn widen(src: &[bf16], dst: &mut [f32]) {
-        src.convert_to_f32_slice(dst);
+        bf16_widen(src, dst);
     }
+    #[inline(always)]
     fn narrow(src: &[f32], dst: &mut [bf16]) {
-        dst.convert_from_f32_slice(src);
+        bf16_narrow(src, dst);
     }
 }
 
@@ -128,12 +131,11 @@ unsafe fn f16_narrow_f16c(src: &[f32], dst: &mut [f16]) {
     dst[full..].convert_from_f32_slice(&src[full..]);
 }
 
-/// Widen a block of `T` for the step: bf16 by its inlined loop, f16 by F16C where `F16C` says
-/// the caller is compiled with it, else `T::widen`.
+/// Widen a block of `T` for the step: f16 by F16C where `F16C` says the caller is compiled
+/// with it, else `T::widen` (inlined: bf16's loop runs in the caller's vectors).
 #[inline(always)]
 fn widen_block<T: Float, const F16C: bool>(src: &[T], dst: &mut [f32]) {
     match T::DTYPE {
-        crate::DType::BF16 => bf16_widen(bytemuck::cast_slice(src), dst),
         #[cfg(target_arch = "x86_64")]
         // SAFETY: F16C is true only in `step_mixed_avx2`, compiled with F16C and AVX2 and
         // called once the CPU is found to have both.
@@ -146,7 +148,6 @@ fn widen_block<T: Float, const F16C: bool>(src: &[T], dst: &mut [f32]) {
 #[inline(always)]
 fn narrow_block<T: Float, const F16C: bool>(src: &[f32], dst: &mut [T]) {
     match T::DTYPE {
-        crate::DType::BF16 => bf16_narrow(src, bytemuck::cast_slice_mut(dst)),
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in `widen_block`.
         crate::DType::F16 if F16C => unsafe { f16_narrow_f16c(src, bytemuck::cast_slice_mut(dst)) },

@@ -53,6 +53,9 @@ impl DevVec {
 /// Collectives on the proxy thread per bucket, with the elements they hold.
 pub(crate) type InFlight = Vec<Option<(Work<(DevVec, DevVec)>, usize)>>;
 
+/// Reduce-scatters on the proxy thread, oldest first: (bucket, the work, elements it holds).
+pub(crate) type Reducing = std::collections::VecDeque<(usize, Work<(DevVec, DevVec)>, usize)>;
+
 /// Buffers of one capacity (`cap` elements of `dtype`) kept after use, at most `keep` of them,
 /// for temporaries the engine needs again every micro-step (a bucket's gradients while backward
 /// fills it, a gathered bucket, a reduced shard): on a GPU an allocation is a driver call, a

@@ -76,7 +76,7 @@ mod stage3;
 mod step;
 
 pub(crate) use buffers::alloc_bytes;
-use buffers::{all_gather_host, alloc, alloc_host, dev, DevVec, InFlight, Spares};
+use buffers::{all_gather_host, alloc, alloc_host, dev, DevVec, InFlight, Reducing, Spares};
 pub(crate) use step::REDUCES_IN_FLIGHT;
 
 /// Bucket-sized buffers the engine keeps for reuse: two in steady state (one filling while one
@@ -113,10 +113,9 @@ pub struct Engine<T: Float = f32, S: TrainStream + 'static = HostStream> {
     reduced: Vec<Option<DevVec>>,
     /// Stages 2–3: a bucket's gradients while backward fills it.
     staging: Vec<Option<DevVec>>,
-    /// Stages 2–3 with `overlap_comm`: reduce-scatters in flight (the bucket, the shard), and
-    /// their buckets in the order they started (at most `step::REDUCES_IN_FLIGHT`).
-    pending: InFlight,
-    pending_order: std::collections::VecDeque<usize>,
+    /// Stages 2–3 with `overlap_comm`: reduce-scatters in flight (the bucket, the shard), oldest
+    /// first (at most `step::REDUCES_IN_FLIGHT`), each with its bucket and the elements it holds.
+    pending: Reducing,
     /// Per bucket, the optimizer's fp32 states over the range this rank updates, in
     /// `Optimizer::states`' order (none for SGD without momentum).
     states: Vec<Vec<DevVec>>,
@@ -308,8 +307,7 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
             grads,
             staging: (0..nb).map(|_| None).collect(),
             reduced: (0..nb).map(|_| None).collect(),
-            pending: (0..nb).map(|_| None).collect(),
-            pending_order: std::collections::VecDeque::new(),
+            pending: Reducing::new(),
             states,
             led: Ledger::new(part, cfg, rank),
             comm,
@@ -478,7 +476,7 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
                 + held(&self.gathered)
                 + held(&self.reduced)
                 + flying(&self.inflight)
-                + flying(&self.pending)
+                + self.pending.iter().map(|(_, _, e)| e).sum::<usize>()
                 + self.buckets.held()
                 + self.shards.held())
                 * sz,

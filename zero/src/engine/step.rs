@@ -155,7 +155,7 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
         let full = self.staging[b].take().expect("filled above");
         // With as many reduce-scatters in flight as may be, the oldest ends first (and gives
         // back its shard for this one).
-        while self.pending_order.len() >= REDUCES_IN_FLIGHT {
+        while self.pending.len() >= REDUCES_IN_FLIGHT {
             let t0 = Instant::now();
             let r = self.finish_pending(false);
             self.wait.reduce += t0.elapsed();
@@ -166,11 +166,8 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
             .take(self.comm.stream(), blen / self.led.part.world, false)?;
         if self.led.cfg.overlap_comm {
             let held = full.elems + shard.elems;
-            self.pending[b] = Some((
-                self.comm.reduce_scatter_async(full, shard, ReduceOp::Avg),
-                held,
-            ));
-            self.pending_order.push_back(b);
+            let work = self.comm.reduce_scatter_async(full, shard, ReduceOp::Avg);
+            self.pending.push_back((b, work, held));
             return Ok(());
         }
         let t0 = Instant::now();
@@ -189,13 +186,10 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
     /// sum leaves for the host now, as without `overlap_comm`); `at_step`: the micro-step has
     /// ended.
     fn finish_pending(&mut self, at_step: bool) -> Result<(), ZeroError> {
-        let b = self
-            .pending_order
+        let (b, w, _) = self
+            .pending
             .pop_front()
             .expect("called with a reduce-scatter in flight");
-        let (w, _) = self.pending[b]
-            .take()
-            .expect("every bucket in the order is in flight");
         let (full, shard) = w.wait()?;
         let last = !at_step && self.led.micro + 1 == self.led.cfg.accumulation_steps;
         self.accumulate(b, &shard, last)?;
@@ -248,7 +242,7 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
         let t0 = Instant::now();
         // Reduce-scatters still in flight belong to this micro-step (at the step itself the
         // offload pipeline fetches their gradients).
-        while !self.pending_order.is_empty() {
+        while !self.pending.is_empty() {
             self.finish_pending(true)?;
         }
         if !boundary {
