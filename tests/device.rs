@@ -1090,3 +1090,34 @@ fn slice_and_next_slice_paired(pair: bool) {
         );
     });
 }
+
+/// `DeviceComm::device_bytes`: explicit-copy staging holds one slot's worth of device scratch per
+/// slot of each of its two links; mapped staging holds none (its slots are host memory); an
+/// in-place all-to-all adds the copy it sends from, kept at its largest size.
+#[test]
+fn a_device_communicator_counts_the_device_memory_it_holds() {
+    for (staging, links) in [(StagingMode::Copy, 2), (StagingMode::Mapped, 0)] {
+        let o = Opts {
+            transport: TransportPref::Shm,
+            staging,
+            slice_bytes: 4096,
+            ..Opts::default()
+        };
+        threads(2, &o, |_, comm| {
+            let comm = comm.unwrap();
+            let dc = device_comm(&comm);
+            let slots = links * comm.config().slots * dc.slice_bytes();
+            assert_eq!(dc.device_bytes(), slots, "{staging}");
+            let mut buf = vec![1.0f32; 1000];
+            dc.all_to_all(InPlace, &mut buf[..]).unwrap();
+            assert_eq!(dc.device_bytes(), slots + 4000, "{staging}");
+            let mut small = [1.0f32; 10];
+            dc.all_to_all(InPlace, &mut small[..]).unwrap();
+            assert_eq!(
+                dc.device_bytes(),
+                slots + 4000,
+                "{staging}: the larger copy is kept"
+            );
+        });
+    }
+}

@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::ops::Range;
+use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex};
 
 use ringzero_kernels::{DType, ReduceOp};
@@ -54,6 +55,7 @@ impl<S: Stream> DeviceComm<S> {
             staging: comm.config().staging.resolve(1, gpu),
             state: Mutex::new(DevState::new(None)),
             send_copy: Mutex::new(None),
+            held: AtomicUsize::new(0),
             host: (size > 1).then(|| comm.host_peers()),
             infos: Vec::new(),
             pairs: Mutex::new(BTreeMap::new()),
@@ -105,6 +107,15 @@ impl<S: Stream> DeviceComm<S> {
     /// the stream's choice).
     pub fn slice_bytes(&self) -> usize {
         self.core.slot_bytes()
+    }
+
+    /// Bytes of device memory this communicator holds: its links' slots in this rank's device
+    /// memory (cuda_ipc: the receive edge's `slots × slice_bytes`, exported to the sender),
+    /// explicit-copy staging's device scratch (one slot's worth per slot of each staged link),
+    /// and the copy an in-place all-to-all sends from. Mapped host slots and other ranks'
+    /// memory opened here are not this rank's allocations and are not counted.
+    pub fn device_bytes(&self) -> usize {
+        self.core.held.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Payload bytes this rank's device links have moved, the ring's and every point-to-point

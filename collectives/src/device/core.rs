@@ -3,6 +3,7 @@
 
 use std::any::Any;
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use ringzero_kernels::{DType, ReduceOp};
@@ -44,6 +45,9 @@ pub(super) struct Core<S: Stream> {
     /// Device memory an in-place all-to-all sends from (a copy of the caller's buffer), kept
     /// for the next one: address, bytes, owner. Used only under `state`'s lock.
     pub(super) send_copy: Mutex<Option<Kept>>,
+    /// Bytes of device memory this rank's links (their slots or staging scratch) and the kept
+    /// send copy hold ([`DeviceComm::device_bytes`]).
+    pub(super) held: AtomicUsize,
     /// The last calls, dumped when the communicator fails or closes.
     pub(super) flight: Recorder,
     /// Raised by [`DeviceComm::abort`] from any thread; the running call sees it.
@@ -257,10 +261,13 @@ impl<S: Stream> Core<S> {
         let mut kept = self.send_copy.lock().unwrap_or_else(|p| p.into_inner());
         if kept.as_ref().is_none_or(|k| k.1 < bytes) {
             // The old copy goes first: no queued work uses it (see above).
-            *kept = None;
+            if let Some((_, old, _)) = kept.take() {
+                self.held.fetch_sub(old, Ordering::Relaxed);
+            }
             let (addr, owner) = self.stream.scratch(bytes).map_err(dev_err(
                 "allocating device memory for an in-place all-to-all's send copy",
             ))?;
+            self.held.fetch_add(bytes, Ordering::Relaxed);
             *kept = Some((addr, bytes, owner));
         }
         let addr = kept.as_ref().expect("kept above").0;

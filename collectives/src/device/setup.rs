@@ -16,6 +16,7 @@
 //! [`DeviceComm::edges`].
 
 use std::any::Any;
+use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use bytemuck::Zeroable;
@@ -375,6 +376,7 @@ impl<S: Stream> Core<S> {
                     .stream
                     .export(slots * slot_bytes)
                     .map_err(dev_err("allocating the device slots"))?;
+                self.held.fetch_add(slots * slot_bytes, Ordering::Relaxed);
                 let ctl = ShmRecv::create_control(&cfg.shm_dir, name, slots, slot_bytes, from)?;
                 info.ipc = handle;
                 info.path = path_text(ctl.path())?;
@@ -518,9 +520,11 @@ impl<S: Stream> Core<S> {
         if self.staging.0 != StagingMode::Copy {
             return Ok(None);
         }
-        self.stream.scratch(bytes).map(Some).map_err(dev_err(
+        let scratch = self.stream.scratch(bytes).map_err(dev_err(
             "allocating device scratch for explicit-copy staging",
-        ))
+        ))?;
+        self.held.fetch_add(bytes, Ordering::Relaxed);
+        Ok(Some(scratch))
     }
 
     /// Attach to the next rank's receive FIFO (or connect to it) as `theirs` describes.
