@@ -227,11 +227,14 @@ impl<T: Float, S: CandleStream> Zero<T, S> {
     /// engine (last variable first, as backward produces them). A variable the loss does not
     /// depend on gets a zero gradient.
     pub fn backward(&mut self, loss: &Tensor) -> Result<()> {
-        let grads = loss.backward()?;
+        let mut grads = loss.backward()?;
         let dtype = candle_dtype::<T>();
         let mut ins = Vec::with_capacity(self.vars.len());
         for (_, var) in self.vars.iter().rev() {
-            ins.push(match grads.get(var.as_tensor()) {
+            // Each f32 gradient leaves the store as it is converted and is freed once its
+            // conversion is queued (backward's gradients are detached: the copy does not keep
+            // it), so a 16-bit engine's copies never sit beside every f32 gradient at once.
+            ins.push(match grads.remove(var.as_tensor()) {
                 Some(g) => g.to_dtype(dtype)?.contiguous()?,
                 None => Tensor::zeros(var.shape(), dtype, var.device())?,
             });
