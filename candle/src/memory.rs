@@ -73,6 +73,9 @@ pub struct Footprint {
     /// the model states and communication buffers of an engine on a GPU (not its offload tier).
     /// Zero on the CPU, where all of it is host memory.
     pub engine_on_device: usize,
+    /// The engine's device communicator's slots in the device's memory when candle computes on
+    /// one ([`Footprint::on_gpu`]); zero on the CPU, where `slots` counts them.
+    pub device_slots: usize,
 }
 
 impl Footprint {
@@ -93,6 +96,22 @@ impl Footprint {
             activations: 4 * shape.activation_elems(batch),
             backward: 4 * shape.block_activation_elems(batch),
             engine_on_device: 0,
+            device_slots: 0,
+        }
+    }
+
+    /// The same footprint with candle and the engine on a GPU: `engine_on_device` of the
+    /// engine's bytes in its memory, and its communicator's `device_slots` there too (over
+    /// cuda_ipc the receive edge's `slots × device slice bytes`; explicit-copy host staging's
+    /// device scratch: [`DeviceComm::device_bytes`](ringzero_collectives::DeviceComm::device_bytes)).
+    /// Over cuda_ipc the engine's communicator has no slots in host memory, so of `slots` only
+    /// the host communicator's stay; host staging (`staged`) keeps its slots in host memory.
+    pub fn on_gpu(self, engine_on_device: usize, device_slots: usize, staged: bool) -> Footprint {
+        Footprint {
+            engine_on_device,
+            device_slots,
+            slots: if staged { self.slots } else { self.slots / 2 },
+            ..self
         }
     }
 
@@ -104,13 +123,13 @@ impl Footprint {
 
     /// What the engine and the communicators hold.
     pub fn engine(&self) -> usize {
-        self.model_states + self.comm_buffers + self.slots
+        self.model_states + self.comm_buffers + self.slots + self.device_slots
     }
 
-    /// What lives in the device's memory when candle computes on one: candle's part and the
-    /// engine's part there ([`Footprint::engine_on_device`]).
+    /// What lives in the device's memory when candle computes on one: candle's part, the
+    /// engine's part there ([`Footprint::engine_on_device`]) and its communicator's slots.
     pub fn device(&self) -> usize {
-        self.candle() + self.engine_on_device
+        self.candle() + self.engine_on_device + self.device_slots
     }
 
     /// What lives in host memory when candle computes on a device: the rest.
@@ -123,6 +142,7 @@ impl Footprint {
         self.model_states
             + self.comm_buffers
             + self.slots
+            + self.device_slots
             + self.vars
             + self.grads
             + self.activations

@@ -5,7 +5,9 @@
 use std::time::Instant;
 
 use candle_core::Device;
-use ringzero_collectives::{Collectives, Communicator, HostStream, InPlace, ReduceOp};
+use ringzero_collectives::{
+    Collectives, Communicator, HostStream, InPlace, ReduceOp, TransportKind,
+};
 use ringzero_kernels::cpu::Float;
 use ringzero_zero::{Memory, StepOutcome, StepReport, ZeroConfig};
 
@@ -247,7 +249,9 @@ fn train_on<T: Float, S: CandleStream>(
     let engine = (m.model_states() + m.host(), comm_predicted);
     let mut footprint = Footprint::of(&shape, batch, engine, slots);
     if !zero.engine().stream().host_addressable() {
-        footprint.engine_on_device = m.model_states() + comm_predicted;
+        let dc = zero.engine().comm();
+        let staged = dc.edges().iter().any(|e| e.kind != TransportKind::CudaIpc);
+        footprint = footprint.on_gpu(m.model_states() + comm_predicted, dc.device_bytes(), staged);
     }
     Ok(TrainReport {
         losses,

@@ -1614,6 +1614,59 @@ fn train_offloads_under_the_published_zero2_config_with_the_delayed_update() {
     assert!(!e.contains("rank 0"), "{e}");
 }
 
+/// `--precision` and `--lr` fill a config's `"auto"` values, as Hugging Face's Trainer fills
+/// them from its arguments; where the config sets the value itself, or has no `"auto"` to fill,
+/// the flag is refused before any rank starts, naming the key.
+#[test]
+fn train_flags_fill_a_configs_auto_values_and_only_those() {
+    let fixture = |name: &str| {
+        format!(
+            "{}/../tests/fixtures/deepspeed/{name}",
+            env!("CARGO_MANIFEST_DIR")
+        )
+    };
+    let hf2 = fixture("hf-ds_config_zero2.json");
+    let out = succeeds(ringzero().args([
+        "train",
+        "-n",
+        "2",
+        "--config",
+        &hf2,
+        "--precision",
+        "bf16",
+        "--lr",
+        "1e-3",
+        "--steps",
+        "2",
+        "--threshold",
+        "100",
+    ]));
+    assert!(out.contains("stage 2, Bf16"), "{out}");
+    let hf3 = fixture("hf-ds_config_zero3.json");
+    let e = fails(ringzero().args(["train", "--config", &hf3, "--lr", "1e-4"]));
+    assert!(
+        e.contains("--lr and --config both given, and the config sets optimizer.params.lr = "),
+        "{e}"
+    );
+    let e = fails(ringzero().args(["train", "--config", &hf3, "--precision", "bf16"]));
+    assert!(
+        e.contains("the config sets fp16.enabled = true: set it in one place"),
+        "{e}"
+    );
+    let e = fails(ringzero().args([
+        "train",
+        "--config",
+        &fixture("ds-tutorial-zero2.json"),
+        "--lr",
+        "1e-4",
+    ]));
+    assert!(
+        e.contains("fills the config's \"auto\" optimizer.params.lr, and the config has none"),
+        "{e}"
+    );
+    assert!(!e.contains("rank 0"), "{e}");
+}
+
 /// `ringzero mem --gpt`: a GPT's whole footprint per stage (model states fall with the stage,
 /// candle's share does not), and a malformed shape refused with the expected form.
 #[test]
@@ -1666,11 +1719,34 @@ fn mem_predicts_a_gpts_footprint_per_stage() {
     // stage, states, comm, slots, vars, grads, activations, backward, total, GPU, host.
     assert_eq!(cells.len(), 11, "{out}");
     let candle: f64 = cells[4..8].iter().sum();
-    // The GPU holds candle's tensors, the buffers and what the config leaves of the states
-    // there (stage 3's gradient shard).
-    let on_gpu = candle + cells[2];
+    // The ring slots: the host communicator's (2 links × 4 slots × 512 KiB) and, over cuda_ipc,
+    // the engine's receive edge's in device memory (4 slots × 16 MiB).
+    assert_eq!(cells[3], 4.0 + 64.0, "{out}");
+    // The GPU holds candle's tensors, the buffers, the device slots and what the config leaves
+    // of the states there (stage 3's gradient shard).
+    let on_gpu = candle + cells[2] + 64.0;
     assert!(cells[9] > on_gpu && cells[9] < on_gpu + cells[1], "{out}");
     assert!((cells[9] + cells[10] - cells[8]).abs() < 0.02, "{out}");
+    assert!(
+        out.contains("communicator's slots (64.00 MiB over cuda_ipc"),
+        "{out}"
+    );
+    // The device slots follow RINGZERO_DEVICE_SLICE_BYTES.
+    let out = succeeds(ringzero().env("RINGZERO_DEVICE_SLICE_BYTES", "1M").args([
+        "mem",
+        "--gpt",
+        "2,64,4,32,32",
+        "--dp",
+        "2",
+        "--config",
+        hf,
+        "--device",
+        "cuda",
+    ]));
+    assert!(
+        out.contains("communicator's slots (4.00 MiB over cuda_ipc"),
+        "{out}"
+    );
     let e = fails(ringzero().args(["mem", "--params", "1e9", "--config", hf]));
     assert!(
         e.contains("--config, --device and --batch size a GPT's footprint: give --gpt"),

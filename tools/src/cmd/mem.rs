@@ -25,8 +25,10 @@ pub(crate) struct MemCli {
     pub(crate) config: Option<std::path::PathBuf>,
     /// With --gpt: where candle computes, `cpu` or `cuda` (`ringzero train --device`): on a
     /// GPU the table adds each stage's bytes on the device — candle's tensors, the engine's
-    /// model states not offloaded and its communication buffers: what to set against the
-    /// driver's figure for the process less its CUDA context — and those in host memory.
+    /// model states not offloaded, its communication buffers and its communicator's slots
+    /// (over cuda_ipc: `RINGZERO_SLOTS` × `RINGZERO_DEVICE_SLICE_BYTES`, 16 MiB by default):
+    /// what to set against the driver's figure for the process less its CUDA context — and
+    /// those in host memory.
     /// [default: cpu]
     #[arg(long, value_name = "DEVICE")]
     pub(crate) device: Option<String>,
@@ -347,7 +349,9 @@ fn gpt(shape: &str, a: &MemCli) -> anyhow::Result<ExitCode> {
         "RINGZERO_MASTER_PORT" => Some("29500".to_string()),
         // Never connects: only its slots are read.
         "RINGZERO_SECRET" => Some("ringzero mem".to_string()),
-        "RINGZERO_SLOTS" | "RINGZERO_SLICE_BYTES" => std::env::var(k).ok(),
+        "RINGZERO_SLOTS" | "RINGZERO_SLICE_BYTES" | "RINGZERO_DEVICE_SLICE_BYTES" => {
+            std::env::var(k).ok()
+        }
         _ => None,
     };
     let cfg = ringzero_collectives::Config::from_lookup(&lookup)?;
@@ -356,6 +360,12 @@ fn gpt(shape: &str, a: &MemCli) -> anyhow::Result<ExitCode> {
     } else {
         (0, 0)
     };
+    // On a GPU the engine's communicator keeps its receive edge's slots in device memory
+    // (cuda_ipc, the edge ranks of one node's GPUs take), sized by the device slice.
+    let device_slots = slots.0
+        * cfg
+            .device_slice_bytes
+            .unwrap_or(ringzero_kernels::device::GPU_SLICE_BYTES);
     let mib = |b: usize| b as f64 / (1 << 20) as f64;
     println!(
         "GPT {} blocks × width {} ({} heads, context {}, vocabulary {}): {} parameters; {} ranks × {} \
@@ -407,14 +417,14 @@ fn gpt(shape: &str, a: &MemCli) -> anyhow::Result<ExitCode> {
         let states = (t.device.total() + t.host.total()) as usize;
         let mut f = Footprint::of(&g, batch, (states, comm), slots);
         if gpu {
-            f.engine_on_device = t.device.total() as usize + comm;
+            f = f.on_gpu(t.device.total() as usize + comm, device_slots, false);
         }
         print!(
             "{:>6} {:>13.2} {:>13.2} {:>11.2} {:>12.2} {:>11.2} {:>12.2} {:>10.2} {:>10.2}",
             s,
             mib(f.model_states),
             mib(f.comm_buffers),
-            mib(f.slots),
+            mib(f.slots + f.device_slots),
             mib(f.vars),
             mib(f.grads),
             mib(f.activations),
@@ -428,10 +438,12 @@ fn gpt(shape: &str, a: &MemCli) -> anyhow::Result<ExitCode> {
     }
     if gpu {
         println!(
-            "on GPU: candle's tensors and the engine's device memory, set against the driver's \
-             figure for the process less its CUDA context (`ringzero train --device cuda` prints \
-             both); CUDA's libraries (cuBLAS's workspaces, loaded kernels) and the device \
-             communicator's slots come on top"
+            "on GPU: candle's tensors, the engine's device memory and its communicator's slots \
+             ({:.2} MiB over cuda_ipc; ring slots counts them with the host communicator's), set \
+             against the driver's figure for the process less its CUDA context (`ringzero train \
+             --device cuda` prints both); CUDA's libraries (cuBLAS's workspaces, loaded kernels) \
+             and the memory pool's free blocks come on top",
+            mib(device_slots)
         );
     }
     println!(

@@ -28,8 +28,9 @@ pub(crate) struct TrainCli {
     /// AdamW's learning rate [default: 0.003].
     #[arg(long)]
     pub(crate) lr: Option<f32>,
-    /// A DeepSpeed-style JSON config (instead of --stage/--precision/--lr; `"auto"` values
-    /// become this command's).
+    /// A DeepSpeed-style JSON config (instead of --stage): its `"auto"` values become this
+    /// command's flags' — --precision and --lr where given, their defaults otherwise; a flag
+    /// whose value the config sets itself is refused.
     #[arg(long)]
     pub(crate) config: Option<std::path::PathBuf>,
     /// The ZeRO-Offload paper's delayed parameter update after this many optimizer steps (not
@@ -94,6 +95,30 @@ pub(crate) fn run(t: TrainCli) -> anyhow::Result<ExitCode> {
     }
 }
 
+/// A flag given with `--config` fills the config's `"auto"` values at `keys` (as Hugging Face's
+/// Trainer fills them from its arguments). Where the config sets one of them itself, or has
+/// none to fill, the flag is refused, naming the keys.
+fn fills_auto(json: &serde_json::Value, flag: &str, keys: &[&str]) -> anyhow::Result<()> {
+    let at = |key: &str| key.split('.').try_fold(json, |v, k| v.get(k));
+    let is_auto = |v: &serde_json::Value| v.as_str() == Some("auto");
+    let set: Vec<String> = (keys.iter())
+        .filter_map(|k| at(k).filter(|v| !is_auto(v)).map(|v| format!("{k} = {v}")))
+        .collect();
+    anyhow::ensure!(
+        set.is_empty(),
+        "{flag} and --config both given, and the config sets {}: set it in one place (the \
+         config's value, or \"auto\" there for {flag} to fill)",
+        set.join(", ")
+    );
+    anyhow::ensure!(
+        keys.iter().any(|k| at(k).is_some_and(is_auto)),
+        "{flag} with --config fills the config's \"auto\" {}, and the config has none: write \
+         \"auto\" there for {flag} to fill, or set the value in the config",
+        keys.join(" or ")
+    );
+    Ok(())
+}
+
 /// The engine's configuration, from `--config` or the flags.
 fn config(t: &TrainCli) -> anyhow::Result<ZeroConfig> {
     super::check_transport(t.transport.as_deref())?;
@@ -115,18 +140,22 @@ fn config(t: &TrainCli) -> anyhow::Result<ZeroConfig> {
     let (lr, precision) = (t.lr.unwrap_or(3e-3), t.precision.unwrap_or(Precision::Fp32));
     let mut cfg = match &t.config {
         Some(path) => {
-            for (flag, given) in [
-                ("--stage", t.stage.is_some()),
-                ("--precision", t.precision.is_some()),
-                ("--lr", t.lr.is_some()),
-            ] {
-                anyhow::ensure!(
-                    !given,
-                    "{flag} and --config both given: set it in one place (the config's key, or \"auto\" there to take the flag's default)"
-                );
-            }
+            anyhow::ensure!(
+                t.stage.is_none(),
+                "--stage and --config both given: set it in one place (the config's \
+                 zero_optimization.stage; DeepSpeed has no \"auto\" stage)"
+            );
             let text = std::fs::read_to_string(path)
                 .with_context(|| format!("reading {}", path.display()))?;
+            // A text that is not JSON is the config parser's to report.
+            if let Ok(json) = serde_json::from_str::<serde_json::Value>(&text) {
+                if t.precision.is_some() {
+                    fills_auto(&json, "--precision", &["fp16.enabled", "bf16.enabled"])?;
+                }
+                if t.lr.is_some() {
+                    fills_auto(&json, "--lr", &["optimizer.params.lr"])?;
+                }
+            }
             let auto = Auto {
                 lr,
                 micro_batch: t.batch,
@@ -287,12 +316,16 @@ fn mib(b: usize) -> f64 {
 fn footprint_text(r: &train::TrainReport) -> String {
     let f = r.footprint;
     let predicted = format!(
-        "predicted {:.2} MiB = model states {:.2} + comm buffers {:.2} + ring slots {:.2} + \
+        "predicted {:.2} MiB = model states {:.2} + comm buffers {:.2} + ring slots {:.2}{} + \
          candle vars {:.2} + grads {:.2} + activations {:.2} + backward {:.2}",
         mib(f.total()),
         mib(f.model_states),
         mib(f.comm_buffers),
         mib(f.slots),
+        match f.device_slots {
+            0 => String::new(),
+            d => format!(" + device ring slots {:.2}", mib(d)),
+        },
         mib(f.vars),
         mib(f.grads),
         mib(f.activations),
@@ -316,8 +349,8 @@ fn footprint_text(r: &train::TrainReport) -> String {
              growth is CUDA's libraries and candle's host copies)\nrank 0 GPU memory (the \
              driver's figure for the process): {:.2} MiB before the model (CUDA context), {:.2} \
              MiB at its largest after backward, {:.2} MiB added; predicted candle vars + grads + \
-             activations + backward {:.2} MiB and the engine's model states and buffers {:.2} \
-             MiB; added / predicted {:.2}\n{}",
+             activations + backward {:.2} MiB, the engine's model states and buffers {:.2} MiB \
+             and its communicator's slots {:.2} MiB; added / predicted {:.2}\n{}",
             r.measured_peak
                 .map_or("not measured".into(), |m| format!("{:.2} MiB", mib(m))),
             mib(f.host()),
@@ -326,6 +359,7 @@ fn footprint_text(r: &train::TrainReport) -> String {
             mib(peak - before),
             mib(f.candle()),
             mib(f.engine_on_device),
+            mib(f.device_slots),
             (peak - before) as f64 / f.device().max(1) as f64,
             device_by_owner(r, peak - before),
         ),
@@ -351,10 +385,10 @@ fn device_by_owner(r: &train::TrainReport, added: usize) -> String {
     let ours = match r.device_engine_peak {
         None => "ringzero's allocations not counted".to_string(),
         Some((e, _)) => format!(
-            "ringzero's allocations {:.2} MiB at their peak (/ predicted engine {:.2}; the rest \
-             its communicator's slots and scratch)",
+            "ringzero's allocations {:.2} MiB at their peak (/ predicted engine and its \
+             communicator's slots {:.2})",
             mib(e),
-            e as f64 / f.engine_on_device.max(1) as f64
+            e as f64 / (f.engine_on_device + f.device_slots).max(1) as f64
         ),
     };
     let rest = match (r.device_pool_peak, r.device_engine_peak) {
@@ -429,7 +463,8 @@ mod tests {
             activations: 400 * MIB,
             backward: 20 * MIB,
             model_states: 50 * MIB,
-            engine_on_device: 50 * MIB,
+            engine_on_device: 34 * MIB,
+            device_slots: 16 * MIB,
             ..Footprint::default()
         };
         let r = TrainReport {
@@ -459,7 +494,9 @@ mod tests {
             "candle's tensors 620.00 MiB at their peak",
             "/ predicted 1.00)",
             "the pool's reservation 700.00 MiB",
-            "ringzero's allocations 100.00 MiB at their peak (/ predicted engine 2.00",
+            "its communicator's slots 16.00 MiB; added / predicted 1.33",
+            "ringzero's allocations 100.00 MiB at their peak (/ predicted engine and its \
+             communicator's slots 2.00)",
             "the rest of the added memory 94.00 MiB",
             "50.00 MiB of it mapped at the peak",
         ] {
