@@ -254,21 +254,11 @@ pub fn pool_peak(ordinal: usize, restart: bool) -> Option<PoolPeak> {
     #[cfg(feature = "cuda")]
     {
         use cudarc::driver::sys::{self, CUmemPool_attribute as A, CUresult};
-        let (mut dev, mut pool) = (0, std::ptr::null_mut());
-        // SAFETY: each call writes only through the pointer it is given, to a local of the
-        // type the driver API names (CUdevice, CUmemoryPool); the driver was initialised when
-        // candle opened the device, and a failure is returned, not acted on.
-        let ok = unsafe {
-            sys::cuDeviceGet(&mut dev, i32::try_from(ordinal).ok()?) == CUresult::CUDA_SUCCESS
-                && sys::cuDeviceGetDefaultMemPool(&mut pool, dev) == CUresult::CUDA_SUCCESS
-        };
-        if !ok {
-            return None;
-        }
+        let pool = default_pool(ordinal)?;
         let high = |attr: A| {
             let mut v = 0u64;
-            // SAFETY: `pool` is the device's default pool (above); both high-water attributes
-            // are cuuint64_t, read from and written to a local (setting one resets it).
+            // SAFETY: `pool` is the device's default pool (`default_pool`); both high-water
+            // attributes are cuuint64_t, read from and written to a local (setting one resets it).
             let ok = unsafe {
                 (!restart
                     || sys::cuMemPoolSetAttribute(pool, attr, (&raw mut v).cast())
@@ -287,6 +277,43 @@ pub fn pool_peak(ordinal: usize, restart: bool) -> Option<PoolPeak> {
     {
         let _ = (ordinal, restart);
         None
+    }
+}
+
+/// The default memory pool of CUDA device `ordinal` (where candle allocates its tensors);
+/// `None` where the driver refuses.
+#[cfg(feature = "cuda")]
+fn default_pool(ordinal: usize) -> Option<cudarc::driver::sys::CUmemoryPool> {
+    use cudarc::driver::sys::{self, CUresult};
+    let (mut dev, mut pool) = (0, std::ptr::null_mut());
+    // SAFETY: each call writes only through the pointer it is given, to a local of the type
+    // the driver API names (CUdevice, CUmemoryPool); the driver was initialised when candle
+    // opened the device, and a failure is returned, not acted on.
+    let ok = unsafe {
+        sys::cuDeviceGet(&mut dev, i32::try_from(ordinal).ok()?) == CUresult::CUDA_SUCCESS
+            && sys::cuDeviceGetDefaultMemPool(&mut pool, dev) == CUresult::CUDA_SUCCESS
+    };
+    ok.then_some(pool)
+}
+
+/// Hand every free block of CUDA device `ordinal`'s default pool back to the driver (what
+/// candle's freed tensors left there); whether the driver did (`false` without the `cuda`
+/// feature).
+pub fn trim_pool(ordinal: usize) -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        use cudarc::driver::sys::{self, CUresult};
+        let Some(pool) = default_pool(ordinal) else {
+            return false;
+        };
+        // SAFETY: `pool` is the device's default pool (`default_pool`); trimming frees only
+        // blocks no allocation holds.
+        unsafe { sys::cuMemPoolTrimTo(pool, 0) == CUresult::CUDA_SUCCESS }
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = ordinal;
+        false
     }
 }
 
@@ -322,17 +349,14 @@ pub fn keep_pool(ordinal: usize) -> bool {
     {
         use cudarc::driver::sys::{self, CUmemPool_attribute, CUresult};
         let keep = CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD;
-        let (mut dev, mut pool, mut v) = (0, std::ptr::null_mut(), u64::MAX);
-        let Ok(ordinal) = i32::try_from(ordinal) else {
+        let Some(pool) = default_pool(ordinal) else {
             return false;
         };
-        // SAFETY: as in `pool_peak`: each call reads or writes only through the pointer it is
-        // given, a local of the type the driver API names (the threshold is a cuuint64_t).
+        let mut v = u64::MAX;
+        // SAFETY: `pool` is the device's default pool (`default_pool`); the threshold is a
+        // cuuint64_t, read from a local.
         unsafe {
-            sys::cuDeviceGet(&mut dev, ordinal) == CUresult::CUDA_SUCCESS
-                && sys::cuDeviceGetDefaultMemPool(&mut pool, dev) == CUresult::CUDA_SUCCESS
-                && sys::cuMemPoolSetAttribute(pool, keep, (&raw mut v).cast())
-                    == CUresult::CUDA_SUCCESS
+            sys::cuMemPoolSetAttribute(pool, keep, (&raw mut v).cast()) == CUresult::CUDA_SUCCESS
         }
     }
     #[cfg(not(feature = "cuda"))]

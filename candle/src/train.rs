@@ -163,6 +163,14 @@ fn train_on<T: Float, S: CandleStream>(
         vocab: corpus.vocab(),
         ..args.model
     };
+    let ordinal = match dev.location() {
+        candle_core::DeviceLocation::Cuda { gpu_id } => Some(gpu_id),
+        _ => None,
+    };
+    if let Some(o) = ordinal {
+        warm_up(&shape, &corpus, args.seed, &dev)?;
+        memory::trim_pool(o);
+    }
     // The peak from here on is what training adds (the corpus and communicator exist already).
     let before = memory::reset_peak()
         .then(memory::rss)
@@ -174,10 +182,6 @@ fn train_on<T: Float, S: CandleStream>(
         None
     };
     let mut device_peak = device_before;
-    let ordinal = match dev.location() {
-        candle_core::DeviceLocation::Cuda { gpu_id } => Some(gpu_id),
-        _ => None,
-    };
     if let Some(o) = ordinal {
         // The driver's figure after backward then holds the step's peak, not what is left once
         // the pool has handed freed memory back at a synchronisation.
@@ -273,4 +277,24 @@ fn train_on<T: Float, S: CandleStream>(
         engine_counted_peak: m.model_states() + comm_peak,
         last_step: zero.engine().report(),
     })
+}
+
+/// On a GPU, candle's first matmuls and kernels load what any process computing with candle
+/// there keeps, whatever the model: cuBLAS's workspaces and the kernels' modules (about 100 MiB
+/// on an H100), a fixed cost like the CUDA context's. One forward and backward of a one-block
+/// GPT of the run's width on one sequence loads them before the driver's figure is read, so
+/// that figure holds them and what training adds is what [`Footprint`] models. Its tensors
+/// are freed and the pool then trimmed ([`memory::trim_pool`]), so none of their memory is in
+/// the figure.
+fn warm_up(shape: &GptConfig, corpus: &Corpus, seed: u64, dev: &Device) -> Result<()> {
+    let one = GptConfig {
+        layers: 1,
+        ..*shape
+    };
+    let (model, varmap) = gpt::build(one, seed, dev)?;
+    let (x, y) = corpus.batch(&[0], shape.ctx, dev)?;
+    let grads = model.loss(&x, &y)?.backward()?;
+    drop((grads, model, varmap));
+    dev.synchronize()?;
+    Ok(())
 }

@@ -27,7 +27,8 @@ pub(crate) struct MemCli {
     /// GPU the table adds each stage's bytes on the device — candle's tensors, the engine's
     /// model states not offloaded, its communication buffers and its communicator's slots
     /// (over cuda_ipc: `RINGZERO_SLOTS` × `RINGZERO_DEVICE_SLICE_BYTES`, 16 MiB by default):
-    /// what to set against the driver's figure for the process less its CUDA context — and
+    /// what to set against the driver's figure for the process less its CUDA context and
+    /// libraries (`ringzero train --device cuda` reads it after a warm-up) — and
     /// those in host memory.
     /// [default: cpu]
     #[arg(long, value_name = "DEVICE")]
@@ -440,9 +441,9 @@ fn gpt(shape: &str, a: &MemCli) -> anyhow::Result<ExitCode> {
         println!(
             "on GPU: candle's tensors, the engine's device memory and its communicator's slots \
              ({:.2} MiB over cuda_ipc; ring slots counts them with the host communicator's), set \
-             against the driver's figure for the process less its CUDA context (`ringzero train \
-             --device cuda` prints both); CUDA's libraries (cuBLAS's workspaces, loaded kernels) \
-             and the memory pool's free blocks come on top",
+             against the driver's figure for the process less its CUDA context and libraries \
+             (cuBLAS's workspaces, loaded kernels: `ringzero train --device cuda` reads it after a \
+             warm-up and prints both); the memory pool's free blocks come on top",
             mib(device_slots)
         );
     }

@@ -347,8 +347,8 @@ fn footprint_text(r: &train::TrainReport) -> String {
             "rank 0 host memory added by training at its peak: {}; predicted on the host (the \
              offload tier, the host communicator's slots) {:.2} MiB (the rest of the resident \
              growth is CUDA's libraries and candle's host copies)\nrank 0 GPU memory (the \
-             driver's figure for the process): {:.2} MiB before the model (CUDA context), {:.2} \
-             MiB at its largest after backward, {:.2} MiB added; predicted candle vars + grads + \
+             driver's figure for the process): {:.2} MiB before the model (CUDA's context and \
+             libraries, after a warm-up), {:.2} MiB at its largest after backward, {:.2} MiB added; predicted candle vars + grads + \
              activations + backward {:.2} MiB, the engine's model states and buffers {:.2} MiB \
              and its communicator's slots {:.2} MiB; added / predicted {:.2}\n{}",
             r.measured_peak
