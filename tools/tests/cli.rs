@@ -546,6 +546,35 @@ fn demo_reads_a_deepspeed_config_and_names_bad_keys() {
         stdout.contains("     256 "),
         "initial scale 2^8 printed: {stdout}"
     );
+    // --lr fills only an "auto" learning rate; this config sets its own.
+    let e = fails(
+        ringzero()
+            .args(["demo", "--lr", "0.01", "--config"])
+            .arg(&good),
+    );
+    assert!(
+        e.contains("--lr and --config both given, and the config sets optimizer.params.lr = 0.003"),
+        "{e}"
+    );
+    // Hugging Face's zero2 config leaves precision and learning rate "auto": the flags fill them.
+    let hf = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../tests/fixtures/deepspeed/hf-ds_config_zero2.json"
+    );
+    let stdout = succeeds(ringzero().args([
+        "demo",
+        "-n",
+        "2",
+        "--steps",
+        "20",
+        "--precision",
+        "fp32",
+        "--lr",
+        "0.001",
+        "--config",
+        hf,
+    ]));
+    assert!(stdout.contains("ZeRO stage 2, fp32"), "{stdout}");
     // Keys that describe what ringzero always does are accepted, each with its reason printed.
     let noted = dir.join("noted.json");
     std::fs::write(

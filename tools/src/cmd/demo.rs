@@ -25,7 +25,9 @@ pub(crate) struct DemoCli {
     /// Learning rate [default: 0.003].
     #[arg(long)]
     pub(crate) lr: Option<f32>,
-    /// A DeepSpeed-style JSON config (instead of --stage/--precision/--lr).
+    /// A DeepSpeed-style JSON config (instead of --stage and --shard-size): its `"auto"` values
+    /// become this command's flags' — --precision and --lr where given, their defaults
+    /// otherwise; a flag whose value the config sets itself is refused.
     #[arg(long)]
     pub(crate) config: Option<std::path::PathBuf>,
     /// Optimizer steps.
@@ -116,25 +118,28 @@ fn setup(d: &DemoCli) -> anyhow::Result<(Mlp, ZeroConfig)> {
         .unwrap_or(1);
     let mut zero = match &d.config {
         Some(path) => {
-            for (flag, given) in [
-                ("--stage", d.stage.is_some()),
-                ("--precision", d.precision.is_some()),
-                ("--lr", d.lr.is_some()),
-                ("--shard-size", d.shard_size.is_some()),
+            for (flag, key, given) in [
+                ("--stage", "zero_optimization.stage", d.stage.is_some()),
+                (
+                    "--shard-size",
+                    "zero_optimization.mics_shard_size",
+                    d.shard_size.is_some(),
+                ),
             ] {
                 anyhow::ensure!(
                     !given,
-                    "{flag} and --config both given: set it in one place (the config's key wins nowhere)"
+                    "{flag} and --config both given: set it in one place (the config's {key})"
                 );
             }
             let text = std::fs::read_to_string(path)
                 .with_context(|| format!("reading {}", path.display()))?;
-            // "auto" becomes what the demo would use itself, as Hugging Face's Trainer fills it
-            // from its own arguments.
+            super::flags_fill_auto(&text, d.precision.is_some(), d.lr.is_some())?;
+            // "auto" becomes the flags' values (or the demo's defaults), as Hugging Face's
+            // Trainer fills it from its own arguments.
             let auto = Auto {
-                lr: 3e-3,
+                lr: d.lr.unwrap_or(3e-3),
                 micro_batch: d.batch,
-                precision: Precision::Bf16,
+                precision: d.precision.unwrap_or(Precision::Bf16),
                 warmup_steps: (d.steps / 10) as u64,
                 total_steps: Some(d.steps as u64),
                 ..Auto::default()

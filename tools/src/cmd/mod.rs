@@ -156,3 +156,42 @@ pub(crate) fn local_gpu(
     let name = format!("cuda:{ordinal} ({})", gpu.name().unwrap_or_default());
     Ok((gpu, name))
 }
+
+/// `--precision` and `--lr` (where `precision` and `lr` say they were given) beside a config's
+/// `text`: each fills the config's `"auto"` values ([`fills_auto`]). A text that is not JSON is
+/// the config parser's to report.
+pub(crate) fn flags_fill_auto(text: &str, precision: bool, lr: bool) -> anyhow::Result<()> {
+    if let Ok(json) = serde_json::from_str::<serde_json::Value>(text) {
+        if precision {
+            fills_auto(&json, "--precision", &["fp16.enabled", "bf16.enabled"])?;
+        }
+        if lr {
+            fills_auto(&json, "--lr", &["optimizer.params.lr"])?;
+        }
+    }
+    Ok(())
+}
+
+/// A flag given with `--config` fills the config's `"auto"` values at `keys` (as Hugging Face's
+/// Trainer fills them from its arguments). Where the config sets one of them itself, or has
+/// none to fill, the flag is refused, naming the keys.
+fn fills_auto(json: &serde_json::Value, flag: &str, keys: &[&str]) -> anyhow::Result<()> {
+    let at = |key: &str| key.split('.').try_fold(json, |v, k| v.get(k));
+    let is_auto = |v: &serde_json::Value| v.as_str() == Some("auto");
+    let set: Vec<String> = (keys.iter())
+        .filter_map(|k| at(k).filter(|v| !is_auto(v)).map(|v| format!("{k} = {v}")))
+        .collect();
+    anyhow::ensure!(
+        set.is_empty(),
+        "{flag} and --config both given, and the config sets {}: set it in one place (the \
+         config's value, or \"auto\" there for {flag} to fill)",
+        set.join(", ")
+    );
+    anyhow::ensure!(
+        keys.iter().any(|k| at(k).is_some_and(is_auto)),
+        "{flag} with --config fills the config's \"auto\" {}, and the config has none: write \
+         \"auto\" there for {flag} to fill, or set the value in the config",
+        keys.join(" or ")
+    );
+    Ok(())
+}

@@ -95,30 +95,6 @@ pub(crate) fn run(t: TrainCli) -> anyhow::Result<ExitCode> {
     }
 }
 
-/// A flag given with `--config` fills the config's `"auto"` values at `keys` (as Hugging Face's
-/// Trainer fills them from its arguments). Where the config sets one of them itself, or has
-/// none to fill, the flag is refused, naming the keys.
-fn fills_auto(json: &serde_json::Value, flag: &str, keys: &[&str]) -> anyhow::Result<()> {
-    let at = |key: &str| key.split('.').try_fold(json, |v, k| v.get(k));
-    let is_auto = |v: &serde_json::Value| v.as_str() == Some("auto");
-    let set: Vec<String> = (keys.iter())
-        .filter_map(|k| at(k).filter(|v| !is_auto(v)).map(|v| format!("{k} = {v}")))
-        .collect();
-    anyhow::ensure!(
-        set.is_empty(),
-        "{flag} and --config both given, and the config sets {}: set it in one place (the \
-         config's value, or \"auto\" there for {flag} to fill)",
-        set.join(", ")
-    );
-    anyhow::ensure!(
-        keys.iter().any(|k| at(k).is_some_and(is_auto)),
-        "{flag} with --config fills the config's \"auto\" {}, and the config has none: write \
-         \"auto\" there for {flag} to fill, or set the value in the config",
-        keys.join(" or ")
-    );
-    Ok(())
-}
-
 /// The engine's configuration, from `--config` or the flags.
 fn config(t: &TrainCli) -> anyhow::Result<ZeroConfig> {
     super::check_transport(t.transport.as_deref())?;
@@ -147,15 +123,7 @@ fn config(t: &TrainCli) -> anyhow::Result<ZeroConfig> {
             );
             let text = std::fs::read_to_string(path)
                 .with_context(|| format!("reading {}", path.display()))?;
-            // A text that is not JSON is the config parser's to report.
-            if let Ok(json) = serde_json::from_str::<serde_json::Value>(&text) {
-                if t.precision.is_some() {
-                    fills_auto(&json, "--precision", &["fp16.enabled", "bf16.enabled"])?;
-                }
-                if t.lr.is_some() {
-                    fills_auto(&json, "--lr", &["optimizer.params.lr"])?;
-                }
-            }
+            super::flags_fill_auto(&text, t.precision.is_some(), t.lr.is_some())?;
             let auto = Auto {
                 lr,
                 micro_batch: t.batch,
