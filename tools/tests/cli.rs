@@ -1729,17 +1729,16 @@ fn mem_predicts_a_gpts_footprint_per_stage() {
     // That config offloads the optimizer and the parameters (stage 3 only); on a GPU the
     // table says what the device holds, candle's tensors and the engine's buffers there.
     assert!(!out.contains("\n     2 "), "{out}");
-    let out = succeeds(ringzero().args([
-        "mem",
-        "--gpt",
-        "2,64,4,32,32",
-        "--dp",
-        "2",
-        "--config",
-        hf,
-        "--device",
-        "cuda",
-    ]));
+    // The GPU table for that config, with RINGZERO_DEVICE_SLICE_BYTES as given.
+    let on_cuda = |slice: Option<&str>| {
+        let mut c = ringzero();
+        if let Some(s) = slice {
+            c.env("RINGZERO_DEVICE_SLICE_BYTES", s);
+        }
+        let args = ["mem", "--gpt", "2,64,4,32,32", "--dp", "2", "--config", hf];
+        succeeds(c.args(args).args(["--device", "cuda"]))
+    };
+    let out = on_cuda(None);
     let row = out
         .lines()
         .find(|l| l.trim_start().starts_with("3 "))
@@ -1761,17 +1760,7 @@ fn mem_predicts_a_gpts_footprint_per_stage() {
         "{out}"
     );
     // The device slots follow RINGZERO_DEVICE_SLICE_BYTES.
-    let out = succeeds(ringzero().env("RINGZERO_DEVICE_SLICE_BYTES", "1M").args([
-        "mem",
-        "--gpt",
-        "2,64,4,32,32",
-        "--dp",
-        "2",
-        "--config",
-        hf,
-        "--device",
-        "cuda",
-    ]));
+    let out = on_cuda(Some("1M"));
     assert!(
         out.contains("communicator's slots (4.00 MiB over cuda_ipc"),
         "{out}"
