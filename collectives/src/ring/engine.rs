@@ -24,6 +24,7 @@ use super::op_wait::{self, OpWait};
 use super::schedule::{Buf, Loc, Op, Plan};
 use crate::error::{Error, Result};
 use crate::transport::device::DevPtr;
+use crate::transport::{LinkError, SendLink};
 use crate::wire::{Expect, Fingerprint, FrameHeader};
 
 pub(crate) use crate::deadline::{Patience, Tick};
@@ -226,6 +227,9 @@ struct HostWait<'a> {
     call: &'a Call<'a>,
     what: &'a str,
     needs: Needs,
+    /// Where the frame's payload goes when the link reads it straight there
+    /// ([`crate::transport::RecvLink::recv_into`]); `None`: it is peeked in its slot.
+    into: Option<&'a mut [u8]>,
     /// The frame was there at an earlier look.
     seen: bool,
     /// The slot was reserved at an earlier look.
@@ -241,10 +245,13 @@ impl OpWait for HostWait<'_> {
 
     fn frame(&mut self, expect: &Expect) -> Result<(bool, bool)> {
         let (l, c) = (&mut *self.links, self.call);
-        let there =
-            l.rx.peek(expect)
-                .map_err(|e| link_err(e, self.what, expect.seq, l.prev, c.rank, Some(&expect.fp)))?
-                .is_some();
+        let err = |e| link_err(e, self.what, expect.seq, l.prev, c.rank, Some(&expect.fp));
+        let there = match self.into.as_deref_mut() {
+            // Received into the buffer already: the frame is done with at the link.
+            Some(_) if self.seen => true,
+            Some(dst) => l.rx.recv_into(expect, dst).map_err(err)?,
+            None => l.rx.peek(expect).map_err(err)?.is_some(),
+        };
         let new = there && !self.seen;
         self.seen |= there;
         Ok((there, new))
@@ -291,48 +298,88 @@ pub(super) fn run_op(
     let rx_err = |e| link_err(e, what, in_seq, prev, rank, Some(&in_fp));
     let tx_err = |e| link_err(e, what, seq, next, rank, Some(&call.fp));
 
+    let plan = call.plan;
+    let at = |loc: &Loc| -> Range<usize> {
+        let b = base(plan, loc.buf);
+        (loc.range.start - b) * es..(loc.range.end - b) * es
+    };
+    // A frame only stored (an all-gather's or a broadcast's part, nothing reduced with it) is
+    // read off a tcp wire straight into the output: no copy out of a slot.
+    let into = match (&op.store, &op.local) {
+        (Some(s), None) if op.recv && links.rx.receives_into() => Some(at(s)),
+        _ => None,
+    };
     // Wait until both the incoming frame and an outgoing slot are there.
     let mut wait = HostWait {
         links: &mut *links,
         call,
         what,
         needs,
+        into: into.clone().map(|r| match bufs {
+            Bufs::Split { output, .. } => &mut output[r],
+            Bufs::One(buf) => &mut buf[r],
+        }),
         seen: false,
         held: false,
     };
     op_wait::frame_and_slot(&mut wait, call, op, &expect, (what, prev, next, "slot"))?;
+    if let Some(r) = into {
+        // The frame is in the output; forwarded (a middle rank's all-gather), it goes on from
+        // there.
+        if op.send {
+            let stored = match bufs {
+                Bufs::Split { output, .. } => &output[r],
+                Bufs::One(buf) => &buf[r],
+            };
+            send(&mut *links.tx, &mut links.counters, call, op, Some(stored)).map_err(tx_err)?;
+        }
+        links.counters.bytes_received += bytes as u64;
+        return Ok(());
+    }
 
     let incoming: Option<&[u8]> = if op.recv {
         links.rx.peek(&expect).map_err(rx_err)?
     } else {
         None
     };
-    let slot: Option<&mut [u8]> = if op.send {
+    // What a tcp wire sends it takes straight from where the value already is (the input, the
+    // incoming frame, or the output it was stored to) rather than from a slot filled for it: a
+    // value only copied, or one this rank stores too. A reduce that only goes on (a
+    // reduce-scatter's middle steps) is still written into the slot.
+    let from_user =
+        op.send && (op.store.is_some() || op.recv != op.local.is_some()) && links.tx.sends_from();
+    let slot: Option<&mut [u8]> = if op.send && !from_user {
         links.tx.reserve(bytes).map_err(tx_err)?
     } else {
         None
     };
     let finalize = op.finalize && call.op == ReduceOp::Avg && call.n > 1;
-    let plan = call.plan;
-    let at = |loc: &Loc| -> Range<usize> {
-        let b = base(plan, loc.buf);
-        (loc.range.start - b) * es..(loc.range.end - b) * es
-    };
     // A value only copied, not reduced, that goes both to the next rank and into the output
     // (an all-gather's own chunk out of place, a chunk received and forwarded) goes into the
     // frame first: the frame leaves while this rank copies it into the output (`later`).
     let mut later: Option<(&mut [u8], &[u8])> = None;
+    // The value to send where the wire takes it from the caller's memory (`from_user`).
+    let mut out: Option<&[u8]> = None;
     match bufs {
         Bufs::Split { input, output } => {
             let local = op.local.as_ref().map(|l| &input[at(l)]);
             let store = op.store.as_ref().map(|l| &mut output[at(l)]);
             match (incoming, local, store, slot) {
-                (Some(v), None, Some(st), Some(sl)) | (None, Some(v), Some(st), Some(sl)) => {
-                    sl.copy_from_slice(v);
+                (Some(v), None, Some(st), sl) | (None, Some(v), Some(st), sl) if op.send => {
+                    match sl {
+                        Some(sl) => sl.copy_from_slice(v),
+                        None => out = Some(v),
+                    }
                     later = Some((st, v));
                 }
-                (incoming, local, store, slot) => {
-                    apply(call, incoming, local, store, slot, finalize)?
+                (Some(v), None, None, None) | (None, Some(v), None, None) if from_user => {
+                    out = Some(v);
+                }
+                (incoming, local, mut store, slot) => {
+                    apply(call, incoming, local, store.as_deref_mut(), slot, finalize)?;
+                    if from_user {
+                        out = store.map(|st| &*st);
+                    }
                 }
             }
         }
@@ -350,30 +397,42 @@ pub(super) fn run_op(
                 if let Some(slot) = slot {
                     slot.copy_from_slice(dst);
                 }
+                if from_user {
+                    out = Some(&buf[at(s)]);
+                }
             }
             (local, None) => {
                 let local = local.as_ref().map(|l| &buf[at(l)]);
-                apply(call, incoming, local, None, slot, finalize)?;
+                match (incoming, local) {
+                    (Some(v), None) | (None, Some(v)) if from_user => out = Some(v),
+                    (incoming, local) => apply(call, incoming, local, None, slot, finalize)?,
+                }
             }
             (None, Some(s)) => match (incoming, slot) {
-                (Some(v), Some(sl)) => {
-                    sl.copy_from_slice(v);
+                (Some(v), sl) if op.send => {
+                    match sl {
+                        Some(sl) => sl.copy_from_slice(v),
+                        None => out = Some(v),
+                    }
                     later = Some((&mut buf[at(s)], v));
                 }
                 (incoming, slot) => {
                     let store = Some(&mut buf[at(s)]);
                     apply(call, incoming, None, store, slot, finalize)?;
+                    if from_user {
+                        out = Some(&buf[at(s)]);
+                    }
                 }
             },
         },
     }
 
     if op.send {
-        let h = FrameHeader::data(seq, op.step, op.slice, call.fp, bytes);
-        links.tx.post(&h).map_err(tx_err)?;
-        links.counters.bytes_sent += bytes as u64;
-        links.counters.frames_sent += 1;
-        links.tx.progress().map_err(tx_err)?;
+        if from_user && out.is_none() {
+            let e = LinkError::Protocol("an op to send from the buffers has no value".into());
+            return Err(tx_err(e));
+        }
+        send(&mut *links.tx, &mut links.counters, call, op, out).map_err(tx_err)?;
     }
     if let Some((st, v)) = later {
         if call.stream_stores {
@@ -386,6 +445,27 @@ pub(super) fn run_op(
         links.rx.release().map_err(rx_err)?;
         links.counters.bytes_received += bytes as u64;
     }
+    Ok(())
+}
+
+/// Post `op`'s frame: from `from` where the wire takes it from there
+/// ([`crate::transport::SendLink::post_from`]), else from the slot the op filled.
+fn send(
+    tx: &mut dyn SendLink,
+    counters: &mut Counters,
+    call: &Call,
+    op: &Op,
+    from: Option<&[u8]>,
+) -> std::result::Result<(), LinkError> {
+    let bytes = op.elems * call.dtype.size();
+    let h = FrameHeader::data(call.seq, op.step, op.slice, call.fp, bytes);
+    match from {
+        Some(v) => tx.post_from(&h, v)?,
+        None => tx.post(&h)?,
+    }
+    counters.bytes_sent += bytes as u64;
+    counters.frames_sent += 1;
+    tx.progress()?;
     Ok(())
 }
 

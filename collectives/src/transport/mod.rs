@@ -99,6 +99,21 @@ pub trait SendLink: Send {
     fn reserve(&mut self, len: usize) -> LinkResult<Option<&mut [u8]>>;
     /// Publish the frame reserved last, with its header.
     fn post(&mut self, header: &FrameHeader) -> LinkResult<()>;
+    /// Whether [`SendLink::post_from`] writes the payload to the wire straight from the
+    /// caller's buffer (tcp), a copy fewer than filling the reserved slot.
+    fn sends_from(&self) -> bool {
+        false
+    }
+    /// Publish the frame reserved last with `data` (the reserved length) as its payload. tcp
+    /// writes what its sockets take at once straight from `data` and copies only the rest
+    /// into the reserved slot, to go as the sockets drain; the default copies all of it there.
+    fn post_from(&mut self, header: &FrameHeader, data: &[u8]) -> LinkResult<()> {
+        let slot = self
+            .reserve(data.len())?
+            .ok_or_else(|| LinkError::Io("post without reserve".into()))?;
+        slot.copy_from_slice(data);
+        self.post(header)
+    }
     /// Move bytes along (tcp: write staged frames). Returns whether anything moved.
     fn progress(&mut self) -> LinkResult<bool>;
     /// Whether every posted frame has left this process.
@@ -123,6 +138,25 @@ pub trait RecvLink: Send {
     fn peek(&mut self, expect: &Expect) -> LinkResult<Option<&[u8]>>;
     /// Give the slot of the frame last peeked back to the sender.
     fn release(&mut self) -> LinkResult<()>;
+    /// Whether [`RecvLink::recv_into`] reads the payload straight off the wire into the
+    /// caller's buffer, a copy fewer than [`RecvLink::peek`] and a copy out of the slot (tcp:
+    /// the socket's read is the one copy; shm: the sender's copy into the slot is).
+    fn receives_into(&self) -> bool {
+        false
+    }
+    /// Receive the next frame's payload (`expect.len` bytes) into `dst`: `Ok(true)` once all of
+    /// it is there and the frame is done with (no [`RecvLink::release`]), `Ok(false)` while it
+    /// is on its way — call again with the same `dst`, which holds the part that arrived.
+    fn recv_into(&mut self, expect: &Expect, dst: &mut [u8]) -> LinkResult<bool> {
+        match self.peek(expect)? {
+            Some(v) => {
+                dst.copy_from_slice(v);
+                self.release()?;
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
     /// Whether the peer is still there.
     fn health(&mut self) -> LinkResult<()>;
     /// Tell the peer this rank aborts, best effort.

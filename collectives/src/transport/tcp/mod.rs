@@ -483,6 +483,84 @@ mod tests {
         assert!(tx.flushed());
     }
 
+    /// Drive `tx` and read frame `step` straight into a buffer of `len` bytes until it arrives
+    /// (bounded).
+    fn receive_into(tx: &mut TcpSend, rx: &mut TcpRecv, step: u32, len: usize) -> Vec<u8> {
+        let mut out = vec![0u8; len];
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            tx.progress().unwrap();
+            if rx.recv_into(&expect(step, len), &mut out).unwrap() {
+                return out;
+            }
+            assert!(Instant::now() < deadline, "frame {step} never arrived");
+        }
+    }
+
+    #[test]
+    fn frames_written_from_the_callers_buffer_arrive_into_the_callers_buffer() {
+        // Frames larger than the sockets take at once: part leaves straight from the caller's
+        // buffer, the rest through the slot; a second frame posted behind a queued one waits
+        // its turn. The receiver reads them straight into its buffer, or out of the slot where
+        // a peek began the frame.
+        let big = 6 << 20;
+        for wires in [1, 3] {
+            let (mut tx, mut rx) = edge(wires, 2, big);
+            // Small socket buffers: a big frame cannot leave in one write.
+            for w in &tx.wires {
+                SockRef::from(&w.s).set_send_buffer_size(64 << 10).unwrap();
+            }
+            for s in &rx.wires {
+                SockRef::from(s).set_recv_buffer_size(64 << 10).unwrap();
+            }
+            let mut queued = 0;
+            let lens = [big, 1, big, 0, 3 * MIN_PART + 5, big / 2 + 3];
+            for (pair, two) in lens.chunks(2).enumerate() {
+                let steps = [2 * pair as u32, 2 * pair as u32 + 1];
+                for (&step, &len) in steps.iter().zip(two) {
+                    let deadline = Instant::now() + Duration::from_secs(10);
+                    while tx.reserve(len).unwrap().is_none() {
+                        tx.progress().unwrap();
+                        assert!(Instant::now() < deadline);
+                    }
+                    let h = FrameHeader::data(7, step, 0, fp(len), len);
+                    tx.post_from(&h, &pattern(step, len)).unwrap();
+                    queued += usize::from(!tx.flushed());
+                }
+                if pair == 1 {
+                    // A peek takes the frame's first bytes into the slot: recv_into finishes
+                    // it there and copies it out.
+                    let _ = rx.peek(&expect(steps[0], two[0])).unwrap();
+                }
+                for (&step, &len) in steps.iter().zip(two) {
+                    let got = receive_into(&mut tx, &mut rx, step, len);
+                    assert!(got == pattern(step, len), "frame {step} of {len} bytes");
+                }
+            }
+            assert!(
+                queued >= 3,
+                "only {queued} frames left part of them to the slot"
+            );
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while !tx.flushed() {
+                tx.progress().unwrap();
+                assert!(Instant::now() < deadline);
+            }
+            // An abort read by recv_into fails the link with the sender's reason.
+            tx.abort("rank 0 stops here");
+            let mut out = vec![0u8; big];
+            let deadline = Instant::now() + Duration::from_secs(10);
+            let err = loop {
+                match rx.recv_into(&expect(9, big), &mut out) {
+                    Err(e) => break e,
+                    Ok(false) => assert!(Instant::now() < deadline, "no abort seen"),
+                    Ok(true) => panic!("a frame after the abort"),
+                }
+            };
+            assert_eq!(err, LinkError::PeerAborted("rank 0 stops here".into()));
+        }
+    }
+
     /// Read what `s` has (without blocking) onto `out`.
     fn drain(s: &mut mio::net::TcpStream, out: &mut Vec<u8>) {
         let mut buf = vec![0u8; 1 << 20];

@@ -21,6 +21,9 @@ pub struct TcpRecv {
     header: [u8; HEADER_LEN],
     header_got: usize,
     checked: Option<FrameHeader>,
+    /// The current frame's payload goes into the caller's buffer ([`RecvLink::recv_into`]),
+    /// not into a slot.
+    into: bool,
     /// `slots` slots of `slot_bytes` (at least an abort reason's length).
     payload: Aligned,
     slot_bytes: usize,
@@ -29,6 +32,12 @@ pub struct TcpRecv {
     /// released: the kernel reading them may still run). The host engine holds none.
     first: usize,
     held: usize,
+}
+
+/// The length of the first of `len`'s parts over `wires` connections (what comes with the
+/// header on wire 0).
+fn first_part(len: usize, wires: usize) -> usize {
+    parts(len, wires).next().map_or(0, |p| p.len())
 }
 
 impl TcpRecv {
@@ -66,6 +75,7 @@ impl TcpRecv {
             header: [0; HEADER_LEN],
             header_got: 0,
             checked: None,
+            into: false,
             payload: Aligned::new(slots * stride(slot_bytes))?,
             slot_bytes,
             slots,
@@ -107,7 +117,8 @@ impl TcpRecv {
             return Ok(None);
         }
         if self.checked.is_none() {
-            if !self.read_header(expect)? {
+            let first = first_part(expect.len.min(self.slot_bytes), self.wires.len());
+            if !self.read_header(first, None)? {
                 return Ok(None);
             }
             let h = FrameHeader::decode(&self.header)?;
@@ -129,7 +140,7 @@ impl TcpRecv {
         let wires = if h.is_abort() { 1 } else { self.wires.len() };
         let mut all = true;
         for (i, part) in parts(len, wires).enumerate() {
-            all &= self.read_part(i, part)?;
+            all &= self.read_part(i, part, None)?;
         }
         if !all {
             return Ok(None);
@@ -148,6 +159,45 @@ impl TcpRecv {
         self.checked = None;
         self.header_got = 0;
         self.part_got.fill(0);
+        self.into = false;
+    }
+
+    /// The next frame's header and payload read into `dst` ([`RecvLink::recv_into`]).
+    fn arrive_into(&mut self, expect: &Expect, dst: &mut [u8]) -> LinkResult<bool> {
+        if self.checked.is_none() {
+            let first = first_part(dst.len(), self.wires.len());
+            if !self.read_header(first, Some(&mut *dst))? {
+                return Ok(false);
+            }
+            let h = FrameHeader::decode(&self.header)?;
+            if h.is_abort() {
+                // The reason's first bytes came with the header: to the slot, where
+                // `arrive` reads the rest of it and fails the link with it.
+                let at = self.current() * stride(self.slot_bytes);
+                let got = self.part_got[0].min(self.slot_bytes);
+                self.payload.bytes_mut()[at..at + got].copy_from_slice(&dst[..got]);
+                self.into = false;
+                self.checked = Some(h);
+                return self.arrive(expect).map(|_| false);
+            }
+            h.check(expect)?;
+            if h.len as usize != dst.len() {
+                return Err(LinkError::Protocol(format!(
+                    "frame of {} bytes for a buffer of {}",
+                    h.len,
+                    dst.len()
+                )));
+            }
+            self.checked = Some(h);
+        }
+        let mut all = true;
+        for (i, part) in parts(dst.len(), self.wires.len()).enumerate() {
+            all &= self.read_part(i, part, Some(&mut *dst))?;
+        }
+        if all {
+            self.next_frame();
+        }
+        Ok(all)
     }
 
     /// The device engine's peek: the slot index of the next frame, once it has arrived.
@@ -174,26 +224,28 @@ impl TcpRecv {
     /// Read the next header from wire 0: Ok(true) once whole, Ok(false) when the socket would
     /// block.
     ///
-    /// The same read also takes what follows the header on wire 0, up to the first part of the
-    /// frame `expect` describes, straight into the current slot: a small frame arrives in one
-    /// system call instead of two. It never reads past the frame's own bytes when the header
-    /// is the one expected (a data frame must match `expect`'s length exactly, and wire 0
-    /// carries the first part); when it is not (another call's frame, garbage, an abort whose
-    /// reason is shorter), the link fails on that header, and bytes read beyond it are never
-    /// looked at. An abort's reason starts at the slot's start, where [`TcpRecv::arrive`] reads
-    /// it, and `part_got[0]` counts what arrived either way.
-    fn read_header(&mut self, expect: &Expect) -> LinkResult<bool> {
-        let first = parts(expect.len.min(self.slot_bytes), self.wires.len())
-            .next()
-            .map_or(0, |p| p.len());
+    /// The same read also takes what follows the header on wire 0, up to `first` bytes (the
+    /// first part of the frame the caller expects), straight into where the payload goes (`dst`,
+    /// or the current slot): a small frame arrives in one system call instead of two. It never
+    /// reads past the frame's own bytes when the header is the one expected (a data frame must
+    /// match the expected length exactly, and wire 0 carries the first part); when it is not
+    /// (another call's frame, garbage, an abort whose reason is shorter), the link fails on that
+    /// header, and bytes read beyond it are never looked at. An abort's reason starts at the
+    /// payload's start, and `part_got[0]` counts what arrived either way.
+    fn read_header(&mut self, first: usize, mut dst: Option<&mut [u8]>) -> LinkResult<bool> {
         let at = self.current() * stride(self.slot_bytes);
         while self.header_got < HEADER_LEN {
-            let (payload, header) = (&mut self.payload, &mut self.header);
-            let mut iov = [
-                IoSliceMut::new(&mut header[self.header_got..]),
-                IoSliceMut::new(&mut payload.bytes_mut()[at..at + first]),
-            ];
-            let r = self.wires[0].read_vectored(&mut iov);
+            let r = {
+                let into = match dst.as_deref_mut() {
+                    Some(d) => &mut d[..first],
+                    None => &mut self.payload.bytes_mut()[at..at + first],
+                };
+                let mut iov = [
+                    IoSliceMut::new(&mut self.header[self.header_got..]),
+                    IoSliceMut::new(into),
+                ];
+                self.wires[0].read_vectored(&mut iov)
+            };
             match self.got(0, r)? {
                 Some(n) => {
                     let h = n.min(HEADER_LEN - self.header_got);
@@ -206,14 +258,25 @@ impl TcpRecv {
         Ok(true)
     }
 
-    /// Read part `part` of the current frame from `wire` into the current slot: Ok(true) once
-    /// whole, Ok(false) when the socket would block.
-    fn read_part(&mut self, wire: usize, part: std::ops::Range<usize>) -> LinkResult<bool> {
-        let at = self.current() * stride(self.slot_bytes);
+    /// Read part `part` of the current frame from `wire` into `dst` (or the current slot):
+    /// Ok(true) once whole, Ok(false) when the socket would block.
+    fn read_part(
+        &mut self,
+        wire: usize,
+        part: std::ops::Range<usize>,
+        mut dst: Option<&mut [u8]>,
+    ) -> LinkResult<bool> {
+        let at = match dst {
+            Some(_) => 0,
+            None => self.current() * stride(self.slot_bytes),
+        };
         let (start, end) = (at + part.start, at + part.end);
         while start + self.part_got[wire] < end {
             let from = start + self.part_got[wire];
-            let r = self.wires[wire].read(&mut self.payload.bytes_mut()[from..end]);
+            let r = match dst.as_deref_mut() {
+                Some(d) => self.wires[wire].read(&mut d[from..end]),
+                None => self.wires[wire].read(&mut self.payload.bytes_mut()[from..end]),
+            };
             match self.got(wire, r)? {
                 Some(n) => self.part_got[wire] += n,
                 None => return Ok(false),
@@ -250,6 +313,11 @@ impl RecvLink for TcpRecv {
     }
 
     fn peek(&mut self, expect: &Expect) -> LinkResult<Option<&[u8]>> {
+        if self.into {
+            return Err(LinkError::Protocol(
+                "a frame begun by recv_into was peeked".into(),
+            ));
+        }
         Ok(match self.arrive(expect)? {
             Some((slot, len)) => {
                 let at = slot * stride(self.slot_bytes);
@@ -262,6 +330,30 @@ impl RecvLink for TcpRecv {
     fn release(&mut self) -> LinkResult<()> {
         self.next_frame();
         Ok(())
+    }
+
+    fn receives_into(&self) -> bool {
+        true
+    }
+
+    fn recv_into(&mut self, expect: &Expect, dst: &mut [u8]) -> LinkResult<bool> {
+        if self.header_got > 0 && !self.into {
+            // Begun by a peek (a lane's or a posted message's readiness check): into the
+            // slot, and out of it.
+            return match self.peek(expect)? {
+                Some(v) => {
+                    dst.copy_from_slice(v);
+                    self.release()?;
+                    Ok(true)
+                }
+                None => Ok(false),
+            };
+        }
+        if self.held == self.slots {
+            return Ok(false);
+        }
+        self.into = true;
+        self.arrive_into(expect, dst)
     }
 
     fn health(&mut self) -> LinkResult<()> {

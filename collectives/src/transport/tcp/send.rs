@@ -200,6 +200,34 @@ impl TcpSend {
         })
     }
 
+    /// Write `head` then `payload` to `wire`'s socket until it would block: the bytes written.
+    fn write_now(&mut self, wire: usize, head: &[u8], payload: &[u8]) -> LinkResult<usize> {
+        let mut written = 0;
+        while written < head.len() + payload.len() {
+            let w = &mut self.wires[wire];
+            let r = if written < head.len() {
+                w.s.write_vectored(&[IoSlice::new(&head[written..]), IoSlice::new(payload)])
+            } else {
+                w.s.write(&payload[written - head.len()..])
+            };
+            match r {
+                Ok(0) => {
+                    return Err(LinkError::Lost(format!(
+                        "rank {} ({}{}) stopped reading",
+                        self.peer,
+                        self.addr,
+                        self.wire_name(wire)
+                    )))
+                }
+                Ok(n) => written += n,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => return Err(self.lost(wire, e)),
+            }
+        }
+        Ok(written)
+    }
+
     /// Write `wire`'s queued parts until its socket would block; frees the slots whose frames
     /// have left on every connection.
     fn write_wire(&mut self, wire: usize) -> LinkResult<bool> {
@@ -278,6 +306,57 @@ impl SendLink for TcpSend {
         debug_assert_eq!(self.free.last(), Some(&slot));
         self.free.pop();
         self.queue_frame(header, slot, len);
+        Ok(())
+    }
+
+    fn sends_from(&self) -> bool {
+        true
+    }
+
+    fn post_from(&mut self, header: &FrameHeader, data: &[u8]) -> LinkResult<()> {
+        let (slot, len) = self
+            .reserved
+            .take()
+            .ok_or_else(|| LinkError::Io("post without reserve".into()))?;
+        if len != data.len() {
+            return Err(LinkError::Io(format!(
+                "frame of {} bytes posted into a reservation of {len}",
+                data.len()
+            )));
+        }
+        debug_assert_eq!(self.free.last(), Some(&slot));
+        self.free.pop();
+        let base = slot * stride(self.slot_bytes);
+        let mut queued = 0;
+        for (i, part) in parts(len, self.wires.len()).enumerate() {
+            let header: Option<[u8; HEADER_LEN]> = (i == 0).then(|| bytemuck::cast(*header));
+            let mine = &data[part.clone()];
+            // Behind frames still queued on this connection, the part waits its turn.
+            let written = match self.wires[i].queue.is_empty() {
+                true => self.write_now(i, header.as_ref().map_or(&[][..], |h| &h[..]), mine)?,
+                false => 0,
+            };
+            let head = header.map_or(0, |h| h.len());
+            if written == head + mine.len() {
+                continue;
+            }
+            // The rest from the slot, where only the bytes not yet written are copied.
+            let from = written.saturating_sub(head);
+            let at = base + part.start;
+            self.staging.bytes_mut()[at + from..at + part.len()].copy_from_slice(&mine[from..]);
+            self.wires[i].queue.push_back(Piece {
+                header,
+                slot,
+                at,
+                len: part.len(),
+                written,
+            });
+            queued += 1;
+        }
+        self.unwritten[slot] = queued;
+        if queued == 0 {
+            self.free.push(slot);
+        }
         Ok(())
     }
 
