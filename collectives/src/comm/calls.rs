@@ -114,8 +114,8 @@ impl<T: Element> Collectives<[T]> for Communicator {
     /// other chunk is overwritten.
     ///
     /// Where every ring edge is shared memory, a result from
-    /// [`Config::single_copy_from`](crate::Config::single_copy_from) bytes to below
-    /// [`Config::single_copy_below`](crate::Config::single_copy_below) (64 KiB to 1 MiB by
+    /// [`Config::single_copy_from`](crate::Config::single_copy_from) bytes (64 KiB by default)
+    /// to below [`Config::single_copy_below`](crate::Config::single_copy_below) (no bound by
     /// default) is gathered in one copy: each rank reads the others' chunks straight out of
     /// their processes (`process_vm_readv`) instead of passing them round the ring's slots
     /// ([`Communicator::single_copy_sizes`] says which sizes do).

@@ -5,9 +5,10 @@
 //! a hand-off per slice.
 //!
 //! Which sizes: from `RINGZERO_SINGLE_COPY_FROM` (64 KiB; below it the slots' one hand-off costs
-//! less than the system call and two waits) to below `RINGZERO_SINGLE_COPY_BELOW` (1 MiB; from
-//! there the slots' pipelined copies, the middle one in cache, outrun one copy between processes
-//! on a quiet machine). `docs/design-notes.md` has the measurements.
+//! less than the system call and two waits) up, bounded by `RINGZERO_SINGLE_COPY_BELOW` only
+//! where it is set (for a machine where the slots' pipelined copies, the middle one in cache,
+//! outrun one copy between processes at large sizes). `docs/design-notes.md` has the
+//! measurements.
 //!
 //! Each call takes two steps on the node board ([`Board`], the device communicator's direct
 //! collectives use the same), every rank alike:
@@ -88,6 +89,8 @@ pub(crate) struct HostDirect {
     board: Board,
     rank: usize,
     ranks: usize,
+    /// This process's id, which the others read with (a system call each time otherwise).
+    pid: u32,
     /// The all-gathers (bytes of the result) that read directly.
     sizes: std::ops::Range<usize>,
     /// Raised, alike on every rank, once some rank could not read another: every later call
@@ -130,7 +133,7 @@ impl HostDirect {
         entry.fp = fp;
         entry.direct = 1;
         entry.has_src = 1;
-        entry.src.handle[..4].copy_from_slice(&std::process::id().to_le_bytes());
+        entry.src.handle[..4].copy_from_slice(&self.pid.to_le_bytes());
         entry.src.offset = src as u64;
         entry.src.bytes = src_len as u64;
         self.board.enter(seq, &entry);
@@ -328,6 +331,7 @@ impl Communicator {
             board: board.host_paced(),
             rank: inner.rank,
             ranks: inner.size,
+            pid: std::process::id(),
             sizes: inner.cfg.single_copy_from..inner.cfg.single_copy_below,
             off: AtomicBool::new(false),
         });

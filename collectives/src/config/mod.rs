@@ -80,8 +80,9 @@ pub const DEFAULT_STREAM_STORES_FROM: usize = 16 << 20;
 /// out of each other's memory (`RINGZERO_SINGLE_COPY_FROM`).
 pub const DEFAULT_SINGLE_COPY_FROM: usize = 64 << 10;
 /// Default size (bytes of the whole result) from which all-gathers go through the slots again
-/// (`RINGZERO_SINGLE_COPY_BELOW`).
-pub const DEFAULT_SINGLE_COPY_BELOW: usize = 1 << 20;
+/// (`RINGZERO_SINGLE_COPY_BELOW`): none, every all-gather from
+/// [`DEFAULT_SINGLE_COPY_FROM`] up reads in one copy.
+pub const DEFAULT_SINGLE_COPY_BELOW: usize = usize::MAX;
 /// Default largest all-reduce (bytes) that `auto` runs by recursive doubling.
 pub const DEFAULT_DOUBLING_MAX: usize = 64 << 10;
 /// Default largest all-reduce (bytes) that `auto` runs by halving-doubling (above
@@ -136,9 +137,10 @@ pub struct Config {
     /// of passing it through the slots (`RINGZERO_SINGLE_COPY_FROM`, a size or `off`;
     /// `usize::MAX` is off).
     pub single_copy_from: usize,
-    /// The size from which all-gathers go through the slots again, where their pipelined
-    /// copies are faster than one copy between processes (`RINGZERO_SINGLE_COPY_BELOW`, a size
-    /// or `off` for no bound; `usize::MAX` is none).
+    /// The size from which all-gathers go through the slots again, for a machine where their
+    /// pipelined copies are faster than one copy between processes
+    /// (`RINGZERO_SINGLE_COPY_BELOW`, a size or `off` for no bound; `usize::MAX`, the default,
+    /// is none).
     pub single_copy_below: usize,
     /// How host staging of device buffers moves bytes (`RINGZERO_STAGING=mapped|copy`).
     pub staging: StagingMode,
@@ -523,7 +525,7 @@ mod tests {
             ("RINGZERO_NODE_ID", "fake-1"),
             ("RINGZERO_STREAM_STORES_FROM", "1M"),
             ("RINGZERO_SINGLE_COPY_FROM", "256K"),
-            ("RINGZERO_SINGLE_COPY_BELOW", "off"),
+            ("RINGZERO_SINGLE_COPY_BELOW", "8M"),
             ("RINGZERO_STAGING", "Mapped"),
             ("RINGZERO_DEVICE_ALGO", " Direct"),
             ("RINGZERO_DEVICE_COPY_PAIRS", "Off"),
@@ -565,8 +567,11 @@ mod tests {
         assert_eq!(Config::new(0, 1, "x", 1).dump_dir, None);
         assert_eq!(c.stream_stores_from, 1 << 20);
         assert_eq!(c.single_copy_from, 256 << 10);
-        assert_eq!(c.single_copy_below, usize::MAX);
-        assert_eq!(Config::new(0, 1, "x", 1).single_copy_below, 1 << 20);
+        assert_eq!(c.single_copy_below, 8 << 20);
+        assert_eq!(
+            Config::new(0, 1, "x", 1).single_copy_below,
+            DEFAULT_SINGLE_COPY_BELOW
+        );
         assert_eq!(
             Config::new(0, 1, "x", 1).single_copy_from,
             DEFAULT_SINGLE_COPY_FROM

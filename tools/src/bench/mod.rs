@@ -253,14 +253,17 @@ fn header(comm: &Communicator, a: &BenchArgs, probe: &probe::Probe, device: Stri
                 comm.config().algo,
                 match comm.single_copy_sizes() {
                     Some(s) => format!(
-                        "; all-gathers from {} B to below {} B (RINGZERO_SINGLE_COPY_FROM, \
+                        "; all-gathers from {} B{} (RINGZERO_SINGLE_COPY_FROM, \
                          RINGZERO_SINGLE_COPY_BELOW) read each \
                          rank's part straight out of its process, marked `single-copy`: \
                          predicted as 2·α + (n−1)/n·S/β, β from streams that are the call's \
                          copies (process_vm_readv of the previous rank's buffer and, out of \
                          place, the copy of the rank's own part), not the slots'",
                         s.start,
-                        s.end
+                        match s.end {
+                            usize::MAX => " up".to_string(),
+                            end => format!(" to below {end} B"),
+                        }
                     ),
                     None => String::new(),
                 }
