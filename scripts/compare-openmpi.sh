@@ -7,6 +7,7 @@
 # side runs REPEATS times (default 3), the two interleaved, and each cell takes each side's best:
 # a shared or virtual machine's speed drifts by several times over a minute, and the best of
 # interleaved runs compares the two at their own best rather than at two moments.
+# A second table sets each side's median run against the other's.
 # A benchmark, not a test: figures from one machine belong in docs/, as ratios from one run.
 #
 #     apt-get install openmpi-bin libopenmpi-dev     # Open MPI 4.1 on Debian 12
@@ -44,40 +45,46 @@ for rep in $(seq "${REPEATS:-3}"); do
     done
 done
 python3 - "$out" <<'PY'
-import json, sys, glob, os
+import json, sys, glob, os, statistics
 out = sys.argv[1]
+# Every run's busbw per cell, each side's runs apart.
 mpi, rz = {}, {}
-def best(d, k, v):
-    d[k] = max(d.get(k, 0.0), v)
+def add(d, k, v):
+    d.setdefault(k, []).append(v)
 for tr in ("shm", "tcp"):
     for f in glob.glob(os.path.join(out, f"mpi-{tr}-*.txt")):
         for line in open(f):
             op, size, _, bw = line.split()
-            best(mpi, (tr, op, int(size)), float(bw))
+            add(mpi, (tr, op, int(size)), float(bw))
     for f in glob.glob(os.path.join(out, f"rz-{tr}-*.json")):
         for r in json.load(open(f))["rows"]:
             if not r["inplace"]:
-                best(rz, (tr, r["op"], r["bytes"]), r["busbw_gbs"])
+                add(rz, (tr, r["op"], r["bytes"]), r["busbw_gbs"])
 for f in glob.glob(os.path.join(out, "rz-slots-*.json")):
     for r in json.load(open(f))["rows"]:
         if not r["inplace"]:
-            best(rz, ("shm", "all_gather slots", r["bytes"]), r["busbw_gbs"])
+            add(rz, ("shm", "all_gather slots", r["bytes"]), r["busbw_gbs"])
 ops = ("all_reduce", "reduce_scatter", "all_gather")
 cols = [(tr, op) for tr in ("shm", "tcp") for op in ops]
 cols.insert(3, ("shm", "all_gather slots"))
-print("busbw ringzero / Open MPI (2 ranks, f32 sum, out of place, best of each side's runs; "
-      "above 1: ringzero faster)")
-print(f"{'size':>8} " + " ".join(f"{op.replace('_', '-')[:16]+' '+tr:>20}" for tr, op in cols))
 def human(b):
     for unit, s in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if b >= 1 << s and b % (1 << s) == 0:
             return f"{b >> s} {unit}"
     return f"{b} B"
-for size in sorted({k[2] for k in mpi}):
-    cells = []
-    for tr, op in cols:
-        a, b = rz.get((tr, op, size)), mpi.get((tr, op.split()[0], size))
-        cells.append(f"{a / b:>19.2f}x" if a and b else f"{'-':>20}")
-    print(f"{human(size):>8} " + " ".join(cells))
+def table(title, pick):
+    print(title)
+    print(f"{'size':>8} " + " ".join(f"{op.replace('_', '-')[:16]+' '+tr:>20}" for tr, op in cols))
+    for size in sorted({k[2] for k in mpi}):
+        cells = []
+        for tr, op in cols:
+            a, b = rz.get((tr, op, size)), mpi.get((tr, op.split()[0], size))
+            cells.append(f"{pick(a) / pick(b):>19.2f}x" if a and b else f"{'-':>20}")
+        print(f"{human(size):>8} " + " ".join(cells))
+table("busbw ringzero / Open MPI (2 ranks, f32 sum, out of place, best of each side's runs; "
+      "above 1: ringzero faster)", max)
+# The medians say what a typical run of each side gives; where the two tables disagree, the
+# machine's swings are as large as the difference.
+table("\nthe same, median of each side's runs", statistics.median)
 PY
 echo "compare-openmpi: raw figures in $out"
