@@ -183,11 +183,13 @@ fn rows_follow_the_nccl_tests_definitions_and_the_json_parses_back() {
         assert_eq!(row.algo, algo.name(), "{row:?}");
         // A row whose collective copies within a rank's memory carries the copy rate measured
         // with it, and only such a row.
-        let local = bench::theory::local_copy_bytes(op, algo, 2, row.bytes, row.inplace);
+        let relays = bench::theory::relays_copy(&row.transport);
+        let local = bench::theory::local_copy_bytes(op, algo, 2, (row.bytes, row.inplace), relays);
         assert_eq!(row.copy_gbs.is_some(), local > 0.0, "{row:?}");
         assert!(row.copy_gbs.is_none_or(|c| c > 0.0), "{row:?}");
         let m = bench::theory::Model {
             copy_gbs: row.copy_gbs,
+            relays_copy: relays,
             ..bench::theory::Model::links(alpha_us, beta_gbs)
         };
         assert_eq!(
@@ -240,7 +242,8 @@ fn rows_follow_the_nccl_tests_definitions_and_the_json_parses_back() {
         let pred =
             bench::theory::predict_us_on(op, algo, &[2], (row.bytes, row.inplace), start_model(r));
         assert_eq!(row.predicted_us, pred);
-        let local = bench::theory::local_copy_bytes(op, algo, 2, row.bytes, row.inplace);
+        let relays = bench::theory::relays_copy(&row.transport);
+        let local = bench::theory::local_copy_bytes(op, algo, 2, (row.bytes, row.inplace), relays);
         assert_eq!(
             row.copy_gbs,
             (local > 0.0).then_some(r.header.memcpy_gbs),

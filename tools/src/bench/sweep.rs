@@ -185,7 +185,8 @@ fn size_row<T: Element>(
     let call = || bufs.call(comm, (op, choice), a.redop, inplace);
     let (time_us, wrong, model) = if a.model_per_row && n > 1 {
         let link = theory::bytes_per_link(op, algo, n, bytes) as usize;
-        let local = theory::local_copy_bytes(op, algo, n, bytes, inplace) as usize;
+        let relays = theory::relays_copy(transport);
+        let local = theory::local_copy_bytes(op, algo, n, (bytes, inplace), relays) as usize;
         let streams = if algo == Algo::SingleCopy {
             Streams::PeerCopy
         } else if op.root().is_some() {
@@ -428,10 +429,12 @@ pub fn row(
     model: Option<Model>,
 ) -> Row {
     let n: usize = per_node.iter().sum();
+    let relays_copy = theory::relays_copy(transport);
+    let model = model.map(|m| Model { relays_copy, ..m });
     let predicted_us =
         model.and_then(|m| theory::predict_us_on(op, algo, per_node, (bytes, inplace), m));
     let model = model.filter(|_| predicted_us.is_some());
-    let local = theory::local_copy_bytes(op, algo, n, bytes, inplace) > 0.0;
+    let local = theory::local_copy_bytes(op, algo, n, (bytes, inplace), relays_copy) > 0.0;
     Row {
         op: op.name().to_string(),
         bytes,

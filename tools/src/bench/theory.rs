@@ -87,6 +87,16 @@ pub struct Model {
     /// The rate of a rank's copy within its own memory, GB/s, for the copies a collective makes
     /// beside its links ([`local_copy_bytes`]); `None` leaves them out of the prediction.
     pub copy_gbs: Option<f64>,
+    /// Whether a ring relay copies a frame it forwards into its output itself ([`relays_copy`]).
+    pub relays_copy: bool,
+}
+
+/// Whether a ring relay copies what it forwards into its output itself, on a ring whose edges
+/// are `transport` (`shm`, `tcp`, `shm+tcp`): over slot links it does, from the slot; where
+/// every edge is tcp the socket reads the frame straight into the output and writes it on from
+/// there, no copy of the rank's own.
+pub fn relays_copy(transport: &str) -> bool {
+    transport != "tcp"
 }
 
 impl Model {
@@ -96,6 +106,7 @@ impl Model {
             alpha_us,
             beta_gbs,
             copy_gbs: None,
+            relays_copy: true,
         }
     }
 }
@@ -297,14 +308,20 @@ pub fn bytes_per_link(op: Collective, algo: Algo, n: usize, bytes: usize) -> f64
 ///   block, S/n, and in place the all-to-all first copies its whole buffer, S more;
 /// - 0 for the reductions (a received slice is combined straight into the next slot or the
 ///   output, as the streams' copies are) and the doubling schedules.
-pub fn local_copy_bytes(op: Collective, algo: Algo, n: usize, bytes: usize, inplace: bool) -> f64 {
+pub fn local_copy_bytes(
+    op: Collective,
+    algo: Algo,
+    n: usize,
+    (bytes, inplace): (usize, bool),
+    relays_copy: bool,
+) -> f64 {
     if n < 2 || matches!(algo, Algo::SingleCopy | Algo::By(_)) {
         return 0.0;
     }
     let (s, nf) = (bytes as f64, n as f64);
     match op {
         Collective::AllGather | Collective::AllGatherV if !inplace => s / nf,
-        Collective::Broadcast { .. } if n > 2 || !inplace => s,
+        Collective::Broadcast { .. } if (n > 2 && relays_copy) || !inplace => s,
         Collective::Gather { .. } | Collective::Scatter { .. } | Collective::AllToAllV => s / nf,
         Collective::AllToAll if inplace => s + s / nf,
         Collective::AllToAll => s / nf,
@@ -337,7 +354,9 @@ pub fn predict_us_on(
     // β GB/s = β·10³ bytes per µs.
     let link = bytes_per_link(op, algo, n, bytes).max(node_link_bytes(op, algo, per_node, bytes));
     let local = match m.copy_gbs {
-        Some(c) if c > 0.0 => local_copy_bytes(op, algo, n, bytes, inplace) / (c * 1e3),
+        Some(c) if c > 0.0 => {
+            local_copy_bytes(op, algo, n, (bytes, inplace), m.relays_copy) / (c * 1e3)
+        }
         _ => 0.0,
     };
     Some(steps(op, algo, n) as f64 * m.alpha_us + link / (m.beta_gbs * 1e3) + local)
@@ -578,30 +597,44 @@ mod tests {
         let (ag, bc) = (Collective::AllGather, Collective::Broadcast { root: 0 });
         let (ring, s) = (Algo::Ring, 8_000_000);
         // The own part out of place (S/n), nothing in place; the single copy's streams copy it.
-        assert_eq!(local_copy_bytes(ag, ring, 4, s, false), 2e6);
-        assert_eq!(local_copy_bytes(ag, ring, 4, s, true), 0.0);
-        assert_eq!(local_copy_bytes(ag, Algo::SingleCopy, 2, s, false), 0.0);
+        assert_eq!(local_copy_bytes(ag, ring, 4, (s, false), true), 2e6);
+        assert_eq!(local_copy_bytes(ag, ring, 4, (s, true), true), 0.0);
+        assert_eq!(
+            local_copy_bytes(ag, Algo::SingleCopy, 2, (s, false), true),
+            0.0
+        );
         // Broadcast: the root's input into its output; a relay's second write on 3+ ranks.
-        assert_eq!(local_copy_bytes(bc, ring, 2, s, false), 8e6);
-        assert_eq!(local_copy_bytes(bc, ring, 2, s, true), 0.0);
-        assert_eq!(local_copy_bytes(bc, ring, 3, s, true), 8e6);
+        assert_eq!(local_copy_bytes(bc, ring, 2, (s, false), true), 8e6);
+        assert_eq!(local_copy_bytes(bc, ring, 2, (s, true), true), 0.0);
+        assert_eq!(local_copy_bytes(bc, ring, 3, (s, true), true), 8e6);
+        // Over tcp the socket reads the relay's frame into its output and sends it on from
+        // there; the root still copies its input out of place.
+        assert!(!relays_copy("tcp") && relays_copy("shm") && relays_copy("shm+tcp"));
+        assert_eq!(local_copy_bytes(bc, ring, 3, (s, true), false), 0.0);
+        assert_eq!(local_copy_bytes(bc, ring, 3, (s, false), false), 8e6);
         // The reductions combine into the slot or the output: nothing more.
         for op in [
             Collective::AllReduce,
             Collective::ReduceScatter,
             Collective::Reduce { root: 1 },
         ] {
-            assert_eq!(local_copy_bytes(op, ring, 4, s, false), 0.0);
+            assert_eq!(local_copy_bytes(op, ring, 4, (s, false), true), 0.0);
         }
         let pw = Algo::Pairwise;
         assert_eq!(
-            local_copy_bytes(Collective::Gather { root: 0 }, pw, 4, s, false),
+            local_copy_bytes(Collective::Gather { root: 0 }, pw, 4, (s, false), true),
             2e6
         );
-        assert_eq!(local_copy_bytes(Collective::AllToAll, pw, 4, s, false), 2e6);
+        assert_eq!(
+            local_copy_bytes(Collective::AllToAll, pw, 4, (s, false), true),
+            2e6
+        );
         // In place the all-to-all copies its whole buffer first.
-        assert_eq!(local_copy_bytes(Collective::AllToAll, pw, 4, s, true), 10e6);
-        assert_eq!(local_copy_bytes(ag, ring, 1, s, false), 0.0);
+        assert_eq!(
+            local_copy_bytes(Collective::AllToAll, pw, 4, (s, true), true),
+            10e6
+        );
+        assert_eq!(local_copy_bytes(ag, ring, 1, (s, false), true), 0.0);
         // All-gather, 2 ranks, 1 MB out of place, links at 4 GB/s and copies at 2 GB/s:
         // 2 + 0.5e6 / 4e3 + 0.5e6 / 2e3 = 2 + 125 + 250; in place, or without a copy rate, 127.
         let m = Model {
