@@ -129,6 +129,22 @@ pub trait SendLink: Send {
     }
 }
 
+/// [`RecvLink::recv_into`] through the slot: peek the frame, copy it into `dst`, release it.
+pub(crate) fn recv_out_of_slot<L: RecvLink + ?Sized>(
+    link: &mut L,
+    expect: &Expect,
+    dst: &mut [u8],
+) -> LinkResult<bool> {
+    match link.peek(expect)? {
+        Some(v) => {
+            dst.copy_from_slice(v);
+            link.release()?;
+            Ok(true)
+        }
+        None => Ok(false),
+    }
+}
+
 /// The receiving half of a ring edge.
 pub trait RecvLink: Send {
     /// The backend.
@@ -148,14 +164,7 @@ pub trait RecvLink: Send {
     /// it is there and the frame is done with (no [`RecvLink::release`]), `Ok(false)` while it
     /// is on its way — call again with the same `dst`, which holds the part that arrived.
     fn recv_into(&mut self, expect: &Expect, dst: &mut [u8]) -> LinkResult<bool> {
-        match self.peek(expect)? {
-            Some(v) => {
-                dst.copy_from_slice(v);
-                self.release()?;
-                Ok(true)
-            }
-            None => Ok(false),
-        }
+        recv_out_of_slot(self, expect, dst)
     }
     /// Whether the peer is still there.
     fn health(&mut self) -> LinkResult<()>;

@@ -340,14 +340,7 @@ impl RecvLink for TcpRecv {
         if self.header_got > 0 && !self.into {
             // Begun by a peek (a lane's or a posted message's readiness check): into the
             // slot, and out of it.
-            return match self.peek(expect)? {
-                Some(v) => {
-                    dst.copy_from_slice(v);
-                    self.release()?;
-                    Ok(true)
-                }
-                None => Ok(false),
-            };
+            return crate::transport::recv_out_of_slot(self, expect, dst);
         }
         if self.held == self.slots {
             return Ok(false);

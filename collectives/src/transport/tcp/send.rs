@@ -204,28 +204,26 @@ impl TcpSend {
     fn write_now(&mut self, wire: usize, head: &[u8], payload: &[u8]) -> LinkResult<usize> {
         let mut written = 0;
         while written < head.len() + payload.len() {
-            let w = &mut self.wires[wire];
-            let r = if written < head.len() {
-                w.s.write_vectored(&[IoSlice::new(&head[written..]), IoSlice::new(payload)])
-            } else {
-                w.s.write(&payload[written - head.len()..])
-            };
-            match r {
-                Ok(0) => {
-                    return Err(LinkError::Lost(format!(
-                        "rank {} ({}{}) stopped reading",
-                        self.peer,
-                        self.addr,
-                        self.wire_name(wire)
-                    )))
-                }
-                Ok(n) => written += n,
-                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(e) => return Err(self.lost(wire, e)),
+            match write_step(&mut self.wires[wire].s, head, payload, written) {
+                Ok(Some(n)) => written += n,
+                Ok(None) => break,
+                Err(e) => return Err(self.write_failed(wire, e)),
             }
         }
         Ok(written)
+    }
+
+    /// The link error for a failed write on `wire`.
+    fn write_failed(&mut self, wire: usize, e: std::io::Error) -> LinkError {
+        match e.kind() {
+            ErrorKind::WriteZero => LinkError::Lost(format!(
+                "rank {} ({}{}) stopped reading",
+                self.peer,
+                self.addr,
+                self.wire_name(wire)
+            )),
+            _ => self.lost(wire, e),
+        }
     }
 
     /// Write `wire`'s queued parts until its socket would block; frees the slots whose frames
@@ -239,22 +237,9 @@ impl TcpSend {
             };
             let head = p.header.as_ref().map_or(&[][..], |h| &h[..]);
             let payload = &self.staging.bytes()[p.at..p.at + p.len];
-            let r = if p.written < head.len() {
-                w.s.write_vectored(&[IoSlice::new(&head[p.written..]), IoSlice::new(payload)])
-            } else {
-                w.s.write(&payload[p.written - head.len()..])
-            };
-            match r {
-                Ok(0) if head.len() + p.len > p.written => {
-                    return Err(LinkError::Lost(format!(
-                        "rank {} ({}{}) stopped reading",
-                        self.peer,
-                        self.addr,
-                        self.wire_name(wire)
-                    )))
-                }
-                Ok(n) => {
-                    moved = true;
+            match write_step(&mut w.s, head, payload, p.written) {
+                Ok(Some(n)) => {
+                    moved |= n > 0;
                     p.written += n;
                     if p.written == head.len() + p.len {
                         let slot = p.slot;
@@ -265,11 +250,33 @@ impl TcpSend {
                         }
                     }
                 }
-                Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(moved),
-                Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(e) => return Err(self.lost(wire, e)),
+                Ok(None) => return Ok(moved),
+                Err(e) => return Err(self.write_failed(wire, e)),
             }
         }
+    }
+}
+
+/// One write of what is left of `head` then `payload` (`written` bytes of the two already
+/// gone) to `s`: the bytes written (0 after an interrupted call), `None` when the socket would
+/// block, `WriteZero` when the peer takes nothing although bytes are left.
+fn write_step(
+    s: &mut mio::net::TcpStream,
+    head: &[u8],
+    payload: &[u8],
+    written: usize,
+) -> std::io::Result<Option<usize>> {
+    let r = if written < head.len() {
+        s.write_vectored(&[IoSlice::new(&head[written..]), IoSlice::new(payload)])
+    } else {
+        s.write(&payload[written - head.len()..])
+    };
+    match r {
+        Ok(0) if head.len() + payload.len() > written => Err(ErrorKind::WriteZero.into()),
+        Ok(n) => Ok(Some(n)),
+        Err(e) if e.kind() == ErrorKind::WouldBlock => Ok(None),
+        Err(e) if e.kind() == ErrorKind::Interrupted => Ok(Some(0)),
+        Err(e) => Err(e),
     }
 }
 
