@@ -26,7 +26,7 @@ pub use ringzero_collectives::{
     chunk, AbortHandle, Algo, CallState, Collective, Collectives, Communicator, Config, Counters,
     DType, DeviceAlgo, DeviceComm, DeviceMemory, DeviceP2p, Edge, Element, Error, FlightEntry,
     FlightRecord, HostStream, InPlace, Input, NonBlocking, P2p, P2pOwned, PeerTraffic, PendingMsg,
-    ReduceOp, Result, Schedule, StagingMode, StepAt, Stream, TrainStream, TransportKind,
+    ReduceOp, Result, Schedule, SharedBuf, StagingMode, StepAt, Stream, TrainStream, TransportKind,
     TransportPref, WithAlgo, Work, COPY_STAGING_MAX_SHARERS,
 };
 

@@ -18,6 +18,7 @@ fn args(corrupt_rank: Option<usize>, dtype: DType, redop: ReduceOp) -> BenchArgs
             corrupt_rank,
             model_per_row: true,
             algos: Vec::new(),
+            shared_buffers: false,
         },
         probe_bytes: 64 << 10,
         ranks_note: None,

@@ -37,6 +37,26 @@ fn worker_entry() {
     std::process::exit(code);
 }
 
+/// An all-gather whose input is a `SharedBuf`: every other process's part arrives through this
+/// process's mapping of that process's buffer. Prints how many bytes did.
+fn shared_buffer_all_gather(comm: &Communicator) {
+    let count = 300_007;
+    let c = comm.chunk_range(count);
+    let mut send = ringzero::SharedBuf::<f32>::zeroed(c.len()).unwrap();
+    for (k, i) in c.clone().enumerate() {
+        send[k] = i as f32;
+    }
+    let mut out = vec![0f32; count];
+    for _ in 0..2 {
+        comm.all_gather(&send[..], &mut out).unwrap();
+        assert!(out.iter().enumerate().all(|(i, &x)| x == i as f32));
+        out.fill(0.0);
+    }
+    let mapped = comm.counters().bytes_mapped;
+    assert_eq!(mapped, 2 * 4 * (count - c.len()) as u64);
+    println!("shared buffer mapped");
+}
+
 fn all_collectives_scenario() -> i32 {
     let comm = match Communicator::from_env() {
         Ok(c) => c,
@@ -75,6 +95,9 @@ fn all_collectives_scenario() -> i32 {
                 );
             }
         }
+    }
+    if comm.single_copy_sizes().is_some() {
+        shared_buffer_all_gather(&comm);
     }
     println!("all collectives ok");
     0
@@ -297,6 +320,9 @@ fn all_collectives_as_processes_over_shm() {
     assert_all_ok(&o, &lines, 3);
     let direct = format!("single copy {:?}", Some(0..usize::MAX));
     assert_eq!(lines.iter().filter(|(_, l)| *l == direct).count(), 3);
+    // The shared buffers' all-gather read every other process's part through a mapping.
+    let mapped = lines.iter().filter(|(_, l)| l == "shared buffer mapped");
+    assert_eq!(mapped.count(), 3);
     assert!(
         lines
             .iter()

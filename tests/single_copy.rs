@@ -196,3 +196,62 @@ fn an_abort_during_the_call_fails_every_rank_within_the_deadline() {
         assert!(s.contains("all_gather"), "{s}");
     }
 }
+
+#[test]
+fn all_gathers_from_shared_buffers_read_through_kept_mappings() {
+    for n in [2, 3] {
+        threads(n, &single_copy(0), |r, comm| {
+            let comm = comm.unwrap();
+            let value = |i: usize| (i * 7 + 1) as f32;
+            // Uneven chunks, an empty one (count < n), in place, and an input at an offset
+            // inside a larger shared buffer.
+            for (count, in_place, offset) in [
+                (1001, false, 0),
+                (70_003, false, 5),
+                (70_003, true, 0),
+                (2, false, 0),
+            ] {
+                let c = comm.chunk_range(count);
+                let mut out = vec![0f32; count];
+                let before = comm.counters();
+                if in_place {
+                    let mut buf = ringzero::SharedBuf::<f32>::zeroed(count).unwrap();
+                    for i in c.clone() {
+                        buf[i] = value(i);
+                    }
+                    comm.all_gather(InPlace, &mut buf[..]).unwrap();
+                    out.copy_from_slice(&buf);
+                } else {
+                    let mut big = ringzero::SharedBuf::<f32>::zeroed(offset + c.len() + 3).unwrap();
+                    for (k, i) in c.clone().enumerate() {
+                        big[offset + k] = value(i);
+                    }
+                    comm.all_gather(&big[offset..offset + c.len()], &mut out)
+                        .unwrap();
+                }
+                let after = comm.counters();
+                let want: Vec<f32> = (0..count).map(value).collect();
+                assert_eq!(out, want, "rank {r} of {n}, count {count}");
+                // Every other rank's part came through a mapping; nothing went round the ring.
+                let read = ((count - c.len()) * 4) as u64;
+                assert_eq!(
+                    after.bytes_mapped - before.bytes_mapped,
+                    read,
+                    "count {count}"
+                );
+                assert_eq!(after.bytes_sent, before.bytes_sent);
+            }
+            // An input outside any shared buffer is read with process_vm_readv, as before.
+            let mine = vec![r as f32; comm.chunk_range(4000).len()];
+            let mut out = vec![0f32; 4000];
+            let before = comm.counters().bytes_mapped;
+            comm.all_gather(&mine[..], &mut out).unwrap();
+            assert_eq!(comm.counters().bytes_mapped, before);
+            for q in 0..n {
+                assert!(out[ringzero::chunk(4000, n, q)]
+                    .iter()
+                    .all(|&x| x == q as f32));
+            }
+        });
+    }
+}

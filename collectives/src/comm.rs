@@ -29,12 +29,14 @@ pub(crate) mod pairs;
 pub(crate) mod pairwise;
 mod peers;
 mod posted;
+mod shared_buf;
 mod with_algo;
 use inner::same_len;
 pub(crate) use inner::{offsets, own_part, refused};
 use pairs::Pair;
 pub use pairs::{P2p, P2pOwned};
 pub(crate) use peers::{HostPeers, HostPoster};
+pub use shared_buf::SharedBuf;
 pub use with_algo::WithAlgo;
 
 /// A group of ranks that run collectives together.

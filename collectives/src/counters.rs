@@ -16,6 +16,9 @@ pub struct Counters {
     /// Bytes this rank's direct steps wrote into other ranks' buffers (device communicators
     /// whose ranks all map each other's buffers, `RINGZERO_DEVICE_ALGO`).
     pub bytes_direct: u64,
+    /// Bytes this rank's single-copy all-gathers read through its mappings of other ranks'
+    /// [`SharedBuf`](crate::SharedBuf)s (host communicators; part of no other counter).
+    pub bytes_mapped: u64,
 }
 
 /// The counts of two sets of links together.
@@ -28,6 +31,7 @@ impl std::ops::Add for Counters {
             frames_sent: self.frames_sent + o.frames_sent,
             bytes_staged: self.bytes_staged + o.bytes_staged,
             bytes_direct: self.bytes_direct + o.bytes_direct,
+            bytes_mapped: self.bytes_mapped + o.bytes_mapped,
         }
     }
 }

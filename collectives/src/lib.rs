@@ -88,7 +88,7 @@ pub mod internals {
 }
 
 pub use calls::{Collectives, NonBlocking};
-pub use comm::{AbortHandle, Communicator, P2p, P2pOwned, WithAlgo};
+pub use comm::{AbortHandle, Communicator, P2p, P2pOwned, SharedBuf, WithAlgo};
 pub use config::{Algo, Config, DeviceAlgo, StagingMode, TransportPref, COPY_STAGING_MAX_SHARERS};
 pub use counters::Counters;
 pub use device::{DeviceComm, DeviceMemory, DeviceP2p, HostStream, StepAt, Stream, TrainStream};

@@ -32,10 +32,11 @@
 //!
 //! Only this rank's output is ever written, by this rank; no rank writes another's memory.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use bytemuck::Zeroable;
 
+use super::shared_buf::{mark_shared, PeerMaps};
 use super::{fixed, unfixed, Communicator};
 use crate::config::Config;
 use crate::error::{Error, Result};
@@ -96,6 +97,10 @@ pub(crate) struct HostDirect {
     /// Raised, alike on every rank, once some rank could not read another: every later call
     /// takes the ring.
     off: AtomicBool,
+    /// The other ranks' [`crate::SharedBuf`]s this rank has mapped.
+    peer_maps: PeerMaps,
+    /// Bytes read through those mappings ([`crate::Counters::bytes_mapped`]).
+    mapped: AtomicU64,
 }
 
 impl HostDirect {
@@ -136,6 +141,7 @@ impl HostDirect {
         entry.src.handle[..4].copy_from_slice(&self.pid.to_le_bytes());
         entry.src.offset = src as u64;
         entry.src.bytes = src_len as u64;
+        mark_shared(&mut entry.src);
         self.board.enter(seq, &entry);
         // From here the others may read this rank's input. Out of place, this rank's own part
         // goes into its output while the others arrive (no one reads this rank's output).
@@ -156,7 +162,7 @@ impl HostDirect {
                 return Err(mismatch(call, self.rank, q, &entries[q].fp));
             }
             let mut verdict = Verdict::zeroed();
-            match self.read(&entries, count, in_place, es, bufs) {
+            match self.read(&entries, (count, in_place, es), call.stream_stores, bufs) {
                 Ok(()) => verdict.ok = 1,
                 Err(why) => verdict.note = note(&format!("rank {}: {why}", self.rank)),
             }
@@ -186,14 +192,14 @@ impl HostDirect {
         outcome
     }
 
-    /// This rank's reads: every other rank's part, out of that rank's process. What failed, as
-    /// the verdict's note.
+    /// This rank's reads: every other rank's part, out of that rank's process (through this
+    /// rank's mapping where the part lies in a [`crate::SharedBuf`]; `streaming`: with
+    /// streaming stores there). What failed, as the verdict's note.
     fn read(
         &self,
         entries: &[Entry],
-        count: usize,
-        in_place: bool,
-        es: usize,
+        (count, in_place, es): (usize, bool, usize),
+        streaming: bool,
         bufs: &mut Bufs,
     ) -> std::result::Result<(), String> {
         let out: &mut [u8] = match bufs {
@@ -211,10 +217,25 @@ impl HostDirect {
                 ));
             }
             let dst = &mut out[p.dst_at * es..p.dst_at * es + len];
+            match self.peer_maps.read(p.from, &e.src, at, dst, streaming) {
+                Ok(true) => {
+                    self.mapped.fetch_add(len as u64, Ordering::Relaxed);
+                    continue;
+                }
+                Ok(false) => {}
+                Err(why) => tracing::debug!(target: "ringzero::topology",
+                    "rank {}: rank {}'s shared buffer could not be mapped, reading it with \
+                     process_vm_readv: {why}", self.rank, p.from),
+            }
             cma::read(pid, e.src.offset + at as u64, dst)
                 .map_err(|err| format!("reading rank {}: {}", p.from, cma::explain(&err, pid)))?;
         }
         Ok(())
+    }
+
+    /// Bytes this rank read through its mappings of other ranks' shared buffers.
+    pub(crate) fn bytes_mapped(&self) -> u64 {
+        self.mapped.load(Ordering::Relaxed)
     }
 
     /// Wait for every rank to finish `step` of `call`; a rank found in another call fails it.
@@ -334,6 +355,8 @@ impl Communicator {
             pid: std::process::id(),
             sizes: inner.cfg.single_copy_from..inner.cfg.single_copy_below,
             off: AtomicBool::new(false),
+            peer_maps: PeerMaps::new(inner.size),
+            mapped: AtomicU64::new(0),
         });
         Ok(())
     }

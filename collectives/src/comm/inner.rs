@@ -158,7 +158,7 @@ impl Inner {
     /// links of their own, are none of the call's traffic).
     pub(super) fn counters_now(&self, st: &State) -> Counters {
         if !self.others.load(std::sync::atomic::Ordering::Acquire) {
-            return links_sum(st.links.iter());
+            return links_sum(st.links.iter()) + self.mapped();
         }
         let pairs = match self.pairs.try_lock() {
             Ok(pairs) => self.note_pairs(pairs),
@@ -180,7 +180,15 @@ impl Inner {
     /// `pairs` (the point-to-point links' counters) with the ring's and the pairwise links'.
     pub(super) fn with_ring_and_mesh(&self, st: &State, pairs: Counters) -> Counters {
         let mesh = self.mesh.lock().unwrap_or_else(|p| p.into_inner());
-        links_sum(st.links.iter().chain(mesh.values())) + pairs
+        links_sum(st.links.iter().chain(mesh.values())) + pairs + self.mapped()
+    }
+
+    /// What the single-copy all-gather read through mappings of shared buffers, as counters.
+    fn mapped(&self) -> Counters {
+        Counters {
+            bytes_mapped: self.direct.get().map_or(0, |d| d.bytes_mapped()),
+            ..Counters::default()
+        }
     }
 
     /// [`Communicator::ring_on_shm`](crate::Communicator::ring_on_shm).

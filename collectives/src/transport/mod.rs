@@ -17,6 +17,7 @@
 pub mod board;
 pub mod cma;
 pub mod device;
+pub mod memfd;
 pub mod shm;
 pub mod tcp;
 pub mod wait;

@@ -258,11 +258,18 @@ fn header(comm: &Communicator, a: &BenchArgs, probe: &probe::Probe, device: Stri
                          rank's part straight out of its process, marked `single-copy`: \
                          predicted as 2·α + (n−1)/n·S/β, β from streams that are the call's \
                          copies (process_vm_readv of the previous rank's buffer and, out of \
-                         place, the copy of the rank's own part), not the slots'",
+                         place, the copy of the rank's own part), not the slots'{}",
                         s.start,
                         match s.end {
                             usize::MAX => " up".to_string(),
                             end => format!(" to below {end} B"),
+                        },
+                        if a.sweep.shared_buffers {
+                            "; every buffer a ringzero::SharedBuf (--shared-buffers): those \
+                             reads, and their β streams, are plain copies from mappings of the \
+                             other ranks' buffers kept from call to call, no process_vm_readv"
+                        } else {
+                            ""
                         }
                     ),
                     None => String::new(),
@@ -508,6 +515,7 @@ pub fn default_sweep() -> sweep::SweepArgs {
         corrupt_rank: None,
         model_per_row: true,
         algos: Vec::new(),
+        shared_buffers: false,
     }
 }
 

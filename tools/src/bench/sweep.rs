@@ -4,17 +4,19 @@
 //! Time per call is the **mean over ranks of each rank's mean** over the timed iterations
 //! (iterations start together after a barrier).
 
+use std::ops::DerefMut;
 use std::time::Instant;
 
 use ringzero_collectives::{
     chunk, Collective, Collectives, Communicator, DType, Element, InPlace, P2p, ReduceOp, Result,
+    SharedBuf,
 };
 use serde::Serialize;
 
 use super::exact;
 use super::theory::{self, Algo, Model};
 use ringzero_collectives::internals::ring::doubling;
-use ringzero_collectives::internals::transport::cma;
+use ringzero_collectives::internals::transport::{cma, memfd};
 
 /// What to sweep.
 #[derive(Clone, Debug)]
@@ -38,6 +40,10 @@ pub struct SweepArgs {
     /// collectives that have more than one (all-reduce, broadcast, reduce); empty: the
     /// communicator's own (`RINGZERO_ALGO`).
     pub algos: Vec<ringzero_collectives::Algo>,
+    /// Allocate every timed buffer as a [`ringzero_collectives::SharedBuf`] (`--shared-buffers`,
+    /// as nccl-tests' `-R` registers its buffers): single-copy all-gathers then read the other
+    /// ranks' parts through kept mappings, and their β streams do the same.
+    pub shared_buffers: bool,
 }
 
 /// One line of the report.
@@ -181,7 +187,7 @@ fn size_row<T: Element>(
 ) -> Result<Row> {
     let n = comm.size();
     let wrong = check::<T>(comm, (op, choice), a, count, inplace)?;
-    let mut bufs = Buffers::<T>::new(comm, op, count);
+    let mut bufs = Buffers::<T>::new(comm, op, count, a.shared_buffers)?;
     let call = || bufs.call(comm, (op, choice), a.redop, inplace);
     let (time_us, wrong, model) = if a.model_per_row && n > 1 {
         let link = theory::bytes_per_link(op, algo, n, bytes) as usize;
@@ -296,7 +302,19 @@ pub fn timed_with_model(
     mut call: impl FnMut() -> Result<()>,
 ) -> Result<(f64, u64, (Model, Option<f64>))> {
     let (n, r) = (comm.size(), comm.rank());
-    let mut send = vec![1u8; link_bytes.max(1)];
+    let single_copy = streams == Streams::PeerCopy;
+    let shared = if single_copy && a.shared_buffers {
+        let mut b = SharedBuf::<u8>::zeroed(link_bytes.max(1))?;
+        b.fill(1);
+        Some(b)
+    } else {
+        None
+    };
+    let (fd, ino) = shared.as_ref().map_or((-1, 0), SharedBuf::locator);
+    let mut send: Box<dyn DerefMut<Target = [u8]>> = match shared {
+        Some(b) => Box::new(b),
+        None => Box::new(vec![1u8; link_bytes.max(1)]),
+    };
     let mut recv = vec![
         0u8;
         if inplace && streams == Streams::Ring {
@@ -305,7 +323,6 @@ pub fn timed_with_model(
             link_bytes.max(1)
         }
     ];
-    let single_copy = streams == Streams::PeerCopy;
     let mut own = vec![
         0u8;
         if single_copy {
@@ -314,15 +331,34 @@ pub fn timed_with_model(
             0
         }
     ];
-    // Where the previous rank's `send` is: the single-copy streams read it out of its process.
+    // Where the previous rank's `send` is: the single-copy streams read it out of its process,
+    // or, from shared buffers, through a mapping of it kept for the whole line.
     let prev = if single_copy {
-        let mine = [i64::from(std::process::id()), send.as_ptr() as i64];
-        let mut all = vec![0i64; 2 * n];
+        let at = send.as_ptr() as u64;
+        let mine = [
+            i64::from(std::process::id()),
+            at as i64,
+            fd.into(),
+            ino as i64,
+        ];
+        let mut all = vec![0i64; 4 * n];
         comm.all_gather(&mine[..], &mut all)?;
-        let p = (r + n - 1) % n;
-        (all[2 * p] as u32, all[2 * p + 1] as u64)
+        let p = 4 * ((r + n - 1) % n);
+        (
+            all[p] as u32,
+            all[p + 1] as u64,
+            (all[p + 2], all[p + 3] as u64),
+        )
     } else {
-        (0, 0)
+        (0, 0, (-1, 0))
+    };
+    let mapped = match prev {
+        (pid, _, (fd, ino)) if fd >= 0 => Some(
+            memfd::PeerSegment::open(pid, fd as i32, ino, link_bytes.max(1)).map_err(|e| {
+                ringzero_collectives::Error::io("mapping a peer's shared buffer", e)
+            })?,
+        ),
+        _ => None,
     };
     let mut stream = || match streams {
         Streams::PeerCopy => {
@@ -331,13 +367,20 @@ pub fn timed_with_model(
                 let k = own.len();
                 own.copy_from_slice(std::hint::black_box(&send[..k]));
             }
+            if let Some(m) = &mapped {
+                // SAFETY: the mapping is at least `link_bytes` long (checked when opened) and
+                // its owner does not write it while the streams run.
+                let src = unsafe { std::slice::from_raw_parts(m.as_ptr(), link_bytes) };
+                recv[..link_bytes].copy_from_slice(std::hint::black_box(src));
+                return Ok(());
+            }
             // Every rank's `send` outlives its reads: a barrier follows the streams before any
             // rank leaves (and a read of memory gone would fail, not read it).
             cma::read(prev.0, prev.1, &mut recv[..link_bytes])
                 .map_err(|e| ringzero_collectives::Error::io("a single-copy β stream", e))
         }
-        Streams::Ring if inplace => comm.ring_shift(InPlace, &mut send),
-        Streams::Ring => comm.ring_shift(&send, &mut recv),
+        Streams::Ring if inplace => comm.ring_shift(InPlace, &mut send[..]),
+        Streams::Ring => comm.ring_shift(&send[..], &mut recv),
         Streams::Chain => {
             let mut msgs = Vec::with_capacity(2);
             if r + 1 < n {
@@ -467,17 +510,31 @@ pub fn row(
 /// reading it — the single-copy all-gather reads the other ranks' `recv` in place — would time
 /// reads of one cached page).
 struct Buffers<T> {
-    send: Vec<T>,
-    recv: Vec<T>,
+    send: Box<dyn DerefMut<Target = [T]>>,
+    recv: Box<dyn DerefMut<Target = [T]>>,
 }
 
 impl<T: Element> Buffers<T> {
-    fn new(comm: &Communicator, op: Collective, count: usize) -> Buffers<T> {
+    /// The buffers of `op` on `count` elements, in shared memory where `shared`.
+    fn new(comm: &Communicator, op: Collective, count: usize, shared: bool) -> Result<Buffers<T>> {
         let (s, r) = exact::lens(op, comm.size(), comm.rank(), count);
-        Buffers {
-            send: vec![T::from_f64(1.0); s],
-            recv: vec![T::from_f64(3.0); r],
-        }
+        Buffers::holding(vec![T::from_f64(1.0); s], vec![T::from_f64(3.0); r], shared)
+    }
+
+    /// Buffers holding `send` and `recv`: those vectors, or copies of them in shared memory.
+    fn holding(send: Vec<T>, recv: Vec<T>, shared: bool) -> Result<Buffers<T>> {
+        let hold = |v: Vec<T>| -> Result<Box<dyn DerefMut<Target = [T]>>> {
+            if !shared {
+                return Ok(Box::new(v));
+            }
+            let mut b = SharedBuf::<T>::zeroed(v.len())?;
+            b.copy_from_slice(&v);
+            Ok(Box::new(b))
+        };
+        Ok(Buffers {
+            send: hold(send)?,
+            recv: hold(recv)?,
+        })
     }
 
     fn call(
@@ -588,10 +645,7 @@ fn check<T: Element>(
     // Outputs start as poison so a result that never arrives counts as wrong.
     let (send, recv) = exact::inputs(op, inplace, n, r, count, mine);
     let typed = |v: Vec<f64>| v.into_iter().map(T::from_f64).collect::<Vec<T>>();
-    let mut b = Buffers {
-        send: typed(send),
-        recv: typed(recv),
-    };
+    let mut b = Buffers::holding(typed(send), typed(recv), a.shared_buffers)?;
     b.call(comm, (op, algo), redop, inplace)?;
     let Some((lands, range, want)) = exact::landing(op, inplace, n, r, count, (dt, redop, seed))
     else {

@@ -65,6 +65,11 @@ pub(crate) struct BenchCli {
     /// RINGZERO_ALGO picks.
     #[arg(long, value_delimiter = ',')]
     pub(crate) algos: Vec<ringzero_collectives::Algo>,
+    /// Allocate every buffer as a ringzero::SharedBuf (as nccl-tests' -R registers its buffers;
+    /// host buffers only): the single-copy all-gathers then read the other ranks' parts through
+    /// mappings kept from call to call instead of a process_vm_readv per call.
+    #[arg(long)]
+    pub(crate) shared_buffers: bool,
     /// Write the report as JSON to this file.
     #[arg(long)]
     pub(crate) json: Option<std::path::PathBuf>,
@@ -150,6 +155,10 @@ pub(crate) fn run(b: BenchCli) -> anyhow::Result<ExitCode> {
     };
     super::check_transport(b.transport.as_deref())?;
     anyhow::ensure!(b.iters > 0, "--iters must be at least 1");
+    anyhow::ensure!(
+        !b.shared_buffers || device == "host",
+        "--shared-buffers allocates host memory; the buffers here are {device}'s: add --device host"
+    );
     // This node's ranks: those about to start here, or the launcher's.
     let here = match under_launcher() {
         false => b.ranks.unwrap_or_else(default_ranks),
@@ -179,6 +188,7 @@ pub(crate) fn run(b: BenchCli) -> anyhow::Result<ExitCode> {
             corrupt_rank: b.corrupt_rank,
             model_per_row: b.model == "row",
             algos: b.algos.clone(),
+            shared_buffers: b.shared_buffers,
         },
         probe_bytes: b.probe_bytes,
         // The ranks re-read the command line: no -n there means the default chose their count.
