@@ -2,8 +2,10 @@
 # ringzero against Open MPI on this machine, side by side in one run: all-reduce, reduce-scatter
 # and all-gather of f32 (sum), out of place, 2 ranks, 4 KiB to 64 MiB, over shared memory (Open
 # MPI's `vader` BTL, ringzero's shm edges) and over loopback TCP (`tcp` BTL, tcp edges), and the
-# shm all-gather once more through the slots alone (RINGZERO_SINGLE_COPY_FROM=off, the `slots`
-# column). Prints the ratio of bus bandwidths, ringzero / Open MPI, per size (above 1: ringzero is faster). Each
+# shm all-gather twice more: through the slots alone (RINGZERO_SINGLE_COPY_FROM=off, the `slots`
+# column) and from ringzero::SharedBuf buffers (`ringzero bench --shared-buffers`, the `shared`
+# column: the other ranks' parts read through kept mappings, as nccl-tests' -R registers its
+# buffers; Open MPI's side keeps its malloc'd buffers, which is all MPI_Allgather can take). Prints the ratio of bus bandwidths, ringzero / Open MPI, per size (above 1: ringzero is faster). Each
 # side runs REPEATS times (default 3), the two interleaved, and each cell takes each side's best:
 # a shared or virtual machine's speed drifts by several times over a minute, and the best of
 # interleaved runs compares the two at their own best rather than at two moments.
@@ -25,6 +27,10 @@ B=target/release/ringzero
 out=${1:-$(mktemp -d)}
 mkdir -p "$out"
 mpicc -O2 -o "$out/mpi_bench" scripts/mpi_bench.c
+# Both sides time their calls back to back: ringzero's model is measured once at the start
+# (`--model start`), not in groups between its timed calls as `--model row` does, whose
+# streams and copies would leave each group's first call colder caches than Open MPI's loop.
+rz=(bench --model start)
 # Open MPI refuses root unless told; a container's root is the usual case here.
 root=()
 [ "$(id -u)" = 0 ] && root=(--allow-run-as-root)
@@ -35,12 +41,14 @@ for rep in $(seq "${REPEATS:-3}"); do
         mpirun "${root[@]}" --oversubscribe -n 2 --mca btl "$btl" "$out/mpi_bench" \
             > "$out/mpi-$tr-$rep.txt"
         for op in all-reduce reduce-scatter all-gather; do
-            "$B" bench "$op" -n 2 --transport "$tr" -b 4K -e 64M -f 4 \
+            "$B" "${rz[@]}" "$op" -n 2 --transport "$tr" -b 4K -e 64M -f 4 \
                 --json "$out/rz-$tr-$op-$rep.json" > /dev/null
         done
         # The all-gather through the slots alone, beside the default's single copy from 64 KiB.
-        [ "$tr" = shm ] && RINGZERO_SINGLE_COPY_FROM=off "$B" bench all-gather -n 2 \
+        [ "$tr" = shm ] && RINGZERO_SINGLE_COPY_FROM=off "$B" "${rz[@]}" all-gather -n 2 \
             --transport shm -b 4K -e 64M -f 4 --json "$out/rz-slots-all-gather-$rep.json" > /dev/null
+        [ "$tr" = shm ] && "$B" "${rz[@]}" all-gather -n 2 --transport shm -b 4K -e 64M -f 4 \
+            --shared-buffers --json "$out/rz-shared-all-gather-$rep.json" > /dev/null
         true
     done
 done
@@ -60,13 +68,14 @@ for tr in ("shm", "tcp"):
         for r in json.load(open(f))["rows"]:
             if not r["inplace"]:
                 add(rz, (tr, r["op"], r["bytes"]), r["busbw_gbs"])
-for f in glob.glob(os.path.join(out, "rz-slots-*.json")):
-    for r in json.load(open(f))["rows"]:
-        if not r["inplace"]:
-            add(rz, ("shm", "all_gather slots", r["bytes"]), r["busbw_gbs"])
+for kind in ("slots", "shared"):
+    for f in glob.glob(os.path.join(out, f"rz-{kind}-*.json")):
+        for r in json.load(open(f))["rows"]:
+            if not r["inplace"]:
+                add(rz, ("shm", f"all_gather {kind}", r["bytes"]), r["busbw_gbs"])
 ops = ("all_reduce", "reduce_scatter", "all_gather")
 cols = [(tr, op) for tr in ("shm", "tcp") for op in ops]
-cols.insert(3, ("shm", "all_gather slots"))
+cols[3:3] = [("shm", "all_gather slots"), ("shm", "all_gather shared")]
 def human(b):
     for unit, s in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if b >= 1 << s and b % (1 << s) == 0:
