@@ -34,11 +34,16 @@ pub const MAPS_PER_RANK: usize = 8;
 /// ([`Communicator::single_copy_sizes`](crate::Communicator::single_copy_sizes) says which
 /// sizes read directly at all). Anywhere else it is ordinary memory: dereference it to a slice.
 ///
-/// ```
-/// # fn main() -> ringzero::Result<()> {
-/// let mut shard = ringzero::SharedBuf::<f32>::zeroed(1 << 20)?;
+/// ```no_run
+/// # use ringzero_collectives::{Collectives, Communicator, SharedBuf};
+/// # fn main() -> ringzero_collectives::Result<()> {
+/// let comm = Communicator::from_env()?;
+/// let full = 1 << 24;
+/// let mut shard = SharedBuf::<f32>::zeroed(comm.chunk_range(full).len())?;
 /// shard.fill(1.0);
-/// assert_eq!(shard.len(), 1 << 20);
+/// let mut params = vec![0f32; full];
+/// // The other ranks map `shard` on the first call and copy out of it from then on.
+/// comm.all_gather(&shard[..], &mut params)?;
 /// # Ok(()) }
 /// ```
 pub struct SharedBuf<T: Element> {
