@@ -254,7 +254,7 @@ impl PeerMaps {
                 maps.back().expect("just pushed")
             }
         };
-        debug_assert!(start + dst.len() <= m.seg.len());
+        debug_assert!(start + dst.len() <= m.seg.mapped_bytes());
         // SAFETY: the mapping is at least `bytes` long (checked when it was opened) and
         // `start + dst.len() <= bytes` (checked above); `dst` is this rank's own memory, which
         // the mapping (read-only, another file) cannot overlap. The owner does not write the
@@ -312,7 +312,7 @@ mod tests {
         assert!(e.to_string().contains("shared buffer"), "{e}");
 
         // Memory outside any shared buffer, or reaching past one's end, is not marked.
-        let plain = vec![0u8; 64];
+        let plain = [0u8; 64];
         let mut rec = posted(plain.as_ptr(), 64);
         mark_shared(&mut rec);
         assert!(!peers.read(1, &rec, 0, &mut dst, false).unwrap());

@@ -102,7 +102,8 @@ pub(super) enum Phase {
     },
     /// Both ends open here; each side tells the other.
     Confirming {
-        pair: DevPair,
+        // Boxed: a pair is several times the other phases' size.
+        pair: Box<DevPair>,
         work: Work<Vec<P2pOwned<u8>>>,
     },
 }
@@ -207,11 +208,14 @@ impl<S: Stream> Core<S> {
                     P2pOwned::Send(vec![1u8], peer),
                     P2pOwned::Recv(vec![0u8], peer),
                 ]);
-                Advanced::Next(Phase::Confirming { pair, work })
+                Advanced::Next(Phase::Confirming {
+                    pair: Box::new(pair),
+                    work,
+                })
             }
             Phase::Confirming { pair, work } if work.is_done() => {
                 work.wait()?;
-                Advanced::Joined(pair)
+                Advanced::Joined(*pair)
             }
             waiting => Advanced::Same(waiting),
         })

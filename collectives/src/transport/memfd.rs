@@ -102,8 +102,8 @@ impl PeerSegment {
         self.map.as_ptr()
     }
 
-    /// Its length here.
-    pub fn len(&self) -> usize {
+    /// Its length here, in bytes.
+    pub fn mapped_bytes(&self) -> usize {
         self.map.len()
     }
 }
