@@ -25,7 +25,8 @@ fn worker_entry() {
         "kill" => kill_scenario(false),
         "kill-device" => kill_scenario(true),
         "kill-device-a2a" => kill_a2a_scenario(),
-        "kill-gather" => kill_gather_scenario(),
+        "kill-gather" => kill_gather_scenario(false),
+        "kill-gather-shared" => kill_gather_scenario(true),
         "kill-device-p2p" => kill_p2p_scenario(),
         "flood" => flood_scenario(),
         "kill-offload" => kill_offload_scenario(),
@@ -194,8 +195,9 @@ fn kill_a2a_scenario() -> i32 {
 }
 
 /// Rank 1 kills itself while the ranks run 512 KiB all-gathers that read each part straight out
-/// of its owner's process: the others must fail, naming the collective.
-fn kill_gather_scenario() -> i32 {
+/// of its owner's process (`shared`: out of a `SharedBuf`, through mappings that outlive the
+/// process): the others must fail, naming the collective.
+fn kill_gather_scenario(shared: bool) -> i32 {
     let comm = Communicator::from_env().expect("init");
     if comm.single_copy_sizes().is_none() {
         println!("rank {}: no single copy", comm.rank());
@@ -208,7 +210,12 @@ fn kill_gather_scenario() -> i32 {
             let _ = rustix::process::kill_process(me, rustix::process::Signal::KILL);
         });
     }
-    let mut buf = vec![comm.rank() as f32; 1 << 17];
+    let mut buf: Box<dyn std::ops::DerefMut<Target = [f32]>> = if shared {
+        Box::new(ringzero::SharedBuf::<f32>::zeroed(1 << 17).unwrap())
+    } else {
+        Box::new(vec![0f32; 1 << 17])
+    };
+    buf.fill(comm.rank() as f32);
     for i in 0..100_000 {
         if let Err(e) = comm.all_gather(InPlace, &mut buf[..]) {
             println!("rank {} failed in iteration {i}: {e}", comm.rank());
@@ -512,6 +519,13 @@ fn a_rank_killed_mid_posted_device_point_to_point_fails_every_other_rank() {
 fn a_rank_killed_mid_single_copy_all_gather_fails_every_other_rank() {
     let names: [&[&str]; 3] = [&["all_gather", "single copy"]; 3];
     survivors_fail("kill-gather", &names);
+}
+
+#[test]
+fn a_rank_killed_mid_all_gather_from_shared_buffers_fails_every_other_rank() {
+    // Its buffer stays mapped by the others after it dies: the board, not a failed read, tells.
+    let names: [&[&str]; 3] = [&["all_gather", "single copy"]; 3];
+    survivors_fail("kill-gather-shared", &names);
 }
 
 /// Rank 1 of 4 dies in `scenario`: every other rank fails, on its own (not killed by the
