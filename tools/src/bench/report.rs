@@ -472,11 +472,13 @@ pub fn per_collective(rows: &[Row]) -> String {
             .filter(|r| r.bytes >= 1 << 20)
             .filter_map(|r| r.efficiency)
             .collect();
-        let swing = mine
-            .iter()
-            .filter(|r| r.bytes >= 1 << 20 && r.efficiency.is_some())
-            .filter_map(|r| r.stream_swing)
-            .fold(1.0, f64::max);
+        let widest = |of: fn(&Row) -> Option<f64>| {
+            mine.iter()
+                .filter(|r| r.bytes >= 1 << 20 && r.efficiency.is_some())
+                .filter_map(|r| of(r))
+                .fold(1.0, f64::max)
+        };
+        let (swing, call_swing) = (widest(|r| r.stream_swing), widest(|r| r.call_swing));
         let fit = if eff.is_empty() {
             "no model rows from 1 MiB".to_string()
         } else {
@@ -492,10 +494,15 @@ pub fn per_collective(rows: &[Row]) -> String {
                 } else {
                     "outside 80–120 %"
                 },
-                if !within && swing > NOISY {
-                    format!("; β swung {swing:.1}× between its rows' groups: the machine is noisy")
-                } else {
-                    String::new()
+                match (!within, swing > NOISY, call_swing > NOISY) {
+                    (true, true, _) => format!(
+                        "; β swung {swing:.1}× between its rows' groups: the machine is noisy"
+                    ),
+                    (true, false, true) => format!(
+                        "; its calls' own times swung {call_swing:.1}× between a row's groups: \
+                         the machine is noisy"
+                    ),
+                    _ => String::new(),
                 }
             )
         };
@@ -541,6 +548,7 @@ mod tests {
             beta_gbs: None,
             copy_gbs: None,
             stream_swing: None,
+            call_swing: None,
             predicted_us: Some(eff),
             efficiency: Some(eff),
             algo: "ring".into(),
@@ -565,6 +573,15 @@ mod tests {
         let mut noisy = rows.clone();
         noisy[3].efficiency = Some(1.5);
         assert!(per_collective(&noisy).ends_with("90–150 % (outside 80–120 %)\n"));
+        noisy[2].call_swing = Some(1.7);
+        assert!(
+            per_collective(&noisy).contains(
+                "(outside 80–120 %; its calls' own times swung 1.7× between a row's groups: the \
+                 machine is noisy)"
+            ),
+            "{}",
+            per_collective(&noisy)
+        );
         noisy[2].stream_swing = Some(1.9);
         assert!(
             per_collective(&noisy).contains(

@@ -89,6 +89,11 @@ pub struct Row {
     /// between those groups, so their timing varied as much: the noise the efficiency carries.
     #[serde(default)]
     pub stream_swing: Option<f64>,
+    /// How far the row's own calls varied: the slowest group of calls' time per call over the
+    /// fastest's, on the rank where that ratio is largest (1.0: steady). Where it is large, the
+    /// mean time the efficiency divides by is an average over different machine speeds.
+    #[serde(default)]
+    pub call_swing: Option<f64>,
     /// α–β prediction, µs.
     pub predicted_us: Option<f64>,
     /// predicted / measured.
@@ -218,7 +223,7 @@ fn size_row<T: Element>(
         inplace,
         Some(model),
     );
-    row.stream_swing = swing;
+    (row.stream_swing, row.call_swing) = swing.map_or((None, None), |(s, c)| (Some(s), Some(c)));
     Ok(row)
 }
 
@@ -283,6 +288,10 @@ pub enum Streams {
 /// Calls per group in [`timed_with_model`].
 pub const GROUP: usize = 5;
 
+/// A row's model and, where it was measured beside the calls, how far its streams and its
+/// calls swung ([`Row::stream_swing`], [`Row::call_swing`]).
+pub type RowModel = (Model, Option<(f64, f64)>);
+
 /// [`timed`], with the model measured in the same seconds as the calls: the timed iterations run
 /// in groups of up to five, each group followed by as many streams of `link_bytes` (what each
 /// link carries in one call) from every rank to the next at once ([`Communicator::ring_shift`](ringzero_collectives::Collectives::ring_shift), in
@@ -300,7 +309,7 @@ pub fn timed_with_model(
     (link_bytes, streams, local_bytes): (usize, Streams, usize),
     inplace: bool,
     mut call: impl FnMut() -> Result<()>,
-) -> Result<(f64, u64, (Model, Option<f64>))> {
+) -> Result<(f64, u64, RowModel)> {
     let (n, r) = (comm.size(), comm.rank());
     let single_copy = streams == Streams::PeerCopy;
     let shared = if single_copy && a.shared_buffers {
@@ -407,14 +416,18 @@ pub fn timed_with_model(
         copy()?;
     }
     let (mut calls, mut streams, mut barriers, mut copies) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
-    // Each group's streams, per stream: their spread is the noise the row's timing carries.
+    // Each group's streams, per stream: their spread is the noise the row's timing carries; and
+    // each group's calls, per call, whose spread is the calls' own.
     let (mut fastest, mut slowest) = (f64::INFINITY, 0.0f64);
+    let (mut quickest, mut slowest_call) = (f64::INFINITY, 0.0f64);
     let iters = a.iters.max(1);
     let mut left = iters;
     while left > 0 {
         let k = left.min(GROUP);
         left -= k;
-        calls += group(comm, k, &mut call)?;
+        let c = group(comm, k, &mut call)?;
+        calls += c;
+        (quickest, slowest_call) = (quickest.min(c / k as f64), slowest_call.max(c / k as f64));
         let g = group(comm, k, &mut stream)?;
         streams += g;
         (fastest, slowest) = (fastest.min(g / k as f64), slowest.max(g / k as f64));
@@ -443,18 +456,15 @@ pub fn timed_with_model(
     } else {
         None
     };
-    let mut swing = vec![if fastest > 0.0 {
-        slowest / fastest
-    } else {
-        1.0
-    }];
+    let spread = |lo: f64, hi: f64| if lo > 0.0 { hi / lo } else { 1.0 };
+    let mut swing = vec![spread(fastest, slowest), spread(quickest, slowest_call)];
     comm.all_reduce(InPlace, &mut swing, ReduceOp::Max)?;
     let (time_us, wrong) = over_ranks(comm, per(calls), wrong)?;
     let model = Model {
         copy_gbs,
         ..Model::links(alpha_us, beta[0])
     };
-    Ok((time_us, wrong, (model, Some(swing[0]))))
+    Ok((time_us, wrong, (model, Some((swing[0], swing[1])))))
 }
 
 /// One report line; the α–β columns when a `model` applies to these buffers.
@@ -499,6 +509,7 @@ pub fn row(
         beta_gbs: model.map(|m| m.beta_gbs),
         copy_gbs: model.and_then(|m| m.copy_gbs).filter(|_| local),
         stream_swing: None,
+        call_swing: None,
         predicted_us,
         efficiency: theory::efficiency(predicted_us, time_us),
         algo: algo.name().into(),
