@@ -17,8 +17,10 @@
 //!    host call notes itself on the board, [`Board::now_in`], so a rank that went round the ring
 //!    is seen too);
 //! 2. read every other rank's chunk into this rank's output ([`pulls`]: the next rank's first, so
-//!    the ranks read from different peers at once), post whether that worked, wait for every
-//!    rank: then no rank reads this rank's input any more, and it may return.
+//!    the ranks read from different peers at once; a chunk that lies in a [`crate::SharedBuf`]
+//!    with a `memcpy` from this rank's kept mapping of it, `comm/shared_buf.rs`), post whether
+//!    that worked, wait for every rank: then no rank reads this rank's input any more, and it
+//!    may return.
 //!
 //! Where some rank could not read (Yama forbids it, a seccomp filter, another user), every rank
 //! sees its verdict, runs this call round the ring instead, and takes the ring for every later

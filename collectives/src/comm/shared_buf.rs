@@ -34,6 +34,10 @@ pub const MAPS_PER_RANK: usize = 8;
 /// ([`Communicator::single_copy_sizes`](crate::Communicator::single_copy_sizes) says which
 /// sizes read directly at all). Anywhere else it is ordinary memory: dereference it to a slice.
 ///
+/// Allocate such buffers once and reuse them: each peer keeps its mappings of the last
+/// 8 buffers it read from a rank, so a dropped buffer's memory is freed only once the peers
+/// have read 8 newer ones of that rank or dropped their communicator.
+///
 /// ```no_run
 /// # use ringzero_collectives::{Collectives, Communicator, SharedBuf};
 /// # fn main() -> ringzero_collectives::Result<()> {
