@@ -6,8 +6,9 @@
 //! lies in a `SharedBuf` skips that: the rank posts where the buffer is (its memfd, see
 //! [`crate::transport::memfd`]), each peer maps the buffer on its first read and keeps the
 //! mapping, and every later read is one `memcpy` from the mapping. This is what NCCL's buffer
-//! registration and MPI's shared windows do; ZeRO's parameter shards, all-gathered at every
-//! step, are the case it is for.
+//! registration and MPI's shared windows do; a trainer's parameter shards, all-gathered at
+//! every step, are the case it is for (the ZeRO engine runs on a device communicator, which
+//! does not use it).
 //!
 //! Every buffer this process allocates is in one registry (any communicator's all-gather finds
 //! it, split communicators' too). A peer keeps the mappings of the last [`MAPS_PER_RANK`]
