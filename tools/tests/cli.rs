@@ -251,6 +251,10 @@ fn bench_refuses_bad_arguments_without_starting_ranks() {
         ),
         (vec!["bench", "--transport", "udp"], "--transport udp"),
         (
+            vec!["bench", "--shared-buffers", "--device", "host-stream"],
+            "--shared-buffers allocates host memory; the buffers here are host-stream's",
+        ),
+        (
             vec!["bench", "send-recv", "-n", "3", "--device", "host"],
             "run it on an even number of ranks, not -n 3",
         ),
