@@ -26,8 +26,8 @@ fn peer_read(c: &mut Criterion) {
         seg.bytes_mut().fill(1);
         let (fd, ino) = seg.locator().unwrap();
         let peer = PeerSegment::open(pid, fd, ino, bytes).unwrap();
-        // SAFETY: the mapping is `bytes` long and nothing writes it while the bench reads.
-        let mapped = unsafe { std::slice::from_raw_parts(peer.as_ptr(), bytes) };
+        // Nothing writes it while the bench reads.
+        let mapped = &peer.bytes()[..bytes];
         g.bench_with_input(BenchmarkId::new("mapped memcpy", bytes), &bytes, |b, _| {
             b.iter(|| dst.copy_from_slice(std::hint::black_box(mapped)))
         });

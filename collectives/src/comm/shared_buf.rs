@@ -259,14 +259,12 @@ impl PeerMaps {
                 maps.back().expect("just pushed")
             }
         };
-        debug_assert!(start + dst.len() <= m.seg.mapped_bytes());
-        // SAFETY: the mapping is at least `bytes` long (checked when it was opened) and
-        // `start + dst.len() <= bytes` (checked above); `dst` is this rank's own memory, which
-        // the mapping (read-only, another file) cannot overlap. The owner does not write the
-        // range during the call that posted it (its caller lent it for the call), and a rank
-        // that fails raises the board's abort flag before returning, which every reader checks
-        // after its reads.
-        let src = unsafe { std::slice::from_raw_parts(m.seg.as_ptr().add(start), dst.len()) };
+        // In bounds: the mapping is at least `bytes` long (checked when it was opened) and
+        // `start + dst.len() <= bytes` (checked above). The owner does not write the range
+        // during the call that posted it (its caller lent it for the call), and a rank that
+        // fails raises the board's abort flag before returning, which every reader checks after
+        // its reads.
+        let src = &m.seg.bytes()[start..start + dst.len()];
         if streaming {
             ringzero_kernels::cpu::copy_streaming(dst, src).expect("equal lengths");
             ringzero_kernels::cpu::stream_fence();

@@ -97,14 +97,10 @@ impl PeerSegment {
         Ok(PeerSegment { map })
     }
 
-    /// Its first byte here.
-    pub fn as_ptr(&self) -> *const u8 {
-        self.map.as_ptr()
-    }
-
-    /// Its length here, in bytes.
-    pub fn mapped_bytes(&self) -> usize {
-        self.map.len()
+    /// The mapped memory, at least the `bytes` it was opened for. Its owner writes it only
+    /// between the calls that read it (see `comm/direct.rs`).
+    pub fn bytes(&self) -> &[u8] {
+        &self.map
     }
 }
 
@@ -119,8 +115,7 @@ mod tests {
         let (fd, ino) = seg.locator().unwrap();
         let pid = std::process::id();
         let peer = PeerSegment::open(pid, fd, ino, 10_000).unwrap();
-        // SAFETY: the mapping is 10 000 bytes long and nothing writes it meanwhile.
-        assert_eq!(unsafe { *peer.as_ptr().add(9_999) }, 7);
+        assert_eq!(peer.bytes()[9_999], 7);
         // A wrong inode, a size beyond the file, a descriptor that is no segment: refused.
         assert!(PeerSegment::open(pid, fd, ino + 1, 10_000).is_err());
         let e = PeerSegment::open(pid, fd, ino, 1 << 20).err().unwrap();

@@ -377,9 +377,8 @@ pub fn timed_with_model(
                 own.copy_from_slice(std::hint::black_box(&send[..k]));
             }
             if let Some(m) = &mapped {
-                // SAFETY: the mapping is at least `link_bytes` long (checked when opened) and
-                // its owner does not write it while the streams run.
-                let src = unsafe { std::slice::from_raw_parts(m.as_ptr(), link_bytes) };
+                // Its owner does not write it while the streams run.
+                let src = &m.bytes()[..link_bytes];
                 recv[..link_bytes].copy_from_slice(std::hint::black_box(src));
                 return Ok(());
             }
