@@ -231,11 +231,13 @@ fn header(comm: &Communicator, a: &BenchArgs, probe: &probe::Probe, device: Stri
                      up to {} calls, each followed by as many barriers (α) and streams of the bytes one link \
                      carries in that call (β, slowest edge) over the links the call loads, in its directions: \
                      every rank to the next at once for the ring collectives, rank r to r+1 one way for the \
-                     rooted ones (broadcast, reduce, gather, scatter), and by as many plain copies, on \
+                     rooted ones (broadcast, reduce, gather, scatter), each stream a window further along \
+                     buffers of the call's size (so streams and calls meet the caches alike), and by as many plain copies, on \
                      every rank at once, of the bytes a rank copies within its own memory beside its \
                      links (out of place an all-gather's own part, a root's own block, a broadcast's \
                      input into its output, an all-to-all's own block; a relay's second write on 3+ ranks), \
-                     whose time at that rate the prediction adds (the JSON's copy_gbs); --model start \
+                     whose time at that rate the prediction adds (the JSON's copy_gbs); α, β and that rate from \
+                     the median group, so one stalled group does not become the line's model; --model start \
                      uses the model above",
                     sweep::GROUP
                 )

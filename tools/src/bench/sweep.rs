@@ -205,7 +205,8 @@ fn size_row<T: Element>(
         } else {
             Streams::Ring
         };
-        timed_with_model(comm, a, wrong, (link, streams, local), inplace, call)?
+        let footprint = (link, bytes);
+        timed_with_model(comm, a, wrong, (footprint, streams, local), inplace, call)?
     } else {
         let (t, w) = timed(comm, a, wrong, call)?;
         (t, w, (model, None))
@@ -306,12 +307,21 @@ pub fn timed_with_model(
     comm: &Communicator,
     a: &SweepArgs,
     wrong: u64,
-    (link_bytes, streams, local_bytes): (usize, Streams, usize),
+    ((link_bytes, call_bytes), streams, local_bytes): ((usize, usize), Streams, usize),
     inplace: bool,
     mut call: impl FnMut() -> Result<()>,
 ) -> Result<(f64, u64, RowModel)> {
     let (n, r) = (comm.size(), comm.rank());
     let single_copy = streams == Streams::PeerCopy;
+    // The link streams sweep buffers as large as the call's, a window of `link_bytes` further
+    // on each time, so the call and its streams meet the caches alike: streams repeating one
+    // window half the call's size stay cached at sizes where the call's own buffers no longer do.
+    let span = if single_copy {
+        link_bytes.max(1)
+    } else {
+        call_bytes.max(link_bytes).max(1)
+    };
+    let mut window = windows(link_bytes.max(1), span);
     let shared = if single_copy && a.shared_buffers {
         let mut b = SharedBuf::<u8>::zeroed(link_bytes.max(1))?;
         b.fill(1);
@@ -322,14 +332,14 @@ pub fn timed_with_model(
     let (fd, ino) = shared.as_ref().map_or((-1, 0), SharedBuf::locator);
     let mut send: Box<dyn DerefMut<Target = [u8]>> = match shared {
         Some(b) => Box::new(b),
-        None => Box::new(vec![1u8; link_bytes.max(1)]),
+        None => Box::new(vec![1u8; span]),
     };
     let mut recv = vec![
         0u8;
         if inplace && streams == Streams::Ring {
             0
         } else {
-            link_bytes.max(1)
+            span
         }
     ];
     let mut own = vec![
@@ -387,15 +397,19 @@ pub fn timed_with_model(
             cma::read(prev.0, prev.1, &mut recv[..link_bytes])
                 .map_err(|e| ringzero_collectives::Error::io("a single-copy β stream", e))
         }
-        Streams::Ring if inplace => comm.ring_shift(InPlace, &mut send[..]),
-        Streams::Ring => comm.ring_shift(&send[..], &mut recv),
+        Streams::Ring if inplace => comm.ring_shift(InPlace, &mut send[window()]),
+        Streams::Ring => {
+            let w = window();
+            comm.ring_shift(&send[w.clone()], &mut recv[w])
+        }
         Streams::Chain => {
+            let w = window();
             let mut msgs = Vec::with_capacity(2);
             if r + 1 < n {
-                msgs.push(P2p::Send(&send[..], r + 1));
+                msgs.push(P2p::Send(&send[w.clone()], r + 1));
             }
             if r > 0 {
-                msgs.push(P2p::Recv(&mut recv[..], r - 1));
+                msgs.push(P2p::Recv(&mut recv[w], r - 1));
             }
             comm.send_recv_batch(&mut msgs)
         }
@@ -414,56 +428,83 @@ pub fn timed_with_model(
     if local_bytes > 0 {
         copy()?;
     }
-    let (mut calls, mut streams, mut barriers, mut copies) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
-    // Each group's streams, per stream: their spread is the noise the row's timing carries; and
-    // each group's calls, per call, whose spread is the calls' own.
-    let (mut fastest, mut slowest) = (f64::INFINITY, 0.0f64);
+    // Each group's time per call, per stream, per barrier and per copy, in µs: the calls' mean
+    // is the row's time (nccl-tests' mean); the model takes the median group of each of the
+    // others, so one stall of the machine in a stream group (a descheduled rank) does not
+    // become the row's β; the spread of the streams' groups is the noise the row's timing
+    // carries, and the spread of the calls' groups is the calls' own.
+    let (mut calls, mut streams, mut barriers, mut copies) = (0.0f64, vec![], vec![], vec![]);
     let (mut quickest, mut slowest_call) = (f64::INFINITY, 0.0f64);
     let iters = a.iters.max(1);
     let mut left = iters;
     while left > 0 {
         let k = left.min(GROUP);
         left -= k;
+        let per_call = |secs: f64| secs * 1e6 / k as f64;
         let c = group(comm, k, &mut call)?;
         calls += c;
-        (quickest, slowest_call) = (quickest.min(c / k as f64), slowest_call.max(c / k as f64));
-        let g = group(comm, k, &mut stream)?;
-        streams += g;
-        (fastest, slowest) = (fastest.min(g / k as f64), slowest.max(g / k as f64));
+        (quickest, slowest_call) = (quickest.min(per_call(c)), slowest_call.max(per_call(c)));
+        streams.push(per_call(group(comm, k, &mut stream)?));
         // α is one ring step: the ring's barrier, whatever RINGZERO_ALGO picks for barriers.
-        barriers += group(comm, k, &mut || {
+        barriers.push(per_call(group(comm, k, &mut || {
             comm.with_algo(ringzero_collectives::Algo::Ring).barrier()
-        })?;
+        })?));
         if local_bytes > 0 {
-            copies += group(comm, k, &mut copy)?;
+            copies.push(per_call(group(comm, k, &mut copy)?));
         }
     }
-    let per = |total: f64| total * 1e6 / iters as f64;
     // α averaged over ranks; β the slowest edge's.
-    let mut alpha = vec![per(barriers) / (n - 1).max(1) as f64];
+    let mut alpha = vec![median(&barriers) / (n - 1).max(1) as f64];
     comm.all_reduce(InPlace, &mut alpha, ReduceOp::Avg)?;
     let alpha_us = alpha[0];
-    let stream_us = per(streams);
+    let stream_us = median(&streams);
     let streamed = link_bytes.max(1) as f64;
     let hand_off = if single_copy { 0.0 } else { alpha_us };
     let mut beta = vec![streamed / ((stream_us - hand_off).max(stream_us * 0.5) * 1e3)];
     comm.all_reduce(InPlace, &mut beta, ReduceOp::Min)?;
     let copy_gbs = if local_bytes > 0 {
-        let mut rate = vec![local_bytes as f64 / (per(copies).max(1e-3) * 1e3)];
+        let mut rate = vec![local_bytes as f64 / (median(&copies).max(1e-3) * 1e3)];
         comm.all_reduce(InPlace, &mut rate, ReduceOp::Min)?;
         Some(rate[0])
     } else {
         None
     };
     let spread = |lo: f64, hi: f64| if lo > 0.0 { hi / lo } else { 1.0 };
+    let (fastest, slowest) = streams
+        .iter()
+        .fold((f64::INFINITY, 0.0f64), |(lo, hi), &t| {
+            (lo.min(t), hi.max(t))
+        });
     let mut swing = vec![spread(fastest, slowest), spread(quickest, slowest_call)];
     comm.all_reduce(InPlace, &mut swing, ReduceOp::Max)?;
-    let (time_us, wrong) = over_ranks(comm, per(calls), wrong)?;
+    let (time_us, wrong) = over_ranks(comm, calls * 1e6 / iters as f64, wrong)?;
     let model = Model {
         copy_gbs,
         ..Model::links(alpha_us, beta[0])
     };
     Ok((time_us, wrong, (model, Some((swing[0], swing[1])))))
+}
+
+/// Windows of `len` bytes one after the other along a buffer of `span` (≥ `len`), back to the
+/// start where the next would not fit.
+fn windows(len: usize, span: usize) -> impl FnMut() -> std::ops::Range<usize> {
+    let mut at = 0;
+    move || {
+        let w = at..at + len;
+        at = if w.end + len > span { 0 } else { w.end };
+        w
+    }
+}
+
+/// The median of `xs` (the mean of the middle two when their count is even); 0 when empty.
+fn median(xs: &[f64]) -> f64 {
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => 0.0,
+        k if k % 2 == 1 => v[k / 2],
+        k => (v[k / 2 - 1] + v[k / 2]) / 2.0,
+    }
 }
 
 /// One report line; the α–β columns when a `model` applies to these buffers.
@@ -683,4 +724,25 @@ pub fn wrong(a: &SweepArgs, r: usize, got: &mut [f64], want: &[f64]) -> u64 {
         .zip(want)
         .filter(|(g, w)| **g != **w && !(g.is_nan() && w.is_nan()))
         .count() as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stream_windows_sweep_the_span_and_wrap() {
+        let mut w = windows(4, 10);
+        let got: Vec<_> = (0..4).map(|_| w()).collect();
+        assert_eq!(got, [0..4, 4..8, 0..4, 4..8]);
+        let mut whole = windows(6, 6);
+        assert_eq!((whole(), whole()), (0..6, 0..6));
+    }
+
+    #[test]
+    fn a_stalled_group_does_not_move_the_median() {
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[2.0, 2.2, 1.8, 4000.0]), 2.1);
+        assert_eq!(median(&[]), 0.0);
+    }
 }
