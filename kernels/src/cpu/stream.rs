@@ -5,7 +5,8 @@
 //! larger than the caches, that read is pure waste: the next thing to touch the output is the
 //! caller, long after the line has been evicted. Non-temporal stores write whole lines to memory
 //! without reading them first and without evicting the working set. Inside the ring the gain is
-//! smaller than in a plain copy, which is why only large outputs use them (the measurements:
+//! smaller than in a plain copy, and on some machines a loss, which is why the engine uses them
+//! only from the output size `RINGZERO_STREAM_STORES_FROM` sets (the measurements:
 //! `docs/design-notes.md`, "Streaming stores").
 //!
 //! Only copies stream: a reduction that streams its combined tiles out runs slower than the plain
