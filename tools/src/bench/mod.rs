@@ -235,7 +235,9 @@ fn header(comm: &Communicator, a: &BenchArgs, probe: &probe::Probe, device: Stri
                      buffers of the call's size (so streams and calls meet the caches alike), and by as many plain copies, on \
                      every rank at once, of the bytes a rank copies within its own memory beside its \
                      links (out of place an all-gather's own part, a root's own block, a broadcast's \
-                     input into its output, an all-to-all's own block; a relay's second write on 3+ ranks), \
+                     input into its output, an all-to-all's own block; a relay's second write on 3+ ranks; \
+                     the all-gathers' and the broadcast's from a slice-sized source in cache, as those \
+                     calls store a slice they have just sent), \
                      whose time at that rate the prediction adds (the JSON's copy_gbs); α, β and that rate from \
                      the median group, so one stalled group does not become the line's model; --model start \
                      uses the model above",

@@ -438,6 +438,12 @@ pub fn summary(rows: &[Row]) -> String {
 /// says an efficiency outside 80–120 % may be the machine's noise rather than the model's miss.
 const NOISY: f64 = 1.5;
 
+/// The collectives that combine what they receive with their own input: out of place they read
+/// that input beside each received slice and store the sum into fresh lines, more memory traffic
+/// per link byte than the link streams make (`docs/bench.md` says why the streams do not read
+/// it too).
+const REDUCTIONS: [&str; 3] = ["reduce", "reduce_scatter", "reduce_scatter_v"];
+
 /// Per collective (its out-of-place rows; in place where it has no other): the peak bus
 /// bandwidth and the size reaching it, the smallest size reaching half of it (the size a
 /// message must have to use the links), and how the α–β model fits from 1 MiB up (the rows'
@@ -495,6 +501,11 @@ pub fn per_collective(rows: &[Row]) -> String {
                     "outside 80–120 %"
                 },
                 match (!within, swing > NOISY, call_swing > NOISY) {
+                    (true, false, false) if lo < 0.8 && REDUCTIONS.contains(&op) => {
+                        "; out of place it reads its input beside each slice it receives, \
+                         which the model's streams do not"
+                            .to_string()
+                    }
                     (true, true, _) => format!(
                         "; β swung {swing:.1}× between its rows' groups: the machine is noisy"
                     ),
@@ -582,6 +593,16 @@ mod tests {
             "{}",
             per_collective(&noisy)
         );
+        // A reduction below the band on steady streams names what the model leaves out.
+        let mut reduction = rows.clone();
+        for r in &mut reduction {
+            r.op = "reduce_scatter".into();
+        }
+        reduction[3].efficiency = Some(0.7);
+        assert!(per_collective(&reduction)
+            .contains("70–90 % (outside 80–120 %; out of place it reads its input beside"));
+        reduction[3].efficiency = Some(1.3);
+        assert!(per_collective(&reduction).ends_with("90–130 % (outside 80–120 %)\n"));
         noisy[2].stream_swing = Some(1.9);
         assert!(
             per_collective(&noisy).contains(

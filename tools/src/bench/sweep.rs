@@ -81,7 +81,8 @@ pub struct Row {
     pub beta_gbs: Option<f64>,
     /// The rate of the copies a rank makes within its own memory beside its links (the
     /// model's `copy_gbs`), GB/s, where the row's collective makes any and the model counts
-    /// them ([`theory::local_copy_bytes`]).
+    /// them ([`theory::local_copy_bytes`]); from a source in cache where the call re-reads
+    /// what its link copy read ([`theory::local_copy_rereads`]).
     #[serde(default)]
     pub copy_gbs: Option<f64>,
     /// How far the row's β streams varied: the slowest group of streams' time over the
@@ -205,8 +206,18 @@ fn size_row<T: Element>(
         } else {
             Streams::Ring
         };
-        let footprint = (link, bytes);
-        timed_with_model(comm, a, wrong, (footprint, streams, local), inplace, call)?
+        let shape = Shape {
+            link_bytes: link,
+            call_bytes: bytes,
+            fresh_share: theory::in_place_fresh_share(op),
+        };
+        // Where the call's local copies re-read what its link copy just read, their stand-in
+        // copies from a source in cache, a slice at a time (only the writes reach memory).
+        let local = (
+            local,
+            theory::local_copy_rereads(op, algo).then_some(comm.config().slice_bytes),
+        );
+        timed_with_model(comm, a, wrong, (shape, streams, local), inplace, call)?
     } else {
         let (t, w) = timed(comm, a, wrong, call)?;
         (t, w, (model, None))
@@ -286,6 +297,18 @@ pub enum Streams {
     PeerCopy,
 }
 
+/// What a row's β streams carry and how they meet memory, as its call does.
+#[derive(Clone, Copy, Debug)]
+pub struct Shape {
+    /// The bytes one link carries in one call: each stream's size.
+    pub link_bytes: usize,
+    /// The call's buffer: the streams sweep windows along buffers this large.
+    pub call_bytes: usize,
+    /// In place, the share of streams that receive into the window after the one they send
+    /// ([`theory::in_place_fresh_share`]).
+    pub fresh_share: f64,
+}
+
 /// Calls per group in [`timed_with_model`].
 pub const GROUP: usize = 5;
 
@@ -307,21 +330,29 @@ pub fn timed_with_model(
     comm: &Communicator,
     a: &SweepArgs,
     wrong: u64,
-    ((link_bytes, call_bytes), streams, local_bytes): ((usize, usize), Streams, usize),
+    (shape, streams, (local_bytes, hot_slices)): (Shape, Streams, (usize, Option<usize>)),
     inplace: bool,
     mut call: impl FnMut() -> Result<()>,
 ) -> Result<(f64, u64, RowModel)> {
     let (n, r) = (comm.size(), comm.rank());
+    let Shape {
+        link_bytes,
+        call_bytes,
+        fresh_share,
+    } = shape;
     let single_copy = streams == Streams::PeerCopy;
     // The link streams sweep buffers as large as the call's, a window of `link_bytes` further
     // on each time, so the call and its streams meet the caches alike: streams repeating one
     // window half the call's size stay cached at sizes where the call's own buffers no longer do.
+    // In place, a share of them (`fresh_share`, as the call does) receive into the window after
+    // the one they send, in the same buffer, and the rest into the window they send.
     let span = if single_copy {
         link_bytes.max(1)
     } else {
         call_bytes.max(link_bytes).max(1)
     };
     let mut window = windows(link_bytes.max(1), span);
+    let mut streamed = 0usize;
     let shared = if single_copy && a.shared_buffers {
         let mut b = SharedBuf::<u8>::zeroed(link_bytes.max(1))?;
         b.fill(1);
@@ -332,6 +363,8 @@ pub fn timed_with_model(
     let (fd, ino) = shared.as_ref().map_or((-1, 0), SharedBuf::locator);
     let mut send: Box<dyn DerefMut<Target = [u8]>> = match shared {
         Some(b) => Box::new(b),
+        // In place, each stream receives into the window after the one it sends (below).
+        None if inplace && streams == Streams::Ring => Box::new(vec![1u8; span + link_bytes]),
         None => Box::new(vec![1u8; span]),
     };
     let mut recv = vec![
@@ -397,7 +430,20 @@ pub fn timed_with_model(
             cma::read(prev.0, prev.1, &mut recv[..link_bytes])
                 .map_err(|e| ringzero_collectives::Error::io("a single-copy β stream", e))
         }
-        Streams::Ring if inplace => comm.ring_shift(InPlace, &mut send[window()]),
+        // An in-place all-gather sends from its buffer and stores what it receives elsewhere in
+        // it, into lines it has not just read, where a ring shift in place overwrites the very
+        // lines it sent, found in cache ([`theory::in_place_fresh_share`]).
+        Streams::Ring if inplace => {
+            let w = window();
+            let i = streamed as f64;
+            streamed += 1;
+            if ((i + 1.0) * fresh_share).floor() > (i * fresh_share).floor() {
+                let (sent, rest) = send.split_at_mut(w.end);
+                comm.ring_shift(&sent[w.clone()], &mut rest[..w.len()])
+            } else {
+                comm.ring_shift(InPlace, &mut send[w])
+            }
+        }
         Streams::Ring => {
             let w = window();
             comm.ring_shift(&send[w.clone()], &mut recv[w])
@@ -418,10 +464,19 @@ pub fn timed_with_model(
         call()?;
     }
     stream()?;
-    // The local copies' stand-in: the same bytes from one buffer of this rank's to another.
-    let (from, mut to) = (vec![1u8; local_bytes], vec![0u8; local_bytes]);
+    // The local copies' stand-in: the same bytes from one buffer of this rank's to another, or,
+    // where the call re-reads its slices (`hot_slices`), each slice of the destination from one
+    // slice-sized source that stays in cache.
+    let hot = hot_slices.map(|s| s.clamp(1, local_bytes.max(1)));
+    let (from, mut to) = (
+        vec![1u8; hot.unwrap_or(local_bytes)],
+        vec![0u8; local_bytes],
+    );
     let mut copy = || {
-        to.copy_from_slice(std::hint::black_box(&from));
+        for slice in to.chunks_mut(from.len().max(1)) {
+            let k = slice.len();
+            slice.copy_from_slice(std::hint::black_box(&from[..k]));
+        }
         std::hint::black_box(&to);
         Ok(())
     };

@@ -20,7 +20,9 @@
 //!   out-of-place broadcast's input into its output, a chain's relay writing a received slice
 //!   into its output beside the next rank's slot) run on the same core as its link copies, one
 //!   after the other: the busiest rank's bytes of them ([`local_copy_bytes`]) add their time at
-//!   the rate of a plain copy on that rank (`Model::copy_gbs`, measured with the row);
+//!   the rate of a plain copy on that rank (`Model::copy_gbs`, measured with the row; from a
+//!   source in cache where the copy re-reads a slice the link copy has just read,
+//!   [`local_copy_rereads`]);
 //! - efficiency = predicted / measured time (1.0: the implementation runs at the model's limit).
 
 use ringzero_collectives::internals::ring::doubling;
@@ -329,6 +331,40 @@ pub fn local_copy_bytes(
     }
 }
 
+/// Whether the busiest rank's local copies ([`local_copy_bytes`]) read bytes its link copy has
+/// just read, slice by slice, so that only their writes reach memory: the ring's all-gather
+/// (and all-gather-v) sends its own part's slice, then stores it into the output; a broadcast's
+/// root does the same with its input, and a relay stores the slice it forwards. The gather's,
+/// scatter's and all-to-all's own blocks are copies of their own, from memory.
+pub fn local_copy_rereads(op: Collective, algo: Algo) -> bool {
+    algo == Algo::Ring
+        && matches!(
+            op,
+            Collective::AllGather | Collective::AllGatherV | Collective::Broadcast { .. }
+        )
+}
+
+/// The share of an in-place ring call's link bytes that cost its buffer's memory what a
+/// stream storing into lines it has not just read costs (sending one window, receiving into
+/// another: the window read, the other fetched and written back), the rest costing what a
+/// stream storing onto the lines it sent costs (read and written back), once the buffer is
+/// larger than the caches. An all-gather stores each part it receives at that part's own place
+/// (1); a reduce-scatter stores its sums where it read its own chunk, but reads that chunk
+/// besides the received one, the same traffic (1); an all-reduce's all-gather half stores onto
+/// lines its reduce-scatter half has just read, slice by slice (½); an in-place all-to-all
+/// first copies its whole buffer out, so what it receives lands on lines that copy has just
+/// read (0).
+pub fn in_place_fresh_share(op: Collective) -> f64 {
+    match op {
+        Collective::AllGather
+        | Collective::AllGatherV
+        | Collective::ReduceScatter
+        | Collective::ReduceScatterV => 1.0,
+        Collective::AllReduce => 0.5,
+        _ => 0.0,
+    }
+}
+
 /// Predicted time in µs (None for a one-rank world, where there is nothing to predict), the
 /// ranks on one node, out of place.
 pub fn predict_us(op: Collective, algo: Algo, n: usize, bytes: usize, m: Model) -> Option<f64> {
@@ -607,6 +643,18 @@ mod tests {
         assert_eq!(local_copy_bytes(bc, ring, 2, (s, false), true), 8e6);
         assert_eq!(local_copy_bytes(bc, ring, 2, (s, true), true), 0.0);
         assert_eq!(local_copy_bytes(bc, ring, 3, (s, true), true), 8e6);
+        // In place: an all-gather stores fresh, an all-to-all onto what its first copy read.
+        assert_eq!(in_place_fresh_share(ag), 1.0);
+        assert_eq!(in_place_fresh_share(Collective::AllReduce), 0.5);
+        assert_eq!(in_place_fresh_share(Collective::AllToAll), 0.0);
+        // Those stores re-read the slice just sent; the gather's own block is a copy of its own.
+        assert!(local_copy_rereads(ag, ring) && local_copy_rereads(bc, ring));
+        assert!(!local_copy_rereads(
+            Collective::Gather { root: 0 },
+            Algo::Pairwise
+        ));
+        assert!(!local_copy_rereads(Collective::AllGatherV, Algo::Pairwise));
+        assert!(!local_copy_rereads(Collective::AllToAll, ring));
         // Over tcp the socket reads the relay's frame into its output and sends it on from
         // there; the root still copies its input out of place.
         assert!(!relays_copy("tcp") && relays_copy("shm") && relays_copy("shm+tcp"));
