@@ -232,7 +232,9 @@ fn header(comm: &Communicator, a: &BenchArgs, probe: &probe::Probe, device: Stri
                      carries in that call (β, slowest edge) over the links the call loads, in its directions: \
                      every rank to the next at once for the ring collectives, rank r to r+1 one way for the \
                      rooted ones (broadcast, reduce, gather, scatter), each stream a window further along \
-                     buffers of the call's size (so streams and calls meet the caches alike), and by as many plain copies, on \
+                     buffers of the call's size (so streams and calls meet the caches alike; in place, \
+                     receiving into the next window as often as the call stores into lines it has not \
+                     just read), and by as many plain copies, on \
                      every rank at once, of the bytes a rank copies within its own memory beside its \
                      links (out of place an all-gather's own part, a root's own block, a broadcast's \
                      input into its output, an all-to-all's own block; a relay's second write on 3+ ranks; \
