@@ -352,7 +352,7 @@ pub fn timed_with_model(
         call_bytes.max(link_bytes).max(1)
     };
     let mut window = windows(link_bytes.max(1), span);
-    let mut streamed = 0usize;
+    let mut stream_count = 0usize;
     let shared = if single_copy && a.shared_buffers {
         let mut b = SharedBuf::<u8>::zeroed(link_bytes.max(1))?;
         b.fill(1);
@@ -435,8 +435,8 @@ pub fn timed_with_model(
         // lines it sent, found in cache ([`theory::in_place_fresh_share`]).
         Streams::Ring if inplace => {
             let w = window();
-            let i = streamed as f64;
-            streamed += 1;
+            let i = stream_count as f64;
+            stream_count += 1;
             if ((i + 1.0) * fresh_share).floor() > (i * fresh_share).floor() {
                 let (sent, rest) = send.split_at_mut(w.end);
                 comm.ring_shift(&sent[w.clone()], &mut rest[..w.len()])
