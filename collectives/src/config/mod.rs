@@ -75,9 +75,9 @@ pub const DEFAULT_TCP_SOCKETS: usize = 1;
 /// Most TCP connections per ring edge.
 pub const MAX_TCP_SOCKETS: usize = 32;
 /// Default smallest result (bytes of a rank's output buffer) written with streaming stores:
-/// none. Whether they pay inside the ring depends on the machine (on one VM 1.03–1.18× faster
-/// at 8–64 MiB, on another 1.2–1.7× *slower*: `docs/design-notes.md`), and the loss where they
-/// lose is larger than the gain where they win, so they wait for `RINGZERO_STREAM_STORES_FROM`.
+/// none. Whether they pay inside the ring depends on the machine, and where they lose they lose
+/// more than they gain where they win (`docs/design-notes.md`, "Streaming stores"), so they wait
+/// for `RINGZERO_STREAM_STORES_FROM`.
 pub const DEFAULT_STREAM_STORES_FROM: usize = usize::MAX;
 /// Default smallest all-gather (bytes of the whole result) that ranks of one node read straight
 /// out of each other's memory (`RINGZERO_SINGLE_COPY_FROM`).
