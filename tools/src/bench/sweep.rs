@@ -364,7 +364,9 @@ pub fn timed_with_model(
     let mut send: Box<dyn DerefMut<Target = [u8]>> = match shared {
         Some(b) => Box::new(b),
         // In place, each stream receives into the window after the one it sends (below).
-        None if inplace && streams == Streams::Ring => Box::new(vec![1u8; span + link_bytes.max(1)]),
+        None if inplace && streams == Streams::Ring => {
+            Box::new(vec![1u8; span + link_bytes.max(1)])
+        }
         None => Box::new(vec![1u8; span]),
     };
     let mut recv = vec![
