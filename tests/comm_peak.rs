@@ -2,8 +2,8 @@
 //! (`ringzero_zero::comm_peak`) against the engine's own count of the same buffers as it makes
 //! and drops them, for the same calls on real engines (thread ranks, the host stream): equal to
 //! the byte in every stage, precision and setting that changes which buffers exist —
-//! `overlap_comm`, prefetch, the all-gather's pieces, accumulation, persistent parameters, the
-//! optimizer offloaded, and the order gradients come in.
+//! `overlap_comm`, prefetch, the all-gather's pieces, accumulation, persistent parameters,
+//! buckets kept for a reuse, the optimizer offloaded, and the order gradients come in.
 
 use half::bf16;
 use ringzero::kernels::cpu::Float;
@@ -80,6 +80,7 @@ fn run<T: Float>(
                 let g = grad(&vec![0.5; sp[*p].numel()], comm.rank(), t, *p);
                 e.push_grad_f32(&sp[*p].name, &g).unwrap();
             }
+            Call::RestartOrder => e.restart_order(),
             Call::Step => {
                 e.step().unwrap();
                 t += 1;
@@ -104,12 +105,12 @@ fn the_replayed_peak_equals_the_engines_count_in_every_setting() {
             let modules = vec![vec![0], vec![1, 2], vec![3, 4], vec![5, 6], vec![7]];
             let mut checked = 0;
             for stage in 0..=3u8 {
-                for (overlap, prefetch, allgather, accum, persist) in [
-                    (false, 0, 1 << 20, 1, 0),
-                    (true, 0, 1 << 20, 1, 0),
-                    (true, 200, 7, 2, 0),
-                    (false, 90, 20, 1, 8),
-                    (true, 1000, 1 << 20, 2, 13),
+                for (overlap, prefetch, allgather, accum, persist, reuse) in [
+                    (false, 0, 1 << 20, 1, 0, 0),
+                    (true, 0, 1 << 20, 1, 0, 1_000_000_000),
+                    (true, 200, 7, 2, 0, 20),
+                    (false, 90, 20, 1, 8, 0),
+                    (true, 1000, 1 << 20, 2, 13, 40),
                 ] {
                     for offload in [false, true] {
                         if offload && stage == 0 {
@@ -123,6 +124,7 @@ fn the_replayed_peak_equals_the_engines_count_in_every_setting() {
                             allgather_elems: allgather,
                             accumulation_steps: accum,
                             persistence_threshold: persist,
+                            reuse_elems: reuse,
                             ..ZeroConfig::default()
                         };
                         if offload {
@@ -141,7 +143,8 @@ fn the_replayed_peak_equals_the_engines_count_in_every_setting() {
                             let what = format!(
                                 "{world} ranks, stage {stage}, overlap {overlap}, prefetch \
                                  {prefetch}, allgather {allgather}, accumulation {accum}, \
-                                 persistence {persist}, offload {offload}, pushes {push:?}"
+                                 persistence {persist}, reuse {reuse}, offload {offload}, \
+                                 pushes {push:?}"
                             );
                             assert_eq!(predicted, counted, "{what}");
                             checked += usize::from(counted > 0);
@@ -153,6 +156,19 @@ fn the_replayed_peak_equals_the_engines_count_in_every_setting() {
                                 comm_buffers_peak(&part, &c, cs.clone()).unwrap(),
                                 run::<f32>(&comm, &sp, &c, &cs),
                                 "{world} ranks, prefetch {prefetch} by hand, offload {offload}"
+                            );
+                            // Every parameter read once before training, that order forgotten.
+                            let all: Vec<usize> = (0..np).collect();
+                            let mut cs = vec![
+                                Call::Gather(all.clone()),
+                                Call::Release(all),
+                                Call::RestartOrder,
+                            ];
+                            cs.extend(calls(3, accum, &modules, &backward));
+                            assert_eq!(
+                                comm_buffers_peak(&part, &c, cs.clone()).unwrap(),
+                                run::<f32>(&comm, &sp, &c, &cs),
+                                "{world} ranks, a first read, reuse {reuse}, offload {offload}"
                             );
                         }
                         // In bf16 the same calls, half the bytes.

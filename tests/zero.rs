@@ -681,9 +681,11 @@ fn accumulation_steps_only_at_the_boundary() {
 /// Stage 3 by parameter: a bucket stays gathered while any of its parameters is (releasing
 /// `w1` keeps the bucket `b1` needs), so a forward and a backward that gather every parameter
 /// move each bucket once each — twice the padded Ψ per step, the all-gather part of the paper's
-/// 3Ψ. From the second step the engine prefetches by the order the first step gathered in; a
-/// step in another order only loses the prefetch. Every schedule gives the bits of the run
-/// without prefetching, and persistent parameters stay gathered across steps.
+/// 3Ψ — less the buckets kept for a reuse the record shows (`stage3_max_reuse_distance`). From
+/// the second step the engine prefetches by the order the first step gathered in; a step in
+/// another order only loses the prefetch and the reuse. Every schedule and reuse distance gives
+/// the bits of the run without prefetching, and persistent parameters stay gathered across
+/// steps.
 #[test]
 fn stage_3_gathers_by_parameter_and_prefetches_by_the_recorded_order() {
     // Buckets: [w1, b1] (42 elements), [w2] (130), [b2] (3).
@@ -721,8 +723,8 @@ fn stage_3_gathers_by_parameter_and_prefetches_by_the_recorded_order() {
             ..cfg(3, None)
         };
         let orders = [forward, forward, ["w2", "b2", "w1", "b1"], forward];
-        let run = |prefetch: usize| {
-            let mut e = Engine::<f32>::new(&comm, &specs(), &init, c(prefetch)).unwrap();
+        let run_with = |c: ZeroConfig| {
+            let mut e = Engine::<f32>::new(&comm, &specs(), &init, c).unwrap();
             let mut per_step = Vec::new();
             let mut buffers = Vec::new();
             for (t, order) in orders.iter().enumerate() {
@@ -737,13 +739,33 @@ fn stage_3_gathers_by_parameter_and_prefetches_by_the_recorded_order() {
             e.release(&names).unwrap();
             (bits, per_step, buffers)
         };
+        let run = |prefetch: usize| run_with(c(prefetch));
         let padded: u64 = {
             let e = Engine::<f32>::new(&comm, &specs(), &init, c(0)).unwrap();
             e.partition().buckets.iter().map(|b| b.len as u64).sum()
         };
-        let (want, plain, _) = run(0);
-        // Without prefetch: each bucket once for forward, once for backward.
+        // Released at once (reuse distance 0), without prefetch: each bucket once for forward,
+        // once for backward.
+        let (want, plain, _) = run_with(ZeroConfig {
+            reuse_elems: 0,
+            ..c(0)
+        });
         assert_eq!(plain, [2 * padded; 4], "gathered elements per step");
+        // By default (DeepSpeed's reuse distance, 1e9) a step that follows the record (step 2)
+        // keeps what forward gathers for backward: each bucket once. Steps 3 and 4 leave the
+        // record (the order changed) and gather as before.
+        let (got, kept, _) = run(0);
+        assert_eq!(got, want, "keeping buckets changes no bit");
+        assert_eq!(kept, [2 * padded, padded, 2 * padded, 2 * padded]);
+        // b2's bucket (4 elements padded), released last in forward and gathered first in
+        // backward, stays even at the shortest distance.
+        let (got, next, _) = run_with(ZeroConfig {
+            reuse_elems: 1,
+            ..c(0)
+        });
+        assert_eq!(got, want);
+        let len2 = 4;
+        assert_eq!(next[1], 2 * padded - len2);
         let (got, prefetched, gathered) = run(1 << 20);
         assert_eq!(got, want, "prefetching changes no bit, in any order");
         // With it, the same buckets move, but ahead of their gather: in step 2, `w1`'s gather
@@ -765,9 +787,10 @@ fn stage_3_gathers_by_parameter_and_prefetches_by_the_recorded_order() {
             "step 1: nothing recorded, nothing prefetched"
         );
         assert!(first(1) > len0, "step 2 prefetched: {} elements", first(1));
+        // Each bucket at least once a step (step 2 keeps them for their reuse, as above).
         for (t, &n) in prefetched.iter().enumerate() {
             assert!(
-                n >= 2 * padded && n <= 3 * padded,
+                n >= padded && n <= 3 * padded,
                 "step {t}: {n} elements gathered"
             );
         }
@@ -833,18 +856,22 @@ fn each_optimizer_step_reports_where_its_time_went() {
             }
             let r = e.report().unwrap();
             // Each parameter gathered and released alone: its bucket moves for each (w1 and
-            // b1 share one, which moves twice).
+            // b1 share one, which moves twice) in the first step; the second follows the
+            // record, and every bucket stays for its reuse: each moves once in the step.
             let part = e.partition();
             let per_micro: u64 = part
                 .slots
                 .iter()
                 .map(|s| part.buckets[s.bucket].len as u64)
                 .sum();
+
             assert_eq!((r.step, r.micro_steps), (t as u64 / 2 + 1, 2));
             assert!(r.forward >= 2 * pause && r.backward >= 2 * pause, "{r}");
             assert!(r.wall >= r.forward + r.backward + r.in_step, "{r}");
             assert!(r.in_step >= r.wait.update, "{r}");
-            assert_eq!(r.gathered_elems, 2 * per_micro, "over the 2 micro-steps");
+            let padded: u64 = part.buckets.iter().map(|b| b.len as u64).sum();
+            let want = if t == 1 { 2 * per_micro } else { padded };
+            assert_eq!(r.gathered_elems, want, "over the 2 micro-steps");
             assert!(r.to_string().contains("2 micro-steps"), "{r}");
         }
     });

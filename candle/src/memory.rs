@@ -177,6 +177,7 @@ pub fn comm_buffers_peak_for(
             calls.push(Call::Gather(b.params.clone()));
             calls.push(Call::Release(b.params.clone()));
         }
+        calls.push(Call::RestartOrder);
     }
     let modules: Vec<Vec<usize>> = shape
         .modules()

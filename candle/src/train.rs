@@ -195,26 +195,20 @@ fn train_on<T: Float, S: CandleStream>(
     let scratch_before = ringzero_kernels::device::host_scratch().live;
     let comm_predicted = memory::comm_buffers_peak_for(&shape, &cfg, comm.size(), args.steps)?;
     let (model, varmap) = gpt::build(shape, args.seed, &dev)?;
-    let (stage3, accum) = (cfg.stage == 3, cfg.accumulation_steps.max(1));
+    let accum = cfg.accumulation_steps.max(1);
     let mut zero = Zero::<T, S>::on(comm, stream, &varmap, cfg)?;
     let (world, rank, batch) = (comm.size(), comm.rank(), args.batch);
     let mut losses = Vec::with_capacity(args.steps);
     let start = Instant::now();
     for step in 0..args.steps {
-        if !stage3 {
-            zero.load_params()?;
-        }
         let mut sum = 0f32;
         for micro in 0..accum {
             let first = ((step * accum + micro) * world + rank) * batch;
             let ids: Vec<u64> = (first..first + batch).map(|g| g as u64).collect();
             let (x, y) = corpus.batch(&ids, shape.ctx, &dev)?;
-            let loss = if stage3 {
-                // Each module's parameters gathered as it runs (the engine prefetches the next).
-                model.loss_with(&x, &y, &mut zero.hook())?
-            } else {
-                model.loss(&x, &y)?
-            };
+            // Stage 3: each module's parameters gathered as it runs (the engine prefetches the
+            // next); stages 0–2: every parameter loaded at the first module after a step.
+            let loss = model.loss_with(&x, &y, &mut zero.hook())?;
             sum += gpt::scalar(&loss)?;
             let scaled = zero.scaled(&loss)?;
             zero.backward(&scaled)?;

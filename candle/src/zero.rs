@@ -5,7 +5,7 @@ use candle_nn::VarMap;
 use ringzero_collectives::{Collectives, Communicator, DType, DeviceComm, HostStream, InPlace};
 use ringzero_kernels::cpu::Float;
 use ringzero_kernels::DevPtr;
-use ringzero_zero::{Engine, Memory, ParamSpec, StepOutcome, ZeroConfig};
+use ringzero_zero::{Engine, Memory, ParamSpec, Phase, StepOutcome, ZeroConfig};
 
 use crate::stream::{CandleStream, Lent};
 use crate::{Error, Result};
@@ -21,9 +21,13 @@ const LOAD_GROUP_BYTES: usize = 64 << 20;
 ///
 /// The engine owns the parameters (in `T`: `f32`, `bf16` or `f16`), gradients, optimizer state
 /// and communication; the `Var`s hold the values forward and backward use, in their own dtype
-/// (candle computes in it; a 16-bit engine's values arrive rounded to `T`). Each step:
-/// [`Zero::load_params`] (or [`Zero::load_module`] per module at stage 3) before forward,
-/// [`Zero::backward`] on the loss, [`Zero::step`].
+/// (candle computes in it; a 16-bit engine's values arrive rounded to `T`). Each micro-step:
+/// forward with [`Zero::hook`] (or [`Zero::load_params`] before it, or [`Zero::load_module`]
+/// per module at stage 3), [`Zero::backward`] on the loss, [`Zero::step`].
+///
+/// The engine's [`StepReport`](ringzero_zero::StepReport) splits each step's time as a trainer
+/// sees it: forward from the first load of the micro-step (the hook's first call, or
+/// [`Zero::load_params`]) to [`Zero::backward`], backward from there to [`Zero::step`].
 ///
 /// Variables are ordered by name, digits compared as numbers (`h.2` before `h.10`), the same on
 /// every rank. A gradient in `T` enters the engine without a copy (its kernel reads candle's
@@ -33,6 +37,11 @@ const LOAD_GROUP_BYTES: usize = 64 << 20;
 pub struct Zero<T: Float = f32, S: CandleStream = HostStream> {
     engine: Engine<T, S>,
     vars: Vec<(String, Var)>,
+    /// The variables hold every parameter's current value (set by a full load; cleared by a
+    /// step that may have changed them, or by lending the engine out).
+    fresh: bool,
+    /// The engine's forward phase is open (since this micro-step's first load).
+    in_forward: bool,
 }
 
 impl<T: Float> Zero<T> {
@@ -113,8 +122,15 @@ impl<T: Float, S: CandleStream> Zero<T, S> {
         }
         let init = |p: usize, i: usize| flat[starts[p] + i];
         let engine = Engine::<T, S>::on(DeviceComm::new(comm, stream)?, &specs, &init, cfg)?;
-        let mut z = Zero { engine, vars };
-        z.load_params()?;
+        let mut z = Zero {
+            engine,
+            vars,
+            fresh: false,
+            in_forward: false,
+        };
+        z.load_all()?;
+        // Those gathers are no part of the training loop's order.
+        z.engine.restart_order();
         Ok(z)
     }
 
@@ -123,8 +139,10 @@ impl<T: Float, S: CandleStream> Zero<T, S> {
         &self.engine
     }
 
-    /// The engine, to set the phase, the learning rate, or to prefetch.
+    /// The engine, to set the learning rate or to prefetch. The variables count as stale
+    /// afterwards: the hook at stages 0–2 loads them all again.
     pub fn engine_mut(&mut self) -> &mut Engine<T, S> {
+        self.fresh = false;
         &mut self.engine
     }
 
@@ -134,10 +152,18 @@ impl<T: Float, S: CandleStream> Zero<T, S> {
     }
 
     /// Put the engine's current parameters into every variable (at stage 3 each is gathered,
-    /// written and released in turn).
+    /// written and released in turn). Opens the micro-step's forward phase.
     pub fn load_params(&mut self) -> Result<()> {
+        self.forward_starts();
+        self.load_all()
+    }
+
+    /// [`Zero::load_params`] without opening a phase (at wrap time, after a checkpoint).
+    fn load_all(&mut self) -> Result<()> {
         if self.engine.config().stage != 3 {
-            return self.load_where(|_| true);
+            self.load_where(|_| true)?;
+            self.fresh = true;
+            return Ok(());
         }
         // Bucket by bucket: never more of the model gathered at once than one bucket (and the
         // buckets persistent parameters keep), as in forward.
@@ -147,12 +173,14 @@ impl<T: Float, S: CandleStream> Zero<T, S> {
         for params in buckets {
             self.load(&params)?;
         }
+        self.fresh = true;
         Ok(())
     }
 
     /// Put the parameters whose names start with `prefix` (a module: `"h.3."`) into their
     /// variables: at stage 3 gathered together (the engine prefetches the next module by the
-    /// order of the last step's gathers), written, and released. An error if none match.
+    /// order of the last step's gathers), written, and released. An error if none match. Opens
+    /// the micro-step's forward phase.
     pub fn load_module(&mut self, prefix: &str) -> Result<()> {
         if !self.vars.iter().any(|(n, _)| n.starts_with(prefix)) {
             return Err(Error::Invalid(format!(
@@ -160,14 +188,36 @@ impl<T: Float, S: CandleStream> Zero<T, S> {
                 self.names_hint()
             )));
         }
+        self.forward_starts();
         self.load_where(|n| n.starts_with(prefix))
     }
 
     /// The hook for a model's forward that calls it before each module (as
-    /// [`Gpt::forward_with`](crate::gpt::Gpt::forward_with) does): [`Zero::load_module`] of the
-    /// prefix it is given, its error handed to candle.
+    /// [`Gpt::forward_with`](crate::gpt::Gpt::forward_with) does), its error handed to candle.
+    /// At stage 3: [`Zero::load_module`] of the prefix it is given. At stages 0–2 every
+    /// variable stays whole: its first call after an optimizer step is [`Zero::load_params`],
+    /// later calls only open the forward phase (inside an accumulation window the variables
+    /// are already current). So one training loop serves every stage.
     pub fn hook(&mut self) -> impl FnMut(&str) -> candle_core::Result<()> + '_ {
-        |prefix| self.load_module(prefix).map_err(candle_core::Error::wrap)
+        |prefix| {
+            if self.engine.config().stage == 3 {
+                self.load_module(prefix)
+            } else if self.fresh {
+                self.forward_starts();
+                Ok(())
+            } else {
+                self.load_params()
+            }
+            .map_err(candle_core::Error::wrap)
+        }
+    }
+
+    /// Open the engine's forward phase unless this micro-step's is open already.
+    fn forward_starts(&mut self) {
+        if !self.in_forward {
+            self.engine.phase(Phase::Forward);
+            self.in_forward = true;
+        }
     }
 
     fn load_where(&mut self, want: impl Fn(&str) -> bool) -> Result<()> {
@@ -227,6 +277,8 @@ impl<T: Float, S: CandleStream> Zero<T, S> {
     /// engine (last variable first, as backward produces them). A variable the loss does not
     /// depend on gets a zero gradient.
     pub fn backward(&mut self, loss: &Tensor) -> Result<()> {
+        self.engine.phase(Phase::Backward);
+        self.in_forward = false;
         let mut grads = loss.backward()?;
         let dtype = candle_dtype::<T>();
         let mut ins = Vec::with_capacity(self.vars.len());
@@ -261,9 +313,16 @@ impl<T: Float, S: CandleStream> Zero<T, S> {
     }
 
     /// The optimizer step (or, inside a gradient-accumulation window, the micro-step): what
-    /// happened. The variables keep their values until the next [`Zero::load_params`].
+    /// happened. The variables keep their values until the next load (the hook's, or
+    /// [`Zero::load_params`]).
     pub fn step(&mut self) -> Result<StepOutcome> {
-        Ok(self.engine.step()?)
+        self.in_forward = false;
+        let fresh = std::mem::take(&mut self.fresh);
+        let outcome = self.engine.step()?;
+        // Only a micro-step inside the accumulation window leaves the parameters as they were
+        // (a delayed update lands at an optimizer step, too).
+        self.fresh = fresh && matches!(outcome, StepOutcome::Accumulated);
+        Ok(outcome)
     }
 
     /// This rank's model-state and communication bytes, by category.
@@ -286,8 +345,10 @@ impl<T: Float, S: CandleStream> Zero<T, S> {
         &mut self,
         dir: impl AsRef<std::path::Path>,
     ) -> Result<serde_json::Value> {
+        self.fresh = false;
         let meta = self.engine.load_checkpoint(dir)?;
-        self.load_params()?;
+        self.load_all()?;
+        self.engine.restart_order();
         Ok(meta.client_state)
     }
 

@@ -41,6 +41,8 @@ pub enum Call {
     /// [`crate::Engine::step`]: the end of a micro-step, and at the accumulation boundary the
     /// optimizer step (taken: a skipped step shares nothing).
     Step,
+    /// [`crate::Engine::restart_order`].
+    RestartOrder,
 }
 
 /// Buffers of one size: those in use, those kept for the next use (at most `keep`), and the
@@ -191,6 +193,14 @@ impl Replay {
                 }
             }
             Call::Step => self.step()?,
+            Call::RestartOrder if self.led.cfg.stage == 3 => {
+                for b in self.led.live.restart_step() {
+                    if std::mem::take(&mut self.gathered[b]) {
+                        self.buckets.give();
+                    }
+                }
+            }
+            Call::RestartOrder => {}
         }
         Ok(())
     }
@@ -208,6 +218,11 @@ impl Replay {
         for f in &mut self.inflight {
             if f.take().is_some() {
                 self.shards.give();
+                self.buckets.give();
+            }
+        }
+        for b in self.led.live.take_kept() {
+            if std::mem::take(&mut self.gathered[b]) {
                 self.buckets.give();
             }
         }

@@ -211,7 +211,7 @@ impl Ledger {
         if self.cfg.stage != 3 {
             return Ok(None);
         }
-        self.live.release(&self.part, &params).map(Some)
+        (self.live.release(&self.part, &params, self.cfg.reuse_elems)).map(Some)
     }
 
     /// Stage 3 with prefetch on, after a gather: the buckets next in the recorded order to

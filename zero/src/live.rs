@@ -19,6 +19,14 @@
 //!   the record at the step: a changed order costs prefetching for one step, never a wrong
 //!   result (what is gathered is always what the trainer asked for; a prefetch is only taken
 //!   by a later gather or dropped at the step).
+//! - **Reuse.** A bucket whose last live parameter is released stays gathered when the record
+//!   says one of its parameters is gathered again soon: after fewer than
+//!   `stage3_max_reuse_distance` elements of other parameters' gathers, DeepSpeed's rule (0
+//!   releases at once). A trainer that gathers module by module releases a bucket the next
+//!   module shares and would gather it again at once; one that gathers in forward and again in
+//!   backward keeps what backward gathers soon. A kept bucket goes at the next release where
+//!   its reuse is no longer that near (or the step left the record), and at the optimizer step
+//!   (its values change).
 
 use crate::error::ZeroError;
 use crate::partition::Partition;
@@ -37,6 +45,8 @@ pub(crate) struct Live {
     recording: Vec<usize>,
     /// How far this step follows `order`; `None` once it left it.
     at: Option<usize>,
+    /// Per bucket: kept gathered with no live parameter, for a reuse the record says is near.
+    kept: Vec<bool>,
 }
 
 /// What a gather asks of the engine.
@@ -58,6 +68,7 @@ impl Live {
             order: Vec::new(),
             recording: Vec::new(),
             at: Some(0),
+            kept: vec![false; part.buckets.len()],
         }
     }
 
@@ -81,6 +92,7 @@ impl Live {
                 fetch.push(b);
             }
             self.count[b] += 1;
+            self.kept[b] = false;
             self.recording.push(p);
             self.at = match self.at {
                 Some(i) if self.order.get(i) == Some(&p) => Some(i + 1),
@@ -91,25 +103,71 @@ impl Live {
     }
 
     /// Mark `params` not live (refused, changing nothing, when one is not live); the buckets
-    /// to drop: those left with no live parameter and none persistent.
+    /// to drop: those left with no live parameter and none persistent, unless reused within
+    /// `reuse` elements by the record (then kept), and buckets kept before whose reuse is no
+    /// longer that near.
     pub(crate) fn release(
         &mut self,
         part: &Partition,
         params: &[usize],
+        reuse: usize,
     ) -> Result<Vec<usize>, ZeroError> {
         if let Some(&p) = params.iter().find(|&&p| !self.live[p]) {
             return Err(ZeroError::NotGathered(part.specs[p].name.clone()));
         }
-        let mut drop = Vec::new();
+        let mut idle = Vec::new();
         for &p in params {
             self.live[p] = false;
             let b = part.slots[p].bucket;
             self.count[b] -= 1;
-            if self.count[b] == 0 && !self.pins(part, b) && !drop.contains(&b) {
+            if self.count[b] == 0 && !self.pins(part, b) && !idle.contains(&b) {
+                idle.push(b);
+            }
+        }
+        // A kept bucket has no live parameter, so none is in `idle` already.
+        idle.extend((0..self.kept.len()).filter(|&b| self.kept[b]));
+        let mut drop = Vec::new();
+        for b in idle {
+            self.kept[b] = self.reused_within(part, b, reuse);
+            if !self.kept[b] {
                 drop.push(b);
             }
         }
         Ok(drop)
+    }
+
+    /// Whether the record, from where this step stands in it, gathers a parameter of bucket `b`
+    /// after fewer than `reuse` elements of other parameters' gathers.
+    fn reused_within(&self, part: &Partition, b: usize, reuse: usize) -> bool {
+        let Some(at) = self.at else {
+            return false;
+        };
+        let mut before = 0usize;
+        for &p in self.order.iter().skip(at) {
+            if before >= reuse {
+                return false;
+            }
+            if part.slots[p].bucket == b {
+                return true;
+            }
+            before = before.saturating_add(part.slots[p].len);
+        }
+        false
+    }
+
+    /// Forget what this step recorded so far and follow the record from its start again (the
+    /// gathers before were no part of training); the buckets kept for a reuse, to drop.
+    pub(crate) fn restart_step(&mut self) -> Vec<usize> {
+        self.recording.clear();
+        self.at = Some(0);
+        self.take_kept()
+    }
+
+    /// The buckets kept for a reuse, now to drop (the optimizer step changes their values).
+    pub(crate) fn take_kept(&mut self) -> Vec<usize> {
+        let kept = (0..self.kept.len()).filter(|&b| self.kept[b]).collect();
+        self.kept.iter_mut().for_each(|k| *k = false);
+        kept
     }
 
     /// Whether bucket `b` holds a persistent parameter (it stays gathered between steps).
@@ -194,12 +252,12 @@ mod tests {
         // `b` shares the bucket: nothing to fetch.
         assert!(l.gather(&p, &[1], |_| false).unwrap().fetch.is_empty());
         assert!(
-            l.release(&p, &[0]).unwrap().is_empty(),
+            l.release(&p, &[0], 0).unwrap().is_empty(),
             "`b` still needs it"
         );
-        assert_eq!(l.release(&p, &[1]).unwrap(), [b0]);
+        assert_eq!(l.release(&p, &[1], 0).unwrap(), [b0]);
         // Refusals change nothing.
-        let e = l.release(&p, &[1]).unwrap_err().to_string();
+        let e = l.release(&p, &[1], 0).unwrap_err().to_string();
         assert!(e.contains("`b`"), "{e}");
         l.gather(&p, &[2], |_| false).unwrap();
         let e = l.gather(&p, &[0, 2], |_| false).unwrap_err().to_string();
@@ -214,7 +272,7 @@ mod tests {
         let b1 = p.slots[3].bucket;
         assert!(l.pins(&p, b1) && !l.pins(&p, p.slots[0].bucket));
         l.gather(&p, &[3], |_| false).unwrap();
-        assert!(l.release(&p, &[3]).unwrap().is_empty(), "pinned");
+        assert!(l.release(&p, &[3], 0).unwrap().is_empty(), "pinned");
         assert!(l.live_names(&p).is_empty());
         // Gathered for the persistent one, the bucket is not fetched again for `c`.
         assert!(l.gather(&p, &[2], |b| b == b1).unwrap().fetch.is_empty());
@@ -232,7 +290,7 @@ mod tests {
         l.gather(&p, &[0], none).unwrap();
         assert!(l.next_prefetch(&p, none, (0, 1000), big).is_empty());
         l.gather(&p, &[2], none).unwrap();
-        l.release(&p, &[0, 2]).unwrap();
+        l.release(&p, &[0, 2], 0).unwrap();
         l.end_step();
         assert_eq!(l.order, [0, 2]);
         // Step 2 follows the record: after `a`, bucket 1 (for `c`) is next.
@@ -252,8 +310,84 @@ mod tests {
         l.gather(&p, &[1], none).unwrap();
         assert!(l.next_prefetch(&p, none, (0, 1000), big).is_empty());
         l.gather(&p, &[2], none).unwrap();
-        l.release(&p, &[0, 1, 2]).unwrap();
+        l.release(&p, &[0, 1, 2], 0).unwrap();
         l.end_step();
         assert_eq!(l.order, [0, 1, 2]);
+    }
+
+    #[test]
+    fn a_bucket_the_record_gathers_again_soon_stays_until_its_reuse_passes_or_the_step() {
+        let p = part();
+        let (b0, b1) = (p.slots[0].bucket, p.slots[2].bucket);
+        let mut l = Live::new(&p, 0);
+        let none = |_: usize| false;
+        // Module by module: `a` alone, then `b` with `c` (`b` shares `a`'s bucket).
+        let step = |l: &mut Live, reuse: usize| -> Vec<Vec<usize>> {
+            let mut fetched = Vec::new();
+            let mut gathered = [false; 2];
+            for m in [&[0usize][..], &[1, 2]] {
+                let f = l.gather(&p, m, |b| gathered[b]).unwrap().fetch;
+                f.iter().for_each(|&b| gathered[b] = true);
+                fetched.push(f);
+                for b in l.release(&p, m, reuse).unwrap() {
+                    gathered[b] = false;
+                }
+            }
+            fetched
+        };
+        // No record yet: `a`'s release drops bucket 0, and `b` gathers it again.
+        assert_eq!(step(&mut l, 1), [vec![b0], vec![b0, b1]]);
+        assert!(l.take_kept().is_empty());
+        l.end_step();
+        // Recorded: `b` is the next parameter gathered (0 elements before it, fewer than 1),
+        // so bucket 0 stays for it; with a distance of 0 nothing stays.
+        let mut l0 = Live::new(&p, 0);
+        step(&mut l0, 0);
+        l0.end_step();
+        assert_eq!(step(&mut l0, 0), [vec![b0], vec![b0, b1]]);
+        assert_eq!(step(&mut l, 1), [vec![b0], vec![b1]]);
+        l.end_step();
+        // Kept after `a`, dropped at the step when nothing gathers it again.
+        l.gather(&p, &[0], none).unwrap();
+        assert!(l.release(&p, &[0], 1).unwrap().is_empty(), "kept for `b`");
+        assert_eq!(l.take_kept(), [b0]);
+        assert!(l.take_kept().is_empty());
+        // A bucket the record does not gather again soon goes at once.
+        let mut l = Live::new(&p, 0);
+        l.gather(&p, &[0, 2], none).unwrap();
+        l.release(&p, &[0, 2], 1).unwrap();
+        l.end_step();
+        l.gather(&p, &[0], none).unwrap();
+        assert_eq!(l.release(&p, &[0], 1).unwrap(), [b0], "`c` is next");
+        // Leaving the record drops a kept bucket at the next release.
+        let mut l = Live::new(&p, 0);
+        l.gather(&p, &[0, 1, 2], none).unwrap();
+        l.release(&p, &[0, 1, 2], 1).unwrap();
+        l.end_step();
+        l.gather(&p, &[0], none).unwrap();
+        assert!(l.release(&p, &[0], 1).unwrap().is_empty(), "`b` is next");
+        l.gather(&p, &[2], |b| b == b0).unwrap();
+        assert_eq!(l.release(&p, &[2], 1).unwrap(), [b1, b0]);
+        assert!(l.take_kept().is_empty());
+        // The distance counts the elements gathered before the reuse: `c` (13 elements) comes
+        // before `b` reuses bucket 0.
+        let recorded = || {
+            let mut l = Live::new(&p, 0);
+            l.gather(&p, &[0, 2, 1], none).unwrap();
+            l.release(&p, &[0, 2, 1], 0).unwrap();
+            l.end_step();
+            l.gather(&p, &[0], none).unwrap();
+            l
+        };
+        assert_eq!(recorded().release(&p, &[0], 13).unwrap(), [b0]);
+        let mut l = recorded();
+        assert!(l.release(&p, &[0], 14).unwrap().is_empty(), "13 < 14");
+        // Gathering `c` then `b` finds bucket 0 still held: nothing to fetch for `b`.
+        assert_eq!(l.gather(&p, &[2], |b| b == b0).unwrap().fetch, [b1]);
+        assert!(l
+            .gather(&p, &[1], |b| b == b0 || b == b1)
+            .unwrap()
+            .fetch
+            .is_empty());
     }
 }

@@ -113,6 +113,13 @@ pub struct ZeroConfig {
     /// recorded order (`stage3_max_live_parameters`; what the trainer gathers itself is never
     /// refused). Unlimited by default.
     pub max_live_elems: usize,
+    /// Stage 3: a bucket whose parameters are all released stays gathered when the recorded
+    /// order gathers one of them again after fewer than this many elements of other
+    /// parameters (`stage3_max_reuse_distance`), until that gather or the optimizer step.
+    /// DeepSpeed's default, 1e9: a bucket modules share is gathered once a step, and what
+    /// forward gathers stays until backward gathers it again (less communication, a live
+    /// window up to the whole model); 0 releases at once.
+    pub reuse_elems: usize,
     /// Log where each optimizer step's wall time went on rank 0 (`wall_clock_breakdown`; the
     /// report is [`crate::Engine::report`] either way).
     pub wall_clock_breakdown: bool,
@@ -201,6 +208,7 @@ impl Default for ZeroConfig {
             prefetch_elems: 1 << 22,
             persistence_threshold: 0,
             max_live_elems: usize::MAX,
+            reuse_elems: 1_000_000_000,
             wall_clock_breakdown: false,
             precision: Precision::Fp32,
             loss_scaling: LossScaling::default(),

@@ -106,6 +106,7 @@ fn config_fields(c: &crate::ZeroConfig) -> Vec<(&'static str, String)> {
             c.persistence_threshold.to_string(),
         ),
         ("stage3_max_live_parameters", c.max_live_elems.to_string()),
+        ("stage3_max_reuse_distance", c.reuse_elems.to_string()),
         ("fp16 loss scaling", format!("{:?}", c.loss_scaling)),
         (
             "gradient_accumulation_steps",

@@ -138,6 +138,22 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
         Ok(())
     }
 
+    /// Stage 3: forget the order of this step's gathers so far, so the next step follows (and
+    /// records) the training loop's order from its start: for gathers outside it, such as
+    /// reading every parameter once after construction or a checkpoint, which would otherwise
+    /// become the record the next step is compared with (losing that step's prefetch and
+    /// reuse). Drops the buckets kept for a reuse. A no-op in stages 0–2.
+    pub fn restart_order(&mut self) {
+        if self.led.cfg.stage != 3 {
+            return;
+        }
+        for b in self.led.live.restart_step() {
+            if let Some(full) = self.gathered[b].take() {
+                self.buckets.give(full);
+            }
+        }
+    }
+
     /// Stage 3: release `names` (work reading them must have completed); a bucket is dropped
     /// once none of its parameters is gathered and none is persistent. A no-op in stages 0–2.
     /// Releasing a parameter not gathered is an error, and nothing is released then.

@@ -250,11 +250,17 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
             return Ok(StepOutcome::Accumulated);
         }
         self.led.micro = 0;
-        // Prefetches of pre-step values would go stale: finish and drop them.
+        // Prefetches of pre-step values would go stale: finish and drop them; so would buckets
+        // kept for a reuse that did not come.
         for f in self.inflight.iter_mut() {
             if let Some((w, _)) = f.take() {
                 let (copy, full) = w.wait()?;
                 self.shards.give(copy);
+                self.buckets.give(full);
+            }
+        }
+        for b in self.led.live.take_kept() {
+            if let Some(full) = self.gathered[b].take() {
                 self.buckets.give(full);
             }
         }

@@ -93,7 +93,6 @@ const NOTED: &[(&str, &str)] = &[
     ("zero_optimization.load_from_fp32_weights", "checkpoints always hold and load the fp32 masters"),
     ("zero_optimization.elastic_checkpoint", "checkpoints always load at any world size"),
     ("zero_optimization.sub_group_size", "the optimizer steps one bucket at a time"),
-    ("zero_optimization.stage3_max_reuse_distance", "stage 3 releases what the trainer releases"),
     ("zero_optimization.stage3_gather_16bit_weights_on_model_save", "`ringzero ckpt consolidate --dtype bf16|fp16` writes 16-bit weights from any checkpoint"),
     ("zero_optimization.stage3_gather_fp16_weights_on_model_save", "`ringzero ckpt consolidate --dtype fp16` writes 16-bit weights from any checkpoint"),
     ("zero_optimization.ignore_unused_parameters", "every parameter needs a gradient each micro-step (push zeros for an unused one)"),
@@ -367,6 +366,9 @@ fn zero_optimization(r: &mut Reader<'_>, cfg: &mut ZeroConfig, v: &Value) -> Res
             }
             "stage3_max_live_parameters" => {
                 cfg.max_live_elems = uint(&full, v2)?.min(usize::MAX as u64) as usize;
+            }
+            "stage3_max_reuse_distance" => {
+                cfg.reuse_elems = uint(&full, v2)?.min(usize::MAX as u64) as usize;
             }
             "stage3_prefetch_bucket_size" => {
                 let x = r.auto(&full, v2, cfg.prefetch_elems.into());
