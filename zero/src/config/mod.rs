@@ -610,6 +610,18 @@ mod tests {
         .unwrap();
         assert_eq!(c.offload.param.device, OffloadDevice::Nvme);
         assert_eq!(c.offload.aio.block_size, 262144);
+        assert_eq!(c.reuse_elems, 1_000_000_000);
+        let c = ZeroConfig::from_json(
+            r#"{"zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 0}}"#,
+        )
+        .unwrap();
+        assert_eq!(c.reuse_elems, 0, "0 releases at once");
+        let e = ZeroConfig::from_json(
+            r#"{"zero_optimization": {"stage": 3, "stage3_max_reuse_distance": -1}}"#,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("stage3_max_reuse_distance"), "{e}");
         // DeepSpeed's legacy spelling.
         let c =
             ZeroConfig::from_json(r#"{"zero_optimization": {"stage": 2, "cpu_offload": true}}"#)

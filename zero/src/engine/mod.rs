@@ -369,8 +369,9 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
 
     /// Stage 3: bucket elements all-gathered so far, on demand and prefetched (padding
     /// included). A step that gathers every parameter once for forward and once for backward
-    /// adds twice the padded Ψ — the all-gather part of the ZeRO paper's 3Ψ per step (the
-    /// reduce-scatter is the third Ψ).
+    /// adds twice the padded Ψ when each bucket is released at once — the all-gather part of
+    /// the ZeRO paper's 3Ψ per step (the reduce-scatter is the third Ψ) — and less where buckets
+    /// stay for their reuse (`stage3_max_reuse_distance`).
     pub fn gathered_elems(&self) -> u64 {
         self.gathered_elems
     }
