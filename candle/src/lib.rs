@@ -18,8 +18,8 @@
 //! let mut zero = Zero::<f32>::new(&comm, &varmap, cfg)?; // rank 0's values on every rank
 //! # let (x, y) = (candle_core::Tensor::zeros((1, 8), DType::U32, &Device::Cpu)?, candle_core::Tensor::zeros((1, 8), DType::U32, &Device::Cpu)?);
 //! for _step in 0..100 {
-//!     zero.load_params()?;                 // the engine's parameters into the Vars
-//!     let loss = model.loss(&x, &y)?;
+//!     // The engine's parameters into the Vars (at stage 3 module by module, as forward runs).
+//!     let loss = model.loss_with(&x, &y, &mut zero.hook())?;
 //!     zero.backward(&zero.scaled(&loss)?)?; // candle's backward; the gradients to the engine
 //!     zero.step()?;                        // reduce-scatter, optimizer step, all-gather
 //! }
