@@ -3,32 +3,15 @@
 //! stages 0–2 it loads the variables once per optimizer step, also across an accumulation
 //! window; at every stage the engine's report splits the step into forward and backward.
 
+mod common;
+
 use candle_core::Device;
 use ringzero_candle::corpus::Corpus;
 use ringzero_candle::gpt::{self, GptConfig};
 use ringzero_candle::Zero;
-use ringzero_collectives::{Communicator, Config};
 use ringzero_zero::ZeroConfig;
 
-/// Run `body` on `n` ranks, each a thread with its own communicator.
-fn ranks<R: Send>(n: usize, body: impl Fn(Communicator) -> R + Sync) -> Vec<R> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    std::thread::scope(|s| {
-        let hs: Vec<_> = (0..n)
-            .map(|r| {
-                let body = &body;
-                s.spawn(move || {
-                    body(Communicator::init(Config::new(r, n, "127.0.0.1", port)).unwrap())
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    })
-}
+use common::ranks;
 
 /// What one rank saw: the loss of every micro-step, and per optimizer step its report's
 /// elements gathered, forward and backward time.

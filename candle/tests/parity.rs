@@ -2,14 +2,17 @@
 //! 3 ranks, follows the loss curve of single-process candle training (candle-nn's AdamW) on the
 //! same global batches, and the stages match one another bit for bit.
 
+mod common;
+
 use candle_core::Device;
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use ringzero_candle::corpus::Corpus;
 use ringzero_candle::gpt::{self, GptConfig};
 use ringzero_candle::train::{train, TrainArgs};
 use ringzero_candle::Zero;
-use ringzero_collectives::{Communicator, Config};
 use ringzero_zero::ZeroConfig;
+
+use common::ranks;
 
 const STEPS: usize = 20;
 const LR: f64 = 0.003;
@@ -38,26 +41,6 @@ fn config(stage: u8) -> ZeroConfig {
                            "eps": 1e-8, "weight_decay": 0.01}}}}}}"#
     ))
     .unwrap()
-}
-
-/// Run `body` on `n` ranks, each a thread with its own communicator.
-fn ranks<R: Send>(n: usize, body: impl Fn(Communicator) -> R + Sync) -> Vec<R> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    std::thread::scope(|s| {
-        let hs: Vec<_> = (0..n)
-            .map(|r| {
-                let body = &body;
-                s.spawn(move || {
-                    body(Communicator::init(Config::new(r, n, "127.0.0.1", port)).unwrap())
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    })
 }
 
 /// Single-process candle: the same model and initial weights, candle-nn's AdamW, each step on
