@@ -1,8 +1,9 @@
-//! DeepSpeed configurations as DeepSpeed, Hugging Face transformers and accelerate publish them
-//! (`tests/fixtures/deepspeed/`), read by `ZeroConfig::from_json` and trained with as published —
-//! the ones with `offload_optimizer` / `offload_param` on `"cpu"` offload. Each drives two ranks
-//! for 30 steps of a least-squares fit, and the loss falls. A scheduler's rate is the one the
-//! engine reports.
+//! DeepSpeed configurations as DeepSpeed, Hugging Face transformers and accelerate, LLaMA-Factory
+//! and axolotl publish them (`tests/fixtures/deepspeed/`), read by `ZeroConfig::from_json` and
+//! trained with as published — the ones with `offload_optimizer` / `offload_param` on `"cpu"`
+//! offload. Each drives two ranks for 30 steps of a least-squares fit, and the loss falls. A
+//! scheduler's rate is the one the engine reports. Keys outside DeepSpeed's reference are
+//! treated as DeepSpeed treats them.
 
 use std::path::PathBuf;
 
@@ -66,7 +67,7 @@ fn fit<T: Float>(comm: &ringzero::Communicator, cfg: ZeroConfig) -> (f64, f64, V
 #[test]
 fn published_deepspeed_configs_are_read_and_train() {
     let all = fixtures();
-    assert!(all.len() >= 8, "{} fixtures", all.len());
+    assert!(all.len() >= 11, "{} fixtures", all.len());
     let mut offloaded = 0;
     for (name, text) in all {
         let cfg = ZeroConfig::from_json(&text).unwrap_or_else(|e| panic!("{name}: {e}"));
@@ -89,7 +90,68 @@ fn published_deepspeed_configs_are_read_and_train() {
             }
         });
     }
-    assert!(offloaded >= 4, "{offloaded} fixtures offload");
+    assert!(offloaded >= 6, "{offloaded} fixtures offload");
+}
+
+/// DeepSpeed reads the top-level keys it knows and ignores the rest, so published configs carry
+/// some of their own: noted. A key of `zero_optimization` at the top level, or a near-miss of a
+/// known key, is a mistake DeepSpeed would hide: refused, saying what to do. Inside
+/// `zero_optimization` unknown keys are refused (DeepSpeed's model forbids them), and its
+/// stage-3 keys read under both of DeepSpeed's names, once.
+#[test]
+fn keys_outside_the_reference_are_treated_as_deepspeed_treats_them() {
+    let ok = |t: &str| ZeroConfig::from_json(t).unwrap_or_else(|e| panic!("{t}: {e}"));
+    let err = |t: &str| ZeroConfig::from_json(t).unwrap_err().to_string();
+    let c = ok(r#"{"monitor_config": {"enabled": true}, "zero_optimization": {"stage": 2}}"#);
+    assert_eq!(c.stage, 2);
+    assert!(
+        c.notes
+            .iter()
+            .any(|n| n.contains("`monitor_config`") && n.contains("ignores")),
+        "{:?}",
+        c.notes
+    );
+    for (text, want) in [
+        (r#"{"stage": 3}"#, "move it inside"),
+        (
+            r#"{"offload_optimizer": {"device": "cpu"}}"#,
+            "`offload_optimizer` is a key of `zero_optimization`",
+        ),
+        (
+            r#"{"gradient_acumulation_steps": 4}"#,
+            "did you mean `gradient_accumulation_steps`",
+        ),
+        (
+            r#"{"Gradient_Clipping": 1.0}"#,
+            "did you mean `gradient_clipping`",
+        ),
+        (
+            r#"{"zero_optimization": {"stage": 3, "comms_config": {}}}"#,
+            "unknown key `zero_optimization.comms_config`",
+        ),
+        (
+            r#"{"zero_optimization": {"max_reuse_distance": 0, "stage3_max_reuse_distance": 0}}"#,
+            "`zero_optimization.max_reuse_distance` and \
+             `zero_optimization.stage3_max_reuse_distance` are one key",
+        ),
+    ] {
+        let e = err(text);
+        assert!(e.contains(want), "{text}: {e}");
+    }
+    let c = ok(
+        r#"{"zero_optimization": {"stage": 3, "max_live_parameters": 7,
+                   "max_reuse_distance": 0, "prefetch_bucket_size": 5,
+                   "param_persistence_threshold": 3}}"#,
+    );
+    assert_eq!(
+        (
+            c.max_live_elems,
+            c.reuse_elems,
+            c.prefetch_elems,
+            c.persistence_threshold
+        ),
+        (7, 0, 5, 3)
+    );
 }
 
 /// Skipped (overflowed) steps do not advance the schedule, as in DeepSpeed; `set_lr` is a

@@ -183,6 +183,9 @@ fn run_as<T: Float>(
             "GPT {} blocks × width {} ({} heads, context {}), stage {stage}, {precision:?}, {} ranks × {} sequences, on {}",
             t.layers, t.dim, t.heads, t.ctx, comm.size(), args.batch, t.device
         );
+        for n in &cfg.notes {
+            println!("config: {n}");
+        }
     }
     let last = t.steps - 1;
     let r = train::train::<T>(comm, cfg, &args, |s| {

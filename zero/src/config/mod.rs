@@ -714,7 +714,8 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(
-            e.contains("unknown keys `fp16.auto_cst`, `stepz_per_print`, `zero_optimization.overlap_comms`"),
+            e.contains("unknown keys `fp16.auto_cst`, `zero_optimization.overlap_comms`")
+                && e.contains("`stepz_per_print`: did you mean `steps_per_print`?"),
             "{e}"
         );
         let e = ZeroConfig::from_json(r#"{"scheduler": {"type": "Cosine"}}"#)

@@ -8,8 +8,16 @@
 //!   says what to do.
 //!
 //! `"auto"` values are resolved as Hugging Face's Trainer resolves them, from the trainer's own
-//! arguments ([`Auto`]; its defaults are the Trainer's), and every resolution is noted too. A key
-//! the reference does not know is refused, all of them in one message.
+//! arguments ([`Auto`]; its defaults are the Trainer's), and every resolution is noted too.
+//!
+//! Keys the reference does not know follow DeepSpeed too: inside a section (`zero_optimization`,
+//! `fp16`, `optimizer`, ...) they are refused, all of them in one message, as DeepSpeed's
+//! section models forbid them; at the top level, where DeepSpeed reads the keys it knows and
+//! ignores the rest (published configs carry `comms_config` or `monitor_config`), they are
+//! noted, unless one looks like a mistake: a key of `zero_optimization` written at the top level
+//! (`"stage": 3`, which would leave stage 0) or a near-miss of a known key
+//! (`gradient_acumulation_steps`), both refused. `zero_optimization`'s stage-3 keys are read
+//! under both of DeepSpeed's names (`max_live_parameters` is `stage3_max_live_parameters`).
 
 use serde_json::{Map, Value};
 
@@ -99,6 +107,7 @@ const NOTED: &[(&str, &str)] = &[
     ("zero_optimization.legacy_stage1", "there is one stage-1 implementation"),
     ("zero_optimization.memory_efficient_linear", "linear layers are the trainer's"),
     ("zero_optimization.stage3_module_granularity_threshold", "stage 3 gathers by bucket, as the trainer asks"),
+    ("zero_optimization.stage3_model_persistence_threshold", "persistent parameters are those below stage3_param_persistence_threshold, with no cap on their total"),
     ("zero_optimization.use_all_reduce_for_fetch_params", "stage 3 gathers with all-gather"),
     ("zero_optimization.log_trace_cache_warnings", "there is no trace cache"),
     ("zero_optimization.offload_optimizer.fast_init", "the NVMe tier's files are written once, at start-up, either way"),
@@ -106,6 +115,51 @@ const NOTED: &[(&str, &str)] = &[
     ("bf16.immediate_grad_update", "gradients are summed into their bucket as they are pushed"),
     ("optimizer.params.torch_adam", "there is one implementation of each optimizer per memory, bit-identical between them"),
     ("optimizer.params.fused", "the optimizer kernels are always fused"),
+];
+
+/// `zero_optimization`'s keys DeepSpeed reads under two names (a field and its alias): (the
+/// other name, the one read here).
+const ZERO_ALIASES: &[(&str, &str)] = &[
+    ("prefetch_bucket_size", "stage3_prefetch_bucket_size"),
+    (
+        "param_persistence_threshold",
+        "stage3_param_persistence_threshold",
+    ),
+    (
+        "model_persistence_threshold",
+        "stage3_model_persistence_threshold",
+    ),
+    ("max_live_parameters", "stage3_max_live_parameters"),
+    ("max_reuse_distance", "stage3_max_reuse_distance"),
+    (
+        "gather_16bit_weights_on_model_save",
+        "stage3_gather_16bit_weights_on_model_save",
+    ),
+    (
+        "module_granularity_threshold",
+        "stage3_module_granularity_threshold",
+    ),
+    (
+        "stage3_use_all_reduce_for_fetch_params",
+        "use_all_reduce_for_fetch_params",
+    ),
+];
+
+/// The top-level keys read here, beside the tables' (a near-miss of one is refused).
+const TOP_LEVEL: &[&str] = &[
+    "zero_optimization",
+    "fp16",
+    "bf16",
+    "gradient_clipping",
+    "gradient_accumulation_steps",
+    "train_micro_batch_size_per_gpu",
+    "train_batch_size",
+    "optimizer",
+    "wall_clock_breakdown",
+    "scheduler",
+    "aio",
+    "elasticity",
+    "amp",
 ];
 
 /// Keys that are fine at one value and refused at any other: (key, the harmless value, why).
@@ -279,15 +333,35 @@ impl ZeroConfig {
         if let Some(s) = scheduler {
             cfg.scheduler = Some(read_scheduler(&mut r, &cfg, s)?);
         }
+        // Top-level keys nobody reads: noted, as DeepSpeed ignores them, unless misplaced or
+        // misspelled.
+        let (top_unknown, nested): (Vec<String>, Vec<String>) =
+            r.unknown.drain(..).partition(|k| !k.contains('.'));
+        r.unknown = nested;
+        let mut mistakes = Vec::new();
+        for k in top_unknown {
+            match mistaken_top_level(auto, &k, &top[&k]) {
+                Some(why) => mistakes.push(why),
+                None => r.notes.push(format!(
+                    "`{k}` is not a key DeepSpeed reads: it ignores it, and so does ringzero"
+                )),
+            }
+        }
         if !r.unknown.is_empty() {
             r.unknown.sort();
             let list: Vec<String> = r.unknown.iter().map(|k| format!("`{k}`")).collect();
-            return Err(bad(format!(
-                "unknown key{} {}: not in DeepSpeed's configuration reference (check the \
-                 spelling; docs/zero.md lists what each key does here)",
-                if r.unknown.len() > 1 { "s" } else { "" },
-                list.join(", ")
-            )));
+            mistakes.insert(
+                0,
+                format!(
+                    "unknown key{} {}: not in DeepSpeed's configuration reference (check the \
+                     spelling; docs/zero.md lists what each key does here)",
+                    if r.unknown.len() > 1 { "s" } else { "" },
+                    list.join(", ")
+                ),
+            );
+        }
+        if !mistakes.is_empty() {
+            return Err(bad(mistakes.join("; ")));
         }
         let auto_half = |x: Option<Option<bool>>, p: Precision| match x {
             Some(Some(on)) => on,
@@ -314,6 +388,74 @@ impl ZeroConfig {
         cfg.validate()?;
         Ok(cfg)
     }
+}
+
+/// Why the unknown top-level key `k` (with value `v`) looks like a mistake, if it does: a key of
+/// `zero_optimization` (read there, it would be known), or within two edits of a key read here
+/// (or the same but for case and underscores).
+fn mistaken_top_level(auto: &Auto, k: &str, v: &Value) -> Option<String> {
+    let mut probe = Reader {
+        auto,
+        notes: Vec::new(),
+        unknown: Vec::new(),
+    };
+    let mut scratch = ZeroConfig::default();
+    let inner = Value::Object(Map::from_iter([(k.to_string(), v.clone())]));
+    let known_inside =
+        zero_optimization(&mut probe, &mut scratch, &inner).is_err() || probe.unknown.is_empty();
+    if known_inside {
+        return Some(format!(
+            "`{k}` is a key of `zero_optimization`, not of the top level (where DeepSpeed \
+             ignores it): move it inside `\"zero_optimization\": {{...}}`"
+        ));
+    }
+    let squash = |s: &str| s.replace('_', "").to_lowercase();
+    let tables = NOTED
+        .iter()
+        .map(|(n, _)| *n)
+        .chain(ONLY_AT.iter().map(|(n, _, _)| *n));
+    let known = TOP_LEVEL
+        .iter()
+        .copied()
+        .chain(tables.filter(|n| !n.contains('.')));
+    let near = known
+        .filter(|n| strsim::levenshtein(k, n) <= 2 || squash(k) == squash(n))
+        .min_by_key(|n| strsim::levenshtein(k, n))?;
+    Some(format!(
+        "`{k}`: did you mean `{near}`? (DeepSpeed would ignore `{k}`; fix the spelling)"
+    ))
+}
+
+/// `v` (the `zero_optimization` object) with each key DeepSpeed also reads under another name
+/// renamed to the name read here (noted); refused when both names are given.
+fn zero_names(r: &mut Reader<'_>, v: &Value) -> Result<Value, ZeroError> {
+    let Some(m) = v.as_object() else {
+        return Ok(v.clone());
+    };
+    let mut out = Map::new();
+    for (k, val) in m {
+        let name = match ZERO_ALIASES.iter().find(|(other, _)| other == k) {
+            Some((_, read)) => {
+                r.notes.push(format!(
+                    "`zero_optimization.{k}` is read as `{read}` (DeepSpeed's other name for it)"
+                ));
+                *read
+            }
+            None => k.as_str(),
+        };
+        if out.insert(name.to_string(), val.clone()).is_some() {
+            let (one, other) = ZERO_ALIASES
+                .iter()
+                .find(|(o, read)| *o == name || *read == name)
+                .copied()
+                .unwrap_or((k, name));
+            return Err(bad(format!(
+                "`zero_optimization.{one}` and `zero_optimization.{other}` are one key under \
+                 DeepSpeed's two names: give it once"
+            )));
+        }
+    }
+    Ok(Value::Object(out))
 }
 
 /// Every `key.k2` of the object `v`, to `read` (which says whether it knew it); the rest go to
@@ -344,6 +486,7 @@ fn zero_optimization(r: &mut Reader<'_>, cfg: &mut ZeroConfig, v: &Value) -> Res
         return Ok(());
     }
     let key = "zero_optimization";
+    let v = &zero_names(r, v)?;
     for_each(r, key, v, |r, k2, v2| {
         let full = format!("{key}.{k2}");
         match k2 {
