@@ -111,6 +111,9 @@ fn keys_outside_the_reference_are_treated_as_deepspeed_treats_them() {
         "{:?}",
         c.notes
     );
+    // Short keys are not near-misses of one another: LLaMA-Factory's `fp8` section is no `fp16`.
+    let c = ok(r#"{"fp8": {"enabled": true}, "bf16": {"enabled": false}}"#);
+    assert!(c.notes.iter().any(|n| n.contains("`fp8`")), "{:?}", c.notes);
     for (text, want) in [
         (r#"{"stage": 3}"#, "move it inside"),
         (

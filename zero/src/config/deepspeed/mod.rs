@@ -392,7 +392,8 @@ impl ZeroConfig {
 
 /// Why the unknown top-level key `k` (with value `v`) looks like a mistake, if it does: a key of
 /// `zero_optimization` (read there, it would be known), or within two edits of a key read here
-/// (or the same but for case and underscores).
+/// (both of six characters or more: `fp8` is not a misspelt `fp16`), or the same but for case
+/// and underscores.
 fn mistaken_top_level(auto: &Auto, k: &str, v: &Value) -> Option<String> {
     let mut probe = Reader {
         auto,
@@ -419,7 +420,10 @@ fn mistaken_top_level(auto: &Auto, k: &str, v: &Value) -> Option<String> {
         .copied()
         .chain(tables.filter(|n| !n.contains('.')));
     let near = known
-        .filter(|n| strsim::levenshtein(k, n) <= 2 || squash(k) == squash(n))
+        .filter(|n| {
+            let long = k.len() >= 6 && n.len() >= 6;
+            (long && strsim::levenshtein(k, n) <= 2) || squash(k) == squash(n)
+        })
         .min_by_key(|n| strsim::levenshtein(k, n))?;
     Some(format!(
         "`{k}`: did you mean `{near}`? (DeepSpeed would ignore `{k}`; fix the spelling)"
