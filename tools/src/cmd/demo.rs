@@ -142,6 +142,7 @@ fn setup(d: &DemoCli) -> anyhow::Result<(Mlp, ZeroConfig)> {
                 precision: d.precision.unwrap_or(Precision::Bf16),
                 warmup_steps: (d.steps / 10) as u64,
                 total_steps: Some(d.steps as u64),
+                hidden: Some(d.hidden),
                 ..Auto::default()
             };
             ZeroConfig::from_json_auto(&text, &auto)

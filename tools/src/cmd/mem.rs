@@ -310,6 +310,7 @@ fn gpt(shape: &str, a: &MemCli) -> anyhow::Result<ExitCode> {
                 .with_context(|| format!("reading {}", path.display()))?;
             let auto = ringzero_zero::Auto {
                 micro_batch: batch,
+                hidden: Some(g.dim),
                 ..Default::default()
             };
             let c = ringzero_zero::ZeroConfig::from_json_auto(&text, &auto)

@@ -130,6 +130,7 @@ fn config(t: &TrainCli) -> anyhow::Result<ZeroConfig> {
                 precision,
                 warmup_steps: (t.steps / 10) as u64,
                 total_steps: Some(t.steps as u64),
+                hidden: Some(t.dim),
                 ..Auto::default()
             };
             ZeroConfig::from_json_auto(&text, &auto)

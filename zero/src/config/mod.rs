@@ -705,6 +705,35 @@ mod tests {
         );
     }
 
+    /// The buckets' `"auto"` come from the model's hidden size, as Hugging Face's Trainer fills
+    /// them (hidden², 0.9 hidden², 10 hidden); without one, the engine's defaults.
+    #[test]
+    fn bucket_sizes_auto_follow_the_hidden_size() {
+        let text = r#"{"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
+                       "stage3_prefetch_bucket_size": "auto",
+                       "stage3_param_persistence_threshold": "auto"}}"#;
+        let auto = crate::Auto {
+            hidden: Some(64),
+            ..Default::default()
+        };
+        let c = ZeroConfig::from_json_auto(text, &auto).unwrap();
+        assert_eq!(
+            (c.bucket_elems, c.prefetch_elems, c.persistence_threshold),
+            (4096, 3686, 640)
+        );
+        assert!(
+            c.notes.iter().any(|n| n.contains("hidden size 64")),
+            "{:?}",
+            c.notes
+        );
+        let d = ZeroConfig::default();
+        let c = ZeroConfig::from_json(text).unwrap();
+        assert_eq!(
+            (c.bucket_elems, c.prefetch_elems, c.persistence_threshold),
+            (d.bucket_elems, d.prefetch_elems, d.persistence_threshold)
+        );
+    }
+
     #[test]
     fn unknown_and_bad_keys_are_named() {
         let e = ZeroConfig::from_json(

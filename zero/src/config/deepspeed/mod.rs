@@ -59,6 +59,11 @@ pub struct Auto {
     pub warmup_steps: u64,
     /// `scheduler.params.total_num_steps` (none: a config that needs it says so).
     pub total_steps: Option<u64>,
+    /// The model's hidden size, from which the Trainer fills `zero_optimization`'s
+    /// `reduce_bucket_size` (hidden²), `stage3_prefetch_bucket_size` (0.9 × hidden²) and
+    /// `stage3_param_persistence_threshold` (10 × hidden); without one (none), those are the
+    /// engine's defaults.
+    pub hidden: Option<usize>,
 }
 
 impl Default for Auto {
@@ -75,6 +80,7 @@ impl Default for Auto {
             precision: Precision::Fp32,
             warmup_steps: 0,
             total_steps: None,
+            hidden: None,
         }
     }
 }
@@ -236,13 +242,32 @@ struct Reader<'a> {
 impl Reader<'_> {
     /// `v`, or what `"auto"` resolves to (noted).
     fn auto(&mut self, key: &str, v: &Value, resolved: Value) -> Value {
+        self.auto_because(key, v, resolved, "from the trainer's arguments")
+    }
+
+    /// `v`, or what `"auto"` resolves to (noted, saying `because`).
+    fn auto_because(&mut self, key: &str, v: &Value, resolved: Value, because: &str) -> Value {
         if v.as_str() == Some("auto") {
-            self.notes.push(format!(
-                "`{key}`: \"auto\" is {resolved} (from the trainer's arguments)"
-            ));
+            self.notes
+                .push(format!("`{key}`: \"auto\" is {resolved} ({because})"));
             resolved
         } else {
             v.clone()
+        }
+    }
+
+    /// What `"auto"` is for a key the Trainer fills from the model's hidden size `h` (`of(h)`),
+    /// or `default` without one; and why.
+    fn by_hidden(&self, of: impl Fn(usize) -> usize, default: usize) -> (Value, String) {
+        match self.auto.hidden {
+            Some(h) => (
+                of(h).into(),
+                format!("from the model's hidden size {h}, as Hugging Face's Trainer fills it"),
+            ),
+            None => (
+                default.into(),
+                "the engine's default: no hidden size given".into(),
+            ),
         }
     }
 
@@ -496,7 +521,8 @@ fn zero_optimization(r: &mut Reader<'_>, cfg: &mut ZeroConfig, v: &Value) -> Res
         match k2 {
             "stage" => cfg.stage = uint(&full, v2)?.min(255) as u8,
             "reduce_bucket_size" => {
-                let x = r.auto(&full, v2, cfg.bucket_elems.into());
+                let (x, why) = r.by_hidden(|h| h * h, cfg.bucket_elems);
+                let x = r.auto_because(&full, v2, x, &why);
                 cfg.bucket_elems = uint(&full, &x)? as usize;
                 if cfg.bucket_elems == 0 {
                     cfg.bucket_elems = 1;
@@ -508,7 +534,8 @@ fn zero_optimization(r: &mut Reader<'_>, cfg: &mut ZeroConfig, v: &Value) -> Res
             "allgather_bucket_size" => cfg.allgather_elems = uint(&full, v2)? as usize,
             "overlap_comm" => cfg.overlap_comm = boolean(&full, v2)?,
             "stage3_param_persistence_threshold" => {
-                let x = r.auto(&full, v2, cfg.persistence_threshold.into());
+                let (x, why) = r.by_hidden(|h| 10 * h, cfg.persistence_threshold);
+                let x = r.auto_because(&full, v2, x, &why);
                 cfg.persistence_threshold = uint(&full, &x)? as usize;
             }
             "stage3_max_live_parameters" => {
@@ -518,7 +545,8 @@ fn zero_optimization(r: &mut Reader<'_>, cfg: &mut ZeroConfig, v: &Value) -> Res
                 cfg.reuse_elems = uint(&full, v2)?.min(usize::MAX as u64) as usize;
             }
             "stage3_prefetch_bucket_size" => {
-                let x = r.auto(&full, v2, cfg.prefetch_elems.into());
+                let (x, why) = r.by_hidden(|h| h * h * 9 / 10, cfg.prefetch_elems);
+                let x = r.auto_because(&full, v2, x, &why);
                 cfg.prefetch_elems = uint(&full, &x)? as usize;
             }
             "mics_shard_size" => cfg.shard_size = shard_size(&full, v2)?,
