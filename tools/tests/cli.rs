@@ -611,7 +611,8 @@ fn demo_reads_a_deepspeed_config_and_names_bad_keys() {
         );
         if extra.is_empty() {
             assert!(
-                stderr.contains("`step_per_print`, `zero_optimization.contiguous_gradient`"),
+                stderr.contains("unknown key `zero_optimization.contiguous_gradient`")
+                    && stderr.contains("`step_per_print`: did you mean `steps_per_print`?"),
                 "{stderr}"
             );
         } else {
