@@ -114,6 +114,15 @@ impl Replay {
         }
     }
 
+    /// The engine's `drop_gathered`: the gathered buckets among `buckets` go back.
+    fn drop_gathered(&mut self, buckets: Vec<usize>) {
+        for b in buckets {
+            if std::mem::take(&mut self.gathered[b]) {
+                self.buckets.give();
+            }
+        }
+    }
+
     fn call(&mut self, c: &Call) -> Result<(), ZeroError> {
         let names = |ps: &[usize]| -> Result<Vec<String>, ZeroError> {
             ps.iter()
@@ -160,11 +169,8 @@ impl Replay {
             Call::Release(ps) => {
                 let names = names(ps)?;
                 let names: Vec<&str> = names.iter().map(String::as_str).collect();
-                for b in self.led.mark_released(&names)?.unwrap_or_default() {
-                    if std::mem::take(&mut self.gathered[b]) {
-                        self.buckets.give();
-                    }
-                }
+                let dropped = self.led.mark_released(&names)?.unwrap_or_default();
+                self.drop_gathered(dropped);
             }
             Call::Push(p) => {
                 let name = names(&[*p])?.remove(0);
@@ -194,11 +200,8 @@ impl Replay {
             }
             Call::Step => self.step()?,
             Call::RestartOrder if self.led.cfg.stage == 3 => {
-                for b in self.led.live.restart_step() {
-                    if std::mem::take(&mut self.gathered[b]) {
-                        self.buckets.give();
-                    }
-                }
+                let kept = self.led.live.restart_step();
+                self.drop_gathered(kept);
             }
             Call::RestartOrder => {}
         }
@@ -221,11 +224,8 @@ impl Replay {
                 self.buckets.give();
             }
         }
-        for b in self.led.live.take_kept() {
-            if std::mem::take(&mut self.gathered[b]) {
-                self.buckets.give();
-            }
-        }
+        let kept = self.led.live.take_kept();
+        self.drop_gathered(kept);
         let (stage, part) = (self.led.cfg.stage, &self.led.part);
         if stage == 1 && self.reduced == 0 {
             let dtype = self.led.cfg.precision.dtype();

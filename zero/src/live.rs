@@ -127,32 +127,36 @@ impl Live {
         // A kept bucket has no live parameter, so none is in `idle` already.
         idle.extend((0..self.kept.len()).filter(|&b| self.kept[b]));
         let mut drop = Vec::new();
+        if idle.is_empty() {
+            return Ok(drop);
+        }
+        let soon = self.reused_soon(part, reuse);
         for b in idle {
-            self.kept[b] = self.reused_within(part, b, reuse);
-            if !self.kept[b] {
+            self.kept[b] = soon[b];
+            if !soon[b] {
                 drop.push(b);
             }
         }
         Ok(drop)
     }
 
-    /// Whether the record, from where this step stands in it, gathers a parameter of bucket `b`
-    /// after fewer than `reuse` elements of other parameters' gathers.
-    fn reused_within(&self, part: &Partition, b: usize, reuse: usize) -> bool {
+    /// Per bucket: whether the record, from where this step stands in it, gathers one of its
+    /// parameters after fewer than `reuse` elements of other parameters' gathers (one pass over
+    /// the record, as far as `reuse` reaches).
+    fn reused_soon(&self, part: &Partition, reuse: usize) -> Vec<bool> {
+        let mut soon = vec![false; part.buckets.len()];
         let Some(at) = self.at else {
-            return false;
+            return soon;
         };
         let mut before = 0usize;
         for &p in self.order.iter().skip(at) {
             if before >= reuse {
-                return false;
+                break;
             }
-            if part.slots[p].bucket == b {
-                return true;
-            }
+            soon[part.slots[p].bucket] = true;
             before = before.saturating_add(part.slots[p].len);
         }
-        false
+        soon
     }
 
     /// Forget what this step recorded so far and follow the record from its start again (the

@@ -147,7 +147,13 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
         if self.led.cfg.stage != 3 {
             return;
         }
-        for b in self.led.live.restart_step() {
+        let kept = self.led.live.restart_step();
+        self.drop_gathered(kept);
+    }
+
+    /// Give back the gathered buckets `buckets` (those not gathered are skipped).
+    pub(super) fn drop_gathered(&mut self, buckets: Vec<usize>) {
+        for b in buckets {
             if let Some(full) = self.gathered[b].take() {
                 self.buckets.give(full);
             }
@@ -162,11 +168,7 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
             return Ok(());
         };
         self.sync("releasing gathered parameters")?;
-        for b in buckets {
-            if let Some(full) = self.gathered[b].take() {
-                self.buckets.give(full);
-            }
-        }
+        self.drop_gathered(buckets);
         Ok(())
     }
 }

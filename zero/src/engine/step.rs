@@ -259,11 +259,8 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
                 self.buckets.give(full);
             }
         }
-        for b in self.led.live.take_kept() {
-            if let Some(full) = self.gathered[b].take() {
-                self.buckets.give(full);
-            }
-        }
+        let kept = self.led.live.take_kept();
+        self.drop_gathered(kept);
         // Stage 1: this rank's averaged gradient range per bucket (the others keep it in grads),
         // in the engine's kept buffers, lent to this step and kept again after it, whatever
         // happened (after a failure, work may still be queued on them: they are not freed).
