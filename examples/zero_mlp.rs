@@ -161,12 +161,9 @@ fn train<T: Float>(comm: &Communicator, cfg: ZeroConfig) -> Result<(), Box<dyn s
         )?;
     }
     if comm.rank() == 0 {
-        let m = engine.memory();
         println!(
-            "rank 0 holds {} B params, {} B grads, {} B optimizer state; {}",
-            m.params,
-            m.grads,
-            m.optimizer,
+            "rank 0 holds {}; {}",
+            engine.memory(),
             engine.report().map_or(String::new(), |r| r.to_string())
         );
     }

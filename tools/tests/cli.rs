@@ -1639,7 +1639,7 @@ fn train_offloads_under_the_published_zero2_config_with_the_delayed_update() {
         "2.5",
     ]));
     assert!(out.contains("offload: CPU step"), "{out}");
-    assert!(out.contains("offloaded: host params"), "{out}");
+    assert!(out.contains("; host: params"), "{out}");
     let e = fails(ringzero().args(["train", "--delayed-update-after", "1"]));
     assert!(
         e.contains("--delayed-update-after") && e.contains("delayed_update_after needs the whole"),

@@ -57,6 +57,43 @@ impl Memory {
     }
 }
 
+/// One line in MiB: the device's categories, then the host and NVMe tiers where the config
+/// offloads (`params 0.33 MiB, grads 0.33 MiB, optimizer 0.66 MiB, comm buffers 0.00 MiB (peak
+/// 0.50 MiB)`).
+impl std::fmt::Display for Memory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mib = |b: usize| b as f64 / (1u64 << 20) as f64;
+        write!(
+            f,
+            "params {:.2} MiB, grads {:.2} MiB, optimizer {:.2} MiB, comm buffers {:.2} MiB \
+             (peak {:.2} MiB)",
+            mib(self.params),
+            mib(self.grads),
+            mib(self.optimizer),
+            mib(self.comm_buffers),
+            mib(self.comm_buffers_peak)
+        )?;
+        if self.host() > 0 {
+            write!(
+                f,
+                "; host: params {:.2} MiB, optimizer {:.2} MiB, buffers {:.2} MiB",
+                mib(self.host_params),
+                mib(self.host_optimizer),
+                mib(self.host_buffers)
+            )?;
+        }
+        if self.nvme_optimizer + self.nvme_params > 0 {
+            write!(
+                f,
+                "; nvme: optimizer {:.2} MiB, params {:.2} MiB",
+                mib(self.nvme_optimizer),
+                mib(self.nvme_params)
+            )?;
+        }
+        Ok(())
+    }
+}
+
 /// What the offloaded part of one optimizer step moved and spent (all zero without offload).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct OffloadStats {

@@ -210,17 +210,7 @@ fn run_as<T: Float>(
             r.tokens,
             r.seconds
         );
-        print!(
-            "rank 0 engine memory: params {} B, grads {} B, optimizer {} B, comm buffers {} B",
-            m.params, m.grads, m.optimizer, m.comm_buffers
-        );
-        if m.host() + m.nvme_optimizer > 0 {
-            print!(
-                "; offloaded: host params {} B, host optimizer {} B, host buffers {} B, nvme {} B",
-                m.host_params, m.host_optimizer, m.host_buffers, m.nvme_optimizer
-            );
-        }
-        println!();
+        println!("rank 0 engine memory: {m}");
         if let Some(l) = r.last_step {
             let o = l.offload;
             print!(
