@@ -309,3 +309,34 @@ impl StepTimer {
         r
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Memory;
+
+    #[test]
+    fn memory_prints_the_tiers_it_holds_in_mib() {
+        let mut m = Memory {
+            params: 3 << 19,
+            grads: 1 << 20,
+            optimizer: 2 << 20,
+            comm_buffers_peak: 1 << 18,
+            ..Memory::default()
+        };
+        assert_eq!(
+            m.to_string(),
+            "params 1.50 MiB, grads 1.00 MiB, optimizer 2.00 MiB, comm buffers 0.00 MiB \
+             (peak 0.25 MiB)"
+        );
+        m.host_optimizer = 4 << 20;
+        m.nvme_params = 1 << 20;
+        let s = m.to_string();
+        assert!(
+            s.ends_with(
+                "; host: params 0.00 MiB, optimizer 4.00 MiB, buffers 0.00 MiB; \
+                 nvme: optimizer 0.00 MiB, params 1.00 MiB"
+            ),
+            "{s}"
+        );
+    }
+}
