@@ -1145,6 +1145,54 @@ fn ranks_that_disagree_are_refused_naming_what_differs() {
             );
         }
     }
+    // Ranks that built different models: each names its parameter count, or the first
+    // parameter not every rank has in its place.
+    let extra = |rank: usize| {
+        let mut s = specs();
+        if rank == 1 {
+            s.push(ParamSpec::new("w3", &[4]));
+        }
+        s
+    };
+    let transposed = |rank: usize| {
+        let mut s = specs();
+        if rank == 1 {
+            s[2] = ParamSpec::new("w2", &[10, 13]);
+        }
+        s
+    };
+    let models: [(&(dyn Fn(usize) -> Vec<ParamSpec> + Sync), [&str; 2]); 2] = [
+        (
+            &extra,
+            [
+                "has 4 parameters (175 elements)",
+                "has 5 parameters (179 elements)",
+            ],
+        ),
+        (
+            &transposed,
+            [
+                "parameter #2 is `w2` of shape [13, 10]",
+                "parameter #2 is `w2` of shape [10, 13]",
+            ],
+        ),
+    ];
+    for (model, want) in models {
+        let errs = threads(2, &Opts::default(), |rank, comm| {
+            match Engine::<f32>::new(&comm.unwrap(), &model(rank), &init, cfg(3, None)) {
+                Ok(_) => panic!("rank {rank}: {}: the engine was built", want[rank]),
+                Err(e) => e.to_string(),
+            }
+        });
+        for (rank, e) in errs.iter().enumerate() {
+            assert!(
+                e.contains(want[rank])
+                    && e.contains(&format!("(rank {rank})"))
+                    && e.contains("build the same model on every rank"),
+                "{e}"
+            );
+        }
+    }
     // Agreeing ranks are built as before.
     threads(2, &Opts::default(), |_, comm| {
         Engine::<f32>::new(&comm.unwrap(), &specs(), &init, cfg(2, None)).unwrap();

@@ -2,10 +2,14 @@
 
 use candle_core::{DType as CDType, Tensor, Var};
 use candle_nn::VarMap;
-use ringzero_collectives::{Collectives, Communicator, DType, DeviceComm, HostStream, InPlace};
+use ringzero_collectives::{
+    Collectives, Communicator, DType, DeviceComm, HostStream, InPlace, ReduceOp,
+};
 use ringzero_kernels::cpu::Float;
 use ringzero_kernels::DevPtr;
-use ringzero_zero::{Engine, Memory, ParamSpec, Phase, StepOutcome, ZeroConfig};
+use ringzero_zero::{
+    check_same_params, Engine, Memory, ParamSpec, Phase, StepOutcome, ZeroConfig, ZeroError,
+};
 
 use crate::stream::{CandleStream, Lent};
 use crate::{Error, Result};
@@ -47,7 +51,8 @@ pub struct Zero<T: Float = f32, S: CandleStream = HostStream> {
 impl<T: Float> Zero<T> {
     /// Wrap every variable of `varmap` (build the model through a `VarBuilder` over it first),
     /// the engine on the host. Rank 0's current values become every rank's, as PyTorch's DDP
-    /// does at wrap time.
+    /// does at wrap time; every rank must have built the same model (names and shapes; ranks
+    /// that did not are refused first, each naming its parameter count or first difference).
     pub fn new(comm: &Communicator, varmap: &VarMap, cfg: ZeroConfig) -> Result<Zero<T>> {
         Zero::on(comm, HostStream::new(), varmap, cfg)
     }
@@ -108,6 +113,15 @@ impl<T: Float, S: CandleStream> Zero<T, S> {
             .iter()
             .map(|(n, v)| ParamSpec::new(n.clone(), v.dims()))
             .collect();
+        // Every rank built the same model, or each learns which variable differs (a broadcast of
+        // different lengths would fail as a bare collective mismatch).
+        let mut agreed = |d: i64| -> std::result::Result<bool, ZeroError> {
+            let (mut hi, mut lo) = ([d], [d]);
+            comm.all_reduce(InPlace, &mut hi[..], ReduceOp::Max)?;
+            comm.all_reduce(InPlace, &mut lo[..], ReduceOp::Min)?;
+            Ok(hi == lo)
+        };
+        check_same_params(&specs, comm.rank(), &mut agreed)?;
         // Rank 0's values, on every rank, in one broadcast.
         let mut flat = Vec::new();
         for (_, v) in &vars {

@@ -191,6 +191,41 @@ fn wrapping_nothing_or_naming_no_module_says_what_to_do() {
     });
 }
 
+/// Ranks that built different models are refused before any value moves, each naming its own
+/// parameter count (a broadcast of rank 0's weights would otherwise fail as a bare collective
+/// mismatch).
+#[test]
+fn ranks_that_built_different_models_are_told_which() {
+    let errs = ranks(2, |comm| {
+        let shape = GptConfig {
+            layers: 1 + comm.rank(),
+            ..GptConfig::tiny(30)
+        };
+        let (_, vm) = gpt::build(shape, 1, &Device::Cpu).unwrap();
+        Zero::<f32>::new(&comm, &vm, config(3))
+            .err()
+            .expect("different models were wrapped")
+            .to_string()
+    });
+    let counts: Vec<usize> = (1..=2)
+        .map(|layers| {
+            GptConfig {
+                layers,
+                ..GptConfig::tiny(30)
+            }
+            .variables()
+            .len()
+        })
+        .collect();
+    for (rank, e) in errs.iter().enumerate() {
+        let want = format!("this rank (rank {rank}) has {} parameters", counts[rank]);
+        assert!(
+            e.contains("the ranks built different models") && e.contains(&want),
+            "{e}"
+        );
+    }
+}
+
 /// In bf16 (parameters and gradients 16-bit, fp32 master and moments), every stage on 2 ranks
 /// still gives the same curve bit for bit, and it learns.
 #[test]

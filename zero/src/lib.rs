@@ -36,7 +36,7 @@ pub use config::{
     Aio, Auto, LossScaling, LrSchedule, Offload, OffloadDevice, OffloadOptimizer, OffloadParam,
     ParamGroup, Precision, ZeroConfig, ZeroConfigBuilder,
 };
-pub use engine::{hybrid_groups, Engine};
+pub use engine::{check_same_params, hybrid_groups, Engine};
 pub use error::ZeroError;
 pub use partition::{ParamSpec, Partition};
 pub use report::{CommWait, Memory, OffloadStats, Phase, StepOutcome, StepReport};

@@ -6,10 +6,15 @@
 //! digest of every configuration field and of every parameter's initial values (sampled at up
 //! to [`SAMPLES`] positions), and refuses naming the first field or parameter that differs.
 //!
+//! The parameters themselves come first: ranks that built different models (a layer count read
+//! from a rank-dependent flag, a variable created on one rank only) are refused naming this
+//! rank's parameter count or its first parameter that not every rank has in the same place
+//! ([`check_same_params`], which a wrapper calls before it first communicates values).
+//!
 //! Each comparison is a max and a min all-reduce of a 63-bit digest: equal on every rank only
 //! when every rank has the same (under hybrid sharding, over the shard group and over the
-//! replicas, which together reach every rank of the world). One pair covers everything when the ranks agree; the
-//! per-field pairs run only to name what differs.
+//! replicas, which together reach every rank of the world). One pair covers everything when
+//! the ranks agree; the per-field pairs run only to name what differs.
 
 use std::hash::{Hash, Hasher};
 
@@ -18,6 +23,7 @@ use ringzero_kernels::cpu::Float;
 
 use super::Engine;
 use crate::error::ZeroError;
+use crate::partition::ParamSpec;
 
 /// Positions of a parameter whose initial values are compared (evenly spaced; all of a smaller
 /// parameter).
@@ -28,6 +34,47 @@ fn digest(x: &impl Hash) -> i64 {
     let mut h = std::collections::hash_map::DefaultHasher::new();
     x.hash(&mut h);
     (h.finish() >> 1) as i64
+}
+
+/// Refuse, on every rank, parameter lists that differ between the ranks (see the module docs),
+/// naming this rank's parameter count when the counts differ, else its first parameter (name
+/// and shape) that not every rank has at that position. `agreed(d)` says whether every rank
+/// has the digest `d` (one collective on every rank per call: every rank makes the same calls
+/// here, whatever its list).
+pub fn check_same_params(
+    specs: &[ParamSpec],
+    rank: usize,
+    agreed: &mut dyn FnMut(i64) -> Result<bool, ZeroError>,
+) -> Result<(), ZeroError> {
+    let layout: Vec<(&str, &[usize])> = specs
+        .iter()
+        .map(|p| (p.name.as_str(), p.shape.as_slice()))
+        .collect();
+    if agreed(digest(&layout))? {
+        return Ok(());
+    }
+    let fix = "build the same model on every rank (the same layers, names and shapes), then \
+               wrap it";
+    if !agreed(digest(&layout.len()))? {
+        let elems: usize = specs.iter().map(ParamSpec::numel).sum();
+        return Err(ZeroError::Config(format!(
+            "the ranks built different models: this rank (rank {rank}) has {} parameters \
+             ({elems} elements), not every rank has as many; {fix}",
+            layout.len()
+        )));
+    }
+    for (i, p) in layout.iter().enumerate() {
+        if !agreed(digest(p))? {
+            return Err(ZeroError::Config(format!(
+                "the ranks built different models: parameter #{i} is `{}` of shape {:?} on \
+                 this rank (rank {rank}), but not on every rank; {fix}",
+                p.0, p.1
+            )));
+        }
+    }
+    Err(ZeroError::Config(format!(
+        "the ranks built different models; {fix}"
+    )))
 }
 
 impl<T: Float, S: TrainStream> Engine<T, S> {
@@ -47,10 +94,14 @@ impl<T: Float, S: TrainStream> Engine<T, S> {
                 (spec.name.clone(), bits)
             })
             .collect();
-        let all = digest(&(&fields, &inits));
+        let specs = part.specs.clone();
+        let shapes: Vec<&[usize]> = specs.iter().map(|p| p.shape.as_slice()).collect();
+        let all = digest(&(&fields, &inits, &shapes));
         if self.agreed(all)? {
             return Ok(());
         }
+        let rank = self.led.rank;
+        check_same_params(&specs, rank, &mut |d| self.agreed(d))?;
         for (name, value) in &fields {
             if !self.agreed(digest(value))? {
                 return Err(ZeroError::Config(format!(

@@ -88,6 +88,7 @@ pub(crate) const KEPT_BUCKETS: usize = 2;
 pub(crate) fn kept_shards(nb: usize) -> usize {
     nb + 1
 }
+pub use agree::check_same_params;
 pub use host::hybrid_groups;
 
 /// The ZeRO engine on one rank (see the module docs): model states in the memory of stream `S`
