@@ -1109,6 +1109,9 @@ fn param_groups_are_checked() {
 /// A config per rank.
 type PerRank = dyn Fn(usize) -> ZeroConfig + Sync;
 
+/// A model (its parameter list) per rank.
+type ModelPerRank = dyn Fn(usize) -> Vec<ParamSpec> + Sync;
+
 /// Ranks given different configurations or initial values are refused at construction, on
 /// every rank, naming the first field or parameter that differs (a per-rank learning rate used
 /// to train to a wrong result silently; different stages failed later with a collective
@@ -1161,7 +1164,7 @@ fn ranks_that_disagree_are_refused_naming_what_differs() {
         }
         s
     };
-    let models: [(&(dyn Fn(usize) -> Vec<ParamSpec> + Sync), [&str; 2]); 2] = [
+    let models: [(&ModelPerRank, [&str; 2]); 2] = [
         (
             &extra,
             [
