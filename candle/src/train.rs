@@ -2,6 +2,7 @@
 //! rank draws its part of every global batch, the engine averages the gradients and steps, and
 //! the loss reported is the global batch's (the mean over ranks). `ringzero train` runs it.
 
+use std::path::PathBuf;
 use std::time::Instant;
 
 use candle_core::Device;
@@ -34,6 +35,13 @@ pub struct TrainArgs {
     /// there) and the engine keeps the model states (unless the config offloads them): the
     /// host, or with the `cuda` feature a GPU.
     pub device: Device,
+    /// A checkpoint to start from (saved by [`TrainArgs::save`] at any world size, stage or
+    /// precision): its weights and optimizer state, and the step to go on from (so the data
+    /// goes on where it stopped).
+    pub resume: Option<PathBuf>,
+    /// Where to save a checkpoint after the last step (a directory; every rank writes its
+    /// shard).
+    pub save: Option<PathBuf>,
 }
 
 impl Default for TrainArgs {
@@ -45,6 +53,8 @@ impl Default for TrainArgs {
             seed: 1,
             corpus_bytes: 1 << 20,
             device: Device::Cpu,
+            resume: None,
+            save: None,
         }
     }
 }
@@ -52,7 +62,7 @@ impl Default for TrainArgs {
 /// One optimizer step, as the loop reports it.
 #[derive(Clone, Copy, Debug)]
 pub struct StepLog {
-    /// The step, from 0.
+    /// The step, from 0 (from the checkpoint's next step when resumed).
     pub step: usize,
     /// The global batch's mean loss (every rank's, averaged), before the step.
     pub loss: f32,
@@ -197,10 +207,14 @@ fn train_on<T: Float, S: CandleStream>(
     let (model, varmap) = gpt::build(shape, args.seed, &dev)?;
     let accum = cfg.accumulation_steps.max(1);
     let mut zero = Zero::<T, S>::on(comm, stream, &varmap, cfg)?;
+    let first_step = match &args.resume {
+        Some(dir) => next_step(&zero.load_checkpoint(dir)?, dir)?,
+        None => 0,
+    };
     let (world, rank, batch) = (comm.size(), comm.rank(), args.batch);
     let mut losses = Vec::with_capacity(args.steps);
     let start = Instant::now();
-    for step in 0..args.steps {
+    for step in first_step..first_step + args.steps {
         let mut sum = 0f32;
         for micro in 0..accum {
             let first = ((step * accum + micro) * world + rank) * batch;
@@ -212,7 +226,8 @@ fn train_on<T: Float, S: CandleStream>(
             sum += gpt::scalar(&loss)?;
             let scaled = zero.scaled(&loss)?;
             zero.backward(&scaled)?;
-            if device_before.is_some() && (step < 2 || step + 1 == args.steps) && micro == 0 {
+            let nth = step - first_step;
+            if device_before.is_some() && (nth < 2 || nth + 1 == args.steps) && micro == 0 {
                 dev.synchronize()?;
                 device_peak = device_peak.max(memory::device_used());
             }
@@ -232,10 +247,15 @@ fn train_on<T: Float, S: CandleStream>(
     }
     // A delayed parameter update still in flight lands (nothing happens without one).
     zero.engine_mut().flush()?;
+    let seconds = start.elapsed().as_secs_f64();
     let tokens = (args.steps * accum * world * batch * shape.ctx) as u64;
     let measured_peak = before
         .zip(memory::rss())
         .map(|(b, (_, hwm))| hwm.saturating_sub(b));
+    if let Some(dir) = &args.save {
+        let next = first_step + args.steps;
+        zero.save_checkpoint(dir, serde_json::json!({ NEXT_STEP: next }))?;
+    }
     let slots = if world > 1 {
         (comm.config().slots, comm.config().slice_bytes)
     } else {
@@ -254,7 +274,7 @@ fn train_on<T: Float, S: CandleStream>(
     Ok(TrainReport {
         losses,
         tokens,
-        seconds: start.elapsed().as_secs_f64(),
+        seconds,
         memory: zero.memory(),
         params: shape.params(),
         footprint,
@@ -271,6 +291,24 @@ fn train_on<T: Float, S: CandleStream>(
         engine_counted_peak: m.model_states() + comm_peak,
         last_step: zero.engine().report(),
     })
+}
+
+/// The client-state key of the step a saved run goes on from.
+const NEXT_STEP: &str = "next_step";
+
+/// The step a checkpoint's run goes on from.
+fn next_step(client_state: &serde_json::Value, dir: &std::path::Path) -> Result<usize> {
+    client_state
+        .get(NEXT_STEP)
+        .and_then(serde_json::Value::as_u64)
+        .map(|n| n as usize)
+        .ok_or_else(|| {
+            Error::Invalid(format!(
+                "checkpoint {}: its client state has no `{NEXT_STEP}` (it was not saved by \
+                 this training loop); resume from one saved with `save`",
+                dir.display()
+            ))
+        })
 }
 
 /// On a GPU, candle's first matmuls and kernels load what any process computing with candle

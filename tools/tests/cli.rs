@@ -1701,6 +1701,87 @@ fn train_flags_fill_a_configs_auto_values_and_only_those() {
     assert!(!e.contains("rank 0"), "{e}");
 }
 
+/// `ringzero train --save` then `--resume` at another rank count, stage and precision: the
+/// second run goes on from the step and the weights the first stopped at (its first loss is the
+/// trained model's, not an untrained one's), and its checkpoint consolidates into one file.
+#[test]
+fn train_resumes_from_its_checkpoint_at_another_rank_count_and_stage() {
+    let dir = std::env::temp_dir().join(format!("ringzero-train-ckpt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let (first, second) = (dir.join("a"), dir.join("b"));
+    let losses = |out: &str| -> Vec<(usize, f32)> {
+        out.lines()
+            .filter_map(|l| {
+                let w: Vec<&str> = l.split_whitespace().collect();
+                (w.len() > 3 && w[0] == "step" && w[2] == "loss")
+                    .then(|| (w[1].parse().unwrap(), w[3].parse().unwrap()))
+            })
+            .collect()
+    };
+    fn steps(n: &str) -> [&str; 6] {
+        ["--steps", n, "--log-every", "10", "--threshold", "100"]
+    }
+    let out = succeeds(
+        ringzero()
+            .args(["train", "-n", "2", "--stage", "3", "--save"])
+            .arg(&first)
+            .args(steps("40")),
+    );
+    assert!(out.contains("saved a checkpoint in"), "{out}");
+    let a = losses(&out);
+    assert_eq!((a[0].0, a.last().unwrap().0), (0, 39), "{out}");
+    let out = succeeds(
+        ringzero()
+            .args([
+                "train",
+                "-n",
+                "3",
+                "--stage",
+                "1",
+                "--precision",
+                "bf16",
+                "--resume",
+            ])
+            .arg(&first)
+            .arg("--save")
+            .arg(&second)
+            .args(steps("5")),
+    );
+    let b = losses(&out);
+    assert_eq!((b[0].0, b.last().unwrap().0), (40, 44), "{out}");
+    assert!(
+        b[0].1 < a[0].1 - 0.5,
+        "resumed at an untrained loss: {a:?} then {b:?}"
+    );
+    let file = dir.join("model.safetensors");
+    succeeds(
+        ringzero()
+            .args(["ckpt", "consolidate", "--out"])
+            .arg(&file)
+            .arg(&second),
+    );
+    assert!(file.is_file());
+    let e = fails(ringzero().args(["train", "--resume"]).arg(dir.join("none")));
+    assert!(
+        e.contains("no such directory; name one a run wrote with --save"),
+        "{e}"
+    );
+    // A model of another shape: refused by every rank, naming the parameter.
+    let out = ringzero()
+        .args(["train", "-n", "2", "--dim", "32", "--resume"])
+        .arg(&first)
+        .args(steps("1"))
+        .output()
+        .unwrap();
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && !e.contains("panicked"), "{e}");
+    assert!(
+        e.contains("has shape [32] but the checkpoint holds [64]"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// `ringzero mem --gpt`: a GPT's whole footprint per stage (model states fall with the stage,
 /// candle's share does not), and a malformed shape refused with the expected form.
 #[test]

@@ -76,6 +76,14 @@ pub(crate) struct TrainCli {
     /// parameters back by one device copy.
     #[arg(long, default_value = "cpu")]
     pub(crate) device: String,
+    /// Start from this checkpoint (a directory written by --save, at any rank count, stage or
+    /// precision): its weights and optimizer state, going on from the step it stopped at.
+    #[arg(long, value_name = "DIR")]
+    pub(crate) resume: Option<std::path::PathBuf>,
+    /// Save a checkpoint in this directory after the last step (`ringzero ckpt consolidate`
+    /// turns it into one safetensors file candle loads).
+    #[arg(long, value_name = "DIR")]
+    pub(crate) save: Option<std::path::PathBuf>,
 }
 
 /// Train and report; the exit code says whether the loss fell below the threshold.
@@ -103,6 +111,13 @@ fn config(t: &TrainCli) -> anyhow::Result<ZeroConfig> {
         "--steps and --batch must be at least 1"
     );
     anyhow::ensure!(t.log_every >= 1, "--log-every must be at least 1");
+    if let Some(dir) = &t.resume {
+        anyhow::ensure!(
+            dir.is_dir(),
+            "--resume {}: no such directory; name one a run wrote with --save",
+            dir.display()
+        );
+    }
     anyhow::ensure!(
         t.heads >= 1 && t.dim.is_multiple_of(t.heads),
         "--dim {} does not divide into --heads {}",
@@ -177,6 +192,8 @@ fn run_as<T: Float>(
         steps: t.steps,
         batch: cfg.micro_batch.unwrap_or(t.batch),
         device,
+        resume: t.resume.clone(),
+        save: t.save.clone(),
         ..TrainArgs::default()
     };
     if root {
@@ -187,10 +204,14 @@ fn run_as<T: Float>(
         for n in &cfg.notes {
             println!("config: {n}");
         }
+        if let Some(dir) = &t.resume {
+            println!("resuming from {}", dir.display());
+        }
     }
-    let last = t.steps - 1;
+    let mut logged = 0;
     let r = train::train::<T>(comm, cfg, &args, |s| {
-        if root && (s.step % t.log_every == 0 || s.step == last) {
+        logged += 1;
+        if root && (s.step % t.log_every == 0 || logged == 1 || logged == t.steps) {
             let what = match s.outcome {
                 StepOutcome::Stepped { grad_norm } => format!("grad norm {grad_norm:.3}"),
                 StepOutcome::Skipped { loss_scale } => format!("skipped, loss scale {loss_scale}"),
@@ -211,6 +232,9 @@ fn run_as<T: Float>(
             r.seconds
         );
         println!("rank 0 engine memory: {m}");
+        if let Some(dir) = &t.save {
+            println!("saved a checkpoint in {}", dir.display());
+        }
         if let Some(l) = r.last_step {
             let o = l.offload;
             print!(
