@@ -8,26 +8,18 @@ mod common;
 
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
-use ringzero_candle::corpus::Corpus;
-use ringzero_candle::gpt::{self, Gpt, GptConfig};
+use ringzero_candle::gpt::{self, Gpt};
 use ringzero_candle::Zero;
 use ringzero_zero::{checkpoint::consolidate, Precision, ZeroConfig};
 
-use common::ranks;
+use common::{ranks, small_gpt};
 
 #[test]
 fn a_trained_model_saves_as_one_file_candle_loads() {
     let dir = std::env::temp_dir().join(format!("ringzero-export-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    let corpus = Corpus::generate(32 << 10, 7);
-    let shape = GptConfig {
-        vocab: corpus.vocab(),
-        ctx: 16,
-        dim: 32,
-        heads: 2,
-        layers: 2,
-    };
+    let (corpus, shape) = small_gpt(7);
     let (x, y) = corpus.batch(&[1000, 2000], 16, &Device::Cpu).unwrap();
     let (ckpt, saved) = (dir.join("ckpt"), dir.join("model.safetensors"));
     let trained = ranks(2, |comm| {

@@ -6,12 +6,11 @@
 mod common;
 
 use candle_core::Device;
-use ringzero_candle::corpus::Corpus;
-use ringzero_candle::gpt::{self, GptConfig};
+use ringzero_candle::gpt;
 use ringzero_candle::Zero;
 use ringzero_zero::ZeroConfig;
 
-use common::ranks;
+use common::{ranks, small_gpt};
 
 /// What one rank saw: the loss of every micro-step, and per optimizer step its report's
 /// elements gathered, forward and backward time.
@@ -25,14 +24,7 @@ struct Seen {
 /// `steps` optimizer steps of a one-block GPT on 2 ranks under `json`; with `by_hook`, forward
 /// through `Zero::hook`, else `Zero::load_params` before every micro-step and plain forward.
 fn run(json: &str, steps: usize, by_hook: bool) -> Vec<Seen> {
-    let corpus = Corpus::generate(32 << 10, 3);
-    let shape = GptConfig {
-        vocab: corpus.vocab(),
-        ctx: 16,
-        dim: 32,
-        heads: 2,
-        layers: 2,
-    };
+    let (corpus, shape) = small_gpt(3);
     let cfg = ZeroConfig::from_json(json).unwrap();
     let accum = cfg.accumulation_steps.max(1);
     ranks(2, |comm| {
