@@ -2,8 +2,9 @@
 //! Llama (RMS norm, rotary embeddings, SwiGLU, grouped heads) as candle's own llama2-c training
 //! example builds and trains it, with `candle_nn::AdamW` replaced by [`Zero`].
 //!
-//! The model's forward cannot call a hook between its modules, so each micro-step loads every
-//! parameter with [`Zero::load_params`] before forward (at stage 3 that gathers them all; the
+//! The loop is candle's: forward, then `backward_step` on the loss. [`Zero::backward_step`]
+//! reduces the gradients, steps and puts the updated parameters into the model's variables
+//! (its forward cannot call a hook between modules, so at stage 3 that gathers them all; the
 //! engine still keeps only this rank's shard of the parameters, gradients and optimizer state).
 //!
 //! ```sh
@@ -75,11 +76,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .map(|k| (step * world + rank) * batch + k)
             .collect();
         let (inp, tgt) = text.batch(&ids, 32, &device)?;
-        zero.load_params()?;
         let logits = model.forward(&inp, 0, &mut cache)?;
         let loss = candle_nn::loss::cross_entropy(&logits.flatten_to(1)?, &tgt.flatten_to(1)?)?;
-        zero.backward(&zero.scaled(&loss)?)?;
-        zero.step()?;
+        zero.backward_step(&loss)?;
         if rank == 0 && (step % 10 == 9 || step + 1 == steps) {
             // Rust prints the shortest text that reads back as the same f32: equal text, equal bits.
             println!("step {step}: loss {}", loss.to_scalar::<f32>()?);

@@ -27,7 +27,8 @@ const LOAD_GROUP_BYTES: usize = 64 << 20;
 /// and communication; the `Var`s hold the values forward and backward use, in their own dtype
 /// (candle computes in it; a 16-bit engine's values arrive rounded to `T`). Each micro-step:
 /// forward with [`Zero::hook`] (or [`Zero::load_params`] before it, or [`Zero::load_module`]
-/// per module at stage 3), [`Zero::backward`] on the loss, [`Zero::step`].
+/// per module at stage 3), [`Zero::backward`] on the loss, [`Zero::step`] — or, as a loop
+/// written for candle's optimizers does it, forward then [`Zero::backward_step`].
 ///
 /// The engine's [`StepReport`](ringzero_zero::StepReport) splits each step's time as a trainer
 /// sees it: forward from the first load of the micro-step (the hook's first call, or
@@ -336,6 +337,22 @@ impl<T: Float, S: CandleStream> Zero<T, S> {
         // Only a micro-step inside the accumulation window leaves the parameters as they were
         // (a delayed update lands at an optimizer step, too).
         self.fresh = fresh && matches!(outcome, StepOutcome::Accumulated);
+        Ok(outcome)
+    }
+
+    /// candle's `Optimizer::backward_step` for a loop written for candle's optimizers, which
+    /// loads nothing before forward: [`Zero::backward`] of `loss` times the loss scale,
+    /// [`Zero::step`], and after an optimizer step [`Zero::load_params`]'s load, so that the
+    /// variables hold the updated parameters when the next forward starts (at stage 3 that
+    /// gathers every parameter, bucket by bucket). What the step did. The step report then
+    /// counts forward under "other": no load marks where it starts.
+    pub fn backward_step(&mut self, loss: &Tensor) -> Result<StepOutcome> {
+        let scaled = self.scaled(loss)?;
+        self.backward(&scaled)?;
+        let outcome = self.step()?;
+        if !matches!(outcome, StepOutcome::Accumulated) {
+            self.load_all()?;
+        }
         Ok(outcome)
     }
 

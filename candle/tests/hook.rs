@@ -21,9 +21,19 @@ struct Seen {
     timed: Vec<(bool, bool)>,
 }
 
-/// `steps` optimizer steps of a one-block GPT on 2 ranks under `json`; with `by_hook`, forward
-/// through `Zero::hook`, else `Zero::load_params` before every micro-step and plain forward.
-fn run(json: &str, steps: usize, by_hook: bool) -> Vec<Seen> {
+/// How a loop puts the parameters into the variables.
+#[derive(Clone, Copy, PartialEq)]
+enum Loop {
+    /// Forward through `Zero::hook`.
+    Hook,
+    /// `Zero::load_params` before every micro-step, then plain forward.
+    Load,
+    /// Plain forward, then `Zero::backward_step` (candle's optimizers' loop).
+    BackwardStep,
+}
+
+/// `steps` optimizer steps of a two-block GPT on 2 ranks under `json`, loading as `how` says.
+fn run(json: &str, steps: usize, how: Loop) -> Vec<Seen> {
     let (corpus, shape) = small_gpt(3);
     let cfg = ZeroConfig::from_json(json).unwrap();
     let accum = cfg.accumulation_steps.max(1);
@@ -43,15 +53,21 @@ fn run(json: &str, steps: usize, by_hook: bool) -> Vec<Seen> {
         for step in 0..steps * accum {
             let ids: Vec<u64> = (0..4).map(|k| (step as u64 * 2 + rank) * 4 + k).collect();
             let (x, y) = corpus.batch(&ids, shape.ctx, &Device::Cpu).unwrap();
-            let loss = if by_hook {
-                model.loss_with(&x, &y, &mut zero.hook()).unwrap()
-            } else {
-                zero.load_params().unwrap();
-                model.loss(&x, &y).unwrap()
+            let loss = match how {
+                Loop::Hook => model.loss_with(&x, &y, &mut zero.hook()).unwrap(),
+                Loop::Load => {
+                    zero.load_params().unwrap();
+                    model.loss(&x, &y).unwrap()
+                }
+                Loop::BackwardStep => model.loss(&x, &y).unwrap(),
             };
             seen.losses.push(gpt::scalar(&loss).unwrap());
-            zero.backward(&zero.scaled(&loss).unwrap()).unwrap();
-            zero.step().unwrap();
+            if how == Loop::BackwardStep {
+                zero.backward_step(&loss).unwrap();
+            } else {
+                zero.backward(&zero.scaled(&loss).unwrap()).unwrap();
+                zero.step().unwrap();
+            }
             if step % accum == accum - 1 {
                 let r = zero.engine().report().unwrap();
                 seen.gathered.push(r.gathered_elems);
@@ -67,7 +83,7 @@ fn run(json: &str, steps: usize, by_hook: bool) -> Vec<Seen> {
 fn at_stage_3_a_step_gathers_each_bucket_once_after_the_first() {
     // Buckets of 3000 elements: most are shared by two modules.
     let json = r#"{"zero_optimization": {"stage": 3, "reduce_bucket_size": 3000}}"#;
-    for s in run(json, 4, true) {
+    for s in run(json, 4, Loop::Hook) {
         // The first step has no record of the order: a bucket two modules share is released
         // after the first and gathered again for the second.
         assert!(
@@ -94,8 +110,8 @@ fn at_stages_0_to_2_the_hook_loads_once_per_step_and_trains_as_loading_every_mic
             r#"{{"zero_optimization": {{"stage": {stage}, "reduce_bucket_size": 3000}},
                 "gradient_accumulation_steps": 2}}"#
         );
-        let hooked = run(&json, 3, true);
-        let loaded = run(&json, 3, false);
+        let hooked = run(&json, 3, Loop::Hook);
+        let loaded = run(&json, 3, Loop::Load);
         for (h, l) in hooked.iter().zip(&loaded) {
             // A stale variable (a load skipped after a step) or a wrong one changes the loss.
             assert_eq!(h.losses, l.losses, "stage {stage}");
@@ -104,6 +120,24 @@ fn at_stages_0_to_2_the_hook_loads_once_per_step_and_trains_as_loading_every_mic
                 h.gathered.iter().all(|&g| g == 0),
                 "stage {stage} gathers nothing"
             );
+        }
+    }
+}
+
+/// A loop written for candle's optimizers — forward, then `backward_step` — trains as loading
+/// before every micro-step does, bit for bit, at every stage, with
+/// accumulation: the variables are current when each forward starts.
+#[test]
+fn backward_step_trains_as_loading_before_forward() {
+    for stage in 0..=3 {
+        let json = format!(
+            r#"{{"zero_optimization": {{"stage": {stage}, "reduce_bucket_size": 3000}},
+                "gradient_accumulation_steps": 2}}"#
+        );
+        let stepped = run(&json, 3, Loop::BackwardStep);
+        let loaded = run(&json, 3, Loop::Load);
+        for (s, l) in stepped.iter().zip(&loaded) {
+            assert_eq!(s.losses, l.losses, "stage {stage}");
         }
     }
 }
