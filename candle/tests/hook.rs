@@ -30,6 +30,9 @@ enum Loop {
     Load,
     /// Plain forward, then `Zero::backward_step` (candle's optimizers' loop).
     BackwardStep,
+    /// As `Hook`, with an evaluation forward (through the hook, no backward) before each
+    /// micro-step.
+    HookEval,
 }
 
 /// `steps` optimizer steps of a two-block GPT on 2 ranks under `json`, loading as `how` says.
@@ -53,8 +56,12 @@ fn run(json: &str, steps: usize, how: Loop) -> Vec<Seen> {
         for step in 0..steps * accum {
             let ids: Vec<u64> = (0..4).map(|k| (step as u64 * 2 + rank) * 4 + k).collect();
             let (x, y) = corpus.batch(&ids, shape.ctx, &Device::Cpu).unwrap();
+            if how == Loop::HookEval {
+                let (ex, ey) = corpus.batch(&[9999], shape.ctx, &Device::Cpu).unwrap();
+                model.loss_with(&ex, &ey, &mut zero.hook()).unwrap();
+            }
             let loss = match how {
-                Loop::Hook => model.loss_with(&x, &y, &mut zero.hook()).unwrap(),
+                Loop::Hook | Loop::HookEval => model.loss_with(&x, &y, &mut zero.hook()).unwrap(),
                 Loop::Load => {
                     zero.load_params().unwrap();
                     model.loss(&x, &y).unwrap()
@@ -138,6 +145,23 @@ fn backward_step_trains_as_loading_before_forward() {
         let loaded = run(&json, 3, Loop::Load);
         for (s, l) in stepped.iter().zip(&loaded) {
             assert_eq!(s.losses, l.losses, "stage {stage}");
+        }
+    }
+}
+
+/// An evaluation forward through the hook between training micro-steps (no backward) changes
+/// nothing the training computes, at every stage.
+#[test]
+fn an_evaluation_forward_between_steps_changes_no_loss() {
+    for stage in 0..=3 {
+        let json = format!(
+            r#"{{"zero_optimization": {{"stage": {stage}, "reduce_bucket_size": 3000}},
+                "gradient_accumulation_steps": 2}}"#
+        );
+        let evaluated = run(&json, 3, Loop::HookEval);
+        let plain = run(&json, 3, Loop::Hook);
+        for (e, p) in evaluated.iter().zip(&plain) {
+            assert_eq!(e.losses, p.losses, "stage {stage}");
         }
     }
 }
