@@ -212,11 +212,17 @@ impl<T: Float, S: CandleStream> Zero<T, S> {
     /// At stage 3: [`Zero::load_module`] of the prefix it is given. At stages 0–2 every
     /// variable stays whole: its first call after an optimizer step is [`Zero::load_params`],
     /// later calls only open the forward phase (inside an accumulation window the variables
-    /// are already current). So one training loop serves every stage.
+    /// are already current). So one training loop serves every stage. A module none of whose
+    /// variables this wrapper holds (frozen: left out of [`Zero::from_vars`]) is passed over.
     pub fn hook(&mut self) -> impl FnMut(&str) -> candle_core::Result<()> + '_ {
         |prefix| {
             if self.engine.config().stage == 3 {
-                self.load_module(prefix)
+                if self.vars.iter().any(|(n, _)| n.starts_with(prefix)) {
+                    self.load_module(prefix)
+                } else {
+                    self.forward_starts();
+                    Ok(())
+                }
             } else if self.fresh {
                 self.forward_starts();
                 Ok(())
