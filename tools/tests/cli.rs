@@ -309,6 +309,51 @@ fn mem_reproduces_the_zero_papers_table() {
     assert!(out.stdout.is_empty(), "nothing printed before the error");
 }
 
+/// `ringzero mem --params` takes a model's weights as published: a safetensors file (its
+/// header counted) gives the table its parameter count gives; a missing path or another file
+/// is refused, naming it.
+#[test]
+fn mem_counts_the_parameters_of_a_safetensors_file() {
+    let dir = std::env::temp_dir().join(format!("ringzero-mem-st-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // A 1.5e9-element bf16 tensor and a 2.5e8 one, declared: the data need not be read, but a
+    // safetensors file holds it, so it is a sparse file of the declared length.
+    let header = r#"{"w":{"dtype":"BF16","shape":[50000,30000],"data_offsets":[0,3000000000]},"b":{"dtype":"BF16","shape":[250000000],"data_offsets":[3000000000,3500000000]}}"#;
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(header.as_bytes());
+    let file = dir.join("model.safetensors");
+    std::fs::write(&file, &bytes).unwrap();
+    let f = std::fs::OpenOptions::new().write(true).open(&file).unwrap();
+    f.set_len(bytes.len() as u64 + 3_500_000_000).unwrap();
+    let table = |params: &std::ffi::OsStr| {
+        succeeds(
+            ringzero()
+                .args(["mem", "--dp", "8", "--params"])
+                .arg(params),
+        )
+    };
+    let from_file = table(file.as_os_str());
+    assert!(from_file.contains("1.750e9 parameters"), "{from_file}");
+    assert_eq!(from_file, table("1.75B".as_ref()));
+    let e = fails(
+        ringzero()
+            .args(["mem", "--params"])
+            .arg(dir.join("none.safetensors")),
+    );
+    assert!(
+        e.contains("none.safetensors: no such file or directory"),
+        "{e}"
+    );
+    std::fs::write(dir.join("config.json"), "{}").unwrap();
+    let e = fails(
+        ringzero()
+            .args(["mem", "--params"])
+            .arg(dir.join("config.json")),
+    );
+    assert!(e.contains("config.json: not a safetensors file"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn mem_with_a_shard_size_prices_hybrid_sharding() {
     let text =

@@ -2,13 +2,15 @@
 
 use std::process::ExitCode;
 
-use super::count;
+use super::params_arg;
 
 /// `ringzero mem`'s arguments.
 #[derive(clap::Args)]
 pub(crate) struct MemCli {
-    /// Parameters: 7.5B, 350M, 1.3e9, ... (or --gpt).
-    #[arg(long = "params", value_parser = count, required_unless_present = "gpt")]
+    /// Parameters: 7.5B, 350M, 1.3e9, ..., or a model's weights — a `.safetensors` file or a
+    /// directory of them (a Hugging Face checkpoint's shards), counted from their headers (or
+    /// --gpt).
+    #[arg(long = "params", value_parser = params_arg, required_unless_present = "gpt")]
     pub(crate) params: Option<f64>,
     /// A GPT's shape, `LAYERS,DIM,HEADS,CTX,VOCAB` (`ringzero train`'s model): each rank's
     /// whole footprint while training it on the host in f32 — the engine's model states and

@@ -16,6 +16,7 @@ pub(crate) mod diag;
 pub(crate) mod gpu;
 pub(crate) mod launch_cmd;
 pub(crate) mod mem;
+mod model_files;
 pub(crate) mod nvme;
 pub(crate) mod offload_bench;
 pub(crate) mod train;
@@ -34,6 +35,29 @@ pub(crate) fn count(s: &str) -> Result<f64, String> {
         .map(|v| v * mult)
         .filter(|v| v.is_finite() && *v > 0.0)
         .ok_or_else(|| format!("`{s}` is not a parameter count (e.g. 7.5B, 350M, 1.3e9)"))
+}
+
+/// `ringzero mem --params`: a count ([`count`]), or a model's safetensors file or directory of
+/// them, whose tensors' elements are counted from the headers.
+pub(crate) fn params_arg(s: &str) -> Result<f64, String> {
+    let path = std::path::Path::new(s);
+    if !path.exists() {
+        return count(s).map_err(|e| {
+            if s.contains(std::path::MAIN_SEPARATOR) || s.ends_with(".safetensors") {
+                format!(
+                    "{s}: no such file or directory (give a parameter count such as 7.5B, or a \
+                     model's .safetensors file or a directory of them)"
+                )
+            } else {
+                format!("{e}, or a model's .safetensors file or a directory of them")
+            }
+        });
+    }
+    let (n, _) = model_files::params_in(path)?;
+    if n == 0 {
+        return Err(format!("{s}: its tensors hold no parameters"));
+    }
+    Ok(n as f64)
 }
 
 pub(crate) fn size(s: &str) -> Result<usize, String> {
