@@ -53,7 +53,7 @@ pub(crate) fn params_arg(s: &str) -> Result<f64, String> {
             }
         });
     }
-    let (n, _) = model_files::params_in(path)?;
+    let n = model_files::params_in(path)?;
     if n == 0 {
         return Err(format!("{s}: its tensors hold no parameters"));
     }

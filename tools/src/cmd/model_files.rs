@@ -8,9 +8,9 @@ use std::path::{Path, PathBuf};
 use memmap2::Mmap;
 use safetensors::SafeTensors;
 
-/// The parameters (elements of every tensor) in `path` and the files read: a `.safetensors`
-/// file, or every `.safetensors` file directly in a directory.
-pub(crate) fn params_in(path: &Path) -> Result<(u64, usize), String> {
+/// The parameters (elements of every tensor) in `path`: a `.safetensors` file, or every
+/// `.safetensors` file directly in a directory.
+pub(crate) fn params_in(path: &Path) -> Result<u64, String> {
     let files: Vec<PathBuf> = if path.is_dir() {
         let mut fs: Vec<PathBuf> = std::fs::read_dir(path)
             .map_err(|e| format!("{}: {e}", path.display()))?
@@ -28,11 +28,7 @@ pub(crate) fn params_in(path: &Path) -> Result<(u64, usize), String> {
     } else {
         vec![path.to_path_buf()]
     };
-    let mut total = 0u64;
-    for f in &files {
-        total += params_in_file(f)?;
-    }
-    Ok((total, files.len()))
+    files.iter().map(|f| params_in_file(f)).sum()
 }
 
 fn params_in_file(path: &Path) -> Result<u64, String> {
@@ -94,8 +90,8 @@ mod tests {
             &[("head.weight", vec![8, 100])],
         );
         std::fs::write(dir.join("config.json"), "{}").unwrap();
-        assert_eq!(params_in(&one), Ok((808, 1)));
-        assert_eq!(params_in(&dir), Ok((1608, 2)));
+        assert_eq!(params_in(&one), Ok(808));
+        assert_eq!(params_in(&dir), Ok(1608));
         let e = params_in(&dir.join("config.json")).unwrap_err();
         assert!(e.contains("config.json: not a safetensors file"), "{e}");
         let empty = dir.join("empty");
