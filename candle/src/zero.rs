@@ -217,10 +217,10 @@ impl<T: Float, S: CandleStream> Zero<T, S> {
     pub fn hook(&mut self) -> impl FnMut(&str) -> candle_core::Result<()> + '_ {
         |prefix| {
             if self.engine.config().stage == 3 {
+                self.forward_starts();
                 if self.vars.iter().any(|(n, _)| n.starts_with(prefix)) {
-                    self.load_module(prefix)
+                    self.load_where(|n| n.starts_with(prefix))
                 } else {
-                    self.forward_starts();
                     Ok(())
                 }
             } else if self.fresh {

@@ -113,10 +113,7 @@ fn at_stage_3_a_step_gathers_each_bucket_once_after_the_first() {
 #[test]
 fn at_stages_0_to_2_the_hook_loads_once_per_step_and_trains_as_loading_every_micro_step() {
     for stage in 0..=2 {
-        let json = format!(
-            r#"{{"zero_optimization": {{"stage": {stage}, "reduce_bucket_size": 3000}},
-                "gradient_accumulation_steps": 2}}"#
-        );
+        let json = accumulating(stage);
         let hooked = run(&json, 3, Loop::Hook);
         let loaded = run(&json, 3, Loop::Load);
         for (h, l) in hooked.iter().zip(&loaded) {
@@ -132,38 +129,36 @@ fn at_stages_0_to_2_the_hook_loads_once_per_step_and_trains_as_loading_every_mic
 }
 
 /// A loop written for candle's optimizers — forward, then `backward_step` — trains as loading
-/// before every micro-step does, bit for bit, at every stage, with
-/// accumulation: the variables are current when each forward starts.
+/// before every micro-step does, bit for bit, at every stage, with accumulation: the variables
+/// are current when each forward starts.
 #[test]
 fn backward_step_trains_as_loading_before_forward() {
-    for stage in 0..=3 {
-        let json = format!(
-            r#"{{"zero_optimization": {{"stage": {stage}, "reduce_bucket_size": 3000}},
-                "gradient_accumulation_steps": 2}}"#
-        );
-        let stepped = run(&json, 3, Loop::BackwardStep);
-        let loaded = run(&json, 3, Loop::Load);
-        for (s, l) in stepped.iter().zip(&loaded) {
-            assert_eq!(s.losses, l.losses, "stage {stage}");
-        }
-    }
+    same_losses_at_every_stage(Loop::BackwardStep, Loop::Load);
 }
 
 /// An evaluation forward through the hook between training micro-steps (no backward) changes
 /// nothing the training computes, at every stage.
 #[test]
 fn an_evaluation_forward_between_steps_changes_no_loss() {
+    same_losses_at_every_stage(Loop::HookEval, Loop::Hook);
+}
+
+/// Stages 0–3 with accumulation 2: loops `a` and `b` see the same losses on every rank.
+fn same_losses_at_every_stage(a: Loop, b: Loop) {
     for stage in 0..=3 {
-        let json = format!(
-            r#"{{"zero_optimization": {{"stage": {stage}, "reduce_bucket_size": 3000}},
-                "gradient_accumulation_steps": 2}}"#
-        );
-        let evaluated = run(&json, 3, Loop::HookEval);
-        let plain = run(&json, 3, Loop::Hook);
-        for (e, p) in evaluated.iter().zip(&plain) {
-            assert_eq!(e.losses, p.losses, "stage {stage}");
+        let json = accumulating(stage);
+        for (x, y) in run(&json, 3, a).iter().zip(&run(&json, 3, b)) {
+            assert_eq!(x.losses, y.losses, "stage {stage}");
         }
     }
+}
+
+/// A config of `stage` with buckets of 3000 elements and 2 accumulation steps.
+fn accumulating(stage: u8) -> String {
+    format!(
+        r#"{{"zero_optimization": {{"stage": {stage}, "reduce_bucket_size": 3000}},
+            "gradient_accumulation_steps": 2}}"#
+    )
 }
 
 /// Fine-tuning with the embeddings frozen: only the other variables are wrapped
