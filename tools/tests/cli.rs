@@ -350,8 +350,29 @@ fn mem_counts_the_parameters_of_a_safetensors_file() {
             .args(["mem", "--params"])
             .arg(dir.join("config.json")),
     );
-    assert!(e.contains("config.json: not a safetensors file"), "{e}");
+    assert!(e.contains("config.json: no `model_type`"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `ringzero mem --params` takes a model's `config.json` as the hub publishes it, before any
+/// weight is downloaded: Llama 2 7B's gives the table its exact count gives.
+#[test]
+fn mem_counts_the_parameters_of_a_published_config() {
+    let config = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../tests/fixtures/hf-configs/llama-2-7b-hf.json"
+    );
+    let table = |params: &str| {
+        succeeds(ringzero().args(["mem", "--dp", "8", "--stage", "3", "--params", params]))
+    };
+    let from_config = table(config);
+    assert!(from_config.contains("6.738e9 parameters"), "{from_config}");
+    assert_eq!(from_config, table("6738415616"));
+    let e = fails(ringzero().args(["mem", "--params", "llama/config.json"]));
+    assert!(
+        e.contains("llama/config.json: no such file or directory") && e.contains("config.json"),
+        "{e}"
+    );
 }
 
 #[test]

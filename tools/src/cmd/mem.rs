@@ -8,8 +8,9 @@ use super::params_arg;
 #[derive(clap::Args)]
 pub(crate) struct MemCli {
     /// Parameters: 7.5B, 350M, 1.3e9, ..., or a model's weights — a `.safetensors` file or a
-    /// directory of them (a Hugging Face checkpoint's shards), counted from their headers (or
-    /// --gpt).
+    /// directory of them (a Hugging Face checkpoint's shards), counted from their headers — or
+    /// its `config.json` alone (Llama, Mistral, Mixtral, Qwen2, Qwen3, Gemma, Gemma 2, Phi-3,
+    /// GPT-2, GPT-NeoX), counted from its sizes (or --gpt).
     #[arg(long = "params", value_parser = params_arg, required_unless_present = "gpt")]
     pub(crate) params: Option<f64>,
     /// A GPT's shape, `LAYERS,DIM,HEADS,CTX,VOCAB` (`ringzero train`'s model): each rank's

@@ -14,6 +14,7 @@ pub(crate) mod ckpt;
 pub(crate) mod demo;
 pub(crate) mod diag;
 pub(crate) mod gpu;
+mod hf_config;
 pub(crate) mod launch_cmd;
 pub(crate) mod mem;
 mod model_files;
@@ -38,18 +39,22 @@ pub(crate) fn count(s: &str) -> Result<f64, String> {
 }
 
 /// `ringzero mem --params`: a count ([`count`]), or a model's safetensors file or directory of
-/// them, whose tensors' elements are counted from the headers.
+/// them, whose tensors' elements are counted from the headers, or its `config.json`.
 pub(crate) fn params_arg(s: &str) -> Result<f64, String> {
     let path = std::path::Path::new(s);
+    let files = "a model's .safetensors file, a directory of them, or its config.json";
     if !path.exists() {
         return count(s).map_err(|e| {
-            if s.contains(std::path::MAIN_SEPARATOR) || s.ends_with(".safetensors") {
+            if s.contains(std::path::MAIN_SEPARATOR)
+                || s.ends_with(".safetensors")
+                || s.ends_with(".json")
+            {
                 format!(
-                    "{s}: no such file or directory (give a parameter count such as 7.5B, or a \
-                     model's .safetensors file or a directory of them)"
+                    "{s}: no such file or directory (give a parameter count such as 7.5B, or \
+                     {files})"
                 )
             } else {
-                format!("{e}, or a model's .safetensors file or a directory of them")
+                format!("{e}, or {files}")
             }
         });
     }

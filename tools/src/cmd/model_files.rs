@@ -1,7 +1,8 @@
-//! A model's parameter count from its weights as published: one safetensors file, or a
+//! A model's parameter count from its files as published: one safetensors file, or a
 //! directory of them (a Hugging Face checkpoint sharded as `model-00001-of-00004.safetensors`
-//! ...), read from the files' headers alone, so `ringzero mem --params` can take a model as a
-//! user has it.
+//! ...), read from the files' headers alone; or, before any weight is downloaded, the model's
+//! `config.json` ([`super::hf_config`]); so `ringzero mem --params` can take a model as a user
+//! has it.
 
 use std::path::{Path, PathBuf};
 
@@ -9,8 +10,12 @@ use memmap2::Mmap;
 use safetensors::SafeTensors;
 
 /// The parameters (elements of every tensor) in `path`: a `.safetensors` file, or every
-/// `.safetensors` file directly in a directory.
+/// `.safetensors` file directly in a directory; a `.json` file, or a directory with no
+/// safetensors file but a `config.json`, is counted from the config.
 pub(crate) fn params_in(path: &Path) -> Result<u64, String> {
+    if path.extension().is_some_and(|x| x == "json") {
+        return super::hf_config::params_in_config(path);
+    }
     let files: Vec<PathBuf> = if path.is_dir() {
         let mut fs: Vec<PathBuf> = std::fs::read_dir(path)
             .map_err(|e| format!("{}: {e}", path.display()))?
@@ -19,8 +24,12 @@ pub(crate) fn params_in(path: &Path) -> Result<u64, String> {
             .collect();
         fs.sort();
         if fs.is_empty() {
+            let config = path.join("config.json");
+            if config.is_file() {
+                return super::hf_config::params_in_config(&config);
+            }
             return Err(format!(
-                "{}: a directory with no .safetensors file in it",
+                "{}: a directory with no .safetensors file and no config.json in it",
                 path.display()
             ));
         }
@@ -51,6 +60,7 @@ fn params_in_file(path: &Path) -> Result<u64, String> {
 #[cfg(test)]
 mod tests {
     use super::params_in;
+    use std::path::PathBuf;
 
     fn write(path: &std::path::Path, tensors: &[(&str, Vec<usize>)]) {
         let data: Vec<(String, Vec<u8>, Vec<usize>)> = tensors
@@ -89,16 +99,26 @@ mod tests {
             &dir.join("model-00002-of-00002.safetensors"),
             &[("head.weight", vec![8, 100])],
         );
-        std::fs::write(dir.join("config.json"), "{}").unwrap();
+        // The weights count, not the config, where both are there.
+        let gpt2 = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures/hf-configs/gpt2.json");
+        std::fs::copy(&gpt2, dir.join("config.json")).unwrap();
         assert_eq!(params_in(&one), Ok(808));
         assert_eq!(params_in(&dir), Ok(1608));
-        let e = params_in(&dir.join("config.json")).unwrap_err();
-        assert!(e.contains("config.json: not a safetensors file"), "{e}");
+        assert_eq!(params_in(&dir.join("config.json")), Ok(124_439_808));
+        std::fs::write(dir.join("config.json.bak"), "{}").unwrap();
+        let e = params_in(&dir.join("config.json.bak")).unwrap_err();
+        assert!(e.contains("config.json.bak: not a safetensors file"), "{e}");
+        // A directory with the config alone: a model before its weights are downloaded.
+        let config_only = dir.join("config-only");
+        std::fs::create_dir_all(&config_only).unwrap();
+        std::fs::copy(&gpt2, config_only.join("config.json")).unwrap();
+        assert_eq!(params_in(&config_only), Ok(124_439_808));
         let empty = dir.join("empty");
         std::fs::create_dir_all(&empty).unwrap();
         assert!(params_in(&empty)
             .unwrap_err()
-            .contains("no .safetensors file"));
+            .contains("no .safetensors file and no config.json"));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
