@@ -984,12 +984,20 @@ fn a_deepspeed_json_config_drives_the_engine() {
                 "optimizer": {"type": "AdamW", "params": {"lr": 0.05}}}"#,
         )
         .unwrap();
-        // DeepSpeed's AdamW leaves weight decay at its fused Adam's 0 when the config names none.
+        // DeepSpeed's AdamW leaves weight decay at its fused Adam's 0 when the config names none,
+        // and it clips at 1.0 unless told otherwise.
         let want = cfg_in(Precision::Bf16, 3, None);
+        assert!(
+            c.notes[0].contains("clipped at a global norm of 1.0"),
+            "{:?}",
+            c.notes
+        );
         assert_eq!(
             c,
             ZeroConfig {
                 prefetch_elems: 0,
+                clip_norm: Some(1.0),
+                notes: c.notes.clone(),
                 optimizer: Optimizer {
                     weight_decay: 0.0,
                     ..want.optimizer
@@ -1003,6 +1011,7 @@ fn a_deepspeed_json_config_drives_the_engine() {
             &comm,
             ZeroConfig {
                 optimizer: c.optimizer,
+                clip_norm: Some(1.0),
                 ..cfg_in(Precision::Bf16, 3, None)
             },
             2,

@@ -516,10 +516,6 @@ fn demo_trains_with_hybrid_sharding_and_refuses_a_shard_size_that_does_not_divid
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// Every published config in `tests/fixtures/deepspeed/` drives `ringzero demo` as given: the
-/// loss goes down, and a scheduler's rate is printed per step (OneCycle's first step runs at
-/// its `cycle_min_lr`, as DeepSpeed's does); those that offload optimizer state to the CPU are
-/// refused naming ZeRO-Offload and what to do, before any rank starts.
 /// `bench --explain` reads nccl-tests' text output and prints it beside the model; without the
 /// links' β it is refused before reading anything.
 #[test]
@@ -553,6 +549,10 @@ fn bench_explains_nccl_tests_output() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// Every published config in `tests/fixtures/deepspeed/` drives `ringzero demo` as given (those
+/// with offload on "cpu" with the state in host memory): the loss goes down, and a scheduler's
+/// rate is printed per step (OneCycle's first step runs at its `cycle_min_lr`, as DeepSpeed's
+/// does).
 #[test]
 fn demo_runs_every_published_deepspeed_config() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/deepspeed");

@@ -526,7 +526,7 @@ mod tests {
     }
 
     /// DeepSpeed's `WarmupCosineLR` with its defaults for what is left out; a cosine with no
-    /// span is refused.
+    /// span runs as in DeepSpeed, noted; bad counts and OneCycle without its rates are refused.
     #[test]
     fn warmup_cosine_lr_is_read_with_deepspeeds_defaults() {
         let c = ZeroConfig::from_json(
@@ -549,13 +549,52 @@ mod tests {
             "{:?}",
             c.notes
         );
-        let e = ZeroConfig::from_json(
+        let c = ZeroConfig::from_json(
             r#"{"scheduler": {"type": "WarmupCosineLR",
                               "params": {"total_num_steps": 10, "warmup_num_steps": 10}}}"#,
         )
-        .unwrap_err()
-        .to_string();
-        assert!(e.contains("must be above warmup_num_steps (10)"), "{e}");
+        .unwrap();
+        assert!(
+            c.notes.iter().any(|n| n.contains("with no cosine between")),
+            "{:?}",
+            c.notes
+        );
+        let refused = |json: &str, want: &str| {
+            let e = ZeroConfig::from_json(json).unwrap_err().to_string();
+            assert!(e.contains(want), "{e}");
+        };
+        refused(
+            r#"{"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 0}}}"#,
+            "`scheduler.params.warmup_num_steps` must be at least 1",
+        );
+        refused(
+            r#"{"scheduler": {"type": "LRRangeTest", "params": {"lr_range_test_step_size": 0}}}"#,
+            "`scheduler.params.lr_range_test_step_size` must be at least 1",
+        );
+        refused(
+            r#"{"scheduler": {"type": "OneCycle", "params": {"cycle_max_lr": 0.1}}}"#,
+            "`scheduler.params.cycle_min_lr` is required by OneCycle",
+        );
+        refused(
+            r#"{"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.01,
+                "cycle_max_lr": 0.1, "cycle_first_step_size": 0}}}"#,
+            "cycle_first_step_size` (0) must be above 0",
+        );
+        // SGD has no betas: OneCycle cycles no momentum with it, as DeepSpeed does.
+        let c = ZeroConfig::from_json(
+            r#"{"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
+                "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.01,
+                    "cycle_max_lr": 0.1}}}"#,
+        )
+        .unwrap();
+        assert!(matches!(
+            c.scheduler,
+            Some(LrSchedule::OneCycle { momentum: None, .. })
+        ));
+        assert!(c
+            .notes
+            .iter()
+            .any(|n| n.contains("cycles no momentum with SGD")));
     }
 
     #[test]

@@ -1,12 +1,16 @@
 //! Learning-rate schedules as DeepSpeed defines them (`scheduler.type` in its config):
-//! `WarmupLR`, `WarmupDecayLR`, `WarmupCosineLR`, `LRRangeTest` and `OneCycle`. Each is a pure
-//! function of the optimizer step, so a checkpoint's step count restores it at any world size.
+//! `WarmupLR`, `WarmupDecayLR`, `WarmupCosineLR`, `LRRangeTest` and `OneCycle`, formula for
+//! formula as DeepSpeed 0.19's `lr_schedules` computes them. Each is a pure function of the
+//! optimizer step, so a checkpoint's step count restores it at any world size.
 //!
 //! Which rate step `k` (1, 2, ...) uses follows DeepSpeed's engine, which steps the scheduler
-//! after each optimizer step: step 1 uses what the scheduler set when it was made (`WarmupLR` and
-//! `WarmupDecayLR` set nothing, so the optimizer's own `lr`; `WarmupCosineLR` its ratio before
-//! the first iteration, 0; `LRRangeTest` and `OneCycle` their minimum), and step `k ≥ 2` the scheduler's rate at iteration `k − 2`. Skipped (overflowed)
-//! steps do not advance it, as in DeepSpeed.
+//! after each optimizer step: step 1 uses what the scheduler set when it was made (`WarmupLR`
+//! and `WarmupDecayLR` their minimum rate, `WarmupCosineLR` its ratio before the first
+//! iteration, 0; `LRRangeTest` and `OneCycle` their minimum, and `OneCycle` its minimum
+//! momentum), and step `k ≥ 2` the scheduler's rate at iteration `k − 2`. Skipped (overflowed)
+//! steps do not advance it, as in DeepSpeed. `tests/fixtures/deepspeed-schedules.json` holds
+//! the rates DeepSpeed's engine ran random schedules of each type at, step by step, and the
+//! tests hold these to them.
 
 use ringzero_kernels::cpu::Optimizer;
 
@@ -74,9 +78,10 @@ pub enum LrSchedule {
         staircase: bool,
     },
     /// `OneCycle`: the rate rises from `min_lr` to `max_lr` over `first_steps`, falls back over
-    /// `second_steps`, then decays by `decay_lr_rate` every `decay_step_size` steps; with
-    /// `cycle_momentum`, Adam's β₁ moves the other way between `min_mom` and `max_mom` (and β₂
-    /// is 0.99, as DeepSpeed sets it).
+    /// `second_steps` (in stairs when a stair count is set), then decays, divided by `1 +
+    /// decay_lr_rate × (iterations past the cycle / decay_step_size)`; with `cycle_momentum`,
+    /// Adam's β₁ moves the other way between `min_mom` and `max_mom`, then grows by
+    /// `decay_mom_rate` likewise (and β₂ is 0.99, as DeepSpeed sets it).
     OneCycle {
         /// `cycle_min_lr`.
         min_lr: f64,
@@ -84,12 +89,16 @@ pub enum LrSchedule {
         max_lr: f64,
         /// `decay_lr_rate`.
         decay_lr_rate: f64,
-        /// `cycle_first_step_size`.
-        first_steps: u64,
+        /// `cycle_first_step_size` (above 0).
+        first_steps: f64,
         /// `cycle_second_step_size` (default: `first_steps`).
-        second_steps: u64,
+        second_steps: f64,
+        /// `cycle_first_stair_count` (0: a ramp).
+        first_stairs: f64,
+        /// `cycle_second_stair_count` (default: `first_stairs`).
+        second_stairs: f64,
         /// `decay_step_size` (0: no decay after the cycle).
-        decay_step_size: u64,
+        decay_step_size: f64,
         /// `cycle_momentum`, with `(cycle_min_mom, cycle_max_mom, decay_mom_rate)`.
         momentum: Option<(f64, f64, f64)>,
     },
@@ -110,9 +119,13 @@ impl LrSchedule {
                 warmup_steps,
                 warmup,
             } => {
-                if it >= 0 {
-                    h.lr = lerp(min_lr, max_lr, warm(it as u64, warmup_steps, warmup, None));
-                }
+                // As made (it = −1), the minimum.
+                let g = if it < 0 {
+                    0.0
+                } else {
+                    warm(it as u64, warmup_steps, warmup, None)
+                };
+                h.lr = lerp(min_lr, max_lr, g);
             }
             LrSchedule::WarmupDecayLr {
                 min_lr,
@@ -121,10 +134,12 @@ impl LrSchedule {
                 warmup,
                 total_steps,
             } => {
-                if it >= 0 {
-                    let g = warm(it as u64, warmup_steps, warmup, Some(total_steps));
-                    h.lr = lerp(min_lr, max_lr, g);
-                }
+                let g = if it < 0 {
+                    0.0
+                } else {
+                    warm(it as u64, warmup_steps, warmup, Some(total_steps))
+                };
+                h.lr = lerp(min_lr, max_lr, g);
             }
             LrSchedule::WarmupCosineLr {
                 min_ratio,
@@ -139,9 +154,12 @@ impl LrSchedule {
                     let g = warm(it as u64, warmup_steps, warmup, None);
                     min_ratio + g * (1.0 - min_ratio)
                 } else {
+                    // The cosine's progress stops at its end: the ratio stays at cos_min_ratio
+                    // (and is there at once when total_steps ≤ warmup_steps).
                     let done = (it as u64 - warmup_steps + 1) as f64;
-                    let span = (total_steps - warmup_steps) as f64;
-                    let c = (1.0 + (std::f64::consts::PI * done / span).cos()) / 2.0;
+                    let span = (total_steps.saturating_sub(warmup_steps) as f64).max(1.0);
+                    let progress = (done / span).min(1.0);
+                    let c = (1.0 + (std::f64::consts::PI * progress).cos()) / 2.0;
                     (cos_min_ratio + (1.0 - cos_min_ratio) * c).max(0.0)
                 };
                 h.lr = (f64::from(base.lr) * ratio) as f32;
@@ -162,44 +180,84 @@ impl LrSchedule {
                 decay_lr_rate,
                 first_steps,
                 second_steps,
+                first_stairs,
+                second_stairs,
                 decay_step_size,
                 momentum,
             } => {
-                let total = (first_steps + second_steps) as f64;
-                if it < 0 {
-                    h.lr = min_lr as f32;
-                    if let Some((min_mom, _, _)) = momentum {
-                        (h.beta1, h.beta2) = (min_mom as f32, 0.99);
-                    }
-                } else if it as f64 <= total {
-                    let ratio = first_steps as f64 / total;
-                    let cycle = (1.0 + it as f64 / total).floor();
-                    let x = 1.0 + it as f64 / total - cycle;
-                    let scale = if x <= ratio {
-                        x / ratio
-                    } else {
-                        (x - 1.0) / (ratio - 1.0)
+                let total = first_steps + second_steps;
+                let (lr, mom) = if it < 0 {
+                    (min_lr, momentum.map(|(min_mom, _, _)| min_mom))
+                } else if (it as f64) < total {
+                    let cycle = Cycle {
+                        first: first_steps,
+                        second: second_steps,
+                        first_stairs,
+                        second_stairs,
                     };
-                    h.lr = (min_lr + (max_lr - min_lr) * scale) as f32;
-                    if let Some((min_mom, max_mom, _)) = momentum {
-                        h.beta1 = (max_mom - (max_mom - min_mom) * scale) as f32;
-                        h.beta2 = 0.99;
-                    }
+                    let scale = cycle.scale((it + 1) as f64);
+                    (
+                        min_lr + (max_lr - min_lr) * scale,
+                        momentum.map(|(min_mom, max_mom, _)| max_mom - (max_mom - min_mom) * scale),
+                    )
                 } else {
-                    let interval = if decay_step_size == 0 {
-                        0.0
+                    // DeepSpeed skips a decay whose step size or rate is 0.
+                    let interval = (it as f64 - total + 1.0) / decay_step_size;
+                    let lr = if decay_step_size == 0.0 || decay_lr_rate == 0.0 {
+                        min_lr
                     } else {
-                        (it as f64 - total) / decay_step_size as f64
+                        min_lr / (1.0 + decay_lr_rate * interval)
                     };
-                    h.lr = (min_lr * (1.0 + decay_lr_rate * interval)) as f32;
-                    if let Some((_, max_mom, decay_mom_rate)) = momentum {
-                        h.beta1 = (max_mom * (1.0 + decay_mom_rate * interval)) as f32;
-                        h.beta2 = 0.99;
-                    }
+                    let mom = momentum.map(|(_, max_mom, rate)| {
+                        if decay_step_size == 0.0 || rate == 0.0 {
+                            max_mom
+                        } else {
+                            max_mom * (1.0 + rate * interval)
+                        }
+                    });
+                    (lr, mom)
+                };
+                h.lr = lr as f32;
+                if let Some(m) = mom {
+                    (h.beta1, h.beta2) = (m as f32, 0.99);
                 }
             }
         }
         h
+    }
+}
+
+/// OneCycle's cycle: a rise over `first` iterations and a fall over `second`, each a ramp or,
+/// with a stair count, that many stairs.
+struct Cycle {
+    first: f64,
+    second: f64,
+    first_stairs: f64,
+    second_stairs: f64,
+}
+
+impl Cycle {
+    /// How far up the cycle (0 to 1) batch iteration `b` is (DeepSpeed's scale factor).
+    fn scale(&self, b: f64) -> f64 {
+        let total = self.first + self.second;
+        let ratio = self.first / total;
+        let cycle = (1.0 + b / total).floor();
+        let x = 1.0 + b / total - cycle;
+        let (ramp, stairs) = if x <= ratio {
+            (x / ratio, self.first_stairs)
+        } else {
+            ((x - 1.0) / (ratio - 1.0), self.second_stairs)
+        };
+        if stairs <= 0.0 {
+            return ramp;
+        }
+        let at = b % total;
+        let position = if at <= self.first {
+            at * stairs / self.first
+        } else {
+            (total - at) * stairs / self.second
+        };
+        position.floor() / stairs
     }
 }
 
@@ -235,7 +293,8 @@ mod tests {
     }
 
     /// The rates DeepSpeed's schedulers set, iteration by iteration, worked by hand from their
-    /// formulas (step 1 is what the scheduler set when made).
+    /// formulas (step 1 is what the scheduler set when made); the fixture test in
+    /// `tests/deepspeed_configs.rs` holds them to DeepSpeed's engine itself.
     #[test]
     fn the_rates_follow_deepspeeds_formulas() {
         let w = LrSchedule::WarmupLr {
@@ -244,7 +303,7 @@ mod tests {
             warmup_steps: 4,
             warmup: Warmup::Linear,
         };
-        assert_eq!(lrs(&w, 7), [0.5, 0.0, 0.0025, 0.005, 0.0075, 0.01, 0.01]);
+        assert_eq!(lrs(&w, 7), [0.0, 0.0, 0.0025, 0.005, 0.0075, 0.01, 0.01]);
         let l = LrSchedule::WarmupLr {
             min_lr: 0.0,
             max_lr: 1.0,
@@ -253,7 +312,7 @@ mod tests {
         };
         let got = lrs(&l, 4);
         let want = [
-            0.5,
+            0.0,
             0.0,
             (2f64.ln() / 4f64.ln()) as f32,
             (3f64.ln() / 4f64.ln()) as f32,
@@ -266,14 +325,15 @@ mod tests {
             warmup: Warmup::Linear,
             total_steps: 6,
         };
-        // Iterations 0..: warm 0, 0.5; then (6 − i)/4 for i = 2..: 1, 0.75, 0.5, 0.25, 0, 0.
+        // As made 0; iterations 0..: warm 0, 0.5; then (6 − i)/4 for i = 2..: 1, 0.75, 0.5,
+        // 0.25, 0, 0.
         assert_eq!(
             lrs(&d, 9),
-            [0.5, 0.0, 0.005, 0.01, 0.0075, 0.005, 0.0025, 0.0, 0.0]
+            [0.0, 0.0, 0.005, 0.01, 0.0075, 0.005, 0.0025, 0.0, 0.0]
         );
         // WarmupCosineLR on the base rate 0.5: ratio 0 as made, then warm-up (linear, 2
         // iterations) from 0.2: 0.2, 0.6; then (1 + cos(π·j/4))/2 for j = 1..4, floored at 0.1:
-        // 0.1 + 0.9·{0.8536, 0.5, 0.1464, 0}, and past the end the cosine rises again (j = 5).
+        // 0.1 + 0.9·{0.8536, 0.5, 0.1464, 0}, and past the end it stays at the floor.
         let wc = LrSchedule::WarmupCosineLr {
             min_ratio: 0.2,
             cos_min_ratio: 0.1,
@@ -290,13 +350,13 @@ mod tests {
             cos(2.0),
             cos(3.0),
             cos(4.0),
-            cos(5.0),
+            cos(4.0),
         ]
         .iter()
         .map(|r| (0.5 * r) as f32)
         .collect();
         assert_eq!(lrs(&wc, 8), want);
-        assert_eq!(lrs(&wc, 7)[6], 0.05, "the floor: 0.5 × cos_min_ratio");
+        assert_eq!(lrs(&wc, 8)[7], 0.05, "the floor: 0.5 × cos_min_ratio");
         let r = LrSchedule::LrRangeTest {
             min_lr: 0.1,
             step_size: 2,
@@ -315,9 +375,11 @@ mod tests {
             min_lr: 0.1,
             max_lr: 0.5,
             decay_lr_rate: 0.5,
-            first_steps: 2,
-            second_steps: 2,
-            decay_step_size: 1,
+            first_steps: 2.0,
+            second_steps: 2.0,
+            first_stairs: 0.0,
+            second_stairs: 0.0,
+            decay_step_size: 1.0,
             momentum: Some((0.8, 0.9, 0.0)),
         };
         let base = Optimizer::default();
@@ -325,19 +387,34 @@ mod tests {
             .map(|k| o.at(k, base))
             .map(|h| (h.lr, h.beta1, h.beta2))
             .collect();
-        // Iterations −1 (as made), 0, 1, 2 (top), 3, 4 (end of the cycle), then decay 1, 2.
+        // As made: the minimum rate and momentum. Iterations 0..3 at batch iterations 1..4:
+        // the cycle's quarter, top, three quarters, end; then the rate divided by 1 + 0.5·j
+        // for j = 1, 2, 3 iterations past the cycle, the momentum at its maximum.
         assert_eq!(
             got,
             [
                 (0.1, 0.8, 0.99),
-                (0.1, 0.9, 0.99),
                 (0.3, 0.85, 0.99),
                 (0.5, 0.8, 0.99),
                 (0.3, 0.85, 0.99),
                 (0.1, 0.9, 0.99),
-                (0.15, 0.9, 0.99),
-                (0.2, 0.9, 0.99),
+                ((0.1 / 1.5) as f32, 0.9, 0.99),
+                (0.05, 0.9, 0.99),
+                (0.04, 0.9, 0.99),
             ]
         );
+        // In stairs: two up over 4 iterations, two down over 4.
+        let stairs = LrSchedule::OneCycle {
+            min_lr: 0.1,
+            max_lr: 0.5,
+            decay_lr_rate: 0.0,
+            first_steps: 4.0,
+            second_steps: 4.0,
+            first_stairs: 2.0,
+            second_stairs: 2.0,
+            decay_step_size: 0.0,
+            momentum: None,
+        };
+        assert_eq!(lrs(&stairs, 8), [0.1, 0.1, 0.3, 0.3, 0.5, 0.3, 0.3, 0.1]);
     }
 }

@@ -315,6 +315,9 @@ impl ZeroConfig {
         let mut cfg = ZeroConfig {
             // DeepSpeed's default when `zero_optimization` is absent.
             stage: 0,
+            // DeepSpeed clips at a norm of 1.0 unless `gradient_clipping` says otherwise (0 is
+            // off).
+            clip_norm: Some(1.0),
             ..ZeroConfig::default()
         };
         let mut r = Reader {
@@ -322,6 +325,13 @@ impl ZeroConfig {
             notes: Vec::new(),
             unknown: Vec::new(),
         };
+        if !top.contains_key("gradient_clipping") {
+            r.notes.push(
+                "`gradient_clipping` is not set: gradients are clipped at a global norm of 1.0, \
+                 DeepSpeed's default (0 turns clipping off)"
+                    .to_string(),
+            );
+        }
         let (mut fp16, mut bf16) = (None, None);
         let mut scheduler = None;
         for (k, val) in top {
