@@ -12,7 +12,6 @@ with `ZeroConfig::from_json` and checks ringzero's rate at every step against it
 
 (DeepSpeed builds its shared-memory op with ninja and g++ the first time.)
 """
-import json
 import logging
 import os
 import random
@@ -24,6 +23,9 @@ os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0
                   MASTER_PORT=os.environ.get("MASTER_PORT", "29533"))
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+import fixture_json  # noqa: E402
 
 TYPES = ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "LRRangeTest", "OneCycle"]
 
@@ -118,10 +120,7 @@ def main():
     made_by = (f"scripts/deepspeed-schedules.py {seed} {n} {steps}: DeepSpeed "
                f"{deepspeed.__version__}, torch {torch.__version__}")
     path = "tests/fixtures/deepspeed-schedules.json"
-    with open(path, "w") as f:
-        f.write("{\n" + f'  "made_by": {json.dumps(made_by)},\n  "entries": [\n')
-        f.write(",\n".join("    " + json.dumps(e) for e in entries))
-        f.write("\n  ]\n}\n")
+    fixture_json.write(path, made_by, entries)
     print(f"{path}: {n} schedules of {steps} steps")
 
 

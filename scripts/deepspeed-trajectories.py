@@ -15,7 +15,6 @@ engine on the same config and gradients and compares.
 Adam and AdamW run as torch's (`torch_adam`, on the CPU); their weight decay is always given,
 since torch's AdamW and DeepSpeed's fused one (which ringzero follows) default it differently.
 """
-import json
 import logging
 import os
 import random
@@ -30,6 +29,8 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from importlib import import_module  # noqa: E402
+
+import fixture_json  # noqa: E402
 
 schedules = import_module("deepspeed-schedules")
 
@@ -122,10 +123,7 @@ def main():
     made_by = (f"scripts/deepspeed-trajectories.py {seed} {n} {steps}: DeepSpeed "
                f"{deepspeed.__version__}, torch {torch.__version__}")
     path = "tests/fixtures/deepspeed-trajectories.json"
-    with open(path, "w") as f:
-        f.write("{\n" + f'  "made_by": {json.dumps(made_by)},\n  "entries": [\n')
-        f.write(",\n".join("    " + json.dumps(e) for e in entries))
-        f.write("\n  ]\n}\n")
+    fixture_json.write(path, made_by, entries)
     print(f"{path}: {n} runs of {steps} optimizer steps")
 
 

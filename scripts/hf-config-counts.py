@@ -10,7 +10,7 @@ every entry against it.
     python3 -m venv /tmp/hfv && /tmp/hfv/bin/pip install torch transformers
     /tmp/hfv/bin/python scripts/hf-config-counts.py [SEED] [N]
 """
-import json
+import os
 import random
 import sys
 import warnings
@@ -18,6 +18,9 @@ import warnings
 import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
+
+sys.path.insert(0, os.path.dirname(__file__))
+import fixture_json  # noqa: E402
 
 FAMILIES = ["llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "phi3",
             "gpt2", "gpt_neox"]
@@ -67,16 +70,10 @@ def main():
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(cfg)
         entries.append({"config": c, "params": sum(p.numel() for p in model.parameters())})
-    out = {
-        "made_by": f"scripts/hf-config-counts.py {seed} {n}: transformers "
-                   f"{transformers.__version__}, torch {torch.__version__}",
-        "entries": entries,
-    }
+    made_by = (f"scripts/hf-config-counts.py {seed} {n}: transformers "
+               f"{transformers.__version__}, torch {torch.__version__}")
     path = "tests/fixtures/hf-config-counts.json"
-    with open(path, "w") as f:
-        f.write("{\n" + f'  "made_by": {json.dumps(out["made_by"])},\n  "entries": [\n')
-        f.write(",\n".join("    " + json.dumps(e) for e in entries))
-        f.write("\n  ]\n}\n")
+    fixture_json.write(path, made_by, entries)
     print(f"{path}: {n} configs")
 
 

@@ -209,6 +209,24 @@ fn the_schedule_advances_with_optimizer_steps_and_set_lr_is_the_trainers_own() {
     });
 }
 
+/// The entries of a fixture made by DeepSpeed itself (`tests/fixtures/NAME`, written by a
+/// script of `scripts/` that names itself in the fixture's `made_by`): at least `at_least`.
+fn reference_entries(name: &str, at_least: usize) -> Vec<serde_json::Value> {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name);
+    let mut fixture: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let entries = fixture["entries"].take();
+    let entries = entries.as_array().unwrap();
+    assert!(
+        entries.len() >= at_least,
+        "{name}: {} entries",
+        entries.len()
+    );
+    entries.clone()
+}
+
 /// Random `scheduler` sections of every type, parameters given or left out, each with the rate
 /// (and Adam's betas) DeepSpeed's own engine ran each optimizer step at
 /// (`tests/fixtures/deepspeed-schedules.json`, written by `scripts/deepspeed-schedules.py` from
@@ -216,12 +234,7 @@ fn the_schedule_advances_with_optimizer_steps_and_set_lr_is_the_trainers_own() {
 /// rounding, and so are OneCycle's cycled betas.
 #[test]
 fn schedules_match_deepspeeds_engine_step_by_step() {
-    let path =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/deepspeed-schedules.json");
-    let fixture: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-    let entries = fixture["entries"].as_array().unwrap();
-    assert!(entries.len() >= 50, "{} schedules", entries.len());
+    let entries = reference_entries("deepspeed-schedules.json", 50);
     let close = |ours: f32, theirs: f64| (f64::from(ours) - theirs).abs() <= theirs.abs() * 1e-6;
     threads(1, &Opts::default(), |_, comm| {
         let comm = comm.unwrap();
@@ -269,12 +282,7 @@ fn schedules_match_deepspeeds_engine_step_by_step() {
 /// the same gradients, holds the same parameters after every optimizer step, to fp32 rounding.
 #[test]
 fn training_matches_deepspeeds_engine_step_by_step() {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/deepspeed-trajectories.json");
-    let fixture: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-    let entries = fixture["entries"].as_array().unwrap();
-    assert!(entries.len() >= 30, "{} runs", entries.len());
+    let entries = reference_entries("deepspeed-trajectories.json", 30);
     let floats = |v: &serde_json::Value| -> Vec<f32> {
         v.as_array()
             .unwrap()
