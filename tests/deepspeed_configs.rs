@@ -217,14 +217,15 @@ fn reference_entries(name: &str, at_least: usize) -> Vec<serde_json::Value> {
         .join(name);
     let mut fixture: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-    let entries = fixture["entries"].take();
-    let entries = entries.as_array().unwrap();
+    let serde_json::Value::Array(entries) = fixture["entries"].take() else {
+        panic!("{name}: no entries");
+    };
     assert!(
         entries.len() >= at_least,
         "{name}: {} entries",
         entries.len()
     );
-    entries.clone()
+    entries
 }
 
 /// Random `scheduler` sections of every type, parameters given or left out, each with the rate
