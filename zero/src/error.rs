@@ -70,6 +70,21 @@ pub enum ZeroError {
     /// The NVMe tier could not create, read or write its file; names the file and what to do.
     #[error("offload: {0}")]
     Offload(String),
+
+    /// fp16's gradients overflowed with the loss scale already at `min_loss_scale` and no
+    /// hysteresis left: no smaller scale is left to try (DeepSpeed stops the run here too).
+    #[error(
+        "optimizer step {step}: the fp16 gradients overflow with the loss scale already at \
+         min_loss_scale ({scale}) and no hysteresis left, so no smaller scale is left to try \
+         (DeepSpeed stops here too): lower fp16.min_loss_scale, train in bf16, or look for what \
+         diverged (the learning rate, the data)"
+    )]
+    LossScaleAtMinimum {
+        /// The loss scale (the configured minimum).
+        scale: f32,
+        /// The optimizer step that overflowed (1-based, skipped steps not counted).
+        step: u64,
+    },
     /// A collective failed.
     #[error(transparent)]
     Comm(#[from] ringzero_collectives::Error),

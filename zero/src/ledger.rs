@@ -265,13 +265,19 @@ impl Ledger {
         Ok(out)
     }
 
-    /// Count a skipped step (an overflow) and give its outcome.
-    pub(crate) fn skip(&mut self) -> StepOutcome {
+    /// Count a skipped step (an overflow) and give its outcome; an error when fp16's loss scale
+    /// has nowhere left to go (every rank agreed on the overflow, so every rank returns it).
+    pub(crate) fn skip(&mut self) -> Result<StepOutcome, ZeroError> {
         self.skipped += 1;
-        self.scaler.update(true);
-        StepOutcome::Skipped {
+        self.scaler
+            .update(true)
+            .map_err(|scale| ZeroError::LossScaleAtMinimum {
+                scale,
+                step: self.t + 1,
+            })?;
+        Ok(StepOutcome::Skipped {
             loss_scale: self.scaler.scale(),
-        }
+        })
     }
 }
 

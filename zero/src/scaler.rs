@@ -3,9 +3,15 @@
 //! (an inf or NaN in any rank's reduced gradient shard, agreed by a max all-reduce) skips the step
 //! on every rank.
 //!
-//! Dynamic rule (DeepSpeed's keys): each overflow uses up one unit of `hysteresis`; when none is
-//! left the scale is halved (not below `min_loss_scale`). After `loss_scale_window` consecutive
-//! good steps the scale doubles and the hysteresis is refilled.
+//! Dynamic rule, DeepSpeed's ZeRO loss scaler (`DynamicLossScaler`) from the same keys: each
+//! overflow uses up one unit of `hysteresis`; on the last one the scale is halved (not below
+//! `min_loss_scale`), and an overflow with the scale already there stops the run (DeepSpeed
+//! raises "Current loss scale already at minimum"). A step without overflow doubles the scale
+//! when the good steps before it since the last overflow are a positive multiple of
+//! `loss_scale_window` (so the first doubling comes on the window's next step), refilling the
+//! hysteresis; with `consecutive_hysteresis` every good step refills it.
+//! `tests/fixtures/deepspeed-loss-scaler.json` holds DeepSpeed's scaler's scales over random
+//! settings and overflow patterns, and the tests hold this one to them.
 
 use serde::{Deserialize, Serialize};
 
@@ -86,26 +92,35 @@ impl LossScaler {
         }
     }
 
-    /// Record the outcome of one optimizer step (overflow = skipped).
-    pub fn update(&mut self, overflow: bool) {
+    /// Record the outcome of one optimizer step (overflow = skipped). `Err` with the scale when
+    /// an overflow finds it at `min_loss_scale` with no hysteresis left: no scale is left to
+    /// try, and the state is left as it was.
+    pub fn update(&mut self, overflow: bool) -> Result<(), f32> {
         if !self.dynamic {
-            return;
+            return Ok(());
         }
+        let c = self.cfg;
         if overflow {
-            self.good = 0;
-            if self.hysteresis_left <= 1 {
-                self.scale = (self.scale / 2.0).max(self.cfg.min_loss_scale);
+            if c.hysteresis <= 1 || self.hysteresis_left <= 1 {
+                if self.scale == c.min_loss_scale {
+                    return Err(self.scale);
+                }
+                self.scale = (self.scale / 2.0).max(c.min_loss_scale);
             } else {
                 self.hysteresis_left -= 1;
             }
+            self.good = 0;
         } else {
-            self.good += 1;
-            if self.good >= self.cfg.loss_scale_window {
-                self.good = 0;
-                self.scale = (self.scale * 2.0).min(f32::MAX);
-                self.hysteresis_left = self.cfg.hysteresis;
+            if c.consecutive_hysteresis {
+                self.hysteresis_left = c.hysteresis;
             }
+            if self.good > 0 && self.good.is_multiple_of(c.loss_scale_window) {
+                self.hysteresis_left = c.hysteresis;
+                self.scale = (self.scale * 2.0).min(f32::MAX);
+            }
+            self.good = self.good.saturating_add(1);
         }
+        Ok(())
     }
 }
 
@@ -124,19 +139,79 @@ mod tests {
         };
         let mut s = LossScaler::new(Precision::Fp16, cfg);
         assert_eq!(s.scale(), 16.0);
-        s.update(true); // first overflow: hysteresis absorbs it
+        s.update(true).unwrap(); // first overflow: hysteresis absorbs it
         assert_eq!(s.scale(), 16.0);
-        s.update(true);
+        s.update(true).unwrap();
         assert_eq!(s.scale(), 8.0);
-        s.update(true);
-        s.update(true);
-        assert_eq!(s.scale(), 4.0, "floored at min_loss_scale");
+        s.update(true).unwrap();
+        assert_eq!(s.scale(), 4.0, "down to min_loss_scale");
         for _ in 0..3 {
-            s.update(false);
+            s.update(false).unwrap();
         }
-        assert_eq!(s.scale(), 8.0, "grown after a window of good steps");
-        s.update(true);
+        assert_eq!(s.scale(), 4.0, "three good steps: not yet");
+        s.update(false).unwrap();
+        assert_eq!(
+            s.scale(),
+            8.0,
+            "grown on the step after a window of good steps"
+        );
+        s.update(true).unwrap();
         assert_eq!(s.scale(), 8.0, "hysteresis refilled on growth");
+        s.update(true).unwrap();
+        assert_eq!(s.scale(), 4.0);
+        let before = s.clone();
+        assert_eq!(s.update(true), Err(4.0), "an overflow at the floor stops");
+        assert_eq!(s, before, "and changes nothing");
+    }
+
+    /// Random settings and overflow patterns, with the scale DeepSpeed's ZeRO loss scaler held
+    /// after each step and the step it stopped the run at
+    /// (`tests/fixtures/deepspeed-loss-scaler.json`, written by
+    /// `scripts/deepspeed-loss-scaler.py` from DeepSpeed's own scaler): the same here.
+    #[test]
+    fn dynamic_scaling_matches_deepspeeds_zero_scaler() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../tests/fixtures/deepspeed-loss-scaler.json"
+        );
+        let fixture: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let entries = fixture["entries"].as_array().unwrap();
+        assert!(entries.len() >= 100);
+        let (mut stops, mut grows) = (0, 0);
+        for (i, e) in entries.iter().enumerate() {
+            let f = &e["fp16"];
+            let int = |k: &str| f[k].as_u64().unwrap() as u32;
+            let cfg = LossScaling {
+                loss_scale: 0.0,
+                initial_scale_power: int("initial_scale_power"),
+                loss_scale_window: int("loss_scale_window"),
+                hysteresis: int("hysteresis"),
+                consecutive_hysteresis: f["consecutive_hysteresis"].as_bool().unwrap(),
+                min_loss_scale: f["min_loss_scale"].as_f64().unwrap() as f32,
+            };
+            let mut s = LossScaler::new(Precision::Fp16, cfg);
+            let scales = e["scales"].as_array().unwrap();
+            for (k, overflow) in e["overflows"].as_array().unwrap().iter().enumerate() {
+                let before = s.scale();
+                match (s.update(overflow.as_bool().unwrap()), scales.get(k)) {
+                    (Ok(()), Some(want)) => {
+                        assert_eq!(
+                            s.scale() as f64,
+                            want.as_f64().unwrap(),
+                            "{i} step {k}: {f}"
+                        );
+                        grows += usize::from(s.scale() > before);
+                    }
+                    (Err(_), None) => {
+                        assert_eq!(e["stopped_at"].as_u64(), Some(k as u64), "{i}: {f}");
+                        stops += 1;
+                    }
+                    (got, want) => panic!("{i} step {k}: ours {got:?}, DeepSpeed's {want:?}: {f}"),
+                }
+            }
+        }
+        assert!(stops > 10 && grows > 10, "{stops} stops, {grows} growths");
     }
 
     #[test]
@@ -148,7 +223,7 @@ mod tests {
                 ..LossScaling::default()
             },
         );
-        s.update(true);
+        s.update(true).unwrap();
         assert_eq!((s.scale(), s.checks_overflow()), (128.0, true));
         let b = LossScaler::new(Precision::Bf16, LossScaling::default());
         assert_eq!((b.scale(), b.checks_overflow()), (1.0, false));

@@ -72,7 +72,11 @@ pub struct LossScaling {
     pub loss_scale_window: u32,
     /// Overflows tolerated before the scale is halved (1: halve on every overflow).
     pub hysteresis: u32,
-    /// The scale never drops below this.
+    /// Refill the hysteresis after every step without overflow, not only when the scale grows
+    /// (`consecutive_hysteresis`): only overflows in a row then halve the scale.
+    pub consecutive_hysteresis: bool,
+    /// The scale never drops below this; an overflow at it with no hysteresis left stops the
+    /// run, as in DeepSpeed.
     pub min_loss_scale: f32,
 }
 
@@ -83,6 +87,7 @@ impl Default for LossScaling {
             initial_scale_power: 16,
             loss_scale_window: 1000,
             hysteresis: 2,
+            consecutive_hysteresis: false,
             min_loss_scale: 1.0,
         }
     }

@@ -216,7 +216,9 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
 
     /// End a micro-step; at the accumulation boundary, reduce gradients, check for overflow,
     /// clip, run the optimizer on what this rank owns and share the result. An optimizer step
-    /// (taken or skipped) leaves its [`Engine::report`], which `wall_clock_breakdown` logs.
+    /// (taken or skipped) leaves its [`Engine::report`], which `wall_clock_breakdown` logs. In
+    /// fp16, an overflow with the loss scale already at `min_loss_scale` and no hysteresis left
+    /// is [`ZeroError::LossScaleAtMinimum`] on every rank, as DeepSpeed stops there.
     pub fn step(&mut self) -> Result<StepOutcome, ZeroError> {
         let t0 = Instant::now();
         self.timer.micro_step(t0);
@@ -491,11 +493,11 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
         if self.led.scaler.checks_overflow()
             && self.all_reduce_scalar(local_overflow as u8, ReduceOp::Max)? != 0
         {
-            return Ok(self.led.skip());
+            return self.led.skip();
         }
         let grad_norm = self.all_reduce_scalar(sq, ReduceOp::Sum)?.sqrt();
         if !grad_norm.is_finite() {
-            return Ok(self.led.skip());
+            return self.led.skip();
         }
         let clip = clip_factor(self.led.cfg.clip_norm, grad_norm);
         self.led.t += 1;
@@ -543,7 +545,8 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
             }
         }
         self.offload_update(red, &h, self.led.t, inv * clip)?;
-        self.led.scaler.update(false);
+        // A good step cannot fail: only an overflow can find the scale at its minimum.
+        let _ = self.led.scaler.update(false);
         Ok(StepOutcome::Stepped { grad_norm })
     }
 }

@@ -196,11 +196,6 @@ const ONLY_AT: &[(&str, &str, &str)] = &[
         "mixed precision is fp16.enabled or bf16.enabled",
     ),
     (
-        "fp16.consecutive_hysteresis",
-        "false",
-        "the loss scaler counts hysteresis as DeepSpeed's default does",
-    ),
-    (
         "fp16.fp16_master_weights_and_grads",
         "false",
         "master weights are always fp32",
@@ -601,6 +596,7 @@ fn half(
             ("fp16", "initial_scale_power") => l.initial_scale_power = small(&full, v2)?,
             ("fp16", "loss_scale_window") => l.loss_scale_window = small(&full, v2)?,
             ("fp16", "hysteresis") => l.hysteresis = small(&full, v2)?,
+            ("fp16", "consecutive_hysteresis") => l.consecutive_hysteresis = boolean(&full, v2)?,
             ("fp16", "min_loss_scale") => l.min_loss_scale = num(&full, v2)? as f32,
             _ => return Ok(false),
         }
