@@ -89,6 +89,10 @@ def main():
             "optimizer": optimizer(rng),
             "zero_optimization": {"stage": rng.choice([0, 1, 2])},
         }
+        if rng.random() < 0.3:
+            # The accumulation as DeepSpeed derives it: train batch / (micro batch × world).
+            del config["gradient_accumulation_steps"]
+            config["train_batch_size"] = gas
         if config["zero_optimization"]["stage"] > 0:
             # DeepSpeed's ZeRO wants this for torch's optimizers, which it calls untested.
             config["zero_allow_untested_optimizer"] = True

@@ -277,7 +277,8 @@ fn schedules_match_deepspeeds_engine_step_by_step() {
 }
 
 /// Random DeepSpeed configs — ZeRO stage 0, 1 or 2; Adam, AdamW or SGD with their parameters;
-/// gradient clipping; accumulation; a scheduler or none — each trained by DeepSpeed's own
+/// gradient clipping; accumulation, given or derived from `train_batch_size`; a scheduler or
+/// none — each trained by DeepSpeed's own
 /// engine on given gradients (`tests/fixtures/deepspeed-trajectories.json`, written by
 /// `scripts/deepspeed-trajectories.py`): ringzero's engine, read from the same config and fed
 /// the same gradients, holds the same parameters after every optimizer step, to fp32 rounding.
@@ -299,7 +300,6 @@ fn training_matches_deepspeeds_engine_step_by_step() {
             let config = &entry["config"];
             let cfg = ZeroConfig::from_json(&config.to_string())
                 .unwrap_or_else(|e| panic!("run {i} ({config}): {e}"));
-            let gas = cfg.accumulation_steps;
             let init: Vec<Vec<f32>> = names.iter().map(|n| floats(&entry["init"][n])).collect();
             let specs: Vec<ParamSpec> = names
                 .iter()
@@ -307,6 +307,8 @@ fn training_matches_deepspeeds_engine_step_by_step() {
                 .map(|(&n, v)| ParamSpec::new(n, &[v.len()]))
                 .collect();
             let mut e = Engine::<f32>::new(&comm, &specs, &|p, j| init[p][j], cfg).unwrap();
+            // The engine's: a config without it derives it from its batch sizes.
+            let gas = e.config().accumulation_steps;
             let grads = entry["grads"].as_array().unwrap();
             'steps: for (s, want) in entry["params"].as_array().unwrap().iter().enumerate() {
                 for g in &grads[s * gas..(s + 1) * gas] {

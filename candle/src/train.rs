@@ -167,6 +167,8 @@ fn train_on<T: Float, S: CandleStream>(
             args.batch, args.steps
         )));
     }
+    // The accumulation a config derives from its batch sizes, for the loop and the prediction.
+    let cfg = cfg.for_world(comm.size())?;
     let dev = args.device.clone();
     let corpus = Corpus::generate(args.corpus_bytes, args.seed);
     let shape = GptConfig {

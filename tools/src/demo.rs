@@ -270,7 +270,8 @@ pub fn train<T: Float>(
         .map(|l| [format!("w{l}"), format!("b{l}")])
         .collect();
     let mut logs = Vec::new();
-    let accum = args.zero.accumulation_steps;
+    // The engine's: a config may derive it from its batch sizes and the world size.
+    let accum = e.config().accumulation_steps;
     for step in start..start + args.steps {
         let t0 = Instant::now();
         let mut loss_sum = 0f64;

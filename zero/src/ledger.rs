@@ -281,15 +281,14 @@ impl Ledger {
     }
 }
 
-/// Check `cfg` for an engine of `T` parameters sharded over `n` of `world` ranks, and lay the
-/// parameters out: the partition and every bucket's initial fp32 values (`init(param index,
-/// element index)`, zero in the padding).
+/// Check `cfg` for an engine of `T` parameters sharded over `n` ranks, and lay the parameters
+/// out: the partition and every bucket's initial fp32 values (`init(param index, element
+/// index)`, zero in the padding).
 pub(crate) fn layout<T: Float>(
     cfg: &ZeroConfig,
     specs: &[ParamSpec],
     init: &dyn Fn(usize, usize) -> f32,
     n: usize,
-    world: usize,
 ) -> Result<(Partition, Vec<Vec<f32>>), ZeroError> {
     cfg.validate()?;
     if cfg.precision.dtype() != T::DTYPE {
@@ -298,15 +297,6 @@ pub(crate) fn layout<T: Float>(
             cfg.precision,
             T::DTYPE
         )));
-    }
-    if let (Some(mb), Some(tb)) = (cfg.micro_batch, cfg.train_batch) {
-        if mb * cfg.accumulation_steps * world != tb {
-            return Err(ZeroError::Config(format!(
-                "train_batch_size {tb} != train_micro_batch_size_per_gpu {mb} × \
-                 gradient_accumulation_steps {} × world size {world}",
-                cfg.accumulation_steps
-            )));
-        }
     }
     let part =
         Partition::new(specs, n, cfg.bucket_elems).map_err(|e| ZeroError::Config(e.to_string()))?;

@@ -314,6 +314,7 @@ fn gpt(shape: &str, a: &MemCli) -> anyhow::Result<ExitCode> {
             let auto = ringzero_zero::Auto {
                 micro_batch: batch,
                 hidden: Some(g.dim),
+                world: Some(a.dp),
                 ..Default::default()
             };
             let c = ringzero_zero::ZeroConfig::from_json_auto(&text, &auto)

@@ -134,6 +134,10 @@ pub struct ZeroConfig {
     pub loss_scaling: LossScaling,
     /// Micro-steps per optimizer step (`gradient_accumulation_steps`).
     pub accumulation_steps: usize,
+    /// `accumulation_steps` is `train_batch` / (`micro_batch` × world size), set once the world
+    /// size is known ([`ZeroConfig::for_world`], which the engine calls): a DeepSpeed config
+    /// that gives both batch sizes and no `gradient_accumulation_steps`, as DeepSpeed derives it.
+    pub accumulation_from_batch: bool,
     /// Clip gradients to this global L2 norm (`gradient_clipping`; 0 in JSON means off).
     pub clip_norm: Option<f32>,
     /// The optimizer (`optimizer`: its `type` and `params`): AdamW, Adam (L2), Lion or SGD.
@@ -218,6 +222,7 @@ impl Default for ZeroConfig {
             precision: Precision::Fp32,
             loss_scaling: LossScaling::default(),
             accumulation_steps: 1,
+            accumulation_from_batch: false,
             clip_norm: None,
             optimizer: Optimizer::default(),
             micro_batch: None,
@@ -331,6 +336,37 @@ impl ZeroConfig {
     /// A builder starting from the defaults.
     pub fn builder() -> ZeroConfigBuilder {
         ZeroConfigBuilder::default()
+    }
+
+    /// The config for a job of `world` data-parallel ranks: `gradient_accumulation_steps`
+    /// derived from the batch sizes where [`ZeroConfig::accumulation_from_batch`] says so, and
+    /// `train_batch_size` checked against micro batch × accumulation × world, as DeepSpeed
+    /// checks it. The engine calls it; a trainer that plans its loop from the config before
+    /// making the engine calls it too (or reads [`crate::Engine::config`]).
+    pub fn for_world(mut self, world: usize) -> Result<ZeroConfig, ZeroError> {
+        let (Some(mb), Some(tb)) = (self.micro_batch, self.train_batch) else {
+            return Ok(self);
+        };
+        if self.accumulation_from_batch {
+            let per_step = mb * world;
+            if per_step == 0 || tb % per_step != 0 {
+                return Err(bad(format!(
+                    "train_batch_size {tb} is not a multiple of train_micro_batch_size_per_gpu \
+                     {mb} × world size {world}, so no gradient_accumulation_steps gives it: \
+                     change one of them, or give gradient_accumulation_steps"
+                )));
+            }
+            self.accumulation_steps = tb / per_step;
+            self.accumulation_from_batch = false;
+        }
+        if mb * self.accumulation_steps * world != tb {
+            return Err(bad(format!(
+                "train_batch_size {tb} != train_micro_batch_size_per_gpu {mb} × \
+                 gradient_accumulation_steps {} × world size {world}",
+                self.accumulation_steps
+            )));
+        }
+        Ok(self)
     }
 
     /// Check every value; the error names the first bad one.
@@ -600,6 +636,52 @@ mod tests {
             .notes
             .iter()
             .any(|n| n.contains("cycles no momentum with SGD")));
+    }
+
+    /// DeepSpeed derives `gradient_accumulation_steps` from the two batch sizes when a config
+    /// leaves it out: here once the world size is known, refused where it does not divide.
+    #[test]
+    fn accumulation_is_derived_from_the_batch_sizes_as_deepspeed_does() {
+        let text = r#"{"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8}"#;
+        let c = ZeroConfig::from_json(text).unwrap();
+        assert!(c.accumulation_from_batch, "{c:?}");
+        assert!(c
+            .notes
+            .iter()
+            .any(|n| n.contains("as DeepSpeed derives it")));
+        let two = c.clone().for_world(2).unwrap();
+        assert_eq!(
+            (two.accumulation_steps, two.accumulation_from_batch),
+            (4, false)
+        );
+        assert_eq!(two.clone().for_world(2).unwrap(), two, "idempotent");
+        let e = c.clone().for_world(3).unwrap_err().to_string();
+        assert!(
+            e.contains("train_batch_size 64 is not a multiple of"),
+            "{e}"
+        );
+        let known = ZeroConfig::from_json_auto(
+            text,
+            &Auto {
+                world: Some(4),
+                ..Auto::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(known.accumulation_steps, 2);
+        // Given, it is checked, not derived.
+        let given = ZeroConfig::from_json(
+            r#"{"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8,
+                "gradient_accumulation_steps": 2}"#,
+        )
+        .unwrap();
+        assert!(!given.accumulation_from_batch);
+        assert!(given.clone().for_world(4).is_ok());
+        let e = given.for_world(2).unwrap_err().to_string();
+        assert!(
+            e.contains("train_batch_size 64 != train_micro_batch_size_per_gpu 8"),
+            "{e}"
+        );
     }
 
     #[test]

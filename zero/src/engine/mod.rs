@@ -196,7 +196,8 @@ impl<T: Float, S: TrainStream + 'static> Engine<T, S> {
     ) -> Result<Engine<T, S>, ZeroError> {
         let (n, rank) = (comm.size(), comm.rank());
         let world = n * replicas.as_ref().map_or(1, |r| r.size());
-        let (part, full) = layout::<T>(&cfg, specs, init, n, world)?;
+        let cfg = cfg.for_world(world)?;
+        let (part, full) = layout::<T>(&cfg, specs, init, n)?;
         if comm.rank() == 0 && replicas.as_ref().is_none_or(|r| r.rank() == 0) {
             for note in &cfg.notes {
                 tracing::info!(target: "ringzero::zero", "config: {note}");

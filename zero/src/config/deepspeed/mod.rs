@@ -414,9 +414,24 @@ impl ZeroConfig {
                 cfg.precision
             ));
         }
+        // DeepSpeed derives the accumulation from the two batch sizes when it is left out.
+        if cfg.train_batch.is_some()
+            && cfg.micro_batch.is_some()
+            && !top.contains_key("gradient_accumulation_steps")
+        {
+            cfg.accumulation_from_batch = true;
+            r.notes.push(
+                "`gradient_accumulation_steps` is not set: it is train_batch_size / \
+                 (train_micro_batch_size_per_gpu × world size), as DeepSpeed derives it"
+                    .to_string(),
+            );
+        }
         cfg.notes = r.notes;
         cfg.validate()?;
-        Ok(cfg)
+        match auto.world {
+            Some(world) => cfg.for_world(world),
+            None => Ok(cfg),
+        }
     }
 }
 
