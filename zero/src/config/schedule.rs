@@ -52,7 +52,7 @@ pub enum LrSchedule {
     },
     /// `WarmupCosineLR`: the optimizer's own rate times a ratio that rises from `min_ratio` to 1
     /// over `warmup_steps`, then follows a half cosine down to `cos_min_ratio` at `total_steps`
-    /// (and, as DeepSpeed's formula does, back up after it).
+    /// and stays there.
     WarmupCosineLr {
         /// `warmup_min_ratio`.
         min_ratio: f64,
@@ -62,7 +62,7 @@ pub enum LrSchedule {
         warmup_steps: u64,
         /// `warmup_type`.
         warmup: Warmup,
-        /// `total_num_steps` (above `warmup_steps`).
+        /// `total_num_steps` (at or below `warmup_steps`: no cosine, the floor at once).
         total_steps: u64,
     },
     /// `LRRangeTest`: `min_lr × (1 + rate × interval)`, the interval growing by one every
