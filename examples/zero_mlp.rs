@@ -95,8 +95,9 @@ fn train<T: Float>(comm: &Communicator, cfg: ZeroConfig) -> Result<(), Box<dyn s
         0 | 2 => 0.5 * uniform((p as u64) << 32 | i as u64),
         _ => 0.0,
     };
-    let accumulation = cfg.accumulation_steps as u64;
     let mut engine = Engine::<T>::new(comm, &specs, &init, cfg)?;
+    // The engine's: a config may derive it from its batch sizes and the world size.
+    let accumulation = engine.config().accumulation_steps as u64;
     // Resume where a checkpoint left off, saved at any world size, stage or precision.
     let mut first = 0;
     if let Some(dir) = arg("--resume") {
