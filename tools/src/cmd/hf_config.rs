@@ -357,16 +357,13 @@ mod tests {
         }
     }
 
+    /// The count of a config given as JSON text.
+    fn count_of(json: &str) -> Result<u64, String> {
+        params_of(&serde_json::from_str(json).unwrap(), &"config.json")
+    }
+
     fn refused(json: &str) -> String {
-        let path = std::env::temp_dir().join(format!(
-            "ringzero-hf-config-{}-{:x}.json",
-            std::process::id(),
-            json.len() * 31 + json.bytes().map(usize::from).sum::<usize>()
-        ));
-        std::fs::write(&path, json).unwrap();
-        let e = params_in_config(&path).unwrap_err();
-        std::fs::remove_file(&path).unwrap();
-        e
+        count_of(json).unwrap_err()
     }
 
     #[test]
@@ -407,7 +404,12 @@ mod tests {
             e.contains("`tie_word_embeddings` is \"no\", not true or false"),
             "{e}"
         );
-        let e = refused("{\"model_type\": ");
+        // Not JSON at all: the file's reader names it.
+        let path =
+            std::env::temp_dir().join(format!("ringzero-hf-bad-{}.json", std::process::id()));
+        std::fs::write(&path, "{\"model_type\": ").unwrap();
+        let e = params_in_config(&path).unwrap_err();
+        std::fs::remove_file(&path).unwrap();
         assert!(e.contains("not a model's config.json"), "{e}");
     }
 
@@ -418,17 +420,7 @@ mod tests {
         let base = r#""model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
             "vocab_size": 100, "intermediate_size": 256, "num_attention_heads": 4,
             "num_key_value_heads": 2"#;
-        let count = |extra: &str| {
-            let path = std::env::temp_dir().join(format!(
-                "ringzero-hf-switch-{}-{}.json",
-                std::process::id(),
-                extra.len()
-            ));
-            std::fs::write(&path, format!("{{{base}{extra}}}")).unwrap();
-            let n = params_in_config(&path).unwrap();
-            std::fs::remove_file(&path).unwrap();
-            n
-        };
+        let count = |extra: &str| count_of(&format!("{{{base}{extra}}}")).unwrap();
         // Per block: q 64·64, k and v 64·32 each, o 64·64; MLP 3·64·256; two norms of 64.
         let block = 64 * 64 * 2 + 2 * 64 * 32 + 3 * 64 * 256 + 2 * 64;
         let plain = 100 * 64 * 2 + 2 * block + 64;

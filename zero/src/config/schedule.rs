@@ -202,18 +202,13 @@ impl LrSchedule {
                     )
                 } else {
                     // DeepSpeed skips a decay whose step size or rate is 0.
-                    let interval = (it as f64 - total + 1.0) / decay_step_size;
-                    let lr = if decay_step_size == 0.0 || decay_lr_rate == 0.0 {
-                        min_lr
-                    } else {
-                        min_lr / (1.0 + decay_lr_rate * interval)
+                    let decay = |rate: f64| {
+                        (decay_step_size != 0.0 && rate != 0.0)
+                            .then(|| rate * ((it as f64 - total + 1.0) / decay_step_size))
                     };
+                    let lr = decay(decay_lr_rate).map_or(min_lr, |d| min_lr / (1.0 + d));
                     let mom = momentum.map(|(_, max_mom, rate)| {
-                        if decay_step_size == 0.0 || rate == 0.0 {
-                            max_mom
-                        } else {
-                            max_mom * (1.0 + rate * interval)
-                        }
+                        decay(rate).map_or(max_mom, |d| max_mom * (1.0 + d))
                     });
                     (lr, mom)
                 };
